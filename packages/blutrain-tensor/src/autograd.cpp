@@ -1,0 +1,285 @@
+// autograd.cpp: nodes, the leaf accumulator, hooks and the backward engine (see autograd.h).
+#include "autograd.h"
+
+#include <atomic>
+#include <queue>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "capture.h"
+#include "ops.h"
+
+namespace bt {
+
+static std::atomic<uint64_t> g_seq{0};
+Node::Node() : seq(g_seq.fetch_add(1)) {}
+
+static thread_local bool g_grad_enabled = true;
+bool grad_enabled() { return g_grad_enabled; }
+void set_grad_enabled(bool on) { g_grad_enabled = on; }
+
+// ---- the leaf accumulator ------------------------------------------------------------------
+namespace {
+struct AccumulateGrad : Node {
+  explicit AccumulateGrad(std::shared_ptr<TensorImpl> l) : leaf(std::move(l)) {
+    next = {};
+    out_meta.push_back({leaf->shape, leaf->dtype, leaf->device});
+    pre_hooks.resize(1);
+  }
+  std::string name() const override { return "AccumulateGrad"; }
+  bool is_accumulator() const override { return true; }
+
+  std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    Tensor g = grads[0];
+    Tensor leaf_t(leaf);
+    for (auto& h : leaf->hooks) {
+      Tensor r = h(g);
+      if (r.defined()) g = r;
+    }
+    if (Graph* graph = active_graph()) {
+      graph->record_grad(leaf_t, g);
+      return {};
+    }
+    if (g.dtype() != leaf->dtype) g = astype(g, leaf->dtype);
+    if (!leaf->grad) {
+      // Keep the gradient itself only when nothing else holds it (a user-given gradient or a
+      // cotangent passed through unchanged must not be aliased by .grad).
+      const bool own = g.impl_ptr().use_count() <= 2 && g.is_contiguous() &&
+                       !g.impl()->grad_fn && g.storage().use_count() == 1;
+      leaf->grad = own ? g.impl_ptr() : clone(g).impl_ptr();
+    } else {
+      Tensor acc(leaf->grad);
+      inplace(acc, add(acc, g), "accumulate_grad");
+    }
+    for (auto& h : leaf->post_acc_hooks) h(leaf_t);
+    return {};
+  }
+  std::shared_ptr<TensorImpl> leaf;
+};
+
+struct CustomNode : Node {
+  std::string nm;
+  BackwardFn fn;
+  std::vector<TensorMeta> in_meta;
+  std::string name() const override { return nm; }
+  std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    if (released) {
+      throw RuntimeError("[backward] trying to backward through " + nm +
+                         " a second time; its saved state was freed after the first backward. "
+                         "Pass retain_graph=True to the first backward to keep it.");
+    }
+    auto r = fn(grads);
+    if (r.size() != next.size()) {
+      throw RuntimeError("[" + nm + "] backward returned " + std::to_string(r.size()) +
+                         " gradients, expected " + std::to_string(next.size()) +
+                         " (one per forward input)");
+    }
+    return r;
+  }
+  void release() override {
+    released = true;
+    fn = nullptr;
+  }
+};
+}  // namespace
+
+std::shared_ptr<Node> grad_accumulator(const Tensor& leaf) {
+  auto* impl = leaf.impl();
+  if (auto acc = impl->grad_accumulator.lock()) return acc;
+  auto acc = std::make_shared<AccumulateGrad>(leaf.impl_ptr());
+  impl->grad_accumulator = acc;
+  return acc;
+}
+
+Edge gradient_edge(const Tensor& t) {
+  if (!t.defined() || !t.requires_grad()) return {};
+  if (t.grad_fn()) return {t.grad_fn(), t.impl()->output_nr};
+  return {grad_accumulator(t), 0};
+}
+
+std::shared_ptr<Node> make_custom_node(const std::string& name, BackwardFn fn,
+                                       const std::vector<Tensor>& inputs,
+                                       const std::vector<Tensor>& outputs) {
+  auto node = std::make_shared<CustomNode>();
+  node->nm = name;
+  node->fn = std::move(fn);
+  for (auto& t : inputs) node->next.push_back(gradient_edge(t));
+  node->pre_hooks.resize(outputs.size());
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    auto* o = outputs[i].impl();
+    node->out_meta.push_back({o->shape, o->dtype, o->device});
+    if (is_floating(o->dtype)) {
+      o->grad_fn = node;
+      o->output_nr = static_cast<int>(i);
+      o->requires_grad = true;
+    }
+  }
+  return node;
+}
+
+// ---- hooks ---------------------------------------------------------------------------------
+void register_hook(const Tensor& t, GradHook hook) {
+  if (!t.requires_grad()) {
+    throw RuntimeError("[register_hook] cannot register a hook on a tensor that does not require "
+                       "grad");
+  }
+  if (t.grad_fn()) {
+    t.grad_fn()->pre_hooks[t.impl()->output_nr].push_back(std::move(hook));
+  } else {
+    t.impl()->hooks.push_back(std::move(hook));
+  }
+}
+
+void register_post_accumulate_hook(const Tensor& leaf, PostAccHook hook) {
+  if (!leaf.requires_grad() || leaf.grad_fn()) {
+    throw RuntimeError("[register_post_accumulate_grad_hook] only leaf tensors that require grad "
+                       "accumulate a gradient");
+  }
+  leaf.impl()->post_acc_hooks.push_back(std::move(hook));
+}
+
+void retain_grad(const Tensor& t) {
+  if (!t.requires_grad()) {
+    throw RuntimeError("[retain_grad] cannot retain the gradient of a tensor that does not "
+                       "require grad");
+  }
+  if (!t.grad_fn() || t.impl()->retains_grad) return;  // leaves keep theirs anyway
+  t.impl()->retains_grad = true;
+  std::weak_ptr<TensorImpl> weak = t.impl_ptr();
+  register_hook(t, [weak](const Tensor& g) {
+    if (auto impl = weak.lock()) {
+      if (!impl->grad) {
+        impl->grad = clone(g).impl_ptr();
+      } else {
+        impl->grad = add(Tensor(impl->grad), g).impl_ptr();
+      }
+    }
+    return Tensor();
+  });
+}
+
+void set_requires_grad(const Tensor& t, bool value) {
+  if (t.grad_fn()) {
+    if (!value) {
+      throw RuntimeError("[requires_grad_] you can only change requires_grad of leaf tensors; "
+                         "use detach() to get a tensor without history");
+    }
+    return;
+  }
+  if (value && !is_floating(t.dtype())) {
+    throw RuntimeError(std::string("[requires_grad_] only floating tensors can require grad, got ") +
+                       dtype_name(t.dtype()));
+  }
+  t.impl()->requires_grad = value;
+}
+
+// ---- the engine ----------------------------------------------------------------------------
+void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads_in,
+                  bool retain_graph) {
+  GradModeGuard no_grad(false);  // gradients are computed without building a graph
+  std::vector<Edge> root_edges;
+  std::vector<Tensor> root_grads;
+  for (size_t i = 0; i < roots.size(); ++i) {
+    const Tensor& r = roots[i];
+    if (!r.requires_grad()) {
+      throw RuntimeError("[backward] element " + std::to_string(i) +
+                         " of tensors does not require grad and has no grad_fn");
+    }
+    Tensor g = i < grads_in.size() ? grads_in[i] : Tensor();
+    if (!g.defined()) {
+      if (r.numel() != 1) {
+        throw RuntimeError("[backward] grad can be implicitly created only for one-element "
+                           "outputs, but the output has shape " + shape_str(r.shape()) +
+                           "; pass gradient= with that shape");
+      }
+      g = ones_like(r);
+    } else if (g.shape() != r.shape()) {
+      throw RuntimeError("[backward] gradient has shape " + shape_str(g.shape()) +
+                         " but the output has shape " + shape_str(r.shape()));
+    }
+    root_edges.push_back(gradient_edge(r));
+    root_grads.push_back(g);
+  }
+
+  // Dependencies: how many edges point at each node from the part of the graph we will run.
+  std::unordered_map<Node*, int> deps;
+  std::unordered_set<Node*> seen;
+  std::vector<Node*> stack;
+  for (auto& e : root_edges) {
+    if (seen.insert(e.node.get()).second) stack.push_back(e.node.get());
+  }
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    for (auto& e : n->next) {
+      if (!e.node) continue;
+      deps[e.node.get()]++;
+      if (seen.insert(e.node.get()).second) stack.push_back(e.node.get());
+    }
+  }
+
+  std::unordered_map<Node*, std::vector<Tensor>> buffers;
+  auto accumulate = [&](const Edge& e, const Tensor& g) {
+    auto& buf = buffers[e.node.get()];
+    if (buf.empty()) buf.resize(e.node->out_meta.size());
+    Tensor& slot = buf[e.input_nr];
+    slot = slot.defined() ? add(slot, g) : g;
+  };
+  auto cmp = [](const std::shared_ptr<Node>& a, const std::shared_ptr<Node>& b) {
+    return a->seq < b->seq;
+  };
+  std::priority_queue<std::shared_ptr<Node>, std::vector<std::shared_ptr<Node>>, decltype(cmp)>
+      ready(cmp);
+  for (size_t i = 0; i < root_edges.size(); ++i) accumulate(root_edges[i], root_grads[i]);
+  for (auto& e : root_edges) {
+    if (deps[e.node.get()] == 0) {
+      deps[e.node.get()] = -1;  // queued
+      ready.push(e.node);
+    }
+  }
+
+  std::vector<std::shared_ptr<Node>> ran;
+  while (!ready.empty()) {
+    std::shared_ptr<Node> node = ready.top();
+    ready.pop();
+    std::vector<Tensor> grads = std::move(buffers[node.get()]);
+    buffers.erase(node.get());
+    grads.resize(node->out_meta.size());
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (!grads[i].defined()) {
+        const auto& m = node->out_meta[i];
+        grads[i] = zeros(m.shape, m.dtype, m.device);
+      }
+      for (auto& h : node->pre_hooks[i]) {
+        Tensor r = h(grads[i]);
+        if (r.defined()) grads[i] = r;
+      }
+    }
+    std::vector<Tensor> in_grads = node->apply(grads);
+    ran.push_back(node);
+    for (size_t i = 0; i < node->next.size(); ++i) {
+      const Edge& e = node->next[i];
+      if (!e.node) continue;
+      if (i < in_grads.size() && in_grads[i].defined()) {
+        Tensor g = in_grads[i];
+        const auto& m = e.node->out_meta[e.input_nr];
+        if (g.shape() != m.shape) {
+          throw RuntimeError("[" + node->name() + "] backward produced a gradient of shape " +
+                             shape_str(g.shape()) + " for an input of shape " +
+                             shape_str(m.shape));
+        }
+        if (g.dtype() != m.dtype) g = astype(g, m.dtype);
+        accumulate(e, g);
+      }
+      if (--deps[e.node.get()] == 0) {
+        deps[e.node.get()] = -1;
+        ready.push(e.node);
+      }
+    }
+  }
+  if (!retain_graph) {
+    for (auto& n : ran) n->release();
+  }
+}
+
+}  // namespace bt

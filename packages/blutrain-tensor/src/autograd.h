@@ -1,0 +1,81 @@
+// autograd.h: the reverse-mode engine.
+//
+// Every differentiable op run with grad mode on and at least one input that requires grad makes a
+// Node.  Its `next` edges point at the nodes that produced its inputs (or at a leaf's
+// AccumulateGrad node).  backward() counts dependencies from the roots, then runs nodes in
+// dependency order, highest sequence number first (the reverse of creation order, which is what
+// lets blutrain-dist start all-reducing the last layer's gradients while earlier layers are still
+// in backward).  A leaf's AccumulateGrad node runs once all contributions to it are summed; it
+// runs the leaf's tensor hooks, accumulates into .grad (in place when .grad exists, so gradient
+// views into flat buffers stay valid) and then fires the "gradient final" (post-accumulate) hooks.
+// Without retain_graph the nodes release what they saved; running one again raises.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tensor.h"
+
+namespace bt {
+
+struct TensorMeta {
+  Shape shape;
+  DType dtype;
+  Device device;
+};
+
+struct Edge {
+  std::shared_ptr<Node> node;  // null: this input needs no gradient
+  int input_nr = 0;            // which of node's forward outputs this edge feeds
+};
+
+struct Node : std::enable_shared_from_this<Node> {
+  Node();
+  virtual ~Node() = default;
+  virtual std::string name() const = 0;
+  // grads[i] is the gradient of forward output i (zeros where none flowed).  Returns one gradient
+  // per forward input (undefined where next[i] is null).
+  virtual std::vector<Tensor> apply(std::vector<Tensor>& grads) = 0;
+  virtual void release() {}
+  virtual bool is_accumulator() const { return false; }
+
+  std::vector<Edge> next;
+  std::vector<TensorMeta> out_meta;
+  std::vector<std::vector<GradHook>> pre_hooks;  // per forward output: hooks of non-leaf tensors
+  uint64_t seq;
+  bool released = false;
+};
+
+// The leaf's accumulator (created on first use, unique per leaf).
+std::shared_ptr<Node> grad_accumulator(const Tensor& leaf);
+
+// Where a gradient for `t` should go: its grad_fn, or its leaf accumulator; null if none.
+Edge gradient_edge(const Tensor& t);
+
+// A node for a Python (or C++) custom function: backward maps output grads to input grads.
+using BackwardFn = std::function<std::vector<Tensor>(const std::vector<Tensor>&)>;
+std::shared_ptr<Node> make_custom_node(const std::string& name, BackwardFn fn,
+                                       const std::vector<Tensor>& inputs,
+                                       const std::vector<Tensor>& outputs);
+
+// Runs backward from `roots`; grads[i] may be undefined for a one-element root.
+void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
+                  bool retain_graph);
+
+// Registers a hook on a tensor's gradient (leaf or not).
+void register_hook(const Tensor& t, GradHook hook);
+void register_post_accumulate_hook(const Tensor& leaf, PostAccHook hook);
+void retain_grad(const Tensor& t);
+void set_requires_grad(const Tensor& t, bool value);
+
+// Grad mode (thread local), with an RAII guard.
+bool grad_enabled();
+void set_grad_enabled(bool on);
+struct GradModeGuard {
+  explicit GradModeGuard(bool on) : prev_(grad_enabled()) { set_grad_enabled(on); }
+  ~GradModeGuard() { set_grad_enabled(prev_); }
+  bool prev_;
+};
+
+}  // namespace bt

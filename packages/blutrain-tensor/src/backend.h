@@ -1,0 +1,22 @@
+// backend.h: what the device-neutral core asks of a backend beyond per-primitive kernels.
+// src/cuda/ implements these with the CUDA runtime; src/cpu/no_cuda.cpp implements them for a
+// build without CUDA (every entry raises "[op] ... built without CUDA").
+#pragma once
+
+#include <string>
+
+#include "tensor.h"
+
+namespace bt::backend {
+
+bool cuda_built();
+int cuda_device_count();  // 0 where no driver/GPU is present
+// Throws a clear RuntimeError naming `op` unless `d` is a usable CUDA device.
+void check_cuda_device(Device d, const char* op);
+// Copy nbytes between (host or device) pointers; one side may be host.
+void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t nbytes,
+                const char* op);
+// The message every CUDA stub raises: "[op] has no CUDA implementation in this build".
+[[noreturn]] void no_cuda_kernel(const std::string& op);
+
+}  // namespace bt::backend

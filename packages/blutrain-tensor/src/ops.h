@@ -1,0 +1,123 @@
+// ops.h: the backend-neutral front.  Each op promotes dtypes, broadcasts, checks shapes and
+// builds its primitive node (see primitives.h); errors name the op.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "primitives.h"
+#include "tensor.h"
+
+namespace bt {
+
+// A Python scalar operand: keeps its category for the weak-scalar promotion rule.
+struct Scalar {
+  double v;
+  int category;  // 0 bool, 1 int, 2 float
+};
+
+// ---- creation ------------------------------------------------------------------------------
+Tensor full(const Shape& shape, double value, DType dtype, Device device);
+Tensor zeros(const Shape& shape, DType dtype, Device device);
+Tensor ones(const Shape& shape, DType dtype, Device device);
+Tensor zeros_like(const Tensor& t);
+Tensor ones_like(const Tensor& t);
+Tensor empty(const Shape& shape, DType dtype, Device device);
+Tensor arange(double start, double stop, double step, DType dtype, Device device);
+Tensor rand(const Shape& shape, DType dtype, Device device);
+Tensor randn(const Shape& shape, DType dtype, Device device);
+Tensor randint(int64_t low, int64_t high, const Shape& shape, DType dtype, Device device);
+void manual_seed(uint64_t seed);
+uint64_t initial_seed();
+// Reserves n counters of the global generator: returns (seed, offset).
+std::pair<uint64_t, uint64_t> next_philox(uint64_t n);
+
+// ---- copies, dtype and device --------------------------------------------------------------
+Tensor astype(const Tensor& x, DType dtype);  // a copy only when the dtype changes
+Tensor to_device(const Tensor& x, Device device);
+Tensor contiguous(const Tensor& x);
+Tensor clone(const Tensor& x);
+
+// ---- views ---------------------------------------------------------------------------------
+Tensor reshape(const Tensor& x, Shape shape);  // a view where strides allow, else a copy
+Tensor view(const Tensor& x, Shape shape);     // a view or an error
+Tensor flatten(const Tensor& x, int64_t start = 0, int64_t end = -1);
+Tensor permute(const Tensor& x, std::vector<int64_t> perm);
+Tensor transpose(const Tensor& x, int64_t d0, int64_t d1);
+Tensor expand(const Tensor& x, const Shape& shape);  // -1 keeps a dim
+Tensor broadcast_to(const Tensor& x, const Shape& shape);
+Tensor slice(const Tensor& x, int64_t dim, std::optional<int64_t> start,
+             std::optional<int64_t> stop, int64_t step);
+Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length);
+Tensor select(const Tensor& x, int64_t dim, int64_t index);
+std::vector<Tensor> split(const Tensor& x, int64_t size, int64_t dim);
+std::vector<Tensor> split_sizes(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim);
+std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim);
+Tensor squeeze(const Tensor& x, std::optional<int64_t> dim);
+Tensor unsqueeze(const Tensor& x, int64_t dim);
+Tensor slice_scatter(const Tensor& base, const Tensor& src, int64_t dim, int64_t start,
+                     int64_t stop, int64_t step);
+
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op);
+// Sums `g` down to `shape` (the vjp of broadcasting).
+Tensor sum_to(const Tensor& g, const Shape& shape);
+
+// ---- elementwise ---------------------------------------------------------------------------
+Tensor unary(UnaryOp op, const Tensor& x);
+Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b);
+Tensor binary(BinaryOp op, const Tensor& a, Scalar b);
+Tensor binary(BinaryOp op, Scalar a, const Tensor& b);
+inline Tensor add(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Add, a, b); }
+inline Tensor sub(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Sub, a, b); }
+inline Tensor mul(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Mul, a, b); }
+inline Tensor div(const Tensor& a, const Tensor& b) { return binary(BinaryOp::Div, a, b); }
+inline Tensor mul(const Tensor& a, double b) { return binary(BinaryOp::Mul, a, Scalar{b, 2}); }
+inline Tensor add(const Tensor& a, double b) { return binary(BinaryOp::Add, a, Scalar{b, 2}); }
+inline Tensor neg(const Tensor& x) { return unary(UnaryOp::Neg, x); }
+Tensor gelu(const Tensor& x, bool tanh_approx);
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
+Tensor where(const Tensor& cond, const Tensor& a, Scalar b);
+Tensor masked_fill(const Tensor& x, const Tensor& mask, double value);
+
+// In place: computes op(x, y) out of place, writes it into x's memory, bumps x's version and
+// moves x's autograd history onto the result.  Returns x.
+Tensor& inplace(Tensor& x, const Tensor& result, const char* op);
+Tensor& copy_(Tensor& dst, const Tensor& src);
+
+// ---- reductions ----------------------------------------------------------------------------
+// dims empty: all dims.
+Tensor reduce(ReduceOp op, const Tensor& x, std::vector<int64_t> dims, bool keepdim,
+              double correction = 1);
+inline Tensor sum(const Tensor& x, std::vector<int64_t> dims = {}, bool keepdim = false) {
+  return reduce(ReduceOp::Sum, x, std::move(dims), keepdim);
+}
+Tensor argreduce(bool is_max, const Tensor& x, std::optional<int64_t> dim, bool keepdim);
+
+// ---- indexing, joining ---------------------------------------------------------------------
+Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index);
+Tensor index_add(const Tensor& base, int64_t dim, const Tensor& index, const Tensor& src);
+Tensor gather(const Tensor& x, int64_t dim, const Tensor& index);
+Tensor scatter_add(const Tensor& base, int64_t dim, const Tensor& index, const Tensor& src);
+Tensor cat(const std::vector<Tensor>& xs, int64_t dim);
+Tensor stack(const std::vector<Tensor>& xs, int64_t dim);
+Tensor embedding(const Tensor& weight, const Tensor& index);
+Tensor masked_select_bool(const Tensor& x, const Tensor& mask);  // x[mask]
+
+// ---- neural-network ops --------------------------------------------------------------------
+Tensor softmax(const Tensor& x, int64_t dim, bool log);
+Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight,
+                  const Tensor& bias, double eps);
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index,
+                     const std::string& reduction, double label_smoothing);
+Tensor dropout(const Tensor& x, double p, bool training);
+Tensor matmul(const Tensor& a, const Tensor& b);
+Tensor bmm(const Tensor& a, const Tensor& b);
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias);
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const Tensor& attn_mask, double dropout_p, bool is_causal,
+                                   std::optional<double> scale);
+// Scales every gradient in place so their global L2 norm is at most max_norm; returns the norm
+// before clipping (a 0-d float32 tensor).
+Tensor clip_grad_norm_(const std::vector<Tensor>& grads, double max_norm, double eps = 1e-6);
+
+}  // namespace bt

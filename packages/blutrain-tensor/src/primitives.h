@@ -1,0 +1,375 @@
+// primitives.h: one class per op (the MLX layout).
+//
+// A primitive knows how to run on each backend and how to differentiate itself:
+//   eval_cpu  src/cpu/*.cpp          (outputs arrive allocated and contiguous)
+//   eval_gpu  src/cuda/*.cu          (a CUDA-less build links src/cpu/no_cuda.cpp: every
+//                                     eval_gpu raises "[op] has no CUDA implementation in this build")
+//   vjp       src/primitives.cpp     (written with ops, so it runs on any backend and is recorded
+//                                     in capture mode like any other op)
+//   attrs     what capture mode records besides op, dtypes, shapes and inputs.
+// View primitives (reshape, permute, expand, slice, select) make no copy on any backend: they
+// override is_view() and eval_view().
+//
+// Adding an op: declare it here (and add it to BT_PRIMITIVES so both backends get an entry), write
+// its CPU kernel in src/cpu/, its vjp in primitives.cpp, its front function in ops.cpp.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "autograd.h"
+#include "tensor.h"
+
+namespace bt {
+
+using AttrValue = std::variant<int64_t, double, bool, std::string, std::vector<int64_t>>;
+using Attrs = std::map<std::string, AttrValue>;
+
+struct VjpArgs {
+  const std::vector<Tensor>& inputs;   // saved inputs (undefined unless saves_inputs())
+  const std::vector<Tensor>& outputs;  // saved outputs (undefined unless saves_outputs())
+  const std::vector<TensorMeta>& in_meta;
+  const std::vector<Tensor>& cotangents;  // one per output (zeros where none flowed)
+  const std::vector<bool>& needs;         // which inputs need a gradient
+};
+
+class Primitive {
+ public:
+  virtual ~Primitive() = default;
+  virtual const char* name() const = 0;
+  virtual void eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) = 0;
+  virtual void eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) = 0;
+  virtual std::vector<Tensor> vjp(const VjpArgs& a);  // default: "[op] is not differentiable"
+  virtual bool is_view() const { return false; }
+  virtual Tensor eval_view(const std::vector<Tensor>& in) { return Tensor(); }
+  virtual bool saves_inputs() const { return true; }
+  virtual bool saves_outputs() const { return false; }
+  virtual bool differentiable() const { return true; }
+  virtual void attrs(Attrs& a) const {}
+};
+
+#define BT_PRIM_BODY(Name, str)                                                     \
+ public:                                                                            \
+  const char* name() const override { return str; }                                 \
+  void eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) override; \
+  void eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) override; \
+  std::vector<Tensor> vjp(const VjpArgs& a) override;
+
+// ---- creation ------------------------------------------------------------------------------
+class Full : public Primitive {
+  BT_PRIM_BODY(Full, "full")
+  explicit Full(double v) : value(v) {}
+  bool differentiable() const override { return false; }
+  void attrs(Attrs& a) const override { a["value"] = value; }
+  double value;
+};
+class Arange : public Primitive {
+  BT_PRIM_BODY(Arange, "arange")
+  Arange(double s, double st) : start(s), step(st) {}
+  bool differentiable() const override { return false; }
+  void attrs(Attrs& a) const override {
+    a["start"] = start;
+    a["step"] = step;
+  }
+  double start, step;
+};
+// Random numbers: Philox4x32-10 keyed by `seed`; element i of the output uses counter
+// (offset + i / 4, 0, 0, 0) and takes word i % 4 (see random.h), so any backend gives the same
+// numbers for the same (seed, offset).
+enum class RandKind { Uniform, Normal, Int };
+class Random : public Primitive {
+  BT_PRIM_BODY(Random, "random")
+  Random(RandKind k, uint64_t s, uint64_t o, double a_, double b_)
+      : kind(k), seed(s), offset(o), a(a_), b(b_) {}
+  bool differentiable() const override { return false; }
+  void attrs(Attrs& at) const override {
+    at["kind"] = std::string(kind == RandKind::Uniform ? "uniform"
+                             : kind == RandKind::Normal ? "normal" : "int");
+    at["seed"] = static_cast<int64_t>(seed);
+    at["offset"] = static_cast<int64_t>(offset);
+    at["a"] = a;
+    at["b"] = b;
+  }
+  RandKind kind;
+  uint64_t seed, offset;
+  double a, b;  // uniform [a, b); normal mean a, std b; int [a, b)
+};
+
+// ---- copies --------------------------------------------------------------------------------
+// Copy to a contiguous tensor of the output's dtype (contiguous(), to(dtype), clone()).
+class AsType : public Primitive {
+  BT_PRIM_BODY(AsType, "astype")
+  bool saves_inputs() const override { return false; }
+};
+class ToDevice : public Primitive {
+  BT_PRIM_BODY(ToDevice, "to_device")
+  bool saves_inputs() const override { return false; }
+};
+
+// ---- views ---------------------------------------------------------------------------------
+#define BT_VIEW_BODY                                                                    \
+  bool is_view() const override { return true; }                                        \
+  Tensor eval_view(const std::vector<Tensor>& in) override;                             \
+  bool saves_inputs() const override { return false; }
+class Reshape : public Primitive {
+  BT_PRIM_BODY(Reshape, "reshape")
+  BT_VIEW_BODY
+  explicit Reshape(Shape s) : shape(std::move(s)) {}
+  void attrs(Attrs& a) const override { a["shape"] = shape; }
+  Shape shape;
+};
+class Permute : public Primitive {
+  BT_PRIM_BODY(Permute, "permute")
+  BT_VIEW_BODY
+  explicit Permute(std::vector<int64_t> p) : perm(std::move(p)) {}
+  void attrs(Attrs& a) const override { a["perm"] = perm; }
+  std::vector<int64_t> perm;
+};
+class Expand : public Primitive {
+  BT_PRIM_BODY(Expand, "expand")
+  BT_VIEW_BODY
+  explicit Expand(Shape s) : shape(std::move(s)) {}
+  void attrs(Attrs& a) const override { a["shape"] = shape; }
+  Shape shape;
+};
+class Slice : public Primitive {
+  BT_PRIM_BODY(Slice, "slice")
+  BT_VIEW_BODY
+  Slice(int64_t d, int64_t s, int64_t e, int64_t st) : dim(d), start(s), stop(e), step(st) {}
+  void attrs(Attrs& a) const override {
+    a["dim"] = dim;
+    a["start"] = start;
+    a["stop"] = stop;
+    a["step"] = step;
+  }
+  int64_t dim, start, stop, step;  // normalised: 0 <= start <= stop <= size, step >= 1
+};
+class Select : public Primitive {
+  BT_PRIM_BODY(Select, "select")
+  BT_VIEW_BODY
+  Select(int64_t d, int64_t i) : dim(d), index(i) {}
+  void attrs(Attrs& a) const override {
+    a["dim"] = dim;
+    a["index"] = index;
+  }
+  int64_t dim, index;
+};
+// out = copy of base with base[slice] = src (the vjp of Slice/Select, and __setitem__'s op).
+class SliceScatter : public Primitive {
+  BT_PRIM_BODY(SliceScatter, "slice_scatter")
+  SliceScatter(int64_t d, int64_t s, int64_t e, int64_t st) : dim(d), start(s), stop(e), step(st) {}
+  bool saves_inputs() const override { return false; }
+  void attrs(Attrs& a) const override {
+    a["dim"] = dim;
+    a["start"] = start;
+    a["stop"] = stop;
+    a["step"] = step;
+  }
+  int64_t dim, start, stop, step;
+};
+
+// ---- elementwise ---------------------------------------------------------------------------
+enum class UnaryOp {
+  Neg, Exp, Log, Sqrt, Rsqrt, Tanh, Abs, Sigmoid, Relu, Sin, Cos, GeluTanh, GeluErf, Erf,
+  LogicalNot, Sign
+};
+const char* unary_name(UnaryOp op);
+class Unary : public Primitive {
+ public:
+  explicit Unary(UnaryOp o) : op(o) {}
+  const char* name() const override { return unary_name(op); }
+  void eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) override;
+  void eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) override;
+  std::vector<Tensor> vjp(const VjpArgs& a) override;
+  bool saves_inputs() const override;
+  bool saves_outputs() const override;
+  bool differentiable() const override { return op != UnaryOp::LogicalNot && op != UnaryOp::Sign; }
+  UnaryOp op;
+};
+
+enum class BinaryOp { Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge, And, Or };
+const char* binary_name(BinaryOp op);
+// Inputs arrive broadcast to the output shape (expand views) and cast to the compute dtype.
+class Binary : public Primitive {
+ public:
+  explicit Binary(BinaryOp o) : op(o) {}
+  const char* name() const override { return binary_name(op); }
+  void eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) override;
+  void eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) override;
+  std::vector<Tensor> vjp(const VjpArgs& a) override;
+  bool saves_inputs() const override;
+  bool saves_outputs() const override { return op == BinaryOp::Pow; }
+  bool differentiable() const override { return op <= BinaryOp::Minimum; }
+  BinaryOp op;
+};
+
+class Where : public Primitive {  // inputs: cond (bool), a, b, all broadcast
+  BT_PRIM_BODY(Where, "where")
+};
+class MaskedFill : public Primitive {  // inputs: x, mask (bool, broadcast to x)
+  BT_PRIM_BODY(MaskedFill, "masked_fill")
+  explicit MaskedFill(double v) : value(v) {}
+  void attrs(Attrs& a) const override { a["value"] = value; }
+  double value;
+};
+
+// ---- reductions ----------------------------------------------------------------------------
+enum class ReduceOp { Sum, Mean, Max, Min, Var };
+const char* reduce_name(ReduceOp op);
+class Reduce : public Primitive {
+ public:
+  Reduce(ReduceOp o, std::vector<int64_t> d, bool k, double corr = 1)
+      : op(o), dims(std::move(d)), keepdim(k), correction(corr) {}
+  const char* name() const override { return reduce_name(op); }
+  void eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) override;
+  void eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) override;
+  std::vector<Tensor> vjp(const VjpArgs& a) override;
+  bool saves_inputs() const override { return op != ReduceOp::Sum && op != ReduceOp::Mean; }
+  bool saves_outputs() const override { return op == ReduceOp::Max || op == ReduceOp::Min; }
+  void attrs(Attrs& a) const override {
+    a["dims"] = dims;
+    a["keepdim"] = keepdim;
+    if (op == ReduceOp::Var) a["correction"] = correction;
+  }
+  ReduceOp op;
+  std::vector<int64_t> dims;  // sorted, non-negative
+  bool keepdim;
+  double correction;
+};
+class ArgReduce : public Primitive {  // argmax / argmin over one dim
+  BT_PRIM_BODY(ArgReduce, is_max ? "argmax" : "argmin")
+  ArgReduce(bool mx, int64_t d, bool k) : is_max(mx), dim(d), keepdim(k) {}
+  bool differentiable() const override { return false; }
+  void attrs(Attrs& a) const override {
+    a["dim"] = dim;
+    a["keepdim"] = keepdim;
+  }
+  bool is_max;
+  int64_t dim;
+  bool keepdim;
+};
+
+// ---- indexing, joining ---------------------------------------------------------------------
+class IndexSelect : public Primitive {  // inputs: x, index (int, 1-D)
+  BT_PRIM_BODY(IndexSelect, "index_select")
+  explicit IndexSelect(int64_t d) : dim(d) {}
+  void attrs(Attrs& a) const override { a["dim"] = dim; }
+  int64_t dim;
+};
+class IndexAdd : public Primitive {  // out = base; out.index_add_(dim, index, src)
+  BT_PRIM_BODY(IndexAdd, "index_add")
+  explicit IndexAdd(int64_t d) : dim(d) {}
+  void attrs(Attrs& a) const override { a["dim"] = dim; }
+  int64_t dim;
+};
+class Gather : public Primitive {  // inputs: x, index (int, same ndim)
+  BT_PRIM_BODY(Gather, "gather")
+  explicit Gather(int64_t d) : dim(d) {}
+  void attrs(Attrs& a) const override { a["dim"] = dim; }
+  int64_t dim;
+};
+class ScatterAdd : public Primitive {  // out = base; out.scatter_add_(dim, index, src)
+  BT_PRIM_BODY(ScatterAdd, "scatter_add")
+  explicit ScatterAdd(int64_t d) : dim(d) {}
+  void attrs(Attrs& a) const override { a["dim"] = dim; }
+  int64_t dim;
+};
+class Concatenate : public Primitive {
+  BT_PRIM_BODY(Concatenate, "cat")
+  explicit Concatenate(int64_t d) : dim(d) {}
+  bool saves_inputs() const override { return false; }
+  void attrs(Attrs& a) const override { a["dim"] = dim; }
+  int64_t dim;
+};
+
+// ---- neural-network ops --------------------------------------------------------------------
+class Softmax : public Primitive {
+  BT_PRIM_BODY(Softmax, log ? "log_softmax" : "softmax")
+  Softmax(int64_t d, bool lg) : dim(d), log(lg) {}
+  bool saves_inputs() const override { return false; }
+  bool saves_outputs() const override { return true; }
+  void attrs(Attrs& a) const override { a["dim"] = dim; }
+  int64_t dim;  // the last dim after the front's permute
+  bool log;
+};
+// inputs: x (..., C), weight (C) or none, bias (C) or none.  outputs: y, mean, rstd (float32 for
+// 16-bit inputs, the input dtype otherwise), mean/rstd shaped (...).
+class LayerNorm : public Primitive {
+  BT_PRIM_BODY(LayerNorm, "layer_norm")
+  LayerNorm(double e, bool w, bool b) : eps(e), has_weight(w), has_bias(b) {}
+  bool saves_outputs() const override { return true; }
+  void attrs(Attrs& a) const override { a["eps"] = eps; }
+  double eps;
+  bool has_weight, has_bias;
+};
+// Fused log_softmax + nll: inputs logits (N, C), target (N) int64.  outputs: loss (() for mean /
+// sum, (N) for none), lse (N) float32/64 (saved for backward).
+class CrossEntropy : public Primitive {
+  BT_PRIM_BODY(CrossEntropy, "cross_entropy")
+  CrossEntropy(int64_t ii, int r, double ls) : ignore_index(ii), reduction(r), label_smoothing(ls) {}
+  bool saves_outputs() const override { return true; }
+  void attrs(Attrs& a) const override {
+    a["ignore_index"] = ignore_index;
+    a["reduction"] = std::string(reduction == 0 ? "none" : reduction == 1 ? "mean" : "sum");
+  }
+  int64_t ignore_index;
+  int reduction;  // 0 none, 1 mean, 2 sum
+  double label_smoothing;
+};
+// out = x * keep / (1 - p), keep = uniform(seed, offset) >= p.  Its vjp is the same op on the
+// cotangent (same seed and offset), so no mask is stored and any backend reproduces it.
+class Dropout : public Primitive {
+  BT_PRIM_BODY(Dropout, "dropout")
+  Dropout(double p_, uint64_t s, uint64_t o) : p(p_), seed(s), offset(o) {}
+  bool saves_inputs() const override { return false; }
+  void attrs(Attrs& a) const override {
+    a["p"] = p;
+    a["seed"] = static_cast<int64_t>(seed);
+    a["offset"] = static_cast<int64_t>(offset);
+  }
+  double p;
+  uint64_t seed, offset;
+};
+// C = A @ B over broadcast batches, through blutrain-linalg.  Inputs (b, m, k) and (b, k, n) or
+// 2-D (shared by every batch item); a bias (n) input when has_bias (linear's epilogue).
+class Matmul : public Primitive {
+  BT_PRIM_BODY(Matmul, has_bias ? "linear" : "matmul")
+  explicit Matmul(bool tb = false, bool bias = false) : trans_b(tb), has_bias(bias) {}
+  void attrs(Attrs& a) const override {
+    a["trans_b"] = trans_b;
+    a["bias"] = has_bias;
+  }
+  bool trans_b;  // B given as (n, k): linear's weight
+  bool has_bias;
+};
+
+// X-macro of every primitive class, for backend tables (no_cuda.cpp, future dispatch).
+#define BT_PRIMITIVES(X)                                                                      \
+  X(Full) X(Arange) X(Random) X(AsType) X(ToDevice) X(Reshape) X(Permute) X(Expand) X(Slice) \
+  X(Select) X(SliceScatter) X(Unary) X(Binary) X(Where) X(MaskedFill) X(Reduce) X(ArgReduce) \
+  X(IndexSelect) X(IndexAdd) X(Gather) X(ScatterAdd) X(Concatenate) X(Softmax) X(LayerNorm)   \
+  X(CrossEntropy) X(Dropout) X(Matmul)
+
+// ---- running a primitive -------------------------------------------------------------------
+// The one entry point every op goes through: checks devices, runs (or records, in capture mode)
+// and attaches autograd.  out_meta gives each output's shape and dtype.
+std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Tensor>& inputs,
+                          const std::vector<std::pair<Shape, DType>>& out_meta,
+                          Device device);
+inline Tensor apply1(std::shared_ptr<Primitive> prim, const std::vector<Tensor>& inputs,
+                     const Shape& shape, DType dtype, Device device) {
+  return apply(std::move(prim), inputs, {{shape, dtype}}, device)[0];
+}
+
+// Matmul backend hook: installed by the Python module from blutrain-linalg's table.
+struct LinalgHooks {
+  const void* api = nullptr;  // const bt_linalg_api*
+  std::string unavailable_reason;
+};
+void set_linalg_hooks(const LinalgHooks& h);
+const LinalgHooks& linalg_hooks();
+
+}  // namespace bt

@@ -1,0 +1,362 @@
+// tensor.cpp: Device, Storage, Tensor helpers and the PyTorch-like repr.
+#include "tensor.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+
+#include "autograd.h"
+#include "backend.h"
+
+namespace bt {
+
+std::string shape_str(const Shape& s) {
+  std::string r = "(";
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i) r += ", ";
+    r += std::to_string(s[i]);
+  }
+  if (s.size() == 1) r += ",";
+  return r + ")";
+}
+
+DType dtype_from_name(const std::string& n) {
+  if (n == "bool") return DType::Bool;
+  if (n == "uint8" || n == "u8") return DType::UInt8;
+  if (n == "int32" || n == "i32") return DType::Int32;
+  if (n == "int64" || n == "i64" || n == "int" || n == "long") return DType::Int64;
+  if (n == "float16" || n == "f16" || n == "half") return DType::Float16;
+  if (n == "bfloat16" || n == "bf16") return DType::BFloat16;
+  if (n == "float32" || n == "f32" || n == "float") return DType::Float32;
+  if (n == "float64" || n == "f64" || n == "double") return DType::Float64;
+  throw TypeError("[dtype] unknown dtype '" + n +
+                  "' (expected one of bool, uint8, int32, int64, float16, bfloat16, float32, "
+                  "float64)");
+}
+
+DType promote_types(DType a, DType b) {
+  if (a == b) return a;
+  const int ca = category(a), cb = category(b);
+  if (ca != cb) return ca > cb ? a : b;
+  if (ca == 2) {
+    const bool half_mix = (a == DType::Float16 && b == DType::BFloat16) ||
+                          (a == DType::BFloat16 && b == DType::Float16);
+    if (half_mix) return DType::Float32;
+  }
+  // Enum order is width order within a category.
+  return a > b ? a : b;
+}
+
+DType promote_with_scalar(DType t, int scalar_category) {
+  const int ct = category(t);
+  if (scalar_category <= ct) return t;
+  return scalar_category == 2 ? kDefaultFloat : DType::Int64;
+}
+
+// ---- device --------------------------------------------------------------------------------
+Device Device::parse(const std::string& s, const char* op) {
+  Device d;
+  if (s == "cpu") return d;
+  if (s.rfind("cuda", 0) == 0) {
+    d.type = CUDA;
+    if (s.size() == 4) return d;
+    if (s[4] == ':' && s.size() > 5) {
+      char* end = nullptr;
+      long v = std::strtol(s.c_str() + 5, &end, 10);
+      if (*end == '\0' && v >= 0) {
+        d.index = static_cast<int>(v);
+        return d;
+      }
+    }
+  }
+  throw ValueError(std::string("[") + op + "] unknown device '" + s +
+                   "' (expected 'cpu', 'cuda' or 'cuda:N')");
+}
+
+std::string Device::str() const {
+  return type == CPU ? "cpu" : "cuda:" + std::to_string(index);
+}
+
+// ---- storage -------------------------------------------------------------------------------
+static AllocHooks g_alloc;
+
+void set_alloc_hooks(const AllocHooks& hooks) { g_alloc = hooks; }
+bool have_alloc_hooks() { return g_alloc.malloc != nullptr; }
+
+static constexpr int kHostPageable = -1;  // BT_ALLOC_HOST_PAGEABLE
+static constexpr size_t kHostAlign = 64;  // bytes: one cache line, enough for AVX-512 loads
+
+std::shared_ptr<Storage> Storage::allocate(size_t nbytes, Device device, const char* op) {
+  if (device.is_cuda()) backend::check_cuda_device(device, op);
+  std::shared_ptr<Storage> s(new Storage());
+  s->nbytes_ = nbytes;
+  s->device_ = device;
+  const size_t request = nbytes == 0 ? 1 : nbytes;  // a valid pointer even for empty tensors
+  if (g_alloc.malloc) {
+    void* p = nullptr;
+    const int rc = g_alloc.malloc(device.is_cuda() ? device.index : kHostPageable, request,
+                                  nullptr, &p);
+    if (rc != 0) {
+      throw RuntimeError(std::string("[") + op + "] cannot allocate " + std::to_string(nbytes) +
+                         " bytes on " + device.str() + ": " +
+                         (g_alloc.last_error ? g_alloc.last_error() : "allocator error"));
+    }
+    s->data_ = p;
+    s->from_alloc_ = true;
+  } else {
+    if (device.is_cuda()) {
+      throw RuntimeError(std::string("[") + op +
+                         "] no allocator installed for CUDA memory (import blutrain.alloc)");
+    }
+    void* p = std::aligned_alloc(kHostAlign, (request + kHostAlign - 1) / kHostAlign * kHostAlign);
+    if (!p) throw RuntimeError(std::string("[") + op + "] out of host memory");
+    s->data_ = p;
+  }
+  return s;
+}
+
+std::shared_ptr<Storage> Storage::adopt(void* data, size_t nbytes, Device device,
+                                        std::function<void()> deleter) {
+  std::shared_ptr<Storage> s(new Storage());
+  s->data_ = data;
+  s->nbytes_ = nbytes;
+  s->device_ = device;
+  s->deleter_ = std::move(deleter);
+  return s;
+}
+
+Storage::~Storage() {
+  if (deleter_) {
+    deleter_();
+  } else if (from_alloc_) {
+    if (g_alloc.free) g_alloc.free(data_);
+  } else {
+    std::free(data_);
+  }
+}
+
+// ---- tensor --------------------------------------------------------------------------------
+Strides contiguous_strides(const Shape& shape) {
+  Strides st(shape.size());
+  int64_t s = 1;
+  for (int64_t i = static_cast<int64_t>(shape.size()) - 1; i >= 0; --i) {
+    st[i] = s;
+    s *= std::max<int64_t>(shape[i], 1);
+  }
+  return st;
+}
+
+int64_t shape_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op) {
+  const int64_t lo = ndim == 0 ? -1 : -ndim, hi = ndim == 0 ? 0 : ndim - 1;
+  if (dim < lo || dim > hi) {
+    throw IndexError(std::string("[") + op + "] dim " + std::to_string(dim) +
+                     " is out of range for a tensor of " + std::to_string(ndim) +
+                     " dims (expected " + std::to_string(lo) + ".." + std::to_string(hi) + ")");
+  }
+  return dim < 0 ? dim + std::max<int64_t>(ndim, 1) : dim;
+}
+
+int64_t Tensor::size(int64_t dim) const { return shape()[wrap_dim(dim, ndim(), "size")]; }
+int64_t Tensor::numel() const { return shape_numel(shape()); }
+
+bool Tensor::is_contiguous() const {
+  int64_t expect = 1;
+  for (int64_t i = ndim() - 1; i >= 0; --i) {
+    if (shape()[i] == 1) continue;
+    if (strides()[i] != expect) return false;
+    expect *= shape()[i];
+  }
+  return true;
+}
+
+void* Tensor::data_ptr(const char* op) const {
+  if (!impl_) throw RuntimeError(std::string("[") + op + "] tensor is undefined");
+  if (!impl_->storage) {
+    throw RuntimeError(std::string("[") + op +
+                       "] tensor is symbolic (made in capture mode): it has no data");
+  }
+  return static_cast<char*>(impl_->storage->data()) + impl_->offset * itemsize(impl_->dtype);
+}
+
+Tensor empty_tensor(const Shape& shape, DType dtype, Device device, const char* op) {
+  for (auto d : shape) {
+    if (d < 0) {
+      throw ValueError(std::string("[") + op + "] negative dimension in shape " + shape_str(shape));
+    }
+  }
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = Storage::allocate(shape_numel(shape) * itemsize(dtype), device, op);
+  impl->shape = shape;
+  impl->strides = contiguous_strides(shape);
+  impl->dtype = dtype;
+  impl->device = device;
+  return Tensor(std::move(impl));
+}
+
+Tensor symbolic_tensor(const Shape& shape, DType dtype, Device device) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->shape = shape;
+  impl->strides = contiguous_strides(shape);
+  impl->dtype = dtype;
+  impl->device = device;
+  return Tensor(std::move(impl));
+}
+
+Tensor make_view(const Tensor& base, const Shape& shape, const Strides& strides, int64_t offset) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = base.storage();
+  impl->shape = shape;
+  impl->strides = strides;
+  impl->offset = offset;
+  impl->dtype = base.dtype();
+  impl->device = base.device();
+  return Tensor(std::move(impl));
+}
+
+Tensor detach(const Tensor& t) { return make_view(t, t.shape(), t.strides(), t.offset()); }
+
+// ---- repr ----------------------------------------------------------------------------------
+static double read_double(const Tensor& t, int64_t off) {
+  const char* base = static_cast<const char*>(t.storage()->data());
+  return dispatch_all(t.dtype(), "repr", [&](auto tag) -> double {
+    using T = typename decltype(tag)::type;
+    return static_cast<double>(static_cast<compute_t<T>>(reinterpret_cast<const T*>(base)[off]));
+  });
+}
+
+namespace {
+struct ReprCtx {
+  const Tensor& t;
+  bool fl;
+  bool int_valued;
+  int width;
+  int precision;
+  bool sci;
+  std::ostringstream os;
+};
+
+std::string fmt_elem(ReprCtx& c, double v) {
+  char buf[64];
+  if (!c.fl) {
+    if (c.t.dtype() == DType::Bool) return v != 0 ? "True" : "False";
+    std::snprintf(buf, sizeof(buf), "%lld", static_cast<long long>(v));
+  } else if (std::isnan(v)) {
+    std::snprintf(buf, sizeof(buf), "nan");
+  } else if (std::isinf(v)) {
+    std::snprintf(buf, sizeof(buf), v > 0 ? "inf" : "-inf");
+  } else if (c.sci) {
+    std::snprintf(buf, sizeof(buf), "%.*e", c.precision, v);
+  } else if (c.int_valued) {
+    std::snprintf(buf, sizeof(buf), "%.0f.", v);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.*f", c.precision, v);
+  }
+  std::string s(buf);
+  if (static_cast<int>(s.size()) < c.width) s = std::string(c.width - s.size(), ' ') + s;
+  return s;
+}
+
+void repr_rec(ReprCtx& c, int64_t dim, int64_t off, int indent, bool summarize) {
+  const Tensor& t = c.t;
+  const int64_t n = t.shape()[dim];
+  const int64_t edge = 3;
+  auto skip = [&](int64_t i) { return summarize && n > 2 * edge && i >= edge && i < n - edge; };
+  c.os << "[";
+  if (dim == t.ndim() - 1) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (skip(i)) {
+        if (i == edge) c.os << " ...,";
+        continue;
+      }
+      if (i) c.os << ", ";
+      c.os << fmt_elem(c, read_double(t, off + i * t.strides()[dim]));
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      if (skip(i)) {
+        if (i == edge) c.os << "\n" << std::string(indent + 1, ' ') << "...,";
+        continue;
+      }
+      if (i) {
+        c.os << "," << std::string(t.ndim() - dim - 1, '\n') << std::string(indent + 1, ' ');
+      }
+      repr_rec(c, dim + 1, off + i * t.strides()[dim], indent + 1, summarize);
+    }
+  }
+  c.os << "]";
+}
+}  // namespace
+
+std::string tensor_repr(const Tensor& t) {
+  std::ostringstream head;
+  std::string suffix;
+  const bool fl = is_floating(t.dtype());
+  if (t.dtype() != DType::Float32 && t.dtype() != DType::Int64 && t.dtype() != DType::Bool) {
+    suffix += ", dtype=bt." + std::string(dtype_name(t.dtype()));
+  }
+  if (t.device().is_cuda()) suffix = ", device='" + t.device().str() + "'" + suffix;
+  if (t.grad_fn()) {
+    suffix += ", grad_fn=<" + t.grad_fn()->name() + "Backward>";
+  } else if (t.requires_grad()) {
+    suffix += ", requires_grad=True";
+  }
+  if (t.is_symbolic()) {
+    return "tensor(<symbolic>, shape=" + shape_str(t.shape()) + ", dtype=bt." +
+           dtype_name(t.dtype()) + suffix + ")";
+  }
+  if (t.device().is_cuda()) {
+    return "tensor(<on " + t.device().str() + ">, shape=" + shape_str(t.shape()) + suffix + ")";
+  }
+  const int64_t n = t.numel();
+  if (n == 0) return "tensor([], size=" + shape_str(t.shape()) + suffix + ")";
+  const bool summarize = n > 1000;
+  // Choose a common format the way PyTorch does: integer-valued floats print as "1.", large or
+  // tiny magnitudes switch to scientific notation.
+  bool int_valued = true;
+  double amax = 0, amin = INFINITY;
+  for (int64_t i = 0; i < n && i < 100000; ++i) {
+    int64_t off = t.offset(), rem = i;
+    for (int64_t d = t.ndim() - 1; d >= 0; --d) {
+      off += (rem % t.shape()[d]) * t.strides()[d];
+      rem /= t.shape()[d];
+    }
+    const double v = read_double(t, off);
+    if (!std::isfinite(v)) continue;
+    if (v != std::floor(v)) int_valued = false;
+    amax = std::max(amax, std::fabs(v));
+    if (v != 0) amin = std::min(amin, std::fabs(v));
+  }
+  ReprCtx c{t, fl, int_valued, 0, 4, false, {}};
+  if (fl && !int_valued && (amax >= 1e8 || (amin < 1e-4 && amin > 0))) c.sci = true;
+  if (fl && int_valued && amax >= 1e8) {
+    c.sci = true;
+    c.int_valued = false;
+  }
+  // width: widest formatted element
+  for (int64_t i = 0; i < n && i < 100000; ++i) {
+    int64_t off = t.offset(), rem = i;
+    for (int64_t d = t.ndim() - 1; d >= 0; --d) {
+      off += (rem % t.shape()[d]) * t.strides()[d];
+      rem /= t.shape()[d];
+    }
+    c.width = std::max<int>(c.width, static_cast<int>(fmt_elem(c, read_double(t, off)).size()));
+  }
+  c.os << "tensor(";
+  if (t.ndim() == 0) {
+    c.width = 0;
+    c.os << fmt_elem(c, read_double(t, t.offset()));
+  } else {
+    repr_rec(c, 0, t.offset(), 7, summarize);
+  }
+  c.os << suffix << ")";
+  return c.os.str();
+}
+
+}  // namespace bt

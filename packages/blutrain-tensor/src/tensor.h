@@ -1,0 +1,174 @@
+// tensor.h: Device, Storage and Tensor (a handle to a shared TensorImpl).
+//
+// A Tensor is a strided view (shape, strides in elements, offset in elements) of a Storage.
+// Views share the Storage, and with it the version counter that autograd uses to detect an
+// in-place change to a tensor saved for backward.  A Tensor without storage is "symbolic": it is
+// what ops return in capture mode (shape and dtype only).
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "dtype.h"
+
+namespace bt {
+
+using Shape = std::vector<int64_t>;
+using Strides = std::vector<int64_t>;
+
+// ---- errors ------------------------------------------------------------------------------
+// Every error message starts with "[op] ".  The Python binding maps these to exceptions.
+struct ValueError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+struct TypeError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+struct IndexError : std::out_of_range {
+  using std::out_of_range::out_of_range;
+};
+struct RuntimeError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+struct NotImplementedError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+std::string shape_str(const Shape& s);  // "(2, 3)"
+
+// ---- device ------------------------------------------------------------------------------
+struct Device {
+  enum Type : uint8_t { CPU = 0, CUDA = 1 } type = CPU;
+  int index = 0;  // CUDA ordinal; 0 for CPU
+  static Device parse(const std::string& s, const char* op);
+  std::string str() const;
+  bool operator==(const Device& o) const { return type == o.type && index == o.index; }
+  bool operator!=(const Device& o) const { return !(*this == o); }
+  bool is_cuda() const { return type == CUDA; }
+};
+
+// ---- storage -----------------------------------------------------------------------------
+// Memory comes from blutrain-alloc's C ABI table when one has been installed (the Python module
+// does this at init), else from aligned new (C++ unit use).  Foreign memory (numpy, DLPack) is
+// adopted with a deleter that releases its owner.
+struct AllocHooks {
+  int (*malloc)(int device, size_t size, void* stream, void** out) = nullptr;
+  int (*free)(void* ptr) = nullptr;
+  const char* (*last_error)(void) = nullptr;
+};
+void set_alloc_hooks(const AllocHooks& hooks);
+bool have_alloc_hooks();
+
+class Storage {
+ public:
+  static std::shared_ptr<Storage> allocate(size_t nbytes, Device device, const char* op);
+  static std::shared_ptr<Storage> adopt(void* data, size_t nbytes, Device device,
+                                        std::function<void()> deleter);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  void* data() const { return data_; }
+  size_t nbytes() const { return nbytes_; }
+  Device device() const { return device_; }
+  uint64_t version() const { return version_.load(std::memory_order_relaxed); }
+  void bump_version() { version_.fetch_add(1, std::memory_order_relaxed); }
+
+ private:
+  Storage() = default;
+  void* data_ = nullptr;
+  size_t nbytes_ = 0;
+  Device device_;
+  bool from_alloc_ = false;
+  std::function<void()> deleter_;
+  std::atomic<uint64_t> version_{0};
+};
+
+// ---- tensor ------------------------------------------------------------------------------
+class Tensor;
+struct Node;
+using GradHook = std::function<Tensor(const Tensor&)>;  // returns an undefined Tensor to keep
+using PostAccHook = std::function<void(const Tensor&)>;  // fired once a leaf's .grad is final
+
+struct TensorImpl {
+  std::shared_ptr<Storage> storage;  // null: symbolic (captured) tensor
+  Shape shape;
+  Strides strides;
+  int64_t offset = 0;
+  DType dtype = DType::Float32;
+  Device device;
+
+  // autograd
+  bool requires_grad = false;
+  bool retains_grad = false;
+  std::shared_ptr<Node> grad_fn;  // null for leaves
+  int output_nr = 0;
+  std::shared_ptr<TensorImpl> grad;
+  std::weak_ptr<Node> grad_accumulator;  // leaves only; created on first use
+  std::vector<GradHook> hooks;           // leaves (non-leaves keep theirs on the node)
+  std::vector<PostAccHook> post_acc_hooks;
+  std::string name;  // optional, used by capture and repr of parameters
+  bool view_of_grad = false;  // a view of a tensor that requires grad (in-place is refused)
+};
+
+class Tensor {
+ public:
+  Tensor() = default;
+  explicit Tensor(std::shared_ptr<TensorImpl> impl) : impl_(std::move(impl)) {}
+
+  bool defined() const { return static_cast<bool>(impl_); }
+  TensorImpl* impl() const { return impl_.get(); }
+  const std::shared_ptr<TensorImpl>& impl_ptr() const { return impl_; }
+
+  const Shape& shape() const { return impl_->shape; }
+  const Strides& strides() const { return impl_->strides; }
+  int64_t offset() const { return impl_->offset; }
+  int64_t ndim() const { return static_cast<int64_t>(impl_->shape.size()); }
+  int64_t size(int64_t dim) const;  // negative dims wrap
+  int64_t numel() const;
+  DType dtype() const { return impl_->dtype; }
+  Device device() const { return impl_->device; }
+  bool is_symbolic() const { return !impl_->storage; }
+  bool is_contiguous() const;
+  const std::shared_ptr<Storage>& storage() const { return impl_->storage; }
+  uint64_t version() const { return impl_->storage ? impl_->storage->version() : 0; }
+
+  // Typed pointer to element [0] of the view (offset applied).  Throws for symbolic tensors.
+  void* data_ptr(const char* op) const;
+  template <typename T>
+  T* data(const char* op) const {
+    return static_cast<T*>(data_ptr(op));
+  }
+
+  // autograd accessors
+  bool requires_grad() const { return impl_->requires_grad; }
+  bool is_leaf() const { return !impl_->grad_fn; }
+  const std::shared_ptr<Node>& grad_fn() const { return impl_->grad_fn; }
+  Tensor grad() const { return Tensor(impl_->grad); }
+
+  bool same(const Tensor& o) const { return impl_ == o.impl_; }
+
+ private:
+  std::shared_ptr<TensorImpl> impl_;
+};
+
+Strides contiguous_strides(const Shape& shape);
+int64_t shape_numel(const Shape& shape);
+int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op);
+
+// A fresh contiguous tensor (memory uninitialised).
+Tensor empty_tensor(const Shape& shape, DType dtype, Device device, const char* op);
+// A symbolic tensor (capture mode).
+Tensor symbolic_tensor(const Shape& shape, DType dtype, Device device);
+// A new TensorImpl over the same storage with given geometry; no autograd state.
+Tensor make_view(const Tensor& base, const Shape& shape, const Strides& strides, int64_t offset);
+// The same data without autograd history (shares storage and version counter).
+Tensor detach(const Tensor& t);
+
+std::string tensor_repr(const Tensor& t);
+
+}  // namespace bt
