@@ -383,44 +383,56 @@ void CachingPool::release_segment(Segment* seg) {
 void CachingPool::shrink_expandable(Segment* seg) {
   Block* tail = seg->head;
   while (tail && tail->next) tail = tail->next;
-  if (!tail || tail->allocated || !tail->in_free_set) return;
+  if (tail && (tail->allocated || !tail->in_free_set)) return;
   const size_t gran = source_->expand_granularity();
-  // Unmap whole granules past the last live byte.
-  const size_t keep_end = (tail->addr - seg->base + gran - 1) / gran * gran;
-  if (keep_end >= seg->size) return;
-  const size_t drop = seg->size - keep_end;
-  erase_free(tail);
-  source_->shrink(seg->base, keep_end, seg->size);
-  st_.system_free_count++;
-  note_reserved(-int64_t(drop));
-  seg->size = keep_end;
-  tail->size -= drop;
-  if (tail->size == 0) {
-    if (tail->prev)
-      tail->prev->next = nullptr;
-    else
-      seg->head = nullptr;
-    delete tail;
-  } else {
-    insert_free(tail);
+  if (tail) {
+    // Unmap whole granules past the last live byte.
+    const size_t keep_end = (tail->addr - seg->base + gran - 1) / gran * gran;
+    if (keep_end < seg->size) {
+      const size_t drop = seg->size - keep_end;
+      erase_free(tail);
+      source_->shrink(seg->base, keep_end, seg->size);
+      st_.system_free_count++;
+      note_reserved(-int64_t(drop));
+      seg->size = keep_end;
+      tail->size -= drop;
+      if (tail->size == 0) {
+        if (tail->prev)
+          tail->prev->next = nullptr;
+        else
+          seg->head = nullptr;
+        delete tail;
+      } else {
+        insert_free(tail);
+      }
+    }
+  }
+  if (seg->size == 0) {  // nothing mapped: give the address range back too
+    source_->unreserve(seg->base, seg->reserved_va);
+    expandable_segments_.erase(seg->stream);
+    segments_.erase(seg->base);
+    pools_for(seg->pool_id).segments--;
+    st_.segments--;
+    delete seg;
   }
 }
 
 void CachingPool::release_cached(bool default_pools, int32_t only_pool) {
   process_events();
-  std::vector<Segment*> victims;
+  std::vector<Segment*> victims, expandable;
   for (auto& [base, seg] : segments_) {
     const bool selected = default_pools ? (seg->pool_id == 0 || pools_for(seg->pool_id).releasing)
                                         : seg->pool_id == only_pool;
     if (!selected) continue;
     if (seg->expandable) {
-      shrink_expandable(seg);
+      expandable.push_back(seg);
       continue;
     }
     Block* b = seg->head;
     if (b && !b->next && !b->allocated && b->in_free_set) victims.push_back(seg);
   }
   for (Segment* seg : victims) release_segment(seg);
+  for (Segment* seg : expandable) shrink_expandable(seg);
 }
 
 void CachingPool::empty_cache() {

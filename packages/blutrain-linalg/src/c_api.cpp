@@ -167,6 +167,7 @@ int api_set_option(const char* name, int64_t v) {
     if (v < 0) return fail(BT_LINALG_EINVAL, "[set_option] workspace_bytes must be >= 0");
     o.workspace_bytes = v;
   } else if (n == "persist") o.persist = v != 0;
+  else if (n == "fused_epilogues") o.fused_epilogues = v != 0;
   else if (n == "num_threads") {
     if (v < 0) return fail(BT_LINALG_EINVAL, "[set_option] num_threads must be >= 0");
     o.num_threads = v;
@@ -187,6 +188,7 @@ int api_get_option(const char* name, int64_t* v) {
   else if (n == "workspace_bytes") *v = o.workspace_bytes;
   else if (n == "persist") *v = o.persist;
   else if (n == "num_threads") *v = o.num_threads;
+  else if (n == "fused_epilogues") *v = o.fused_epilogues;
   else if (n == "cuda") *v = cuda_available();
   else if (cuda_get_stat(name, v) == BT_LINALG_OK) return BT_LINALG_OK;
   else return failf(BT_LINALG_EINVAL, "[get_option] unknown option '%s'", name);

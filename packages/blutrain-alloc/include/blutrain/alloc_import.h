@@ -15,6 +15,11 @@
 
 #include "blutrain/alloc.h"
 
+/* The version this code needs; overridable only to test the refusal. */
+#ifndef BT_ALLOC_IMPORT_WANT_VERSION
+#define BT_ALLOC_IMPORT_WANT_VERSION BT_ALLOC_ABI_VERSION
+#endif
+
 static inline const bt_alloc_api* bt_alloc_import(void) {
   PyObject* mod = PyImport_ImportModule("blutrain.alloc._alloc");
   if (!mod) return NULL;
@@ -24,9 +29,9 @@ static inline const bt_alloc_api* bt_alloc_import(void) {
   const bt_alloc_api* api = (const bt_alloc_api*)PyCapsule_GetPointer(cap, BT_ALLOC_CAPSULE_NAME);
   Py_DECREF(cap);
   if (!api) return NULL;
-  const uint32_t have = api->abi_version, want = BT_ALLOC_ABI_VERSION;
+  const uint32_t have = api->abi_version, want = BT_ALLOC_IMPORT_WANT_VERSION;
   if ((have >> 16) != (want >> 16) || (have & 0xffffu) < (want & 0xffffu) ||
-      api->struct_size < sizeof(bt_alloc_api)) {
+      (want == BT_ALLOC_ABI_VERSION && api->struct_size < sizeof(bt_alloc_api))) {
     PyErr_Format(PyExc_ImportError,
                  "blutrain.alloc C ABI %u.%u is installed, but this module was built for %u.%u: "
                  "rebuild it against the installed blutrain-alloc, or install a matching one",

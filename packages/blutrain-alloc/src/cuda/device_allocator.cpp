@@ -60,6 +60,8 @@ struct DriverVmm {
   decltype(&cuMemUnmap) unmap = nullptr;
   decltype(&cuMemSetAccess) set_access = nullptr;
   decltype(&cuMemGetAllocationGranularity) granularity = nullptr;
+  decltype(&cuDeviceGet) device_get = nullptr;
+  decltype(&cuDeviceGetAttribute) attribute = nullptr;
   bool ok = false;
 
   static const DriverVmm& get() {
@@ -78,7 +80,8 @@ struct DriverVmm {
              load("cuMemAddressFree", v.address_free) & load("cuMemCreate", v.create) &
              load("cuMemRelease", v.release) & load("cuMemMap", v.map) &
              load("cuMemUnmap", v.unmap) & load("cuMemSetAccess", v.set_access) &
-             load("cuMemGetAllocationGranularity", v.granularity);
+             load("cuMemGetAllocationGranularity", v.granularity) &
+             load("cuDeviceGet", v.device_get) & load("cuDeviceGetAttribute", v.attribute);
       return v;
     }();
     return vmm;
@@ -93,10 +96,12 @@ class DeviceSource final : public MemorySource {
     BT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
     total_ = total_b;
     kind_ = "CUDA device " + std::to_string(device_);
-    int vmm = 0;
-    cudaDeviceGetAttribute(&vmm, cudaDevAttrVirtualMemoryManagementSupported, device_);
     const DriverVmm& d = DriverVmm::get();
-    if (vmm && d.ok) {
+    int vmm = 0;
+    CUdevice cu_dev = 0;
+    if (d.ok && d.device_get(&cu_dev, device_) == CUDA_SUCCESS)
+      d.attribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cu_dev);
+    if (vmm) {
       prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
       prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
       prop_.location.id = device_;

@@ -160,6 +160,7 @@ static inline void bt_linalg_gemm_desc_init(bt_linalg_gemm_desc* d) {
  *   "workspace_bytes"    cuBLASLt workspace cap per call (default 32 MiB)
  *   "persist"            0/1: write new algorithm choices to the cache file (default 1)
  *   "num_threads"        CPU BLAS threads (0 = OpenBLAS's default)
+ *   "fused_epilogues"    0/1: 0 runs every CUDA epilogue as separate kernels (default 1)
  * Read-only (get_option): "cuda" (1 if built with CUDA), "cache_entries",
  *   "cache_hits", "cache_misses", "fallback_epilogues" (calls whose epilogue ran as a
  *   separate kernel because cuBLASLt lacked it for that combination). */

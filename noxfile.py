@@ -1,0 +1,121 @@
+"""BluTrain's sessions: `nox -s tests`, `lint`, `cuda_build`, `gpu`.
+
+Packages are installed in dependency order with --no-build-isolation into the
+session's venv, each with its own CMake build directory inside that venv, so a
+CPU build and a CUDA build never share a CMake cache.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import nox
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.sessions = ["tests"]
+
+ROOT = pathlib.Path(__file__).parent
+# Dependency order: alloc <- linalg <- tensor <- {dist, compiler} <- models.
+ORDER = [
+    "blutrain-alloc",
+    "blutrain-linalg",
+    "blutrain-tensor",
+    "blutrain-dist",
+    "blutrain-compiler",
+    "blutrain-models",
+]
+BUILD_DEPS = ["scikit-build-core>=0.10", "nanobind==3.1.0", "cmake>=3.26", "ninja", "numpy"]
+TEST_DEPS = ["pytest>=7", "hypothesis>=6", "matplotlib", "pytest-timeout"]
+
+
+def present() -> list[str]:
+    """Packages that exist, in dependency order; BLUTRAIN_ONLY=a,b narrows the set."""
+    only = os.environ.get("BLUTRAIN_ONLY")
+    wanted = {f"blutrain-{n.removeprefix('blutrain-')}" for n in only.split(",")} if only else None
+    return [
+        p
+        for p in ORDER
+        if (ROOT / "packages" / p / "pyproject.toml").exists() and (not wanted or p in wanted)
+    ]
+
+
+def extra_deps(session: nox.Session) -> None:
+    """Runtime dependencies of the packages that need more than the build set."""
+    if (ROOT / "packages" / "blutrain-linalg").exists():
+        session.install("scipy-openblas32")
+
+
+def install_packages(session: nox.Session, cuda: str, archs: str | None = None) -> None:
+    venv = pathlib.Path(session.virtualenv.location)
+    for pkg in present():
+        env = {
+            "BLUTRAIN_CUDA": cuda,
+            "SKBUILD_BUILD_DIR": str(venv / "cmake-build" / pkg),
+        }
+        if archs:
+            env["BLUTRAIN_CUDA_ARCHS"] = archs
+        session.install("--no-build-isolation", "--no-cache", f"./packages/{pkg}", env=env)
+
+
+def install_torch_cpu(session: nox.Session) -> None:
+    """PyTorch CPU is the model-level reference. pip (not uv) finds the CPU wheel
+    kept on our machines; where it cannot be had, the tests that need it skip."""
+    session.install("pip")
+    session.run("python", "-m", "pip", "install", "-q", "torch==2.13.0", success_codes=[0, 1])
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """CPU build of every package, then pytest on packages/*/tests and tests/."""
+    session.install(*BUILD_DEPS, *TEST_DEPS)
+    extra_deps(session)
+    if os.environ.get("BLUTRAIN_TORCH", "1") == "1":
+        install_torch_cpu(session)
+    install_packages(session, cuda="OFF")
+    dirs = [f"packages/{p}/tests" for p in present() if (ROOT / "packages" / p / "tests").exists()]
+    session.run("pytest", "-q", "-p", "no:cacheprovider", *dirs, "tests", *session.posargs)
+
+
+@nox.session(python="3.11")
+def demo(session: nox.Session) -> None:
+    """The main job until the trainer exists: the allocator's demo, then its benchmark."""
+    session.install(*BUILD_DEPS, "matplotlib")
+    install_packages(session, cuda=os.environ.get("BLUTRAIN_CUDA", "AUTO"))
+    session.run("python", "packages/blutrain-alloc/examples/demo.py", "out")
+    session.run("python", "packages/blutrain-alloc/bench/bench_alloc.py",
+                "--json", "out/bench_alloc.json")
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """ruff on Python, clang-format --dry-run on C/C++/CUDA."""
+    session.install("ruff", "clang-format")
+    session.run("ruff", "check", ".")
+    sources = [
+        str(p)
+        for p in ROOT.glob("packages/*/**/*")
+        if p.suffix in {".h", ".hpp", ".cpp", ".cc", ".c", ".cu", ".cuh"}
+        and "build" not in p.parts
+    ]
+    if sources:
+        session.run("clang-format", "--dry-run", "--Werror", *sources)
+
+
+@nox.session(python="3.11")
+def cuda_build(session: nox.Session) -> None:
+    """BLUTRAIN_CUDA=ON compile and link of every C++ package for sm_90 (no GPU needed);
+    then the CPU test of the allocator on that build: CUDA paths must raise, not crash."""
+    session.install(*BUILD_DEPS, "pytest", "hypothesis")
+    # cuBLAS(Lt) is not in every toolkit install: the wheel brings headers and libraries.
+    if (ROOT / "packages" / "blutrain-linalg").exists():
+        session.install("nvidia-cublas", "nvidia-cuda-runtime")
+    extra_deps(session)
+    install_packages(session, cuda="ON", archs="90-real")
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "packages/blutrain-alloc/tests")
+
+
+@nox.session(python=False)
+def gpu(session: nox.Session) -> None:
+    """Build, GPU tests and benchmarks on a GPU machine (same as scripts/gpu.sh)."""
+    session.run("bash", "scripts/gpu.sh", *session.posargs, external=True)

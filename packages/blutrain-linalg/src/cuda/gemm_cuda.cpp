@@ -1,0 +1,759 @@
+// CUDA backend: cuBLASLt with fused epilogues, algorithm choice cached per problem key.
+//
+// Layout. The API is row-major; cuBLASLt is column-major. A row-major (m, n) matrix with row
+// stride ld is the column-major (n, m) matrix with the same ld, so D = op(A) op(B) is computed
+// as the column-major D^T = op(B)^T op(A)^T: swap the operands (and their trans flags), swap
+// m and n. Row-major "bias over columns" is then cuBLASLt's bias over rows, row-major column
+// sums are cuBLASLt's DGELU_BGRAD, BGRAD_A (row sums of op(A)) is cuBLASLt's BGRADB.
+//
+// Plans. A call runs "fused" (one cublasLtMatmul with the epilogue) when cuBLASLt offers an
+// algorithm for the combination, else "unfused": a plain cublasLtMatmul into an fp32 (fp64)
+// Z, then our kernels (kernels.h) for the epilogue, conversion and bias-gradient reductions.
+// Every descriptor the front accepts thus has a CUDA path; the decision is cached.
+//
+// Algorithm cache. Key: the problem without its pointers (sizes, trans, lds, dtypes, compute,
+// epilogue, pointer alignments, workspace cap) under a prefix naming the cuBLASLt version and
+// the GPU, so a file filled on one machine serves another of the same kind and is ignored
+// elsewhere. Value: the cublasLtMatmulAlgo_t bytes, its workspace size, fused or not. With
+// "autotune" set, a new key times the top candidates on the caller's stream (this is the one
+// place the library synchronises the host, once per new key, never while the stream is
+// capturing a CUDA graph, and never when D aliases C: re-running would accumulate twice).
+// New entries are written to the cache file (atomically: temp file + rename).
+//
+// Memory. Workspaces and scratch come from blutrain-alloc's table on the caller's stream and
+// are freed right after the work is enqueued: the allocator is stream-ordered, so the block is
+// reused only by later work on that stream. Without the table, cudaMallocAsync/cudaFreeAsync.
+#include <cuda_runtime.h>
+#include <sys/stat.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "../linalg_internal.h"
+#include "blutrain/alloc.h"
+#include "cublaslt_loader.h"
+#include "kernels.h"
+
+namespace blutrain::linalg {
+
+namespace {
+
+#define BT_CUDA_CHECK(expr)                                                                 \
+  do {                                                                                      \
+    cudaError_t e_ = (expr);                                                                \
+    if (e_ != cudaSuccess)                                                                  \
+      return failf(BT_LINALG_ECUDA, "[gemm] %s failed: %s (%s:%d)", #expr,                  \
+                   cudaGetErrorString(e_), __FILE__, __LINE__);                             \
+  } while (0)
+
+#define BT_LT_CHECK(expr)                                                                   \
+  do {                                                                                      \
+    cublasStatus_t s_ = (expr);                                                             \
+    if (s_ != CUBLAS_STATUS_SUCCESS)                                                        \
+      return failf(BT_LINALG_ECUDA, "[gemm] %s failed: %s (%s:%d)", #expr,                  \
+                   F->cublasLtGetStatusString(s_), __FILE__, __LINE__);                     \
+  } while (0)
+
+const lt::Funcs* F = nullptr;
+std::atomic<const bt_alloc_api*> g_alloc{nullptr};
+
+// ---- devices ----------------------------------------------------------------------------------
+struct DeviceState {
+  bool ready = false;
+  cublasLtHandle_t handle = nullptr;
+  std::string prefix;  // cache-key prefix: cuBLASLt version and GPU
+};
+std::mutex g_dev_mu;
+std::vector<DeviceState> g_devs;
+int g_dev_count = -1;
+
+int device_state(int dev, DeviceState** out) {
+  std::lock_guard<std::mutex> lk(g_dev_mu);
+  if (g_dev_count < 0) {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky-free error so later calls can retry
+      return failf(BT_LINALG_ENOCUDA, "[gemm] no usable CUDA device: %s", cudaGetErrorString(e));
+    }
+    g_dev_count = n;
+    g_devs.resize(size_t(n));
+  }
+  if (g_dev_count == 0) return fail(BT_LINALG_ENOCUDA, "[gemm] no CUDA device is present");
+  if (dev >= g_dev_count)
+    return failf(BT_LINALG_EINVAL, "[gemm] device %d does not exist (%d CUDA devices)", dev,
+                 g_dev_count);
+  DeviceState& s = g_devs[size_t(dev)];
+  if (!s.ready) {
+    cudaDeviceProp prop;
+    BT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    BT_LT_CHECK(F->cublasLtCreate(&s.handle));
+    std::string name = prop.name;
+    for (char& c : name)
+      if (c == ' ' || c == '\t' || c == '|') c = '_';
+    s.prefix = "lt" + std::to_string(F->cublasLtGetVersion()) + "|sm" +
+               std::to_string(prop.major * 10 + prop.minor) + "|" + name + "|";
+    s.ready = true;
+  }
+  *out = &s;
+  return BT_LINALG_OK;
+}
+
+struct DeviceGuard {
+  int prev = -1;
+  bool changed = false;
+  int set(int dev) {
+    BT_CUDA_CHECK(cudaGetDevice(&prev));
+    if (prev != dev) {
+      BT_CUDA_CHECK(cudaSetDevice(dev));
+      changed = true;
+    }
+    return BT_LINALG_OK;
+  }
+  ~DeviceGuard() {
+    if (changed) cudaSetDevice(prev);
+  }
+};
+
+// ---- scratch memory ---------------------------------------------------------------------------
+struct Scratch {
+  void* p = nullptr;
+  bool via_alloc = false;
+  cudaStream_t stream = nullptr;
+  Scratch() = default;
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() {
+    if (!p) return;
+    if (via_alloc) g_alloc.load()->free(p);
+    else cudaFreeAsync(p, stream);
+  }
+  int get(int dev, size_t bytes, cudaStream_t s) {
+    stream = s;
+    if (bytes == 0) return BT_LINALG_OK;
+    if (const bt_alloc_api* a = g_alloc.load()) {
+      if (a->malloc(dev, bytes, s, &p) == 0) {
+        via_alloc = true;
+        return BT_LINALG_OK;
+      }
+      return failf(BT_LINALG_ENOMEM, "[gemm] could not allocate %zu bytes of scratch: %s", bytes,
+                   a->last_error());
+    }
+    cudaError_t e = cudaMallocAsync(&p, bytes, s);
+    if (e != cudaSuccess) {
+      p = nullptr;
+      return failf(BT_LINALG_ENOMEM, "[gemm] cudaMallocAsync(%zu) failed: %s", bytes,
+                   cudaGetErrorString(e));
+    }
+    return BT_LINALG_OK;
+  }
+};
+
+// ---- the column-major problem handed to cuBLASLt ---------------------------------------------
+struct LtProblem {
+  int64_t M, N, K, batch;
+  int opA, opB;  // 0 N, 1 T (cuBLASLt's operands)
+  const void* A;
+  int64_t lda, bsA;
+  const void* B;
+  int64_t ldb, bsB;
+  int dt_in;  // A and B
+  const void* C;
+  int64_t ldc, bsC;
+  void* D;
+  int64_t ldd, bsD;
+  int dt_out;  // C and D
+  double alpha, beta;
+  int compute;
+  uint32_t epi;  // cublasLtEpilogue_t
+  const void* bias;  // bias, or the bgrad output
+  int bias_dt;
+  void* aux;
+  int64_t ld_aux;
+  int aux_dt;
+};
+
+cudaDataType_t cuda_type(int dt) {
+  switch (dt) {
+    case BT_LINALG_F32: return CUDA_R_32F;
+    case BT_LINALG_F64: return CUDA_R_64F;
+    case BT_LINALG_F16: return CUDA_R_16F;
+    default: return CUDA_R_16BF;
+  }
+}
+
+void compute_types(int dt_in, int compute, cublasComputeType_t* ct, cudaDataType_t* st) {
+  if (dt_in == BT_LINALG_F64) {
+    *ct = CUBLAS_COMPUTE_64F;
+    *st = CUDA_R_64F;
+    return;
+  }
+  *st = CUDA_R_32F;
+  *ct = CUBLAS_COMPUTE_32F;
+  if (dt_in == BT_LINALG_F32) {
+    if (compute == BT_LINALG_COMPUTE_TF32) *ct = CUBLAS_COMPUTE_32F_FAST_TF32;
+    else if (compute == BT_LINALG_COMPUTE_FAST_BF16) *ct = CUBLAS_COMPUTE_32F_FAST_16BF;
+    else if (compute == BT_LINALG_COMPUTE_FAST_F16) *ct = CUBLAS_COMPUTE_32F_FAST_16F;
+  }
+}
+
+uint32_t align_of(const void* p, int64_t bs_bytes, int64_t batch) {
+  uintptr_t v = reinterpret_cast<uintptr_t>(p);
+  if (batch > 1) v |= uintptr_t(bs_bytes);
+  uint32_t a = 256;
+  while (a > 1 && (v % a)) a >>= 1;
+  return a;
+}
+
+struct LtObjects {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~LtObjects() {
+    if (pref) F->cublasLtMatmulPreferenceDestroy(pref);
+    if (d) F->cublasLtMatrixLayoutDestroy(d);
+    if (c) F->cublasLtMatrixLayoutDestroy(c);
+    if (b) F->cublasLtMatrixLayoutDestroy(b);
+    if (a) F->cublasLtMatrixLayoutDestroy(a);
+    if (op) F->cublasLtMatmulDescDestroy(op);
+  }
+};
+
+int make_layout(cublasLtMatrixLayout_t* l, int dt, int64_t rows, int64_t cols, int64_t ld,
+                int64_t batch, int64_t bs) {
+  BT_LT_CHECK(F->cublasLtMatrixLayoutCreate(l, cuda_type(dt), uint64_t(rows), uint64_t(cols), ld));
+  if (batch > 1) {
+    int32_t bc = int32_t(batch);
+    BT_LT_CHECK(F->cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc,
+                                                    sizeof bc));
+    BT_LT_CHECK(F->cublasLtMatrixLayoutSetAttribute(
+        *l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &bs, sizeof bs));
+  }
+  return BT_LINALG_OK;
+}
+
+int build(const LtProblem& p, LtObjects& o) {
+  cublasComputeType_t ct;
+  cudaDataType_t st;
+  compute_types(p.dt_in, p.compute, &ct, &st);
+  BT_LT_CHECK(F->cublasLtMatmulDescCreate(&o.op, ct, st));
+  int32_t ta = p.opA ? CUBLAS_OP_T : CUBLAS_OP_N, tb = p.opB ? CUBLAS_OP_T : CUBLAS_OP_N;
+  BT_LT_CHECK(F->cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  BT_LT_CHECK(F->cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  if (p.epi != CUBLASLT_EPILOGUE_DEFAULT) {
+    uint32_t e = p.epi;
+    BT_LT_CHECK(F->cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof e));
+  }
+  if (p.bias) {
+    BT_LT_CHECK(F->cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias,
+                                                  sizeof p.bias));
+    int32_t bt = cuda_type(p.bias_dt);
+    BT_LT_CHECK(F->cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt,
+                                                  sizeof bt));
+  }
+  if (p.aux) {
+    BT_LT_CHECK(F->cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                                  &p.aux, sizeof p.aux));
+    BT_LT_CHECK(F->cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                                                  &p.ld_aux, sizeof p.ld_aux));
+    int32_t at = cuda_type(p.aux_dt);
+    BT_LT_CHECK(F->cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
+                                                  &at, sizeof at));
+  }
+  // Stored shapes: an operand with op T is stored (cols, rows) of op's (rows, cols).
+  if (int rc = make_layout(&o.a, p.dt_in, p.opA ? p.K : p.M, p.opA ? p.M : p.K, p.lda, p.batch,
+                           p.bsA))
+    return rc;
+  if (int rc = make_layout(&o.b, p.dt_in, p.opB ? p.N : p.K, p.opB ? p.K : p.N, p.ldb, p.batch,
+                           p.bsB))
+    return rc;
+  if (int rc = make_layout(&o.c, p.dt_out, p.M, p.N, p.ldc, p.batch, p.bsC)) return rc;
+  if (int rc = make_layout(&o.d, p.dt_out, p.M, p.N, p.ldd, p.batch, p.bsD)) return rc;
+  BT_LT_CHECK(F->cublasLtMatmulPreferenceCreate(&o.pref));
+  uint64_t ws = uint64_t(options().workspace_bytes);
+  BT_LT_CHECK(F->cublasLtMatmulPreferenceSetAttribute(
+      o.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+  const int64_t ei = int64_t(dtype_size(p.dt_in)), eo = int64_t(dtype_size(p.dt_out));
+  uint32_t al[4] = {align_of(p.A, p.bsA * ei, p.batch), align_of(p.B, p.bsB * ei, p.batch),
+                    align_of(p.C, p.bsC * eo, p.batch), align_of(p.D, p.bsD * eo, p.batch)};
+  const cublasLtMatmulPreferenceAttributes_t which[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  for (int i = 0; i < 4; ++i)
+    BT_LT_CHECK(F->cublasLtMatmulPreferenceSetAttribute(o.pref, which[i], &al[i], sizeof al[i]));
+  return BT_LINALG_OK;
+}
+
+std::string make_key(const DeviceState& ds, const LtProblem& p) {
+  const int64_t ei = int64_t(dtype_size(p.dt_in)), eo = int64_t(dtype_size(p.dt_out));
+  char buf[512];
+  snprintf(buf, sizeof buf,
+           "M%lld,N%lld,K%lld,b%lld,op%d%d,ld%lld/%lld/%lld/%lld,dt%d/%d,c%d,e%u,bias%d,aux%d/%lld,"
+           "al%u/%u/%u/%u,ws%lld",
+           (long long)p.M, (long long)p.N, (long long)p.K, (long long)p.batch, p.opA, p.opB,
+           (long long)p.lda, (long long)p.ldb, (long long)p.ldc, (long long)p.ldd, p.dt_in,
+           p.dt_out, p.compute, p.epi, p.bias ? p.bias_dt : -1, p.aux ? p.aux_dt : -1,
+           (long long)p.ld_aux, align_of(p.A, p.bsA * ei, p.batch),
+           align_of(p.B, p.bsB * ei, p.batch), align_of(p.C, p.bsC * eo, p.batch),
+           align_of(p.D, p.bsD * eo, p.batch), (long long)options().workspace_bytes);
+  return ds.prefix + buf;
+}
+
+// ---- the algorithm cache ----------------------------------------------------------------------
+struct Entry {
+  bool fused = false;  // an algorithm exists (else: run unfused)
+  bool tuned = false;  // chosen by measuring, not only by the heuristic
+  bool verified = false;  // loaded from a file: check once with cublasLtMatmulAlgoCheck
+  size_t ws = 0;
+  cublasLtMatmulAlgo_t algo{};
+};
+std::mutex g_cache_mu;
+std::unordered_map<std::string, Entry> g_cache;
+bool g_cache_loaded = false;
+std::atomic<int64_t> g_hits{0}, g_misses{0}, g_fallbacks{0};
+
+std::string to_hex(const void* p, size_t n) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  const auto* b = static_cast<const unsigned char*>(p);
+  for (size_t i = 0; i < n; ++i) {
+    s += d[b[i] >> 4];
+    s += d[b[i] & 15];
+  }
+  return s;
+}
+bool from_hex(const std::string& s, void* p, size_t n) {
+  if (s.size() != 2 * n) return false;
+  auto* b = static_cast<unsigned char*>(p);
+  for (size_t i = 0; i < n; ++i) {
+    unsigned v;
+    if (sscanf(s.c_str() + 2 * i, "%2x", &v) != 1) return false;
+    b[i] = (unsigned char)v;
+  }
+  return true;
+}
+
+void load_cache_locked() {
+  if (g_cache_loaded) return;
+  g_cache_loaded = true;
+  std::ifstream f(cache_path());
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream ls(line);
+    std::string key, hex;
+    int fused = 0;
+    size_t ws = 0;
+    if (!std::getline(ls, key, '\t') || !(ls >> fused >> ws >> hex)) continue;
+    Entry e;
+    e.fused = fused != 0;
+    e.tuned = fused == 2;
+    e.ws = ws;
+    if (e.fused && !from_hex(hex, &e.algo, sizeof e.algo)) continue;
+    g_cache.emplace(key, e);
+  }
+}
+
+int mkdirs(const std::string& dir) {
+  for (size_t i = 1; i <= dir.size(); ++i) {
+    if (i == dir.size() || dir[i] == '/') {
+      std::string sub = dir.substr(0, i);
+      if (mkdir(sub.c_str(), 0755) != 0 && errno != EEXIST) return -1;
+    }
+  }
+  return 0;
+}
+
+int save_cache_locked() {
+  const std::string path = cache_path();
+  const size_t slash = path.rfind('/');
+  if (slash != std::string::npos && mkdirs(path.substr(0, slash)) != 0)
+    return failf(BT_LINALG_EINVAL, "[save_cache] cannot create the directory of %s: %s",
+                 path.c_str(), strerror(errno));
+  const std::string tmp = path + ".tmp" + std::to_string(getpid());
+  {
+    std::ofstream f(tmp);
+    if (!f) return failf(BT_LINALG_EINVAL, "[save_cache] cannot write %s", tmp.c_str());
+    f << "# blutrain-linalg cuBLASLt algorithm cache v1: key\tfused\tworkspace\talgo\n";
+    for (const auto& [k, e] : g_cache)
+      f << k << '\t' << (e.fused ? (e.tuned ? 2 : 1) : 0) << ' ' << e.ws << ' '
+        << (e.fused ? to_hex(&e.algo, sizeof e.algo) : std::string("-")) << '\n';
+  }
+  if (rename(tmp.c_str(), path.c_str()) != 0) {
+    remove(tmp.c_str());
+    return failf(BT_LINALG_EINVAL, "[save_cache] cannot replace %s: %s", path.c_str(),
+                 strerror(errno));
+  }
+  return BT_LINALG_OK;
+}
+
+// Times `reps` runs of one candidate on the stream; returns ms per run, or -1 on failure.
+float time_algo(const DeviceState& ds, const LtProblem& p, const LtObjects& o,
+                const cublasLtMatmulAlgo_t& algo, void* ws, size_t ws_bytes, cudaStream_t s,
+                int reps) {
+  cudaEvent_t e0, e1;
+  if (cudaEventCreate(&e0) != cudaSuccess) return -1;
+  if (cudaEventCreate(&e1) != cudaSuccess) {
+    cudaEventDestroy(e0);
+    return -1;
+  }
+  float alpha_f = float(p.alpha), beta_f = float(p.beta);
+  const void* al = p.dt_in == BT_LINALG_F64 ? (const void*)&p.alpha : &alpha_f;
+  const void* be = p.dt_in == BT_LINALG_F64 ? (const void*)&p.beta : &beta_f;
+  float ms = -1;
+  bool ok = F->cublasLtMatmul(ds.handle, o.op, al, p.A, o.a, p.B, o.b, be, p.C, o.c, p.D, o.d,
+                              &algo, ws, ws_bytes, s) == CUBLAS_STATUS_SUCCESS;  // warm-up
+  if (ok) {
+    cudaEventRecord(e0, s);
+    for (int r = 0; r < reps && ok; ++r)
+      ok = F->cublasLtMatmul(ds.handle, o.op, al, p.A, o.a, p.B, o.b, be, p.C, o.c, p.D, o.d,
+                             &algo, ws, ws_bytes, s) == CUBLAS_STATUS_SUCCESS;
+    cudaEventRecord(e1, s);
+    if (ok && cudaEventSynchronize(e1) == cudaSuccess && cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess)
+      ms /= float(reps);
+    else
+      ms = -1;
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return ms;
+}
+
+// Runs the problem through cuBLASLt. Returns OK, or ENOTSUP when cuBLASLt has no algorithm
+// for it (the caller then runs it unfused), or an error.
+int lt_run(DeviceState& ds, int dev, const LtProblem& p, cudaStream_t s, bool may_autotune) {
+  LtObjects o;
+  if (int rc = build(p, o)) return rc;
+  const std::string key = make_key(ds, p);
+  Entry entry;
+  bool have = false;
+  {
+    std::lock_guard<std::mutex> lk(g_cache_mu);
+    load_cache_locked();
+    auto it = g_cache.find(key);
+    if (it != g_cache.end()) {
+      entry = it->second;
+      have = true;
+    }
+  }
+  if (have && entry.fused && !entry.verified) {  // from the file: still valid here?
+    cublasLtMatmulHeuristicResult_t chk{};
+    if (F->cublasLtMatmulAlgoCheck(ds.handle, o.op, o.a, o.b, o.c, o.d, &entry.algo, &chk) ==
+            CUBLAS_STATUS_SUCCESS &&
+        chk.workspaceSize <= size_t(options().workspace_bytes)) {
+      entry.verified = true;
+      entry.ws = chk.workspaceSize;
+      std::lock_guard<std::mutex> lk(g_cache_mu);
+      g_cache[key] = entry;
+    } else {
+      have = false;
+    }
+  }
+  const bool tune = options().autotune && may_autotune;
+  if (have && tune && entry.fused && !entry.tuned) have = false;  // measure it now
+  if (have) {
+    g_hits++;
+  } else {
+    g_misses++;
+    const int want = tune ? int(options().autotune_candidates) : 1;
+    std::vector<cublasLtMatmulHeuristicResult_t> res(static_cast<size_t>(want));
+    int got = 0;
+    cublasStatus_t st = F->cublasLtMatmulAlgoGetHeuristic(ds.handle, o.op, o.a, o.b, o.c, o.d,
+                                                          o.pref, want, res.data(), &got);
+    entry = Entry{};
+    entry.verified = true;
+    if (st == CUBLAS_STATUS_SUCCESS && got > 0) {
+      entry.fused = true;
+      entry.algo = res[0].algo;
+      entry.ws = res[0].workspaceSize;
+      entry.tuned = tune;
+      if (got > 1) {  // measure the candidates on this stream
+        size_t max_ws = 0;
+        for (int i = 0; i < got; ++i) max_ws = std::max(max_ws, res[size_t(i)].workspaceSize);
+        Scratch w;
+        if (w.get(dev, max_ws, s) == BT_LINALG_OK) {
+          float best = -1;
+          for (int i = 0; i < got; ++i) {
+            float ms = time_algo(ds, p, o, res[size_t(i)].algo, w.p, max_ws, s,
+                                 int(options().autotune_reps));
+            if (ms >= 0 && (best < 0 || ms < best)) {
+              best = ms;
+              entry.algo = res[size_t(i)].algo;
+              entry.ws = res[size_t(i)].workspaceSize;
+            }
+          }
+        }
+        clear_error();
+      }
+    } else if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) {
+      return failf(BT_LINALG_ECUDA, "[gemm] cublasLtMatmulAlgoGetHeuristic failed: %s",
+                   F->cublasLtGetStatusString(st));
+    }
+    std::lock_guard<std::mutex> lk(g_cache_mu);
+    g_cache[key] = entry;
+    if (options().persist) save_cache_locked();  // best effort: a cache, not state
+    clear_error();
+  }
+  if (!entry.fused) return BT_LINALG_ENOTSUP;
+
+  Scratch w;
+  if (int rc = w.get(dev, entry.ws, s)) return rc;
+  float alpha_f = float(p.alpha), beta_f = float(p.beta);
+  const void* al = p.dt_in == BT_LINALG_F64 ? (const void*)&p.alpha : &alpha_f;
+  const void* be = p.dt_in == BT_LINALG_F64 ? (const void*)&p.beta : &beta_f;
+  cublasStatus_t st = F->cublasLtMatmul(ds.handle, o.op, al, p.A, o.a, p.B, o.b, be, p.C, o.c,
+                                        p.D, o.d, &entry.algo, w.p, entry.ws, s);
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) {
+    // Refused at launch (nothing was enqueued): remember, and let the caller run unfused.
+    std::lock_guard<std::mutex> lk(g_cache_mu);
+    g_cache[key].fused = false;
+    return BT_LINALG_ENOTSUP;
+  }
+  if (st != CUBLAS_STATUS_SUCCESS)
+    return failf(BT_LINALG_ECUDA, "[gemm] cublasLtMatmul failed: %s (%s:%d)",
+                 F->cublasLtGetStatusString(st), __FILE__, __LINE__);
+  return BT_LINALG_OK;
+}
+
+// cuBLASLt's type support for C/D given A/B (its documented table, the subset we use).
+bool lt_supports_out(int in, int out) {
+  switch (in) {
+    case BT_LINALG_F32: return out == BT_LINALG_F32;
+    case BT_LINALG_F64: return out == BT_LINALG_F64;
+    case BT_LINALG_F16: return out == BT_LINALG_F16 || out == BT_LINALG_F32;
+    default: return out == BT_LINALG_BF16 || out == BT_LINALG_F32;
+  }
+}
+
+uint32_t lt_epilogue(int e) {
+  switch (e) {
+    case BT_LINALG_EPI_BIAS: return CUBLASLT_EPILOGUE_BIAS;
+    case BT_LINALG_EPI_GELU: return CUBLASLT_EPILOGUE_GELU;
+    case BT_LINALG_EPI_BIAS_GELU: return CUBLASLT_EPILOGUE_GELU_BIAS;
+    case BT_LINALG_EPI_GELU_AUX: return CUBLASLT_EPILOGUE_GELU_AUX;
+    case BT_LINALG_EPI_BIAS_GELU_AUX: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+    case BT_LINALG_EPI_DGELU: return CUBLASLT_EPILOGUE_DGELU;
+    case BT_LINALG_EPI_DGELU_BGRAD: return CUBLASLT_EPILOGUE_DGELU_BGRAD;
+    // Row-major op(A) is cuBLASLt's B operand, and vice versa.
+    case BT_LINALG_EPI_BGRAD_A: return CUBLASLT_EPILOGUE_BGRADB;
+    case BT_LINALG_EPI_BGRAD_B: return CUBLASLT_EPILOGUE_BGRADA;
+    default: return CUBLASLT_EPILOGUE_DEFAULT;
+  }
+}
+
+// Whether the epilogue's side operands meet cuBLASLt's documented constraints; otherwise
+// the call runs unfused rather than failing inside cuBLASLt.
+bool fusable(const bt_linalg_gemm_desc& d) {
+  const int e = d.epilogue;
+  if (e == BT_LINALG_EPI_NONE) return true;
+  if (!options().fused_epilogues || d.batch > 1 || d.k == 0) return false;
+  const bool half_out = d.d.dtype == BT_LINALG_F16 || d.d.dtype == BT_LINALG_BF16;
+  auto vec_ok = [&](const bt_linalg_matrix& v) {
+    return (v.dtype == d.d.dtype || (half_out && v.dtype == BT_LINALG_F32)) &&
+           reinterpret_cast<uintptr_t>(v.ptr) % 16 == 0;
+  };
+  if (epi_has_bias(e) && !vec_ok(d.bias)) return false;
+  if (epi_has_bgrad(e) && !vec_ok(d.bgrad)) return false;
+  if (epi_writes_aux(e) || epi_reads_aux(e)) {
+    if (d.aux.dtype != d.d.dtype || d.aux.ld % 8 != 0 ||
+        reinterpret_cast<uintptr_t>(d.aux.ptr) % 256 != 0)
+      return false;
+  }
+  return true;
+}
+
+// Row-major descriptor -> column-major cuBLASLt problem.
+LtProblem to_lt(const bt_linalg_gemm_desc& d) {
+  LtProblem p{};
+  p.M = d.n;
+  p.N = d.m;
+  p.K = d.k;
+  p.batch = d.batch;
+  p.opA = d.transb;
+  p.A = d.b.ptr;
+  p.lda = d.b.ld;
+  p.bsA = d.b.batch_stride;
+  p.opB = d.transa;
+  p.B = d.a.ptr;
+  p.ldb = d.a.ld;
+  p.bsB = d.a.batch_stride;
+  p.dt_in = d.a.dtype;
+  p.D = const_cast<void*>(d.d.ptr);
+  p.ldd = d.d.ld;
+  p.bsD = d.d.batch_stride;
+  p.dt_out = d.d.dtype;
+  if (d.beta != 0.0) {
+    p.C = d.c.ptr;
+    p.ldc = d.c.ld;
+    p.bsC = d.c.batch_stride;
+  } else {  // not read: any valid layout will do
+    p.C = p.D;
+    p.ldc = p.ldd;
+    p.bsC = p.bsD;
+  }
+  p.alpha = d.alpha;
+  p.beta = d.beta;
+  p.compute = d.compute;
+  p.epi = lt_epilogue(d.epilogue);
+  if (epi_has_bias(d.epilogue)) {
+    p.bias = d.bias.ptr;
+    p.bias_dt = d.bias.dtype;
+  } else if (epi_has_bgrad(d.epilogue)) {
+    p.bias = d.bgrad.ptr;
+    p.bias_dt = d.bgrad.dtype;
+  }
+  if (epi_writes_aux(d.epilogue) || epi_reads_aux(d.epilogue)) {
+    p.aux = const_cast<void*>(d.aux.ptr);
+    p.ld_aux = d.aux.ld;
+    p.aux_dt = d.aux.dtype;
+  }
+  return p;
+}
+
+kern::Mat kmat(const void* p, int64_t ld, int64_t bs, int dt) { return kern::Mat{p, ld, bs, dt}; }
+
+// GEMM into an fp32 (fp64) Z, then our kernels for the epilogue and the reductions.
+int run_unfused(DeviceState& ds, int dev, const bt_linalg_gemm_desc& d, cudaStream_t s,
+                bool may_tune) {
+  const int e = d.epilogue;
+  const int acc = d.a.dtype == BT_LINALG_F64 ? BT_LINALG_F64 : BT_LINALG_F32;
+  const int64_t m = d.m, n = d.n, k = d.k, batch = d.batch;
+  if (e != BT_LINALG_EPI_NONE || d.d.dtype != acc) g_fallbacks++;
+  if (batch > 65535 && (e == BT_LINALG_EPI_DGELU_BGRAD || e == BT_LINALG_EPI_BGRAD_A ||
+                        e == BT_LINALG_EPI_BGRAD_B))
+    return fail(BT_LINALG_ENOTSUP, "[gemm] bias gradients support at most 65535 batch items");
+
+  Scratch zs;
+  kern::Mat Z;
+  if (d.d.dtype == acc) {
+    Z = kmat(d.d.ptr, d.d.ld, d.d.batch_stride, acc);
+  } else {
+    if (int rc = zs.get(dev, size_t(batch * m * n) * dtype_size(acc), s)) return rc;
+    Z = kmat(zs.p, n, m * n, acc);
+  }
+  const bool c_in_z = d.beta != 0.0 && d.c.ptr == Z.ptr && d.c.ld == Z.ld && d.c.dtype == acc;
+  if (d.beta != 0.0 && !c_in_z) {
+    int rc = kern::convert_scale(kmat(d.c.ptr, d.c.ld, d.c.batch_stride, d.c.dtype), Z, m, n,
+                                 batch, 1.0, s);
+    BT_CUDA_CHECK(cudaError_t(rc));
+  }
+  if (k == 0 || m == 0 || n == 0) {  // empty sum: Z = beta C
+    BT_CUDA_CHECK(cudaError_t(kern::convert_scale(Z, Z, m, n, batch, d.beta, s)));
+  } else {
+    bt_linalg_gemm_desc g = d;
+    g.epilogue = BT_LINALG_EPI_NONE;
+    g.d = bt_linalg_matrix{Z.ptr, Z.ld, Z.bs, acc, 0};
+    if (d.beta != 0.0) g.c = g.d;
+    LtProblem p = to_lt(g);
+    int rc = lt_run(ds, dev, p, s, may_tune && d.beta == 0.0);
+    if (rc == BT_LINALG_ENOTSUP)
+      return failf(BT_LINALG_ENOTSUP, "[gemm] cuBLASLt has no algorithm for %s inputs with m=%lld "
+                   "n=%lld k=%lld", dtype_name(d.a.dtype), (long long)m, (long long)n, (long long)k);
+    if (rc) return rc;
+  }
+  int flags = 0;
+  if (epi_has_bias(e)) flags |= kern::kBias;
+  if (epi_writes_aux(e)) flags |= kern::kAuxOut;
+  if (epi_has_gelu(e)) flags |= kern::kGelu;
+  if (epi_reads_aux(e)) flags |= kern::kDgelu;
+  const kern::Mat D = kmat(d.d.ptr, d.d.ld, d.d.batch_stride, d.d.dtype);
+  if (flags || D.ptr != Z.ptr) {
+    const kern::Mat bias = kmat(d.bias.ptr, 0, d.bias.batch_stride, d.bias.dtype);
+    const kern::Mat aux = kmat(d.aux.ptr, d.aux.ld, d.aux.batch_stride, d.aux.dtype);
+    BT_CUDA_CHECK(cudaError_t(kern::epilogue(Z, D, bias, aux, flags, m, n, batch, s)));
+  }
+  if (epi_has_bgrad(e)) {
+    const kern::Mat out = kmat(d.bgrad.ptr, 0, d.bgrad.batch_stride, d.bgrad.dtype);
+    // What to reduce: D's pre-rounding values (Z), or op(A) / op(B) as stored.
+    kern::Mat x;
+    int64_t rows, cols;
+    bool by_cols;
+    if (e == BT_LINALG_EPI_DGELU_BGRAD) {
+      x = Z, rows = m, cols = n, by_cols = true;
+    } else if (e == BT_LINALG_EPI_BGRAD_A) {  // row sums of op(A)
+      x = kmat(d.a.ptr, d.a.ld, d.a.batch_stride, d.a.dtype);
+      rows = d.transa ? k : m, cols = d.transa ? m : k, by_cols = d.transa;
+    } else {  // column sums of op(B)
+      x = kmat(d.b.ptr, d.b.ld, d.b.batch_stride, d.b.dtype);
+      rows = d.transb ? n : k, cols = d.transb ? k : n, by_cols = !d.transb;
+    }
+    if (by_cols) {
+      Scratch part;
+      if (int rc = part.get(dev, kern::colsum_scratch_bytes(rows, cols, batch), s)) return rc;
+      BT_CUDA_CHECK(cudaError_t(kern::colsum(x, out, rows, cols, batch, part.p, s)));
+    } else {
+      BT_CUDA_CHECK(cudaError_t(kern::rowsum(x, out, rows, cols, batch, s)));
+    }
+  }
+  return BT_LINALG_OK;
+}
+
+}  // namespace
+
+int cuda_available() { return 1; }
+
+int cuda_set_alloc_api(const void* t) {
+  g_alloc.store(static_cast<const bt_alloc_api*>(t));
+  return BT_LINALG_OK;
+}
+
+int cuda_get_stat(const char* name, int64_t* v) {
+  const std::string n = name;
+  if (n == "cache_hits") *v = g_hits.load();
+  else if (n == "cache_misses") *v = g_misses.load();
+  else if (n == "fallback_epilogues") *v = g_fallbacks.load();
+  else if (n == "cache_entries") {
+    std::lock_guard<std::mutex> lk(g_cache_mu);
+    *v = int64_t(g_cache.size());
+  } else return BT_LINALG_EINVAL;
+  return BT_LINALG_OK;
+}
+
+int cuda_save_cache() {
+  std::lock_guard<std::mutex> lk(g_cache_mu);
+  return save_cache_locked();
+}
+
+int cuda_clear_cache(int also_file) {
+  std::lock_guard<std::mutex> lk(g_cache_mu);
+  g_cache.clear();
+  g_cache_loaded = false;
+  if (also_file) remove(cache_path().c_str());
+  return BT_LINALG_OK;
+}
+
+int cuda_gemm(const bt_linalg_gemm_desc& d) {
+  if (!F && !(F = lt::load())) return BT_LINALG_ECUDA;
+  DeviceState* ds = nullptr;
+  if (int rc = device_state(d.device, &ds)) return rc;
+  DeviceGuard guard;
+  if (int rc = guard.set(d.device)) return rc;
+  auto s = static_cast<cudaStream_t>(d.stream);
+
+  // Autotuning re-runs the call: only when that is harmless (D does not alias C) and the
+  // stream is not capturing a graph (autotune synchronises).
+  bool may_tune = options().autotune && !(d.beta != 0.0 && d.c.ptr == d.d.ptr);
+  if (may_tune) {
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(s, &cs) != cudaSuccess || cs != cudaStreamCaptureStatusNone)
+      may_tune = false;
+  }
+  if (d.k > 0 && d.m > 0 && d.n > 0 && lt_supports_out(d.a.dtype, d.d.dtype) && fusable(d)) {
+    int rc = lt_run(*ds, d.device, to_lt(d), s, may_tune);
+    if (rc != BT_LINALG_ENOTSUP) return rc;
+    clear_error();
+  }
+  return run_unfused(*ds, d.device, d, s, may_tune);
+}
+
+}  // namespace blutrain::linalg

@@ -1,0 +1,355 @@
+// cpu/elementwise.cpp: CPU kernels for creation, copies and elementwise primitives.
+#include <cmath>
+#include <cstring>
+
+#include "../backend.h"
+#include "../primitives.h"
+#include "../random.h"
+#include "loops.h"
+
+namespace bt {
+
+using cpu::for_each_strided;
+
+template <typename T>
+static inline T* base_ptr(const Tensor& t) {
+  return static_cast<T*>(t.data_ptr("cpu"));
+}
+
+// ---- raw copies ----------------------------------------------------------------------------
+void cpu::copy_raw(const Tensor& dst, const Tensor& src) {
+  dispatch_all(dst.dtype(), "copy", [&](auto dtag) {
+    using D = typename decltype(dtag)::type;
+    dispatch_all(src.dtype(), "copy", [&](auto stag) {
+      using S = typename decltype(stag)::type;
+      D* o = base_ptr<D>(dst);
+      const S* a = base_ptr<S>(src);
+      for_each_strided<2>(dst.shape(), {dst.strides(), src.strides()},
+                          [&](const std::array<int64_t, 2>& off, int64_t n,
+                              const std::array<int64_t, 2>& s) {
+                            D* op = o + off[0];
+                            const S* ap = a + off[1];
+                            if (s[0] == 1 && s[1] == 1) {
+                              if (std::is_same<D, S>::value) {
+                                std::memcpy(static_cast<void*>(op), ap, n * sizeof(D));
+                              } else {
+                                for (int64_t i = 0; i < n; ++i)
+                                  op[i] = static_cast<D>(static_cast<compute_t<S>>(ap[i]));
+                              }
+                            } else {
+                              for (int64_t i = 0; i < n; ++i)
+                                op[i * s[0]] = static_cast<D>(static_cast<compute_t<S>>(ap[i * s[1]]));
+                            }
+                          });
+    });
+  });
+}
+
+Tensor cpu::contiguous_raw(const Tensor& t) {
+  if (t.is_contiguous()) return t;
+  Tensor out = empty_tensor(t.shape(), t.dtype(), t.device(), "contiguous");
+  copy_raw(out, t);
+  return out;
+}
+
+// ---- creation ------------------------------------------------------------------------------
+void Full::eval_cpu(const std::vector<Tensor>&, std::vector<Tensor>& out) {
+  dispatch_all(out[0].dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T v = static_cast<T>(static_cast<compute_t<T>>(value));
+    T* o = base_ptr<T>(out[0]);
+    const int64_t n = out[0].numel();
+    cpu::parallel_for((n + cpu::kChunk - 1) / cpu::kChunk, cpu::kChunk, [&](int64_t c) {
+      const int64_t s = c * cpu::kChunk, e = std::min(n, s + cpu::kChunk);
+      for (int64_t i = s; i < e; ++i) o[i] = v;
+    });
+  });
+}
+
+void Arange::eval_cpu(const std::vector<Tensor>&, std::vector<Tensor>& out) {
+  dispatch_all(out[0].dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* o = base_ptr<T>(out[0]);
+    const int64_t n = out[0].numel();
+    for (int64_t i = 0; i < n; ++i) {
+      o[i] = static_cast<T>(static_cast<compute_t<T>>(start + static_cast<double>(i) * step));
+    }
+  });
+}
+
+void Random::eval_cpu(const std::vector<Tensor>&, std::vector<Tensor>& out) {
+  dispatch_all(out[0].dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using C = compute_t<T>;
+    T* o = base_ptr<T>(out[0]);
+    const int64_t n = out[0].numel();
+    const bool f64 = out[0].dtype() == DType::Float64;
+    cpu::parallel_for(n, 16, [&](int64_t i) {
+      double v;
+      if (kind == RandKind::Uniform) {
+        const double u = f64 ? philox::uniform_f64(seed, offset, i)
+                             : static_cast<double>(philox::uniform_f32(seed, offset, i));
+        v = a + (b - a) * u;
+      } else if (kind == RandKind::Normal) {
+        v = a + b * philox::normal(seed, offset, i);
+      } else {
+        const uint64_t range = static_cast<uint64_t>(b - a);
+        v = a + static_cast<double>(philox::bits(seed, offset, i) % range);
+      }
+      o[i] = static_cast<T>(static_cast<C>(v));
+    });
+  });
+}
+
+// ---- copies --------------------------------------------------------------------------------
+void AsType::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  cpu::copy_raw(out[0], in[0]);
+}
+
+void ToDevice::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  Tensor src = in[0];
+  if (src.device().is_cuda()) {
+    if (!src.is_contiguous()) {
+      throw RuntimeError("[to_device] internal: the source must be contiguous");
+    }
+    backend::copy_bytes(out[0].data_ptr(name()), out[0].device(), src.data_ptr(name()),
+                        src.device(), out[0].numel() * itemsize(out[0].dtype()), name());
+  } else {
+    cpu::copy_raw(out[0], src);
+  }
+}
+
+void SliceScatter::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  cpu::copy_raw(out[0], in[0]);
+  Slice sl(dim, start, stop, step);
+  Tensor view = sl.eval_view({out[0]});
+  cpu::copy_raw(view, in[1]);
+}
+
+// ---- unary ---------------------------------------------------------------------------------
+template <typename C>
+static inline C unary_fn(UnaryOp op, C x) {
+  using std::abs;
+  switch (op) {
+    case UnaryOp::Neg: return -x;
+    case UnaryOp::Exp: return std::exp(x);
+    case UnaryOp::Log: return std::log(x);
+    case UnaryOp::Sqrt: return std::sqrt(x);
+    case UnaryOp::Rsqrt: return C(1) / std::sqrt(x);
+    case UnaryOp::Tanh: return std::tanh(x);
+    case UnaryOp::Abs: return x < C(0) ? -x : x;
+    case UnaryOp::Sigmoid: return C(1) / (C(1) + std::exp(-x));
+    case UnaryOp::Relu: return x > C(0) ? x : C(0);
+    case UnaryOp::Sin: return std::sin(x);
+    case UnaryOp::Cos: return std::cos(x);
+    case UnaryOp::Erf: return std::erf(x);
+    case UnaryOp::GeluErf: return C(0.5) * x * (C(1) + std::erf(x * C(M_SQRT1_2)));
+    case UnaryOp::GeluTanh: {
+      const C k = C(0.7978845608028654);  // sqrt(2/pi)
+      return C(0.5) * x * (C(1) + std::tanh(k * (x + C(0.044715) * x * x * x)));
+    }
+    case UnaryOp::Sign: return C((x > C(0)) - (x < C(0)));
+    case UnaryOp::LogicalNot: return C(!x);
+  }
+  return x;
+}
+
+// The integer/bool forms of the ops that allow them (front guarantees the rest are float).
+template <typename C>
+static inline C unary_int(UnaryOp op, C x) {
+  switch (op) {
+    case UnaryOp::Neg: return static_cast<C>(-x);
+    case UnaryOp::Abs: return x < 0 ? static_cast<C>(-x) : x;
+    case UnaryOp::Relu: return x > 0 ? x : C(0);
+    case UnaryOp::Sign: return static_cast<C>((x > 0) - (x < 0));
+    case UnaryOp::LogicalNot: return static_cast<C>(!x);
+    default: return x;
+  }
+}
+
+void Unary::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  dispatch_all(in[0].dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using C = compute_t<T>;
+    dispatch_all(out[0].dtype(), name(), [&](auto otag) {
+      using O = typename decltype(otag)::type;
+      const T* a = base_ptr<T>(in[0]);
+      O* o = base_ptr<O>(out[0]);
+      const UnaryOp uop = op;
+      for_each_strided<2>(out[0].shape(), {out[0].strides(), in[0].strides()},
+                          [&](const std::array<int64_t, 2>& off, int64_t n,
+                              const std::array<int64_t, 2>& s) {
+                            O* op_ = o + off[0];
+                            const T* ap = a + off[1];
+                            if constexpr (std::is_floating_point<C>::value) {
+                              if (s[1] == 1) {
+                                for (int64_t i = 0; i < n; ++i)
+                                  op_[i] = static_cast<O>(unary_fn<C>(uop, C(ap[i])));
+                              } else {
+                                for (int64_t i = 0; i < n; ++i)
+                                  op_[i] = static_cast<O>(unary_fn<C>(uop, C(ap[i * s[1]])));
+                              }
+                            } else {
+                              for (int64_t i = 0; i < n; ++i)
+                                op_[i] = static_cast<O>(unary_int<C>(uop, C(ap[i * s[1]])));
+                            }
+                          });
+    });
+  });
+}
+
+// ---- binary --------------------------------------------------------------------------------
+template <typename C>
+static inline C ipow(C b, C e) {
+  if (e < 0) return (b == 1) ? C(1) : (b == C(-1) ? ((e % 2) ? C(-1) : C(1)) : C(0));
+  C r = 1;
+  while (e) {
+    if (e & 1) r = static_cast<C>(r * b);
+    b = static_cast<C>(b * b);
+    e = static_cast<C>(e >> 1);
+  }
+  return r;
+}
+
+template <BinaryOp OP, typename C>
+static inline auto binary_fn(C a, C b) {
+  if constexpr (OP == BinaryOp::Add) return static_cast<C>(a + b);
+  if constexpr (OP == BinaryOp::Sub) return static_cast<C>(a - b);
+  if constexpr (OP == BinaryOp::Mul) return static_cast<C>(a * b);
+  if constexpr (OP == BinaryOp::Div) return static_cast<C>(a / b);
+  if constexpr (OP == BinaryOp::Pow) {
+    if constexpr (std::is_floating_point<C>::value) {
+      return static_cast<C>(std::pow(a, b));
+    } else if constexpr (std::is_same<C, bool>::value) {
+      return static_cast<C>(a || !b);
+    } else {
+      return ipow<C>(a, b);
+    }
+  }
+  if constexpr (OP == BinaryOp::Maximum) return (a != a) ? a : ((b != b) ? b : (a > b ? a : b));
+  if constexpr (OP == BinaryOp::Minimum) return (a != a) ? a : ((b != b) ? b : (a < b ? a : b));
+  if constexpr (OP == BinaryOp::Eq) return a == b;
+  if constexpr (OP == BinaryOp::Ne) return a != b;
+  if constexpr (OP == BinaryOp::Lt) return a < b;
+  if constexpr (OP == BinaryOp::Le) return a <= b;
+  if constexpr (OP == BinaryOp::Gt) return a > b;
+  if constexpr (OP == BinaryOp::Ge) return a >= b;
+  if constexpr (OP == BinaryOp::And) return static_cast<bool>(a) && static_cast<bool>(b);
+  if constexpr (OP == BinaryOp::Or) return static_cast<bool>(a) || static_cast<bool>(b);
+}
+
+template <BinaryOp OP, typename T, typename O>
+static void binary_loop(const Tensor& x, const Tensor& y, const Tensor& out) {
+  using C = compute_t<T>;
+  const T* a = base_ptr<T>(x);
+  const T* b = base_ptr<T>(y);
+  O* o = base_ptr<O>(out);
+  for_each_strided<3>(out.shape(), {out.strides(), x.strides(), y.strides()},
+                      [&](const std::array<int64_t, 3>& off, int64_t n,
+                          const std::array<int64_t, 3>& s) {
+                        O* op = o + off[0];
+                        const T* ap = a + off[1];
+                        const T* bp = b + off[2];
+                        // Specialised strides so the compiler vectorises the common cases.
+                        if (s[1] == 1 && s[2] == 1) {
+                          for (int64_t i = 0; i < n; ++i)
+                            op[i] = static_cast<O>(binary_fn<OP, C>(C(ap[i]), C(bp[i])));
+                        } else if (s[1] == 1 && s[2] == 0) {
+                          const C bv = C(bp[0]);
+                          for (int64_t i = 0; i < n; ++i)
+                            op[i] = static_cast<O>(binary_fn<OP, C>(C(ap[i]), bv));
+                        } else if (s[1] == 0 && s[2] == 1) {
+                          const C av = C(ap[0]);
+                          for (int64_t i = 0; i < n; ++i)
+                            op[i] = static_cast<O>(binary_fn<OP, C>(av, C(bp[i])));
+                        } else {
+                          for (int64_t i = 0; i < n; ++i)
+                            op[i] = static_cast<O>(
+                                binary_fn<OP, C>(C(ap[i * s[1]]), C(bp[i * s[2]])));
+                        }
+                      });
+}
+
+template <BinaryOp OP>
+static void binary_dispatch(const Tensor& x, const Tensor& y, const Tensor& out, const char* nm) {
+  dispatch_all(x.dtype(), nm, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (out.dtype() == DType::Bool) {
+      binary_loop<OP, T, bool>(x, y, out);
+    } else {
+      binary_loop<OP, T, T>(x, y, out);
+    }
+  });
+}
+
+void Binary::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  const Tensor &x = in[0], &y = in[1], &o = out[0];
+  switch (op) {
+#define BT_CASE(N)                            \
+  case BinaryOp::N:                           \
+    binary_dispatch<BinaryOp::N>(x, y, o, name()); \
+    break;
+    BT_CASE(Add) BT_CASE(Sub) BT_CASE(Mul) BT_CASE(Div) BT_CASE(Pow) BT_CASE(Maximum)
+    BT_CASE(Minimum) BT_CASE(Eq) BT_CASE(Ne) BT_CASE(Lt) BT_CASE(Le) BT_CASE(Gt) BT_CASE(Ge)
+    BT_CASE(And) BT_CASE(Or)
+#undef BT_CASE
+  }
+}
+
+void Where::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  dispatch_all(out[0].dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const bool* c = base_ptr<bool>(in[0]);
+    const T* a = base_ptr<T>(in[1]);
+    const T* b = base_ptr<T>(in[2]);
+    T* o = base_ptr<T>(out[0]);
+    for_each_strided<4>(out[0].shape(),
+                        {out[0].strides(), in[0].strides(), in[1].strides(), in[2].strides()},
+                        [&](const std::array<int64_t, 4>& off, int64_t n,
+                            const std::array<int64_t, 4>& s) {
+                          for (int64_t i = 0; i < n; ++i) {
+                            o[off[0] + i * s[0]] = c[off[1] + i * s[1]] ? a[off[2] + i * s[2]]
+                                                                       : b[off[3] + i * s[3]];
+                          }
+                        });
+  });
+}
+
+void MaskedFill::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  dispatch_all(out[0].dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T v = static_cast<T>(static_cast<compute_t<T>>(value));
+    const T* a = base_ptr<T>(in[0]);
+    const bool* m = base_ptr<bool>(in[1]);
+    T* o = base_ptr<T>(out[0]);
+    for_each_strided<3>(out[0].shape(), {out[0].strides(), in[0].strides(), in[1].strides()},
+                        [&](const std::array<int64_t, 3>& off, int64_t n,
+                            const std::array<int64_t, 3>& s) {
+                          for (int64_t i = 0; i < n; ++i) {
+                            o[off[0] + i * s[0]] = m[off[2] + i * s[2]] ? v : a[off[1] + i * s[1]];
+                          }
+                        });
+  });
+}
+
+void Dropout::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  Tensor x = cpu::contiguous_raw(in[0]);
+  dispatch_float(out[0].dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using C = compute_t<T>;
+    const T* a = base_ptr<T>(x);
+    T* o = base_ptr<T>(out[0]);
+    const C scale = C(1.0 / (1.0 - p));
+    const float pf = static_cast<float>(p);
+    const int64_t n = out[0].numel();
+    cpu::parallel_for((n + 1023) / 1024, 1024, [&](int64_t c) {
+      const int64_t s = c * 1024, e = std::min(n, s + 1024);
+      for (int64_t i = s; i < e; ++i) {
+        const bool keep = philox::uniform_f32(seed, offset, i) >= pf;
+        o[i] = static_cast<T>(keep ? C(a[i]) * scale : C(0));
+      }
+    });
+  });
+}
+
+}  // namespace bt

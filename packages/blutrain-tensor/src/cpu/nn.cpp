@@ -1,0 +1,139 @@
+// cpu/nn.cpp: softmax / log_softmax (last dim), layer_norm and fused cross_entropy on the CPU.
+// Row-wise kernels, OpenMP over rows; statistics in double (float32 inputs) so results match a
+// float64 reference to float32 rounding.
+#include <cmath>
+#include <limits>
+
+#include "../primitives.h"
+#include "loops.h"
+
+namespace bt {
+
+using cpu::contiguous_raw;
+
+void Softmax::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  Tensor x = contiguous_raw(in[0]);
+  const int64_t C = x.ndim() ? x.shape().back() : 1;
+  const int64_t rows = C ? x.numel() / C : 0;
+  dispatch_float(x.dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using A = acc_t<T>;
+    const T* xp = static_cast<const T*>(x.data_ptr(name()));
+    T* o = static_cast<T*>(out[0].data_ptr(name()));
+    const bool lg = log;
+    cpu::parallel_for(rows, C, [&](int64_t r) {
+      const T* p = xp + r * C;
+      T* q = o + r * C;
+      A m = -std::numeric_limits<A>::infinity();
+      for (int64_t i = 0; i < C; ++i) m = std::max<A>(m, static_cast<A>(p[i]));
+      if (std::isinf(m) && m < 0) m = 0;  // an all -inf row gives nan (softmax), -inf (log)
+      A s = 0;
+      for (int64_t i = 0; i < C; ++i) s += std::exp(static_cast<A>(p[i]) - m);
+      if (lg) {
+        const A lse = m + std::log(s);
+        for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>(static_cast<A>(p[i]) - lse);
+      } else {
+        const A inv = A(1) / s;
+        for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>(std::exp(static_cast<A>(p[i]) - m) * inv);
+      }
+    });
+  });
+}
+
+void LayerNorm::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  Tensor x = contiguous_raw(in[0]);
+  Tensor w = has_weight ? contiguous_raw(in[1]) : Tensor();
+  Tensor b = has_bias ? contiguous_raw(in[2]) : Tensor();
+  const int64_t C = x.shape().back();
+  const int64_t rows = C ? x.numel() / C : 0;
+  dispatch_float(x.dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_float(out[1].dtype(), name(), [&](auto stag) {
+      using S = typename decltype(stag)::type;
+      const T* xp = static_cast<const T*>(x.data_ptr(name()));
+      const T* wp = has_weight ? static_cast<const T*>(w.data_ptr(name())) : nullptr;
+      const T* bp = has_bias ? static_cast<const T*>(b.data_ptr(name())) : nullptr;
+      T* y = static_cast<T*>(out[0].data_ptr(name()));
+      S* mean_o = static_cast<S*>(out[1].data_ptr(name()));
+      S* rstd_o = static_cast<S*>(out[2].data_ptr(name()));
+      const double e = eps;
+      cpu::parallel_for(rows, C, [&](int64_t r) {
+        const T* p = xp + r * C;
+        double s = 0;
+        for (int64_t i = 0; i < C; ++i) s += static_cast<double>(p[i]);
+        const double mean = s / static_cast<double>(C);
+        double ss = 0;
+        for (int64_t i = 0; i < C; ++i) {
+          const double d = static_cast<double>(p[i]) - mean;
+          ss += d * d;
+        }
+        const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(C) + e);
+        mean_o[r] = static_cast<S>(mean);
+        rstd_o[r] = static_cast<S>(rstd);
+        T* q = y + r * C;
+        for (int64_t i = 0; i < C; ++i) {
+          double v = (static_cast<double>(p[i]) - mean) * rstd;
+          if (wp) v *= static_cast<double>(wp[i]);
+          if (bp) v += static_cast<double>(bp[i]);
+          q[i] = static_cast<T>(v);
+        }
+      });
+    });
+  });
+}
+
+void CrossEntropy::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  Tensor x = contiguous_raw(in[0]);
+  Tensor t = contiguous_raw(in[1]);
+  const int64_t N = x.shape()[0], C = x.shape()[1];
+  const int64_t* tp = static_cast<const int64_t*>(t.data_ptr(name()));
+  for (int64_t i = 0; i < N; ++i) {  // serial check: no throw inside OpenMP
+    if (tp[i] != ignore_index && (tp[i] < 0 || tp[i] >= C)) {
+      throw IndexError("[cross_entropy] target " + std::to_string(tp[i]) + " (row " +
+                       std::to_string(i) + ") is out of range for " + std::to_string(C) +
+                       " classes (ignore_index is " + std::to_string(ignore_index) + ")");
+    }
+  }
+  dispatch_float(x.dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_float(out[1].dtype(), name(), [&](auto stag) {
+      using S = typename decltype(stag)::type;
+      const T* xp = static_cast<const T*>(x.data_ptr(name()));
+      S* lse_o = static_cast<S*>(out[1].data_ptr(name()));
+      std::vector<double> loss(N, 0.0);
+      const double ls = label_smoothing;
+      cpu::parallel_for(N, C, [&](int64_t r) {
+        const T* p = xp + r * C;
+        double m = -INFINITY, sum_x = 0;
+        for (int64_t i = 0; i < C; ++i) m = std::max(m, static_cast<double>(p[i]));
+        double s = 0;
+        for (int64_t i = 0; i < C; ++i) {
+          s += std::exp(static_cast<double>(p[i]) - m);
+          sum_x += static_cast<double>(p[i]);
+        }
+        const double lse = m + std::log(s);
+        lse_o[r] = static_cast<S>(lse);
+        if (tp[r] == ignore_index) return;
+        const double nll = lse - static_cast<double>(p[tp[r]]);
+        loss[r] = (1.0 - ls) * nll + ls * (lse - sum_x / static_cast<double>(C));
+      });
+      dispatch_float(out[0].dtype(), name(), [&](auto otag) {
+        using O = typename decltype(otag)::type;
+        O* lo = static_cast<O*>(out[0].data_ptr(name()));
+        if (reduction == 0) {
+          for (int64_t i = 0; i < N; ++i) lo[i] = static_cast<O>(loss[i]);
+        } else {
+          double s = 0;
+          int64_t valid = 0;
+          for (int64_t i = 0; i < N; ++i) {
+            s += loss[i];
+            valid += tp[i] != ignore_index;
+          }
+          lo[0] = static_cast<O>(reduction == 1 ? s / static_cast<double>(valid) : s);
+        }
+      });
+    });
+  });
+}
+
+}  // namespace bt

@@ -1,0 +1,153 @@
+// cpu/reduce.cpp: reductions (sum, mean, max, min, var, argmax, argmin) on the CPU.
+// One output element per work item (OpenMP over outputs); the reduced dims are walked with their
+// own strides, so no copy is made.  Floats accumulate in double, ints in int64.
+#include <cmath>
+#include <limits>
+
+#include "../primitives.h"
+#include "loops.h"
+
+namespace bt {
+
+namespace {
+struct Geometry {
+  Shape kshape;  // kept dims (input order)
+  Strides kstride;
+  Shape rshape;  // reduced dims
+  Strides rstride;
+  int64_t R = 1;
+  int64_t nout = 1;
+};
+
+Geometry make_geometry(const Tensor& x, const std::vector<int64_t>& dims) {
+  Geometry g;
+  std::vector<bool> red(x.ndim(), false);
+  for (auto d : dims) red[d] = true;
+  for (int64_t d = 0; d < x.ndim(); ++d) {
+    if (red[d]) {
+      g.rshape.push_back(x.shape()[d]);
+      g.rstride.push_back(x.strides()[d]);
+      g.R *= x.shape()[d];
+    } else {
+      g.kshape.push_back(x.shape()[d]);
+      g.kstride.push_back(x.strides()[d]);
+      g.nout *= x.shape()[d];
+    }
+  }
+  return g;
+}
+
+inline int64_t kept_offset(const Geometry& g, int64_t o) {
+  int64_t off = 0;
+  for (int64_t d = static_cast<int64_t>(g.kshape.size()) - 1; d >= 0; --d) {
+    off += (o % g.kshape[d]) * g.kstride[d];
+    o /= g.kshape[d];
+  }
+  return off;
+}
+
+// Calls f(value) for every reduced element of output o, in row-major order of the reduced dims.
+template <typename T, typename F>
+inline void visit(const Geometry& g, const T* base, F&& f) {
+  const int64_t nd = static_cast<int64_t>(g.rshape.size());
+  if (nd == 0) {
+    f(base[0]);
+    return;
+  }
+  const int64_t inner = g.rshape[nd - 1], is = g.rstride[nd - 1];
+  const int64_t outer = g.R / std::max<int64_t>(inner, 1);
+  for (int64_t r = 0; r < outer; ++r) {
+    int64_t off = 0, rem = r;
+    for (int64_t d = nd - 2; d >= 0; --d) {
+      off += (rem % g.rshape[d]) * g.rstride[d];
+      rem /= g.rshape[d];
+    }
+    const T* p = base + off;
+    if (is == 1) {
+      for (int64_t i = 0; i < inner; ++i) f(p[i]);
+    } else {
+      for (int64_t i = 0; i < inner; ++i) f(p[i * is]);
+    }
+  }
+}
+}  // namespace
+
+void Reduce::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  const Tensor& x = in[0];
+  const Geometry g = make_geometry(x, dims);
+  dispatch_all(x.dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using C = compute_t<T>;
+    using A = acc_t<T>;
+    const T* xb = static_cast<const T*>(x.data_ptr(name()));
+    dispatch_all(out[0].dtype(), name(), [&](auto otag) {
+      using O = typename decltype(otag)::type;
+      O* o = static_cast<O*>(out[0].data_ptr(name()));
+      const ReduceOp rop = op;
+      const double corr = correction;
+      cpu::parallel_for(g.nout, g.R, [&](int64_t i) {
+        const T* base = xb + kept_offset(g, i);
+        if (rop == ReduceOp::Sum || rop == ReduceOp::Mean) {
+          A acc = 0;
+          visit(g, base, [&](T v) { acc += static_cast<A>(static_cast<C>(v)); });
+          if (rop == ReduceOp::Mean) {
+            o[i] = static_cast<O>(static_cast<double>(acc) / static_cast<double>(g.R));
+          } else {
+            o[i] = static_cast<O>(static_cast<compute_t<O>>(acc));
+          }
+        } else if (rop == ReduceOp::Max || rop == ReduceOp::Min) {
+          C best = static_cast<C>(base[0]);
+          bool nan = false;
+          visit(g, base, [&](T v) {
+            const C c = static_cast<C>(v);
+            if (c != c) nan = true;
+            if (rop == ReduceOp::Max ? (c > best) : (c < best)) best = c;
+          });
+          if constexpr (std::is_floating_point<C>::value) {
+            if (nan) best = std::numeric_limits<C>::quiet_NaN();
+          }
+          o[i] = static_cast<O>(best);
+        } else {  // Var: two passes in double
+          double s = 0;
+          visit(g, base, [&](T v) { s += static_cast<double>(static_cast<C>(v)); });
+          const double mean = s / static_cast<double>(g.R);
+          double ss = 0;
+          visit(g, base, [&](T v) {
+            const double d = static_cast<double>(static_cast<C>(v)) - mean;
+            ss += d * d;
+          });
+          const double denom = static_cast<double>(g.R) - corr;
+          o[i] = static_cast<O>(denom > 0 ? ss / denom : std::numeric_limits<double>::quiet_NaN());
+        }
+      });
+    });
+  });
+}
+
+void ArgReduce::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  const Tensor& x = in[0];
+  const Geometry g = make_geometry(x, {dim});
+  dispatch_all(x.dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using C = compute_t<T>;
+    const T* xb = static_cast<const T*>(x.data_ptr(name()));
+    int64_t* o = static_cast<int64_t*>(out[0].data_ptr(name()));
+    const int64_t n = g.R, st = g.rstride[0];
+    cpu::parallel_for(g.nout, n, [&](int64_t i) {
+      const T* p = xb + kept_offset(g, i);
+      C best = static_cast<C>(p[0]);
+      int64_t bi = 0;
+      for (int64_t j = 1; j < n; ++j) {
+        const C c = static_cast<C>(p[j * st]);
+        if (best != best) break;  // NaN wins (first NaN), as in PyTorch
+        if (c != c || (is_max ? c > best : c < best)) {
+          best = c;
+          bi = j;
+        }
+      }
+      o[i] = bi;
+    });
+  });
+}
+
+}  // namespace bt

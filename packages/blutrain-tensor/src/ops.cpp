@@ -1,0 +1,1079 @@
+// ops.cpp: the backend-neutral front (promote, broadcast, check, build the node).
+#include "ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <numeric>
+#include <optional>
+
+#include "backend.h"
+#include "capture.h"
+#include "random.h"
+
+namespace bt {
+
+std::optional<Strides> view_strides(const Shape& old_shape, const Strides& old_strides,
+                                    const Shape& new_shape);  // views.cpp
+
+template <typename P, typename... Args>
+static std::shared_ptr<Primitive> mk(Args&&... args) {
+  return std::make_shared<P>(std::forward<Args>(args)...);
+}
+
+static void check_device(Device d, const char* op) {
+  if (d.is_cuda() && !active_graph()) backend::check_cuda_device(d, op);
+}
+
+static void check_same_device(const Tensor& a, const Tensor& b, const char* op) {
+  if (a.device() != b.device()) {
+    throw ValueError(std::string("[") + op + "] expected all tensors on the same device, got " +
+                     a.device().str() + " and " + b.device().str());
+  }
+}
+
+static void check_defined(const Tensor& t, const char* op) {
+  if (!t.defined()) throw ValueError(std::string("[") + op + "] got an undefined tensor");
+}
+
+// ---- creation ------------------------------------------------------------------------------
+Tensor full(const Shape& shape, double value, DType dtype, Device device) {
+  check_device(device, "full");
+  for (auto d : shape) {
+    if (d < 0) throw ValueError("[full] negative dimension in shape " + shape_str(shape));
+  }
+  return apply1(mk<Full>(value), {}, shape, dtype, device);
+}
+Tensor zeros(const Shape& s, DType dt, Device dev) { return full(s, 0.0, dt, dev); }
+Tensor ones(const Shape& s, DType dt, Device dev) { return full(s, 1.0, dt, dev); }
+Tensor zeros_like(const Tensor& t) { return zeros(t.shape(), t.dtype(), t.device()); }
+Tensor ones_like(const Tensor& t) { return ones(t.shape(), t.dtype(), t.device()); }
+
+Tensor empty(const Shape& shape, DType dtype, Device device) {
+  check_device(device, "empty");
+  if (active_graph()) return apply1(mk<Full>(0.0), {}, shape, dtype, device);
+  return empty_tensor(shape, dtype, device, "empty");
+}
+
+Tensor arange(double start, double stop, double step, DType dtype, Device device) {
+  check_device(device, "arange");
+  if (step == 0) throw ValueError("[arange] step must be nonzero");
+  const double n = std::ceil((stop - start) / step);
+  if (!std::isfinite(n)) throw ValueError("[arange] start, stop and step must be finite");
+  return apply1(mk<Arange>(start, step), {}, {std::max<int64_t>(0, static_cast<int64_t>(n))},
+                dtype, device);
+}
+
+namespace {
+struct GeneratorState {
+  std::mutex mu;
+  uint64_t seed = 0x2545F4914F6CDD1DULL;
+  uint64_t initial = 0x2545F4914F6CDD1DULL;
+  uint64_t offset = 0;
+};
+GeneratorState& gen() {
+  static GeneratorState g;
+  return g;
+}
+}  // namespace
+
+void manual_seed(uint64_t seed) {
+  auto& g = gen();
+  std::lock_guard<std::mutex> lk(g.mu);
+  g.seed = g.initial = seed;
+  g.offset = 0;
+}
+uint64_t initial_seed() { return gen().initial; }
+std::pair<uint64_t, uint64_t> next_philox(uint64_t n) {
+  auto& g = gen();
+  std::lock_guard<std::mutex> lk(g.mu);
+  auto r = std::make_pair(g.seed, g.offset);
+  g.offset += n;
+  return r;
+}
+
+static Tensor random_op(RandKind k, const Shape& shape, DType dtype, Device device, double a,
+                        double b, const char* op) {
+  check_device(device, op);
+  for (auto d : shape) {
+    if (d < 0) throw ValueError(std::string("[") + op + "] negative dimension in shape " + shape_str(shape));
+  }
+  const uint64_t n = static_cast<uint64_t>(shape_numel(shape));
+  auto [seed, off] = next_philox(
+      philox::counters_needed(n, k == RandKind::Uniform && dtype == DType::Float64));
+  return apply1(mk<Random>(k, seed, off, a, b), {}, shape, dtype, device);
+}
+
+Tensor rand(const Shape& shape, DType dtype, Device device) {
+  if (!is_floating(dtype)) throw TypeError("[rand] dtype must be floating, got " + std::string(dtype_name(dtype)));
+  return random_op(RandKind::Uniform, shape, dtype, device, 0, 1, "rand");
+}
+Tensor randn(const Shape& shape, DType dtype, Device device) {
+  if (!is_floating(dtype)) throw TypeError("[randn] dtype must be floating, got " + std::string(dtype_name(dtype)));
+  return random_op(RandKind::Normal, shape, dtype, device, 0, 1, "randn");
+}
+Tensor randint(int64_t low, int64_t high, const Shape& shape, DType dtype, Device device) {
+  if (high <= low) {
+    throw ValueError("[randint] high (" + std::to_string(high) + ") must be greater than low (" +
+                     std::to_string(low) + ")");
+  }
+  if (high - low > (int64_t{1} << 32)) throw ValueError("[randint] ranges above 2^32 are not supported");
+  return random_op(RandKind::Int, shape, dtype, device, static_cast<double>(low),
+                   static_cast<double>(high), "randint");
+}
+
+// ---- copies --------------------------------------------------------------------------------
+Tensor astype(const Tensor& x, DType dtype) {
+  check_defined(x, "to");
+  if (x.dtype() == dtype) return x;
+  return apply1(mk<AsType>(), {x}, x.shape(), dtype, x.device());
+}
+
+Tensor contiguous(const Tensor& x) {
+  if (x.is_contiguous()) return x;
+  return apply1(mk<AsType>(), {x}, x.shape(), x.dtype(), x.device());
+}
+
+Tensor clone(const Tensor& x) { return apply1(mk<AsType>(), {x}, x.shape(), x.dtype(), x.device()); }
+
+Tensor to_device(const Tensor& x, Device device) {
+  if (x.device() == device) return x;
+  check_device(device, "to");
+  check_device(x.device(), "to");
+  Tensor src = x.device().is_cuda() ? contiguous(x) : x;
+  // apply() checks that inputs live on the op's device; a transfer is the one exception.
+  auto prim = mk<ToDevice>();
+  Tensor out;
+  {
+    Graph* g = active_graph();
+    out = g ? symbolic_tensor(x.shape(), x.dtype(), device)
+            : empty_tensor(x.shape(), x.dtype(), device, "to");
+    std::vector<Tensor> outs{out};
+    if (g) {
+      g->record("to_device", {{"device", device.str()}}, {src}, outs);
+    } else if (device.is_cuda() || src.device().is_cuda()) {
+      if (device.is_cuda()) {
+        prim->eval_gpu({src}, outs);
+      } else {
+        prim->eval_cpu({src}, outs);
+      }
+    } else {
+      prim->eval_cpu({src}, outs);
+    }
+  }
+  if (src.requires_grad() && grad_enabled()) {
+    const Device from = x.device();
+    auto node = make_custom_node(
+        "ToDevice",
+        [from](const std::vector<Tensor>& g) { return std::vector<Tensor>{to_device(g[0], from)}; },
+        {src}, {out});
+    (void)node;
+  }
+  return out;
+}
+
+// ---- views ---------------------------------------------------------------------------------
+static Shape infer_shape(Shape shape, int64_t numel, const Shape& from, const char* op) {
+  int64_t infer = -1, prod = 1;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == -1) {
+      if (infer >= 0) throw ValueError(std::string("[") + op + "] only one dimension can be -1");
+      infer = static_cast<int64_t>(i);
+    } else if (shape[i] < 0) {
+      throw ValueError(std::string("[") + op + "] invalid shape " + shape_str(shape));
+    } else {
+      prod *= shape[i];
+    }
+  }
+  if (infer >= 0) {
+    if (prod == 0 || numel % prod != 0) {
+      throw ValueError(std::string("[") + op + "] shape " + shape_str(shape) +
+                       " is invalid for input of shape " + shape_str(from));
+    }
+    shape[infer] = numel / prod;
+  } else if (prod != numel) {
+    throw ValueError(std::string("[") + op + "] shape " + shape_str(shape) +
+                     " is invalid for input of shape " + shape_str(from) + " (" +
+                     std::to_string(numel) + " elements)");
+  }
+  return shape;
+}
+
+Tensor reshape(const Tensor& x, Shape shape) {
+  check_defined(x, "reshape");
+  shape = infer_shape(std::move(shape), x.numel(), x.shape(), "reshape");
+  if (shape == x.shape()) return x;
+  Tensor src = view_strides(x.shape(), x.strides(), shape) ? x : contiguous(x);
+  return apply1(mk<Reshape>(shape), {src}, shape, x.dtype(), x.device());
+}
+
+Tensor view(const Tensor& x, Shape shape) {
+  shape = infer_shape(std::move(shape), x.numel(), x.shape(), "view");
+  if (!view_strides(x.shape(), x.strides(), shape)) {
+    throw RuntimeError("[view] a tensor of shape " + shape_str(x.shape()) + " and strides " +
+                       shape_str(x.strides()) + " cannot be viewed as " + shape_str(shape) +
+                       " without a copy; use reshape()");
+  }
+  return apply1(mk<Reshape>(shape), {x}, shape, x.dtype(), x.device());
+}
+
+Tensor flatten(const Tensor& x, int64_t start, int64_t end) {
+  if (x.ndim() == 0) return reshape(x, {1});
+  start = wrap_dim(start, x.ndim(), "flatten");
+  end = wrap_dim(end, x.ndim(), "flatten");
+  if (start > end) throw ValueError("[flatten] start_dim must not be after end_dim");
+  Shape s(x.shape().begin(), x.shape().begin() + start);
+  int64_t m = 1;
+  for (int64_t d = start; d <= end; ++d) m *= x.shape()[d];
+  s.push_back(m);
+  s.insert(s.end(), x.shape().begin() + end + 1, x.shape().end());
+  return reshape(x, s);
+}
+
+Tensor permute(const Tensor& x, std::vector<int64_t> perm) {
+  if (static_cast<int64_t>(perm.size()) != x.ndim()) {
+    throw ValueError("[permute] got " + std::to_string(perm.size()) + " dims for a tensor of " +
+                     std::to_string(x.ndim()) + " dims");
+  }
+  std::vector<bool> seen(perm.size(), false);
+  Shape s;
+  for (auto& p : perm) {
+    p = wrap_dim(p, x.ndim(), "permute");
+    if (seen[p]) throw ValueError("[permute] dim " + std::to_string(p) + " repeats");
+    seen[p] = true;
+    s.push_back(x.shape()[p]);
+  }
+  return apply1(mk<Permute>(perm), {x}, s, x.dtype(), x.device());
+}
+
+Tensor transpose(const Tensor& x, int64_t d0, int64_t d1) {
+  if (x.ndim() < 2 && d0 == d1) return x;
+  std::vector<int64_t> perm(x.ndim());
+  std::iota(perm.begin(), perm.end(), 0);
+  d0 = wrap_dim(d0, x.ndim(), "transpose");
+  d1 = wrap_dim(d1, x.ndim(), "transpose");
+  std::swap(perm[d0], perm[d1]);
+  return permute(x, perm);
+}
+
+Tensor expand(const Tensor& x, const Shape& shape_in) {
+  if (static_cast<int64_t>(shape_in.size()) < x.ndim()) {
+    throw ValueError("[expand] cannot expand a tensor of shape " + shape_str(x.shape()) + " to " +
+                     shape_str(shape_in) + " (fewer dims)");
+  }
+  Shape shape = shape_in;
+  const int64_t lead = static_cast<int64_t>(shape.size()) - x.ndim();
+  for (int64_t d = 0; d < static_cast<int64_t>(shape.size()); ++d) {
+    const int64_t have = d >= lead ? x.shape()[d - lead] : 1;
+    if (shape[d] == -1) {
+      if (d < lead) throw ValueError("[expand] -1 is not allowed for a new leading dim");
+      shape[d] = have;
+    }
+    if (have != shape[d] && have != 1) {
+      throw ValueError("[expand] cannot expand a tensor of shape " + shape_str(x.shape()) +
+                       " to " + shape_str(shape_in) + ": dim " + std::to_string(d) +
+                       " has size " + std::to_string(have) + ", not 1");
+    }
+  }
+  if (shape == x.shape()) return x;
+  return apply1(mk<Expand>(shape), {x}, shape, x.dtype(), x.device());
+}
+Tensor broadcast_to(const Tensor& x, const Shape& shape) { return expand(x, shape); }
+
+Tensor slice(const Tensor& x, int64_t dim, std::optional<int64_t> start_o,
+             std::optional<int64_t> stop_o, int64_t step) {
+  if (x.ndim() == 0) throw IndexError("[slice] cannot slice a 0-d tensor");
+  dim = wrap_dim(dim, x.ndim(), "slice");
+  if (step <= 0) throw ValueError("[slice] step must be positive, got " + std::to_string(step));
+  const int64_t n = x.shape()[dim];
+  auto norm = [n](int64_t v) { return std::clamp<int64_t>(v < 0 ? v + n : v, 0, n); };
+  const int64_t start = start_o ? norm(*start_o) : 0;
+  const int64_t stop = std::max(start, stop_o ? norm(*stop_o) : n);
+  if (start == 0 && stop == n && step == 1) return x;
+  Shape s = x.shape();
+  s[dim] = (stop - start + step - 1) / step;
+  return apply1(mk<Slice>(dim, start, stop, step), {x}, s, x.dtype(), x.device());
+}
+
+Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
+  dim = wrap_dim(dim, x.ndim(), "narrow");
+  const int64_t n = x.shape()[dim];
+  if (start < 0) start += n;
+  if (start < 0 || length < 0 || start + length > n) {
+    throw IndexError("[narrow] start " + std::to_string(start) + " and length " +
+                     std::to_string(length) + " are out of range for dim " + std::to_string(dim) +
+                     " of size " + std::to_string(n));
+  }
+  return slice(x, dim, start, start + length, 1);
+}
+
+Tensor select(const Tensor& x, int64_t dim, int64_t index) {
+  if (x.ndim() == 0) throw IndexError("[select] cannot index a 0-d tensor");
+  dim = wrap_dim(dim, x.ndim(), "select");
+  const int64_t n = x.shape()[dim];
+  if (index < -n || index >= n) {
+    throw IndexError("[select] index " + std::to_string(index) + " is out of range for dim " +
+                     std::to_string(dim) + " of size " + std::to_string(n));
+  }
+  if (index < 0) index += n;
+  Shape s = x.shape();
+  s.erase(s.begin() + dim);
+  return apply1(mk<Select>(dim, index), {x}, s, x.dtype(), x.device());
+}
+
+std::vector<Tensor> split_sizes(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim) {
+  dim = wrap_dim(dim, x.ndim(), "split");
+  int64_t total = 0;
+  for (auto s : sizes) {
+    if (s < 0) throw ValueError("[split] sizes must be non-negative");
+    total += s;
+  }
+  if (total != x.shape()[dim]) {
+    throw ValueError("[split] sizes sum to " + std::to_string(total) + " but dim " +
+                     std::to_string(dim) + " has size " + std::to_string(x.shape()[dim]));
+  }
+  std::vector<Tensor> r;
+  int64_t at = 0;
+  for (auto s : sizes) {
+    r.push_back(slice(x, dim, at, at + s, 1));
+    at += s;
+  }
+  return r;
+}
+
+std::vector<Tensor> split(const Tensor& x, int64_t size, int64_t dim) {
+  if (size <= 0) throw ValueError("[split] split_size must be positive");
+  dim = wrap_dim(dim, x.ndim(), "split");
+  std::vector<int64_t> sizes;
+  for (int64_t at = 0; at < x.shape()[dim]; at += size) {
+    sizes.push_back(std::min(size, x.shape()[dim] - at));
+  }
+  if (sizes.empty()) sizes.push_back(0);
+  return split_sizes(x, sizes, dim);
+}
+
+std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {
+  if (chunks <= 0) throw ValueError("[chunk] chunks must be positive");
+  dim = wrap_dim(dim, x.ndim(), "chunk");
+  const int64_t n = x.shape()[dim];
+  return split(x, std::max<int64_t>(1, (n + chunks - 1) / chunks), dim);
+}
+
+Tensor squeeze(const Tensor& x, std::optional<int64_t> dim) {
+  Shape s;
+  if (dim) {
+    const int64_t d = wrap_dim(*dim, x.ndim(), "squeeze");
+    if (x.ndim() == 0 || x.shape()[d] != 1) return x;
+    s = x.shape();
+    s.erase(s.begin() + d);
+  } else {
+    for (auto v : x.shape()) {
+      if (v != 1) s.push_back(v);
+    }
+  }
+  if (s == x.shape()) return x;
+  return apply1(mk<Reshape>(s), {x}, s, x.dtype(), x.device());
+}
+
+Tensor unsqueeze(const Tensor& x, int64_t dim) {
+  const int64_t d = wrap_dim(dim, x.ndim() + 1, "unsqueeze");
+  Shape s = x.shape();
+  s.insert(s.begin() + d, 1);
+  return apply1(mk<Reshape>(s), {x}, s, x.dtype(), x.device());
+}
+
+Tensor slice_scatter(const Tensor& base, const Tensor& src_in, int64_t dim, int64_t start,
+                     int64_t stop, int64_t step) {
+  Shape ss = base.shape();
+  ss[dim] = stop > start ? (stop - start + step - 1) / step : 0;
+  check_same_device(base, src_in, "slice_scatter");
+  Tensor src = astype(expand(src_in, ss), base.dtype());
+  return apply1(mk<SliceScatter>(dim, start, stop, step), {base, src}, base.shape(), base.dtype(),
+                base.device());
+}
+
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
+  const size_t n = std::max(a.size(), b.size());
+  Shape r(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t da = i < n - a.size() ? 1 : a[i - (n - a.size())];
+    const int64_t db = i < n - b.size() ? 1 : b[i - (n - b.size())];
+    if (da != db && da != 1 && db != 1) {
+      throw ValueError(std::string("[") + op + "] shapes " + shape_str(a) + " and " +
+                       shape_str(b) + " cannot be broadcast (dim " + std::to_string(i) + ": " +
+                       std::to_string(da) + " vs " + std::to_string(db) + ")");
+    }
+    r[i] = da == 1 ? db : da;
+  }
+  return r;
+}
+
+Tensor sum_to(const Tensor& g, const Shape& shape) {
+  if (g.shape() == shape) return g;
+  const int64_t lead = g.ndim() - static_cast<int64_t>(shape.size());
+  std::vector<int64_t> dims;
+  for (int64_t d = 0; d < g.ndim(); ++d) {
+    if (d < lead || (shape[d - lead] == 1 && g.shape()[d] != 1)) dims.push_back(d);
+  }
+  Tensor r = dims.empty() ? g : reduce(ReduceOp::Sum, g, dims, true);
+  return reshape(r, shape);
+}
+
+// ---- elementwise ---------------------------------------------------------------------------
+const char* unary_name(UnaryOp op) {
+  switch (op) {
+    case UnaryOp::Neg: return "neg";
+    case UnaryOp::Exp: return "exp";
+    case UnaryOp::Log: return "log";
+    case UnaryOp::Sqrt: return "sqrt";
+    case UnaryOp::Rsqrt: return "rsqrt";
+    case UnaryOp::Tanh: return "tanh";
+    case UnaryOp::Abs: return "abs";
+    case UnaryOp::Sigmoid: return "sigmoid";
+    case UnaryOp::Relu: return "relu";
+    case UnaryOp::Sin: return "sin";
+    case UnaryOp::Cos: return "cos";
+    case UnaryOp::GeluTanh: return "gelu_tanh";
+    case UnaryOp::GeluErf: return "gelu";
+    case UnaryOp::Erf: return "erf";
+    case UnaryOp::LogicalNot: return "logical_not";
+    case UnaryOp::Sign: return "sign";
+  }
+  return "?";
+}
+
+const char* binary_name(BinaryOp op) {
+  switch (op) {
+    case BinaryOp::Add: return "add";
+    case BinaryOp::Sub: return "sub";
+    case BinaryOp::Mul: return "mul";
+    case BinaryOp::Div: return "div";
+    case BinaryOp::Pow: return "pow";
+    case BinaryOp::Maximum: return "maximum";
+    case BinaryOp::Minimum: return "minimum";
+    case BinaryOp::Eq: return "eq";
+    case BinaryOp::Ne: return "ne";
+    case BinaryOp::Lt: return "lt";
+    case BinaryOp::Le: return "le";
+    case BinaryOp::Gt: return "gt";
+    case BinaryOp::Ge: return "ge";
+    case BinaryOp::And: return "logical_and";
+    case BinaryOp::Or: return "logical_or";
+  }
+  return "?";
+}
+
+const char* reduce_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Mean: return "mean";
+    case ReduceOp::Max: return "max";
+    case ReduceOp::Min: return "min";
+    case ReduceOp::Var: return "var";
+  }
+  return "?";
+}
+
+Tensor unary(UnaryOp op, const Tensor& x) {
+  check_defined(x, unary_name(op));
+  DType dt = x.dtype();
+  switch (op) {
+    case UnaryOp::Neg:
+      if (dt == DType::Bool) throw TypeError("[neg] is not defined for bool tensors; use logical_not");
+      break;
+    case UnaryOp::Abs:
+    case UnaryOp::Relu:
+    case UnaryOp::Sign: break;
+    case UnaryOp::LogicalNot: dt = DType::Bool; break;
+    default: dt = to_floating(dt); break;
+  }
+  Tensor in = op == UnaryOp::LogicalNot ? x : astype(x, op == UnaryOp::Neg || op == UnaryOp::Abs ||
+                                                             op == UnaryOp::Relu || op == UnaryOp::Sign
+                                                         ? x.dtype()
+                                                         : dt);
+  return apply1(std::make_shared<Unary>(op), {in}, x.shape(), dt, x.device());
+}
+
+Tensor gelu(const Tensor& x, bool tanh_approx) {
+  return unary(tanh_approx ? UnaryOp::GeluTanh : UnaryOp::GeluErf, x);
+}
+
+static bool is_compare(BinaryOp op) { return op >= BinaryOp::Eq && op <= BinaryOp::Ge; }
+
+Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
+  const char* nm = binary_name(op);
+  check_defined(a, nm);
+  check_defined(b, nm);
+  check_same_device(a, b, nm);
+  DType dt = promote_types(a.dtype(), b.dtype());
+  if (op == BinaryOp::Div) dt = to_floating(dt);
+  if (op == BinaryOp::And || op == BinaryOp::Or) dt = DType::Bool;
+  if (op == BinaryOp::Sub && dt == DType::Bool) {
+    throw TypeError("[sub] subtraction of bool tensors is not supported; use logical_xor or ^");
+  }
+  const Shape shape = broadcast_shapes(a.shape(), b.shape(), nm);
+  const DType out_dt = (is_compare(op) || op == BinaryOp::And || op == BinaryOp::Or)
+                           ? DType::Bool : dt;
+  Tensor a2 = expand(astype(a, dt), shape), b2 = expand(astype(b, dt), shape);
+  return apply1(std::make_shared<Binary>(op), {a2, b2}, shape, out_dt, a.device());
+}
+
+static DType scalar_dtype(BinaryOp, DType t, int cat) {
+  DType dt = promote_with_scalar(t, cat);
+  return dt;
+}
+
+Tensor binary(BinaryOp op, const Tensor& a, Scalar b) {
+  check_defined(a, binary_name(op));
+  DType dt = scalar_dtype(op, a.dtype(), b.category);
+  return binary(op, a, full({}, b.v, dt, a.device()));
+}
+Tensor binary(BinaryOp op, Scalar a, const Tensor& b) {
+  check_defined(b, binary_name(op));
+  DType dt = scalar_dtype(op, b.dtype(), a.category);
+  return binary(op, full({}, a.v, dt, b.device()), b);
+}
+
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
+  if (cond.dtype() != DType::Bool) {
+    throw TypeError(std::string("[where] condition must be bool, got ") + dtype_name(cond.dtype()));
+  }
+  check_same_device(cond, a, "where");
+  check_same_device(a, b, "where");
+  const DType dt = promote_types(a.dtype(), b.dtype());
+  const Shape s = broadcast_shapes(broadcast_shapes(cond.shape(), a.shape(), "where"), b.shape(),
+                                   "where");
+  return apply1(mk<Where>(), {expand(cond, s), expand(astype(a, dt), s), expand(astype(b, dt), s)},
+                s, dt, a.device());
+}
+Tensor where(const Tensor& cond, const Tensor& a, Scalar b) {
+  return where(cond, a, full({}, b.v, promote_with_scalar(a.dtype(), b.category), a.device()));
+}
+
+Tensor masked_fill(const Tensor& x, const Tensor& mask, double value) {
+  if (mask.dtype() != DType::Bool) {
+    throw TypeError(std::string("[masked_fill] mask must be bool, got ") + dtype_name(mask.dtype()));
+  }
+  check_same_device(x, mask, "masked_fill");
+  const Shape s = broadcast_shapes(x.shape(), mask.shape(), "masked_fill");
+  if (s != x.shape()) {
+    throw ValueError("[masked_fill] mask of shape " + shape_str(mask.shape()) +
+                     " does not broadcast to the input's shape " + shape_str(x.shape()));
+  }
+  return apply1(mk<MaskedFill>(value), {x, expand(mask, s)}, x.shape(), x.dtype(), x.device());
+}
+
+static Tensor raw_copy_into(const Tensor& dst, const Tensor& src, const char* op);
+
+Tensor& inplace(Tensor& x, const Tensor& result, const char* op) {
+  check_defined(x, op);
+  if (broadcast_shapes(x.shape(), result.shape(), op) != x.shape()) {
+    throw ValueError(std::string("[") + op + "] the result of shape " + shape_str(result.shape()) +
+                     " does not fit the tensor of shape " + shape_str(x.shape()) +
+                     " being modified in place");
+  }
+  const bool track = grad_enabled() && (result.requires_grad() || x.requires_grad());
+  if (track && x.requires_grad() && x.is_leaf()) {
+    throw RuntimeError(std::string("[") + op + "] a leaf tensor that requires grad is used in an "
+                       "in-place operation; wrap it in no_grad() or use the out-of-place op");
+  }
+  if (track && x.impl()->view_of_grad) {
+    throw NotImplementedError(std::string("[") + op + "] in-place change of a view of a tensor "
+                              "that requires grad is not supported yet; use the out-of-place op");
+  }
+  Tensor r = astype(expand(result, x.shape()), x.dtype());
+  if (Graph* g = active_graph()) {
+    g->record_copy(x, r);
+  } else {
+    raw_copy_into(x, r, op);
+  }
+  if (x.storage()) x.storage()->bump_version();
+  if (grad_enabled()) {
+    if (r.requires_grad()) {
+      // x now holds r's value: it takes over r's history (an alias node if r is a leaf).
+      if (!r.grad_fn()) r = apply1(mk<Reshape>(r.shape()), {r}, r.shape(), r.dtype(), r.device());
+      x.impl()->grad_fn = r.grad_fn();
+      x.impl()->output_nr = r.impl()->output_nr;
+      x.impl()->requires_grad = true;
+    } else if (x.grad_fn()) {
+      x.impl()->grad_fn = nullptr;  // the new value does not depend on anything that needs grad
+      x.impl()->requires_grad = false;
+    }
+  }
+  return x;
+}
+
+Tensor& copy_(Tensor& dst, const Tensor& src) {
+  check_same_device(dst, src, "copy_");
+  return inplace(dst, astype(src, dst.dtype()), "copy_");
+}
+
+// ---- reductions ----------------------------------------------------------------------------
+Tensor reduce(ReduceOp op, const Tensor& x, std::vector<int64_t> dims, bool keepdim,
+              double correction) {
+  const char* nm = reduce_name(op);
+  check_defined(x, nm);
+  if (dims.empty()) {
+    dims.resize(x.ndim());
+    std::iota(dims.begin(), dims.end(), 0);
+  }
+  for (auto& d : dims) d = wrap_dim(d, x.ndim(), nm);
+  std::sort(dims.begin(), dims.end());
+  if (std::adjacent_find(dims.begin(), dims.end()) != dims.end()) {
+    throw ValueError(std::string("[") + nm + "] a dim appears more than once");
+  }
+  if (x.ndim() == 0) dims.clear();
+  Shape out;
+  for (int64_t d = 0, j = 0; d < x.ndim(); ++d) {
+    const bool red = j < static_cast<int64_t>(dims.size()) && dims[j] == d;
+    if (red) {
+      ++j;
+      if ((op == ReduceOp::Max || op == ReduceOp::Min) && x.shape()[d] == 0) {
+        throw ValueError(std::string("[") + nm + "] cannot reduce over a zero-size dim");
+      }
+      if (keepdim) out.push_back(1);
+    } else {
+      out.push_back(x.shape()[d]);
+    }
+  }
+  DType dt = x.dtype();
+  Tensor in = x;
+  if (op == ReduceOp::Sum && !is_floating(dt)) dt = DType::Int64;
+  if (op == ReduceOp::Mean || op == ReduceOp::Var) {
+    dt = to_floating(dt);
+    in = astype(x, dt);
+  }
+  return apply1(std::make_shared<Reduce>(op, dims, keepdim, correction), {in}, out, dt,
+                x.device());
+}
+
+Tensor argreduce(bool is_max, const Tensor& x, std::optional<int64_t> dim, bool keepdim) {
+  const char* nm = is_max ? "argmax" : "argmin";
+  if (!dim) {
+    if (x.numel() == 0) throw ValueError(std::string("[") + nm + "] got an empty tensor");
+    Tensor f = reshape(x, {-1});
+    Tensor r = argreduce(is_max, f, 0, false);
+    return keepdim ? reshape(r, Shape(x.ndim(), 1)) : r;
+  }
+  const int64_t d = x.ndim() == 0 ? 0 : wrap_dim(*dim, x.ndim(), nm);
+  if (x.ndim() == 0) return zeros({}, DType::Int64, x.device());
+  if (x.shape()[d] == 0) throw ValueError(std::string("[") + nm + "] cannot reduce a zero-size dim");
+  Shape s = x.shape();
+  if (keepdim) {
+    s[d] = 1;
+  } else {
+    s.erase(s.begin() + d);
+  }
+  return apply1(mk<ArgReduce>(is_max, d, keepdim), {x}, s, DType::Int64, x.device());
+}
+
+// ---- indexing, joining ---------------------------------------------------------------------
+static void check_index_tensor(const Tensor& idx, const char* op) {
+  if (idx.dtype() != DType::Int64 && idx.dtype() != DType::Int32) {
+    throw TypeError(std::string("[") + op + "] index must be int32 or int64, got " +
+                    dtype_name(idx.dtype()));
+  }
+}
+
+Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
+  check_index_tensor(index, "index_select");
+  check_same_device(x, index, "index_select");
+  if (index.ndim() > 1) throw ValueError("[index_select] index must be 1-D, got shape " + shape_str(index.shape()));
+  dim = wrap_dim(dim, x.ndim(), "index_select");
+  Shape s = x.shape();
+  s[dim] = index.numel();
+  return apply1(mk<IndexSelect>(dim), {x, reshape(index, {-1})}, s, x.dtype(), x.device());
+}
+
+Tensor index_add(const Tensor& base, int64_t dim, const Tensor& index, const Tensor& src) {
+  check_index_tensor(index, "index_add");
+  dim = wrap_dim(dim, base.ndim(), "index_add");
+  Shape s = base.shape();
+  s[dim] = index.numel();
+  if (src.shape() != s) {
+    throw ValueError("[index_add] source has shape " + shape_str(src.shape()) + ", expected " +
+                     shape_str(s));
+  }
+  return apply1(mk<IndexAdd>(dim), {base, reshape(index, {-1}), astype(src, base.dtype())},
+                base.shape(), base.dtype(), base.device());
+}
+
+Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
+  check_index_tensor(index, "gather");
+  check_same_device(x, index, "gather");
+  dim = wrap_dim(dim, x.ndim(), "gather");
+  if (index.ndim() != x.ndim()) {
+    throw ValueError("[gather] index has " + std::to_string(index.ndim()) + " dims but input has " +
+                     std::to_string(x.ndim()));
+  }
+  for (int64_t d = 0; d < x.ndim(); ++d) {
+    if (d != dim && index.shape()[d] > x.shape()[d]) {
+      throw ValueError("[gather] index shape " + shape_str(index.shape()) +
+                       " is larger than input shape " + shape_str(x.shape()) + " at dim " +
+                       std::to_string(d));
+    }
+  }
+  return apply1(mk<Gather>(dim), {x, index}, index.shape(), x.dtype(), x.device());
+}
+
+Tensor scatter_add(const Tensor& base, int64_t dim, const Tensor& index, const Tensor& src) {
+  check_index_tensor(index, "scatter_add");
+  dim = wrap_dim(dim, base.ndim(), "scatter_add");
+  if (src.shape() != index.shape()) {
+    throw ValueError("[scatter_add] src shape " + shape_str(src.shape()) +
+                     " must equal index shape " + shape_str(index.shape()));
+  }
+  return apply1(mk<ScatterAdd>(dim), {base, index, astype(src, base.dtype())}, base.shape(),
+                base.dtype(), base.device());
+}
+
+Tensor cat(const std::vector<Tensor>& xs, int64_t dim) {
+  if (xs.empty()) throw ValueError("[cat] expected a non-empty list of tensors");
+  const Tensor& f = xs[0];
+  if (f.ndim() == 0) throw ValueError("[cat] zero-dimensional tensors cannot be concatenated");
+  dim = wrap_dim(dim, f.ndim(), "cat");
+  DType dt = f.dtype();
+  Shape s = f.shape();
+  s[dim] = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const Tensor& t = xs[i];
+    check_same_device(f, t, "cat");
+    if (t.ndim() != f.ndim()) {
+      throw ValueError("[cat] tensor " + std::to_string(i) + " has " + std::to_string(t.ndim()) +
+                       " dims, expected " + std::to_string(f.ndim()));
+    }
+    for (int64_t d = 0; d < f.ndim(); ++d) {
+      if (d != dim && t.shape()[d] != f.shape()[d]) {
+        throw ValueError("[cat] tensor " + std::to_string(i) + " has shape " +
+                         shape_str(t.shape()) + ", which differs from " + shape_str(f.shape()) +
+                         " outside dim " + std::to_string(dim));
+      }
+    }
+    dt = promote_types(dt, t.dtype());
+    s[dim] += t.shape()[dim];
+  }
+  std::vector<Tensor> in;
+  for (auto& t : xs) in.push_back(astype(t, dt));
+  return apply1(mk<Concatenate>(dim), in, s, dt, f.device());
+}
+
+Tensor stack(const std::vector<Tensor>& xs, int64_t dim) {
+  if (xs.empty()) throw ValueError("[stack] expected a non-empty list of tensors");
+  dim = wrap_dim(dim, xs[0].ndim() + 1, "stack");
+  std::vector<Tensor> u;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (xs[i].shape() != xs[0].shape()) {
+      throw ValueError("[stack] tensor " + std::to_string(i) + " has shape " +
+                       shape_str(xs[i].shape()) + ", expected " + shape_str(xs[0].shape()));
+    }
+    u.push_back(unsqueeze(xs[i], dim));
+  }
+  return cat(u, dim);
+}
+
+Tensor embedding(const Tensor& weight, const Tensor& index) {
+  if (weight.ndim() != 2) {
+    throw ValueError("[embedding] weight must be 2-D (num_embeddings, dim), got " +
+                     shape_str(weight.shape()));
+  }
+  check_index_tensor(index, "embedding");
+  Shape s = index.shape();
+  s.push_back(weight.shape()[1]);
+  return reshape(index_select(weight, 0, reshape(index, {-1})), s);
+}
+
+Tensor masked_select_bool(const Tensor& x, const Tensor& mask) {
+  if (mask.dtype() != DType::Bool) throw TypeError("[getitem] a mask index must be bool");
+  if (active_graph()) {
+    throw NotImplementedError("[getitem] boolean-mask indexing has a data-dependent shape and "
+                              "cannot be captured");
+  }
+  const Shape s = broadcast_shapes(x.shape(), mask.shape(), "getitem");
+  if (s != x.shape()) {
+    throw IndexError("[getitem] mask of shape " + shape_str(mask.shape()) +
+                     " does not match the indexed tensor's shape " + shape_str(x.shape()));
+  }
+  Tensor m = contiguous(expand(mask, s));
+  if (m.device().is_cuda()) m = to_device(m, Device());
+  const bool* p = static_cast<const bool*>(m.data_ptr("getitem"));
+  std::vector<int64_t> idx;
+  for (int64_t i = 0; i < m.numel(); ++i) {
+    if (p[i]) idx.push_back(i);
+  }
+  Tensor it = empty_tensor({static_cast<int64_t>(idx.size())}, DType::Int64, Device(), "getitem");
+  std::copy(idx.begin(), idx.end(), static_cast<int64_t*>(it.data_ptr("getitem")));
+  return index_select(reshape(x, {-1}), 0, to_device(it, x.device()));
+}
+
+// ---- neural-network ops --------------------------------------------------------------------
+Tensor softmax(const Tensor& x_in, int64_t dim, bool log) {
+  const char* nm = log ? "log_softmax" : "softmax";
+  Tensor x = astype(x_in, to_floating(x_in.dtype()));
+  if (x.ndim() == 0) return reshape(softmax(reshape(x, {1}), 0, log), {});
+  dim = wrap_dim(dim, x.ndim(), nm);
+  const int64_t last = x.ndim() - 1;
+  Tensor xt = dim == last ? x : transpose(x, dim, last);
+  Tensor y = apply1(std::make_shared<Softmax>(-1, log), {xt}, xt.shape(), xt.dtype(), x.device());
+  return dim == last ? y : transpose(y, dim, last);
+}
+
+Tensor layer_norm(const Tensor& x, const Shape& ns, const Tensor& weight, const Tensor& bias,
+                  double eps) {
+  if (!is_floating(x.dtype())) throw TypeError(std::string("[layer_norm] expects a floating input, got ") + dtype_name(x.dtype()));
+  const int64_t k = static_cast<int64_t>(ns.size());
+  if (k == 0 || k > x.ndim() || !std::equal(ns.begin(), ns.end(), x.shape().end() - k)) {
+    throw ValueError("[layer_norm] normalized_shape " + shape_str(ns) +
+                     " does not match the last dims of the input's shape " + shape_str(x.shape()));
+  }
+  const int64_t C = shape_numel(ns);
+  for (const Tensor* p : {&weight, &bias}) {
+    if (p->defined() && p->shape() != ns) {
+      throw ValueError("[layer_norm] weight and bias must have shape " + shape_str(ns) + ", got " +
+                       shape_str(p->shape()));
+    }
+    if (p->defined()) check_same_device(x, *p, "layer_norm");
+  }
+  Shape rows(x.shape().begin(), x.shape().end() - k);
+  Shape x2s = rows;
+  x2s.push_back(C);
+  Tensor x2 = reshape(x, x2s);
+  const DType sd = x.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
+  std::vector<Tensor> in{x2, weight.defined() ? reshape(astype(weight, x.dtype()), {C}) : Tensor(),
+                         bias.defined() ? reshape(astype(bias, x.dtype()), {C}) : Tensor()};
+  auto outs = apply(std::make_shared<LayerNorm>(eps, weight.defined(), bias.defined()), in,
+                    {{x2s, x.dtype()}, {rows, sd}, {rows, sd}}, x.device());
+  return reshape(outs[0], x.shape());
+}
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& target_in, int64_t ignore_index,
+                     const std::string& reduction, double label_smoothing) {
+  if (!is_floating(logits.dtype())) {
+    throw TypeError(std::string("[cross_entropy] logits must be floating, got ") +
+                    dtype_name(logits.dtype()));
+  }
+  if (logits.ndim() != 2) {
+    throw ValueError("[cross_entropy] logits must be (N, C), got " + shape_str(logits.shape()) +
+                     "; reshape (B, T, C) logits to (B*T, C) first");
+  }
+  check_index_tensor(target_in, "cross_entropy");
+  check_same_device(logits, target_in, "cross_entropy");
+  const int64_t N = logits.shape()[0];
+  if (target_in.shape() != Shape{N}) {
+    throw ValueError("[cross_entropy] target has shape " + shape_str(target_in.shape()) +
+                     ", expected (" + std::to_string(N) + ",) for logits " +
+                     shape_str(logits.shape()));
+  }
+  int r;
+  if (reduction == "none") {
+    r = 0;
+  } else if (reduction == "mean") {
+    r = 1;
+  } else if (reduction == "sum") {
+    r = 2;
+  } else {
+    throw ValueError("[cross_entropy] reduction must be 'none', 'mean' or 'sum', got '" + reduction + "'");
+  }
+  if (label_smoothing < 0 || label_smoothing > 1) {
+    throw ValueError("[cross_entropy] label_smoothing must be in [0, 1]");
+  }
+  const DType sd = logits.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
+  Tensor target = astype(target_in, DType::Int64);
+  auto outs = apply(std::make_shared<CrossEntropy>(ignore_index, r, label_smoothing),
+                    {logits, target}, {{r == 0 ? Shape{N} : Shape{}, logits.dtype()}, {{N}, sd}},
+                    logits.device());
+  return outs[0];
+}
+
+Tensor dropout(const Tensor& x, double p, bool training) {
+  if (p < 0 || p > 1) throw ValueError("[dropout] p must be in [0, 1], got " + std::to_string(p));
+  if (!is_floating(x.dtype())) throw TypeError(std::string("[dropout] expects a floating input, got ") + dtype_name(x.dtype()));
+  if (!training || p == 0) return x;
+  if (p == 1) return mul(x, 0.0);
+  auto [seed, off] = next_philox(philox::counters_needed(static_cast<uint64_t>(x.numel()), false));
+  return apply1(std::make_shared<Dropout>(p, seed, off), {x}, x.shape(), x.dtype(), x.device());
+}
+
+// Operands the GEMM can read in place: unit stride along one of the last two dims.
+static Tensor gemm_ready(const Tensor& t) {
+  const int64_t nd = t.ndim();
+  const int64_t r = t.shape()[nd - 2], c = t.shape()[nd - 1];
+  const int64_t rs = t.strides()[nd - 2], cs = t.strides()[nd - 1];
+  const bool n_ok = (c == 1 || cs == 1) && (r == 1 || rs >= c);
+  const bool t_ok = (r == 1 || rs == 1) && (c == 1 || cs >= r);
+  bool batch_ok = true;
+  if (nd == 3 && t.shape()[0] > 1) {
+    batch_ok = t.strides()[0] >= r * c || t.strides()[0] == 0;
+  }
+  return (n_ok || t_ok) && batch_ok ? t : contiguous(t);
+}
+
+static DType matmul_dtype(const Tensor& a, const Tensor& b, const char* op) {
+  check_same_device(a, b, op);
+  const DType dt = promote_types(a.dtype(), b.dtype());
+  if (!is_floating(dt)) {
+    throw TypeError(std::string("[") + op + "] expects floating tensors, got " +
+                    dtype_name(a.dtype()) + " and " + dtype_name(b.dtype()));
+  }
+  return dt;
+}
+
+Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
+  check_defined(a_in, "matmul");
+  check_defined(b_in, "matmul");
+  if (a_in.ndim() == 0 || b_in.ndim() == 0) {
+    throw ValueError("[matmul] both arguments need at least 1 dim, got shapes " +
+                     shape_str(a_in.shape()) + " and " + shape_str(b_in.shape()));
+  }
+  const DType dt = matmul_dtype(a_in, b_in, "matmul");
+  Tensor a = astype(a_in, dt), b = astype(b_in, dt);
+  const bool a1 = a.ndim() == 1, b1 = b.ndim() == 1;
+  if (a1) a = unsqueeze(a, 0);
+  if (b1) b = unsqueeze(b, -1);
+  const int64_t m = a.shape()[a.ndim() - 2], k = a.shape().back();
+  const int64_t k2 = b.shape()[b.ndim() - 2], n = b.shape().back();
+  if (k != k2) {
+    throw ValueError("[matmul] shapes " + shape_str(a_in.shape()) + " and " +
+                     shape_str(b_in.shape()) + " do not align on k (" + std::to_string(k) +
+                     " vs " + std::to_string(k2) + ")");
+  }
+  Tensor out;
+  if (a.ndim() == 2 && b.ndim() == 2) {
+    out = apply1(std::make_shared<Matmul>(), {gemm_ready(a), gemm_ready(b)}, {m, n}, dt, a.device());
+  } else if (b.ndim() == 2) {
+    Shape lead(a.shape().begin(), a.shape().end() - 2);
+    Tensor a2 = reshape(a, {-1, k});
+    Tensor o2 = apply1(std::make_shared<Matmul>(), {gemm_ready(a2), gemm_ready(b)},
+                       {a2.shape()[0], n}, dt, a.device());
+    lead.push_back(m);
+    lead.push_back(n);
+    out = reshape(o2, lead);
+  } else {
+    Shape ba(a.shape().begin(), a.shape().end() - 2), bb(b.shape().begin(), b.shape().end() - 2);
+    Shape batch = broadcast_shapes(ba, bb, "matmul");
+    const int64_t B = shape_numel(batch);
+    auto as3 = [&](const Tensor& t, int64_t r, int64_t c) {
+      if (t.ndim() == 2) return t;  // shared by every batch item (batch stride 0)
+      Shape full_s = batch;
+      full_s.push_back(r);
+      full_s.push_back(c);
+      return reshape(expand(t, full_s), {B, r, c});
+    };
+    Tensor a3 = as3(a, m, k), b3 = as3(b, k, n);
+    Tensor o3 = apply1(std::make_shared<Matmul>(), {gemm_ready(a3), gemm_ready(b3)}, {B, m, n}, dt,
+                       a.device());
+    Shape os = batch;
+    os.push_back(m);
+    os.push_back(n);
+    out = reshape(o3, os);
+  }
+  if (a1) out = squeeze(out, out.ndim() - 2);
+  if (b1) out = squeeze(out, -1);
+  return out;
+}
+
+Tensor bmm(const Tensor& a, const Tensor& b) {
+  if (a.ndim() != 3 || b.ndim() != 3) {
+    throw ValueError("[bmm] expects 3-D tensors, got shapes " + shape_str(a.shape()) + " and " +
+                     shape_str(b.shape()));
+  }
+  if (a.shape()[0] != b.shape()[0]) {
+    throw ValueError("[bmm] batch sizes differ: " + shape_str(a.shape()) + " and " +
+                     shape_str(b.shape()));
+  }
+  if (a.shape()[2] != b.shape()[1]) {
+    throw ValueError("[bmm] shapes " + shape_str(a.shape()) + " and " + shape_str(b.shape()) +
+                     " do not align on k (" + std::to_string(a.shape()[2]) + " vs " +
+                     std::to_string(b.shape()[1]) + ")");
+  }
+  return matmul(a, b);
+}
+
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
+  check_defined(x, "linear");
+  if (w.ndim() != 2) throw ValueError("[linear] weight must be 2-D (out, in), got " + shape_str(w.shape()));
+  if (x.ndim() == 0 || x.shape().back() != w.shape()[1]) {
+    throw ValueError("[linear] input of shape " + shape_str(x.shape()) + " has " +
+                     (x.ndim() ? std::to_string(x.shape().back()) : std::string("no")) +
+                     " features but weight " + shape_str(w.shape()) + " expects " +
+                     std::to_string(w.shape()[1]));
+  }
+  if (b.defined() && b.shape() != Shape{w.shape()[0]}) {
+    throw ValueError("[linear] bias has shape " + shape_str(b.shape()) + ", expected (" +
+                     std::to_string(w.shape()[0]) + ",)");
+  }
+  DType dt = matmul_dtype(x, w, "linear");
+  if (b.defined()) check_same_device(x, b, "linear");
+  const int64_t in = w.shape()[1], outf = w.shape()[0];
+  Tensor x2 = gemm_ready(reshape(astype(x, dt), {-1, in}));
+  std::vector<Tensor> ins{x2, gemm_ready(astype(w, dt))};
+  if (b.defined()) ins.push_back(astype(b, dt));
+  Tensor y = apply1(std::make_shared<Matmul>(true, b.defined()), ins, {x2.shape()[0], outf}, dt,
+                    x.device());
+  Shape os(x.shape().begin(), x.shape().end() - 1);
+  os.push_back(outf);
+  return reshape(y, os);
+}
+
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const Tensor& attn_mask, double dropout_p, bool is_causal,
+                                   std::optional<double> scale) {
+  if (q.ndim() < 2 || k.ndim() < 2 || v.ndim() < 2) {
+    throw ValueError("[scaled_dot_product_attention] q, k, v need at least 2 dims");
+  }
+  if (q.shape().back() != k.shape().back()) {
+    throw ValueError("[scaled_dot_product_attention] q and k head dims differ: " +
+                     shape_str(q.shape()) + " and " + shape_str(k.shape()));
+  }
+  const int64_t L = q.shape()[q.ndim() - 2], S = k.shape()[k.ndim() - 2];
+  const double sc = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.shape().back()));
+  Tensor s = mul(matmul(q, transpose(k, -2, -1)), sc);
+  if (is_causal) {
+    Tensor i = unsqueeze(arange(0, static_cast<double>(L), 1, DType::Int64, q.device()), 1);
+    Tensor j = unsqueeze(arange(0, static_cast<double>(S), 1, DType::Int64, q.device()), 0);
+    s = masked_fill(s, binary(BinaryOp::Gt, j, i), -INFINITY);
+  }
+  if (attn_mask.defined()) {
+    if (attn_mask.dtype() == DType::Bool) {
+      s = masked_fill(s, unary(UnaryOp::LogicalNot, attn_mask), -INFINITY);
+    } else {
+      s = add(s, attn_mask);
+    }
+  }
+  Tensor p = softmax(s, -1, false);
+  if (dropout_p > 0) p = dropout(p, dropout_p, true);
+  return matmul(p, v);
+}
+
+Tensor clip_grad_norm_(const std::vector<Tensor>& grads, double max_norm, double eps) {
+  GradModeGuard no_grad(false);
+  Tensor total;
+  for (auto& g : grads) {
+    if (!g.defined()) continue;
+    const DType acc = g.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
+    Tensor gf = astype(g, acc);
+    Tensor s = sum(mul(gf, gf));
+    total = total.defined() ? add(total, astype(s, promote_types(total.dtype(), s.dtype()))) : s;
+  }
+  if (!total.defined()) return zeros({}, DType::Float32, Device());
+  Tensor norm = unary(UnaryOp::Sqrt, total);
+  // coef = min(max_norm / (norm + eps), 1): no host sync, as in PyTorch.
+  Tensor coef = binary(BinaryOp::Minimum,
+                       binary(BinaryOp::Div, Scalar{max_norm, 2}, add(norm, eps)), Scalar{1.0, 2});
+  for (auto g : grads) {
+    if (!g.defined()) continue;
+    inplace(g, mul(g, astype(coef, g.dtype())), "clip_grad_norm_");
+  }
+  return norm;
+}
+
+// The one raw copy the front needs (in-place ops): dispatched per device.
+namespace cpu {
+void copy_raw(const Tensor& dst, const Tensor& src);
+}
+static Tensor raw_copy_into(const Tensor& dst, const Tensor& src, const char* op) {
+  if (dst.device().is_cuda()) backend::no_cuda_kernel(op);
+  cpu::copy_raw(dst, src);
+  return dst;
+}
+
+}  // namespace bt

@@ -1,0 +1,459 @@
+// primitives.cpp: apply() (run or record an op, attach autograd) and every primitive's vjp.
+// vjps are written with ops, so they run on any backend and are recorded in capture mode.
+#include "primitives.h"
+
+#include <cmath>
+
+#include "capture.h"
+#include "ops.h"
+
+namespace bt {
+
+static LinalgHooks g_linalg;
+void set_linalg_hooks(const LinalgHooks& h) { g_linalg = h; }
+const LinalgHooks& linalg_hooks() { return g_linalg; }
+
+std::vector<Tensor> Primitive::vjp(const VjpArgs&) {
+  throw RuntimeError(std::string("[") + name() + "] is not differentiable");
+}
+
+// ---- the autograd node of a primitive ------------------------------------------------------
+namespace {
+struct PrimNode : Node {
+  std::shared_ptr<Primitive> prim;
+  std::vector<Tensor> saved_in, saved_out;
+  std::vector<uint64_t> ver_in, ver_out;
+  std::vector<TensorMeta> in_meta;
+  std::vector<bool> needs;
+
+  std::string name() const override {
+    std::string n = prim->name();
+    // "log_softmax" -> "LogSoftmax", as PyTorch prints grad_fn names.
+    std::string r;
+    bool up = true;
+    for (char c : n) {
+      if (c == '_') {
+        up = true;
+        continue;
+      }
+      r += up ? static_cast<char>(std::toupper(c)) : c;
+      up = false;
+    }
+    return r;
+  }
+
+  void check_saved(const std::vector<Tensor>& saved, const std::vector<uint64_t>& ver,
+                   const char* what) const {
+    for (size_t i = 0; i < saved.size(); ++i) {
+      if (saved[i].defined() && saved[i].version() != ver[i]) {
+        throw RuntimeError(std::string("[backward] ") + what + " " + std::to_string(i) + " of " +
+                           prim->name() + ", saved for backward, was modified by an in-place "
+                           "operation (it is at version " + std::to_string(saved[i].version()) +
+                           "; expected version " + std::to_string(ver[i]) +
+                           "). Use an out-of-place op, or clone() before changing it.");
+      }
+    }
+  }
+
+  std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
+    if (released) {
+      throw RuntimeError(std::string("[backward] trying to backward through the graph a second "
+                                     "time (at ") + prim->name() +
+                         "): its saved tensors were freed after the first backward. Pass "
+                         "retain_graph=True to the first backward if you need to call it twice.");
+    }
+    check_saved(saved_in, ver_in, "input");
+    check_saved(saved_out, ver_out, "output");
+    VjpArgs args{saved_in, saved_out, in_meta, grads, needs};
+    auto r = prim->vjp(args);
+    r.resize(next.size());
+    for (size_t i = 0; i < r.size(); ++i) {
+      if (!needs[i]) r[i] = Tensor();
+    }
+    return r;
+  }
+  void release() override {
+    released = true;
+    saved_in.clear();
+    saved_out.clear();
+  }
+};
+}  // namespace
+
+std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Tensor>& inputs,
+                          const std::vector<std::pair<Shape, DType>>& out_meta, Device device) {
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const Tensor& t = inputs[i];
+    if (t.defined() && t.device() != device) {
+      throw ValueError(std::string("[") + prim->name() + "] expected all tensors on " +
+                       device.str() + ", but input " + std::to_string(i) + " is on " +
+                       t.device().str());
+    }
+  }
+  Graph* graph = active_graph();
+  std::vector<Tensor> outs;
+  if (prim->is_view()) {
+    outs.push_back(prim->eval_view(inputs));
+  } else if (graph) {
+    for (auto& m : out_meta) outs.push_back(symbolic_tensor(m.first, m.second, device));
+  } else {
+    for (auto& m : out_meta) outs.push_back(empty_tensor(m.first, m.second, device, prim->name()));
+    for (auto& t : inputs) {
+      if (t.defined() && t.is_symbolic()) {
+        throw RuntimeError(std::string("[") + prim->name() +
+                           "] got a symbolic tensor (from a capture) outside capture mode");
+      }
+    }
+    if (device.is_cuda()) {
+      prim->eval_gpu(inputs, outs);
+    } else {
+      prim->eval_cpu(inputs, outs);
+    }
+  }
+  if (graph) {
+    Attrs a;
+    prim->attrs(a);
+    graph->record(prim->name(), a, inputs, outs);
+  }
+
+  bool any = false;
+  for (auto& t : inputs) any = any || (t.defined() && t.requires_grad());
+  if (prim->is_view()) outs[0].impl()->view_of_grad = any || inputs[0].impl()->view_of_grad;
+  if (!any || !grad_enabled() || !prim->differentiable()) return outs;
+
+  auto node = std::make_shared<PrimNode>();
+  node->prim = prim;
+  for (auto& t : inputs) {
+    node->next.push_back(gradient_edge(t));
+    node->needs.push_back(t.defined() && t.requires_grad());
+    node->in_meta.push_back(t.defined() ? TensorMeta{t.shape(), t.dtype(), t.device()}
+                                        : TensorMeta{{}, DType::Float32, device});
+  }
+  if (prim->saves_inputs()) {
+    for (auto& t : inputs) {
+      node->saved_in.push_back(t);
+      node->ver_in.push_back(t.defined() ? t.version() : 0);
+    }
+  }
+  if (prim->saves_outputs()) {
+    for (auto& t : outs) {
+      node->saved_out.push_back(detach(t));  // no grad_fn: no reference cycle
+      node->ver_out.push_back(t.version());
+    }
+  }
+  node->pre_hooks.resize(outs.size());
+  for (size_t i = 0; i < outs.size(); ++i) {
+    auto* o = outs[i].impl();
+    node->out_meta.push_back({o->shape, o->dtype, o->device});
+    if (is_floating(o->dtype)) {
+      o->grad_fn = node;
+      o->output_nr = static_cast<int>(i);
+      o->requires_grad = true;
+    }
+  }
+  return outs;
+}
+
+// ---- vjps ----------------------------------------------------------------------------------
+
+std::vector<Tensor> Full::vjp(const VjpArgs&) { return {}; }
+std::vector<Tensor> Arange::vjp(const VjpArgs&) { return {}; }
+std::vector<Tensor> Random::vjp(const VjpArgs&) { return {}; }
+std::vector<Tensor> ArgReduce::vjp(const VjpArgs&) { return {}; }
+
+std::vector<Tensor> AsType::vjp(const VjpArgs& a) {
+  return {astype(a.cotangents[0], a.in_meta[0].dtype)};
+}
+std::vector<Tensor> ToDevice::vjp(const VjpArgs& a) {
+  return {to_device(a.cotangents[0], a.in_meta[0].device)};
+}
+std::vector<Tensor> Reshape::vjp(const VjpArgs& a) {
+  return {reshape(a.cotangents[0], a.in_meta[0].shape)};
+}
+std::vector<Tensor> Permute::vjp(const VjpArgs& a) {
+  std::vector<int64_t> inv(perm.size());
+  for (size_t i = 0; i < perm.size(); ++i) inv[perm[i]] = static_cast<int64_t>(i);
+  return {permute(a.cotangents[0], inv)};
+}
+std::vector<Tensor> Expand::vjp(const VjpArgs& a) {
+  return {sum_to(a.cotangents[0], a.in_meta[0].shape)};
+}
+std::vector<Tensor> Slice::vjp(const VjpArgs& a) {
+  const auto& m = a.in_meta[0];
+  return {slice_scatter(zeros(m.shape, a.cotangents[0].dtype(), m.device), a.cotangents[0], dim,
+                        start, stop, step)};
+}
+std::vector<Tensor> Select::vjp(const VjpArgs& a) {
+  const auto& m = a.in_meta[0];
+  return {slice_scatter(zeros(m.shape, a.cotangents[0].dtype(), m.device),
+                        unsqueeze(a.cotangents[0], dim), dim, index, index + 1, 1)};
+}
+std::vector<Tensor> SliceScatter::vjp(const VjpArgs& a) {
+  const Tensor& g = a.cotangents[0];
+  Tensor gsrc = slice(g, dim, start, stop, step);
+  Tensor gbase = a.needs[0] ? slice_scatter(g, zeros_like(gsrc), dim, start, stop, step) : Tensor();
+  return {gbase, gsrc};
+}
+
+// Unary ---------------------------------------------------------------------------------------
+bool Unary::saves_inputs() const {
+  switch (op) {
+    case UnaryOp::Neg:
+    case UnaryOp::Exp:
+    case UnaryOp::Sqrt:
+    case UnaryOp::Rsqrt:
+    case UnaryOp::Tanh:
+    case UnaryOp::Sigmoid:
+    case UnaryOp::Relu: return false;
+    default: return true;
+  }
+}
+bool Unary::saves_outputs() const {
+  switch (op) {
+    case UnaryOp::Exp:
+    case UnaryOp::Sqrt:
+    case UnaryOp::Rsqrt:
+    case UnaryOp::Tanh:
+    case UnaryOp::Sigmoid:
+    case UnaryOp::Relu: return true;
+    default: return false;
+  }
+}
+
+std::vector<Tensor> Unary::vjp(const VjpArgs& a) {
+  const Tensor& g = a.cotangents[0];
+  const Tensor x = a.inputs.empty() ? Tensor() : a.inputs[0];
+  const Tensor y = a.outputs.empty() ? Tensor() : a.outputs[0];
+  auto one_minus = [](const Tensor& t) { return binary(BinaryOp::Sub, Scalar{1, 2}, t); };
+  switch (op) {
+    case UnaryOp::Neg: return {neg(g)};
+    case UnaryOp::Exp: return {mul(g, y)};
+    case UnaryOp::Log: return {div(g, x)};
+    case UnaryOp::Sqrt: return {div(mul(g, 0.5), y)};
+    case UnaryOp::Rsqrt: return {mul(mul(g, -0.5), mul(y, mul(y, y)))};
+    case UnaryOp::Tanh: return {mul(g, one_minus(mul(y, y)))};
+    case UnaryOp::Abs: return {mul(g, unary(UnaryOp::Sign, x))};
+    case UnaryOp::Sigmoid: return {mul(g, mul(y, one_minus(y)))};
+    case UnaryOp::Relu:
+      return {mul(g, astype(binary(BinaryOp::Gt, y, Scalar{0, 1}), g.dtype()))};
+    case UnaryOp::Sin: return {mul(g, unary(UnaryOp::Cos, x))};
+    case UnaryOp::Cos: return {neg(mul(g, unary(UnaryOp::Sin, x)))};
+    case UnaryOp::Erf:
+      return {mul(g, mul(unary(UnaryOp::Exp, neg(mul(x, x))), 2.0 / std::sqrt(M_PI)))};
+    case UnaryOp::GeluErf: {
+      // d/dx x Phi(x) = Phi(x) + x phi(x)
+      Tensor cdf = mul(add(unary(UnaryOp::Erf, mul(x, M_SQRT1_2)), 1.0), 0.5);
+      Tensor pdf = mul(unary(UnaryOp::Exp, mul(mul(x, x), -0.5)), 0.5 * M_2_SQRTPI * M_SQRT1_2);
+      return {mul(g, add(cdf, mul(x, pdf)))};
+    }
+    case UnaryOp::GeluTanh: {
+      const double k = std::sqrt(2.0 / M_PI), c = 0.044715;
+      Tensor x2 = mul(x, x);
+      Tensor t = unary(UnaryOp::Tanh, mul(mul(x, add(mul(x2, c), 1.0)), k));
+      Tensor left = mul(add(t, 1.0), 0.5);
+      Tensor right = mul(mul(mul(x, one_minus(mul(t, t))), add(mul(x2, 3 * c), 1.0)), 0.5 * k);
+      return {mul(g, add(left, right))};
+    }
+    default: break;
+  }
+  return Primitive::vjp(a);
+}
+
+// Binary --------------------------------------------------------------------------------------
+bool Binary::saves_inputs() const {
+  return !(op == BinaryOp::Add || op == BinaryOp::Sub);
+}
+
+std::vector<Tensor> Binary::vjp(const VjpArgs& a) {
+  const Tensor& g = a.cotangents[0];
+  const Tensor x = a.inputs.empty() ? Tensor() : a.inputs[0];
+  const Tensor y = a.inputs.empty() ? Tensor() : a.inputs[1];
+  switch (op) {
+    case BinaryOp::Add: return {g, g};
+    case BinaryOp::Sub: return {g, a.needs[1] ? neg(g) : Tensor()};
+    case BinaryOp::Mul:
+      return {a.needs[0] ? mul(g, y) : Tensor(), a.needs[1] ? mul(g, x) : Tensor()};
+    case BinaryOp::Div:
+      return {a.needs[0] ? div(g, y) : Tensor(),
+              a.needs[1] ? neg(div(mul(g, x), mul(y, y))) : Tensor()};
+    case BinaryOp::Pow: {
+      Tensor gx, gy;
+      if (a.needs[0]) gx = mul(mul(g, y), binary(BinaryOp::Pow, x, sub(y, ones_like(y))));
+      if (a.needs[1]) {
+        // d/dy x^y = x^y log x; define it as 0 where x == 0 (PyTorch does the same).
+        Tensor lg = unary(UnaryOp::Log, where(binary(BinaryOp::Eq, x, Scalar{0, 1}),
+                                              ones_like(x), x));
+        gy = mul(mul(g, a.outputs[0]), lg);
+      }
+      return {gx, gy};
+    }
+    case BinaryOp::Maximum:
+    case BinaryOp::Minimum: {
+      // Ties split the gradient evenly, as PyTorch does.
+      const BinaryOp wins = op == BinaryOp::Maximum ? BinaryOp::Gt : BinaryOp::Lt;
+      Tensor share = add(astype(binary(wins, x, y), g.dtype()),
+                         mul(astype(binary(BinaryOp::Eq, x, y), g.dtype()), 0.5));
+      Tensor gx = mul(g, share);
+      return {gx, a.needs[1] ? sub(g, gx) : Tensor()};
+    }
+    default: break;
+  }
+  return Primitive::vjp(a);
+}
+
+std::vector<Tensor> Where::vjp(const VjpArgs& a) {
+  const Tensor& g = a.cotangents[0];
+  const Tensor& c = a.inputs[0];
+  Tensor z = zeros({}, g.dtype(), g.device());
+  return {Tensor(), a.needs[1] ? where(c, g, z) : Tensor(), a.needs[2] ? where(c, z, g) : Tensor()};
+}
+std::vector<Tensor> MaskedFill::vjp(const VjpArgs& a) {
+  return {masked_fill(a.cotangents[0], a.inputs[1], 0.0), Tensor()};
+}
+
+// Reductions ----------------------------------------------------------------------------------
+static Shape keepdim_shape(const Shape& in, const std::vector<int64_t>& dims) {
+  Shape s = in;
+  for (auto d : dims) s[d] = 1;
+  return s;
+}
+static double reduced_count(const Shape& in, const std::vector<int64_t>& dims) {
+  double n = 1;
+  for (auto d : dims) n *= static_cast<double>(in[d]);
+  return n;
+}
+
+std::vector<Tensor> Reduce::vjp(const VjpArgs& a) {
+  const Shape& in_shape = a.in_meta[0].shape;
+  const Shape ks = keepdim_shape(in_shape, dims);
+  Tensor g = reshape(a.cotangents[0], ks);
+  switch (op) {
+    case ReduceOp::Sum: return {expand(g, in_shape)};
+    case ReduceOp::Mean: return {expand(mul(g, 1.0 / reduced_count(in_shape, dims)), in_shape)};
+    case ReduceOp::Max:
+    case ReduceOp::Min: {
+      const Tensor& x = a.inputs[0];
+      Tensor mask = astype(binary(BinaryOp::Eq, x, reshape(a.outputs[0], ks)), g.dtype());
+      Tensor count = reduce(ReduceOp::Sum, mask, dims, true);
+      return {mul(mask, div(g, count))};
+    }
+    case ReduceOp::Var: {
+      const Tensor& x = a.inputs[0];
+      const double n = reduced_count(in_shape, dims);
+      Tensor centered = sub(x, reduce(ReduceOp::Mean, x, dims, true));
+      return {mul(mul(centered, g), 2.0 / std::max(n - correction, 0.0))};
+    }
+  }
+  return Primitive::vjp(a);
+}
+
+// Indexing --------------------------------------------------------------------------------------
+std::vector<Tensor> IndexSelect::vjp(const VjpArgs& a) {
+  const auto& m = a.in_meta[0];
+  const Tensor& g = a.cotangents[0];
+  return {index_add(zeros(m.shape, g.dtype(), m.device), dim, a.inputs[1], g), Tensor()};
+}
+std::vector<Tensor> IndexAdd::vjp(const VjpArgs& a) {
+  const Tensor& g = a.cotangents[0];
+  return {g, Tensor(), a.needs[2] ? index_select(g, dim, a.inputs[1]) : Tensor()};
+}
+std::vector<Tensor> Gather::vjp(const VjpArgs& a) {
+  const auto& m = a.in_meta[0];
+  const Tensor& g = a.cotangents[0];
+  return {scatter_add(zeros(m.shape, g.dtype(), m.device), dim, a.inputs[1], g), Tensor()};
+}
+std::vector<Tensor> ScatterAdd::vjp(const VjpArgs& a) {
+  const Tensor& g = a.cotangents[0];
+  return {g, Tensor(), a.needs[2] ? gather(g, dim, a.inputs[1]) : Tensor()};
+}
+std::vector<Tensor> Concatenate::vjp(const VjpArgs& a) {
+  std::vector<int64_t> sizes;
+  for (auto& m : a.in_meta) sizes.push_back(m.shape[dim]);
+  return split_sizes(a.cotangents[0], sizes, dim);
+}
+
+// Neural-network ops ------------------------------------------------------------------------------
+std::vector<Tensor> Softmax::vjp(const VjpArgs& a) {
+  const Tensor& g = a.cotangents[0];
+  const Tensor& y = a.outputs[0];
+  if (log) {
+    return {sub(g, mul(unary(UnaryOp::Exp, y), sum(g, {dim}, true)))};
+  }
+  Tensor gy = mul(g, y);
+  return {sub(gy, mul(y, sum(gy, {dim}, true)))};
+}
+
+std::vector<Tensor> LayerNorm::vjp(const VjpArgs& a) {
+  const Tensor& x = a.inputs[0];
+  const Tensor& gy = a.cotangents[0];
+  const DType sd = a.outputs[1].dtype();
+  Tensor mean = unsqueeze(a.outputs[1], -1), rstd = unsqueeze(a.outputs[2], -1);
+  Tensor xf = astype(x, sd), gf = astype(gy, sd);
+  Tensor xhat = mul(sub(xf, mean), rstd);
+  Tensor gxhat = has_weight ? mul(gf, astype(a.inputs[1], sd)) : gf;
+  std::vector<Tensor> r(3);
+  if (a.needs[0]) {
+    Tensor m1 = reduce(ReduceOp::Mean, gxhat, {-1}, true);
+    Tensor m2 = reduce(ReduceOp::Mean, mul(gxhat, xhat), {-1}, true);
+    r[0] = mul(rstd, sub(sub(gxhat, m1), mul(xhat, m2)));
+  }
+  const int64_t C = x.shape().back();
+  if (has_weight && a.needs[1]) r[1] = reshape(mul(gf, xhat), {-1, C});
+  if (has_weight && a.needs[1]) r[1] = sum(r[1], {0});
+  if (has_bias && a.needs[2]) r[2] = sum(reshape(gf, {-1, C}), {0});
+  return r;
+}
+
+std::vector<Tensor> CrossEntropy::vjp(const VjpArgs& a) {
+  const Tensor& logits = a.inputs[0];
+  const Tensor& target = a.inputs[1];
+  const Tensor& g = a.cotangents[0];
+  const DType sd = a.outputs[1].dtype();
+  const int64_t C = logits.shape()[1];
+  Tensor p = unary(UnaryOp::Exp, sub(astype(logits, sd), unsqueeze(a.outputs[1], 1)));
+  Tensor classes = arange(0, static_cast<double>(C), 1, DType::Int64, logits.device());
+  Tensor onehot = astype(binary(BinaryOp::Eq, unsqueeze(target, 1), unsqueeze(classes, 0)), sd);
+  Tensor valid = astype(binary(BinaryOp::Ne, target, Scalar{static_cast<double>(ignore_index), 1}),
+                        sd);
+  Tensor w = astype(g, sd);
+  if (reduction == 1) w = div(w, reduce(ReduceOp::Sum, valid, {}, false));
+  Tensor rowscale = mul(valid, reduction == 0 ? w : expand(w, valid.shape()));
+  Tensor target_dist = mul(onehot, 1.0 - label_smoothing);
+  if (label_smoothing > 0) target_dist = add(target_dist, label_smoothing / static_cast<double>(C));
+  Tensor d = mul(sub(p, target_dist), unsqueeze(rowscale, 1));
+  return {astype(d, logits.dtype()), Tensor()};
+}
+
+std::vector<Tensor> Dropout::vjp(const VjpArgs& a) {
+  const Tensor& g = a.cotangents[0];
+  return {apply1(std::make_shared<Dropout>(p, seed, offset), {g}, g.shape(), g.dtype(),
+                 g.device())};
+}
+
+std::vector<Tensor> Matmul::vjp(const VjpArgs& a) {
+  const Tensor& A = a.inputs[0];
+  const Tensor& B = a.inputs[1];
+  const Tensor& g = a.cotangents[0];
+  std::vector<Tensor> r(a.inputs.size());
+  auto mT = [](const Tensor& t) { return transpose(t, -1, -2); };
+  if (a.needs[0]) {
+    // C = A op(B): dA = g op(B)^T
+    r[0] = sum_to(matmul(g, trans_b ? B : mT(B)), A.shape());
+  }
+  if (a.needs[1]) {
+    if (trans_b) {
+      // B is (n, k): dB = g^T A, summed over batches.
+      Tensor g2 = reshape(g, {-1, g.shape().back()}), A2 = reshape(A, {-1, A.shape().back()});
+      r[1] = matmul(mT(g2), A2);
+    } else if (B.ndim() == 2 && A.ndim() > 2) {
+      Tensor g2 = reshape(g, {-1, g.shape().back()}), A2 = reshape(A, {-1, A.shape().back()});
+      r[1] = matmul(mT(A2), g2);
+    } else {
+      r[1] = sum_to(matmul(mT(A), g), B.shape());
+    }
+  }
+  if (has_bias && a.needs[2]) r[2] = sum(reshape(g, {-1, g.shape().back()}), {0});
+  return r;
+}
+
+}  // namespace bt
