@@ -22,10 +22,10 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import traces  # noqa: E402
-
 import blutrain.alloc as ba  # noqa: E402
 from blutrain.alloc import _alloc  # noqa: E402
+
+import traces  # noqa: E402
 
 
 def python_replay(trace: np.ndarray, alloc, free, repeats: int) -> float:
@@ -56,6 +56,7 @@ def run_gpu(args) -> dict:
     results: dict = {"device": torch.cuda.get_device_name(0), "traces": {}}
     for dtype in args.dtypes:
         trace = traces.record_torch_gpt2(dtype, args.batch, args.seq)
+        torch.cuda.empty_cache()  # the recorded model's memory goes back before we replay
         if args.json:  # keep the trace: it replays on host memory too (see traces.py)
             np.save(os.path.join(os.path.dirname(os.path.abspath(args.json)),
                                  f"trace_gpt2_{dtype}.npy"), trace)
@@ -72,6 +73,18 @@ def run_gpu(args) -> dict:
         entry["blutrain_reserved_over_allocated"] = ratio_of(s)
         entry["blutrain_reserved_over_requested"] = s["reserved_bytes_peak"] / r["peak_live_bytes"]
         ba.empty_cache(0)
+        # The same with expandable segments.
+        ba.set_expandable(True, 0)
+        ba.reset_peak_stats(0)
+        t0 = time.perf_counter_ns()
+        _alloc.replay_trace(trace, "blutrain", 0, stream, 1)
+        entry["expandable_first_replay_ms"] = (time.perf_counter_ns() - t0) / 1e6
+        s = ba.stats(0)
+        entry["expandable_reserved_over_allocated"] = ratio_of(s)
+        r = _alloc.replay_trace(trace, "blutrain", 0, stream, args.repeats)
+        entry["cpp_ns_blutrain_expandable"] = r["total_ns"] / r["ops"]
+        ba.empty_cache(0)
+        ba.set_expandable(False, 0)
         for name in ("blutrain", "cudaMalloc", "cudaMallocAsync"):
             reps = 2 if name == "cudaMalloc" else args.repeats
             r = _alloc.replay_trace(trace, name, 0, stream, reps)
@@ -79,12 +92,12 @@ def run_gpu(args) -> dict:
         ba.empty_cache(0)
         # Python-level: ours vs PyTorch's caching allocator, same loop.
         entry["py_ns_blutrain"] = python_replay(
-            trace, lambda n: _alloc.malloc(n, 0, stream), _alloc.free, args.repeats)
+            trace, lambda n, s=stream: _alloc.malloc(n, 0, s), _alloc.free, args.repeats)
         ba.empty_cache(0)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         entry["py_ns_torch"] = python_replay(
-            trace, lambda n: torch.cuda.caching_allocator_alloc(n, 0, stream),
+            trace, lambda n, s=stream: torch.cuda.caching_allocator_alloc(n, 0, s),
             torch.cuda.caching_allocator_delete, args.repeats)
         entry["torch_peak_reserved"] = torch.cuda.max_memory_reserved()
         entry["torch_peak_allocated"] = torch.cuda.max_memory_allocated()
@@ -121,6 +134,7 @@ def table(results: dict) -> str:
                      f"{e['peak_requested_bytes'] / 2**30:.2f} GiB")
         lines.append(f"  {'allocator':<34}{'ns/op':>10}")
         for key, label in [("cpp_ns_blutrain", "blutrain.alloc (C++ loop)"),
+                           ("cpp_ns_blutrain_expandable", "  ... expandable segments"),
                            ("cpp_ns_cudaMalloc", "cudaMalloc/cudaFree (C++ loop)"),
                            ("cpp_ns_cudaMallocAsync", "cudaMallocAsync (C++ loop)"),
                            ("cpp_ns_malloc", "malloc/free (C++ loop)"),
@@ -130,9 +144,12 @@ def table(results: dict) -> str:
                 lines.append(f"  {label:<34}{e[key]:>10.0f}")
         lines.append(f"  peak reserved / peak allocated: blutrain "
                      f"{e['blutrain_reserved_over_allocated']:.3f}"
+                     + (f" (expandable segments {e['expandable_reserved_over_allocated']:.3f})"
+                        if "expandable_reserved_over_allocated" in e else "")
                      + (f", PyTorch {e['torch_reserved_over_allocated']:.3f}"
                         if "torch_reserved_over_allocated" in e else "")
-                     + f"; blutrain reserved / requested {e['blutrain_reserved_over_requested']:.3f}")
+                     + "; blutrain reserved / requested "
+                     + f"{e['blutrain_reserved_over_requested']:.3f}")
     return "\n".join(lines)
 
 

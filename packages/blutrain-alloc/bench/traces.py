@@ -157,7 +157,9 @@ def record_torch_gpt2(dtype: str = "bf16", batch: int = 16, seq: int = 1024) -> 
     torch.cuda.memory._record_memory_history(enabled=None)
     t = TraceBuilder()
     # Weights and AdamW state were allocated before recording: they come first.
-    persistent = [t.alloc(p.numel() * p.element_size()) for p in model.parameters() for _ in range(3)]
+    persistent = [
+        t.alloc(p.numel() * p.element_size()) for p in model.parameters() for _ in range(3)
+    ]
     live: dict[int, int] = {}
     for ev in snap["device_traces"][0]:
         if ev["action"] == "alloc":
@@ -166,6 +168,4 @@ def record_torch_gpt2(dtype: str = "bf16", batch: int = 16, seq: int = 1024) -> 
             t.free(live.pop(ev["addr"]))
     for i in list(live.values()) + persistent:
         t.free(i)
-    del model, opt
-    torch.cuda.empty_cache()
     return t.array()

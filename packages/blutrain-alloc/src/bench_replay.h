@@ -11,9 +11,9 @@
 extern "C" {
 
 typedef struct bt_alloc_replay_result {
-  double total_ns;          // wall time of all operations
-  uint64_t ops;             // mallocs + frees
-  uint64_t peak_live;       // bytes requested and live at the peak
+  double total_ns;     // wall time of all operations
+  uint64_t ops;        // mallocs + frees
+  uint64_t peak_live;  // bytes requested and live at the peak
   int32_t status;
 } bt_alloc_replay_result;
 

@@ -6,8 +6,8 @@
 // own lock. Functions never hold two locks at once.
 #include <algorithm>
 #include <array>
-#include <cstdio>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -35,8 +35,9 @@ void read_env_options() {
   std::string s(conf);
   const std::string key = "expandable_segments:";
   auto pos = s.find(key);
-  if (pos != std::string::npos) g_expandable = s.compare(pos + key.size(), 1, "1") == 0 ||
-                                               s.compare(pos + key.size(), 4, "True") == 0;
+  if (pos != std::string::npos)
+    g_expandable =
+        s.compare(pos + key.size(), 1, "1") == 0 || s.compare(pos + key.size(), 4, "True") == 0;
 }
 
 int device_count() {
@@ -230,24 +231,16 @@ static int get_device_count(int* count) {
   });
 }
 
+static int set_expandable(int device, int on) {
+  return guarded([&] { pool(device).set_expandable(on != 0); });
+}
+
 static const bt_alloc_api g_api = {
-    BT_ALLOC_ABI_VERSION,
-    sizeof(bt_alloc_api),
-    bt_alloc_last_error,
-    bt_alloc_malloc,
-    bt_alloc_free,
-    bt_alloc_record_stream,
-    bt_alloc_get_stats,
-    bt_alloc_reset_peak_stats,
-    bt_alloc_empty_cache,
-    set_memory_fraction,
-    set_memory_limit,
-    snapshot,
-    begin_graph_pool,
-    end_graph_pool,
-    release_graph_pool,
-    set_option,
-    get_device_count,
+    BT_ALLOC_ABI_VERSION, sizeof(bt_alloc_api),   bt_alloc_last_error, bt_alloc_malloc,
+    bt_alloc_free,        bt_alloc_record_stream, bt_alloc_get_stats,  bt_alloc_reset_peak_stats,
+    bt_alloc_empty_cache, set_memory_fraction,    set_memory_limit,    snapshot,
+    begin_graph_pool,     end_graph_pool,         release_graph_pool,  set_option,
+    get_device_count,     set_expandable,
 };
 
 const bt_alloc_api* bt_alloc_get_api(void) { return &g_api; }
@@ -265,7 +258,8 @@ void* bt_alloc_torch_malloc(ssize_t size, int device, void* stream) {
 }
 
 void bt_alloc_torch_free(void* ptr, ssize_t, int, void*) {
-  if (bt_alloc_free(ptr) != BT_ALLOC_OK) std::fprintf(stderr, "blutrain.alloc: %s\n", tl_error.c_str());
+  if (bt_alloc_free(ptr) != BT_ALLOC_OK)
+    std::fprintf(stderr, "blutrain.alloc: %s\n", tl_error.c_str());
 }
 
 }  // extern "C"

@@ -260,8 +260,9 @@ void CachingPool::throw_oom(size_t size, size_t rounded, StreamId stream) {
         free_cached += b->size;
         largest = std::max<uint64_t>(largest, b->size);
       }
-  std::string msg = "[malloc] " + std::string(source_->kind()) + " out of memory: tried to allocate " +
-                    format_bytes(size) + " (" + format_bytes(rounded) + " rounded) on stream 0x" +
+  std::string msg = "[malloc] " + std::string(source_->kind()) +
+                    " out of memory: tried to allocate " + format_bytes(size) + " (" +
+                    format_bytes(rounded) + " rounded) on stream 0x" +
                     [&] {
                       char b[32];
                       std::snprintf(b, sizeof b, "%" PRIxPTR, stream);
@@ -269,9 +270,8 @@ void CachingPool::throw_oom(size_t size, size_t rounded, StreamId stream) {
                     }() +
                     ". Capacity " + format_bytes(source_->total_bytes()) + "; BluTrain holds " +
                     format_bytes(st_.reserved_bytes) + " reserved, " +
-                    format_bytes(st_.allocated_bytes) + " allocated, " +
-                    format_bytes(free_cached) + " cached free (largest free block " +
-                    format_bytes(largest) + ")";
+                    format_bytes(st_.allocated_bytes) + " allocated, " + format_bytes(free_cached) +
+                    " cached free (largest free block " + format_bytes(largest) + ")";
   if (limit_) msg += ", limit " + format_bytes(limit_);
   msg +=
       ". Hint: free tensors you no longer need, lower the batch size, raise the limit "
@@ -451,8 +451,8 @@ void CachingPool::set_limit(uint64_t bytes) {
 
 void CachingPool::set_fraction(double fraction) {
   if (!(fraction > 0.0 && fraction <= 1.0))
-    throw Error(BT_ALLOC_EINVAL,
-                "[set_memory_fraction] fraction must be in (0, 1], got " + std::to_string(fraction));
+    throw Error(BT_ALLOC_EINVAL, "[set_memory_fraction] fraction must be in (0, 1], got " +
+                                     std::to_string(fraction));
   std::lock_guard<std::mutex> lock(mutex_);
   limit_ = uint64_t(fraction * double(source_->total_bytes()));
 }
@@ -460,8 +460,9 @@ void CachingPool::set_fraction(double fraction) {
 void CachingPool::set_expandable(bool on) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (on && !source_->supports_expandable())
-    throw Error(BT_ALLOC_EINVAL, std::string("[set_option] expandable segments are not supported for ") +
-                                     kind() + " (they need the CUDA virtual memory API)");
+    throw Error(BT_ALLOC_EINVAL,
+                std::string("[set_option] expandable segments are not supported for ") + kind() +
+                    " (they need the CUDA virtual memory API)");
   expandable_ = on;
 }
 

@@ -55,10 +55,10 @@ namespace bt::alloc {
 
 constexpr size_t kKiB = 1024;
 constexpr size_t kMiB = 1024 * kKiB;
-constexpr size_t kMinBlockSize = 512;        // bytes: allocation granule
-constexpr size_t kSmallRequest = 1 * kMiB;   // bytes: largest request served by the small pool
-constexpr size_t kSmallSegment = 2 * kMiB;   // bytes: segment size of the small pool
-constexpr size_t kMidRequest = 10 * kMiB;    // bytes: large requests below this share 20 MiB segments
+constexpr size_t kMinBlockSize = 512;       // bytes: allocation granule
+constexpr size_t kSmallRequest = 1 * kMiB;  // bytes: largest request served by the small pool
+constexpr size_t kSmallSegment = 2 * kMiB;  // bytes: segment size of the small pool
+constexpr size_t kMidRequest = 10 * kMiB;  // bytes: large requests below this share 20 MiB segments
 constexpr size_t kLargeSegment = 20 * kMiB;  // bytes
 constexpr size_t kLargeRounding = 2 * kMiB;  // bytes: bigger segments round up to this
 // bytes: no request may exceed this; larger values are almost surely a negative
@@ -74,13 +74,13 @@ struct Block {
   size_t size = 0;       // bytes, a multiple of kMinBlockSize
   size_t requested = 0;  // bytes asked for; 0 when free
   StreamId stream = 0;
-  int32_t pool_id = 0;   // 0: default pools; >= 2: a private (graph capture) pool
+  int32_t pool_id = 0;  // 0: default pools; >= 2: a private (graph capture) pool
   bool small = false;
   bool allocated = false;
   bool in_free_set = false;
-  int pending_events = 0;              // events still to complete before reuse
-  std::vector<StreamId> stream_uses;   // other streams this block was used on
-  Block* prev = nullptr;               // neighbours within the segment
+  int pending_events = 0;             // events still to complete before reuse
+  std::vector<StreamId> stream_uses;  // other streams this block was used on
+  Block* prev = nullptr;              // neighbours within the segment
   Block* next = nullptr;
   Segment* segment = nullptr;
 };
@@ -105,7 +105,7 @@ class MemorySource {
   virtual uintptr_t allocate(size_t bytes) = 0;
   virtual void release(uintptr_t base, size_t bytes) = 0;
   virtual uint64_t total_bytes() const = 0;  // capacity, for memory fractions
-  virtual const char* kind() const = 0;       // "CUDA device 0", "pinned host", ...
+  virtual const char* kind() const = 0;      // "CUDA device 0", "pinned host", ...
 
   // Expandable segments (optional). reserve() returns the base of a range of
   // `bytes` address space; grow()/shrink() map or unmap [base+from, base+to).
@@ -191,14 +191,14 @@ class CachingPool {
   const bool key_by_stream_;
   bool expandable_ = false;
 
-  std::map<int32_t, Pools> pools_;                       // 0 = default
-  std::map<StreamId, int32_t> capturing_;                // stream -> private pool id
+  std::map<int32_t, Pools> pools_;         // 0 = default
+  std::map<StreamId, int32_t> capturing_;  // stream -> private pool id
   int32_t next_private_pool_ = 2;
-  std::map<uintptr_t, Segment*> segments_;               // by base address
-  std::map<StreamId, Segment*> expandable_segments_;     // one per stream
-  std::unordered_map<uintptr_t, Block*> live_;           // allocated blocks by address
-  std::deque<std::pair<void*, Block*>> pending_;         // events for cross-stream frees
-  uint64_t limit_ = 0;                                   // bytes; 0 = none
+  std::map<uintptr_t, Segment*> segments_;            // by base address
+  std::map<StreamId, Segment*> expandable_segments_;  // one per stream
+  std::unordered_map<uintptr_t, Block*> live_;        // allocated blocks by address
+  std::deque<std::pair<void*, Block*>> pending_;      // events for cross-stream frees
+  uint64_t limit_ = 0;                                // bytes; 0 = none
   bt_alloc_stats st_{};
 };
 

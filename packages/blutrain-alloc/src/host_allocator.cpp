@@ -1,6 +1,8 @@
 // Pageable host memory: segments from the C library, no streams, no events.
-#include <cstdlib>
+#include <sys/mman.h>
 #include <unistd.h>
+
+#include <cstdlib>
 
 #include "backend.h"
 
@@ -22,6 +24,28 @@ class PageableSource final : public MemorySource {
     return pages > 0 && page > 0 ? uint64_t(pages) * uint64_t(page) : 0;
   }
   const char* kind() const override { return "pageable host memory"; }
+
+  // Expandable segments on host: reserve address space with no access, then
+  // grant and revoke access in granules (the pages themselves appear on first
+  // touch and go back with MADV_DONTNEED). This is what the CUDA virtual memory
+  // API does on the device, so the same pool code is tested on any machine.
+  bool supports_expandable() const override { return true; }
+  size_t expand_granularity() const override { return kLargeRounding; }
+  uintptr_t reserve(size_t bytes) override {
+    void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return p == MAP_FAILED ? 0 : reinterpret_cast<uintptr_t>(p);
+  }
+  bool grow(uintptr_t base, size_t from, size_t to) override {
+    return mprotect(reinterpret_cast<void*>(base + from), to - from, PROT_READ | PROT_WRITE) == 0;
+  }
+  void shrink(uintptr_t base, size_t from, size_t to) override {
+    void* p = reinterpret_cast<void*>(base + from);
+    madvise(p, to - from, MADV_DONTNEED);
+    mprotect(p, to - from, PROT_NONE);
+  }
+  void unreserve(uintptr_t base, size_t bytes) override {
+    munmap(reinterpret_cast<void*>(base), bytes);
+  }
 };
 
 }  // namespace

@@ -18,7 +18,8 @@ EXAMPLE = os.path.join(HERE, "..", "examples", "c_consumer")
 
 
 def test_paths_cli():
-    for flag, probe in [("--include", "blutrain/alloc.h"), ("--cmake-dir", "BlutrainAllocConfig.cmake")]:
+    for flag, probe in [("--include", "blutrain/alloc.h"),
+                        ("--cmake-dir", "BlutrainAllocConfig.cmake")]:
         out = subprocess.check_output([sys.executable, "-m", "blutrain.alloc", flag], text=True)
         assert os.path.exists(os.path.join(out.strip(), probe))
     lib = subprocess.check_output([sys.executable, "-m", "blutrain.alloc", "--library"], text=True)

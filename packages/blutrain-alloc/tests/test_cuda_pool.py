@@ -11,9 +11,10 @@ import textwrap
 
 import numpy as np
 import pytest
-from pool_invariants import MIB, check_structure
 
 import blutrain.alloc as ba
+
+from pool_invariants import MIB, check_structure
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy") if ba.device_count() > 0 else None

@@ -10,9 +10,10 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from pool_invariants import MIB, check_structure, rounded, segment_size
 
 import blutrain.alloc as ba
+
+from pool_invariants import MIB, check_structure, rounded, segment_size
 
 
 def fill(ptr: int, size: int, tag: int) -> None:
@@ -151,6 +152,49 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+class ExpandablePoolMachine(PoolMachine):
+    """The same invariants with large blocks in one growing, shrinking segment."""
+
+    def __init__(self):
+        super().__init__()
+        ba.set_expandable(True, "cpu")
+
+    def teardown(self):
+        super().teardown()
+        ba.set_expandable(False, "cpu")
+
+
+TestExpandablePoolMachine = ExpandablePoolMachine.TestCase
+TestExpandablePoolMachine.settings = settings(max_examples=40, stateful_step_count=40,
+                                              deadline=None)
+
+
+def test_expandable_segment_grows_in_place_and_shrinks(host_clean):
+    ba.set_expandable(True, "cpu")
+    try:
+        a = ba.malloc(30 * MIB)
+        b = ba.malloc(5 * MIB)
+        assert b == a + 30 * MIB, "one segment grows at its end"
+        fill(a, 30 * MIB, 1)
+        fill(b, 5 * MIB, 2)
+        ba.free(b)
+        c = ba.malloc(50 * MIB)  # the free tail grows in place to serve a bigger request
+        assert c == b
+        assert holds(a, 30 * MIB, 1)
+        (seg,) = {x["segment"] for x in ba.snapshot("cpu")}
+        assert ba.stats("cpu")["reserved_bytes"] == 80 * MIB
+        ba.free(c)
+        ba.empty_cache("cpu")
+        assert ba.stats("cpu")["reserved_bytes"] == 30 * MIB, "the free tail was unmapped"
+        ba.free(a)
+        ba.empty_cache("cpu")
+        s = ba.stats("cpu")
+        assert s["reserved_bytes"] == 0 and s["segments"] == 0
+        del seg
+    finally:
+        ba.set_expandable(False, "cpu")
 
 
 def test_many_threads(host_clean):

@@ -35,12 +35,12 @@ extern "C" {
 
 enum bt_alloc_status {
   BT_ALLOC_OK = 0,
-  BT_ALLOC_EINVAL = -1,   /* bad argument: size, device, flag */
-  BT_ALLOC_ENOMEM = -2,   /* out of memory after releasing the cache and retrying */
-  BT_ALLOC_ENOTOWN = -3,  /* pointer not allocated by us, or already freed */
-  BT_ALLOC_ENOCUDA = -4,  /* built without CUDA, or no device present */
-  BT_ALLOC_ECUDA = -5,    /* a CUDA runtime/driver call failed */
-  BT_ALLOC_ESTATE = -6    /* call not valid now (e.g. ending a pool never begun) */
+  BT_ALLOC_EINVAL = -1,  /* bad argument: size, device, flag */
+  BT_ALLOC_ENOMEM = -2,  /* out of memory after releasing the cache and retrying */
+  BT_ALLOC_ENOTOWN = -3, /* pointer not allocated by us, or already freed */
+  BT_ALLOC_ENOCUDA = -4, /* built without CUDA, or no device present */
+  BT_ALLOC_ECUDA = -5,   /* a CUDA runtime/driver call failed */
+  BT_ALLOC_ESTATE = -6   /* call not valid now (e.g. ending a pool never begun) */
 };
 
 /* Where memory lives. Devices are numbered from 0; kinds below -1 are host. */
@@ -49,35 +49,35 @@ enum bt_alloc_status {
 
 /* Statistics of one device (or host kind). Byte counts are in bytes. */
 typedef struct bt_alloc_stats {
-  uint64_t allocated_bytes;        /* held by live allocations (rounded sizes) */
+  uint64_t allocated_bytes; /* held by live allocations (rounded sizes) */
   uint64_t allocated_bytes_peak;
-  uint64_t requested_bytes;        /* what callers asked for */
+  uint64_t requested_bytes; /* what callers asked for */
   uint64_t requested_bytes_peak;
-  uint64_t reserved_bytes;         /* obtained from the system (segments) */
+  uint64_t reserved_bytes; /* obtained from the system (segments) */
   uint64_t reserved_bytes_peak;
-  uint64_t active_blocks;          /* live allocations */
-  uint64_t segments;               /* system allocations held */
-  uint64_t alloc_count;            /* successful bt_alloc_malloc calls */
+  uint64_t active_blocks; /* live allocations */
+  uint64_t segments;      /* system allocations held */
+  uint64_t alloc_count;   /* successful bt_alloc_malloc calls */
   uint64_t free_count;
-  uint64_t system_alloc_count;     /* cudaMalloc / cuMemMap / malloc calls */
+  uint64_t system_alloc_count; /* cudaMalloc / cuMemMap / malloc calls */
   uint64_t system_free_count;
-  uint64_t oom_count;              /* allocations that failed for lack of memory */
-  uint64_t cache_flushes;          /* times the cache was released to retry an allocation */
-  uint64_t largest_free_block;     /* bytes, over all cached free blocks */
-  uint64_t inactive_split_bytes;   /* free bytes inside segments that also hold live blocks */
-  uint64_t limit_bytes;            /* per-process cap in force (0 = none) */
+  uint64_t oom_count;            /* allocations that failed for lack of memory */
+  uint64_t cache_flushes;        /* times the cache was released to retry an allocation */
+  uint64_t largest_free_block;   /* bytes, over all cached free blocks */
+  uint64_t inactive_split_bytes; /* free bytes inside segments that also hold live blocks */
+  uint64_t limit_bytes;          /* per-process cap in force (0 = none) */
 } bt_alloc_stats;
 
 /* One block of the snapshot. */
 typedef struct bt_alloc_block_info {
-  uint64_t segment_address;  /* base of the owning segment */
+  uint64_t segment_address; /* base of the owning segment */
   uint64_t address;
-  uint64_t size;             /* bytes */
-  uint64_t requested;        /* bytes asked for (0 if free) */
-  uint64_t stream;           /* stream the block belongs to */
-  int32_t allocated;         /* 1 live, 0 free */
-  int32_t pool;              /* 0 small, 1 large, >=2 a private (graph) pool id */
-  int32_t expandable;        /* 1 if the segment is an expandable segment */
+  uint64_t size;      /* bytes */
+  uint64_t requested; /* bytes asked for (0 if free) */
+  uint64_t stream;    /* stream the block belongs to */
+  int32_t allocated;  /* 1 live, 0 free */
+  int32_t pool;       /* 0 small, 1 large, >=2 a private (graph) pool id */
+  int32_t expandable; /* 1 if the segment is an expandable segment */
   int32_t reserved_;
 } bt_alloc_block_info;
 
@@ -112,6 +112,8 @@ typedef struct bt_alloc_api {
   /* Settings: "expandable_segments" 0/1 (CUDA only, before first use of a device). */
   int (*set_option)(const char* name, int64_t value);
   int (*device_count)(int* count);
+  /* Expandable segments for one device or host kind (host: mmap reservations). */
+  int (*set_expandable)(int device, int on);
 } bt_alloc_api;
 
 /* Direct entry points (for C/C++ users who link libblutrain_alloc). */

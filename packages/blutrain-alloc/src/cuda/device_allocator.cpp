@@ -12,24 +12,25 @@
 
 #include "backend.h"
 
-#define BT_CUDA_CHECK(expr)                                                               \
-  do {                                                                                    \
-    cudaError_t bt_err_ = (expr);                                                         \
-    if (bt_err_ != cudaSuccess)                                                           \
-      throw ::bt::alloc::Error(BT_ALLOC_ECUDA, std::string("[alloc] ") + #expr + ": " +   \
-                                                   cudaGetErrorString(bt_err_) + " (" +   \
-                                                   __FILE__ ":" + std::to_string(__LINE__) + \
-                                                   ")");                                  \
+#define BT_CUDA_CHECK(expr)                                                                        \
+  do {                                                                                             \
+    cudaError_t bt_err_ = (expr);                                                                  \
+    if (bt_err_ != cudaSuccess)                                                                    \
+      throw ::bt::alloc::Error(BT_ALLOC_ECUDA, std::string("[alloc] ") + #expr + ": " +            \
+                                                   cudaGetErrorString(bt_err_) + " (" +            \
+                                                   __FILE__ ":" + std::to_string(__LINE__) + ")"); \
   } while (0)
 
-#define BT_CU_CHECK(expr)                                                                      \
-  do {                                                                                         \
-    CUresult bt_res_ = (expr);                                                                 \
-    if (bt_res_ != CUDA_SUCCESS)                                                               \
-      throw ::bt::alloc::Error(BT_ALLOC_ECUDA, std::string("[alloc] ") + #expr + " failed with " \
-                                                   "CUresult " + std::to_string(int(bt_res_)) +  \
-                                                   " (" __FILE__ ":" +                         \
-                                                   std::to_string(__LINE__) + ")");            \
+#define BT_CU_CHECK(expr)                                                                         \
+  do {                                                                                            \
+    CUresult bt_res_ = (expr);                                                                    \
+    if (bt_res_ != CUDA_SUCCESS)                                                                  \
+      throw ::bt::alloc::Error(BT_ALLOC_ECUDA, std::string("[alloc] ") + #expr +                  \
+                                                   " failed with "                                \
+                                                   "CUresult " +                                  \
+                                                   std::to_string(int(bt_res_)) +                 \
+                                                   " (" __FILE__ ":" + std::to_string(__LINE__) + \
+                                                   ")");                                          \
   } while (0)
 
 namespace bt::alloc {

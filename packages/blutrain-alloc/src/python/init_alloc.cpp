@@ -108,8 +108,8 @@ NB_MODULE(_alloc, m) {
   m.attr("HOST_PAGEABLE") = BT_ALLOC_HOST_PAGEABLE;
   m.attr("HOST_PINNED") = BT_ALLOC_HOST_PINNED;
   m.attr("ABI_VERSION") = BT_ALLOC_ABI_VERSION;
-  m.attr("_C_API") = nb::steal(PyCapsule_New(const_cast<bt_alloc_api*>(bt_alloc_get_api()),
-                                             BT_ALLOC_CAPSULE_NAME, nullptr));
+  m.attr("_C_API") = nb::steal(
+      PyCapsule_New(const_cast<bt_alloc_api*>(bt_alloc_get_api()), BT_ALLOC_CAPSULE_NAME, nullptr));
 
   m.def(
       "malloc",
@@ -203,6 +203,12 @@ NB_MODULE(_alloc, m) {
       "name"_a, "value"_a,
       "set_option(name: str, value: int) -> None\n\nSet an allocator option, e.g. "
       "('expandable_segments', 1).");
+  m.def(
+      "set_expandable",
+      [](int device, bool on) { check(bt_alloc_get_api()->set_expandable(device, on)); },
+      "device"_a, "on"_a,
+      "set_expandable(device: int, on: bool) -> None\n\nUse expandable segments for new large "
+      "allocations of one device (CUDA virtual memory) or of pageable host memory (mmap).");
   m.def(
       "device_count",
       [] {
