@@ -26,18 +26,30 @@ std::array<std::atomic<CachingPool*>, kMaxDevices> g_devices{};
 std::atomic<CachingPool*> g_pinned{nullptr};
 std::atomic<CachingPool*> g_pageable{nullptr};
 std::atomic<int> g_device_count{-1};
-bool g_expandable = false;  // guarded by g_create_mutex
+// Options for CUDA device pools, present and future; guarded by g_create_mutex.
+bool g_expandable = false;
 
-// BLUTRAIN_ALLOC_CONF="expandable_segments:1": read once, before any pool exists.
+void apply_option(CachingPool& p, const std::string& name, int64_t value) {
+  if (name == "expandable_segments")
+    p.set_expandable(value != 0);
+  else
+    throw Error(BT_ALLOC_EINVAL,
+                "[set_option] unknown option '" + name + "'; known: expandable_segments");
+}
+
+// BLUTRAIN_ALLOC_CONF="expandable_segments:1": read once,
+// before any pool exists.
 void read_env_options() {
   const char* conf = std::getenv("BLUTRAIN_ALLOC_CONF");
   if (!conf) return;
-  std::string s(conf);
-  const std::string key = "expandable_segments:";
-  auto pos = s.find(key);
-  if (pos != std::string::npos)
-    g_expandable =
-        s.compare(pos + key.size(), 1, "1") == 0 || s.compare(pos + key.size(), 4, "True") == 0;
+  const std::string s(conf);
+  auto flag = [&](const std::string& key, bool& out) {
+    const auto pos = s.find(key + ":");
+    if (pos == std::string::npos) return;
+    const size_t at = pos + key.size() + 1;
+    out = at < s.size() && (s[at] == '1' || s[at] == 'T' || s[at] == 't');
+  };
+  flag("expandable_segments", g_expandable);
 }
 
 int device_count() {
@@ -78,7 +90,9 @@ CachingPool& pool(int device) {
     std::unique_ptr<CachingPool> made = device == BT_ALLOC_HOST_PAGEABLE ? make_pageable_pool()
                                         : device == BT_ALLOC_HOST_PINNED ? make_pinned_pool()
                                                                          : make_device_pool(device);
-    if (device >= 0 && g_expandable) made->set_expandable(true);
+    if (device >= 0) {
+      if (g_expandable) made->set_expandable(true);
+    }
     p = made.release();  // lives until process exit: pools outlive every user
     slot->store(p, std::memory_order_release);
   }
@@ -212,15 +226,20 @@ static int release_graph_pool(int device, int32_t pool_id) {
 static int set_option(const char* name, int64_t value) {
   return guarded([&] {
     if (!name) throw Error(BT_ALLOC_EINVAL, "[set_option] name must not be NULL");
-    if (std::strcmp(name, "expandable_segments") != 0)
-      throw Error(BT_ALLOC_EINVAL, std::string("[set_option] unknown option '") + name +
-                                       "'; known: expandable_segments");
+    const std::string key(name);
     {
       std::lock_guard<std::mutex> lock(g_create_mutex);
-      g_expandable = value != 0;
+      if (key == "expandable_segments") g_expandable = value != 0;
     }
+    bool any = false;
     for (int d = 0; d < kMaxDevices; ++d)
-      if (CachingPool* p = g_devices[d].load()) p->set_expandable(value != 0);
+      if (CachingPool* p = g_devices[d].load()) {
+        apply_option(*p, key, value);
+        any = true;
+      }
+    if (!any && key != "expandable_segments")
+      throw Error(BT_ALLOC_EINVAL,
+                  "[set_option] unknown option '" + key + "'; known: expandable_segments");
   });
 }
 
@@ -231,8 +250,11 @@ static int get_device_count(int* count) {
   });
 }
 
-static int set_expandable(int device, int on) {
-  return guarded([&] { pool(device).set_expandable(on != 0); });
+static int set_pool_option(int device, const char* name, int64_t value) {
+  return guarded([&] {
+    if (!name) throw Error(BT_ALLOC_EINVAL, "[set_pool_option] name must not be NULL");
+    apply_option(pool(device), name, value);
+  });
 }
 
 static const bt_alloc_api g_api = {
@@ -240,7 +262,7 @@ static const bt_alloc_api g_api = {
     bt_alloc_free,        bt_alloc_record_stream, bt_alloc_get_stats,  bt_alloc_reset_peak_stats,
     bt_alloc_empty_cache, set_memory_fraction,    set_memory_limit,    snapshot,
     begin_graph_pool,     end_graph_pool,         release_graph_pool,  set_option,
-    get_device_count,     set_expandable,
+    get_device_count,     set_pool_option,
 };
 
 const bt_alloc_api* bt_alloc_get_api(void) { return &g_api; }

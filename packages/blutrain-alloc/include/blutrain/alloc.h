@@ -109,11 +109,13 @@ typedef struct bt_alloc_api {
   int (*end_graph_pool)(int device, void* stream);
   int (*release_graph_pool)(int device, int32_t pool_id);
 
-  /* Settings: "expandable_segments" 0/1 (CUDA only, before first use of a device). */
+  /* Options of every CUDA device pool, present and future (see set_pool_option). */
   int (*set_option)(const char* name, int64_t value);
   int (*device_count)(int* count);
-  /* Expandable segments for one device or host kind (host: mmap reservations). */
-  int (*set_expandable)(int device, int on);
+  /* Options of one pool (a device or a host kind):
+   *   "expandable_segments" 0/1: large blocks in one growing segment per stream
+   *     (CUDA virtual memory on devices, mmap on host); default 0. */
+  int (*set_pool_option)(int device, const char* name, int64_t value);
 } bt_alloc_api;
 
 /* Direct entry points (for C/C++ users who link libblutrain_alloc). */

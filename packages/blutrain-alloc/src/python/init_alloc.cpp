@@ -204,11 +204,13 @@ NB_MODULE(_alloc, m) {
       "set_option(name: str, value: int) -> None\n\nSet an allocator option, e.g. "
       "('expandable_segments', 1).");
   m.def(
-      "set_expandable",
-      [](int device, bool on) { check(bt_alloc_get_api()->set_expandable(device, on)); },
-      "device"_a, "on"_a,
-      "set_expandable(device: int, on: bool) -> None\n\nUse expandable segments for new large "
-      "allocations of one device (CUDA virtual memory) or of pageable host memory (mmap).");
+      "set_pool_option",
+      [](int device, const std::string& name, int64_t value) {
+        check(bt_alloc_get_api()->set_pool_option(device, name.c_str(), value));
+      },
+      "device"_a, "name"_a, "value"_a,
+      "set_pool_option(device: int, name: str, value: int) -> None\n\nSet an option of one "
+      "pool, e.g. ('expandable_segments', 1).");
   m.def(
       "device_count",
       [] {

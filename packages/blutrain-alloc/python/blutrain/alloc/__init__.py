@@ -136,7 +136,7 @@ def set_expandable(on: bool, device: Device = "cuda") -> None:
     larger request: less fragmentation, at the cost of mapping calls when growing.
     ``BLUTRAIN_ALLOC_CONF=expandable_segments:1`` turns it on for every device.
     """
-    _alloc.set_expandable(_device(device), on)
+    _alloc.set_pool_option(_device(device), "expandable_segments", int(on))
 
 
 def snapshot(device: Device = "cpu") -> list[dict]:
