@@ -127,12 +127,14 @@ int validate(const bt_linalg_gemm_desc& d) {
   if (epi_has_bgrad(e) && (rc = check_vector("bgrad", d.bgrad, bgrad_len(d)))) return rc;
   if (d.batch > 1) {  // outputs written per batch item must not share storage
     if (d.d.batch_stride == 0 && d.m > 0 && d.n > 0)
-      return fail(BT_LINALG_EINVAL, "[gemm] batch > 1 but D's batch stride is 0: items would "
-                                    "overwrite each other");
+      return fail(BT_LINALG_EINVAL,
+                  "[gemm] batch > 1 but D's batch stride is 0: items would "
+                  "overwrite each other");
     if ((epi_writes_aux(e) && d.aux.batch_stride == 0) ||
         (epi_has_bgrad(e) && d.bgrad.batch_stride < bgrad_len(d)))
-      return fail(BT_LINALG_EINVAL, "[gemm] batch > 1: aux / bgrad need a batch stride that "
-                                    "separates the items");
+      return fail(BT_LINALG_EINVAL,
+                  "[gemm] batch > 1: aux / bgrad need a batch stride that "
+                  "separates the items");
   }
   if (d.device < -1)
     return failf(BT_LINALG_EINVAL, "[gemm] device must be -1 (CPU) or a CUDA ordinal, got %d",
@@ -160,14 +162,21 @@ int api_set_option(const char* name, int64_t v) {
   if (!name) return fail(BT_LINALG_EINVAL, "[set_option] name is NULL");
   Options& o = options();
   const std::string n = name;
-  if (n == "autotune") o.autotune = v != 0;
-  else if (n == "autotune_candidates") o.autotune_candidates = v < 1 ? 1 : (v > 64 ? 64 : v);
-  else if (n == "autotune_reps") o.autotune_reps = v < 1 ? 1 : v;
+  if (n == "autotune")
+    o.autotune = v != 0;
+  else if (n == "autotune_candidates")
+    o.autotune_candidates = v < 1 ? 1 : (v > 64 ? 64 : v);
+  else if (n == "autotune_reps")
+    o.autotune_reps = v < 1 ? 1 : v;
   else if (n == "workspace_bytes") {
     if (v < 0) return fail(BT_LINALG_EINVAL, "[set_option] workspace_bytes must be >= 0");
     o.workspace_bytes = v;
-  } else if (n == "persist") o.persist = v != 0;
-  else if (n == "fused_epilogues") o.fused_epilogues = v != 0;
+  } else if (n == "persist")
+    o.persist = v != 0;
+  else if (n == "fused_epilogues")
+    o.fused_epilogues = v != 0;
+  else if (n == "use_alloc")
+    o.use_alloc = v != 0;
   else if (n == "num_threads") {
     if (v < 0) return fail(BT_LINALG_EINVAL, "[set_option] num_threads must be >= 0");
     o.num_threads = v;
@@ -182,16 +191,28 @@ int api_get_option(const char* name, int64_t* v) {
   if (!name || !v) return fail(BT_LINALG_EINVAL, "[get_option] name and value must be non-NULL");
   const Options& o = options();
   const std::string n = name;
-  if (n == "autotune") *v = o.autotune;
-  else if (n == "autotune_candidates") *v = o.autotune_candidates;
-  else if (n == "autotune_reps") *v = o.autotune_reps;
-  else if (n == "workspace_bytes") *v = o.workspace_bytes;
-  else if (n == "persist") *v = o.persist;
-  else if (n == "num_threads") *v = o.num_threads;
-  else if (n == "fused_epilogues") *v = o.fused_epilogues;
-  else if (n == "cuda") *v = cuda_available();
-  else if (cuda_get_stat(name, v) == BT_LINALG_OK) return BT_LINALG_OK;
-  else return failf(BT_LINALG_EINVAL, "[get_option] unknown option '%s'", name);
+  if (n == "autotune")
+    *v = o.autotune;
+  else if (n == "autotune_candidates")
+    *v = o.autotune_candidates;
+  else if (n == "autotune_reps")
+    *v = o.autotune_reps;
+  else if (n == "workspace_bytes")
+    *v = o.workspace_bytes;
+  else if (n == "persist")
+    *v = o.persist;
+  else if (n == "num_threads")
+    *v = o.num_threads;
+  else if (n == "fused_epilogues")
+    *v = o.fused_epilogues;
+  else if (n == "use_alloc")
+    *v = o.use_alloc;
+  else if (n == "cuda")
+    *v = cuda_available();
+  else if (cuda_get_stat(name, v) == BT_LINALG_OK)
+    return BT_LINALG_OK;
+  else
+    return failf(BT_LINALG_EINVAL, "[get_option] unknown option '%s'", name);
   return BT_LINALG_OK;
 }
 
@@ -236,6 +257,10 @@ extern "C" {
 const bt_linalg_api* bt_linalg_get_api(void) { return &blutrain::linalg::g_api; }
 const char* bt_linalg_last_error(void) { return blutrain::linalg::api_last_error(); }
 int bt_linalg_gemm(const bt_linalg_gemm_desc* d) { return blutrain::linalg::api_gemm(d); }
-int bt_linalg_set_option(const char* n, int64_t v) { return blutrain::linalg::api_set_option(n, v); }
-int bt_linalg_get_option(const char* n, int64_t* v) { return blutrain::linalg::api_get_option(n, v); }
+int bt_linalg_set_option(const char* n, int64_t v) {
+  return blutrain::linalg::api_set_option(n, v);
+}
+int bt_linalg_get_option(const char* n, int64_t* v) {
+  return blutrain::linalg::api_get_option(n, v);
+}
 }

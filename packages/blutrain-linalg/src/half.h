@@ -44,11 +44,11 @@ inline uint16_t f32_to_f16(float f) {
   uint32_t u = f32_bits(f);
   const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
   u &= 0x7fffffffu;
-  if (u > 0x7f800000u) return sign | 0x7e00u;           // nan
-  if (u >= 0x477ff000u) return sign | 0x7c00u;          // rounds to >= 65520: inf
-  if (u < 0x38800000u) {                                // below 2^-14: subnormal or zero
+  if (u > 0x7f800000u) return sign | 0x7e00u;   // nan
+  if (u >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65520: inf
+  if (u < 0x38800000u) {                        // below 2^-14: subnormal or zero
     // Scale so the subnormal step 2^-24 becomes 1, round to nearest even.
-    float v = bits_f32(u) * 16777216.0f;                // exact: power-of-two scale
+    float v = bits_f32(u) * 16777216.0f;  // exact: power-of-two scale
     return sign | uint16_t(std::nearbyint(v));
   }
   uint32_t r = u + 0xfffu + ((u >> 13) & 1u);
@@ -76,7 +76,8 @@ inline T gelu(T z) {
 template <class T>
 inline T dgelu(T z) {
   const T t = std::tanh(T(kGeluS) * (z + T(kGeluC) * z * z * z));
-  return T(0.5) * (T(1) + t) + T(0.5) * z * (T(1) - t * t) * T(kGeluS) * (T(1) + T(3 * kGeluC) * z * z);
+  return T(0.5) * (T(1) + t) +
+         T(0.5) * z * (T(1) - t * t) * T(kGeluS) * (T(1) + T(3 * kGeluC) * z * z);
 }
 
 }  // namespace blutrain::linalg

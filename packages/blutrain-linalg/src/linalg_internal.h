@@ -16,24 +16,35 @@ void clear_error();
 
 inline size_t dtype_size(int dt) {
   switch (dt) {
-    case BT_LINALG_F32: return 4;
-    case BT_LINALG_F64: return 8;
-    case BT_LINALG_F16: return 2;
-    case BT_LINALG_BF16: return 2;
-    default: return 0;
+    case BT_LINALG_F32:
+      return 4;
+    case BT_LINALG_F64:
+      return 8;
+    case BT_LINALG_F16:
+      return 2;
+    case BT_LINALG_BF16:
+      return 2;
+    default:
+      return 0;
   }
 }
 inline const char* dtype_name(int dt) {
   switch (dt) {
-    case BT_LINALG_F32: return "float32";
-    case BT_LINALG_F64: return "float64";
-    case BT_LINALG_F16: return "float16";
-    case BT_LINALG_BF16: return "bfloat16";
-    default: return "invalid";
+    case BT_LINALG_F32:
+      return "float32";
+    case BT_LINALG_F64:
+      return "float64";
+    case BT_LINALG_F16:
+      return "float16";
+    case BT_LINALG_BF16:
+      return "bfloat16";
+    default:
+      return "invalid";
   }
 }
 inline bool epi_has_bias(int e) {
-  return e == BT_LINALG_EPI_BIAS || e == BT_LINALG_EPI_BIAS_GELU || e == BT_LINALG_EPI_BIAS_GELU_AUX;
+  return e == BT_LINALG_EPI_BIAS || e == BT_LINALG_EPI_BIAS_GELU ||
+         e == BT_LINALG_EPI_BIAS_GELU_AUX;
 }
 inline bool epi_has_gelu(int e) {
   return e == BT_LINALG_EPI_GELU || e == BT_LINALG_EPI_BIAS_GELU || e == BT_LINALG_EPI_GELU_AUX ||
@@ -61,7 +72,8 @@ struct Options {
   int64_t workspace_bytes = 32ll << 20;  // bytes; cuBLAS's own default on Hopper
   int64_t persist = 1;
   int64_t num_threads = 0;
-  int64_t fused_epilogues = 1;  // 0: always run epilogues as separate kernels (for testing)
+  int64_t fused_epilogues = 1;
+  int64_t use_alloc = 1;  // 0: CUDA scratch from cudaMallocAsync even when blutrain-alloc is set  // 0: always run epilogues as separate kernels (for testing)
 };
 Options& options();
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 # Relative Frobenius error allowed per mode (the targets; see _expected in the tests).
 TOL = {"fp32": 1e-5, "tf32": 1e-3, "bf16": 1e-2, "fp16": 3e-3, "f64": 1e-12}

@@ -146,7 +146,9 @@ void retain_grad(const Tensor& t) {
   if (!t.grad_fn() || t.impl()->retains_grad) return;  // leaves keep theirs anyway
   t.impl()->retains_grad = true;
   std::weak_ptr<TensorImpl> weak = t.impl_ptr();
-  register_hook(t, [weak](const Tensor& g) {
+  auto& slots = t.grad_fn()->retain_hooks;
+  slots.resize(t.grad_fn()->out_meta.size());
+  slots[t.impl()->output_nr].push_back([weak](const Tensor& g) {
     if (auto impl = weak.lock()) {
       if (!impl->grad) {
         impl->grad = clone(g).impl_ptr();
@@ -253,6 +255,10 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
       for (auto& h : node->pre_hooks[i]) {
         Tensor r = h(grads[i]);
         if (r.defined()) grads[i] = r;
+      }
+      // retain_grad() sees the gradient after every user hook, as in PyTorch.
+      if (i < node->retain_hooks.size()) {
+        for (auto& h : node->retain_hooks[i]) h(grads[i]);
       }
     }
     std::vector<Tensor> in_grads = node->apply(grads);

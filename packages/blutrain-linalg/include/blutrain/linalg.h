@@ -50,12 +50,12 @@ extern "C" {
 
 enum bt_linalg_status {
   BT_LINALG_OK = 0,
-  BT_LINALG_EINVAL = -1,   /* bad argument: shape, leading dimension, dtype, pointer */
-  BT_LINALG_ENOMEM = -2,   /* workspace or scratch allocation failed */
-  BT_LINALG_ENOTSUP = -3,  /* valid but unsupported combination (e.g. dtypes) */
-  BT_LINALG_ENOCUDA = -4,  /* built without CUDA, or no device present */
-  BT_LINALG_ECUDA = -5,    /* a CUDA runtime / cuBLASLt call failed */
-  BT_LINALG_EBLAS = -6     /* the CPU BLAS could not be loaded */
+  BT_LINALG_EINVAL = -1,  /* bad argument: shape, leading dimension, dtype, pointer */
+  BT_LINALG_ENOMEM = -2,  /* workspace or scratch allocation failed */
+  BT_LINALG_ENOTSUP = -3, /* valid but unsupported combination (e.g. dtypes) */
+  BT_LINALG_ENOCUDA = -4, /* built without CUDA, or no device present */
+  BT_LINALG_ECUDA = -5,   /* a CUDA runtime / cuBLASLt call failed */
+  BT_LINALG_EBLAS = -6    /* the CPU BLAS could not be loaded */
 };
 
 /* Element types (values fixed: stored in the persisted algorithm cache). */
@@ -126,21 +126,21 @@ typedef struct bt_linalg_matrix {
 } bt_linalg_matrix;
 
 typedef struct bt_linalg_gemm_desc {
-  uint32_t struct_size; /* sizeof(bt_linalg_gemm_desc) as the caller knows it */
-  int32_t device;       /* -1: CPU (host memory); >= 0: the CUDA device of every pointer */
-  int64_t m, n, k;      /* op(A) is (m, k), op(B) is (k, n); k may be 0 (then Z = beta C) */
-  int64_t batch;        /* >= 1 */
+  uint32_t struct_size;   /* sizeof(bt_linalg_gemm_desc) as the caller knows it */
+  int32_t device;         /* -1: CPU (host memory); >= 0: the CUDA device of every pointer */
+  int64_t m, n, k;        /* op(A) is (m, k), op(B) is (k, n); k may be 0 (then Z = beta C) */
+  int64_t batch;          /* >= 1 */
   int32_t transa, transb; /* bt_linalg_op */
   bt_linalg_matrix a, b;
-  bt_linalg_matrix c;   /* read when beta != 0; ptr may equal d.ptr (in place) */
-  bt_linalg_matrix d;   /* output (ptr written); dtype may differ from a's */
+  bt_linalg_matrix c; /* read when beta != 0; ptr may equal d.ptr (in place) */
+  bt_linalg_matrix d; /* output (ptr written); dtype may differ from a's */
   double alpha, beta;
-  int32_t compute;      /* bt_linalg_compute */
-  int32_t epilogue;     /* bt_linalg_epilogue */
+  int32_t compute;        /* bt_linalg_compute */
+  int32_t epilogue;       /* bt_linalg_epilogue */
   bt_linalg_matrix bias;  /* BIAS*: ptr to n values; ld unused; batch_stride 0 = shared */
   bt_linalg_matrix aux;   /* GELU_AUX (written) / DGELU (read): (m, n), ld >= n */
   bt_linalg_matrix bgrad; /* *BGRAD*: written, m (BGRAD_A) or n values; ld unused */
-  void* stream;         /* cudaStream_t; ignored on the CPU */
+  void* stream;           /* cudaStream_t; ignored on the CPU */
 } bt_linalg_gemm_desc;
 
 /* Fill a descriptor with defaults: CPU, batch 1, alpha 1, beta 0, all dtypes F32. */
@@ -161,6 +161,7 @@ static inline void bt_linalg_gemm_desc_init(bt_linalg_gemm_desc* d) {
  *   "persist"            0/1: write new algorithm choices to the cache file (default 1)
  *   "num_threads"        CPU BLAS threads (0 = OpenBLAS's default)
  *   "fused_epilogues"    0/1: 0 runs every CUDA epilogue as separate kernels (default 1)
+ *   "use_alloc"          0/1: 0 takes CUDA scratch from cudaMallocAsync, not blutrain-alloc
  * Read-only (get_option): "cuda" (1 if built with CUDA), "cache_entries",
  *   "cache_hits", "cache_misses", "fallback_epilogues" (calls whose epilogue ran as a
  *   separate kernel because cuBLASLt lacked it for that combination). */

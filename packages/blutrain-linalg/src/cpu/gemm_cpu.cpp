@@ -28,8 +28,8 @@ namespace blutrain::linalg {
 namespace {
 
 enum { kRowMajor = 101, kNoTrans = 111, kTrans = 112 };
-using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*,
-                          int, float, float*, int);
+using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
+                          float, float*, int);
 using dgemm_fn = void (*)(int, int, int, int, int, int, double, const double*, int, const double*,
                           int, double, double*, int);
 using set_threads_fn = void (*)(int);
@@ -85,10 +85,14 @@ int ensure_blas() {
 // ---- element access ---------------------------------------------------------------------
 inline float load_f(const void* p, int dt, int64_t i) {
   switch (dt) {
-    case BT_LINALG_F32: return static_cast<const float*>(p)[i];
-    case BT_LINALG_F64: return float(static_cast<const double*>(p)[i]);
-    case BT_LINALG_F16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    default: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case BT_LINALG_F32:
+      return static_cast<const float*>(p)[i];
+    case BT_LINALG_F64:
+      return float(static_cast<const double*>(p)[i]);
+    case BT_LINALG_F16:
+      return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    default:
+      return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
   }
 }
 inline double load_d(const void* p, int dt, int64_t i) {
@@ -96,16 +100,26 @@ inline double load_d(const void* p, int dt, int64_t i) {
 }
 template <class T>
 inline T load(const void* p, int dt, int64_t i) {
-  if constexpr (sizeof(T) == 8) return load_d(p, dt, i);
-  else return load_f(p, dt, i);
+  if constexpr (sizeof(T) == 8)
+    return load_d(p, dt, i);
+  else
+    return load_f(p, dt, i);
 }
 template <class T>
 inline void store(void* p, int dt, int64_t i, T v) {
   switch (dt) {
-    case BT_LINALG_F32: static_cast<float*>(p)[i] = float(v); break;
-    case BT_LINALG_F64: static_cast<double*>(p)[i] = double(v); break;
-    case BT_LINALG_F16: static_cast<uint16_t*>(p)[i] = f32_to_f16(float(v)); break;
-    default: static_cast<uint16_t*>(p)[i] = f32_to_bf16(float(v)); break;
+    case BT_LINALG_F32:
+      static_cast<float*>(p)[i] = float(v);
+      break;
+    case BT_LINALG_F64:
+      static_cast<double*>(p)[i] = double(v);
+      break;
+    case BT_LINALG_F16:
+      static_cast<uint16_t*>(p)[i] = f32_to_f16(float(v));
+      break;
+    default:
+      static_cast<uint16_t*>(p)[i] = f32_to_bf16(float(v));
+      break;
   }
 }
 inline const char* at(const void* p, int dt, int64_t elems) {
@@ -172,10 +186,10 @@ int run_one(const bt_linalg_gemm_desc& d, int64_t bi, std::vector<double>& bgrad
   const T* Ap = static_cast<const T*>(A);
   const T* Bp = static_cast<const T*>(B);
   int64_t lda = d.a.ld, ldb = d.b.ld;
-  const bool convert = kAccDt == BT_LINALG_F32 &&
-                       (d.a.dtype != BT_LINALG_F32 || d.compute == BT_LINALG_COMPUTE_TF32 ||
-                        d.compute == BT_LINALG_COMPUTE_FAST_BF16 ||
-                        d.compute == BT_LINALG_COMPUTE_FAST_F16);
+  const bool convert =
+      kAccDt == BT_LINALG_F32 &&
+      (d.a.dtype != BT_LINALG_F32 || d.compute == BT_LINALG_COMPUTE_TF32 ||
+       d.compute == BT_LINALG_COMPUTE_FAST_BF16 || d.compute == BT_LINALG_COMPUTE_FAST_F16);
   if (convert && k > 0) {
     to_f32(A, d.a.dtype, d.a.ld, ar, ac, d.compute, abuf);
     to_f32(B, d.b.dtype, d.b.ld, br, bc, d.compute, bbuf);
@@ -207,13 +221,15 @@ int run_one(const bt_linalg_gemm_desc& d, int64_t bi, std::vector<double>& bgrad
       blas_gemm<T>(d.transa, d.transb, m, n, k, T(d.alpha), Ap, lda, Bp, ldb, beta, Z, ldz);
     } else {  // empty sum: Z = beta C (BLAS conventions differ on k = 0, so do it here)
       for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < n; ++j) Z[i * ldz + j] = beta == T(0) ? T(0) : beta * Z[i * ldz + j];
+        for (int64_t j = 0; j < n; ++j)
+          Z[i * ldz + j] = beta == T(0) ? T(0) : beta * Z[i * ldz + j];
     }
   }
 
   // Epilogue, row by row.
   const int e = d.epilogue;
-  const void* bias = epi_has_bias(e) ? at(d.bias.ptr, d.bias.dtype, bi * d.bias.batch_stride) : nullptr;
+  const void* bias =
+      epi_has_bias(e) ? at(d.bias.ptr, d.bias.dtype, bi * d.bias.batch_stride) : nullptr;
   void* aux = (epi_writes_aux(e) || epi_reads_aux(e))
                   ? at(const_cast<void*>(d.aux.ptr), d.aux.dtype, bi * d.aux.batch_stride)
                   : nullptr;
@@ -255,7 +271,8 @@ int run_one(const bt_linalg_gemm_desc& d, int64_t bi, std::vector<double>& bgrad
   }
   if (epi_has_bgrad(e)) {
     void* g = at(const_cast<void*>(d.bgrad.ptr), d.bgrad.dtype, bi * d.bgrad.batch_stride);
-    for (size_t j = 0; j < bgrad_acc.size(); ++j) store<double>(g, d.bgrad.dtype, int64_t(j), bgrad_acc[j]);
+    for (size_t j = 0; j < bgrad_acc.size(); ++j)
+      store<double>(g, d.bgrad.dtype, int64_t(j), bgrad_acc[j]);
   }
   return BT_LINALG_OK;
 }

@@ -34,8 +34,10 @@ void do_load() {
     tried += std::string("\n  ") + c + ": " + (e ? e : "not found");
   }
   if (!h) {
-    g_error = "[gemm] cuBLASLt could not be loaded (pip install nvidia-cublas, or set "
-              "BLUTRAIN_LINALG_CUBLASLT). Tried:" + tried;
+    g_error =
+        "[gemm] cuBLASLt could not be loaded (pip install nvidia-cublas, or set "
+        "BLUTRAIN_LINALG_CUBLASLT). Tried:" +
+        tried;
     return;
   }
 #define BT_LT_SYM(name)                                                     \

@@ -5,22 +5,22 @@
 
 namespace blutrain::linalg::lt {
 
-#define BT_LT_FUNCS(X)                  \
-  X(cublasLtCreate)                     \
-  X(cublasLtDestroy)                    \
-  X(cublasLtGetVersion)                 \
-  X(cublasLtGetStatusString)            \
-  X(cublasLtMatmul)                     \
-  X(cublasLtMatmulDescCreate)           \
-  X(cublasLtMatmulDescDestroy)          \
-  X(cublasLtMatmulDescSetAttribute)     \
-  X(cublasLtMatrixLayoutCreate)         \
-  X(cublasLtMatrixLayoutDestroy)        \
-  X(cublasLtMatrixLayoutSetAttribute)   \
-  X(cublasLtMatmulPreferenceCreate)     \
-  X(cublasLtMatmulPreferenceDestroy)    \
+#define BT_LT_FUNCS(X)                    \
+  X(cublasLtCreate)                       \
+  X(cublasLtDestroy)                      \
+  X(cublasLtGetVersion)                   \
+  X(cublasLtGetStatusString)              \
+  X(cublasLtMatmul)                       \
+  X(cublasLtMatmulDescCreate)             \
+  X(cublasLtMatmulDescDestroy)            \
+  X(cublasLtMatmulDescSetAttribute)       \
+  X(cublasLtMatrixLayoutCreate)           \
+  X(cublasLtMatrixLayoutDestroy)          \
+  X(cublasLtMatrixLayoutSetAttribute)     \
+  X(cublasLtMatmulPreferenceCreate)       \
+  X(cublasLtMatmulPreferenceDestroy)      \
   X(cublasLtMatmulPreferenceSetAttribute) \
-  X(cublasLtMatmulAlgoGetHeuristic)     \
+  X(cublasLtMatmulAlgoGetHeuristic)       \
   X(cublasLtMatmulAlgoCheck)
 
 struct Funcs {

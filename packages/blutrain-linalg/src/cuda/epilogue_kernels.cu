@@ -16,19 +16,31 @@ namespace {
 template <class T>
 __device__ __forceinline__ T ld_as(const void* p, int dt, int64_t i) {
   switch (dt) {
-    case BT_LINALG_F32: return T(static_cast<const float*>(p)[i]);
-    case BT_LINALG_F64: return T(static_cast<const double*>(p)[i]);
-    case BT_LINALG_F16: return T(__half2float(static_cast<const __half*>(p)[i]));
-    default: return T(__bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]));
+    case BT_LINALG_F32:
+      return T(static_cast<const float*>(p)[i]);
+    case BT_LINALG_F64:
+      return T(static_cast<const double*>(p)[i]);
+    case BT_LINALG_F16:
+      return T(__half2float(static_cast<const __half*>(p)[i]));
+    default:
+      return T(__bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]));
   }
 }
 template <class T>
 __device__ __forceinline__ void st_as(void* p, int dt, int64_t i, T v) {
   switch (dt) {
-    case BT_LINALG_F32: static_cast<float*>(p)[i] = float(v); break;
-    case BT_LINALG_F64: static_cast<double*>(p)[i] = double(v); break;
-    case BT_LINALG_F16: static_cast<__half*>(p)[i] = __float2half_rn(float(v)); break;
-    default: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(float(v)); break;
+    case BT_LINALG_F32:
+      static_cast<float*>(p)[i] = float(v);
+      break;
+    case BT_LINALG_F64:
+      static_cast<double*>(p)[i] = double(v);
+      break;
+    case BT_LINALG_F16:
+      static_cast<__half*>(p)[i] = __float2half_rn(float(v));
+      break;
+    default:
+      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(float(v));
+      break;
   }
 }
 
@@ -121,7 +133,8 @@ __global__ void rowsum_kernel(Mat x, Mat out, int64_t rows, int64_t cols, int64_
   if (warp >= rows * batch) return;
   const int64_t i = warp % rows, b = warp / rows;
   T acc = T(0);
-  for (int64_t j = lane; j < cols; j += 32) acc += ld_as<T>(x.ptr, x.dtype, b * x.bs + i * x.ld + j);
+  for (int64_t j = lane; j < cols; j += 32)
+    acc += ld_as<T>(x.ptr, x.dtype, b * x.bs + i * x.ld + j);
   for (int off = 16; off > 0; off /= 2) acc += __shfl_down_sync(0xffffffffu, acc, off);
   if (lane == 0) st_as<T>(const_cast<void*>(out.ptr), out.dtype, b * out.bs + i, acc);
 }
@@ -146,25 +159,26 @@ int convert_scale(Mat src, Mat dst, int64_t rows, int64_t cols, int64_t batch, d
   if (total == 0) return cudaSuccess;
   auto s = static_cast<cudaStream_t>(stream);
   if (is_f64(dst))
-    convert_scale_kernel<double><<<grid_for(total, 256), 256, 0, s>>>(src, dst, rows, cols, batch, scale);
+    convert_scale_kernel<double>
+        <<<grid_for(total, 256), 256, 0, s>>>(src, dst, rows, cols, batch, scale);
   else
-    convert_scale_kernel<float><<<grid_for(total, 256), 256, 0, s>>>(src, dst, rows, cols, batch,
-                                                                     float(scale));
+    convert_scale_kernel<float>
+        <<<grid_for(total, 256), 256, 0, s>>>(src, dst, rows, cols, batch, float(scale));
   return cudaGetLastError();
 }
 
-int epilogue(Mat z, Mat d, Mat bias, Mat aux, int flags, int64_t rows, int64_t cols,
-             int64_t batch, void* stream) {
+int epilogue(Mat z, Mat d, Mat bias, Mat aux, int flags, int64_t rows, int64_t cols, int64_t batch,
+             void* stream) {
   const int64_t total = rows * cols * batch;
   if (total == 0) return cudaSuccess;
   auto s = static_cast<cudaStream_t>(stream);
   const bool write_d = d.ptr != z.ptr;
   if (is_f64(z))
-    epilogue_kernel<double><<<grid_for(total, 256), 256, 0, s>>>(z, d, bias, aux, flags, rows, cols,
-                                                                 batch, write_d);
+    epilogue_kernel<double>
+        <<<grid_for(total, 256), 256, 0, s>>>(z, d, bias, aux, flags, rows, cols, batch, write_d);
   else
-    epilogue_kernel<float><<<grid_for(total, 256), 256, 0, s>>>(z, d, bias, aux, flags, rows, cols,
-                                                                batch, write_d);
+    epilogue_kernel<float>
+        <<<grid_for(total, 256), 256, 0, s>>>(z, d, bias, aux, flags, rows, cols, batch, write_d);
   return cudaGetLastError();
 }
 
@@ -173,8 +187,7 @@ size_t colsum_scratch_bytes(int64_t rows, int64_t cols, int64_t batch) {
   return size_t((nchunks < 1 ? 1 : nchunks) * cols * batch) * sizeof(double);
 }
 
-int colsum(Mat x, Mat out, int64_t rows, int64_t cols, int64_t batch, void* scratch,
-           void* stream) {
+int colsum(Mat x, Mat out, int64_t rows, int64_t cols, int64_t batch, void* scratch, void* stream) {
   if (cols * batch == 0) return cudaSuccess;
   auto s = static_cast<cudaStream_t>(stream);
   const int64_t cr = chunk_rows_for(rows);
@@ -185,13 +198,15 @@ int colsum(Mat x, Mat out, int64_t rows, int64_t cols, int64_t batch, void* scra
   const int64_t total = cols * batch;
   // Sums run in double for f64 data, else in float (the accumulation the GPU GEMM uses).
   if (is_f64(x)) {
-    colsum_partial_kernel<double><<<grid, block, 0, s>>>(x, rows, cols, cr, (double*)scratch, nchunks);
-    colsum_final_kernel<double><<<grid_for(total, 256), 256, 0, s>>>((double*)scratch, nchunks, cols,
-                                                                     batch, out);
+    colsum_partial_kernel<double>
+        <<<grid, block, 0, s>>>(x, rows, cols, cr, (double*)scratch, nchunks);
+    colsum_final_kernel<double>
+        <<<grid_for(total, 256), 256, 0, s>>>((double*)scratch, nchunks, cols, batch, out);
   } else {
-    colsum_partial_kernel<float><<<grid, block, 0, s>>>(x, rows, cols, cr, (float*)scratch, nchunks);
-    colsum_final_kernel<float><<<grid_for(total, 256), 256, 0, s>>>((float*)scratch, nchunks, cols,
-                                                                    batch, out);
+    colsum_partial_kernel<float>
+        <<<grid, block, 0, s>>>(x, rows, cols, cr, (float*)scratch, nchunks);
+    colsum_final_kernel<float>
+        <<<grid_for(total, 256), 256, 0, s>>>((float*)scratch, nchunks, cols, batch, out);
   }
   return cudaGetLastError();
 }

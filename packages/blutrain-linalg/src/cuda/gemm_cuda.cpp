@@ -25,7 +25,6 @@
 // reused only by later work on that stream. Without the table, cudaMallocAsync/cudaFreeAsync.
 #include <cuda_runtime.h>
 #include <sys/stat.h>
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -33,6 +32,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -48,20 +48,20 @@ namespace blutrain::linalg {
 
 namespace {
 
-#define BT_CUDA_CHECK(expr)                                                                 \
-  do {                                                                                      \
-    cudaError_t e_ = (expr);                                                                \
-    if (e_ != cudaSuccess)                                                                  \
-      return failf(BT_LINALG_ECUDA, "[gemm] %s failed: %s (%s:%d)", #expr,                  \
-                   cudaGetErrorString(e_), __FILE__, __LINE__);                             \
+#define BT_CUDA_CHECK(expr)                                                                        \
+  do {                                                                                             \
+    cudaError_t e_ = (expr);                                                                       \
+    if (e_ != cudaSuccess)                                                                         \
+      return failf(BT_LINALG_ECUDA, "[gemm] %s failed: %s (%s:%d)", #expr, cudaGetErrorString(e_), \
+                   __FILE__, __LINE__);                                                            \
   } while (0)
 
-#define BT_LT_CHECK(expr)                                                                   \
-  do {                                                                                      \
-    cublasStatus_t s_ = (expr);                                                             \
-    if (s_ != CUBLAS_STATUS_SUCCESS)                                                        \
-      return failf(BT_LINALG_ECUDA, "[gemm] %s failed: %s (%s:%d)", #expr,                  \
-                   F->cublasLtGetStatusString(s_), __FILE__, __LINE__);                     \
+#define BT_LT_CHECK(expr)                                                  \
+  do {                                                                     \
+    cublasStatus_t s_ = (expr);                                            \
+    if (s_ != CUBLAS_STATUS_SUCCESS)                                       \
+      return failf(BT_LINALG_ECUDA, "[gemm] %s failed: %s (%s:%d)", #expr, \
+                   F->cublasLtGetStatusString(s_), __FILE__, __LINE__);    \
   } while (0)
 
 const lt::Funcs* F = nullptr;
@@ -135,13 +135,16 @@ struct Scratch {
   Scratch& operator=(const Scratch&) = delete;
   ~Scratch() {
     if (!p) return;
-    if (via_alloc) g_alloc.load()->free(p);
-    else cudaFreeAsync(p, stream);
+    if (via_alloc)
+      g_alloc.load()->free(p);
+    else
+      cudaFreeAsync(p, stream);
   }
   int get(int dev, size_t bytes, cudaStream_t s) {
     stream = s;
     if (bytes == 0) return BT_LINALG_OK;
-    if (const bt_alloc_api* a = g_alloc.load()) {
+    const bt_alloc_api* a = options().use_alloc ? g_alloc.load() : nullptr;
+    if (a) {
       if (a->malloc(dev, bytes, s, &p) == 0) {
         via_alloc = true;
         return BT_LINALG_OK;
@@ -175,7 +178,7 @@ struct LtProblem {
   int dt_out;  // C and D
   double alpha, beta;
   int compute;
-  uint32_t epi;  // cublasLtEpilogue_t
+  uint32_t epi;      // cublasLtEpilogue_t
   const void* bias;  // bias, or the bgrad output
   int bias_dt;
   void* aux;
@@ -185,10 +188,14 @@ struct LtProblem {
 
 cudaDataType_t cuda_type(int dt) {
   switch (dt) {
-    case BT_LINALG_F32: return CUDA_R_32F;
-    case BT_LINALG_F64: return CUDA_R_64F;
-    case BT_LINALG_F16: return CUDA_R_16F;
-    default: return CUDA_R_16BF;
+    case BT_LINALG_F32:
+      return CUDA_R_32F;
+    case BT_LINALG_F64:
+      return CUDA_R_64F;
+    case BT_LINALG_F16:
+      return CUDA_R_16F;
+    default:
+      return CUDA_R_16BF;
   }
 }
 
@@ -201,9 +208,12 @@ void compute_types(int dt_in, int compute, cublasComputeType_t* ct, cudaDataType
   *st = CUDA_R_32F;
   *ct = CUBLAS_COMPUTE_32F;
   if (dt_in == BT_LINALG_F32) {
-    if (compute == BT_LINALG_COMPUTE_TF32) *ct = CUBLAS_COMPUTE_32F_FAST_TF32;
-    else if (compute == BT_LINALG_COMPUTE_FAST_BF16) *ct = CUBLAS_COMPUTE_32F_FAST_16BF;
-    else if (compute == BT_LINALG_COMPUTE_FAST_F16) *ct = CUBLAS_COMPUTE_32F_FAST_16F;
+    if (compute == BT_LINALG_COMPUTE_TF32)
+      *ct = CUBLAS_COMPUTE_32F_FAST_TF32;
+    else if (compute == BT_LINALG_COMPUTE_FAST_BF16)
+      *ct = CUBLAS_COMPUTE_32F_FAST_16BF;
+    else if (compute == BT_LINALG_COMPUTE_FAST_F16)
+      *ct = CUBLAS_COMPUTE_32F_FAST_16F;
   }
 }
 
@@ -236,8 +246,8 @@ int make_layout(cublasLtMatrixLayout_t* l, int dt, int64_t rows, int64_t cols, i
     int32_t bc = int32_t(batch);
     BT_LT_CHECK(F->cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc,
                                                     sizeof bc));
-    BT_LT_CHECK(F->cublasLtMatrixLayoutSetAttribute(
-        *l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &bs, sizeof bs));
+    BT_LT_CHECK(F->cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                    &bs, sizeof bs));
   }
   return BT_LINALG_OK;
 }
@@ -252,18 +262,15 @@ int build(const LtProblem& p, LtObjects& o) {
   BT_LT_CHECK(F->cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
   if (p.epi != CUBLASLT_EPILOGUE_DEFAULT) {
     uint32_t e = p.epi;
-    BT_LT_CHECK(F->cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof e));
+    BT_LT_CHECK(
+        F->cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof e));
   }
   if (p.bias) {
-    BT_LT_CHECK(F->cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias,
-                                                  sizeof p.bias));
     int32_t bt = cuda_type(p.bias_dt);
     BT_LT_CHECK(F->cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt,
                                                   sizeof bt));
   }
   if (p.aux) {
-    BT_LT_CHECK(F->cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-                                                  &p.aux, sizeof p.aux));
     BT_LT_CHECK(F->cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
                                                   &p.ld_aux, sizeof p.ld_aux));
     int32_t at = cuda_type(p.aux_dt);
@@ -271,11 +278,11 @@ int build(const LtProblem& p, LtObjects& o) {
                                                   &at, sizeof at));
   }
   // Stored shapes: an operand with op T is stored (cols, rows) of op's (rows, cols).
-  if (int rc = make_layout(&o.a, p.dt_in, p.opA ? p.K : p.M, p.opA ? p.M : p.K, p.lda, p.batch,
-                           p.bsA))
+  if (int rc =
+          make_layout(&o.a, p.dt_in, p.opA ? p.K : p.M, p.opA ? p.M : p.K, p.lda, p.batch, p.bsA))
     return rc;
-  if (int rc = make_layout(&o.b, p.dt_in, p.opB ? p.N : p.K, p.opB ? p.K : p.N, p.ldb, p.batch,
-                           p.bsB))
+  if (int rc =
+          make_layout(&o.b, p.dt_in, p.opB ? p.N : p.K, p.opB ? p.K : p.N, p.ldb, p.batch, p.bsB))
     return rc;
   if (int rc = make_layout(&o.c, p.dt_out, p.M, p.N, p.ldc, p.batch, p.bsC)) return rc;
   if (int rc = make_layout(&o.d, p.dt_out, p.M, p.N, p.ldd, p.batch, p.bsD)) return rc;
@@ -291,6 +298,34 @@ int build(const LtProblem& p, LtObjects& o) {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
   for (int i = 0; i < 4; ++i)
     BT_LT_CHECK(F->cublasLtMatmulPreferenceSetAttribute(o.pref, which[i], &al[i], sizeof al[i]));
+  return BT_LINALG_OK;
+}
+
+// The per-call part of the descriptor: epilogue pointers.
+int set_pointers(const LtProblem& p, LtObjects& o) {
+  if (p.bias)
+    BT_LT_CHECK(F->cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias,
+                                                  sizeof p.bias));
+  if (p.aux)
+    BT_LT_CHECK(F->cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                                  &p.aux, sizeof p.aux));
+  return BT_LINALG_OK;
+}
+
+// Descriptors and layouts depend only on the key, so each thread keeps them per key: a hot
+// loop then pays for two attribute sets, not a dozen creations (host overhead matters for
+// GEMMs of tens of microseconds). Thread-local because pointers are set per call.
+int objects_for(const std::string& key, const LtProblem& p, LtObjects** out) {
+  thread_local std::unordered_map<std::string, std::unique_ptr<LtObjects>> t_objs;
+  auto it = t_objs.find(key);
+  if (it == t_objs.end()) {
+    if (t_objs.size() >= 512) t_objs.clear();  // bound memory for shape-churning callers
+    auto o = std::make_unique<LtObjects>();
+    if (int rc = build(p, *o)) return rc;
+    it = t_objs.emplace(key, std::move(o)).first;
+  }
+  if (int rc = set_pointers(p, *it->second)) return rc;
+  *out = it->second.get();
   return BT_LINALG_OK;
 }
 
@@ -311,8 +346,8 @@ std::string make_key(const DeviceState& ds, const LtProblem& p) {
 
 // ---- the algorithm cache ----------------------------------------------------------------------
 struct Entry {
-  bool fused = false;  // an algorithm exists (else: run unfused)
-  bool tuned = false;  // chosen by measuring, not only by the heuristic
+  bool fused = false;     // an algorithm exists (else: run unfused)
+  bool tuned = false;     // chosen by measuring, not only by the heuristic
   bool verified = false;  // loaded from a file: check once with cublasLtMatmulAlgoCheck
   size_t ws = 0;
   cublasLtMatmulAlgo_t algo{};
@@ -416,10 +451,11 @@ float time_algo(const DeviceState& ds, const LtProblem& p, const LtObjects& o,
   if (ok) {
     cudaEventRecord(e0, s);
     for (int r = 0; r < reps && ok; ++r)
-      ok = F->cublasLtMatmul(ds.handle, o.op, al, p.A, o.a, p.B, o.b, be, p.C, o.c, p.D, o.d,
-                             &algo, ws, ws_bytes, s) == CUBLAS_STATUS_SUCCESS;
+      ok = F->cublasLtMatmul(ds.handle, o.op, al, p.A, o.a, p.B, o.b, be, p.C, o.c, p.D, o.d, &algo,
+                             ws, ws_bytes, s) == CUBLAS_STATUS_SUCCESS;
     cudaEventRecord(e1, s);
-    if (ok && cudaEventSynchronize(e1) == cudaSuccess && cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess)
+    if (ok && cudaEventSynchronize(e1) == cudaSuccess &&
+        cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess)
       ms /= float(reps);
     else
       ms = -1;
@@ -432,9 +468,10 @@ float time_algo(const DeviceState& ds, const LtProblem& p, const LtObjects& o,
 // Runs the problem through cuBLASLt. Returns OK, or ENOTSUP when cuBLASLt has no algorithm
 // for it (the caller then runs it unfused), or an error.
 int lt_run(DeviceState& ds, int dev, const LtProblem& p, cudaStream_t s, bool may_autotune) {
-  LtObjects o;
-  if (int rc = build(p, o)) return rc;
   const std::string key = make_key(ds, p);
+  LtObjects* op = nullptr;
+  if (int rc = objects_for(key, p, &op)) return rc;
+  const LtObjects& o = *op;
   Entry entry;
   bool have = false;
   {
@@ -511,8 +548,8 @@ int lt_run(DeviceState& ds, int dev, const LtProblem& p, cudaStream_t s, bool ma
   float alpha_f = float(p.alpha), beta_f = float(p.beta);
   const void* al = p.dt_in == BT_LINALG_F64 ? (const void*)&p.alpha : &alpha_f;
   const void* be = p.dt_in == BT_LINALG_F64 ? (const void*)&p.beta : &beta_f;
-  cublasStatus_t st = F->cublasLtMatmul(ds.handle, o.op, al, p.A, o.a, p.B, o.b, be, p.C, o.c,
-                                        p.D, o.d, &entry.algo, w.p, entry.ws, s);
+  cublasStatus_t st = F->cublasLtMatmul(ds.handle, o.op, al, p.A, o.a, p.B, o.b, be, p.C, o.c, p.D,
+                                        o.d, &entry.algo, w.p, entry.ws, s);
   if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) {
     // Refused at launch (nothing was enqueued): remember, and let the caller run unfused.
     std::lock_guard<std::mutex> lk(g_cache_mu);
@@ -528,26 +565,40 @@ int lt_run(DeviceState& ds, int dev, const LtProblem& p, cudaStream_t s, bool ma
 // cuBLASLt's type support for C/D given A/B (its documented table, the subset we use).
 bool lt_supports_out(int in, int out) {
   switch (in) {
-    case BT_LINALG_F32: return out == BT_LINALG_F32;
-    case BT_LINALG_F64: return out == BT_LINALG_F64;
-    case BT_LINALG_F16: return out == BT_LINALG_F16 || out == BT_LINALG_F32;
-    default: return out == BT_LINALG_BF16 || out == BT_LINALG_F32;
+    case BT_LINALG_F32:
+      return out == BT_LINALG_F32;
+    case BT_LINALG_F64:
+      return out == BT_LINALG_F64;
+    case BT_LINALG_F16:
+      return out == BT_LINALG_F16 || out == BT_LINALG_F32;
+    default:
+      return out == BT_LINALG_BF16 || out == BT_LINALG_F32;
   }
 }
 
 uint32_t lt_epilogue(int e) {
   switch (e) {
-    case BT_LINALG_EPI_BIAS: return CUBLASLT_EPILOGUE_BIAS;
-    case BT_LINALG_EPI_GELU: return CUBLASLT_EPILOGUE_GELU;
-    case BT_LINALG_EPI_BIAS_GELU: return CUBLASLT_EPILOGUE_GELU_BIAS;
-    case BT_LINALG_EPI_GELU_AUX: return CUBLASLT_EPILOGUE_GELU_AUX;
-    case BT_LINALG_EPI_BIAS_GELU_AUX: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
-    case BT_LINALG_EPI_DGELU: return CUBLASLT_EPILOGUE_DGELU;
-    case BT_LINALG_EPI_DGELU_BGRAD: return CUBLASLT_EPILOGUE_DGELU_BGRAD;
+    case BT_LINALG_EPI_BIAS:
+      return CUBLASLT_EPILOGUE_BIAS;
+    case BT_LINALG_EPI_GELU:
+      return CUBLASLT_EPILOGUE_GELU;
+    case BT_LINALG_EPI_BIAS_GELU:
+      return CUBLASLT_EPILOGUE_GELU_BIAS;
+    case BT_LINALG_EPI_GELU_AUX:
+      return CUBLASLT_EPILOGUE_GELU_AUX;
+    case BT_LINALG_EPI_BIAS_GELU_AUX:
+      return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+    case BT_LINALG_EPI_DGELU:
+      return CUBLASLT_EPILOGUE_DGELU;
+    case BT_LINALG_EPI_DGELU_BGRAD:
+      return CUBLASLT_EPILOGUE_DGELU_BGRAD;
     // Row-major op(A) is cuBLASLt's B operand, and vice versa.
-    case BT_LINALG_EPI_BGRAD_A: return CUBLASLT_EPILOGUE_BGRADB;
-    case BT_LINALG_EPI_BGRAD_B: return CUBLASLT_EPILOGUE_BGRADA;
-    default: return CUBLASLT_EPILOGUE_DEFAULT;
+    case BT_LINALG_EPI_BGRAD_A:
+      return CUBLASLT_EPILOGUE_BGRADB;
+    case BT_LINALG_EPI_BGRAD_B:
+      return CUBLASLT_EPILOGUE_BGRADA;
+    default:
+      return CUBLASLT_EPILOGUE_DEFAULT;
   }
 }
 
@@ -629,8 +680,8 @@ int run_unfused(DeviceState& ds, int dev, const bt_linalg_gemm_desc& d, cudaStre
   const int acc = d.a.dtype == BT_LINALG_F64 ? BT_LINALG_F64 : BT_LINALG_F32;
   const int64_t m = d.m, n = d.n, k = d.k, batch = d.batch;
   if (e != BT_LINALG_EPI_NONE || d.d.dtype != acc) g_fallbacks++;
-  if (batch > 65535 && (e == BT_LINALG_EPI_DGELU_BGRAD || e == BT_LINALG_EPI_BGRAD_A ||
-                        e == BT_LINALG_EPI_BGRAD_B))
+  if (batch > 65535 &&
+      (e == BT_LINALG_EPI_DGELU_BGRAD || e == BT_LINALG_EPI_BGRAD_A || e == BT_LINALG_EPI_BGRAD_B))
     return fail(BT_LINALG_ENOTSUP, "[gemm] bias gradients support at most 65535 batch items");
 
   Scratch zs;
@@ -643,8 +694,8 @@ int run_unfused(DeviceState& ds, int dev, const bt_linalg_gemm_desc& d, cudaStre
   }
   const bool c_in_z = d.beta != 0.0 && d.c.ptr == Z.ptr && d.c.ld == Z.ld && d.c.dtype == acc;
   if (d.beta != 0.0 && !c_in_z) {
-    int rc = kern::convert_scale(kmat(d.c.ptr, d.c.ld, d.c.batch_stride, d.c.dtype), Z, m, n,
-                                 batch, 1.0, s);
+    int rc = kern::convert_scale(kmat(d.c.ptr, d.c.ld, d.c.batch_stride, d.c.dtype), Z, m, n, batch,
+                                 1.0, s);
     BT_CUDA_CHECK(cudaError_t(rc));
   }
   if (k == 0 || m == 0 || n == 0) {  // empty sum: Z = beta C
@@ -657,8 +708,10 @@ int run_unfused(DeviceState& ds, int dev, const bt_linalg_gemm_desc& d, cudaStre
     LtProblem p = to_lt(g);
     int rc = lt_run(ds, dev, p, s, may_tune && d.beta == 0.0);
     if (rc == BT_LINALG_ENOTSUP)
-      return failf(BT_LINALG_ENOTSUP, "[gemm] cuBLASLt has no algorithm for %s inputs with m=%lld "
-                   "n=%lld k=%lld", dtype_name(d.a.dtype), (long long)m, (long long)n, (long long)k);
+      return failf(BT_LINALG_ENOTSUP,
+                   "[gemm] cuBLASLt has no algorithm for %s inputs with m=%lld "
+                   "n=%lld k=%lld",
+                   dtype_name(d.a.dtype), (long long)m, (long long)n, (long long)k);
     if (rc) return rc;
   }
   int flags = 0;
@@ -709,13 +762,17 @@ int cuda_set_alloc_api(const void* t) {
 
 int cuda_get_stat(const char* name, int64_t* v) {
   const std::string n = name;
-  if (n == "cache_hits") *v = g_hits.load();
-  else if (n == "cache_misses") *v = g_misses.load();
-  else if (n == "fallback_epilogues") *v = g_fallbacks.load();
+  if (n == "cache_hits")
+    *v = g_hits.load();
+  else if (n == "cache_misses")
+    *v = g_misses.load();
+  else if (n == "fallback_epilogues")
+    *v = g_fallbacks.load();
   else if (n == "cache_entries") {
     std::lock_guard<std::mutex> lk(g_cache_mu);
     *v = int64_t(g_cache.size());
-  } else return BT_LINALG_EINVAL;
+  } else
+    return BT_LINALG_EINVAL;
   return BT_LINALG_OK;
 }
 

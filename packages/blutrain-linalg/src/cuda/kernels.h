@@ -22,14 +22,13 @@ int convert_scale(Mat src, Mat dst, int64_t rows, int64_t cols, int64_t batch, d
 // The epilogue over Z (acc type, in place): z += bias; aux = z; z = gelu(z); z *= gelu'(aux);
 // then D = z (converted) when D is not Z. `flags` bits: 1 bias, 2 write aux, 4 gelu, 8 dgelu.
 enum { kBias = 1, kAuxOut = 2, kGelu = 4, kDgelu = 8 };
-int epilogue(Mat z, Mat d, Mat bias, Mat aux, int flags, int64_t rows, int64_t cols,
-             int64_t batch, void* stream);
+int epilogue(Mat z, Mat d, Mat bias, Mat aux, int flags, int64_t rows, int64_t cols, int64_t batch,
+             void* stream);
 
 // out[b, j] = sum_i x[b, i, j] (column sums), via partial sums in `scratch`
 // (colsum_scratch_bytes of it). out is written in out.dtype; out.bs separates batch items.
 size_t colsum_scratch_bytes(int64_t rows, int64_t cols, int64_t batch);
-int colsum(Mat x, Mat out, int64_t rows, int64_t cols, int64_t batch, void* scratch,
-           void* stream);
+int colsum(Mat x, Mat out, int64_t rows, int64_t cols, int64_t batch, void* scratch, void* stream);
 // out[b, i] = sum_j x[b, i, j] (row sums).
 int rowsum(Mat x, Mat out, int64_t rows, int64_t cols, int64_t batch, void* stream);
 

@@ -1,14 +1,13 @@
 // nanobind module blutrain.linalg._linalg: the C ABI table as a capsule, a thin `gemm` that
 // takes raw pointers (the Python layer in blutrain/linalg/__init__.py checks shapes and names
 // them in errors), DLPack introspection and allocation of outputs through blutrain-alloc.
+#include <dlfcn.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
-
-#include <dlfcn.h>
 
 #include <optional>
 #include <string>
@@ -30,10 +29,14 @@ std::string g_alloc_error;
 [[noreturn]] void raise_code(int rc) {
   const char* msg = g_api->last_error();
   switch (rc) {
-    case BT_LINALG_EINVAL: throw nb::value_error(msg);
-    case BT_LINALG_ENOTSUP: throw nb::type_error(msg);
-    case BT_LINALG_ENOMEM: throw std::bad_alloc();
-    default: throw std::runtime_error(msg);
+    case BT_LINALG_EINVAL:
+      throw nb::value_error(msg);
+    case BT_LINALG_ENOTSUP:
+      throw nb::type_error(msg);
+    case BT_LINALG_ENOMEM:
+      throw std::bad_alloc();
+    default:
+      throw std::runtime_error(msg);
   }
 }
 inline void check(int rc) {
@@ -65,11 +68,16 @@ int dtype_code(nb::dlpack::dtype t) {
 nb::dlpack::dtype to_dl(int code) {
   using C = nb::dlpack::dtype_code;
   switch (code) {
-    case BT_LINALG_F32: return {(uint8_t)C::Float, 32, 1};
-    case BT_LINALG_F64: return {(uint8_t)C::Float, 64, 1};
-    case BT_LINALG_F16: return {(uint8_t)C::Float, 16, 1};
-    case BT_LINALG_BF16: return {(uint8_t)C::Bfloat, 16, 1};
-    default: throw nb::value_error("[empty] invalid dtype code");
+    case BT_LINALG_F32:
+      return {(uint8_t)C::Float, 32, 1};
+    case BT_LINALG_F64:
+      return {(uint8_t)C::Float, 64, 1};
+    case BT_LINALG_F16:
+      return {(uint8_t)C::Float, 16, 1};
+    case BT_LINALG_BF16:
+      return {(uint8_t)C::Bfloat, 16, 1};
+    default:
+      throw nb::value_error("[empty] invalid dtype code");
   }
 }
 
@@ -134,8 +142,8 @@ NB_MODULE(_linalg, m) {
         check(rc);
       },
       "m"_a, "n"_a, "k"_a, "batch"_a, "transa"_a, "transb"_a, "a"_a.none(), "b"_a.none(),
-      "c"_a.none(), "d"_a.none(), "alpha"_a, "beta"_a, "compute"_a, "epilogue"_a,
-      "bias"_a.none(), "aux"_a.none(), "bgrad"_a.none(), "device"_a, "stream"_a,
+      "c"_a.none(), "d"_a.none(), "alpha"_a, "beta"_a, "compute"_a, "epilogue"_a, "bias"_a.none(),
+      "aux"_a.none(), "bgrad"_a.none(), "device"_a, "stream"_a,
       "Raw row-major GEMM over pointers (see blutrain/linalg.h). Operands are\n"
       "(ptr, ld, batch_stride, dtype) tuples in elements, or None. No shape checks beyond\n"
       "the C library's: use blutrain.linalg.matmul.");
@@ -159,8 +167,10 @@ NB_MODULE(_linalg, m) {
       "empty",
       [](std::vector<int64_t> shape, int dtype, int device, uintptr_t stream) {
         if (!g_alloc)
-          throw std::runtime_error("[gemm] allocating a CUDA output needs blutrain-alloc, which "
-                                   "could not be imported: " + g_alloc_error);
+          throw std::runtime_error(
+              "[gemm] allocating a CUDA output needs blutrain-alloc, which "
+              "could not be imported: " +
+              g_alloc_error);
         size_t count = 1;
         for (int64_t s : shape) count *= (size_t)s;
         const nb::dlpack::dtype dt = to_dl(dtype);
@@ -174,7 +184,9 @@ NB_MODULE(_linalg, m) {
         }
         nb::capsule owner(p, [](void* q) noexcept { g_alloc->free(q); });
         std::vector<size_t> sh(shape.begin(), shape.end());
-        return nb::ndarray<>(p, sh.size(), sh.data(), owner, nullptr, dt,
+        // array_api: a nanobind.nb_ndarray object with __dlpack__ / __dlpack_device__ (a bare
+        // ndarray<> would be returned as a one-shot DLPack capsule).
+        return nb::ndarray<nb::array_api>(p, sh.size(), sh.data(), owner, nullptr, dt,
                              device < 0 ? nb::device::cpu::value : nb::device::cuda::value,
                              device < 0 ? 0 : device);
       },
@@ -183,7 +195,8 @@ NB_MODULE(_linalg, m) {
       "returns to the allocator, ordered on `stream`, when the last reference goes.");
 
   m.def(
-      "set_option", [](const std::string& name, int64_t v) { check(g_api->set_option(name.c_str(), v)); },
+      "set_option",
+      [](const std::string& name, int64_t v) { check(g_api->set_option(name.c_str(), v)); },
       "name"_a, "value"_a, "Sets a library option (see blutrain/linalg.h: autotune, ...).");
   m.def(
       "get_option",
@@ -224,8 +237,10 @@ NB_MODULE(_linalg, m) {
         return std::string(info.dli_fname);
       },
       "Path of the loaded libblutrain_linalg shared library.");
-  m.def("alloc_available", []() { return g_alloc != nullptr; },
-        "Whether blutrain.alloc's C ABI was imported.");
-  m.def("alloc_error", []() { return g_alloc_error; },
-        "Why blutrain.alloc could not be imported ('' if it was).");
+  m.def(
+      "alloc_available", []() { return g_alloc != nullptr; },
+      "Whether blutrain.alloc's C ABI was imported.");
+  m.def(
+      "alloc_error", []() { return g_alloc_error; },
+      "Why blutrain.alloc could not be imported ('' if it was).");
 }

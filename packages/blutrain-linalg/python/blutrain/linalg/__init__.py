@@ -111,8 +111,17 @@ def _preload_cublaslt() -> None:
         pass
 
 
+def _env_options() -> None:
+    # BLUTRAIN_LINALG_OPTIONS="autotune=1,workspace_bytes=0": settings before the first call.
+    spec = os.environ.get("BLUTRAIN_LINALG_OPTIONS", "")
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, value = item.partition("=")
+        set_option(name.strip(), int(value or 1))
+
+
 _load_blas()
 _preload_cublaslt()
+_env_options()
 
 
 def has_cuda() -> bool:
@@ -146,8 +155,6 @@ class _View(NamedTuple):
 
 
 _NP_CODES = {np.dtype(np.float32): F32, np.dtype(np.float64): F64, np.dtype(np.float16): F16}
-_TORCH_CODES = {"torch.float32": F32, "torch.float64": F64, "torch.float16": F16,
-                "torch.bfloat16": BF16}
 _CAI_CODES = {"<f4": F32, "<f8": F64, "<f2": F16}
 
 
@@ -164,43 +171,69 @@ def _bad_dtype(op: str, name: str, what: Any) -> TypeError:
     )
 
 
+_TORCH: dict = {}  # filled on first sight of a torch tensor: {"Tensor": cls, dtype: code}
+
+
+def _torch_tensor_type() -> Any:
+    t = sys.modules.get("torch")
+    if t is None:
+        return None
+    if not _TORCH:
+        _TORCH["Tensor"] = t.Tensor
+        _TORCH.update({t.float32: F32, t.float64: F64, t.float16: F16, t.bfloat16: BF16})
+        raw = getattr(t._C, "_cuda_getCurrentRawStream", None)
+        _TORCH["stream"] = (
+            raw if raw is not None else (lambda dev: t.cuda.current_stream(dev).cuda_stream)
+        )
+    return _TORCH["Tensor"]
+
+
 def _view(x: Any, name: str, op: str) -> _View:
-    if isinstance(x, np.ndarray):
+    if type(x) is np.ndarray or isinstance(x, np.ndarray):
         code = _np_code(x.dtype)
         if code < 0:
             raise _bad_dtype(op, name, x.dtype)
         item = x.itemsize
         if any(s % item for s in x.strides):
             x = np.ascontiguousarray(x)
-        return _View(x, "numpy", x.ctypes.data, x.shape, tuple(s // item for s in x.strides),
-                     code, -1)
-    mod = type(x).__module__
-    if mod.startswith("torch"):
-        code = _TORCH_CODES.get(str(x.dtype), -1)
+        return _View(
+            x, "numpy", x.ctypes.data, x.shape, tuple(s // item for s in x.strides), code, -1
+        )
+    tt = _torch_tensor_type()
+    if tt is not None and isinstance(x, tt):  # the hot path of training loops: kept lean
+        code = _TORCH.get(x.dtype, -1)
         if code < 0:
             raise _bad_dtype(op, name, x.dtype)
-        dev = x.device
-        if dev.type not in ("cpu", "cuda"):
-            raise ValueError(f"[{op}] {name} is on {dev}: expected cpu or cuda")
-        return _View(x, "torch", x.data_ptr(), tuple(x.shape), tuple(x.stride()), code,
-                     -1 if dev.type == "cpu" else dev.index)
+        if not (x.is_cuda or x.device.type == "cpu"):
+            raise ValueError(f"[{op}] {name} is on {x.device}: expected cpu or cuda")
+        return _View(x, "torch", x.data_ptr(), x.shape, x.stride(), code, x.get_device())
+    mod = type(x).__module__
     if mod.startswith("cupy"):
         cai = x.__cuda_array_interface__
         code = _CAI_CODES.get(cai["typestr"], -1)
         if code < 0:
             raise _bad_dtype(op, name, x.dtype)
         item = x.itemsize
-        return _View(x, "cupy", cai["data"][0], tuple(x.shape),
-                     tuple(s // item for s in x.strides), code, x.device.id)
+        return _View(
+            x,
+            "cupy",
+            cai["data"][0],
+            tuple(x.shape),
+            tuple(s // item for s in x.strides),
+            code,
+            x.device.id,
+        )
     if hasattr(x, "__dlpack__"):
         ptr, shape, strides, code, dev_type, dev_id = _linalg.describe(x)
         if code < 0:
             raise _bad_dtype(op, name, "of DLPack code (unsupported)")
         if dev_type not in (1, 2, 3):  # kDLCPU, kDLCUDA, kDLCUDAHost
-            raise ValueError(f"[{op}] {name} is on DLPack device type {dev_type}: expected CPU "
-                             "or CUDA")
-        return _View(x, "dlpack", ptr, tuple(shape), tuple(strides), code,
-                     dev_id if dev_type == 2 else -1)
+            raise ValueError(
+                f"[{op}] {name} is on DLPack device type {dev_type}: expected CPU or CUDA"
+            )
+        return _View(
+            x, "dlpack", ptr, tuple(shape), tuple(strides), code, dev_id if dev_type == 2 else -1
+        )
     if hasattr(x, "__cuda_array_interface__"):
         cai = x.__cuda_array_interface__
         code = _CAI_CODES.get(cai["typestr"], -1)
@@ -270,9 +303,7 @@ def _resolve_stream(stream: Any, v: _View) -> int:
         return 0
     if stream is None:
         if v.kind == "torch":
-            import torch
-
-            return torch.cuda.current_stream(v.device).cuda_stream
+            return _TORCH["stream"](v.device)
         if v.kind == "cupy":
             import cupy
 
@@ -297,18 +328,39 @@ def _np_dtype(code: int) -> np.dtype:
     return np.dtype({F32: np.float32, F64: np.float64, F16: np.float16}[code])
 
 
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
 def _empty(like: _View, shape: tuple, code: int, stream: int) -> tuple[Any, _View]:
-    """An output of `like`'s kind and device; returns (object, view)."""
+    """An output of `like`'s kind and device; returns (object, view).
+
+    CUDA outputs come from blutrain-alloc, ordered on `stream`, and are handed to the caller's
+    framework through DLPack; where blutrain-alloc is unavailable (or use_alloc=0), from the
+    framework's own allocator.
+    """
     if like.kind == "numpy":
         arr = np.empty(shape, _np_dtype(code))
         return arr, _view(arr, "out", "gemm")
-    if like.kind == "torch" and like.device < 0:
+    use_alloc = like.device >= 0 and _linalg.alloc_available() and get_option("use_alloc")
+    if like.kind == "torch" and not use_alloc:
         import torch
 
         tdt = {F32: torch.float32, F64: torch.float64, F16: torch.float16, BF16: torch.bfloat16}
-        t = torch.empty(shape, dtype=tdt[code])
+        t = torch.empty(shape, dtype=tdt[code], device="cpu" if like.device < 0 else like.device)
         return t, _view(t, "out", "gemm")
+    if like.kind == "cupy" and not use_alloc:
+        import cupy
+
+        with cupy.cuda.Device(like.device):
+            c = cupy.empty(shape, dtype=_np_dtype(code))
+        return c, _view(c, "out", "gemm")
     raw = _linalg.empty(list(shape), code, like.device, stream)
+    ptr = _linalg.describe(raw)[0]
     if like.kind == "torch":
         import torch
 
@@ -319,12 +371,9 @@ def _empty(like: _View, shape: tuple, code: int, stream: int) -> tuple[Any, _Vie
         obj = cupy.from_dlpack(raw)
     else:
         obj = raw
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= s
-    return obj, _View(obj, like.kind, _linalg.describe(raw)[0], tuple(shape),
-                      tuple(reversed(strides)), code, like.device)
+    return obj, _View(
+        obj, like.kind, ptr, tuple(shape), _contiguous_strides(shape), code, like.device
+    )
 
 
 def _dtype_name(code: int) -> str:
@@ -342,8 +391,15 @@ def _code_of(dtype: Any) -> int:
         except TypeError:
             pass
     s = str(dtype).replace("torch.", "")
-    names = {"float32": F32, "float64": F64, "float16": F16, "bfloat16": BF16, "half": F16,
-             "float": F32, "double": F64}
+    names = {
+        "float32": F32,
+        "float64": F64,
+        "float16": F16,
+        "bfloat16": BF16,
+        "half": F16,
+        "float": F32,
+        "double": F64,
+    }
     if s in names:
         return names[s]
     raise TypeError(f"[gemm] unsupported output dtype {dtype}")
@@ -384,8 +440,10 @@ def matmul(
     op = _op
     va, vb = _view(a, "A", op), _view(b, "B", op)
     if va.device != vb.device:
-        raise ValueError(f"[{op}] A is on {_dev_name(va.device)} and B is on "
-                         f"{_dev_name(vb.device)}: operands must share a device")
+        raise ValueError(
+            f"[{op}] A is on {_dev_name(va.device)} and B is on "
+            f"{_dev_name(vb.device)}: operands must share a device"
+        )
     ma = _as_blas(va, "A", op)
     mb = _as_blas(vb, "B", op)
     if ma is None or mb is None:
@@ -398,9 +456,11 @@ def matmul(
                 mb = _as_blas(vb, "B", op)
         else:
             bad, v = ("A", va) if ma is None else ("B", vb)
-            raise ValueError(f"[{op}] {bad} is {_shape_str(v.shape)} with strides "
-                             f"{_shape_str(v.strides)} (elements): a BLAS needs one of the last "
-                             "two strides to be 1 (make it contiguous first)")
+            raise ValueError(
+                f"[{op}] {bad} is {_shape_str(v.shape)} with strides "
+                f"{_shape_str(v.strides)} (elements): a BLAS needs one of the last "
+                "two strides to be 1 (make it contiguous first)"
+            )
     ta = bool(transa) != ma.flipped
     tb = bool(transb) != mb.flipped
     # Logical op(A) is (m, k), op(B) is (k, n).
@@ -411,17 +471,27 @@ def matmul(
     aname = "A^T" if transa else "A"
     bname = "B^T" if transb else "B"
     if k != k2:
-        ashape = _shape_str(va.shape) if not transa else f"{_shape_str(va.shape)} (op: {_shape_str(la)})"
-        bshape = _shape_str(vb.shape) if not transb else f"{_shape_str(vb.shape)} (op: {_shape_str(lb)})"
-        raise ValueError(f"[{op}] {aname if not transa else 'A'} is {ashape} and "
-                         f"{bname if not transb else 'B'} is {bshape}: k differs ({k} vs {k2})")
+        ashape = (
+            _shape_str(va.shape) if not transa else f"{_shape_str(va.shape)} (op: {_shape_str(la)})"
+        )
+        bshape = (
+            _shape_str(vb.shape) if not transb else f"{_shape_str(vb.shape)} (op: {_shape_str(lb)})"
+        )
+        raise ValueError(
+            f"[{op}] {aname if not transa else 'A'} is {ashape} and "
+            f"{bname if not transb else 'B'} is {bshape}: k differs ({k} vs {k2})"
+        )
     if va.dtype != vb.dtype:
-        raise TypeError(f"[{op}] A is {_dtype_name(va.dtype)} and B is {_dtype_name(vb.dtype)}: "
-                        "the inputs must share a dtype")
+        raise TypeError(
+            f"[{op}] A is {_dtype_name(va.dtype)} and B is {_dtype_name(vb.dtype)}: "
+            "the inputs must share a dtype"
+        )
     batch = max(ma.batch, mb.batch)
     if ma.batch != mb.batch and min(ma.batch, mb.batch) != 1:
-        raise ValueError(f"[{op}] A is {_shape_str(va.shape)} and B is {_shape_str(vb.shape)}: "
-                         f"batch differs ({ma.batch} vs {mb.batch})")
+        raise ValueError(
+            f"[{op}] A is {_shape_str(va.shape)} and B is {_shape_str(vb.shape)}: "
+            f"batch differs ({ma.batch} vs {mb.batch})"
+        )
     batched_out = len(va.shape) == 3 or len(vb.shape) == 3
 
     # Mode.
@@ -435,15 +505,18 @@ def matmul(
         elif va.dtype == _MODE_DTYPE.get(mode, -2):
             compute = 0
         else:
-            raise ValueError(f"[{op}] mode {mode!r} applies to float32 inputs, but A and B are "
-                             f"{_dtype_name(va.dtype)}")
+            raise ValueError(
+                f"[{op}] mode {mode!r} applies to float32 inputs, but A and B are "
+                f"{_dtype_name(va.dtype)}"
+            )
 
     # Epilogue.
     if epilogue is None:
         epilogue = "bias" if bias is not None else "none"
     if epilogue not in EPILOGUES:
-        raise ValueError(f"[{op}] unknown epilogue {epilogue!r}: expected one of "
-                         f"{sorted(EPILOGUES)}")
+        raise ValueError(
+            f"[{op}] unknown epilogue {epilogue!r}: expected one of {sorted(EPILOGUES)}"
+        )
     epi = EPILOGUES[epilogue]
     if epi in _WITH_BIAS and bias is None:
         raise ValueError(f"[{op}] epilogue {epilogue!r} needs bias=")
@@ -469,31 +542,39 @@ def matmul(
     if vd.device != dev:
         raise ValueError(f"[{op}] out is on {_dev_name(vd.device)} but A is on {_dev_name(dev)}")
     if tuple(vd.shape) != dshape:
-        raise ValueError(f"[{op}] A is {_shape_str(va.shape)} and B is {_shape_str(vb.shape)}: "
-                         f"out must be {_shape_str(dshape)}, got {_shape_str(vd.shape)}")
+        raise ValueError(
+            f"[{op}] A is {_shape_str(va.shape)} and B is {_shape_str(vb.shape)}: "
+            f"out must be {_shape_str(dshape)}, got {_shape_str(vd.shape)}"
+        )
     md = _as_blas(vd, "out", op, allow_flip=False)
     if md is None:
-        raise ValueError(f"[{op}] out {_shape_str(vd.shape)} has strides "
-                         f"{_shape_str(vd.strides)}: rows must have unit stride")
+        raise ValueError(
+            f"[{op}] out {_shape_str(vd.shape)} has strides "
+            f"{_shape_str(vd.strides)}: rows must have unit stride"
+        )
     if batch > 1 and md.batch_stride == 0 and m * n > 0:
         raise ValueError(f"[{op}] out has batch stride 0")
 
     def vec_operand(x: Any, name: str, length: int) -> tuple:
         v = _view(x, name, op)
         if v.device != dev:
-            raise ValueError(f"[{op}] {name} is on {_dev_name(v.device)} but A is on "
-                             f"{_dev_name(dev)}")
+            raise ValueError(
+                f"[{op}] {name} is on {_dev_name(v.device)} but A is on {_dev_name(dev)}"
+            )
         if len(v.shape) == 1:
             bs = 0
         elif len(v.shape) == 2 and v.shape[0] == batch:
             bs = v.strides[0] if batch > 1 else 0
         else:
-            raise ValueError(f"[{op}] {name} must be {_shape_str((length,))}, got "
-                             f"{_shape_str(v.shape)}")
+            raise ValueError(
+                f"[{op}] {name} must be {_shape_str((length,))}, got {_shape_str(v.shape)}"
+            )
         if v.shape[-1] != length:
-            raise ValueError(f"[{op}] A is {_shape_str(va.shape)} and B is "
-                             f"{_shape_str(vb.shape)}: {name} must have {length} values, got "
-                             f"{_shape_str(v.shape)}")
+            raise ValueError(
+                f"[{op}] A is {_shape_str(va.shape)} and B is "
+                f"{_shape_str(vb.shape)}: {name} must have {length} values, got "
+                f"{_shape_str(v.shape)}"
+            )
         if length > 1 and v.strides[-1] != 1:
             raise ValueError(f"[{op}] {name} must be contiguous")
         return (v.ptr, max(length, 1), bs, v.dtype), v
@@ -501,18 +582,25 @@ def matmul(
     def mat_operand(x: Any, name: str) -> tuple:
         v = _view(x, name, op)
         if v.device != dev:
-            raise ValueError(f"[{op}] {name} is on {_dev_name(v.device)} but A is on "
-                             f"{_dev_name(dev)}")
-        if tuple(v.shape[-2:]) != (m, n) or len(v.shape) not in (2, 3) or (
-            len(v.shape) == 3 and v.shape[0] not in (1, batch)
+            raise ValueError(
+                f"[{op}] {name} is on {_dev_name(v.device)} but A is on {_dev_name(dev)}"
+            )
+        if (
+            tuple(v.shape[-2:]) != (m, n)
+            or len(v.shape) not in (2, 3)
+            or (len(v.shape) == 3 and v.shape[0] not in (1, batch))
         ):
-            raise ValueError(f"[{op}] A is {_shape_str(va.shape)} and B is "
-                             f"{_shape_str(vb.shape)}: {name} must be {_shape_str(dshape)}, got "
-                             f"{_shape_str(v.shape)}")
+            raise ValueError(
+                f"[{op}] A is {_shape_str(va.shape)} and B is "
+                f"{_shape_str(vb.shape)}: {name} must be {_shape_str(dshape)}, got "
+                f"{_shape_str(v.shape)}"
+            )
         mm = _as_blas(v, name, op, allow_flip=False)
         if mm is None:
-            raise ValueError(f"[{op}] {name} {_shape_str(v.shape)} has strides "
-                             f"{_shape_str(v.strides)}: rows must have unit stride")
+            raise ValueError(
+                f"[{op}] {name} {_shape_str(v.shape)} has strides "
+                f"{_shape_str(v.strides)}: rows must have unit stride"
+            )
         return (mm.ptr, mm.ld, mm.batch_stride, v.dtype), v
 
     c_op = None
@@ -541,12 +629,25 @@ def matmul(
         bgrad_op = vec_operand(bgrad, "bgrad", blen)[0]
 
     _linalg.gemm(
-        m, n, k, batch, int(ta), int(tb),
+        m,
+        n,
+        k,
+        batch,
+        int(ta),
+        int(tb),
         (ma.ptr, ma.ld, ma.batch_stride, va.dtype),
         (mb.ptr, mb.ld, mb.batch_stride, vb.dtype),
         c_op,
         (md.ptr, md.ld, md.batch_stride, vd.dtype),
-        float(alpha), float(beta), compute, epi, bias_op, aux_op, bgrad_op, dev, s,
+        float(alpha),
+        float(beta),
+        compute,
+        epi,
+        bias_op,
+        aux_op,
+        bgrad_op,
+        dev,
+        s,
     )
     if epi in _WRITES_AUX:
         return out, aux_out
@@ -595,12 +696,16 @@ def linear(
     if save_preact and activation is None:
         raise ValueError("[linear] save_preact needs activation='gelu'")
     if len(tuple(weight.shape)) != 2:
-        raise ValueError(f"[linear] weight is {_shape_str(tuple(weight.shape))}: expected "
-                         "(out_features, in_features)")
+        raise ValueError(
+            f"[linear] weight is {_shape_str(tuple(weight.shape))}: expected "
+            "(out_features, in_features)"
+        )
     if tuple(x.shape)[-1:] != tuple(weight.shape)[1:]:
-        raise ValueError(f"[linear] x is {_shape_str(tuple(x.shape))} and weight is "
-                         f"{_shape_str(tuple(weight.shape))}: in_features differs "
-                         f"({tuple(x.shape)[-1]} vs {tuple(weight.shape)[1]})")
+        raise ValueError(
+            f"[linear] x is {_shape_str(tuple(x.shape))} and weight is "
+            f"{_shape_str(tuple(weight.shape))}: in_features differs "
+            f"({tuple(x.shape)[-1]} vs {tuple(weight.shape)[1]})"
+        )
     x2, lead = _rows2d(x, "x", "linear")
     out2 = None if out is None else _rows2d(out, "out", "linear")[0]
     epi = "none"
@@ -608,8 +713,18 @@ def linear(
         epi = ("bias_gelu" if bias is not None else "gelu") + ("_aux" if save_preact else "")
     elif bias is not None:
         epi = "bias"
-    r = matmul(x2, weight, transb=True, bias=bias, epilogue=epi, out=out2, mode=mode,
-               dtype=dtype, stream=stream, _op="linear")
+    r = matmul(
+        x2,
+        weight,
+        transb=True,
+        bias=bias,
+        epilogue=epi,
+        out=out2,
+        mode=mode,
+        dtype=dtype,
+        stream=stream,
+        _op="linear",
+    )
     if save_preact:
         y, pre = r
         return _unrows(y, lead), _unrows(pre, lead)
@@ -637,8 +752,15 @@ def linear_backward(
     if need_input_grad:
         dx = _unrows(matmul(dy2, weight, mode=mode, stream=stream, _op="linear_backward"), lead)
     if need_bias_grad:
-        dw, db = matmul(dy2, x2, transa=True, epilogue="bgrad_a", mode=mode, stream=stream,
-                        _op="linear_backward")
+        dw, db = matmul(
+            dy2,
+            x2,
+            transa=True,
+            epilogue="bgrad_a",
+            mode=mode,
+            stream=stream,
+            _op="linear_backward",
+        )
     else:
         dw, db = matmul(dy2, x2, transa=True, mode=mode, stream=stream, _op="linear_backward"), None
     return dx, dw, db
@@ -662,9 +784,18 @@ def matmul_dgelu(
     :func:`linear`, ``matmul_dgelu(dy, W2, preact, bias_grad=True)`` returns
     ``(dpre, db1)``. Returns dpre alone without bias_grad.
     """
-    return matmul(a, b, aux=preact, epilogue="dgelu_bgrad" if bias_grad else "dgelu",
-                  transa=transa, transb=transb, out=out, mode=mode, stream=stream,
-                  _op="matmul_dgelu")
+    return matmul(
+        a,
+        b,
+        aux=preact,
+        epilogue="dgelu_bgrad" if bias_grad else "dgelu",
+        transa=transa,
+        transb=transb,
+        out=out,
+        mode=mode,
+        stream=stream,
+        _op="matmul_dgelu",
+    )
 
 
 # ---- references (numpy, float64) used by the tests and handy for users -------------------------
@@ -682,6 +813,3 @@ def dgelu(z: np.ndarray) -> np.ndarray:
     z = np.asarray(z, dtype=np.float64)
     t = np.tanh(_S * (z + 0.044715 * z**3))
     return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _S * (1.0 + 3 * 0.044715 * z * z)
-
-
-del sys

@@ -46,7 +46,7 @@ def _build_probe(tmp_path, name: str, extra: list[str]) -> str:
     out = tmp_path / f"{name}{suffix}"
     cmd = [cc, "-shared", "-fPIC", "-O1", f"-DMODNAME=\"{name}\"", f"-DMODNAME_ID={name}",
            f"-I{sysconfig.get_paths()['include']}", f"-I{ba.get_include()}", *extra,
-           os.path.join(HERE, "abi_probe.c"), "-o", str(out)]
+           os.path.join(HERE, "alloc_abi_probe.c"), "-o", str(out)]
     subprocess.run(cmd, check=True, capture_output=True)
     return str(out)
 
