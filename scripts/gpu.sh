@@ -9,7 +9,7 @@ ROOT=$PWD
 OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 PY=${PYTHON:-python3}
 BENCH=1
 ONLY=""
@@ -74,11 +74,15 @@ if [ "$BENCH" = 1 ]; then
   done
 fi
 
+for f in "$OUT"/bench_*.txt; do
+  [ -f "$f" ] && { echo; tail -60 "$f"; }
+done
+grep -h -E "^(FAILED|ERROR)" "$OUT"/tests-*.log 2>/dev/null | head -30 >/tmp/bt-failures
+# Only a few files come back from the GPU machine: keep the JSON, pack the logs.
+( cd "$OUT" && tar czf logs.tar.gz --remove-files ./*.log ./*.txt ./*.npy 2>/dev/null )
 echo
 echo "==================== summary ===================="
 for key in $(printf '%s\n' "${!STATUS[@]}" | sort); do
   printf '%-24s %s\n' "$key" "${STATUS[$key]}"
 done
-for f in "$OUT"/bench_*.txt; do
-  [ -f "$f" ] && { echo; cat "$f"; }
-done
+cat /tmp/bt-failures

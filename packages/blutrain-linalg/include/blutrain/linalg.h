@@ -102,7 +102,8 @@ typedef enum bt_linalg_compute {
  *   dX = dY W                  -> NONE, or DGELU(_BGRAD) when Y fed a GELU
  *   dW = dY^T X (transa = T)   -> BGRAD_A gives db = column sums of dY in the same call.
  * aux is (m, n) row-major with row stride ld_aux >= n. bgrad is written, not accumulated.
- * Epilogues are applied after alpha/beta. */
+ * Epilogues are applied after alpha/beta. With batch > 1, D and a written aux need a non-zero
+ * batch stride and bgrad a batch stride >= its length (one vector per item). */
 typedef enum bt_linalg_epilogue {
   BT_LINALG_EPI_NONE = 0,
   BT_LINALG_EPI_BIAS = 1,

@@ -31,10 +31,8 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -97,7 +95,15 @@ int device_state(int dev, DeviceState** out) {
   if (!s.ready) {
     cudaDeviceProp prop;
     BT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    BT_LT_CHECK(F->cublasLtCreate(&s.handle));
+    // The handle is created with `dev`'s primary context current (cudaSetDevice makes it so).
+    int prev = -1;
+    BT_CUDA_CHECK(cudaGetDevice(&prev));
+    BT_CUDA_CHECK(cudaSetDevice(dev));
+    cublasStatus_t st = F->cublasLtCreate(&s.handle);
+    if (prev != dev) cudaSetDevice(prev);
+    if (st != CUBLAS_STATUS_SUCCESS)
+      return failf(BT_LINALG_ECUDA, "[gemm] cublasLtCreate failed: %s",
+                   F->cublasLtGetStatusString(st));
     std::string name = prop.name;
     for (char& c : name)
       if (c == ' ' || c == '\t' || c == '|') c = '_';
@@ -378,25 +384,36 @@ bool from_hex(const std::string& s, void* p, size_t n) {
   return true;
 }
 
+// Note [No iostreams]: the cache file is read and written with stdio. The GPU machine's GCC
+// links libstdc++ statically, and there an ofstream in this library crashed in num_put (its
+// locale was never initialised); stdio has no such state.
 void load_cache_locked() {
   if (g_cache_loaded) return;
   g_cache_loaded = true;
-  std::ifstream f(cache_path());
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.empty() || line[0] == '#') continue;
-    std::istringstream ls(line);
-    std::string key, hex;
+  FILE* f = fopen(cache_path().c_str(), "r");
+  if (!f) return;
+  char* line = nullptr;
+  size_t cap = 0;
+  ssize_t len;
+  while ((len = getline(&line, &cap, f)) > 0) {
+    std::string s(line, size_t(len));
+    while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+    if (s.empty() || s[0] == '#') continue;
+    const size_t tab = s.find('\t');
+    if (tab == std::string::npos) continue;
     int fused = 0;
-    size_t ws = 0;
-    if (!std::getline(ls, key, '\t') || !(ls >> fused >> ws >> hex)) continue;
+    unsigned long long ws = 0;
+    char hex[160];
+    if (sscanf(s.c_str() + tab + 1, "%d %llu %159s", &fused, &ws, hex) != 3) continue;
     Entry e;
     e.fused = fused != 0;
     e.tuned = fused == 2;
-    e.ws = ws;
+    e.ws = size_t(ws);
     if (e.fused && !from_hex(hex, &e.algo, sizeof e.algo)) continue;
-    g_cache.emplace(key, e);
+    g_cache.emplace(s.substr(0, tab), e);
   }
+  free(line);
+  fclose(f);
 }
 
 int mkdirs(const std::string& dir) {
@@ -416,13 +433,20 @@ int save_cache_locked() {
     return failf(BT_LINALG_EINVAL, "[save_cache] cannot create the directory of %s: %s",
                  path.c_str(), strerror(errno));
   const std::string tmp = path + ".tmp" + std::to_string(getpid());
-  {
-    std::ofstream f(tmp);
-    if (!f) return failf(BT_LINALG_EINVAL, "[save_cache] cannot write %s", tmp.c_str());
-    f << "# blutrain-linalg cuBLASLt algorithm cache v1: key\tfused\tworkspace\talgo\n";
-    for (const auto& [k, e] : g_cache)
-      f << k << '\t' << (e.fused ? (e.tuned ? 2 : 1) : 0) << ' ' << e.ws << ' '
-        << (e.fused ? to_hex(&e.algo, sizeof e.algo) : std::string("-")) << '\n';
+  FILE* f = fopen(tmp.c_str(), "w");
+  if (!f) return failf(BT_LINALG_EINVAL, "[save_cache] cannot write %s", tmp.c_str());
+  bool ok = fprintf(f,
+                    "# blutrain-linalg cuBLASLt algorithm cache v1: key\tfused(0 no, 1 "
+                    "heuristic, 2 measured) workspace algo\n") > 0;
+  for (const auto& [k, e] : g_cache) {
+    const std::string hex = e.fused ? to_hex(&e.algo, sizeof e.algo) : std::string("-");
+    ok = ok && fprintf(f, "%s\t%d %llu %s\n", k.c_str(), e.fused ? (e.tuned ? 2 : 1) : 0,
+                       (unsigned long long)e.ws, hex.c_str()) > 0;
+  }
+  ok = (fclose(f) == 0) && ok;
+  if (!ok) {
+    remove(tmp.c_str());
+    return failf(BT_LINALG_EINVAL, "[save_cache] writing %s failed", tmp.c_str());
   }
   if (rename(tmp.c_str(), path.c_str()) != 0) {
     remove(tmp.c_str());

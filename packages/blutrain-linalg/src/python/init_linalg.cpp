@@ -186,9 +186,9 @@ NB_MODULE(_linalg, m) {
         std::vector<size_t> sh(shape.begin(), shape.end());
         // array_api: a nanobind.nb_ndarray object with __dlpack__ / __dlpack_device__ (a bare
         // ndarray<> would be returned as a one-shot DLPack capsule).
-        return nb::ndarray<nb::array_api>(p, sh.size(), sh.data(), owner, nullptr, dt,
-                             device < 0 ? nb::device::cpu::value : nb::device::cuda::value,
-                             device < 0 ? 0 : device);
+        return nb::ndarray<nb::array_api>(
+            p, sh.size(), sh.data(), owner, nullptr, dt,
+            device < 0 ? nb::device::cpu::value : nb::device::cuda::value, device < 0 ? 0 : device);
       },
       "shape"_a, "dtype"_a, "device"_a, "stream"_a,
       "A C-contiguous array from blutrain-alloc (device -1: host) exposing DLPack; the memory\n"

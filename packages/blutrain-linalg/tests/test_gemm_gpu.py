@@ -1,0 +1,284 @@
+"""CUDA GEMM (cuBLASLt) against float64 numpy. Marked gpu: skipped where no device is found."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import blutrain.linalg as bl
+
+from linalg_ref import TOL, dgelu64, gelu64, rel_err
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(1, 1, 1), (7, 13, 31), (97, 64, 130), (257, 131, 67), (512, 768, 384)]
+
+
+@pytest.fixture(autouse=True)
+def _need_cuda_build():
+    if not bl.has_cuda():
+        pytest.skip("blutrain-linalg was built without CUDA")
+
+
+def g(*shape, dtype=torch.float32, seed=None):
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(seed if seed is not None else hash(shape) % (2**31))
+    return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+
+def np64(t):
+    return t.detach().double().cpu().numpy()
+
+
+def ref_mm(a, b, transa=False, transb=False):
+    a, b = np64(a), np64(b)
+    if transa:
+        a = np.swapaxes(a, -1, -2)
+    if transb:
+        b = np.swapaxes(b, -1, -2)
+    return a @ b
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("transa", [False, True])
+@pytest.mark.parametrize("transb", [False, True])
+def test_fp32_true(shape, transa, transb):
+    m, n, k = shape
+    a = g(*((k, m) if transa else (m, k)))
+    b = g(*((n, k) if transb else (k, n)))
+    d = bl.matmul(a, b, transa=transa, transb=transb)
+    assert isinstance(d, torch.Tensor) and d.is_cuda and d.shape == (m, n)
+    assert rel_err(np64(d), ref_mm(a, b, transa, transb)) < TOL["fp32"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("mode", ["tf32", "bf16", "fp16"])
+def test_reduced_modes_on_fp32_inputs(shape, mode):
+    m, n, k = shape
+    a, b = g(m, k), g(k, n)
+    d = bl.matmul(a, b, mode=mode)
+    assert d.dtype == torch.float32
+    err = rel_err(np64(d), ref_mm(a, b))
+    assert err < TOL[mode], (mode, err)
+    if k >= 31:
+        assert err > 1e-5, (mode, err)  # the tensor-core path was really taken
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dt", ["bfloat16", "float16"])
+@pytest.mark.parametrize("out_dt", [None, "float32"])
+def test_half_inputs_fp32_accumulate(shape, dt, out_dt):
+    m, n, k = shape
+    tdt = getattr(torch, dt)
+    a, b = g(m, k, dtype=tdt), g(k, n, dtype=tdt)
+    d = bl.matmul(a, b, dtype=None if out_dt is None else getattr(torch, out_dt))
+    assert d.dtype == (tdt if out_dt is None else torch.float32)
+    tol = 1e-5 if out_dt else TOL["bf16" if dt == "bfloat16" else "fp16"]
+    assert rel_err(np64(d), ref_mm(a, b)) < tol
+
+
+def test_fp32_in_bf16_out_runs_unfused_and_rounds_once():
+    a, b = g(64, 96), g(96, 40)
+    d = bl.matmul(a, b, dtype=torch.bfloat16)
+    assert d.dtype == torch.bfloat16
+    assert rel_err(np64(d), ref_mm(a, b)) < 4e-3
+
+
+def test_float64():
+    a, b = g(33, 17, dtype=torch.float64), g(17, 9, dtype=torch.float64)
+    assert rel_err(np64(bl.matmul(a, b)), ref_mm(a, b)) < 1e-12
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("broadcast_b", [False, True])
+def test_strided_batch(batch, broadcast_b):
+    a = g(batch, 37, 53)
+    b = g(53, 29) if broadcast_b else g(batch, 53, 29)
+    d = bl.matmul(a, b)
+    assert d.shape == (batch, 37, 29)
+    assert rel_err(np64(d), ref_mm(a, b)) < TOL["fp32"]
+
+
+def test_transposed_views_strided_rows_alpha_beta_in_place():
+    big = g(64, 80)
+    a = big[3:40, 5:69]  # ld 80
+    b = g(30, 64).t()  # column-major view: taken as transposed storage
+    c = g(37, 30)
+    acc = c.clone()
+    bl.matmul(a, b, c=acc, out=acc, alpha=0.5, beta=2.0)
+    want = 0.5 * ref_mm(a, b) + 2.0 * np64(c)
+    assert rel_err(np64(acc), want) < TOL["fp32"]
+
+
+def test_k_zero():
+    a, b = g(5, 0), g(0, 3)
+    d = bl.matmul(a, b)
+    assert torch.all(d == 0)
+    c = g(5, 3)
+    d = bl.matmul(a, b, c=c, beta=2.0)
+    assert torch.allclose(d, 2 * c)
+
+
+# ---- epilogues: fused (cuBLASLt) and unfused (our kernels) against float64 ----------------------
+def _ref(epi, z, bias=None, aux=None):
+    if bias is not None:
+        z = z + bias
+    pre = z
+    if epi in ("gelu", "bias_gelu", "gelu_aux", "bias_gelu_aux"):
+        z = gelu64(z)
+    if epi in ("dgelu", "dgelu_bgrad"):
+        z = z * dgelu64(aux)
+    return z, pre
+
+
+@pytest.fixture(params=[True, False], ids=["fused", "unfused"])
+def fused(request):
+    bl.set_option("fused_epilogues", int(request.param))
+    yield request.param
+    bl.set_option("fused_epilogues", 1)
+
+
+@pytest.mark.parametrize("epi", ["bias", "gelu", "bias_gelu", "gelu_aux", "bias_gelu_aux"])
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(1, 8, 8), (97, 64, 130), (256, 768, 512)])
+def test_forward_epilogues(fused, epi, dt, shape):
+    m, n, k = shape
+    tdt = getattr(torch, dt)
+    x, w = g(m, k, dtype=tdt), g(n, k, dtype=tdt)  # linear layout: x @ w.T
+    bias = g(n, dtype=tdt) if "bias" in epi else None
+    r = bl.matmul(
+        x, w, transb=True, bias=bias, epilogue=epi, mode="tf32" if dt == "float32" else None
+    )
+    want, pre = _ref(epi, ref_mm(x, w, False, True), None if bias is None else np64(bias))
+    tol = 2e-3 if dt == "float32" else 2e-2
+    if epi.endswith("_aux"):
+        d, aux = r
+        assert rel_err(np64(aux), pre) < tol
+    else:
+        d = r
+    assert rel_err(np64(d), want) < tol, epi
+
+
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(1, 8, 8), (97, 64, 130), (256, 768, 512)])
+def test_dgelu_bgrad(fused, dt, shape):
+    m, n, k = shape
+    tdt = getattr(torch, dt)
+    a, b, pre = g(m, k, dtype=tdt), g(k, n, dtype=tdt), g(m, n, dtype=tdt)
+    want = ref_mm(a, b) * dgelu64(np64(pre))
+    # fp32: 1e-4, not 1e-5: cuBLASLt's fused GELU' may use a faster tanh than float64's.
+    tol = 1e-4 if dt == "float32" else 2e-2
+    d = bl.matmul_dgelu(a, b, pre)
+    assert rel_err(np64(d), want) < tol
+    d, bg = bl.matmul_dgelu(a, b, pre, bias_grad=True)
+    assert rel_err(np64(d), want) < tol
+    assert rel_err(np64(bg), want.sum(axis=0)) < tol
+
+
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+@pytest.mark.parametrize("transa", [False, True])
+def test_bgrad_a_b(fused, dt, transa):
+    tdt = getattr(torch, dt)
+    m, n, k = 96, 64, 256
+    a = g(k, m, dtype=tdt) if transa else g(m, k, dtype=tdt)
+    b = g(k, n, dtype=tdt)
+    tol = 1e-5 if dt == "float32" else 2e-2
+    d, ga = bl.matmul(a, b, transa=transa, epilogue="bgrad_a")
+    opa = np64(a).T if transa else np64(a)
+    assert rel_err(np64(d), opa @ np64(b)) < tol
+    assert rel_err(np64(ga), opa.sum(axis=1)) < tol
+    _, gb = bl.matmul(a, b, transa=transa, epilogue="bgrad_b")
+    assert rel_err(np64(gb), np64(b).sum(axis=0)) < tol
+
+
+def test_linear_backward_matches_torch_autograd():
+    x = g(300, 96, seed=1).requires_grad_()
+    w = g(160, 96, seed=2).requires_grad_()
+    b = g(160, seed=3).requires_grad_()
+    y = torch.nn.functional.linear(x, w, b)
+    dy = g(300, 160, seed=4)
+    y.backward(dy)
+    dx, dw, db = bl.linear_backward(dy, x.detach(), w.detach())
+    assert rel_err(np64(dx), np64(x.grad)) < 1e-5
+    assert rel_err(np64(dw), np64(w.grad)) < 1e-5
+    assert rel_err(np64(db), np64(b.grad)) < 1e-5
+
+
+def test_fused_path_is_taken_for_the_transformer_epilogues():
+    bl.set_option("fused_epilogues", 1)
+    before = bl.get_option("fallback_epilogues")
+    x, w, b = (
+        g(256, 768, dtype=torch.bfloat16),
+        g(3072, 768, dtype=torch.bfloat16),
+        g(3072, dtype=torch.bfloat16),
+    )
+    bl.linear(x, w, b, activation="gelu", save_preact=True)
+    bl.linear(x, w, b)
+    torch.cuda.synchronize()
+    assert bl.get_option("fallback_epilogues") == before
+
+
+def test_nan_inf_propagate():
+    a, b = g(64, 48), g(48, 32).abs() + 0.1
+    a[2, 3] = float("nan")
+    a[5] = a[5].abs()
+    a[5, 7] = float("inf")
+    d = bl.matmul(a, b).cpu()
+    assert torch.isnan(d[2]).all() and torch.isposinf(d[5]).all()
+    rest = torch.cat([d[:2], d[3:5], d[6:]])
+    assert torch.isfinite(rest).all()
+    out = torch.full((64, 32), float("nan"), device="cuda")
+    bl.matmul(g(64, 48), b, out=out)  # beta = 0: NaN in out is not read
+    assert torch.isfinite(out).all()
+
+
+def test_stream_argument_orders_work_without_host_sync():
+    s = torch.cuda.Stream()
+    a, b = g(512, 512), g(512, 512)
+    s.wait_stream(torch.cuda.current_stream())  # a and b were made on the default stream
+    with torch.cuda.stream(s):
+        d = bl.matmul(a, b)  # the current torch stream is used
+        e = bl.matmul(d, b)
+    s.synchronize()
+    assert rel_err(np64(e), ref_mm(a, b) @ np64(b)) < 1e-5
+
+
+def test_autotune_and_persisted_cache(tmp_path):
+    path = str(tmp_path / "algos.txt")
+    bl.set_cache_path(path)
+    try:
+        bl.set_option("autotune", 1)
+        a, b = g(384, 256), g(256, 320)
+        d = bl.matmul(a, b, mode="tf32")
+        assert rel_err(np64(d), ref_mm(a, b)) < TOL["tf32"]
+        assert os.path.exists(path)
+        lines = [ln for ln in open(path) if not ln.startswith("#")]
+        assert any("\t2 " in ln for ln in lines)  # a measured entry
+        bl.set_option("autotune", 0)
+        bl.clear_cache()  # forget in memory; the next call reads the file
+        hits = bl.get_option("cache_hits")
+        d2 = bl.matmul(a, b, mode="tf32")
+        assert bl.get_option("cache_hits") == hits + 1
+        assert rel_err(np64(d2), np64(d)) < 1e-6
+    finally:
+        bl.set_option("autotune", 0)
+        bl.set_cache_path(None)
+
+
+def test_device_mismatch_and_non_blas_strides_raise():
+    with pytest.raises(ValueError, match=r"\[gemm\] A is on cuda:0 and B is on cpu"):
+        bl.matmul(g(4, 4), torch.randn(4, 4))
+    with pytest.raises(ValueError, match=r"a BLAS needs one of the last two strides to be 1"):
+        bl.matmul(g(8, 8)[::2, ::2], g(4, 4))
+
+
+def test_cupy_in_cupy_out():
+    cupy = pytest.importorskip("cupy")
+    a = cupy.random.standard_normal((33, 65), dtype=cupy.float32)
+    b = cupy.random.standard_normal((65, 17), dtype=cupy.float32)
+    d = bl.matmul(a, b)
+    assert isinstance(d, cupy.ndarray)
+    assert rel_err(cupy.asnumpy(d), cupy.asnumpy(a).astype(np.float64) @ cupy.asnumpy(b)) < 1e-5
