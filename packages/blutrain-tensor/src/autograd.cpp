@@ -44,8 +44,8 @@ struct AccumulateGrad : Node {
     if (!leaf->grad) {
       // Keep the gradient itself only when nothing else holds it (a user-given gradient or a
       // cotangent passed through unchanged must not be aliased by .grad).
-      const bool own = g.impl_ptr().use_count() <= 2 && g.is_contiguous() &&
-                       !g.impl()->grad_fn && g.storage().use_count() == 1;
+      const bool own = g.impl_ptr().use_count() <= 2 && g.is_contiguous() && !g.impl()->grad_fn &&
+                       g.storage().use_count() == 1;
       leaf->grad = own ? g.impl_ptr() : clone(g).impl_ptr();
     } else {
       Tensor acc(leaf->grad);
@@ -120,8 +120,9 @@ std::shared_ptr<Node> make_custom_node(const std::string& name, BackwardFn fn,
 // ---- hooks ---------------------------------------------------------------------------------
 void register_hook(const Tensor& t, GradHook hook) {
   if (!t.requires_grad()) {
-    throw RuntimeError("[register_hook] cannot register a hook on a tensor that does not require "
-                       "grad");
+    throw RuntimeError(
+        "[register_hook] cannot register a hook on a tensor that does not require "
+        "grad");
   }
   if (t.grad_fn()) {
     t.grad_fn()->pre_hooks[t.impl()->output_nr].push_back(std::move(hook));
@@ -132,16 +133,18 @@ void register_hook(const Tensor& t, GradHook hook) {
 
 void register_post_accumulate_hook(const Tensor& leaf, PostAccHook hook) {
   if (!leaf.requires_grad() || leaf.grad_fn()) {
-    throw RuntimeError("[register_post_accumulate_grad_hook] only leaf tensors that require grad "
-                       "accumulate a gradient");
+    throw RuntimeError(
+        "[register_post_accumulate_grad_hook] only leaf tensors that require grad "
+        "accumulate a gradient");
   }
   leaf.impl()->post_acc_hooks.push_back(std::move(hook));
 }
 
 void retain_grad(const Tensor& t) {
   if (!t.requires_grad()) {
-    throw RuntimeError("[retain_grad] cannot retain the gradient of a tensor that does not "
-                       "require grad");
+    throw RuntimeError(
+        "[retain_grad] cannot retain the gradient of a tensor that does not "
+        "require grad");
   }
   if (!t.grad_fn() || t.impl()->retains_grad) return;  // leaves keep theirs anyway
   t.impl()->retains_grad = true;
@@ -163,14 +166,16 @@ void retain_grad(const Tensor& t) {
 void set_requires_grad(const Tensor& t, bool value) {
   if (t.grad_fn()) {
     if (!value) {
-      throw RuntimeError("[requires_grad_] you can only change requires_grad of leaf tensors; "
-                         "use detach() to get a tensor without history");
+      throw RuntimeError(
+          "[requires_grad_] you can only change requires_grad of leaf tensors; "
+          "use detach() to get a tensor without history");
     }
     return;
   }
   if (value && !is_floating(t.dtype())) {
-    throw RuntimeError(std::string("[requires_grad_] only floating tensors can require grad, got ") +
-                       dtype_name(t.dtype()));
+    throw RuntimeError(
+        std::string("[requires_grad_] only floating tensors can require grad, got ") +
+        dtype_name(t.dtype()));
   }
   t.impl()->requires_grad = value;
 }
@@ -190,9 +195,10 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
     Tensor g = i < grads_in.size() ? grads_in[i] : Tensor();
     if (!g.defined()) {
       if (r.numel() != 1) {
-        throw RuntimeError("[backward] grad can be implicitly created only for one-element "
-                           "outputs, but the output has shape " + shape_str(r.shape()) +
-                           "; pass gradient= with that shape");
+        throw RuntimeError(
+            "[backward] grad can be implicitly created only for one-element "
+            "outputs, but the output has shape " +
+            shape_str(r.shape()) + "; pass gradient= with that shape");
       }
       g = ones_like(r);
     } else if (g.shape() != r.shape()) {
@@ -271,8 +277,7 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
         const auto& m = e.node->out_meta[e.input_nr];
         if (g.shape() != m.shape) {
           throw RuntimeError("[" + node->name() + "] backward produced a gradient of shape " +
-                             shape_str(g.shape()) + " for an input of shape " +
-                             shape_str(m.shape));
+                             shape_str(g.shape()) + " for an input of shape " + shape_str(m.shape));
         }
         if (g.dtype() != m.dtype) g = astype(g, m.dtype);
         accumulate(e, g);

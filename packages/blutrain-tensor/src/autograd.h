@@ -42,7 +42,7 @@ struct Node : std::enable_shared_from_this<Node> {
 
   std::vector<Edge> next;
   std::vector<TensorMeta> out_meta;
-  std::vector<std::vector<GradHook>> pre_hooks;  // per forward output: hooks of non-leaf tensors
+  std::vector<std::vector<GradHook>> pre_hooks;     // per forward output: hooks of non-leaf tensors
   std::vector<std::vector<GradHook>> retain_hooks;  // retain_grad(): run after pre_hooks
   uint64_t seq;
   bool released = false;

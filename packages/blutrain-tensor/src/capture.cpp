@@ -11,8 +11,8 @@ void set_active_graph(Graph* g) { g_active = g; }
 
 int64_t Graph::new_value(const Tensor& t) {
   const int64_t id = static_cast<int64_t>(values.size());
-  values.push_back({id, t.shape(), t.dtype(), t.device(), t.impl()->name, false,
-                    t.requires_grad()});
+  values.push_back(
+      {id, t.shape(), t.dtype(), t.device(), t.impl()->name, false, t.requires_grad()});
   ids_[t.impl()] = id;
   keep_.push_back(t.impl_ptr());
   return id;

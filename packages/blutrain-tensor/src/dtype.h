@@ -28,27 +28,39 @@ constexpr int kNumDTypes = 8;
 inline size_t itemsize(DType d) {
   switch (d) {
     case DType::Bool:
-    case DType::UInt8: return 1;
+    case DType::UInt8:
+      return 1;
     case DType::Float16:
-    case DType::BFloat16: return 2;
+    case DType::BFloat16:
+      return 2;
     case DType::Int32:
-    case DType::Float32: return 4;
+    case DType::Float32:
+      return 4;
     case DType::Int64:
-    case DType::Float64: return 8;
+    case DType::Float64:
+      return 8;
   }
   return 0;
 }
 
 inline const char* dtype_name(DType d) {
   switch (d) {
-    case DType::Bool: return "bool";
-    case DType::UInt8: return "uint8";
-    case DType::Int32: return "int32";
-    case DType::Int64: return "int64";
-    case DType::Float16: return "float16";
-    case DType::BFloat16: return "bfloat16";
-    case DType::Float32: return "float32";
-    case DType::Float64: return "float64";
+    case DType::Bool:
+      return "bool";
+    case DType::UInt8:
+      return "uint8";
+    case DType::Int32:
+      return "int32";
+    case DType::Int64:
+      return "int64";
+    case DType::Float16:
+      return "float16";
+    case DType::BFloat16:
+      return "bfloat16";
+    case DType::Float32:
+      return "float32";
+    case DType::Float64:
+      return "float64";
   }
   return "?";
 }
@@ -234,14 +246,22 @@ struct type_tag {
 template <typename F>
 decltype(auto) dispatch_all(DType d, const char* op, F&& f) {
   switch (d) {
-    case DType::Bool: return f(type_tag<bool>{});
-    case DType::UInt8: return f(type_tag<uint8_t>{});
-    case DType::Int32: return f(type_tag<int32_t>{});
-    case DType::Int64: return f(type_tag<int64_t>{});
-    case DType::Float16: return f(type_tag<float16>{});
-    case DType::BFloat16: return f(type_tag<bfloat16>{});
-    case DType::Float32: return f(type_tag<float>{});
-    case DType::Float64: return f(type_tag<double>{});
+    case DType::Bool:
+      return f(type_tag<bool>{});
+    case DType::UInt8:
+      return f(type_tag<uint8_t>{});
+    case DType::Int32:
+      return f(type_tag<int32_t>{});
+    case DType::Int64:
+      return f(type_tag<int64_t>{});
+    case DType::Float16:
+      return f(type_tag<float16>{});
+    case DType::BFloat16:
+      return f(type_tag<bfloat16>{});
+    case DType::Float32:
+      return f(type_tag<float>{});
+    case DType::Float64:
+      return f(type_tag<double>{});
   }
   throw std::invalid_argument(std::string("[") + op + "] unknown dtype");
 }
@@ -249,11 +269,16 @@ decltype(auto) dispatch_all(DType d, const char* op, F&& f) {
 template <typename F>
 decltype(auto) dispatch_float(DType d, const char* op, F&& f) {
   switch (d) {
-    case DType::Float16: return f(type_tag<float16>{});
-    case DType::BFloat16: return f(type_tag<bfloat16>{});
-    case DType::Float32: return f(type_tag<float>{});
-    case DType::Float64: return f(type_tag<double>{});
-    default: break;
+    case DType::Float16:
+      return f(type_tag<float16>{});
+    case DType::BFloat16:
+      return f(type_tag<bfloat16>{});
+    case DType::Float32:
+      return f(type_tag<float>{});
+    case DType::Float64:
+      return f(type_tag<double>{});
+    default:
+      break;
   }
   throw std::invalid_argument(std::string("[") + op + "] expects a floating dtype, got " +
                               dtype_name(d));

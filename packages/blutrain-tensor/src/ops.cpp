@@ -37,10 +37,12 @@ static void check_defined(const Tensor& t, const char* op) {
 }
 
 // ---- creation ------------------------------------------------------------------------------
-Tensor full(const Shape& shape, double value, DType dtype, Device device) {
-  check_device(device, "full");
+Tensor full(const Shape& shape, double value, DType dtype, Device device, const char* op) {
+  check_device(device, op);
   for (auto d : shape) {
-    if (d < 0) throw ValueError("[full] negative dimension in shape " + shape_str(shape));
+    if (d < 0) {
+      throw ValueError(std::string("[") + op + "] negative dimension in shape " + shape_str(shape));
+    }
   }
   return apply1(mk<Full>(value), {}, shape, dtype, device);
 }
@@ -60,8 +62,8 @@ Tensor arange(double start, double stop, double step, DType dtype, Device device
   if (step == 0) throw ValueError("[arange] step must be nonzero");
   const double n = std::ceil((stop - start) / step);
   if (!std::isfinite(n)) throw ValueError("[arange] start, stop and step must be finite");
-  return apply1(mk<Arange>(start, step), {}, {std::max<int64_t>(0, static_cast<int64_t>(n))},
-                dtype, device);
+  return apply1(mk<Arange>(start, step), {}, {std::max<int64_t>(0, static_cast<int64_t>(n))}, dtype,
+                device);
 }
 
 namespace {
@@ -96,20 +98,23 @@ static Tensor random_op(RandKind k, const Shape& shape, DType dtype, Device devi
                         double b, const char* op) {
   check_device(device, op);
   for (auto d : shape) {
-    if (d < 0) throw ValueError(std::string("[") + op + "] negative dimension in shape " + shape_str(shape));
+    if (d < 0)
+      throw ValueError(std::string("[") + op + "] negative dimension in shape " + shape_str(shape));
   }
   const uint64_t n = static_cast<uint64_t>(shape_numel(shape));
-  auto [seed, off] = next_philox(
-      philox::counters_needed(n, k == RandKind::Uniform && dtype == DType::Float64));
+  auto [seed, off] =
+      next_philox(philox::counters_needed(n, k == RandKind::Uniform && dtype == DType::Float64));
   return apply1(mk<Random>(k, seed, off, a, b), {}, shape, dtype, device);
 }
 
 Tensor rand(const Shape& shape, DType dtype, Device device) {
-  if (!is_floating(dtype)) throw TypeError("[rand] dtype must be floating, got " + std::string(dtype_name(dtype)));
+  if (!is_floating(dtype))
+    throw TypeError("[rand] dtype must be floating, got " + std::string(dtype_name(dtype)));
   return random_op(RandKind::Uniform, shape, dtype, device, 0, 1, "rand");
 }
 Tensor randn(const Shape& shape, DType dtype, Device device) {
-  if (!is_floating(dtype)) throw TypeError("[randn] dtype must be floating, got " + std::string(dtype_name(dtype)));
+  if (!is_floating(dtype))
+    throw TypeError("[randn] dtype must be floating, got " + std::string(dtype_name(dtype)));
   return random_op(RandKind::Normal, shape, dtype, device, 0, 1, "randn");
 }
 Tensor randint(int64_t low, int64_t high, const Shape& shape, DType dtype, Device device) {
@@ -117,7 +122,8 @@ Tensor randint(int64_t low, int64_t high, const Shape& shape, DType dtype, Devic
     throw ValueError("[randint] high (" + std::to_string(high) + ") must be greater than low (" +
                      std::to_string(low) + ")");
   }
-  if (high - low > (int64_t{1} << 32)) throw ValueError("[randint] ranges above 2^32 are not supported");
+  if (high - low > (int64_t{1} << 32))
+    throw ValueError("[randint] ranges above 2^32 are not supported");
   return random_op(RandKind::Int, shape, dtype, device, static_cast<double>(low),
                    static_cast<double>(high), "randint");
 }
@@ -134,7 +140,9 @@ Tensor contiguous(const Tensor& x) {
   return apply1(mk<AsType>(), {x}, x.shape(), x.dtype(), x.device());
 }
 
-Tensor clone(const Tensor& x) { return apply1(mk<AsType>(), {x}, x.shape(), x.dtype(), x.device()); }
+Tensor clone(const Tensor& x) {
+  return apply1(mk<AsType>(), {x}, x.shape(), x.dtype(), x.device());
+}
 
 Tensor to_device(const Tensor& x, Device device) {
   if (x.device() == device) return x;
@@ -270,9 +278,9 @@ Tensor expand(const Tensor& x, const Shape& shape_in) {
       shape[d] = have;
     }
     if (have != shape[d] && have != 1) {
-      throw ValueError("[expand] cannot expand a tensor of shape " + shape_str(x.shape()) +
-                       " to " + shape_str(shape_in) + ": dim " + std::to_string(d) +
-                       " has size " + std::to_string(have) + ", not 1");
+      throw ValueError("[expand] cannot expand a tensor of shape " + shape_str(x.shape()) + " to " +
+                       shape_str(shape_in) + ": dim " + std::to_string(d) + " has size " +
+                       std::to_string(have) + ", not 1");
     }
   }
   if (shape == x.shape()) return x;
@@ -399,8 +407,8 @@ Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
     const int64_t da = i < n - a.size() ? 1 : a[i - (n - a.size())];
     const int64_t db = i < n - b.size() ? 1 : b[i - (n - b.size())];
     if (da != db && da != 1 && db != 1) {
-      throw ValueError(std::string("[") + op + "] shapes " + shape_str(a) + " and " +
-                       shape_str(b) + " cannot be broadcast (dim " + std::to_string(i) + ": " +
+      throw ValueError(std::string("[") + op + "] shapes " + shape_str(a) + " and " + shape_str(b) +
+                       " cannot be broadcast (dim " + std::to_string(i) + ": " +
                        std::to_string(da) + " vs " + std::to_string(db) + ")");
     }
     r[i] = da == 1 ? db : da;
@@ -422,54 +430,90 @@ Tensor sum_to(const Tensor& g, const Shape& shape) {
 // ---- elementwise ---------------------------------------------------------------------------
 const char* unary_name(UnaryOp op) {
   switch (op) {
-    case UnaryOp::Neg: return "neg";
-    case UnaryOp::Exp: return "exp";
-    case UnaryOp::Log: return "log";
-    case UnaryOp::Sqrt: return "sqrt";
-    case UnaryOp::Rsqrt: return "rsqrt";
-    case UnaryOp::Tanh: return "tanh";
-    case UnaryOp::Abs: return "abs";
-    case UnaryOp::Sigmoid: return "sigmoid";
-    case UnaryOp::Relu: return "relu";
-    case UnaryOp::Sin: return "sin";
-    case UnaryOp::Cos: return "cos";
-    case UnaryOp::GeluTanh: return "gelu_tanh";
-    case UnaryOp::GeluErf: return "gelu";
-    case UnaryOp::Erf: return "erf";
-    case UnaryOp::LogicalNot: return "logical_not";
-    case UnaryOp::Sign: return "sign";
+    case UnaryOp::Neg:
+      return "neg";
+    case UnaryOp::Exp:
+      return "exp";
+    case UnaryOp::Log:
+      return "log";
+    case UnaryOp::Sqrt:
+      return "sqrt";
+    case UnaryOp::Rsqrt:
+      return "rsqrt";
+    case UnaryOp::Tanh:
+      return "tanh";
+    case UnaryOp::Abs:
+      return "abs";
+    case UnaryOp::Sigmoid:
+      return "sigmoid";
+    case UnaryOp::Relu:
+      return "relu";
+    case UnaryOp::Sin:
+      return "sin";
+    case UnaryOp::Cos:
+      return "cos";
+    case UnaryOp::GeluTanh:
+      return "gelu_tanh";
+    case UnaryOp::GeluErf:
+      return "gelu";
+    case UnaryOp::Erf:
+      return "erf";
+    case UnaryOp::LogicalNot:
+      return "logical_not";
+    case UnaryOp::Sign:
+      return "sign";
   }
   return "?";
 }
 
 const char* binary_name(BinaryOp op) {
   switch (op) {
-    case BinaryOp::Add: return "add";
-    case BinaryOp::Sub: return "sub";
-    case BinaryOp::Mul: return "mul";
-    case BinaryOp::Div: return "div";
-    case BinaryOp::Pow: return "pow";
-    case BinaryOp::Maximum: return "maximum";
-    case BinaryOp::Minimum: return "minimum";
-    case BinaryOp::Eq: return "eq";
-    case BinaryOp::Ne: return "ne";
-    case BinaryOp::Lt: return "lt";
-    case BinaryOp::Le: return "le";
-    case BinaryOp::Gt: return "gt";
-    case BinaryOp::Ge: return "ge";
-    case BinaryOp::And: return "logical_and";
-    case BinaryOp::Or: return "logical_or";
+    case BinaryOp::Add:
+      return "add";
+    case BinaryOp::Sub:
+      return "sub";
+    case BinaryOp::Mul:
+      return "mul";
+    case BinaryOp::Div:
+      return "div";
+    case BinaryOp::Pow:
+      return "pow";
+    case BinaryOp::Maximum:
+      return "maximum";
+    case BinaryOp::Minimum:
+      return "minimum";
+    case BinaryOp::Eq:
+      return "eq";
+    case BinaryOp::Ne:
+      return "ne";
+    case BinaryOp::Lt:
+      return "lt";
+    case BinaryOp::Le:
+      return "le";
+    case BinaryOp::Gt:
+      return "gt";
+    case BinaryOp::Ge:
+      return "ge";
+    case BinaryOp::And:
+      return "logical_and";
+    case BinaryOp::Or:
+      return "logical_or";
   }
   return "?";
 }
 
 const char* reduce_name(ReduceOp op) {
   switch (op) {
-    case ReduceOp::Sum: return "sum";
-    case ReduceOp::Mean: return "mean";
-    case ReduceOp::Max: return "max";
-    case ReduceOp::Min: return "min";
-    case ReduceOp::Var: return "var";
+    case ReduceOp::Sum:
+      return "sum";
+    case ReduceOp::Mean:
+      return "mean";
+    case ReduceOp::Max:
+      return "max";
+    case ReduceOp::Min:
+      return "min";
+    case ReduceOp::Var:
+      return "var";
   }
   return "?";
 }
@@ -479,18 +523,26 @@ Tensor unary(UnaryOp op, const Tensor& x) {
   DType dt = x.dtype();
   switch (op) {
     case UnaryOp::Neg:
-      if (dt == DType::Bool) throw TypeError("[neg] is not defined for bool tensors; use logical_not");
+      if (dt == DType::Bool)
+        throw TypeError("[neg] is not defined for bool tensors; use logical_not");
       break;
     case UnaryOp::Abs:
     case UnaryOp::Relu:
-    case UnaryOp::Sign: break;
-    case UnaryOp::LogicalNot: dt = DType::Bool; break;
-    default: dt = to_floating(dt); break;
+    case UnaryOp::Sign:
+      break;
+    case UnaryOp::LogicalNot:
+      dt = DType::Bool;
+      break;
+    default:
+      dt = to_floating(dt);
+      break;
   }
-  Tensor in = op == UnaryOp::LogicalNot ? x : astype(x, op == UnaryOp::Neg || op == UnaryOp::Abs ||
-                                                             op == UnaryOp::Relu || op == UnaryOp::Sign
-                                                         ? x.dtype()
-                                                         : dt);
+  Tensor in = op == UnaryOp::LogicalNot
+                  ? x
+                  : astype(x, op == UnaryOp::Neg || op == UnaryOp::Abs || op == UnaryOp::Relu ||
+                                      op == UnaryOp::Sign
+                                  ? x.dtype()
+                                  : dt);
   return apply1(std::make_shared<Unary>(op), {in}, x.shape(), dt, x.device());
 }
 
@@ -512,8 +564,8 @@ Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
     throw TypeError("[sub] subtraction of bool tensors is not supported; use logical_xor or ^");
   }
   const Shape shape = broadcast_shapes(a.shape(), b.shape(), nm);
-  const DType out_dt = (is_compare(op) || op == BinaryOp::And || op == BinaryOp::Or)
-                           ? DType::Bool : dt;
+  const DType out_dt =
+      (is_compare(op) || op == BinaryOp::And || op == BinaryOp::Or) ? DType::Bool : dt;
   Tensor a2 = expand(astype(a, dt), shape), b2 = expand(astype(b, dt), shape);
   return apply1(std::make_shared<Binary>(op), {a2, b2}, shape, out_dt, a.device());
 }
@@ -541,8 +593,8 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   check_same_device(cond, a, "where");
   check_same_device(a, b, "where");
   const DType dt = promote_types(a.dtype(), b.dtype());
-  const Shape s = broadcast_shapes(broadcast_shapes(cond.shape(), a.shape(), "where"), b.shape(),
-                                   "where");
+  const Shape s =
+      broadcast_shapes(broadcast_shapes(cond.shape(), a.shape(), "where"), b.shape(), "where");
   return apply1(mk<Where>(), {expand(cond, s), expand(astype(a, dt), s), expand(astype(b, dt), s)},
                 s, dt, a.device());
 }
@@ -552,7 +604,8 @@ Tensor where(const Tensor& cond, const Tensor& a, Scalar b) {
 
 Tensor masked_fill(const Tensor& x, const Tensor& mask, double value) {
   if (mask.dtype() != DType::Bool) {
-    throw TypeError(std::string("[masked_fill] mask must be bool, got ") + dtype_name(mask.dtype()));
+    throw TypeError(std::string("[masked_fill] mask must be bool, got ") +
+                    dtype_name(mask.dtype()));
   }
   check_same_device(x, mask, "masked_fill");
   const Shape s = broadcast_shapes(x.shape(), mask.shape(), "masked_fill");
@@ -574,11 +627,13 @@ Tensor& inplace(Tensor& x, const Tensor& result, const char* op) {
   }
   const bool track = grad_enabled() && (result.requires_grad() || x.requires_grad());
   if (track && x.requires_grad() && x.is_leaf()) {
-    throw RuntimeError(std::string("[") + op + "] a leaf tensor that requires grad is used in an "
+    throw RuntimeError(std::string("[") + op +
+                       "] a leaf tensor that requires grad is used in an "
                        "in-place operation; wrap it in no_grad() or use the out-of-place op");
   }
   if (track && x.impl()->view_of_grad) {
-    throw NotImplementedError(std::string("[") + op + "] in-place change of a view of a tensor "
+    throw NotImplementedError(std::string("[") + op +
+                              "] in-place change of a view of a tensor "
                               "that requires grad is not supported yet; use the out-of-place op");
   }
   Tensor r = astype(expand(result, x.shape()), x.dtype());
@@ -643,8 +698,7 @@ Tensor reduce(ReduceOp op, const Tensor& x, std::vector<int64_t> dims, bool keep
     dt = to_floating(dt);
     in = astype(x, dt);
   }
-  return apply1(std::make_shared<Reduce>(op, dims, keepdim, correction), {in}, out, dt,
-                x.device());
+  return apply1(std::make_shared<Reduce>(op, dims, keepdim, correction), {in}, out, dt, x.device());
 }
 
 Tensor argreduce(bool is_max, const Tensor& x, std::optional<int64_t> dim, bool keepdim) {
@@ -657,7 +711,8 @@ Tensor argreduce(bool is_max, const Tensor& x, std::optional<int64_t> dim, bool 
   }
   const int64_t d = x.ndim() == 0 ? 0 : wrap_dim(*dim, x.ndim(), nm);
   if (x.ndim() == 0) return zeros({}, DType::Int64, x.device());
-  if (x.shape()[d] == 0) throw ValueError(std::string("[") + nm + "] cannot reduce a zero-size dim");
+  if (x.shape()[d] == 0)
+    throw ValueError(std::string("[") + nm + "] cannot reduce a zero-size dim");
   Shape s = x.shape();
   if (keepdim) {
     s[d] = 1;
@@ -678,7 +733,8 @@ static void check_index_tensor(const Tensor& idx, const char* op) {
 Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   check_index_tensor(index, "index_select");
   check_same_device(x, index, "index_select");
-  if (index.ndim() > 1) throw ValueError("[index_select] index must be 1-D, got shape " + shape_str(index.shape()));
+  if (index.ndim() > 1)
+    throw ValueError("[index_select] index must be 1-D, got shape " + shape_str(index.shape()));
   dim = wrap_dim(dim, x.ndim(), "index_select");
   Shape s = x.shape();
   s[dim] = index.numel();
@@ -785,8 +841,9 @@ Tensor embedding(const Tensor& weight, const Tensor& index) {
 Tensor masked_select_bool(const Tensor& x, const Tensor& mask) {
   if (mask.dtype() != DType::Bool) throw TypeError("[getitem] a mask index must be bool");
   if (active_graph()) {
-    throw NotImplementedError("[getitem] boolean-mask indexing has a data-dependent shape and "
-                              "cannot be captured");
+    throw NotImplementedError(
+        "[getitem] boolean-mask indexing has a data-dependent shape and "
+        "cannot be captured");
   }
   const Shape s = broadcast_shapes(x.shape(), mask.shape(), "getitem");
   if (s != x.shape()) {
@@ -819,7 +876,9 @@ Tensor softmax(const Tensor& x_in, int64_t dim, bool log) {
 
 Tensor layer_norm(const Tensor& x, const Shape& ns, const Tensor& weight, const Tensor& bias,
                   double eps) {
-  if (!is_floating(x.dtype())) throw TypeError(std::string("[layer_norm] expects a floating input, got ") + dtype_name(x.dtype()));
+  if (!is_floating(x.dtype()))
+    throw TypeError(std::string("[layer_norm] expects a floating input, got ") +
+                    dtype_name(x.dtype()));
   const int64_t k = static_cast<int64_t>(ns.size());
   if (k == 0 || k > x.ndim() || !std::equal(ns.begin(), ns.end(), x.shape().end() - k)) {
     throw ValueError("[layer_norm] normalized_shape " + shape_str(ns) +
@@ -871,22 +930,25 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target_in, int64_t igno
   } else if (reduction == "sum") {
     r = 2;
   } else {
-    throw ValueError("[cross_entropy] reduction must be 'none', 'mean' or 'sum', got '" + reduction + "'");
+    throw ValueError("[cross_entropy] reduction must be 'none', 'mean' or 'sum', got '" +
+                     reduction + "'");
   }
   if (label_smoothing < 0 || label_smoothing > 1) {
     throw ValueError("[cross_entropy] label_smoothing must be in [0, 1]");
   }
   const DType sd = logits.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
   Tensor target = astype(target_in, DType::Int64);
-  auto outs = apply(std::make_shared<CrossEntropy>(ignore_index, r, label_smoothing),
-                    {logits, target}, {{r == 0 ? Shape{N} : Shape{}, logits.dtype()}, {{N}, sd}},
-                    logits.device());
+  auto outs =
+      apply(std::make_shared<CrossEntropy>(ignore_index, r, label_smoothing), {logits, target},
+            {{r == 0 ? Shape{N} : Shape{}, logits.dtype()}, {{N}, sd}}, logits.device());
   return outs[0];
 }
 
 Tensor dropout(const Tensor& x, double p, bool training) {
   if (p < 0 || p > 1) throw ValueError("[dropout] p must be in [0, 1], got " + std::to_string(p));
-  if (!is_floating(x.dtype())) throw TypeError(std::string("[dropout] expects a floating input, got ") + dtype_name(x.dtype()));
+  if (!is_floating(x.dtype()))
+    throw TypeError(std::string("[dropout] expects a floating input, got ") +
+                    dtype_name(x.dtype()));
   if (!training || p == 0) return x;
   if (p == 1) return mul(x, 0.0);
   auto [seed, off] = next_philox(philox::counters_needed(static_cast<uint64_t>(x.numel()), false));
@@ -933,12 +995,13 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
   const int64_t k2 = b.shape()[b.ndim() - 2], n = b.shape().back();
   if (k != k2) {
     throw ValueError("[matmul] shapes " + shape_str(a_in.shape()) + " and " +
-                     shape_str(b_in.shape()) + " do not align on k (" + std::to_string(k) +
-                     " vs " + std::to_string(k2) + ")");
+                     shape_str(b_in.shape()) + " do not align on k (" + std::to_string(k) + " vs " +
+                     std::to_string(k2) + ")");
   }
   Tensor out;
   if (a.ndim() == 2 && b.ndim() == 2) {
-    out = apply1(std::make_shared<Matmul>(), {gemm_ready(a), gemm_ready(b)}, {m, n}, dt, a.device());
+    out =
+        apply1(std::make_shared<Matmul>(), {gemm_ready(a), gemm_ready(b)}, {m, n}, dt, a.device());
   } else if (b.ndim() == 2) {
     Shape lead(a.shape().begin(), a.shape().end() - 2);
     Tensor a2 = reshape(a, {-1, k});
@@ -990,7 +1053,8 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
 
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   check_defined(x, "linear");
-  if (w.ndim() != 2) throw ValueError("[linear] weight must be 2-D (out, in), got " + shape_str(w.shape()));
+  if (w.ndim() != 2)
+    throw ValueError("[linear] weight must be 2-D (out, in), got " + shape_str(w.shape()));
   if (x.ndim() == 0 || x.shape().back() != w.shape()[1]) {
     throw ValueError("[linear] input of shape " + shape_str(x.shape()) + " has " +
                      (x.ndim() ? std::to_string(x.shape().back()) : std::string("no")) +
@@ -1015,8 +1079,8 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
 }
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
-                                   const Tensor& attn_mask, double dropout_p, bool is_causal,
-                                   std::optional<double> scale) {
+                                    const Tensor& attn_mask, double dropout_p, bool is_causal,
+                                    std::optional<double> scale) {
   if (q.ndim() < 2 || k.ndim() < 2 || v.ndim() < 2) {
     throw ValueError("[scaled_dot_product_attention] q, k, v need at least 2 dims");
   }

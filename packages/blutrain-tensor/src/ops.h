@@ -17,7 +17,7 @@ struct Scalar {
 };
 
 // ---- creation ------------------------------------------------------------------------------
-Tensor full(const Shape& shape, double value, DType dtype, Device device);
+Tensor full(const Shape& shape, double value, DType dtype, Device device, const char* op = "full");
 Tensor zeros(const Shape& shape, DType dtype, Device device);
 Tensor ones(const Shape& shape, DType dtype, Device device);
 Tensor zeros_like(const Tensor& t);
@@ -114,8 +114,8 @@ Tensor matmul(const Tensor& a, const Tensor& b);
 Tensor bmm(const Tensor& a, const Tensor& b);
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias);
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
-                                   const Tensor& attn_mask, double dropout_p, bool is_causal,
-                                   std::optional<double> scale);
+                                    const Tensor& attn_mask, double dropout_p, bool is_causal,
+                                    std::optional<double> scale);
 // Scales every gradient in place so their global L2 norm is at most max_norm; returns the norm
 // before clipping (a 0-d float32 tensor).
 Tensor clip_grad_norm_(const std::vector<Tensor>& grads, double max_norm, double eps = 1e-6);

@@ -46,11 +46,12 @@ struct PrimNode : Node {
                    const char* what) const {
     for (size_t i = 0; i < saved.size(); ++i) {
       if (saved[i].defined() && saved[i].version() != ver[i]) {
-        throw RuntimeError(std::string("[backward] ") + what + " " + std::to_string(i) + " of " +
-                           prim->name() + ", saved for backward, was modified by an in-place "
-                           "operation (it is at version " + std::to_string(saved[i].version()) +
-                           "; expected version " + std::to_string(ver[i]) +
-                           "). Use an out-of-place op, or clone() before changing it.");
+        throw RuntimeError(
+            std::string("[backward] ") + what + " " + std::to_string(i) + " of " + prim->name() +
+            ", saved for backward, was modified by an in-place "
+            "operation (it is at version " +
+            std::to_string(saved[i].version()) + "; expected version " + std::to_string(ver[i]) +
+            "). Use an out-of-place op, or clone() before changing it.");
       }
     }
   }
@@ -58,7 +59,8 @@ struct PrimNode : Node {
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
     if (released) {
       throw RuntimeError(std::string("[backward] trying to backward through the graph a second "
-                                     "time (at ") + prim->name() +
+                                     "time (at ") +
+                         prim->name() +
                          "): its saved tensors were freed after the first backward. Pass "
                          "retain_graph=True to the first backward if you need to call it twice.");
     }
@@ -97,7 +99,14 @@ std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Ten
   } else if (graph) {
     for (auto& m : out_meta) outs.push_back(symbolic_tensor(m.first, m.second, device));
   } else {
-    for (auto& m : out_meta) outs.push_back(empty_tensor(m.first, m.second, device, prim->name()));
+    const bool like0 = prim->preserves_layout() && out_meta.size() == 1 && !inputs.empty() &&
+                       inputs[0].shape() == out_meta[0].first && !inputs[0].is_contiguous() &&
+                       is_dense(inputs[0]);
+    for (auto& m : out_meta) {
+      outs.push_back(
+          like0 ? empty_strided(m.first, inputs[0].strides(), m.second, device, prim->name())
+                : empty_tensor(m.first, m.second, device, prim->name()));
+    }
     for (auto& t : inputs) {
       if (t.defined() && t.is_symbolic()) {
         throw RuntimeError(std::string("[") + prim->name() +
@@ -204,8 +213,10 @@ bool Unary::saves_inputs() const {
     case UnaryOp::Rsqrt:
     case UnaryOp::Tanh:
     case UnaryOp::Sigmoid:
-    case UnaryOp::Relu: return false;
-    default: return true;
+    case UnaryOp::Relu:
+      return false;
+    default:
+      return true;
   }
 }
 bool Unary::saves_outputs() const {
@@ -215,8 +226,10 @@ bool Unary::saves_outputs() const {
     case UnaryOp::Rsqrt:
     case UnaryOp::Tanh:
     case UnaryOp::Sigmoid:
-    case UnaryOp::Relu: return true;
-    default: return false;
+    case UnaryOp::Relu:
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -226,18 +239,28 @@ std::vector<Tensor> Unary::vjp(const VjpArgs& a) {
   const Tensor y = a.outputs.empty() ? Tensor() : a.outputs[0];
   auto one_minus = [](const Tensor& t) { return binary(BinaryOp::Sub, Scalar{1, 2}, t); };
   switch (op) {
-    case UnaryOp::Neg: return {neg(g)};
-    case UnaryOp::Exp: return {mul(g, y)};
-    case UnaryOp::Log: return {div(g, x)};
-    case UnaryOp::Sqrt: return {div(mul(g, 0.5), y)};
-    case UnaryOp::Rsqrt: return {mul(mul(g, -0.5), mul(y, mul(y, y)))};
-    case UnaryOp::Tanh: return {mul(g, one_minus(mul(y, y)))};
-    case UnaryOp::Abs: return {mul(g, unary(UnaryOp::Sign, x))};
-    case UnaryOp::Sigmoid: return {mul(g, mul(y, one_minus(y)))};
+    case UnaryOp::Neg:
+      return {neg(g)};
+    case UnaryOp::Exp:
+      return {mul(g, y)};
+    case UnaryOp::Log:
+      return {div(g, x)};
+    case UnaryOp::Sqrt:
+      return {div(mul(g, 0.5), y)};
+    case UnaryOp::Rsqrt:
+      return {mul(mul(g, -0.5), mul(y, mul(y, y)))};
+    case UnaryOp::Tanh:
+      return {mul(g, one_minus(mul(y, y)))};
+    case UnaryOp::Abs:
+      return {mul(g, unary(UnaryOp::Sign, x))};
+    case UnaryOp::Sigmoid:
+      return {mul(g, mul(y, one_minus(y)))};
     case UnaryOp::Relu:
       return {mul(g, astype(binary(BinaryOp::Gt, y, Scalar{0, 1}), g.dtype()))};
-    case UnaryOp::Sin: return {mul(g, unary(UnaryOp::Cos, x))};
-    case UnaryOp::Cos: return {neg(mul(g, unary(UnaryOp::Sin, x)))};
+    case UnaryOp::Sin:
+      return {mul(g, unary(UnaryOp::Cos, x))};
+    case UnaryOp::Cos:
+      return {neg(mul(g, unary(UnaryOp::Sin, x)))};
     case UnaryOp::Erf:
       return {mul(g, mul(unary(UnaryOp::Exp, neg(mul(x, x))), 2.0 / std::sqrt(M_PI)))};
     case UnaryOp::GeluErf: {
@@ -254,23 +277,24 @@ std::vector<Tensor> Unary::vjp(const VjpArgs& a) {
       Tensor right = mul(mul(mul(x, one_minus(mul(t, t))), add(mul(x2, 3 * c), 1.0)), 0.5 * k);
       return {mul(g, add(left, right))};
     }
-    default: break;
+    default:
+      break;
   }
   return Primitive::vjp(a);
 }
 
 // Binary --------------------------------------------------------------------------------------
-bool Binary::saves_inputs() const {
-  return !(op == BinaryOp::Add || op == BinaryOp::Sub);
-}
+bool Binary::saves_inputs() const { return !(op == BinaryOp::Add || op == BinaryOp::Sub); }
 
 std::vector<Tensor> Binary::vjp(const VjpArgs& a) {
   const Tensor& g = a.cotangents[0];
   const Tensor x = a.inputs.empty() ? Tensor() : a.inputs[0];
   const Tensor y = a.inputs.empty() ? Tensor() : a.inputs[1];
   switch (op) {
-    case BinaryOp::Add: return {g, g};
-    case BinaryOp::Sub: return {g, a.needs[1] ? neg(g) : Tensor()};
+    case BinaryOp::Add:
+      return {g, g};
+    case BinaryOp::Sub:
+      return {g, a.needs[1] ? neg(g) : Tensor()};
     case BinaryOp::Mul:
       return {a.needs[0] ? mul(g, y) : Tensor(), a.needs[1] ? mul(g, x) : Tensor()};
     case BinaryOp::Div:
@@ -281,8 +305,8 @@ std::vector<Tensor> Binary::vjp(const VjpArgs& a) {
       if (a.needs[0]) gx = mul(mul(g, y), binary(BinaryOp::Pow, x, sub(y, ones_like(y))));
       if (a.needs[1]) {
         // d/dy x^y = x^y log x; define it as 0 where x == 0 (PyTorch does the same).
-        Tensor lg = unary(UnaryOp::Log, where(binary(BinaryOp::Eq, x, Scalar{0, 1}),
-                                              ones_like(x), x));
+        Tensor lg =
+            unary(UnaryOp::Log, where(binary(BinaryOp::Eq, x, Scalar{0, 1}), ones_like(x), x));
         gy = mul(mul(g, a.outputs[0]), lg);
       }
       return {gx, gy};
@@ -296,7 +320,8 @@ std::vector<Tensor> Binary::vjp(const VjpArgs& a) {
       Tensor gx = mul(g, share);
       return {gx, a.needs[1] ? sub(g, gx) : Tensor()};
     }
-    default: break;
+    default:
+      break;
   }
   return Primitive::vjp(a);
 }
@@ -328,8 +353,10 @@ std::vector<Tensor> Reduce::vjp(const VjpArgs& a) {
   const Shape ks = keepdim_shape(in_shape, dims);
   Tensor g = reshape(a.cotangents[0], ks);
   switch (op) {
-    case ReduceOp::Sum: return {expand(g, in_shape)};
-    case ReduceOp::Mean: return {expand(mul(g, 1.0 / reduced_count(in_shape, dims)), in_shape)};
+    case ReduceOp::Sum:
+      return {expand(g, in_shape)};
+    case ReduceOp::Mean:
+      return {expand(mul(g, 1.0 / reduced_count(in_shape, dims)), in_shape)};
     case ReduceOp::Max:
     case ReduceOp::Min: {
       const Tensor& x = a.inputs[0];
@@ -413,8 +440,8 @@ std::vector<Tensor> CrossEntropy::vjp(const VjpArgs& a) {
   Tensor p = unary(UnaryOp::Exp, sub(astype(logits, sd), unsqueeze(a.outputs[1], 1)));
   Tensor classes = arange(0, static_cast<double>(C), 1, DType::Int64, logits.device());
   Tensor onehot = astype(binary(BinaryOp::Eq, unsqueeze(target, 1), unsqueeze(classes, 0)), sd);
-  Tensor valid = astype(binary(BinaryOp::Ne, target, Scalar{static_cast<double>(ignore_index), 1}),
-                        sd);
+  Tensor valid =
+      astype(binary(BinaryOp::Ne, target, Scalar{static_cast<double>(ignore_index), 1}), sd);
   Tensor w = astype(g, sd);
   if (reduction == 1) w = div(w, reduce(ReduceOp::Sum, valid, {}, false));
   Tensor rowscale = mul(valid, reduction == 0 ? w : expand(w, valid.shape()));
@@ -426,8 +453,8 @@ std::vector<Tensor> CrossEntropy::vjp(const VjpArgs& a) {
 
 std::vector<Tensor> Dropout::vjp(const VjpArgs& a) {
   const Tensor& g = a.cotangents[0];
-  return {apply1(std::make_shared<Dropout>(p, seed, offset), {g}, g.shape(), g.dtype(),
-                 g.device())};
+  return {
+      apply1(std::make_shared<Dropout>(p, seed, offset), {g}, g.shape(), g.dtype(), g.device())};
 }
 
 std::vector<Tensor> Matmul::vjp(const VjpArgs& a) {

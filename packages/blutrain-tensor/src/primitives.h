@@ -3,7 +3,8 @@
 // A primitive knows how to run on each backend and how to differentiate itself:
 //   eval_cpu  src/cpu/*.cpp          (outputs arrive allocated and contiguous)
 //   eval_gpu  src/cuda/*.cu          (a CUDA-less build links src/cpu/no_cuda.cpp: every
-//                                     eval_gpu raises "[op] has no CUDA implementation in this build")
+//                                     eval_gpu raises "[op] has no CUDA implementation in this
+//                                     build")
 //   vjp       src/primitives.cpp     (written with ops, so it runs on any backend and is recorded
 //                                     in capture mode like any other op)
 //   attrs     what capture mode records besides op, dtypes, shapes and inputs.
@@ -48,12 +49,15 @@ class Primitive {
   virtual bool saves_inputs() const { return true; }
   virtual bool saves_outputs() const { return false; }
   virtual bool differentiable() const { return true; }
+  // Elementwise ops: the output takes input 0's memory layout when that is dense (so a
+  // transposed input gives a transposed output and the loop runs in memory order, as numpy's).
+  virtual bool preserves_layout() const { return false; }
   virtual void attrs(Attrs& a) const {}
 };
 
-#define BT_PRIM_BODY(Name, str)                                                     \
- public:                                                                            \
-  const char* name() const override { return str; }                                 \
+#define BT_PRIM_BODY(Name, str)                                                    \
+ public:                                                                           \
+  const char* name() const override { return str; }                                \
   void eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) override; \
   void eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) override; \
   std::vector<Tensor> vjp(const VjpArgs& a) override;
@@ -86,8 +90,9 @@ class Random : public Primitive {
       : kind(k), seed(s), offset(o), a(a_), b(b_) {}
   bool differentiable() const override { return false; }
   void attrs(Attrs& at) const override {
-    at["kind"] = std::string(kind == RandKind::Uniform ? "uniform"
-                             : kind == RandKind::Normal ? "normal" : "int");
+    at["kind"] = std::string(kind == RandKind::Uniform  ? "uniform"
+                             : kind == RandKind::Normal ? "normal"
+                                                        : "int");
     at["seed"] = static_cast<int64_t>(seed);
     at["offset"] = static_cast<int64_t>(offset);
     at["a"] = a;
@@ -110,9 +115,9 @@ class ToDevice : public Primitive {
 };
 
 // ---- views ---------------------------------------------------------------------------------
-#define BT_VIEW_BODY                                                                    \
-  bool is_view() const override { return true; }                                        \
-  Tensor eval_view(const std::vector<Tensor>& in) override;                             \
+#define BT_VIEW_BODY                                        \
+  bool is_view() const override { return true; }            \
+  Tensor eval_view(const std::vector<Tensor>& in) override; \
   bool saves_inputs() const override { return false; }
 class Reshape : public Primitive {
   BT_PRIM_BODY(Reshape, "reshape")
@@ -173,8 +178,22 @@ class SliceScatter : public Primitive {
 
 // ---- elementwise ---------------------------------------------------------------------------
 enum class UnaryOp {
-  Neg, Exp, Log, Sqrt, Rsqrt, Tanh, Abs, Sigmoid, Relu, Sin, Cos, GeluTanh, GeluErf, Erf,
-  LogicalNot, Sign
+  Neg,
+  Exp,
+  Log,
+  Sqrt,
+  Rsqrt,
+  Tanh,
+  Abs,
+  Sigmoid,
+  Relu,
+  Sin,
+  Cos,
+  GeluTanh,
+  GeluErf,
+  Erf,
+  LogicalNot,
+  Sign
 };
 const char* unary_name(UnaryOp op);
 class Unary : public Primitive {
@@ -187,6 +206,7 @@ class Unary : public Primitive {
   bool saves_inputs() const override;
   bool saves_outputs() const override;
   bool differentiable() const override { return op != UnaryOp::LogicalNot && op != UnaryOp::Sign; }
+  bool preserves_layout() const override { return true; }
   UnaryOp op;
 };
 
@@ -203,6 +223,7 @@ class Binary : public Primitive {
   bool saves_inputs() const override;
   bool saves_outputs() const override { return op == BinaryOp::Pow; }
   bool differentiable() const override { return op <= BinaryOp::Minimum; }
+  bool preserves_layout() const override { return true; }
   BinaryOp op;
 };
 
@@ -309,7 +330,8 @@ class LayerNorm : public Primitive {
 // sum, (N) for none), lse (N) float32/64 (saved for backward).
 class CrossEntropy : public Primitive {
   BT_PRIM_BODY(CrossEntropy, "cross_entropy")
-  CrossEntropy(int64_t ii, int r, double ls) : ignore_index(ii), reduction(r), label_smoothing(ls) {}
+  CrossEntropy(int64_t ii, int r, double ls)
+      : ignore_index(ii), reduction(r), label_smoothing(ls) {}
   bool saves_outputs() const override { return true; }
   void attrs(Attrs& a) const override {
     a["ignore_index"] = ignore_index;
@@ -347,18 +369,19 @@ class Matmul : public Primitive {
 };
 
 // X-macro of every primitive class, for backend tables (no_cuda.cpp, future dispatch).
-#define BT_PRIMITIVES(X)                                                                      \
-  X(Full) X(Arange) X(Random) X(AsType) X(ToDevice) X(Reshape) X(Permute) X(Expand) X(Slice) \
-  X(Select) X(SliceScatter) X(Unary) X(Binary) X(Where) X(MaskedFill) X(Reduce) X(ArgReduce) \
-  X(IndexSelect) X(IndexAdd) X(Gather) X(ScatterAdd) X(Concatenate) X(Softmax) X(LayerNorm)   \
-  X(CrossEntropy) X(Dropout) X(Matmul)
+#define BT_PRIMITIVES(X)                                                               \
+  X(Full)                                                                              \
+  X(Arange)                                                                            \
+  X(Random) X(AsType) X(ToDevice) X(Reshape) X(Permute) X(Expand) X(Slice) X(Select)   \
+      X(SliceScatter) X(Unary) X(Binary) X(Where) X(MaskedFill) X(Reduce) X(ArgReduce) \
+          X(IndexSelect) X(IndexAdd) X(Gather) X(ScatterAdd) X(Concatenate) X(Softmax) \
+              X(LayerNorm) X(CrossEntropy) X(Dropout) X(Matmul)
 
 // ---- running a primitive -------------------------------------------------------------------
 // The one entry point every op goes through: checks devices, runs (or records, in capture mode)
 // and attaches autograd.  out_meta gives each output's shape and dtype.
 std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Tensor>& inputs,
-                          const std::vector<std::pair<Shape, DType>>& out_meta,
-                          Device device);
+                          const std::vector<std::pair<Shape, DType>>& out_meta, Device device);
 inline Tensor apply1(std::shared_ptr<Primitive> prim, const std::vector<Tensor>& inputs,
                      const Shape& shape, DType dtype, Device device) {
   return apply(std::move(prim), inputs, {{shape, dtype}}, device)[0];

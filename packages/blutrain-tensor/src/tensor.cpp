@@ -1,6 +1,7 @@
 // tensor.cpp: Device, Storage, Tensor helpers and the PyTorch-like repr.
 #include "tensor.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -74,9 +75,7 @@ Device Device::parse(const std::string& s, const char* op) {
                    "' (expected 'cpu', 'cuda' or 'cuda:N')");
 }
 
-std::string Device::str() const {
-  return type == CPU ? "cpu" : "cuda:" + std::to_string(index);
-}
+std::string Device::str() const { return type == CPU ? "cpu" : "cuda:" + std::to_string(index); }
 
 // ---- storage -------------------------------------------------------------------------------
 static AllocHooks g_alloc;
@@ -95,8 +94,8 @@ std::shared_ptr<Storage> Storage::allocate(size_t nbytes, Device device, const c
   const size_t request = nbytes == 0 ? 1 : nbytes;  // a valid pointer even for empty tensors
   if (g_alloc.malloc) {
     void* p = nullptr;
-    const int rc = g_alloc.malloc(device.is_cuda() ? device.index : kHostPageable, request,
-                                  nullptr, &p);
+    const int rc =
+        g_alloc.malloc(device.is_cuda() ? device.index : kHostPageable, request, nullptr, &p);
     if (rc != 0) {
       throw RuntimeError(std::string("[") + op + "] cannot allocate " + std::to_string(nbytes) +
                          " bytes on " + device.str() + ": " +
@@ -200,6 +199,28 @@ Tensor empty_tensor(const Shape& shape, DType dtype, Device device, const char* 
   return Tensor(std::move(impl));
 }
 
+Tensor empty_strided(const Shape& shape, const Strides& strides, DType dtype, Device device,
+                     const char* op) {
+  Tensor t = empty_tensor(shape, dtype, device, op);
+  t.impl()->strides = strides;
+  return t;
+}
+
+bool is_dense(const Tensor& t) {
+  std::vector<int64_t> dims;
+  for (int64_t d = 0; d < t.ndim(); ++d) {
+    if (t.shape()[d] != 1) dims.push_back(d);
+  }
+  std::sort(dims.begin(), dims.end(),
+            [&](int64_t a, int64_t b) { return t.strides()[a] < t.strides()[b]; });
+  int64_t expect = 1;
+  for (auto d : dims) {
+    if (t.strides()[d] != expect) return false;
+    expect *= t.shape()[d];
+  }
+  return true;
+}
+
 Tensor symbolic_tensor(const Shape& shape, DType dtype, Device device) {
   auto impl = std::make_shared<TensorImpl>();
   impl->shape = shape;
@@ -245,8 +266,11 @@ struct ReprCtx {
 std::string fmt_elem(ReprCtx& c, double v) {
   char buf[64];
   if (!c.fl) {
-    if (c.t.dtype() == DType::Bool) return v != 0 ? "True" : "False";
-    std::snprintf(buf, sizeof(buf), "%lld", static_cast<long long>(v));
+    if (c.t.dtype() == DType::Bool) {
+      std::snprintf(buf, sizeof(buf), "%s", v != 0 ? "True" : "False");
+    } else {
+      std::snprintf(buf, sizeof(buf), "%lld", static_cast<long long>(v));
+    }
   } else if (std::isnan(v)) {
     std::snprintf(buf, sizeof(buf), "nan");
   } else if (std::isinf(v)) {

@@ -91,7 +91,7 @@ class Storage {
 // ---- tensor ------------------------------------------------------------------------------
 class Tensor;
 struct Node;
-using GradHook = std::function<Tensor(const Tensor&)>;  // returns an undefined Tensor to keep
+using GradHook = std::function<Tensor(const Tensor&)>;   // returns an undefined Tensor to keep
 using PostAccHook = std::function<void(const Tensor&)>;  // fired once a leaf's .grad is final
 
 struct TensorImpl {
@@ -111,7 +111,7 @@ struct TensorImpl {
   std::weak_ptr<Node> grad_accumulator;  // leaves only; created on first use
   std::vector<GradHook> hooks;           // leaves (non-leaves keep theirs on the node)
   std::vector<PostAccHook> post_acc_hooks;
-  std::string name;  // optional, used by capture and repr of parameters
+  std::string name;           // optional, used by capture and repr of parameters
   bool view_of_grad = false;  // a view of a tensor that requires grad (in-place is refused)
 };
 
@@ -162,6 +162,12 @@ int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op);
 
 // A fresh contiguous tensor (memory uninitialised).
 Tensor empty_tensor(const Shape& shape, DType dtype, Device device, const char* op);
+// A fresh tensor with given strides (they must describe a dense, non-overlapping layout).
+Tensor empty_strided(const Shape& shape, const Strides& strides, DType dtype, Device device,
+                     const char* op);
+// Whether t's elements exactly tile shape_numel elements of memory (any dim order), so a new
+// tensor may take its strides: elementwise outputs then keep their input's layout.
+bool is_dense(const Tensor& t);
 // A symbolic tensor (capture mode).
 Tensor symbolic_tensor(const Shape& shape, DType dtype, Device device);
 // A new TensorImpl over the same storage with given geometry; no autograd state.

@@ -17,8 +17,7 @@ std::optional<Strides> view_strides(const Shape& old_shape, const Strides& old_s
   int64_t chunk_base = old_strides.back(), tensor_numel = 1, view_numel = 1;
   for (int64_t td = static_cast<int64_t>(old_shape.size()) - 1; td >= 0; --td) {
     tensor_numel *= old_shape[td];
-    if (td == 0 ||
-        (old_shape[td - 1] != 1 && old_strides[td - 1] != tensor_numel * chunk_base)) {
+    if (td == 0 || (old_shape[td - 1] != 1 && old_strides[td - 1] != tensor_numel * chunk_base)) {
       while (view_d >= 0 && (view_numel < tensor_numel || new_shape[view_d] == 1)) {
         ns[view_d] = view_numel * chunk_base;
         view_numel *= new_shape[view_d];
@@ -85,12 +84,12 @@ Tensor Select::eval_view(const std::vector<Tensor>& in) {
 }
 
 // Views never reach a kernel.
-#define BT_VIEW_NO_KERNEL(Name)                                                           \
-  void Name::eval_cpu(const std::vector<Tensor>&, std::vector<Tensor>&) {                 \
-    throw RuntimeError(std::string("[") + name() + "] internal: a view has no kernel");   \
-  }                                                                                       \
-  void Name::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {                 \
-    throw RuntimeError(std::string("[") + name() + "] internal: a view has no kernel");   \
+#define BT_VIEW_NO_KERNEL(Name)                                                         \
+  void Name::eval_cpu(const std::vector<Tensor>&, std::vector<Tensor>&) {               \
+    throw RuntimeError(std::string("[") + name() + "] internal: a view has no kernel"); \
+  }                                                                                     \
+  void Name::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {               \
+    throw RuntimeError(std::string("[") + name() + "] internal: a view has no kernel"); \
   }
 BT_VIEW_NO_KERNEL(Reshape)
 BT_VIEW_NO_KERNEL(Permute)

@@ -5,6 +5,7 @@
 #include "../backend.h"
 #include "../primitives.h"
 #include "../random.h"
+#include "fastmath.h"
 #include "loops.h"
 
 namespace bt {
@@ -24,23 +25,23 @@ void cpu::copy_raw(const Tensor& dst, const Tensor& src) {
       using S = typename decltype(stag)::type;
       D* o = base_ptr<D>(dst);
       const S* a = base_ptr<S>(src);
-      for_each_strided<2>(dst.shape(), {dst.strides(), src.strides()},
-                          [&](const std::array<int64_t, 2>& off, int64_t n,
-                              const std::array<int64_t, 2>& s) {
-                            D* op = o + off[0];
-                            const S* ap = a + off[1];
-                            if (s[0] == 1 && s[1] == 1) {
-                              if (std::is_same<D, S>::value) {
-                                std::memcpy(static_cast<void*>(op), ap, n * sizeof(D));
-                              } else {
-                                for (int64_t i = 0; i < n; ++i)
-                                  op[i] = static_cast<D>(static_cast<compute_t<S>>(ap[i]));
-                              }
-                            } else {
-                              for (int64_t i = 0; i < n; ++i)
-                                op[i * s[0]] = static_cast<D>(static_cast<compute_t<S>>(ap[i * s[1]]));
-                            }
-                          });
+      for_each_strided<2>(
+          dst.shape(), {dst.strides(), src.strides()},
+          [&](const std::array<int64_t, 2>& off, int64_t n, const std::array<int64_t, 2>& s) {
+            D* op = o + off[0];
+            const S* ap = a + off[1];
+            if (s[0] == 1 && s[1] == 1) {
+              if (std::is_same<D, S>::value) {
+                std::memcpy(static_cast<void*>(op), ap, n * sizeof(D));
+              } else {
+                for (int64_t i = 0; i < n; ++i)
+                  op[i] = static_cast<D>(static_cast<compute_t<S>>(ap[i]));
+              }
+            } else {
+              for (int64_t i = 0; i < n; ++i)
+                op[i * s[0]] = static_cast<D>(static_cast<compute_t<S>>(ap[i * s[1]]));
+            }
+          });
     });
   });
 }
@@ -127,75 +128,95 @@ void SliceScatter::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
 }
 
 // ---- unary ---------------------------------------------------------------------------------
-template <typename C>
-static inline C unary_fn(UnaryOp op, C x) {
-  using std::abs;
-  switch (op) {
-    case UnaryOp::Neg: return -x;
-    case UnaryOp::Exp: return std::exp(x);
-    case UnaryOp::Log: return std::log(x);
-    case UnaryOp::Sqrt: return std::sqrt(x);
-    case UnaryOp::Rsqrt: return C(1) / std::sqrt(x);
-    case UnaryOp::Tanh: return std::tanh(x);
-    case UnaryOp::Abs: return x < C(0) ? -x : x;
-    case UnaryOp::Sigmoid: return C(1) / (C(1) + std::exp(-x));
-    case UnaryOp::Relu: return x > C(0) ? x : C(0);
-    case UnaryOp::Sin: return std::sin(x);
-    case UnaryOp::Cos: return std::cos(x);
-    case UnaryOp::Erf: return std::erf(x);
-    case UnaryOp::GeluErf: return C(0.5) * x * (C(1) + std::erf(x * C(M_SQRT1_2)));
-    case UnaryOp::GeluTanh: {
+// The op is a template parameter so each inner loop is branch-free (and vectorisable where the
+// math allows).
+template <UnaryOp OP, typename C>
+static inline C unary_fn(C x) {
+  if constexpr (!std::is_floating_point<C>::value) {
+    // Integer/bool forms of the ops that allow them (the front casts the rest to float).
+    if constexpr (OP == UnaryOp::Neg) return static_cast<C>(-x);
+    if constexpr (OP == UnaryOp::Abs) return x < 0 ? static_cast<C>(-x) : x;
+    if constexpr (OP == UnaryOp::Relu) return x > 0 ? x : C(0);
+    if constexpr (OP == UnaryOp::Sign) return static_cast<C>((x > 0) - (x < 0));
+    if constexpr (OP == UnaryOp::LogicalNot) return static_cast<C>(!x);
+    return x;
+  } else {
+    constexpr bool f32 = std::is_same<C, float>::value;
+    if constexpr (f32 && OP == UnaryOp::Exp) return cpu::fast_exp(x);
+    if constexpr (f32 && OP == UnaryOp::Tanh) return cpu::fast_tanh(x);
+    if constexpr (f32 && OP == UnaryOp::Sigmoid) return 1.0f / (1.0f + cpu::fast_exp(-x));
+    if constexpr (f32 && OP == UnaryOp::GeluTanh) {
+      return 0.5f * x * (1.0f + cpu::fast_tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+    }
+    if constexpr (OP == UnaryOp::Neg) return -x;
+    if constexpr (OP == UnaryOp::Exp) return std::exp(x);
+    if constexpr (OP == UnaryOp::Log) return std::log(x);
+    if constexpr (OP == UnaryOp::Sqrt) return std::sqrt(x);
+    if constexpr (OP == UnaryOp::Rsqrt) return C(1) / std::sqrt(x);
+    if constexpr (OP == UnaryOp::Tanh) return std::tanh(x);
+    if constexpr (OP == UnaryOp::Abs) return x < C(0) ? -x : x;
+    if constexpr (OP == UnaryOp::Sigmoid) return C(1) / (C(1) + std::exp(-x));
+    if constexpr (OP == UnaryOp::Relu) return x > C(0) ? x : C(0);
+    if constexpr (OP == UnaryOp::Sin) return std::sin(x);
+    if constexpr (OP == UnaryOp::Cos) return std::cos(x);
+    if constexpr (OP == UnaryOp::Erf) return std::erf(x);
+    if constexpr (OP == UnaryOp::GeluErf) return C(0.5) * x * (C(1) + std::erf(x * C(M_SQRT1_2)));
+    if constexpr (OP == UnaryOp::GeluTanh) {
       const C k = C(0.7978845608028654);  // sqrt(2/pi)
       return C(0.5) * x * (C(1) + std::tanh(k * (x + C(0.044715) * x * x * x)));
     }
-    case UnaryOp::Sign: return C((x > C(0)) - (x < C(0)));
-    case UnaryOp::LogicalNot: return C(!x);
+    if constexpr (OP == UnaryOp::Sign) return C((x > C(0)) - (x < C(0)));
+    if constexpr (OP == UnaryOp::LogicalNot) return C(!x);
+    return x;
   }
-  return x;
 }
 
-// The integer/bool forms of the ops that allow them (front guarantees the rest are float).
-template <typename C>
-static inline C unary_int(UnaryOp op, C x) {
-  switch (op) {
-    case UnaryOp::Neg: return static_cast<C>(-x);
-    case UnaryOp::Abs: return x < 0 ? static_cast<C>(-x) : x;
-    case UnaryOp::Relu: return x > 0 ? x : C(0);
-    case UnaryOp::Sign: return static_cast<C>((x > 0) - (x < 0));
-    case UnaryOp::LogicalNot: return static_cast<C>(!x);
-    default: return x;
-  }
+template <UnaryOp OP, typename T, typename O>
+static void unary_loop(const Tensor& x, const Tensor& out) {
+  using C = compute_t<T>;
+  const T* a = base_ptr<T>(x);
+  O* o = base_ptr<O>(out);
+  for_each_strided<2>(
+      out.shape(), {out.strides(), x.strides()},
+      [&](const std::array<int64_t, 2>& off, int64_t n, const std::array<int64_t, 2>& s) {
+        O* op = o + off[0];
+        const T* ap = a + off[1];
+        if (s[0] == 1 && s[1] == 1) {
+          for (int64_t i = 0; i < n; ++i) op[i] = static_cast<O>(unary_fn<OP, C>(C(ap[i])));
+        } else {
+          for (int64_t i = 0; i < n; ++i)
+            op[i * s[0]] = static_cast<O>(unary_fn<OP, C>(C(ap[i * s[1]])));
+        }
+      });
+}
+
+template <UnaryOp OP>
+static void unary_dispatch(const Tensor& x, const Tensor& out, const char* nm) {
+  dispatch_all(x.dtype(), nm, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (out.dtype() == DType::Bool) {
+      unary_loop<OP, T, bool>(x, out);
+    } else if (out.dtype() == x.dtype()) {
+      unary_loop<OP, T, T>(x, out);
+    } else {
+      throw RuntimeError(std::string("[") + nm + "] internal: output dtype differs from input");
+    }
+  });
 }
 
 void Unary::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  dispatch_all(in[0].dtype(), name(), [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    using C = compute_t<T>;
-    dispatch_all(out[0].dtype(), name(), [&](auto otag) {
-      using O = typename decltype(otag)::type;
-      const T* a = base_ptr<T>(in[0]);
-      O* o = base_ptr<O>(out[0]);
-      const UnaryOp uop = op;
-      for_each_strided<2>(out[0].shape(), {out[0].strides(), in[0].strides()},
-                          [&](const std::array<int64_t, 2>& off, int64_t n,
-                              const std::array<int64_t, 2>& s) {
-                            O* op_ = o + off[0];
-                            const T* ap = a + off[1];
-                            if constexpr (std::is_floating_point<C>::value) {
-                              if (s[1] == 1) {
-                                for (int64_t i = 0; i < n; ++i)
-                                  op_[i] = static_cast<O>(unary_fn<C>(uop, C(ap[i])));
-                              } else {
-                                for (int64_t i = 0; i < n; ++i)
-                                  op_[i] = static_cast<O>(unary_fn<C>(uop, C(ap[i * s[1]])));
-                              }
-                            } else {
-                              for (int64_t i = 0; i < n; ++i)
-                                op_[i] = static_cast<O>(unary_int<C>(uop, C(ap[i * s[1]])));
-                            }
-                          });
-    });
-  });
+  switch (op) {
+#define BT_CASE(N)                                     \
+  case UnaryOp::N:                                     \
+    unary_dispatch<UnaryOp::N>(in[0], out[0], name()); \
+    break;
+    BT_CASE(Neg)
+    BT_CASE(Exp)
+    BT_CASE(Log) BT_CASE(Sqrt) BT_CASE(Rsqrt) BT_CASE(Tanh) BT_CASE(Abs) BT_CASE(Sigmoid)
+        BT_CASE(Relu) BT_CASE(Sin) BT_CASE(Cos) BT_CASE(GeluTanh) BT_CASE(GeluErf) BT_CASE(Erf)
+            BT_CASE(LogicalNot) BT_CASE(Sign)
+#undef BT_CASE
+  }
 }
 
 // ---- binary --------------------------------------------------------------------------------
@@ -244,30 +265,27 @@ static void binary_loop(const Tensor& x, const Tensor& y, const Tensor& out) {
   const T* a = base_ptr<T>(x);
   const T* b = base_ptr<T>(y);
   O* o = base_ptr<O>(out);
-  for_each_strided<3>(out.shape(), {out.strides(), x.strides(), y.strides()},
-                      [&](const std::array<int64_t, 3>& off, int64_t n,
-                          const std::array<int64_t, 3>& s) {
-                        O* op = o + off[0];
-                        const T* ap = a + off[1];
-                        const T* bp = b + off[2];
-                        // Specialised strides so the compiler vectorises the common cases.
-                        if (s[1] == 1 && s[2] == 1) {
-                          for (int64_t i = 0; i < n; ++i)
-                            op[i] = static_cast<O>(binary_fn<OP, C>(C(ap[i]), C(bp[i])));
-                        } else if (s[1] == 1 && s[2] == 0) {
-                          const C bv = C(bp[0]);
-                          for (int64_t i = 0; i < n; ++i)
-                            op[i] = static_cast<O>(binary_fn<OP, C>(C(ap[i]), bv));
-                        } else if (s[1] == 0 && s[2] == 1) {
-                          const C av = C(ap[0]);
-                          for (int64_t i = 0; i < n; ++i)
-                            op[i] = static_cast<O>(binary_fn<OP, C>(av, C(bp[i])));
-                        } else {
-                          for (int64_t i = 0; i < n; ++i)
-                            op[i] = static_cast<O>(
-                                binary_fn<OP, C>(C(ap[i * s[1]]), C(bp[i * s[2]])));
-                        }
-                      });
+  for_each_strided<3>(
+      out.shape(), {out.strides(), x.strides(), y.strides()},
+      [&](const std::array<int64_t, 3>& off, int64_t n, const std::array<int64_t, 3>& s) {
+        O* op = o + off[0];
+        const T* ap = a + off[1];
+        const T* bp = b + off[2];
+        // Specialised strides so the compiler vectorises the common cases.
+        if (s[0] == 1 && s[1] == 1 && s[2] == 1) {
+          for (int64_t i = 0; i < n; ++i)
+            op[i] = static_cast<O>(binary_fn<OP, C>(C(ap[i]), C(bp[i])));
+        } else if (s[0] == 1 && s[1] == 1 && s[2] == 0) {
+          const C bv = C(bp[0]);
+          for (int64_t i = 0; i < n; ++i) op[i] = static_cast<O>(binary_fn<OP, C>(C(ap[i]), bv));
+        } else if (s[0] == 1 && s[1] == 0 && s[2] == 1) {
+          const C av = C(ap[0]);
+          for (int64_t i = 0; i < n; ++i) op[i] = static_cast<O>(binary_fn<OP, C>(av, C(bp[i])));
+        } else {
+          for (int64_t i = 0; i < n; ++i)
+            op[i * s[0]] = static_cast<O>(binary_fn<OP, C>(C(ap[i * s[1]]), C(bp[i * s[2]])));
+        }
+      });
 }
 
 template <BinaryOp OP>
@@ -285,13 +303,15 @@ static void binary_dispatch(const Tensor& x, const Tensor& y, const Tensor& out,
 void Binary::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   const Tensor &x = in[0], &y = in[1], &o = out[0];
   switch (op) {
-#define BT_CASE(N)                            \
-  case BinaryOp::N:                           \
+#define BT_CASE(N)                                 \
+  case BinaryOp::N:                                \
     binary_dispatch<BinaryOp::N>(x, y, o, name()); \
     break;
-    BT_CASE(Add) BT_CASE(Sub) BT_CASE(Mul) BT_CASE(Div) BT_CASE(Pow) BT_CASE(Maximum)
-    BT_CASE(Minimum) BT_CASE(Eq) BT_CASE(Ne) BT_CASE(Lt) BT_CASE(Le) BT_CASE(Gt) BT_CASE(Ge)
-    BT_CASE(And) BT_CASE(Or)
+    BT_CASE(Add)
+    BT_CASE(Sub)
+    BT_CASE(Mul)
+    BT_CASE(Div) BT_CASE(Pow) BT_CASE(Maximum) BT_CASE(Minimum) BT_CASE(Eq) BT_CASE(Ne) BT_CASE(Lt)
+        BT_CASE(Le) BT_CASE(Gt) BT_CASE(Ge) BT_CASE(And) BT_CASE(Or)
 #undef BT_CASE
   }
 }
@@ -303,15 +323,14 @@ void Where::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
     const T* a = base_ptr<T>(in[1]);
     const T* b = base_ptr<T>(in[2]);
     T* o = base_ptr<T>(out[0]);
-    for_each_strided<4>(out[0].shape(),
-                        {out[0].strides(), in[0].strides(), in[1].strides(), in[2].strides()},
-                        [&](const std::array<int64_t, 4>& off, int64_t n,
-                            const std::array<int64_t, 4>& s) {
-                          for (int64_t i = 0; i < n; ++i) {
-                            o[off[0] + i * s[0]] = c[off[1] + i * s[1]] ? a[off[2] + i * s[2]]
-                                                                       : b[off[3] + i * s[3]];
-                          }
-                        });
+    for_each_strided<4>(
+        out[0].shape(), {out[0].strides(), in[0].strides(), in[1].strides(), in[2].strides()},
+        [&](const std::array<int64_t, 4>& off, int64_t n, const std::array<int64_t, 4>& s) {
+          for (int64_t i = 0; i < n; ++i) {
+            o[off[0] + i * s[0]] =
+                c[off[1] + i * s[1]] ? a[off[2] + i * s[2]] : b[off[3] + i * s[3]];
+          }
+        });
   });
 }
 
@@ -322,13 +341,13 @@ void MaskedFill::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& ou
     const T* a = base_ptr<T>(in[0]);
     const bool* m = base_ptr<bool>(in[1]);
     T* o = base_ptr<T>(out[0]);
-    for_each_strided<3>(out[0].shape(), {out[0].strides(), in[0].strides(), in[1].strides()},
-                        [&](const std::array<int64_t, 3>& off, int64_t n,
-                            const std::array<int64_t, 3>& s) {
-                          for (int64_t i = 0; i < n; ++i) {
-                            o[off[0] + i * s[0]] = m[off[2] + i * s[2]] ? v : a[off[1] + i * s[1]];
-                          }
-                        });
+    for_each_strided<3>(
+        out[0].shape(), {out[0].strides(), in[0].strides(), in[1].strides()},
+        [&](const std::array<int64_t, 3>& off, int64_t n, const std::array<int64_t, 3>& s) {
+          for (int64_t i = 0; i < n; ++i) {
+            o[off[0] + i * s[0]] = m[off[2] + i * s[2]] ? v : a[off[1] + i * s[1]];
+          }
+        });
   });
 }
 

@@ -8,8 +8,10 @@
 // compiler vectorises the common cases.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 #include "../tensor.h"
@@ -20,8 +22,8 @@
 
 namespace bt::cpu {
 
-constexpr int64_t kChunk = 16384;         // elements per OpenMP work item
-constexpr int64_t kParallelMin = 32768;   // below this many elements run serially
+constexpr int64_t kChunk = 16384;        // elements per OpenMP work item
+constexpr int64_t kParallelMin = 32768;  // below this many elements run serially
 
 template <size_t N, typename Body>
 void for_each_strided(const Shape& shape_in, const std::array<Strides, N>& strides_in,
@@ -34,6 +36,23 @@ void for_each_strided(const Shape& shape_in, const std::array<Strides, N>& strid
     if (shape_in[d] == 0) return;
     shape.push_back(shape_in[d]);
     for (size_t k = 0; k < N; ++k) st[k].push_back(strides_in[k][d]);
+  }
+  // Iterate in operand 0's memory order (outermost = largest stride): an output that took a
+  // transposed input's layout is then walked, and merged, like a contiguous one.
+  {
+    std::vector<size_t> order(shape.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return std::abs(st[0][a]) > std::abs(st[0][b]); });
+    Shape s2(shape.size());
+    std::array<Strides, N> st2;
+    for (size_t k = 0; k < N; ++k) st2[k].resize(shape.size());
+    for (size_t i = 0; i < order.size(); ++i) {
+      s2[i] = shape[order[i]];
+      for (size_t k = 0; k < N; ++k) st2[k][i] = st[k][order[i]];
+    }
+    shape.swap(s2);
+    st.swap(st2);
   }
   if (shape.empty()) {
     std::array<int64_t, N> off{}, in{};
@@ -102,7 +121,7 @@ void parallel_for(int64_t n, int64_t work_per_item, F&& f) {
 }
 
 // Raw helpers that bypass autograd and capture (kernels only).
-Tensor contiguous_raw(const Tensor& t);           // t itself when already contiguous
+Tensor contiguous_raw(const Tensor& t);               // t itself when already contiguous
 void copy_raw(const Tensor& dst, const Tensor& src);  // same shape; casts; any strides
 
 }  // namespace bt::cpu

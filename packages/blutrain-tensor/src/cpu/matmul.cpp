@@ -7,11 +7,16 @@ namespace bt {
 
 static int32_t linalg_dtype(DType d, const char* op) {
   switch (d) {
-    case DType::Float32: return BT_LINALG_F32;
-    case DType::Float64: return BT_LINALG_F64;
-    case DType::Float16: return BT_LINALG_F16;
-    case DType::BFloat16: return BT_LINALG_BF16;
-    default: break;
+    case DType::Float32:
+      return BT_LINALG_F32;
+    case DType::Float64:
+      return BT_LINALG_F64;
+    case DType::Float16:
+      return BT_LINALG_F16;
+    case DType::BFloat16:
+      return BT_LINALG_BF16;
+    default:
+      break;
   }
   throw TypeError(std::string("[") + op + "] blutrain-linalg has no kernel for " + dtype_name(d));
 }
@@ -82,5 +87,13 @@ static void run_gemm(Primitive& p, const std::vector<Tensor>& in, std::vector<Te
 void Matmul::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   run_gemm(*this, in, out, trans_b, has_bias, nullptr);
 }
+
+#ifdef BT_WITH_CUDA
+// blutrain-linalg runs the same descriptor on the device (cuBLASLt); the legacy default stream
+// until tensors carry streams.
+void Matmul::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  run_gemm(*this, in, out, trans_b, has_bias, nullptr);
+}
+#endif
 
 }  // namespace bt

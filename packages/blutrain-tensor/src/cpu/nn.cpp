@@ -5,11 +5,16 @@
 #include <limits>
 
 #include "../primitives.h"
+#include "fastmath.h"
 #include "loops.h"
 
 namespace bt {
 
 using cpu::contiguous_raw;
+
+// exp in the compute type: the vectorisable float32 version for 16/32-bit inputs.
+inline float exp_c(float x) { return cpu::fast_exp(x); }
+inline double exp_c(double x) { return std::exp(x); }
 
 void Softmax::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   Tensor x = contiguous_raw(in[0]);
@@ -17,7 +22,7 @@ void Softmax::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) 
   const int64_t rows = C ? x.numel() / C : 0;
   dispatch_float(x.dtype(), name(), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    using A = acc_t<T>;
+    using A = compute_t<T>;  // float for 16/32-bit inputs (exp in float, as PyTorch), else double
     const T* xp = static_cast<const T*>(x.data_ptr(name()));
     T* o = static_cast<T*>(out[0].data_ptr(name()));
     const bool lg = log;
@@ -27,14 +32,16 @@ void Softmax::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) 
       A m = -std::numeric_limits<A>::infinity();
       for (int64_t i = 0; i < C; ++i) m = std::max<A>(m, static_cast<A>(p[i]));
       if (std::isinf(m) && m < 0) m = 0;  // an all -inf row gives nan (softmax), -inf (log)
-      A s = 0;
-      for (int64_t i = 0; i < C; ++i) s += std::exp(static_cast<A>(p[i]) - m);
+      double s = 0;
+      for (int64_t i = 0; i < C; ++i) s += exp_c(static_cast<A>(p[i]) - m);
       if (lg) {
-        const A lse = m + std::log(s);
+        const A lse = m + static_cast<A>(std::log(s));
         for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>(static_cast<A>(p[i]) - lse);
       } else {
-        const A inv = A(1) / s;
-        for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>(std::exp(static_cast<A>(p[i]) - m) * inv);
+        const A inv = static_cast<A>(1.0 / s);
+        for (int64_t i = 0; i < C; ++i) {
+          q[i] = static_cast<T>(exp_c(static_cast<A>(p[i]) - m) * inv);
+        }
       }
     });
   });
@@ -104,11 +111,13 @@ void CrossEntropy::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
       const double ls = label_smoothing;
       cpu::parallel_for(N, C, [&](int64_t r) {
         const T* p = xp + r * C;
-        double m = -INFINITY, sum_x = 0;
-        for (int64_t i = 0; i < C; ++i) m = std::max(m, static_cast<double>(p[i]));
-        double s = 0;
+        using A = compute_t<T>;  // exp in float for 16/32-bit logits, sums in double
+        A mx = -std::numeric_limits<A>::infinity();
+        for (int64_t i = 0; i < C; ++i) mx = std::max<A>(mx, static_cast<A>(p[i]));
+        const double m = static_cast<double>(mx);
+        double s = 0, sum_x = 0;
         for (int64_t i = 0; i < C; ++i) {
-          s += std::exp(static_cast<double>(p[i]) - m);
+          s += exp_c(static_cast<A>(p[i]) - mx);
           sum_x += static_cast<double>(p[i]);
         }
         const double lse = m + std::log(s);

@@ -28,7 +28,7 @@ void copy_bytes(void*, Device dst, const void*, Device src, size_t, const char* 
 
 #define BT_NO_CUDA(Name)                                                  \
   void Name::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) { \
-    backend::no_cuda_kernel(name());                                     \
+    backend::no_cuda_kernel(name());                                      \
   }
 BT_NO_CUDA(Full)
 BT_NO_CUDA(Arange)

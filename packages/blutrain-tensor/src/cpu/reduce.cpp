@@ -72,9 +72,50 @@ inline void visit(const Geometry& g, const T* base, F&& f) {
 }
 }  // namespace
 
+// Sum/mean over the leading dims of a contiguous tensor (a bias gradient: (N, C) -> (C)): walk
+// rows in memory order, accumulating into a row of accumulators (vectorisable), columns split
+// across threads.
+template <typename T, typename O>
+static void reduce_leading(const Tensor& x, const Tensor& out, int64_t R, int64_t N, bool mean,
+                           const char* nm) {
+  using C = compute_t<T>;
+  using A = acc_t<T>;
+  const T* xp = static_cast<const T*>(x.data_ptr(nm));
+  O* o = static_cast<O*>(out.data_ptr(nm));
+  constexpr int64_t kCols = 1024;
+  cpu::parallel_for((N + kCols - 1) / kCols, R * kCols, [&](int64_t blk) {
+    const int64_t j0 = blk * kCols, j1 = std::min(N, j0 + kCols);
+    A acc[kCols] = {};
+    for (int64_t r = 0; r < R; ++r) {
+      const T* row = xp + r * N;
+      for (int64_t j = j0; j < j1; ++j) acc[j - j0] += static_cast<A>(static_cast<C>(row[j]));
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+      if (mean) {
+        o[j] = static_cast<O>(static_cast<double>(acc[j - j0]) / static_cast<double>(R));
+      } else {
+        o[j] = static_cast<O>(static_cast<compute_t<O>>(acc[j - j0]));
+      }
+    }
+  });
+}
+
 void Reduce::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   const Tensor& x = in[0];
   const Geometry g = make_geometry(x, dims);
+  bool leading = (op == ReduceOp::Sum || op == ReduceOp::Mean) && x.is_contiguous() &&
+                 !dims.empty() && g.nout > 1;
+  for (size_t i = 0; leading && i < dims.size(); ++i) leading = dims[i] == static_cast<int64_t>(i);
+  if (leading) {
+    dispatch_all(x.dtype(), name(), [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      dispatch_all(out[0].dtype(), name(), [&](auto otag) {
+        using O = typename decltype(otag)::type;
+        reduce_leading<T, O>(x, out[0], g.R, g.nout, op == ReduceOp::Mean, name());
+      });
+    });
+    return;
+  }
   dispatch_all(x.dtype(), name(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     using C = compute_t<T>;

@@ -1,0 +1,823 @@
+"""blutrain.tensor: typed tensors with reverse-mode autograd.
+
+    import blutrain.tensor as bt
+    x = bt.randn(4, 8, requires_grad=True)
+    loss = (x @ x.T).softmax(-1).sum()
+    loss.backward()
+
+The C++ core (``_tensor``) holds tensors, ops, autograd and capture; this module adds the
+PyTorch-style conveniences that are easiest in Python: ``tensor()`` from nested lists, grad-mode
+context managers, the ``Function`` API for custom ops, ``capture()``, ``gradcheck`` and
+``blutrain.tensor.nn`` (Module, Parameter, layers).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+from collections import namedtuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _tensor as _C
+from ._tensor import (
+    ABI_VERSION,
+    Graph,
+    Node,
+    Tensor,
+    astype,
+    bmm,
+    cat,
+    cross_entropy,
+    cuda_built,
+    cuda_device_count,
+    dropout,
+    dtype,
+    embedding,
+    empty,
+    from_dlpack,
+    full,
+    gather,
+    gelu,
+    index_add,
+    index_select,
+    initial_seed,
+    is_grad_enabled,
+    layer_norm,
+    linear,
+    log_softmax,
+    manual_seed,
+    matmul,
+    ones,
+    promote_types,
+    rand,
+    randint,
+    randn,
+    scaled_dot_product_attention,
+    scatter_add,
+    softmax,
+    stack,
+    where,
+    zeros,
+)
+
+# ---- dtypes ------------------------------------------------------------------------------------
+bool_ = dtype.bool
+uint8 = dtype.uint8
+int32 = dtype.int32
+int64 = dtype.int64
+float16 = dtype.float16
+bfloat16 = dtype.bfloat16
+float32 = dtype.float32
+float64 = dtype.float64
+half = float16
+double = float64
+long = int64
+dtype.__repr__ = lambda self: f"bt.{self.name}"  # type: ignore[method-assign]
+dtype.__str__ = dtype.__repr__  # type: ignore[method-assign]
+dtype.is_floating_point = property(  # type: ignore[attr-defined]
+    lambda self: _C.is_floating_point_dtype(self)
+)
+dtype.itemsize = property(lambda self: _C.itemsize(self))  # type: ignore[attr-defined]
+
+_NUMPY_OK = {"bool", "uint8", "int32", "int64", "float16", "float32", "float64"}
+
+
+def _linalg_status() -> str:
+    """'' when blutrain-linalg is usable, else why not (matmul then raises with this reason)."""
+    return _C._linalg_unavailable_reason()
+
+
+# ---- creation ------------------------------------------------------------------------------------
+def tensor(
+    data: Any,
+    dtype: dtype | str | None = None,
+    device: str | None = None,
+    requires_grad: bool = False,
+) -> Tensor:
+    """A new tensor holding a copy of ``data`` (nested lists, scalars, numpy arrays, tensors).
+
+    Python floats become float32 (the default float dtype) and Python ints int64, as in PyTorch;
+    numpy arrays keep their dtype.
+    """
+    if isinstance(data, Tensor):
+        t = data.detach().clone()
+    else:
+        arr = np.asarray(data)
+        if not isinstance(data, np.ndarray | np.generic) and arr.dtype == np.float64:
+            arr = arr.astype(np.float32)
+        if arr.dtype.name not in _NUMPY_OK:
+            if arr.dtype.kind in "iu":
+                arr = arr.astype(np.int64)
+            elif arr.dtype.kind == "f":
+                arr = arr.astype(np.float32)
+            else:
+                raise TypeError(f"[tensor] cannot make a tensor from numpy dtype {arr.dtype}")
+        t = _C._from_numpy(np.asarray(arr, order="C")).clone()
+    if dtype is not None:
+        t = t.to(dtype)
+    if device is not None:
+        t = t.to(device)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def from_numpy(array: np.ndarray) -> Tensor:
+    """A tensor sharing ``array``'s memory (no copy); writes through either are seen by both."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"[from_numpy] expected a numpy.ndarray, got {type(array).__name__}")
+    if array.dtype.name not in _NUMPY_OK:
+        raise TypeError(
+            f"[from_numpy] unsupported numpy dtype {array.dtype}; supported: "
+            + ", ".join(sorted(_NUMPY_OK))
+        )
+    return _C._from_numpy(array, array)
+
+
+def as_tensor(data: Any, dtype: dtype | str | None = None, device: str | None = None) -> Tensor:
+    """Like tensor(), but shares memory with a numpy array or tensor when nothing must change."""
+    if isinstance(data, Tensor):
+        t = data
+    elif isinstance(data, np.ndarray) and data.dtype.name in _NUMPY_OK:
+        t = from_numpy(data)
+    else:
+        return tensor(data, dtype=dtype, device=device)
+    if dtype is not None:
+        t = t.to(dtype)
+    if device is not None:
+        t = t.to(device)
+    return t
+
+
+def arange(
+    start: builtins.float,
+    end: builtins.float | None = None,
+    step: builtins.float = 1,
+    dtype: dtype | str | None = None,
+    device: str | None = None,
+    requires_grad: bool = False,
+) -> Tensor:
+    """Values from start (inclusive) to end (exclusive); int64 when all arguments are ints."""
+    if end is None:
+        start, end = 0, start
+    if dtype is None:
+        ints = all(isinstance(v, builtins.int) for v in (start, end, step))
+        dtype = int64 if ints else float32
+    t = _C._arange(builtins.float(start), builtins.float(end), builtins.float(step), dtype, device)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def zeros_like(t: Tensor, dtype: dtype | None = None) -> Tensor:
+    return zeros(*t.shape, dtype=dtype or t.dtype, device=t.device)
+
+
+def ones_like(t: Tensor, dtype: dtype | None = None) -> Tensor:
+    return ones(*t.shape, dtype=dtype or t.dtype, device=t.device)
+
+
+def full_like(t: Tensor, value: builtins.float, dtype: dtype | None = None) -> Tensor:
+    return full(t.shape, value, dtype=dtype or t.dtype, device=t.device)
+
+
+def empty_like(t: Tensor, dtype: dtype | None = None) -> Tensor:
+    return empty(*t.shape, dtype=dtype or t.dtype, device=t.device)
+
+
+def rand_like(t: Tensor, dtype: dtype | None = None) -> Tensor:
+    return rand(*t.shape, dtype=dtype or t.dtype, device=t.device)
+
+
+def randn_like(t: Tensor, dtype: dtype | None = None) -> Tensor:
+    return randn(*t.shape, dtype=dtype or t.dtype, device=t.device)
+
+
+# ---- functional forms of the methods ----------------------------------------------------------
+def _unary(name: str) -> Callable[[Tensor], Tensor]:
+    def f(input: Tensor) -> Tensor:
+        return _C.unary(name, input)
+
+    f.__name__ = name
+    f.__doc__ = f"Elementwise {name}."
+    return f
+
+
+exp = _unary("exp")
+log = _unary("log")
+sqrt = _unary("sqrt")
+rsqrt = _unary("rsqrt")
+tanh = _unary("tanh")
+abs = _unary("abs")  # noqa: A001 (bt.abs, as torch.abs)
+sigmoid = _unary("sigmoid")
+relu = _unary("relu")
+sin = _unary("sin")
+cos = _unary("cos")
+erf = _unary("erf")
+sign = _unary("sign")
+neg = _unary("neg")
+logical_not = _unary("logical_not")
+
+
+def add(a: Tensor, b: Any) -> Tensor:
+    return a + b if isinstance(a, Tensor) else b.__radd__(a)
+
+
+def sub(a: Tensor, b: Any) -> Tensor:
+    return a - b if isinstance(a, Tensor) else b.__rsub__(a)
+
+
+def mul(a: Tensor, b: Any) -> Tensor:
+    return a * b if isinstance(a, Tensor) else b.__rmul__(a)
+
+
+def div(a: Tensor, b: Any) -> Tensor:
+    return a / b if isinstance(a, Tensor) else b.__rtruediv__(a)
+
+
+def pow(a: Tensor, b: Any) -> Tensor:  # noqa: A001
+    return a**b if isinstance(a, Tensor) else b.__rpow__(a)
+
+
+def maximum(a: Tensor, b: Tensor) -> Tensor:
+    return a.maximum(b)
+
+
+def minimum(a: Tensor, b: Tensor) -> Tensor:
+    return a.minimum(b)
+
+
+def eq(a: Tensor, b: Any) -> Tensor:
+    return a.eq(b)
+
+
+def ne(a: Tensor, b: Any) -> Tensor:
+    return a.ne(b)
+
+
+def lt(a: Tensor, b: Any) -> Tensor:
+    return a.lt(b)
+
+
+def le(a: Tensor, b: Any) -> Tensor:
+    return a.le(b)
+
+
+def gt(a: Tensor, b: Any) -> Tensor:
+    return a.gt(b)
+
+
+def ge(a: Tensor, b: Any) -> Tensor:
+    return a.ge(b)
+
+
+def masked_fill(input: Tensor, mask: Tensor, value: builtins.float) -> Tensor:
+    return input.masked_fill(mask, value)
+
+
+def sum(input: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:  # noqa: A001
+    return input.sum(dim, keepdim)
+
+
+def mean(input: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    return input.mean(dim, keepdim)
+
+
+def var(
+    input: Tensor, dim: Any = None, correction: builtins.float = 1, keepdim: bool = False
+) -> Tensor:
+    return input.var(dim, correction, keepdim)
+
+
+def amax(input: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    return input.amax(dim, keepdim)
+
+
+def amin(input: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    return input.amin(dim, keepdim)
+
+
+def argmax(input: Tensor, dim: builtins.int | None = None, keepdim: bool = False) -> Tensor:
+    return input.argmax(dim, keepdim)
+
+
+def argmin(input: Tensor, dim: builtins.int | None = None, keepdim: bool = False) -> Tensor:
+    return input.argmin(dim, keepdim)
+
+
+MaxResult = namedtuple("MaxResult", ["values", "indices"])
+
+
+def _max(self: Tensor, dim: Any = None, keepdim: bool = False) -> Any:
+    """max() over everything, max(other) elementwise, or max(dim) -> (values, indices)."""
+    if isinstance(dim, Tensor):
+        return self.maximum(dim)
+    if dim is None:
+        return self.amax()
+    return MaxResult(self.amax(dim, keepdim), self.argmax(dim, keepdim))
+
+
+def _min(self: Tensor, dim: Any = None, keepdim: bool = False) -> Any:
+    if isinstance(dim, Tensor):
+        return self.minimum(dim)
+    if dim is None:
+        return self.amin()
+    return MaxResult(self.amin(dim, keepdim), self.argmin(dim, keepdim))
+
+
+def max(input: Tensor, dim: Any = None, keepdim: bool = False) -> Any:  # noqa: A001
+    return _max(input, dim, keepdim)
+
+
+def min(input: Tensor, dim: Any = None, keepdim: bool = False) -> Any:  # noqa: A001
+    return _min(input, dim, keepdim)
+
+
+def clamp(
+    input: Tensor, min: builtins.float | None = None, max: builtins.float | None = None
+) -> Tensor:  # noqa: A002
+    """Limits values to [min, max]; the gradient is 1 inside (and on) the bounds, else 0."""
+    r = input
+    if min is not None:
+        r = where(r < min, min, r)
+    if max is not None:
+        r = where(r > max, max, r)
+    return r
+
+
+def reshape(input: Tensor, shape: Sequence[builtins.int]) -> Tensor:
+    return input.reshape(*shape)
+
+
+def transpose(input: Tensor, dim0: builtins.int, dim1: builtins.int) -> Tensor:
+    return input.transpose(dim0, dim1)
+
+
+def permute(input: Tensor, dims: Sequence[builtins.int]) -> Tensor:
+    return input.permute(*dims)
+
+
+def squeeze(input: Tensor, dim: builtins.int | None = None) -> Tensor:
+    return input.squeeze(dim)
+
+
+def unsqueeze(input: Tensor, dim: builtins.int) -> Tensor:
+    return input.unsqueeze(dim)
+
+
+def flatten(input: Tensor, start_dim: builtins.int = 0, end_dim: builtins.int = -1) -> Tensor:
+    return input.flatten(start_dim, end_dim)
+
+
+def narrow(input: Tensor, dim: builtins.int, start: builtins.int, length: builtins.int) -> Tensor:
+    return input.narrow(dim, start, length)
+
+
+def split(input: Tensor, split_size_or_sections: Any, dim: builtins.int = 0) -> list[Tensor]:
+    return input.split(split_size_or_sections, dim)
+
+
+def chunk(input: Tensor, chunks: builtins.int, dim: builtins.int = 0) -> list[Tensor]:
+    return input.chunk(chunks, dim)
+
+
+def clone(input: Tensor) -> Tensor:
+    return input.clone()
+
+
+def allclose(
+    a: Tensor, b: Tensor, rtol: builtins.float = 1e-5, atol: builtins.float = 1e-8
+) -> bool:
+    return builtins.bool(np.allclose(_np64(a), _np64(b), rtol=rtol, atol=atol))
+
+
+def _np64(t: Tensor) -> np.ndarray:
+    return t.detach().cpu().to(float64).numpy()
+
+
+# ---- Tensor methods that are simplest in Python ------------------------------------------------
+def _tolist(self: Tensor) -> Any:
+    t = self.detach().cpu()
+    if t.dtype == bfloat16:
+        t = t.float()
+    return t.numpy().tolist()
+
+
+def _array(self: Tensor, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    a = self.numpy()
+    return a.astype(dtype) if dtype is not None else a
+
+
+def _iter(self: Tensor) -> Iterator[Tensor]:
+    if self.ndim == 0:
+        raise TypeError("[iter] iteration over a 0-d tensor")
+    for i in range(self.shape[0]):
+        yield self[i]
+
+
+def _float(self: Tensor) -> builtins.float:
+    return builtins.float(self.item())
+
+
+def _int(self: Tensor) -> builtins.int:
+    return builtins.int(self.item())
+
+
+def _format(self: Tensor, spec: str) -> str:
+    if self.numel() == 1 and spec:
+        return format(self.item(), spec)
+    return repr(self)
+
+
+Tensor.max = _max  # type: ignore[method-assign]
+Tensor.min = _min  # type: ignore[method-assign]
+Tensor.tolist = _tolist  # type: ignore[attr-defined]
+Tensor.__array__ = _array  # type: ignore[attr-defined]
+Tensor.__array_ufunc__ = None  # numpy defers to our reflected operators
+Tensor.__iter__ = _iter  # type: ignore[method-assign]
+Tensor.__float__ = _float  # type: ignore[attr-defined]
+Tensor.__int__ = _int  # type: ignore[attr-defined]
+Tensor.__index__ = _int  # type: ignore[attr-defined]
+Tensor.__format__ = _format  # type: ignore[method-assign]
+Tensor.softmax = lambda self, dim: softmax(self, dim)  # type: ignore[attr-defined]
+Tensor.log_softmax = lambda self, dim: log_softmax(self, dim)  # type: ignore[attr-defined]
+Tensor.matmul = lambda self, other: matmul(self, other)  # type: ignore[attr-defined]
+Tensor.type_as = lambda self, other: self.to(other.dtype)  # type: ignore[attr-defined]
+Tensor.new_zeros = lambda self, *s: zeros(*s, dtype=self.dtype, device=self.device)  # type: ignore[attr-defined]
+Tensor.new_ones = lambda self, *s: ones(*s, dtype=self.dtype, device=self.device)  # type: ignore[attr-defined]
+Tensor.gelu = lambda self, approximate="none": gelu(self, approximate)  # type: ignore[attr-defined]
+Tensor.clamp = lambda self, min=None, max=None: clamp(self, min, max)  # type: ignore[attr-defined]
+Tensor.where = lambda self, cond, other: where(cond, self, other)  # type: ignore[attr-defined]
+
+
+# ---- grad mode ----------------------------------------------------------------------------------
+class set_grad_enabled(contextlib.ContextDecorator):  # noqa: N801 (PyTorch's name)
+    """Context manager (and decorator) that turns autograd recording on or off."""
+
+    def __init__(self, mode: bool) -> None:
+        self.prev = is_grad_enabled()
+        self.mode = mode
+        _C.set_grad_enabled(mode)
+
+    def __enter__(self) -> None:
+        _C.set_grad_enabled(self.mode)
+
+    def __exit__(self, *exc: object) -> None:
+        _C.set_grad_enabled(self.prev)
+
+
+class no_grad(contextlib.ContextDecorator):  # noqa: N801
+    """Ops inside record no autograd history (use for inference and optimizer steps)."""
+
+    def __enter__(self) -> None:
+        self.prev = is_grad_enabled()
+        _C.set_grad_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        _C.set_grad_enabled(self.prev)
+
+
+class enable_grad(contextlib.ContextDecorator):  # noqa: N801
+    """Turns recording back on inside a no_grad region."""
+
+    def __enter__(self) -> None:
+        self.prev = is_grad_enabled()
+        _C.set_grad_enabled(True)
+
+    def __exit__(self, *exc: object) -> None:
+        _C.set_grad_enabled(self.prev)
+
+
+def backward(
+    tensors: Tensor | Sequence[Tensor], grad_tensors: Any = None, retain_graph: bool = False
+) -> None:
+    """Backward from several roots at once (their gradients are summed into the leaves)."""
+    _C.backward(tensors, grad_tensors, retain_graph)
+
+
+# ---- custom functions ---------------------------------------------------------------------------
+class FunctionCtx:
+    """What forward() hands to backward(): saved tensors and flags."""
+
+    def __init__(self) -> None:
+        self._saved: tuple[Tensor, ...] = ()
+        self._versions: tuple[builtins.int, ...] = ()
+        self.needs_input_grad: tuple[bool, ...] = ()
+        self._name = "Function"
+
+    def save_for_backward(self, *tensors: Tensor) -> None:
+        self._saved = tensors
+        self._versions = tuple(t._version if t is not None else 0 for t in tensors)
+
+    @property
+    def saved_tensors(self) -> tuple[Tensor, ...]:
+        for i, (t, v) in enumerate(zip(self._saved, self._versions, strict=True)):
+            if t is not None and t._version != v:
+                raise RuntimeError(
+                    f"[backward] tensor {i} saved by {self._name}.save_for_backward was modified "
+                    f"by an in-place operation (version {t._version}, expected {v})"
+                )
+        return self._saved
+
+
+class Function:
+    """Custom op with its own forward and backward (PyTorch's autograd.Function API).
+
+        class Square(bt.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(x)
+                return x * x
+
+            @staticmethod
+            def backward(ctx, g):
+                (x,) = ctx.saved_tensors
+                return 2 * x * g
+
+        y = Square.apply(x)
+
+    forward runs without recording; backward gets one gradient per output and returns one per
+    input of forward (None for inputs that are not tensors or need no gradient).
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, *args: Any) -> Any:
+        raise NotImplementedError("[Function] subclasses define forward(ctx, *args)")
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, *grads: Tensor) -> Any:
+        raise NotImplementedError("[Function] subclasses define backward(ctx, *grads)")
+
+    @classmethod
+    def apply(cls, *args: Any) -> Any:
+        ctx = FunctionCtx()
+        ctx._name = cls.__name__
+        tensor_pos = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
+        ctx.needs_input_grad = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
+        with no_grad():
+            out = cls.forward(ctx, *args)
+        single = isinstance(out, Tensor)
+        outs = (out,) if single else tuple(out)
+        # Fresh handles: an output that is an input must not get the input's history overwritten.
+        outs = tuple(o.detach() if isinstance(o, Tensor) else o for o in outs)
+        if is_grad_enabled() and builtins.any(ctx.needs_input_grad):
+            tensor_outs = [o for o in outs if isinstance(o, Tensor)]
+            nargs = len(args)
+
+            def run_backward(grads: list[Tensor | None]) -> list[Tensor | None]:
+                res = cls.backward(ctx, *grads)
+                res = (res,) if not isinstance(res, tuple | list) else tuple(res)
+                if len(res) != nargs:
+                    raise RuntimeError(
+                        f"[{cls.__name__}] backward returned {len(res)} gradients, expected "
+                        f"{nargs} (one per forward argument)"
+                    )
+                return [res[i] for i in tensor_pos]
+
+            _C._attach_function(
+                cls.__name__, run_backward, [args[i] for i in tensor_pos], tensor_outs
+            )
+        return outs[0] if single else outs
+
+
+# ---- capture -------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def capture() -> Iterator[Graph]:
+    """Record ops instead of running them, for blutrain-compiler.
+
+    with bt.capture() as g:
+        y = model(x)          # symbolic tensors: shape and dtype, no data
+        y.sum().backward()    # backward ops are recorded too
+        g.mark_output(y)
+    print(g)                  # nodes: op, attrs, inputs, outputs (dtype and shape)
+    """
+    if _C._capturing():
+        raise RuntimeError("[capture] a capture is already active on this thread")
+    g = Graph()
+    _C._set_capture(g)
+    try:
+        yield g
+    finally:
+        _C._set_capture(None)
+
+
+# ---- gradient checking ---------------------------------------------------------------------------
+def gradcheck(
+    fn: Callable[..., Tensor],
+    inputs: Sequence[Tensor],
+    eps: builtins.float = 1e-6,
+    atol: builtins.float = 1e-5,
+    rtol: builtins.float = 1e-4,
+    seed_cotangent: bool = True,
+) -> bool:
+    """Compares autograd's vector-Jacobian products with central finite differences.
+
+    Inputs should be float64 leaves with requires_grad=True. The output is contracted with a fixed
+    random cotangent (so non-scalar outputs are checked in every entry). Raises AssertionError
+    naming the input and the worst entry on a mismatch; returns True otherwise.
+    """
+    inputs = list(inputs)
+    out = fn(*inputs)
+    outs = (out,) if isinstance(out, Tensor) else tuple(out)
+    rng = np.random.default_rng(1234)
+    cots = [
+        tensor(rng.standard_normal(o.shape) if seed_cotangent else np.ones(o.shape), dtype=o.dtype)
+        for o in outs
+    ]
+
+    def scalar(*xs: Tensor) -> builtins.float:
+        with no_grad():
+            r = fn(*xs)
+        rs = (r,) if isinstance(r, Tensor) else tuple(r)
+        return builtins.sum(
+            builtins.float((ri.double() * c.double()).sum().item())
+            for ri, c in zip(rs, cots, strict=True)
+            if ri.is_floating_point()
+        )
+
+    for x in inputs:
+        if isinstance(x, Tensor):
+            x.grad = None
+    roots = [o for o in outs if o.requires_grad]
+    backward(roots, [c for o, c in zip(outs, cots, strict=True) if o.requires_grad])
+    for i, x in enumerate(inputs):
+        if not isinstance(x, Tensor) or not x.requires_grad:
+            continue
+        analytic = x.grad.double().numpy() if x.grad is not None else np.zeros(x.shape)
+        base = x.detach().numpy().copy()
+        numeric = np.zeros(base.shape)
+        flat = numeric.reshape(-1)
+        for j in range(base.size):
+            xp = base.copy().reshape(-1)
+            xp[j] += eps
+            plus = scalar(
+                *[
+                    tensor(xp.reshape(base.shape), dtype=x.dtype) if k == i else v
+                    for k, v in enumerate(inputs)
+                ]
+            )
+            xp[j] -= 2 * eps
+            minus = scalar(
+                *[
+                    tensor(xp.reshape(base.shape), dtype=x.dtype) if k == i else v
+                    for k, v in enumerate(inputs)
+                ]
+            )
+            flat[j] = (plus - minus) / (2 * eps)
+        if not np.allclose(analytic, numeric, atol=atol, rtol=rtol):
+            err = np.abs(analytic - numeric)
+            k = np.unravel_index(np.argmax(err), err.shape)
+            raise AssertionError(
+                f"[gradcheck] input {i}: analytic and numeric gradients differ at {k}: "
+                f"{analytic[k]} vs {numeric[k]} (max abs err {err.max():.3g})"
+            )
+    return True
+
+
+def clip_grad_norm_(parameters: Any, max_norm: builtins.float) -> Tensor:
+    """Scales every parameter's .grad in place so their global L2 norm is at most max_norm.
+
+    Returns the total norm before clipping (a 0-d tensor; no host sync is needed to apply it).
+    """
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    return _C.clip_grad_norm_(list(parameters), builtins.float(max_norm))
+
+
+from . import nn  # noqa: E402  (nn uses the names above)
+
+# PyTorch spells these with builtin names; bound last so the functions above see the builtins.
+float = float32  # noqa: A001
+int = int32  # noqa: A001
+bool = bool_  # noqa: A001
+
+__all__ = [
+    "ABI_VERSION",
+    "Callable",
+    "Function",
+    "FunctionCtx",
+    "Graph",
+    "Iterator",
+    "MaxResult",
+    "Node",
+    "Sequence",
+    "Tensor",
+    "abs",
+    "add",
+    "allclose",
+    "amax",
+    "amin",
+    "arange",
+    "argmax",
+    "argmin",
+    "as_tensor",
+    "astype",
+    "backward",
+    "bfloat16",
+    "bmm",
+    "bool",
+    "bool_",
+    "capture",
+    "cat",
+    "chunk",
+    "clamp",
+    "clip_grad_norm_",
+    "clone",
+    "cos",
+    "cross_entropy",
+    "cuda_built",
+    "cuda_device_count",
+    "div",
+    "double",
+    "dropout",
+    "dtype",
+    "embedding",
+    "empty",
+    "empty_like",
+    "enable_grad",
+    "eq",
+    "erf",
+    "exp",
+    "flatten",
+    "float",
+    "float16",
+    "float32",
+    "float64",
+    "from_dlpack",
+    "from_numpy",
+    "full",
+    "full_like",
+    "gather",
+    "ge",
+    "gelu",
+    "gradcheck",
+    "gt",
+    "half",
+    "index_add",
+    "index_select",
+    "initial_seed",
+    "int",
+    "int32",
+    "int64",
+    "is_grad_enabled",
+    "layer_norm",
+    "le",
+    "linear",
+    "log",
+    "log_softmax",
+    "logical_not",
+    "long",
+    "lt",
+    "manual_seed",
+    "masked_fill",
+    "matmul",
+    "max",
+    "maximum",
+    "mean",
+    "min",
+    "minimum",
+    "mul",
+    "narrow",
+    "ne",
+    "neg",
+    "nn",
+    "no_grad",
+    "ones",
+    "ones_like",
+    "permute",
+    "pow",
+    "promote_types",
+    "rand",
+    "rand_like",
+    "randint",
+    "randn",
+    "randn_like",
+    "relu",
+    "reshape",
+    "rsqrt",
+    "scaled_dot_product_attention",
+    "scatter_add",
+    "set_grad_enabled",
+    "sigmoid",
+    "sign",
+    "sin",
+    "softmax",
+    "split",
+    "sqrt",
+    "squeeze",
+    "stack",
+    "sub",
+    "sum",
+    "tanh",
+    "tensor",
+    "transpose",
+    "uint8",
+    "unsqueeze",
+    "var",
+    "where",
+    "zeros",
+    "zeros_like",
+]

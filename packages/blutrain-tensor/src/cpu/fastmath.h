@@ -1,0 +1,53 @@
+// cpu/fastmath.h: float32 exp and tanh that compilers vectorise (std::expf/tanhf calls do not),
+// Cephes' polynomials (relative error about 1e-7, within float32 rounding of the true value).
+// Used for float32/float16/bfloat16 math; float64 keeps std::exp/std::tanh.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace bt::cpu {
+
+inline float fast_exp(float x) {
+  const float hi = 88.3762626647949f, lo = -87.3365447504f;
+  const float xc = x > hi ? hi : (x < lo ? lo : x);
+  const float t = xc * 1.44269504088896341f;  // x / ln 2
+  const int32_t n = static_cast<int32_t>(t + (t >= 0 ? 0.5f : -0.5f));
+  const float fn = static_cast<float>(n);
+  float r = xc - fn * 0.693359375f;  // ln 2 split in two for an exact reduction
+  r = r - fn * -2.12194440e-4f;
+  const float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const int32_t bits = (n + 127) << 23;
+  float p2;
+  std::memcpy(&p2, &bits, 4);
+  float res = y * p2;
+  res = x > hi ? __builtin_inff() : res;
+  res = x < lo ? 0.0f : res;  // below float's normal range (std::exp would give a subnormal)
+  return x != x ? x : res;
+}
+
+inline float fast_tanh(float x) {
+  const float ax = x < 0 ? -x : x;
+  // small |x|: odd polynomial; large: 1 - 2 / (exp(2|x|) + 1)
+  const float z = x * x;
+  float p = -5.70498872745e-3f;
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const float small = p * z * x + x;
+  const float e = fast_exp(2.0f * (ax > 9.0f ? 9.0f : ax));
+  float big = 1.0f - 2.0f / (e + 1.0f);
+  big = x < 0 ? -big : big;
+  const float r = ax < 0.625f ? small : big;
+  return x != x ? x : r;
+}
+
+}  // namespace bt::cpu

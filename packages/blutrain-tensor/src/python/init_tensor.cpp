@@ -1,0 +1,1252 @@
+// blutrain.tensor._tensor: the nanobind module.  Thin: argument conversion, Python protocols
+// (operators, indexing, numpy, DLPack) and the allocator/linalg imports at init.  Semantics live in
+// the C++ core (ops.cpp, autograd.cpp, capture.cpp).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/function.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+
+#include "../autograd.h"
+#include "../backend.h"
+#include "../capture.h"
+#include "../ops.h"
+#include "blutrain/alloc_import.h"
+#include "blutrain/linalg_import.h"
+#include "blutrain/tensor.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using namespace bt;
+
+namespace {
+
+// ---- argument conversion -------------------------------------------------------------------
+DType parse_dtype(nb::handle h, const char* op) {
+  if (nb::isinstance<DType>(h)) return nb::cast<DType>(h);
+  if (nb::isinstance<nb::str>(h)) return dtype_from_name(nb::cast<std::string>(h));
+  if (h.is(reinterpret_cast<PyObject*>(&PyFloat_Type))) return DType::Float32;
+  if (h.is(reinterpret_cast<PyObject*>(&PyLong_Type))) return DType::Int64;
+  if (h.is(reinterpret_cast<PyObject*>(&PyBool_Type))) return DType::Bool;
+  // numpy dtypes and scalar types: by name
+  if (nb::hasattr(h, "__name__") || nb::hasattr(h, "name")) {
+    try {
+      nb::object np = nb::module_::import_("numpy");
+      std::string n = nb::cast<std::string>(np.attr("dtype")(h).attr("name"));
+      return dtype_from_name(n);
+    } catch (nb::python_error&) {
+    }
+  }
+  throw TypeError(std::string("[") + op + "] cannot interpret " +
+                  nb::cast<std::string>(nb::repr(h)) + " as a dtype");
+}
+
+std::optional<DType> opt_dtype(nb::handle h, const char* op) {
+  if (!h.is_valid() || h.is_none()) return std::nullopt;
+  return parse_dtype(h, op);
+}
+
+Device parse_device(nb::handle h, const char* op) {
+  if (!h.is_valid() || h.is_none()) return Device();
+  if (nb::isinstance<nb::str>(h)) return Device::parse(nb::cast<std::string>(h), op);
+  if (nb::isinstance<nb::int_>(h)) return Device{Device::CUDA, nb::cast<int>(h)};
+  return Device::parse(nb::cast<std::string>(nb::str(h)), op);
+}
+
+Shape parse_shape(nb::handle args, const char* op) {
+  // f(2, 3), f((2, 3)), f([2, 3])
+  Shape s;
+  nb::sequence seq = nb::borrow<nb::sequence>(args);
+  if (nb::len(seq) == 1 && !nb::isinstance<nb::int_>(seq[0])) {
+    for (nb::handle v : seq[0]) s.push_back(nb::cast<int64_t>(v));
+  } else {
+    for (nb::handle v : seq) {
+      if (!nb::isinstance<nb::int_>(v)) {
+        throw TypeError(std::string("[") + op + "] shape entries must be ints, got " +
+                        nb::cast<std::string>(nb::repr(v)));
+      }
+      s.push_back(nb::cast<int64_t>(v));
+    }
+  }
+  return s;
+}
+
+std::vector<int64_t> parse_dims(nb::handle h) {
+  std::vector<int64_t> d;
+  if (!h.is_valid() || h.is_none()) return d;
+  if (nb::isinstance<nb::int_>(h)) return {nb::cast<int64_t>(h)};
+  for (nb::handle v : h) d.push_back(nb::cast<int64_t>(v));
+  return d;
+}
+
+bool is_tensor(nb::handle h) { return nb::isinstance<Tensor>(h); }
+
+Tensor import_array(nb::ndarray<> a, const char* op, nb::handle owner);
+
+// A Python operand: a Tensor, or a scalar with its category (for weak promotion).
+struct Operand {
+  Tensor t;
+  Scalar s{0, 0};
+  bool is_t = false;
+};
+Operand operand(nb::handle h, const char* op) {
+  Operand o;
+  if (is_tensor(h)) {
+    o.t = nb::cast<Tensor>(h);
+    o.is_t = true;
+  } else if (PyBool_Check(h.ptr())) {
+    o.s = {h.is(Py_True) ? 1.0 : 0.0, 0};
+  } else if (PyLong_Check(h.ptr())) {
+    o.s = {static_cast<double>(nb::cast<int64_t>(h)), 1};
+  } else if (PyFloat_Check(h.ptr())) {
+    o.s = {nb::cast<double>(h), 2};
+  } else if (nb::hasattr(h, "dtype") && nb::hasattr(h, "ndim") &&
+             nb::cast<int64_t>(h.attr("ndim")) == 0) {  // numpy scalar
+    return operand(h.attr("item")(), op);
+  } else if (nb::hasattr(h, "__array_interface__")) {  // numpy array: a copy, its dtype kept
+    nb::object np = nb::module_::import_("numpy");
+    nb::object arr = np.attr("asarray")(h, "order"_a = "C");
+    o.t = clone(import_array(nb::cast<nb::ndarray<>>(arr), op, arr));
+    o.is_t = true;
+  } else {
+    throw TypeError(std::string("[") + op + "] unsupported operand " +
+                    nb::cast<std::string>(nb::repr(h)) + " (expected a Tensor or a number)");
+  }
+  return o;
+}
+
+Tensor binop(BinaryOp op, const Tensor& a, nb::handle other, bool reflected) {
+  Operand o = operand(other, binary_name(op));
+  if (o.is_t) return reflected ? binary(op, o.t, a) : binary(op, a, o.t);
+  return reflected ? binary(op, o.s, a) : binary(op, a, o.s);
+}
+
+Tensor as_tensor_like(nb::handle h, const Tensor& like, const char* op) {
+  Operand o = operand(h, op);
+  if (o.is_t) return o.t;
+  return full({}, o.s.v, promote_with_scalar(like.dtype(), o.s.category), like.device());
+}
+
+// ---- numpy / DLPack ------------------------------------------------------------------------
+nb::dlpack::dtype to_dl(DType d) {
+  using C = nb::dlpack::dtype_code;
+  switch (d) {
+    case DType::Bool:
+      return {static_cast<uint8_t>(C::Bool), 8, 1};
+    case DType::UInt8:
+      return {static_cast<uint8_t>(C::UInt), 8, 1};
+    case DType::Int32:
+      return {static_cast<uint8_t>(C::Int), 32, 1};
+    case DType::Int64:
+      return {static_cast<uint8_t>(C::Int), 64, 1};
+    case DType::Float16:
+      return {static_cast<uint8_t>(C::Float), 16, 1};
+    case DType::BFloat16:
+      return {static_cast<uint8_t>(C::Bfloat), 16, 1};
+    case DType::Float32:
+      return {static_cast<uint8_t>(C::Float), 32, 1};
+    case DType::Float64:
+      return {static_cast<uint8_t>(C::Float), 64, 1};
+  }
+  return {};
+}
+
+DType from_dl(nb::dlpack::dtype d, const char* op) {
+  using C = nb::dlpack::dtype_code;
+  const auto code = static_cast<C>(d.code);
+  if (d.lanes == 1) {
+    if (code == C::Bool && d.bits == 8) return DType::Bool;
+    if (code == C::UInt && d.bits == 8) return DType::UInt8;
+    if (code == C::Int && d.bits == 32) return DType::Int32;
+    if (code == C::Int && d.bits == 64) return DType::Int64;
+    if (code == C::Float && d.bits == 16) return DType::Float16;
+    if (code == C::Bfloat && d.bits == 16) return DType::BFloat16;
+    if (code == C::Float && d.bits == 32) return DType::Float32;
+    if (code == C::Float && d.bits == 64) return DType::Float64;
+  }
+  throw TypeError(std::string("[") + op + "] unsupported element type (DLPack code " +
+                  std::to_string(d.code) + ", " + std::to_string(d.bits) +
+                  " bits); supported: bool, uint8, int32, int64, float16, bfloat16, float32, "
+                  "float64");
+}
+
+// A capsule owning a reference to the storage: keeps memory alive while numpy/DLPack use it.
+nb::capsule storage_owner(const Tensor& t) {
+  auto* keep = new std::shared_ptr<Storage>(t.storage());
+  return nb::capsule(keep,
+                     [](void* p) noexcept { delete static_cast<std::shared_ptr<Storage>*>(p); });
+}
+
+template <typename Framework>
+nb::object export_array(const Tensor& t, const char* op) {
+  if (t.is_symbolic())
+    throw RuntimeError(std::string("[") + op + "] tensor is symbolic (captured): it has no data");
+  std::vector<size_t> shape(t.shape().begin(), t.shape().end());
+  const int dev_type = t.device().is_cuda() ? nb::device::cuda::value : nb::device::cpu::value;
+  nb::ndarray<Framework> arr(t.data_ptr(op), shape.size(), shape.data(), storage_owner(t),
+                             t.strides().data(), to_dl(t.dtype()), dev_type, t.device().index);
+  return arr.cast();
+}
+
+Tensor import_array(nb::ndarray<> a, const char* op, nb::handle owner) {
+  const DType dt = from_dl(a.dtype(), op);
+  Device dev;
+  if (a.device_type() == nb::device::cuda::value) {
+    dev = Device{Device::CUDA, a.device_id()};
+    backend::check_cuda_device(dev, op);
+  } else if (a.device_type() != nb::device::cpu::value) {
+    throw ValueError(std::string("[") + op + "] unsupported DLPack device type " +
+                     std::to_string(a.device_type()));
+  }
+  Shape shape(a.ndim());
+  Strides strides(a.ndim());
+  int64_t lo = 0, hi = 0;
+  for (size_t i = 0; i < a.ndim(); ++i) {
+    shape[i] = static_cast<int64_t>(a.shape(i));
+    strides[i] = a.stride(i);
+    if (shape[i] == 0) continue;
+    const int64_t ext = (shape[i] - 1) * strides[i];
+    (ext < 0 ? lo : hi) += ext;
+  }
+  char* data = static_cast<char*>(a.data());
+  const size_t es = itemsize(dt);
+  // Storage starts at the lowest address the view touches (negative strides are allowed).
+  char* base = data + lo * static_cast<int64_t>(es);
+  const size_t nbytes = static_cast<size_t>(hi - lo + 1) * es;
+  nb::object keep = nb::borrow(owner.is_valid() ? owner : nb::handle());
+  auto* holder = new nb::ndarray<>(a);
+  auto storage = Storage::adopt(base, nbytes, dev, [holder]() {
+    nb::gil_scoped_acquire gil;
+    delete holder;
+  });
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = storage;
+  impl->shape = shape;
+  impl->strides = strides;
+  impl->offset = -lo;
+  impl->dtype = dt;
+  impl->device = dev;
+  return Tensor(impl);
+}
+
+// ---- indexing ------------------------------------------------------------------------------
+Tensor index_tensor_from(nb::handle h, Device dev) {
+  // A list of ints / bools, or a numpy array: becomes an index tensor.
+  nb::object np = nb::module_::import_("numpy");
+  nb::object arr = np.attr("asarray")(h);
+  std::string kind = nb::cast<std::string>(arr.attr("dtype").attr("kind"));
+  if (kind == "b") {
+    arr = arr.attr("astype")("bool");
+  } else if (kind == "i" || kind == "u") {
+    arr = arr.attr("astype")("int64");
+  } else {
+    throw IndexError("[getitem] index lists must hold ints or bools");
+  }
+  arr = np.attr("asarray")(arr, "order"_a = "C");
+  Tensor t = import_array(nb::cast<nb::ndarray<>>(arr), "getitem", arr);
+  return dev.is_cuda() ? to_device(t, dev) : clone(t);
+}
+
+Tensor getitem(const Tensor& self, nb::handle idx) {
+  std::vector<nb::object> items;
+  if (nb::isinstance<nb::tuple>(idx)) {
+    for (nb::handle h : idx) items.push_back(nb::borrow(h));
+  } else {
+    items.push_back(nb::borrow(idx));
+  }
+  // Boolean mask over the whole tensor.
+  if (items.size() == 1 && is_tensor(items[0]) &&
+      nb::cast<Tensor>(items[0]).dtype() == DType::Bool) {
+    return masked_select_bool(self, nb::cast<Tensor>(items[0]));
+  }
+  int64_t consuming = 0;
+  bool ellipsis = false;
+  for (auto& it : items) {
+    if (it.is_none()) continue;
+    if (it.is(Py_Ellipsis)) {
+      if (ellipsis) throw IndexError("[getitem] an index can only have a single ellipsis");
+      ellipsis = true;
+      continue;
+    }
+    ++consuming;
+  }
+  if (consuming > self.ndim()) {
+    throw IndexError("[getitem] too many indices for a tensor of " + std::to_string(self.ndim()) +
+                     " dims: " + std::to_string(consuming) + " were given");
+  }
+  Tensor t = self;
+  int64_t d = 0;
+  int advanced = 0;
+  for (auto& it : items) {
+    if (it.is_none()) {
+      t = unsqueeze(t, d);
+      ++d;
+    } else if (it.is(Py_Ellipsis)) {
+      d += self.ndim() - consuming;
+    } else if (PyBool_Check(it.ptr())) {
+      throw IndexError("[getitem] bool scalars are not supported as indices");
+    } else if (PyLong_Check(it.ptr()) || PyIndex_Check(it.ptr()) && !is_tensor(it)) {
+      const int64_t i = nb::cast<int64_t>(nb::int_(it));
+      if (d >= t.ndim()) throw IndexError("[getitem] too many indices");
+      const int64_t n = t.shape()[d];
+      if (i < -n || i >= n) {
+        throw IndexError("[getitem] index " + std::to_string(i) + " is out of range for dim " +
+                         std::to_string(d) + " of size " + std::to_string(n));
+      }
+      t = select(t, d, i);
+    } else if (PySlice_Check(it.ptr())) {
+      Py_ssize_t start, stop, step;
+      PyObject* s = it.ptr();
+      auto get = [](PyObject* o) -> std::optional<int64_t> {
+        if (o == Py_None) return std::nullopt;
+        return nb::cast<int64_t>(nb::handle(o));
+      };
+      PySliceObject* so = reinterpret_cast<PySliceObject*>(s);
+      auto st = get(so->step);
+      (void)start;
+      (void)stop;
+      step = st ? *st : 1;
+      if (step <= 0)
+        throw ValueError("[getitem] slice step must be positive, got " + std::to_string(step));
+      t = slice(t, d, get(so->start), get(so->stop), step);
+      ++d;
+    } else {
+      Tensor ix = is_tensor(it) ? nb::cast<Tensor>(it) : index_tensor_from(it, t.device());
+      if (ix.dtype() == DType::Bool) {
+        throw NotImplementedError(
+            "[getitem] a bool mask combined with other indices is not "
+            "supported; index with the mask alone");
+      }
+      if (++advanced > 1) {
+        throw NotImplementedError("[getitem] more than one tensor index is not supported yet");
+      }
+      Tensor flat = index_select(t, d, reshape(ix, {-1}));
+      Shape s(t.shape().begin(), t.shape().begin() + d);
+      s.insert(s.end(), ix.shape().begin(), ix.shape().end());
+      s.insert(s.end(), t.shape().begin() + d + 1, t.shape().end());
+      t = reshape(flat, s);
+      d += ix.ndim();
+    }
+  }
+  return t;
+}
+
+void setitem(Tensor& self, nb::handle idx, nb::handle value) {
+  Tensor v = getitem(self, idx);
+  if (v.storage() != self.storage() && !self.is_symbolic()) {
+    throw NotImplementedError(
+        "[setitem] assignment through tensor or mask indices is not "
+        "supported yet; use index_add / masked_fill");
+  }
+  Tensor src = as_tensor_like(value, self, "setitem");
+  if (v.same(self)) v = detach(self);  // t[...] = x: write through a view of self
+  copy_(v, src);
+}
+
+// The operand an in-place op reads as `self`.  With autograd recording, a copy: the op's node
+// may save its input, and the in-place write would otherwise change what it saved (PyTorch keeps
+// the "original self" the same way).
+Tensor inplace_self(const Tensor& a, nb::handle other) {
+  bool track = grad_enabled() && a.requires_grad();
+  if (grad_enabled() && other.is_valid() && is_tensor(other)) {
+    track = track || nb::cast<Tensor>(other).requires_grad();
+  }
+  return track ? clone(a) : a;
+}
+
+// ---- hooks from Python ---------------------------------------------------------------------
+GradHook py_hook(nb::callable fn) {
+  return [fn](const Tensor& g) -> Tensor {
+    nb::gil_scoped_acquire gil;
+    nb::object r = fn(g);
+    if (r.is_none()) return Tensor();
+    return nb::cast<Tensor>(r);
+  };
+}
+
+std::vector<Tensor> tensor_list(nb::handle seq) {
+  std::vector<Tensor> r;
+  for (nb::handle h : seq) r.push_back(h.is_none() ? Tensor() : nb::cast<Tensor>(h));
+  return r;
+}
+
+nb::object attr_to_py(const AttrValue& v) {
+  if (auto p = std::get_if<int64_t>(&v)) return nb::int_(*p);
+  if (auto p = std::get_if<double>(&v)) return nb::float_(*p);
+  if (auto p = std::get_if<bool>(&v)) return nb::bool_(*p);
+  if (auto p = std::get_if<std::string>(&v)) return nb::str(p->c_str());
+  const auto& vec = std::get<std::vector<int64_t>>(v);
+  nb::list l;
+  for (auto x : vec) l.append(x);
+  return nb::tuple(l);
+}
+
+nb::tuple shape_tuple(const Shape& s) {
+  nb::list l;
+  for (auto v : s) l.append(v);
+  return nb::tuple(l);
+}
+
+// ---- the C ABI table -----------------------------------------------------------------------
+thread_local std::string g_last_error;
+const char* c_last_error() { return g_last_error.c_str(); }
+int c_describe(void* handle, bt_tensor_info* out) {
+  if (!handle || !out) {
+    g_last_error = "[describe] null argument";
+    return BT_TENSOR_EINVAL;
+  }
+  const Tensor& t = *static_cast<const Tensor*>(handle);
+  if (!t.defined() || t.is_symbolic() || t.ndim() > BT_TENSOR_MAX_DIMS) {
+    g_last_error = "[describe] tensor is undefined, symbolic or has too many dims";
+    return BT_TENSOR_EINVAL;
+  }
+  out->data = t.data_ptr("describe");
+  out->ndim = static_cast<int32_t>(t.ndim());
+  out->dtype = static_cast<int32_t>(t.dtype());
+  out->device = t.device().is_cuda() ? t.device().index : -1;
+  for (int64_t i = 0; i < t.ndim(); ++i) {
+    out->shape[i] = t.shape()[i];
+    out->strides[i] = t.strides()[i];
+  }
+  return BT_TENSOR_OK;
+}
+int c_from_pyobject(void* pyobj, void** handle) {
+  nb::handle h(static_cast<PyObject*>(pyobj));
+  if (!nb::isinstance<Tensor>(h)) {
+    g_last_error = "[from_pyobject] object is not a blutrain Tensor";
+    return BT_TENSOR_EINVAL;
+  }
+  *handle = nb::inst_ptr<Tensor>(h);
+  return BT_TENSOR_OK;
+}
+int c_bump_version(void* handle) {
+  const Tensor& t = *static_cast<const Tensor*>(handle);
+  if (t.storage()) t.storage()->bump_version();
+  return BT_TENSOR_OK;
+}
+const bt_tensor_api g_api = {
+    BT_TENSOR_ABI_VERSION, sizeof(bt_tensor_api), c_last_error, c_from_pyobject, c_describe,
+    c_bump_version};
+
+}  // namespace
+
+NB_MODULE(_tensor, m) {
+  m.doc() = "blutrain.tensor._tensor: typed tensors with reverse-mode autograd (C++ core)";
+
+  // Memory comes from blutrain-alloc (required); GEMMs from blutrain-linalg (matmul raises a
+  // clear error naming the reason when it is missing).
+  const bt_alloc_api* alloc = bt_alloc_import();
+  if (!alloc) throw nb::python_error();
+  set_alloc_hooks({alloc->malloc, alloc->free, alloc->last_error});
+  {
+    LinalgHooks lh;
+    const bt_linalg_api* la = bt_linalg_import();
+    if (la) {
+      lh.api = la;
+    } else {
+      nb::object t, v, tb;
+      PyObject *pt, *pv, *ptb;
+      PyErr_Fetch(&pt, &pv, &ptb);
+      PyErr_NormalizeException(&pt, &pv, &ptb);
+      lh.unavailable_reason = pv ? nb::cast<std::string>(nb::str(pv)) : "import failed";
+      Py_XDECREF(pt);
+      Py_XDECREF(pv);
+      Py_XDECREF(ptb);
+    }
+    set_linalg_hooks(lh);
+  }
+  m.attr("_C_API") = nb::capsule(&g_api, BT_TENSOR_CAPSULE_NAME);
+  m.attr("ABI_VERSION") = BT_TENSOR_ABI_VERSION;
+  m.def(
+      "_linalg_available", []() { return linalg_hooks().api != nullptr; },
+      "Whether blutrain-linalg was imported (matmul needs it).");
+  m.def(
+      "_linalg_unavailable_reason", []() { return linalg_hooks().unavailable_reason; },
+      "Why blutrain-linalg could not be imported ('' when it was).");
+  m.def("cuda_built", &backend::cuda_built, "Whether this build has the CUDA backend.");
+  m.def("cuda_device_count", &backend::cuda_device_count, "Number of usable CUDA devices.");
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const bt::TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what());
+    } catch (const bt::IndexError& e) {
+      PyErr_SetString(PyExc_IndexError, e.what());
+    } catch (const bt::NotImplementedError& e) {
+      PyErr_SetString(PyExc_NotImplementedError, e.what());
+    } catch (const bt::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  nb::enum_<DType>(m, "dtype", "Element type of a tensor.")
+      .value("bool", DType::Bool)
+      .value("uint8", DType::UInt8)
+      .value("int32", DType::Int32)
+      .value("int64", DType::Int64)
+      .value("float16", DType::Float16)
+      .value("bfloat16", DType::BFloat16)
+      .value("float32", DType::Float32)
+      .value("float64", DType::Float64);
+  m.def(
+      "promote_types",
+      [](nb::handle a, nb::handle b) {
+        return promote_types(parse_dtype(a, "promote_types"), parse_dtype(b, "promote_types"));
+      },
+      "a"_a, "b"_a, "The dtype a binary op on these dtypes computes in (see the README).");
+  m.def(
+      "itemsize", [](nb::handle d) { return itemsize(parse_dtype(d, "itemsize")); }, "dtype"_a,
+      "Bytes per element.");
+  m.def(
+      "is_floating_point_dtype", [](nb::handle d) { return is_floating(parse_dtype(d, "dtype")); },
+      "dtype"_a, "Whether a dtype is a floating type.");
+
+  nb::class_<Node>(m, "Node", "An autograd graph node (what Tensor.grad_fn returns).")
+      .def("name", &Node::name, "The node's name, e.g. 'MulBackward'.")
+      .def_prop_ro(
+          "next_functions",
+          [](Node& n) {
+            nb::list l;
+            for (auto& e : n.next)
+              l.append(nb::make_tuple(e.node ? nb::cast(e.node) : nb::none(), e.input_nr));
+            return nb::tuple(l);
+          },
+          "(node, input_nr) for each forward input.")
+      .def("__repr__",
+           [](Node& n) { return "<" + n.name() + (n.is_accumulator() ? "" : "Backward") + ">"; });
+
+  nb::class_<Tensor> T(m, "Tensor", "An n-dimensional array with reverse-mode autograd.");
+  T.def(nb::init<const Tensor&>(), "other"_a,
+        "A new handle to the same tensor (used by Parameter).");
+  T.def_prop_ro(
+      "shape", [](const Tensor& t) { return shape_tuple(t.shape()); }, "The shape, a tuple.");
+  T.def(
+      "size",
+      [](const Tensor& t, std::optional<int64_t> d) -> nb::object {
+        if (d) return nb::int_(t.size(*d));
+        return shape_tuple(t.shape());
+      },
+      "dim"_a = nb::none(), "The shape, or the size of one dim.");
+  T.def(
+      "stride",
+      [](const Tensor& t, std::optional<int64_t> d) -> nb::object {
+        if (d) return nb::int_(t.strides()[wrap_dim(*d, t.ndim(), "stride")]);
+        return shape_tuple(t.strides());
+      },
+      "dim"_a = nb::none(), "Strides in elements.");
+  T.def("storage_offset", &Tensor::offset, "Offset of element 0 in the storage, in elements.");
+  T.def_prop_ro("dtype", &Tensor::dtype, "The element type.");
+  T.def_prop_ro("device", [](const Tensor& t) { return t.device().str(); }, "'cpu' or 'cuda:N'.");
+  T.def_prop_ro(
+      "is_cuda", [](const Tensor& t) { return t.device().is_cuda(); }, "On a CUDA device.");
+  T.def_prop_ro("ndim", &Tensor::ndim, "Number of dims.");
+  T.def("dim", &Tensor::ndim, "Number of dims.");
+  T.def("numel", &Tensor::numel, "Number of elements.");
+  T.def("element_size", [](const Tensor& t) { return itemsize(t.dtype()); }, "Bytes per element.");
+  T.def("is_contiguous", &Tensor::is_contiguous, "Row-major contiguous.");
+  T.def_prop_ro("is_symbolic", &Tensor::is_symbolic, "Made in capture mode (no data).");
+  T.def_prop_ro("_version", &Tensor::version, "The storage's version counter (in-place changes).");
+  T.def(
+      "data_ptr",
+      [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr("data_ptr")); },
+      "Address of element 0.");
+  T.def("_is_same", &Tensor::same, "other"_a, "Whether both handles name the same tensor.");
+  T.def(
+      "_shares_storage",
+      [](const Tensor& a, const Tensor& b) { return a.storage() == b.storage(); }, "other"_a,
+      "Whether both tensors view the same storage.");
+  T.def("__len__", [](const Tensor& t) {
+    if (t.ndim() == 0) throw TypeError("[len] len() of a 0-d tensor");
+    return t.shape()[0];
+  });
+  T.def("__repr__", &tensor_repr);
+  T.def_prop_rw(
+      "name", [](const Tensor& t) { return t.impl()->name; },
+      [](Tensor& t, const std::string& n) { t.impl()->name = n; },
+      "A name (shown by capture graphs).");
+
+  // autograd
+  T.def_prop_rw(
+      "requires_grad", &Tensor::requires_grad, [](Tensor& t, bool v) { set_requires_grad(t, v); },
+      "Whether gradients flow to it.");
+  T.def(
+      "requires_grad_",
+      [](Tensor& t, bool v) {
+        set_requires_grad(t, v);
+        return t;
+      },
+      "requires_grad"_a = true, "Sets requires_grad in place; returns self.");
+  T.def_prop_rw(
+      "grad",
+      [](const Tensor& t) -> std::optional<Tensor> {
+        if (!t.impl()->grad) return std::nullopt;
+        return Tensor(t.impl()->grad);
+      },
+      [](Tensor& t, std::optional<Tensor> g) {
+        if (g && g->shape() != t.shape()) {
+          throw ValueError("[grad] assigned gradient has shape " + shape_str(g->shape()) +
+                           ", expected " + shape_str(t.shape()));
+        }
+        t.impl()->grad = g ? g->impl_ptr() : nullptr;
+      },
+      nb::arg("value").none(), "The accumulated gradient (leaves, or after retain_grad()).");
+  T.def_prop_ro("grad_fn", [](const Tensor& t) { return t.grad_fn(); }, "The node that made it.");
+  T.def_prop_ro("is_leaf", &Tensor::is_leaf, "No grad_fn: made by the user, not by an op.");
+  T.def("detach", [](const Tensor& t) { return detach(t); }, "Same data, no history.");
+  T.def("retain_grad", [](const Tensor& t) { retain_grad(t); }, "Keep .grad of a non-leaf.");
+  T.def(
+      "backward",
+      [](const Tensor& t, std::optional<Tensor> g, bool retain_graph) {
+        run_backward({t}, {g ? *g : Tensor()}, retain_graph);
+      },
+      "gradient"_a = nb::none(), "retain_graph"_a = false,
+      "Accumulates d(self)/d(leaf) into every leaf's .grad.");
+  T.def(
+      "register_hook", [](const Tensor& t, nb::callable fn) { register_hook(t, py_hook(fn)); },
+      "hook"_a, "hook(grad) -> Tensor | None runs when the gradient of this tensor is computed.");
+  T.def(
+      "register_post_accumulate_grad_hook",
+      [](const Tensor& t, nb::callable fn) {
+        register_post_accumulate_hook(t, [fn](const Tensor& leaf) {
+          nb::gil_scoped_acquire gil;
+          fn(leaf);
+        });
+      },
+      "hook"_a, "hook(tensor) runs once the leaf's .grad is final for this backward.");
+
+  // data out
+  T.def(
+      "numpy",
+      [](const Tensor& t) {
+        if (t.requires_grad() && grad_enabled()) {
+          throw RuntimeError(
+              "[numpy] cannot call numpy() on a tensor that requires grad; use "
+              "tensor.detach().numpy()");
+        }
+        if (t.device().is_cuda())
+          throw TypeError("[numpy] tensor is on " + t.device().str() + "; call .cpu() first");
+        if (t.dtype() == DType::BFloat16) {
+          throw TypeError("[numpy] numpy has no bfloat16; call .float() first");
+        }
+        return export_array<nb::numpy>(t, "numpy");
+      },
+      "A numpy array sharing this tensor's memory (CPU tensors).");
+  T.def(
+      "__dlpack__",
+      [](const Tensor& t, nb::kwargs kw) {
+        // A no-framework ndarray casts to a DLPack capsule ("dltensor"); consumers that ask for a
+        // versioned capsule (max_version) accept the legacy one.
+        (void)kw;
+        return export_array<nb::no_framework>(t, "__dlpack__");
+      },
+      "kw"_a, "DLPack export (zero-copy).");
+  T.def(
+      "__dlpack_device__",
+      [](const Tensor& t) {
+        return nb::make_tuple(t.device().is_cuda() ? 2 : 1, t.device().index);
+      },
+      "(device_type, device_id) as DLPack names them.");
+  T.def(
+      "item",
+      [](const Tensor& t) -> nb::object {
+        if (t.numel() != 1) {
+          throw RuntimeError("[item] a tensor with " + std::to_string(t.numel()) +
+                             " elements cannot be converted to a Python scalar");
+        }
+        Tensor c = t.device().is_cuda() ? to_device(t, Device()) : t;
+        const void* p = c.data_ptr("item");
+        return dispatch_all(c.dtype(), "item", [&](auto tag) -> nb::object {
+          using V = typename decltype(tag)::type;
+          const V v = *static_cast<const V*>(p);
+          if constexpr (std::is_same<V, bool>::value) {
+            return nb::bool_(v);
+          } else if constexpr (std::is_integral<V>::value) {
+            return nb::int_(static_cast<int64_t>(v));
+          } else {
+            return nb::float_(static_cast<double>(static_cast<compute_t<V>>(v)));
+          }
+        });
+      },
+      "The value of a one-element tensor as a Python number.");
+
+  // indexing
+  T.def("__getitem__", [](const Tensor& t, nb::handle idx) { return getitem(t, idx); }, "index"_a);
+  T.def(
+      "__setitem__", [](Tensor& t, nb::handle idx, nb::handle v) { setitem(t, idx, v); }, "index"_a,
+      "value"_a);
+
+  // operators
+#define BT_BINOP(py, op, refl)                                                           \
+  T.def(                                                                                 \
+      py, [](const Tensor& a, nb::handle b) { return binop(BinaryOp::op, a, b, refl); }, \
+      "other"_a, nb::sig("def " py "(self, other: Tensor | float | int | bool) -> Tensor"));
+  BT_BINOP("__add__", Add, false)
+  BT_BINOP("__radd__", Add, true)
+  BT_BINOP("__sub__", Sub, false)
+  BT_BINOP("__rsub__", Sub, true)
+  BT_BINOP("__mul__", Mul, false)
+  BT_BINOP("__rmul__", Mul, true)
+  BT_BINOP("__truediv__", Div, false)
+  BT_BINOP("__rtruediv__", Div, true)
+  BT_BINOP("__pow__", Pow, false)
+  BT_BINOP("__rpow__", Pow, true)
+  BT_BINOP("__eq__", Eq, false)
+  BT_BINOP("__ne__", Ne, false)
+  BT_BINOP("__lt__", Lt, false)
+  BT_BINOP("__le__", Le, false)
+  BT_BINOP("__gt__", Gt, false)
+  BT_BINOP("__ge__", Ge, false)
+  BT_BINOP("__and__", And, false)
+  BT_BINOP("__or__", Or, false)
+  BT_BINOP("add", Add, false)
+  BT_BINOP("sub", Sub, false)
+  BT_BINOP("mul", Mul, false)
+  BT_BINOP("div", Div, false)
+  BT_BINOP("pow", Pow, false)
+  BT_BINOP("maximum", Maximum, false)
+  BT_BINOP("minimum", Minimum, false)
+  BT_BINOP("eq", Eq, false)
+  BT_BINOP("ne", Ne, false)
+  BT_BINOP("lt", Lt, false)
+  BT_BINOP("le", Le, false)
+  BT_BINOP("gt", Gt, false)
+  BT_BINOP("ge", Ge, false)
+  BT_BINOP("logical_and", And, false)
+  BT_BINOP("logical_or", Or, false)
+#undef BT_BINOP
+  T.def("__hash__", [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.impl()); });
+  T.def("__matmul__", [](const Tensor& a, const Tensor& b) { return matmul(a, b); }, "other"_a);
+  T.def("__neg__", [](const Tensor& a) { return neg(a); });
+  T.def("__invert__", [](const Tensor& a) {
+    if (a.dtype() != DType::Bool) throw TypeError("[invert] ~ is only supported for bool tensors");
+    return unary(UnaryOp::LogicalNot, a);
+  });
+  T.def("__bool__", [](const Tensor& t) {
+    if (t.numel() != 1) {
+      throw RuntimeError("[bool] the truth value of a tensor with " + std::to_string(t.numel()) +
+                         " elements is ambiguous");
+    }
+    return nb::cast<bool>(nb::cast(t).attr("item")());
+  });
+#define BT_IOP(py, op)                                                \
+  T.def(                                                              \
+      py,                                                             \
+      [](Tensor& a, nb::handle b) -> Tensor {                         \
+        Tensor r = binop(BinaryOp::op, inplace_self(a, b), b, false); \
+        inplace(a, r, py);                                            \
+        return a;                                                     \
+      },                                                              \
+      "other"_a, nb::sig("def " py "(self, other: Tensor | float | int | bool) -> Tensor"));
+  BT_IOP("__iadd__", Add)
+  BT_IOP("__isub__", Sub)
+  BT_IOP("__imul__", Mul)
+  BT_IOP("__itruediv__", Div)
+  BT_IOP("add_", Add)
+  BT_IOP("sub_", Sub)
+  BT_IOP("mul_", Mul)
+  BT_IOP("div_", Div)
+  BT_IOP("pow_", Pow)
+#undef BT_IOP
+
+  // unary methods (and their in-place forms)
+#define BT_UN(py, op)                                                      \
+  T.def(py, [](const Tensor& a) { return unary(UnaryOp::op, a); });        \
+  T.def(py "_", [](Tensor& a) -> Tensor {                                  \
+    inplace(a, unary(UnaryOp::op, inplace_self(a, nb::handle())), py "_"); \
+    return a;                                                              \
+  });
+  BT_UN("neg", Neg)
+  BT_UN("exp", Exp)
+  BT_UN("log", Log)
+  BT_UN("sqrt", Sqrt)
+  BT_UN("rsqrt", Rsqrt)
+  BT_UN("tanh", Tanh)
+  BT_UN("abs", Abs)
+  BT_UN("sigmoid", Sigmoid)
+  BT_UN("relu", Relu)
+  BT_UN("sin", Sin)
+  BT_UN("cos", Cos)
+  BT_UN("erf", Erf)
+  BT_UN("sign", Sign)
+#undef BT_UN
+  T.def("logical_not", [](const Tensor& a) { return unary(UnaryOp::LogicalNot, a); });
+  T.def("zero_", [](Tensor& a) -> Tensor {
+    inplace(a, zeros({}, a.dtype(), a.device()), "zero_");
+    return a;
+  });
+  T.def(
+      "fill_",
+      [](Tensor& a, double v) -> Tensor {
+        inplace(a, full({}, v, a.dtype(), a.device()), "fill_");
+        return a;
+      },
+      "value"_a);
+  T.def(
+      "copy_",
+      [](Tensor& a, nb::handle src) -> Tensor {
+        copy_(a, as_tensor_like(src, a, "copy_"));
+        return a;
+      },
+      "src"_a, "Copies src (broadcast, cast) into this tensor.");
+  T.def(
+      "masked_fill",
+      [](const Tensor& a, const Tensor& m, double v) { return masked_fill(a, m, v); }, "mask"_a,
+      "value"_a);
+  T.def(
+      "masked_fill_",
+      [](Tensor& a, const Tensor& m, double v) -> Tensor {
+        inplace(a, masked_fill(inplace_self(a, nb::handle()), m, v), "masked_fill_");
+        return a;
+      },
+      "mask"_a, "value"_a);
+
+  // reductions
+#define BT_RED(py, op)                                            \
+  T.def(                                                          \
+      py,                                                         \
+      [](const Tensor& a, nb::handle dim, bool keepdim) {         \
+        return reduce(ReduceOp::op, a, parse_dims(dim), keepdim); \
+      },                                                          \
+      "dim"_a = nb::none(), "keepdim"_a = false,                  \
+      nb::sig(                                                    \
+          "def " py                                               \
+          "(self, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> Tensor"));
+  BT_RED("sum", Sum)
+  BT_RED("mean", Mean)
+  BT_RED("amax", Max)
+  BT_RED("amin", Min)
+#undef BT_RED
+  T.def(
+      "var",
+      [](const Tensor& a, nb::handle dim, double correction, bool keepdim) {
+        return reduce(ReduceOp::Var, a, parse_dims(dim), keepdim, correction);
+      },
+      "dim"_a = nb::none(), "correction"_a = 1.0, "keepdim"_a = false,
+      "Variance (Bessel-corrected by default).");
+  T.def(
+      "argmax",
+      [](const Tensor& a, std::optional<int64_t> dim, bool keepdim) {
+        return argreduce(true, a, dim, keepdim);
+      },
+      "dim"_a = nb::none(), "keepdim"_a = false);
+  T.def(
+      "argmin",
+      [](const Tensor& a, std::optional<int64_t> dim, bool keepdim) {
+        return argreduce(false, a, dim, keepdim);
+      },
+      "dim"_a = nb::none(), "keepdim"_a = false);
+
+  // views and shape ops
+  T.def(
+      "reshape", [](const Tensor& a, nb::args s) { return reshape(a, parse_shape(s, "reshape")); },
+      "shape"_a, nb::sig("def reshape(self, *shape: int) -> Tensor"));
+  T.def(
+      "view", [](const Tensor& a, nb::args s) { return view(a, parse_shape(s, "view")); },
+      "shape"_a, nb::sig("def view(self, *shape: int) -> Tensor"));
+  T.def(
+      "permute", [](const Tensor& a, nb::args s) { return permute(a, parse_shape(s, "permute")); },
+      "dims"_a, nb::sig("def permute(self, *dims: int) -> Tensor"));
+  T.def(
+      "expand", [](const Tensor& a, nb::args s) { return expand(a, parse_shape(s, "expand")); },
+      "shape"_a, nb::sig("def expand(self, *shape: int) -> Tensor"));
+  T.def(
+      "transpose", [](const Tensor& a, int64_t d0, int64_t d1) { return transpose(a, d0, d1); },
+      "dim0"_a, "dim1"_a);
+  T.def_prop_ro(
+      "T",
+      [](const Tensor& a) {
+        std::vector<int64_t> p(a.ndim());
+        for (int64_t i = 0; i < a.ndim(); ++i) p[i] = a.ndim() - 1 - i;
+        return permute(a, p);
+      },
+      "All dims reversed.");
+  T.def_prop_ro(
+      "mT", [](const Tensor& a) { return transpose(a, -2, -1); }, "Last two dims swapped.");
+  T.def("t", [](const Tensor& a) {
+    if (a.ndim() > 2) throw ValueError("[t] expects a tensor of at most 2 dims");
+    return a.ndim() < 2 ? a : transpose(a, 0, 1);
+  });
+  T.def(
+      "flatten", [](const Tensor& a, int64_t s, int64_t e) { return flatten(a, s, e); },
+      "start_dim"_a = 0, "end_dim"_a = -1);
+  T.def(
+      "squeeze", [](const Tensor& a, std::optional<int64_t> d) { return squeeze(a, d); },
+      "dim"_a = nb::none());
+  T.def("unsqueeze", [](const Tensor& a, int64_t d) { return unsqueeze(a, d); }, "dim"_a);
+  T.def(
+      "narrow", [](const Tensor& a, int64_t d, int64_t s, int64_t l) { return narrow(a, d, s, l); },
+      "dim"_a, "start"_a, "length"_a);
+  T.def(
+      "select", [](const Tensor& a, int64_t d, int64_t i) { return select(a, d, i); }, "dim"_a,
+      "index"_a);
+  T.def(
+      "split",
+      [](const Tensor& a, nb::handle size, int64_t dim) {
+        if (nb::isinstance<nb::int_>(size)) return split(a, nb::cast<int64_t>(size), dim);
+        return split_sizes(a, parse_dims(size), dim);
+      },
+      "split_size_or_sections"_a, "dim"_a = 0);
+  T.def(
+      "chunk", [](const Tensor& a, int64_t c, int64_t d) { return chunk(a, c, d); }, "chunks"_a,
+      "dim"_a = 0);
+  T.def("contiguous", [](const Tensor& a) { return contiguous(a); });
+  T.def("clone", [](const Tensor& a) { return clone(a); });
+  T.def(
+      "expand_as", [](const Tensor& a, const Tensor& b) { return expand(a, b.shape()); },
+      "other"_a);
+  T.def("view_as", [](const Tensor& a, const Tensor& b) { return view(a, b.shape()); }, "other"_a);
+  T.def(
+      "reshape_as", [](const Tensor& a, const Tensor& b) { return reshape(a, b.shape()); },
+      "other"_a);
+
+  // conversions
+  T.def(
+      "to",
+      [](const Tensor& a, nb::handle x, nb::handle dtype) {
+        Tensor r = a;
+        nb::handle dev_h, dt_h = dtype;
+        if (x.is_valid() && !x.is_none()) {
+          bool is_dev =
+              nb::isinstance<nb::str>(x) && (nb::cast<std::string>(x).rfind("cpu", 0) == 0 ||
+                                             nb::cast<std::string>(x).rfind("cuda", 0) == 0);
+          if (is_dev)
+            dev_h = x;
+          else
+            dt_h = x;
+        }
+        if (dt_h.is_valid() && !dt_h.is_none()) r = astype(r, parse_dtype(dt_h, "to"));
+        if (dev_h.is_valid()) r = to_device(r, parse_device(dev_h, "to"));
+        return r;
+      },
+      "dtype_or_device"_a = nb::none(), "dtype"_a = nb::none(),
+      nb::sig("def to(self, dtype_or_device: dtype | str | None = None, dtype: dtype | None = "
+              "None) -> Tensor"),
+      "Converts dtype and/or device (a copy only when something changes).");
+  T.def("cpu", [](const Tensor& a) { return to_device(a, Device()); });
+  T.def(
+      "cuda", [](const Tensor& a, int i) { return to_device(a, Device{Device::CUDA, i}); },
+      "device"_a = 0);
+  T.def("float", [](const Tensor& a) { return astype(a, DType::Float32); });
+  T.def("double", [](const Tensor& a) { return astype(a, DType::Float64); });
+  T.def("half", [](const Tensor& a) { return astype(a, DType::Float16); });
+  T.def("bfloat16", [](const Tensor& a) { return astype(a, DType::BFloat16); });
+  T.def("long", [](const Tensor& a) { return astype(a, DType::Int64); });
+  T.def("int", [](const Tensor& a) { return astype(a, DType::Int32); });
+  T.def("bool", [](const Tensor& a) { return astype(a, DType::Bool); });
+  T.def("is_floating_point", [](const Tensor& a) { return is_floating(a.dtype()); });
+
+  // ---- functions -----------------------------------------------------------------------------
+  auto creation = [&](const char* name, double value) {
+    m.def(
+        name,
+        [value, name](nb::args shape, nb::handle dtype, nb::handle device, bool rg) {
+          Tensor t =
+              full(parse_shape(shape, name), value, opt_dtype(dtype, name).value_or(DType::Float32),
+                   parse_device(device, name), name);
+          if (rg) set_requires_grad(t, true);
+          return t;
+        },
+        "shape"_a, "dtype"_a = nb::none(), "device"_a = nb::none(), "requires_grad"_a = false,
+        nb::sig((std::string("def ") + name +
+                 "(*shape: int, dtype: dtype | str | None = None, device: str | None = None, "
+                 "requires_grad: bool = False) -> Tensor")
+                    .c_str()),
+        "A tensor filled with a constant.");
+  };
+  creation("zeros", 0.0);
+  creation("ones", 1.0);
+  m.def(
+      "empty",
+      [](nb::args shape, nb::handle dtype, nb::handle device, bool rg) {
+        Tensor t =
+            empty(parse_shape(shape, "empty"), opt_dtype(dtype, "empty").value_or(DType::Float32),
+                  parse_device(device, "empty"));
+        if (rg) set_requires_grad(t, true);
+        return t;
+      },
+      "shape"_a, "dtype"_a = nb::none(), "device"_a = nb::none(), "requires_grad"_a = false,
+      nb::sig("def empty(*shape: int, dtype: dtype | str | None = None, device: str | None = None, "
+              "requires_grad: bool = False) -> Tensor"),
+      "An uninitialised tensor.");
+  m.def(
+      "full",
+      [](nb::handle shape, nb::handle value, nb::handle dtype, nb::handle device, bool rg) {
+        Operand o = operand(value, "full");
+        const DType dt = opt_dtype(dtype, "full")
+                             .value_or(o.s.category == 2   ? DType::Float32
+                                       : o.s.category == 1 ? DType::Int64
+                                                           : DType::Bool);
+        Tensor t = full(parse_shape(nb::make_tuple(shape), "full"), o.s.v, dt,
+                        parse_device(device, "full"));
+        if (rg) set_requires_grad(t, true);
+        return t;
+      },
+      "size"_a, "fill_value"_a, "dtype"_a = nb::none(), "device"_a = nb::none(),
+      "requires_grad"_a = false,
+      "A tensor filled with fill_value (dtype from the value when not given).");
+  m.def(
+      "_arange",
+      [](double start, double end, double step, nb::handle dtype, nb::handle device) {
+        return arange(start, end, step, parse_dtype(dtype, "arange"),
+                      parse_device(device, "arange"));
+      },
+      "start"_a, "end"_a, "step"_a, "dtype"_a, "device"_a = nb::none(),
+      "arange with an explicit dtype.");
+  m.def(
+      "rand",
+      [](nb::args shape, nb::handle dtype, nb::handle device, bool rg) {
+        Tensor t =
+            rand(parse_shape(shape, "rand"), opt_dtype(dtype, "rand").value_or(DType::Float32),
+                 parse_device(device, "rand"));
+        if (rg) set_requires_grad(t, true);
+        return t;
+      },
+      "shape"_a, "dtype"_a = nb::none(), "device"_a = nb::none(), "requires_grad"_a = false,
+      nb::sig("def rand(*shape: int, dtype: dtype | str | None = None, device: str | None = None, "
+              "requires_grad: bool = False) -> Tensor"),
+      "Uniform [0, 1) from the Philox generator (same numbers on every backend).");
+  m.def(
+      "randn",
+      [](nb::args shape, nb::handle dtype, nb::handle device, bool rg) {
+        Tensor t =
+            randn(parse_shape(shape, "randn"), opt_dtype(dtype, "randn").value_or(DType::Float32),
+                  parse_device(device, "randn"));
+        if (rg) set_requires_grad(t, true);
+        return t;
+      },
+      "shape"_a, "dtype"_a = nb::none(), "device"_a = nb::none(), "requires_grad"_a = false,
+      nb::sig("def randn(*shape: int, dtype: dtype | str | None = None, device: str | None = None, "
+              "requires_grad: bool = False) -> Tensor"),
+      "Standard normal from the Philox generator (Box-Muller).");
+  m.def(
+      "randint",
+      [](int64_t low, int64_t high, nb::handle size, nb::handle dtype, nb::handle device) {
+        return randint(low, high, parse_shape(nb::make_tuple(size), "randint"),
+                       opt_dtype(dtype, "randint").value_or(DType::Int64),
+                       parse_device(device, "randint"));
+      },
+      "low"_a, "high"_a, "size"_a, "dtype"_a = nb::none(), "device"_a = nb::none(),
+      "Integers in [low, high) from the Philox generator.");
+  m.def("manual_seed", &manual_seed, "seed"_a, "Seeds the global generator and resets its offset.");
+  m.def("initial_seed", &initial_seed, "The seed last given to manual_seed.");
+  m.def(
+      "_philox_state",
+      []() {
+        auto s = next_philox(0);
+        return nb::make_tuple(s.first, s.second);
+      },
+      "(seed, offset) the next random op will use.");
+
+  m.def(
+      "_from_numpy",
+      [](nb::ndarray<nb::ro> a, nb::handle owner) {
+        return import_array(nb::ndarray<>(a.handle()), "from_numpy", owner);
+      },
+      "array"_a, "owner"_a = nb::none(),
+      "Zero-copy view of a numpy array (or anything with DLPack).");
+  m.def(
+      "from_dlpack",
+      [](nb::handle obj) {
+        nb::ndarray<> a = nb::cast<nb::ndarray<>>(obj);
+        return import_array(a, "from_dlpack", obj);
+      },
+      "obj"_a, "Zero-copy import of an object with __dlpack__ (or the buffer protocol).");
+
+  m.def("astype", &astype, "x"_a, "dtype"_a);
+  m.def(
+      "unary",
+      [](const std::string& op, const Tensor& x) {
+        static const std::map<std::string, UnaryOp> ops = {
+            {"neg", UnaryOp::Neg},     {"exp", UnaryOp::Exp},
+            {"log", UnaryOp::Log},     {"sqrt", UnaryOp::Sqrt},
+            {"rsqrt", UnaryOp::Rsqrt}, {"tanh", UnaryOp::Tanh},
+            {"abs", UnaryOp::Abs},     {"sigmoid", UnaryOp::Sigmoid},
+            {"relu", UnaryOp::Relu},   {"sin", UnaryOp::Sin},
+            {"cos", UnaryOp::Cos},     {"erf", UnaryOp::Erf},
+            {"sign", UnaryOp::Sign},   {"logical_not", UnaryOp::LogicalNot}};
+        auto it = ops.find(op);
+        if (it == ops.end()) throw ValueError("[unary] unknown op '" + op + "'");
+        return unary(it->second, x);
+      },
+      "op"_a, "x"_a, "An elementwise unary op by name.");
+  m.def(
+      "gelu",
+      [](const Tensor& x, const std::string& approximate) {
+        if (approximate != "none" && approximate != "tanh") {
+          throw ValueError("[gelu] approximate must be 'none' or 'tanh', got '" + approximate +
+                           "'");
+        }
+        return gelu(x, approximate == "tanh");
+      },
+      "x"_a, "approximate"_a = "none", "GELU, exact (erf) or tanh-approximated.");
+  m.def(
+      "where",
+      [](const Tensor& c, nb::handle a, nb::handle b) {
+        Operand oa = operand(a, "where"), ob = operand(b, "where");
+        if (oa.is_t && ob.is_t) return where(c, oa.t, ob.t);
+        if (oa.is_t) return where(c, oa.t, ob.s);
+        if (ob.is_t)
+          return where(
+              c, full({}, oa.s.v, promote_with_scalar(ob.t.dtype(), oa.s.category), c.device()),
+              ob.t);
+        const DType dt = (oa.s.category == 2 || ob.s.category == 2) ? DType::Float32 : DType::Int64;
+        return where(c, full({}, oa.s.v, dt, c.device()), full({}, ob.s.v, dt, c.device()));
+      },
+      "condition"_a, "input"_a, "other"_a,
+      "Elementwise select: input where condition, else other.");
+  m.def("cat", &cat, "tensors"_a, "dim"_a = 0, "Concatenates along an existing dim.");
+  m.def("stack", &stack, "tensors"_a, "dim"_a = 0, "Stacks along a new dim.");
+  m.def("index_select", &index_select, "input"_a, "dim"_a, "index"_a);
+  m.def("index_add", &index_add, "input"_a, "dim"_a, "index"_a, "source"_a);
+  m.def("gather", &gather, "input"_a, "dim"_a, "index"_a);
+  m.def("scatter_add", &scatter_add, "input"_a, "dim"_a, "index"_a, "src"_a);
+  m.def(
+      "embedding", [](const Tensor& idx, const Tensor& w) { return embedding(w, idx); }, "input"_a,
+      "weight"_a, "Rows of weight picked by integer indices (PyTorch's argument order).");
+  m.def(
+      "softmax", [](const Tensor& x, int64_t d) { return softmax(x, d, false); }, "input"_a,
+      "dim"_a);
+  m.def(
+      "log_softmax", [](const Tensor& x, int64_t d) { return softmax(x, d, true); }, "input"_a,
+      "dim"_a);
+  m.def(
+      "layer_norm",
+      [](const Tensor& x, nb::handle ns, std::optional<Tensor> w, std::optional<Tensor> b,
+         double eps) {
+        return layer_norm(x, parse_shape(nb::make_tuple(ns), "layer_norm"), w ? *w : Tensor(),
+                          b ? *b : Tensor(), eps);
+      },
+      "input"_a, "normalized_shape"_a, "weight"_a = nb::none(), "bias"_a = nb::none(),
+      "eps"_a = 1e-5);
+  m.def(
+      "cross_entropy",
+      [](const Tensor& x, const Tensor& t, int64_t ii, const std::string& red, double ls) {
+        return cross_entropy(x, t, ii, red, ls);
+      },
+      "input"_a, "target"_a, "ignore_index"_a = -100, "reduction"_a = "mean",
+      "label_smoothing"_a = 0.0,
+      "log_softmax + nll in one kernel; rows whose target is ignore_index count for nothing.");
+  m.def("dropout", &dropout, "input"_a, "p"_a = 0.5, "training"_a = true,
+        "Zeroes elements with probability p and scales the rest by 1/(1-p).");
+  m.def("matmul", &matmul, "input"_a, "other"_a,
+        "Matrix product with numpy broadcasting (blutrain-linalg).");
+  m.def("bmm", &bmm, "input"_a, "mat2"_a, "Batched matrix product of 3-D tensors.");
+  m.def(
+      "linear",
+      [](const Tensor& x, const Tensor& w, std::optional<Tensor> b) {
+        return linear(x, w, b ? *b : Tensor());
+      },
+      "input"_a, "weight"_a, "bias"_a = nb::none(),
+      "x @ weight.T + bias, the bias fused as a GEMM epilogue.");
+  m.def(
+      "scaled_dot_product_attention",
+      [](const Tensor& q, const Tensor& k, const Tensor& v, std::optional<Tensor> mask, double p,
+         bool causal, std::optional<double> scale) {
+        return scaled_dot_product_attention(q, k, v, mask ? *mask : Tensor(), p, causal, scale);
+      },
+      "query"_a, "key"_a, "value"_a, "attn_mask"_a = nb::none(), "dropout_p"_a = 0.0,
+      "is_causal"_a = false, "scale"_a = nb::none(),
+      "softmax(q k^T * scale + mask) v, composed from ops (a fused kernel is a backend's job).");
+  m.def(
+      "clip_grad_norm_",
+      [](nb::handle params, double max_norm) {
+        std::vector<Tensor> grads;
+        for (nb::handle h : params) {
+          Tensor t = nb::cast<Tensor>(h);
+          if (t.impl()->grad) grads.push_back(Tensor(t.impl()->grad));
+        }
+        return clip_grad_norm_(grads, max_norm);
+      },
+      "parameters"_a, "max_norm"_a,
+      "Scales the .grad of every parameter in place so their global L2 norm is at most max_norm; "
+      "returns the norm before clipping.");
+
+  // autograd
+  m.def("is_grad_enabled", &grad_enabled, "Whether ops record autograd history.");
+  m.def("set_grad_enabled", &set_grad_enabled, "mode"_a, "Turns autograd recording on or off.");
+  m.def(
+      "backward",
+      [](nb::handle tensors, nb::handle grads, bool retain_graph) {
+        std::vector<Tensor> ts = is_tensor(tensors) ? std::vector<Tensor>{nb::cast<Tensor>(tensors)}
+                                                    : tensor_list(tensors);
+        std::vector<Tensor> gs;
+        if (grads.is_valid() && !grads.is_none()) {
+          gs = is_tensor(grads) ? std::vector<Tensor>{nb::cast<Tensor>(grads)} : tensor_list(grads);
+        }
+        run_backward(ts, gs, retain_graph);
+      },
+      "tensors"_a, "grad_tensors"_a = nb::none(), "retain_graph"_a = false,
+      "Backward from several roots at once.");
+  m.def(
+      "_attach_function",
+      [](const std::string& name, nb::callable backward, nb::handle inputs, nb::handle outputs) {
+        auto ins = tensor_list(inputs);
+        auto outs = tensor_list(outputs);
+        make_custom_node(
+            name,
+            [backward](const std::vector<Tensor>& grads) {
+              nb::gil_scoped_acquire gil;
+              nb::list gl;
+              for (auto& g : grads) gl.append(g.defined() ? nb::cast(g) : nb::none());
+              nb::object r = backward(gl);
+              return tensor_list(r);
+            },
+            ins, outs);
+      },
+      "name"_a, "backward"_a, "inputs"_a, "outputs"_a,
+      "Makes outputs depend on inputs through backward(list of output grads) -> input grads.");
+
+  // capture
+  nb::class_<Graph>(m, "Graph", "A captured graph: ops with dtypes, shapes, attributes, inputs.")
+      .def(nb::init<>())
+      .def("__str__", &Graph::str)
+      .def("mark_output", &Graph::mark_output, "tensor"_a, "Marks a value as a graph output.")
+      .def_prop_ro(
+          "inputs", [](const Graph& g) { return g.inputs; }, "Ids of input values.")
+      .def_prop_ro(
+          "outputs", [](const Graph& g) { return g.outputs; }, "Ids of output values.")
+      .def_prop_ro(
+          "values",
+          [](const Graph& g) {
+            nb::list l;
+            for (auto& v : g.values) {
+              nb::dict d;
+              d["id"] = v.id;
+              d["shape"] = shape_tuple(v.shape);
+              d["dtype"] = v.dtype;
+              d["device"] = v.device.str();
+              d["name"] = v.name;
+              d["is_input"] = v.is_input;
+              d["requires_grad"] = v.requires_grad;
+              l.append(d);
+            }
+            return l;
+          },
+          "Every value: id, shape, dtype, device, name, is_input.")
+      .def_prop_ro(
+          "nodes",
+          [](const Graph& g) {
+            nb::list l;
+            for (auto& n : g.nodes) {
+              nb::dict d, a;
+              d["op"] = n.op;
+              for (auto& [k, v] : n.attrs) a[k.c_str()] = attr_to_py(v);
+              d["attrs"] = a;
+              d["inputs"] = n.inputs;
+              d["outputs"] = n.outputs;
+              l.append(d);
+            }
+            return l;
+          },
+          "Every node: op, attrs, inputs (value ids, -1 for none), outputs.");
+  m.def(
+      "_set_capture", [](Graph* g) { set_active_graph(g); }, "graph"_a.none(),
+      "Starts (or with None ends) capture on this thread.");
+  m.def("_capturing", []() { return active_graph() != nullptr; }, "Whether capture is active.");
+}

@@ -1,0 +1,255 @@
+"""Autograd semantics: accumulation, retain_graph, grad mode, hooks, Function, version counters."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import blutrain.tensor as bt
+
+
+def test_leaf_grad_accumulates(rng):
+    a = rng.standard_normal((3, 4))
+    x = bt.tensor(a, dtype=bt.float64, requires_grad=True)
+    (x * 2).sum().backward()
+    (x * x).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), 2 + 2 * a)
+    assert x.is_leaf and not (x * 2).is_leaf
+    assert x.grad.requires_grad is False
+
+
+def test_accumulation_is_in_place_so_grad_views_stay_valid():
+    x = bt.ones(4, requires_grad=True)
+    (x * 3).sum().backward()
+    g = x.grad
+    ptr = g.data_ptr()
+    (x * 2).sum().backward()
+    assert x.grad.data_ptr() == ptr
+    np.testing.assert_array_equal(g.numpy(), np.full(4, 5.0))
+
+
+def test_shared_subgraph_and_diamond(rng):
+    a = rng.standard_normal(5)
+    x = bt.tensor(a, dtype=bt.float64, requires_grad=True)
+    y = x.exp()
+    z = y * y + y.sin()
+    z.sum().backward()
+    e = np.exp(a)
+    np.testing.assert_allclose(x.grad.numpy(), 2 * e * e + np.cos(e) * e)
+
+
+def test_second_backward_raises_and_retain_graph_allows_it():
+    x = bt.ones(3, requires_grad=True)
+    y = (x * x).sum()
+    y.backward(retain_graph=True)
+    y.backward()
+    np.testing.assert_array_equal(x.grad.numpy(), np.full(3, 4.0))
+    with pytest.raises(RuntimeError, match=r"\[backward\].*second time.*retain_graph"):
+        y.backward()
+
+
+def test_graph_is_freed_after_backward():
+    x = bt.ones(1000, requires_grad=True)
+    y = x.exp()
+    node = y.grad_fn
+    y.sum().backward()
+    # the saved output was released: nothing but our handles keeps y's data
+    assert node is not None
+    del y
+    gc.collect()
+
+
+def test_non_scalar_backward_needs_gradient():
+    x = bt.ones(2, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"\[backward\].*one-element.*\(2, 3\)"):
+        (x * 2).backward()
+    (x * 2).backward(bt.ones(2, 3))
+    with pytest.raises(RuntimeError, match=r"\[backward\] gradient has shape"):
+        (x * 2).backward(bt.ones(3))
+
+
+def test_backward_on_tensor_without_grad():
+    with pytest.raises(RuntimeError, match=r"\[backward\].*does not require grad"):
+        bt.ones(2).sum().backward()
+
+
+def test_no_grad_enable_grad_and_detach():
+    x = bt.ones(3, requires_grad=True)
+    with bt.no_grad():
+        y = x * 2
+        assert not bt.is_grad_enabled()
+        with bt.enable_grad():
+            z = x * 2
+    assert not y.requires_grad and y.grad_fn is None
+    assert z.requires_grad and z.grad_fn is not None
+    d = (x * 3).detach()
+    assert not d.requires_grad and d.is_leaf
+    assert d._shares_storage(d)
+
+    @bt.no_grad()
+    def f(t):
+        return t * 2
+
+    assert not f(x).requires_grad
+    with bt.set_grad_enabled(False):
+        assert not (x + 1).requires_grad
+    assert bt.is_grad_enabled()
+
+
+def test_int_outputs_do_not_require_grad():
+    x = bt.randn(3, 4, requires_grad=True)
+    assert not x.argmax(1).requires_grad
+    assert not (x > 0).requires_grad
+    with pytest.raises(RuntimeError, match=r"\[requires_grad_\] only floating"):
+        bt.ones(3, dtype=bt.int64).requires_grad_()
+
+
+def test_inplace_on_saved_tensor_is_detected():
+    x = bt.ones(3, requires_grad=True)
+    y = x.exp()
+    z = y * 2  # mul saves y
+    y.add_(1)
+    with pytest.raises(RuntimeError, match=r"\[backward\].*modified by an in-place operation"):
+        z.sum().backward()
+
+
+def test_inplace_tracks_history():
+    a = np.array([1.0, 2.0, 3.0])
+    x = bt.tensor(a, dtype=bt.float64, requires_grad=True)
+    y = x * 2
+    y.mul_(x)  # y = 2 x^2
+    y.add_(1)
+    assert y.grad_fn is not None
+    y.sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), 4 * a)
+
+
+def test_inplace_on_leaf_requiring_grad_raises():
+    x = bt.ones(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"\[add_\] a leaf tensor that requires grad"):
+        x.add_(1)
+    with bt.no_grad():
+        x.add_(1)  # optimizer-style update is fine
+    np.testing.assert_array_equal(x.detach().numpy(), np.full(3, 2.0))
+
+
+def test_hooks_and_retain_grad():
+    x = bt.tensor([1.0, 2.0], requires_grad=True)
+    seen = []
+    x.register_hook(lambda g: seen.append(g.numpy().copy()) or g * 10)
+    y = x * 3
+    y.retain_grad()
+    y.register_hook(lambda g: g + 1)
+    y.sum().backward()
+    np.testing.assert_array_equal(y.grad.numpy(), [2.0, 2.0])
+    np.testing.assert_array_equal(seen[0], [6.0, 6.0])
+    np.testing.assert_array_equal(x.grad.numpy(), [60.0, 60.0])
+
+
+def test_post_accumulate_hook_fires_once_grad_is_final_in_reverse_order():
+    # Two layers: w2's gradient is final before w1's (what bucketed all-reduce relies on).
+    w1 = bt.ones(3, requires_grad=True)
+    w2 = bt.ones(3, requires_grad=True)
+    order = []
+    w1.register_post_accumulate_grad_hook(lambda p: order.append(("w1", p.grad.numpy().copy())))
+    w2.register_post_accumulate_grad_hook(lambda p: order.append(("w2", p.grad.numpy().copy())))
+    h = w1 * 2
+    h2 = h * w2 + w1  # w1 reached twice: its hook must see the summed gradient, once
+    h2.sum().backward()
+    assert [n for n, _ in order] == ["w2", "w1"]
+    np.testing.assert_array_equal(order[1][1], [3.0, 3.0, 3.0])
+    np.testing.assert_array_equal(order[0][1], [2.0, 2.0, 2.0])
+
+
+def test_multiple_roots():
+    x = bt.ones(2, requires_grad=True)
+    a, b = (x * 2).sum(), (x * 3).sum()
+    bt.backward([a, b])
+    np.testing.assert_array_equal(x.grad.numpy(), [5.0, 5.0])
+
+
+def test_dtype_of_gradient_matches_input():
+    x = bt.ones(3, dtype=bt.bfloat16, requires_grad=True)
+    y = (x.float() * bt.ones(3, dtype=bt.float64)).sum()
+    assert y.dtype == bt.float64
+    y.backward()
+    assert x.grad.dtype == bt.bfloat16
+    np.testing.assert_array_equal(x.grad.float().numpy(), [1.0, 1.0, 1.0])
+
+
+def test_function_api(rng):
+    class Cube(bt.Function):
+        @staticmethod
+        def forward(ctx, x, k):
+            ctx.save_for_backward(x)
+            ctx.k = k
+            return x * x * x * k
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 3 * x * x * g * ctx.k, None
+
+    a = rng.standard_normal(4)
+    x = bt.tensor(a, dtype=bt.float64, requires_grad=True)
+    y = Cube.apply(x, 2.0)
+    assert y.grad_fn.name() == "Cube"
+    y.sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), 6 * a * a)
+    assert bt.gradcheck(lambda t: Cube.apply(t, 0.5), [x])
+
+    class Twice(bt.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x, x * 2
+
+        @staticmethod
+        def backward(ctx, g1, g2):
+            return g1 + 2 * g2
+
+    p, q = Twice.apply(x)
+    (p.sum() + q.sum()).backward()
+
+    x2 = bt.ones(2, requires_grad=True)
+    y2 = Cube.apply(x2, 1.0)
+    with bt.no_grad():
+        x2.mul_(2)
+    with pytest.raises(RuntimeError, match=r"saved by Cube.save_for_backward was modified"):
+        y2.sum().backward()
+
+
+def test_function_wrong_number_of_gradients():
+    class Bad(bt.Function):
+        @staticmethod
+        def forward(ctx, x, y):
+            return x + y
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    x = bt.ones(2, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"\[Bad\] backward returned 1 gradients, expected 2"):
+        Bad.apply(x, x).sum().backward()
+
+
+def test_requires_grad_flag_changes():
+    x = bt.ones(2)
+    assert not x.requires_grad
+    x.requires_grad = True
+    y = x * 2
+    with pytest.raises(RuntimeError, match=r"only change requires_grad of leaf"):
+        y.requires_grad = False
+    assert repr(y).endswith("grad_fn=<MulBackward>)")
+    assert "requires_grad=True" in repr(x)
+
+
+def test_views_carry_gradients(rng):
+    a = rng.standard_normal((4, 6))
+    x = bt.tensor(a, dtype=bt.float64, requires_grad=True)
+    parts = x.chunk(2, 1)
+    (parts[0] * 2 + parts[1].exp()).sum().backward()
+    ref = np.concatenate([np.full((4, 3), 2.0), np.exp(a[:, 3:])], 1)
+    np.testing.assert_allclose(x.grad.numpy(), ref)

@@ -1,0 +1,87 @@
+"""Module / Parameter helpers and a GPT-2 block against PyTorch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import needs_linalg
+from gpt2_block import Block
+
+import blutrain.tensor as bt
+from blutrain.tensor import nn
+
+
+def test_module_registers_parameters_and_submodules():
+    b = Block(16, 2)
+    names = [n for n, _ in b.named_parameters()]
+    assert names[:2] == ["ln_1.weight", "ln_1.bias"]
+    assert "attn.c_attn.weight" in names and "mlp.c_proj.bias" in names
+    assert all(
+        isinstance(p, nn.Parameter) and p.requires_grad and p.is_leaf for p in b.parameters()
+    )
+    assert len(list(b.modules())) == 12
+    b.eval()
+    assert not b.mlp.dropout.training
+    sd = b.state_dict()
+    b2 = Block(16, 2)
+    b2.load_state_dict(sd)
+    for (_, p1), (_, p2) in zip(b.named_parameters(), b2.named_parameters()):
+        np.testing.assert_array_equal(p1.detach().numpy(), p2.detach().numpy())
+    with pytest.raises(KeyError, match=r"\[load_state_dict\] missing"):
+        b2.load_state_dict({})
+    assert "Linear(16, 48, bias=True)" in repr(b)
+
+
+def test_zero_grad():
+    lin = nn.Linear(3, 2)
+    lin(bt.ones(4, 3)).sum().backward()
+    assert lin.weight.grad is not None
+    lin.zero_grad(set_to_none=False)
+    assert not lin.weight.grad.numpy().any()
+    lin.zero_grad()
+    assert lin.weight.grad is None
+
+
+def test_gpt2_block_matches_torch(rng, torch_ref):
+    needs_linalg()
+    t = torch_ref
+    C, H, B, T = 16, 4, 2, 5
+    blk = Block(C, H, dtype=bt.float64)
+    tblk = {n: t.tensor(p.detach().numpy(), requires_grad=True) for n, p in blk.named_parameters()}
+    x = rng.standard_normal((B, T, C))
+    y = blk(bt.tensor(x))
+    F = t.nn.functional
+
+    def tforward(xt):
+        p = tblk
+        h = F.layer_norm(xt, (C,), p["ln_1.weight"], p["ln_1.bias"])
+        q, k, v = F.linear(h, p["attn.c_attn.weight"], p["attn.c_attn.bias"]).split(C, 2)
+        q, k, v = (z.view(B, T, H, C // H).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a = a.transpose(1, 2).contiguous().view(B, T, C)
+        xt = xt + F.linear(a, p["attn.c_proj.weight"], p["attn.c_proj.bias"])
+        h = F.layer_norm(xt, (C,), p["ln_2.weight"], p["ln_2.bias"])
+        h = F.gelu(F.linear(h, p["mlp.c_fc.weight"], p["mlp.c_fc.bias"]), approximate="tanh")
+        return xt + F.linear(h, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"])
+
+    ty = tforward(t.tensor(x))
+    np.testing.assert_allclose(y.detach().numpy(), ty.detach().numpy(), rtol=1e-10, atol=1e-12)
+    g = rng.standard_normal((B, T, C))
+    y.backward(bt.tensor(g))
+    ty.backward(t.tensor(g))
+    for n, p in blk.named_parameters():
+        np.testing.assert_allclose(
+            p.grad.numpy(), tblk[n].grad.numpy(), rtol=1e-9, atol=1e-11, err_msg=n
+        )
+
+
+def test_parameter_hooks_for_bucketing():
+    """The pattern blutrain-dist uses: a post-accumulate hook per parameter, in reverse order."""
+    blk = Block(16, 2)
+    ready = []
+    for n, p in blk.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, n=n: ready.append(n))
+    blk(bt.randn(2, 3, 16)).sum().backward()
+    assert sorted(ready) == sorted(n for n, _ in blk.named_parameters())
+    assert ready.index("mlp.c_proj.weight") < ready.index("attn.c_attn.weight")
+    assert ready.index("ln_2.weight") < ready.index("ln_1.weight")

@@ -1,0 +1,179 @@
+"""View semantics: views share storage and version; geometry matches numpy's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import blutrain.tensor as bt
+
+
+def arr(shape):
+    return np.arange(np.prod(shape), dtype=np.float64).reshape(shape)
+
+
+def t_of(a):
+    return bt.tensor(a, dtype=bt.float64)
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        (1,),
+        (slice(None), 2),
+        (slice(1, None, 2),),
+        (Ellipsis, 1),
+        (None, 0),
+        (-1, slice(None, -1)),
+        (slice(None), None, slice(0, 3, 2)),
+        (0, 1, 2),
+        (slice(5, 1),),
+        (slice(-100, 100, 3),),
+        (1, Ellipsis, None),
+    ],
+)
+def test_getitem_matches_numpy_and_shares_storage(index):
+    a = arr((4, 5, 6))
+    t = t_of(a)
+    v = t[index]
+    np.testing.assert_array_equal(v.numpy(), a[index])
+    assert v._shares_storage(t)
+
+
+def test_views_share_memory_and_writes_show_through():
+    t = t_of(arr((3, 4)))
+    v = t.T[1:, ::2]
+    v.fill_(-1)
+    ref = arr((3, 4))
+    ref.T[1:, ::2] = -1
+    np.testing.assert_array_equal(t.numpy(), ref)
+    t[0] = 7.0
+    ref[0] = 7.0
+    np.testing.assert_array_equal(t.numpy(), ref)
+    t[:, 1] = t_of(np.array([1.0, 2.0, 3.0]))
+    ref[:, 1] = [1, 2, 3]
+    np.testing.assert_array_equal(t.numpy(), ref)
+
+
+def test_version_counter_is_shared_by_views():
+    t = bt.zeros(4)
+    v = t[1:3]
+    before = t._version
+    v.add_(1)
+    assert t._version == before + 1 == v._version
+
+
+def test_reshape_view_vs_copy():
+    t = t_of(arr((4, 6)))
+    r = t.reshape(2, 12)
+    assert r._shares_storage(t) and r.is_contiguous()
+    tt = t.T
+    assert not tt.is_contiguous()
+    r2 = tt.reshape(24)  # needs a copy
+    assert not r2._shares_storage(t)
+    np.testing.assert_array_equal(r2.numpy(), arr((4, 6)).T.reshape(24))
+    with pytest.raises(RuntimeError, match=r"\[view\].*use reshape"):
+        tt.view(24)
+    # splitting a dim of a transposed tensor is still a view
+    v = tt.view(3, 2, 4)
+    assert v._shares_storage(t)
+    np.testing.assert_array_equal(v.numpy(), arr((4, 6)).T.reshape(3, 2, 4))
+    assert t.reshape(-1, 3).shape == (8, 3)
+    with pytest.raises(ValueError, match=r"\[reshape\] shape \(5, -1\) is invalid"):
+        t.reshape(5, -1)
+
+
+def test_permute_transpose_expand():
+    a = arr((2, 3, 4))
+    t = t_of(a)
+    np.testing.assert_array_equal(t.permute(2, 0, 1).numpy(), a.transpose(2, 0, 1))
+    np.testing.assert_array_equal(t.transpose(0, 2).numpy(), a.swapaxes(0, 2))
+    e = t_of(arr((3, 1))).expand(2, 3, 4)
+    assert e.stride() == (0, 1, 0)
+    np.testing.assert_array_equal(e.numpy(), np.broadcast_to(arr((3, 1)), (2, 3, 4)))
+    assert t_of(arr((3, 1))).expand(-1, 5).shape == (3, 5)
+    with pytest.raises(ValueError, match=r"\[expand\]"):
+        t.expand(5, 3, 4)
+
+
+def test_narrow_split_chunk_squeeze():
+    a = arr((6, 5))
+    t = t_of(a)
+    np.testing.assert_array_equal(t.narrow(1, 1, 3).numpy(), a[:, 1:4])
+    parts = t.split(4)
+    assert [p.shape for p in parts] == [(4, 5), (2, 5)]
+    parts = t.split([1, 2, 2], 1)
+    np.testing.assert_array_equal(parts[2].numpy(), a[:, 3:])
+    assert [c.shape[0] for c in t.chunk(4)] == [2, 2, 2]
+    u = t.unsqueeze(0).unsqueeze(-1)
+    assert u.shape == (1, 6, 5, 1)
+    assert u.squeeze().shape == (6, 5)
+    assert u.squeeze(0).shape == (6, 5, 1)
+    assert t.squeeze(0).shape == (6, 5)
+    assert t.flatten().shape == (30,)
+    assert all(p._shares_storage(t) for p in t.chunk(3))
+
+
+def test_contiguous_copies_only_when_needed():
+    t = t_of(arr((3, 4)))
+    assert t.contiguous()._is_same(t)
+    c = t.T.contiguous()
+    assert c.is_contiguous() and not c._shares_storage(t)
+    np.testing.assert_array_equal(c.numpy(), arr((3, 4)).T)
+
+
+def test_broadcasting_semantics(rng):
+    a = rng.standard_normal((5, 1, 4))
+    b = rng.standard_normal((3, 1))
+    r = t_of(a) * t_of(b)
+    assert r.shape == (5, 3, 4)
+    np.testing.assert_allclose(r.numpy(), a * b)
+    with pytest.raises(ValueError, match=r"\[add\] shapes \(2, 3\) and \(4,\) cannot be broadcast"):
+        bt.ones(2, 3) + bt.ones(4)
+
+
+def test_advanced_index_and_mask():
+    a = arr((4, 3))
+    t = t_of(a)
+    np.testing.assert_array_equal(t[[0, 2, 2]].numpy(), a[[0, 2, 2]])
+    np.testing.assert_array_equal(t[:, [2, 0]].numpy(), a[:, [2, 0]])
+    m = a > 4
+    np.testing.assert_array_equal(t[bt.tensor(m)].numpy(), a[m])
+    np.testing.assert_array_equal(t[t > 4].numpy(), a[m])
+
+
+def test_zero_size_and_scalars():
+    z = bt.zeros(0, 3)
+    assert z.numel() == 0 and z.sum().item() == 0
+    assert (z + 1).shape == (0, 3)
+    s = bt.tensor(3.5)
+    assert s.shape == () and s.item() == 3.5 and float(s) == 3.5
+    assert (s * bt.ones(2)).shape == (2,)
+    assert bt.ones(3, 0).sum(1).shape == (3,)
+
+
+def test_broadcasting_property():
+    """Random broadcastable shapes and layouts: every binary op equals numpy's."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    dims = st.lists(st.integers(1, 4), min_size=0, max_size=4)
+
+    @settings(max_examples=60, deadline=None)
+    @given(dims, st.data())
+    def check(shape, data):
+        # b's shape: a suffix of a's with some dims set to 1 (always broadcastable)
+        k = data.draw(st.integers(0, len(shape)))
+        bshape = [1 if data.draw(st.booleans()) else d for d in shape[len(shape) - k :]]
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+        a = rng.standard_normal(shape)
+        b = rng.standard_normal(bshape) + 3
+        ta, tb = t_of(a), t_of(b)
+        if len(shape) >= 2 and data.draw(st.booleans()):  # a transposed layout
+            a = np.ascontiguousarray(a.swapaxes(0, 1)).swapaxes(0, 1)
+            ta = t_of(a.swapaxes(0, 1)).transpose(0, 1)
+        for op in ("__add__", "__sub__", "__mul__", "__truediv__"):
+            np.testing.assert_allclose(getattr(ta, op)(tb).numpy(), getattr(a, op)(b), rtol=1e-12)
+        np.testing.assert_array_equal((ta < tb).numpy(), a < b)
+
+    check()
