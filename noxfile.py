@@ -25,7 +25,14 @@ ORDER = [
     "blutrain-compiler",
     "blutrain-models",
 ]
-BUILD_DEPS = ["scikit-build-core>=0.10", "nanobind==3.1.0", "cmake>=3.26", "ninja", "numpy"]
+BUILD_DEPS = [
+    "scikit-build-core>=0.10",
+    "nanobind==3.1.0",
+    "cmake>=3.26",
+    "ninja",
+    "numpy",
+    "hatchling",
+]
 TEST_DEPS = ["pytest>=7", "hypothesis>=6", "matplotlib", "pytest-timeout"]
 
 
@@ -44,6 +51,8 @@ def extra_deps(session: nox.Session) -> None:
     """Runtime dependencies of the packages that need more than the build set."""
     if (ROOT / "packages" / "blutrain-linalg").exists():
         session.install("scipy-openblas32")
+    if (ROOT / "packages" / "blutrain-models").exists():
+        session.install("tiktoken", "safetensors", "rich", "matplotlib")
 
 
 def install_packages(session: nox.Session, cuda: str, archs: str | None = None) -> None:

@@ -167,7 +167,11 @@ int api_set_option(const char* name, int64_t v) {
   else if (n == "autotune_candidates")
     o.autotune_candidates = v < 1 ? 1 : (v > 64 ? 64 : v);
   else if (n == "autotune_reps")
-    o.autotune_reps = v < 1 ? 1 : v;
+    o.autotune_reps = v < 1 ? 1 : (v > 1000 ? 1000 : v);
+  else if (n == "autotune_flush_l2")
+    o.autotune_flush_l2 = v != 0;
+  else if (n == "autotune_log")
+    o.autotune_log = v != 0;
   else if (n == "workspace_bytes") {
     if (v < 0) return fail(BT_LINALG_EINVAL, "[set_option] workspace_bytes must be >= 0");
     o.workspace_bytes = v;
@@ -197,6 +201,10 @@ int api_get_option(const char* name, int64_t* v) {
     *v = o.autotune_candidates;
   else if (n == "autotune_reps")
     *v = o.autotune_reps;
+  else if (n == "autotune_flush_l2")
+    *v = o.autotune_flush_l2;
+  else if (n == "autotune_log")
+    *v = o.autotune_log;
   else if (n == "workspace_bytes")
     *v = o.workspace_bytes;
   else if (n == "persist")

@@ -67,8 +67,12 @@ inline int64_t bgrad_len(const bt_linalg_gemm_desc& d) {
 // Process-wide settings (set_option); read without locks (plain ints, set rarely).
 struct Options {
   int64_t autotune = 0;
-  int64_t autotune_candidates = 8;
-  int64_t autotune_reps = 5;
+  // A wide field: beyond the heuristic's top few are the split-K / stream-K variants that
+  // can win on skinny shapes (k >> m, n); short kernels make timing them cheap.
+  int64_t autotune_candidates = 32;
+  int64_t autotune_reps = 5;      // minimum timed runs per candidate (more for short kernels)
+  int64_t autotune_flush_l2 = 1;  // time each run with a cold L2, as training sees operands
+  int64_t autotune_log = 0;       // 1: print each candidate's timing to stderr
   int64_t workspace_bytes = 32ll << 20;  // bytes; cuBLAS's own default on Hopper
   int64_t persist = 1;
   int64_t num_threads = 0;

@@ -163,6 +163,58 @@ def test_torch_cpu_tensors_round_trip(dt):
         assert rel_err(d32.numpy(), a.double().numpy() @ b.double().numpy()) < 1e-5
 
 
+@needs_torch
+def test_torch_repeat_calls_reuse_a_plan_and_stay_correct(monkeypatch):
+    # A repeated signature of torch operands runs from a cached plan (the hot path of training
+    # loops); it must see new data, new pointers and allocate new outputs each call.
+    def np64(t):
+        return t.double().numpy()
+
+    outs = []
+    for i in range(3):
+        a, b = torch.randn(29, 40), torch.randn(17, 40)
+        if i == 1:  # the repeat must not take the general path
+            monkeypatch.setattr(bl, "_matmul_slow", None)
+        d = bl.matmul(a, b, transb=True)
+        assert rel_err(np64(d), np64(a) @ np64(b).T) < TOL["fp32"]
+        outs.append(d)
+    monkeypatch.undo()
+    assert outs[0].data_ptr() != outs[1].data_ptr()
+    # Same shapes, other strides: a transposed view and a row-padded view take their own plans.
+    a = torch.randn(40, 29).t()
+    b = torch.randn(17, 48)[:, :40]
+    d = bl.matmul(a, b, transb=True)
+    assert rel_err(np64(d), np64(a) @ np64(b).T) < TOL["fp32"]
+    # Into out=, with bias, aux and bias-gradient epilogues, twice each.
+    for _ in range(2):
+        x, w, bias = torch.randn(33, 24), torch.randn(19, 24), torch.randn(19)
+        out, pre = torch.empty(33, 19), torch.empty(33, 19)
+        r = bl.matmul(x, w, transb=True, bias=bias, epilogue="bias_gelu_aux", out=out, aux=pre)
+        assert r[0] is out and r[1] is pre
+        z = np64(x) @ np64(w).T + np64(bias)
+        assert rel_err(np64(pre), z) < TOL["fp32"]
+        assert rel_err(np64(out), gelu64(z)) < 2 * TOL["fp32"]
+        y, p2 = bl.matmul(x, w, transb=True, bias=bias, epilogue="bias_gelu_aux")
+        assert rel_err(np64(y), gelu64(z)) < 2 * TOL["fp32"] and p2.data_ptr() != pre.data_ptr()
+        dy = torch.randn(33, 19)
+        dw, db = bl.matmul(dy, x, transa=True, epilogue="bgrad_a")
+        assert rel_err(np64(dw), np64(dy).T @ np64(x)) < TOL["fp32"]
+        assert rel_err(np64(db), np64(dy).sum(0)) < TOL["fp32"]
+    # In place (c is out) accumulates each call.
+    a, b = torch.randn(8, 5), torch.randn(5, 6)
+    acc = torch.zeros(8, 6)
+    for _ in range(3):
+        bl.matmul(a, b, c=acc, out=acc)
+    assert rel_err(np64(acc), 3 * (np64(a) @ np64(b))) < TOL["fp32"]
+    # A signature that once worked still fails loudly when a checked property changes.
+    with pytest.raises(ValueError, match=r"out must be \(8, 6\)"):
+        bl.matmul(a, b, out=torch.empty(8, 7))
+    with pytest.raises(TypeError, match=r"the inputs must share a dtype"):
+        bl.matmul(a, b.double())
+    with pytest.raises(ValueError, match=r"k differs"):
+        bl.matmul(a, torch.randn(4, 6))
+
+
 # ---- epilogues -----------------------------------------------------------------------------------
 def _ref_epilogue(epi, z, bias=None, aux=None):
     z = np.asarray(z, np.float64)

@@ -102,6 +102,15 @@ def test_strided_batch(batch, broadcast_b):
     assert rel_err(np64(d), ref_mm(a, b)) < TOL["fp32"]
 
 
+def test_batch_strides_are_part_of_the_cached_problem():
+    # Same sizes, alignments and lds; only B's batch stride differs (0: shared). The cached
+    # cuBLASLt layouts must not carry one call's batch stride into the other.
+    a = g(3, 64, 64)
+    for b in (g(3, 64, 64), g(64, 64), g(3, 64, 64)):
+        d = bl.matmul(a, b)
+        assert rel_err(np64(d), ref_mm(a, b)) < TOL["fp32"]
+
+
 def test_transposed_views_strided_rows_alpha_beta_in_place():
     big = g(64, 80)
     a = big[3:40, 5:69]  # ld 80

@@ -156,8 +156,11 @@ static inline void bt_linalg_gemm_desc_init(bt_linalg_gemm_desc* d) {
 
 /* Settings for set_option / get_option (int64 values):
  *   "autotune"           0/1: time the top heuristic candidates once per new key (default 0)
- *   "autotune_candidates" how many cuBLASLt candidates to consider (default 8)
- *   "autotune_reps"      timed repetitions per candidate (default 5)
+ *   "autotune_candidates" how many cuBLASLt candidates to consider (default 32)
+ *   "autotune_reps"      minimum timed repetitions per candidate (default 5; short kernels
+ *                        get more, so each candidate is timed over about a millisecond)
+ *   "autotune_flush_l2"  0/1: evict the L2 before each timed run (default 1)
+ *   "autotune_log"       0/1: print every candidate's configuration and time to stderr
  *   "workspace_bytes"    cuBLASLt workspace cap per call (default 32 MiB)
  *   "persist"            0/1: write new algorithm choices to the cache file (default 1)
  *   "num_threads"        CPU BLAS threads (0 = OpenBLAS's default)

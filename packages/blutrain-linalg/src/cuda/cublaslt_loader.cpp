@@ -48,6 +48,9 @@ void do_load() {
   }
   BT_LT_FUNCS(BT_LT_SYM)
 #undef BT_LT_SYM
+  g_funcs.cublasLtMatmulAlgoConfigGetAttribute =
+      reinterpret_cast<decltype(g_funcs.cublasLtMatmulAlgoConfigGetAttribute)>(
+          dlsym(h, "cublasLtMatmulAlgoConfigGetAttribute"));
   g_ok = &g_funcs;
 }
 }  // namespace

@@ -27,6 +27,8 @@ struct Funcs {
 #define BT_LT_DECL(name) decltype(&::name) name = nullptr;
   BT_LT_FUNCS(BT_LT_DECL)
 #undef BT_LT_DECL
+  // Optional (NULL when absent): only the autotune log reads algorithm configurations.
+  decltype(&::cublasLtMatmulAlgoConfigGetAttribute) cublasLtMatmulAlgoConfigGetAttribute = nullptr;
 };
 
 // Loads cuBLASLt once; returns nullptr and sets the thread's error ("[gemm] ...") on failure.

@@ -56,6 +56,44 @@ bt_linalg_matrix to_matrix(const Operand& o) {
   return m;
 }
 
+// A descriptor built once from gemm's arguments; `launch` runs it (the caller sets pointers).
+struct GemmPlan {
+  bt_linalg_gemm_desc desc;
+  GemmPlan(int64_t mm, int64_t n, int64_t k, int64_t batch, int transa, int transb,
+           const Operand& a, const Operand& b, const Operand& c, const Operand& d, double alpha,
+           double beta, int compute, int epilogue, const Operand& bias, const Operand& aux,
+           const Operand& bgrad, int device) {
+    bt_linalg_gemm_desc_init(&desc);
+    desc.m = mm;
+    desc.n = n;
+    desc.k = k;
+    desc.batch = batch;
+    desc.transa = transa;
+    desc.transb = transb;
+    desc.a = to_matrix(a);
+    desc.b = to_matrix(b);
+    desc.c = to_matrix(c);
+    desc.d = to_matrix(d);
+    desc.alpha = alpha;
+    desc.beta = beta;
+    desc.compute = compute;
+    desc.epilogue = epilogue;
+    desc.bias = to_matrix(bias);
+    desc.aux = to_matrix(aux);
+    desc.bgrad = to_matrix(bgrad);
+    desc.device = device;
+  }
+  void launch() {
+    int rc;
+    {
+      // CPU GEMMs can be long; a CUDA launch can block on a full queue or autotune.
+      nb::gil_scoped_release release;
+      rc = g_api->gemm(&desc);
+    }
+    check(rc);
+  }
+};
+
 int dtype_code(nb::dlpack::dtype t) {
   using C = nb::dlpack::dtype_code;
   if (t.lanes != 1) return -1;
@@ -113,33 +151,10 @@ NB_MODULE(_linalg, m) {
       [](int64_t mm, int64_t n, int64_t k, int64_t batch, int transa, int transb, Operand a,
          Operand b, Operand c, Operand d, double alpha, double beta, int compute, int epilogue,
          Operand bias, Operand aux, Operand bgrad, int device, uintptr_t stream) {
-        bt_linalg_gemm_desc desc;
-        bt_linalg_gemm_desc_init(&desc);
-        desc.m = mm;
-        desc.n = n;
-        desc.k = k;
-        desc.batch = batch;
-        desc.transa = transa;
-        desc.transb = transb;
-        desc.a = to_matrix(a);
-        desc.b = to_matrix(b);
-        desc.c = to_matrix(c);
-        desc.d = to_matrix(d);
-        desc.alpha = alpha;
-        desc.beta = beta;
-        desc.compute = compute;
-        desc.epilogue = epilogue;
-        desc.bias = to_matrix(bias);
-        desc.aux = to_matrix(aux);
-        desc.bgrad = to_matrix(bgrad);
-        desc.device = device;
-        desc.stream = reinterpret_cast<void*>(stream);
-        int rc;
-        {
-          nb::gil_scoped_release release;  // CPU GEMMs can be long; CUDA ones only enqueue
-          rc = g_api->gemm(&desc);
-        }
-        check(rc);
+        GemmPlan p(mm, n, k, batch, transa, transb, a, b, c, d, alpha, beta, compute, epilogue,
+                   bias, aux, bgrad, device);
+        p.desc.stream = reinterpret_cast<void*>(stream);
+        p.launch();
       },
       "m"_a, "n"_a, "k"_a, "batch"_a, "transa"_a, "transb"_a, "a"_a.none(), "b"_a.none(),
       "c"_a.none(), "d"_a.none(), "alpha"_a, "beta"_a, "compute"_a, "epilogue"_a, "bias"_a.none(),
@@ -147,6 +162,33 @@ NB_MODULE(_linalg, m) {
       "Raw row-major GEMM over pointers (see blutrain/linalg.h). Operands are\n"
       "(ptr, ld, batch_stride, dtype) tuples in elements, or None. No shape checks beyond\n"
       "the C library's: use blutrain.linalg.matmul.");
+
+  nb::class_<GemmPlan>(m, "GemmPlan",
+                       "A gemm descriptor without its pointers, built once and run many times\n"
+                       "(the hot path of blutrain.linalg.matmul for repeated shapes).")
+      .def(nb::init<int64_t, int64_t, int64_t, int64_t, int, int, Operand, Operand, Operand,
+                    Operand, double, double, int, int, Operand, Operand, Operand, int>(),
+           "m"_a, "n"_a, "k"_a, "batch"_a, "transa"_a, "transb"_a, "a"_a.none(), "b"_a.none(),
+           "c"_a.none(), "d"_a.none(), "alpha"_a, "beta"_a, "compute"_a, "epilogue"_a,
+           "bias"_a.none(), "aux"_a.none(), "bgrad"_a.none(), "device"_a,
+           "Takes gemm's arguments less the stream; operand pointers are replaced per run.")
+      .def(
+          "run",
+          [](GemmPlan& p, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t d, uintptr_t bias,
+             uintptr_t aux, uintptr_t bgrad, uintptr_t stream) {
+            p.desc.a.ptr = reinterpret_cast<const void*>(a);
+            p.desc.b.ptr = reinterpret_cast<const void*>(b);
+            p.desc.c.ptr = reinterpret_cast<const void*>(c);
+            p.desc.d.ptr = reinterpret_cast<const void*>(d);
+            p.desc.bias.ptr = reinterpret_cast<const void*>(bias);
+            p.desc.aux.ptr = reinterpret_cast<const void*>(aux);
+            p.desc.bgrad.ptr = reinterpret_cast<const void*>(bgrad);
+            p.desc.stream = reinterpret_cast<void*>(stream);
+            p.launch();
+          },
+          "a"_a, "b"_a, "c"_a, "d"_a, "bias"_a, "aux"_a, "bgrad"_a, "stream"_a,
+          "Runs the descriptor on these pointers (0 for operands the plan does not use)\n"
+          "and this stream.");
 
   m.def(
       "describe",

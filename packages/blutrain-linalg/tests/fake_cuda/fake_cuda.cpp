@@ -27,6 +27,7 @@ FAKE_API cudaError_t cudaGetDeviceProperties_v2(cudaDeviceProp* p, int) {
   memset(p, 0, sizeof *p);
   strcpy(p->name, "Fake GPU");
   p->major = 9;
+  p->l2CacheSize = 1 << 16;  // small: the autotune flush path runs, cheaply
   return cudaSuccess;
 }
 FAKE_API cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
@@ -48,6 +49,10 @@ FAKE_API cudaError_t cudaMallocAsync(void** p, size_t n, cudaStream_t) {
 }
 FAKE_API cudaError_t cudaFreeAsync(void* p, cudaStream_t) {
   free(p);
+  return cudaSuccess;
+}
+FAKE_API cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) {
+  memset(p, v, n);
   return cudaSuccess;
 }
 FAKE_API cudaError_t cudaEventCreate(cudaEvent_t* e) {

@@ -437,6 +437,153 @@ def matmul(
     column sums of op(b) for ``bgrad_b``). ``dtype`` sets the output dtype (default: the
     inputs'). Returns D, or (D, aux) / (D, bgrad) for epilogues with a second output.
     """
+    # Fast path (training loops call the same few signatures with torch tensors): everything
+    # checked for a signature (shapes, strides, dtypes, devices and the options) is kept as a
+    # plan, so a repeat reads the pointers and launches. Keys hold the full signature, so a
+    # call that differs in any checked property takes the general path, which raises.
+    tt = _TORCH.get("Tensor") or _torch_tensor_type()
+    key = None
+    if tt is not None and isinstance(a, tt) and isinstance(b, tt):
+        try:
+            key = (
+                _op,
+                a.shape,
+                a.stride(),
+                a.dtype,
+                a.device,
+                b.shape,
+                b.stride(),
+                b.dtype,
+                b.device,
+                None if out is None else _tsig(out, tt),
+                None if c is None else _tsig(c, tt),
+                None if bias is None else _tsig(bias, tt),
+                None if aux is None else _tsig(aux, tt),
+                None if bgrad is None else _tsig(bgrad, tt),
+                transa,
+                transb,
+                alpha,
+                beta,
+                epilogue,
+                mode,
+                dtype,
+            )
+            plan = _PLANS.get(key)
+        except (_NoPlan, TypeError):  # another kind of operand, or an unhashable option
+            key = plan = None
+        if plan is not None:
+            return plan.run(a, b, out, c, bias, aux, bgrad, stream)
+    return _matmul_slow(
+        a,
+        b,
+        out=out,
+        transa=transa,
+        transb=transb,
+        alpha=alpha,
+        beta=beta,
+        c=c,
+        bias=bias,
+        epilogue=epilogue,
+        aux=aux,
+        bgrad=bgrad,
+        mode=mode,
+        dtype=dtype,
+        stream=stream,
+        _op=_op,
+        _key=key,
+    )
+
+
+class _NoPlan(Exception):
+    pass
+
+
+def _tsig(x: Any, tt: type) -> tuple:
+    if not isinstance(x, tt):
+        raise _NoPlan
+    return (x.shape, x.stride(), x.dtype, x.device)
+
+
+_PLANS: dict = {}  # signature of a torch call -> _Plan
+
+
+class _Plan:
+    """What the general path worked out for one signature of torch operands."""
+
+    __slots__ = ("g", "dev", "like", "dshape", "dcode", "epi", "bgrad_shape")
+
+    def __init__(self, g, dev, dshape, dcode, epi, bgrad_shape):
+        self.g = g
+        self.dev = dev
+        self.like = _View(None, "torch", 0, (), (), dcode, dev)
+        self.dshape = dshape
+        self.dcode = dcode
+        self.epi = epi
+        self.bgrad_shape = bgrad_shape
+
+    def run(self, a, b, out, c, bias, aux, bgrad, stream):
+        dev = self.dev
+        if stream is None:
+            s = _TORCH["stream"](dev) if dev >= 0 else 0
+        else:
+            s = _resolve_stream(stream, self.like)
+        if out is None:
+            out, vd = _empty(self.like, self.dshape, self.dcode, s)
+            dptr = vd.ptr
+        else:
+            dptr = out.data_ptr()
+        epi = self.epi
+        auxp = bgp = 0
+        if epi in _WRITES_AUX or epi in _READS_AUX:
+            if aux is None:  # only for writers: readers without aux never made a plan
+                aux, va = _empty(self.like, self.dshape, self.dcode, s)
+                auxp = va.ptr
+            else:
+                auxp = aux.data_ptr()
+        if epi in _WITH_BGRAD:
+            if bgrad is None:
+                bgrad, vb = _empty(self.like, self.bgrad_shape, self.dcode, s)
+                bgp = vb.ptr
+            else:
+                bgp = bgrad.data_ptr()
+        self.g.run(
+            a.data_ptr(),
+            b.data_ptr(),
+            0 if c is None else c.data_ptr(),
+            dptr,
+            0 if bias is None else bias.data_ptr(),
+            auxp,
+            bgp,
+            s,
+        )
+        if epi in _WRITES_AUX:
+            return out, aux
+        if epi in _WITH_BGRAD:
+            return out, bgrad
+        return out
+
+
+def _matmul_slow(
+    a: Any,
+    b: Any,
+    *,
+    out: Any = None,
+    transa: bool = False,
+    transb: bool = False,
+    alpha: float = 1.0,
+    beta: float | None = None,
+    c: Any = None,
+    bias: Any = None,
+    epilogue: str | None = None,
+    aux: Any = None,
+    bgrad: Any = None,
+    mode: str | None = None,
+    dtype: Any = None,
+    stream: Any = None,
+    _op: str = "gemm",
+    _key: Any = None,
+) -> Any:
+    # The general path: views, checks and errors; builds the plan and runs it.
     op = _op
     va, vb = _view(a, "A", op), _view(b, "B", op)
     if va.device != vb.device:
@@ -628,7 +775,7 @@ def matmul(
             bgrad, _ = _empty(va, (batch, blen) if batched_out else (blen,), vd.dtype, s)
         bgrad_op = vec_operand(bgrad, "bgrad", blen)[0]
 
-    _linalg.gemm(
+    g = _linalg.GemmPlan(
         m,
         n,
         k,
@@ -647,8 +794,28 @@ def matmul(
         aux_op,
         bgrad_op,
         dev,
+    )
+    g.run(
+        ma.ptr,
+        mb.ptr,
+        c_op[0] if c_op is not None else 0,
+        md.ptr,
+        bias_op[0] if bias_op is not None else 0,
+        aux_op[0] if aux_op is not None else 0,
+        bgrad_op[0] if bgrad_op is not None else 0,
         s,
     )
+    if _key is not None:  # torch operands only: the plan is reused for this signature
+        if len(_PLANS) >= 4096:
+            _PLANS.clear()
+        _PLANS[_key] = _Plan(
+            g,
+            dev,
+            dshape,
+            vd.dtype,
+            epi,
+            (batch, m if epi == 8 else n) if batched_out else ((m if epi == 8 else n),),
+        )
     if epi in _WRITES_AUX:
         return out, aux_out
     if epi in _WITH_BGRAD:
