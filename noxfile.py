@@ -123,7 +123,8 @@ def cuda_build(session: nox.Session) -> None:
     install_packages(session, cuda="ON", archs="90-real")
     # On a CUDA build without a GPU every CUDA path must raise, not crash; linalg's
     # host-logic test compiles its CUDA backend over fake CUDA (needs cublasLt.h).
-    dirs = [f"packages/{p}/tests" for p in present() if p in ("blutrain-alloc", "blutrain-linalg")]
+    cuda_tested = ("blutrain-alloc", "blutrain-linalg", "blutrain-tensor")
+    dirs = [f"packages/{p}/tests" for p in present() if p in cuda_tested]
     session.run("pytest", "-q", "-p", "no:cacheprovider", *dirs)
 
 

@@ -139,9 +139,10 @@ std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Ten
                                         : TensorMeta{{}, DType::Float32, device});
   }
   if (prim->saves_inputs()) {
-    for (auto& t : inputs) {
-      node->saved_in.push_back(t);
-      node->ver_in.push_back(t.defined() ? t.version() : 0);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const bool keep = inputs[i].defined() && prim->saves_input(i, node->needs);
+      node->saved_in.push_back(keep ? inputs[i] : Tensor());
+      node->ver_in.push_back(keep ? inputs[i].version() : 0);
     }
   }
   if (prim->saves_outputs()) {

@@ -47,6 +47,9 @@ class Primitive {
   virtual bool is_view() const { return false; }
   virtual Tensor eval_view(const std::vector<Tensor>& in) { return Tensor(); }
   virtual bool saves_inputs() const { return true; }
+  // Finer grain, when saves_inputs(): whether input i is kept given which inputs need a
+  // gradient (x * y keeps x only for y's gradient), so fewer in-place changes trip the check.
+  virtual bool saves_input(size_t i, const std::vector<bool>& needs) const { return true; }
   virtual bool saves_outputs() const { return false; }
   virtual bool differentiable() const { return true; }
   // Elementwise ops: the output takes input 0's memory layout when that is dense (so a
@@ -221,6 +224,11 @@ class Binary : public Primitive {
   void eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) override;
   std::vector<Tensor> vjp(const VjpArgs& a) override;
   bool saves_inputs() const override;
+  bool saves_input(size_t i, const std::vector<bool>& needs) const override {
+    if (op == BinaryOp::Mul) return needs[1 - i];
+    if (op == BinaryOp::Div) return i == 1 || needs[1];
+    return true;
+  }
   bool saves_outputs() const override { return op == BinaryOp::Pow; }
   bool differentiable() const override { return op <= BinaryOp::Minimum; }
   bool preserves_layout() const override { return true; }
@@ -369,13 +377,13 @@ class Matmul : public Primitive {
 };
 
 // X-macro of every primitive class, for backend tables (no_cuda.cpp, future dispatch).
-#define BT_PRIMITIVES(X)                                                               \
-  X(Full)                                                                              \
-  X(Arange)                                                                            \
-  X(Random) X(AsType) X(ToDevice) X(Reshape) X(Permute) X(Expand) X(Slice) X(Select)   \
-      X(SliceScatter) X(Unary) X(Binary) X(Where) X(MaskedFill) X(Reduce) X(ArgReduce) \
-          X(IndexSelect) X(IndexAdd) X(Gather) X(ScatterAdd) X(Concatenate) X(Softmax) \
-              X(LayerNorm) X(CrossEntropy) X(Dropout) X(Matmul)
+// clang-format off
+#define BT_PRIMITIVES(X)                                                                     \
+  X(Full) X(Arange) X(Random) X(AsType) X(ToDevice) X(Reshape) X(Permute) X(Expand)         \
+  X(Slice) X(Select) X(SliceScatter) X(Unary) X(Binary) X(Where) X(MaskedFill) X(Reduce)     \
+  X(ArgReduce) X(IndexSelect) X(IndexAdd) X(Gather) X(ScatterAdd) X(Concatenate) X(Softmax) \
+  X(LayerNorm) X(CrossEntropy) X(Dropout) X(Matmul)
+// clang-format on
 
 // ---- running a primitive -------------------------------------------------------------------
 // The one entry point every op goes through: checks devices, runs (or records, in capture mode)

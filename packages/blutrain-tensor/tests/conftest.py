@@ -5,8 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import blutrain.tensor as bt
-
 try:  # PyTorch CPU is a reference only; its tests skip without it.
     import torch
 except ImportError:  # pragma: no cover
@@ -26,22 +24,3 @@ def torch_ref():
     if torch is None:
         pytest.skip("torch is not installed (pip install torch==2.13.0)")
     return torch
-
-
-def needs_linalg() -> None:
-    if bt._linalg_status():
-        pytest.skip(f"blutrain-linalg unavailable: {bt._linalg_status()}")
-
-
-def f64(t: bt.Tensor) -> np.ndarray:
-    return t.detach().cpu().to(bt.float64).numpy()
-
-
-# Tolerances against a float64 reference, per dtype (relative to magnitudes ~1).
-TOL = {
-    bt.float64: dict(rtol=1e-12, atol=1e-12),
-    bt.float32: dict(rtol=1e-5, atol=1e-6),
-    bt.float16: dict(rtol=2e-3, atol=2e-3),
-    bt.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
-}
-FLOAT_DTYPES = [bt.float64, bt.float32, bt.float16, bt.bfloat16]

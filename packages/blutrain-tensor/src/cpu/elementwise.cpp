@@ -210,11 +210,11 @@ void Unary::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   case UnaryOp::N:                                     \
     unary_dispatch<UnaryOp::N>(in[0], out[0], name()); \
     break;
-    BT_CASE(Neg)
-    BT_CASE(Exp)
-    BT_CASE(Log) BT_CASE(Sqrt) BT_CASE(Rsqrt) BT_CASE(Tanh) BT_CASE(Abs) BT_CASE(Sigmoid)
-        BT_CASE(Relu) BT_CASE(Sin) BT_CASE(Cos) BT_CASE(GeluTanh) BT_CASE(GeluErf) BT_CASE(Erf)
-            BT_CASE(LogicalNot) BT_CASE(Sign)
+    // clang-format off
+    BT_CASE(Neg) BT_CASE(Exp) BT_CASE(Log) BT_CASE(Sqrt) BT_CASE(Rsqrt) BT_CASE(Tanh)
+    BT_CASE(Abs) BT_CASE(Sigmoid) BT_CASE(Relu) BT_CASE(Sin) BT_CASE(Cos) BT_CASE(GeluTanh)
+    BT_CASE(GeluErf) BT_CASE(Erf) BT_CASE(LogicalNot) BT_CASE(Sign)
+    // clang-format on
 #undef BT_CASE
   }
 }
@@ -307,11 +307,11 @@ void Binary::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   case BinaryOp::N:                                \
     binary_dispatch<BinaryOp::N>(x, y, o, name()); \
     break;
-    BT_CASE(Add)
-    BT_CASE(Sub)
-    BT_CASE(Mul)
-    BT_CASE(Div) BT_CASE(Pow) BT_CASE(Maximum) BT_CASE(Minimum) BT_CASE(Eq) BT_CASE(Ne) BT_CASE(Lt)
-        BT_CASE(Le) BT_CASE(Gt) BT_CASE(Ge) BT_CASE(And) BT_CASE(Or)
+    // clang-format off
+    BT_CASE(Add) BT_CASE(Sub) BT_CASE(Mul) BT_CASE(Div) BT_CASE(Pow) BT_CASE(Maximum)
+    BT_CASE(Minimum) BT_CASE(Eq) BT_CASE(Ne) BT_CASE(Lt) BT_CASE(Le) BT_CASE(Gt) BT_CASE(Ge)
+    BT_CASE(And) BT_CASE(Or)
+    // clang-format on
 #undef BT_CASE
   }
 }

@@ -9,7 +9,7 @@
 namespace bt::cpu {
 
 inline float fast_exp(float x) {
-  const float hi = 88.3762626647949f, lo = -87.3365447504f;
+  const float hi = 88.72283905206835f, lo = -87.3365447504f;  // ln(FLT_MAX), ln(FLT_MIN)
   const float xc = x > hi ? hi : (x < lo ? lo : x);
   const float t = xc * 1.44269504088896341f;  // x / ln 2
   const int32_t n = static_cast<int32_t>(t + (t >= 0 ? 0.5f : -0.5f));
@@ -24,10 +24,11 @@ inline float fast_exp(float x) {
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * z + r + 1.0f;
-  const int32_t bits = (n + 127) << 23;
+  // 2^n built as 2^(n-1) * 2, so n = 128 (x near ln(FLT_MAX)) does not overflow the exponent.
+  const int32_t bits = (n + 126) << 23;
   float p2;
   std::memcpy(&p2, &bits, 4);
-  float res = y * p2;
+  float res = y * p2 * 2.0f;
   res = x > hi ? __builtin_inff() : res;
   res = x < lo ? 0.0f : res;  // below float's normal range (std::exp would give a subnormal)
   return x != x ? x : res;
@@ -43,7 +44,7 @@ inline float fast_tanh(float x) {
   p = p * z + 1.33314422036e-1f;
   p = p * z - 3.33332819422e-1f;
   const float small = p * z * x + x;
-  const float e = fast_exp(2.0f * (ax > 9.0f ? 9.0f : ax));
+  const float e = fast_exp(2.0f * (ax > 20.0f ? 20.0f : ax));  // tanh(20) rounds to 1
   float big = 1.0f - 2.0f / (e + 1.0f);
   big = x < 0 ? -big : big;
   const float r = ax < 0.625f ? small : big;

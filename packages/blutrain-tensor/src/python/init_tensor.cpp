@@ -300,20 +300,17 @@ Tensor getitem(const Tensor& self, nb::handle idx) {
       }
       t = select(t, d, i);
     } else if (PySlice_Check(it.ptr())) {
-      Py_ssize_t start, stop, step;
-      PyObject* s = it.ptr();
-      auto get = [](PyObject* o) -> std::optional<int64_t> {
-        if (o == Py_None) return std::nullopt;
-        return nb::cast<int64_t>(nb::handle(o));
+      // Attribute access, not PySliceObject: the stable ABI hides the struct.
+      auto get = [](nb::handle o) -> std::optional<int64_t> {
+        if (o.is_none()) return std::nullopt;
+        return nb::cast<int64_t>(nb::int_(o));
       };
-      PySliceObject* so = reinterpret_cast<PySliceObject*>(s);
-      auto st = get(so->step);
-      (void)start;
-      (void)stop;
-      step = st ? *st : 1;
-      if (step <= 0)
+      auto st = get(it.attr("step"));
+      const int64_t step = st ? *st : 1;
+      if (step <= 0) {
         throw ValueError("[getitem] slice step must be positive, got " + std::to_string(step));
-      t = slice(t, d, get(so->start), get(so->stop), step);
+      }
+      t = slice(t, d, get(it.attr("start")), get(it.attr("stop")), step);
       ++d;
     } else {
       Tensor ix = is_tensor(it) ? nb::cast<Tensor>(it) : index_tensor_from(it, t.device());
@@ -336,16 +333,41 @@ Tensor getitem(const Tensor& self, nb::handle idx) {
   return t;
 }
 
+// self[idx] = value.  Without autograd and capture, basic indexing writes through a view.
+// Otherwise (a tensor index or mask, a value or self that needs grad, or capture) it is a
+// functional update: the flat positions idx selects (indexing an arange) place value with
+// index_add and pick it with where, so gradients reach both value and the untouched part of
+// self, and a capture sees self renamed.  Repeated positions add up (PyTorch keeps one).
 void setitem(Tensor& self, nb::handle idx, nb::handle value) {
-  Tensor v = getitem(self, idx);
-  if (v.storage() != self.storage() && !self.is_symbolic()) {
-    throw NotImplementedError(
-        "[setitem] assignment through tensor or mask indices is not "
-        "supported yet; use index_add / masked_fill");
-  }
   Tensor src = as_tensor_like(value, self, "setitem");
-  if (v.same(self)) v = detach(self);  // t[...] = x: write through a view of self
-  copy_(v, src);
+  const bool track = grad_enabled() && (self.requires_grad() || src.requires_grad());
+  Tensor v;
+  {
+    GradModeGuard no_grad(false);
+    v = getitem(self, idx);
+  }
+  if (!track && !active_graph() && v.storage() == self.storage()) {
+    if (v.same(self)) v = detach(self);  // t[...] = x: write through a view of self
+    copy_(v, src);
+    return;
+  }
+  const int64_t n = self.numel();
+  const Device dev = self.device();
+  Tensor pos;
+  {
+    GradModeGuard no_grad(false);
+    pos = getitem(reshape(arange(0, static_cast<double>(n), 1, DType::Int64, dev), self.shape()),
+                  idx);
+  }
+  Tensor posf = reshape(contiguous(pos), {-1});
+  Tensor srcf = reshape(contiguous(expand(astype(src, self.dtype()), pos.shape())), {-1});
+  Tensor placed = index_add(zeros({n}, self.dtype(), dev), 0, posf, srcf);
+  Tensor hits = index_add(zeros({n}, DType::Int64, dev), 0, posf, ones_like(posf));
+  Tensor mask = binary(BinaryOp::Gt, hits, Scalar{0, 1});
+  // where() saves its inputs; the write below must not change the `self` it saved.
+  Tensor base = track ? clone(self) : self;
+  Tensor r = where(reshape(mask, self.shape()), reshape(placed, self.shape()), base);
+  inplace(self, r, "setitem");
 }
 
 // The operand an in-place op reads as `self`.  With autograd recording, a copy: the op's node
@@ -608,10 +630,10 @@ NB_MODULE(_tensor, m) {
       "gradient"_a = nb::none(), "retain_graph"_a = false,
       "Accumulates d(self)/d(leaf) into every leaf's .grad.");
   T.def(
-      "register_hook", [](const Tensor& t, nb::callable fn) { register_hook(t, py_hook(fn)); },
+      "_register_hook", [](const Tensor& t, nb::callable fn) { register_hook(t, py_hook(fn)); },
       "hook"_a, "hook(grad) -> Tensor | None runs when the gradient of this tensor is computed.");
   T.def(
-      "register_post_accumulate_grad_hook",
+      "_register_post_accumulate_grad_hook",
       [](const Tensor& t, nb::callable fn) {
         register_post_accumulate_hook(t, [fn](const Tensor& leaf) {
           nb::gil_scoped_acquire gil;

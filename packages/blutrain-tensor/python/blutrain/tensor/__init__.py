@@ -432,6 +432,38 @@ def _format(self: Tensor, spec: str) -> str:
     return repr(self)
 
 
+class RemovableHandle:
+    """Returned by register_hook: remove() disables the hook and drops the callable."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn: Callable[..., Any] | None = fn
+
+    def __call__(self, arg: Any) -> Any:
+        return self.fn(arg) if self.fn is not None else None
+
+    def remove(self) -> None:
+        self.fn = None
+
+
+def _register_hook(self: Tensor, hook: Callable[[Tensor], Tensor | None]) -> RemovableHandle:
+    """hook(grad) -> Tensor | None runs when this tensor's gradient is computed; a returned tensor
+    replaces the gradient."""
+    h = RemovableHandle(hook)
+    self._register_hook(h)
+    return h
+
+
+def _register_post_accumulate_grad_hook(
+    self: Tensor, hook: Callable[[Tensor], None]
+) -> RemovableHandle:
+    """hook(tensor) runs once this leaf's .grad is final for the current backward."""
+    h = RemovableHandle(hook)
+    self._register_post_accumulate_grad_hook(h)
+    return h
+
+
+Tensor.register_hook = _register_hook  # type: ignore[attr-defined]
+Tensor.register_post_accumulate_grad_hook = _register_post_accumulate_grad_hook  # type: ignore[attr-defined]
 Tensor.max = _max  # type: ignore[method-assign]
 Tensor.min = _min  # type: ignore[method-assign]
 Tensor.tolist = _tolist  # type: ignore[attr-defined]
@@ -703,6 +735,7 @@ __all__ = [
     "Iterator",
     "MaxResult",
     "Node",
+    "RemovableHandle",
     "Sequence",
     "Tensor",
     "abs",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import needs_linalg
+from tensor_testutil import needs_linalg
 
 import blutrain.tensor as bt
 

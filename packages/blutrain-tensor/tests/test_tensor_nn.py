@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import needs_linalg
-from gpt2_block import Block
+from tensor_gpt2_block import Block
+from tensor_testutil import needs_linalg
 
 import blutrain.tensor as bt
 from blutrain.tensor import nn

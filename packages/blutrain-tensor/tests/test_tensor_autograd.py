@@ -253,3 +253,17 @@ def test_views_carry_gradients(rng):
     (parts[0] * 2 + parts[1].exp()).sum().backward()
     ref = np.concatenate([np.full((4, 3), 2.0), np.exp(a[:, 3:])], 1)
     np.testing.assert_allclose(x.grad.numpy(), ref)
+
+
+def test_hook_handles_remove():
+    x = bt.ones(2, requires_grad=True)
+    calls = []
+    h = x.register_hook(lambda g: calls.append(1))
+    p = x.register_post_accumulate_grad_hook(lambda t: calls.append(2))
+    (x * 2).sum().backward()
+    assert calls == [1, 2]
+    h.remove()
+    p.remove()
+    (x * 2).sum().backward()
+    assert calls == [1, 2]
+    np.testing.assert_array_equal(x.grad.numpy(), [4.0, 4.0])

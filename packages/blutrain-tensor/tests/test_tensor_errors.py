@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import needs_linalg
+from tensor_testutil import needs_linalg
 
 import blutrain.tensor as bt
 
@@ -179,3 +179,26 @@ def test_device_mismatch_is_named():
             bt.ones(2) + c
         with pytest.raises(ValueError, match=r"^\[cat\] expected all tensors on the same device"):
             bt.cat([bt.ones(2), c])
+
+
+@pytest.mark.skipif(
+    not bt.cuda_built() or bt.cuda_device_count() > 0,
+    reason="a CUDA build on a machine without GPU",
+)
+def test_cuda_build_without_gpu_raises():
+    with pytest.raises(RuntimeError, match=r"^\[zeros\] cannot use cuda:0: no CUDA device"):
+        bt.zeros(2, device="cuda")
+    with pytest.raises(RuntimeError, match=r"^\[to\] cannot use cuda:0: no CUDA device"):
+        bt.ones(2).cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bt.cuda_device_count() == 0, reason="needs a CUDA device")
+def test_gpu_transfers_and_stubs():
+    """On a GPU: transfers round-trip; ops without a CUDA kernel yet say so, naming the op."""
+    x = bt.arange(6.0).reshape(2, 3)
+    g = x.cuda()
+    assert g.device == "cuda:0" and g.shape == (2, 3)
+    assert g.cpu().tolist() == x.tolist()
+    with pytest.raises(NotImplementedError, match=r"^\[add\] has no CUDA implementation"):
+        g + g

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from gpt2_block import Block
+from tensor_gpt2_block import Block
 
 import blutrain.tensor as bt
 
