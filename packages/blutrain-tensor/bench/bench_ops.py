@@ -29,7 +29,7 @@ def timeit(fn, reps: int = 20) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default="bench_ops.json")
+    ap.add_argument("--out", "--json", dest="out", default="bench_ops.json")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     a = rng.standard_normal((2048, 1024)).astype(np.float32)
