@@ -14,6 +14,8 @@ import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["tests"]
+# Sessions: tests (CI), train (the main job), demo (allocator tour and benchmark), lint,
+# cuda_build, gpu.
 
 ROOT = pathlib.Path(__file__).parent
 # Dependency order: alloc <- linalg <- tensor <- {dist, compiler} <- models.
@@ -84,6 +86,16 @@ def tests(session: nox.Session) -> None:
     install_packages(session, cuda="OFF")
     dirs = [f"packages/{p}/tests" for p in present() if (ROOT / "packages" / p / "tests").exists()]
     session.run("pytest", "-q", "-p", "no:cacheprovider", *dirs, "tests", *session.posargs)
+
+
+@nox.session(python="3.11")
+def train(session: nox.Session) -> None:
+    """The main job: train a small GPT-2 on the shipped Tiny Shakespeare (CPU for now: the
+    tensor package's CUDA kernels are not written yet). Arguments go to `blutrain train`."""
+    session.install(*BUILD_DEPS)
+    extra_deps(session)
+    install_packages(session, cuda=os.environ.get("BLUTRAIN_CUDA", "OFF"))
+    session.run("blutrain", "train", *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -30,7 +30,7 @@ extern "C" {
 #endif
 
 /* major << 16 | minor. A dependent built for major M accepts M.x with x >= its minor. */
-#define BT_ALLOC_ABI_VERSION ((1u << 16) | 0u)
+#define BT_ALLOC_ABI_VERSION ((1u << 16) | 1u) /* 1.1: set_pool_option */
 #define BT_ALLOC_CAPSULE_NAME "blutrain.alloc._C_API"
 
 enum bt_alloc_status {

@@ -30,12 +30,20 @@ static inline const bt_alloc_api* bt_alloc_import(void) {
   Py_DECREF(cap);
   if (!api) return NULL;
   const uint32_t have = api->abi_version, want = BT_ALLOC_IMPORT_WANT_VERSION;
-  if ((have >> 16) != (want >> 16) || (have & 0xffffu) < (want & 0xffffu) ||
-      (want == BT_ALLOC_ABI_VERSION && api->struct_size < sizeof(bt_alloc_api))) {
+  if ((have >> 16) != (want >> 16) || (have & 0xffffu) < (want & 0xffffu)) {
     PyErr_Format(PyExc_ImportError,
                  "blutrain.alloc C ABI %u.%u is installed, but this module was built for %u.%u: "
                  "rebuild it against the installed blutrain-alloc, or install a matching one",
                  have >> 16, have & 0xffffu, want >> 16, want & 0xffffu);
+    return NULL;
+  }
+  /* Same version, shorter table: a development build between two version bumps. */
+  if (want == BT_ALLOC_ABI_VERSION && api->struct_size < sizeof(bt_alloc_api)) {
+    PyErr_Format(PyExc_ImportError,
+                 "blutrain.alloc C ABI %u.%u is installed with a %u-byte function table, but this "
+                 "module needs %u bytes: reinstall blutrain-alloc from the same sources",
+                 have >> 16, have & 0xffffu, (unsigned)api->struct_size,
+                 (unsigned)sizeof(bt_alloc_api));
     return NULL;
   }
   return api;

@@ -1,0 +1,260 @@
+"""Optimizers and schedules over blutrain.tensor parameters.
+
+    from blutrain.models.optim import AdamW, CosineSchedule, clip_grad_norm_
+    opt = AdamW(model.named_parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = CosineSchedule(max_lr=6e-4, warmup_steps=100, max_steps=5000, min_lr=6e-5)
+    for step in range(5000):
+        for micro in range(accum):                 # gradient accumulation: grads add up
+            _, loss = model(x, y)
+            (loss / accum).backward()
+        norm = clip_grad_norm_(model.parameters(), 1.0)
+        opt.set_lr(sched(step))
+        opt.step()
+        opt.zero_grad()
+
+AdamW is PyTorch's (Loshchilov & Hutter's decoupled weight decay), step for step the same
+arithmetic as ``torch.optim.AdamW`` (single-tensor path), so losses agree with PyTorch to float
+rounding. Weight decay applies only to tensors with dim >= 2 (matmul weights and embeddings),
+never to biases and LayerNorm weights, as in GPT-2/nanoGPT/llm.c.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+import blutrain.tensor as bt
+
+
+def _named(params: Any) -> list[tuple[str, bt.Tensor]]:
+    """(name, tensor) pairs from named_parameters(), a dict, or plain tensors (named by index)."""
+    if isinstance(params, bt.Tensor):
+        raise TypeError("[AdamW] params must be an iterable of tensors, not a single tensor")
+    if isinstance(params, Mapping):
+        items = list(params.items())
+    else:
+        items = list(params)
+    out: list[tuple[str, bt.Tensor]] = []
+    for i, item in enumerate(items):
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            name, p = item
+        else:
+            name, p = str(i), item
+        if not isinstance(p, bt.Tensor):
+            raise TypeError(f"[AdamW] parameter {name!r} is a {type(p).__name__}, not a bt.Tensor")
+        if not p.is_floating_point():
+            raise TypeError(f"[AdamW] parameter {name!r} has dtype {p.dtype}, not floating point")
+        out.append((name, p))
+    names = [n for n, _ in out]
+    if len(set(names)) != len(names):
+        raise ValueError("[AdamW] parameter names must be unique")
+    if not out:
+        raise ValueError("[AdamW] got an empty parameter list")
+    return out
+
+
+class AdamW:
+    """AdamW with decoupled weight decay; decay only on tensors with dim >= 2.
+
+    params: ``model.named_parameters()`` (names make the state dict readable and checkable),
+    a dict name -> tensor, or plain tensors. `no_decay` overrides which names get no decay
+    (default: every tensor with dim < 2).
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 6e-4,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        no_decay: Iterable[str] | None = None,
+    ) -> None:
+        if not lr >= 0:
+            raise ValueError(f"[AdamW] lr must be >= 0, got {lr}")
+        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"[AdamW] betas must lie in [0, 1), got {betas}")
+        if not eps >= 0:
+            raise ValueError(f"[AdamW] eps must be >= 0, got {eps}")
+        if not weight_decay >= 0:
+            raise ValueError(f"[AdamW] weight_decay must be >= 0, got {weight_decay}")
+        self.params = _named(params)
+        self.lr = float(lr)
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+        nd = set(no_decay) if no_decay is not None else None
+        self.decay = {n: (p.ndim >= 2 if nd is None else n not in nd) for n, p in self.params}
+        # name -> {"step": int, "exp_avg": Tensor, "exp_avg_sq": Tensor}, created lazily
+        self.state: dict[str, dict[str, Any]] = {}
+
+    # -- the step --------------------------------------------------------------------------------
+    def set_lr(self, lr: float) -> None:
+        self.lr = float(lr)
+
+    @bt.no_grad()
+    def step(self) -> None:
+        """One update of every parameter that has a gradient (others are left alone)."""
+        b1, b2 = self.betas
+        lr, eps, wd = self.lr, self.eps, self.weight_decay
+        for name, p in self.params:
+            g = p.grad
+            if g is None:
+                continue
+            st = self.state.get(name)
+            if st is None:
+                st = {"step": 0, "exp_avg": bt.zeros_like(p), "exp_avg_sq": bt.zeros_like(p)}
+                self.state[name] = st
+            st["step"] += 1
+            t = st["step"]
+            m, v = st["exp_avg"], st["exp_avg_sq"]
+            if wd and self.decay[name]:
+                p.mul_(1 - lr * wd)
+            # m = lerp(m, g, 1 - b1) = m + (1 - b1) (g - m), as torch's lerp_
+            m.add_((g - m) * (1 - b1))
+            v.mul_(b2).add_(g * g * (1 - b2))
+            bias1 = 1 - b1**t
+            bias2_sqrt = math.sqrt(1 - b2**t)
+            denom = v.sqrt() / bias2_sqrt + eps
+            p.sub_(m / denom * (lr / bias1))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, p in self.params:
+            if set_to_none or p.grad is None:
+                p.grad = None
+            else:
+                with bt.no_grad():
+                    p.grad.zero_()
+
+    # -- state -------------------------------------------------------------------------------------
+    def hyperparameters(self) -> dict[str, Any]:
+        return {
+            "lr": self.lr,
+            "betas": list(self.betas),
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "no_decay": sorted(n for n, d in self.decay.items() if not d),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"hyperparameters": JSON-able, "steps": {name: int}, "tensors": {"exp_avg/<name>":
+        numpy float32, "exp_avg_sq/<name>": ...}}: the tensors go to a safetensors file, the rest
+        to JSON (see `save_checkpoint(optimizer=sd["tensors"], trainer={... sd["meta"]})`)."""
+        tensors: dict[str, np.ndarray] = {}
+        steps: dict[str, int] = {}
+        for name, st in self.state.items():
+            steps[name] = int(st["step"])
+            for key in ("exp_avg", "exp_avg_sq"):
+                tensors[f"{key}/{name}"] = np.array(st[key].detach().cpu().numpy(), copy=True)
+        return {
+            "meta": {"hyperparameters": self.hyperparameters(), "steps": steps},
+            "tensors": tensors,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from `state_dict()`'s form (tensors may come back from a safetensors file).
+
+        Errors name the parameter: unknown names, missing moments, shape mismatches.
+        """
+        try:
+            meta, tensors = state["meta"], state["tensors"]
+            hp, steps = meta["hyperparameters"], meta["steps"]
+        except (KeyError, TypeError):
+            raise ValueError(
+                "[AdamW] load_state_dict: not an AdamW state dict (needs 'meta' "
+                "with 'hyperparameters' and 'steps', and 'tensors')"
+            ) from None
+        own = dict(self.params)
+        unknown = sorted(set(steps) - set(own))
+        if unknown:
+            raise ValueError(
+                f"[AdamW] load_state_dict: state for unknown parameter(s) {unknown[:5]}"
+            )
+        expected = {f"{k}/{n}" for n in steps for k in ("exp_avg", "exp_avg_sq")}
+        missing = sorted(expected - set(tensors))
+        extra = sorted(set(tensors) - expected)
+        if missing or extra:
+            raise ValueError(
+                f"[AdamW] load_state_dict: missing tensor(s) {missing[:5]}, unexpected {extra[:5]}"
+            )
+        new_state: dict[str, dict[str, Any]] = {}
+        for name, step in steps.items():
+            p = own[name]
+            st: dict[str, Any] = {"step": int(step)}
+            for key in ("exp_avg", "exp_avg_sq"):
+                a = np.asarray(tensors[f"{key}/{name}"])
+                if tuple(a.shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"[AdamW] load_state_dict: {key}/{name} has shape {tuple(a.shape)}, "
+                        f"the parameter has {tuple(p.shape)}"
+                    )
+                st[key] = bt.tensor(np.ascontiguousarray(a), dtype=p.dtype, device=str(p.device))
+            new_state[name] = st
+        self.lr = float(hp["lr"])
+        self.betas = (float(hp["betas"][0]), float(hp["betas"][1]))
+        self.eps = float(hp["eps"])
+        self.weight_decay = float(hp["weight_decay"])
+        nd = set(hp.get("no_decay", []))
+        self.decay = {n: n not in nd for n, _ in self.params}
+        self.state = new_state
+
+
+# ---------------------------------------------------------------------------------------------
+# learning rate and clipping
+
+
+class CosineSchedule:
+    """Linear warmup to max_lr over warmup_steps, then cosine decay to min_lr at max_steps.
+
+    ``sched(step)`` for step = 0, 1, ...: (step + 1) / warmup * max_lr during warmup (so the
+    first step is not wasted at lr 0, as nanoGPT and llm.c do), min_lr from max_steps on.
+    """
+
+    def __init__(
+        self, max_lr: float, warmup_steps: int, max_steps: int, min_lr: float | None = None
+    ) -> None:
+        if warmup_steps < 0 or max_steps < 1:
+            raise ValueError(
+                f"[CosineSchedule] need warmup_steps >= 0 and max_steps >= 1, got "
+                f"{warmup_steps}, {max_steps}"
+            )
+        self.max_lr = float(max_lr)
+        self.min_lr = float(max_lr * 0.1 if min_lr is None else min_lr)
+        self.warmup_steps = int(warmup_steps)
+        self.max_steps = int(max_steps)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.max_lr * (step + 1) / self.warmup_steps
+        if step >= self.max_steps:
+            return self.min_lr
+        span = max(1, self.max_steps - self.warmup_steps)
+        ratio = (step - self.warmup_steps) / span
+        coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+
+def cosine_lr(
+    step: int, max_lr: float, warmup_steps: int, max_steps: int, min_lr: float | None = None
+) -> float:
+    return CosineSchedule(max_lr, warmup_steps, max_steps, min_lr)(step)
+
+
+def clip_grad_norm_(parameters: Iterable[bt.Tensor], max_norm: float) -> float:
+    """Scale all .grad in place so their global L2 norm is at most max_norm; returns the norm
+    before clipping (a float; inf or nan when a gradient is not finite). max_norm <= 0 or inf
+    only measures."""
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return 0.0
+    if max_norm is None or not math.isfinite(max_norm) or max_norm <= 0:
+        with bt.no_grad():
+            total = None
+            for p in params:
+                s = (p.grad.double() * p.grad.double()).sum()
+                total = s if total is None else total + s
+            return float(math.sqrt(float(total.item())))
+    return float(bt.clip_grad_norm_(params, float(max_norm)).item())

@@ -1,0 +1,1052 @@
+"""Training GPT-2: the Trainer, and the `train`, `sample`, `eval` and `bench` commands.
+
+    from blutrain.models.trainer import TrainConfig, Trainer, train
+    summary = train(TrainConfig(max_steps=200))            # what `blutrain train` runs
+    summary = train(TrainConfig(model="gpt2", data="data/fineweb", batch_size=16, seq_len=1024,
+                                grad_accum=32, device="cuda"))
+
+One optimizer step = `grad_accum` micro-batches of (batch_size, seq_len) tokens whose gradients
+add up (each loss scaled by 1/grad_accum), then global-norm clipping, the cosine schedule's
+learning rate, and AdamW. Every `eval_interval` steps the validation loss (the first `eval_batches`
+batches of the validation split, always the same ones) and every `sample_interval` steps a text
+sample are logged. Metrics go to ``<out_dir>/metrics.jsonl`` (one JSON object a line), the loss
+curves to ``<out_dir>/loss.png`` at the end (when matplotlib is installed), checkpoints to
+``<out_dir>/checkpoint`` (atomically; `resume=True` continues from there bit for bit: model,
+AdamW moments, step, and the data loader's position are all restored).
+
+The CLI wiring: `add_commands(subparsers)` registers the four subcommands on an argparse
+subparsers object (each sets `_run` like `cli.COMMANDS` entries do); `COMMANDS` lists them as
+`cli.Command` entries too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_DATA = "data/shakespeare"
+DEFAULT_OUT = "runs/shakespeare"
+CHECKPOINT_DIR = "checkpoint"
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+# Dense peak FLOP/s for MFU, by device name substring and precision (dense, no sparsity).
+_PEAK_FLOPS = {
+    "H200": {"float32": 67e12, "tf32": 494.5e12, "bfloat16": 989.5e12},
+    "H100": {"float32": 67e12, "tf32": 494.5e12, "bfloat16": 989.5e12},
+    "A100": {"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12},
+}
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; `blutrain train` flags map one to one onto these fields.
+
+    The defaults train the "tiny" GPT-2 (4 layers, 4 heads, 128 wide, GPT-2's 50,257-token
+    vocabulary) on the shipped Tiny Shakespeare, sized so the loss falls visibly in a few minutes
+    on a 2-core CPU.
+    """
+
+    # model
+    model: str = "tiny"  # a GPT2Config preset name or a JSON file of GPT2Config fields
+    init_from: str | None = None  # a Hugging Face GPT-2 directory to start from
+    vocab_multiple: int = 128
+    # data
+    data: str | None = None  # directory of llm.c shards (default: prepare Tiny Shakespeare)
+    batch_size: int = 8
+    seq_len: int = 128
+    grad_accum: int = 1
+    # optimization
+    max_steps: int = 300
+    lr: float = 2e-3
+    min_lr: float | None = None  # default lr / 10
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    # where and how
+    device: str = "auto"  # auto: CUDA when this build can run on a GPU here, else CPU
+    precision: str = "float32"
+    threads: int = 0  # CPU threads (OpenMP and BLAS); 0: OMP_NUM_THREADS, else all cores but one
+    seed: int = 1337
+    # logging, evaluation, checkpoints
+    out_dir: str = DEFAULT_OUT
+    log_interval: int = 10  # plain log lines (the live bar updates every step)
+    eval_interval: int = 50
+    eval_batches: int = 8
+    sample_interval: int = 100
+    sample_tokens: int = 48
+    sample_prompt: str = "\n"
+    ckpt_interval: int = 0  # 0: only at the end
+    resume: bool = False
+    progress: bool = True
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "seq_len", "grad_accum", "max_steps", "vocab_multiple"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"[TrainConfig] {name} must be a positive int, got {v!r}")
+        for name in (
+            "threads",
+            "warmup_steps",
+            "eval_interval",
+            "eval_batches",
+            "sample_interval",
+            "sample_tokens",
+            "ckpt_interval",
+            "log_interval",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"[TrainConfig] {name} must be an int >= 0, got {v!r}")
+        if self.precision not in ("float32", "fp32"):
+            raise ValueError(
+                f"[TrainConfig] precision {self.precision!r} is not available yet: blutrain.tensor "
+                "has no autocast; use float32"
+            )
+        if not self.lr > 0:
+            raise ValueError(f"[TrainConfig] lr must be > 0, got {self.lr}")
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike, **overrides: Any) -> TrainConfig:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"[TrainConfig] {p}: no such file")
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"[TrainConfig] {p}: not valid JSON ({e})") from None
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(
+                f"[TrainConfig] {p}: unknown field(s) {unknown}; known: {sorted(known)}"
+            )
+        d.update(overrides)
+        return cls(**d)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def set_threads(n: int = 0) -> int:
+    """Set the CPU threads of blutrain.tensor's OpenMP loops and of the BLAS under linalg.
+
+    n = 0 means automatic: OMP_NUM_THREADS when the user set it, else all cores but one. Why
+    not all: blutrain.tensor's OpenMP pool and OpenBLAS's pthread pool (under blutrain-linalg)
+    each start n spinning threads, and every op ends at a barrier, so any oversubscription
+    stalls. Measured on a 2-core machine, default GPT-2 step: 1 + 1 threads 0.78 s; 2 + 2
+    threads 1.1-1.5 s when idle and 2-10 s with one other busy process. OpenMP reads its
+    setting once, when blutrain.tensor is first imported: call this before. Returns the count.
+    """
+    auto = n <= 0
+    if auto:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return int(os.environ["OMP_NUM_THREADS"])
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        n = max(1, cores - 1)
+    if "blutrain.tensor" in sys.modules:
+        if not auto:
+            print(
+                f"[train] threads={n}: blutrain.tensor is already imported, so OpenMP keeps its "
+                "thread count; set OMP_NUM_THREADS before starting Python",
+                file=sys.stderr,
+            )
+        return n
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(n)
+    return n
+
+
+def resolve_device(device: str) -> str:
+    """ "auto" -> "cuda" when this blutrain.tensor build runs ops on a GPU here, else "cpu"."""
+    import blutrain.tensor as bt
+
+    if device != "auto":
+        if device.startswith("cuda") and (not bt.cuda_built() or bt.cuda_device_count() == 0):
+            raise ValueError(
+                f"[train] device {device!r}: "
+                + (
+                    "this blutrain.tensor build has no CUDA backend"
+                    if not bt.cuda_built()
+                    else "no CUDA device is visible"
+                )
+            )
+        return device
+    try:
+        if bt.cuda_built() and bt.cuda_device_count() > 0:
+            a = bt.ones(4, 4, device="cuda")
+            (bt.gelu(a @ a, "tanh").sum()).item()  # every op the model uses must run there
+            return "cuda"
+    except Exception:  # noqa: BLE001 - CUDA kernels not there yet: train on the CPU
+        pass
+    return "cpu"
+
+
+def model_config(name: str, vocab_multiple: int = 1):
+    from .config import GPT2Config
+
+    p = Path(name)
+    if name.endswith(".json") or p.is_file():
+        cfg = GPT2Config.from_json(p)
+        if vocab_multiple != 1 and cfg.vocab_multiple == 1:
+            cfg = dataclasses.replace(cfg, vocab_multiple=vocab_multiple)
+        return cfg
+    return GPT2Config.from_name(name, vocab_multiple=vocab_multiple)
+
+
+def ensure_data(data: str | None, quiet: bool = False) -> Path:
+    """The shard directory; the default one is prepared from the shipped Tiny Shakespeare."""
+    from .data import prepare
+
+    if data is not None:
+        p = Path(data)
+        if not p.exists():
+            raise FileNotFoundError(
+                f"[train] data {p}: no such file or directory (run "
+                f"`blutrain prepare FILES -o {p}` first)"
+            )
+        return p
+    p = Path(DEFAULT_DATA)
+    if not any(p.glob("*_train_*.bin")) or not any(p.glob("*_val_*.bin")):
+        if not quiet:
+            print(f"preparing the shipped Tiny Shakespeare into {p} ...", file=sys.stderr)
+        prepare(None, p)
+    return p
+
+
+def memory_bytes(device: str) -> tuple[int, int]:
+    """(current, peak) bytes: blutrain.alloc's pool on a GPU, the process's RSS on the CPU."""
+    if device.startswith("cuda"):
+        try:
+            import blutrain.alloc as ba
+
+            s = ba.stats(device)
+            return int(s["allocated_bytes"]), int(s["allocated_bytes_peak"])
+        except Exception:  # noqa: BLE001
+            pass
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        rss = 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return rss, max(peak, rss)
+
+
+def flops_per_token(cfg, seq_len: int) -> float:
+    """Training FLOPs per token: 6 N (N counts the tied head once) + attention's 12 L T C."""
+    n = cfg.n_params()
+    return 6.0 * n + 12.0 * cfg.n_layer * seq_len * cfg.n_embd
+
+
+def peak_flops(device: str, precision: str) -> float | None:
+    env = os.environ.get("BLUTRAIN_PEAK_FLOPS")
+    if env:
+        return float(env)
+    if not device.startswith("cuda"):
+        return None
+    try:
+        import subprocess
+
+        name = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout
+    except Exception:  # noqa: BLE001
+        return None
+    for key, table in _PEAK_FLOPS.items():
+        if key in name:
+            return table.get(precision)
+    return None
+
+
+def _fmt_loss(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.4f}"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def load_model(
+    checkpoint: str | None = None,
+    hf: str | None = None,
+    model: str = "tiny",
+    device: str = "cpu",
+    vocab_multiple: int = 1,
+):
+    """A GPT2 from a training checkpoint directory (or a run directory holding one), a Hugging
+    Face directory, or a fresh preset (random weights)."""
+    from .checkpoint import load_checkpoint
+    from .config import GPT2Config
+    from .gpt2 import GPT2
+
+    if checkpoint:
+        path = Path(checkpoint)
+        if (path / CHECKPOINT_DIR).is_dir() and not (path / "manifest.json").exists():
+            path = path / CHECKPOINT_DIR
+        ck = load_checkpoint(path)
+        if not ck.trainer or "model_config" not in ck.trainer:
+            raise ValueError(
+                f"[load_model] {path}: the checkpoint has no model_config in trainer.json"
+            )
+        cfg = GPT2Config.from_dict(ck.trainer["model_config"])
+        m = GPT2(cfg, device=device, init=False)
+        m.load_state_dict(ck.weights, source=str(path / "model.safetensors"))
+        return m
+    if hf:
+        return GPT2.from_pretrained(hf, vocab_multiple=vocab_multiple, device=device)
+    return GPT2(model_config(model, vocab_multiple), device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer
+
+
+@dataclass
+class History:
+    train: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
+    val: list[tuple[int, float]] = field(default_factory=list)
+
+
+class Trainer:
+    """Owns the model, optimizer, schedule, loaders and logs of one run (see TrainConfig)."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        console: Any = None,
+        on_step: Callable[[dict], None] | None = None,
+    ) -> None:
+        if config.threads > 0:
+            set_threads(config.threads)
+        import blutrain.tensor as bt
+
+        from .data import DataLoader
+        from .gpt2 import GPT2
+        from .optim import AdamW, CosineSchedule
+        from .tokenizer import get_encoding
+
+        self.cfg = config
+        self.device = resolve_device(config.device)
+        self.out_dir = Path(config.out_dir)
+        self.console = console
+        self.on_step = on_step
+        self.enc = get_encoding()
+        bt.manual_seed(config.seed)
+        if config.init_from:
+            self.model = GPT2.from_pretrained(
+                config.init_from, vocab_multiple=config.vocab_multiple, device=self.device
+            )
+        else:
+            self.model = GPT2(model_config(config.model, config.vocab_multiple), device=self.device)
+        self.model_config = self.model.config
+        if config.seq_len > self.model_config.block_size:
+            raise ValueError(
+                f"[train] seq_len {config.seq_len} is longer than the model's "
+                f"block size {self.model_config.block_size}"
+            )
+        data = ensure_data(config.data, quiet=not config.progress)
+        V = self.model_config.vocab_size
+        self.train_loader = DataLoader(
+            data, config.batch_size, config.seq_len, split="train", seed=config.seed, vocab_size=V
+        )
+        try:
+            self.val_loader: DataLoader | None = DataLoader(
+                data, config.batch_size, config.seq_len, split="val", shuffle=False, vocab_size=V
+            )
+        except (FileNotFoundError, ValueError):
+            self.val_loader = None  # no (or too small a) validation split: no val loss
+        self.optimizer = AdamW(
+            self.model.named_parameters(),
+            lr=config.lr,
+            betas=(config.beta1, config.beta2),
+            weight_decay=config.weight_decay,
+        )
+        self.schedule = CosineSchedule(
+            config.lr, config.warmup_steps, config.max_steps, config.min_lr
+        )
+        self.step = 0
+        self.history = History()
+        self.tokens_per_step = config.batch_size * config.seq_len * config.grad_accum
+        self.flops_token = flops_per_token(self.model_config, config.seq_len)
+        self.peak = peak_flops(self.device, "float32")
+        self._metrics_file = None
+        if config.resume:
+            ck = self.out_dir / CHECKPOINT_DIR
+            if ck.exists():
+                self.load(ck)
+
+    # -- one step --------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        from .optim import clip_grad_norm_
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        lr = self.schedule(self.step)
+        self.optimizer.set_lr(lr)
+        total = 0.0
+        for _ in range(cfg.grad_accum):
+            x, y = self.train_loader.next_batch()
+            _, loss = self.model(x, y)
+            if cfg.grad_accum > 1:
+                (loss / cfg.grad_accum).backward()
+            else:
+                loss.backward()
+            total += float(loss.item())
+        norm = clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.step += 1
+        dt = time.perf_counter() - t0
+        loss_v = total / cfg.grad_accum
+        self.history.train.append((self.step, loss_v))
+        tps = self.tokens_per_step / dt
+        mem, peak = memory_bytes(self.device)
+        m = {
+            "step": self.step,
+            "loss": loss_v,
+            "lr": lr,
+            "grad_norm": norm,
+            "dt_ms": dt * 1e3,
+            "tokens_per_s": tps,
+            "mem_bytes": mem,
+            "peak_mem_bytes": peak,
+            "tokens": self.step * self.tokens_per_step,
+        }
+        if self.peak:
+            m["mfu"] = tps * self.flops_token / self.peak
+        return m
+
+    def evaluate(self, batches: int | None = None) -> float | None:
+        """Mean loss over the first `batches` batches of the validation split."""
+        import blutrain.tensor as bt
+
+        if self.val_loader is None:
+            return None
+        n = min(batches or self.cfg.eval_batches, self.val_loader.batches_per_epoch)
+        if n < 1:
+            return None
+        self.val_loader.reset()
+        self.model.eval()
+        total = 0.0
+        with bt.no_grad():
+            for _ in range(n):
+                x, y = self.val_loader.next_batch()
+                _, loss = self.model(x, y)
+                total += float(loss.item())
+        self.model.train()
+        return total / n
+
+    def sample(
+        self, prompt: str | None = None, max_new_tokens: int | None = None, seed: int = 0
+    ) -> str:
+        from .config import EOT_TOKEN
+
+        prompt = self.cfg.sample_prompt if prompt is None else prompt
+        ids = self.enc.encode_ordinary(prompt) or [EOT_TOKEN]
+        n = self.cfg.sample_tokens if max_new_tokens is None else max_new_tokens
+        out = self.model.generate(np.array(ids), n, temperature=0.8, top_k=40, seed=seed)
+        return self.enc.decode([int(t) for t in out[len(ids) :]])
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        opt = self.optimizer.state_dict()
+        return {
+            "step": self.step,
+            "train_config": dataclasses.asdict(self.cfg),
+            "model_config": self.model_config.to_dict(),
+            "loader": self.train_loader.state_dict(),
+            "optimizer": opt["meta"],
+            "history": {"train": self.history.train, "val": self.history.val},
+        }
+
+    def save(self, path: str | os.PathLike | None = None) -> Path:
+        from .checkpoint import save_checkpoint
+
+        path = Path(path) if path is not None else self.out_dir / CHECKPOINT_DIR
+        opt = self.optimizer.state_dict()
+        return save_checkpoint(path, self.model.state_dict(), opt["tensors"], self.state())
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Restore model, optimizer, step, loader position and history from a checkpoint."""
+        from .checkpoint import CheckpointError, load_checkpoint
+        from .config import GPT2Config
+
+        path = Path(path)
+        ck = load_checkpoint(path)
+        tr = ck.trainer or {}
+        for key in ("step", "model_config", "loader", "optimizer"):
+            if key not in tr:
+                raise CheckpointError(
+                    f"[train] {path}/trainer.json: missing {key!r}: not a "
+                    "checkpoint written by the trainer"
+                )
+        saved_cfg = GPT2Config.from_dict(tr["model_config"])
+        if saved_cfg != self.model_config:
+            raise CheckpointError(
+                f"[train] {path}: the checkpoint's model {saved_cfg} differs from this run's "
+                f"{self.model_config}"
+            )
+        self.model.load_state_dict(ck.weights, source=str(path / "model.safetensors"))
+        self.optimizer.load_state_dict({"meta": tr["optimizer"], "tensors": ck.optimizer or {}})
+        self.train_loader.load_state_dict(tr["loader"])
+        self.step = int(tr["step"])
+        h = tr.get("history", {})
+        self.history = History(
+            [tuple(x) for x in h.get("train", [])], [tuple(x) for x in h.get("val", [])]
+        )
+
+    # -- logging -----------------------------------------------------------------------------------
+    def _log(self, record: dict) -> None:
+        if self._metrics_file is None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self._metrics_file = open(self.out_dir / METRICS_FILE, "a")  # noqa: SIM115
+        self._metrics_file.write(json.dumps(record) + "\n")
+        self._metrics_file.flush()
+
+    def _print(self, text: str) -> None:
+        if self.console is not None:
+            self.console.print(text, highlight=False, markup=False, soft_wrap=True)
+        else:
+            print(text, flush=True)
+
+    def plot(self, path: str | os.PathLike | None = None) -> Path | None:
+        """loss.png: training loss (raw and smoothed) and validation loss against step."""
+        try:
+            from matplotlib.figure import Figure  # no pyplot: leaves the user's backend alone
+        except ImportError:
+            return None
+        if not self.history.train:
+            return None
+        path = Path(path) if path is not None else self.out_dir / PLOT_FILE
+        steps, losses = zip(*self.history.train, strict=True)
+        fig = Figure(figsize=(7, 4), dpi=110)
+        ax = fig.subplots()
+        ax.plot(steps, losses, color="tab:blue", alpha=0.3, lw=1, label="train")
+        k = max(1, len(losses) // 25)
+        if k > 1:
+            smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
+            ax.plot(steps[k - 1 :], smooth, color="tab:blue", lw=2, label=f"train (mean of {k})")
+        if self.history.val:
+            vs, vl = zip(*self.history.val, strict=True)
+            ax.plot(vs, vl, "o-", color="tab:orange", lw=2, label="validation")
+        c = self.model_config
+        ax.set_title(f"GPT-2 L={c.n_layer} C={c.n_embd}: {self.tokens_per_step:,} tokens/step")
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+        return path
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def fit(self, until: int | None = None) -> dict[str, Any]:
+        """Train until step `until` (default max_steps; the schedule always spans max_steps),
+        then checkpoint; returns a summary (losses, tokens/s, paths)."""
+        cfg = self.cfg
+        stop = cfg.max_steps if until is None else min(int(until), cfg.max_steps)
+        c = self.model_config
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._print(
+            f"GPT-2 L={c.n_layer} H={c.n_head} C={c.n_embd} T={cfg.seq_len} "
+            f"({c.n_params() / 1e6:.2f}M params) on {self.device}; {cfg.batch_size} x "
+            f"{cfg.seq_len} x {cfg.grad_accum} = {self.tokens_per_step:,} tokens/step; "
+            f"steps {self.step}..{stop} of {cfg.max_steps}; logs in {self.out_dir}"
+        )
+        if self.step == 0:
+            self._log(
+                {
+                    "event": "start",
+                    "train_config": dataclasses.asdict(cfg),
+                    "model_config": c.to_dict(),
+                    "device": self.device,
+                    "n_params": c.n_params(),
+                }
+            )
+            if cfg.eval_interval:
+                self._eval_and_log()
+        else:
+            self._log({"event": "resume", "step": self.step})
+        live = None
+        progress_ctx = None
+        if cfg.progress and self.console is not None and self.console.is_terminal:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            progress_ctx = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
+            progress_ctx.start()
+            live = progress_ctx.add_task(
+                "train", total=cfg.max_steps, completed=self.step, stats=""
+            )
+        t_start = time.perf_counter()
+        steps_done = 0
+        tokens_s_ema = None
+        last: dict[str, Any] = {}
+        try:
+            while self.step < stop:
+                m = self.train_step()
+                steps_done += 1
+                last = m
+                # the first step or two pay one-off costs: smooth tokens/s for the display
+                tokens_s_ema = (
+                    m["tokens_per_s"]
+                    if tokens_s_ema is None
+                    else (0.9 * tokens_s_ema + 0.1 * m["tokens_per_s"])
+                )
+                self._log(m)
+                if not math.isfinite(m["loss"]):
+                    raise FloatingPointError(f"[train] loss is {m['loss']} at step {self.step}")
+                stats = (
+                    f"loss {m['loss']:.4f}  lr {m['lr']:.2e}  {tokens_s_ema:,.0f} tok/s  "
+                    f"mem {_fmt_bytes(m['mem_bytes'])}"
+                    + (f"  MFU {100 * m['mfu']:.1f}%" if "mfu" in m else "")
+                )
+                if live is not None:
+                    progress_ctx.update(live, completed=self.step, stats=stats)
+                if cfg.log_interval and (self.step % cfg.log_interval == 0 or self.step == 1):
+                    if live is None:
+                        self._print(
+                            f"step {self.step:5d}/{cfg.max_steps}  {stats}  "
+                            f"norm {m['grad_norm']:.3f}  {m['dt_ms']:.0f} ms"
+                        )
+                if cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == stop):
+                    self._eval_and_log()
+                if cfg.sample_interval and (
+                    self.step % cfg.sample_interval == 0 or self.step == stop
+                ):
+                    text = self.sample(seed=self.step)
+                    self._log({"step": self.step, "sample": text})
+                    self._print(f"--- sample at step {self.step} ---\n{text}\n---")
+                if self.on_step is not None:
+                    self.on_step(m)
+                if cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0:
+                    self.save()
+        finally:
+            if progress_ctx is not None:
+                progress_ctx.stop()
+        elapsed = time.perf_counter() - t_start
+        ckpt = self.save()
+        png = self.plot() if cfg.plot else None
+        summary = {
+            "steps": self.step,
+            "first_loss": self.history.train[0][1] if self.history.train else None,
+            "final_loss": last.get("loss"),
+            "val_loss": self.history.val[-1][1] if self.history.val else None,
+            "tokens_per_s": (steps_done * self.tokens_per_step / elapsed) if steps_done else None,
+            "elapsed_s": elapsed,
+            "peak_mem_bytes": memory_bytes(self.device)[1],
+            "checkpoint": str(ckpt),
+            "metrics": str(self.out_dir / METRICS_FILE),
+            "plot": str(png) if png else None,
+        }
+        self._log({"event": "end", **summary})
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+            self._metrics_file = None
+        val = f"{summary['val_loss']:.4f}" if summary["val_loss"] is not None else "n/a"
+        tps = f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "n/a"
+        self._print(
+            f"done: step {self.step}, train loss {_fmt_loss(summary['final_loss'])}, "
+            f"val loss {val}, "
+            f"{tps} tokens/s, {elapsed:.1f} s; checkpoint {ckpt}"
+            + (f", loss curve {png}" if png else "")
+        )
+        return summary
+
+    def _eval_and_log(self) -> None:
+        v = self.evaluate()
+        if v is None:
+            return
+        self.history.val.append((self.step, v))
+        self._log({"step": self.step, "val_loss": v})
+        self._print(f"step {self.step:5d}: val loss {v:.4f}")
+
+
+def train(config: TrainConfig | None = None, *, console: Any = None, **overrides: Any) -> dict:
+    """Run a training job (see TrainConfig); returns the summary of Trainer.fit()."""
+    cfg = config or TrainConfig()
+    if overrides:
+        cfg = dataclasses.replace(cfg, **overrides)
+    return Trainer(cfg, console=console).fit()
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI: train, sample, eval, bench
+
+
+def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
+    p.add_argument(
+        f"--{name}",
+        dest=name.replace("-", "_"),
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"{help} (default: {'on' if default else 'off'})",
+    )
+
+
+def _train_arguments(p: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    p.add_argument(
+        "--config", default=None, help="a JSON file of TrainConfig fields (flags override it)"
+    )
+    flags = [
+        ("model", str, "GPT2Config preset (tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl) or JSON"),
+        ("init-from", str, "start from a Hugging Face GPT-2 directory"),
+        ("vocab-multiple", int, "pad the vocabulary to a multiple of this"),
+        (
+            "data",
+            str,
+            f"directory of llm.c token shards (default: {DEFAULT_DATA}, prepared "
+            "from the shipped Tiny Shakespeare)",
+        ),
+        ("batch-size", int, "sequences per micro-batch (B)"),
+        ("seq-len", int, "tokens per sequence (T)"),
+        ("grad-accum", int, "micro-batches per optimizer step"),
+        ("max-steps", int, "optimizer steps"),
+        ("lr", float, "peak learning rate"),
+        ("min-lr", float, "final learning rate (default lr/10)"),
+        ("warmup-steps", int, "linear warmup steps"),
+        ("weight-decay", float, "AdamW weight decay (on dim >= 2 tensors only)"),
+        ("beta1", float, "AdamW beta1"),
+        ("beta2", float, "AdamW beta2"),
+        ("grad-clip", float, "global gradient-norm clip (0: off)"),
+        ("device", str, "auto, cpu, cuda or cuda:N"),
+        ("precision", str, "float32 (bf16 when blutrain.tensor has autocast)"),
+        ("threads", int, "CPU threads (0: $OMP_NUM_THREADS, else all cores but one)"),
+        ("seed", int, "random seed (init and data order)"),
+        ("out-dir", str, "directory for metrics.jsonl, loss.png and checkpoint/"),
+        ("log-interval", int, "steps between log lines without a live bar"),
+        ("eval-interval", int, "steps between validation losses (0: never)"),
+        ("eval-batches", int, "validation batches per evaluation"),
+        ("sample-interval", int, "steps between text samples (0: never)"),
+        ("sample-tokens", int, "tokens per sample"),
+        ("sample-prompt", str, "prompt of the samples"),
+        ("ckpt-interval", int, "steps between checkpoints (0: only at the end)"),
+    ]
+    for name, typ, help_ in flags:
+        default = getattr(d, name.replace("-", "_"))
+        p.add_argument(f"--{name}", type=typ, default=None, help=f"{help_} (default: {default})")
+    _bool_flag(p, "resume", d.resume, "continue from <out-dir>/checkpoint when it exists")
+    _bool_flag(p, "progress", d.progress, "live progress bar")
+    _bool_flag(p, "plot", d.plot, "write loss.png at the end")
+
+
+def _train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if args.config:
+        return TrainConfig.from_json(args.config, **overrides)
+    return TrainConfig(**overrides)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def _train_run(args: argparse.Namespace) -> int:
+    cfg = _train_config_from_args(args)
+    set_threads(cfg.threads)
+    train(cfg, console=_console())
+    return 0
+
+
+def _model_source_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="a training checkpoint directory (or the run directory holding one)",
+    )
+    p.add_argument("--hf", default=None, help="a Hugging Face GPT-2 directory")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a preset with random weights (default: the run in runs/shakespeare)",
+    )
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads (0: $OMP_NUM_THREADS, else all cores but one)",
+    )
+
+
+def _model_from_args(args: argparse.Namespace):
+    set_threads(args.threads)
+    device = resolve_device(args.device)
+    if not args.checkpoint and not args.hf and not args.model:
+        default = Path(DEFAULT_OUT) / CHECKPOINT_DIR
+        if not default.exists():
+            raise FileNotFoundError(
+                f"[{args.command}] no --checkpoint, --hf or --model given and {default} does not "
+                "exist (run `blutrain train` first)"
+            )
+        args.checkpoint = str(default)
+    return load_model(args.checkpoint, args.hf, args.model or "tiny", device)
+
+
+def _sample_arguments(p: argparse.ArgumentParser) -> None:
+    _model_source_arguments(p)
+    p.add_argument("--prompt", default="\n", help="text to continue")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=200)
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _sample_run(args: argparse.Namespace) -> int:
+    from .config import EOT_TOKEN
+    from .tokenizer import get_encoding
+
+    model = _model_from_args(args)
+    enc = get_encoding()
+    ids = enc.encode_ordinary(args.prompt) or [EOT_TOKEN]
+    for i in range(args.num_samples):
+        out = model.generate(
+            np.array(ids),
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed + i,
+        )
+        if i:
+            print("---")
+        print(args.prompt + enc.decode([int(t) for t in out[len(ids) :]]))
+    return 0
+
+
+def evaluate_loss(
+    model,
+    data: str | os.PathLike,
+    batch_size: int,
+    seq_len: int,
+    batches: int | None = None,
+    split: str = "val",
+) -> tuple[float, int]:
+    """Mean loss of `model` over the first `batches` batches (default: all) of a split."""
+    import blutrain.tensor as bt
+
+    from .data import DataLoader
+
+    loader = DataLoader(
+        data, batch_size, seq_len, split=split, shuffle=False, vocab_size=model.config.vocab_size
+    )
+    n = loader.batches_per_epoch if not batches else min(batches, loader.batches_per_epoch)
+    total = 0.0
+    model.eval()
+    with bt.no_grad():
+        for _ in range(n):
+            x, y = loader.next_batch()
+            total += float(model(x, y)[1].item())
+    return total / n, n
+
+
+def _eval_arguments(p: argparse.ArgumentParser) -> None:
+    _model_source_arguments(p)
+    p.add_argument("--data", default=None, help=f"shard directory (default {DEFAULT_DATA})")
+    p.add_argument("--split", default="val")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=None, help="default: min(block size, 1024)")
+    p.add_argument("--batches", type=int, default=0, help="batches to average (0: all)")
+
+
+def _eval_run(args: argparse.Namespace) -> int:
+    model = _model_from_args(args)
+    data = ensure_data(args.data)
+    T = args.seq_len or min(model.config.block_size, 1024)
+    t0 = time.perf_counter()
+    loss, n = evaluate_loss(model, data, args.batch_size, T, args.batches or None, args.split)
+    dt = time.perf_counter() - t0
+    print(
+        json.dumps(
+            {
+                "split": args.split,
+                "loss": loss,
+                "perplexity": math.exp(loss),
+                "batches": n,
+                "tokens": n * args.batch_size * T,
+                "seconds": dt,
+            }
+        )
+    )
+    return 0
+
+
+def bench(
+    model: str = "tiny",
+    batch_size: int = 8,
+    seq_len: int = 128,
+    steps: int = 10,
+    warmup: int = 2,
+    device: str = "auto",
+    vocab_multiple: int = 128,
+    seed: int = 0,
+) -> dict:
+    """tokens/s and peak memory of `steps` training steps (forward, backward, AdamW) on random
+    tokens, after `warmup` untimed steps."""
+    import blutrain.tensor as bt
+
+    from .gpt2 import GPT2
+    from .optim import AdamW, clip_grad_norm_
+
+    dev = resolve_device(device)
+    bt.manual_seed(seed)
+    cfg = model_config(model, vocab_multiple)
+    if seq_len > cfg.block_size:
+        raise ValueError(f"[bench] seq_len {seq_len} > block size {cfg.block_size}")
+    m = GPT2(cfg, device=dev)
+    opt = AdamW(m.named_parameters(), lr=1e-4)
+    rng = np.random.default_rng(seed)
+    times = []
+    for i in range(warmup + steps):
+        x = rng.integers(0, cfg.vocab_size, (batch_size, seq_len + 1))
+        t0 = time.perf_counter()
+        _, loss = m(x[:, :-1], x[:, 1:])
+        loss.backward()
+        clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        float(loss.item())  # a sync on a GPU
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    tok = batch_size * seq_len
+    tps = tok * len(times) / sum(times)
+    peak = peak_flops(dev, "float32")
+    out = {
+        "model": model,
+        "n_params": cfg.n_params(),
+        "device": dev,
+        "precision": "float32",
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "steps": steps,
+        "step_ms_median": 1e3 * float(np.median(times)),
+        "tokens_per_s": tps,
+        "peak_mem_bytes": memory_bytes(dev)[1],
+        "mfu": (tps * flops_per_token(cfg, seq_len) / peak) if peak else None,
+    }
+    return out
+
+
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads (0: $OMP_NUM_THREADS, else all cores but one)",
+    )
+    p.add_argument("--json", default=None, help="also write the result to this JSON file")
+
+
+def _bench_run(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    set_threads(args.threads)
+    r = bench(args.model, args.batch_size, args.seq_len, args.steps, args.warmup, args.device)
+    table = Table(
+        title=f"blutrain bench: GPT-2 {r['model']} ({r['n_params'] / 1e6:.1f}M), "
+        f"B={r['batch_size']} T={r['seq_len']}, {r['device']}",
+        show_edge=False,
+    )
+    for col in ("precision", "tokens/s", "step (median)", "peak memory", "MFU"):
+        table.add_column(col, justify="right")
+    table.add_row(
+        r["precision"],
+        f"{r['tokens_per_s']:,.0f}",
+        f"{r['step_ms_median']:.1f} ms",
+        _fmt_bytes(r["peak_mem_bytes"]),
+        f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a",
+    )
+    _console().print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(r, indent=2) + "\n")
+    return 0
+
+
+_SPECS = [
+    (
+        "train",
+        "train GPT-2 (default: a small one on the shipped Tiny Shakespeare)",
+        _train_arguments,
+        _train_run,
+    ),
+    (
+        "sample",
+        "generate text from a checkpoint, a Hugging Face directory or a preset",
+        _sample_arguments,
+        _sample_run,
+    ),
+    ("eval", "validation loss of a model on token shards", _eval_arguments, _eval_run),
+    ("bench", "tokens/s and peak memory of N training steps", _bench_arguments, _bench_run),
+]
+
+
+def add_commands(subparsers: Any) -> None:
+    """Register train, sample, eval and bench on an argparse subparsers object.
+
+    Each parser sets ``_run`` (a function of the parsed namespace returning an exit code), as
+    blutrain.models.cli.main expects."""
+    for name, help_, add_args, run in _SPECS:
+        p = subparsers.add_parser(name, help=help_, description=help_)
+        add_args(p)
+        p.set_defaults(_run=run)
+
+
+def commands() -> list:
+    """The four subcommands as cli.Command entries (for cli.COMMANDS)."""
+    from .cli import Command
+
+    return [Command(name, help_, add_args, run) for name, help_, add_args, run in _SPECS]

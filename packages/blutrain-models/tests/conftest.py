@@ -1,0 +1,41 @@
+"""Shared fixtures of blutrain-models' tests: fresh random data each run, seeds printed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from blutrain.models import GPT2Config
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    # Fresh inputs every run, but printed so a failure can be replayed.
+    seed = np.random.SeedSequence().entropy % (2**32)
+    print(f"numpy seed {seed} for {request.node.name}")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def small_config(rng: np.random.Generator) -> GPT2Config:
+    """A random small GPT-2 shape: a few layers, odd vocab, heads dividing C."""
+    n_head = int(rng.integers(1, 4))
+    return GPT2Config(
+        block_size=int(rng.integers(4, 17)),
+        vocab_size=int(rng.integers(50, 300)),
+        n_layer=int(rng.integers(1, 4)),
+        n_head=n_head,
+        n_embd=n_head * int(rng.integers(2, 6)) * 2,
+    )
+
+
+def random_weights(cfg: GPT2Config, rng: np.random.Generator, padded: bool = True):
+    return {
+        k: rng.standard_normal(s).astype(np.float32)
+        for k, s in cfg.param_shapes(padded=padded).items()
+    }
+
+
+@pytest.fixture
+def make_weights(rng):
+    return lambda cfg, padded=True: random_weights(cfg, rng, padded)

@@ -1,0 +1,176 @@
+"""AdamW, the cosine schedule and gradient clipping against float64 numpy references."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+bt = pytest.importorskip("blutrain.tensor")
+
+from blutrain.models.optim import AdamW, CosineSchedule, clip_grad_norm_, cosine_lr  # noqa: E402
+
+
+def np_adamw(p, g, m, v, t, lr, b1, b2, eps, wd):
+    p = p * (1 - lr * wd)
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    mhat = m / (1 - b1**t)
+    vhat = v / (1 - b2**t)
+    return p - lr * mhat / (np.sqrt(vhat) + eps), m, v
+
+
+def make_params(rng):
+    shapes = {"w": (7, 5), "b": (5,), "ln": (5,), "emb": (11, 3)}
+    return {
+        k: bt.nn.Parameter(bt.tensor(rng.standard_normal(s).astype(np.float32)))
+        for k, s in shapes.items()
+    }
+
+
+def test_adamw_matches_float64_reference(rng):
+    params = make_params(rng)
+    lr, b1, b2, eps, wd = 1e-2, 0.9, 0.95, 1e-8, 0.1
+    opt = AdamW(params.items(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    assert opt.decay == {"w": True, "b": False, "ln": False, "emb": True}
+    ref = {k: (p.detach().numpy().astype(np.float64), 0.0, 0.0) for k, p in params.items()}
+    for t in range(1, 8):
+        lr_t = lr * (0.5 + 0.1 * t)
+        opt.set_lr(lr_t)
+        for k, p in params.items():
+            g = rng.standard_normal(p.shape).astype(np.float32)
+            p.grad = bt.tensor(g)
+            rp, rm, rv = ref[k]
+            ref[k] = np_adamw(
+                rp, g.astype(np.float64), rm, rv, t, lr_t, b1, b2, eps, wd if p.ndim >= 2 else 0.0
+            )
+        opt.step()
+        opt.zero_grad()
+        assert all(p.grad is None for p in params.values())
+    for k, p in params.items():
+        np.testing.assert_allclose(p.detach().numpy(), ref[k][0], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_adamw_skips_params_without_grad_and_no_decay_override(rng):
+    params = make_params(rng)
+    before = {k: p.detach().numpy().copy() for k, p in params.items()}
+    opt = AdamW(params.items(), lr=0.1, weight_decay=0.5, no_decay=["w"])
+    assert opt.decay["w"] is False and opt.decay["b"] is True
+    params["b"].grad = bt.zeros(5)
+    opt.step()
+    assert np.array_equal(params["w"].detach().numpy(), before["w"])  # no grad: untouched
+    # zero gradient: only the decay moves b
+    np.testing.assert_allclose(
+        params["b"].detach().numpy(), before["b"] * (1 - 0.1 * 0.5), rtol=1e-6
+    )
+    assert set(opt.state) == {"b"}
+
+
+def test_adamw_state_dict_round_trip_is_bit_exact(rng):
+    def run(params, opt, grads):
+        for g in grads:
+            for k, p in params.items():
+                p.grad = bt.tensor(g[k])
+            opt.step()
+
+    grads = [
+        {
+            k: rng.standard_normal(s).astype(np.float32)
+            for k, s in {"w": (7, 5), "b": (5,), "ln": (5,), "emb": (11, 3)}.items()
+        }
+        for _ in range(6)
+    ]
+    seed = int(rng.integers(1 << 30))
+    pa = make_params(np.random.default_rng(seed))
+    oa = AdamW(pa.items(), lr=3e-3)
+    run(pa, oa, grads)
+    pb = make_params(np.random.default_rng(seed))
+    ob = AdamW(pb.items(), lr=3e-3)
+    run(pb, ob, grads[:3])
+    sd = ob.state_dict()
+    assert set(sd["tensors"]) == {f"{m}/{k}" for m in ("exp_avg", "exp_avg_sq") for k in pb}
+    assert sd["meta"]["steps"] == {k: 3 for k in pb}
+    # a fresh optimizer (and fresh parameter objects holding the same values) resumes exactly
+    pc = {k: bt.nn.Parameter(bt.tensor(p.detach().numpy())) for k, p in pb.items()}
+    oc = AdamW(pc.items(), lr=1.0)
+    oc.load_state_dict(
+        {"meta": sd["meta"], "tensors": {k: v.copy() for k, v in sd["tensors"].items()}}
+    )
+    assert oc.lr == 3e-3
+    run(pc, oc, grads[3:])
+    for k in pa:
+        assert np.array_equal(pa[k].detach().numpy(), pc[k].detach().numpy()), k
+
+
+def test_adamw_load_state_dict_errors(rng):
+    params = make_params(rng)
+    opt = AdamW(params.items())
+    for p in params.values():
+        p.grad = bt.ones(*p.shape)
+    opt.step()
+    sd = opt.state_dict()
+    bad = {"meta": sd["meta"], "tensors": dict(sd["tensors"])}
+    bad["tensors"]["exp_avg/w"] = np.zeros((5, 7), np.float32)
+    with pytest.raises(ValueError, match=r"exp_avg/w has shape \(5, 7\).*\(7, 5\)"):
+        AdamW(params.items()).load_state_dict(bad)
+    del bad["tensors"]["exp_avg_sq/b"]
+    with pytest.raises(ValueError, match=r"missing tensor\(s\) \['exp_avg_sq/b'\]"):
+        AdamW(params.items()).load_state_dict(bad)
+    with pytest.raises(ValueError, match="unknown parameter"):
+        AdamW([("w", params["w"])]).load_state_dict(sd)
+    with pytest.raises(ValueError, match="not an AdamW state dict"):
+        AdamW(params.items()).load_state_dict({"state": {}})
+
+
+def test_adamw_argument_errors():
+    p = bt.nn.Parameter(bt.zeros(3))
+    with pytest.raises(ValueError, match="lr"):
+        AdamW([p], lr=-1)
+    with pytest.raises(ValueError, match="betas"):
+        AdamW([p], betas=(1.0, 0.9))
+    with pytest.raises(ValueError, match="empty"):
+        AdamW([])
+    with pytest.raises(TypeError, match="not floating point"):
+        AdamW([bt.zeros(3, dtype=bt.int64)])
+    with pytest.raises(TypeError, match="single tensor"):
+        AdamW(p)
+
+
+def test_cosine_schedule():
+    s = CosineSchedule(1.0, warmup_steps=10, max_steps=110, min_lr=0.1)
+    assert s(0) == pytest.approx(0.1)
+    assert s(4) == pytest.approx(0.5)
+    assert s(9) == pytest.approx(1.0)
+    assert s(10) == pytest.approx(1.0)
+    assert s(60) == pytest.approx(0.55)  # halfway down the cosine
+    assert s(110) == pytest.approx(0.1) and s(500) == 0.1
+    lrs = [s(i) for i in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))  # monotone after warmup
+    assert CosineSchedule(3.0, 0, 10)(10) == pytest.approx(0.3)  # min_lr defaults to lr/10
+    assert cosine_lr(35, 1.0, 10, 110, 0.1) == pytest.approx(
+        0.1 + 0.45 * (1 + math.cos(math.pi * 0.25))
+    )
+    with pytest.raises(ValueError):
+        CosineSchedule(1.0, -1, 10)
+
+
+def test_clip_grad_norm(rng):
+    params = make_params(rng)
+    grads = {k: rng.standard_normal(p.shape).astype(np.float32) * 3 for k, p in params.items()}
+    for k, p in params.items():
+        p.grad = bt.tensor(grads[k])
+    total = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads.values()))
+    norm = clip_grad_norm_(params.values(), 1.0)
+    assert norm == pytest.approx(total, rel=1e-5)
+    after = math.sqrt(
+        sum(float((p.grad.numpy().astype(np.float64) ** 2).sum()) for p in params.values())
+    )
+    assert after == pytest.approx(1.0, rel=1e-5)
+    # below the threshold: unchanged; 0 or inf: only measures
+    before = {k: p.grad.numpy().copy() for k, p in params.items()}
+    assert clip_grad_norm_(params.values(), 10.0) == pytest.approx(1.0, rel=1e-5)
+    assert clip_grad_norm_(params.values(), 0.0) == pytest.approx(1.0, rel=1e-5)
+    for k, p in params.items():
+        np.testing.assert_allclose(p.grad.numpy(), before[k], rtol=1e-6)
+    assert clip_grad_norm_([bt.nn.Parameter(bt.zeros(2))], 1.0) == 0.0
