@@ -35,7 +35,7 @@ BUILD_DEPS = [
     "numpy",
     "hatchling",
 ]
-TEST_DEPS = ["pytest>=7", "hypothesis>=6", "matplotlib", "pytest-timeout"]
+TEST_DEPS = ["pytest>=7", "hypothesis>=6", "matplotlib", "pytest-timeout", "mypy>=1.8"]
 
 
 def present() -> list[str]:

@@ -6,6 +6,7 @@
 #include <mutex>
 #include <numeric>
 #include <optional>
+#include <unordered_map>
 
 #include "backend.h"
 #include "capture.h"
@@ -618,6 +619,83 @@ Tensor masked_fill(const Tensor& x, const Tensor& mask, double value) {
 
 static Tensor raw_copy_into(const Tensor& dst, const Tensor& src, const char* op);
 
+// Flat (logical, row-major) positions in `base` of the elements of its view `v`, in v's order.
+static Tensor view_positions(const Tensor& base, const Tensor& v, const char* op) {
+  auto offsets = [](const Tensor& t) {
+    std::vector<int64_t> out(static_cast<size_t>(t.numel()));
+    std::vector<int64_t> idx(t.shape().size(), 0);
+    for (size_t k = 0; k < out.size(); ++k) {
+      int64_t off = t.offset();
+      for (size_t d = 0; d < idx.size(); ++d) off += idx[d] * t.strides()[d];
+      out[k] = off;
+      for (size_t d = idx.size(); d-- > 0;) {
+        if (++idx[d] < t.shape()[d]) break;
+        idx[d] = 0;
+      }
+    }
+    return out;
+  };
+  std::unordered_map<int64_t, int64_t> where_in_base;
+  const std::vector<int64_t> bo = offsets(base);
+  for (size_t k = 0; k < bo.size(); ++k) where_in_base.emplace(bo[k], static_cast<int64_t>(k));
+  const std::vector<int64_t> vo = offsets(v);
+  Tensor pos = empty({static_cast<int64_t>(vo.size())}, DType::Int64, Device{});
+  int64_t* p = pos.data<int64_t>(op);
+  for (size_t k = 0; k < vo.size(); ++k) {
+    auto it = where_in_base.find(vo[k]);
+    if (it == where_in_base.end()) {
+      throw RuntimeError(std::string("[") + op + "] the view reaches outside its base tensor");
+    }
+    p[k] = it->second;
+  }
+  return pos;
+}
+
+// In-place change of a view under autograd (PyTorch's CopySlices): the base gets, as its new
+// history, "old base with the view's positions replaced by the result" (index_add + where, as
+// __setitem__), and the view's history becomes a gather from the new base.  Other views of the
+// same base made earlier keep their old history.
+static Tensor& inplace_view(Tensor& x, const Tensor& result, const char* op) {
+  Tensor base(x.impl()->view_base);
+  if (base.requires_grad() && base.is_leaf()) {
+    throw RuntimeError(std::string("[") + op +
+                       "] a view of a leaf tensor that requires grad is used in an in-place "
+                       "operation; wrap it in no_grad() or use the out-of-place op");
+  }
+  if (base.device().is_cuda() || base.is_symbolic()) {
+    throw NotImplementedError(std::string("[") + op +
+                              "] in-place change of a view under autograd is CPU-only for now");
+  }
+  Tensor pos = view_positions(base, x, op);
+  Tensor r = astype(expand(result, x.shape()), x.dtype());
+  Tensor rf = reshape(contiguous(r), {-1});
+  const int64_t n = base.numel();
+  Tensor placed = index_add(zeros({n}, base.dtype(), base.device()), 0, pos, rf);
+  Tensor hits = index_add(zeros({n}, DType::Int64, base.device()), 0, pos, ones_like(pos));
+  Tensor mask = reshape(binary(BinaryOp::Gt, hits, Scalar{0, 1}), base.shape());
+  // where() saves its inputs; the write below must not change the old base it saved.
+  Tensor nb = where(mask, reshape(placed, base.shape()), clone(base));
+  inplace(base, nb, op);  // the base is no view: it takes nb's history
+  if (grad_enabled() && base.requires_grad()) {
+    // Every live view of the base (x included) now reads the new base: a gather from it.
+    Tensor flat = reshape(base, {-1});
+    std::vector<std::shared_ptr<TensorImpl>> live;
+    for (const auto& w : base.impl()->views) {
+      if (auto v = w.lock()) live.push_back(std::move(v));
+    }
+    for (auto& v : live) {
+      Tensor vt(v);
+      if (vt.same(flat)) continue;
+      Tensor vp = vt.same(x) ? pos : view_positions(base, vt, op);
+      Tensor g = reshape(index_select(flat, 0, vp), vt.shape());
+      v->grad_fn = g.grad_fn();
+      v->output_nr = g.impl()->output_nr;
+      v->requires_grad = true;
+    }
+  }
+  return x;
+}
+
 Tensor& inplace(Tensor& x, const Tensor& result, const char* op) {
   check_defined(x, op);
   if (broadcast_shapes(x.shape(), result.shape(), op) != x.shape()) {
@@ -631,10 +709,11 @@ Tensor& inplace(Tensor& x, const Tensor& result, const char* op) {
                        "] a leaf tensor that requires grad is used in an "
                        "in-place operation; wrap it in no_grad() or use the out-of-place op");
   }
+  if (track && x.impl()->view_base) return inplace_view(x, result, op);
   if (track && x.impl()->view_of_grad) {
     throw NotImplementedError(std::string("[") + op +
-                              "] in-place change of a view of a tensor "
-                              "that requires grad is not supported yet; use the out-of-place op");
+                              "] in-place change of a view of a tensor that requires grad inside "
+                              "capture is not supported; use the out-of-place op");
   }
   Tensor r = astype(expand(result, x.shape()), x.dtype());
   if (Graph* g = active_graph()) {
@@ -910,12 +989,35 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target_in, int64_t igno
     throw TypeError(std::string("[cross_entropy] logits must be floating, got ") +
                     dtype_name(logits.dtype()));
   }
-  if (logits.ndim() != 2) {
-    throw ValueError("[cross_entropy] logits must be (N, C), got " + shape_str(logits.shape()) +
-                     "; reshape (B, T, C) logits to (B*T, C) first");
+  if (logits.ndim() < 2) {
+    throw ValueError("[cross_entropy] logits must be (N, C) or (N, C, d1, ...), got " +
+                     shape_str(logits.shape()));
   }
   check_index_tensor(target_in, "cross_entropy");
   check_same_device(logits, target_in, "cross_entropy");
+  if (logits.ndim() > 2) {
+    // PyTorch layout: the class dim is dim 1. Move it last and flatten to (N*d1*..., C); the
+    // permute and reshapes record their own vjps, and 'mean' over the flat rows equals PyTorch's
+    // mean over all non-ignored positions.
+    Shape tshape = logits.shape();
+    tshape.erase(tshape.begin() + 1);
+    if (target_in.shape() != tshape) {
+      throw ValueError("[cross_entropy] target has shape " + shape_str(target_in.shape()) +
+                       ", expected " + shape_str(tshape) + " for logits " +
+                       shape_str(logits.shape()));
+    }
+    const int64_t nd = logits.ndim();
+    std::vector<int64_t> perm{0};
+    for (int64_t d = 2; d < nd; ++d) perm.push_back(d);
+    perm.push_back(1);
+    int64_t rows = 1;
+    for (int64_t v : tshape) rows *= v;
+    const int64_t C = logits.shape()[1];
+    Tensor flat = reshape(permute(logits, perm), {rows, C});
+    Tensor loss =
+        cross_entropy(flat, reshape(target_in, {rows}), ignore_index, reduction, label_smoothing);
+    return reduction == "none" ? reshape(loss, tshape) : loss;
+  }
   const int64_t N = logits.shape()[0];
   if (target_in.shape() != Shape{N}) {
     throw ValueError("[cross_entropy] target has shape " + shape_str(target_in.shape()) +

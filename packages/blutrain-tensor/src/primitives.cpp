@@ -2,6 +2,7 @@
 // vjps are written with ops, so they run on any backend and are recorded in capture mode.
 #include "primitives.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "capture.h"
@@ -127,7 +128,20 @@ std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Ten
 
   bool any = false;
   for (auto& t : inputs) any = any || (t.defined() && t.requires_grad());
-  if (prim->is_view()) outs[0].impl()->view_of_grad = any || inputs[0].impl()->view_of_grad;
+  if (prim->is_view()) {
+    outs[0].impl()->view_of_grad = any || inputs[0].impl()->view_of_grad;
+    const auto& in = inputs[0].impl_ptr();
+    if (outs[0].storage() && outs[0].storage() == in->storage) {
+      const auto& base = in->view_base ? in->view_base : in;
+      outs[0].impl()->view_base = base;
+      auto& vs = base->views;
+      if (vs.size() == vs.capacity()) {  // drop dead views before the vector grows
+        vs.erase(std::remove_if(vs.begin(), vs.end(), [](const auto& w) { return w.expired(); }),
+                 vs.end());
+      }
+      vs.push_back(outs[0].impl_ptr());
+    }
+  }
   if (!any || !grad_enabled() || !prim->differentiable()) return outs;
 
   auto node = std::make_shared<PrimNode>();

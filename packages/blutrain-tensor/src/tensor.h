@@ -112,7 +112,11 @@ struct TensorImpl {
   std::vector<GradHook> hooks;           // leaves (non-leaves keep theirs on the node)
   std::vector<PostAccHook> post_acc_hooks;
   std::string name;           // optional, used by capture and repr of parameters
-  bool view_of_grad = false;  // a view of a tensor that requires grad (in-place is refused)
+  bool view_of_grad = false;  // a view of a tensor that requires grad
+  // The tensor a view was made from (the root of a chain of views, sharing its storage): an
+  // in-place change of the view under autograd rebases this base's history (PyTorch semantics).
+  std::shared_ptr<TensorImpl> view_base;
+  std::vector<std::weak_ptr<TensorImpl>> views;  // on a base: its live views, refreshed on rebase
 };
 
 class Tensor {

@@ -1153,7 +1153,8 @@ NB_MODULE(_tensor, m) {
       },
       "input"_a, "target"_a, "ignore_index"_a = -100, "reduction"_a = "mean",
       "label_smoothing"_a = 0.0,
-      "log_softmax + nll in one kernel; rows whose target is ignore_index count for nothing.");
+      "log_softmax + nll in one kernel. Logits (N, C) or (N, C, d1, ...) with target (N,) or "
+      "(N, d1, ...) (class dim 1, as PyTorch); targets equal to ignore_index count for nothing.");
   m.def("dropout", &dropout, "input"_a, "p"_a = 0.5, "training"_a = true,
         "Zeroes elements with probability p and scales the rest by 1/(1-p).");
   m.def("matmul", &matmul, "input"_a, "other"_a,

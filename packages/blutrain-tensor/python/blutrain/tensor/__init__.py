@@ -478,11 +478,11 @@ Tensor.softmax = lambda self, dim: softmax(self, dim)  # type: ignore[attr-defin
 Tensor.log_softmax = lambda self, dim: log_softmax(self, dim)  # type: ignore[attr-defined]
 Tensor.matmul = lambda self, other: matmul(self, other)  # type: ignore[attr-defined]
 Tensor.type_as = lambda self, other: self.to(other.dtype)  # type: ignore[attr-defined]
-Tensor.new_zeros = lambda self, *s: zeros(*s, dtype=self.dtype, device=self.device)  # type: ignore[attr-defined]
-Tensor.new_ones = lambda self, *s: ones(*s, dtype=self.dtype, device=self.device)  # type: ignore[attr-defined]
+Tensor.new_zeros = lambda self, *shape: zeros(*shape, dtype=self.dtype, device=self.device)  # type: ignore[attr-defined]
+Tensor.new_ones = lambda self, *shape: ones(*shape, dtype=self.dtype, device=self.device)  # type: ignore[attr-defined]
 Tensor.gelu = lambda self, approximate="none": gelu(self, approximate)  # type: ignore[attr-defined]
 Tensor.clamp = lambda self, min=None, max=None: clamp(self, min, max)  # type: ignore[attr-defined]
-Tensor.where = lambda self, cond, other: where(cond, self, other)  # type: ignore[attr-defined]
+Tensor.where = lambda self, condition, other: where(condition, self, other)  # type: ignore[attr-defined]
 
 
 # ---- grad mode ----------------------------------------------------------------------------------
