@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
-# The GPU machine's one job: build every package with CUDA, run the GPU tests and the
-# benchmarks, and print a short table last. Runs without nox (that machine has none):
-#   bash scripts/gpu.sh [--no-bench] [--only alloc,linalg]
-# Logs and JSON go to $OUT (default ./out). Wheels the machine lacks travel in .whl/.
+# The GPU machine's one job: build (or install prebuilt wheels of) every package with CUDA, run
+# the GPU tests and the benchmarks, and print a short table last. Runs without nox (that machine
+# has none):
+#   bash scripts/gpu.sh [--prebuilt] [--only alloc,linalg] [--tests a,b] [--bench a,b]
+#                       [--no-bench] [--sanitize] [--budget SECONDS]
+#   --prebuilt   install .whl/bt/*.whl (CUDA wheels built elsewhere by scripts/build_wheels.sh)
+#                instead of building from source here: saves the GPU machine minutes
+#   --tests      packages whose GPU tests run ('root' = the repo's tests/); default all
+#   --bench      packages whose bench/bench_*.py run; default all
+#   --budget     seconds this script may take: later steps are skipped (and say so) when the
+#                remaining time is short; default 540
+# Test files run in parallel (one pytest per file: the GPU has room and the CPU references
+# dominate); benchmarks run one at a time, alone on the GPU.
+# Logs and JSON go to $OUT (default ./out), packed into logs.tar.gz (8 files come back at most).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -11,78 +21,140 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 PY=${PYTHON:-python3}
-BENCH=1
-ONLY=""
+START=$(date +%s)
+BENCH=1 PREBUILT=0 SANITIZE=0 BUDGET=540
+ONLY="" BENCH_ONLY="" TESTS_ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-bench) BENCH=0 ;;
+    --prebuilt) PREBUILT=1 ;;
     --only) ONLY=$2; shift ;;
+    --bench) BENCH_ONLY=$2; shift ;;
+    --tests) TESTS_ONLY=$2; shift ;;
+    --sanitize) SANITIZE=1 ;;
+    --budget) BUDGET=$2; shift ;;
   esac
   shift
 done
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+selected() { [ -z "$1" ] || [[ ",$1," == *",$2,"* ]]; }
 
-if compgen -G ".whl/*.whl" >/dev/null; then
+declare -A STATUS
+wheels=(.whl/*.whl)
+[ "$PREBUILT" = 1 ] && wheels+=(.whl/bt/*.whl)
+if compgen -G ".whl/*.whl" >/dev/null || [ "$PREBUILT" = 1 ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+    --target /tmp/site "${wheels[@]}" >"$OUT/install.log" 2>&1 || tail -20 "$OUT/install.log"
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
+# blutrain-models is pure Python: run it from the source tree.
+export PYTHONPATH=$ROOT/packages/blutrain-models/python:$PYTHONPATH
 
 export BLUTRAIN_CUDA=ON BLUTRAIN_CUDA_ARCHS=${BLUTRAIN_CUDA_ARCHS:-90-real}
-declare -A STATUS
 PKGS=()
 for name in alloc linalg tensor dist compiler models; do
   [ -f "packages/blutrain-$name/pyproject.toml" ] || continue
-  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then continue; fi
+  selected "$ONLY" "$name" || continue
   PKGS+=("$name")
 done
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader \
   | tee "$OUT/gpu.txt"
-for name in "${PKGS[@]}"; do
-  t0=$(date +%s)
-  if SKBUILD_BUILD_DIR=/tmp/bt-build/$name $PY -m pip install -v --no-build-isolation --no-deps \
-      "./packages/blutrain-$name" >"$OUT/build-$name.log" 2>&1; then
-    STATUS[build-$name]="ok ($(( $(date +%s) - t0 )) s)"
-  else
-    STATUS[build-$name]="FAILED"
-    tail -40 "$OUT/build-$name.log"
-  fi
-done
+if [ "$PREBUILT" = 0 ]; then
+  for name in "${PKGS[@]}"; do
+    [ "$name" = models ] && continue
+    t0=$(date +%s)
+    if SKBUILD_BUILD_DIR=/tmp/bt-build/$name $PY -m pip install -v --no-build-isolation \
+        --no-deps "./packages/blutrain-$name" >"$OUT/build-$name.log" 2>&1; then
+      STATUS[build-$name]="ok ($(( $(date +%s) - t0 )) s)"
+    else
+      STATUS[build-$name]="FAILED"
+      tail -40 "$OUT/build-$name.log"
+    fi
+  done
+fi
+$PY -c "import blutrain.tensor as bt; print('blutrain.tensor', bt.__file__, 'cuda', bt.cuda_built(), bt.cuda_device_count())" 2>&1 | tail -3
 
-for name in "${PKGS[@]}"; do
-  dir=packages/blutrain-$name/tests
+# ---- GPU tests: one pytest per file, all at once ------------------------------------------
+t0=$(date +%s)
+pids=()
+logs=()
+for name in "${PKGS[@]}" root; do
+  selected "$TESTS_ONLY" "$name" || continue
+  dir=packages/blutrain-$name/tests; [ "$name" = root ] && dir=tests
   [ -d "$dir" ] || continue
   # alloc's whole suite is quick; the others run their GPU-marked tests.
   marker=(-m gpu); [ "$name" = alloc ] && marker=()
-  $PY -m pytest -q "${marker[@]}" "$dir" -x --timeout=600 -o addopts="" \
-      >"$OUT/tests-$name.log" 2>&1
-  STATUS[tests-$name]=$(tail -1 "$OUT/tests-$name.log")
-  grep -E "^(FAILED|ERROR)" "$OUT/tests-$name.log" | head -20
+  for f in "$dir"/test_*.py; do
+    grep -q "gpu" "$f" || [ "$name" = alloc ] || continue
+    log="$OUT/tests-$name-$(basename "$f" .py).log"
+    timeout 240 $PY -m pytest -q "${marker[@]}" "$f" -o addopts="" -p no:cacheprovider \
+      -p no:randomly >"$log" 2>&1 &
+    pids+=($!)
+    logs+=("$log")
+  done
 done
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}"; rc=$?
+  log=${logs[$i]}
+  key=$(basename "$log" .log)
+  last=$(tail -1 "$log")
+  if [ "$rc" = 124 ]; then
+    STATUS[$key]="TIMEOUT (240 s): $last"
+  elif [[ "$last" == *passed* || "$last" == *failed* || "$last" == *error* ]]; then
+    STATUS[$key]="$last"
+  fi
+done
+STATUS[tests-wall]="$(( $(date +%s) - t0 )) s"
 
+# ---- benchmarks: one at a time; the GPT-2 one first ----------------------------------------
 if [ "$BENCH" = 1 ]; then
+  benches=()
   for name in "${PKGS[@]}"; do
-    for b in packages/blutrain-$name/bench/bench_*.py; do
-      [ -f "$b" ] || continue
-      base=$(basename "$b" .py)
-      if $PY "$b" --json "$OUT/$base.json" >"$OUT/$base.txt" 2>&1; then
-        STATUS[$base]="ok"
-      else
-        STATUS[$base]="FAILED"
-        tail -20 "$OUT/$base.txt"
-      fi
-    done
+    selected "$BENCH_ONLY" "$name" || continue
+    [ "$name" = models ] && benches=(packages/blutrain-models/bench/bench_*.py "${benches[@]}") \
+      && continue
+    benches+=(packages/blutrain-$name/bench/bench_*.py)
+  done
+  for b in "${benches[@]}"; do
+    [ -f "$b" ] || continue
+    base=$(basename "$b" .py)
+    limit=75; [ "$base" = bench_gpt2 ] && limit=170
+    if [ "$(left)" -lt $(( limit / 2 )) ]; then STATUS[$base]="skipped (time budget)"; continue; fi
+    [ "$(left)" -lt "$limit" ] && limit=$(left)
+    t0=$(date +%s)
+    if timeout "$limit" $PY "$b" --json "$OUT/$base.json" >"$OUT/$base.txt" 2>&1; then
+      STATUS[$base]="ok [$(( $(date +%s) - t0 )) s]"
+    else
+      STATUS[$base]="FAILED rc=$? [$(( $(date +%s) - t0 )) s]"
+    fi
+  done
+fi
+
+# ---- compute-sanitizer on the kernel tests (slow: opt-in) --------------------------------
+# SANITIZE_K picks the tests (pytest -k); each tool gets at most 90 s.
+if [ "$SANITIZE" = 1 ]; then
+  for tool in memcheck racecheck; do
+    if [ "$(left)" -lt 60 ]; then STATUS[sanitize-$tool]="skipped (time budget)"; continue; fi
+    t0=$(date +%s)
+    timeout 90 compute-sanitizer --tool $tool --error-exitcode 99 --target-processes all \
+      $PY -m pytest -q -m gpu -o addopts="" -p no:cacheprovider \
+      -k "${SANITIZE_K:-not large}" packages/blutrain-tensor/tests/test_tensor_cuda_nn.py \
+      >"$OUT/sanitize-$tool.log" 2>&1
+    STATUS[sanitize-$tool]="rc=$? $(grep -E "ERROR SUMMARY" "$OUT/sanitize-$tool.log" | tail -1) [$(( $(date +%s) - t0 )) s]"
   done
 fi
 
 for f in "$OUT"/bench_*.txt; do
-  [ -f "$f" ] && { echo; tail -60 "$f"; }
+  [ -f "$f" ] && { echo; echo "---- $(basename "$f")"; tail -40 "$f"; }
 done
-grep -h -E "^(FAILED|ERROR)" "$OUT"/tests-*.log 2>/dev/null | head -30 >/tmp/bt-failures
-# Only a few files come back from the GPU machine: keep the JSON, pack the logs.
-( cd "$OUT" && tar czf logs.tar.gz --remove-files ./*.log ./*.txt ./*.npy 2>/dev/null )
+grep -h -E "^(FAILED|ERROR)" "$OUT"/tests-*.log 2>/dev/null | cut -c1-220 | head -40 \
+  >/tmp/bt-failures
+# Only a few files come back from the GPU machine: pack logs and JSON.
+( cd "$OUT" && tar czf logs.tar.gz --remove-files ./*.log ./*.txt ./*.json 2>/dev/null )
 echo
-echo "==================== summary ===================="
+echo "==================== summary ($(( $(date +%s) - START )) s) ===================="
 for key in $(printf '%s\n' "${!STATUS[@]}" | sort); do
-  printf '%-24s %s\n' "$key" "${STATUS[$key]}"
+  printf '%-44s %s\n' "$key" "${STATUS[$key]}"
 done
 cat /tmp/bt-failures

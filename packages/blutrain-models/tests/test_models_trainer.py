@@ -151,8 +151,12 @@ def test_resume_refuses_another_model(tmp_path, data_dir, model_json):
 def test_config_errors(tmp_path, data_dir, model_json):
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
         TrainConfig(batch_size=0)
-    with pytest.raises(ValueError, match="precision 'bfloat16' is not available"):
-        TrainConfig(precision="bfloat16")
+    with pytest.raises(ValueError, match="precision 'fp16' is not one of"):
+        TrainConfig(precision="fp16")
+    with pytest.raises(ValueError, match="recompute 'all' is not one of"):
+        TrainConfig(recompute="all")
+    with pytest.raises(ValueError, match="bf16 needs a CUDA device"):
+        Trainer(config(tmp_path, data_dir, model_json, precision="bf16", device="cpu"))
     with pytest.raises(ValueError, match="seq_len 64 is longer than the model's block size 32"):
         Trainer(config(tmp_path, data_dir, model_json, seq_len=64))
     with pytest.raises(FileNotFoundError, match="no such file or directory"):

@@ -13,6 +13,12 @@ bool cuda_built();
 int cuda_device_count();  // 0 where no driver/GPU is present
 // Throws a clear RuntimeError naming `op` unless `d` is a usable CUDA device.
 void check_cuda_device(Device d, const char* op);
+// The stream work on `d` goes to (a cudaStream_t; nullptr for the CPU).  See cuda/runtime.h.
+void* current_stream(Device d);
+// nullptr restores blutrain's own stream for the device.
+void set_current_stream(Device d, void* stream);
+// Waits for all work queued on d's current stream (no-op on the CPU).
+void synchronize(Device d);
 // Copy nbytes between (host or device) pointers; one side may be host.
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t nbytes,
                 const char* op);

@@ -108,7 +108,8 @@ Tensor softmax(const Tensor& x, int64_t dim, bool log);
 Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight,
                   const Tensor& bias, double eps);
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index,
-                     const std::string& reduction, double label_smoothing);
+                     const std::string& reduction, double label_smoothing,
+                     std::optional<DType> loss_dtype = std::nullopt);
 Tensor dropout(const Tensor& x, double p, bool training);
 Tensor matmul(const Tensor& a, const Tensor& b);
 Tensor bmm(const Tensor& a, const Tensor& b);

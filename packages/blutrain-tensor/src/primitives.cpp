@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "capture.h"
+#include "nn_fused.h"
 #include "ops.h"
 
 namespace bt {
@@ -415,55 +416,22 @@ std::vector<Tensor> Concatenate::vjp(const VjpArgs& a) {
 }
 
 // Neural-network ops ------------------------------------------------------------------------------
+// Softmax / LayerNorm / CrossEntropy differentiate through the fused backward primitives of
+// nn_fused.h (one kernel each, fp32 math, no fp32 copy of the logits).
 std::vector<Tensor> Softmax::vjp(const VjpArgs& a) {
-  const Tensor& g = a.cotangents[0];
-  const Tensor& y = a.outputs[0];
-  if (log) {
-    return {sub(g, mul(unary(UnaryOp::Exp, y), sum(g, {dim}, true)))};
-  }
-  Tensor gy = mul(g, y);
-  return {sub(gy, mul(y, sum(gy, {dim}, true)))};
+  return {softmax_backward(a.outputs[0], a.cotangents[0], log)};
 }
 
 std::vector<Tensor> LayerNorm::vjp(const VjpArgs& a) {
-  const Tensor& x = a.inputs[0];
-  const Tensor& gy = a.cotangents[0];
-  const DType sd = a.outputs[1].dtype();
-  Tensor mean = unsqueeze(a.outputs[1], -1), rstd = unsqueeze(a.outputs[2], -1);
-  Tensor xf = astype(x, sd), gf = astype(gy, sd);
-  Tensor xhat = mul(sub(xf, mean), rstd);
-  Tensor gxhat = has_weight ? mul(gf, astype(a.inputs[1], sd)) : gf;
-  std::vector<Tensor> r(3);
-  if (a.needs[0]) {
-    Tensor m1 = reduce(ReduceOp::Mean, gxhat, {-1}, true);
-    Tensor m2 = reduce(ReduceOp::Mean, mul(gxhat, xhat), {-1}, true);
-    r[0] = mul(rstd, sub(sub(gxhat, m1), mul(xhat, m2)));
-  }
-  const int64_t C = x.shape().back();
-  if (has_weight && a.needs[1]) r[1] = reshape(mul(gf, xhat), {-1, C});
-  if (has_weight && a.needs[1]) r[1] = sum(r[1], {0});
-  if (has_bias && a.needs[2]) r[2] = sum(reshape(gf, {-1, C}), {0});
-  return r;
+  return layer_norm_backward(a.cotangents[0], a.inputs[0], has_weight ? a.inputs[1] : Tensor(),
+                             a.outputs[1], a.outputs[2], Tensor(), has_weight && a.needs[1],
+                             has_bias && a.needs[2]);
 }
 
 std::vector<Tensor> CrossEntropy::vjp(const VjpArgs& a) {
-  const Tensor& logits = a.inputs[0];
-  const Tensor& target = a.inputs[1];
-  const Tensor& g = a.cotangents[0];
-  const DType sd = a.outputs[1].dtype();
-  const int64_t C = logits.shape()[1];
-  Tensor p = unary(UnaryOp::Exp, sub(astype(logits, sd), unsqueeze(a.outputs[1], 1)));
-  Tensor classes = arange(0, static_cast<double>(C), 1, DType::Int64, logits.device());
-  Tensor onehot = astype(binary(BinaryOp::Eq, unsqueeze(target, 1), unsqueeze(classes, 0)), sd);
-  Tensor valid =
-      astype(binary(BinaryOp::Ne, target, Scalar{static_cast<double>(ignore_index), 1}), sd);
-  Tensor w = astype(g, sd);
-  if (reduction == 1) w = div(w, reduce(ReduceOp::Sum, valid, {}, false));
-  Tensor rowscale = mul(valid, reduction == 0 ? w : expand(w, valid.shape()));
-  Tensor target_dist = mul(onehot, 1.0 - label_smoothing);
-  if (label_smoothing > 0) target_dist = add(target_dist, label_smoothing / static_cast<double>(C));
-  Tensor d = mul(sub(p, target_dist), unsqueeze(rowscale, 1));
-  return {astype(d, logits.dtype()), Tensor()};
+  return {cross_entropy_backward(a.inputs[0], a.inputs[1], a.outputs[1], a.cotangents[0],
+                                 ignore_index, reduction, label_smoothing),
+          Tensor()};
 }
 
 std::vector<Tensor> Dropout::vjp(const VjpArgs& a) {

@@ -95,7 +95,8 @@ std::shared_ptr<Storage> Storage::allocate(size_t nbytes, Device device, const c
   if (g_alloc.malloc) {
     void* p = nullptr;
     const int rc =
-        g_alloc.malloc(device.is_cuda() ? device.index : kHostPageable, request, nullptr, &p);
+        g_alloc.malloc(device.is_cuda() ? device.index : kHostPageable, request,
+                       backend::current_stream(device), &p);
     if (rc != 0) {
       throw RuntimeError(std::string("[") + op + "] cannot allocate " + std::to_string(nbytes) +
                          " bytes on " + device.str() + ": " +
@@ -166,6 +167,10 @@ int64_t Tensor::size(int64_t dim) const { return shape()[wrap_dim(dim, ndim(), "
 int64_t Tensor::numel() const { return shape_numel(shape()); }
 
 bool Tensor::is_contiguous() const {
+  // An empty tensor has no elements to lay out (as PyTorch: its strides do not matter).
+  for (int64_t n : shape()) {
+    if (n == 0) return true;
+  }
   int64_t expect = 1;
   for (int64_t i = ndim() - 1; i >= 0; --i) {
     if (shape()[i] == 1) continue;
@@ -382,5 +387,9 @@ std::string tensor_repr(const Tensor& t) {
   c.os << suffix << ")";
   return c.os.str();
 }
+
+static std::atomic<bool> g_deterministic{false};
+bool deterministic_algorithms() { return g_deterministic.load(std::memory_order_relaxed); }
+void set_deterministic_algorithms(bool on) { g_deterministic.store(on, std::memory_order_relaxed); }
 
 }  // namespace bt

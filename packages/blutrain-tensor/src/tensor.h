@@ -181,4 +181,9 @@ Tensor detach(const Tensor& t);
 
 std::string tensor_repr(const Tensor& t);
 
+// Determinism mode: when on, every kernel gives bitwise-identical results run to run on the same
+// device (no float atomics; fixed reduction orders; GEMM algorithms pinned).  Off by default.
+bool deterministic_algorithms();
+void set_deterministic_algorithms(bool on);
+
 }  // namespace bt

@@ -1,5 +1,7 @@
 // cpu/matmul.cpp: matmul / linear through blutrain-linalg's C ABI (the same call serves CUDA:
 // the descriptor's device field picks the backend, so src/cuda/ only needs to pass its stream).
+#include "../autocast.h"
+#include "../backend.h"
 #include "../primitives.h"
 #include "blutrain/linalg.h"
 
@@ -49,50 +51,175 @@ static bt_linalg_matrix describe(const Tensor& t, bool transpose_view, int32_t& 
   return m;
 }
 
-static void run_gemm(Primitive& p, const std::vector<Tensor>& in, std::vector<Tensor>& out,
-                     bool trans_b, bool has_bias, void* stream) {
+static const bt_linalg_api* linalg_api(const Primitive& p) {
   const auto* api = static_cast<const bt_linalg_api*>(linalg_hooks().api);
   if (!api) {
     throw RuntimeError(std::string("[") + p.name() + "] blutrain-linalg is not available (" +
                        linalg_hooks().unavailable_reason + "); install blutrain-linalg");
   }
-  const Tensor &A = in[0], &B = in[1];
-  const Tensor& D = out[0];
+  return api;
+}
+
+// bt.set_float32_matmul_precision, for float32 operands only (16-bit GEMMs always accumulate in
+// fp32 on their own path; float64 stays float64).
+static int32_t compute_mode(int32_t operand_dtype) {
+  if (operand_dtype != BT_LINALG_F32) return BT_LINALG_COMPUTE_DEFAULT;
+  switch (float32_matmul_precision()) {
+    case MatmulPrecision::High:
+      return BT_LINALG_COMPUTE_TF32;
+    case MatmulPrecision::Medium:
+      return BT_LINALG_COMPUTE_FAST_BF16;
+    default:
+      return BT_LINALG_COMPUTE_FP32;
+  }
+}
+
+// D = op(A) op(B) for D (.., m, n) with A (.., m, k) and B (.., k, n) or (.., n, k) when
+// trans_b; the caller sets the epilogue fields.
+static bt_linalg_gemm_desc make_desc(const Primitive& p, const Tensor& A, bool trans_a,
+                                     const Tensor& B, bool trans_b, const Tensor& D,
+                                     void* stream) {
   bt_linalg_gemm_desc d;
   bt_linalg_gemm_desc_init(&d);
   d.device = D.device().is_cuda() ? D.device().index : -1;
   d.m = D.shape()[D.ndim() - 2];
   d.n = D.shape()[D.ndim() - 1];
-  d.k = A.shape()[A.ndim() - 1];
+  d.k = trans_a ? A.shape()[A.ndim() - 2] : A.shape()[A.ndim() - 1];
   d.batch = D.ndim() == 3 ? D.shape()[0] : 1;
-  d.a = describe(A, false, d.transa, p.name());
+  d.a = describe(A, trans_a, d.transa, p.name());
   d.b = describe(B, trans_b, d.transb, p.name());
   d.d.ptr = D.data_ptr(p.name());
   d.d.ld = std::max<int64_t>(d.n, 1);
   d.d.batch_stride = d.m * d.n;
   d.d.dtype = linalg_dtype(D.dtype(), p.name());
   d.c = d.d;
-  if (has_bias) {
-    d.epilogue = BT_LINALG_EPI_BIAS;
-    d.bias.ptr = in[2].data_ptr(p.name());
-    d.bias.dtype = linalg_dtype(in[2].dtype(), p.name());
-    d.bias.ld = d.n;
-  }
+  d.compute = compute_mode(d.a.dtype);
   d.stream = stream;
+  return d;
+}
+
+static bt_linalg_matrix vec(const Tensor& t, const Primitive& p) {
+  bt_linalg_matrix v{};
+  v.ptr = t.data_ptr(p.name());
+  v.dtype = linalg_dtype(t.dtype(), p.name());
+  v.ld = t.numel();
+  return v;
+}
+
+static void call_gemm(const Primitive& p, const bt_linalg_gemm_desc& d) {
+  const auto* api = linalg_api(p);
   if (api->gemm(&d) != 0) {
     throw RuntimeError(std::string("[") + p.name() + "] blutrain-linalg: " + api->last_error());
   }
 }
 
+static void run_gemm(Primitive& p, const std::vector<Tensor>& in, std::vector<Tensor>& out,
+                     bool trans_b, bool has_bias, void* stream) {
+  bt_linalg_gemm_desc d = make_desc(p, in[0], false, in[1], trans_b, out[0], stream);
+  if (has_bias) {
+    d.epilogue = BT_LINALG_EPI_BIAS;
+    d.bias = vec(in[2], p);
+  }
+  call_gemm(p, d);
+}
+
+// LinearGelu: y = gelu(x W^T + b), aux = pre-activation (out[1]), one GEMM.
+static void run_linear_gelu(LinearGelu& p, const std::vector<Tensor>& in,
+                            std::vector<Tensor>& out, void* stream) {
+  bt_linalg_gemm_desc d = make_desc(p, in[0], false, in[1], true, out[0], stream);
+  d.epilogue = p.has_bias ? BT_LINALG_EPI_BIAS_GELU_AUX : BT_LINALG_EPI_GELU_AUX;
+  if (p.has_bias) d.bias = vec(in[2], p);
+  d.aux = d.d;
+  d.aux.ptr = out[1].data_ptr(p.name());
+  call_gemm(p, d);
+}
+
+// LinearDgelu: dpre = (g W) * gelu'(pre), with bgrad db = column sums of dpre.
+static void run_linear_dgelu(LinearDgelu& p, const std::vector<Tensor>& in,
+                             std::vector<Tensor>& out, void* stream) {
+  bt_linalg_gemm_desc d = make_desc(p, in[0], false, in[1], false, out[0], stream);
+  d.epilogue = p.bgrad ? BT_LINALG_EPI_DGELU_BGRAD : BT_LINALG_EPI_DGELU;
+  d.aux = d.d;
+  d.aux.ptr = in[2].data_ptr(p.name());
+  d.aux.dtype = linalg_dtype(in[2].dtype(), p.name());
+  if (p.bgrad) d.bgrad = vec(out[1], p);
+  call_gemm(p, d);
+}
+
+// LinearGeluLinear: h = gelu(x W1^T + b1) (pre saved as aux), y = h W2^T + b2.
+static void run_linear_gelu_linear(LinearGeluLinear& p, const std::vector<Tensor>& in,
+                                   std::vector<Tensor>& out, void* stream) {
+  const size_t ib1 = 3, ib2 = p.has_b1 ? 4 : 3;
+  bt_linalg_gemm_desc d1 = make_desc(p, in[0], false, in[1], true, out[1], stream);
+  d1.epilogue = p.has_b1 ? BT_LINALG_EPI_BIAS_GELU_AUX : BT_LINALG_EPI_GELU_AUX;
+  if (p.has_b1) d1.bias = vec(in[ib1], p);
+  d1.aux = d1.d;
+  d1.aux.ptr = out[2].data_ptr(p.name());
+  call_gemm(p, d1);
+  bt_linalg_gemm_desc d2 = make_desc(p, out[1], false, in[2], true, out[0], stream);
+  if (p.has_b2) {
+    d2.epilogue = BT_LINALG_EPI_BIAS;
+    d2.bias = vec(in[ib2], p);
+  }
+  call_gemm(p, d2);
+}
+
+// LinearWeightGrad: dW = g^T x (N, K); db = row sums of g^T (BGRAD_A) into out[1].
+static void run_linear_weight_grad(LinearWeightGrad& p, const std::vector<Tensor>& in,
+                                   std::vector<Tensor>& out, void* stream) {
+  bt_linalg_gemm_desc d = make_desc(p, in[0], true, in[1], false, out[0], stream);
+  if (p.has_bias) {
+    d.epilogue = BT_LINALG_EPI_BGRAD_A;
+    d.bgrad = vec(out[1], p);
+  }
+  call_gemm(p, d);
+}
+
 void Matmul::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   run_gemm(*this, in, out, trans_b, has_bias, nullptr);
 }
+void LinearGelu::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  run_linear_gelu(*this, in, out, nullptr);
+}
+void LinearWeightGrad::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  run_linear_weight_grad(*this, in, out, nullptr);
+}
+void LinearDgelu::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  run_linear_dgelu(*this, in, out, nullptr);
+}
+void LinearGeluLinear::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  run_linear_gelu_linear(*this, in, out, nullptr);
+}
 
 #ifdef BT_WITH_CUDA
-// blutrain-linalg runs the same descriptor on the device (cuBLASLt); the legacy default stream
-// until tensors carry streams.
+// blutrain-linalg runs the same descriptor on the device (cuBLASLt), on the device's current stream.
 void Matmul::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  run_gemm(*this, in, out, trans_b, has_bias, nullptr);
+  run_gemm(*this, in, out, trans_b, has_bias, backend::current_stream(out[0].device()));
+}
+void LinearGelu::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  run_linear_gelu(*this, in, out, backend::current_stream(out[0].device()));
+}
+void LinearWeightGrad::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  run_linear_weight_grad(*this, in, out, backend::current_stream(out[0].device()));
+}
+void LinearDgelu::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  run_linear_dgelu(*this, in, out, backend::current_stream(out[0].device()));
+}
+void LinearGeluLinear::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  run_linear_gelu_linear(*this, in, out, backend::current_stream(out[0].device()));
+}
+#else
+void LinearGelu::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {
+  backend::no_cuda_kernel(name());
+}
+void LinearWeightGrad::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {
+  backend::no_cuda_kernel(name());
+}
+void LinearDgelu::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {
+  backend::no_cuda_kernel(name());
+}
+void LinearGeluLinear::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {
+  backend::no_cuda_kernel(name());
 }
 #endif
 

@@ -17,6 +17,9 @@ void check_cuda_device(Device d, const char* op) {
   throw RuntimeError(std::string("[") + op + "] cannot use " + d.str() +
                      ": blutrain-tensor was built without CUDA (rebuild with BLUTRAIN_CUDA=ON)");
 }
+void* current_stream(Device) { return nullptr; }
+void synchronize(Device) {}
+void set_current_stream(Device d, void*) { check_cuda_device(d, "set_stream"); }
 void copy_bytes(void*, Device dst, const void*, Device src, size_t, const char* op) {
   throw RuntimeError(std::string("[") + op + "] cannot copy from " + src.str() + " to " +
                      dst.str() + ": blutrain-tensor was built without CUDA");

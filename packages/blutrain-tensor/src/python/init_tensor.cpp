@@ -19,6 +19,7 @@
 #include "blutrain/alloc_import.h"
 #include "blutrain/linalg_import.h"
 #include "blutrain/tensor.h"
+#include "init.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -456,6 +457,11 @@ const bt_tensor_api g_api = {
     c_bump_version};
 
 }  // namespace
+
+namespace bt::python {
+DType parse_dtype(nb::handle h, const char* op) { return ::parse_dtype(h, op); }
+Device parse_device(nb::handle h, const char* op) { return ::parse_device(h, op); }
+}  // namespace bt::python
 
 NB_MODULE(_tensor, m) {
   m.doc() = "blutrain.tensor._tensor: typed tensors with reverse-mode autograd (C++ core)";
@@ -1148,13 +1154,16 @@ NB_MODULE(_tensor, m) {
       "eps"_a = 1e-5);
   m.def(
       "cross_entropy",
-      [](const Tensor& x, const Tensor& t, int64_t ii, const std::string& red, double ls) {
-        return cross_entropy(x, t, ii, red, ls);
+      [](const Tensor& x, const Tensor& t, int64_t ii, const std::string& red, double ls,
+         nb::handle loss_dtype) {
+        return cross_entropy(x, t, ii, red, ls, opt_dtype(loss_dtype, "cross_entropy"));
       },
       "input"_a, "target"_a, "ignore_index"_a = -100, "reduction"_a = "mean",
-      "label_smoothing"_a = 0.0,
+      "label_smoothing"_a = 0.0, "loss_dtype"_a = nb::none(),
       "log_softmax + nll in one kernel. Logits (N, C) or (N, C, d1, ...) with target (N,) or "
-      "(N, d1, ...) (class dim 1, as PyTorch); targets equal to ignore_index count for nothing.");
+      "(N, d1, ...) (class dim 1, as PyTorch); targets equal to ignore_index count for nothing. "
+      "loss_dtype (default: the logits' dtype) sets the loss's dtype, e.g. float32 for bf16 "
+      "logits: no float32 copy of the logits is made either way.");
   m.def("dropout", &dropout, "input"_a, "p"_a = 0.5, "training"_a = true,
         "Zeroes elements with probability p and scales the rest by 1/(1-p).");
   m.def("matmul", &matmul, "input"_a, "other"_a,
@@ -1272,4 +1281,10 @@ NB_MODULE(_tensor, m) {
       "_set_capture", [](Graph* g) { set_active_graph(g); }, "graph"_a.none(),
       "Starts (or with None ends) capture on this thread.");
   m.def("_capturing", []() { return active_graph() != nullptr; }, "Whether capture is active.");
+
+  bt::python::init_cuda(m);
+  bt::python::init_nn_fused(m);
+  bt::python::init_attention(m);
+  bt::python::init_optim(m);
+  bt::python::init_autocast(m);
 }

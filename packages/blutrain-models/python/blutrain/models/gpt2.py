@@ -45,7 +45,98 @@ def _normal(shape: tuple[int, ...], std: float, device: str | None) -> bt.Tensor
     return (bt.randn(*shape, device=device) * std).detach()
 
 
-class CausalSelfAttention(nn.Module):
+# -- precision, fused ops, recomputation ---------------------------------------------------------
+# Precision modes: the compute dtype of the model's math (None: the parameters' own, float32)
+# and the float32 matmul precision ("highest": true fp32; "high": TF32 tensor cores on CUDA).
+PRECISIONS = {
+    "fp32": (None, "highest"),
+    "tf32": (None, "high"),
+    "bf16": ("bfloat16", "high"),
+}
+_PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "tensorfloat32": "tf32"}
+RECOMPUTE = ("none", "gelu", "attn", "block")
+
+
+def precision_name(mode: str) -> str:
+    """The canonical name (fp32, tf32, bf16) of a precision mode; raises on others."""
+    key = _PRECISION_ALIASES.get(str(mode).lower(), str(mode).lower())
+    if key not in PRECISIONS:
+        raise ValueError(f"[GPT2] precision {mode!r} is not one of fp32, tf32, bf16")
+    return key
+
+
+def set_matmul_precision(mode: str) -> None:
+    """TF32 on or off for float32 matmuls (a global setting of blutrain.tensor, when it has it)."""
+    fn = getattr(bt, "set_float32_matmul_precision", None)
+    if fn is not None:
+        fn(PRECISIONS[precision_name(mode)][1])
+
+
+def _policy_dtypes(policy: Any) -> tuple[Any, Any]:
+    """(compute, param) dtypes of a precision mode string or a bt.amp.Policy-like object."""
+    if policy is None:
+        return None, None
+    if isinstance(policy, str):
+        name = PRECISIONS[precision_name(policy)][0]
+        return (getattr(bt, name) if name else None), None
+    compute = getattr(policy, "compute", getattr(policy, "compute_dtype", None))
+    param = getattr(policy, "param", getattr(policy, "param_dtype", None))
+    return compute, param
+
+
+def _cast(p: bt.Tensor | None, dtype: Any) -> bt.Tensor | None:
+    """p in the compute dtype (a differentiable cast: gradients reach the fp32 master)."""
+    if p is None or dtype is None or p.dtype == dtype:
+        return p
+    return p.to(dtype)
+
+
+def _ln(x: bt.Tensor, ln: nn.LayerNorm, dtype: Any) -> bt.Tensor:
+    return bt.layer_norm(
+        x, ln.normalized_shape, _cast(ln.weight, dtype), _cast(ln.bias, dtype), ln.eps
+    )
+
+
+def _add_ln(
+    x: bt.Tensor, r: bt.Tensor, ln: nn.LayerNorm, dtype: Any, fused: bool
+) -> tuple[bt.Tensor, bt.Tensor]:
+    """(x + r, LayerNorm(x + r)): one fused kernel when blutrain.tensor has it."""
+    if fused:
+        return bt.add_layer_norm(x, r, _cast(ln.weight, dtype), _cast(ln.bias, dtype), ln.eps)
+    s = x + r
+    return s, _ln(s, ln, dtype)
+
+
+def _checkpoint(fn: Any, *args: bt.Tensor) -> bt.Tensor:
+    ck = getattr(bt, "checkpoint", None)
+    if ck is None:
+        raise RuntimeError(
+            "[GPT2] recompute needs bt.checkpoint, which this blutrain.tensor build lacks"
+        )
+    return ck(fn, *args)
+
+
+class _Precision:
+    """Per-module compute dtype (set_precision); None follows the parent, then float32."""
+
+    _compute: Any = None
+
+    def set_precision(self, policy: Any) -> Any:
+        """Compute in `policy`'s dtype (a mode "fp32"/"tf32"/"bf16" or a bt.amp.Policy) here and
+        in every sub-block; parameters stay float32 masters. Later calls on a sub-block override
+        it for that block only. Returns self."""
+        compute, param = _policy_dtypes(policy)
+        if param not in (None, bt.float32):
+            raise ValueError(
+                f"[GPT2] parameters are kept in float32 (master weights); policy asks {param}"
+            )
+        for m in self.modules():  # type: ignore[attr-defined]
+            if isinstance(m, _Precision):
+                object.__setattr__(m, "_compute", compute)
+        return self
+
+
+class CausalSelfAttention(_Precision, nn.Module):
     def __init__(self, config: GPT2Config) -> None:
         super().__init__()
         C = config.n_embd
@@ -56,30 +147,53 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: bt.Tensor) -> bt.Tensor:
         B, T, C = x.shape
-        H = self.n_head
-        qkv = self.c_attn(x)  # (B, T, 3C)
-        q, k, v = qkv.split(C, 2)
-        # (B, T, C) -> (B, H, T, D)
-        q = q.view(B, T, H, C // H).transpose(1, 2)
-        k = k.view(B, T, H, C // H).transpose(1, 2)
-        v = v.view(B, T, H, C // H).transpose(1, 2)
+        H, dt = self.n_head, self._compute
+        qkv = bt.linear(x, _cast(self.c_attn.weight, dt), _cast(self.c_attn.bias, dt))
+        # q, k, v: strided views of qkv, (B, T, C) -> (B, H, T, D): no copies before attention
+        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in qkv.split(C, 2))
         y = bt.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
+        return bt.linear(y, _cast(self.c_proj.weight, dt), _cast(self.c_proj.bias, dt))
 
 
-class MLP(nn.Module):
+class MLP(_Precision, nn.Module):
     def __init__(self, config: GPT2Config) -> None:
         super().__init__()
         C = config.n_embd
         self.c_fc = nn.Linear(C, 4 * C)
         self.c_proj = nn.Linear(4 * C, C)
+        self.fused = False  # bt.linear_gelu_linear for the whole MLP (GPT2 sets it)
+        self.recompute_gelu = False
+
+    def _fc(self, x: bt.Tensor) -> bt.Tensor:
+        dt = self._compute
+        return bt.linear(x, _cast(self.c_fc.weight, dt), _cast(self.c_fc.bias, dt))
+
+    def _gelu_proj(self, u: bt.Tensor) -> bt.Tensor:
+        dt = self._compute
+        return bt.linear(
+            bt.gelu(u, "tanh"), _cast(self.c_proj.weight, dt), _cast(self.c_proj.bias, dt)
+        )
 
     def forward(self, x: bt.Tensor) -> bt.Tensor:
-        return self.c_proj(bt.gelu(self.c_fc(x), "tanh"))
+        dt = self._compute
+        if self.recompute_gelu:  # keep the pre-activation only; GELU is redone in backward
+            return _checkpoint(self._gelu_proj, self._fc(x))
+        if self.fused:
+            # one primitive for the whole MLP: GELU in c_fc's GEMM epilogue (the pre-activation
+            # saved by it), and in backward the GELU derivative in the epilogue of c_proj's
+            # dx GEMM (DGELU), so no elementwise GELU kernel runs in either direction
+            return bt.linear_gelu_linear(
+                x,
+                _cast(self.c_fc.weight, dt),
+                _cast(self.c_fc.bias, dt),
+                _cast(self.c_proj.weight, dt),
+                _cast(self.c_proj.bias, dt),
+            )
+        return self._gelu_proj(self._fc(x))
 
 
-class Block(nn.Module):
+class Block(_Precision, nn.Module):
     def __init__(self, config: GPT2Config) -> None:
         super().__init__()
         C, eps = config.n_embd, config.layer_norm_epsilon
@@ -87,13 +201,16 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(C, eps=eps)
         self.mlp = MLP(config)
+        self.fused_add_ln = False  # GPT2 sets it
 
     def forward(self, x: bt.Tensor) -> bt.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        dt = self._compute
+        x = _cast(x, dt)
+        x, h = _add_ln(x, self.attn(_ln(x, self.ln_1, dt)), self.ln_2, dt, self.fused_add_ln)
+        return x + self.mlp(h)
 
 
-class _Transformer(nn.Module):
+class _Transformer(_Precision, nn.Module):
     def __init__(self, config: GPT2Config) -> None:
         super().__init__()
         C = config.n_embd
@@ -146,21 +263,45 @@ class _HeadCrossEntropyCPU(bt.Function):
         return bt.from_numpy(d), None, None
 
 
-class GPT2(nn.Module):
+class GPT2(_Precision, nn.Module):
     """GPT-2 language model. ``logits, loss = model(idx, targets=None)``.
 
     idx: (B, T) or (T,) integer token ids (a bt tensor or a numpy array), T <= block_size.
     targets: like idx; entries equal to -1 are ignored by the loss. logits: (B, T, vocab_size)
-    float32 (the padding columns of a padded vocabulary are never returned); loss: a 0-d tensor
-    (mean cross-entropy over the non-ignored targets), or None without targets.
+    in the compute dtype (float32, or bfloat16 under precision="bf16"; the padding columns of a
+    padded vocabulary are never returned); loss: a float32 0-d tensor (mean cross-entropy over
+    the non-ignored targets), or None without targets.
+
+    GPU options (all keep the math of the plain model):
+    - `precision`: "fp32", "tf32" (float32 matmuls on TF32 tensor cores; a global setting) or
+      "bf16" (bfloat16 compute, float32 master weights), or a bt.amp.Policy; per block with
+      ``model.transformer.h[i].set_precision(...)``.
+    - `recompute`: "none", "gelu" (the MLP keeps its pre-activation only), "attn" (each
+      attention sublayer keeps its input only) or "block" (each block keeps its input only);
+      recomputed in backward through bt.checkpoint.
+    - `fused`: None (on CUDA when blutrain.tensor has them), True or False: bt.add_layer_norm
+      for every residual add + LayerNorm pair, bt.linear_gelu_linear for the MLP.
     """
 
-    def __init__(self, config: GPT2Config, device: str | None = None, *, init: bool = True) -> None:
+    def __init__(
+        self,
+        config: GPT2Config,
+        device: str | None = None,
+        *,
+        init: bool = True,
+        precision: Any = None,
+        recompute: str = "none",
+        fused: bool | None = None,
+    ) -> None:
         super().__init__()
         if not isinstance(config, GPT2Config):
             raise TypeError(f"[GPT2] config must be a GPT2Config, got {type(config).__name__}")
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"[GPT2] recompute {recompute!r} is not one of {', '.join(RECOMPUTE)}")
         self.config = config
         self.device = device or "cpu"
+        self.recompute = recompute
+        self.fused = fused
         self.transformer = _Transformer(config)
         if init:
             self.init_weights()
@@ -171,6 +312,10 @@ class GPT2(nn.Module):
         if device not in (None, "cpu"):
             self.to(device)
         self._pos_cache: dict[int, bt.Tensor] = {}
+        if precision is not None:
+            self.set_precision(precision)
+            if isinstance(precision, str):
+                set_matmul_precision(precision)
 
     # -- construction --------------------------------------------------------------------------
     def init_weights(self) -> None:
@@ -226,7 +371,9 @@ class GPT2(nn.Module):
                 raise ValueError(
                     f"[GPT2] {what} must be (B, T) or (T,), got shape {tuple(x.shape)}"
                 )
-            if t.numel() and not t.is_symbolic:  # captured ids have no values to check
+            if t.numel() and not t.is_symbolic and str(t.device) == "cpu":
+                # captured ids have no values to check; ids on a GPU are not read back (that
+                # would be a host sync every step): the embedding kernel bounds-checks them
                 lo, hi = int(t.amin().item()), int(t.amax().item())
             else:
                 lo = hi = 0
@@ -266,8 +413,18 @@ class GPT2(nn.Module):
                 self._pos_cache[T] = pos
         return pos
 
-    def hidden_states(self, idx: bt.Tensor) -> bt.Tensor:
-        """The final LayerNorm's output (B, T, C) for checked int64 ids (B, T)."""
+    def _fused_ops(self, x: bt.Tensor) -> tuple[bool, bool]:
+        """(add_layer_norm, linear_gelu_linear) fused ops to use for activations like x."""
+        want = self.fused if self.fused is not None else str(x.device).startswith("cuda")
+        if not want or x.is_symbolic:
+            return False, False
+        return hasattr(bt, "add_layer_norm"), hasattr(bt, "linear_gelu_linear")
+
+    def hidden_states(self, idx: bt.Tensor, wte: bt.Tensor | None = None) -> bt.Tensor:
+        """The final LayerNorm's output (B, T, C) for checked int64 ids (B, T).
+
+        `wte`: the token embedding already in the compute dtype (forward casts it once for
+        both the embedding and the tied head)."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(
@@ -276,14 +433,40 @@ class GPT2(nn.Module):
         if T == 0:
             raise ValueError("[GPT2] idx is empty (T = 0)")
         tr = self.transformer
-        x = bt.embedding(idx, tr.wte.weight) + bt.embedding(self._positions(T), tr.wpe.weight)
-        for block in tr.h:
-            x = block(x)
-        return tr.ln_f(x)
+        dt = self._compute
+        if wte is None:
+            wte = _cast(tr.wte.weight, dt)
+        x = bt.embedding(idx, wte) + bt.embedding(self._positions(T), _cast(tr.wpe.weight, dt))
+        add_ln, lin_gelu = self._fused_ops(x)
+        blocks = list(tr.h)
+        for b in blocks:
+            b.fused_add_ln = add_ln
+            b.mlp.fused = lin_gelu
+            b.mlp.recompute_gelu = self.recompute == "gelu"
+        if self.recompute == "block":  # each block keeps only its input
+            for b in blocks:
+                x = _checkpoint(b, _cast(x, b._compute))
+            return _ln(_cast(x, dt), tr.ln_f, dt)
+        # The residual stream x and the next LayerNorm's output h travel together, so every
+        # "x = x + branch; h = LayerNorm(x)" pair (ln_2, the next block's ln_1, ln_f) can be
+        # one fused add + LayerNorm; the math is that of Block.forward.
+        h = _ln(_cast(x, blocks[0]._compute), blocks[0].ln_1, blocks[0]._compute)
+        for i, b in enumerate(blocks):
+            bdt = b._compute
+            x, h = _cast(x, bdt), _cast(h, bdt)
+            if self.recompute == "attn":
+                a = _checkpoint(b.attn, h)
+            else:
+                a = b.attn(h)
+            x, h = _add_ln(x, a, b.ln_2, bdt, add_ln)
+            nxt = blocks[i + 1].ln_1 if i + 1 < len(blocks) else tr.ln_f
+            x, h = _add_ln(x, b.mlp(h), nxt, bdt, add_ln)
+        return _cast(h, dt) if dt is not None else h
 
     def head(self, x: bt.Tensor) -> bt.Tensor:
         """Logits (..., vocab_size) of hidden states x (..., C): the tied head, padding dropped."""
-        return self._unpad(bt.linear(x, self.transformer.wte.weight))
+        wte = _cast(self.transformer.wte.weight, self._compute)
+        return self._unpad(bt.linear(_cast(x, wte.dtype), wte))
 
     def _unpad(self, logits: bt.Tensor) -> bt.Tensor:
         V = self.config.vocab_size
@@ -296,7 +479,8 @@ class GPT2(nn.Module):
                 f"[GPT2] sequence length {idx.shape[1]} is longer than the block size "
                 f"{self.config.block_size}"
             )
-        full = bt.linear(self.hidden_states(idx), self.transformer.wte.weight)  # (B, T, Vp)
+        wte = _cast(self.transformer.wte.weight, self._compute)  # one cast, two uses
+        full = bt.linear(self.hidden_states(idx, wte), wte)  # (B, T, Vp), compute dtype
         logits = self._unpad(full)
         loss = None
         if targets is not None:
@@ -306,14 +490,22 @@ class GPT2(nn.Module):
                     f"[GPT2] targets have shape {tuple(tgt.shape)}, idx {tuple(idx.shape)}"
                 )
             B, T = idx.shape
-            V = self.config.vocab_size
+            V, Vp = self.config.vocab_size, full.shape[-1]
             if full.device == "cpu" and full.dtype == bt.float32 and not full.is_symbolic:
-                loss = _HeadCrossEntropyCPU.apply(
-                    full.reshape(B * T, full.shape[-1]), tgt.reshape(B * T), V
-                )
+                loss = _HeadCrossEntropyCPU.apply(full.reshape(B * T, Vp), tgt.reshape(B * T), V)
             else:
+                # (B*T, Vp) is a view; its first V columns a strided view (row stride Vp),
+                # which the CUDA loss kernel copies to dense rows in the logits' dtype (bf16
+                # logits are never made float32); the loss itself is float32
+                flat = full.reshape(B * T, Vp)
+                if Vp > V:
+                    flat = flat.narrow(1, 0, V)
+                half = flat.dtype in (bt.bfloat16, bt.float16)
                 loss = bt.cross_entropy(
-                    logits.reshape(B * T, V), tgt.reshape(B * T), ignore_index=IGNORE_INDEX
+                    flat,
+                    tgt.reshape(B * T),
+                    ignore_index=IGNORE_INDEX,
+                    loss_dtype=bt.float32 if half else None,
                 )
         return logits, loss
 
@@ -438,7 +630,7 @@ class GPT2(nn.Module):
                     h = self.hidden_states(x)
                     last = h.narrow(1, h.shape[1] - 1, 1)  # only the last position's logits
                     logits = self.head(last).reshape(ids.shape[0], V)
-                    logits = logits.cpu().double().numpy()
+                    logits = logits.float().cpu().double().numpy()
                     ids = np.concatenate([ids, _sample(logits, temperature, top_k, rng)], axis=1)
         finally:
             self.train(was_training)

@@ -16,6 +16,13 @@ AdamW is PyTorch's (Loshchilov & Hutter's decoupled weight decay), step for step
 arithmetic as ``torch.optim.AdamW`` (single-tensor path), so losses agree with PyTorch to float
 rounding. Weight decay applies only to tensors with dim >= 2 (matmul weights and embeddings),
 never to biases and LayerNorm weights, as in GPT-2/nanoGPT/llm.c.
+
+By default (``fused=None``) the step runs blutrain-tensor's multi-tensor kernel
+(``bt._tensor._adamw_``: one CUDA launch for every parameter, OpenMP loops on the CPU; the same
+arithmetic, operation for operation); ``fused=False`` keeps the per-tensor Python path below as
+the reference. Clipping without a host sync: ``norm, coef = grad_norm_and_clip_coef(params,
+max_norm)`` then ``opt.step(grad_scale=coef)`` (the coefficient multiplies every gradient inside
+the AdamW kernel, so the gradients are never rewritten).
 """
 
 from __future__ import annotations
@@ -56,6 +63,11 @@ def _named(params: Any) -> list[tuple[str, bt.Tensor]]:
     return out
 
 
+def _state_dtype(p: bt.Tensor) -> Any:
+    """The fused kernel keeps float32 moments for 16-bit parameters (float64 for float64)."""
+    return bt.float64 if p.dtype == bt.float64 else bt.float32
+
+
 class AdamW:
     """AdamW with decoupled weight decay; decay only on tensors with dim >= 2.
 
@@ -72,6 +84,7 @@ class AdamW:
         eps: float = 1e-8,
         weight_decay: float = 0.1,
         no_decay: Iterable[str] | None = None,
+        fused: bool | None = None,
     ) -> None:
         if not lr >= 0:
             raise ValueError(f"[AdamW] lr must be >= 0, got {lr}")
@@ -88,6 +101,8 @@ class AdamW:
         self.weight_decay = float(weight_decay)
         nd = set(no_decay) if no_decay is not None else None
         self.decay = {n: (p.ndim >= 2 if nd is None else n not in nd) for n, p in self.params}
+        # None: the multi-tensor kernel on every device; False: the Python reference path.
+        self.fused = fused is None or bool(fused)
         # name -> {"step": int, "exp_avg": Tensor, "exp_avg_sq": Tensor}, created lazily
         self.state: dict[str, dict[str, Any]] = {}
 
@@ -96,18 +111,24 @@ class AdamW:
         self.lr = float(lr)
 
     @bt.no_grad()
-    def step(self) -> None:
-        """One update of every parameter that has a gradient (others are left alone)."""
+    def step(self, grad_scale: bt.Tensor | None = None) -> None:
+        """One update of every parameter that has a gradient (others are left alone).
+
+        grad_scale: an optional 0-d float32 tensor on the parameters' device multiplying every
+        gradient (a clip coefficient from `grad_norm_and_clip_coef`; read on the device).
+        """
+        if self.fused:
+            self._step_fused(grad_scale)
+            return
         b1, b2 = self.betas
         lr, eps, wd = self.lr, self.eps, self.weight_decay
         for name, p in self.params:
             g = p.grad
             if g is None:
                 continue
-            st = self.state.get(name)
-            if st is None:
-                st = {"step": 0, "exp_avg": bt.zeros_like(p), "exp_avg_sq": bt.zeros_like(p)}
-                self.state[name] = st
+            if grad_scale is not None:
+                g = g * grad_scale
+            st = self._state_for(name, p)
             st["step"] += 1
             t = st["step"]
             m, v = st["exp_avg"], st["exp_avg_sq"]
@@ -120,6 +141,57 @@ class AdamW:
             bias2_sqrt = math.sqrt(1 - b2**t)
             denom = v.sqrt() / bias2_sqrt + eps
             p.sub_(m / denom * (lr / bias1))
+
+    def _state_for(self, name: str, p: bt.Tensor) -> dict[str, Any]:
+        st = self.state.get(name)
+        if st is None:
+            sd = _state_dtype(p) if self.fused else p.dtype
+            st = {"step": 0, "exp_avg": bt.zeros_like(p, sd), "exp_avg_sq": bt.zeros_like(p, sd)}
+            self.state[name] = st
+        return st
+
+    def _step_fused(self, grad_scale: bt.Tensor | None) -> None:
+        # One kernel call per (device, dtype, step count): normally a single call for the model.
+        groups: dict[tuple[str, str, int], list[tuple[str, bt.Tensor, bt.Tensor]]] = {}
+        for name, p in self.params:
+            g = p.grad
+            if g is None:
+                continue
+            if not p.is_contiguous():  # the kernel needs dense memory: reference path for it
+                self._step_one_reference(name, p, g, grad_scale)
+                continue
+            if not g.is_contiguous():
+                g = g.contiguous()
+            st = self._state_for(name, p)
+            st["step"] += 1
+            key = (str(p.device), str(p.dtype), st["step"])
+            groups.setdefault(key, []).append((name, p, g))
+        for (_, _, step), items in groups.items():
+            st = [self.state[n] for n, _, _ in items]
+            bt._tensor._adamw_(
+                [p for _, p, _ in items],
+                [g for _, _, g in items],
+                [s["exp_avg"] for s in st],
+                [s["exp_avg_sq"] for s in st],
+                self.lr,
+                self.betas[0],
+                self.betas[1],
+                self.eps,
+                [self.weight_decay if self.decay[n] else 0.0 for n, _, _ in items],
+                float(step),
+                grad_scale,
+            )
+
+    def _step_one_reference(
+        self, name: str, p: bt.Tensor, g: bt.Tensor, grad_scale: bt.Tensor | None
+    ) -> None:
+        fused, self.fused = self.fused, False
+        saved = self.params
+        try:
+            self.params = [(name, p)]
+            self.step(grad_scale)
+        finally:
+            self.fused, self.params = fused, saved
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for _, p in self.params:
@@ -191,7 +263,8 @@ class AdamW:
                         f"[AdamW] load_state_dict: {key}/{name} has shape {tuple(a.shape)}, "
                         f"the parameter has {tuple(p.shape)}"
                     )
-                st[key] = bt.tensor(np.ascontiguousarray(a), dtype=p.dtype, device=str(p.device))
+                sd = _state_dtype(p) if self.fused else p.dtype
+                st[key] = bt.tensor(np.ascontiguousarray(a), dtype=sd, device=str(p.device))
             new_state[name] = st
         self.lr = float(hp["lr"])
         self.betas = (float(hp["betas"][0]), float(hp["betas"][1]))
@@ -243,18 +316,40 @@ def cosine_lr(
     return CosineSchedule(max_lr, warmup_steps, max_steps, min_lr)(step)
 
 
-def clip_grad_norm_(parameters: Iterable[bt.Tensor], max_norm: float) -> float:
+def clip_grad_norm_(
+    parameters: Iterable[bt.Tensor], max_norm: float, sync: bool = True
+) -> float | bt.Tensor:
     """Scale all .grad in place so their global L2 norm is at most max_norm; returns the norm
     before clipping (a float; inf or nan when a gradient is not finite). max_norm <= 0 or inf
-    only measures."""
+    only measures. sync=False returns the norm as a 0-d tensor on the gradients' device instead
+    (no host sync: on CUDA the norm, the coefficient and the scaling all stay on the device)."""
     params = [p for p in parameters if p.grad is not None]
     if not params:
-        return 0.0
+        return 0.0 if sync else bt.tensor(0.0)
     if max_norm is None or not math.isfinite(max_norm) or max_norm <= 0:
+        if not sync:
+            return bt._tensor._grad_norm([p.grad for p in params])
         with bt.no_grad():
             total = None
             for p in params:
                 s = (p.grad.double() * p.grad.double()).sum()
                 total = s if total is None else total + s
             return float(math.sqrt(float(total.item())))
-    return float(bt.clip_grad_norm_(params, float(max_norm)).item())
+    norm = bt.clip_grad_norm_(params, float(max_norm))
+    return float(norm.item()) if sync else norm
+
+
+def grad_norm_and_clip_coef(
+    parameters: Iterable[bt.Tensor], max_norm: float | None, eps: float = 1e-6
+) -> tuple[bt.Tensor | None, bt.Tensor | None]:
+    """(global gradient norm, clip coefficient) as 0-d tensors on the gradients' device, without
+    a host sync and without touching the gradients: pass the coefficient to
+    ``AdamW.step(grad_scale=coef)``. The coefficient is None when max_norm is None, <= 0 or inf
+    (only measure); both are None when no parameter has a gradient."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return None, None
+    norm = bt._tensor._grad_norm(grads)
+    if max_norm is None or not math.isfinite(max_norm) or max_norm <= 0:
+        return norm, None
+    return norm, bt._tensor._clip_coef(norm, float(max_norm), eps)

@@ -42,6 +42,10 @@ CHECKPOINT_DIR = "checkpoint"
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 
+_PRECISION_NAMES = ("auto", "fp32", "float32", "tf32", "bf16", "bfloat16")
+# precision mode -> the key of its peak in _PEAK_FLOPS
+_PEAK_KEY = {"fp32": "float32", "tf32": "tf32", "bf16": "bfloat16"}
+
 # Dense peak FLOP/s for MFU, by device name substring and precision (dense, no sparsity).
 _PEAK_FLOPS = {
     "H200": {"float32": 67e12, "tf32": 494.5e12, "bfloat16": 989.5e12},
@@ -79,7 +83,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     # where and how
     device: str = "auto"  # auto: CUDA when this build can run on a GPU here, else CPU
-    precision: str = "float32"
+    precision: str = "auto"  # auto (bf16 on a GPU, fp32 on the CPU), fp32, tf32 or bf16
+    recompute: str = "none"  # activation recomputation: none, gelu, attn or block
     threads: int = 0  # CPU threads (OpenMP and BLAS); 0: OMP_NUM_THREADS, else all cores but one
     seed: int = 1337
     # logging, evaluation, checkpoints
@@ -113,10 +118,13 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"[TrainConfig] {name} must be an int >= 0, got {v!r}")
-        if self.precision not in ("float32", "fp32"):
+        if str(self.precision).lower() not in _PRECISION_NAMES:
             raise ValueError(
-                f"[TrainConfig] precision {self.precision!r} is not available yet: blutrain.tensor "
-                "has no autocast; use float32"
+                f"[TrainConfig] precision {self.precision!r} is not one of auto, fp32, tf32, bf16"
+            )
+        if self.recompute not in ("none", "gelu", "attn", "block"):
+            raise ValueError(
+                f"[TrainConfig] recompute {self.recompute!r} is not one of none, gelu, attn, block"
             )
         if not self.lr > 0:
             raise ValueError(f"[TrainConfig] lr must be > 0, got {self.lr}")
@@ -201,6 +209,59 @@ def resolve_device(device: str) -> str:
     return "cpu"
 
 
+def resolve_precision(precision: str, device: str) -> str:
+    """ "auto" -> bf16 on a GPU, fp32 on the CPU; else the canonical name (fp32, tf32, bf16)."""
+    from .gpt2 import precision_name
+
+    if str(precision).lower() == "auto":
+        return "bf16" if device.startswith("cuda") else "fp32"
+    p = precision_name(precision)
+    if p == "bf16" and not device.startswith("cuda"):
+        raise ValueError("[train] precision bf16 needs a CUDA device; use fp32 on the CPU")
+    return p
+
+
+def make_adamw(params: Any, **kw: Any):
+    """blutrain.models.optim.AdamW, fused (multi-tensor) where that version has it."""
+    import inspect
+
+    from .optim import AdamW
+
+    if "fused" in inspect.signature(AdamW).parameters:
+        kw.setdefault("fused", None)
+    return AdamW(params, **kw)
+
+
+def clip_and_step(opt: Any, params: list, max_norm: float) -> Any:
+    """Global-norm clipping and the AdamW step with no host sync; returns the norm tensor."""
+    import blutrain.tensor as bt
+
+    from . import optim
+
+    if hasattr(optim, "grad_norm_and_clip_coef"):
+        norm, coef = optim.grad_norm_and_clip_coef(params, max_norm)
+        opt.step(grad_scale=coef)
+        return norm
+    norm = bt.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
+    opt.step()
+    return norm
+
+
+def peak_memory_bytes(device: str) -> int:
+    """Peak bytes: blutrain.tensor's CUDA allocator stats when it has them, else memory_bytes."""
+    if device.startswith("cuda"):
+        import blutrain.tensor as bt
+
+        cuda = getattr(bt, "cuda", None)
+        fn = getattr(cuda, "max_memory_allocated", None)
+        if fn is not None:
+            try:
+                return int(fn())
+            except Exception:  # noqa: BLE001
+                pass
+    return memory_bytes(device)[1]
+
+
 def model_config(name: str, vocab_multiple: int = 1):
     from .config import GPT2Config
 
@@ -259,22 +320,31 @@ def flops_per_token(cfg, seq_len: int) -> float:
 
 
 def peak_flops(device: str, precision: str) -> float | None:
+    """Dense peak FLOP/s of this GPU at `precision` (fp32, tf32, bf16 or the _PEAK_FLOPS keys);
+    None on the CPU or an unknown GPU. BLUTRAIN_PEAK_FLOPS overrides it."""
     env = os.environ.get("BLUTRAIN_PEAK_FLOPS")
     if env:
         return float(env)
     if not device.startswith("cuda"):
         return None
+    precision = _PEAK_KEY.get(precision, precision)
+    name = ""
     try:
-        import subprocess
+        import blutrain.tensor as bt
 
-        name = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout
-    except Exception:  # noqa: BLE001
-        return None
+        name = bt.cuda.get_device_name(device)
+    except Exception:  # noqa: BLE001 - older builds: ask nvidia-smi
+        try:
+            import subprocess
+
+            name = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout
+        except Exception:  # noqa: BLE001
+            return None
     for key, table in _PEAK_FLOPS.items():
         if key in name:
             return table.get(precision)
@@ -349,12 +419,13 @@ class Trainer:
         import blutrain.tensor as bt
 
         from .data import DataLoader
-        from .gpt2 import GPT2
-        from .optim import AdamW, CosineSchedule
+        from .gpt2 import GPT2, set_matmul_precision
+        from .optim import CosineSchedule
         from .tokenizer import get_encoding
 
         self.cfg = config
         self.device = resolve_device(config.device)
+        self.precision = resolve_precision(config.precision, self.device)
         self.out_dir = Path(config.out_dir)
         self.console = console
         self.on_step = on_step
@@ -366,6 +437,9 @@ class Trainer:
             )
         else:
             self.model = GPT2(model_config(config.model, config.vocab_multiple), device=self.device)
+        self.model.recompute = config.recompute
+        self.model.set_precision(self.precision)
+        set_matmul_precision(self.precision)
         self.model_config = self.model.config
         if config.seq_len > self.model_config.block_size:
             raise ValueError(
@@ -383,7 +457,7 @@ class Trainer:
             )
         except (FileNotFoundError, ValueError):
             self.val_loader = None  # no (or too small a) validation split: no val loss
-        self.optimizer = AdamW(
+        self.optimizer = make_adamw(
             self.model.named_parameters(),
             lr=config.lr,
             betas=(config.beta1, config.beta2),
@@ -396,53 +470,140 @@ class Trainer:
         self.history = History()
         self.tokens_per_step = config.batch_size * config.seq_len * config.grad_accum
         self.flops_token = flops_per_token(self.model_config, config.seq_len)
-        self.peak = peak_flops(self.device, "float32")
+        self.peak = peak_flops(self.device, self.precision)
         self._metrics_file = None
+        # A GPU runs ahead of Python: steps are queued and their losses read back (one host
+        # sync) every log_interval steps; the CPU reads every step (it costs nothing there).
+        self.sync_every = (config.log_interval or 10) if self.device.startswith("cuda") else 1
+        self._pending: list[dict[str, Any]] = []
+        self._prefetched: list[tuple[Any, Any]] = []
+        self.prefetch = self.device.startswith("cuda")  # upload batches ahead, at sync points
+        self._t_sync = time.perf_counter()
         if config.resume:
             ck = self.out_dir / CHECKPOINT_DIR
             if ck.exists():
                 self.load(ck)
 
     # -- one step --------------------------------------------------------------------------------
-    def train_step(self) -> dict[str, float]:
-        from .optim import clip_grad_norm_
+    def _next_batch(self) -> tuple[Any, Any]:
+        """The next training micro-batch: numpy from the loader, or a slice of the batches
+        uploaded ahead (see _prefetch)."""
+        if self._prefetched:
+            return self._prefetched.pop(0)
+        return self.train_loader.next_batch()
+
+    def _prefetch(self, steps: int) -> None:
+        """Upload the micro-batches of the next `steps` steps in one copy.
+
+        A host-to-device copy from pageable memory synchronises the stream, so uploading each
+        batch when it is used would stall the host every step; here the upload happens where the
+        trainer syncs anyway (after reading back the losses). Only the steps up to the next sync
+        point are fetched, so a checkpoint there saves the loader exactly at self.step."""
+        import blutrain.tensor as bt
+
+        n = steps * self.cfg.grad_accum
+        if n < 1:
+            return
+        pairs = [self.train_loader.next_batch() for _ in range(n)]
+        host = np.stack([np.stack([x, y]) for x, y in pairs]).astype(np.int64, copy=False)
+        buf = bt.tensor(host, device=self.device)  # (n, 2, B, T): one copy
+        self._prefetched = [(buf[i][0], buf[i][1]) for i in range(n)]
+
+    def _steps_to_sync(self, stop: int) -> int:
+        """How many steps fit's loop queues from here up to and including its next sync point."""
+        s = self.step
+        while s < stop:
+            s += 1
+            if self._is_sync_point(s, stop):
+                break
+        return s - self.step
+
+    def _is_sync_point(self, s: int, stop: int) -> bool:
+        cfg = self.cfg
+        return bool(
+            s % self.sync_every == 0
+            or s in (1, stop)
+            or (cfg.eval_interval and (s % cfg.eval_interval == 0 or s == stop))
+            or (cfg.sample_interval and (s % cfg.sample_interval == 0 or s == stop))
+            or (cfg.ckpt_interval and s % cfg.ckpt_interval == 0)
+        )
+
+    def _queue_step(self) -> None:
+        """One optimizer step with no host sync: its loss and norm stay on the device."""
+        from .optim import grad_norm_and_clip_coef
 
         cfg = self.cfg
-        t0 = time.perf_counter()
         lr = self.schedule(self.step)
         self.optimizer.set_lr(lr)
-        total = 0.0
+        losses = []
         for _ in range(cfg.grad_accum):
-            x, y = self.train_loader.next_batch()
+            x, y = self._next_batch()
             _, loss = self.model(x, y)
             if cfg.grad_accum > 1:
                 (loss / cfg.grad_accum).backward()
             else:
                 loss.backward()
-            total += float(loss.item())
-        norm = clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-        self.optimizer.step()
+            losses.append(loss.detach())
+        # The norm and the clip coefficient stay device tensors; the coefficient scales the
+        # gradients inside the AdamW kernel (grad_scale), so the grads are not rewritten.
+        norm: Any
+        norm, coef = grad_norm_and_clip_coef(self.model.parameters(), cfg.grad_clip)
+        if norm is None:
+            norm = 0.0
+        self.optimizer.step(grad_scale=coef)
         self.optimizer.zero_grad()
         self.step += 1
-        dt = time.perf_counter() - t0
-        loss_v = total / cfg.grad_accum
-        self.history.train.append((self.step, loss_v))
-        tps = self.tokens_per_step / dt
-        mem, peak = memory_bytes(self.device)
-        m = {
-            "step": self.step,
-            "loss": loss_v,
-            "lr": lr,
-            "grad_norm": norm,
-            "dt_ms": dt * 1e3,
-            "tokens_per_s": tps,
-            "mem_bytes": mem,
-            "peak_mem_bytes": peak,
-            "tokens": self.step * self.tokens_per_step,
-        }
-        if self.peak:
-            m["mfu"] = tps * self.flops_token / self.peak
-        return m
+        self._pending.append({"step": self.step, "lr": lr, "losses": losses, "norm": norm})
+
+    def _sync(self) -> list[dict[str, Any]]:
+        """Read back the queued steps' losses and norms (one host sync); their metrics."""
+        import blutrain.tensor as bt
+
+        pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        scalars = []
+        for p in pending:
+            scalars += p["losses"]
+            if isinstance(p["norm"], bt.Tensor):
+                scalars.append(p["norm"])
+        vals = iter(bt.stack([s.float() for s in scalars]).cpu().numpy().tolist())
+        now = time.perf_counter()
+        dt = (now - self._t_sync) / len(pending)
+        self._t_sync = now
+        tps = self.tokens_per_step / dt if dt > 0 else float("inf")
+        mem, _ = memory_bytes(self.device)
+        peak = peak_memory_bytes(self.device)
+        out = []
+        for p in pending:
+            total = 0.0
+            for _ in p["losses"]:
+                total += float(next(vals))
+            norm = float(next(vals)) if isinstance(p["norm"], bt.Tensor) else float(p["norm"])
+            loss_v = total / len(p["losses"])
+            self.history.train.append((p["step"], loss_v))
+            m = {
+                "step": p["step"],
+                "loss": loss_v,
+                "lr": p["lr"],
+                "grad_norm": norm,
+                "dt_ms": dt * 1e3,
+                "tokens_per_s": tps,
+                "mem_bytes": mem,
+                "peak_mem_bytes": peak,
+                "tokens": p["step"] * self.tokens_per_step,
+            }
+            if self.peak:
+                m["mfu"] = tps * self.flops_token / self.peak
+            out.append(m)
+        return out
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step, synchronously: its metrics (loss, lr, grad_norm, tokens/s...)."""
+        self._sync()  # earlier queued steps are accounted first
+        self._t_sync = time.perf_counter()
+        self._queue_step()
+        return self._sync()[-1]
 
     def evaluate(self, batches: int | None = None) -> float | None:
         """Mean loss over the first `batches` batches of the validation split."""
@@ -455,14 +616,14 @@ class Trainer:
             return None
         self.val_loader.reset()
         self.model.eval()
-        total = 0.0
+        total: Any = 0.0
         with bt.no_grad():
             for _ in range(n):
                 x, y = self.val_loader.next_batch()
                 _, loss = self.model(x, y)
-                total += float(loss.item())
+                total = total + loss.detach().float()  # summed on the device: one sync
         self.model.train()
-        return total / n
+        return float(total.item()) / n
 
     def sample(
         self, prompt: str | None = None, max_new_tokens: int | None = None, seed: int = 0
@@ -578,7 +739,9 @@ class Trainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._print(
             f"GPT-2 L={c.n_layer} H={c.n_head} C={c.n_embd} T={cfg.seq_len} "
-            f"({c.n_params() / 1e6:.2f}M params) on {self.device}; {cfg.batch_size} x "
+            f"({c.n_params() / 1e6:.2f}M params) on {self.device} ({self.precision}"
+            + (f", recompute {cfg.recompute}" if cfg.recompute != "none" else "")
+            + f"); {cfg.batch_size} x "
             f"{cfg.seq_len} x {cfg.grad_accum} = {self.tokens_per_step:,} tokens/step; "
             f"steps {self.step}..{stop} of {cfg.max_steps}; logs in {self.out_dir}"
         )
@@ -627,44 +790,53 @@ class Trainer:
         tokens_s_ema = None
         last: dict[str, Any] = {}
         try:
+            self._t_sync = time.perf_counter()
             while self.step < stop:
-                m = self.train_step()
-                steps_done += 1
-                last = m
-                # the first step or two pay one-off costs: smooth tokens/s for the display
-                tokens_s_ema = (
-                    m["tokens_per_s"]
-                    if tokens_s_ema is None
-                    else (0.9 * tokens_s_ema + 0.1 * m["tokens_per_s"])
+                if self.prefetch and not self._prefetched:
+                    self._prefetch(self._steps_to_sync(stop))
+                self._queue_step()
+                s = self.step
+                due_eval = bool(cfg.eval_interval) and (s % cfg.eval_interval == 0 or s == stop)
+                due_sample = bool(cfg.sample_interval) and (
+                    s % cfg.sample_interval == 0 or s == stop
                 )
-                self._log(m)
-                if not math.isfinite(m["loss"]):
-                    raise FloatingPointError(f"[train] loss is {m['loss']} at step {self.step}")
-                stats = (
-                    f"loss {m['loss']:.4f}  lr {m['lr']:.2e}  {tokens_s_ema:,.0f} tok/s  "
-                    f"mem {_fmt_bytes(m['mem_bytes'])}"
-                    + (f"  MFU {100 * m['mfu']:.1f}%" if "mfu" in m else "")
-                )
+                due_ckpt = bool(cfg.ckpt_interval) and s % cfg.ckpt_interval == 0
+                if not self._is_sync_point(s, stop):
+                    continue  # no host sync: the GPU keeps its queue full
+                for m in self._sync():
+                    steps_done += 1
+                    last = m
+                    # the first step or two pay one-off costs: smooth tokens/s for the display
+                    tokens_s_ema = (
+                        m["tokens_per_s"]
+                        if tokens_s_ema is None
+                        else (0.9 * tokens_s_ema + 0.1 * m["tokens_per_s"])
+                    )
+                    self._log(m)
+                    if not math.isfinite(m["loss"]):
+                        raise FloatingPointError(f"[train] loss is {m['loss']} at step {m['step']}")
+                    if self.on_step is not None:
+                        self.on_step(m)
+                    step = m["step"]
+                    if cfg.log_interval and (step % cfg.log_interval == 0 or step == 1):
+                        if live is None:
+                            self._print(
+                                f"step {step:5d}/{cfg.max_steps}  {self._stats(m, tokens_s_ema)}"
+                                f"  norm {m['grad_norm']:.3f}  {m['dt_ms']:.0f} ms"
+                            )
                 if live is not None:
-                    progress_ctx.update(live, completed=self.step, stats=stats)
-                if cfg.log_interval and (self.step % cfg.log_interval == 0 or self.step == 1):
-                    if live is None:
-                        self._print(
-                            f"step {self.step:5d}/{cfg.max_steps}  {stats}  "
-                            f"norm {m['grad_norm']:.3f}  {m['dt_ms']:.0f} ms"
-                        )
-                if cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == stop):
+                    progress_ctx.update(
+                        live, completed=self.step, stats=self._stats(last, tokens_s_ema)
+                    )
+                if due_eval:
                     self._eval_and_log()
-                if cfg.sample_interval and (
-                    self.step % cfg.sample_interval == 0 or self.step == stop
-                ):
+                if due_sample:
                     text = self.sample(seed=self.step)
                     self._log({"step": self.step, "sample": text})
                     self._print(f"--- sample at step {self.step} ---\n{text}\n---")
-                if self.on_step is not None:
-                    self.on_step(m)
-                if cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0:
+                if due_ckpt:
                     self.save()
+                self._t_sync = time.perf_counter()  # evals and samples are not training time
         finally:
             if progress_ctx is not None:
                 progress_ctx.stop()
@@ -678,7 +850,8 @@ class Trainer:
             "val_loss": self.history.val[-1][1] if self.history.val else None,
             "tokens_per_s": (steps_done * self.tokens_per_step / elapsed) if steps_done else None,
             "elapsed_s": elapsed,
-            "peak_mem_bytes": memory_bytes(self.device)[1],
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "precision": self.precision,
             "checkpoint": str(ckpt),
             "metrics": str(self.out_dir / METRICS_FILE),
             "plot": str(png) if png else None,
@@ -696,6 +869,15 @@ class Trainer:
             + (f", loss curve {png}" if png else "")
         )
         return summary
+
+    def _stats(self, m: dict[str, Any], tokens_s: float | None) -> str:
+        """The live bar's text: loss, lr, tokens/s, MFU, memory (peak on a GPU)."""
+        mem = m["peak_mem_bytes"] if self.device.startswith("cuda") else m["mem_bytes"]
+        return (
+            f"loss {m['loss']:.4f}  lr {m['lr']:.2e}  {tokens_s or 0:,.0f} tok/s"
+            + (f"  MFU {100 * m['mfu']:.1f}%" if "mfu" in m else "")
+            + f"  mem {_fmt_bytes(mem)}"
+        )
 
     def _eval_and_log(self) -> None:
         v = self.evaluate()
@@ -755,7 +937,8 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
         ("beta2", float, "AdamW beta2"),
         ("grad-clip", float, "global gradient-norm clip (0: off)"),
         ("device", str, "auto, cpu, cuda or cuda:N"),
-        ("precision", str, "float32 (bf16 when blutrain.tensor has autocast)"),
+        ("precision", str, "auto (bf16 on a GPU, fp32 on the CPU), fp32, tf32 or bf16"),
+        ("recompute", str, "activation recomputation: none, gelu, attn or block"),
         ("threads", int, "CPU threads (0: $OMP_NUM_THREADS, else all cores but one)"),
         ("seed", int, "random seed (init and data order)"),
         ("out-dir", str, "directory for metrics.jsonl, loss.png and checkpoint/"),
@@ -919,6 +1102,17 @@ def _eval_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cuda_sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import blutrain.tensor as bt
+
+        cuda = getattr(bt, "cuda", None)
+        if cuda is not None and hasattr(cuda, "synchronize"):
+            cuda.synchronize()
+        else:
+            bt._tensor._cuda_synchronize()
+
+
 def bench(
     model: str = "tiny",
     batch_size: int = 8,
@@ -928,51 +1122,76 @@ def bench(
     device: str = "auto",
     vocab_multiple: int = 128,
     seed: int = 0,
+    precision: str = "auto",
+    recompute: str = "none",
 ) -> dict:
-    """tokens/s and peak memory of `steps` training steps (forward, backward, AdamW) on random
-    tokens, after `warmup` untimed steps."""
+    """tokens/s and peak memory of `steps` training steps (forward, backward, clipping, AdamW)
+    on one fixed batch of random tokens, after `warmup` untimed steps. On a GPU the timed steps
+    run without host syncs (one at the end), as the trainer's; the peak memory is
+    blutrain.alloc's (bt.cuda.max_memory_allocated) over warm-up and timed steps."""
     import blutrain.tensor as bt
 
-    from .gpt2 import GPT2
-    from .optim import AdamW, clip_grad_norm_
+    from .gpt2 import GPT2, set_matmul_precision
 
     dev = resolve_device(device)
+    prec = resolve_precision(precision, dev)
     bt.manual_seed(seed)
     cfg = model_config(model, vocab_multiple)
     if seq_len > cfg.block_size:
         raise ValueError(f"[bench] seq_len {seq_len} > block size {cfg.block_size}")
-    m = GPT2(cfg, device=dev)
-    opt = AdamW(m.named_parameters(), lr=1e-4)
+    cuda = getattr(bt, "cuda", None)
+    if dev.startswith("cuda") and hasattr(cuda, "reset_peak_memory_stats"):
+        cuda.reset_peak_memory_stats()
+    m = GPT2(cfg, device=dev, precision=prec, recompute=recompute)
+    set_matmul_precision(prec)
+    opt = make_adamw(m.named_parameters(), lr=1e-4)
     rng = np.random.default_rng(seed)
-    times = []
-    for i in range(warmup + steps):
-        x = rng.integers(0, cfg.vocab_size, (batch_size, seq_len + 1))
-        t0 = time.perf_counter()
-        _, loss = m(x[:, :-1], x[:, 1:])
+    data = rng.integers(0, cfg.vocab_size, (batch_size, seq_len + 1))
+    x = bt.tensor(data[:, :-1], device=dev)
+    y = bt.tensor(data[:, 1:], device=dev)
+    params = list(m.parameters())
+
+    def step() -> Any:
+        _, loss = m(x, y)
         loss.backward()
-        clip_grad_norm_(m.parameters(), 1.0)
-        opt.step()
+        clip_and_step(opt, params, 1.0)
         opt.zero_grad()
-        float(loss.item())  # a sync on a GPU
-        if i >= warmup:
+        return loss
+
+    for _ in range(warmup):
+        float(step().item())
+    _cuda_sync(dev)
+    times = []
+    t_all = time.perf_counter()
+    loss = None
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = step()
+        if not dev.startswith("cuda"):
             times.append(time.perf_counter() - t0)
+    last_loss = float(loss.item()) if loss is not None else math.nan  # the one sync
+    _cuda_sync(dev)
+    total = time.perf_counter() - t_all
+    if dev.startswith("cuda") or not times:
+        times = [total / max(1, steps)] * steps
     tok = batch_size * seq_len
-    tps = tok * len(times) / sum(times)
-    peak = peak_flops(dev, "float32")
-    out = {
+    tps = tok * steps / total if total > 0 else float("inf")
+    peak = peak_flops(dev, prec)
+    return {
         "model": model,
         "n_params": cfg.n_params(),
         "device": dev,
-        "precision": "float32",
+        "precision": prec,
+        "recompute": recompute,
         "batch_size": batch_size,
         "seq_len": seq_len,
         "steps": steps,
         "step_ms_median": 1e3 * float(np.median(times)),
         "tokens_per_s": tps,
-        "peak_mem_bytes": memory_bytes(dev)[1],
+        "peak_mem_bytes": peak_memory_bytes(dev),
         "mfu": (tps * flops_per_token(cfg, seq_len) / peak) if peak else None,
+        "loss": last_loss,
     }
-    return out
 
 
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -982,6 +1201,13 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--precision",
+        default="auto",
+        help="comma-separated modes to run: fp32, tf32, bf16 (auto: bf16 on a GPU, fp32 on the "
+        "CPU)",
+    )
+    p.add_argument("--recompute", default="none", help="none, gelu, attn or block")
     p.add_argument(
         "--threads",
         type=int,
@@ -995,24 +1221,40 @@ def _bench_run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     set_threads(args.threads)
-    r = bench(args.model, args.batch_size, args.seq_len, args.steps, args.warmup, args.device)
+    modes = [s.strip() for s in str(args.precision).split(",") if s.strip()] or ["auto"]
+    rows = [
+        bench(
+            args.model,
+            args.batch_size,
+            args.seq_len,
+            args.steps,
+            args.warmup,
+            args.device,
+            precision=mode,
+            recompute=args.recompute,
+        )
+        for mode in modes
+    ]
+    r = rows[0]
     table = Table(
         title=f"blutrain bench: GPT-2 {r['model']} ({r['n_params'] / 1e6:.1f}M), "
         f"B={r['batch_size']} T={r['seq_len']}, {r['device']}",
         show_edge=False,
     )
-    for col in ("precision", "tokens/s", "step (median)", "peak memory", "MFU"):
+    for col in ("precision", "tokens/s", "step (mean)", "peak memory", "MFU"):
         table.add_column(col, justify="right")
-    table.add_row(
-        r["precision"],
-        f"{r['tokens_per_s']:,.0f}",
-        f"{r['step_ms_median']:.1f} ms",
-        _fmt_bytes(r["peak_mem_bytes"]),
-        f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a",
-    )
+    for r in rows:
+        table.add_row(
+            r["precision"] + ("" if r["recompute"] == "none" else f" +{r['recompute']}"),
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['step_ms_median']:.1f} ms",
+            _fmt_bytes(r["peak_mem_bytes"]),
+            f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a",
+        )
     _console().print(table)
     if args.json:
-        Path(args.json).write_text(json.dumps(r, indent=2) + "\n")
+        out = rows[0] if len(rows) == 1 else rows
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 

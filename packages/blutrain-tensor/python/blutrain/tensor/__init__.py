@@ -27,6 +27,7 @@ from ._tensor import (
     Graph,
     Node,
     Tensor,
+    add_layer_norm,
     astype,
     bmm,
     cat,
@@ -720,6 +721,15 @@ def clip_grad_norm_(parameters: Any, max_norm: builtins.float) -> Tensor:
 
 
 from . import nn  # noqa: E402  (nn uses the names above)
+from .amp import (  # noqa: E402  (bt.amp: precision policies, autocast, checkpoint)
+    autocast,
+    checkpoint,
+    get_float32_matmul_precision,
+    linear_gelu,
+    linear_gelu_linear,
+    set_float32_matmul_precision,
+)
+from .cuda import are_deterministic_algorithms_enabled, use_deterministic_algorithms  # noqa: E402
 
 # PyTorch spells these with builtin names; bound last so the functions above see the builtins.
 float = float32  # noqa: A001
@@ -728,6 +738,7 @@ bool = bool_  # noqa: A001
 
 __all__ = [
     "ABI_VERSION",
+    "add_layer_norm",
     "Callable",
     "Function",
     "FunctionCtx",
@@ -742,12 +753,14 @@ __all__ = [
     "add",
     "allclose",
     "amax",
+    "are_deterministic_algorithms_enabled",
     "amin",
     "arange",
     "argmax",
     "argmin",
     "as_tensor",
     "astype",
+    "autocast",
     "backward",
     "bfloat16",
     "bmm",
@@ -756,6 +769,7 @@ __all__ = [
     "capture",
     "cat",
     "chunk",
+    "checkpoint",
     "clamp",
     "clip_grad_norm_",
     "clone",
@@ -786,6 +800,7 @@ __all__ = [
     "gather",
     "ge",
     "gelu",
+    "get_float32_matmul_precision",
     "gradcheck",
     "gt",
     "half",
@@ -799,6 +814,8 @@ __all__ = [
     "layer_norm",
     "le",
     "linear",
+    "linear_gelu",
+    "linear_gelu_linear",
     "log",
     "log_softmax",
     "logical_not",
@@ -833,6 +850,7 @@ __all__ = [
     "rsqrt",
     "scaled_dot_product_attention",
     "scatter_add",
+    "set_float32_matmul_precision",
     "set_grad_enabled",
     "sigmoid",
     "sign",
@@ -849,6 +867,7 @@ __all__ = [
     "transpose",
     "uint8",
     "unsqueeze",
+    "use_deterministic_algorithms",
     "var",
     "where",
     "zeros",

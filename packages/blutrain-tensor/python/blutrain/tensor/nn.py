@@ -4,6 +4,10 @@ They live here, not in blutrain-models, because blutrain-dist and blutrain-compi
 sit below models in the dependency order: dist registers per-parameter "gradient final" hooks and
 builds flat gradient buckets from ``Module.parameters()``, and the compiler captures a Module's
 forward and backward.  Models (GPT-2, optimizers, trainer) build on these.
+
+Precision (see blutrain.tensor.amp): ``module.set_precision(bt.amp.Policy(...))`` sets a layer's
+compute / parameter / output dtypes for it and its children (a child's own policy wins);
+``module.set_checkpoint(True)`` recomputes its activations in backward (bt.checkpoint).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 
 import blutrain.tensor as bt
 
+from . import amp as _amp
 from ._tensor import Tensor
 
 
@@ -37,6 +42,10 @@ class Module:
         object.__setattr__(self, "_parameters", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
         object.__setattr__(self, "training", True)
+        object.__setattr__(self, "_precision_own", None)  # set_precision on this module
+        object.__setattr__(self, "_precision", None)  # effective: own, else the parent's
+        object.__setattr__(self, "_precision_parent", None)  # what the parent passed down
+        object.__setattr__(self, "_checkpoint", False)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if "_parameters" not in self.__dict__:
@@ -48,13 +57,56 @@ class Module:
             params[name] = value
         elif isinstance(value, Module):
             mods[name] = value
+            if self.__dict__.get("_precision") is not None:
+                value._inherit_precision(self._precision)
         object.__setattr__(self, name, value)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"[{type(self).__name__}] defines no forward()")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get("_checkpoint") and self.training and bt.is_grad_enabled():
+            return bt.checkpoint(self.forward, *args, **kwargs)
         return self.forward(*args, **kwargs)
+
+    # ---- precision and recomputation -------------------------------------------------------
+    def set_precision(self, policy: _amp.Policy | None) -> Module:
+        """Sets this module's precision policy (bt.amp.Policy), inherited by its children unless
+        they set their own; None returns this module to inheriting its parent's. Converts
+        parameters to ``policy.param`` (call it before building the optimizer) and applies
+        ``policy.matmul_precision`` process-wide. Returns self."""
+        if policy is not None and not isinstance(policy, _amp.Policy):
+            raise TypeError(f"[set_precision] expected a bt.amp.Policy or None, got {policy!r}")
+        object.__setattr__(self, "_precision_own", policy)
+        if policy is not None and policy.matmul_precision is not None:
+            bt.set_float32_matmul_precision(policy.matmul_precision)
+        self._inherit_precision(self.__dict__.get("_precision_parent"))
+        return self
+
+    def _inherit_precision(self, parent: _amp.Policy | None) -> None:
+        object.__setattr__(self, "_precision_parent", parent)
+        own = self.__dict__.get("_precision_own")
+        eff = own if own is not None else parent
+        object.__setattr__(self, "_precision", eff)
+        if eff is not None and eff.param is not None:
+            for name, p in list(self._parameters.items()):
+                if p.dtype != eff.param and p.is_floating_point():
+                    with bt.no_grad():
+                        q = Parameter(p.to(eff.param), requires_grad=p.requires_grad)
+                    setattr(self, name, q)
+        for m in self._modules.values():
+            m._inherit_precision(eff)
+
+    @property
+    def precision(self) -> _amp.Policy | None:
+        """The policy in effect for this module (its own, an ancestor's, or bt.autocast's)."""
+        return _amp.effective_policy(self.__dict__.get("_precision"))
+
+    def set_checkpoint(self, enabled: bool = True) -> Module:
+        """Recompute this module's activations in backward instead of storing them (training
+        mode, grad enabled): its forward runs through bt.checkpoint. Returns self."""
+        object.__setattr__(self, "_checkpoint", bool(enabled))
+        return self
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
         seen: set[int] = set()
@@ -136,23 +188,52 @@ def _uniform(shape: tuple[int, ...], bound: float, dtype: Any) -> Tensor:
 
 
 class Linear(Module):
-    """y = x W^T + b, W of shape (out_features, in_features) (PyTorch's init)."""
+    """y = x W^T + b, W of shape (out_features, in_features) (PyTorch's init).
+
+    activation="gelu_tanh" fuses gelu_tanh into the GEMM (bt.linear_gelu). Under a precision
+    policy the input, weight and bias are cast to policy.compute (differentiable casts: float32
+    master weights get float32 gradients) and the output to policy.output when set.
+    """
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = True, dtype: Any = None
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        dtype: Any = None,
+        activation: str | None = None,
     ) -> None:
         super().__init__()
+        if activation not in (None, "gelu_tanh"):
+            raise ValueError(f"[Linear] activation must be None or 'gelu_tanh', got {activation!r}")
         dtype = dtype or bt.float32
         bound = 1 / math.sqrt(in_features)
         self.in_features, self.out_features = in_features, out_features
+        self.activation = activation
         self.weight = Parameter(_uniform((out_features, in_features), bound, dtype))
         self.bias = Parameter(_uniform((out_features,), bound, dtype)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return bt.linear(x, self.weight, self.bias)
+        f = _amp.linear_gelu if self.activation == "gelu_tanh" else bt.linear
+        p = self.precision
+        if p is None:
+            return f(x, self.weight, self.bias)
+        return p.finish(f(p.cast(x), p.cast(self.weight), p.cast(self.bias)))
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}"
+        act = f", activation={self.activation!r}" if self.activation else ""
+        return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}{act}"
+
+
+def gelu_mlp(fc: Linear, proj: Linear, x: Tensor) -> Tensor:
+    """proj(gelu_tanh(fc(x))) through bt.linear_gelu_linear (two GEMMs; the backward's
+    gelu' is a GEMM epilogue), honouring fc's precision policy for the compute dtype and
+    proj's for the output dtype. fc and proj keep their parameters (state dicts unchanged)."""
+    p = fc.precision
+    c = p.cast if p is not None else (lambda t: t)
+    y = _amp.linear_gelu_linear(c(x), c(fc.weight), c(fc.bias), c(proj.weight), c(proj.bias))
+    q = proj.precision
+    return y if q is None else q.finish(y)
 
 
 class LayerNorm(Module):
@@ -180,7 +261,13 @@ class LayerNorm(Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        return bt.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        # The kernel computes in float32 for 16-bit x and returns x's dtype (the affine
+        # parameters are cast to it, differentiably), so bf16 activations stay bf16.
+        p = self.precision
+        if p is not None:
+            x = p.cast(x)
+        y = bt.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return y if p is None else p.finish(y)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"
@@ -192,7 +279,10 @@ class Embedding(Module):
         self.weight = Parameter(bt.randn(num_embeddings, embedding_dim, dtype=dtype or bt.float32))
 
     def forward(self, idx: Tensor) -> Tensor:
-        return bt.embedding(idx, self.weight)
+        # Gather from the master table, then cast the rows (cheaper than casting the table).
+        p = self.precision
+        y = bt.embedding(idx, self.weight)
+        return y if p is None else p.finish(p.cast(y))
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}"
@@ -247,6 +337,8 @@ class Sequential(ModuleList):
 
 class functional:  # noqa: N801 (a namespace, as torch.nn.functional)
     linear = staticmethod(bt.linear)
+    linear_gelu = staticmethod(_amp.linear_gelu)
+    linear_gelu_linear = staticmethod(_amp.linear_gelu_linear)
     layer_norm = staticmethod(bt.layer_norm)
     embedding = staticmethod(bt.embedding)
     dropout = staticmethod(bt.dropout)

@@ -1,0 +1,115 @@
+"""GPT-2 and the trainer on a GPU (skipped without one): every precision and recompute mode
+trains, the GPU model matches the CPU one, the trainer's deferred steps log every step.
+PyTorch comparisons are in tests/test_models_gpu_fidelity.py at the repository root."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+bt = pytest.importorskip("blutrain.tensor")
+
+from blutrain.models import GPT2Config, prepare  # noqa: E402
+from blutrain.models.gpt2 import GPT2  # noqa: E402
+from blutrain.models.tokenizer import SHAKESPEARE_FILE  # noqa: E402
+from blutrain.models.trainer import TrainConfig, Trainer, bench, resolve_device  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not bt.cuda_built() or bt.cuda_device_count() == 0, reason="no CUDA device"),
+]
+CFG = GPT2Config(block_size=64, vocab_size=500, n_layer=2, n_head=4, n_embd=64, vocab_multiple=128)
+
+
+def weights(cfg, rng):
+    m = GPT2(cfg)
+    sd = {
+        k: (rng.standard_normal(v.shape) * 0.1).astype(np.float32)
+        for k, v in m.state_dict().items()
+    }
+    sd["transformer.wte.weight"][cfg.vocab_size :] = 0
+    return sd
+
+
+def test_auto_device_is_cuda():
+    assert resolve_device("auto") == "cuda"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_gpu_forward_backward_matches_cpu(rng, precision):
+    sd = weights(CFG, rng)
+    x = rng.integers(0, CFG.vocab_size, (3, CFG.block_size))
+    cpu = GPT2(CFG)
+    cpu.load_state_dict(sd)
+    gpu = GPT2(CFG, device="cuda", precision=precision)
+    gpu.load_state_dict(sd)
+    lc, sc = cpu(x, x)
+    sc.backward()
+    lg, sg = gpu(x, x)
+    sg.backward()
+    tol = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 3e-2}[precision]
+    a, b = lg.detach().float().cpu().numpy(), lc.detach().numpy()
+    assert np.abs(a - b).max() <= tol * np.abs(b).max(), precision
+    assert abs(sg.item() - sc.item()) <= tol * abs(sc.item())
+    gc = dict(cpu.named_parameters())
+    for n, p in gpu.named_parameters():
+        assert p.dtype == bt.float32 and str(p.grad.device).startswith("cuda"), n
+        g, r = p.grad.float().cpu().numpy(), gc[n].grad.numpy()
+        assert np.abs(g - r).max() <= 20 * tol * max(np.abs(r).max(), 1e-6), n
+    # padded vocabulary rows get no gradient
+    wte = dict(gpu.named_parameters())["transformer.wte.weight"].grad.float().cpu().numpy()
+    assert not wte[CFG.vocab_size :].any()
+
+
+@pytest.mark.parametrize("recompute", ["none", "gelu", "attn", "block"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bench_runs_every_mode(precision, recompute):
+    r = bench(
+        "tiny",
+        batch_size=2,
+        seq_len=64,
+        steps=2,
+        warmup=1,
+        device="cuda",
+        precision=precision,
+        recompute=recompute,
+    )
+    assert r["device"] == "cuda" and r["tokens_per_s"] > 0 and math.isfinite(r["loss"])
+    assert r["peak_mem_bytes"] > 0
+
+
+def test_trainer_on_gpu(tmp_path):
+    text = tmp_path / "s.txt"
+    text.write_text(SHAKESPEARE_FILE.read_text()[:60_000])
+    prepare([text], tmp_path / "shards", val_fraction=0.1, doc_split="paragraph")
+    cfg_json = tmp_path / "m.json"
+    GPT2Config(block_size=64, n_layer=2, n_head=2, n_embd=64).to_json(cfg_json)
+    t = Trainer(
+        TrainConfig(
+            model=str(cfg_json),
+            data=str(tmp_path / "shards"),
+            batch_size=4,
+            seq_len=64,
+            max_steps=12,
+            lr=3e-3,
+            warmup_steps=2,
+            eval_interval=6,
+            eval_batches=2,
+            sample_interval=12,
+            sample_tokens=8,
+            out_dir=str(tmp_path / "run"),
+            progress=False,
+            plot=False,
+            log_interval=5,
+        )
+    )
+    assert t.device == "cuda" and t.precision == "bf16"
+    s = t.fit()
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert all(math.isfinite(r["loss"]) and r["peak_mem_bytes"] > 0 for r in steps)
+    assert s["final_loss"] < s["first_loss"]

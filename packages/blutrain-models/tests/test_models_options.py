@@ -1,0 +1,159 @@
+"""GPT-2's GPU-oriented options, checked on the CPU: recomputation, fused ops, precision
+policies, and the trainer's deferred (sync-free) steps. Options whose blutrain.tensor feature
+is missing from this build are skipped; tests/test_models_gpu_fidelity.py checks them on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+bt = pytest.importorskip("blutrain.tensor")
+
+from blutrain.models import GPT2Config, load_checkpoint, prepare  # noqa: E402
+from blutrain.models.gpt2 import GPT2, precision_name  # noqa: E402
+from blutrain.models.tokenizer import SHAKESPEARE_FILE  # noqa: E402
+from blutrain.models.trainer import TrainConfig, Trainer, peak_flops  # noqa: E402
+
+CFG = GPT2Config(block_size=16, vocab_size=97, n_layer=2, n_head=2, n_embd=16, vocab_multiple=32)
+
+
+def run(model, x, y):
+    model.zero_grad()
+    logits, loss = model(x, y)
+    loss.backward()
+    grads = {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
+    return logits.detach().numpy(), float(loss.item()), grads
+
+
+def twin(rng, **kw):
+    a = GPT2(CFG)
+    sd = {
+        k: rng.standard_normal(v.shape).astype(np.float32) * 0.3 for k, v in a.state_dict().items()
+    }
+    sd["transformer.wte.weight"][CFG.vocab_size :] = 0
+    a.load_state_dict(sd)
+    b = GPT2(CFG, **kw)
+    b.load_state_dict(sd)
+    return a, b
+
+
+@pytest.mark.parametrize("mode", ["gelu", "attn", "block"])
+def test_recompute_gives_the_same_numbers(rng, mode):
+    if not hasattr(bt, "checkpoint"):
+        with pytest.raises(RuntimeError, match="bt.checkpoint"):
+            GPT2(CFG, recompute=mode)(np.zeros((1, 4), np.int64), np.zeros((1, 4), np.int64))
+        pytest.skip("this blutrain.tensor has no bt.checkpoint")
+    a, b = twin(rng, recompute=mode)
+    x = rng.integers(0, CFG.vocab_size, (2, CFG.block_size))
+    la, sa, ga = run(a, x, x)
+    lb, sb, gb = run(b, x, x)
+    np.testing.assert_allclose(lb, la, rtol=1e-6, atol=1e-6)
+    assert sb == pytest.approx(sa, rel=1e-6)
+    for n in ga:
+        np.testing.assert_allclose(gb[n], ga[n], rtol=1e-5, atol=1e-6, err_msg=n)
+
+
+def test_fused_ops_give_the_same_numbers(rng):
+    if not (hasattr(bt, "add_layer_norm") or hasattr(bt, "linear_gelu")):
+        pytest.skip("this blutrain.tensor has neither add_layer_norm nor linear_gelu")
+    a, b = twin(rng, fused=True)
+    x = rng.integers(0, CFG.vocab_size, (2, CFG.block_size))
+    la, sa, ga = run(a, x, x)
+    lb, sb, gb = run(b, x, x)
+    np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
+    assert sb == pytest.approx(sa, rel=1e-5)
+    for n in ga:
+        np.testing.assert_allclose(gb[n], ga[n], rtol=1e-4, atol=1e-5, err_msg=n)
+
+
+def test_precision_names_and_policies():
+    assert precision_name("float32") == "fp32" and precision_name("BF16") == "bf16"
+    with pytest.raises(ValueError, match="not one of fp32, tf32, bf16"):
+        precision_name("fp8")
+    with pytest.raises(ValueError, match="recompute 'all'"):
+        GPT2(CFG, recompute="all")
+    m = GPT2(CFG)
+    assert m.set_precision("tf32") is m and m._compute is None  # tf32: float32 compute
+
+    class Policy:  # the shape of bt.amp.Policy
+        compute = bt.bfloat16
+        param = bt.bfloat16
+
+    with pytest.raises(ValueError, match="kept in float32"):
+        m.set_precision(Policy())
+    Policy.param = bt.float32
+    m.transformer.h[1].set_precision(Policy())  # one block only
+    assert m.transformer.h[1].attn._compute == bt.bfloat16
+    assert m.transformer.h[0]._compute is None and m._compute is None
+    m.set_precision("fp32")
+    assert all(getattr(x, "_compute", None) is None for x in m.modules())
+
+
+def test_fp32_mode_is_the_plain_model(rng):
+    a, b = twin(rng, precision="fp32")
+    x = rng.integers(0, CFG.vocab_size, (2, 9))
+    la, sa, ga = run(a, x, x)
+    lb, sb, gb = run(b, x, x)
+    assert np.array_equal(la, lb) and sa == sb
+
+
+def test_peak_flops_by_precision(monkeypatch):
+    monkeypatch.delenv("BLUTRAIN_PEAK_FLOPS", raising=False)
+    assert peak_flops("cpu", "bf16") is None
+    monkeypatch.setenv("BLUTRAIN_PEAK_FLOPS", "1e12")
+    assert peak_flops("cuda", "bf16") == 1e12
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shards")
+    text = d / "s.txt"
+    text.write_text(SHAKESPEARE_FILE.read_text()[:40_000])
+    prepare([text], d / "out", val_fraction=0.1, doc_split="paragraph")
+    return d / "out"
+
+
+def test_deferred_syncs_log_every_step_identically(tmp_path, shards):
+    """A GPU trainer reads losses back every N steps only; the metrics are the same."""
+    cfg_json = tmp_path / "m.json"
+    GPT2Config(block_size=32, n_layer=1, n_head=2, n_embd=16).to_json(cfg_json)
+
+    def fit(out, sync_every, prefetch=False):
+        t = Trainer(
+            TrainConfig(
+                model=str(cfg_json),
+                data=str(shards),
+                batch_size=2,
+                seq_len=32,
+                max_steps=7,
+                eval_interval=0,
+                sample_interval=0,
+                out_dir=str(out),
+                progress=False,
+                plot=False,
+                log_interval=0,
+                device="cpu",
+            )
+        )
+        t.sync_every = sync_every
+        t.prefetch = prefetch  # the GPU path: batches uploaded ahead, one copy per sync
+        seen = []
+        t.on_step = lambda m: seen.append(m["step"])
+        s = t.fit()
+        recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return s, {r["step"]: (r["loss"], r["grad_norm"]) for r in recs if "loss" in r}, seen
+
+    s1, m1, seen1 = fit(tmp_path / "a", 1)
+    s3, m3, seen3 = fit(tmp_path / "b", 3)
+    s4, m4, seen4 = fit(tmp_path / "c", 3, prefetch=True)
+    assert seen1 == seen3 == seen4 == list(range(1, 8))
+    assert m1 == m3 == m4
+    assert s1["final_loss"] == s3["final_loss"] == s4["final_loss"]
+    assert s3["precision"] == "fp32"
+    # the loader was saved where the steps stopped, not where the prefetch had read to
+    a = load_checkpoint(tmp_path / "a" / "checkpoint").trainer["loader"]
+    c = load_checkpoint(tmp_path / "c" / "checkpoint").trainer["loader"]
+    assert a == c

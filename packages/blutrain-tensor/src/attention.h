@@ -1,0 +1,65 @@
+// attention.h: fused (flash) attention, forward and backward.
+//
+// FlashAttention: inputs q (B, H, L, D), k (B, H, S, D), v (B, H, S, D): any strides on B, H and
+// the sequence dim, unit stride on D (GPT-2 makes them by splitting a (B, T, 3C) linear output and
+// transposing: no copy is made).  Outputs:
+//   o   (B, L, H, D) contiguous: flash_attention() returns it permuted to (B, H, L, D), so the
+//       caller's y.transpose(1, 2) is contiguous again and .view(B, L, H * D) costs no copy;
+//   lse (B, H, L) float32 (float64 for float64 inputs): each row's logsumexp of
+//       q k^T * scale (natural log), saved for the backward (finite: a causal row always has
+//       its diagonal).
+// Causal masks are the top-left aligned tril (key j visible to query i iff j <= i), with L == S
+// on the fused path.  The backward primitive takes q, k, v, o, do (B, L, H, D), lse and dlse
+// (the cotangent of lse, lse's dtype) and returns dq, dk, dv as (B, L|S, H, D) contiguous
+// tensors (the vjp permutes them back to (B, H, ., D) views).  It is deterministic (no atomics).
+#pragma once
+
+#include <utility>
+
+#include "primitives.h"
+
+namespace bt {
+
+class FlashAttention : public Primitive {
+  BT_PRIM_BODY(FlashAttention, "flash_attention")
+  FlashAttention(double s, bool c) : scale(s), causal(c) {}
+  bool saves_outputs() const override { return true; }
+  void attrs(Attrs& a) const override {
+    a["scale"] = scale;
+    a["causal"] = causal;
+  }
+  double scale;
+  bool causal;
+};
+
+class FlashAttentionBackward : public Primitive {
+  BT_PRIM_BODY(FlashAttentionBackward, "flash_attention_backward")
+  FlashAttentionBackward(double s, bool c) : scale(s), causal(c) {}
+  bool saves_inputs() const override { return false; }
+  bool differentiable() const override { return false; }
+  void attrs(Attrs& a) const override {
+    a["scale"] = scale;
+    a["causal"] = causal;
+  }
+  double scale;
+  bool causal;
+};
+
+// Whether the fused kernel can run these inputs on their device (else the caller composes
+// matmul + softmax): 4-D q, k, v of one float dtype with equal B, H, equal head dims, L == S
+// when causal, L, S >= 1; on CUDA any D <= 256 (tensor cores for bf16/fp16 with D in {64, 128},
+// an exact SIMT kernel otherwise).
+bool flash_attention_supported(const Tensor& q, const Tensor& k, const Tensor& v, bool causal);
+
+// The fused op (no mask, no dropout): returns o as a (B, H, L, D) view of a (B, L, H, D)
+// contiguous tensor, and lse (B, H, L) float32 (float64 for float64 inputs).  Throws (naming the op
+// and shapes) when flash_attention_supported() is false.
+std::pair<Tensor, Tensor> flash_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                          bool causal, double scale);
+
+// Whether scaled_dot_product_attention uses the fused kernel on the CPU too (default off: the
+// composed path runs the CPU's GEMMs; BLUTRAIN_FLASH_ATTENTION_CPU=1 turns it on at start).
+bool flash_attention_cpu();
+void set_flash_attention_cpu(bool on);
+
+}  // namespace bt

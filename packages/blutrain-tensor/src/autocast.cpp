@@ -1,0 +1,209 @@
+// autocast.cpp: float32 matmul precision, linear_gelu's front and vjp (see autocast.h). The
+// GEMM evals of LinearGelu / LinearWeightGrad live in src/cpu/matmul.cpp with Matmul's.
+#include "autocast.h"
+
+#include <atomic>
+#include <cmath>
+
+#include "ops.h"
+
+namespace bt {
+
+// ---- float32 matmul precision ------------------------------------------------------------------
+static std::atomic<int> g_matmul_precision{static_cast<int>(MatmulPrecision::Highest)};
+
+void set_float32_matmul_precision(MatmulPrecision p) {
+  g_matmul_precision.store(static_cast<int>(p), std::memory_order_relaxed);
+}
+MatmulPrecision float32_matmul_precision() {
+  return static_cast<MatmulPrecision>(g_matmul_precision.load(std::memory_order_relaxed));
+}
+MatmulPrecision parse_matmul_precision(const std::string& s) {
+  if (s == "highest") return MatmulPrecision::Highest;
+  if (s == "high") return MatmulPrecision::High;
+  if (s == "medium") return MatmulPrecision::Medium;
+  throw ValueError("[set_float32_matmul_precision] expected 'highest', 'high' or 'medium', got '" +
+                   s + "'");
+}
+const char* matmul_precision_name(MatmulPrecision p) {
+  switch (p) {
+    case MatmulPrecision::High:
+      return "high";
+    case MatmulPrecision::Medium:
+      return "medium";
+    default:
+      return "highest";
+  }
+}
+
+// ---- linear_gelu -----------------------------------------------------------------------------
+// Operands the GEMM reads in place (unit stride along one of the two dims), else a copy; as
+// ops.cpp's gemm_ready for the 2-D case.
+static Tensor gemm_ready_2d(const Tensor& t) {
+  const int64_t r = t.shape()[0], c = t.shape()[1];
+  const int64_t rs = t.strides()[0], cs = t.strides()[1];
+  const bool n_ok = (c == 1 || cs == 1) && (r == 1 || rs >= c);
+  const bool t_ok = (r == 1 || rs == 1) && (c == 1 || cs >= r);
+  return n_ok || t_ok ? t : contiguous(t);
+}
+
+static bool is_16bit(DType d) { return d == DType::BFloat16 || d == DType::Float16; }
+
+Tensor gelu_tanh_backward(const Tensor& dy_in, const Tensor& pre_in) {
+  // 16-bit: the derivative in float32 (its tanh and cubic lose too much in bf16).
+  const DType dt = dy_in.dtype();
+  const DType cd = is_16bit(dt) ? DType::Float32 : dt;
+  Tensor g = astype(dy_in, cd), x = astype(pre_in, cd);
+  const double k = std::sqrt(2.0 / M_PI), c = 0.044715;
+  Tensor x2 = mul(x, x);
+  Tensor t = unary(UnaryOp::Tanh, mul(mul(x, add(mul(x2, c), 1.0)), k));
+  Tensor left = mul(add(t, 1.0), 0.5);
+  Tensor one_minus_t2 = binary(BinaryOp::Sub, Scalar{1, 2}, mul(t, t));
+  Tensor right = mul(mul(mul(x, one_minus_t2), add(mul(x2, 3 * c), 1.0)), 0.5 * k);
+  return astype(mul(g, add(left, right)), dt);
+}
+
+Tensor linear_gelu(const Tensor& x, const Tensor& w, const Tensor& b) {
+  if (!x.defined() || !w.defined()) throw ValueError("[linear_gelu] input and weight are required");
+  if (w.ndim() != 2)
+    throw ValueError("[linear_gelu] weight must be 2-D (out, in), got " + shape_str(w.shape()));
+  if (x.ndim() == 0 || x.shape().back() != w.shape()[1]) {
+    throw ValueError("[linear_gelu] input of shape " + shape_str(x.shape()) + " has " +
+                     (x.ndim() ? std::to_string(x.shape().back()) : std::string("no")) +
+                     " features but weight " + shape_str(w.shape()) + " expects " +
+                     std::to_string(w.shape()[1]));
+  }
+  if (b.defined() && b.shape() != Shape{w.shape()[0]}) {
+    throw ValueError("[linear_gelu] bias has shape " + shape_str(b.shape()) + ", expected (" +
+                     std::to_string(w.shape()[0]) + ",)");
+  }
+  if (x.device() != w.device() || (b.defined() && b.device() != x.device())) {
+    throw ValueError("[linear_gelu] input, weight and bias must be on one device");
+  }
+  const DType dt = promote_types(x.dtype(), w.dtype());
+  if (!is_floating(dt)) {
+    throw TypeError(std::string("[linear_gelu] expects floating tensors, got ") +
+                    dtype_name(x.dtype()) + " and " + dtype_name(w.dtype()));
+  }
+  const int64_t in = w.shape()[1], outf = w.shape()[0];
+  Tensor x2 = gemm_ready_2d(reshape(astype(x, dt), {-1, in}));
+  std::vector<Tensor> ins{x2, gemm_ready_2d(astype(w, dt))};
+  if (b.defined()) ins.push_back(contiguous(astype(b, dt)));
+  const Shape s2{x2.shape()[0], outf};
+  auto outs = apply(std::make_shared<LinearGelu>(b.defined()), ins, {{s2, dt}, {s2, dt}},
+                    x.device());
+  Shape os(x.shape().begin(), x.shape().end() - 1);
+  os.push_back(outf);
+  return reshape(outs[0], os);
+}
+
+std::vector<Tensor> LinearGelu::vjp(const VjpArgs& a) {
+  // The front never returns pre, so its cotangent (zeros) is not added.
+  const Tensor& x = a.inputs[0];
+  const Tensor& w = a.inputs[1];
+  const Tensor& pre = a.outputs[1];
+  const Tensor dpre = gelu_tanh_backward(a.cotangents[0], pre);
+  std::vector<Tensor> r(a.inputs.size());
+  if (a.needs[0]) r[0] = matmul(dpre, w);
+  const bool want_db = has_bias && a.needs[2];
+  if (a.needs[1]) {
+    const DType dt = dpre.dtype();
+    std::vector<std::pair<Shape, DType>> meta{{w.shape(), dt}};
+    if (want_db) meta.push_back({Shape{w.shape()[0]}, dt});
+    auto g = apply(std::make_shared<LinearWeightGrad>(want_db), {gemm_ready_2d(dpre), x}, meta,
+                   dpre.device());
+    r[1] = g[0];
+    if (want_db) r[2] = g[1];
+  } else if (want_db) {
+    r[2] = sum(dpre, {0});
+  }
+  return r;
+}
+
+std::vector<Tensor> LinearWeightGrad::vjp(const VjpArgs& a) { return Primitive::vjp(a); }
+std::vector<Tensor> LinearDgelu::vjp(const VjpArgs& a) { return Primitive::vjp(a); }
+
+static void check_linear_args(const Tensor& x, const Tensor& w, const Tensor& b, const char* op) {
+  if (w.ndim() != 2)
+    throw ValueError(std::string("[") + op + "] weight must be 2-D (out, in), got " +
+                     shape_str(w.shape()));
+  if (x.ndim() == 0 || x.shape().back() != w.shape()[1]) {
+    throw ValueError(std::string("[") + op + "] input of shape " + shape_str(x.shape()) +
+                     " does not match weight " + shape_str(w.shape()));
+  }
+  if (b.defined() && b.shape() != Shape{w.shape()[0]}) {
+    throw ValueError(std::string("[") + op + "] bias has shape " + shape_str(b.shape()) +
+                     ", expected (" + std::to_string(w.shape()[0]) + ",)");
+  }
+  if (w.device() != x.device() || (b.defined() && b.device() != x.device())) {
+    throw ValueError(std::string("[") + op + "] all tensors must be on one device");
+  }
+}
+
+Tensor linear_gelu_linear(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2,
+                          const Tensor& b2) {
+  const char* op = "linear_gelu_linear";
+  if (!x.defined() || !w1.defined() || !w2.defined())
+    throw ValueError("[linear_gelu_linear] input, w1 and w2 are required");
+  check_linear_args(x, w1, b1, op);
+  if (w2.ndim() != 2 || w2.shape()[1] != w1.shape()[0]) {
+    throw ValueError("[linear_gelu_linear] w2 " + shape_str(w2.shape()) + " does not take w1's " +
+                     std::to_string(w1.shape()[0]) + " outputs");
+  }
+  if (w2.device() != x.device() || (b2.defined() && b2.device() != x.device()))
+    throw ValueError("[linear_gelu_linear] all tensors must be on one device");
+  if (b2.defined() && b2.shape() != Shape{w2.shape()[0]}) {
+    throw ValueError("[linear_gelu_linear] b2 has shape " + shape_str(b2.shape()) +
+                     ", expected (" + std::to_string(w2.shape()[0]) + ",)");
+  }
+  const DType dt = promote_types(promote_types(x.dtype(), w1.dtype()), w2.dtype());
+  if (!is_floating(dt)) {
+    throw TypeError(std::string("[linear_gelu_linear] expects floating tensors, got ") +
+                    dtype_name(x.dtype()));
+  }
+  const int64_t K = w1.shape()[1], N1 = w1.shape()[0], N2 = w2.shape()[0];
+  Tensor x2 = gemm_ready_2d(reshape(astype(x, dt), {-1, K}));
+  std::vector<Tensor> ins{x2, gemm_ready_2d(astype(w1, dt)), gemm_ready_2d(astype(w2, dt))};
+  if (b1.defined()) ins.push_back(contiguous(astype(b1, dt)));
+  if (b2.defined()) ins.push_back(contiguous(astype(b2, dt)));
+  const int64_t M = x2.shape()[0];
+  auto outs = apply(std::make_shared<LinearGeluLinear>(b1.defined(), b2.defined()), ins,
+                    {{{M, N2}, dt}, {{M, N1}, dt}, {{M, N1}, dt}}, x.device());
+  Shape os(x.shape().begin(), x.shape().end() - 1);
+  os.push_back(N2);
+  return reshape(outs[0], os);
+}
+
+std::vector<Tensor> LinearGeluLinear::vjp(const VjpArgs& a) {
+  // h and pre are not returned by the front: only y's cotangent flows.
+  const Tensor &x = a.inputs[0], &w1 = a.inputs[1], &w2 = a.inputs[2];
+  const Tensor &h = a.outputs[1], &pre = a.outputs[2];
+  const Tensor dy = gemm_ready_2d(a.cotangents[0]);
+  const DType dt = dy.dtype();
+  const size_t ib1 = 3, ib2 = has_b1 ? 4 : 3;
+  std::vector<Tensor> r(a.inputs.size());
+  const bool want_db1 = has_b1 && a.needs[ib1], want_db2 = has_b2 && a.needs[ib2];
+  if (a.needs[2] || want_db2) {
+    std::vector<std::pair<Shape, DType>> meta{{w2.shape(), dt}};
+    if (want_db2) meta.push_back({Shape{w2.shape()[0]}, dt});
+    auto g = apply(std::make_shared<LinearWeightGrad>(want_db2), {dy, h}, meta, dy.device());
+    if (a.needs[2]) r[2] = g[0];
+    if (want_db2) r[ib2] = g[1];
+  }
+  if (a.needs[0] || a.needs[1] || want_db1) {
+    const int64_t M = dy.shape()[0], N1 = w2.shape()[1];
+    std::vector<std::pair<Shape, DType>> meta{{{M, N1}, dt}};
+    if (want_db1) meta.push_back({Shape{N1}, dt});
+    auto d = apply(std::make_shared<LinearDgelu>(want_db1), {dy, w2, pre}, meta, dy.device());
+    const Tensor& dpre = d[0];
+    if (want_db1) r[ib1] = d[1];
+    if (a.needs[0]) r[0] = matmul(dpre, w1);
+    if (a.needs[1]) {
+      r[1] = apply1(std::make_shared<LinearWeightGrad>(false), {dpre, x}, w1.shape(), dt,
+                    dy.device());
+    }
+  }
+  return r;
+}
+
+}  // namespace bt

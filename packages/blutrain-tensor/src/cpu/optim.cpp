@@ -1,0 +1,163 @@
+// cpu/optim.cpp: CPU kernels of the multi-tensor optimizer primitives (optim.h): OpenMP loops
+// over (tensor, chunk) work items, the same arithmetic (operation for operation, no FMA) as the
+// CUDA kernels, so both backends give the same bits for float32.
+#include "../optim.h"
+
+#include <cmath>
+#include <vector>
+
+#include "../backend.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace bt {
+
+namespace {
+
+// (tensor, start) work items of at most kOptimChunk elements each.
+struct WorkItem {
+  size_t t;
+  int64_t start, end;
+};
+std::vector<WorkItem> work_items(const std::vector<Tensor>& in, size_t n) {
+  std::vector<WorkItem> w;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t m = in[i].numel();
+    for (int64_t s = 0; s < m; s += kOptimChunk) w.push_back({i, s, std::min(m, s + kOptimChunk)});
+  }
+  return w;
+}
+
+float read_scalar(const Tensor& t) { return *t.data<float>("optim"); }
+
+}  // namespace
+
+// Scalars: computed in double from (lr, step), then rounded to the math type once per call.
+void AdamW::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>&) {
+  size_t k = 4 * n;
+  const double lr_v = has_lr ? static_cast<double>(read_scalar(in[k++])) : lr;
+  const double step_v = has_step ? static_cast<double>(read_scalar(in[k++])) : step;
+  const float scale_f = has_scale ? read_scalar(in[k++]) : 1.0f;
+  const double bias1 = 1.0 - std::pow(beta1, step_v);
+  const double bias2_sqrt = std::sqrt(1.0 - std::pow(beta2, step_v));
+  const std::vector<WorkItem> items = work_items(in, n);
+  dispatch_float(in[0].dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using M = compute_t<T>;                                                  // float or double
+    using S = std::conditional_t<std::is_same_v<T, double>, double, float>;  // state type
+    const M b1c = static_cast<M>(1.0 - beta1), b2 = static_cast<M>(beta2);
+    const M b2c = static_cast<M>(1.0 - beta2), eps_m = static_cast<M>(eps);
+    const M step_size = static_cast<M>(lr_v / bias1), b2s = static_cast<M>(bias2_sqrt);
+    const M gscale = static_cast<M>(scale_f);
+    const bool use_scale = has_scale;
+    const int64_t count = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(static) if (count > 1)
+    for (int64_t w = 0; w < count; ++w) {
+      const WorkItem it = items[w];
+      T* p = in[it.t].data<T>("adamw_");
+      const T* g = in[n + it.t].data<T>("adamw_");
+      S* m = in[2 * n + it.t].data<S>("adamw_");
+      S* v = in[3 * n + it.t].data<S>("adamw_");
+      const double wd = weight_decays[it.t];
+      const bool decay = wd != 0;
+      const M dfac = static_cast<M>(1.0 - lr_v * wd);
+      for (int64_t j = it.start; j < it.end; ++j) {
+        M pj = static_cast<M>(p[j]);
+        M gj = static_cast<M>(g[j]);
+        if (use_scale) gj = gj * gscale;
+        if (decay) pj = pj * dfac;
+        M mj = static_cast<M>(m[j]);
+        M vj = static_cast<M>(v[j]);
+        mj = mj + (gj - mj) * b1c;
+        vj = vj * b2 + (gj * gj) * b2c;
+        const M denom = std::sqrt(vj) / b2s + eps_m;
+        pj = pj - (mj / denom) * step_size;
+        m[j] = static_cast<S>(mj);
+        v[j] = static_cast<S>(vj);
+        p[j] = static_cast<T>(pj);
+      }
+    }
+  });
+}
+
+// Per-chunk partial sums of squares (float accumulation; double for float64), then a fixed-order
+// double sum of the partials: deterministic whatever the thread count.
+void GradNorm::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  const std::vector<WorkItem> items = work_items(in, in.size());
+  std::vector<double> partial(items.size(), 0.0);
+  const int64_t count = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(static) if (count > 1)
+  for (int64_t w = 0; w < count; ++w) {
+    const WorkItem it = items[w];
+    dispatch_float(in[it.t].dtype(), "grad_norm", [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      using A = compute_t<T>;
+      const T* g = in[it.t].data<T>("grad_norm");
+      A s = 0;
+      for (int64_t j = it.start; j < it.end; ++j) {
+        const A x = static_cast<A>(g[j]);
+        s += x * x;
+      }
+      partial[w] = static_cast<double>(s);
+    });
+  }
+  double total = 0;
+  for (double s : partial) total += s;
+  const double norm = std::sqrt(total);
+  if (out[0].dtype() == DType::Float64) {
+    *out[0].data<double>(name()) = norm;
+  } else {
+    *out[0].data<float>(name()) = static_cast<float>(norm);
+  }
+}
+
+// The same float arithmetic as the composed front it replaces: min(max_norm / (norm + eps), 1),
+// NaN propagating (a non-finite norm poisons the step, as in PyTorch).
+void ClipCoef::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  const float nrm = in[0].dtype() == DType::Float64
+                        ? static_cast<float>(*in[0].data<double>(name()))
+                        : dispatch_float(in[0].dtype(), name(), [&](auto tag) {
+                            using T = typename decltype(tag)::type;
+                            return static_cast<float>(*in[0].data<T>("clip_coef"));
+                          });
+  const float c = static_cast<float>(max_norm) / (nrm + static_cast<float>(eps));
+  *out[0].data<float>(name()) = (c < 1.0f || c != c) ? c : 1.0f;
+}
+
+// g *= T(coef), the product in the math type (as mul(g, astype(coef, g.dtype()))).
+void ScaleInplace::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>&) {
+  const size_t n = in.size() - 1;
+  const float coef = read_scalar(in[n]);
+  const std::vector<WorkItem> items = work_items(in, n);
+  const int64_t count = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(static) if (count > 1)
+  for (int64_t w = 0; w < count; ++w) {
+    const WorkItem it = items[w];
+    dispatch_float(in[it.t].dtype(), "scale_", [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      using M = compute_t<T>;
+      T* g = in[it.t].data<T>("scale_");
+      const M c = static_cast<M>(static_cast<T>(coef));
+      for (int64_t j = it.start; j < it.end; ++j) g[j] = static_cast<T>(static_cast<M>(g[j]) * c);
+    });
+  }
+}
+
+#ifndef BT_WITH_CUDA
+void AdamW::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {
+  backend::no_cuda_kernel(name());
+}
+void GradNorm::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {
+  backend::no_cuda_kernel(name());
+}
+void ClipCoef::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {
+  backend::no_cuda_kernel(name());
+}
+void ScaleInplace::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {
+  backend::no_cuda_kernel(name());
+}
+#endif
+
+}  // namespace bt

@@ -1,0 +1,1017 @@
+// cuda/attention.cu: flash attention (FlashAttention-2 style) forward and backward.
+//
+// Semantics (see attention.h and cpu/attention.cpp): o = softmax(q k^T * scale) v per (b, h), key
+// j visible to query i iff j < S and (not causal or j <= i); lse = the rows' natural logsumexp.
+// q, k, v are (B, H, L|S, D) views with any B/H/sequence strides and unit D stride; o, dq, dk, dv
+// are written (B, L|S, H, D) contiguous; lse is (B, H, L) float32 (float64 for float64).
+//
+// Kernels:
+//   attn_fwd_v1 / attn_bwd_*_v1  SIMT reference, any float dtype, D <= 256: one warp per row, the
+//                                online softmax in float (double for float64).  fp32 uses it.
+//   attn_fwd_v2                  bf16/fp16, D in {64, 128}: tensor cores (mma.sync m16n8k16,
+//                                ldmatrix, fp32 accumulators), cp.async double-buffered K/V tiles,
+//                                online softmax in the log2 domain; no L x S matrix in memory.
+//   attn_bwd_dkdv_v2, _dq_v2     FA2's backward split in two deterministic kernels (no atomics):
+//                                dK/dV per key block looping over query blocks, dQ per query block
+//                                looping over key blocks; both recompute P from lse, and use
+//                                Dvec = rowsum(dO * O) - dlse from attn_bwd_preprocess.
+// No wgmma (Hopper warpgroup MMA) and no TF32 path: fp32 runs the exact SIMT kernels.
+//
+// mma.sync.m16n8k16 (.bf16/.f16 inputs, f32 accumulators) register layouts, with
+// g = lane / 4 (groupID) and t = lane % 4 (thread in group); each .b32 register holds two 16-bit
+// elements, the lower column (or k) index in the low half:
+//   A (16 x 16, row major), a0..a3:  a0 = A[g][2t..2t+1]      a1 = A[g+8][2t..2t+1]
+//                                    a2 = A[g][2t+8..2t+9]    a3 = A[g+8][2t+8..2t+9]
+//   B (16 x 8, "col": k fastest), b0..b1:  b0 = B[2t..2t+1][g]   b1 = B[2t+8..2t+9][g]
+//   C (16 x 8 f32), c0..c3:  c0, c1 = C[g][2t], C[g][2t+1]    c2, c3 = C[g+8][2t], C[g+8][2t+1]
+// ldmatrix.x4: lanes 8i..8i+7 give the row addresses of 8x8 matrix i; register ri of every lane
+// holds matrix i's row (lane / 4), columns 2 (lane % 4) + {0, 1}; with .trans it holds rows
+// 2 (lane % 4) + {0, 1} of column (lane / 4) instead.  Hence:
+//   * A from a row-major tile X[m][k]: lane l points at X[m0 + l % 16][k0 + 8 (l / 16)].
+//   * B[k][n] = Y[n][k] from a tile stored n-major (K for S = Q K^T): matrices (n0, k0),
+//     (n0, k0 + 8), (n0 + 8, k0), (n0 + 8, k0 + 8): lane l points at
+//     Y[n0 + l % 8 + 8 (l / 16)][k0 + 8 ((l / 8) % 2)];
+//     r0, r1 = b0, b1 of n-tile n0; r2, r3 = b0, b1 of n-tile n0 + 8.
+//   * B[k][n] = Y[k][n] from a tile stored k-major (V for O = P V): .trans, matrices (k0, n0),
+//     (k0 + 8, n0), (k0, n0 + 8), (k0 + 8, n0 + 8): lane l points at
+//     Y[k0 + l % 16][n0 + 8 (l / 16)].
+//   * C -> A (P = softmax(S) reused as the A operand): the C tiles of columns 16kk..16kk+15
+//     (n-tiles 2kk, 2kk+1) give a0 = pack(c0, c1) of 2kk, a1 = pack(c2, c3) of 2kk, and a2, a3
+//     likewise of 2kk+1.
+// Shared-memory tiles are rows of D 16-bit elements in 16-byte chunks, chunk c of row r stored at
+// chunk c ^ (r % 8) (XOR swizzle: the 8 rows an ldmatrix reads hit 8 different bank groups).
+#include <algorithm>
+#include <cmath>
+
+#include "../attention.h"
+#include "common.cuh"
+
+namespace bt::cuda {
+
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct AttnParams {
+  int B, H, L, S, D;
+  int64_t q_b, q_h, q_l;  // element strides of q (B, H, L, D), unit D stride
+  int64_t k_b, k_h, k_l;
+  int64_t v_b, v_h, v_l;
+  int64_t o_b, o_l, o_h;     // o and do: (B, L, H, D) views
+  int64_t g_b, g_l, g_h;     // do
+  int64_t dl_b, dl_h, dl_l;  // dlse (B, H, L), any strides (a broadcast zero is common)
+  double scale;
+  bool causal;
+};
+
+// ==== kernels ==================================================================================
+
+// ---- v1: SIMT reference (any float type, D <= 256) -------------------------------------------
+// One warp per row; lane holds elements d = lane + 32 i.  A: float (double for double).
+constexpr int kV1Warps = 4;
+
+template <typename T, typename A>
+__device__ __forceinline__ void v1_load(A (&r)[8], const T* p, int D) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int d = lane + 32 * i;
+    r[i] = d < D ? convert<A>(p[d]) : A(0);
+  }
+}
+template <typename A>
+__device__ __forceinline__ A v1_dot(const A (&x)[8], const A (&y)[8]) {
+  A s = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s += x[i] * y[i];
+  return warp_sum(s);
+}
+template <typename A>
+__device__ __forceinline__ A v1_exp(A x) {
+  if constexpr (std::is_same_v<A, double>) {
+    return exp(x);
+  } else {
+    return expf(x);
+  }
+}
+template <typename A>
+__device__ __forceinline__ A v1_log(A x) {
+  if constexpr (std::is_same_v<A, double>) {
+    return log(x);
+  } else {
+    return logf(x);
+  }
+}
+
+template <typename T, typename A>
+__global__ void __launch_bounds__(kV1Warps * 32)
+    attn_fwd_v1(AttnParams p, const T* q, const T* k, const T* v, T* o, A* lse) {
+  const int64_t row_id = static_cast<int64_t>(blockIdx.x) * kV1Warps + threadIdx.x / 32;
+  if (row_id >= static_cast<int64_t>(p.B) * p.H * p.L) return;
+  const int i = static_cast<int>(row_id % p.L);
+  const int bh = static_cast<int>(row_id / p.L), b = bh / p.H, h = bh % p.H;
+  const int lane = threadIdx.x % 32;
+  A qv[8], acc[8], kv[8], vv[8];
+  v1_load(qv, q + b * p.q_b + h * p.q_h + i * p.q_l, p.D);
+#pragma unroll
+  for (int t = 0; t < 8; ++t) acc[t] = 0;
+  const A sc = static_cast<A>(p.scale);
+  A m = -INFINITY, l = 0;
+  const int n = p.causal ? min(i + 1, p.S) : p.S;
+  for (int j = 0; j < n; ++j) {
+    v1_load(kv, k + b * p.k_b + h * p.k_h + j * p.k_l, p.D);
+    v1_load(vv, v + b * p.v_b + h * p.v_h + j * p.v_l, p.D);
+    const A s = v1_dot(qv, kv) * sc;
+    const A mn = max(m, s);
+    const A alpha = v1_exp(m - mn), e = v1_exp(s - mn);
+    l = l * alpha + e;
+#pragma unroll
+    for (int t = 0; t < 8; ++t) acc[t] = acc[t] * alpha + e * vv[t];
+    m = mn;
+  }
+  T* orow = o + ((static_cast<int64_t>(b) * p.L + i) * p.H + h) * p.D;
+  const A inv = A(1) / l;
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    const int d = lane + 32 * t;
+    if (d < p.D) orow[d] = convert<T>(acc[t] * inv);
+  }
+  if (lane == 0) lse[row_id] = m + v1_log(l);
+}
+
+// Dvec[b, h, i] = sum_d do[b, i, h, d] * o[b, i, h, d] - dlse[b, h, i] (both backward paths).
+template <typename T, typename A>
+__global__ void __launch_bounds__(kV1Warps * 32)
+    attn_bwd_preprocess(AttnParams p, const T* o, const T* g, const A* dlse, A* dvec) {
+  const int64_t row_id = static_cast<int64_t>(blockIdx.x) * kV1Warps + threadIdx.x / 32;
+  if (row_id >= static_cast<int64_t>(p.B) * p.H * p.L) return;
+  const int i = static_cast<int>(row_id % p.L);
+  const int bh = static_cast<int>(row_id / p.L), b = bh / p.H, h = bh % p.H;
+  A ov[8], gv[8];
+  v1_load(ov, o + b * p.o_b + i * p.o_l + h * p.o_h, p.D);
+  v1_load(gv, g + b * p.g_b + i * p.g_l + h * p.g_h, p.D);
+  const A s = v1_dot(ov, gv);
+  if (threadIdx.x % 32 == 0) dvec[row_id] = s - dlse[b * p.dl_b + h * p.dl_h + i * p.dl_l];
+}
+
+// dq: one warp per query row, looping over the visible keys.
+template <typename T, typename A>
+__global__ void __launch_bounds__(kV1Warps * 32)
+    attn_bwd_dq_v1(AttnParams p, const T* q, const T* k, const T* v, const T* g, const A* lse,
+                   const A* dvec, T* dq) {
+  const int64_t row_id = static_cast<int64_t>(blockIdx.x) * kV1Warps + threadIdx.x / 32;
+  if (row_id >= static_cast<int64_t>(p.B) * p.H * p.L) return;
+  const int i = static_cast<int>(row_id % p.L);
+  const int bh = static_cast<int>(row_id / p.L), b = bh / p.H, h = bh % p.H;
+  const int lane = threadIdx.x % 32;
+  A qv[8], gv[8], kv[8], vv[8], acc[8];
+  v1_load(qv, q + b * p.q_b + h * p.q_h + i * p.q_l, p.D);
+  v1_load(gv, g + b * p.g_b + i * p.g_l + h * p.g_h, p.D);
+#pragma unroll
+  for (int t = 0; t < 8; ++t) acc[t] = 0;
+  const A sc = static_cast<A>(p.scale), li = lse[row_id], di = dvec[row_id];
+  const int n = p.causal ? min(i + 1, p.S) : p.S;
+  for (int j = 0; j < n; ++j) {
+    v1_load(kv, k + b * p.k_b + h * p.k_h + j * p.k_l, p.D);
+    v1_load(vv, v + b * p.v_b + h * p.v_h + j * p.v_l, p.D);
+    const A pr = v1_exp(v1_dot(qv, kv) * sc - li);
+    const A ds = pr * (v1_dot(gv, vv) - di);
+#pragma unroll
+    for (int t = 0; t < 8; ++t) acc[t] += ds * kv[t];
+  }
+  T* out = dq + ((static_cast<int64_t>(b) * p.L + i) * p.H + h) * p.D;
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    const int d = lane + 32 * t;
+    if (d < p.D) out[d] = convert<T>(acc[t] * sc);
+  }
+}
+
+// dk, dv: one warp per key row, looping over the queries that see it.
+template <typename T, typename A>
+__global__ void __launch_bounds__(kV1Warps * 32)
+    attn_bwd_dkdv_v1(AttnParams p, const T* q, const T* k, const T* v, const T* g, const A* lse,
+                     const A* dvec, T* dk, T* dv) {
+  const int64_t row_id = static_cast<int64_t>(blockIdx.x) * kV1Warps + threadIdx.x / 32;
+  if (row_id >= static_cast<int64_t>(p.B) * p.H * p.S) return;
+  const int j = static_cast<int>(row_id % p.S);
+  const int bh = static_cast<int>(row_id / p.S), b = bh / p.H, h = bh % p.H;
+  const int lane = threadIdx.x % 32;
+  A kv[8], vv[8], qv[8], gv[8], ak[8], av[8];
+  v1_load(kv, k + b * p.k_b + h * p.k_h + j * p.k_l, p.D);
+  v1_load(vv, v + b * p.v_b + h * p.v_h + j * p.v_l, p.D);
+#pragma unroll
+  for (int t = 0; t < 8; ++t) ak[t] = av[t] = 0;
+  const A sc = static_cast<A>(p.scale);
+  const A* lrow = lse + static_cast<int64_t>(bh) * p.L;
+  const A* drow = dvec + static_cast<int64_t>(bh) * p.L;
+  for (int i = p.causal ? j : 0; i < p.L; ++i) {
+    v1_load(qv, q + b * p.q_b + h * p.q_h + i * p.q_l, p.D);
+    v1_load(gv, g + b * p.g_b + i * p.g_l + h * p.g_h, p.D);
+    const A pr = v1_exp(v1_dot(qv, kv) * sc - lrow[i]);
+    const A ds = pr * (v1_dot(gv, vv) - drow[i]);
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      ak[t] += ds * qv[t];
+      av[t] += pr * gv[t];
+    }
+  }
+  const int64_t base = ((static_cast<int64_t>(b) * p.S + j) * p.H + h) * p.D;
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    const int d = lane + 32 * t;
+    if (d < p.D) {
+      dk[base + d] = convert<T>(ak[t] * sc);
+      dv[base + d] = convert<T>(av[t]);
+    }
+  }
+}
+
+// ---- v2: tensor cores (bf16 / fp16, D in {64, 128}) -------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+// 16-byte async copy; pred false zero-fills the destination (src is then not read).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool pred) {
+  const int n = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool pred) {
+  const int n = pred ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+// c += a * b (16x8x16), fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+// Two floats -> one .b32 of two 16-bit elements (lo in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+// 2^x with the MUFU instruction (what exp2f compiles to under --use_fast_math); 2^-inf = 0.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Element offset of (row, 16-byte chunk) in a swizzled tile of rows of D elements.
+template <int D>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * D + ((chunk ^ (row & 7)) << 3);
+}
+// Async copy of rows [row0, row0 + R) of a (rows, D) global matrix with row stride `ld` into a
+// swizzled tile; rows >= nrows are zero-filled.  Called by all NT threads of the block.
+template <int R, int D, int NT, typename T>
+__device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t ld, int row0, int nrows) {
+  constexpr int C = D / 8;
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int idx = tid; idx < R * C; idx += NT) {
+    const int r = idx / C, c = idx % C;
+    const bool ok = row0 + r < nrows;
+    const T* s = ok ? src + (row0 + r) * ld + c * 8 : src;
+    cp_async16(smem_u32(tile + swz<D>(r, c)), s, ok);
+  }
+}
+// Async copy of n floats (rows >= nrows zero-filled).
+template <int R, int NT>
+__device__ __forceinline__ void load_vec(float* dst, const float* src, int row0, int nrows) {
+  for (int r = threadIdx.x; r < R; r += NT) {
+    const bool ok = row0 + r < nrows;
+    cp_async4(smem_u32(dst + r), ok ? src + row0 + r : src, ok);
+  }
+}
+
+// Forward.  Block: kWarps warps, each owning kMT m-tiles of 16 query rows (kBr = 16 kMT kWarps
+// rows per block; kMT = 2 reuses every K / V fragment read from shared memory twice), key tiles
+// of kBc.  Grid: (B * H, ceil(L / kBr)), the last (heaviest, when causal) query blocks first.
+template <typename T, int D, int kWarps, int kBc, int kMT = 1, int kMinBlocks = 1>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
+    attn_fwd_v2(AttnParams p, const T* __restrict__ q, const T* __restrict__ k,
+                const T* __restrict__ v, T* __restrict__ o, float* __restrict__ lse) {
+  constexpr int kWr = 16 * kMT, kBr = kWr * kWarps, NT = kWarps * 32, KS = D / 16;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // kBr x D
+  T* sK = sQ + kBr * D;                    // 2 x kBc x D
+  T* sV = sK + 2 * kBc * D;                // 2 x kBc x D
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * kBr;
+  const T* qb = q + b * p.q_b + h * p.q_h;
+  const T* kb = k + b * p.k_b + h * p.k_h;
+  const T* vb = v + b * p.v_b + h * p.v_h;
+  const int kend = p.causal ? min(q0 + kBr, p.S) : p.S;
+  const int nkb = (kend + kBc - 1) / kBc;
+
+  load_tile<kBr, D, NT>(sQ, qb, p.q_l, q0, p.L);
+  cp_async_commit();
+  load_tile<kBc, D, NT>(sK, kb, p.k_l, 0, p.S);
+  load_tile<kBc, D, NT>(sV, vb, p.v_l, 0, p.S);
+  cp_async_commit();
+  cp_async_wait<1>();  // Q landed
+  __syncthreads();
+  const int wrow = warp * kWr;  // the warp's first row in the block
+  uint32_t qf[kMT][KS][4];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      ldsm_x4(qf[mt][ks], smem_u32(sQ + swz<D>(wrow + mt * 16 + lane % 16, ks * 2 + lane / 16)));
+    }
+  }
+  float oacc[kMT][D / 8][4];
+  float m[kMT][2], l[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) oacc[mt][i][e] = 0.f;
+    }
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.f;
+  }
+  const float sl2 = static_cast<float>(p.scale) * kLog2e;
+  const int row_lo = q0 + wrow + g;  // rows of (mt, r): row_lo + 16 mt + 8 r
+
+  for (int j = 0; j < nkb; ++j) {
+    if (j + 1 < nkb) {
+      const int nb = (j + 1) & 1;
+      load_tile<kBc, D, NT>(sK + nb * kBc * D, kb, p.k_l, (j + 1) * kBc, p.S);
+      load_tile<kBc, D, NT>(sV + nb * kBc * D, vb, p.v_l, (j + 1) * kBc, p.S);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // tile j landed
+    __syncthreads();
+    const T* cK = sK + (j & 1) * kBc * D;
+    const T* cV = sV + (j & 1) * kBc * D;
+
+    // S = Q K^T (kWr x kBc per warp)
+    float s[kMT][kBc / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int i = 0; i < kBc / 8; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
+    }
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+      for (int np = 0; np < kBc / 16; ++np) {
+        uint32_t r[4];
+        ldsm_x4(r, smem_u32(cK +
+                            swz<D>(np * 16 + lane % 8 + 8 * (lane / 16), ks * 2 + (lane / 8) % 2)));
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma16816<T>(s[mt][2 * np], qf[mt][ks], r[0], r[1]);
+          mma16816<T>(s[mt][2 * np + 1], qf[mt][ks], r[2], r[3]);
+        }
+      }
+    }
+    // masks: key tail, causal diagonal
+    const int k0 = j * kBc;
+    if (k0 + kBc > p.S || (p.causal && k0 + kBc - 1 > q0 + wrow)) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < kBc / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = k0 + nt * 8 + 2 * t + (e & 1), row = row_lo + 16 * mt + (e >> 1) * 8;
+            if (col >= p.S || (p.causal && col > row)) s[mt][nt][e] = -INFINITY;
+          }
+        }
+      }
+    }
+    // online softmax (log2 domain), rows r = 0 (g) and 1 (g + 8) of each m-tile
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = m[mt][r];
+#pragma unroll
+        for (int nt = 0; nt < kBc / 8; ++nt) {
+          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]) * sl2);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float base = mx == -INFINITY ? 0.f : mx;
+        const float alpha = fast_exp2(m[mt][r] - base);
+        m[mt][r] = mx;
+        float rs = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kBc / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pv = fast_exp2(fmaf(s[mt][nt][2 * r + e], sl2, -base));
+            s[mt][nt][2 * r + e] = pv;
+            rs += pv;
+          }
+        }
+        l[mt][r] = l[mt][r] * alpha + rs;  // per-thread partial: the quad's sum is taken at the end
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          oacc[mt][dt][2 * r] *= alpha;
+          oacc[mt][dt][2 * r + 1] *= alpha;
+        }
+      }
+    }
+    // O += P V
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk) {
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t r[4];
+        ldsm_x4_t(r, smem_u32(cV + swz<D>(kk * 16 + lane % 16, dp * 2 + lane / 16)));
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma16816<T>(oacc[mt][2 * dp], a[mt], r[0], r[1]);
+          mma16816<T>(oacc[mt][2 * dp + 1], a[mt], r[2], r[3]);
+        }
+      }
+    }
+    __syncthreads();  // the next iteration refills this buffer
+  }
+
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float lr = l[mt][r];
+      lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+      lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+      const int row = row_lo + 16 * mt + 8 * r;
+      if (row < p.L) {
+        const float inv = 1.f / lr;
+        T* orow = o + ((static_cast<int64_t>(b) * p.L + row) * p.H + h) * D;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) =
+              pack2<T>(oacc[mt][dt][2 * r] * inv, oacc[mt][dt][2 * r + 1] * inv);
+        }
+        if (t == 0) lse[static_cast<int64_t>(bh) * p.L + row] = (m[mt][r] + log2f(lr)) * kLn2;
+      }
+    }
+  }
+}
+
+// Backward, dK and dV.  Block: kWarps warps own kBc = 16 kWarps keys (16 per warp) and loop over
+// query tiles of kBr rows (double-buffered Q, dO, lse, Dvec).  Per tile, per warp (keys as M):
+//   S^T = K Q^T, dP^T = V dO^T, P^T = exp(S^T scale - lse), dS^T = P^T (dP^T - Dvec),
+//   dV += P^T dO, dK += dS^T Q (times scale at the end).
+// kFrag: keep the warp's K and V A-fragments in registers (else re-read them from shared memory).
+template <typename T, int D, int kWarps, int kBr, bool kFrag, int kMinBlocks = 1>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
+    attn_bwd_dkdv_v2(AttnParams p, const T* __restrict__ q, const T* __restrict__ k,
+                     const T* __restrict__ v, const T* __restrict__ gr,
+                     const float* __restrict__ lse, const float* __restrict__ dvec,
+                     T* __restrict__ dk, T* __restrict__ dv) {
+  constexpr int kBc = 16 * kWarps, NT = kWarps * 32, KS = D / 16;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);                  // kBc x D
+  T* sV = sK + kBc * D;                                    // kBc x D
+  T* sQ = sV + kBc * D;                                    // 2 x kBr x D
+  T* sG = sQ + 2 * kBr * D;                                // 2 x kBr x D
+  float* sL = reinterpret_cast<float*>(sG + 2 * kBr * D);  // 2 x kBr
+  float* sD = sL + 2 * kBr;                                // 2 x kBr
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
+  const int k0 = blockIdx.y * kBc;
+  const T* qb = q + b * p.q_b + h * p.q_h;
+  const T* kb = k + b * p.k_b + h * p.k_h;
+  const T* vb = v + b * p.v_b + h * p.v_h;
+  const T* gb = gr + b * p.g_b + h * p.g_h;  // do rows: stride g_l
+  const float* lb = lse + static_cast<int64_t>(bh) * p.L;
+  const float* db = dvec + static_cast<int64_t>(bh) * p.L;
+  const int i_begin = p.causal ? k0 / kBr : 0;
+  const int i_end = (p.L + kBr - 1) / kBr;
+
+  load_tile<kBc, D, NT>(sK, kb, p.k_l, k0, p.S);
+  load_tile<kBc, D, NT>(sV, vb, p.v_l, k0, p.S);
+  cp_async_commit();
+  auto load_q = [&](int i, int buf) {
+    load_tile<kBr, D, NT>(sQ + buf * kBr * D, qb, p.q_l, i * kBr, p.L);
+    load_tile<kBr, D, NT>(sG + buf * kBr * D, gb, p.g_l, i * kBr, p.L);
+    load_vec<kBr, NT>(sL + buf * kBr, lb, i * kBr, p.L);
+    load_vec<kBr, NT>(sD + buf * kBr, db, i * kBr, p.L);
+  };
+  if (i_begin < i_end) load_q(i_begin, 0);
+  cp_async_commit();
+  cp_async_wait<1>();  // K, V landed
+  __syncthreads();
+  uint32_t kf[kFrag ? KS : 1][4], vf[kFrag ? KS : 1][4];
+  if constexpr (kFrag) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      ldsm_x4(kf[ks], smem_u32(sK + swz<D>(warp * 16 + lane % 16, ks * 2 + lane / 16)));
+      ldsm_x4(vf[ks], smem_u32(sV + swz<D>(warp * 16 + lane % 16, ks * 2 + lane / 16)));
+    }
+  }
+  float dka[D / 8][4], dva[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dka[i][e] = dva[i][e] = 0.f;
+  }
+  const float sl2 = static_cast<float>(p.scale) * kLog2e;
+  const int key_lo = k0 + warp * 16 + g;  // this thread's keys: key_lo, key_lo + 8
+
+  for (int i = i_begin; i < i_end; ++i) {
+    const int buf = (i - i_begin) & 1;
+    if (i + 1 < i_end) load_q(i + 1, buf ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const T* cQ = sQ + buf * kBr * D;
+    const T* cG = sG + buf * kBr * D;
+    const float* cL = sL + buf * kBr;
+    const float* cD = sD + buf * kBr;
+
+    float s[kBr / 8][4], dpv[kBr / 8][4];
+#pragma unroll
+    for (int n = 0; n < kBr / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = dpv[n][e] = 0.f;
+    }
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      uint32_t ka[4], va[4];
+      if constexpr (kFrag) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          ka[e] = kf[ks][e];
+          va[e] = vf[ks][e];
+        }
+      } else {
+        ldsm_x4(ka, smem_u32(sK + swz<D>(warp * 16 + lane % 16, ks * 2 + lane / 16)));
+        ldsm_x4(va, smem_u32(sV + swz<D>(warp * 16 + lane % 16, ks * 2 + lane / 16)));
+      }
+#pragma unroll
+      for (int np = 0; np < kBr / 16; ++np) {
+        const int row = np * 16 + lane % 8 + 8 * (lane / 16), ch = ks * 2 + (lane / 8) % 2;
+        uint32_t r[4];
+        ldsm_x4(r, smem_u32(cQ + swz<D>(row, ch)));
+        mma16816<T>(s[2 * np], ka, r[0], r[1]);
+        mma16816<T>(s[2 * np + 1], ka, r[2], r[3]);
+        ldsm_x4(r, smem_u32(cG + swz<D>(row, ch)));
+        mma16816<T>(dpv[2 * np], va, r[0], r[1]);
+        mma16816<T>(dpv[2 * np + 1], va, r[2], r[3]);
+      }
+    }
+    // P^T and dS^T; element (n, e): key key_lo + 8 (e / 2), query i kBr + 8 n + 2 t + e % 2
+    const int qi0 = i * kBr;
+    const bool need_mask = qi0 + kBr > p.L || (p.causal && qi0 < k0 + kBc);
+#pragma unroll
+    for (int n = 0; n < kBr / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = n * 8 + 2 * t + (e & 1);
+        float pv = fast_exp2(fmaf(s[n][e], sl2, -cL[c] * kLog2e));
+        if (need_mask) {
+          const int qq = qi0 + c, key = key_lo + 8 * (e >> 1);
+          if (qq >= p.L || (p.causal && qq < key)) pv = 0.f;
+        }
+        s[n][e] = pv;
+        dpv[n][e] = pv * (dpv[n][e] - cD[c]);
+      }
+    }
+    // dV += P^T dO, dK += dS^T Q (queries as k)
+#pragma unroll
+    for (int kk = 0; kk < kBr / 16; ++kk) {
+      uint32_t pa[4], da[4];
+      pa[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+      pa[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+      pa[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      da[0] = pack2<T>(dpv[2 * kk][0], dpv[2 * kk][1]);
+      da[1] = pack2<T>(dpv[2 * kk][2], dpv[2 * kk][3]);
+      da[2] = pack2<T>(dpv[2 * kk + 1][0], dpv[2 * kk + 1][1]);
+      da[3] = pack2<T>(dpv[2 * kk + 1][2], dpv[2 * kk + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        const int row = kk * 16 + lane % 16, ch = dp * 2 + lane / 16;
+        uint32_t r[4];
+        ldsm_x4_t(r, smem_u32(cG + swz<D>(row, ch)));
+        mma16816<T>(dva[2 * dp], pa, r[0], r[1]);
+        mma16816<T>(dva[2 * dp + 1], pa, r[2], r[3]);
+        ldsm_x4_t(r, smem_u32(cQ + swz<D>(row, ch)));
+        mma16816<T>(dka[2 * dp], da, r[0], r[1]);
+        mma16816<T>(dka[2 * dp + 1], da, r[2], r[3]);
+      }
+    }
+    __syncthreads();
+  }
+
+  const float sc = static_cast<float>(p.scale);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key_lo + 8 * r;
+    if (key < p.S) {
+      const int64_t base = ((static_cast<int64_t>(b) * p.S + key) * p.H + h) * D;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        *reinterpret_cast<uint32_t*>(dk + base + dt * 8 + 2 * t) =
+            pack2<T>(dka[dt][2 * r] * sc, dka[dt][2 * r + 1] * sc);
+        *reinterpret_cast<uint32_t*>(dv + base + dt * 8 + 2 * t) =
+            pack2<T>(dva[dt][2 * r], dva[dt][2 * r + 1]);
+      }
+    }
+  }
+}
+
+// Backward, dQ.  Block: kWarps warps own kBr = 16 kWarps queries and loop over key tiles of kBc
+// (double-buffered K, V).  Per tile, per warp: S = Q K^T, dP = dO V^T, P = exp(S scale - lse),
+// dS = P (dP - Dvec), dQ += dS K (times scale at the end).
+template <typename T, int D, int kWarps, int kBc, int kMinBlocks = 1>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
+    attn_bwd_dq_v2(AttnParams p, const T* __restrict__ q, const T* __restrict__ k,
+                   const T* __restrict__ v, const T* __restrict__ gr, const float* __restrict__ lse,
+                   const float* __restrict__ dvec, T* __restrict__ dq) {
+  constexpr int kBr = 16 * kWarps, NT = kWarps * 32, KS = D / 16;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // kBr x D
+  T* sG = sQ + kBr * D;                    // kBr x D
+  T* sK = sG + kBr * D;                    // 2 x kBc x D
+  T* sV = sK + 2 * kBc * D;                // 2 x kBc x D
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * kBr;
+  const T* qb = q + b * p.q_b + h * p.q_h;
+  const T* kb = k + b * p.k_b + h * p.k_h;
+  const T* vb = v + b * p.v_b + h * p.v_h;
+  const T* gb = gr + b * p.g_b + h * p.g_h;
+  const int kend = p.causal ? min(q0 + kBr, p.S) : p.S;
+  const int nkb = (kend + kBc - 1) / kBc;
+
+  load_tile<kBr, D, NT>(sQ, qb, p.q_l, q0, p.L);
+  load_tile<kBr, D, NT>(sG, gb, p.g_l, q0, p.L);
+  cp_async_commit();
+  load_tile<kBc, D, NT>(sK, kb, p.k_l, 0, p.S);
+  load_tile<kBc, D, NT>(sV, vb, p.v_l, 0, p.S);
+  cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+  uint32_t qf[KS][4], gf[KS][4];
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    ldsm_x4(qf[ks], smem_u32(sQ + swz<D>(warp * 16 + lane % 16, ks * 2 + lane / 16)));
+    ldsm_x4(gf[ks], smem_u32(sG + swz<D>(warp * 16 + lane % 16, ks * 2 + lane / 16)));
+  }
+  const int row_lo = q0 + warp * 16 + g;
+  float lse2[2], dvr[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_lo + 8 * r;
+    const bool ok = row < p.L;
+    lse2[r] = ok ? lse[static_cast<int64_t>(bh) * p.L + row] * kLog2e : 0.f;
+    dvr[r] = ok ? dvec[static_cast<int64_t>(bh) * p.L + row] : 0.f;
+  }
+  float dqa[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) dqa[i][0] = dqa[i][1] = dqa[i][2] = dqa[i][3] = 0.f;
+  const float sl2 = static_cast<float>(p.scale) * kLog2e;
+
+  for (int j = 0; j < nkb; ++j) {
+    if (j + 1 < nkb) {
+      const int nb = (j + 1) & 1;
+      load_tile<kBc, D, NT>(sK + nb * kBc * D, kb, p.k_l, (j + 1) * kBc, p.S);
+      load_tile<kBc, D, NT>(sV + nb * kBc * D, vb, p.v_l, (j + 1) * kBc, p.S);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const T* cK = sK + (j & 1) * kBc * D;
+    const T* cV = sV + (j & 1) * kBc * D;
+
+    float s[kBc / 8][4], dpv[kBc / 8][4];
+#pragma unroll
+    for (int n = 0; n < kBc / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = dpv[n][e] = 0.f;
+    }
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+      for (int np = 0; np < kBc / 16; ++np) {
+        const int row = np * 16 + lane % 8 + 8 * (lane / 16), ch = ks * 2 + (lane / 8) % 2;
+        uint32_t r[4];
+        ldsm_x4(r, smem_u32(cK + swz<D>(row, ch)));
+        mma16816<T>(s[2 * np], qf[ks], r[0], r[1]);
+        mma16816<T>(s[2 * np + 1], qf[ks], r[2], r[3]);
+        ldsm_x4(r, smem_u32(cV + swz<D>(row, ch)));
+        mma16816<T>(dpv[2 * np], gf[ks], r[0], r[1]);
+        mma16816<T>(dpv[2 * np + 1], gf[ks], r[2], r[3]);
+      }
+    }
+    const int k0 = j * kBc;
+    const bool need_mask = k0 + kBc > p.S || (p.causal && k0 + kBc - 1 > q0 + warp * 16);
+#pragma unroll
+    for (int n = 0; n < kBc / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        float pv = fast_exp2(fmaf(s[n][e], sl2, -lse2[r]));
+        if (need_mask) {
+          const int col = k0 + n * 8 + 2 * t + (e & 1), row = row_lo + 8 * r;
+          if (col >= p.S || (p.causal && col > row)) pv = 0.f;
+        }
+        dpv[n][e] = pv * (dpv[n][e] - dvr[r]);
+      }
+    }
+    // dQ += dS K (keys as k)
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk) {
+      uint32_t da[4];
+      da[0] = pack2<T>(dpv[2 * kk][0], dpv[2 * kk][1]);
+      da[1] = pack2<T>(dpv[2 * kk][2], dpv[2 * kk][3]);
+      da[2] = pack2<T>(dpv[2 * kk + 1][0], dpv[2 * kk + 1][1]);
+      da[3] = pack2<T>(dpv[2 * kk + 1][2], dpv[2 * kk + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t r[4];
+        ldsm_x4_t(r, smem_u32(cK + swz<D>(kk * 16 + lane % 16, dp * 2 + lane / 16)));
+        mma16816<T>(dqa[2 * dp], da, r[0], r[1]);
+        mma16816<T>(dqa[2 * dp + 1], da, r[2], r[3]);
+      }
+    }
+    __syncthreads();
+  }
+
+  const float sc = static_cast<float>(p.scale);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_lo + 8 * r;
+    if (row < p.L) {
+      T* out = dq + ((static_cast<int64_t>(b) * p.L + row) * p.H + h) * D;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * t) =
+            pack2<T>(dqa[dt][2 * r] * sc, dqa[dt][2 * r + 1] * sc);
+      }
+    }
+  }
+}
+
+// ---- configurations ----------------------------------------------------------------------------
+// Forward: kWarps x 16 query rows per block, kBc keys per tile.  Backward dK/dV: 16 kWarps keys
+// per block, kBr queries per tile; dQ: 16 kWarps queries per block, kBc keys per tile.
+template <int D>
+struct V2Config;
+template <>
+struct V2Config<64> {
+  static constexpr int kFwdWarps = 4, kFwdBc = 64, kFwdMT = 2;
+  static constexpr int kKvWarps = 4, kKvBr = 64;
+  static constexpr bool kKvFrag = true;
+  static constexpr int kDqWarps = 4, kDqBc = 128;
+};
+template <>
+struct V2Config<128> {
+  static constexpr int kFwdWarps = 4, kFwdBc = 64, kFwdMT = 1;
+  static constexpr int kKvWarps = 4, kKvBr = 32;
+  static constexpr bool kKvFrag = false;
+  static constexpr int kDqWarps = 4, kDqBc = 64;
+};
+
+}  // namespace
+
+#ifndef BT_ATTENTION_KERNELS_ONLY  // (a standalone kernel test includes the kernels only)
+// ==== launchers ================================================================================
+
+namespace {
+
+AttnParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                       bool causal) {
+  AttnParams p{};
+  p.B = static_cast<int>(q.size(0));
+  p.H = static_cast<int>(q.size(1));
+  p.L = static_cast<int>(q.size(2));
+  p.D = static_cast<int>(q.size(3));
+  p.S = static_cast<int>(k.size(2));
+  p.q_b = q.strides()[0], p.q_h = q.strides()[1], p.q_l = q.strides()[2];
+  p.k_b = k.strides()[0], p.k_h = k.strides()[1], p.k_l = k.strides()[2];
+  p.v_b = v.strides()[0], p.v_h = v.strides()[1], p.v_l = v.strides()[2];
+  p.scale = scale;
+  p.causal = causal;
+  return p;
+}
+
+// The tensor-core path needs 16-byte aligned rows: pointer and row/batch/head strides.
+bool aligned16(const Tensor& t, int64_t s0, int64_t s1, int64_t s2, const char* op) {
+  const auto addr = reinterpret_cast<uintptr_t>(t.data_ptr(op));
+  return addr % 16 == 0 && s0 % 8 == 0 && s1 % 8 == 0 && s2 % 8 == 0;
+}
+
+template <typename K>
+void set_smem(K kernel, size_t bytes, const char* op) {
+  if (bytes > 48 * 1024) {
+    BT_CUDA_CHECK(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(bytes)));
+  }
+}
+
+// Tensor cores: D in {64, 128}; grid (B * H, blocks) needs blocks <= 65535.
+bool tc_shape(const AttnParams& p) {
+  return (p.D == 64 || p.D == 128) && std::max(p.L, p.S) <= 65535 * 16;
+}
+
+void check_dims(const AttnParams& p, const char* op) {
+  if (static_cast<int64_t>(p.B) * p.H * std::max(p.L, p.S) > (int64_t{1} << 36)) {
+    throw NotImplementedError(std::string("[") + op + "] B * H * T too large");
+  }
+  if (p.D > 256) {
+    throw NotImplementedError(std::string("[") + op + "] head dim " + std::to_string(p.D) +
+                              " > 256 is not supported on CUDA");
+  }
+}
+
+template <typename T, int D>
+void launch_fwd_v2(const AttnParams& p, const T* q, const T* k, const T* v, T* o, float* lse,
+                   cudaStream_t st, const char* op) {
+  using C = V2Config<D>;
+  constexpr int W = C::kFwdWarps, Bc = C::kFwdBc, MT = C::kFwdMT, Br = 16 * MT * W;
+  const size_t smem = (Br * D + 4 * Bc * D) * sizeof(T);
+  auto kern = attn_fwd_v2<T, D, W, Bc, MT>;
+  set_smem(kern, smem, op);
+  dim3 grid(p.B * p.H, static_cast<unsigned>(ceil_div(p.L, Br)));
+  kern<<<grid, W * 32, smem, st>>>(p, q, k, v, o, lse);
+  BT_CUDA_LAUNCH_CHECK(op);
+}
+
+template <typename T, int D>
+void launch_bwd_v2(const AttnParams& p, const T* q, const T* k, const T* v, const T* g,
+                   const float* lse, const float* dvec, T* dq, T* dk, T* dv, cudaStream_t st,
+                   const char* op) {
+  using C = V2Config<D>;
+  {
+    constexpr int W = C::kKvWarps, Br = C::kKvBr, Bc = 16 * W;
+    const size_t smem = (2 * Bc * D + 4 * Br * D) * sizeof(T) + 4 * Br * sizeof(float);
+    auto kern = attn_bwd_dkdv_v2<T, D, W, Br, C::kKvFrag>;
+    set_smem(kern, smem, op);
+    dim3 grid(p.B * p.H, static_cast<unsigned>(ceil_div(p.S, Bc)));
+    kern<<<grid, W * 32, smem, st>>>(p, q, k, v, g, lse, dvec, dk, dv);
+    BT_CUDA_LAUNCH_CHECK(op);
+  }
+  {
+    constexpr int W = C::kDqWarps, Bc = C::kDqBc, Br = 16 * W;
+    const size_t smem = (2 * Br * D + 4 * Bc * D) * sizeof(T);
+    auto kern = attn_bwd_dq_v2<T, D, W, Bc>;
+    set_smem(kern, smem, op);
+    dim3 grid(p.B * p.H, static_cast<unsigned>(ceil_div(p.L, Br)));
+    kern<<<grid, W * 32, smem, st>>>(p, q, k, v, g, lse, dvec, dq);
+    BT_CUDA_LAUNCH_CHECK(op);
+  }
+}
+
+unsigned v1_blocks(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, kV1Warps)); }
+
+}  // namespace
+
+}  // namespace bt::cuda
+
+namespace bt {
+
+using namespace cuda;
+
+void FlashAttention::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  const char* op = name();
+  const Tensor &q = in[0], &k = in[1], &v = in[2];
+  cudaStream_t st = stream(out[0].device(), op);
+  if (out[0].numel() == 0) return;
+  AttnParams p = make_params(q, k, v, scale, causal);
+  check_dims(p, op);
+  dispatch_cuda_float(q.dtype(), op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using A = math_t<T>;
+    const T* qp = q.data<T>(op);
+    const T* kp = k.data<T>(op);
+    const T* vp = v.data<T>(op);
+    T* o = out[0].data<T>(op);
+    if constexpr (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) {
+      const bool tc = tc_shape(p) && aligned16(q, p.q_b, p.q_h, p.q_l, op) &&
+                      aligned16(k, p.k_b, p.k_h, p.k_l, op) &&
+                      aligned16(v, p.v_b, p.v_h, p.v_l, op);
+      if (tc) {
+        float* lse = out[1].data<float>(op);
+        if (p.D == 64) {
+          launch_fwd_v2<T, 64>(p, qp, kp, vp, o, lse, st, op);
+        } else {
+          launch_fwd_v2<T, 128>(p, qp, kp, vp, o, lse, st, op);
+        }
+        return;
+      }
+    }
+    A* lse = out[1].data<A>(op);
+    attn_fwd_v1<T, A><<<v1_blocks(static_cast<int64_t>(p.B) * p.H * p.L), kV1Warps * 32, 0, st>>>(
+        p, qp, kp, vp, o, lse);
+    BT_CUDA_LAUNCH_CHECK(op);
+  });
+}
+
+// inputs q, k, v, o, do, lse, dlse; outputs dq (B, L, H, D), dk, dv (B, S, H, D).
+void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  const char* op = name();
+  const Tensor &q = in[0], &k = in[1], &v = in[2], &o = in[3], &g = in[4], &lse = in[5],
+               &dlse = in[6];
+  cudaStream_t st = stream(out[0].device(), op);
+  if (out[0].numel() == 0 && out[1].numel() == 0) return;
+  AttnParams p = make_params(q, k, v, scale, causal);
+  check_dims(p, op);
+  p.o_b = o.strides()[0], p.o_l = o.strides()[1], p.o_h = o.strides()[2];
+  p.g_b = g.strides()[0], p.g_l = g.strides()[1], p.g_h = g.strides()[2];
+  p.dl_b = dlse.strides()[0], p.dl_h = dlse.strides()[1], p.dl_l = dlse.strides()[2];
+  if (!lse.is_contiguous()) {
+    throw RuntimeError(std::string("[") + op + "] lse must be contiguous");
+  }
+  dispatch_cuda_float(q.dtype(), op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using A = math_t<T>;
+    const T* qp = q.data<T>(op);
+    const T* kp = k.data<T>(op);
+    const T* vp = v.data<T>(op);
+    const T* gp = g.data<T>(op);
+    T* dq = out[0].data<T>(op);
+    T* dk = out[1].data<T>(op);
+    T* dv = out[2].data<T>(op);
+    const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.L;
+    Tensor dvec = empty_tensor({p.B, p.H, p.L}, lse.dtype(), out[0].device(), op);
+    attn_bwd_preprocess<T, A><<<v1_blocks(rows), kV1Warps * 32, 0, st>>>(
+        p, o.data<T>(op), gp, dlse.data<A>(op), dvec.data<A>(op));
+    BT_CUDA_LAUNCH_CHECK(op);
+    if constexpr (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) {
+      // (g's batch stride is a multiple of 8 whenever its row strides are, for dense layouts)
+      const bool tc = tc_shape(p) && aligned16(q, p.q_b, p.q_h, p.q_l, op) &&
+                      aligned16(k, p.k_b, p.k_h, p.k_l, op) &&
+                      aligned16(v, p.v_b, p.v_h, p.v_l, op) &&
+                      aligned16(g, p.g_b, p.g_h, p.g_l, op);
+      if (tc) {
+        const float* lp = lse.data<float>(op);
+        const float* dp = dvec.data<float>(op);
+        if (p.D == 64) {
+          launch_bwd_v2<T, 64>(p, qp, kp, vp, gp, lp, dp, dq, dk, dv, st, op);
+        } else {
+          launch_bwd_v2<T, 128>(p, qp, kp, vp, gp, lp, dp, dq, dk, dv, st, op);
+        }
+        return;
+      }
+    }
+    const A* lp = lse.data<A>(op);
+    const A* dp = dvec.data<A>(op);
+    attn_bwd_dq_v1<T, A><<<v1_blocks(rows), kV1Warps * 32, 0, st>>>(p, qp, kp, vp, gp, lp, dp, dq);
+    BT_CUDA_LAUNCH_CHECK(op);
+    attn_bwd_dkdv_v1<T, A>
+        <<<v1_blocks(static_cast<int64_t>(p.B) * p.H * p.S), kV1Warps * 32, 0, st>>>(
+            p, qp, kp, vp, gp, lp, dp, dk, dv);
+    BT_CUDA_LAUNCH_CHECK(op);
+  });
+}
+
+}  // namespace bt
+#else
+}  // namespace bt::cuda
+#endif  // BT_ATTENTION_KERNELS_ONLY

@@ -1,0 +1,691 @@
+// cuda/elementwise.cu: creation, copies, random numbers and elementwise ops on CUDA.
+//
+// Semantics are the CPU kernels' (src/cpu/elementwise.cpp): the same compute types (float for the
+// 16-bit floats, the type itself otherwise), the same NaN rules (maximum/minimum propagate NaN,
+// relu/sign map NaN to 0), integer pow by squaring, and Philox numbers from random.h so Random and
+// Dropout give the CPU's numbers for a (seed, offset).  Float32 exp/tanh use CUDA's libdevice
+// (within ~1 ulp of the CPU's Cephes polynomials).
+//
+// One generic launcher (launch_elementwise) runs a functor over N typed inputs and one output:
+//   - flat path: every operand contiguous (or all sharing one dense layout): a grid-stride loop
+//     over 16-byte vectors (scalar when a pointer is misaligned), then a scalar tail;
+//   - strided path: per-operand offsets from the linear index (broadcast inputs have stride 0;
+//     the outermost dim needs no division, so scalar and row broadcasts stay cheap).
+// Both run with 32-bit index math when every offset fits (much cheaper division), 64-bit otherwise.
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <tuple>
+#include <limits>
+#include <utility>
+
+#include "../backend.h"
+#include "../primitives.h"
+#include "../random.h"
+#include "common.cuh"
+
+namespace bt {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// ================================ kernels ======================================================
+
+// ---- offsets ----------------------------------------------------------------------------------
+// StridedOffset with a chosen index type; the outermost dim takes the quotient as is (no modulo).
+template <typename I>
+struct Off {
+  int ndim = 0;  // 0: contiguous
+  I sizes[kMaxDims];
+  I strides[kMaxDims];
+  __device__ __forceinline__ I operator()(I linear) const {
+    if (ndim == 0) return linear;
+    I off = 0;
+#pragma unroll 4
+    for (int d = ndim - 1; d > 0; --d) {
+      const I s = sizes[d];
+      const I q = linear / s;
+      off += (linear - q * s) * strides[d];
+      linear = q;
+    }
+    return off + linear * strides[0];
+  }
+};
+
+template <typename I>
+Off<I> to_off(const StridedOffset& so) {
+  Off<I> o;
+  o.ndim = so.ndim;
+  for (int d = 0; d < so.ndim; ++d) {
+    o.sizes[d] = static_cast<I>(so.sizes[d]);
+    o.strides[d] = static_cast<I>(so.strides[d]);
+  }
+  return o;
+}
+
+// Largest element offset a view reaches (strides are never negative in blutrain).
+int64_t max_offset(const Tensor& t) {
+  int64_t m = 0;
+  for (int64_t d = 0; d < t.ndim(); ++d) {
+    if (t.shape()[d] > 1) m += (t.shape()[d] - 1) * t.strides()[d];
+  }
+  return m;
+}
+
+// ---- vector loads/stores ----------------------------------------------------------------------
+template <int B>
+struct chunk;
+template <>
+struct chunk<1> {
+  using type = uint8_t;
+};
+template <>
+struct chunk<2> {
+  using type = uint16_t;
+};
+template <>
+struct chunk<4> {
+  using type = uint32_t;
+};
+template <>
+struct chunk<8> {
+  using type = uint2;
+};
+template <>
+struct chunk<16> {
+  using type = uint4;
+};
+
+// N elements starting at p (p aligned to min(16, N * sizeof(T)) bytes).
+template <int N, typename T>
+__device__ __forceinline__ void vload(const T* p, T (&v)[N]) {
+  constexpr int kBytes = N * static_cast<int>(sizeof(T));
+  constexpr int kCB = kBytes < 16 ? kBytes : 16;
+  using C = typename chunk<kCB>::type;
+  C tmp[kBytes / kCB];
+#pragma unroll
+  for (int k = 0; k < kBytes / kCB; ++k) tmp[k] = reinterpret_cast<const C*>(p)[k];
+  memcpy(static_cast<void*>(v), tmp, kBytes);
+}
+template <int N, typename T>
+__device__ __forceinline__ void vstore(T* p, const T (&v)[N]) {
+  constexpr int kBytes = N * static_cast<int>(sizeof(T));
+  constexpr int kCB = kBytes < 16 ? kBytes : 16;
+  using C = typename chunk<kCB>::type;
+  C tmp[kBytes / kCB];
+  memcpy(tmp, static_cast<const void*>(v), kBytes);
+#pragma unroll
+  for (int k = 0; k < kBytes / kCB; ++k) reinterpret_cast<C*>(p)[k] = tmp[k];
+}
+
+// ---- generic elementwise kernels --------------------------------------------------------------
+// v1: the reference: one element per iteration, every operand through its offsets.
+template <typename I, typename T>
+struct Arg {
+  const T* __restrict__ p;
+  Off<I> off;
+};
+
+template <typename I, typename F, typename O, typename... Ts>
+__global__ void __launch_bounds__(kThreads)
+    elementwise_strided_v1(I n, F f, O* __restrict__ out, Off<I> oo, Arg<I, Ts>... in) {
+  const I stride = static_cast<I>(gridDim.x) * blockDim.x;
+  for (I i = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    out[oo(i)] = f(in.p[in.off(i)]...);
+  }
+}
+
+// v2: every operand flat (contiguous, or all in one dense layout) and 16-byte aligned: N elements
+// per iteration through 16-byte vectors, then a scalar tail (misaligned views take v1).
+template <int N, typename T>
+struct Vec {
+  T v[N];
+};
+
+template <int N, typename I, typename F, typename O, typename... Ts>
+__global__ void __launch_bounds__(kThreads)
+    elementwise_flat_v2(I n, F f, O* __restrict__ out, const Ts* __restrict__... in) {
+  const I stride = static_cast<I>(gridDim.x) * blockDim.x;
+  const I tid = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const I nvec = n / N;
+  for (I v = tid; v < nvec; v += stride) {
+    const I base = v * N;
+    O r[N];
+    // The lambda's by-value parameters are the per-input register arrays.
+    [&](auto... vals) {
+      (vload<N>(in + base, vals.v), ...);
+#pragma unroll
+      for (int k = 0; k < N; ++k) r[k] = f(vals.v[k]...);
+    }(Vec<N, Ts>{}...);
+    vstore<N>(out + base, r);
+  }
+  for (I i = nvec * N + tid; i < n; i += stride) out[i] = f(in[i]...);
+}
+
+// ---- op functors ------------------------------------------------------------------------------
+template <UnaryOp OP, typename C>
+__device__ __forceinline__ C unary_fn(C x) {
+  if constexpr (!std::is_floating_point<C>::value) {
+    // Integer/bool forms of the ops that allow them (the front casts the rest to float).
+    if constexpr (OP == UnaryOp::Neg) return static_cast<C>(-x);
+    // (unsigned types: x < 0 never holds; spelled out to keep the compiler quiet)
+    if constexpr (OP == UnaryOp::Abs && std::is_signed<C>::value) {
+      return x < 0 ? static_cast<C>(-x) : x;
+    }
+    if constexpr (OP == UnaryOp::Relu) return x > 0 ? x : C(0);
+    if constexpr (OP == UnaryOp::Sign && std::is_signed<C>::value) {
+      return static_cast<C>((x > 0) - (x < 0));
+    }
+    if constexpr (OP == UnaryOp::Sign && !std::is_signed<C>::value) return static_cast<C>(x > 0);
+    if constexpr (OP == UnaryOp::LogicalNot) return static_cast<C>(!x);
+    return x;
+  } else {
+    constexpr bool f32 = std::is_same<C, float>::value;
+    if constexpr (OP == UnaryOp::Neg) return -x;
+    if constexpr (OP == UnaryOp::Exp) return exp(x);
+    if constexpr (OP == UnaryOp::Log) return log(x);
+    if constexpr (OP == UnaryOp::Sqrt) return sqrt(x);
+    if constexpr (OP == UnaryOp::Rsqrt) return C(1) / sqrt(x);
+    if constexpr (OP == UnaryOp::Tanh) return tanh(x);
+    if constexpr (OP == UnaryOp::Abs) return x < C(0) ? -x : x;
+    if constexpr (OP == UnaryOp::Sigmoid) return C(1) / (C(1) + exp(-x));
+    if constexpr (OP == UnaryOp::Relu) return x > C(0) ? x : C(0);
+    if constexpr (OP == UnaryOp::Sin) return sin(x);
+    if constexpr (OP == UnaryOp::Cos) return cos(x);
+    if constexpr (OP == UnaryOp::Erf) return erf(x);
+    if constexpr (OP == UnaryOp::GeluErf) {
+      return C(0.5) * x * (C(1) + erf(x * C(0.70710678118654752440)));
+    }
+    if constexpr (OP == UnaryOp::GeluTanh) {
+      const C k = C(0.7978845608028654);  // sqrt(2/pi)
+      if constexpr (f32) {
+        // tanhf is the costly part; the polynomial is cheap next to the memory traffic.
+        return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+      } else {
+        return C(0.5) * x * (C(1) + tanh(k * (x + C(0.044715) * x * x * x)));
+      }
+    }
+    if constexpr (OP == UnaryOp::Sign) return C((x > C(0)) - (x < C(0)));
+    if constexpr (OP == UnaryOp::LogicalNot) return C(!x);
+    return x;
+  }
+}
+
+template <UnaryOp OP, typename T, typename O>
+struct UnaryF {
+  __device__ __forceinline__ O operator()(T x) const {
+    using C = math_t<T>;
+    return convert<O>(unary_fn<OP, C>(convert<C>(x)));
+  }
+};
+
+template <typename C>
+__device__ __forceinline__ C ipow(C b, C e) {
+  if constexpr (std::is_signed<C>::value) {
+    if (e < 0) return (b == 1) ? C(1) : (b == C(-1) ? ((e % 2) ? C(-1) : C(1)) : C(0));
+  }
+  C r = 1;
+  while (e) {
+    if (e & 1) r = static_cast<C>(r * b);
+    b = static_cast<C>(b * b);
+    e = static_cast<C>(e >> 1);
+  }
+  return r;
+}
+
+template <BinaryOp OP, typename C>
+__device__ __forceinline__ auto binary_fn(C a, C b) {
+  if constexpr (OP == BinaryOp::Add) return static_cast<C>(a + b);
+  if constexpr (OP == BinaryOp::Sub) return static_cast<C>(a - b);
+  if constexpr (OP == BinaryOp::Mul) return static_cast<C>(a * b);
+  if constexpr (OP == BinaryOp::Div) {
+    if constexpr (std::is_floating_point<C>::value) {
+      return static_cast<C>(a / b);
+    } else {
+      // Never reached (the front makes div float); avoids a trap on a zero divisor.
+      return b == C(0) ? C(0) : static_cast<C>(a / b);
+    }
+  }
+  if constexpr (OP == BinaryOp::Pow) {
+    if constexpr (std::is_floating_point<C>::value) {
+      return static_cast<C>(pow(a, b));
+    } else if constexpr (std::is_same<C, bool>::value) {
+      return static_cast<C>(a || !b);
+    } else {
+      return ipow<C>(a, b);
+    }
+  }
+  if constexpr (OP == BinaryOp::Maximum) return (a != a) ? a : ((b != b) ? b : (a > b ? a : b));
+  if constexpr (OP == BinaryOp::Minimum) return (a != a) ? a : ((b != b) ? b : (a < b ? a : b));
+  if constexpr (OP == BinaryOp::Eq) return a == b;
+  if constexpr (OP == BinaryOp::Ne) return a != b;
+  if constexpr (OP == BinaryOp::Lt) return a < b;
+  if constexpr (OP == BinaryOp::Le) return a <= b;
+  if constexpr (OP == BinaryOp::Gt) return a > b;
+  if constexpr (OP == BinaryOp::Ge) return a >= b;
+  if constexpr (OP == BinaryOp::And) return static_cast<bool>(a) && static_cast<bool>(b);
+  if constexpr (OP == BinaryOp::Or) return static_cast<bool>(a) || static_cast<bool>(b);
+}
+
+template <BinaryOp OP, typename T, typename O>
+struct BinaryF {
+  __device__ __forceinline__ O operator()(T a, T b) const {
+    using C = math_t<T>;
+    return convert<O>(binary_fn<OP, C>(convert<C>(a), convert<C>(b)));
+  }
+};
+
+// CPU copy_raw: static_cast<D>(static_cast<compute_t<S>>(s)).
+template <typename S, typename D>
+struct CastF {
+  __device__ __forceinline__ D operator()(S s) const { return convert<D>(convert<math_t<S>>(s)); }
+};
+
+template <typename T>
+struct CopyF {
+  __device__ __forceinline__ T operator()(T s) const { return s; }
+};
+
+template <typename T>
+struct FillF {
+  T v;
+  __device__ __forceinline__ T operator()() const { return v; }
+};
+
+template <typename T>
+struct WhereF {
+  __device__ __forceinline__ T operator()(bool c, T a, T b) const { return c ? a : b; }
+};
+
+template <typename T>
+struct MaskedFillF {
+  T v;
+  __device__ __forceinline__ T operator()(T a, bool m) const { return m ? v : a; }
+};
+
+// ---- creation and random kernels --------------------------------------------------------------
+// Explicit _rn arithmetic: the CPU computes start + i * step without an FMA, so must we.
+template <typename I, typename T>
+__global__ void __launch_bounds__(kThreads) arange_v1(I n, double start, double step, T* out) {
+  const I stride = static_cast<I>(gridDim.x) * blockDim.x;
+  for (I i = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const double v = __dadd_rn(start, __dmul_rn(static_cast<double>(i), step));
+    out[i] = convert<T>(convert<math_t<T>>(v));
+  }
+}
+
+// Element i's value before the cast, exactly as Random::eval_cpu computes it.
+template <RandKind K, bool F64>
+__device__ __forceinline__ double random_value(uint64_t seed, uint64_t offset, uint64_t i,
+                                               double a, double b) {
+  if constexpr (K == RandKind::Uniform) {
+    const double u = F64 ? philox::uniform_f64(seed, offset, i)
+                         : static_cast<double>(philox::uniform_f32(seed, offset, i));
+    return __dadd_rn(a, __dmul_rn(__dsub_rn(b, a), u));
+  } else if constexpr (K == RandKind::Normal) {
+    return __dadd_rn(a, __dmul_rn(b, philox::normal(seed, offset, i)));
+  } else {
+    const uint64_t range = static_cast<uint64_t>(b - a);
+    return __dadd_rn(a, static_cast<double>(philox::bits(seed, offset, i) % range));
+  }
+}
+
+// One element per iteration; Philox is ~60 integer ops, cheap next to a random init's rarity.
+template <RandKind K, bool F64, typename I, typename T>
+__global__ void __launch_bounds__(kThreads)
+    random_v1(I n, uint64_t seed, uint64_t offset, double a, double b, T* out) {
+  const I stride = static_cast<I>(gridDim.x) * blockDim.x;
+  for (I i = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const double v = random_value<K, F64>(seed, offset, static_cast<uint64_t>(i), a, b);
+    out[i] = convert<T>(convert<math_t<T>>(v));
+  }
+}
+
+// Dropout, v1: one element per iteration (the reference).
+template <typename I, typename T>
+__global__ void __launch_bounds__(kThreads)
+    dropout_v1(I n, uint64_t seed, uint64_t offset, float p, math_t<T> scale,
+               const T* __restrict__ x, Off<I> xo, T* __restrict__ out) {
+  using C = math_t<T>;
+  const I stride = static_cast<I>(gridDim.x) * blockDim.x;
+  for (I i = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const bool keep = philox::uniform_f32(seed, offset, static_cast<uint64_t>(i)) >= p;
+    out[i] = convert<T>(keep ? convert<C>(x[xo(i)]) * scale : C(0));
+  }
+}
+
+// Dropout, v2: four elements per thread from one Philox call (its four words).
+template <typename I, typename T>
+__global__ void __launch_bounds__(kThreads)
+    dropout_v2(I n, uint64_t seed, uint64_t offset, float p, math_t<T> scale,
+               const T* __restrict__ x, Off<I> xo, T* __restrict__ out) {
+  using C = math_t<T>;
+  const I stride = static_cast<I>(gridDim.x) * blockDim.x;
+  const I ngroups = (n + 3) / 4;
+  for (I g = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; g < ngroups; g += stride) {
+    const philox::U4 w = philox::philox4x32_10(seed, offset + static_cast<uint64_t>(g));
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const I i = g * 4 + k;
+      if (i < n) {
+        const bool keep = philox::u32_to_unit_float(w.x[k]) >= p;
+        out[i] = convert<T>(keep ? convert<C>(x[xo(i)]) * scale : C(0));
+      }
+    }
+  }
+}
+
+// ================================ launchers ====================================================
+
+template <typename T>
+const T* cptr(const Tensor& t, const char* op) {
+  return static_cast<const T*>(t.data_ptr(op));
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <typename O, typename... Ts>
+constexpr int vec_width() {
+  // Elements per thread-iteration: 16 bytes of the narrowest operand, at most 64 bytes of the
+  // widest (so a float64 -> bool compare does not hold 256 bytes in registers).
+  constexpr size_t mn = std::min({sizeof(O), sizeof(Ts)...});
+  constexpr size_t mx = std::max({sizeof(O), sizeof(Ts)...});
+  constexpr size_t n = 16 / mn;
+  return static_cast<int>(n * mx > 64 ? 64 / mx : n);
+}
+
+// Runs out[i] = f(in[i]...) over the output's elements (inputs already broadcast to its shape).
+template <typename O, typename... Ts, typename F, size_t... Is>
+void launch_elementwise_impl(const char* nm, const F& f, const Tensor& out,
+                             const std::array<Tensor, sizeof...(Ts)>& ins,
+                             std::index_sequence<Is...>) {
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  const int dev = out.device().index;
+  cudaStream_t st = stream(out.device(), nm);
+  O* o = static_cast<O*>(out.data_ptr(nm));
+  std::tuple<const Ts*...> ptrs{cptr<Ts>(ins[Is], nm)...};
+  (void)ptrs;
+
+  // Three kernels per functor (compile time): flat vectors with 32-bit indices when every
+  // operand is flat and 16-byte aligned; otherwise the strided kernel with 32- or 64-bit index
+  // math (a contiguous operand costs no division there: its offset is the index).
+  const bool fits32 = n <= std::numeric_limits<int32_t>::max();
+  bool flat = out.is_contiguous() && (ins[Is].is_contiguous() && ... && true);
+  if (!flat && is_dense(out)) {
+    // Every operand in the output's one dense layout: walk memory in order.
+    flat = ((ins[Is].strides() == out.strides()) && ... && true);
+  }
+  flat = flat && aligned16(o) && (aligned16(std::get<Is>(ptrs)) && ... && true);
+  if (flat && fits32) {
+    constexpr int kN = vec_width<O, Ts...>();
+    using I = uint32_t;
+    const int blocks = elementwise_blocks(ceil_div(n, kN), kThreads, dev);
+    elementwise_flat_v2<kN, I, F, O, Ts...>
+        <<<blocks, kThreads, 0, st>>>(static_cast<I>(n), f, o, std::get<Is>(ptrs)...);
+  } else {
+    const StridedOffset oo = make_offset(out, nm);
+    const std::array<StridedOffset, sizeof...(Ts)> io{make_offset(ins[Is], nm)...};
+    bool small = fits32 && max_offset(out) <= std::numeric_limits<int32_t>::max();
+    for (const auto& t : ins) small = small && max_offset(t) <= std::numeric_limits<int32_t>::max();
+    const int blocks = elementwise_blocks(n, kThreads, dev);
+    if (small) {
+      using I = uint32_t;
+      elementwise_strided_v1<I, F, O, Ts...><<<blocks, kThreads, 0, st>>>(
+          static_cast<I>(n), f, o, to_off<I>(oo), Arg<I, Ts>{std::get<Is>(ptrs), to_off<I>(io[Is])}...);
+    } else {
+      using I = int64_t;
+      elementwise_strided_v1<I, F, O, Ts...><<<blocks, kThreads, 0, st>>>(
+          static_cast<I>(n), f, o, to_off<I>(oo), Arg<I, Ts>{std::get<Is>(ptrs), to_off<I>(io[Is])}...);
+    }
+  }
+  BT_CUDA_LAUNCH_CHECK(nm);
+}
+
+template <typename O, typename... Ts, typename F>
+void launch_elementwise(const char* nm, const F& f, const Tensor& out,
+                        const std::array<Tensor, sizeof...(Ts)>& ins) {
+  launch_elementwise_impl<O, Ts...>(nm, f, out, ins, std::index_sequence_for<Ts...>{});
+}
+
+// dst = src (same shape, any strides), casting from src's dtype to dst's.
+void copy_cast_impl(const Tensor& dst, const Tensor& src, const char* nm) {
+  dispatch_cuda_all(dst.dtype(), nm, [&](auto dtag) {
+    using D = typename decltype(dtag)::type;
+    dispatch_cuda_all(src.dtype(), nm, [&](auto stag) {
+      using S = typename decltype(stag)::type;
+      if constexpr (std::is_same<D, S>::value) {
+        launch_elementwise<D, S>(nm, CopyF<D>{}, dst, {src});
+      } else {
+        launch_elementwise<D, S>(nm, CastF<S, D>{}, dst, {src});
+      }
+    });
+  });
+}
+
+// The CPU's host-side value cast: static_cast<T>(static_cast<compute_t<T>>(v)), as CUDA bits.
+template <typename B>
+cuda_t<B> host_value(double v) {
+  const B hv = static_cast<B>(static_cast<compute_t<B>>(v));
+  cuda_t<B> r;
+  std::memcpy(static_cast<void*>(&r), &hv, sizeof(B));
+  return r;
+}
+
+template <UnaryOp OP>
+void unary_launch(const Tensor& x, const Tensor& out, const char* nm) {
+  dispatch_cuda_all(x.dtype(), nm, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr bool int_ok = OP == UnaryOp::Neg || OP == UnaryOp::Abs || OP == UnaryOp::Relu ||
+                            OP == UnaryOp::Sign || OP == UnaryOp::LogicalNot;
+    if constexpr (!std::is_floating_point<math_t<T>>::value && !int_ok) {
+      throw RuntimeError(std::string("[") + nm + "] internal: integer input to a float-only op");
+    } else {
+      if constexpr (OP == UnaryOp::LogicalNot) {
+        if (out.dtype() != DType::Bool) {
+          throw RuntimeError(std::string("[") + nm + "] internal: logical_not must output bool");
+        }
+        launch_elementwise<bool, T>(nm, UnaryF<OP, T, bool>{}, out, {x});
+      } else {
+        if (out.dtype() != x.dtype()) {
+          throw RuntimeError(std::string("[") + nm + "] internal: output dtype differs from input");
+        }
+        launch_elementwise<T, T>(nm, UnaryF<OP, T, T>{}, out, {x});
+      }
+    }
+  });
+}
+
+template <BinaryOp OP>
+void binary_launch(const Tensor& x, const Tensor& y, const Tensor& out, const char* nm) {
+  constexpr bool to_bool = OP >= BinaryOp::Eq;  // comparisons, and, or
+  if (x.dtype() != y.dtype() || (to_bool ? out.dtype() != DType::Bool : out.dtype() != x.dtype())) {
+    throw RuntimeError(std::string("[") + nm + "] internal: unexpected dtypes " +
+                       dtype_name(x.dtype()) + ", " + dtype_name(y.dtype()) + " -> " +
+                       dtype_name(out.dtype()));
+  }
+  dispatch_cuda_all(x.dtype(), nm, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using O = std::conditional_t<to_bool, bool, T>;
+    // Combinations the front never makes get no kernel (compile time): div is float-only,
+    // and/or cast to bool first, sub of bools is an error.
+    constexpr bool is_float = std::is_floating_point<math_t<T>>::value;
+    constexpr bool is_bool = std::is_same<T, bool>::value;
+    constexpr bool made = (OP == BinaryOp::Div)                           ? is_float
+                          : (OP == BinaryOp::And || OP == BinaryOp::Or) ? is_bool
+                          : (OP == BinaryOp::Sub)                         ? !is_bool
+                                                                          : true;
+    if constexpr (made) {
+      launch_elementwise<O, T, T>(nm, BinaryF<OP, T, O>{}, out, {x, y});
+    } else {
+      throw RuntimeError(std::string("[") + nm + "] internal: no CUDA kernel for " +
+                         dtype_name(x.dtype()) + " inputs (the front casts them)");
+    }
+  });
+}
+
+template <typename Launch>
+void with_index(int64_t n, Launch&& l) {
+  if (n <= std::numeric_limits<int32_t>::max()) {
+    l(type_tag<uint32_t>{});
+  } else {
+    l(type_tag<int64_t>{});
+  }
+}
+
+}  // namespace
+
+// The exported entry of runtime.h (copy_ and in-place ops on CUDA tensors).
+void copy_cast(const Tensor& dst, const Tensor& src, const char* op) {
+  copy_cast_impl(dst, src, op);
+}
+}  // namespace cuda
+
+// ---- creation ---------------------------------------------------------------------------------
+void Full::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>& out) {
+  dispatch_all(out[0].dtype(), name(), [&](auto tag) {
+    using B = typename decltype(tag)::type;
+    using T = cuda::cuda_t<B>;
+    cuda::launch_elementwise<T>(name(), cuda::FillF<T>{cuda::host_value<B>(value)}, out[0], {});
+  });
+}
+
+void Arange::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>& out) {
+  const int64_t n = out[0].numel();
+  if (n == 0) return;
+  cudaStream_t st = cuda::stream(out[0].device(), name());
+  const int blocks = cuda::elementwise_blocks(n, cuda::kThreads, out[0].device().index);
+  cuda::dispatch_cuda_all(out[0].dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* o = static_cast<T*>(out[0].data_ptr(name()));
+    cuda::with_index(n, [&](auto itag) {
+      using I = typename decltype(itag)::type;
+      cuda::arange_v1<I, T><<<blocks, cuda::kThreads, 0, st>>>(static_cast<I>(n), start, step, o);
+    });
+  });
+  BT_CUDA_LAUNCH_CHECK(name());
+}
+
+void Random::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>& out) {
+  const int64_t n = out[0].numel();
+  if (n == 0) return;
+  cudaStream_t st = cuda::stream(out[0].device(), name());
+  const int blocks = cuda::elementwise_blocks(n, cuda::kThreads, out[0].device().index);
+  const bool f64 = out[0].dtype() == DType::Float64;
+  cuda::dispatch_cuda_all(out[0].dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* o = static_cast<T*>(out[0].data_ptr(name()));
+    cuda::with_index(n, [&](auto itag) {
+      using I = typename decltype(itag)::type;
+      const I ni = static_cast<I>(n);
+      if (kind == RandKind::Uniform) {
+        if (f64) {
+          cuda::random_v1<RandKind::Uniform, true, I, T>
+              <<<blocks, cuda::kThreads, 0, st>>>(ni, seed, offset, a, b, o);
+        } else {
+          cuda::random_v1<RandKind::Uniform, false, I, T>
+              <<<blocks, cuda::kThreads, 0, st>>>(ni, seed, offset, a, b, o);
+        }
+      } else if (kind == RandKind::Normal) {
+        cuda::random_v1<RandKind::Normal, false, I, T>
+            <<<blocks, cuda::kThreads, 0, st>>>(ni, seed, offset, a, b, o);
+      } else {
+        cuda::random_v1<RandKind::Int, false, I, T>
+            <<<blocks, cuda::kThreads, 0, st>>>(ni, seed, offset, a, b, o);
+      }
+    });
+  });
+  BT_CUDA_LAUNCH_CHECK(name());
+}
+
+// ---- copies -----------------------------------------------------------------------------------
+void AsType::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  cuda::copy_cast(out[0], in[0], name());
+}
+
+void SliceScatter::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  cuda::copy_cast(out[0], in[0], name());
+  Slice sl(dim, start, stop, step);
+  Tensor view = sl.eval_view({out[0]});
+  cuda::copy_cast(view, in[1], name());
+}
+
+// ---- unary / binary ---------------------------------------------------------------------------
+void Unary::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  switch (op) {
+#define BT_CASE(N)                                           \
+  case UnaryOp::N:                                           \
+    cuda::unary_launch<UnaryOp::N>(in[0], out[0], name());   \
+    break;
+    // clang-format off
+    BT_CASE(Neg) BT_CASE(Exp) BT_CASE(Log) BT_CASE(Sqrt) BT_CASE(Rsqrt) BT_CASE(Tanh)
+    BT_CASE(Abs) BT_CASE(Sigmoid) BT_CASE(Relu) BT_CASE(Sin) BT_CASE(Cos) BT_CASE(GeluTanh)
+    BT_CASE(GeluErf) BT_CASE(Erf) BT_CASE(LogicalNot) BT_CASE(Sign)
+    // clang-format on
+#undef BT_CASE
+  }
+}
+
+void Binary::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  switch (op) {
+#define BT_CASE(N)                                                     \
+  case BinaryOp::N:                                                    \
+    cuda::binary_launch<BinaryOp::N>(in[0], in[1], out[0], name());    \
+    break;
+    // clang-format off
+    BT_CASE(Add) BT_CASE(Sub) BT_CASE(Mul) BT_CASE(Div) BT_CASE(Pow) BT_CASE(Maximum)
+    BT_CASE(Minimum) BT_CASE(Eq) BT_CASE(Ne) BT_CASE(Lt) BT_CASE(Le) BT_CASE(Gt) BT_CASE(Ge)
+    BT_CASE(And) BT_CASE(Or)
+    // clang-format on
+#undef BT_CASE
+  }
+}
+
+void Where::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  dispatch_all(out[0].dtype(), name(), [&](auto tag) {
+    using T = cuda::cuda_t<typename decltype(tag)::type>;
+    cuda::launch_elementwise<T, bool, T, T>(name(), cuda::WhereF<T>{}, out[0],
+                                            {in[0], in[1], in[2]});
+  });
+}
+
+void MaskedFill::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  dispatch_all(out[0].dtype(), name(), [&](auto tag) {
+    using B = typename decltype(tag)::type;
+    using T = cuda::cuda_t<B>;
+    cuda::launch_elementwise<T, T, bool>(name(), cuda::MaskedFillF<T>{cuda::host_value<B>(value)},
+                                         out[0], {in[0], in[1]});
+  });
+}
+
+void Dropout::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  const int64_t n = out[0].numel();
+  if (n == 0) return;
+  cudaStream_t st = cuda::stream(out[0].device(), name());
+  const cuda::StridedOffset xo = cuda::make_offset(in[0], name());
+  bool small = n <= std::numeric_limits<int32_t>::max() &&
+               cuda::max_offset(in[0]) <= std::numeric_limits<int32_t>::max();
+  const int blocks =
+      cuda::elementwise_blocks(cuda::ceil_div(n, 4), cuda::kThreads, out[0].device().index);
+  const float pf = static_cast<float>(p);
+  cuda::dispatch_cuda_float(out[0].dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using C = cuda::math_t<T>;
+    const C scale = C(1.0 / (1.0 - p));
+    const T* x = static_cast<const T*>(in[0].data_ptr(name()));
+    T* o = static_cast<T*>(out[0].data_ptr(name()));
+    if (small) {
+      using I = uint32_t;
+      cuda::dropout_v2<I, T><<<blocks, cuda::kThreads, 0, st>>>(
+          static_cast<I>(n), seed, offset, pf, scale, x, cuda::to_off<I>(xo), o);
+    } else {
+      using I = int64_t;
+      cuda::dropout_v2<I, T><<<blocks, cuda::kThreads, 0, st>>>(
+          static_cast<I>(n), seed, offset, pf, scale, x, cuda::to_off<I>(xo), o);
+    }
+  });
+  BT_CUDA_LAUNCH_CHECK(name());
+}
+
+}  // namespace bt

@@ -1,0 +1,391 @@
+// cuda/nn.cu: softmax / log_softmax (last dim), layer norm (+ the fused residual add) and fused
+// cross-entropy forward on CUDA.  One block per row, fp32 math (double for float64), statistics
+// reduced with fixed-order block reductions (deterministic).  Each kernel has a simple reference
+// version (_v1: scalar loads, one pass per quantity) and a fast one (_v2: 16-byte vector loads,
+// online max/sum); BT_CUDA_NN_V1=1 selects v1 (tests compare the two).
+//
+// Cross-entropy never materialises float32 logits: it reads the logits in their dtype once
+// (online max / sum of exp / sum of x) and writes only float32 lse and the loss.
+#include <cmath>
+
+#include "../backend.h"
+#include "../nn_fused.h"
+#include "../primitives.h"
+#include "common.cuh"
+#include "nn_common.cuh"
+
+namespace bt {
+namespace cuda::nn {
+
+// ================================ kernels =======================================================
+
+// ---- softmax ----------------------------------------------------------------------------------
+template <typename T>
+__global__ void softmax_forward_v1(const T* __restrict__ x, T* __restrict__ y, int64_t C, bool lg) {
+  using A = math_t<T>;
+  __shared__ A scratch[64];
+  const T* p = x + blockIdx.x * C;
+  T* q = y + blockIdx.x * C;
+  A m = -INFINITY;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) m = max(m, load_math(p + i));
+  m = block_max(m, scratch, A(-INFINITY));
+  if (m == -INFINITY) m = 0;  // an all -inf row: as the CPU
+  A s = 0;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) s += exp(load_math(p + i) - m);
+  s = block_sum(s, scratch);
+  const A lse = m + log(s), inv = A(1) / s;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    const A v = load_math(p + i);
+    q[i] = convert<T>(lg ? v - lse : exp(v - m) * inv);
+  }
+}
+
+template <typename T, int V>
+__global__ void softmax_forward_v2(const T* __restrict__ x, T* __restrict__ y, int64_t C, bool lg) {
+  using A = math_t<T>;
+  __shared__ A scratch[64];
+  const T* p = x + blockIdx.x * C;
+  T* q = y + blockIdx.x * C;
+  A m = -INFINITY, s = 0;
+  row_chunks<V>(p, C, [&](int64_t i, auto n) {
+    constexpr int N = decltype(n)::value;
+    A v[N];
+    load_n<N>(p + i, v);
+#pragma unroll
+    for (int k = 0; k < N; ++k) ms_add(m, s, v[k]);
+  });
+  block_ms(m, s, scratch);
+  if (m == -INFINITY) m = 0;
+  const A lse = m + log(s), inv = A(1) / s;
+  row_chunks<V>(p, C, [&](int64_t i, auto n) {
+    constexpr int N = decltype(n)::value;
+    A v[N];
+    load_n<N>(p + i, v);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = lg ? v[k] - lse : exp(v[k] - m) * inv;
+    store_n<N>(q + i, v);
+  });
+}
+
+// ---- layer norm (optionally on x + residual) --------------------------------------------------
+// v1: x only (no residual), three passes over global memory.
+template <typename T, typename S>
+__global__ void layernorm_forward_v1(const T* __restrict__ x, const T* __restrict__ w,
+                                     const T* __restrict__ b, T* __restrict__ y,
+                                     S* __restrict__ mean_o, S* __restrict__ rstd_o, int64_t C,
+                                     double eps) {
+  using A = math_t<T>;
+  __shared__ A scratch[32];
+  const T* p = x + blockIdx.x * C;
+  T* q = y + blockIdx.x * C;
+  A s = 0;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) s += load_math(p + i);
+  const A mean = block_sum(s, scratch) / A(C);
+  A ss = 0;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    const A d = load_math(p + i) - mean;
+    ss += d * d;
+  }
+  const A rstd = A(1) / sqrt(block_sum(ss, scratch) / A(C) + A(eps));
+  if (threadIdx.x == 0) mean_o[blockIdx.x] = mean, rstd_o[blockIdx.x] = rstd;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    A v = (load_math(p + i) - mean) * rstd;
+    if (w) v *= load_math(w + i);
+    if (b) v += load_math(b + i);
+    q[i] = convert<T>(v);
+  }
+}
+
+// v2: vector loads; with kAdd, pass 1 reads x and residual once, writes sum = x + residual
+// (rounded to T) and the later passes re-read this thread's own sum chunks (cache hits).
+template <typename T, typename S, int V, bool kAdd>
+__global__ void layernorm_forward_v2(const T* __restrict__ x, const T* __restrict__ res,
+                                     const T* __restrict__ w, const T* __restrict__ b,
+                                     T* __restrict__ sum_o, T* __restrict__ y,
+                                     S* __restrict__ mean_o, S* __restrict__ rstd_o, int64_t C,
+                                     double eps) {
+  using A = math_t<T>;
+  __shared__ A scratch[32];
+  const int64_t row = blockIdx.x;
+  const T* p = x + row * C;
+  const T* src = kAdd ? sum_o + row * C : p;  // what passes 2 and 3 read
+  T* q = y + row * C;
+  A s = 0;
+  row_chunks<V>(p, C, [&](int64_t i, auto n) {
+    constexpr int N = decltype(n)::value;
+    A v[N];
+    load_n<N>(p + i, v);
+    if constexpr (kAdd) {
+      A r[N];
+      load_n<N>(res + row * C + i, r);
+#pragma unroll
+      for (int k = 0; k < N; ++k) v[k] = convert<A>(convert<T>(v[k] + r[k]));
+      store_n<N>(sum_o + row * C + i, v);
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) s += v[k];
+  });
+  const A mean = block_sum(s, scratch) / A(C);
+  A ss = 0;
+  row_chunks<V>(p, C, [&](int64_t i, auto n) {
+    constexpr int N = decltype(n)::value;
+    A v[N];
+    load_n<N>(src + i, v);
+#pragma unroll
+    for (int k = 0; k < N; ++k) ss += (v[k] - mean) * (v[k] - mean);
+  });
+  const A rstd = A(1) / sqrt(block_sum(ss, scratch) / A(C) + A(eps));
+  if (threadIdx.x == 0) mean_o[row] = mean, rstd_o[row] = rstd;
+  row_chunks<V>(p, C, [&](int64_t i, auto n) {
+    constexpr int N = decltype(n)::value;
+    A v[N], wv[N], bv[N];
+    load_n<N>(src + i, v);
+    if (w) load_n<N>(w + i, wv);
+    if (b) load_n<N>(b + i, bv);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      v[k] = (v[k] - mean) * rstd;
+      if (w) v[k] *= wv[k];
+      if (b) v[k] += bv[k];
+    }
+    store_n<N>(q + i, v);
+  });
+}
+
+// ---- cross-entropy ----------------------------------------------------------------------------
+// Per row: lse (S), and the row loss either straight to `loss_o` (reduction none, in O) or as
+// float/double into `row_loss` for the reduction pass.  Ignored rows give 0, out-of-range
+// targets NaN (the CPU raises; a device kernel cannot).
+template <typename T, typename S, typename O>
+__device__ __forceinline__ void ce_finish_row(int64_t row, math_t<T> m, math_t<T> s,
+                                              math_t<T> sum_x, const T* p, int64_t tgt, int64_t C,
+                                              int64_t ii, double ls, S* lse_o, O* loss_o,
+                                              math_t<T>* row_loss) {
+  using A = math_t<T>;
+  const A lse = m + log(s);
+  lse_o[row] = lse;
+  A loss = 0;
+  if (tgt != ii) {
+    if (tgt < 0 || tgt >= C) {
+      loss = NAN;
+    } else {
+      const A nll = lse - load_math(p + tgt);
+      loss = A(1 - ls) * nll + A(ls) * (lse - sum_x / A(C));
+    }
+  }
+  if (loss_o) loss_o[row] = convert<O>(loss);
+  if (row_loss) row_loss[row] = loss;
+}
+
+template <typename T, typename S, typename O>
+__global__ void crossentropy_forward_v1(const T* __restrict__ x, const int64_t* __restrict__ t,
+                                        S* __restrict__ lse_o, O* __restrict__ loss_o,
+                                        math_t<T>* __restrict__ row_loss, int64_t C, int64_t ii,
+                                        double ls) {
+  using A = math_t<T>;
+  __shared__ A scratch[32];
+  const int64_t row = blockIdx.x;
+  const T* p = x + row * C;
+  A m = -INFINITY;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) m = max(m, load_math(p + i));
+  m = block_max(m, scratch, A(-INFINITY));
+  const A mm = m == -INFINITY ? A(0) : m;
+  A s = 0, sx = 0;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    const A v = load_math(p + i);
+    s += exp(v - mm);
+    sx += v;
+  }
+  s = block_sum(s, scratch);
+  sx = block_sum(sx, scratch);
+  if (threadIdx.x == 0)
+    ce_finish_row<T, S, O>(row, mm, s, sx, p, t[row], C, ii, ls, lse_o, loss_o, row_loss);
+}
+
+template <typename T, typename S, typename O, int V>
+__global__ void crossentropy_forward_v2(const T* __restrict__ x, const int64_t* __restrict__ t,
+                                        S* __restrict__ lse_o, O* __restrict__ loss_o,
+                                        math_t<T>* __restrict__ row_loss, int64_t C, int64_t ii,
+                                        double ls) {
+  using A = math_t<T>;
+  __shared__ A scratch[64];
+  const int64_t row = blockIdx.x;
+  const T* p = x + row * C;
+  A m = -INFINITY, s = 0, sx = 0;
+  row_chunks<V>(p, C, [&](int64_t i, auto n) {
+    constexpr int N = decltype(n)::value;
+    A v[N];
+    load_n<N>(p + i, v);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      ms_add(m, s, v[k]);
+      sx += v[k];
+    }
+  });
+  block_ms(m, s, scratch);
+  sx = block_sum(sx, scratch);
+  if (m == -INFINITY) m = 0;
+  if (threadIdx.x == 0)
+    ce_finish_row<T, S, O>(row, m, s, sx, p, t[row], C, ii, ls, lse_o, loss_o, row_loss);
+}
+
+// One block: loss = sum (or mean over non-ignored rows) of row_loss, in a fixed order.
+template <typename A, typename O>
+__global__ void crossentropy_reduce(const A* __restrict__ row_loss, const int64_t* __restrict__ t,
+                                    int64_t N, int64_t ii, bool mean, O* __restrict__ out) {
+  __shared__ double scratch[32];
+  double s = 0, cnt = 0;
+  for (int64_t i = threadIdx.x; i < N; i += blockDim.x) {
+    s += static_cast<double>(row_loss[i]);
+    cnt += t[i] != ii;
+  }
+  s = block_sum(s, scratch);
+  cnt = block_sum(cnt, scratch);
+  if (threadIdx.x == 0) out[0] = convert<O>(mean ? s / cnt : s);
+}
+
+// ================================ launchers =====================================================
+
+void layernorm_forward(const Tensor& x, const Tensor& res, const Tensor& w, const Tensor& b,
+                       Tensor* sum_o, Tensor& y, Tensor& mean, Tensor& rstd, double eps,
+                       const char* op) {
+  const int64_t C = x.shape().back();
+  const int64_t R = C ? x.numel() / C : 0;
+  if (R == 0) return;
+  cudaStream_t st = stream(y.device(), op);
+  Tensor xc = contiguous_on(x, op, st), rc = contiguous_on(res, op, st);
+  Tensor wc = contiguous_on(w, op, st), bc = contiguous_on(b, op, st);
+  const bool add = res.defined();
+  dispatch_cuda_float(x.dtype(), op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    {
+      using S = stat_t<T>;
+      auto ptr = [&](const Tensor& t) {
+        return t.defined() ? static_cast<const T*>(t.data_ptr(op)) : nullptr;
+      };
+      const T *xp = ptr(xc), *rp = ptr(rc), *wp = ptr(wc), *bp = ptr(bc);
+      T* yp = static_cast<T*>(y.data_ptr(op));
+      T* sp = add ? static_cast<T*>(sum_o->data_ptr(op)) : nullptr;
+      S* mp = static_cast<S*>(mean.data_ptr(op));
+      S* rsp = static_cast<S*>(rstd.data_ptr(op));
+      if (use_v1() && !add) {
+        layernorm_forward_v1<T, S><<<static_cast<unsigned>(R), row_threads(C, 1, 256), 0, st>>>(
+            xp, wp, bp, yp, mp, rsp, C, eps);
+        BT_CUDA_LAUNCH_CHECK(op);
+        return;
+      }
+      // weight / bias are indexed by column, rows by row * C: one vector width serves both only
+      // when a row is a whole number of 16-byte vectors
+      const bool rows_aligned = (C * sizeof(T)) % 16 == 0 || (!wp && !bp);
+      const int vw = use_v1() || !rows_aligned ? 1 : vec_width<T>({xp, rp, wp, bp, yp, sp});
+      dispatch_vec(vw, [&](auto vtag) {
+        constexpr int V = decltype(vtag)::value;
+        const int threads = row_threads(C, V);
+        if (add) {
+          layernorm_forward_v2<T, S, V, true><<<static_cast<unsigned>(R), threads, 0, st>>>(
+              xp, rp, wp, bp, sp, yp, mp, rsp, C, eps);
+        } else {
+          layernorm_forward_v2<T, S, V, false><<<static_cast<unsigned>(R), threads, 0, st>>>(
+              xp, rp, wp, bp, sp, yp, mp, rsp, C, eps);
+        }
+        BT_CUDA_LAUNCH_CHECK(op);
+      });
+    }
+  });
+}
+
+}  // namespace cuda::nn
+
+using namespace cuda;
+using namespace cuda::nn;
+
+void Softmax::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  const Tensor& x0 = in[0];
+  const int64_t C = x0.ndim() ? x0.shape().back() : 1;
+  const int64_t R = C ? x0.numel() / C : 0;
+  if (R == 0) return;
+  cudaStream_t st = stream(out[0].device(), name());
+  Tensor x = contiguous_on(x0, name(), st);
+  dispatch_cuda_float(x.dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* xp = static_cast<const T*>(x.data_ptr(name()));
+    T* yp = static_cast<T*>(out[0].data_ptr(name()));
+    if (use_v1()) {
+      softmax_forward_v1<T>
+          <<<static_cast<unsigned>(R), row_threads(C, 1, 256), 0, st>>>(xp, yp, C, log);
+      BT_CUDA_LAUNCH_CHECK(name());
+      return;
+    }
+    dispatch_vec(vec_width<T>({xp, yp}), [&](auto vtag) {
+      constexpr int V = decltype(vtag)::value;
+      softmax_forward_v2<T, V>
+          <<<static_cast<unsigned>(R), row_threads(C, V), 0, st>>>(xp, yp, C, log);
+      BT_CUDA_LAUNCH_CHECK(name());
+    });
+  });
+}
+
+void LayerNorm::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  layernorm_forward(in[0], Tensor(), has_weight ? in[1] : Tensor(), has_bias ? in[2] : Tensor(),
+                    nullptr, out[0], out[1], out[2], eps, name());
+}
+
+void AddLayerNorm::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  layernorm_forward(in[0], in[1], has_weight ? in[2] : Tensor(), has_bias ? in[3] : Tensor(),
+                    &out[0], out[1], out[2], out[3], eps, name());
+}
+
+void CrossEntropy::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  const int64_t N = in[0].shape()[0], C = in[0].shape()[1];
+  cudaStream_t st = stream(out[0].device(), name());
+  Tensor x = contiguous_on(in[0], name(), st), t = contiguous_on(in[1], name(), st);
+  dispatch_cuda_float(x.dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using A = math_t<T>;
+    // The loss has the dtype the front chose (the logits' by default, as PyTorch).
+    dispatch_cuda_float(out[0].dtype(), name(), [&](auto otag) {
+      using O = typename decltype(otag)::type;
+      using S = stat_t<T>;
+      O* lo = static_cast<O*>(out[0].data_ptr(name()));
+      if (N == 0) {
+        if (reduction != 0) {  // empty mean is nan, empty sum 0 (as the CPU)
+          crossentropy_reduce<A, O>
+              <<<1, 32, 0, st>>>(nullptr, nullptr, 0, ignore_index, reduction == 1, lo);
+          BT_CUDA_LAUNCH_CHECK(name());
+        }
+        return;
+      }
+      const T* xp = static_cast<const T*>(x.data_ptr(name()));
+      const int64_t* tp = static_cast<const int64_t*>(t.data_ptr(name()));
+      S* lse = static_cast<S*>(out[1].data_ptr(name()));
+      Tensor rl;
+      A* rlp = nullptr;
+      if (reduction != 0) {
+        rl = empty_tensor({N}, std::is_same_v<A, double> ? DType::Float64 : DType::Float32,
+                          x.device(), name());
+        rlp = static_cast<A*>(rl.data_ptr(name()));
+      }
+      O* lrow = reduction == 0 ? lo : nullptr;
+      if (use_v1()) {
+        crossentropy_forward_v1<T, S, O>
+            <<<static_cast<unsigned>(N), row_threads(C, 1, 256), 0, st>>>(
+                xp, tp, lse, lrow, rlp, C, ignore_index, label_smoothing);
+        BT_CUDA_LAUNCH_CHECK(name());
+      } else {
+        dispatch_vec(vec_width<T>({xp}), [&](auto vtag) {
+          constexpr int V = decltype(vtag)::value;
+          crossentropy_forward_v2<T, S, O, V>
+              <<<static_cast<unsigned>(N), row_threads(C, V, 512), 0, st>>>(
+                  xp, tp, lse, lrow, rlp, C, ignore_index, label_smoothing);
+          BT_CUDA_LAUNCH_CHECK(name());
+        });
+      }
+      if (reduction != 0) {
+        crossentropy_reduce<A, O><<<1, 1024, 0, st>>>(rlp, tp, N, ignore_index, reduction == 1, lo);
+        BT_CUDA_LAUNCH_CHECK(name());
+      }
+    });
+  });
+}
+
+}  // namespace bt

@@ -1,0 +1,411 @@
+// cuda/nn_fused.cu: backward kernels of softmax, layer norm and cross-entropy (nn_fused.h).
+// One block per row, fp32 math (double for float64).  Layer norm's dweight / dbias are reduced
+// deterministically: each block accumulates its rows' partial sums per column (each column owned
+// by one thread at a time, barriers between rows), writes them to a scratch tensor, and a second
+// kernel sums the partials over blocks in a fixed order; no float atomics anywhere.  Each kernel
+// keeps a simple reference version (_v1); BT_CUDA_NN_V1=1 selects them.
+//
+// Cross-entropy backward reads the logits in their dtype and writes dlogits in that dtype in one
+// pass (p = exp(x - lse) from the saved lse; no float32 copy).  Each element is read and written
+// by the same thread in the same step, so the kernel is safe with dlogits aliasing the logits.
+#include <algorithm>
+#include <cmath>
+
+#include "../backend.h"
+#include "../nn_fused.h"
+#include "common.cuh"
+#include "nn_common.cuh"
+
+namespace bt {
+namespace cuda::nn {
+
+// ================================ kernels =======================================================
+
+// ---- softmax backward ------------------------------------------------------------------------
+// softmax: dx = y * (dy - sum(dy * y)); log_softmax: dx = dy - exp(y) * sum(dy).
+template <typename T>
+__global__ void softmax_backward_v1(const T* __restrict__ y, const T* __restrict__ dy,
+                                    T* __restrict__ dx, int64_t C, bool lg) {
+  using A = math_t<T>;
+  __shared__ A scratch[32];
+  const int64_t off = blockIdx.x * C;
+  A s = 0;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    s += lg ? load_math(dy + off + i) : load_math(dy + off + i) * load_math(y + off + i);
+  }
+  s = block_sum(s, scratch);
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    const A yv = load_math(y + off + i), gv = load_math(dy + off + i);
+    dx[off + i] = convert<T>(lg ? gv - exp(yv) * s : yv * (gv - s));
+  }
+}
+
+template <typename T, int V>
+__global__ void softmax_backward_v2(const T* __restrict__ y, const T* __restrict__ dy,
+                                    T* __restrict__ dx, int64_t C, bool lg) {
+  using A = math_t<T>;
+  __shared__ A scratch[32];
+  const int64_t off = blockIdx.x * C;
+  const T *yp = y + off, *gp = dy + off;
+  A s = 0;
+  row_chunks<V>(yp, C, [&](int64_t i, auto n) {
+    constexpr int N = decltype(n)::value;
+    A yv[N], gv[N];
+    load_n<N>(gp + i, gv);
+    if (!lg) load_n<N>(yp + i, yv);
+#pragma unroll
+    for (int k = 0; k < N; ++k) s += lg ? gv[k] : gv[k] * yv[k];
+  });
+  s = block_sum(s, scratch);
+  row_chunks<V>(yp, C, [&](int64_t i, auto n) {
+    constexpr int N = decltype(n)::value;
+    A yv[N], gv[N];
+    load_n<N>(gp + i, gv);
+    load_n<N>(yp + i, yv);
+#pragma unroll
+    for (int k = 0; k < N; ++k) gv[k] = lg ? gv[k] - exp(yv[k]) * s : yv[k] * (gv[k] - s);
+    store_n<N>(dx + off + i, gv);
+  });
+}
+
+// ---- layer norm backward ---------------------------------------------------------------------
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ extra), g = dy * w, xhat = (x-mean)*rstd.
+template <typename T, typename S>
+__global__ void layernorm_backward_dx_v1(const T* __restrict__ dy, const T* __restrict__ x,
+                                         const T* __restrict__ w, const S* __restrict__ mean,
+                                         const S* __restrict__ rstd, const T* __restrict__ extra,
+                                         T* __restrict__ dx, int64_t C) {
+  using A = math_t<T>;
+  __shared__ A scratch[32];
+  const int64_t row = blockIdx.x, off = row * C;
+  const A m = mean[row], rs = rstd[row];
+  A s1 = 0, s2 = 0;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    const A g = load_math(dy + off + i) * (w ? load_math(w + i) : A(1));
+    s1 += g;
+    s2 += g * (load_math(x + off + i) - m) * rs;
+  }
+  s1 = block_sum(s1, scratch) / A(C);
+  s2 = block_sum(s2, scratch) / A(C);
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    const A g = load_math(dy + off + i) * (w ? load_math(w + i) : A(1));
+    const A xh = (load_math(x + off + i) - m) * rs;
+    A v = rs * (g - s1 - xh * s2);
+    if (extra) v += load_math(extra + off + i);
+    dx[off + i] = convert<T>(v);
+  }
+}
+// One thread per column, rows in order.
+template <typename T, typename S>
+__global__ void layernorm_backward_dwdb_v1(const T* __restrict__ dy, const T* __restrict__ x,
+                                           const S* __restrict__ mean, const S* __restrict__ rstd,
+                                           T* __restrict__ dw, T* __restrict__ db, int64_t R,
+                                           int64_t C) {
+  using A = math_t<T>;
+  const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (c >= C) return;
+  A sw = 0, sb = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const A g = load_math(dy + r * C + c);
+    sw += g * (load_math(x + r * C + c) - A(mean[r])) * A(rstd[r]);
+    sb += g;
+  }
+  if (dw) dw[c] = convert<T>(sw);
+  if (db) db[c] = convert<T>(sb);
+}
+
+// v2: a grid of G blocks, block b takes rows b, b + G, ...; dx as v1 but vectorised, and the
+// block's dweight / dbias partials accumulate in `acc` (shared memory when 2C fit, else the
+// block's slice of `partial`), then go to partial[b * 2C ...] for layernorm_backward_reduce.
+template <typename T, typename S, int V, bool kSmem>
+__global__ void layernorm_backward_v2(const T* __restrict__ dy, const T* __restrict__ x,
+                                      const T* __restrict__ w, const S* __restrict__ mean,
+                                      const S* __restrict__ rstd, const T* __restrict__ extra,
+                                      T* __restrict__ dx, math_t<T>* __restrict__ partial,
+                                      int64_t R, int64_t C, bool need_acc) {
+  using A = math_t<T>;
+  __shared__ A scratch[32];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  A* acc = kSmem ? reinterpret_cast<A*>(smem_raw) : partial + blockIdx.x * 2 * C;
+  if (need_acc) {
+    for (int64_t i = threadIdx.x; i < 2 * C; i += blockDim.x) acc[i] = 0;
+  }
+  // No barrier needed here: the first row's block_sum barriers come before any acc update.
+  for (int64_t row = blockIdx.x; row < R; row += gridDim.x) {
+    const int64_t off = row * C;
+    const A m = mean[row], rs = rstd[row];
+    A s1 = 0, s2 = 0;
+    row_chunks<V>(x + off, C, [&](int64_t i, auto n) {
+      constexpr int N = decltype(n)::value;
+      A g[N], xv[N], wv[N];
+      load_n<N>(dy + off + i, g);
+      load_n<N>(x + off + i, xv);
+      if (w) load_n<N>(w + i, wv);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const A gx = w ? g[k] * wv[k] : g[k];
+        s1 += gx;
+        s2 += gx * (xv[k] - m) * rs;
+      }
+    });
+    s1 = block_sum(s1, scratch) / A(C);
+    s2 = block_sum(s2, scratch) / A(C);
+    row_chunks<V>(x + off, C, [&](int64_t i, auto n) {
+      constexpr int N = decltype(n)::value;
+      A g[N], xv[N], wv[N], ev[N], o[N];
+      load_n<N>(dy + off + i, g);
+      load_n<N>(x + off + i, xv);
+      if (w) load_n<N>(w + i, wv);
+      if (extra) load_n<N>(extra + off + i, ev);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const A xh = (xv[k] - m) * rs;
+        const A gx = w ? g[k] * wv[k] : g[k];
+        o[k] = rs * (gx - s1 - xh * s2);
+        if (extra) o[k] += ev[k];
+        if (need_acc) {
+          acc[i + k] += g[k] * xh;
+          acc[C + i + k] += g[k];
+        }
+      }
+      store_n<N>(dx + off + i, o);
+    });
+  }
+  if (kSmem && need_acc) {
+    __syncthreads();
+    A* dst = partial + blockIdx.x * 2 * C;
+    for (int64_t i = threadIdx.x; i < 2 * C; i += blockDim.x) dst[i] = acc[i];
+  }
+}
+
+// dweight[c] = sum_b partial[b][c], dbias[c] = sum_b partial[b][C + c], b in order.
+template <typename T>
+__global__ void layernorm_backward_reduce(const math_t<T>* __restrict__ partial, int G, int64_t C,
+                                          T* __restrict__ dw, T* __restrict__ db) {
+  using A = math_t<T>;
+  const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (j >= 2 * C) return;
+  A s = 0;
+  for (int b = 0; b < G; ++b) s += partial[b * 2 * C + j];
+  if (j < C) {
+    if (dw) dw[j] = convert<T>(s);
+  } else if (db) {
+    db[j - C] = convert<T>(s);
+  }
+}
+
+// ---- cross-entropy backward ------------------------------------------------------------------
+// scale[r] = 0 for ignored rows, else g[r] (none), g[0] / #valid (mean), g[0] (sum).  One block.
+template <typename G, typename A>
+__global__ void crossentropy_row_scale(const int64_t* __restrict__ t, const G* __restrict__ g,
+                                       int64_t N, int64_t ii, int reduction,
+                                       A* __restrict__ scale) {
+  __shared__ A scratch[32];
+  A cnt = 0;
+  if (reduction == 1) {
+    for (int64_t i = threadIdx.x; i < N; i += blockDim.x) cnt += t[i] != ii;
+    cnt = block_sum(cnt, scratch);
+  }
+  const A g0 = reduction == 0 ? A(0) : convert<A>(g[0]);
+  for (int64_t i = threadIdx.x; i < N; i += blockDim.x) {
+    A s = reduction == 0 ? convert<A>(g[i]) : reduction == 1 ? g0 / cnt : g0;
+    scale[i] = t[i] == ii ? A(0) : s;
+  }
+}
+
+// d = (exp(x - lse) - ls / C - (i == target) * (1 - ls)) * scale[row]; ignored rows 0, an
+// out-of-range target NaN.
+template <typename T, typename S>
+__global__ void crossentropy_backward_v1(const T* __restrict__ x, const int64_t* __restrict__ t,
+                                         const S* __restrict__ lse, const math_t<T>* scale, T* dx,
+                                         int64_t C, int64_t ii, double ls) {
+  using A = math_t<T>;
+  const int64_t row = blockIdx.x, off = row * C, tg = t[row];
+  const A l = lse[row], sc = scale[row], offv = A(ls / double(C)), on = A(1 - ls);
+  const bool ign = tg == ii, bad = !ign && (tg < 0 || tg >= C);
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    A d = exp(load_math(x + off + i) - l) - offv;
+    if (i == tg) d -= on;
+    dx[off + i] = convert<T>(ign ? A(0) : bad ? A(NAN) : d * sc);
+  }
+}
+
+template <typename T, typename S, int V>
+__global__ void crossentropy_backward_v2(const T* x, const int64_t* __restrict__ t,
+                                         const S* __restrict__ lse, const math_t<T>* scale, T* dx,
+                                         int64_t C, int64_t ii, double ls) {
+  using A = math_t<T>;
+  const int64_t row = blockIdx.x, off = row * C, tg = t[row];
+  const A l = lse[row], sc = scale[row], offv = A(ls / double(C)), on = A(1 - ls);
+  const bool ign = tg == ii, bad = !ign && (tg < 0 || tg >= C);
+  const T* p = x + off;
+  T* q = dx + off;
+  row_chunks<V>(p, C, [&](int64_t i, auto n) {
+    constexpr int N = decltype(n)::value;
+    A v[N];
+    if (ign) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) v[k] = 0;
+    } else {
+      load_n<N>(p + i, v);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        A d = exp(v[k] - l) - offv;
+        if (i + k == tg) d -= on;
+        v[k] = bad ? A(NAN) : d * sc;
+      }
+    }
+    store_n<N>(q + i, v);
+  });
+}
+
+}  // namespace cuda::nn
+
+// ================================ launchers =====================================================
+using namespace cuda;
+using namespace cuda::nn;
+
+void SoftmaxBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  const Tensor& y0 = in[0];
+  const int64_t C = y0.ndim() ? y0.shape().back() : 1;
+  const int64_t R = C ? y0.numel() / C : 0;
+  if (R == 0) return;
+  cudaStream_t st = stream(out[0].device(), name());
+  Tensor y = contiguous_on(y0, name(), st), dy = contiguous_on(in[1], name(), st);
+  dispatch_cuda_float(y.dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* yp = static_cast<const T*>(y.data_ptr(name()));
+    const T* gp = static_cast<const T*>(dy.data_ptr(name()));
+    T* dxp = static_cast<T*>(out[0].data_ptr(name()));
+    const unsigned grid = static_cast<unsigned>(R);
+    if (use_v1()) {
+      softmax_backward_v1<T><<<grid, row_threads(C, 1, 256), 0, st>>>(yp, gp, dxp, C, log);
+      BT_CUDA_LAUNCH_CHECK(name());
+      return;
+    }
+    dispatch_vec(vec_width<T>({yp, gp, dxp}), [&](auto vtag) {
+      constexpr int V = decltype(vtag)::value;
+      softmax_backward_v2<T, V><<<grid, row_threads(C, V), 0, st>>>(yp, gp, dxp, C, log);
+      BT_CUDA_LAUNCH_CHECK(name());
+    });
+  });
+}
+
+void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  const int64_t R = in[1].shape()[0], C = in[1].shape()[1];
+  cudaStream_t st = stream(out[0].device(), name());
+  const Device dev = out[0].device();
+  Tensor dy = contiguous_on(in[0], name(), st), x = contiguous_on(in[1], name(), st);
+  Tensor w = has_weight ? contiguous_on(in[2], name(), st) : Tensor();
+  Tensor mean = contiguous_on(in[3], name(), st), rstd = contiguous_on(in[4], name(), st);
+  Tensor ex = has_extra ? contiguous_on(in[5], name(), st) : Tensor();
+  dispatch_cuda_float(x.dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using A = math_t<T>;
+    using S = stat_t<T>;
+    auto ptr = [&](const Tensor& t) {
+      return t.defined() ? static_cast<const T*>(t.data_ptr(name())) : nullptr;
+    };
+    const T *dyp = ptr(dy), *xp = ptr(x), *wp = ptr(w), *ep = ptr(ex);
+    const S* mp = static_cast<const S*>(mean.data_ptr(name()));
+    const S* rp = static_cast<const S*>(rstd.data_ptr(name()));
+    T* dxp = static_cast<T*>(out[0].data_ptr(name()));
+    size_t k = 1;
+    T* dwp = need_dweight ? static_cast<T*>(out[k++].data_ptr(name())) : nullptr;
+    T* dbp = need_dbias ? static_cast<T*>(out[k++].data_ptr(name())) : nullptr;
+    const bool need_acc = dwp || dbp;
+    if (C == 0) return;
+    if (R == 0) {  // empty batch: dweight / dbias are zeros
+      if (dwp) BT_CUDA_CHECK(name(), cudaMemsetAsync(dwp, 0, C * sizeof(T), st));
+      if (dbp) BT_CUDA_CHECK(name(), cudaMemsetAsync(dbp, 0, C * sizeof(T), st));
+      return;
+    }
+    if (use_v1()) {
+      layernorm_backward_dx_v1<T, S><<<static_cast<unsigned>(R), row_threads(C, 1, 256), 0, st>>>(
+          dyp, xp, wp, mp, rp, ep, dxp, C);
+      BT_CUDA_LAUNCH_CHECK(name());
+      if (need_acc) {
+        layernorm_backward_dwdb_v1<T, S><<<static_cast<unsigned>(ceil_div(C, 256)), 256, 0, st>>>(
+            dyp, xp, mp, rp, dwp, dbp, R, C);
+        BT_CUDA_LAUNCH_CHECK(name());
+      }
+      return;
+    }
+    // the weight and the dweight/dbias accumulators are indexed by column, rows by row * C: a
+    // vector width serves both (and keeps each column on one thread) only when a row is a whole
+    // number of 16-byte vectors; see layernorm_forward
+    const bool rows_aligned = (C * sizeof(T)) % 16 == 0 || (!wp && !need_acc);
+    dispatch_vec(rows_aligned ? vec_width<T>({dyp, xp, wp, ep, dxp}) : 1, [&](auto vtag) {
+      constexpr int V = decltype(vtag)::value;
+      const int threads = row_threads(C, V);
+      // Resident blocks, capped at 8 per SM: more blocks mean more partials to write and re-read
+      // (G * 2C floats) for little extra bandwidth.
+      const int per_sm = std::max(1, std::min(8, 2048 / threads));
+      const int G =
+          static_cast<int>(std::min<int64_t>(R, int64_t(device_info(dev.index).sm_count) * per_sm));
+      Tensor partial;
+      A* pp = nullptr;
+      if (need_acc) {
+        partial =
+            empty_tensor({int64_t(G) * 2 * C},
+                         std::is_same_v<A, double> ? DType::Float64 : DType::Float32, dev, name());
+        pp = static_cast<A*>(partial.data_ptr(name()));
+      }
+      const size_t smem = 2 * C * sizeof(A);
+      if (need_acc && smem <= 48 * 1024) {
+        layernorm_backward_v2<T, S, V, true>
+            <<<G, threads, smem, st>>>(dyp, xp, wp, mp, rp, ep, dxp, pp, R, C, true);
+      } else {
+        layernorm_backward_v2<T, S, V, false>
+            <<<G, threads, 0, st>>>(dyp, xp, wp, mp, rp, ep, dxp, pp, R, C, need_acc);
+      }
+      BT_CUDA_LAUNCH_CHECK(name());
+      if (need_acc) {
+        layernorm_backward_reduce<T>
+            <<<static_cast<unsigned>(ceil_div(2 * C, 256)), 256, 0, st>>>(pp, G, C, dwp, dbp);
+        BT_CUDA_LAUNCH_CHECK(name());
+      }
+    });
+  });
+}
+
+void CrossEntropyBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  const int64_t N = in[0].shape()[0], C = in[0].shape()[1];
+  if (N == 0 || C == 0) return;
+  cudaStream_t st = stream(out[0].device(), name());
+  Tensor x = contiguous_on(in[0], name(), st), t = contiguous_on(in[1], name(), st);
+  Tensor lse = contiguous_on(in[2], name(), st), g = contiguous_on(in[3], name(), st);
+  dispatch_cuda_float(x.dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using A = math_t<T>;
+    using S = stat_t<T>;
+    const int64_t* tp = static_cast<const int64_t*>(t.data_ptr(name()));
+    Tensor scale = empty_tensor({N}, std::is_same_v<A, double> ? DType::Float64 : DType::Float32,
+                                x.device(), name());
+    A* sp = static_cast<A*>(scale.data_ptr(name()));
+    dispatch_cuda_float(g.dtype(), name(), [&](auto gtag) {
+      using G = typename decltype(gtag)::type;
+      crossentropy_row_scale<G, A><<<1, 1024, 0, st>>>(
+          tp, static_cast<const G*>(g.data_ptr(name())), N, ignore_index, reduction, sp);
+      BT_CUDA_LAUNCH_CHECK(name());
+    });
+    const T* xp = static_cast<const T*>(x.data_ptr(name()));
+    const S* lp = static_cast<const S*>(lse.data_ptr(name()));
+    T* dxp = static_cast<T*>(out[0].data_ptr(name()));
+    const unsigned grid = static_cast<unsigned>(N);
+    if (use_v1()) {
+      crossentropy_backward_v1<T, S><<<grid, row_threads(C, 1, 256), 0, st>>>(
+          xp, tp, lp, sp, dxp, C, ignore_index, label_smoothing);
+      BT_CUDA_LAUNCH_CHECK(name());
+      return;
+    }
+    dispatch_vec(vec_width<T>({xp, dxp}), [&](auto vtag) {
+      constexpr int V = decltype(vtag)::value;
+      crossentropy_backward_v2<T, S, V><<<grid, row_threads(C, V, 512), 0, st>>>(
+          xp, tp, lp, sp, dxp, C, ignore_index, label_smoothing);
+      BT_CUDA_LAUNCH_CHECK(name());
+    });
+  });
+}
+
+}  // namespace bt

@@ -1,0 +1,112 @@
+// nn_fused.cpp: fronts of the fused normalisation / loss ops and their vjps (see nn_fused.h).
+#include "nn_fused.h"
+
+#include "ops.h"
+
+namespace bt {
+
+namespace {
+DType stat_dtype(DType d) { return d == DType::Float64 ? DType::Float64 : DType::Float32; }
+
+void check_device_match(const Tensor& a, const Tensor& b, const char* op) {
+  if (a.defined() && b.defined() && a.device() != b.device()) {
+    throw ValueError(std::string("[") + op + "] expected all tensors on one device, got " +
+                     a.device().str() + " and " + b.device().str());
+  }
+}
+}  // namespace
+
+std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual,
+                                         const Tensor& weight, const Tensor& bias, double eps) {
+  const char* op = "add_layer_norm";
+  if (!x.defined() || !residual.defined()) throw ValueError("[add_layer_norm] undefined input");
+  if (!is_floating(x.dtype())) {
+    throw TypeError(std::string("[add_layer_norm] expects a floating input, got ") +
+                    dtype_name(x.dtype()));
+  }
+  if (x.ndim() < 1) throw ValueError("[add_layer_norm] input must have at least one dim");
+  if (residual.shape() != x.shape()) {
+    throw ValueError("[add_layer_norm] x " + shape_str(x.shape()) + " and residual " +
+                     shape_str(residual.shape()) + " must have the same shape");
+  }
+  check_device_match(x, residual, op);
+  const int64_t C = x.shape().back();
+  for (const Tensor* p : {&weight, &bias}) {
+    if (p->defined() && p->shape() != Shape{C}) {
+      throw ValueError("[add_layer_norm] weight and bias must have shape (" + std::to_string(C) +
+                       ",), got " + shape_str(p->shape()));
+    }
+    check_device_match(x, *p, op);
+  }
+  const DType dt = x.dtype();
+  Shape rows(x.shape().begin(), x.shape().end() - 1);
+  std::vector<Tensor> in{x, astype(residual, dt), weight.defined() ? astype(weight, dt) : Tensor(),
+                         bias.defined() ? astype(bias, dt) : Tensor()};
+  auto outs =
+      apply(std::make_shared<AddLayerNorm>(eps, weight.defined(), bias.defined()), in,
+            {{x.shape(), dt}, {x.shape(), dt}, {rows, stat_dtype(dt)}, {rows, stat_dtype(dt)}},
+            x.device());
+  return {outs[0], outs[1]};
+}
+
+std::vector<Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                        const Tensor& mean, const Tensor& rstd, const Tensor& extra,
+                                        bool need_dweight, bool need_dbias) {
+  const int64_t C = x.shape().back();
+  const int64_t R = C ? x.numel() / C : 0;
+  const DType dt = x.dtype();
+  std::vector<Tensor> in{reshape(astype(dy, dt), {R, C}),
+                         reshape(x, {R, C}),
+                         weight.defined() ? astype(weight, dt) : Tensor(),
+                         reshape(mean, {R}),
+                         reshape(rstd, {R}),
+                         extra.defined() ? reshape(astype(extra, dt), {R, C}) : Tensor()};
+  const bool hw = weight.defined();
+  std::vector<std::pair<Shape, DType>> meta{{{R, C}, dt}};
+  if (need_dweight) meta.push_back({{C}, dt});
+  if (need_dbias) meta.push_back({{C}, dt});
+  auto outs =
+      apply(std::make_shared<LayerNormBackward>(hw, extra.defined(), need_dweight, need_dbias), in,
+            meta, x.device());
+  std::vector<Tensor> r(3);
+  r[0] = reshape(outs[0], x.shape());
+  size_t k = 1;
+  if (need_dweight) r[1] = outs[k++];
+  if (need_dbias) r[2] = outs[k++];
+  return r;
+}
+
+Tensor softmax_backward(const Tensor& y, const Tensor& dy, bool log) {
+  return apply1(std::make_shared<SoftmaxBackward>(log), {y, astype(dy, y.dtype())}, y.shape(),
+                y.dtype(), y.device());
+}
+
+Tensor cross_entropy_backward(const Tensor& logits, const Tensor& target, const Tensor& lse,
+                              const Tensor& grad_loss, int64_t ignore_index, int reduction,
+                              double label_smoothing) {
+  return apply1(std::make_shared<CrossEntropyBackward>(ignore_index, reduction, label_smoothing),
+                {logits, target, lse, grad_loss}, logits.shape(), logits.dtype(), logits.device());
+}
+
+// ---- vjps --------------------------------------------------------------------------------------
+std::vector<Tensor> LayerNormBackward::vjp(const VjpArgs&) {
+  throw RuntimeError("[layer_norm_backward] is not differentiable (no double backward)");
+}
+std::vector<Tensor> SoftmaxBackward::vjp(const VjpArgs&) {
+  throw RuntimeError(std::string("[") + name() + "] is not differentiable (no double backward)");
+}
+std::vector<Tensor> CrossEntropyBackward::vjp(const VjpArgs&) {
+  throw RuntimeError("[cross_entropy_backward] is not differentiable (no double backward)");
+}
+
+std::vector<Tensor> AddLayerNorm::vjp(const VjpArgs& a) {
+  // cotangents: sum, y, mean, rstd (the last two carry nothing: stats are not differentiable).
+  const Tensor& gsum = a.cotangents[0];
+  const Tensor& gy = a.cotangents[1];
+  auto r =
+      layer_norm_backward(gy, a.outputs[0], has_weight ? a.inputs[2] : Tensor(), a.outputs[2],
+                          a.outputs[3], gsum, has_weight && a.needs[2], has_bias && a.needs[3]);
+  return {r[0], r[0], r[1], r[2]};
+}
+
+}  // namespace bt

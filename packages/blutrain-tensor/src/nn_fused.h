@@ -1,0 +1,94 @@
+// nn_fused.h: fused normalisation / loss primitives beyond primitives.h.
+//
+//   LayerNormBackward     dy, x, weight?, mean, rstd, extra? -> dx (+ extra), dweight?, dbias?
+//                         (dweight/dbias reduced deterministically: per-block partials, then a
+//                         second pass; no float atomics)
+//   SoftmaxBackward       y, dy -> dx, for softmax and log_softmax over the last dim
+//   CrossEntropyBackward  logits, target, lse, grad_loss -> dlogits (logits' dtype), one pass
+//   AddLayerNorm          x, residual, weight?, bias? -> sum = x + residual, y = layer_norm(sum),
+//                         mean, rstd (one kernel reading x and residual once)
+// They are what the vjps of Softmax / LayerNorm / CrossEntropy / AddLayerNorm run on every
+// backend.  Statistics (mean, rstd, lse) are float32 for 16-bit inputs, the input dtype otherwise.
+#pragma once
+
+#include "primitives.h"
+
+namespace bt {
+
+// inputs: dy (R, C), x (R, C), weight (C) or undefined, mean (R), rstd (R), extra (R, C) or
+// undefined (added to dx: the residual stream's gradient in add_layer_norm's backward).
+// outputs: dx (R, C) in x's dtype, then dweight (C) if need_dweight, then dbias (C) if
+// need_dbias (both in weight's dtype, i.e. x's).
+class LayerNormBackward : public Primitive {
+  BT_PRIM_BODY(LayerNormBackward, "layer_norm_backward")
+  LayerNormBackward(bool w, bool e, bool ndw, bool ndb)
+      : has_weight(w), has_extra(e), need_dweight(ndw), need_dbias(ndb) {}
+  bool differentiable() const override { return false; }
+  bool saves_inputs() const override { return false; }
+  void attrs(Attrs& a) const override {
+    a["has_weight"] = has_weight;
+    a["has_extra"] = has_extra;
+    a["need_dweight"] = need_dweight;
+    a["need_dbias"] = need_dbias;
+  }
+  bool has_weight, has_extra, need_dweight, need_dbias;
+};
+
+// inputs: y (..., C) (the forward's output), dy (same shape).  output: dx (y's dtype).
+class SoftmaxBackward : public Primitive {
+  BT_PRIM_BODY(SoftmaxBackward, log ? "log_softmax_backward" : "softmax_backward")
+  explicit SoftmaxBackward(bool lg) : log(lg) {}
+  bool differentiable() const override { return false; }
+  bool saves_inputs() const override { return false; }
+  void attrs(Attrs& a) const override { a["log"] = log; }
+  bool log;
+};
+
+// inputs: logits (N, C), target (N) int64, lse (N) (float32, float64 for float64 logits),
+// grad_loss (() for mean / sum, (N) for none; any float dtype; read on the device only).
+// output: dlogits (N, C) in logits' dtype.  Rows with target == ignore_index get zeros; an
+// out-of-range target (checked by the forward on the CPU) gives a NaN row on CUDA.
+class CrossEntropyBackward : public Primitive {
+  BT_PRIM_BODY(CrossEntropyBackward, "cross_entropy_backward")
+  CrossEntropyBackward(int64_t ii, int r, double ls)
+      : ignore_index(ii), reduction(r), label_smoothing(ls) {}
+  bool differentiable() const override { return false; }
+  bool saves_inputs() const override { return false; }
+  void attrs(Attrs& a) const override {
+    a["ignore_index"] = ignore_index;
+    a["reduction"] = static_cast<int64_t>(reduction);
+    a["label_smoothing"] = label_smoothing;
+  }
+  int64_t ignore_index;
+  int reduction;  // 0 none, 1 mean, 2 sum
+  double label_smoothing;
+};
+
+// inputs: x (R, C), residual (R, C), weight (C) or undefined, bias (C) or undefined.
+// outputs: sum (R, C), y (R, C) (x's dtype), mean (R), rstd (R).  y normalises the stored
+// (rounded) sum, so the backward is exactly LayerNorm's on `sum`.
+class AddLayerNorm : public Primitive {
+  BT_PRIM_BODY(AddLayerNorm, "add_layer_norm")
+  AddLayerNorm(double e, bool w, bool b) : eps(e), has_weight(w), has_bias(b) {}
+  bool saves_outputs() const override { return true; }
+  // Only weight is needed by the backward (x and residual are not kept alive).
+  bool saves_input(size_t i, const std::vector<bool>&) const override { return i == 2; }
+  void attrs(Attrs& a) const override { a["eps"] = eps; }
+  double eps;
+  bool has_weight, has_bias;
+};
+
+// Fronts.
+// (sum, y): sum = x + residual, y = layer_norm(sum, (C,), weight, bias, eps) over the last dim.
+std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual,
+                                         const Tensor& weight, const Tensor& bias, double eps);
+// The backward ops as functions (used by the vjps in primitives.cpp).
+std::vector<Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                        const Tensor& mean, const Tensor& rstd, const Tensor& extra,
+                                        bool need_dweight, bool need_dbias);
+Tensor softmax_backward(const Tensor& y, const Tensor& dy, bool log);
+Tensor cross_entropy_backward(const Tensor& logits, const Tensor& target, const Tensor& lse,
+                              const Tensor& grad_loss, int64_t ignore_index, int reduction,
+                              double label_smoothing);
+
+}  // namespace bt

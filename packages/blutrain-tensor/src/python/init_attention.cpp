@@ -1,0 +1,38 @@
+// python/init_attention.cpp: bindings of src/attention.h (see init.h).
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+
+#include <cmath>
+#include <optional>
+
+#include "../attention.h"
+#include "init.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace bt::python {
+
+void init_attention(nanobind::module_& m) {
+  m.def(
+      "flash_attention",
+      [](const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+         std::optional<double> scale) {
+        const double sc = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.shape().back()));
+        return flash_attention(q, k, v, causal, sc);
+      },
+      "query"_a, "key"_a, "value"_a, "is_causal"_a = false, "scale"_a = nb::none(),
+      "flash_attention(q, k, v, is_causal=False, scale=None) -> (out, lse)\n\n"
+      "The fused attention kernel: q (B, H, L, D), k and v (B, H, S, D) (any strides on B, H and\n"
+      "the sequence dim). out (B, H, L, D) is a view of a (B, L, H, D) contiguous tensor, so\n"
+      "out.transpose(1, 2).view(B, L, H * D) is free; lse (B, H, L) is the rows' logsumexp\n"
+      "(float32; float64 for float64 inputs). Causal needs L == S. Differentiable in q, k, v (and\n"
+      "through lse).");
+  m.def("_set_flash_attention_cpu", &set_flash_attention_cpu, "on"_a,
+        "Whether scaled_dot_product_attention uses the fused kernel on the CPU too (default off, "
+        "or BLUTRAIN_FLASH_ATTENTION_CPU=1).");
+  m.def("_flash_attention_cpu", &flash_attention_cpu,
+        "Whether scaled_dot_product_attention uses the fused kernel on the CPU.");
+}
+
+}  // namespace bt::python

@@ -1,0 +1,53 @@
+// python/init_autocast.cpp: bindings of src/autocast.h (see init.h).
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+
+#include "../autocast.h"
+#include "init.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace bt::python {
+
+void init_autocast(nanobind::module_& m) {
+  m.def(
+      "set_float32_matmul_precision",
+      [](const std::string& p) { set_float32_matmul_precision(parse_matmul_precision(p)); },
+      "precision"_a,
+      "How float32 GEMMs (matmul, bmm, linear, linear_gelu and their backward) form products: "
+      "'highest' = true fp32 (the default), 'high' = TF32 tensor cores (operands rounded to a "
+      "10-bit mantissa, fp32 accumulation; the CPU emulates the rounding), 'medium' = operands "
+      "rounded to bf16, fp32 accumulation. Process-wide; read when each GEMM runs. bf16/fp16 "
+      "GEMMs always accumulate in fp32 and float64 ones stay float64.");
+  m.def(
+      "get_float32_matmul_precision",
+      []() { return std::string(matmul_precision_name(float32_matmul_precision())); },
+      "The current float32 matmul precision: 'highest', 'high' or 'medium'.");
+  m.def(
+      "linear_gelu",
+      [](const Tensor& x, const Tensor& w, std::optional<Tensor> b) {
+        return linear_gelu(x, w, b ? *b : Tensor());
+      },
+      "input"_a, "weight"_a, "bias"_a = nb::none(),
+      "gelu_tanh(input @ weight.T + bias) in one GEMM (blutrain-linalg's GELU epilogue, which "
+      "also saves the pre-activation for backward). Backward: dpre = grad * gelu'(pre), "
+      "d input = dpre @ weight, d weight = dpre^T @ input with d bias from the same GEMM.");
+  m.def(
+      "linear_gelu_linear",
+      [](const Tensor& x, const Tensor& w1, std::optional<Tensor> b1, const Tensor& w2,
+         std::optional<Tensor> b2) {
+        return linear_gelu_linear(x, w1, b1 ? *b1 : Tensor(), w2, b2 ? *b2 : Tensor());
+      },
+      "input"_a, "w1"_a, "b1"_a.none(), "w2"_a, "b2"_a = nb::none(),
+      "A GELU MLP, linear(linear_gelu(input, w1, b1), w2, b2), in two GEMMs whose backward needs "
+      "no elementwise kernel: dh * gelu'(pre) is the DGELU epilogue of the dh = dy @ w2 GEMM "
+      "(d b1 from the same GEMM) and the weight gradients are GEMMs with a bias-grad epilogue.");
+  m.def("_get_rng_state", &get_rng_state,
+        "The global generator's (seed, offset) (checkpoint saves it to replay random ops).");
+  m.def("_set_rng_state", &set_rng_state, "seed"_a, "offset"_a,
+        "Sets the global generator's (seed, offset) (initial_seed() is unchanged).");
+}
+
+}  // namespace bt::python

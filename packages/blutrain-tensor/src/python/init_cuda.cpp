@@ -1,0 +1,86 @@
+// python/init_cuda.cpp: the CUDA runtime surface of blutrain.tensor (streams, synchronisation,
+// determinism).  In a build without CUDA these raise or return the CPU answers.
+#include <nanobind/stl/string.h>
+
+#include "../backend.h"
+#include "../cuda/graph.h"
+#include "init.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace bt::python {
+
+void init_cuda(nb::module_& m) {
+  m.def(
+      "_cuda_synchronize",
+      [](int device) {
+        nb::gil_scoped_release release;
+        backend::synchronize(Device{Device::CUDA, device});
+      },
+      "device"_a = 0, "Waits for all work queued on the device's current stream.");
+  m.def(
+      "_cuda_current_stream",
+      [](int device) {
+        return reinterpret_cast<uintptr_t>(backend::current_stream(Device{Device::CUDA, device}));
+      },
+      "device"_a = 0, "The device's current stream as an integer cudaStream_t handle.");
+  m.def(
+      "_cuda_set_stream",
+      [](int device, uintptr_t handle) {
+        backend::set_current_stream(Device{Device::CUDA, device}, reinterpret_cast<void*>(handle));
+      },
+      "device"_a, "stream"_a,
+      "Makes `stream` (a cudaStream_t handle; 0 restores blutrain's own) the device's current "
+      "stream.");
+  m.def("use_deterministic_algorithms", &set_deterministic_algorithms, "mode"_a,
+        "Bitwise-reproducible kernels on one device (no float atomics, pinned GEMM algorithms).");
+  m.def("are_deterministic_algorithms_enabled", &deterministic_algorithms,
+        "Whether determinism mode is on.");
+
+  // ---- graphs and events (cuda/graph.h); python/blutrain/tensor/cuda.py wraps these ----------
+  nb::class_<cuda::CudaGraph>(m, "_CUDAGraph",
+                              "A CUDA graph of work captured on blutrain's current stream.")
+      .def(nb::init<>())
+      .def("capture_begin", &cuda::CudaGraph::capture_begin, "device"_a,
+           "Begins capturing the device's current stream (thread-local mode).")
+      .def("capture_end", &cuda::CudaGraph::capture_end,
+           "Ends the capture and instantiates the graph (raises if it was invalidated).")
+      .def("capture_abort", &cuda::CudaGraph::capture_abort,
+           "Ends a capture after an error, discarding the graph.")
+      .def(
+          "replay",
+          [](cuda::CudaGraph& g) {
+            nb::gil_scoped_release release;
+            g.replay();
+          },
+          "Launches the graph on the current stream of its device.")
+      .def("reset", &cuda::CudaGraph::reset, "Destroys the graph.")
+      .def_prop_ro("capturing", &cuda::CudaGraph::capturing)
+      .def_prop_ro("captured", &cuda::CudaGraph::captured)
+      .def_prop_ro("device", &cuda::CudaGraph::device)
+      .def("num_nodes", &cuda::CudaGraph::num_nodes, "Nodes of the captured graph.")
+      .def("debug_dump", &cuda::CudaGraph::debug_dump, "path"_a,
+           "Writes the graph as Graphviz text.");
+  m.def("_cuda_event_create", &cuda::event_create, "device"_a, "enable_timing"_a,
+        "Creates a CUDA event on `device`; returns its handle.");
+  m.def("_cuda_event_destroy", &cuda::event_destroy, "event"_a, "Destroys an event handle.");
+  m.def("_cuda_event_record", &cuda::event_record, "event"_a, "device"_a,
+        "Records the event on the device's current stream.");
+  m.def(
+      "_cuda_event_synchronize",
+      [](uintptr_t e) {
+        nb::gil_scoped_release release;
+        cuda::event_synchronize(e);
+      },
+      "event"_a, "Waits until the event's work is done.");
+  m.def("_cuda_event_query", &cuda::event_query, "event"_a,
+        "Whether the event's work is done (never blocks).");
+  m.def("_cuda_event_elapsed_time", &cuda::event_elapsed_ms, "start"_a, "end"_a,
+        "Milliseconds between two completed timing events.");
+  m.def("_cuda_device_name", &cuda::device_name, "device"_a, "The device's name.");
+  m.def("_cuda_is_capturing", &cuda::stream_capturing, "device"_a = 0,
+        "Whether the device's current stream is being captured into a CUDA graph.");
+}
+
+}  // namespace bt::python

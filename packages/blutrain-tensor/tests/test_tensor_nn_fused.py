@@ -1,0 +1,298 @@
+"""Fused norm / loss ops on the CPU: add_layer_norm, and the fused backward primitives that the
+vjps of softmax / log_softmax / layer_norm / cross_entropy now run (layer_norm_backward,
+softmax_backward, cross_entropy_backward), against float64 numpy, finite differences
+(bt.gradcheck) and PyTorch when it is importable."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import blutrain.tensor as bt
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+
+def leaf(rng, shape, lo=-2.0, hi=2.0, dtype=bt.float64):
+    return bt.tensor(rng.uniform(lo, hi, size=shape), dtype=dtype, requires_grad=True)
+
+
+def f64(t):
+    return np.asarray(t.detach().to(bt.float64).numpy(), dtype=np.float64)
+
+
+# ---- numpy references --------------------------------------------------------------------------
+def np_layer_norm(x, w, b, eps):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    rstd = 1 / np.sqrt(var + eps)
+    y = (x - mean) * rstd
+    if w is not None:
+        y = y * w
+    if b is not None:
+        y = y + b
+    return y, mean[..., 0], rstd[..., 0]
+
+
+def np_layer_norm_backward(dy, x, w, eps):
+    _, mean, rstd = np_layer_norm(x, None, None, eps)
+    xh = (x - mean[..., None]) * rstd[..., None]
+    g = dy * w if w is not None else dy
+    dx = rstd[..., None] * (g - g.mean(-1, keepdims=True) - xh * (g * xh).mean(-1, keepdims=True))
+    C = x.shape[-1]
+    dw = (dy * xh).reshape(-1, C).sum(0)
+    db = dy.reshape(-1, C).sum(0)
+    return dx, dw, db
+
+
+def np_ce(x, t, ii, red, ls):
+    m = x.max(1, keepdims=True)
+    lse = (m + np.log(np.exp(x - m).sum(1, keepdims=True)))[:, 0]
+    valid = t != ii
+    tt = np.where(valid, t, 0)
+    nll = lse - x[np.arange(len(t)), tt]
+    loss = (1 - ls) * nll + ls * (lse - x.mean(1))
+    loss = np.where(valid, loss, 0.0)
+    p = np.exp(x - lse[:, None])
+    onehot = np.zeros_like(x)
+    onehot[np.arange(len(t)), tt] = 1
+    d = (p - (1 - ls) * onehot - ls / x.shape[1]) * valid[:, None]
+    if red == "none":
+        return loss, d  # d for a cotangent of ones
+    if red == "sum":
+        return loss.sum(), d
+    return loss.sum() / valid.sum(), d / valid.sum()
+
+
+# ---- add_layer_norm forward ------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [bt.float64, bt.float32])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("shape", [(3, 7), (2, 3, 16), (1, 1), (5, 1025)])
+def test_add_layer_norm_forward(rng, dtype, affine, shape):
+    x = rng.standard_normal(shape)
+    r = rng.standard_normal(shape)
+    C = shape[-1]
+    w = rng.standard_normal(C) if affine else None
+    b = rng.standard_normal(C) if affine else None
+    s, y = bt.add_layer_norm(
+        bt.tensor(x, dtype=dtype),
+        bt.tensor(r, dtype=dtype),
+        bt.tensor(w, dtype=dtype) if affine else None,
+        bt.tensor(b, dtype=dtype) if affine else None,
+        eps=1e-5,
+    )
+    assert s.dtype == dtype and y.dtype == dtype and s.shape == shape and y.shape == shape
+    ref_s = x + r
+    ref_y, _, _ = np_layer_norm(ref_s, w, b, 1e-5)
+    tol = 1e-12 if dtype == bt.float64 else 2e-5
+    np.testing.assert_allclose(f64(s), ref_s, rtol=tol, atol=tol)
+    np.testing.assert_allclose(f64(y), ref_y, rtol=tol * 10, atol=tol * 10)
+
+
+def test_add_layer_norm_matches_add_then_layer_norm(rng):
+    x = bt.tensor(rng.standard_normal((4, 33)), dtype=bt.bfloat16)
+    r = bt.tensor(rng.standard_normal((4, 33)), dtype=bt.bfloat16)
+    w = bt.tensor(rng.standard_normal(33), dtype=bt.bfloat16)
+    b = bt.tensor(rng.standard_normal(33), dtype=bt.bfloat16)
+    s, y = bt.add_layer_norm(x, r, w, b)
+    s2 = x + r
+    y2 = bt.layer_norm(s2, 33, w, b)
+    assert np.array_equal(f64(s), f64(s2))
+    np.testing.assert_allclose(f64(y), f64(y2), rtol=0, atol=1e-2)
+
+
+def test_add_layer_norm_errors():
+    x = bt.zeros((2, 3))
+    with pytest.raises(ValueError, match=r"\[add_layer_norm\]"):
+        bt.add_layer_norm(x, bt.zeros((2, 4)))
+    with pytest.raises(ValueError, match=r"\[add_layer_norm\]"):
+        bt.add_layer_norm(x, x, bt.zeros(4))
+    with pytest.raises(TypeError, match=r"\[add_layer_norm\]"):
+        bt.add_layer_norm(bt.zeros((2, 3), dtype=bt.int64), bt.zeros((2, 3), dtype=bt.int64))
+
+
+# ---- gradients (finite differences) ------------------------------------------------------------
+def _gc(fn, xs):
+    assert bt.gradcheck(fn, xs, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("affine", ["both", "weight", "none"])
+def test_gradcheck_add_layer_norm(rng, affine):
+    shapes = (
+        [(3, 5), (3, 5)]
+        + ([(5,)] if affine != "none" else [])
+        + ([(5,)] if affine == "both" else [])
+    )
+    xs = [leaf(rng, s) for s in shapes]
+
+    def fn(x, r, *wb):
+        s, y = bt.add_layer_norm(x, r, *wb, eps=1e-5)
+        return s * 0.5 + y
+
+    _gc(fn, xs)
+
+
+def test_gradcheck_add_layer_norm_only_y(rng):
+    xs = [leaf(rng, s) for s in [(2, 3, 4), (2, 3, 4), (4,), (4,)]]
+    _gc(lambda x, r, w, b: bt.add_layer_norm(x, r, w, b)[1], xs)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("shape", [(3, 5), (2, 3, 4), (6,)])
+def test_gradcheck_layer_norm(rng, affine, shape):
+    C = shape[-1]
+    xs = [leaf(rng, shape)] + ([leaf(rng, (C,)), leaf(rng, (C,))] if affine else [])
+    _gc(lambda x, *wb: bt.layer_norm(x, C, *wb), xs)
+
+
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("dim", [-1, 0, 1])
+def test_gradcheck_softmax(rng, log, dim):
+    f = bt.log_softmax if log else bt.softmax
+    _gc(lambda x: f(x, dim), [leaf(rng, (3, 4, 5))])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ls", [0.0, 0.2])
+def test_gradcheck_cross_entropy(rng, reduction, ls):
+    tgt = bt.tensor(np.array([1, 4, -100, 0, 2, 3]), dtype=bt.int64)
+    _gc(
+        lambda x: bt.cross_entropy(x, tgt, reduction=reduction, label_smoothing=ls),
+        [leaf(rng, (6, 5))],
+    )
+
+
+def test_gradcheck_cross_entropy_nd(rng):
+    tgt = bt.tensor(np.array([[1, -100, 2], [0, 3, 3]]), dtype=bt.int64)
+    _gc(lambda x: bt.cross_entropy(x, tgt, label_smoothing=0.1), [leaf(rng, (2, 4, 3))])
+
+
+# ---- the backward primitives against float64 numpy, in every float dtype ------------------------
+TOL = {bt.float64: 1e-10, bt.float32: 1e-5, bt.bfloat16: 3e-2, bt.float16: 5e-3}
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("C", [1, 7, 64, 1025])
+def test_layer_norm_backward_vs_numpy(rng, dtype, C):
+    R = 9
+    x = rng.standard_normal((R, C))
+    w = rng.standard_normal(C)
+    b = rng.standard_normal(C)
+    dy = rng.standard_normal((R, C))
+    xt = bt.tensor(x, dtype=dtype, requires_grad=True)
+    wt = bt.tensor(w, dtype=dtype, requires_grad=True)
+    bt_ = bt.tensor(b, dtype=dtype, requires_grad=True)
+    y = bt.layer_norm(xt, C, wt, bt_)
+    y.backward(bt.tensor(dy, dtype=dtype))
+    # reference on the rounded inputs
+    xr, wr, dyr = f64(xt), f64(wt), f64(bt.tensor(dy, dtype=dtype))
+    dx, dw, db = np_layer_norm_backward(dyr, xr, wr, 1e-5)
+    tol = TOL[dtype]
+    scale = 1 if C > 1 else 0  # C == 1: dx is exactly 0
+    np.testing.assert_allclose(f64(xt.grad), dx * scale, rtol=tol, atol=tol * 10)
+    np.testing.assert_allclose(f64(wt.grad), dw, rtol=tol, atol=tol * 10 * np.sqrt(R))
+    np.testing.assert_allclose(f64(bt_.grad), db, rtol=tol, atol=tol * 10 * np.sqrt(R))
+    assert xt.grad.dtype == dtype and wt.grad.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_backward_vs_numpy(rng, dtype, log):
+    x = rng.standard_normal((5, 33))
+    dy = rng.standard_normal((5, 33))
+    xt = bt.tensor(x, dtype=dtype, requires_grad=True)
+    y = (bt.log_softmax if log else bt.softmax)(xt, -1)
+    y.backward(bt.tensor(dy, dtype=dtype))
+    yr, dyr = f64(y), f64(bt.tensor(dy, dtype=dtype))
+    if log:
+        ref = dyr - np.exp(yr) * dyr.sum(-1, keepdims=True)
+    else:
+        ref = yr * (dyr - (dyr * yr).sum(-1, keepdims=True))
+    tol = TOL[dtype]
+    np.testing.assert_allclose(f64(xt.grad), ref, rtol=tol, atol=tol * 10)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ls", [0.0, 0.1])
+def test_cross_entropy_vs_numpy(rng, dtype, reduction, ls):
+    N, C = 8, 37
+    x = rng.standard_normal((N, C)) * 3
+    t = rng.integers(0, C, N)
+    t[[1, 5]] = -100
+    xt = bt.tensor(x, dtype=dtype, requires_grad=True)
+    loss = bt.cross_entropy(
+        xt, bt.tensor(t, dtype=bt.int64), reduction=reduction, label_smoothing=ls
+    )
+    assert loss.dtype == dtype
+    ref_loss, ref_d = np_ce(f64(xt), t, -100, reduction, ls)
+    tol = TOL[dtype]
+    np.testing.assert_allclose(f64(loss), ref_loss, rtol=tol, atol=tol)
+    if reduction == "none":
+        gl = rng.standard_normal(N)
+        loss.backward(bt.tensor(gl, dtype=dtype))
+        ref_d = ref_d * f64(bt.tensor(gl, dtype=dtype))[:, None]
+    else:
+        loss.backward()
+    assert xt.grad.dtype == dtype
+    np.testing.assert_allclose(f64(xt.grad), ref_d, rtol=tol, atol=tol)
+    assert np.all(f64(xt.grad)[[1, 5]] == 0)
+
+
+def test_cross_entropy_all_ignored():
+    x = bt.zeros((3, 4), requires_grad=True)
+    t = bt.tensor(np.array([-100, -100, -100]), dtype=bt.int64)
+    loss = bt.cross_entropy(x, t, reduction="sum")
+    loss.backward()
+    assert f64(loss) == 0
+    assert np.all(f64(x.grad) == 0)
+
+
+def test_add_layer_norm_grad_fn():
+    x = bt.zeros((2, 3), requires_grad=True)
+    s, y = bt.add_layer_norm(x, x)
+    assert y.grad_fn is not None and s.grad_fn is not None
+
+
+# ---- vs PyTorch CPU (when importable) -----------------------------------------------------------
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+def test_add_layer_norm_vs_torch(rng):
+    x = rng.standard_normal((4, 6, 16))
+    r = rng.standard_normal((4, 6, 16))
+    w = rng.standard_normal(16)
+    b = rng.standard_normal(16)
+    g1 = rng.standard_normal((4, 6, 16))
+    g2 = rng.standard_normal((4, 6, 16))
+    ts = [torch.tensor(a, requires_grad=True) for a in (x, r, w, b)]
+    s = ts[0] + ts[1]
+    y = torch.nn.functional.layer_norm(s, (16,), ts[2], ts[3])
+    ((s * torch.tensor(g1)).sum() + (y * torch.tensor(g2)).sum()).backward()
+    bs = [bt.tensor(a, dtype=bt.float64, requires_grad=True) for a in (x, r, w, b)]
+    s2, y2 = bt.add_layer_norm(*bs)
+    ((s2 * bt.tensor(g1)).sum() + (y2 * bt.tensor(g2)).sum()).backward()
+    np.testing.assert_allclose(f64(y2), y.detach().numpy(), rtol=1e-10, atol=1e-10)
+    for a, b_ in zip(bs, ts):
+        np.testing.assert_allclose(f64(a.grad), b_.grad.numpy(), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_vs_torch(rng, reduction):
+    x = rng.standard_normal((7, 11))
+    t = rng.integers(0, 11, 7)
+    t[2] = -100
+    xt = torch.tensor(x, requires_grad=True)
+    lt = torch.nn.functional.cross_entropy(
+        xt, torch.tensor(t), reduction=reduction, label_smoothing=0.1
+    )
+    lt.sum().backward()
+    xb = bt.tensor(x, dtype=bt.float64, requires_grad=True)
+    lb = bt.cross_entropy(
+        xb, bt.tensor(t, dtype=bt.int64), reduction=reduction, label_smoothing=0.1
+    )
+    lb.sum().backward()
+    np.testing.assert_allclose(f64(lb), lt.detach().numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(f64(xb.grad), xt.grad.numpy(), rtol=1e-10, atol=1e-12)

@@ -1,0 +1,240 @@
+"""Multi-tensor AdamW, global gradient norm and clipping (bt._tensor._adamw_ / _grad_norm /
+_clip_coef / _scale_) on the CPU backend, against float64 numpy references."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import blutrain.tensor as bt
+
+C = bt._tensor
+
+
+def np_adamw(p, g, m, v, t, lr, b1, b2, eps, wd):
+    p = p * (1 - lr * wd)
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    mhat = m / (1 - b1**t)
+    vhat = v / (1 - b2**t)
+    return p - lr * mhat / (np.sqrt(vhat) + eps), m, v
+
+
+SHAPES = [(7, 5), (5,), (1,), (3, 1025), (0, 4), (11, 3)]
+DECAYS = [0.1, 0.0, 0.0, 0.05, 0.1, 0.2]
+
+
+def make_state(rng, shapes, dtype=bt.float32, state_dtype=bt.float32):
+    ps = [bt.tensor(rng.standard_normal(s).astype(np.float32), dtype=dtype) for s in shapes]
+    ms = [bt.zeros(*s, dtype=state_dtype) for s in shapes]
+    vs = [bt.zeros(*s, dtype=state_dtype) for s in shapes]
+    return ps, ms, vs
+
+
+@pytest.mark.parametrize("device_scalars", [False, True])
+def test_adamw_matches_float64_numpy_over_5_steps(rng, device_scalars):
+    b1, b2, eps = 0.9, 0.95, 1e-8
+    ps, ms, vs = make_state(rng, SHAPES)
+    ref = [(p.numpy().astype(np.float64), 0.0, 0.0) for p in ps]
+    for t in range(1, 6):
+        lr = 1e-2 * (0.5 + 0.1 * t)
+        scale = 0.5 + 0.25 * t  # a clip coefficient folded into the gradients
+        gs = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+        lr_a = bt.tensor(lr, dtype=bt.float32) if device_scalars else lr
+        step_a = bt.tensor(float(t), dtype=bt.float32) if device_scalars else t
+        C._adamw_(
+            ps,
+            [bt.tensor(g) for g in gs],
+            ms,
+            vs,
+            lr_a,
+            b1,
+            b2,
+            eps,
+            DECAYS,
+            step_a,
+            bt.tensor(scale, dtype=bt.float32),
+        )
+        lr_r = float(np.float32(lr)) if device_scalars else lr
+        for i in range(len(ps)):
+            g64 = gs[i].astype(np.float64) * float(np.float32(scale))
+            ref[i] = np_adamw(
+                *ref[i][:1], g64, ref[i][1], ref[i][2], t, lr_r, b1, b2, eps, DECAYS[i]
+            )
+    for i, p in enumerate(ps):
+        np.testing.assert_allclose(p.numpy(), ref[i][0], rtol=1e-5, atol=1e-6, err_msg=str(i))
+        np.testing.assert_allclose(ms[i].numpy(), ref[i][1], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(vs[i].numpy(), ref[i][2], rtol=1e-5, atol=1e-7)
+
+
+def test_adamw_bumps_versions_and_leaves_grads(rng):
+    ps, ms, vs = make_state(rng, [(4, 4), (3,)])
+    gs = [bt.tensor(rng.standard_normal(p.shape).astype(np.float32)) for p in ps]
+    g0 = [g.numpy().copy() for g in gs]
+    vers = [t._version for t in ps + ms + vs]
+    gvers = [g._version for g in gs]
+    C._adamw_(ps, gs, ms, vs, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
+    assert all(t._version > v for t, v in zip(ps + ms + vs, vers, strict=True))
+    assert [g._version for g in gs] == gvers
+    for g, g_before in zip(gs, g0, strict=True):
+        assert np.array_equal(g.numpy(), g_before)
+
+
+def test_adamw_float64_and_bfloat16_params(rng):
+    shapes = [(9, 4), (4,)]
+    gs = [rng.standard_normal(s) for s in shapes]
+    # float64 params keep float64 states
+    ps, ms, vs = make_state(rng, shapes, bt.float64, bt.float64)
+    p0 = [p.numpy().copy() for p in ps]
+    C._adamw_(ps, [bt.tensor(g) for g in gs], ms, vs, 1e-2, 0.9, 0.95, 1e-8, [0.1, 0.0], 1)
+    for i in range(2):
+        want = np_adamw(p0[i], gs[i], 0.0, 0.0, 1, 1e-2, 0.9, 0.95, 1e-8, [0.1, 0.0][i])[0]
+        np.testing.assert_allclose(ps[i].numpy(), want, rtol=1e-12)
+    # bfloat16 params with float32 states
+    ps, ms, vs = make_state(rng, shapes, bt.bfloat16, bt.float32)
+    p0 = [p.float().numpy().astype(np.float64) for p in ps]
+    gb = [bt.tensor(g.astype(np.float32), dtype=bt.bfloat16) for g in gs]
+    C._adamw_(ps, gb, ms, vs, 1e-2, 0.9, 0.95, 1e-8, [0.1, 0.0], 1)
+    for i in range(2):
+        g64 = gb[i].float().numpy().astype(np.float64)
+        want, wm, _ = np_adamw(p0[i], g64, 0.0, 0.0, 1, 1e-2, 0.9, 0.95, 1e-8, [0.1, 0.0][i])
+        np.testing.assert_allclose(ps[i].float().numpy(), want, rtol=1e-2, atol=1e-2)
+        np.testing.assert_allclose(ms[i].numpy(), wm, rtol=1e-6)
+
+
+def test_adamw_matches_the_models_python_reference_bitwise(rng):
+    pytest.importorskip("blutrain.models")
+    from blutrain.models.optim import AdamW
+
+    shapes = {"w": (7, 5), "b": (5,), "emb": (33, 8)}
+    init = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    runs = {}
+    for fused in (False, True):
+        params = {k: bt.nn.Parameter(bt.tensor(v)) for k, v in init.items()}
+        opt = AdamW(params.items(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
+        r = np.random.default_rng(7)
+        for step in range(4):
+            opt.set_lr(3e-3 * (1 + step))
+            for k, p in params.items():
+                p.grad = bt.tensor(r.standard_normal(shapes[k]).astype(np.float32))
+            opt.step(grad_scale=bt.tensor(0.75, dtype=bt.float32))
+        runs[fused] = {k: p.detach().numpy().copy() for k, p in params.items()}
+    for k in shapes:  # the same float32 arithmetic, operation for operation
+        np.testing.assert_allclose(runs[True][k], runs[False][k], rtol=2e-7, atol=1e-9, err_msg=k)
+
+
+def test_grad_norm_and_clip_match_numpy(rng):
+    shapes = [(64, 33), (1,), (4097,), (0,), (5, 5, 5)]
+    gs64 = [rng.standard_normal(s) * 3 for s in shapes]
+    gs = [bt.tensor(g.astype(np.float32)) for g in gs64]
+    total = math.sqrt(
+        sum(float((g.astype(np.float32).astype(np.float64) ** 2).sum()) for g in gs64)
+    )
+    norm = C._grad_norm(gs)
+    assert norm.shape == () and norm.dtype == bt.float32
+    assert float(norm.item()) == pytest.approx(total, rel=1e-6)
+    coef = C._clip_coef(norm, 1.0)
+    assert float(coef.item()) == pytest.approx(1.0 / (total + 1e-6), rel=1e-6)
+    assert float(C._clip_coef(norm, 1e9).item()) == 1.0
+    C._scale_(gs, coef)
+    after = math.sqrt(sum(float((g.numpy().astype(np.float64) ** 2).sum()) for g in gs))
+    assert after == pytest.approx(1.0, rel=1e-5)
+    # float64 grads give a float64 norm; None entries are skipped; empty list gives 0
+    n64 = C._grad_norm([bt.tensor(g) for g in gs64] + [None])
+    assert n64.dtype == bt.float64
+    assert float(n64.item()) == pytest.approx(
+        math.sqrt(sum(float((g**2).sum()) for g in gs64)), rel=1e-12
+    )
+    assert float(C._grad_norm([]).item()) == 0.0
+
+
+def test_grad_norm_is_deterministic_and_mixed_dtypes(rng):
+    gs = [bt.tensor(rng.standard_normal(s).astype(np.float32)) for s in [(300, 70), (17,)]]
+    gs.append(bt.tensor(rng.standard_normal(100).astype(np.float32), dtype=bt.bfloat16))
+    a = C._grad_norm(gs).numpy().tobytes()
+    b = C._grad_norm(gs).numpy().tobytes()
+    assert a == b
+    total = sum(float((g.float().numpy().astype(np.float64) ** 2).sum()) for g in gs)
+    assert float(C._grad_norm(gs).item()) == pytest.approx(math.sqrt(total), rel=1e-6)
+
+
+def test_clip_coef_propagates_nan():
+    assert math.isnan(float(C._clip_coef(bt.tensor(float("nan")), 1.0).item()))
+    assert float(C._clip_coef(bt.tensor(float("inf")), 1.0).item()) == 0.0
+
+
+def test_clip_grad_norm_front_matches_numpy(rng):
+    ps = [bt.nn.Parameter(bt.zeros(*s)) for s in [(6, 7), (7,)]]
+    gs = [rng.standard_normal(p.shape).astype(np.float32) * 2 for p in ps]
+    for p, g in zip(ps, gs, strict=True):
+        p.grad = bt.tensor(g)
+    total = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in gs))
+    norm = bt.clip_grad_norm_(ps, 0.5)
+    assert float(norm.item()) == pytest.approx(total, rel=1e-6)
+    for p, g in zip(ps, gs, strict=True):
+        np.testing.assert_allclose(p.grad.numpy(), g * (0.5 / (total + 1e-6)), rtol=1e-6)
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def _lists(rng, n=2):
+    ps, ms, vs = make_state(rng, [(3, 2)] * n)
+    gs = [bt.zeros(3, 2) for _ in range(n)]
+    return ps, gs, ms, vs
+
+
+def test_adamw_errors_name_the_op_and_index(rng):
+    ps, gs, ms, vs = _lists(rng)
+    with pytest.raises(ValueError, match=r"\[adamw_\] got 2 params but 1 grads"):
+        C._adamw_(ps, gs[:1], ms, vs, 1e-3, 0.9, 0.99, 1e-8, 0.0, 1)
+    with pytest.raises(ValueError, match=r"\[adamw_\] got 2 params but 3 weight_decays"):
+        C._adamw_(ps, gs, ms, vs, 1e-3, 0.9, 0.99, 1e-8, [0.0] * 3, 1)
+    bad = [gs[0], bt.zeros(3, 2, dtype=bt.float64)]
+    with pytest.raises(TypeError, match=r"\[adamw_\] grads\[1\] is float64 but params\[1\] is"):
+        C._adamw_(ps, bad, ms, vs, 1e-3, 0.9, 0.99, 1e-8, 0.0, 1)
+    bad = [ms[0], bt.zeros(3, 2, dtype=bt.bfloat16)]
+    with pytest.raises(TypeError, match=r"\[adamw_\] exp_avgs\[1\] is bfloat16 but must be"):
+        C._adamw_(ps, gs, bad, vs, 1e-3, 0.9, 0.99, 1e-8, 0.0, 1)
+    bad = [vs[0], bt.zeros(2, 3)]
+    with pytest.raises(ValueError, match=r"\[adamw_\] exp_avg_sqs\[1\] has shape \(2, 3\)"):
+        C._adamw_(ps, gs, ms, bad, 1e-3, 0.9, 0.99, 1e-8, 0.0, 1)
+    bad = [gs[0], bt.zeros(2, 3).t()]
+    with pytest.raises(ValueError, match=r"\[adamw_\] grads\[1\] is not contiguous"):
+        C._adamw_(ps, bad, ms, vs, 1e-3, 0.9, 0.99, 1e-8, 0.0, 1)
+    with pytest.raises(TypeError, match=r"\[adamw_\] grads\[0\] is a str"):
+        C._adamw_(ps, ["x", gs[1]], ms, vs, 1e-3, 0.9, 0.99, 1e-8, 0.0, 1)
+    with pytest.raises(ValueError, match=r"\[adamw_\] grads\[1\] is None"):
+        C._adamw_(ps, [gs[0], None], ms, vs, 1e-3, 0.9, 0.99, 1e-8, 0.0, 1)
+    with pytest.raises(ValueError, match=r"\[adamw_\] betas"):
+        C._adamw_(ps, gs, ms, vs, 1e-3, 1.0, 0.99, 1e-8, 0.0, 1)
+    with pytest.raises(ValueError, match=r"\[adamw_\] step must be >= 1"):
+        C._adamw_(ps, gs, ms, vs, 1e-3, 0.9, 0.99, 1e-8, 0.0, 0)
+    with pytest.raises(TypeError, match=r"\[adamw_\] lr must be float32"):
+        C._adamw_(ps, gs, ms, vs, bt.tensor(1e-3, dtype=bt.float64), 0.9, 0.99, 1e-8, 0.0, 1)
+    with pytest.raises(ValueError, match=r"\[adamw_\] grad_scale must be a 0-d tensor"):
+        C._adamw_(ps, gs, ms, vs, 1e-3, 0.9, 0.99, 1e-8, 0.0, 1, bt.ones(2))
+    with pytest.raises(TypeError, match=r"\[adamw_\] params\[0\] must be floating point"):
+        C._adamw_(
+            [bt.zeros(3, 2, dtype=bt.int64)], [gs[0]], ms[:1], vs[:1], 1e-3, 0.9, 0.99, 1e-8, 0.0, 1
+        )
+
+
+def test_adamw_device_mismatch_names_the_index(rng):
+    if bt.cuda_device_count() == 0:
+        pytest.skip("needs a CUDA device to place one tensor elsewhere")
+    ps, gs, ms, vs = _lists(rng)
+    bad = [gs[0], gs[1].to("cuda")]
+    with pytest.raises(ValueError, match=r"\[adamw_\] grads\[1\] is on cuda:0 but params\[0\]"):
+        C._adamw_(ps, bad, ms, vs, 1e-3, 0.9, 0.99, 1e-8, 0.0, 1)
+
+
+def test_grad_norm_errors(rng):
+    with pytest.raises(TypeError, match=r"\[grad_norm\] grads\[1\] must be floating point"):
+        C._grad_norm([bt.zeros(2), bt.zeros(2, dtype=bt.int64)])
+    with pytest.raises(ValueError, match=r"\[grad_norm\] grads\[0\] is not contiguous"):
+        C._grad_norm([bt.zeros(2, 3).t()])
+    with pytest.raises(ValueError, match=r"\[scale_\] coef must be a 0-d tensor"):
+        C._scale_([bt.zeros(2)], bt.ones(2))
+    with pytest.raises(ValueError, match=r"\[clip_coef\] norm must be a 0-d"):
+        C._clip_coef(bt.ones(2), 1.0)
