@@ -12,8 +12,10 @@ inline float fast_exp(float x) {
   const float hi = 88.72283905206835f, lo = -87.3365447504f;  // ln(FLT_MAX), ln(FLT_MIN)
   const float xc = x > hi ? hi : (x < lo ? lo : x);
   const float t = xc * 1.44269504088896341f;  // x / ln 2
-  const int32_t n = static_cast<int32_t>(t + (t >= 0 ? 0.5f : -0.5f));
-  const float fn = static_cast<float>(n);
+  // Round to nearest by adding and removing 1.5 * 2^23 (|t| < 2^22 here): no branch, so the
+  // loop vectorises (with -fno-trapping-math, see CMakeLists.txt).
+  const float fn = (t + 12582912.0f) - 12582912.0f;
+  const int32_t n = static_cast<int32_t>(fn);
   float r = xc - fn * 0.693359375f;  // ln 2 split in two for an exact reduction
   r = r - fn * -2.12194440e-4f;
   const float z = r * r;
