@@ -16,6 +16,53 @@ using cpu::contiguous_raw;
 inline float exp_c(float x) { return cpu::fast_exp(x); }
 inline double exp_c(double x) { return std::exp(x); }
 
+// Row statistics with kLanes independent accumulators (a fixed order: deterministic) so the
+// compiler vectorises them; a single running max or sum is a dependency chain it must keep
+// scalar.  Max ignores NaN like std::max(m, v); exp sums accumulate in double.
+constexpr int kLanes = 8;
+
+template <typename A, typename T>
+inline A row_max(const T* p, int64_t C) {
+  A m[kLanes];
+  for (int k = 0; k < kLanes; ++k) m[k] = -std::numeric_limits<A>::infinity();
+  int64_t i = 0;
+  for (; i + kLanes <= C; i += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      const A v = static_cast<A>(p[i + k]);
+      m[k] = v > m[k] ? v : m[k];
+    }
+  }
+  for (; i < C; ++i) m[0] = std::max<A>(m[0], static_cast<A>(p[i]));
+  A r = m[0];
+  for (int k = 1; k < kLanes; ++k) r = std::max<A>(r, m[k]);
+  return r;
+}
+
+// sum(exp(p[i] - m)) in double; with `sum_x`, also sum(p[i]) (label smoothing).
+template <typename A, typename T>
+inline double row_exp_sum(const T* p, int64_t C, A m, double* sum_x = nullptr) {
+  double s[kLanes] = {}, sx[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= C; i += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      const A v = static_cast<A>(p[i + k]);
+      s[k] += static_cast<double>(exp_c(v - m));
+      sx[k] += static_cast<double>(v);
+    }
+  }
+  for (; i < C; ++i) {
+    s[0] += static_cast<double>(exp_c(static_cast<A>(p[i]) - m));
+    sx[0] += static_cast<double>(p[i]);
+  }
+  double r = 0, rx = 0;
+  for (int k = 0; k < kLanes; ++k) {
+    r += s[k];
+    rx += sx[k];
+  }
+  if (sum_x) *sum_x = rx;
+  return r;
+}
+
 void Softmax::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   Tensor x = contiguous_raw(in[0]);
   const int64_t C = x.ndim() ? x.shape().back() : 1;
@@ -29,11 +76,9 @@ void Softmax::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) 
     cpu::parallel_for(rows, C, [&](int64_t r) {
       const T* p = xp + r * C;
       T* q = o + r * C;
-      A m = -std::numeric_limits<A>::infinity();
-      for (int64_t i = 0; i < C; ++i) m = std::max<A>(m, static_cast<A>(p[i]));
+      A m = row_max<A>(p, C);
       if (std::isinf(m) && m < 0) m = 0;  // an all -inf row gives nan (softmax), -inf (log)
-      double s = 0;
-      for (int64_t i = 0; i < C; ++i) s += exp_c(static_cast<A>(p[i]) - m);
+      const double s = row_exp_sum<A>(p, C, m);
       if (lg) {
         const A lse = m + static_cast<A>(std::log(s));
         for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>(static_cast<A>(p[i]) - lse);
@@ -112,14 +157,10 @@ void CrossEntropy::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
       cpu::parallel_for(N, C, [&](int64_t r) {
         const T* p = xp + r * C;
         using A = compute_t<T>;  // exp in float for 16/32-bit logits, sums in double
-        A mx = -std::numeric_limits<A>::infinity();
-        for (int64_t i = 0; i < C; ++i) mx = std::max<A>(mx, static_cast<A>(p[i]));
+        const A mx = row_max<A>(p, C);
         const double m = static_cast<double>(mx);
-        double s = 0, sum_x = 0;
-        for (int64_t i = 0; i < C; ++i) {
-          s += exp_c(static_cast<A>(p[i]) - mx);
-          sum_x += static_cast<double>(p[i]);
-        }
+        double sum_x = 0;
+        const double s = row_exp_sum<A>(p, C, mx, &sum_x);
         const double lse = m + std::log(s);
         lse_o[r] = static_cast<S>(lse);
         if (tp[r] == ignore_index) return;
