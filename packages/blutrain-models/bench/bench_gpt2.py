@@ -39,6 +39,36 @@ def flops_per_token(L: int, C: int, T: int) -> float:
 # -- workers (one per subprocess) ------------------------------------------------------------
 
 
+def profile_kernels(step, n: int, trace_path: str | None) -> list:
+    """GPU time of each kernel name over n more steps, per step, largest first.
+
+    torch.profiler's CUDA activity tracing (CUPTI) records every kernel of the process, ours
+    included; the trace's kernel, memcpy and memset events are summed by name."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    path = trace_path or f"/tmp/bt-trace-{os.getpid()}.json"
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f).get("traceEvents", [])
+    agg: dict = {}
+    by_grid = os.environ.get("BT_PROFILE_GRID") == "1"  # split each kernel's rows by grid size
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            name = e["name"][:90]
+            if by_grid:
+                name = f"{name[:70]} grid={e.get('args', {}).get('grid')}"
+            t, c = agg.get(name, (0.0, 0))
+            agg[name] = (t + e["dur"] / 1e3 / n, c + 1 / n)
+    return sorted(([k, round(t, 4), round(c, 2)] for k, (t, c) in agg.items()),
+                  key=lambda r: -r[1])
+
+
 def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
     """Our GPT-2 step; graph=True captures the whole step (forward, backward, clipping, AdamW)
     into one CUDA graph after the warm-up and times its replays: no Python or launch overhead,
@@ -95,13 +125,16 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
     _cuda_sync("cuda")
     dt = time.perf_counter() - t0
     peak = peak_memory_bytes("cuda")
-    return {
+    out = {
         "tokens_per_s": a.B * a.T * a.steps / dt,
         "peak_bytes": peak,
         "step_ms": 1e3 * dt / a.steps,
         "first_loss": first,
         "last_loss": last,
     }
+    if a.profile:
+        out["kernels"] = profile_kernels(run, 2, a.trace)
+    return out
 
 
 def run_torch(a: argparse.Namespace, compile_: bool) -> dict:
@@ -197,13 +230,16 @@ def run_torch(a: argparse.Namespace, compile_: bool) -> dict:
     last = float(loss.item())
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    return {
+    out = {
         "tokens_per_s": a.B * a.T * a.steps / dt,
         "peak_bytes": int(torch.cuda.max_memory_allocated()),
         "step_ms": 1e3 * dt / a.steps,
         "first_loss": first,
         "last_loss": last,
     }
+    if a.profile:
+        out["kernels"] = profile_kernels(step, 2, a.trace)
+    return out
 
 
 def worker(a: argparse.Namespace) -> int:
@@ -248,6 +284,13 @@ def main() -> int:
         default=None,
         help="stop starting runs after this (default 140, 230 with --compile)",
     )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="print the N kernels with the most GPU time per step of each run (torch.profiler)",
+    )
+    p.add_argument("--trace", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mode", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -293,6 +336,8 @@ def main() -> int:
                 a.model,
                 "--recompute",
                 a.recompute,
+                "--profile",
+                str(a.profile),
             ]
             t0 = time.perf_counter()
             try:
@@ -343,6 +388,14 @@ def main() -> int:
             )
         else:
             print(f"{r['mode']:5s}  {r['framework']:14s} {r['error']}")
+    if a.profile:
+        for r in rows:
+            if not r.get("kernels"):
+                continue
+            tot = sum(k[1] for k in r["kernels"])
+            print(f"\n{r['mode']} {r['framework']}: GPU busy {tot:.1f} ms of {r['step_ms']:.1f} ms a step")
+            for name, ms, cnt in r["kernels"][: a.profile]:
+                print(f"  {ms:8.3f} ms {cnt:6.1f}x  {name}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(

@@ -1,5 +1,5 @@
 """CPU op timings, blutrain.tensor next to numpy and PyTorch (same run). Prints a table, writes
-JSON (bench_ops.json, or --out). Not a test: never run by CI."""
+JSON with --out FILE. Not a test: never run by CI."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def timeit(fn, reps: int = 20) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", "--json", dest="out", default="bench_ops.json")
+    ap.add_argument("--out", "--json", dest="out", default=None)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     a = rng.standard_normal((2048, 1024)).astype(np.float32)
@@ -87,8 +87,9 @@ def main() -> None:
         }
         rows.append(r)
         print(f"{name:28s} {fmt(r['bt_ms'])} {fmt(r['numpy_ms'])} {fmt(r['torch_ms'])}")
-    with open(args.out, "w") as f:
-        json.dump(rows, f, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
