@@ -3,12 +3,17 @@ to PyTorch's (torch CUDA, same GPU, same run) for layer_norm, residual add + lay
 (attention scores) and cross_entropy (the classifier), forward and forward + backward, in bf16 and
 fp32.  Median of many reps after warm-up (reps batched between device synchronisations), achieved
 GB/s against the memory floor (bytes moved / 4.3 TB/s measured copy bandwidth).  Prints a table;
---json OUT writes the rows.  Not a test."""
+--json OUT writes the rows.  The norm / softmax rows are also timed per kernel version
+(--versions 2,3: BT_CUDA_NN_VERSION, appended to the row as "vN ms %floor").  ce_padded: GPT-2's
+loss on the first V columns of padded (R, 50304) logits (read in place, padded gradient);
+ce_padded_plain: the same with the plain path (dense gradient, then the narrow's scatter).
+Not a test."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -22,6 +27,7 @@ except ImportError:  # pragma: no cover
 
 BW = 4.3e12  # bytes/s, measured H200 copy bandwidth
 B, T, C, H, V = 16, 1024, 768, 12, 50257
+VP = 50304  # GPT-2's padded vocabulary
 
 
 def _sync_bt() -> None:
@@ -81,6 +87,21 @@ def cases(dt: str):
         _, y = bt.add_layer_norm(x, r, w, b)
         y.backward(g)  # the residual stream's own gradient is the same tensor
 
+    # layer norm over 3072-wide rows (the MLP's hidden width), R / 4 rows: same bytes as (R, 768)
+    C4 = 4 * C
+    x4 = bt.randn(R // 4, C4, dtype=bdt, device="cuda").requires_grad_(True)
+    w4 = bt.randn(C4, dtype=bdt, device="cuda").requires_grad_(True)
+    b4 = bt.randn(C4, dtype=bdt, device="cuda").requires_grad_(True)
+    g4 = bt.randn(R // 4, C4, dtype=bdt, device="cuda")
+
+    def ln4_f():
+        with bt.no_grad():
+            bt.layer_norm(x4, C4, w4, b4)
+
+    def ln4_fb():
+        x4.grad = w4.grad = b4.grad = None
+        bt.layer_norm(x4, C4, w4, b4).backward(g4)
+
     # softmax over attention scores (B*H*T, T)
     S = bt.randn(B * H * T, T, dtype=bdt, device="cuda").requires_grad_(True)
     gS = bt.randn(B * H * T, T, dtype=bdt, device="cuda")
@@ -105,10 +126,31 @@ def cases(dt: str):
         L.grad = None
         bt.cross_entropy(L, tg).backward()
 
+    # GPT-2's head: the loss on the first V columns of padded (R, Vp) logits, read in place; the
+    # padded path writes the (R, Vp) gradient in one pass.  "_plain": a hook on the narrowed
+    # logits keeps the plain path (dense (R, V) gradient, then the narrow's scatter), for scale.
+    Lp = bt.randn(R, VP, dtype=bdt, device="cuda").requires_grad_(True)
+    tgi = bt.randint(0, V, R, device="cuda")
+    lossdt = bt.float32 if dt == "bf16" else None
+
+    def cep_f():
+        with bt.no_grad():
+            bt.cross_entropy(Lp.narrow(1, 0, V), tgi, ignore_index=-1, loss_dtype=lossdt)
+
+    def cep_fb(plain=False):
+        Lp.grad = None
+        lg = Lp.narrow(1, 0, V)
+        if plain:
+            lg.register_hook(lambda g: None)
+        bt.cross_entropy(lg, tgi, ignore_index=-1, loss_dtype=lossdt).backward()
+
     res["layer_norm"] = [2 * R * C * e, 5 * R * C * e, ln_f, ln_fb]
+    res["layer_norm_3072"] = [2 * R * C * e, 5 * R * C * e, ln4_f, ln4_fb]
     res["add_layer_norm"] = [4 * R * C * e, 8 * R * C * e, aln_f, aln_fb]
     res["softmax"] = [2 * B * H * T * T * e, 5 * B * H * T * T * e, sm_f, sm_fb]
     res["cross_entropy"] = [R * V * e, 3 * R * V * e, ce_f, ce_fb]
+    res["ce_padded"] = [R * V * e, 2 * R * V * e + R * VP * e, cep_f, cep_fb]
+    res["ce_padded_plain"] = [R * V * e, 2 * R * V * e + R * VP * e, cep_f, lambda: cep_fb(True)]
 
     if torch is not None and torch.cuda.is_available():
         tdt = _torch_dtype(dt)
@@ -118,10 +160,15 @@ def cases(dt: str):
         tb = torch.randn(C, dtype=tdt, device=dev, requires_grad=True)
         tr = torch.randn(R, C, dtype=tdt, device=dev, requires_grad=True)
         tgg = torch.randn(R, C, dtype=tdt, device=dev)
+        tx4 = torch.randn(R // 4, 4 * C, dtype=tdt, device=dev, requires_grad=True)
+        tw4 = torch.randn(4 * C, dtype=tdt, device=dev, requires_grad=True)
+        tb4 = torch.randn(4 * C, dtype=tdt, device=dev, requires_grad=True)
+        tg4 = torch.randn(R // 4, 4 * C, dtype=tdt, device=dev)
         tS = torch.randn(B * H * T, T, dtype=tdt, device=dev, requires_grad=True)
         tgS = torch.randn(B * H * T, T, dtype=tdt, device=dev)
         tL = torch.randn(R, V, dtype=tdt, device=dev, requires_grad=True)
         ttg = torch.randint(0, V, (R,), device=dev)
+        tLp = torch.randn(R, VP, dtype=tdt, device=dev, requires_grad=True)
 
         def t_ln_f():
             with torch.no_grad():
@@ -130,6 +177,14 @@ def cases(dt: str):
         def t_ln_fb():
             tx.grad = tw.grad = tb.grad = None
             F.layer_norm(tx, (C,), tw, tb).backward(tgg)
+
+        def t_ln4_f():
+            with torch.no_grad():
+                F.layer_norm(tx4, (4 * C,), tw4, tb4)
+
+        def t_ln4_fb():
+            tx4.grad = tw4.grad = tb4.grad = None
+            F.layer_norm(tx4, (4 * C,), tw4, tb4).backward(tg4)
 
         def t_aln_f():
             with torch.no_grad():
@@ -156,9 +211,21 @@ def cases(dt: str):
             F.cross_entropy(tL, ttg).backward()
 
         res["layer_norm"] += [t_ln_f, t_ln_fb]
+        res["layer_norm_3072"] += [t_ln4_f, t_ln4_fb]
         res["add_layer_norm"] += [t_aln_f, t_aln_fb]
         res["softmax"] += [t_sm_f, t_sm_fb]
+
+        def t_cep_f():
+            with torch.no_grad():
+                F.cross_entropy(tLp[:, :V], ttg, ignore_index=-1)
+
+        def t_cep_fb():
+            tLp.grad = None
+            F.cross_entropy(tLp[:, :V], ttg, ignore_index=-1).backward()
+
         res["cross_entropy"] += [t_ce_f, t_ce_fb]
+        res["ce_padded"] += [t_cep_f, t_cep_fb]
+        res["ce_padded_plain"] += [t_cep_f, t_cep_fb]
     return res
 
 
@@ -166,7 +233,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", dest="out", default=None)
     ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument(
+        "--versions",
+        default="2,3",
+        help="kernel versions (BT_CUDA_NN_VERSION) also timed for the norm / softmax rows",
+    )
     args = ap.parse_args()
+    versions = [v for v in args.versions.split(",") if v]
     if bt.cuda_device_count() == 0:
         raise SystemExit("no CUDA device")
     rows = []
@@ -178,8 +251,18 @@ def main() -> None:
         for name, v in cases(dt).items():
             for k, pas in enumerate(["fwd", "fwd+bwd"]):
                 nbytes = v[k]
-                reps = 20 if name in ("cross_entropy", "softmax") else 50
-                ours = _time(v[2 + k], _sync_bt, reps)
+                reps = 20 if name.startswith("ce") or name in ("cross_entropy", "softmax") else 50
+                ours = _time(v[2 + k], _sync_bt, reps)  # the default version
+                per_ver = {}
+                if not name.startswith("ce") and name != "cross_entropy":
+                    saved = os.environ.get("BT_CUDA_NN_VERSION")
+                    for ver in versions:
+                        os.environ["BT_CUDA_NN_VERSION"] = ver
+                        per_ver[ver] = _time(v[2 + k], _sync_bt, reps)
+                    if saved is None:
+                        os.environ.pop("BT_CUDA_NN_VERSION", None)
+                    else:
+                        os.environ["BT_CUDA_NN_VERSION"] = saved
                 theirs = _time(v[4 + k], tsync, reps) if len(v) > 4 else float("nan")
                 floor = nbytes / BW * 1e3
                 row = {
@@ -193,11 +276,16 @@ def main() -> None:
                     "torch_ms": theirs,
                     "torch_gbps": nbytes / theirs / 1e6,
                 }
+                for ver, ms in per_ver.items():
+                    row[f"v{ver}_ms"] = ms
                 rows.append(row)
+                vers = "".join(
+                    f"  v{ver} {ms:.3f} ms {100 * floor / ms:5.1f}%" for ver, ms in per_ver.items()
+                )
                 print(
                     f"{name:16} {dt:5} {pas:7} {floor:9.3f} {ours:9.3f} {row['ours_gbps']:7.0f} "
                     f"{100 * floor / ours:6.1f}% {theirs:9.3f} {row['torch_gbps']:7.0f} "
-                    f"{theirs / ours:10.2f}"
+                    f"{theirs / ours:10.2f}{vers}"
                 )
     if args.out:
         with open(args.out, "w") as f:

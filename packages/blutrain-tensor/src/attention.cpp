@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "autograd.h"
 #include "ops.h"
 
 namespace bt {
@@ -74,5 +75,125 @@ std::vector<Tensor> FlashAttention::vjp(const VjpArgs& a) {
 }
 
 std::vector<Tensor> FlashAttentionBackward::vjp(const VjpArgs& a) { return Primitive::vjp(a); }
+
+// ---- packed qkv -------------------------------------------------------------------------------
+
+std::vector<Tensor> packed_qkv_views(const Tensor& x, int64_t heads) {
+  const int64_t B = x.size(0), T = x.size(1), HD = x.size(2) / 3, D = HD / heads;
+  const Strides st{x.strides()[0], D, x.strides()[1], 1};
+  std::vector<Tensor> r;
+  for (int j = 0; j < 3; ++j) r.push_back(make_view(x, {B, heads, T, D}, st, x.offset() + j * HD));
+  return r;
+}
+
+std::vector<Tensor> packed_grad_views(const Tensor& dx, int64_t heads) {
+  const int64_t B = dx.size(0), T = dx.size(1), HD = dx.size(2) / 3, D = HD / heads;
+  const Strides st{dx.strides()[0], dx.strides()[1], D, 1};
+  std::vector<Tensor> r;
+  for (int j = 0; j < 3; ++j)
+    r.push_back(make_view(dx, {B, T, heads, D}, st, dx.offset() + j * HD));
+  return r;
+}
+
+namespace {
+bool is_view_node(const std::string& n) {
+  return n == "Permute" || n == "Reshape" || n == "Slice" || n == "Select";
+}
+bool has_hooks(const Node& n) {
+  for (auto& h : n.pre_hooks) {
+    if (!h.empty()) return true;
+  }
+  for (auto& h : n.retain_hooks) {
+    if (!h.empty()) return true;
+  }
+  return false;
+}
+// Whether t's history is a chain of hook-free view nodes ending at `target` (so its gradient
+// reaches target unchanged apart from the index map, which the storage geometry then fixes).
+bool views_of(const Tensor& t, const Edge& target) {
+  Edge e{t.grad_fn(), t.impl()->output_nr};
+  for (int steps = 0; !(e.node == target.node && e.input_nr == target.input_nr); ++steps) {
+    if (!e.node || steps > 16 || !is_view_node(e.node->name()) || has_hooks(*e.node) ||
+        e.node->next.size() != 1) {
+      return false;
+    }
+    e = e.node->next[0];
+  }
+  return true;
+}
+}  // namespace
+
+Tensor packed_qkv_source(const Tensor& q, const Tensor& k, const Tensor& v) {
+  if (!grad_enabled() || q.ndim() != 4 || k.shape() != q.shape() || v.shape() != q.shape()) {
+    return {};
+  }
+  for (const Tensor* t : {&q, &k, &v}) {
+    if (!t->requires_grad() || !t->grad_fn() || t->is_symbolic() || t->impl()->retains_grad) {
+      return {};
+    }
+  }
+  const auto& base_impl = q.impl()->view_base;
+  if (!base_impl || k.impl()->view_base != base_impl || v.impl()->view_base != base_impl) return {};
+  if (k.storage() != q.storage() || v.storage() != q.storage()) return {};
+  Tensor base(base_impl);
+  if (!base.storage() || base.storage() != q.storage() || !base.is_contiguous() ||
+      base.dtype() != q.dtype() || !base.requires_grad()) {
+    return {};
+  }
+  if (k.strides() != q.strides() || v.strides() != q.strides()) return {};
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), HD = H * D;
+  if (B < 1 || H < 1 || T < 1 || D < 1) return {};
+  // Strides of size-1 dims are free: take the canonical ones there.
+  int64_t sb = q.strides()[0], sh = q.strides()[1], sl = q.strides()[2], sd = q.strides()[3];
+  if (D > 1 && sd != 1) return {};
+  if (H > 1 && sh != D) return {};
+  if (T == 1) sl = B > 1 ? sb : 3 * HD;
+  if (B == 1) sb = T * sl;
+  if (sl < 3 * HD || sb != T * sl) return {};
+  if (k.offset() != q.offset() + HD || v.offset() != q.offset() + 2 * HD) return {};
+  // X (B, T, 3 H D): rows r0 + b T + t, columns c0 .. c0 + 3 H D of the base seen as rows of sl.
+  const int64_t off = q.offset() - base.offset(), n = base.numel();
+  if (off < 0 || n % sl != 0) return {};
+  const int64_t r0 = off / sl, c0 = off % sl;
+  if (c0 + 3 * HD > sl || (r0 + B * T) * sl > n) return {};
+  const Edge target = gradient_edge(base);
+  if (!views_of(q, target) || !views_of(k, target) || !views_of(v, target)) return {};
+  Tensor x = reshape(base, {n / sl, sl});
+  x = slice(x, 0, r0, r0 + B * T, 1);
+  x = slice(x, 1, c0, c0 + 3 * HD, 1);
+  return view(x, {B, T, 3 * HD});
+}
+
+std::pair<Tensor, Tensor> flash_attention_packed(const Tensor& x, int64_t heads, bool causal,
+                                                 double scale) {
+  const bool ok = x.ndim() == 3 && heads >= 1 && is_floating(x.dtype()) && x.size(0) >= 1 &&
+                  x.size(1) >= 1 && x.size(2) >= 3 * heads && x.size(2) % (3 * heads) == 0 &&
+                  (!x.device().is_cuda() || x.size(2) / (3 * heads) <= 256);
+  if (!ok) {
+    throw ValueError("[flash_attention_packed] unsupported input " + shape_str(x.shape()) + " (" +
+                     dtype_name(x.dtype()) + ") with " + std::to_string(heads) +
+                     " heads: needs a float (B, T, 3 * heads * D) tensor, B, T >= 1, D <= 256 on "
+                     "CUDA");
+  }
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2) / (3 * heads);
+  auto outs =
+      apply(std::make_shared<FlashAttentionPacked>(scale, causal, heads), {unit_last(x)},
+            {{{B, T, heads, D}, x.dtype()}, {{B, heads, T}, lse_dtype(x.dtype())}}, x.device());
+  return {permute(outs[0], {0, 2, 1, 3}), outs[1]};
+}
+
+std::vector<Tensor> FlashAttentionPacked::vjp(const VjpArgs& a) {
+  const Tensor& x = a.inputs[0];
+  const Tensor& lse = a.outputs[1];
+  Tensor g = unit_last(a.cotangents[0]);
+  Tensor glse = astype(a.cotangents[1], lse.dtype());
+  auto r = apply(std::make_shared<FlashAttentionPackedBackward>(scale, causal, heads),
+                 {x, a.outputs[0], g, lse, glse}, {{x.shape(), x.dtype()}}, x.device());
+  return {r[0]};
+}
+
+std::vector<Tensor> FlashAttentionPackedBackward::vjp(const VjpArgs& a) {
+  return Primitive::vjp(a);
+}
 
 }  // namespace bt

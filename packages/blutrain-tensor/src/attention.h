@@ -15,6 +15,7 @@
 #pragma once
 
 #include <utility>
+#include <vector>
 
 #include "primitives.h"
 
@@ -45,10 +46,63 @@ class FlashAttentionBackward : public Primitive {
   bool causal;
 };
 
+// Packed self-attention: the single input X (B, T, 3 H D) with unit last stride (rows of 3 H D
+// may have a larger row stride) holds q, k, v as its three split(H D, -1) slices, each viewed
+// (B, T, H, D) and seen as (B, H, T, D).  Outputs as FlashAttention's.  Its backward writes dq,
+// dk, dv straight into one contiguous (B, T, 3 H D) gradient of X: autograd hands X a single
+// gradient, with no slice_scatter of three zero-filled buffers.
+class FlashAttentionPacked : public Primitive {
+  BT_PRIM_BODY(FlashAttentionPacked, "flash_attention_packed")
+  FlashAttentionPacked(double s, bool c, int64_t h) : scale(s), causal(c), heads(h) {}
+  bool saves_outputs() const override { return true; }
+  void attrs(Attrs& a) const override {
+    a["scale"] = scale;
+    a["causal"] = causal;
+    a["heads"] = heads;
+  }
+  double scale;
+  bool causal;
+  int64_t heads;
+};
+
+// inputs X, o, do, lse, dlse; output dX (B, T, 3 H D) contiguous.
+class FlashAttentionPackedBackward : public Primitive {
+  BT_PRIM_BODY(FlashAttentionPackedBackward, "flash_attention_packed_backward")
+  FlashAttentionPackedBackward(double s, bool c, int64_t h) : scale(s), causal(c), heads(h) {}
+  bool saves_inputs() const override { return false; }
+  bool differentiable() const override { return false; }
+  void attrs(Attrs& a) const override {
+    a["scale"] = scale;
+    a["causal"] = causal;
+    a["heads"] = heads;
+  }
+  double scale;
+  bool causal;
+  int64_t heads;
+};
+
+// The (B, H, T, D) q, k, v views (no autograd) of a packed X (B, T, 3 H D) (kernel plumbing).
+std::vector<Tensor> packed_qkv_views(const Tensor& x, int64_t heads);
+// The (B, T, H, D) dq, dk, dv views of a packed gradient dX (B, T, 3 H D).
+std::vector<Tensor> packed_grad_views(const Tensor& dx, int64_t heads);
+
+// When q, k, v (B, H, T, D) are exactly the three split(H D, -1) slices of one (B, T, 3 H D)
+// tensor viewed (B, T, H, D) and transposed (checked on strides and storage offsets), made from
+// their storage's base tensor by views only (no hooks, retain_grad or in-place rebase on the way,
+// all three requiring grad): a differentiable (B, T, 3 H D) view of that base whose gradient
+// is exactly what flows through q, k, v.  Else an undefined tensor (callers take the unpacked
+// path).
+Tensor packed_qkv_source(const Tensor& q, const Tensor& k, const Tensor& v);
+
+// The packed op: (o as a (B, H, T, D) view of a (B, T, H, D) contiguous tensor, lse (B, H, T)).
+std::pair<Tensor, Tensor> flash_attention_packed(const Tensor& x, int64_t heads, bool causal,
+                                                 double scale);
+
 // Whether the fused kernel can run these inputs on their device (else the caller composes
 // matmul + softmax): 4-D q, k, v of one float dtype with equal B, H, equal head dims, L == S
-// when causal, L, S >= 1; on CUDA any D <= 256 (tensor cores for bf16/fp16 with D in {64, 128},
-// an exact SIMT kernel otherwise).
+// when causal, L, S >= 1; on CUDA any D <= 256 (tensor cores for bf16/fp16 and float32 with D in
+// {64, 128} and 16-byte aligned rows: float32 as TF32, or 3xTF32 when float32_matmul_precision()
+// is "highest"; an exact SIMT kernel otherwise).
 bool flash_attention_supported(const Tensor& q, const Tensor& k, const Tensor& v, bool causal);
 
 // The fused op (no mask, no dropout): returns o as a (B, H, L, D) view of a (B, L, H, D)

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 
 #include "ops.h"
 
@@ -34,6 +35,53 @@ const char* matmul_precision_name(MatmulPrecision p) {
     default:
       return "highest";
   }
+}
+
+// ---- linear_gelu_linear's implementation choice ------------------------------------------------
+// -1: not read yet; -2: BLUTRAIN_LGL_EPILOGUE holds an unknown name (every use raises).
+static std::atomic<int> g_lgl_impl{-1};
+
+LglImpl parse_lgl_impl(const std::string& s) {
+  if (s == "kernel") return LglImpl::Kernel;
+  if (s == "cublaslt") return LglImpl::Cublaslt;
+  if (s == "kernel_v1") return LglImpl::KernelV1;
+  throw ValueError("[linear_gelu_linear] expected 'kernel', 'cublaslt' or 'kernel_v1', got '" + s +
+                   "'");
+}
+const char* lgl_impl_name(LglImpl impl) {
+  switch (impl) {
+    case LglImpl::Cublaslt:
+      return "cublaslt";
+    case LglImpl::KernelV1:
+      return "kernel_v1";
+    default:
+      return "kernel";
+  }
+}
+LglImpl lgl_impl() {
+  int v = g_lgl_impl.load(std::memory_order_relaxed);
+  if (v == -1) {
+    const char* env = std::getenv("BLUTRAIN_LGL_EPILOGUE");
+    int parsed = 0;
+    if (env && *env) {
+      try {
+        parsed = static_cast<int>(parse_lgl_impl(env));
+      } catch (const ValueError&) {
+        parsed = -2;
+      }
+    }
+    int expected = -1;  // a concurrent set_lgl_impl wins
+    g_lgl_impl.compare_exchange_strong(expected, parsed, std::memory_order_relaxed);
+    v = g_lgl_impl.load(std::memory_order_relaxed);
+  }
+  if (v == -2) {
+    throw ValueError(std::string("[linear_gelu_linear] BLUTRAIN_LGL_EPILOGUE='") +
+                     std::getenv("BLUTRAIN_LGL_EPILOGUE") + "': expected 'kernel' or 'cublaslt'");
+  }
+  return static_cast<LglImpl>(v);
+}
+void set_lgl_impl(LglImpl impl) {
+  g_lgl_impl.store(static_cast<int>(impl), std::memory_order_relaxed);
 }
 
 // ---- linear_gelu -----------------------------------------------------------------------------
@@ -90,8 +138,8 @@ Tensor linear_gelu(const Tensor& x, const Tensor& w, const Tensor& b) {
   std::vector<Tensor> ins{x2, gemm_ready_2d(astype(w, dt))};
   if (b.defined()) ins.push_back(contiguous(astype(b, dt)));
   const Shape s2{x2.shape()[0], outf};
-  auto outs = apply(std::make_shared<LinearGelu>(b.defined()), ins, {{s2, dt}, {s2, dt}},
-                    x.device());
+  auto outs =
+      apply(std::make_shared<LinearGelu>(b.defined()), ins, {{s2, dt}, {s2, dt}}, x.device());
   Shape os(x.shape().begin(), x.shape().end() - 1);
   os.push_back(outf);
   return reshape(outs[0], os);
@@ -141,7 +189,7 @@ static void check_linear_args(const Tensor& x, const Tensor& w, const Tensor& b,
 }
 
 Tensor linear_gelu_linear(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2,
-                          const Tensor& b2) {
+                          const Tensor& b2, bool recompute) {
   const char* op = "linear_gelu_linear";
   if (!x.defined() || !w1.defined() || !w2.defined())
     throw ValueError("[linear_gelu_linear] input, w1 and w2 are required");
@@ -153,8 +201,8 @@ Tensor linear_gelu_linear(const Tensor& x, const Tensor& w1, const Tensor& b1, c
   if (w2.device() != x.device() || (b2.defined() && b2.device() != x.device()))
     throw ValueError("[linear_gelu_linear] all tensors must be on one device");
   if (b2.defined() && b2.shape() != Shape{w2.shape()[0]}) {
-    throw ValueError("[linear_gelu_linear] b2 has shape " + shape_str(b2.shape()) +
-                     ", expected (" + std::to_string(w2.shape()[0]) + ",)");
+    throw ValueError("[linear_gelu_linear] b2 has shape " + shape_str(b2.shape()) + ", expected (" +
+                     std::to_string(w2.shape()[0]) + ",)");
   }
   const DType dt = promote_types(promote_types(x.dtype(), w1.dtype()), w2.dtype());
   if (!is_floating(dt)) {
@@ -167,8 +215,10 @@ Tensor linear_gelu_linear(const Tensor& x, const Tensor& w1, const Tensor& b1, c
   if (b1.defined()) ins.push_back(contiguous(astype(b1, dt)));
   if (b2.defined()) ins.push_back(contiguous(astype(b2, dt)));
   const int64_t M = x2.shape()[0];
-  auto outs = apply(std::make_shared<LinearGeluLinear>(b1.defined(), b2.defined()), ins,
-                    {{{M, N2}, dt}, {{M, N1}, dt}, {{M, N1}, dt}}, x.device());
+  std::vector<std::pair<Shape, DType>> meta{{{M, N2}, dt}, {{M, N1}, dt}};
+  if (!recompute) meta.push_back({{M, N1}, dt});  // h, then pre
+  auto outs = apply(std::make_shared<LinearGeluLinear>(b1.defined(), b2.defined(), recompute), ins,
+                    meta, x.device());
   Shape os(x.shape().begin(), x.shape().end() - 1);
   os.push_back(N2);
   return reshape(outs[0], os);
@@ -177,13 +227,18 @@ Tensor linear_gelu_linear(const Tensor& x, const Tensor& w1, const Tensor& b1, c
 std::vector<Tensor> LinearGeluLinear::vjp(const VjpArgs& a) {
   // h and pre are not returned by the front: only y's cotangent flows.
   const Tensor &x = a.inputs[0], &w1 = a.inputs[1], &w2 = a.inputs[2];
-  const Tensor &h = a.outputs[1], &pre = a.outputs[2];
+  const Tensor& pre = recompute ? a.outputs[1] : a.outputs[2];
   const Tensor dy = gemm_ready_2d(a.cotangents[0]);
   const DType dt = dy.dtype();
   const size_t ib1 = 3, ib2 = has_b1 ? 4 : 3;
   std::vector<Tensor> r(a.inputs.size());
   const bool want_db1 = has_b1 && a.needs[ib1], want_db2 = has_b2 && a.needs[ib2];
   if (a.needs[2] || want_db2) {
+    // With recompute, h is rebuilt by the kernel the forward used (same bits) and freed after
+    // the dW2 GEMM.
+    const Tensor h = recompute ? apply1(std::make_shared<Unary>(UnaryOp::GeluTanh), {pre},
+                                        pre.shape(), pre.dtype(), pre.device())
+                               : a.outputs[1];
     std::vector<std::pair<Shape, DType>> meta{{w2.shape(), dt}};
     if (want_db2) meta.push_back({Shape{w2.shape()[0]}, dt});
     auto g = apply(std::make_shared<LinearWeightGrad>(want_db2), {dy, h}, meta, dy.device());
@@ -194,13 +249,14 @@ std::vector<Tensor> LinearGeluLinear::vjp(const VjpArgs& a) {
     const int64_t M = dy.shape()[0], N1 = w2.shape()[1];
     std::vector<std::pair<Shape, DType>> meta{{{M, N1}, dt}};
     if (want_db1) meta.push_back({Shape{N1}, dt});
-    auto d = apply(std::make_shared<LinearDgelu>(want_db1), {dy, w2, pre}, meta, dy.device());
+    auto d = apply(std::make_shared<LinearDgelu>(want_db1), {dy, w2, contiguous(pre)}, meta,
+                   dy.device());
     const Tensor& dpre = d[0];
     if (want_db1) r[ib1] = d[1];
     if (a.needs[0]) r[0] = matmul(dpre, w1);
     if (a.needs[1]) {
-      r[1] = apply1(std::make_shared<LinearWeightGrad>(false), {dpre, x}, w1.shape(), dt,
-                    dy.device());
+      r[1] =
+          apply1(std::make_shared<LinearWeightGrad>(false), {dpre, x}, w1.shape(), dt, dy.device());
     }
   }
   return r;

@@ -8,6 +8,7 @@
 //   - the global generator's (seed, offset), so recomputation (checkpoint) replays dropout.
 //   - linear_gelu(x, W, b) = gelu_tanh(x W^T + b): one GEMM whose epilogue adds the bias, applies
 //     the GELU and also writes the pre-activation (saved for backward).
+//   - linear_gelu_linear: the whole GELU MLP (GEMM, GELU, GEMM) as one primitive.
 #pragma once
 
 #include <cstdint>
@@ -52,8 +53,9 @@ class LinearWeightGrad : public Primitive {
   bool has_bias;
 };
 
-// dpre = (g W) * gelu_tanh'(pre) in one GEMM (linalg's DGELU epilogue), with bgrad: also
-// db = column sums of dpre (DGELU_BGRAD). Inputs g (M, N2), W (N2, N1), pre (M, N1).
+// dpre = (g W) * gelu_tanh'(pre), with bgrad also db = column sums of dpre. Inputs g (M, N2),
+// W (N2, N1), pre (M, N1) contiguous. CPU and LglImpl::Cublaslt: one GEMM with linalg's
+// DGELU(_BGRAD) epilogue; CUDA otherwise: a plain GEMM into dpre, then our kernel in place.
 class LinearDgelu : public Primitive {
   BT_PRIM_BODY(LinearDgelu, "linear_dgelu")
   explicit LinearDgelu(bool bg) : bgrad(bg) {}
@@ -63,21 +65,51 @@ class LinearDgelu : public Primitive {
   bool bgrad;
 };
 
-// A GELU MLP: y = gelu_tanh(x W1^T + b1) W2^T + b2 in two GEMMs, whose backward needs no
-// elementwise kernel: dh * gelu'(pre) is the DGELU epilogue of the dh = dy W2 GEMM (and db1
-// comes out of it), dW2/db2 and dW1 are BGRAD GEMMs. Inputs x (M, K), W1 (N1, K), W2 (N2, N1),
-// then b1 (N1) if has_b1, then b2 (N2) if has_b2; outputs y (M, N2), h (M, N1), pre (M, N1).
+// A GELU MLP: y = gelu_tanh(x W1^T + b1) W2^T + b2. Inputs x (M, K), W1 (N1, K), W2 (N2, N1),
+// then b1 (N1) if has_b1, then b2 (N2) if has_b2; outputs y (M, N2), h (M, N1), pre (M, N1), or
+// with recompute y and pre only (h is a temporary of the forward, recomputed in backward from
+// pre for dW2: 4 B*T*C fewer saved elements per GPT-2 layer).
+//   forward: 16-bit (no recompute): one GEMM with the GELU_AUX(+bias) epilogue (h and pre), then
+//     h W2^T + b2. float32/64 (LglImpl::Kernel) or recompute: GEMM(+bias) writes pre, the
+//     GeluTanh unary kernel writes h (the backward's recompute runs that very kernel, so h and the
+//     gradients are bitwise those of recompute=False whenever this path ran both times).
+//   backward: dW2/db2 one BGRAD GEMM; dpre = (dy W2) * gelu'(pre) with db1 (LinearDgelu); dW1
+//     and dx GEMMs.
 class LinearGeluLinear : public Primitive {
   BT_PRIM_BODY(LinearGeluLinear, "linear_gelu_linear")
-  LinearGeluLinear(bool b1, bool b2) : has_b1(b1), has_b2(b2) {}
+  LinearGeluLinear(bool b1, bool b2, bool rc = false) : has_b1(b1), has_b2(b2), recompute(rc) {}
   bool saves_input(size_t i, const std::vector<bool>& needs) const override { return i < 3; }
-  bool saves_outputs() const override { return true; }  // h and pre
+  bool saves_outputs() const override { return true; }  // h and pre (pre only with recompute)
+  bool saves_output(size_t i) const override { return i > 0; }  // never y
   void attrs(Attrs& a) const override {
     a["bias1"] = has_b1;
     a["bias2"] = has_b2;
+    a["recompute"] = recompute;
   }
-  bool has_b1, has_b2;
+  bool has_b1, has_b2, recompute;
 };
+
+// How linear_gelu_linear runs its GELU parts on CUDA (BLUTRAIN_LGL_EPILOGUE=kernel|cublaslt, read
+// once at first use; tests switch it with set_lgl_impl):
+//   Kernel (default): backward dh = dy W2 as a plain GEMM, then our fused du = dh * gelu'(pre)
+//     (+ deterministic db1) kernel in place on dh (src/cuda/mlp.cu); float32/64 forward: GEMM then
+//     the GeluTanh kernel (cuBLASLt has no fused fp32 GELU epilogue: it runs a slow extra kernel).
+//   Cublaslt: cuBLASLt's DGELU(_BGRAD) / GELU_AUX epilogues (the previous behaviour).
+//   KernelV1: Kernel with the reference (scalar) dgelu kernel, for tests.
+// On the CPU the backward always uses blutrain-linalg's DGELU epilogue (one fused loop there);
+// the float32/64 forward follows the setting like CUDA's.
+enum class LglImpl : int { Kernel = 0, Cublaslt = 1, KernelV1 = 2 };
+LglImpl lgl_impl();
+void set_lgl_impl(LglImpl impl);
+LglImpl parse_lgl_impl(const std::string& s);  // ValueError on unknown names
+const char* lgl_impl_name(LglImpl impl);
+
+namespace cuda {
+// d (M, N) contiguous: dh in, du = dh * gelu_tanh'(pre) out (in place); db (N), when defined,
+// gets the column sums of du (deterministic). pre (M, N) contiguous, d's dtype. src/cuda/mlp.cu.
+void gelu_tanh_backward_inplace(const Tensor& d, const Tensor& pre, const Tensor& db,
+                                const char* op);
+}  // namespace cuda
 
 // dy * gelu_tanh'(pre), computed in float32 for 16-bit inputs (composed ops: any backend).
 Tensor gelu_tanh_backward(const Tensor& dy, const Tensor& pre);
@@ -85,8 +117,9 @@ Tensor gelu_tanh_backward(const Tensor& dy, const Tensor& pre);
 // gelu_tanh(x W^T + b) over x's last dim (x (..., K), W (N, K), b (N) or undefined).
 Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias);
 
-// linear(linear_gelu(x, w1, b1), w2, b2) fused as above (biases may be undefined).
+// linear(linear_gelu(x, w1, b1), w2, b2) fused as above (biases may be undefined); recompute
+// saves pre only and recomputes h in backward.
 Tensor linear_gelu_linear(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2,
-                          const Tensor& b2);
+                          const Tensor& b2, bool recompute = false);
 
 }  // namespace bt

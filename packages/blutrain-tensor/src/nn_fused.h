@@ -44,24 +44,29 @@ class SoftmaxBackward : public Primitive {
   bool log;
 };
 
-// inputs: logits (N, C), target (N) int64, lse (N) (float32, float64 for float64 logits),
-// grad_loss (() for mean / sum, (N) for none; any float dtype; read on the device only).
-// output: dlogits (N, C) in logits' dtype.  Rows with target == ignore_index get zeros; an
-// out-of-range target (checked by the forward on the CPU) gives a NaN row on CUDA.
+// inputs: logits (N, Cx) (rows may be strided, unit column stride), target (N) int64, lse (N)
+// (float32, float64 for float64 logits), grad_loss (() for mean / sum, (N) for none; any float
+// dtype; read on the device only).  output: dlogits (N, Cx), contiguous, in logits' dtype.  Only
+// the first num_classes columns (-1: all) are classes; padding columns get zeros.  Rows with
+// target == ignore_index get zeros; an out-of-range target (the forward raises on the CPU, records
+// an IndexError on CUDA) gives a NaN row on CUDA.
 class CrossEntropyBackward : public Primitive {
   BT_PRIM_BODY(CrossEntropyBackward, "cross_entropy_backward")
-  CrossEntropyBackward(int64_t ii, int r, double ls)
-      : ignore_index(ii), reduction(r), label_smoothing(ls) {}
+  CrossEntropyBackward(int64_t ii, int r, double ls, int64_t nc = -1)
+      : ignore_index(ii), reduction(r), label_smoothing(ls), num_classes(nc) {}
   bool differentiable() const override { return false; }
   bool saves_inputs() const override { return false; }
   void attrs(Attrs& a) const override {
     a["ignore_index"] = ignore_index;
     a["reduction"] = static_cast<int64_t>(reduction);
     a["label_smoothing"] = label_smoothing;
+    if (num_classes >= 0) a["num_classes"] = num_classes;
   }
+  int64_t classes(const Tensor& x) const { return num_classes < 0 ? x.shape()[1] : num_classes; }
   int64_t ignore_index;
   int reduction;  // 0 none, 1 mean, 2 sum
   double label_smoothing;
+  int64_t num_classes;
 };
 
 // inputs: x (R, C), residual (R, C), weight (C) or undefined, bias (C) or undefined.
@@ -89,6 +94,6 @@ std::vector<Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const
 Tensor softmax_backward(const Tensor& y, const Tensor& dy, bool log);
 Tensor cross_entropy_backward(const Tensor& logits, const Tensor& target, const Tensor& lse,
                               const Tensor& grad_loss, int64_t ignore_index, int reduction,
-                              double label_smoothing);
+                              double label_smoothing, int64_t num_classes = -1);
 
 }  // namespace bt

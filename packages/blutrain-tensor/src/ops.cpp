@@ -1012,6 +1012,27 @@ Tensor layer_norm(const Tensor& x, const Shape& ns, const Tensor& weight, const 
   return reshape(outs[0], x.shape());
 }
 
+// Padded classes: when `logits` (N, C) is X[:, :C] of a dense (N, Cx) tensor X (GPT-2's head,
+// (B*T, 50304) with 50257 classes) whose gradient reaches X through views only, returns X viewed
+// as (N, Cx), else an undefined tensor.  The loss then runs on X with num_classes = C, and its
+// backward writes X's padded gradient in one pass instead of a dense (N, C) one that the narrow's
+// backward scatters into a zero-filled (N, Cx) buffer.
+static Tensor cross_entropy_padded_base(const Tensor& logits) {
+  if (!grad_enabled() || !logits.requires_grad() || logits.is_symbolic()) return {};
+  const auto& bimpl = logits.impl()->view_base;
+  if (!bimpl) return {};
+  Tensor base(bimpl);
+  const int64_t N = logits.shape()[0], C = logits.shape()[1], ld = logits.strides()[0];
+  if (N < 1 || C < 1 || logits.strides()[1] != 1 || ld <= C) return {};
+  if (base.storage() != logits.storage() || base.dtype() != logits.dtype() ||
+      base.offset() != logits.offset() || base.ndim() < 1 || !base.is_contiguous() ||
+      base.shape().back() != ld || base.numel() != N * ld) {
+    return {};
+  }
+  if (!grad_flows_through_views(logits, base)) return {};
+  return reshape(base, {N, ld});
+}
+
 // loss_dtype: the loss's dtype (default: the logits'); e.g. float32 for bf16 logits, so the
 // mean over 16K rows is not rounded to bf16 (the kernels accumulate in float/double either way).
 Tensor cross_entropy(const Tensor& logits, const Tensor& target_in, int64_t ignore_index,
@@ -1078,9 +1099,11 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target_in, int64_t igno
                     dtype_name(ld));
   }
   Tensor target = astype(target_in, DType::Int64);
-  auto outs =
-      apply(std::make_shared<CrossEntropy>(ignore_index, r, label_smoothing), {logits, target},
-            {{r == 0 ? Shape{N} : Shape{}, ld}, {{N}, sd}}, logits.device());
+  Tensor x = cross_entropy_padded_base(logits);
+  const int64_t nc = x.defined() ? logits.shape()[1] : -1;
+  if (!x.defined()) x = logits;  // strided rows are read in place (no copy)
+  auto outs = apply(std::make_shared<CrossEntropy>(ignore_index, r, label_smoothing, nc),
+                    {x, target}, {{r == 0 ? Shape{N} : Shape{}, ld}, {{N}, sd}}, logits.device());
   return outs[0];
 }
 
@@ -1231,14 +1254,25 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   const int64_t L = q.shape()[q.ndim() - 2], S = k.shape()[k.ndim() - 2];
   const double sc = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.shape().back()));
   // The fused kernel (src/attention.h) when there is no mask and no dropout: on CUDA for 16-bit
-  // inputs (tensor cores), on the CPU when flash_attention_cpu() (the composed path runs the
-  // CPU's GEMMs).  float32 on CUDA composes GEMMs: its fused kernel is SIMT only, and GPT-2 124M
-  // training (B=16, T=1024) measured 852 ms a step with it against 408 ms composed (H200), at
-  // the price of two (B, H, T, T) float32 matrices per layer (22.8 against 40.8 GiB peak).
-  const bool cuda_ok = q.dtype() == DType::BFloat16 || q.dtype() == DType::Float16;
+  // inputs and for float32 with head dim 64 or 128 (tensor cores: TF32 when
+  // float32_matmul_precision() is "high"/"medium", 3xTF32 (fp32-accurate) when "highest"), on the
+  // CPU when flash_attention_cpu() (the composed path runs the CPU's GEMMs).  Other float32 head
+  // dims compose GEMMs (the fused float32 kernel is SIMT there: GPT-2 124M measured 852 ms a step
+  // with it against 408 ms composed).  The composed path holds two (B, H, T, T) float32 matrices
+  // per layer (40.8 GiB peak at B=16, T=1024) and spent ~60 ms a step in softmax/masking; the
+  // TF32 kernels need none of that (H200, B16 H12 T1024 D64 causal: 3xTF32 fwd 0.56 ms, bwd 2.49;
+  // 1xTF32 0.24 / 0.99; GPT-2 124M fp32 peak 41.4 -> 16.9 GiB).
+  const int64_t hd = q.shape().back();
+  const bool cuda_ok = q.dtype() == DType::BFloat16 || q.dtype() == DType::Float16 ||
+                       (q.dtype() == DType::Float32 && (hd == 64 || hd == 128));
   if (!attn_mask.defined() && dropout_p == 0 &&
       (q.device().is_cuda() ? cuda_ok : flash_attention_cpu()) &&
       flash_attention_supported(q, k, v, is_causal)) {
+    // q, k, v sliced from one (B, T, 3C) tensor (GPT-2's qkv): one op on it, whose backward
+    // writes the single (B, T, 3C) gradient directly (no scatter into zero-filled buffers).
+    if (Tensor x = packed_qkv_source(q, k, v); x.defined()) {
+      return flash_attention_packed(x, q.size(1), is_causal, sc).first;
+    }
     return flash_attention(q, k, v, is_causal, sc).first;
   }
   Tensor s = mul(matmul(q, transpose(k, -2, -1)), sc);

@@ -161,9 +161,10 @@ std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Ten
     }
   }
   if (prim->saves_outputs()) {
-    for (auto& t : outs) {
-      node->saved_out.push_back(detach(t));  // no grad_fn: no reference cycle
-      node->ver_out.push_back(t.version());
+    for (size_t i = 0; i < outs.size(); ++i) {
+      const bool keep = prim->saves_output(i);
+      node->saved_out.push_back(keep ? detach(outs[i]) : Tensor());  // no grad_fn: no cycle
+      node->ver_out.push_back(keep ? outs[i].version() : 0);
     }
   }
   node->pre_hooks.resize(outs.size());
@@ -430,8 +431,25 @@ std::vector<Tensor> LayerNorm::vjp(const VjpArgs& a) {
 
 std::vector<Tensor> CrossEntropy::vjp(const VjpArgs& a) {
   return {cross_entropy_backward(a.inputs[0], a.inputs[1], a.outputs[1], a.cotangents[0],
-                                 ignore_index, reduction, label_smoothing),
+                                 ignore_index, reduction, label_smoothing, num_classes),
           Tensor()};
+}
+
+bool grad_flows_through_views(const Tensor& view, const Tensor& base) {
+  if (!view.requires_grad() || !base.requires_grad() || !view.grad_fn()) return false;
+  const Edge target = gradient_edge(base);
+  Edge e = gradient_edge(view);
+  for (int depth = 0; depth < 32 && e.node; ++depth) {
+    if (e.node == target.node && e.input_nr == target.input_nr) return true;
+    const auto* pn = dynamic_cast<const PrimNode*>(e.node.get());
+    if (!pn || !pn->prim->is_view() || pn->next.size() != 1) return false;
+    // a hook (or retain_grad) on an intermediate view must still see its gradient
+    const size_t k = static_cast<size_t>(e.input_nr);
+    if (k < pn->pre_hooks.size() && !pn->pre_hooks[k].empty()) return false;
+    if (k < pn->retain_hooks.size() && !pn->retain_hooks[k].empty()) return false;
+    e = pn->next[0];
+  }
+  return false;
 }
 
 std::vector<Tensor> Dropout::vjp(const VjpArgs& a) {

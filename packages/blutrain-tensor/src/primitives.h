@@ -51,6 +51,9 @@ class Primitive {
   // gradient (x * y keeps x only for y's gradient), so fewer in-place changes trip the check.
   virtual bool saves_input(size_t i, const std::vector<bool>& needs) const { return true; }
   virtual bool saves_outputs() const { return false; }
+  // Finer grain, when saves_outputs(): whether output i is kept (an output the backward never
+  // reads, such as a layer's result, is not held by this node).
+  virtual bool saves_output(size_t i) const { return true; }
   virtual bool differentiable() const { return true; }
   // Elementwise ops: the output takes input 0's memory layout when that is dense (so a
   // transposed input gives a transposed output and the loop runs in memory order, as numpy's).
@@ -334,21 +337,32 @@ class LayerNorm : public Primitive {
   double eps;
   bool has_weight, has_bias;
 };
-// Fused log_softmax + nll: inputs logits (N, C), target (N) int64.  outputs: loss (() for mean /
-// sum, (N) for none), lse (N) float32/64 (saved for backward).
+// Fused log_softmax + nll: inputs logits (N, Cx), target (N) int64.  outputs: loss (() for mean /
+// sum, (N) for none), lse (N) float32/64 (saved for backward).  Only the first num_classes
+// columns are classes (-1: all Cx); the rest are padding (a padded vocabulary), ignored by the
+// loss and given a zero gradient, so the backward writes the padded (N, Cx) layout in one pass.
+// Logits rows may be strided (unit column stride): the kernels read them in place.
 class CrossEntropy : public Primitive {
   BT_PRIM_BODY(CrossEntropy, "cross_entropy")
-  CrossEntropy(int64_t ii, int r, double ls)
-      : ignore_index(ii), reduction(r), label_smoothing(ls) {}
+  CrossEntropy(int64_t ii, int r, double ls, int64_t nc = -1)
+      : ignore_index(ii), reduction(r), label_smoothing(ls), num_classes(nc) {}
   bool saves_outputs() const override { return true; }
   void attrs(Attrs& a) const override {
     a["ignore_index"] = ignore_index;
     a["reduction"] = std::string(reduction == 0 ? "none" : reduction == 1 ? "mean" : "sum");
+    if (num_classes >= 0) a["num_classes"] = num_classes;
   }
+  // Classes of logits `x` (N, Cx): num_classes, or Cx when -1.
+  int64_t classes(const Tensor& x) const { return num_classes < 0 ? x.shape()[1] : num_classes; }
   int64_t ignore_index;
   int reduction;  // 0 none, 1 mean, 2 sum
   double label_smoothing;
+  int64_t num_classes;
 };
+// Whether the gradient of `view` reaches `base` only through view ops (no hooks on the way), so a
+// gradient written for base's elements equals the one autograd would scatter from the view
+// (cross_entropy's padded-vocabulary path).
+bool grad_flows_through_views(const Tensor& view, const Tensor& base);
 // out = x * keep / (1 - p), keep = uniform(seed, offset) >= p.  Its vjp is the same op on the
 // cotangent (same seed and offset), so no mask is stored and any backend reproduces it.
 class Dropout : public Primitive {

@@ -135,3 +135,225 @@ def test_gradients_through_qkv_split(rng):
         e[idx] = 1e-6
         fd = (loss(xn + e) - loss(xn - e)) / 2e-6
         np.testing.assert_allclose(x.grad.numpy()[idx], fd, rtol=1e-5, atol=1e-7)
+
+
+# ---- packed qkv: one op on the (B, T, 3C) tensor, one gradient for it ---------------------------
+packed_source = _tensor._packed_qkv_source
+
+
+def _qkv_views(x, B, T, H, D):
+    return [t.view(B, T, H, D).transpose(1, 2) for t in x.split(H * D, dim=2)]
+
+
+def _sdpa_grad(x_np, B, T, H, D, dtype, causal, fused, pack, extra=False):
+    """X.grad of sum(sdpa(q, k, v) * g) (+ sum(X * X) when extra) for q, k, v split from X;
+    pack=False breaks the packing (q, k, v taken from a clone per slice)."""
+    old = _tensor._flash_attention_cpu()
+    try:
+        _tensor._set_flash_attention_cpu(fused)
+        x = bt.tensor(x_np, dtype=dtype, requires_grad=True)
+        h = x * 1.0  # a non-leaf X, as a linear output
+        q, k, v = _qkv_views(h, B, T, H, D)
+        if not pack:
+            q = q * 1.0
+        assert (packed_source(q, k, v) is not None) == pack
+        y = bt.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        g = np.random.default_rng(7).standard_normal((B, H, T, D))
+        loss = (y * bt.tensor(g, dtype=dtype)).sum()
+        if extra:
+            loss = loss + (h * h).sum()
+        loss.backward()
+        return f64(y), f64(x.grad)
+    finally:
+        _tensor._set_flash_attention_cpu(old)
+
+
+@pytest.mark.parametrize("dtype", [bt.float64, bt.float32, bt.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("T", [1, 7, 13])
+def test_packed_sdpa_gradients_match(rng, dtype, causal, T):
+    """Packed vs unpacked (bitwise: same kernel, same arithmetic) vs the composed float64 path."""
+    needs_linalg()
+    B, H, D = 2, 3, 8
+    xn = rng.standard_normal((B, T, 3 * H * D))
+    for extra in (False, True):
+        yp, gp = _sdpa_grad(xn, B, T, H, D, dtype, causal, True, True, extra)
+        yu, gu = _sdpa_grad(xn, B, T, H, D, dtype, causal, True, False, extra)
+        np.testing.assert_array_equal(yp, yu)
+        np.testing.assert_array_equal(gp, gu)
+        yr, gr = _sdpa_grad(xn, B, T, H, D, bt.float64, causal, False, True, extra)
+        np.testing.assert_allclose(yp, yr, **TOL[dtype])
+        np.testing.assert_allclose(gp, gr, **TOL[dtype])
+
+
+def test_packed_source_detection(rng):
+    B, T, H, D = 2, 5, 2, 4
+    C = H * D
+    x = bt.tensor(rng.standard_normal((B, T, 3 * C)), requires_grad=True)
+    q, k, v = _qkv_views(x, B, T, H, D)
+    src = packed_source(q, k, v)
+    assert src is not None and src.shape == (B, T, 3 * C) and src.requires_grad
+    np.testing.assert_array_equal(src.detach().numpy(), x.detach().numpy())
+    assert packed_source(k, q, v) is None  # wrong order
+    assert packed_source(q, q, v) is None
+    # no grad wanted: nothing to pack (the forward is the same kernel anyway)
+    with bt.no_grad():
+        assert packed_source(*_qkv_views(x, B, T, H, D)) is None
+    xd = x.detach()
+    assert packed_source(*_qkv_views(xd, B, T, H, D)) is None
+    # a (B*T, 3C) linear output reshaped to (B, T, 3C): the base is the 2-D tensor
+    w = bt.tensor(rng.standard_normal((B * T, 3 * C)), requires_grad=True)
+    h = (w * 2.0).view(B, T, 3 * C)
+    assert packed_source(*_qkv_views(h, B, T, H, D)) is not None
+    # indexing a (B, T, 3, H, D) view also packs (select views)
+    h5 = h.view(B, T, 3, H, D)
+    q2, k2, v2 = (h5[:, :, i].transpose(1, 2) for i in range(3))
+    assert packed_source(q2, k2, v2) is not None
+    # rows of 3C inside wider rows (a row stride): packs
+    r = bt.tensor(rng.standard_normal((B, T, 4 * C)), requires_grad=True)
+    rr = r * 1.0
+    assert packed_source(*_qkv_views(rr[:, :, : 3 * C], B, T, H, D)) is not None
+    assert packed_source(*_qkv_views(rr[:, :, C:], B, T, H, D)) is not None
+    assert packed_source(*_qkv_views(rr[:, :, 1 : 3 * C + 1], B, T, H, D)) is not None
+    # a hook or retain_grad on a view: its gradient must flow through it, so no packing
+    q, k, v = _qkv_views(x, B, T, H, D)
+    q.register_hook(lambda g: g)
+    assert packed_source(q, k, v) is None
+    q, k, v = _qkv_views(x, B, T, H, D)
+    k.retain_grad()
+    assert packed_source(q, k, v) is None
+    parts = x.split(C, dim=2)
+    parts[2].register_hook(lambda g: g)
+    assert packed_source(*[t.view(B, T, H, D).transpose(1, 2) for t in parts]) is None
+    # a non-contiguous X (its last dim strided): falls back
+    xt = bt.tensor(rng.standard_normal((B, 3 * C, T)), requires_grad=True).transpose(1, 2)
+    qt, kt, vt = (t.reshape(B, T, H, D).transpose(1, 2) for t in xt.split(C, dim=2))
+    assert packed_source(qt, kt, vt) is None
+
+
+def test_packed_row_stride_and_fallback_gradients(rng):
+    """q, k, v from wider rows (packed, row stride 4C) and from a non-contiguous X (unpacked):
+    X's gradient matches the composed float64 path either way."""
+    needs_linalg()
+    B, T, H, D = 2, 6, 2, 4
+    C = H * D
+    rn = rng.standard_normal((B, T, 4 * C))
+    g = rng.standard_normal((B, H, T, D))
+
+    def run(fused, make):
+        old = _tensor._flash_attention_cpu()
+        try:
+            _tensor._set_flash_attention_cpu(fused)
+            r = bt.tensor(rn, requires_grad=True)
+            q, k, v = make(r * 1.0)
+            y = bt.scaled_dot_product_attention(q, k, v, is_causal=True)
+            (y * bt.tensor(g)).sum().backward()
+            return r.grad.numpy()
+        finally:
+            _tensor._set_flash_attention_cpu(old)
+
+    def wide(h):
+        return _qkv_views(h[:, :, : 3 * C], B, T, H, D)
+
+    def strided(h):  # X = h[..., :3C] transposed twice through a copy-free but non-unit layout
+        ht = h.transpose(0, 1)  # (T, B, 4C)
+        return [t.transpose(0, 1).view(B, T, H, D).transpose(1, 2) for t in ht.split(C, 2)[:3]]
+
+    def wide_offset(h):  # rows start one element into the wider rows
+        return _qkv_views(h[:, :, 1 : 3 * C + 1], B, T, H, D)
+
+    for make in (wide, wide_offset, strided):
+        np.testing.assert_allclose(run(True, make), run(False, make), rtol=1e-10, atol=1e-12)
+    ref = run(False, wide)
+    assert np.all(ref[:, :, 3 * C :] == 0)
+
+
+def test_packed_inplace_after_use_raises(rng):
+    """Changing X in place after the fused attention saved it raises at backward, packed or not."""
+    B, T, H, D = 1, 4, 2, 4
+    old = _tensor._flash_attention_cpu()
+    try:
+        _tensor._set_flash_attention_cpu(True)
+        for pack in (True, False):
+            x = bt.tensor(rng.standard_normal((B, T, 3 * H * D)), requires_grad=True)
+            h = x * 1.0
+            q, k, v = _qkv_views(h, B, T, H, D)
+            if not pack:
+                q = q * 1.0
+            assert (packed_source(q, k, v) is not None) == pack
+            y = bt.scaled_dot_product_attention(q, k, v, is_causal=True)
+            with bt.no_grad():
+                h.add_(1.0)
+            with pytest.raises(RuntimeError, match="modified by an in-place"):
+                y.sum().backward()
+    finally:
+        _tensor._set_flash_attention_cpu(old)
+
+
+def test_packed_inplace_before_use_follows_new_value(rng):
+    """An in-place change of X under autograd before the attention: the gradient still matches
+    the composed path (packing follows X's new history or falls back)."""
+    needs_linalg()
+    B, T, H, D = 1, 5, 2, 4
+    xn = rng.standard_normal((B, T, 3 * H * D))
+    grads = []
+    old = _tensor._flash_attention_cpu()
+    try:
+        for fused in (True, False):
+            _tensor._set_flash_attention_cpu(fused)
+            x = bt.tensor(xn, requires_grad=True)
+            w = bt.tensor(xn * 0.5, requires_grad=True)
+            h = x * 1.0
+            q, k, v = _qkv_views(h, B, T, H, D)
+            h.mul_(w)  # q, k, v now read h * w
+            y = bt.scaled_dot_product_attention(q, k, v, is_causal=True)
+            (y * y).sum().backward()
+            grads.append((x.grad.numpy(), w.grad.numpy()))
+    finally:
+        _tensor._set_flash_attention_cpu(old)
+    for a, b in zip(grads[0], grads[1], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_packed_direct(rng, causal):
+    """The packed op itself (row stride 4C): forward vs numpy, gradcheck in float64."""
+    B, T, H, D = 2, 5, 2, 3
+    C = H * D
+    r = bt.tensor(rng.standard_normal((B, T, 4 * C)))
+    x = r[:, :, C:]
+    out, lse = _tensor.flash_attention_packed(x, H, is_causal=causal)
+    xn = x.numpy()
+    q, k, v = (
+        xn[..., i * C : (i + 1) * C].reshape(B, T, H, D).transpose(0, 2, 1, 3) for i in range(3)
+    )
+    ro, rl = ref_attention(q, k, v, causal, 1 / np.sqrt(D))
+    np.testing.assert_allclose(out.numpy(), ro, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse.numpy(), rl, rtol=1e-12, atol=1e-12)
+    xl = bt.tensor(rng.uniform(-1, 1, size=(1, 4, 3 * C)), dtype=bt.float64, requires_grad=True)
+    assert bt.gradcheck(
+        lambda t: _tensor.flash_attention_packed(t, H, is_causal=causal),
+        [xl],
+        eps=1e-6,
+        atol=1e-6,
+        rtol=1e-5,
+    )
+    with pytest.raises(ValueError, match=r"\[flash_attention_packed\]"):
+        _tensor.flash_attention_packed(bt.zeros((2, 3, 10)), 2)
+
+
+def test_packed_sdpa_capture_records(rng):
+    """Under capture (symbolic tensors, no storage) sdpa records the unpacked op (no packing)."""
+    B, T, H, D = 1, 4, 2, 4
+    old = _tensor._flash_attention_cpu()
+    try:
+        _tensor._set_flash_attention_cpu(True)
+        x = bt.tensor(rng.standard_normal((B, T, 3 * H * D)), requires_grad=True)
+        with bt.capture() as g:
+            h = x * 1.0
+            y = bt.scaled_dot_product_attention(*_qkv_views(h, B, T, H, D), is_causal=True)
+            y.sum().backward()
+        ops = [n["op"] for n in g.nodes]
+        assert "flash_attention" in ops and "flash_attention_backward" in ops
+    finally:
+        _tensor._set_flash_attention_cpu(old)

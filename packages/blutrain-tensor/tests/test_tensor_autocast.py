@@ -442,3 +442,146 @@ def test_nn_gelu_mlp_with_policy(rng):
     y.sum().backward()
     assert fc.weight.grad.dtype == bt.float32 and proj.bias.grad.dtype == bt.float32
     np.testing.assert_allclose(_np(y), _np(ref), rtol=5e-2, atol=5e-2)
+
+
+# ---- linear_gelu_linear: recompute option, implementation switch ------------------------------
+@pytest.fixture
+def lgl_impl():
+    prev = bt._tensor._get_linear_gelu_linear_impl()
+    yield bt._tensor._set_linear_gelu_linear_impl
+    bt._tensor._set_linear_gelu_linear_impl(prev)
+
+
+def _lgl_leaves(rng, dtype, M, K, N1, N2, b1=True, b2=True):
+    vals = [
+        rng.standard_normal((M, K)),
+        rng.standard_normal((N1, K)) / np.sqrt(K),
+        rng.standard_normal(N1) if b1 else None,
+        rng.standard_normal((N2, N1)) / np.sqrt(N1),
+        rng.standard_normal(N2) if b2 else None,
+    ]
+    return vals, rng.standard_normal((M, N2))
+
+
+def _lgl_run(vals, g, dtype, recompute):
+    ts = [None if v is None else bt.tensor(v, dtype=dtype, requires_grad=True) for v in vals]
+    y = bt.linear_gelu_linear(*ts, recompute=recompute)
+    y.backward(bt.tensor(g, dtype=dtype))
+    return _np(y), [None if t is None else _np(t.grad) for t in ts]
+
+
+@pytest.mark.parametrize("impl", ["kernel", "cublaslt"])
+@pytest.mark.parametrize("dtype", [bt.float64, bt.float32], ids=str)
+@pytest.mark.parametrize("b1,b2", [(True, True), (False, False), (True, False)])
+def test_lgl_recompute_bitwise(rng, lgl_impl, impl, dtype, b1, b2):
+    # kernel: both forwards run GEMM + the GeluTanh kernel, so every bit matches; cublaslt: the
+    # recompute forward still does (h must be what the backward rebuilds), the other uses the
+    # GELU_AUX epilogue: equal to rounding only.
+    lgl_impl(impl)
+    vals, g = _lgl_leaves(rng, dtype, 13, 8, 24, 5, b1, b2)
+    y0, g0 = _lgl_run(vals, g, dtype, False)
+    y1, g1 = _lgl_run(vals, g, dtype, True)
+    if impl == "kernel":
+        np.testing.assert_array_equal(y0, y1)
+        for a, b in zip(g0, g1, strict=True):
+            if a is not None:
+                np.testing.assert_array_equal(a, b)
+    else:
+        tol = 1e-12 if dtype == bt.float64 else 1e-5
+        np.testing.assert_allclose(y0, y1, rtol=tol, atol=tol)
+        for a, b in zip(g0, g1, strict=True):
+            if a is not None:
+                np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(bt.float32, 1e-5), (bt.bfloat16, 3e-2)])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_lgl_recompute_vs_fp64(rng, dtype, tol, recompute):
+    vals, g = _lgl_leaves(rng, dtype, 17, 32, 48, 8)
+    # the reference from the same (dtype-rounded) values
+    vals = [None if v is None else _np(bt.tensor(v, dtype=dtype)) for v in vals]
+    g = _np(bt.tensor(g, dtype=dtype))
+    y, grads = _lgl_run(vals, g, dtype, recompute)
+    rs = [bt.tensor(v, dtype=bt.float64, requires_grad=True) for v in vals]
+    yr = bt.linear(bt.gelu(bt.linear(rs[0], rs[1], rs[2]), "tanh"), rs[3], rs[4])
+    yr.backward(bt.tensor(g, dtype=bt.float64))
+    assert np.abs(y - _np(yr)).max() <= tol * np.abs(_np(yr)).max()
+    for got, r in zip(grads, rs, strict=True):
+        ref = _np(r.grad)
+        assert np.abs(got - ref).max() <= 2 * tol * np.abs(ref).max()
+
+
+def test_lgl_recompute_3d_and_partial_grads(rng):
+    x = bt.tensor(rng.standard_normal((2, 5, 6)), dtype=bt.float64)
+    w1 = bt.tensor(rng.standard_normal((10, 6)), dtype=bt.float64, requires_grad=True)
+    w2 = bt.tensor(rng.standard_normal((3, 10)), dtype=bt.float64, requires_grad=True)
+    b2 = bt.tensor(rng.standard_normal(3), dtype=bt.float64, requires_grad=True)
+    y = bt.linear_gelu_linear(x, w1, None, w2, b2, recompute=True)
+    assert y.shape == (2, 5, 3)
+    y.sum().backward()
+    w1r, w2r, b2r = (bt.tensor(_np(t), dtype=bt.float64, requires_grad=True) for t in (w1, w2, b2))
+    yr = bt.linear(bt.gelu(bt.linear(x, w1r), "tanh"), w2r, b2r)
+    yr.sum().backward()
+    np.testing.assert_allclose(_np(y), _np(yr), rtol=1e-10, atol=1e-12)
+    for a, b in ((w1, w1r), (w2, w2r), (b2, b2r)):
+        np.testing.assert_allclose(_np(a.grad), _np(b.grad), rtol=1e-10, atol=1e-12)
+    # only w2 needs a gradient: the h recompute runs, the dgelu GEMM does not
+    w2.grad = None
+    w1.requires_grad_(False)
+    b2.requires_grad_(False)
+    bt.linear_gelu_linear(x, w1, None, w2, b2, recompute=True).sum().backward()
+    np.testing.assert_allclose(_np(w2.grad), _np(w2r.grad), rtol=1e-10, atol=1e-12)
+
+
+def test_lgl_recompute_gradcheck(rng):
+    def t(*s):
+        return bt.tensor(rng.standard_normal(s), dtype=bt.float64, requires_grad=True)
+
+    def f(x, w1, b1, w2, b2):
+        return bt.linear_gelu_linear(x, w1, b1, w2, b2, recompute=True)
+
+    assert bt.gradcheck(f, [t(3, 4), t(5, 4), t(5), t(2, 5), t(2)])
+
+
+def test_lgl_impl_setting(lgl_impl):
+    import os
+    import subprocess
+    import sys
+
+    for name in ("kernel", "cublaslt", "kernel_v1"):
+        lgl_impl(name)
+        assert bt._tensor._get_linear_gelu_linear_impl() == name
+    with pytest.raises(ValueError, match="linear_gelu_linear"):
+        lgl_impl("fast")
+    code = "import blutrain.tensor as bt; print(bt._tensor._get_linear_gelu_linear_impl())"
+    for env, want in (("cublaslt", "cublaslt"), ("kernel", "kernel"), ("", "kernel")):
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "BLUTRAIN_LGL_EPILOGUE": env},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert out.stdout.strip() == want
+    bad = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "BLUTRAIN_LGL_EPILOGUE": "nope"},
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode != 0 and "BLUTRAIN_LGL_EPILOGUE" in bad.stderr
+
+
+@pytest.mark.parametrize("impl", ["kernel", "cublaslt"])
+def test_linear_gelu_fp32_forward_impls(rng, lgl_impl, impl):
+    # float32 linear_gelu forward: GEMM + GeluTanh kernel (kernel) or the GELU_AUX epilogue
+    lgl_impl(impl)
+    x = rng.standard_normal((9, 16))
+    w = rng.standard_normal((12, 16)) / 4
+    b = rng.standard_normal(12)
+    y = bt.linear_gelu(*(bt.tensor(v, dtype=bt.float32) for v in (x, w, b)))
+    ref = _gelu_tanh(
+        _np(bt.tensor(x, dtype=bt.float32)) @ _np(bt.tensor(w, dtype=bt.float32)).T
+        + _np(bt.tensor(b, dtype=bt.float32))
+    )
+    np.testing.assert_allclose(_np(y), ref, rtol=2e-6, atol=2e-6)

@@ -457,3 +457,67 @@ def test_more_than_2_31_elements():
     del z
     w = bt.dropout(x[-(2**20) :].to(bt.float16), 0.5)
     assert set(np.unique(npy(w)).tolist()) <= {0.0, 6.0}
+
+
+# ---- row-broadcast fast path (x op b, b a broadcast row: the v3 kernel) -----------------------
+# v3 runs when one operand is contiguous and the other a row broadcast over the leading dims whose
+# length is a multiple of 16 bytes of the dtype (and 16-byte aligned); everything else (odd row
+# lengths, misaligned rows, non-contiguous x) must still take the general paths.
+ROW_CASES = [
+    ((16, 64, 768), (768,)),  # GPT-2 bias shape, scaled down
+    ((4, 3072), (3072,)),
+    ((33, 24), (24,)),  # rows not a multiple of anything
+    ((1, 1, 16), (16,)),  # a single row
+    ((5, 7, 8), (7, 8)),  # a 2-D row (trailing dims contiguous)
+    ((3, 2, 8), (1, 2, 8)),  # leading size-1 dim on the row
+    ((9, 40), (40,)),  # fp32: 10 vectors, bf16: 5 vectors -> v3; f64: 20 vectors
+    ((6, 12), (12,)),  # bf16/fp16 (8 per vector): not a multiple -> general path
+    ((4099, 8), (8,)),  # many rows per thread, unrolled tail
+    ((2, 5), (5,)),  # odd: general path
+]
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=dname)
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div"])
+@pytest.mark.parametrize("shapes", ROW_CASES, ids=str)
+@pytest.mark.parametrize("row_first", [False, True])
+def test_row_broadcast_binary(op, dtype, shapes, row_first, rng):
+    xs, bs = shapes
+    x = make(rng, xs, dtype)
+    b = make(rng, bs, dtype, 0.5, 3.0)  # away from 0: div
+    f = {"add": bt.add, "sub": bt.sub, "mul": bt.mul, "div": bt.div}[op]
+    if row_first:
+        cpu, gpu = f(b, x), f(cuda(b), cuda(x))
+    else:
+        cpu, gpu = f(x, b), f(cuda(x), cuda(b))
+    same(gpu, cpu, None, f"{op} row_first={row_first} {xs} {bs}")  # IEEE ops: bit-exact
+
+
+@pytest.mark.parametrize("dtype", [bt.bfloat16, bt.float32], ids=dname)
+def test_row_broadcast_layouts(dtype, rng):
+    # misaligned row (offset view), non-contiguous x, a column broadcast, a bias needing a cast
+    x = make(rng, (64, 48), dtype)
+    b = make(rng, (66,), dtype)
+    xg, bg = cuda(x), cuda(b)
+    same(xg + bg[1:49], x + b[1:49], None, "misaligned row")
+    same(xg[:, :40] + bg[:40], x[:, :40] + b[:40], None, "sliced x")
+    same(xg.T + bg[:64], x.T + b[:64], None, "transposed x")
+    same(xg + bg[:64].reshape(64, 1), x + b[:64].reshape(64, 1), None, "column broadcast")
+    b32 = make(rng, (48,), bt.float32)
+    same(xg + cuda(b32), x + b32, None, "promoted bias")
+    out_g = xg + bg[:48]
+    assert out_g.is_contiguous()
+    # in-place add of a bias (copy_ of the out-of-place result into x)
+    xi, xi_g = x.clone(), xg.clone()
+    xi += b[:48]
+    xi_g += bg[:48]
+    same(xi_g, xi, None, "in-place bias add")
+
+
+def test_row_broadcast_grad(rng):
+    x = make(rng, (32, 16), bt.float32)
+    b = make(rng, (16,), bt.float32)
+    xg, bg = cuda(x).requires_grad_(True), cuda(b).requires_grad_(True)
+    (xg * bg + bg).sum().backward()
+    np.testing.assert_allclose(npy(bg.grad), npy(x).sum(0) + 32, rtol=1e-5)
+    np.testing.assert_allclose(npy(xg.grad), np.broadcast_to(npy(b), (32, 16)), rtol=0)

@@ -286,3 +286,221 @@ def test_v2_matches_v1(rng, monkeypatch, dtype, name):
         _close(a, b, dtype, f"{name} v2 vs v1 output {i}")
     for i, (a, b) in enumerate(zip(g2, g1)):
         _close(a, b, dtype, f"{name} v2 vs v1 grad {i}", 4)
+
+
+# ---- cross-entropy on a padded vocabulary, read in place ----------------------------------------
+# logits = X[:, :V] of a dense (N, Vp) X: the kernels read the strided rows in place (no
+# gather_contiguous copy) and, when the gradient reaches X through views only, the loss runs on X
+# with num_classes = V so its backward writes X's padded gradient (zeros in the padding) in one
+# pass.  The padding is poisoned with NaN / inf: it must never reach the loss or the gradient.
+V_GPT, VP_GPT = 50257, 50304
+
+
+def _poisoned(rng, N, C, Cp):
+    x = rng.standard_normal((N, Cp)) * 2
+    x[:, C:] = np.nan
+    x[0, C:] = np.inf
+    return x
+
+
+def _ce_padded_run(x, t, C, dtype, device, reduction="mean", ls=0.0, v1=False, hook=False):
+    X = bt.tensor(x, dtype=dtype).to(device).requires_grad_(True)
+    ld = bt.float32 if dtype in (bt.bfloat16, bt.float16) else None
+    full = X * 1.0  # non-leaf, as GPT-2's head output
+    lg = full.reshape(-1, x.shape[-1]).narrow(1, 0, C)
+    if hook:
+        lg.register_hook(lambda g: None)  # keeps the plain path (slice backward)
+    loss = bt.cross_entropy(
+        lg,
+        bt.tensor(t, dtype=bt.int64).to(device),
+        ignore_index=-1,
+        reduction=reduction,
+        label_smoothing=ls,
+        loss_dtype=ld,
+    )
+    node = loss.grad_fn.next_functions[0][0].name()
+    c = np.random.default_rng(1).standard_normal(loss.shape)
+    (loss * bt.tensor(c, dtype=loss.dtype).to(device)).sum().backward()
+    return loss, X.grad, node
+
+
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16, bt.float16, bt.float64])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("NCCp", [(7, V_GPT, VP_GPT), (5, 1025, 1032), (9, 13, 20), (3, 8, 9)])
+def test_cross_entropy_padded(rng, dtype, reduction, NCCp):
+    N, C, Cp = NCCp
+    x = _poisoned(rng, N, C, Cp)
+    t = rng.integers(0, C, N)
+    t[[0, N // 2]] = -1
+    t[-1] = C - 1
+    lg, gg, ng = _ce_padded_run(x, t, C, dtype, "cuda", reduction, 0.1)
+    lc, gc, nc = _ce_padded_run(x, t, C, dtype, "cpu", reduction, 0.1)
+    assert ng == nc == "Mul", (ng, nc)  # the padded path: the loss reads X * 1.0, no Slice
+    g = _np(gg)
+    assert gg.shape == (N, Cp) and np.all(g[:, C:] == 0), "padding gradient must be 0"
+    assert np.isfinite(_np(lg)).all() and np.isfinite(g).all()
+    _close(lg, lc, dtype, f"ce padded {NCCp} loss")
+    _close(gg, gc, dtype, f"ce padded {NCCp} grad", 4)
+    # float64 numpy reference of the gradient (cotangent of ones for mean)
+    if reduction == "mean":
+        xr = _np(bt.tensor(x, dtype=dtype))[:, :C]
+        m = xr.max(1, keepdims=True)
+        lse = m + np.log(np.exp(xr - m).sum(1, keepdims=True))
+        valid = t != -1
+        onehot = np.zeros_like(xr)
+        onehot[np.arange(N), np.where(valid, t, 0)] = 1
+        d = (np.exp(xr - lse) - 0.9 * onehot - 0.1 / C) * valid[:, None] / valid.sum()
+        d *= float(np.random.default_rng(1).standard_normal(()))
+        err = np.abs(g[:, :C] - d).max() / np.abs(d).max()
+        assert err <= 4 * TOL[dtype], f"grad vs float64: {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
+def test_cross_entropy_padded_v1_and_plain_path(rng, monkeypatch, dtype):
+    """v2 vs v1 on the padded path, and the plain path (hook on the logits: dense (N, V) gradient
+    from a strided input, scalar-aligned rows, then the narrow's scatter) against the padded one."""
+    N, C, Cp = 6, V_GPT, VP_GPT
+    x = _poisoned(rng, N, C, Cp)
+    t = rng.integers(0, C, N)
+    t[2] = -1
+    l2, g2, _ = _ce_padded_run(x, t, C, dtype, "cuda")
+    lp, gp, np_ = _ce_padded_run(x, t, C, dtype, "cuda", hook=True)
+    assert np_ == "Slice"
+    # same per-element formula; only the vector width differs (at most an ulp apart)
+    _close(l2, lp, dtype, "ce padded vs plain loss", 0.25)
+    _close(g2, gp, dtype, "ce padded vs plain grad", 0.25)
+    assert np.all(_np(gp)[:, C:] == 0)
+    monkeypatch.setenv("BT_CUDA_NN_V1", "1")
+    l1, g1, _ = _ce_padded_run(x, t, C, dtype, "cuda")
+    _close(l2, l1, dtype, "ce padded v2 vs v1 loss")
+    _close(g2, g1, dtype, "ce padded v2 vs v1 grad", 4)
+    assert np.all(_np(g1)[:, C:] == 0)
+
+
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
+def test_cross_entropy_strided_forward_in_place(rng, dtype):
+    """No grad: the narrowed view is read in place with its row stride (odd offsets too)."""
+    N, Cp = 5, 1040
+    x = rng.standard_normal((N, Cp))
+    t = rng.integers(0, 1000, N)
+    for start, C in [(0, 1000), (3, 1001), (1, 7)]:
+        tt = np.minimum(t, C - 1)
+        with bt.no_grad():
+            g = bt.cross_entropy(
+                bt.tensor(x, dtype=dtype).to("cuda").narrow(1, start, C),
+                bt.tensor(tt, dtype=bt.int64).to("cuda"),
+                reduction="none",
+            )
+            c = bt.cross_entropy(
+                bt.tensor(x, dtype=dtype).narrow(1, start, C),
+                bt.tensor(tt, dtype=bt.int64),
+                reduction="none",
+            )
+        _close(g, c, dtype, f"ce strided forward start {start} C {C}")
+
+
+def test_cross_entropy_target_out_of_range_raises():
+    x = bt.zeros((4, 9)).to("cuda")
+    t = bt.tensor(np.array([0, 9, -100, 3]), dtype=bt.int64).to("cuda")
+    loss = bt.cross_entropy(x, t)
+    with pytest.raises(IndexError, match="cross_entropy"):
+        loss.item()
+    # the record is cleared: later work is unaffected
+    ok = bt.cross_entropy(x, bt.tensor(np.array([0, 8, -100, 3]), dtype=bt.int64).to("cuda"))
+    assert np.isfinite(ok.item())
+    # a target in the padding of a padded vocabulary is out of range too (C classes, not Cp)
+    X = bt.zeros((2, 16)).to("cuda").requires_grad_(True)
+    lp = bt.cross_entropy((X * 1.0).narrow(1, 0, 10), bt.tensor(np.array([1, 12])).to("cuda"))
+    with pytest.raises(IndexError, match="cross_entropy"):
+        bt.cuda.synchronize()
+    del lp
+    # negative target that is not ignore_index
+    ln = bt.cross_entropy(x, bt.tensor(np.array([0, -5, 1, 2])).to("cuda"), reduction="none")
+    with pytest.raises(IndexError, match="cross_entropy"):
+        ln.cpu()
+
+
+# ---- v3 kernels (one warp per row, row in registers) against v2 and the CPU ----------------------
+# BT_CUDA_NN_VERSION selects the kernels (3 is used where it applies: fp32 / 16-bit, rows of whole
+# 16-byte vectors, aligned; else v2).  Shapes cover GPT-2's rows (768, 3072, 1024), rows that
+# leave lanes idle (64, 1000, 1032), ones v3 declines (771, 1030, 4100) and row counts that are
+# not a multiple of the warps per block.
+V3_CASES = {
+    "layer_norm": (lambda x, w, b: bt.layer_norm(x, x.shape[-1], w, b), True),
+    "layer_norm_nowb": (lambda x: bt.layer_norm(x, x.shape[-1]), False),
+    "add_layer_norm": (lambda x, r, w, b: bt.add_layer_norm(x, r, w, b), True),
+    "softmax": (lambda x: bt.softmax(x, -1), False),
+    "log_softmax": (lambda x: bt.log_softmax(x, -1), False),
+}
+
+
+def _v3_arrays(rng, name, R, C):
+    arrays = [rng.standard_normal((R, C)) * 2 + 0.5]
+    if name == "add_layer_norm":
+        arrays.append(rng.standard_normal((R, C)))
+    if V3_CASES[name][1]:
+        arrays += [rng.standard_normal(C), rng.standard_normal(C)]
+    return arrays
+
+
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16, bt.float16])
+@pytest.mark.parametrize("name", sorted(V3_CASES))
+@pytest.mark.parametrize(
+    "RC", [(37, 768), (9, 3072), (13, 1024), (5, 64), (6, 1000), (7, 1032), (5, 771), (3, 4100)]
+)
+def test_v3_matches_v2_and_cpu(rng, monkeypatch, dtype, name, RC):
+    R, C = RC
+    if name.endswith("softmax") and dtype == bt.float16 and C > 2000:
+        pytest.skip("covered by fp32 / bf16")
+    fn = V3_CASES[name][0]
+    arrays = _v3_arrays(rng, name, R, C)
+    idx = list(range(len(arrays)))
+    monkeypatch.setenv("BT_CUDA_NN_VERSION", "3")
+    o3, g3 = _run(fn, arrays, dtype, "cuda", idx)
+    monkeypatch.setenv("BT_CUDA_NN_VERSION", "2")
+    o2, g2 = _run(fn, arrays, dtype, "cuda", idx)
+    oc, gc = _run(fn, arrays, dtype, "cpu", idx)
+    for i, (a, b, c) in enumerate(zip(o3, o2, oc)):
+        _close(a, b, dtype, f"{name} {RC} v3 vs v2 output {i}")
+        _close(a, c, dtype, f"{name} {RC} v3 vs cpu output {i}")
+    for i, (a, b, c) in enumerate(zip(g3, g2, gc)):
+        # dweight / dbias sum R rows: k scales with the row count in 16-bit
+        _close(a, b, dtype, f"{name} {RC} v3 vs v2 grad {i}", 4)
+        _close(a, c, dtype, f"{name} {RC} v3 vs cpu grad {i}", 4)
+
+
+def test_v3_layer_norm_gpt2_rows_and_determinism(rng, monkeypatch):
+    """Many rows (more than one pass of the backward grid), bf16: dweight / dbias run to run
+    bitwise equal, and close to float64."""
+    monkeypatch.setenv("BT_CUDA_NN_VERSION", "3")
+    R, C = 4099, 768
+    x = rng.standard_normal((R, C))
+    w, b = rng.standard_normal(C), rng.standard_normal(C)
+    g = rng.standard_normal((R, C))
+    res = []
+    for _ in range(2):
+        xs = [bt.tensor(a, dtype=bt.bfloat16).to("cuda").requires_grad_(True) for a in (x, w, b)]
+        y = bt.layer_norm(xs[0], C, xs[1], xs[2])
+        y.backward(bt.tensor(g, dtype=bt.bfloat16).to("cuda"))
+        res.append([_np(t.grad) for t in xs])
+    for a, b2 in zip(res[0], res[1]):
+        assert np.array_equal(a, b2), "v3 layer_norm backward is not deterministic"
+    xr = _np(bt.tensor(x, dtype=bt.bfloat16))
+    gr = _np(bt.tensor(g, dtype=bt.bfloat16))
+    m = xr.mean(1, keepdims=True)
+    xh = (xr - m) / np.sqrt(((xr - m) ** 2).mean(1, keepdims=True) + 1e-5)
+    for got, ref in [(res[0][1], (gr * xh).sum(0)), (res[0][2], gr.sum(0))]:
+        err = np.abs(got - ref).max() / np.abs(ref).max()
+        assert err < 2e-2, f"dweight/dbias vs float64: {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
+def test_v3_misaligned_input_falls_back(rng, monkeypatch, dtype):
+    """A contiguous view at an odd element offset is not 16-byte aligned: v3 declines, v2 runs."""
+    monkeypatch.setenv("BT_CUDA_NN_VERSION", "3")
+    R, C = 6, 768
+    flat = rng.standard_normal(R * C + 1)
+    xg = bt.tensor(flat, dtype=dtype).to("cuda").narrow(0, 1, R * C).reshape(R, C)
+    xc = bt.tensor(flat, dtype=dtype).narrow(0, 1, R * C).reshape(R, C)
+    _close(bt.layer_norm(xg, C), bt.layer_norm(xc, C), dtype, "misaligned layer_norm")
+    _close(bt.softmax(xg, -1), bt.softmax(xc, -1), dtype, "misaligned softmax")

@@ -258,3 +258,264 @@ def test_checkpoint_dropout_cuda(rng):
     np.testing.assert_array_equal(grads[0][0], grads[1][0])  # same dropout mask, same GEMMs
     for a, b in zip(grads[0][1:], grads[1][1:], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+# ---- linear_gelu_linear: our dgelu kernel vs cuBLASLt's epilogue, recompute --------------------
+# impl "kernel": dh GEMM + our fused du = dh * gelu'(pre) (+ db1) kernel (v2 where N1 is a multiple
+# of 16 bytes of the dtype, else v1); "kernel_v1" forces the reference kernel; "cublaslt" the
+# DGELU(_BGRAD) epilogue. float32/64 forwards: GEMM + the GeluTanh kernel unless "cublaslt".
+LGL_IMPLS = ["kernel", "kernel_v1", "cublaslt"]
+# (M, K, N1, N2): N1 = 24 is v2 for every dtype; 33 and 7 force v1 (not a vector multiple).
+LGL_SMALL = [(1, 1, 1, 1), (7, 40, 24, 8), (5, 16, 33, 7), (3, 8, 7, 2)]
+# v2's partial column strips and row chunks: N1 = 520 (bf16: 65 vectors = 3 strips, the last a
+# single vector), 1025 / 4099 rows (64-row chunks with a tail: 17 / 65 chunks).
+LGL_LARGE = [(1025, 64, 256, 64), (600, 32, 520, 16), (4099, 16, 3072, 8)]
+
+
+@pytest.fixture
+def lgl_impl():
+    prev = bt._tensor._get_linear_gelu_linear_impl()
+    yield bt._tensor._set_linear_gelu_linear_impl
+    bt._tensor._set_linear_gelu_linear_impl(prev)
+
+
+def _dgelu_tanh(z: np.ndarray) -> np.ndarray:
+    k, c = np.sqrt(2 / np.pi), 0.044715
+    t = np.tanh(k * (z + c * z**3))
+    return 0.5 * (1 + t) + 0.5 * k * z * (1 - t * t) * (1 + 3 * c * z * z)
+
+
+def _lgl_inputs(rng, dtype, M, K, N1, N2, b1=True, b2=True):
+    """(cpu, gpu) pairs of the leaves x, W1, b1, W2, b2 (None pairs without bias), and of dy."""
+    xs = [
+        _pair(rng, (M, K), dtype),
+        _pair(rng, (N1, K), dtype, 1 / np.sqrt(K)),
+        _pair(rng, (N1,), dtype) if b1 else (None, None),
+        _pair(rng, (N2, N1), dtype, 1 / np.sqrt(N1)),
+        _pair(rng, (N2,), dtype) if b2 else (None, None),
+    ]
+    return xs, _pair(rng, (M, N2), dtype)
+
+
+def _lgl_fp64(xs, gy):
+    """float64 [y, dx, dW1, db1, dW2, db2] and each one's magnitude scale (the same sums over
+    absolute values: the rounding-error scale, robust to cancellation in a single element)."""
+    x, w1, b1, w2, b2 = (None if c is None else _np(c) for c, _ in xs)
+    dy = _np(gy[0])
+    b1 = np.zeros(w1.shape[0]) if b1 is None else b1
+    b2 = np.zeros(w2.shape[0]) if b2 is None else b2
+    pre = x @ w1.T + b1
+    h = _gelu_tanh(pre)
+    y = h @ w2.T + b2
+    gp = _dgelu_tanh(pre)
+    du = (dy @ w2) * gp
+    adu = (np.abs(dy) @ np.abs(w2)) * np.abs(gp)
+    ref = [y, du @ w1, du.T @ x, du.sum(0), dy.T @ h, dy.sum(0)]
+    ax, ah, ady = np.abs(x), np.abs(h), np.abs(dy)
+    mag = [
+        ah @ np.abs(w2.T) + np.abs(b2),
+        adu @ np.abs(w1),
+        adu.T @ ax,
+        adu.sum(0),
+        ady.T @ ah,
+        ady.sum(0),
+    ]
+    return ref, [max(m.max(initial=0.0), 1e-30) for m in mag]
+
+
+def _close_mag(got: bt.Tensor, ref: np.ndarray, mag: float, dtype, what: str, k: int) -> None:
+    g = _np(got)
+    assert g.shape == ref.shape, f"{what}: shape {g.shape} != {ref.shape}"
+    assert np.isfinite(g).all(), f"{what}: non-finite output"
+    err = np.abs(g - ref).max(initial=0.0) / mag
+    # 16-bit: pre, h, dh and du are each rounded to 16 bits before the compared value, a chain of
+    # roundings (measured up to 1.0x TOL at 1x1x1x1 on the H200): twice one op's tolerance
+    chain = 2.0 if dtype in (bt.bfloat16, bt.float16) else 1.0
+    tol = chain * TOL[dtype] * max(1.0, np.sqrt(k) / 16)
+    assert err <= tol, f"{what} {dtype}: max err {err:.3g} of the magnitude > {tol:.3g}"
+
+
+def _lgl_gpu(xs, gy, recompute, needs=None):
+    ts = [g if g is None else g.detach().requires_grad_(True) for _, g in xs]
+    if needs is not None:
+        for t, n in zip(ts, needs, strict=True):
+            if t is not None:
+                t.requires_grad_(n)
+    y = bt.linear_gelu_linear(*ts, recompute=recompute)
+    y.backward(gy[1])
+    return y, [None if t is None or not t.requires_grad else t.grad for t in ts]
+
+
+GRAD_NAMES = ["dx", "dW1", "db1", "dW2", "db2"]
+
+
+def _check_lgl(xs, gy, dtype, impl, recompute, with_cpu):
+    M, K = xs[0][0].shape
+    N1, N2 = xs[1][0].shape[0], xs[3][0].shape[0]
+    y, grads = _lgl_gpu(xs, gy, recompute)
+    ref, mag = _lgl_fp64(xs, gy)
+    assert y.dtype == dtype and y.device == "cuda:0"
+    e = EPILOGUE_SLACK.get(dtype, 1) if impl == "cublaslt" else 1
+    tag = f"lgl[{impl}, recompute={recompute}]"
+    _close_mag(y, ref[0], mag[0], dtype, f"{tag} fwd vs fp64", max(K, N1) * e)
+    for name, g, r, m in zip(GRAD_NAMES, grads, ref[1:], mag[1:], strict=True):
+        if g is None:
+            continue
+        assert g.dtype == dtype and g.device == "cuda:0", name
+        _close_mag(g, r, m, dtype, f"{tag} {name} vs fp64", max(M, N1, N2) * e)
+    if not with_cpu:
+        return
+    # vs the CPU backend (blutrain-linalg's DGELU epilogue there)
+    cpu = [c if c is None else c.detach().requires_grad_(True) for c, _ in xs]
+    y_c = bt.linear_gelu_linear(*cpu, recompute=recompute)
+    y_c.backward(gy[0])
+    _close_mag(y, _np(y_c), mag[0], dtype, f"{tag} fwd vs CPU", max(K, N1) * e)
+    for name, g, c, m in zip(GRAD_NAMES, grads, cpu, mag[1:], strict=True):
+        if g is not None:
+            _close_mag(g, _np(c.grad), m, dtype, f"{tag} {name} vs CPU", max(M, N1, N2) * e)
+
+
+@pytest.mark.parametrize("impl", LGL_IMPLS)
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16, bt.float16, bt.float64], ids=str)
+@pytest.mark.parametrize("biases", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("M,K,N1,N2", LGL_SMALL)
+def test_lgl_impls_small(rng, lgl_impl, impl, dtype, biases, recompute, M, K, N1, N2):
+    lgl_impl(impl)
+    xs, gy = _lgl_inputs(rng, dtype, M, K, N1, N2, *biases)
+    _check_lgl(xs, gy, dtype, impl, recompute, with_cpu=True)
+
+
+@pytest.mark.parametrize("impl", LGL_IMPLS)
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16, bt.float16, bt.float64], ids=str)
+@pytest.mark.parametrize("M,K,N1,N2", LGL_LARGE)
+def test_lgl_impls_large(rng, lgl_impl, impl, dtype, M, K, N1, N2):
+    lgl_impl(impl)
+    xs, gy = _lgl_inputs(rng, dtype, M, K, N1, N2)
+    _check_lgl(xs, gy, dtype, impl, False, with_cpu=M < 2000)
+
+
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16], ids=str)
+def test_lgl_kernel_grown_chunks(rng, lgl_impl, dtype):
+    # > 65535 chunks of 64 rows: the chunk grows (grid.y limit). Exact arithmetic so a lost or
+    # doubled row shows: x = 0 and b1 = 0 give pre = 0, gelu'(0) = 0.5; W2 = 1 and dy in {0, 1}
+    # give du = 0.5 dy, so db1[j] = 0.5 * (number of ones in dy), exact in float32.
+    lgl_impl("kernel")
+    M, N1 = 65536 * 64 + 101, 8
+    ones = rng.integers(0, 2, (M, 1)).astype(np.float64)
+    x = bt.zeros(M, 1, dtype=dtype, device="cuda")
+    w1 = bt.tensor(rng.standard_normal((N1, 1)), dtype=dtype, device="cuda")
+    b1 = bt.zeros(N1, dtype=dtype, device="cuda", requires_grad=True)
+    w2 = bt.ones(1, N1, dtype=dtype, device="cuda")
+    y = bt.linear_gelu_linear(x, w1, b1, w2)
+    y.backward(bt.tensor(ones, dtype=dtype, device="cuda"))
+    want = bt.tensor(np.full(N1, 0.5 * ones.sum()), dtype=bt.float64).to(dtype)
+    np.testing.assert_array_equal(_np(b1.grad), _np(want))
+
+
+@pytest.mark.parametrize("impl", ["kernel", "kernel_v1"])
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16, bt.float64], ids=str)
+@pytest.mark.parametrize("M,K,N1,N2", [(7, 40, 24, 8), (5, 16, 33, 7), (1025, 64, 256, 64)])
+def test_lgl_recompute_bitwise_cuda(rng, lgl_impl, impl, dtype, M, K, N1, N2):
+    # Same device, same backward kernels: recompute only changes where h comes from. float32/64
+    # run GEMM + GeluTanh kernel in both forwards -> every bit equal. bf16 without recompute uses
+    # the GELU_AUX epilogue (h from the fp32 accumulator), so only close.
+    lgl_impl(impl)
+    xs, gy = _lgl_inputs(rng, dtype, M, K, N1, N2)
+    y0, g0 = _lgl_gpu(xs, gy, False)
+    y1, g1 = _lgl_gpu(xs, gy, True)
+    if dtype == bt.bfloat16:
+        _, mag = _lgl_fp64(xs, gy)
+        _close_mag(y1, _np(y0), mag[0], dtype, "lgl bf16 recompute fwd", max(K, N1))
+        for name, a, b, m in zip(GRAD_NAMES, g0, g1, mag[1:], strict=True):
+            _close_mag(b, _np(a), m, dtype, f"lgl bf16 recompute {name}", max(M, N1, N2))
+        return
+    np.testing.assert_array_equal(_np(y0), _np(y1))
+    for name, a, b in zip(GRAD_NAMES, g0, g1, strict=True):
+        np.testing.assert_array_equal(_np(a), _np(b), err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16], ids=str)
+def test_lgl_kernel_deterministic_and_v1_agrees(rng, lgl_impl, dtype):
+    # v2's db1 (chunked, fixed order) is the same bits run to run; v1/v2's du are the same
+    # elementwise formula, so dx and dW1 agree to GEMM rounding and db1 to summation order.
+    xs, gy = _lgl_inputs(rng, dtype, 4099, 16, 3072, 8)
+    lgl_impl("kernel")
+    _, ga = _lgl_gpu(xs, gy, False)
+    _, gb = _lgl_gpu(xs, gy, False)
+    for name, a, b in zip(GRAD_NAMES, ga, gb, strict=True):
+        np.testing.assert_array_equal(_np(a), _np(b), err_msg=name)
+    lgl_impl("kernel_v1")
+    _, gv = _lgl_gpu(xs, gy, False)
+    _, mag = _lgl_fp64(xs, gy)
+    for name, a, b, m in zip(GRAD_NAMES, ga, gv, mag[1:], strict=True):
+        _close_mag(a, _np(b), m, dtype, f"lgl v2 vs v1 {name}", 64)
+
+
+@pytest.mark.parametrize("impl", LGL_IMPLS)
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize(
+    "needs",
+    [
+        (False, False, False, True, True),  # only W2/b2: the dgelu GEMM does not run
+        (False, True, False, False, False),  # only W1: dgelu without bgrad
+        (True, False, True, False, False),  # dx and db1
+    ],
+)
+def test_lgl_partial_grads_cuda(rng, lgl_impl, impl, recompute, needs):
+    lgl_impl(impl)
+    xs, gy = _lgl_inputs(rng, bt.float32, 33, 24, 40, 12)
+    _, grads = _lgl_gpu(xs, gy, recompute, needs)
+    ref, mag = _lgl_fp64(xs, gy)
+    for name, n, g, r, m in zip(GRAD_NAMES, needs, grads, ref[1:], mag[1:], strict=True):
+        assert (g is not None) == n, name
+        if n:
+            _close_mag(g, r, m, bt.float32, f"lgl partial {name}", 64)
+
+
+@pytest.mark.parametrize("impl", LGL_IMPLS)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_lgl_noncontiguous_cuda(rng, lgl_impl, impl, recompute):
+    # 3-D strided input, transposed weights, a non-contiguous dy
+    lgl_impl(impl)
+    x_c, x_g = _pair(rng, (3, 10, 16), bt.float32)
+    w1_c, w1_g = _pair(rng, (16, 32), bt.float32, 0.25)  # used as .T: (32, 16)
+    w2_c, w2_g = _pair(rng, (32, 8), bt.float32, 0.2)  # used as .T: (8, 32)
+    b1_c, b1_g = _pair(rng, (32,), bt.float32)
+    g_c, g_g = _pair(rng, (3, 8, 5), bt.float32)  # transposed to (3, 5, 8)
+    leaves = [t.detach().requires_grad_(True) for t in (x_g, w1_g, b1_g, w2_g)]
+    xg, w1g, b1g, w2g = leaves
+    y = bt.linear_gelu_linear(xg[:, ::2], w1g.T, b1g, w2g.T, None, recompute=recompute)
+    assert y.shape == (3, 5, 8)
+    y.backward(g_g.transpose(1, 2))
+    x, w1, b1, w2 = _np(x_c)[:, ::2].reshape(-1, 16), _np(w1_c).T, _np(b1_c), _np(w2_c).T
+    dy = _np(g_c).transpose(0, 2, 1).reshape(-1, 8)
+    pre = x @ w1.T + b1
+    h = _gelu_tanh(pre)
+    _close(y, (h @ w2.T).reshape(3, 5, 8), bt.float32, "lgl strided fwd", 32)
+    du = (dy @ w2) * _dgelu_tanh(pre)
+    dx = np.zeros((3, 10, 16))
+    dx[:, ::2] = (du @ w1).reshape(3, 5, 16)
+    _close(xg.grad, dx, bt.float32, "lgl strided dx", 32)
+    _close(w1g.grad, (du.T @ x).T, bt.float32, "lgl strided dW1", 32)
+    _close(b1g.grad, du.sum(0), bt.float32, "lgl strided db1", 32)
+    _close(w2g.grad, (dy.T @ h).T, bt.float32, "lgl strided dW2", 32)
+
+
+def test_lgl_empty_rows_cuda(lgl_impl):
+    # M = 0: db1 must be zeros (not the allocator's garbage), the weight grads zeros
+    for impl in LGL_IMPLS:
+        lgl_impl(impl)
+        ts = [
+            bt.zeros(0, 8, device="cuda"),
+            bt.ones(16, 8, device="cuda"),
+            bt.ones(16, device="cuda"),
+            bt.ones(4, 16, device="cuda"),
+            bt.ones(4, device="cuda"),
+        ]
+        ts = [t.requires_grad_(True) for t in ts]
+        y = bt.linear_gelu_linear(*ts)
+        assert y.shape == (0, 4)
+        y.sum().backward()
+        for t in ts[1:]:
+            assert np.all(_np(t.grad) == 0), impl

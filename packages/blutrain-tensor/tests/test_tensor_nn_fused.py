@@ -296,3 +296,164 @@ def test_cross_entropy_vs_torch(rng, reduction):
     lb.sum().backward()
     np.testing.assert_allclose(f64(lb), lt.detach().numpy(), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(f64(xb.grad), xt.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+# ---- cross-entropy on a padded vocabulary (logits = X[:, :C] of a dense (N, Cp) X) -------------
+# The front runs the loss on X itself with num_classes = C when the gradient reaches X through
+# views only: the backward then writes X's padded (N, Cp) gradient in one pass (zeros in the
+# padding) and no slice_scatter runs.  The loss's input edge shows which path ran.
+def _ce_input_node(loss):
+    """'Slice' on the plain path; on the padded one, whatever made X (X itself when a leaf)."""
+    return loss.grad_fn.next_functions[0][0].name()
+
+
+def _padded_x(rng, N, C, Cp, dtype, poison=True):
+    x = rng.standard_normal((N, Cp)) * 3
+    if poison:  # the padding must never reach the loss or the gradient
+        x[:, C:] = np.nan
+        if Cp - C > 1:
+            x[0, C + 1] = np.inf
+    return x
+
+
+@pytest.mark.parametrize("dtype", [bt.float64, bt.float32, bt.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ls", [0.0, 0.1])
+def test_cross_entropy_padded_vs_numpy(rng, dtype, reduction, ls):
+    N, C, Cp = 9, 37, 48
+    x = _padded_x(rng, N, C, Cp, dtype)
+    t = rng.integers(0, C, N)
+    t[[0, 4]] = -1
+    t[1] = C - 1  # the last real class
+    X = bt.tensor(x, dtype=dtype, requires_grad=True)
+    ld = bt.float32 if dtype == bt.bfloat16 else None
+    loss = bt.cross_entropy(
+        X.narrow(1, 0, C),
+        bt.tensor(t, dtype=bt.int64),
+        ignore_index=-1,
+        reduction=reduction,
+        label_smoothing=ls,
+        loss_dtype=ld,
+    )
+    assert _ce_input_node(loss) == "AccumulateGrad"  # the padded path: X itself, no Slice
+    ref_loss, ref_d = np_ce(f64(X)[:, :C], t, -1, reduction, ls)
+    tol = TOL[dtype]
+    np.testing.assert_allclose(f64(loss), ref_loss, rtol=tol, atol=tol)
+    if reduction == "none":
+        gl = rng.standard_normal(N)
+        loss.backward(bt.tensor(gl, dtype=loss.dtype))
+        ref_d = ref_d * gl[:, None]
+    else:
+        loss.backward()
+    g = f64(X.grad)
+    assert X.grad.dtype == dtype and X.grad.shape == (N, Cp)
+    assert np.all(g[:, C:] == 0), "padding columns must get a zero gradient"
+    np.testing.assert_allclose(g[:, :C], ref_d, rtol=tol, atol=tol)
+    assert np.all(g[[0, 4]] == 0)
+
+
+def _ce_both_paths(rng, dtype, N, C, Cp, ls=0.1, extra_use=True):
+    """GPT-2's pattern: full = f(leaf) (B, T, Cp), flat = full.reshape(N, Cp).narrow(1, 0, C),
+    full also used elsewhere; gradients of the padded path vs the plain one (a hook on the
+    narrowed logits keeps the plain path: slice backward + scatter)."""
+    w = rng.standard_normal((N // 3, 3, Cp))
+    w[..., C:] = 0.0
+    t = rng.integers(0, C, N)
+    t[2] = -1
+    ld = bt.float32 if dtype in (bt.bfloat16, bt.float16) else None
+    grads, losses, nodes = [], [], []
+    for plain in (False, True):
+        W = bt.tensor(w, dtype=dtype, requires_grad=True)
+        full = W * 2.0  # non-leaf (B, T, Cp)
+        flat = full.reshape(N, Cp).narrow(1, 0, C)
+        if plain:
+            flat.register_hook(lambda g: None)
+        loss = bt.cross_entropy(
+            flat, bt.tensor(t, dtype=bt.int64), ignore_index=-1, label_smoothing=ls, loss_dtype=ld
+        )
+        nodes.append(_ce_input_node(loss))
+        total = loss.to(dtype) + (full * full).sum() * 0.01 if extra_use else loss
+        total.backward()
+        grads.append(f64(W.grad))
+        losses.append(f64(loss))
+    assert nodes == ["Reshape", "Slice"], nodes
+    return grads, losses
+
+
+@pytest.mark.parametrize("dtype", [bt.float64, bt.float32, bt.bfloat16])
+def test_cross_entropy_padded_identical_to_plain(rng, dtype):
+    (gp, gq), (lp, lq) = _ce_both_paths(rng, dtype, 12, 29, 40)
+    assert np.array_equal(lp, lq)
+    assert np.array_equal(gp, gq), "padded path gradient differs from the plain path"
+
+
+def test_cross_entropy_padded_vs_unpadded_equivalent(rng):
+    N, C, Cp = 10, 21, 32
+    x = _padded_x(rng, N, C, Cp, bt.float64)
+    t = rng.integers(0, C, N)
+    X = bt.tensor(x, requires_grad=True)
+    Y = bt.tensor(np.ascontiguousarray(x[:, :C]), requires_grad=True)
+    tt = bt.tensor(t, dtype=bt.int64)
+    lx = bt.cross_entropy(X.narrow(1, 0, C), tt, label_smoothing=0.2)
+    ly = bt.cross_entropy(Y, tt, label_smoothing=0.2)
+    lx.backward()
+    ly.backward()
+    assert np.array_equal(f64(lx), f64(ly))
+    assert np.array_equal(f64(X.grad)[:, :C], f64(Y.grad))
+
+
+def test_cross_entropy_padded_target_out_of_range():
+    # a target in the padding (C <= t < Cp) is out of range: C classes, not Cp
+    X = bt.zeros((3, 8), requires_grad=True)
+    with pytest.raises(IndexError, match="cross_entropy"):
+        bt.cross_entropy(X.narrow(1, 0, 5), bt.tensor(np.array([0, 6, 1]), dtype=bt.int64))
+
+
+def test_cross_entropy_padded_fallbacks(rng):
+    N, C, Cp = 6, 7, 10
+    x = rng.standard_normal((N, Cp))
+    t = bt.tensor(rng.integers(0, C, N), dtype=bt.int64)
+    _, ref_d = np_ce(x[:, 1 : C + 1], t.numpy(), -100, "mean", 0.0)
+    # offset view (start 1): the plain path reads the strided rows in place
+    X = bt.tensor(x, requires_grad=True)
+    loss = bt.cross_entropy(X.narrow(1, 1, C), t)
+    assert _ce_input_node(loss) == "Slice"
+    loss.backward()
+    g = f64(X.grad)
+    np.testing.assert_allclose(g[:, 1 : C + 1], ref_d, rtol=1e-10, atol=1e-12)
+    assert np.all(g[:, 0] == 0) and np.all(g[:, C + 1 :] == 0)
+    # a leaf view (made without grad) that then requires grad: its own .grad, (N, C)
+    X2 = bt.tensor(x, requires_grad=True)
+    with bt.no_grad():
+        v = X2.narrow(1, 0, C)
+    v.requires_grad_(True)
+    bt.cross_entropy(v, t).backward()
+    assert X2.grad is None and v.grad.shape == (N, C)
+    _, ref0 = np_ce(x[:, :C], t.numpy(), -100, "mean", 0.0)
+    np.testing.assert_allclose(f64(v.grad), ref0, rtol=1e-10, atol=1e-12)
+    # retain_grad on the narrowed logits: the plain path, and logits.grad is filled
+    X3 = bt.tensor(x, requires_grad=True)
+    lg = X3.narrow(1, 0, C)
+    lg.retain_grad()
+    l3 = bt.cross_entropy(lg, t)
+    assert _ce_input_node(l3) == "Slice"
+    l3.backward()
+    np.testing.assert_allclose(f64(lg.grad), ref0, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(f64(X3.grad)[:, :C], ref0, rtol=1e-10, atol=1e-12)
+    # transposed base (not row-major): plain path, still correct
+    X4 = bt.tensor(np.ascontiguousarray(x.T), requires_grad=True)
+    l4 = bt.cross_entropy(X4.T.narrow(1, 0, C), t)
+    l4.backward()
+    np.testing.assert_allclose(f64(X4.grad).T[:, :C], ref0, rtol=1e-10, atol=1e-12)
+    # no grad: forward only on the strided view, same loss
+    with bt.no_grad():
+        l5 = bt.cross_entropy(bt.tensor(x).narrow(1, 0, C), t)
+    np.testing.assert_allclose(f64(l5), f64(l3), rtol=1e-12)
+
+
+def test_gradcheck_cross_entropy_padded(rng):
+    tgt = bt.tensor(np.array([0, 2, -100, 4]), dtype=bt.int64)
+    _gc(
+        lambda x: bt.cross_entropy(x.narrow(1, 0, 5), tgt, label_smoothing=0.1),
+        [leaf(rng, (4, 8))],
+    )

@@ -142,6 +142,60 @@ def test_advanced_index_and_mask():
     np.testing.assert_array_equal(t[t > 4].numpy(), a[m])
 
 
+@pytest.mark.parametrize(
+    "index",
+    [
+        lambda i, j: (i, j),  # adjacent: the broadcast shape replaces the indexed dims
+        lambda i, j: (slice(None), i, j),
+        lambda i, j: (i, slice(None), j),  # separated by a slice: the broadcast dims go first
+        lambda i, j: (i[:, None], j[None, :]),  # broadcast to an outer product
+        lambda i, j: (1, slice(1, None), j),  # an int with a tensor index is a 0-d index
+        lambda i, j: (Ellipsis, i, 2),
+        lambda i, j: (None, i, j, slice(0, 3)),
+        lambda i, j: (-1, j),
+    ],
+)
+def test_several_tensor_indices_match_numpy(index):
+    rng = np.random.default_rng()
+    a = rng.standard_normal((4, 5, 6))
+    i = rng.integers(-4, 4, 3)
+    j = rng.integers(0, 5, 3)
+    ix = index(i, j)
+    as_bt = tuple(bt.tensor(k) if isinstance(k, np.ndarray) else k for k in ix)
+    np.testing.assert_array_equal(t_of(a)[as_bt].numpy(), a[ix])
+    as_lists = tuple(k.tolist() if isinstance(k, np.ndarray) and k.ndim == 1 else k for k in ix)
+    np.testing.assert_array_equal(t_of(a)[as_bt].numpy(), t_of(a)[as_lists].numpy())
+
+
+def test_several_tensor_indices_gradient_and_setitem():
+    rng = np.random.default_rng()
+    a = rng.standard_normal((4, 5))
+    i, j = np.array([0, 3, 3, -1]), np.array([1, 4, 4, 0])
+    t = bt.tensor(a, requires_grad=True)
+    g = rng.standard_normal(4)
+    t[bt.tensor(i), bt.tensor(j)].backward(bt.tensor(g))
+    want = np.zeros_like(a)
+    np.add.at(want, (i, j), g)  # repeated positions accumulate
+    np.testing.assert_allclose(t.grad.numpy(), want)
+    u = t_of(a)
+    u[bt.tensor(i[:2]), bt.tensor(j[:2])] = 7.0
+    b = a.copy()
+    b[i[:2], j[:2]] = 7.0
+    np.testing.assert_array_equal(u.numpy(), b)
+
+
+def test_several_tensor_indices_errors():
+    t = bt.ones(3, 4)
+    with pytest.raises(IndexError, match=r"^\[getitem\] index 4 is out of range for dim 1 of size 4"):
+        t[bt.tensor([0, 1]), bt.tensor([1, 4])]
+    with pytest.raises(IndexError, match=r"^\[getitem\] index -4 is out of range for dim 0"):
+        t[bt.tensor([-4]), bt.tensor([0])]
+    with pytest.raises(ValueError, match=r"^\[getitem\] shapes"):
+        t[bt.tensor([0, 1]), bt.tensor([0, 1, 2])]
+    with pytest.raises(IndexError, match=r"must be integer"):
+        t[bt.tensor([0.0]), bt.tensor([1])]
+
+
 def test_zero_size_and_scalars():
     z = bt.zeros(0, 3)
     assert z.numel() == 0 and z.sum().item() == 0

@@ -71,12 +71,14 @@ void FlashAttention::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>
   });
 }
 
-// inputs q, k, v, o, do, lse, dlse; outputs dq (B, L, H, D), dk, dv (B, S, H, D), contiguous.
+// inputs q, k, v, o, do, lse, dlse; outputs dq (B, L, H, D), dk, dv (B, S, H, D), unit D stride
+// (contiguous, or the packed backward's slices of one (B, T, 3 H D) gradient).
 void FlashAttentionBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   const Tensor &q = in[0], &k = in[1], &v = in[2], &o = in[3], &g = in[4];
   const Tensor lse = cpu::contiguous_raw(in[5]), dlse = cpu::contiguous_raw(in[6]);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
-  const View4 vq(q), vk(k), vv(v), vo(o), vg(g);  // o, do are (B, L, H, D)
+  const View4 vq(q), vk(k), vv(v), vo(o), vg(g);   // o, do are (B, L, H, D)
+  const View4 wq(out[0]), wk(out[1]), wv(out[2]);  // dq, dk, dv: (B, L|S, H, D), unit D stride
   const double sc = scale;
   const bool causal_ = causal;
   dispatch_float(q.dtype(), name(), [&](auto tag) {
@@ -124,12 +126,12 @@ void FlashAttentionBackward::eval_cpu(const std::vector<Tensor>& in, std::vector
               dv[j * D + d] += p * gi[d];
             }
           }
-          T* o_dq = dqp + ((b * L + i) * H + h) * D;
+          T* o_dq = dqp + wq(b, i, h);
           for (int64_t d = 0; d < D; ++d) o_dq[d] = static_cast<T>(dq[d]);
         }
         for (int64_t j = 0; j < S; ++j) {
-          T* o_dk = dkp + ((b * S + j) * H + h) * D;
-          T* o_dv = dvp + ((b * S + j) * H + h) * D;
+          T* o_dk = dkp + wk(b, j, h);
+          T* o_dv = dvp + wv(b, j, h);
           for (int64_t d = 0; d < D; ++d) {
             o_dk[d] = static_cast<T>(dk[j * D + d]);
             o_dv[d] = static_cast<T>(dv[j * D + d]);
@@ -140,7 +142,26 @@ void FlashAttentionBackward::eval_cpu(const std::vector<Tensor>& in, std::vector
   });
 }
 
+// Packed: q, k, v are views of X; dq, dk, dv are the three (B, T, H, D) slices of dX.
+void FlashAttentionPacked::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  FlashAttention(scale, causal).eval_cpu(packed_qkv_views(in[0], heads), out);
+}
+
+void FlashAttentionPackedBackward::eval_cpu(const std::vector<Tensor>& in,
+                                            std::vector<Tensor>& out) {
+  auto qkv = packed_qkv_views(in[0], heads);
+  auto douts = packed_grad_views(out[0], heads);
+  FlashAttentionBackward(scale, causal)
+      .eval_cpu({qkv[0], qkv[1], qkv[2], in[1], in[2], in[3], in[4]}, douts);
+}
+
 #ifndef BT_WITH_CUDA
+void FlashAttentionPacked::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {
+  backend::no_cuda_kernel(name());
+}
+void FlashAttentionPackedBackward::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {
+  backend::no_cuda_kernel(name());
+}
 void FlashAttention::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {
   backend::no_cuda_kernel(name());
 }

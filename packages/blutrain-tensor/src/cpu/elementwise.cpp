@@ -172,6 +172,12 @@ static inline C unary_fn(C x) {
 }
 
 template <UnaryOp OP, typename T, typename O>
+BT_CPU_CLONES void unary_contiguous(const T* a, O* o, int64_t n) {
+  using C = compute_t<T>;
+  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<O>(unary_fn<OP, C>(C(a[i])));
+}
+
+template <UnaryOp OP, typename T, typename O>
 static void unary_loop(const Tensor& x, const Tensor& out) {
   using C = compute_t<T>;
   const T* a = base_ptr<T>(x);
@@ -182,7 +188,7 @@ static void unary_loop(const Tensor& x, const Tensor& out) {
         O* op = o + off[0];
         const T* ap = a + off[1];
         if (s[0] == 1 && s[1] == 1) {
-          for (int64_t i = 0; i < n; ++i) op[i] = static_cast<O>(unary_fn<OP, C>(C(ap[i])));
+          unary_contiguous<OP, T, O>(ap, op, n);
         } else {
           for (int64_t i = 0; i < n; ++i)
             op[i * s[0]] = static_cast<O>(unary_fn<OP, C>(C(ap[i * s[1]])));

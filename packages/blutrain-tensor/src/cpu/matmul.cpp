@@ -38,7 +38,10 @@ static bt_linalg_matrix describe(const Tensor& t, bool transpose_view, int32_t& 
   m.ptr = t.data_ptr(name);
   m.dtype = linalg_dtype(t.dtype(), name);
   m.batch_stride = nd == 3 ? t.strides()[0] : 0;
-  if ((cols == 1 || cs == 1) && (rows == 1 || rs >= cols)) {
+  if (rows == 0 || cols == 0) {  // nothing is read: any layout (e.g. an empty expand view)
+    op = BT_LINALG_OP_N;
+    m.ld = std::max<int64_t>(cols, 1);
+  } else if ((cols == 1 || cs == 1) && (rows == 1 || rs >= cols)) {
     op = BT_LINALG_OP_N;
     m.ld = rows == 1 ? std::max<int64_t>(cols, 1) : rs;
   } else if ((rows == 1 || rs == 1) && (cols == 1 || cs >= rows)) {
@@ -77,8 +80,7 @@ static int32_t compute_mode(int32_t operand_dtype) {
 // D = op(A) op(B) for D (.., m, n) with A (.., m, k) and B (.., k, n) or (.., n, k) when
 // trans_b; the caller sets the epilogue fields.
 static bt_linalg_gemm_desc make_desc(const Primitive& p, const Tensor& A, bool trans_a,
-                                     const Tensor& B, bool trans_b, const Tensor& D,
-                                     void* stream) {
+                                     const Tensor& B, bool trans_b, const Tensor& D, void* stream) {
   bt_linalg_gemm_desc d;
   bt_linalg_gemm_desc_init(&d);
   d.device = D.device().is_cuda() ? D.device().index : -1;
@@ -123,21 +125,60 @@ static void run_gemm(Primitive& p, const std::vector<Tensor>& in, std::vector<Te
   call_gemm(p, d);
 }
 
-// LinearGelu: y = gelu(x W^T + b), aux = pre-activation (out[1]), one GEMM.
-static void run_linear_gelu(LinearGelu& p, const std::vector<Tensor>& in,
-                            std::vector<Tensor>& out, void* stream) {
-  bt_linalg_gemm_desc d = make_desc(p, in[0], false, in[1], true, out[0], stream);
-  d.epilogue = p.has_bias ? BT_LINALG_EPI_BIAS_GELU_AUX : BT_LINALG_EPI_GELU_AUX;
-  if (p.has_bias) d.bias = vec(in[2], p);
-  d.aux = d.d;
-  d.aux.ptr = out[1].data_ptr(p.name());
-  call_gemm(p, d);
+static bool is_16bit(DType d) { return d == DType::BFloat16 || d == DType::Float16; }
+
+// h = gelu_tanh(pre) by the GeluTanh unary kernel of the device (the one a recompute reruns).
+static void gelu_into(const Tensor& pre, Tensor& h, bool gpu) {
+  Unary u(UnaryOp::GeluTanh);
+  std::vector<Tensor> o{h};
+  if (gpu) {
+    u.eval_gpu({pre}, o);
+  } else {
+    u.eval_cpu({pre}, o);
+  }
 }
 
-// LinearDgelu: dpre = (g W) * gelu'(pre), with bgrad db = column sums of dpre.
+// The GELU in the GEMM's epilogue (GELU_AUX) for 16-bit types, where cuBLASLt fuses it; for
+// float32/64 (no fused epilogue: cuBLASLt runs a slow extra kernel) GEMM(+bias) then our kernel.
+static bool fused_gelu_forward(DType dt) { return is_16bit(dt) || lgl_impl() == LglImpl::Cublaslt; }
+
+// D = gelu(x W^T + b) with aux = pre: one GEMM (fused) or GEMM into pre then gelu_into(h).
+static void linear_gelu_aux(const Primitive& p, const Tensor& x, const Tensor& w,
+                            const Tensor* bias, Tensor& h, Tensor& pre, bool fused, void* stream,
+                            bool gpu) {
+  bt_linalg_gemm_desc d = make_desc(p, x, false, w, true, fused ? h : pre, stream);
+  if (bias) d.bias = vec(*bias, p);
+  if (fused) {
+    d.epilogue = bias ? BT_LINALG_EPI_BIAS_GELU_AUX : BT_LINALG_EPI_GELU_AUX;
+    d.aux = d.d;
+    d.aux.ptr = pre.data_ptr(p.name());
+    call_gemm(p, d);
+  } else {
+    d.epilogue = bias ? BT_LINALG_EPI_BIAS : BT_LINALG_EPI_NONE;
+    call_gemm(p, d);
+    gelu_into(pre, h, gpu);
+  }
+}
+
+// LinearGelu: y = gelu(x W^T + b), aux = pre-activation (out[1]).
+static void run_linear_gelu(LinearGelu& p, const std::vector<Tensor>& in, std::vector<Tensor>& out,
+                            void* stream, bool gpu) {
+  linear_gelu_aux(p, in[0], in[1], p.has_bias ? &in[2] : nullptr, out[0], out[1],
+                  fused_gelu_forward(out[0].dtype()), stream, gpu);
+}
+
+// LinearDgelu: dpre = (g W) * gelu'(pre), with bgrad db = column sums of dpre; the epilogue
+// (CPU, Cublaslt) or a plain GEMM and our in-place kernel (CUDA).
 static void run_linear_dgelu(LinearDgelu& p, const std::vector<Tensor>& in,
-                             std::vector<Tensor>& out, void* stream) {
+                             std::vector<Tensor>& out, void* stream, bool gpu) {
   bt_linalg_gemm_desc d = make_desc(p, in[0], false, in[1], false, out[0], stream);
+  if (gpu && lgl_impl() != LglImpl::Cublaslt) {
+#ifdef BT_WITH_CUDA
+    call_gemm(p, d);
+    cuda::gelu_tanh_backward_inplace(out[0], in[2], p.bgrad ? out[1] : Tensor(), p.name());
+    return;
+#endif
+  }
   d.epilogue = p.bgrad ? BT_LINALG_EPI_DGELU_BGRAD : BT_LINALG_EPI_DGELU;
   d.aux = d.d;
   d.aux.ptr = in[2].data_ptr(p.name());
@@ -146,17 +187,16 @@ static void run_linear_dgelu(LinearDgelu& p, const std::vector<Tensor>& in,
   call_gemm(p, d);
 }
 
-// LinearGeluLinear: h = gelu(x W1^T + b1) (pre saved as aux), y = h W2^T + b2.
+// LinearGeluLinear: h = gelu(x W1^T + b1) (pre saved), y = h W2^T + b2. With recompute h is a
+// temporary and always comes from the GeluTanh kernel (what the backward's recompute runs).
 static void run_linear_gelu_linear(LinearGeluLinear& p, const std::vector<Tensor>& in,
-                                   std::vector<Tensor>& out, void* stream) {
+                                   std::vector<Tensor>& out, void* stream, bool gpu) {
   const size_t ib1 = 3, ib2 = p.has_b1 ? 4 : 3;
-  bt_linalg_gemm_desc d1 = make_desc(p, in[0], false, in[1], true, out[1], stream);
-  d1.epilogue = p.has_b1 ? BT_LINALG_EPI_BIAS_GELU_AUX : BT_LINALG_EPI_GELU_AUX;
-  if (p.has_b1) d1.bias = vec(in[ib1], p);
-  d1.aux = d1.d;
-  d1.aux.ptr = out[2].data_ptr(p.name());
-  call_gemm(p, d1);
-  bt_linalg_gemm_desc d2 = make_desc(p, out[1], false, in[2], true, out[0], stream);
+  Tensor& pre = p.recompute ? out[1] : out[2];
+  Tensor h = p.recompute ? empty_tensor(pre.shape(), pre.dtype(), pre.device(), p.name()) : out[1];
+  const bool fused = !p.recompute && fused_gelu_forward(pre.dtype());
+  linear_gelu_aux(p, in[0], in[1], p.has_b1 ? &in[ib1] : nullptr, h, pre, fused, stream, gpu);
+  bt_linalg_gemm_desc d2 = make_desc(p, h, false, in[2], true, out[0], stream);
   if (p.has_b2) {
     d2.epilogue = BT_LINALG_EPI_BIAS;
     d2.bias = vec(in[ib2], p);
@@ -179,34 +219,35 @@ void Matmul::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   run_gemm(*this, in, out, trans_b, has_bias, nullptr);
 }
 void LinearGelu::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  run_linear_gelu(*this, in, out, nullptr);
+  run_linear_gelu(*this, in, out, nullptr, false);
 }
 void LinearWeightGrad::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   run_linear_weight_grad(*this, in, out, nullptr);
 }
 void LinearDgelu::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  run_linear_dgelu(*this, in, out, nullptr);
+  run_linear_dgelu(*this, in, out, nullptr, false);
 }
 void LinearGeluLinear::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  run_linear_gelu_linear(*this, in, out, nullptr);
+  run_linear_gelu_linear(*this, in, out, nullptr, false);
 }
 
 #ifdef BT_WITH_CUDA
-// blutrain-linalg runs the same descriptor on the device (cuBLASLt), on the device's current stream.
+// blutrain-linalg runs the same descriptor on the device (cuBLASLt), on the device's current
+// stream.
 void Matmul::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   run_gemm(*this, in, out, trans_b, has_bias, backend::current_stream(out[0].device()));
 }
 void LinearGelu::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  run_linear_gelu(*this, in, out, backend::current_stream(out[0].device()));
+  run_linear_gelu(*this, in, out, backend::current_stream(out[0].device()), true);
 }
 void LinearWeightGrad::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   run_linear_weight_grad(*this, in, out, backend::current_stream(out[0].device()));
 }
 void LinearDgelu::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  run_linear_dgelu(*this, in, out, backend::current_stream(out[0].device()));
+  run_linear_dgelu(*this, in, out, backend::current_stream(out[0].device()), true);
 }
 void LinearGeluLinear::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  run_linear_gelu_linear(*this, in, out, backend::current_stream(out[0].device()));
+  run_linear_gelu_linear(*this, in, out, backend::current_stream(out[0].device()), true);
 }
 #else
 void LinearGelu::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {

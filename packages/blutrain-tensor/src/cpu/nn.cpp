@@ -22,7 +22,7 @@ inline double exp_c(double x) { return std::exp(x); }
 constexpr int kLanes = 8;
 
 template <typename A, typename T>
-inline A row_max(const T* p, int64_t C) {
+BT_CPU_CLONES A row_max(const T* p, int64_t C) {
   A m[kLanes];
   for (int k = 0; k < kLanes; ++k) m[k] = -std::numeric_limits<A>::infinity();
   int64_t i = 0;
@@ -40,7 +40,7 @@ inline A row_max(const T* p, int64_t C) {
 
 // sum(exp(p[i] - m)) in double; with `sum_x`, also sum(p[i]) (label smoothing).
 template <typename A, typename T>
-inline double row_exp_sum(const T* p, int64_t C, A m, double* sum_x = nullptr) {
+BT_CPU_CLONES double row_exp_sum(const T* p, int64_t C, A m, double* sum_x = nullptr) {
   double s[kLanes] = {}, sx[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= C; i += kLanes) {
@@ -63,6 +63,16 @@ inline double row_exp_sum(const T* p, int64_t C, A m, double* sum_x = nullptr) {
   return r;
 }
 
+// q = exp(p - m) * inv (softmax) or p - lse (log_softmax), one row.
+template <typename A, typename T>
+BT_CPU_CLONES void softmax_row_out(const T* p, T* q, int64_t C, A m, A inv, A lse, bool lg) {
+  if (lg) {
+    for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>(static_cast<A>(p[i]) - lse);
+  } else {
+    for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>(exp_c(static_cast<A>(p[i]) - m) * inv);
+  }
+}
+
 void Softmax::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   Tensor x = contiguous_raw(in[0]);
   const int64_t C = x.ndim() ? x.shape().back() : 1;
@@ -79,15 +89,7 @@ void Softmax::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) 
       A m = row_max<A>(p, C);
       if (std::isinf(m) && m < 0) m = 0;  // an all -inf row gives nan (softmax), -inf (log)
       const double s = row_exp_sum<A>(p, C, m);
-      if (lg) {
-        const A lse = m + static_cast<A>(std::log(s));
-        for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>(static_cast<A>(p[i]) - lse);
-      } else {
-        const A inv = static_cast<A>(1.0 / s);
-        for (int64_t i = 0; i < C; ++i) {
-          q[i] = static_cast<T>(exp_c(static_cast<A>(p[i]) - m) * inv);
-        }
-      }
+      softmax_row_out<A>(p, q, C, m, static_cast<A>(1.0 / s), m + static_cast<A>(std::log(s)), lg);
     });
   });
 }
@@ -135,9 +137,10 @@ void LayerNorm::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out
 }
 
 void CrossEntropy::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  Tensor x = contiguous_raw(in[0]);
+  // Rows with a unit column stride are read in place (row stride ld); classes: the first C columns.
+  Tensor x = in[0].strides()[1] == 1 && in[0].strides()[0] >= 0 ? in[0] : contiguous_raw(in[0]);
   Tensor t = contiguous_raw(in[1]);
-  const int64_t N = x.shape()[0], C = x.shape()[1];
+  const int64_t N = x.shape()[0], C = classes(x), ld = x.strides()[0];
   const int64_t* tp = static_cast<const int64_t*>(t.data_ptr(name()));
   for (int64_t i = 0; i < N; ++i) {  // serial check: no throw inside OpenMP
     if (tp[i] != ignore_index && (tp[i] < 0 || tp[i] >= C)) {
@@ -155,7 +158,7 @@ void CrossEntropy::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
       std::vector<double> loss(N, 0.0);
       const double ls = label_smoothing;
       cpu::parallel_for(N, C, [&](int64_t r) {
-        const T* p = xp + r * C;
+        const T* p = xp + r * ld;
         using A = compute_t<T>;  // exp in float for 16/32-bit logits, sums in double
         const A mx = row_max<A>(p, C);
         const double m = static_cast<double>(mx);

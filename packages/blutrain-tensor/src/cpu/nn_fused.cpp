@@ -98,9 +98,12 @@ void SoftmaxBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor
 }
 
 void CrossEntropyBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  Tensor x = contiguous_raw(in[0]), t = contiguous_raw(in[1]), lse = contiguous_raw(in[2]);
+  // Logits rows with a unit column stride are read in place (row stride ld).  Columns >= C (the
+  // padding of a padded vocabulary) get zeros; out is (N, Cx) contiguous.
+  Tensor x = in[0].strides()[1] == 1 && in[0].strides()[0] >= 0 ? in[0] : contiguous_raw(in[0]);
+  Tensor t = contiguous_raw(in[1]), lse = contiguous_raw(in[2]);
   Tensor g = contiguous_raw(in[3]);
-  const int64_t N = x.shape()[0], C = x.shape()[1];
+  const int64_t N = x.shape()[0], Cx = x.shape()[1], C = classes(x), ld = x.strides()[0];
   const int64_t* tp = static_cast<const int64_t*>(t.data_ptr(name()));
   int64_t valid = 0;
   for (int64_t i = 0; i < N; ++i) valid += tp[i] != ignore_index;
@@ -127,19 +130,20 @@ void CrossEntropyBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<T
       T* o = static_cast<T*>(out[0].data_ptr(name()));
       const double ls = label_smoothing, off = label_smoothing / static_cast<double>(C);
       const int64_t ii = ignore_index;
-      cpu::parallel_for(N, C, [&](int64_t r) {
-        T* q = o + r * C;
+      cpu::parallel_for(N, Cx, [&](int64_t r) {
+        T* q = o + r * Cx;
         if (tp[r] == ii) {
-          for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>(0.0);
+          for (int64_t i = 0; i < Cx; ++i) q[i] = static_cast<T>(0.0);
           return;
         }
-        const T* p = xp + r * C;
+        const T* p = xp + r * ld;
         const double l = static_cast<double>(lp[r]), sc = scale[r];
         for (int64_t i = 0; i < C; ++i) {
           double d = std::exp(static_cast<double>(p[i]) - l) - off;
           if (i == tp[r]) d -= 1.0 - ls;
           q[i] = static_cast<T>(d * sc);
         }
+        for (int64_t i = C; i < Cx; ++i) q[i] = static_cast<T>(0.0);
       });
     });
   });

@@ -2,8 +2,10 @@
 //
 // Semantics (see attention.h and cpu/attention.cpp): o = softmax(q k^T * scale) v per (b, h), key
 // j visible to query i iff j < S and (not causal or j <= i); lse = the rows' natural logsumexp.
-// q, k, v are (B, H, L|S, D) views with any B/H/sequence strides and unit D stride; o, dq, dk, dv
-// are written (B, L|S, H, D) contiguous; lse is (B, H, L) float32 (float64 for float64).
+// q, k, v are (B, H, L|S, D) views with any B/H/sequence strides and unit D stride; o is written
+// (B, L, H, D) contiguous, dq, dk, dv (B, L|S, H, D) with row stride d_row (H D, or 3 H D for the
+// packed-qkv backward's single (B, T, 3 H D) gradient); lse is (B, H, L) float32 (float64 for
+// float64).
 //
 // Kernels:
 //   attn_fwd_v1 / attn_bwd_*_v1  SIMT reference, any float dtype, D <= 256: one warp per row, the
@@ -14,8 +16,11 @@
 //   attn_bwd_dkdv_v2, _dq_v2     FA2's backward split in two deterministic kernels (no atomics):
 //                                dK/dV per key block looping over query blocks, dQ per query block
 //                                looping over key blocks; both recompute P from lse, and use
-//                                Dvec = rowsum(dO * O) - dlse from attn_bwd_preprocess.
-// No wgmma (Hopper warpgroup MMA) and no TF32 path: fp32 runs the exact SIMT kernels.
+//                                Dvec = rowsum(dO * O) - dlse from attn_bwd_preprocess (v1: a
+//                                warp per row; v2: 16-byte loads, D / 8 lanes per row).  kMT m-tiles
+//                                per warp (register blocking) in all three; V2Config picks.
+// No wgmma (Hopper warpgroup MMA).  float32 with D in {64, 128} runs attention_tf32.cu (TF32 /
+// 3xTF32 tensor cores); other float32 / float64 shapes run the exact SIMT kernels.
 //
 // mma.sync.m16n8k16 (.bf16/.f16 inputs, f32 accumulators) register layouts, with
 // g = lane / 4 (groupID) and t = lane % 4 (thread in group); each .b32 register holds two 16-bit
@@ -44,6 +49,8 @@
 #include <cmath>
 
 #include "../attention.h"
+#include "../autocast.h"  // float32_matmul_precision: TF32 vs 3xTF32
+#include "attention_tf32.cuh"
 #include "common.cuh"
 
 namespace bt::cuda {
@@ -61,6 +68,9 @@ struct AttnParams {
   int64_t o_b, o_l, o_h;     // o and do: (B, L, H, D) views
   int64_t g_b, g_l, g_h;     // do
   int64_t dl_b, dl_h, dl_l;  // dlse (B, H, L), any strides (a broadcast zero is common)
+  // dq, dk, dv (B, L|S, ., D): row (b, l) of head h at b L|S d_row + l d_row + h D (H D for
+  // separate tensors, 3 H D for the slices of a packed (B, T, 3 H D) gradient).
+  int64_t d_row;
   double scale;
   bool causal;
 };
@@ -155,6 +165,38 @@ __global__ void __launch_bounds__(kV1Warps * 32)
   if (threadIdx.x % 32 == 0) dvec[row_id] = s - dlse[b * p.dl_b + h * p.dl_h + i * p.dl_l];
 }
 
+// The same, vectorised: kLpr lanes per row (kLpr = D / VW rounded up to a power of two, so D = 64
+// bf16 runs 4 rows per warp), 16-byte loads of VW = 16 / sizeof(T) elements.  Needs D % VW == 0
+// and 16-byte aligned rows of o and do.
+template <typename T, typename A, int kLpr>
+__global__ void __launch_bounds__(256)
+    attn_bwd_preprocess_v2(AttnParams p, const T* o, const T* g, const A* dlse, A* dvec) {
+  constexpr int VW = 16 / sizeof(T);
+  const int sub = threadIdx.x % kLpr;
+  const int64_t row_id = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) / kLpr;
+  const bool ok = row_id < static_cast<int64_t>(p.B) * p.H * p.L;
+  A s = 0;
+  int b = 0, h = 0, i = 0;
+  if (ok) {
+    i = static_cast<int>(row_id % p.L);
+    const int bh = static_cast<int>(row_id / p.L);
+    b = bh / p.H, h = bh % p.H;
+    const T* orow = o + b * p.o_b + i * p.o_l + h * p.o_h;
+    const T* grow = g + b * p.g_b + i * p.g_l + h * p.g_h;
+    for (int c = sub; c < p.D / VW; c += kLpr) {
+      const uint4 ou = __ldg(reinterpret_cast<const uint4*>(orow) + c);
+      const uint4 gu = __ldg(reinterpret_cast<const uint4*>(grow) + c);
+      const T* oe = reinterpret_cast<const T*>(&ou);
+      const T* ge = reinterpret_cast<const T*>(&gu);
+#pragma unroll
+      for (int e = 0; e < VW; ++e) s += convert<A>(oe[e]) * convert<A>(ge[e]);
+    }
+  }
+#pragma unroll
+  for (int off = kLpr / 2; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
+  if (ok && sub == 0) dvec[row_id] = s - dlse[b * p.dl_b + h * p.dl_h + i * p.dl_l];
+}
+
 // dq: one warp per query row, looping over the visible keys.
 template <typename T, typename A>
 __global__ void __launch_bounds__(kV1Warps * 32)
@@ -180,7 +222,7 @@ __global__ void __launch_bounds__(kV1Warps * 32)
 #pragma unroll
     for (int t = 0; t < 8; ++t) acc[t] += ds * kv[t];
   }
-  T* out = dq + ((static_cast<int64_t>(b) * p.L + i) * p.H + h) * p.D;
+  T* out = dq + (static_cast<int64_t>(b) * p.L + i) * p.d_row + h * p.D;
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
     const int d = lane + 32 * t;
@@ -217,7 +259,7 @@ __global__ void __launch_bounds__(kV1Warps * 32)
       av[t] += pr * gv[t];
     }
   }
-  const int64_t base = ((static_cast<int64_t>(b) * p.S + j) * p.H + h) * p.D;
+  const int64_t base = (static_cast<int64_t>(b) * p.S + j) * p.d_row + h * p.D;
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
     const int d = lane + 32 * t;
@@ -501,18 +543,19 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   }
 }
 
-// Backward, dK and dV.  Block: kWarps warps own kBc = 16 kWarps keys (16 per warp) and loop over
-// query tiles of kBr rows (double-buffered Q, dO, lse, Dvec).  Per tile, per warp (keys as M):
+// Backward, dK and dV.  Block: kWarps warps own kBc = 16 kMT kWarps keys (kMT m-tiles of 16 keys
+// per warp: every Q / dO fragment read from shared memory feeds kMT MMAs) and loop over query
+// tiles of kBr rows (double-buffered Q, dO, lse, Dvec).  Per tile, per warp (keys as M):
 //   S^T = K Q^T, dP^T = V dO^T, P^T = exp(S^T scale - lse), dS^T = P^T (dP^T - Dvec),
 //   dV += P^T dO, dK += dS^T Q (times scale at the end).
 // kFrag: keep the warp's K and V A-fragments in registers (else re-read them from shared memory).
-template <typename T, int D, int kWarps, int kBr, bool kFrag, int kMinBlocks = 1>
+template <typename T, int D, int kWarps, int kBr, bool kFrag, int kMinBlocks = 1, int kMT = 1>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     attn_bwd_dkdv_v2(AttnParams p, const T* __restrict__ q, const T* __restrict__ k,
                      const T* __restrict__ v, const T* __restrict__ gr,
                      const float* __restrict__ lse, const float* __restrict__ dvec,
                      T* __restrict__ dk, T* __restrict__ dv) {
-  constexpr int kBc = 16 * kWarps, NT = kWarps * 32, KS = D / 16;
+  constexpr int kWk = 16 * kMT, kBc = kWk * kWarps, NT = kWarps * 32, KS = D / 16;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);                  // kBc x D
   T* sV = sK + kBc * D;                                    // kBc x D
@@ -545,22 +588,30 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   cp_async_commit();
   cp_async_wait<1>();  // K, V landed
   __syncthreads();
-  uint32_t kf[kFrag ? KS : 1][4], vf[kFrag ? KS : 1][4];
+  const int wkey = warp * kWk;  // the warp's first key in the block
+  uint32_t kf[kFrag ? kMT : 1][kFrag ? KS : 1][4], vf[kFrag ? kMT : 1][kFrag ? KS : 1][4];
   if constexpr (kFrag) {
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      ldsm_x4(kf[ks], smem_u32(sK + swz<D>(warp * 16 + lane % 16, ks * 2 + lane / 16)));
-      ldsm_x4(vf[ks], smem_u32(sV + swz<D>(warp * 16 + lane % 16, ks * 2 + lane / 16)));
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const int row = wkey + mt * 16 + lane % 16, ch = ks * 2 + lane / 16;
+        ldsm_x4(kf[mt][ks], smem_u32(sK + swz<D>(row, ch)));
+        ldsm_x4(vf[mt][ks], smem_u32(sV + swz<D>(row, ch)));
+      }
     }
   }
-  float dka[D / 8][4], dva[D / 8][4];
+  float dka[kMT][D / 8][4], dva[kMT][D / 8][4];
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) {
+  for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dka[i][e] = dva[i][e] = 0.f;
+    for (int i = 0; i < D / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dka[mt][i][e] = dva[mt][i][e] = 0.f;
+    }
   }
   const float sl2 = static_cast<float>(p.scale) * kLog2e;
-  const int key_lo = k0 + warp * 16 + g;  // this thread's keys: key_lo, key_lo + 8
+  const int key_lo = k0 + wkey + g;  // keys of (mt, r): key_lo + 16 mt + 8 r
 
   for (int i = i_begin; i < i_end; ++i) {
     const int buf = (i - i_begin) & 1;
@@ -573,76 +624,102 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     const float* cL = sL + buf * kBr;
     const float* cD = sD + buf * kBr;
 
-    float s[kBr / 8][4], dpv[kBr / 8][4];
+    float s[kMT][kBr / 8][4], dpv[kMT][kBr / 8][4];
 #pragma unroll
-    for (int n = 0; n < kBr / 8; ++n) {
+    for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = dpv[n][e] = 0.f;
+      for (int n = 0; n < kBr / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][n][e] = dpv[mt][n][e] = 0.f;
+      }
     }
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
-      uint32_t ka[4], va[4];
-      if constexpr (kFrag) {
+      uint32_t ka[kMT][4], va[kMT][4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          ka[e] = kf[ks][e];
-          va[e] = vf[ks][e];
+      for (int mt = 0; mt < kMT; ++mt) {
+        if constexpr (kFrag) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            ka[mt][e] = kf[mt][ks][e];
+            va[mt][e] = vf[mt][ks][e];
+          }
+        } else {
+          const int row = wkey + mt * 16 + lane % 16, ch = ks * 2 + lane / 16;
+          ldsm_x4(ka[mt], smem_u32(sK + swz<D>(row, ch)));
+          ldsm_x4(va[mt], smem_u32(sV + swz<D>(row, ch)));
         }
-      } else {
-        ldsm_x4(ka, smem_u32(sK + swz<D>(warp * 16 + lane % 16, ks * 2 + lane / 16)));
-        ldsm_x4(va, smem_u32(sV + swz<D>(warp * 16 + lane % 16, ks * 2 + lane / 16)));
       }
 #pragma unroll
       for (int np = 0; np < kBr / 16; ++np) {
         const int row = np * 16 + lane % 8 + 8 * (lane / 16), ch = ks * 2 + (lane / 8) % 2;
         uint32_t r[4];
         ldsm_x4(r, smem_u32(cQ + swz<D>(row, ch)));
-        mma16816<T>(s[2 * np], ka, r[0], r[1]);
-        mma16816<T>(s[2 * np + 1], ka, r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma16816<T>(s[mt][2 * np], ka[mt], r[0], r[1]);
+          mma16816<T>(s[mt][2 * np + 1], ka[mt], r[2], r[3]);
+        }
         ldsm_x4(r, smem_u32(cG + swz<D>(row, ch)));
-        mma16816<T>(dpv[2 * np], va, r[0], r[1]);
-        mma16816<T>(dpv[2 * np + 1], va, r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma16816<T>(dpv[mt][2 * np], va[mt], r[0], r[1]);
+          mma16816<T>(dpv[mt][2 * np + 1], va[mt], r[2], r[3]);
+        }
       }
     }
-    // P^T and dS^T; element (n, e): key key_lo + 8 (e / 2), query i kBr + 8 n + 2 t + e % 2
+    // P^T and dS^T; element (mt, n, e): key key_lo + 16 mt + 8 (e / 2), query
+    // i kBr + 8 n + 2 t + e % 2
     const int qi0 = i * kBr;
     const bool need_mask = qi0 + kBr > p.L || (p.causal && qi0 < k0 + kBc);
 #pragma unroll
-    for (int n = 0; n < kBr / 8; ++n) {
+    for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = n * 8 + 2 * t + (e & 1);
-        float pv = fast_exp2(fmaf(s[n][e], sl2, -cL[c] * kLog2e));
-        if (need_mask) {
-          const int qq = qi0 + c, key = key_lo + 8 * (e >> 1);
-          if (qq >= p.L || (p.causal && qq < key)) pv = 0.f;
+      for (int n = 0; n < kBr / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = n * 8 + 2 * t + (e & 1);
+          float pv = fast_exp2(fmaf(s[mt][n][e], sl2, -cL[c] * kLog2e));
+          if (need_mask) {
+            const int qq = qi0 + c, key = key_lo + 16 * mt + 8 * (e >> 1);
+            if (qq >= p.L || (p.causal && qq < key)) pv = 0.f;
+          }
+          s[mt][n][e] = pv;
+          dpv[mt][n][e] = pv * (dpv[mt][n][e] - cD[c]);
         }
-        s[n][e] = pv;
-        dpv[n][e] = pv * (dpv[n][e] - cD[c]);
       }
     }
     // dV += P^T dO, dK += dS^T Q (queries as k)
 #pragma unroll
     for (int kk = 0; kk < kBr / 16; ++kk) {
-      uint32_t pa[4], da[4];
-      pa[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      pa[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      pa[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-      da[0] = pack2<T>(dpv[2 * kk][0], dpv[2 * kk][1]);
-      da[1] = pack2<T>(dpv[2 * kk][2], dpv[2 * kk][3]);
-      da[2] = pack2<T>(dpv[2 * kk + 1][0], dpv[2 * kk + 1][1]);
-      da[3] = pack2<T>(dpv[2 * kk + 1][2], dpv[2 * kk + 1][3]);
+      uint32_t pa[kMT][4], da[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        pa[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pa[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pa[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pa[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        da[mt][0] = pack2<T>(dpv[mt][2 * kk][0], dpv[mt][2 * kk][1]);
+        da[mt][1] = pack2<T>(dpv[mt][2 * kk][2], dpv[mt][2 * kk][3]);
+        da[mt][2] = pack2<T>(dpv[mt][2 * kk + 1][0], dpv[mt][2 * kk + 1][1]);
+        da[mt][3] = pack2<T>(dpv[mt][2 * kk + 1][2], dpv[mt][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         const int row = kk * 16 + lane % 16, ch = dp * 2 + lane / 16;
         uint32_t r[4];
         ldsm_x4_t(r, smem_u32(cG + swz<D>(row, ch)));
-        mma16816<T>(dva[2 * dp], pa, r[0], r[1]);
-        mma16816<T>(dva[2 * dp + 1], pa, r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma16816<T>(dva[mt][2 * dp], pa[mt], r[0], r[1]);
+          mma16816<T>(dva[mt][2 * dp + 1], pa[mt], r[2], r[3]);
+        }
         ldsm_x4_t(r, smem_u32(cQ + swz<D>(row, ch)));
-        mma16816<T>(dka[2 * dp], da, r[0], r[1]);
-        mma16816<T>(dka[2 * dp + 1], da, r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma16816<T>(dka[mt][2 * dp], da[mt], r[0], r[1]);
+          mma16816<T>(dka[mt][2 * dp + 1], da[mt], r[2], r[3]);
+        }
       }
     }
     __syncthreads();
@@ -650,30 +727,34 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 
   const float sc = static_cast<float>(p.scale);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = key_lo + 8 * r;
-    if (key < p.S) {
-      const int64_t base = ((static_cast<int64_t>(b) * p.S + key) * p.H + h) * D;
+  for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        *reinterpret_cast<uint32_t*>(dk + base + dt * 8 + 2 * t) =
-            pack2<T>(dka[dt][2 * r] * sc, dka[dt][2 * r + 1] * sc);
-        *reinterpret_cast<uint32_t*>(dv + base + dt * 8 + 2 * t) =
-            pack2<T>(dva[dt][2 * r], dva[dt][2 * r + 1]);
+    for (int r = 0; r < 2; ++r) {
+      const int key = key_lo + 16 * mt + 8 * r;
+      if (key < p.S) {
+        const int64_t base = (static_cast<int64_t>(b) * p.S + key) * p.d_row + h * D;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          *reinterpret_cast<uint32_t*>(dk + base + dt * 8 + 2 * t) =
+              pack2<T>(dka[mt][dt][2 * r] * sc, dka[mt][dt][2 * r + 1] * sc);
+          *reinterpret_cast<uint32_t*>(dv + base + dt * 8 + 2 * t) =
+              pack2<T>(dva[mt][dt][2 * r], dva[mt][dt][2 * r + 1]);
+        }
       }
     }
   }
 }
 
-// Backward, dQ.  Block: kWarps warps own kBr = 16 kWarps queries and loop over key tiles of kBc
-// (double-buffered K, V).  Per tile, per warp: S = Q K^T, dP = dO V^T, P = exp(S scale - lse),
-// dS = P (dP - Dvec), dQ += dS K (times scale at the end).
-template <typename T, int D, int kWarps, int kBc, int kMinBlocks = 1>
+// Backward, dQ.  Block: kWarps warps own kBr = 16 kMT kWarps queries (kMT m-tiles of 16 per
+// warp: every K / V fragment read from shared memory feeds kMT MMAs) and loop over key tiles of
+// kBc (double-buffered K, V).  Per tile, per warp: S = Q K^T, dP = dO V^T,
+// P = exp(S scale - lse), dS = P (dP - Dvec), dQ += dS K (times scale at the end).
+template <typename T, int D, int kWarps, int kBc, int kMinBlocks = 1, int kMT = 1>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     attn_bwd_dq_v2(AttnParams p, const T* __restrict__ q, const T* __restrict__ k,
                    const T* __restrict__ v, const T* __restrict__ gr, const float* __restrict__ lse,
                    const float* __restrict__ dvec, T* __restrict__ dq) {
-  constexpr int kBr = 16 * kWarps, NT = kWarps * 32, KS = D / 16;
+  constexpr int kWr = 16 * kMT, kBr = kWr * kWarps, NT = kWarps * 32, KS = D / 16;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);  // kBr x D
   T* sG = sQ + kBr * D;                    // kBr x D
@@ -697,24 +778,38 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   cp_async_commit();
   cp_async_wait<1>();
   __syncthreads();
-  uint32_t qf[KS][4], gf[KS][4];
+  const int wrow = warp * kWr;  // the warp's first query in the block
+  uint32_t qf[kMT][KS][4], gf[kMT][KS][4];
 #pragma unroll
-  for (int ks = 0; ks < KS; ++ks) {
-    ldsm_x4(qf[ks], smem_u32(sQ + swz<D>(warp * 16 + lane % 16, ks * 2 + lane / 16)));
-    ldsm_x4(gf[ks], smem_u32(sG + swz<D>(warp * 16 + lane % 16, ks * 2 + lane / 16)));
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      const int row = wrow + mt * 16 + lane % 16, ch = ks * 2 + lane / 16;
+      ldsm_x4(qf[mt][ks], smem_u32(sQ + swz<D>(row, ch)));
+      ldsm_x4(gf[mt][ks], smem_u32(sG + swz<D>(row, ch)));
+    }
   }
-  const int row_lo = q0 + warp * 16 + g;
-  float lse2[2], dvr[2];
+  const int row_lo = q0 + wrow + g;  // rows of (mt, r): row_lo + 16 mt + 8 r
+  float lse2[kMT][2], dvr[kMT][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row_lo + 8 * r;
-    const bool ok = row < p.L;
-    lse2[r] = ok ? lse[static_cast<int64_t>(bh) * p.L + row] * kLog2e : 0.f;
-    dvr[r] = ok ? dvec[static_cast<int64_t>(bh) * p.L + row] : 0.f;
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row_lo + 16 * mt + 8 * r;
+      const bool ok = row < p.L;
+      lse2[mt][r] = ok ? lse[static_cast<int64_t>(bh) * p.L + row] * kLog2e : 0.f;
+      dvr[mt][r] = ok ? dvec[static_cast<int64_t>(bh) * p.L + row] : 0.f;
+    }
   }
-  float dqa[D / 8][4];
+  float dqa[kMT][D / 8][4];
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) dqa[i][0] = dqa[i][1] = dqa[i][2] = dqa[i][3] = 0.f;
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dqa[mt][i][e] = 0.f;
+    }
+  }
   const float sl2 = static_cast<float>(p.scale) * kLog2e;
 
   for (int j = 0; j < nkb; ++j) {
@@ -729,11 +824,14 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     const T* cK = sK + (j & 1) * kBc * D;
     const T* cV = sV + (j & 1) * kBc * D;
 
-    float s[kBc / 8][4], dpv[kBc / 8][4];
+    float s[kMT][kBc / 8][4], dpv[kMT][kBc / 8][4];
 #pragma unroll
-    for (int n = 0; n < kBc / 8; ++n) {
+    for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = dpv[n][e] = 0.f;
+      for (int n = 0; n < kBc / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][n][e] = dpv[mt][n][e] = 0.f;
+      }
     }
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
@@ -742,42 +840,57 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         const int row = np * 16 + lane % 8 + 8 * (lane / 16), ch = ks * 2 + (lane / 8) % 2;
         uint32_t r[4];
         ldsm_x4(r, smem_u32(cK + swz<D>(row, ch)));
-        mma16816<T>(s[2 * np], qf[ks], r[0], r[1]);
-        mma16816<T>(s[2 * np + 1], qf[ks], r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma16816<T>(s[mt][2 * np], qf[mt][ks], r[0], r[1]);
+          mma16816<T>(s[mt][2 * np + 1], qf[mt][ks], r[2], r[3]);
+        }
         ldsm_x4(r, smem_u32(cV + swz<D>(row, ch)));
-        mma16816<T>(dpv[2 * np], gf[ks], r[0], r[1]);
-        mma16816<T>(dpv[2 * np + 1], gf[ks], r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma16816<T>(dpv[mt][2 * np], gf[mt][ks], r[0], r[1]);
+          mma16816<T>(dpv[mt][2 * np + 1], gf[mt][ks], r[2], r[3]);
+        }
       }
     }
     const int k0 = j * kBc;
-    const bool need_mask = k0 + kBc > p.S || (p.causal && k0 + kBc - 1 > q0 + warp * 16);
+    const bool need_mask = k0 + kBc > p.S || (p.causal && k0 + kBc - 1 > q0 + wrow);
 #pragma unroll
-    for (int n = 0; n < kBc / 8; ++n) {
+    for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1;
-        float pv = fast_exp2(fmaf(s[n][e], sl2, -lse2[r]));
-        if (need_mask) {
-          const int col = k0 + n * 8 + 2 * t + (e & 1), row = row_lo + 8 * r;
-          if (col >= p.S || (p.causal && col > row)) pv = 0.f;
+      for (int n = 0; n < kBc / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          float pv = fast_exp2(fmaf(s[mt][n][e], sl2, -lse2[mt][r]));
+          if (need_mask) {
+            const int col = k0 + n * 8 + 2 * t + (e & 1), row = row_lo + 16 * mt + 8 * r;
+            if (col >= p.S || (p.causal && col > row)) pv = 0.f;
+          }
+          dpv[mt][n][e] = pv * (dpv[mt][n][e] - dvr[mt][r]);
         }
-        dpv[n][e] = pv * (dpv[n][e] - dvr[r]);
       }
     }
     // dQ += dS K (keys as k)
 #pragma unroll
     for (int kk = 0; kk < kBc / 16; ++kk) {
-      uint32_t da[4];
-      da[0] = pack2<T>(dpv[2 * kk][0], dpv[2 * kk][1]);
-      da[1] = pack2<T>(dpv[2 * kk][2], dpv[2 * kk][3]);
-      da[2] = pack2<T>(dpv[2 * kk + 1][0], dpv[2 * kk + 1][1]);
-      da[3] = pack2<T>(dpv[2 * kk + 1][2], dpv[2 * kk + 1][3]);
+      uint32_t da[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        da[mt][0] = pack2<T>(dpv[mt][2 * kk][0], dpv[mt][2 * kk][1]);
+        da[mt][1] = pack2<T>(dpv[mt][2 * kk][2], dpv[mt][2 * kk][3]);
+        da[mt][2] = pack2<T>(dpv[mt][2 * kk + 1][0], dpv[mt][2 * kk + 1][1]);
+        da[mt][3] = pack2<T>(dpv[mt][2 * kk + 1][2], dpv[mt][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t r[4];
         ldsm_x4_t(r, smem_u32(cK + swz<D>(kk * 16 + lane % 16, dp * 2 + lane / 16)));
-        mma16816<T>(dqa[2 * dp], da, r[0], r[1]);
-        mma16816<T>(dqa[2 * dp + 1], da, r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma16816<T>(dqa[mt][2 * dp], da[mt], r[0], r[1]);
+          mma16816<T>(dqa[mt][2 * dp + 1], da[mt], r[2], r[3]);
+        }
       }
     }
     __syncthreads();
@@ -785,38 +898,57 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 
   const float sc = static_cast<float>(p.scale);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row_lo + 8 * r;
-    if (row < p.L) {
-      T* out = dq + ((static_cast<int64_t>(b) * p.L + row) * p.H + h) * D;
+  for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * t) =
-            pack2<T>(dqa[dt][2 * r] * sc, dqa[dt][2 * r + 1] * sc);
+    for (int r = 0; r < 2; ++r) {
+      const int row = row_lo + 16 * mt + 8 * r;
+      if (row < p.L) {
+        T* out = dq + (static_cast<int64_t>(b) * p.L + row) * p.d_row + h * D;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * t) =
+              pack2<T>(dqa[mt][dt][2 * r] * sc, dqa[mt][dt][2 * r + 1] * sc);
+        }
       }
     }
   }
 }
 
 // ---- configurations ----------------------------------------------------------------------------
-// Forward: kWarps x 16 query rows per block, kBc keys per tile.  Backward dK/dV: 16 kWarps keys
-// per block, kBr queries per tile; dQ: 16 kWarps queries per block, kBc keys per tile.
+// Forward: 16 kFwdMT kFwdWarps query rows per block, kFwdBc keys per tile.  Backward dK/dV:
+// 16 kKvMT kKvWarps keys per block, kKvBr queries per tile; dQ: 16 kDqMT kDqWarps queries per
+// block, kDqBc keys per tile.  *MinBlocks: __launch_bounds__ min blocks per SM.  bench/attn_tune.cu
+// sweeps these (it prints its best as lines to paste here).
 template <int D>
 struct V2Config;
 template <>
 struct V2Config<64> {
-  static constexpr int kFwdWarps = 4, kFwdBc = 64, kFwdMT = 2;
-  static constexpr int kKvWarps = 4, kKvBr = 64;
+  static constexpr int kFwdWarps = 4, kFwdBc = 64, kFwdMT = 2, kFwdMinBlocks = 1;
+  static constexpr int kKvWarps = 4, kKvBr = 64, kKvMT = 1, kKvMinBlocks = 1;
   static constexpr bool kKvFrag = true;
-  static constexpr int kDqWarps = 4, kDqBc = 128;
+  static constexpr int kDqWarps = 4, kDqBc = 64, kDqMT = 2, kDqMinBlocks = 1;  // tuned: 0.177 ms
 };
 template <>
 struct V2Config<128> {
-  static constexpr int kFwdWarps = 4, kFwdBc = 64, kFwdMT = 1;
-  static constexpr int kKvWarps = 4, kKvBr = 32;
+  static constexpr int kFwdWarps = 4, kFwdBc = 64, kFwdMT = 1, kFwdMinBlocks = 1;
+  static constexpr int kKvWarps = 4, kKvBr = 64, kKvMT = 1, kKvMinBlocks = 1;  // tuned: 0.473 ms
   static constexpr bool kKvFrag = false;
-  static constexpr int kDqWarps = 4, kDqBc = 64;
+  static constexpr int kDqWarps = 4, kDqBc = 64, kDqMT = 1, kDqMinBlocks = 1;
 };
+
+// Shared-memory bytes of each kernel (launchers and bench/attn_tune.cu).
+template <typename T, int D, int kWarps, int kBc, int kMT>
+constexpr size_t fwd_smem() {
+  return (16 * kMT * kWarps * D + 4 * kBc * D) * sizeof(T);
+}
+template <typename T, int D, int kWarps, int kBr, int kMT>
+constexpr size_t dkdv_smem() {
+  return (2 * 16 * kMT * kWarps * D + 4 * kBr * D) * sizeof(T) + 4 * kBr * sizeof(float);
+}
+template <typename T, int D, int kWarps, int kBc, int kMT>
+constexpr size_t dq_smem() {
+  return (2 * 16 * kMT * kWarps * D + 4 * kBc * D) * sizeof(T);
+}
 
 }  // namespace
 
@@ -836,6 +968,7 @@ AttnParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, double
   p.q_b = q.strides()[0], p.q_h = q.strides()[1], p.q_l = q.strides()[2];
   p.k_b = k.strides()[0], p.k_h = k.strides()[1], p.k_l = k.strides()[2];
   p.v_b = v.strides()[0], p.v_h = v.strides()[1], p.v_l = v.strides()[2];
+  p.d_row = static_cast<int64_t>(p.H) * p.D;
   p.scale = scale;
   p.causal = causal;
   return p;
@@ -875,8 +1008,8 @@ void launch_fwd_v2(const AttnParams& p, const T* q, const T* k, const T* v, T* o
                    cudaStream_t st, const char* op) {
   using C = V2Config<D>;
   constexpr int W = C::kFwdWarps, Bc = C::kFwdBc, MT = C::kFwdMT, Br = 16 * MT * W;
-  const size_t smem = (Br * D + 4 * Bc * D) * sizeof(T);
-  auto kern = attn_fwd_v2<T, D, W, Bc, MT>;
+  constexpr size_t smem = fwd_smem<T, D, W, Bc, MT>();
+  auto kern = attn_fwd_v2<T, D, W, Bc, MT, C::kFwdMinBlocks>;
   set_smem(kern, smem, op);
   dim3 grid(p.B * p.H, static_cast<unsigned>(ceil_div(p.L, Br)));
   kern<<<grid, W * 32, smem, st>>>(p, q, k, v, o, lse);
@@ -889,18 +1022,18 @@ void launch_bwd_v2(const AttnParams& p, const T* q, const T* k, const T* v, cons
                    const char* op) {
   using C = V2Config<D>;
   {
-    constexpr int W = C::kKvWarps, Br = C::kKvBr, Bc = 16 * W;
-    const size_t smem = (2 * Bc * D + 4 * Br * D) * sizeof(T) + 4 * Br * sizeof(float);
-    auto kern = attn_bwd_dkdv_v2<T, D, W, Br, C::kKvFrag>;
+    constexpr int W = C::kKvWarps, Br = C::kKvBr, MT = C::kKvMT, Bc = 16 * MT * W;
+    constexpr size_t smem = dkdv_smem<T, D, W, Br, MT>();
+    auto kern = attn_bwd_dkdv_v2<T, D, W, Br, C::kKvFrag, C::kKvMinBlocks, MT>;
     set_smem(kern, smem, op);
     dim3 grid(p.B * p.H, static_cast<unsigned>(ceil_div(p.S, Bc)));
     kern<<<grid, W * 32, smem, st>>>(p, q, k, v, g, lse, dvec, dk, dv);
     BT_CUDA_LAUNCH_CHECK(op);
   }
   {
-    constexpr int W = C::kDqWarps, Bc = C::kDqBc, Br = 16 * W;
-    const size_t smem = (2 * Br * D + 4 * Bc * D) * sizeof(T);
-    auto kern = attn_bwd_dq_v2<T, D, W, Bc>;
+    constexpr int W = C::kDqWarps, Bc = C::kDqBc, MT = C::kDqMT, Br = 16 * MT * W;
+    constexpr size_t smem = dq_smem<T, D, W, Bc, MT>();
+    auto kern = attn_bwd_dq_v2<T, D, W, Bc, C::kDqMinBlocks, MT>;
     set_smem(kern, smem, op);
     dim3 grid(p.B * p.H, static_cast<unsigned>(ceil_div(p.L, Br)));
     kern<<<grid, W * 32, smem, st>>>(p, q, k, v, g, lse, dvec, dq);
@@ -910,6 +1043,38 @@ void launch_bwd_v2(const AttnParams& p, const T* q, const T* k, const T* v, cons
 
 unsigned v1_blocks(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, kV1Warps)); }
 
+// Dvec: the vectorised kernel when rows of o and do are 16-byte aligned, else v1.
+template <typename T, typename A>
+void launch_preprocess(const AttnParams& p, const T* o, const T* g, const A* dlse, A* dvec,
+                       cudaStream_t st, const char* op) {
+  constexpr int VW = 16 / sizeof(T);
+  const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.L;
+  const bool vec = p.D % VW == 0 && reinterpret_cast<uintptr_t>(o) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(g) % 16 == 0 && p.o_b % VW == 0 && p.o_l % VW == 0 &&
+                   p.o_h % VW == 0 && p.g_b % VW == 0 && p.g_l % VW == 0 && p.g_h % VW == 0;
+  if (!vec) {
+    attn_bwd_preprocess<T, A><<<v1_blocks(rows), kV1Warps * 32, 0, st>>>(p, o, g, dlse, dvec);
+    BT_CUDA_LAUNCH_CHECK(op);
+    return;
+  }
+  const int chunks = p.D / VW;
+  auto go = [&](auto lpr) {
+    constexpr int L = decltype(lpr)::value;
+    const auto blocks = static_cast<unsigned>(ceil_div(rows * L, int64_t{256}));
+    attn_bwd_preprocess_v2<T, A, L><<<blocks, 256, 0, st>>>(p, o, g, dlse, dvec);
+    BT_CUDA_LAUNCH_CHECK(op);
+  };
+  if (chunks <= 4) {
+    go(std::integral_constant<int, 4>{});
+  } else if (chunks <= 8) {
+    go(std::integral_constant<int, 8>{});
+  } else if (chunks <= 16) {
+    go(std::integral_constant<int, 16>{});
+  } else {
+    go(std::integral_constant<int, 32>{});
+  }
+}
+
 }  // namespace
 
 }  // namespace bt::cuda
@@ -917,6 +1082,25 @@ unsigned v1_blocks(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, k
 namespace bt {
 
 using namespace cuda;
+
+// float32 on tensor cores (attention_tf32.cu): 1xTF32 for "high"/"medium", 3xTF32 (fp32-accurate)
+// for "highest".  d_row: the row stride of dq/dk/dv (forward: o is (B, L, H, D) contiguous).
+static AttnTf32Args tf32_args(const AttnParams& p, int64_t d_row) {
+  AttnTf32Args a{};
+  a.B = p.B, a.H = p.H, a.L = p.L, a.S = p.S, a.D = p.D;
+  a.q_b = p.q_b, a.q_h = p.q_h, a.q_l = p.q_l;
+  a.k_b = p.k_b, a.k_h = p.k_h, a.k_l = p.k_l;
+  a.v_b = p.v_b, a.v_h = p.v_h, a.v_l = p.v_l;
+  a.g_b = p.g_b, a.g_l = p.g_l, a.g_h = p.g_h;
+  a.d_row = d_row;
+  a.scale = p.scale;
+  a.causal = p.causal;
+  a.exact = float32_matmul_precision() == MatmulPrecision::Highest;
+  return a;
+}
+static bool ptr_aligned(const void* ptr, uintptr_t n) {
+  return reinterpret_cast<uintptr_t>(ptr) % n == 0;
+}
 
 void FlashAttention::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   const char* op = name();
@@ -946,6 +1130,14 @@ void FlashAttention::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>
         return;
       }
     }
+    if constexpr (std::is_same_v<T, float>) {
+      const AttnTf32Args ta = tf32_args(p, static_cast<int64_t>(p.H) * p.D);
+      if (attn_tf32_supported(ta) && ptr_aligned(qp, 16) && ptr_aligned(kp, 16) &&
+          ptr_aligned(vp, 16)) {
+        attn_fwd_tf32(ta, qp, kp, vp, o, out[1].data<float>(op), st, op);
+        return;
+      }
+    }
     A* lse = out[1].data<A>(op);
     attn_fwd_v1<T, A><<<v1_blocks(static_cast<int64_t>(p.B) * p.H * p.L), kV1Warps * 32, 0, st>>>(
         p, qp, kp, vp, o, lse);
@@ -968,6 +1160,17 @@ void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector
   if (!lse.is_contiguous()) {
     throw RuntimeError(std::string("[") + op + "] lse must be contiguous");
   }
+  // dq, dk, dv: (B, L|S, H, D) with one row stride d_row (contiguous, or packed slices).
+  p.d_row = out[0].strides()[1];
+  for (int i = 0; i < 3; ++i) {
+    const auto& w = out[i].strides();
+    const int64_t rows = i == 0 ? p.L : p.S;
+    if ((w[0] != rows * p.d_row && out[i].size(0) > 1) || (w[1] != p.d_row && rows > 1) ||
+        (w[2] != p.D && p.H > 1) || (w[3] != 1 && p.D > 1)) {
+      throw RuntimeError(std::string("[") + op + "] unsupported gradient layout " +
+                         shape_str(out[i].shape()) + " strides " + shape_str(w));
+    }
+  }
   dispatch_cuda_float(q.dtype(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
     using A = math_t<T>;
@@ -980,15 +1183,15 @@ void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector
     T* dv = out[2].data<T>(op);
     const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.L;
     Tensor dvec = empty_tensor({p.B, p.H, p.L}, lse.dtype(), out[0].device(), op);
-    attn_bwd_preprocess<T, A><<<v1_blocks(rows), kV1Warps * 32, 0, st>>>(
-        p, o.data<T>(op), gp, dlse.data<A>(op), dvec.data<A>(op));
-    BT_CUDA_LAUNCH_CHECK(op);
+    launch_preprocess<T, A>(p, o.data<T>(op), gp, dlse.data<A>(op), dvec.data<A>(op), st, op);
     if constexpr (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) {
       // (g's batch stride is a multiple of 8 whenever its row strides are, for dense layouts)
-      const bool tc = tc_shape(p) && aligned16(q, p.q_b, p.q_h, p.q_l, op) &&
-                      aligned16(k, p.k_b, p.k_h, p.k_l, op) &&
-                      aligned16(v, p.v_b, p.v_h, p.v_l, op) &&
-                      aligned16(g, p.g_b, p.g_h, p.g_l, op);
+      const bool tc =
+          tc_shape(p) && aligned16(q, p.q_b, p.q_h, p.q_l, op) &&
+          aligned16(k, p.k_b, p.k_h, p.k_l, op) && aligned16(v, p.v_b, p.v_h, p.v_l, op) &&
+          aligned16(g, p.g_b, p.g_h, p.g_l, op) && p.d_row % 2 == 0 &&
+          reinterpret_cast<uintptr_t>(dq) % 4 == 0 && reinterpret_cast<uintptr_t>(dk) % 4 == 0 &&
+          reinterpret_cast<uintptr_t>(dv) % 4 == 0;
       if (tc) {
         const float* lp = lse.data<float>(op);
         const float* dp = dvec.data<float>(op);
@@ -997,6 +1200,16 @@ void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector
         } else {
           launch_bwd_v2<T, 128>(p, qp, kp, vp, gp, lp, dp, dq, dk, dv, st, op);
         }
+        return;
+      }
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      const AttnTf32Args ta = tf32_args(p, p.d_row);
+      if (attn_tf32_supported(ta) && ptr_aligned(qp, 16) && ptr_aligned(kp, 16) &&
+          ptr_aligned(vp, 16) && ptr_aligned(gp, 16) && ptr_aligned(dq, 8) &&
+          ptr_aligned(dk, 8) && ptr_aligned(dv, 8)) {
+        attn_bwd_tf32(ta, qp, kp, vp, gp, lse.data<float>(op), dvec.data<float>(op), dq, dk, dv,
+                      st, op);
         return;
       }
     }
@@ -1009,6 +1222,19 @@ void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector
             p, qp, kp, vp, gp, lp, dp, dk, dv);
     BT_CUDA_LAUNCH_CHECK(op);
   });
+}
+
+// Packed: q, k, v are views of X; dq, dk, dv the three (B, T, H, D) slices of dX (row 3 H D).
+void FlashAttentionPacked::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  FlashAttention(scale, causal).eval_gpu(packed_qkv_views(in[0], heads), out);
+}
+
+void FlashAttentionPackedBackward::eval_gpu(const std::vector<Tensor>& in,
+                                            std::vector<Tensor>& out) {
+  auto qkv = packed_qkv_views(in[0], heads);
+  auto douts = packed_grad_views(out[0], heads);
+  FlashAttentionBackward(scale, causal)
+      .eval_gpu({qkv[0], qkv[1], qkv[2], in[1], in[2], in[3], in[4]}, douts);
 }
 
 }  // namespace bt

@@ -163,6 +163,42 @@ __global__ void __launch_bounds__(kThreads)
   for (I i = nvec * N + tid; i < n; i += stride) out[i] = f(in[i]...);
 }
 
+// v3: out = f(x, b) (f(b, x) when B_FIRST) with x and out contiguous and b one row of L = lv * N
+// elements repeated over the rows (a bias: stride 0 over the leading dims). Thread t keeps column
+// vector t % lv of b in registers and walks rows t / lv, + rows_step, ..., 4 rows per iteration
+// (loads first, for memory parallelism): no per-element index math, b read once per thread.
+template <int N, bool B_FIRST, typename F, typename O, typename T>
+__global__ void __launch_bounds__(kThreads)
+    elementwise_rowbcast_v3(uint32_t rows, uint32_t lv, uint32_t rows_step, F f,
+                            O* __restrict__ out, const T* __restrict__ x, const T* __restrict__ b) {
+  const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t cv = t % lv;
+  uint32_t r = t / lv;
+  if (r >= rows_step) return;
+  const uint32_t L = lv * N;
+  T bv[N];
+  vload<N>(b + cv * N, bv);
+  constexpr int kU = 4;
+  for (; r < rows; r += kU * rows_step) {
+    T xv[kU][N];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const uint32_t rr = r + u * rows_step;
+      if (rr < rows) vload<N>(x + rr * L + cv * N, xv[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const uint32_t rr = r + u * rows_step;
+      if (rr < rows) {
+        O o[N];
+#pragma unroll
+        for (int k = 0; k < N; ++k) o[k] = B_FIRST ? f(bv[k], xv[u][k]) : f(xv[u][k], bv[k]);
+        vstore<N>(out + rr * L + cv * N, o);
+      }
+    }
+  }
+}
+
 // ---- op functors ------------------------------------------------------------------------------
 template <UnaryOp OP, typename C>
 __device__ __forceinline__ C unary_fn(C x) {
@@ -497,6 +533,59 @@ void unary_launch(const Tensor& x, const Tensor& out, const char* nm) {
   });
 }
 
+// L when t reads element i (row-major over its shape) at offset i % L: contiguous over its
+// trailing dims (L elements) and stride 0 over the leading ones (a broadcast row); else 0.
+int64_t row_broadcast_len(const Tensor& t) {
+  const Shape& sh = t.shape();
+  const Strides& st = t.strides();
+  int64_t L = 1, d = t.ndim() - 1;
+  for (; d >= 0; --d) {
+    if (sh[d] == 1) continue;
+    if (st[d] != L) break;
+    L *= sh[d];
+  }
+  for (; d >= 0; --d) {
+    if (sh[d] != 1 && st[d] != 0) return 0;
+  }
+  return L;
+}
+
+// The v3 fast path for out = f(a, b) with one operand contiguous and the other a broadcast row
+// whose length is a multiple of the vector width; false when it does not apply.
+template <typename O, typename T, typename F>
+bool try_rowbcast(const char* nm, const F& f, const Tensor& out, const Tensor& a, const Tensor& b) {
+  constexpr int kN = vec_width<O, T, T>();
+  const int64_t n = out.numel();
+  if (n == 0 || n > std::numeric_limits<int32_t>::max() || !out.is_contiguous()) return false;
+  const bool a_flat = a.is_contiguous(), b_flat = b.is_contiguous();
+  if (a_flat == b_flat) return false;  // both flat: the flat kernel; neither: strided
+  const Tensor& x = a_flat ? a : b;
+  const Tensor& row = a_flat ? b : a;
+  const int64_t L = row_broadcast_len(row);
+  if (L == 0 || L % kN != 0 || L >= n) return false;
+  O* o = static_cast<O*>(out.data_ptr(nm));
+  const T* xp = cptr<T>(x, nm);
+  const T* bp = cptr<T>(row, nm);
+  if (!aligned16(o) || !aligned16(xp) || !aligned16(bp)) return false;
+  const int dev = out.device().index;
+  const int64_t rows = n / L, lv = L / kN;
+  const int64_t want = static_cast<int64_t>(elementwise_blocks(n / kN, kThreads, dev)) * kThreads;
+  const int64_t rows_step = std::max<int64_t>(1, std::min(rows, want / lv));
+  const int blocks = static_cast<int>(ceil_div(rows_step * lv, kThreads));
+  cudaStream_t st = stream(out.device(), nm);
+  if (a_flat) {
+    elementwise_rowbcast_v3<kN, false>
+        <<<blocks, kThreads, 0, st>>>(static_cast<uint32_t>(rows), static_cast<uint32_t>(lv),
+                                      static_cast<uint32_t>(rows_step), f, o, xp, bp);
+  } else {
+    elementwise_rowbcast_v3<kN, true>
+        <<<blocks, kThreads, 0, st>>>(static_cast<uint32_t>(rows), static_cast<uint32_t>(lv),
+                                      static_cast<uint32_t>(rows_step), f, o, xp, bp);
+  }
+  BT_CUDA_LAUNCH_CHECK(nm);
+  return true;
+}
+
 template <BinaryOp OP>
 void binary_launch(const Tensor& x, const Tensor& y, const Tensor& out, const char* nm) {
   constexpr bool to_bool = OP >= BinaryOp::Eq;  // comparisons, and, or
@@ -517,6 +606,12 @@ void binary_launch(const Tensor& x, const Tensor& y, const Tensor& out, const ch
                           : (OP == BinaryOp::Sub)                         ? !is_bool
                                                                           : true;
     if constexpr (made) {
+      // Bias-style broadcasts (x op row) of the arithmetic ops on floats: the v3 fast path.
+      constexpr bool arith =
+          OP == BinaryOp::Add || OP == BinaryOp::Sub || OP == BinaryOp::Mul || OP == BinaryOp::Div;
+      if constexpr (arith && is_float && !to_bool) {
+        if (try_rowbcast<O, T>(nm, BinaryF<OP, T, O>{}, out, x, y)) return;
+      }
       launch_elementwise<O, T, T>(nm, BinaryF<OP, T, O>{}, out, {x, y});
     } else {
       throw RuntimeError(std::string("[") + nm + "] internal: no CUDA kernel for " +

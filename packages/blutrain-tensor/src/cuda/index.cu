@@ -56,11 +56,7 @@ using cuda::StridedOffset;
 
 enum IndexOpCode : int { kIndexSelect = 1, kIndexAdd, kGather, kScatterAdd };
 
-struct IndexErrorRecord {
-  int flag;  // 0 none, else the IndexOpCode of the first error
-  int pad;
-  long long value, size;
-};
+using cuda::IndexErrorRecord;  // runtime.h (shared with nn.cu's cross_entropy target check)
 __device__ IndexErrorRecord g_index_error;
 std::atomic<bool> g_armed[cuda::kMaxDevices];  // an index kernel ran since the last check
 
@@ -501,6 +497,18 @@ void sorted_add(const Tensor& src, const Sorted& s, AddGeom g, Tensor& out, cuda
 }  // namespace
 
 namespace cuda {
+IndexErrorRecord* index_error_record(int device) {
+  static IndexErrorRecord* addr[kMaxDevices] = {};  // symbol address per device, looked up once
+  if (!addr[device]) {
+    set_device(device, "index");
+    void* p = nullptr;
+    BT_CUDA_CHECK("index", cudaGetSymbolAddress(&p, g_index_error));
+    addr[device] = static_cast<IndexErrorRecord*>(p);
+  }
+  g_armed[device].store(true, std::memory_order_relaxed);
+  return addr[device];
+}
+
 void check_index_errors(int device) {
   if (device < 0 || device >= kMaxDevices ||
       !g_armed[device].exchange(false, std::memory_order_relaxed)) {
@@ -517,11 +525,14 @@ void check_index_errors(int device) {
   BT_CUDA_CHECK(op, cudaMemcpyToSymbolAsync(g_index_error, &zero, sizeof(zero), 0,
                                             cudaMemcpyHostToDevice, st));
   BT_CUDA_CHECK(op, cudaStreamSynchronize(st));
-  const char* names[] = {"?", "index_select", "index_add", "gather", "scatter_add"};
-  const char* nm = (rec.flag >= 1 && rec.flag <= 4) ? names[rec.flag] : names[0];
+  const char* names[] = {"?",      "index_select", "index_add",
+                         "gather", "scatter_add",  "cross_entropy"};
+  const char* nm = (rec.flag >= 1 && rec.flag <= 5) ? names[rec.flag] : names[0];
   throw IndexError(std::string("[") + nm + "] index " + std::to_string(rec.value) +
                    " is out of range for a dim of size " + std::to_string(rec.size) +
-                   " (detected on the GPU; the element was skipped)");
+                   (rec.flag == kIndexErrorCrossEntropy
+                        ? " (a target; detected on the GPU; that row's loss is NaN)"
+                        : " (detected on the GPU; the element was skipped)"));
 }
 }  // namespace cuda
 

@@ -2,10 +2,15 @@
 // cross-entropy forward on CUDA.  One block per row, fp32 math (double for float64), statistics
 // reduced with fixed-order block reductions (deterministic).  Each kernel has a simple reference
 // version (_v1: scalar loads, one pass per quantity) and a fast one (_v2: 16-byte vector loads,
-// online max/sum); BT_CUDA_NN_V1=1 selects v1 (tests compare the two).
+// online max/sum); softmax and layer norm also have _v3 (one warp per row, the row in registers,
+// several rows per block) for rows up to 3072 elements.  BT_CUDA_NN_VERSION=1|2|3 (or
+// BT_CUDA_NN_V1=1) selects the version (nn_common.cuh; tests compare them).
 //
 // Cross-entropy never materialises float32 logits: it reads the logits in their dtype once
-// (online max / sum of exp / sum of x) and writes only float32 lse and the loss.
+// (online max / sum of exp / sum of x) and writes only float32 lse and the loss.  Rows may be
+// strided (a narrow of padded logits is read in place) and only the first num_classes columns
+// count; an out-of-range target is reported through index.cu's error record (IndexError at the
+// next synchronisation).
 #include <cmath>
 
 #include "../backend.h"
@@ -65,6 +70,54 @@ __global__ void softmax_forward_v2(const T* __restrict__ x, T* __restrict__ y, i
     for (int k = 0; k < N; ++k) v[k] = lg ? v[k] - lse : exp(v[k] - m) * inv;
     store_n<N>(q + i, v);
   });
+}
+
+// v3: one warp per row (kV3Warps rows per block), the row in registers (nn_common.cuh): one read
+// of x, one write of y, warp-shuffle reductions only.  Same formulas as v2.
+template <typename T, int V, int NV>
+__global__ void softmax_forward_v3(const T* __restrict__ x, T* __restrict__ y, int64_t R, int64_t C,
+                                   bool lg) {
+  using A = math_t<T>;
+  const int lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * kV3Warps + threadIdx.x / 32;
+  if (row >= R) return;  // whole warps only: no block barriers below
+  const T* p = x + row * C;
+  A v[NV][V];
+  A m = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = v3_col<V>(j, lane);
+    if (c < C) {
+      load_n<V>(p + c, v[j]);
+#pragma unroll
+      for (int k = 0; k < V; ++k) m = max(m, v[j][k]);
+    }
+  }
+  m = warp_max(m);
+  if (m == -INFINITY) m = 0;  // an all -inf row: as the CPU
+  A s = 0;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    if (v3_col<V>(j, lane) < C) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const A e = exp(v[j][k] - m);
+        s += e;
+        if (!lg) v[j][k] = e;
+      }
+    }
+  }
+  s = warp_sum(s);
+  const A lse = m + log(s), inv = A(1) / s;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = v3_col<V>(j, lane);
+    if (c < C) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[j][k] = lg ? v[j][k] - lse : v[j][k] * inv;
+      store_n<V>(y + row * C + c, v[j]);
+    }
+  }
 }
 
 // ---- layer norm (optionally on x + residual) --------------------------------------------------
@@ -152,15 +205,78 @@ __global__ void layernorm_forward_v2(const T* __restrict__ x, const T* __restric
   });
 }
 
+// v3: one warp per row (kV3Warps rows per block), the row (and with kAdd the rounded sum) in
+// registers: x (and residual) read once, y (and sum) written once; exact two-pass statistics from
+// registers; warp-shuffle reductions (deterministic).
+template <typename T, typename S, int V, int NV, bool kAdd>
+__global__ void layernorm_forward_v3(const T* __restrict__ x, const T* __restrict__ res,
+                                     const T* __restrict__ w, const T* __restrict__ b,
+                                     T* __restrict__ sum_o, T* __restrict__ y,
+                                     S* __restrict__ mean_o, S* __restrict__ rstd_o, int64_t R,
+                                     int64_t C, double eps) {
+  using A = math_t<T>;
+  const int lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * kV3Warps + threadIdx.x / 32;
+  if (row >= R) return;  // whole warps only: no block barriers below
+  const int64_t off = row * C;
+  A v[NV][V];
+  A s = 0;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = v3_col<V>(j, lane);
+    if (c < C) {
+      load_n<V>(x + off + c, v[j]);
+      if constexpr (kAdd) {
+        A r[V];
+        load_n<V>(res + off + c, r);
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[j][k] = convert<A>(convert<T>(v[j][k] + r[k]));
+        store_n<V>(sum_o + off + c, v[j]);
+      }
+#pragma unroll
+      for (int k = 0; k < V; ++k) s += v[j][k];
+    }
+  }
+  const A mean = warp_sum(s) / A(C);
+  A ss = 0;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    if (v3_col<V>(j, lane) < C) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) ss += (v[j][k] - mean) * (v[j][k] - mean);
+    }
+  }
+  const A rstd = A(1) / sqrt(warp_sum(ss) / A(C) + A(eps));
+  if (lane == 0) mean_o[row] = mean, rstd_o[row] = rstd;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = v3_col<V>(j, lane);
+    if (c < C) {
+      A wv[V], bv[V];
+      if (w) load_n<V>(w + c, wv);
+      if (b) load_n<V>(b + c, bv);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        v[j][k] = (v[j][k] - mean) * rstd;
+        if (w) v[j][k] *= wv[k];
+        if (b) v[j][k] += bv[k];
+      }
+      store_n<V>(y + off + c, v[j]);
+    }
+  }
+}
+
 // ---- cross-entropy ----------------------------------------------------------------------------
-// Per row: lse (S), and the row loss either straight to `loss_o` (reduction none, in O) or as
-// float/double into `row_loss` for the reduction pass.  Ignored rows give 0, out-of-range
-// targets NaN (the CPU raises; a device kernel cannot).
+// Logits rows start `ld` elements apart (>= C: a narrow or padded view is read in place) and the
+// first C columns are the classes.  Per row: lse (S), and the row loss either straight to
+// `loss_o` (reduction none, in O) or as float/double into `row_loss` for the reduction pass.
+// Ignored rows give 0.  An out-of-range target gives NaN and is recorded in index.cu's error
+// record (`err`), so the host raises IndexError at its next synchronisation.
 template <typename T, typename S, typename O>
 __device__ __forceinline__ void ce_finish_row(int64_t row, math_t<T> m, math_t<T> s,
                                               math_t<T> sum_x, const T* p, int64_t tgt, int64_t C,
                                               int64_t ii, double ls, S* lse_o, O* loss_o,
-                                              math_t<T>* row_loss) {
+                                              math_t<T>* row_loss, IndexErrorRecord* err) {
   using A = math_t<T>;
   const A lse = m + log(s);
   lse_o[row] = lse;
@@ -168,6 +284,10 @@ __device__ __forceinline__ void ce_finish_row(int64_t row, math_t<T> m, math_t<T
   if (tgt != ii) {
     if (tgt < 0 || tgt >= C) {
       loss = NAN;
+      if (err && atomicCAS(&err->flag, 0, kIndexErrorCrossEntropy) == 0) {
+        err->value = tgt;
+        err->size = C;
+      }
     } else {
       const A nll = lse - load_math(p + tgt);
       loss = A(1 - ls) * nll + A(ls) * (lse - sum_x / A(C));
@@ -178,14 +298,14 @@ __device__ __forceinline__ void ce_finish_row(int64_t row, math_t<T> m, math_t<T
 }
 
 template <typename T, typename S, typename O>
-__global__ void crossentropy_forward_v1(const T* __restrict__ x, const int64_t* __restrict__ t,
-                                        S* __restrict__ lse_o, O* __restrict__ loss_o,
-                                        math_t<T>* __restrict__ row_loss, int64_t C, int64_t ii,
-                                        double ls) {
+__global__ void crossentropy_forward_v1(const T* __restrict__ x, int64_t ld,
+                                        const int64_t* __restrict__ t, S* __restrict__ lse_o,
+                                        O* __restrict__ loss_o, math_t<T>* __restrict__ row_loss,
+                                        int64_t C, int64_t ii, double ls, IndexErrorRecord* err) {
   using A = math_t<T>;
   __shared__ A scratch[32];
   const int64_t row = blockIdx.x;
-  const T* p = x + row * C;
+  const T* p = x + row * ld;
   A m = -INFINITY;
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) m = max(m, load_math(p + i));
   m = block_max(m, scratch, A(-INFINITY));
@@ -199,18 +319,20 @@ __global__ void crossentropy_forward_v1(const T* __restrict__ x, const int64_t* 
   s = block_sum(s, scratch);
   sx = block_sum(sx, scratch);
   if (threadIdx.x == 0)
-    ce_finish_row<T, S, O>(row, mm, s, sx, p, t[row], C, ii, ls, lse_o, loss_o, row_loss);
+    ce_finish_row<T, S, O>(row, mm, s, sx, p, t[row], C, ii, ls, lse_o, loss_o, row_loss, err);
 }
 
+// v2: one pass, 16-byte loads.  row_chunks aligns each row on its own (head / tail elements), so
+// any row stride keeps the vector loads.
 template <typename T, typename S, typename O, int V>
-__global__ void crossentropy_forward_v2(const T* __restrict__ x, const int64_t* __restrict__ t,
-                                        S* __restrict__ lse_o, O* __restrict__ loss_o,
-                                        math_t<T>* __restrict__ row_loss, int64_t C, int64_t ii,
-                                        double ls) {
+__global__ void crossentropy_forward_v2(const T* __restrict__ x, int64_t ld,
+                                        const int64_t* __restrict__ t, S* __restrict__ lse_o,
+                                        O* __restrict__ loss_o, math_t<T>* __restrict__ row_loss,
+                                        int64_t C, int64_t ii, double ls, IndexErrorRecord* err) {
   using A = math_t<T>;
   __shared__ A scratch[64];
   const int64_t row = blockIdx.x;
-  const T* p = x + row * C;
+  const T* p = x + row * ld;
   A m = -INFINITY, s = 0, sx = 0;
   row_chunks<V>(p, C, [&](int64_t i, auto n) {
     constexpr int N = decltype(n)::value;
@@ -226,7 +348,7 @@ __global__ void crossentropy_forward_v2(const T* __restrict__ x, const int64_t* 
   sx = block_sum(sx, scratch);
   if (m == -INFINITY) m = 0;
   if (threadIdx.x == 0)
-    ce_finish_row<T, S, O>(row, m, s, sx, p, t[row], C, ii, ls, lse_o, loss_o, row_loss);
+    ce_finish_row<T, S, O>(row, m, s, sx, p, t[row], C, ii, ls, lse_o, loss_o, row_loss, err);
 }
 
 // One block: loss = sum (or mean over non-ignored rows) of row_loss, in a fixed order.
@@ -268,7 +390,22 @@ void layernorm_forward(const Tensor& x, const Tensor& res, const Tensor& w, cons
       T* sp = add ? static_cast<T*>(sum_o->data_ptr(op)) : nullptr;
       S* mp = static_cast<S*>(mean.data_ptr(op));
       S* rsp = static_cast<S*>(rstd.data_ptr(op));
-      if (use_v1() && !add) {
+      const int ver = nn_version();
+      if (ver == 3 && dispatch_v3<T>(C, {xp, rp, wp, bp, yp, sp}, [&](auto vtag, auto nvtag) {
+            constexpr int V = decltype(vtag)::value, NV = decltype(nvtag)::value;
+            const unsigned grid = static_cast<unsigned>(ceil_div(R, kV3Warps));
+            if (add) {
+              layernorm_forward_v3<T, S, V, NV, true>
+                  <<<grid, kV3Warps * 32, 0, st>>>(xp, rp, wp, bp, sp, yp, mp, rsp, R, C, eps);
+            } else {
+              layernorm_forward_v3<T, S, V, NV, false>
+                  <<<grid, kV3Warps * 32, 0, st>>>(xp, rp, wp, bp, sp, yp, mp, rsp, R, C, eps);
+            }
+            BT_CUDA_LAUNCH_CHECK(op);
+          })) {
+        return;
+      }
+      if (ver == 1 && !add) {
         layernorm_forward_v1<T, S><<<static_cast<unsigned>(R), row_threads(C, 1, 256), 0, st>>>(
             xp, wp, bp, yp, mp, rsp, C, eps);
         BT_CUDA_LAUNCH_CHECK(op);
@@ -310,7 +447,17 @@ void Softmax::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) 
     using T = typename decltype(tag)::type;
     const T* xp = static_cast<const T*>(x.data_ptr(name()));
     T* yp = static_cast<T*>(out[0].data_ptr(name()));
-    if (use_v1()) {
+    const int ver = nn_version();
+    if (ver == 3 && dispatch_v3<T>(C, {xp, yp}, [&](auto vtag, auto nvtag) {
+          constexpr int V = decltype(vtag)::value, NV = decltype(nvtag)::value;
+          softmax_forward_v3<T, V, NV>
+              <<<static_cast<unsigned>(ceil_div(R, kV3Warps)), kV3Warps * 32, 0, st>>>(xp, yp, R, C,
+                                                                                       log);
+          BT_CUDA_LAUNCH_CHECK(name());
+        })) {
+      return;
+    }
+    if (ver == 1) {
       softmax_forward_v1<T>
           <<<static_cast<unsigned>(R), row_threads(C, 1, 256), 0, st>>>(xp, yp, C, log);
       BT_CUDA_LAUNCH_CHECK(name());
@@ -336,9 +483,12 @@ void AddLayerNorm::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
 }
 
 void CrossEntropy::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  const int64_t N = in[0].shape()[0], C = in[0].shape()[1];
+  const int64_t N = in[0].shape()[0];
   cudaStream_t st = stream(out[0].device(), name());
-  Tensor x = contiguous_on(in[0], name(), st), t = contiguous_on(in[1], name(), st);
+  // rows with a unit column stride are read in place: no copy of a narrow / padded view
+  Tensor x = rows_in_place(in[0]) ? in[0] : contiguous_on(in[0], name(), st);
+  Tensor t = contiguous_on(in[1], name(), st);
+  const int64_t C = classes(x), ld = x.strides()[0];
   dispatch_cuda_float(x.dtype(), name(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     using A = math_t<T>;
@@ -358,6 +508,7 @@ void CrossEntropy::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
       const T* xp = static_cast<const T*>(x.data_ptr(name()));
       const int64_t* tp = static_cast<const int64_t*>(t.data_ptr(name()));
       S* lse = static_cast<S*>(out[1].data_ptr(name()));
+      IndexErrorRecord* err = index_error_record(x.device().index);
       Tensor rl;
       A* rlp = nullptr;
       if (reduction != 0) {
@@ -369,14 +520,14 @@ void CrossEntropy::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
       if (use_v1()) {
         crossentropy_forward_v1<T, S, O>
             <<<static_cast<unsigned>(N), row_threads(C, 1, 256), 0, st>>>(
-                xp, tp, lse, lrow, rlp, C, ignore_index, label_smoothing);
+                xp, ld, tp, lse, lrow, rlp, C, ignore_index, label_smoothing, err);
         BT_CUDA_LAUNCH_CHECK(name());
       } else {
         dispatch_vec(vec_width<T>({xp}), [&](auto vtag) {
           constexpr int V = decltype(vtag)::value;
           crossentropy_forward_v2<T, S, O, V>
               <<<static_cast<unsigned>(N), row_threads(C, V, 512), 0, st>>>(
-                  xp, tp, lse, lrow, rlp, C, ignore_index, label_smoothing);
+                  xp, ld, tp, lse, lrow, rlp, C, ignore_index, label_smoothing, err);
           BT_CUDA_LAUNCH_CHECK(name());
         });
       }

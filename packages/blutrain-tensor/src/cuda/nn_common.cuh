@@ -11,11 +11,20 @@
 
 namespace bt::cuda::nn {
 
-// BT_CUDA_NN_V1=1 selects the simple reference kernels (read per call, so tests can flip it).
-inline bool use_v1() {
-  const char* e = std::getenv("BT_CUDA_NN_V1");
-  return e && e[0] && std::strcmp(e, "0") != 0;
+// Kernel version, read per call so tests and benches can flip it: BT_CUDA_NN_VERSION=1|2|3
+// (BT_CUDA_NN_V1=1 also means 1).  1: the simple reference kernels; 2: block-per-row kernels with
+// 16-byte loads; 3 (layer norm fwd / bwd, add_layer_norm, softmax fwd): one warp per row with the
+// row in registers, used where it applies (16-bit / fp32, aligned rows up to kV3MaxPerLane * 32
+// elements), else 2.  kDefaultNnVersion is the default.
+constexpr int kDefaultNnVersion = 3;
+inline int nn_version() {
+  const char* v1 = std::getenv("BT_CUDA_NN_V1");
+  if (v1 && v1[0] && std::strcmp(v1, "0") != 0) return 1;
+  const char* e = std::getenv("BT_CUDA_NN_VERSION");
+  if (e && (e[0] == '1' || e[0] == '2' || e[0] == '3') && !e[1]) return e[0] - '0';
+  return kDefaultNnVersion;
 }
+inline bool use_v1() { return nn_version() == 1; }
 
 template <typename T>
 __global__ void gather_contiguous(const T* __restrict__ src, StridedOffset off, T* __restrict__ dst,
@@ -41,6 +50,12 @@ inline Tensor contiguous_on(const Tensor& t, const char* op, cudaStream_t s) {
     BT_CUDA_LAUNCH_CHECK(op);
   });
   return c;
+}
+
+// Whether a 2-D tensor's rows can be read in place: unit column stride, row stride >= 0 (the
+// kernels then take the row stride; a narrow of a padded (N, Vp) tensor needs no copy).
+inline bool rows_in_place(const Tensor& t) {
+  return t.ndim() == 2 && t.strides()[1] == 1 && t.strides()[0] >= 0;
 }
 
 // Statistics type (mean, rstd, lse): double for double inputs, float otherwise.
@@ -180,6 +195,55 @@ __device__ __forceinline__ void block_ms(A& m, A& s, A* scratch) {
   m = mm;
   s = ss;
   __syncthreads();
+}
+
+// ---- v3: one warp per row, the row in registers --------------------------------------------
+// Lane l holds the 16-byte vectors j * 32 + l (j < NV) of its row: V = 16 / sizeof(T) elements
+// each, so a warp's access per j is 512 contiguous bytes.  Rows must be whole vectors (C % V == 0)
+// and every array 16-byte aligned; NV * V <= kV3MaxPerLane keeps the row in registers.
+constexpr int kV3MaxPerLane = 96;
+constexpr int kV3Warps = 4;  // rows (warps) per block of the forward kernels
+
+// Runs f(ic<V>, ic<NV>) with the smallest supported NV covering a row of C, and returns true;
+// false (f not run) when v3 does not apply: 8-byte elements, C % V != 0, a misaligned pointer or
+// a row longer than MaxPerLane elements per lane (what fits in registers).
+template <typename T, int MaxPerLane = kV3MaxPerLane, typename F>
+inline bool dispatch_v3(int64_t C, std::initializer_list<const void*> ptrs, F&& f) {
+  if constexpr (sizeof(T) == 8) {
+    return false;
+  } else {
+    constexpr int V = static_cast<int>(16 / sizeof(T));
+    if (C <= 0 || C % V != 0) return false;
+    for (const void* p : ptrs) {
+      if (p && (reinterpret_cast<uintptr_t>(p) & 15) != 0) return false;
+    }
+    const int64_t nv = ceil_div(C, int64_t(32) * V);
+    auto run = [&](auto nvtag) {
+      constexpr int NV = decltype(nvtag)::value;
+      if constexpr (NV * V <= MaxPerLane) {
+        f(ic<V>{}, nvtag);
+        return true;
+      } else {
+        return false;
+      }
+    };
+    if (nv <= 1) return run(ic<1>{});
+    if (nv <= 2) return run(ic<2>{});
+    if (nv <= 3) return run(ic<3>{});
+    if (nv <= 4) return run(ic<4>{});
+    if (nv <= 6) return run(ic<6>{});
+    if (nv <= 8) return run(ic<8>{});
+    if (nv <= 12) return run(ic<12>{});
+    if (nv <= 16) return run(ic<16>{});
+    if (nv <= 24) return run(ic<24>{});
+    return false;
+  }
+}
+
+// Column of lane `lane`'s j-th vector.
+template <int V>
+__device__ __forceinline__ int64_t v3_col(int j, int lane) {
+  return (int64_t(j) * 32 + lane) * V;
 }
 
 }  // namespace bt::cuda::nn

@@ -3,10 +3,14 @@
 // deterministically: each block accumulates its rows' partial sums per column (each column owned
 // by one thread at a time, barriers between rows), writes them to a scratch tensor, and a second
 // kernel sums the partials over blocks in a fixed order; no float atomics anywhere.  Each kernel
-// keeps a simple reference version (_v1); BT_CUDA_NN_V1=1 selects them.
+// keeps a simple reference version (_v1); BT_CUDA_NN_V1=1 selects them.  Layer norm backward also
+// has _v3 (one warp per row, rows up to 1024 elements in registers, per-warp shared-memory
+// dweight / dbias partials), selected by BT_CUDA_NN_VERSION (nn_common.cuh).
 //
 // Cross-entropy backward reads the logits in their dtype and writes dlogits in that dtype in one
-// pass (p = exp(x - lse) from the saved lse; no float32 copy).  Each element is read and written
+// pass (p = exp(x - lse) from the saved lse; no float32 copy).  Logits rows may be strided; with
+// num_classes < the row width (a padded vocabulary) the padding columns get zero gradient, so the
+// padded (N, Vp) gradient is written directly.  Each element is read and written
 // by the same thread in the same step, so the kernel is safe with dlogits aliasing the logits.
 #include <algorithm>
 #include <cmath>
@@ -178,6 +182,103 @@ __global__ void layernorm_backward_v2(const T* __restrict__ dy, const T* __restr
   }
 }
 
+// v3: one warp per row, rows b * W + w, b * W + w + G * W, ... (G blocks of W warps); dy, x (and
+// the weight, loaded once per warp) in registers, so dy and x are read once and dx written once.
+// dweight / dbias partials: each warp accumulates its rows into its own shared-memory slice (each
+// lane owns its columns: no races), then the block sums its warps' slices in warp order into
+// partial[block] for layernorm_backward_reduce.  Deterministic for a given grid.
+template <typename T, typename S, int V, int NV>
+__global__ void layernorm_backward_v3(const T* __restrict__ dy, const T* __restrict__ x,
+                                      const T* __restrict__ w, const S* __restrict__ mean,
+                                      const S* __restrict__ rstd, const T* __restrict__ extra,
+                                      T* __restrict__ dx, float* __restrict__ partial, int64_t R,
+                                      int64_t C, bool need_acc) {
+  static_assert(V % 4 == 0, "v3 accumulates float4s");
+  using A = float;  // v3 runs for 16-bit and fp32 inputs only
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+  A* acc = reinterpret_cast<A*>(smem_raw) + warp * 2 * C;  // this warp's [dw | db] slice
+  if (need_acc) {
+    for (int64_t i = lane * 4; i < 2 * C; i += 128) {
+      *reinterpret_cast<float4*>(acc + i) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    __syncwarp();
+  }
+  A wv[NV][V];
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = v3_col<V>(j, lane);
+#pragma unroll
+    for (int k = 0; k < V; ++k) wv[j][k] = A(1);
+    if (w && c < C) load_n<V>(w + c, wv[j]);
+  }
+  for (int64_t row = int64_t(blockIdx.x) * nw + warp; row < R; row += int64_t(gridDim.x) * nw) {
+    const int64_t off = row * C;
+    const A m = mean[row], rs = rstd[row];
+    A g[NV][V], xh[NV][V];
+    A s1 = 0, s2 = 0;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = v3_col<V>(j, lane);
+      if (c < C) {
+        load_n<V>(dy + off + c, g[j]);
+        load_n<V>(x + off + c, xh[j]);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          xh[j][k] = (xh[j][k] - m) * rs;
+          const A gx = g[j][k] * wv[j][k];
+          s1 += gx;
+          s2 += gx * xh[j][k];
+        }
+      }
+    }
+    s1 = warp_sum(s1) / A(C);
+    s2 = warp_sum(s2) / A(C);
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = v3_col<V>(j, lane);
+      if (c < C) {
+        A o[V], ev[V];
+        if (extra) load_n<V>(extra + off + c, ev);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          o[k] = rs * (g[j][k] * wv[j][k] - s1 - xh[j][k] * s2);
+          if (extra) o[k] += ev[k];
+        }
+        store_n<V>(dx + off + c, o);
+        if (need_acc) {
+#pragma unroll
+          for (int k = 0; k < V; k += 4) {
+            float4* pw = reinterpret_cast<float4*>(acc + c + k);
+            float4* pb = reinterpret_cast<float4*>(acc + C + c + k);
+            float4 a = *pw, bb = *pb;
+            a.x += g[j][k] * xh[j][k];
+            a.y += g[j][k + 1] * xh[j][k + 1];
+            a.z += g[j][k + 2] * xh[j][k + 2];
+            a.w += g[j][k + 3] * xh[j][k + 3];
+            bb.x += g[j][k];
+            bb.y += g[j][k + 1];
+            bb.z += g[j][k + 2];
+            bb.w += g[j][k + 3];
+            *pw = a;
+            *pb = bb;
+          }
+        }
+      }
+    }
+  }
+  if (need_acc) {
+    __syncthreads();
+    const A* all = reinterpret_cast<const A*>(smem_raw);
+    float* dst = partial + int64_t(blockIdx.x) * 2 * C;
+    for (int64_t i = threadIdx.x; i < 2 * C; i += blockDim.x) {
+      A t = 0;
+      for (int q = 0; q < nw; ++q) t += all[q * 2 * C + i];  // warp order: deterministic
+      dst[i] = t;
+    }
+  }
+}
+
 // dweight[c] = sum_b partial[b][c], dbias[c] = sum_b partial[b][C + c], b in order.
 template <typename T>
 __global__ void layernorm_backward_reduce(const math_t<T>* __restrict__ partial, int G, int64_t C,
@@ -214,36 +315,46 @@ __global__ void crossentropy_row_scale(const int64_t* __restrict__ t, const G* _
 }
 
 // d = (exp(x - lse) - ls / C - (i == target) * (1 - ls)) * scale[row]; ignored rows 0, an
-// out-of-range target NaN.
+// out-of-range target NaN.  Logits rows start ldx elements apart; dlogits is (N, Cx) dense and its
+// columns >= C (a padded vocabulary's padding) get 0, so it is the padded gradient in one pass.
 template <typename T, typename S>
-__global__ void crossentropy_backward_v1(const T* __restrict__ x, const int64_t* __restrict__ t,
-                                         const S* __restrict__ lse, const math_t<T>* scale, T* dx,
-                                         int64_t C, int64_t ii, double ls) {
+__global__ void crossentropy_backward_v1(const T* __restrict__ x, int64_t ldx,
+                                         const int64_t* __restrict__ t, const S* __restrict__ lse,
+                                         const math_t<T>* scale, T* dx, int64_t C, int64_t Cx,
+                                         int64_t ii, double ls) {
   using A = math_t<T>;
-  const int64_t row = blockIdx.x, off = row * C, tg = t[row];
+  const int64_t row = blockIdx.x, tg = t[row];
   const A l = lse[row], sc = scale[row], offv = A(ls / double(C)), on = A(1 - ls);
   const bool ign = tg == ii, bad = !ign && (tg < 0 || tg >= C);
-  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
-    A d = exp(load_math(x + off + i) - l) - offv;
-    if (i == tg) d -= on;
-    dx[off + i] = convert<T>(ign ? A(0) : bad ? A(NAN) : d * sc);
+  for (int64_t i = threadIdx.x; i < Cx; i += blockDim.x) {
+    A d = 0;
+    if (i < C && !ign) {
+      d = exp(load_math(x + row * ldx + i) - l) - offv;
+      if (i == tg) d -= on;
+      d = bad ? A(NAN) : d * sc;
+    }
+    dx[row * Cx + i] = convert<T>(d);
   }
 }
 
+// v2: chunks follow the output row (16-byte stores); the host launches V > 1 only when each
+// logits row has the same 16-byte alignment as its output row (same base alignment and
+// (ldx - Cx) * sizeof(T) a multiple of 16), so the loads at the same column are aligned too.
+// A chunk straddling column C loads columns < Cx <= ldx (in bounds) and discards those >= C.
 template <typename T, typename S, int V>
-__global__ void crossentropy_backward_v2(const T* x, const int64_t* __restrict__ t,
+__global__ void crossentropy_backward_v2(const T* x, int64_t ldx, const int64_t* __restrict__ t,
                                          const S* __restrict__ lse, const math_t<T>* scale, T* dx,
-                                         int64_t C, int64_t ii, double ls) {
+                                         int64_t C, int64_t Cx, int64_t ii, double ls) {
   using A = math_t<T>;
-  const int64_t row = blockIdx.x, off = row * C, tg = t[row];
+  const int64_t row = blockIdx.x, tg = t[row];
   const A l = lse[row], sc = scale[row], offv = A(ls / double(C)), on = A(1 - ls);
   const bool ign = tg == ii, bad = !ign && (tg < 0 || tg >= C);
-  const T* p = x + off;
-  T* q = dx + off;
-  row_chunks<V>(p, C, [&](int64_t i, auto n) {
+  const T* p = x + row * ldx;
+  T* q = dx + row * Cx;
+  row_chunks<V>(q, Cx, [&](int64_t i, auto n) {
     constexpr int N = decltype(n)::value;
     A v[N];
-    if (ign) {
+    if (ign || i >= C) {
 #pragma unroll
       for (int k = 0; k < N; ++k) v[k] = 0;
     } else {
@@ -252,7 +363,7 @@ __global__ void crossentropy_backward_v2(const T* x, const int64_t* __restrict__
       for (int k = 0; k < N; ++k) {
         A d = exp(v[k] - l) - offv;
         if (i + k == tg) d -= on;
-        v[k] = bad ? A(NAN) : d * sc;
+        v[k] = i + k >= C ? A(0) : bad ? A(NAN) : d * sc;
       }
     }
     store_n<N>(q + i, v);
@@ -320,7 +431,45 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
       if (dbp) BT_CUDA_CHECK(name(), cudaMemsetAsync(dbp, 0, C * sizeof(T), st));
       return;
     }
-    if (use_v1()) {
+    const int ver = nn_version();
+    // v3 keeps dy, xhat and the weight in registers: rows up to 32 elements per lane (C <= 1024
+    // in fp32 / 16-bit); longer rows run v2
+    if (ver == 3 && dispatch_v3<T, 32>(C, {dyp, xp, wp, ep, dxp}, [&](auto vtag, auto nvtag) {
+          constexpr int V = decltype(vtag)::value, NV = decltype(nvtag)::value;
+          // Warps per block and blocks: each block's shared memory holds a 2C float slice per
+          // warp (dw | db); few blocks keep the partials (G * 2C floats) small next to the
+          // 3 R C elements moved, while 16+ warps per SM keep enough loads in flight.
+          const int nw = 8;
+          const size_t smem = need_acc ? size_t(nw) * 2 * C * sizeof(float) : 0;
+          auto kern = layernorm_backward_v3<T, S, V, NV>;
+          if (smem > 48 * 1024) {
+            BT_CUDA_CHECK(name(),
+                          cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(smem)));
+          }
+          int per_sm = 0;
+          BT_CUDA_CHECK(
+              name(), cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, nw * 32, smem));
+          per_sm = std::max(1, std::min(per_sm, 2));
+          const int G = static_cast<int>(std::min<int64_t>(
+              ceil_div(R, nw), int64_t(device_info(dev.index).sm_count) * per_sm));
+          Tensor partial;
+          A* pp = nullptr;  // float: v3 never runs for float64 (dispatch_v3)
+          if (need_acc) {
+            partial = empty_tensor({int64_t(G) * 2 * C}, DType::Float32, dev, name());
+            pp = static_cast<A*>(partial.data_ptr(name()));
+          }
+          kern<<<G, nw * 32, smem, st>>>(dyp, xp, wp, mp, rp, ep, dxp, pp, R, C, need_acc);
+          BT_CUDA_LAUNCH_CHECK(name());
+          if (need_acc) {
+            layernorm_backward_reduce<T>
+                <<<static_cast<unsigned>(ceil_div(2 * C, 256)), 256, 0, st>>>(pp, G, C, dwp, dbp);
+            BT_CUDA_LAUNCH_CHECK(name());
+          }
+        })) {
+      return;
+    }
+    if (ver == 1) {
       layernorm_backward_dx_v1<T, S><<<static_cast<unsigned>(R), row_threads(C, 1, 256), 0, st>>>(
           dyp, xp, wp, mp, rp, ep, dxp, C);
       BT_CUDA_LAUNCH_CHECK(name());
@@ -370,11 +519,14 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
 }
 
 void CrossEntropyBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  const int64_t N = in[0].shape()[0], C = in[0].shape()[1];
-  if (N == 0 || C == 0) return;
+  const int64_t N = in[0].shape()[0], Cx = in[0].shape()[1];
+  if (N == 0 || Cx == 0) return;
   cudaStream_t st = stream(out[0].device(), name());
-  Tensor x = contiguous_on(in[0], name(), st), t = contiguous_on(in[1], name(), st);
+  // rows with a unit column stride are read in place (a narrow / padded view: no copy)
+  Tensor x = rows_in_place(in[0]) ? in[0] : contiguous_on(in[0], name(), st);
+  Tensor t = contiguous_on(in[1], name(), st);
   Tensor lse = contiguous_on(in[2], name(), st), g = contiguous_on(in[3], name(), st);
+  const int64_t C = classes(x), ldx = x.strides()[0];
   dispatch_cuda_float(x.dtype(), name(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     using A = math_t<T>;
@@ -394,15 +546,17 @@ void CrossEntropyBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<T
     T* dxp = static_cast<T*>(out[0].data_ptr(name()));
     const unsigned grid = static_cast<unsigned>(N);
     if (use_v1()) {
-      crossentropy_backward_v1<T, S><<<grid, row_threads(C, 1, 256), 0, st>>>(
-          xp, tp, lp, sp, dxp, C, ignore_index, label_smoothing);
+      crossentropy_backward_v1<T, S><<<grid, row_threads(Cx, 1, 256), 0, st>>>(
+          xp, ldx, tp, lp, sp, dxp, C, Cx, ignore_index, label_smoothing);
       BT_CUDA_LAUNCH_CHECK(name());
       return;
     }
-    dispatch_vec(vec_width<T>({xp, dxp}), [&](auto vtag) {
+    // vector width: logits row r and output row r must share their 16-byte alignment
+    const bool rows_match = N == 1 || ((ldx - Cx) * int64_t(sizeof(T))) % 16 == 0;
+    dispatch_vec(rows_match ? vec_width<T>({xp, dxp}) : 1, [&](auto vtag) {
       constexpr int V = decltype(vtag)::value;
-      crossentropy_backward_v2<T, S, V><<<grid, row_threads(C, V, 512), 0, st>>>(
-          xp, tp, lp, sp, dxp, C, ignore_index, label_smoothing);
+      crossentropy_backward_v2<T, S, V><<<grid, row_threads(Cx, V, 512), 0, st>>>(
+          xp, ldx, tp, lp, sp, dxp, C, Cx, ignore_index, label_smoothing);
       BT_CUDA_LAUNCH_CHECK(name());
     });
   });

@@ -59,6 +59,17 @@ void copy_cast(const Tensor& dst, const Tensor& src, const char* op);
 // Raises IndexError if an index kernel recorded an out-of-range index on `device` since the last
 // check (index.cu: kernels never use a bad index; the host learns of it at the next sync).
 void check_index_errors(int device);
+// [nn helper] index.cu's device-side error record, shared with kernels elsewhere that check
+// indices on the device (cross_entropy targets, nn.cu): a kernel records only the first error,
+// atomicCAS(&flag, 0, code) and then value / size.  index_error_record() returns the record's
+// device address on `device` and arms the next check_index_errors.
+struct IndexErrorRecord {
+  int flag;  // 0 none, else the op code of the first error (index.cu's are 1-4)
+  int pad;
+  long long value, size;
+};
+constexpr int kIndexErrorCrossEntropy = 5;
+IndexErrorRecord* index_error_record(int device);
 
 // Grid size for a grid-stride elementwise loop: enough blocks to fill the device a few times over.
 int elementwise_blocks(int64_t n, int threads, int device);

@@ -2,6 +2,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 
@@ -28,6 +29,28 @@ void init_attention(nanobind::module_& m) {
       "out.transpose(1, 2).view(B, L, H * D) is free; lse (B, H, L) is the rows' logsumexp\n"
       "(float32; float64 for float64 inputs). Causal needs L == S. Differentiable in q, k, v (and\n"
       "through lse).");
+  m.def(
+      "flash_attention_packed",
+      [](const Tensor& x, int64_t heads, bool causal, std::optional<double> scale) {
+        const double d = static_cast<double>(x.shape().back() / (3 * std::max<int64_t>(heads, 1)));
+        const double sc = scale ? *scale : 1.0 / std::sqrt(std::max(d, 1.0));
+        return flash_attention_packed(x, heads, causal, sc);
+      },
+      "x"_a, "heads"_a, "is_causal"_a = false, "scale"_a = nb::none(),
+      "flash_attention_packed(x, heads, is_causal=False, scale=None) -> (out, lse)\n\n"
+      "Self-attention on a packed x (B, T, 3 * heads * D): q, k, v are its three split(heads * D,\n"
+      "-1) slices viewed (B, T, heads, D) and transposed.  Same outputs as flash_attention; the\n"
+      "backward gives x a single (B, T, 3 * heads * D) gradient.");
+  m.def(
+      "_packed_qkv_source",
+      [](const Tensor& q, const Tensor& k, const Tensor& v) -> std::optional<Tensor> {
+        Tensor x = packed_qkv_source(q, k, v);
+        if (!x.defined()) return std::nullopt;
+        return x;
+      },
+      "query"_a, "key"_a, "value"_a,
+      "The packed (B, T, 3C) source scaled_dot_product_attention would use for q, k, v, or None "
+      "(then it takes the unpacked path).");
   m.def("_set_flash_attention_cpu", &set_flash_attention_cpu, "on"_a,
         "Whether scaled_dot_product_attention uses the fused kernel on the CPU too (default off, "
         "or BLUTRAIN_FLASH_ATTENTION_CPU=1).");

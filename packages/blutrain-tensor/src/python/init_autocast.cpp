@@ -31,19 +31,35 @@ void init_autocast(nanobind::module_& m) {
         return linear_gelu(x, w, b ? *b : Tensor());
       },
       "input"_a, "weight"_a, "bias"_a = nb::none(),
-      "gelu_tanh(input @ weight.T + bias) in one GEMM (blutrain-linalg's GELU epilogue, which "
-      "also saves the pre-activation for backward). Backward: dpre = grad * gelu'(pre), "
+      "gelu_tanh(input @ weight.T + bias): one GEMM with blutrain-linalg's GELU epilogue, which "
+      "also saves the pre-activation for backward (float32/float64: the GEMM, then the GELU "
+      "kernel, unless BLUTRAIN_LGL_EPILOGUE=cublaslt). Backward: dpre = grad * gelu'(pre), "
       "d input = dpre @ weight, d weight = dpre^T @ input with d bias from the same GEMM.");
   m.def(
       "linear_gelu_linear",
       [](const Tensor& x, const Tensor& w1, std::optional<Tensor> b1, const Tensor& w2,
-         std::optional<Tensor> b2) {
-        return linear_gelu_linear(x, w1, b1 ? *b1 : Tensor(), w2, b2 ? *b2 : Tensor());
+         std::optional<Tensor> b2, bool recompute) {
+        return linear_gelu_linear(x, w1, b1 ? *b1 : Tensor(), w2, b2 ? *b2 : Tensor(), recompute);
       },
-      "input"_a, "w1"_a, "b1"_a.none(), "w2"_a, "b2"_a = nb::none(),
-      "A GELU MLP, linear(linear_gelu(input, w1, b1), w2, b2), in two GEMMs whose backward needs "
-      "no elementwise kernel: dh * gelu'(pre) is the DGELU epilogue of the dh = dy @ w2 GEMM "
-      "(d b1 from the same GEMM) and the weight gradients are GEMMs with a bias-grad epilogue.");
+      "input"_a, "w1"_a, "b1"_a.none(), "w2"_a, "b2"_a = nb::none(), nb::kw_only(),
+      "recompute"_a = false,
+      "A GELU MLP, linear(linear_gelu(input, w1, b1), w2, b2), as one op: forward GEMM, GELU, "
+      "GEMM (16-bit: the GELU in the first GEMM's epilogue); backward dh = dy @ w2, then "
+      "d pre = dh * gelu'(pre) and d b1 in one fused kernel (CUDA; blutrain-linalg's DGELU "
+      "epilogue on the CPU or with BLUTRAIN_LGL_EPILOGUE=cublaslt), weight gradients as GEMMs "
+      "with a bias-grad epilogue. recompute=True saves only the pre-activation and recomputes "
+      "the hidden activation gelu(pre) in backward (half the MLP's saved activations; the "
+      "gradients are the same bits as recompute=False wherever the GELU runs as its own kernel: "
+      "float32/float64; 16-bit forwards then run the GELU outside the GEMM too).");
+  m.def(
+      "_set_linear_gelu_linear_impl", [](const std::string& s) { set_lgl_impl(parse_lgl_impl(s)); },
+      "impl"_a,
+      "Tests/benchmarks: how linear_gelu_linear runs its GELU parts on CUDA: 'kernel' (our "
+      "fused kernels, the default), 'cublaslt' (cuBLASLt's GELU_AUX/DGELU epilogues) or "
+      "'kernel_v1' (the reference kernels). Overrides $BLUTRAIN_LGL_EPILOGUE.");
+  m.def(
+      "_get_linear_gelu_linear_impl", []() { return std::string(lgl_impl_name(lgl_impl())); },
+      "The current linear_gelu_linear implementation ('kernel', 'cublaslt' or 'kernel_v1').");
   m.def("_get_rng_state", &get_rng_state,
         "The global generator's (seed, offset) (checkpoint saves it to replay random ops).");
   m.def("_set_rng_state", &set_rng_state, "seed"_a, "offset"_a,

@@ -10,6 +10,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "../autograd.h"
@@ -253,6 +254,66 @@ Tensor index_tensor_from(nb::handle h, Device dev) {
   return dev.is_cuda() ? to_device(t, dev) : clone(t);
 }
 
+// Advanced indexing (NumPy / PyTorch rules) once the basic indices are applied: `adv` holds
+// (dim of t, int64 index) pairs.  The index tensors broadcast together to shape S; the result
+// has S in place of the indexed dims when they are adjacent, else S first.  One index_select over
+// the indexed dims flattened (a linear index) does the gather, so autograd needs nothing new.
+Tensor advanced_index(const Tensor& t, const std::vector<std::pair<int64_t, Tensor>>& adv) {
+  Shape bs;
+  for (const auto& [dim, ix] : adv) bs = broadcast_shapes(bs, ix.shape(), "getitem");
+  std::vector<int64_t> perm;
+  Shape rest;
+  int64_t total = 1;
+  Tensor lin;
+  for (const auto& [dim, ix] : adv) {
+    perm.push_back(dim);
+    const int64_t n = t.shape()[dim];
+    total *= n;
+    Tensor ik = astype(ix, DType::Int64);
+    ik = where(binary(BinaryOp::Lt, ik, Scalar{0, 1}), binary(BinaryOp::Add, ik, Scalar{double(n), 1}), ik);
+    if (!ik.is_symbolic() && !ik.device().is_cuda()) {  // a CUDA index is checked by index_select
+      Tensor c = contiguous(ik);
+      const int64_t* p = c.data<int64_t>("getitem");
+      for (int64_t i = 0; i < c.numel(); ++i) {
+        if (p[i] < 0 || p[i] >= n) {
+          const int64_t orig = p[i] < 0 ? p[i] - n : p[i];
+          throw IndexError("[getitem] index " + std::to_string(orig) + " is out of range for dim " +
+                           std::to_string(dim) + " of size " + std::to_string(n));
+        }
+      }
+    } else if (ik.device().is_cuda()) {
+      // out of range in any component: make the linear index out of range too, so the gather's
+      // device-side check raises IndexError at the next synchronisation instead of aliasing
+      Tensor bad = binary(BinaryOp::Or, binary(BinaryOp::Lt, ik, Scalar{0, 1}),
+                          binary(BinaryOp::Ge, ik, Scalar{double(n), 1}));
+      ik = where(unary(UnaryOp::LogicalNot, bad), ik, Scalar{double(int64_t{1} << 62), 1});
+    }
+    lin = lin.defined() ? add(binary(BinaryOp::Mul, lin, Scalar{double(n), 1}), ik) : ik;
+  }
+  for (int64_t d = 0; d < t.ndim(); ++d) {
+    if (std::find(perm.begin(), perm.end(), d) == perm.end()) {
+      perm.push_back(d);
+      rest.push_back(t.shape()[d]);
+    }
+  }
+  Shape fs{total};
+  fs.insert(fs.end(), rest.begin(), rest.end());
+  Tensor flat = reshape(permute(t, perm), fs);
+  Tensor r = index_select(flat, 0, reshape(broadcast_to(lin, bs), {-1}));
+  Shape rs = bs;
+  rs.insert(rs.end(), rest.begin(), rest.end());
+  r = reshape(r, rs);
+  bool adjacent = true;
+  for (size_t k = 1; k < adv.size(); ++k) adjacent &= adv[k].first == adv[0].first + int64_t(k);
+  const int64_t at = adv[0].first, nb = static_cast<int64_t>(bs.size());
+  if (!adjacent || at == 0) return r;
+  std::vector<int64_t> back;  // the broadcast block moves to where the indexed dims were
+  for (int64_t d = 0; d < at; ++d) back.push_back(nb + d);
+  for (int64_t d = 0; d < nb; ++d) back.push_back(d);
+  for (int64_t d = nb + at; d < r.ndim(); ++d) back.push_back(d);
+  return permute(r, back);
+}
+
 Tensor getitem(const Tensor& self, nb::handle idx) {
   std::vector<nb::object> items;
   if (nb::isinstance<nb::tuple>(idx)) {
@@ -266,7 +327,12 @@ Tensor getitem(const Tensor& self, nb::handle idx) {
     return masked_select_bool(self, nb::cast<Tensor>(items[0]));
   }
   int64_t consuming = 0;
-  bool ellipsis = false;
+  bool ellipsis = false, any_advanced = false;
+  auto is_int = [](nb::handle it) {
+    // numpy integers and 0-d arrays, not arrays (which also define __index__)
+    return PyLong_Check(it.ptr()) ||
+           (PyIndex_Check(it.ptr()) && !is_tensor(it) && !nb::hasattr(it, "__len__"));
+  };
   for (auto& it : items) {
     if (it.is_none()) continue;
     if (it.is(Py_Ellipsis)) {
@@ -275,6 +341,7 @@ Tensor getitem(const Tensor& self, nb::handle idx) {
       continue;
     }
     ++consuming;
+    any_advanced |= !PyBool_Check(it.ptr()) && !is_int(it) && !PySlice_Check(it.ptr());
   }
   if (consuming > self.ndim()) {
     throw IndexError("[getitem] too many indices for a tensor of " + std::to_string(self.ndim()) +
@@ -282,7 +349,7 @@ Tensor getitem(const Tensor& self, nb::handle idx) {
   }
   Tensor t = self;
   int64_t d = 0;
-  int advanced = 0;
+  std::vector<std::pair<int64_t, Tensor>> adv;  // applied after the basic indices
   for (auto& it : items) {
     if (it.is_none()) {
       t = unsqueeze(t, d);
@@ -291,7 +358,7 @@ Tensor getitem(const Tensor& self, nb::handle idx) {
       d += self.ndim() - consuming;
     } else if (PyBool_Check(it.ptr())) {
       throw IndexError("[getitem] bool scalars are not supported as indices");
-    } else if (PyLong_Check(it.ptr()) || PyIndex_Check(it.ptr()) && !is_tensor(it)) {
+    } else if (is_int(it)) {
       const int64_t i = nb::cast<int64_t>(nb::int_(it));
       if (d >= t.ndim()) throw IndexError("[getitem] too many indices");
       const int64_t n = t.shape()[d];
@@ -299,7 +366,12 @@ Tensor getitem(const Tensor& self, nb::handle idx) {
         throw IndexError("[getitem] index " + std::to_string(i) + " is out of range for dim " +
                          std::to_string(d) + " of size " + std::to_string(n));
       }
-      t = select(t, d, i);
+      if (any_advanced) {  // with tensor indices an int is a 0-d index (NumPy's rule)
+        adv.emplace_back(d, full({}, static_cast<double>(i), DType::Int64, t.device()));
+        ++d;
+      } else {
+        t = select(t, d, i);
+      }
     } else if (PySlice_Check(it.ptr())) {
       // Attribute access, not PySliceObject: the stable ABI hides the struct.
       auto get = [](nb::handle o) -> std::optional<int64_t> {
@@ -308,8 +380,9 @@ Tensor getitem(const Tensor& self, nb::handle idx) {
       };
       auto st = get(it.attr("step"));
       const int64_t step = st ? *st : 1;
-      if (step <= 0) {
-        throw ValueError("[getitem] slice step must be positive, got " + std::to_string(step));
+      if (step <= 0) {  // as PyTorch: a view cannot have a negative stride here
+        throw ValueError("[getitem] slice step must be positive, got " + std::to_string(step) +
+                         " (use flip-free indexing, e.g. an index tensor of the reversed range)");
       }
       t = slice(t, d, get(it.attr("start")), get(it.attr("stop")), step);
       ++d;
@@ -320,18 +393,19 @@ Tensor getitem(const Tensor& self, nb::handle idx) {
             "[getitem] a bool mask combined with other indices is not "
             "supported; index with the mask alone");
       }
-      if (++advanced > 1) {
-        throw NotImplementedError("[getitem] more than one tensor index is not supported yet");
+      if (!is_integral(ix.dtype(), false)) {
+        throw IndexError(std::string("[getitem] tensors used as indices must be integer, got ") +
+                         dtype_name(ix.dtype()));
       }
-      Tensor flat = index_select(t, d, reshape(ix, {-1}));
-      Shape s(t.shape().begin(), t.shape().begin() + d);
-      s.insert(s.end(), ix.shape().begin(), ix.shape().end());
-      s.insert(s.end(), t.shape().begin() + d + 1, t.shape().end());
-      t = reshape(flat, s);
-      d += ix.ndim();
+      if (ix.device() != t.device()) {
+        throw ValueError("[getitem] index on " + ix.device().str() + ", tensor on " +
+                         t.device().str());
+      }
+      adv.emplace_back(d, ix);
+      ++d;
     }
   }
-  return t;
+  return adv.empty() ? t : advanced_index(t, adv);
 }
 
 // self[idx] = value.  Without autograd and capture, basic indexing writes through a view.

@@ -177,19 +177,20 @@ class MLP(_Precision, nn.Module):
 
     def forward(self, x: bt.Tensor) -> bt.Tensor:
         dt = self._compute
-        if self.recompute_gelu:  # keep the pre-activation only; GELU is redone in backward
-            return _checkpoint(self._gelu_proj, self._fc(x))
         if self.fused:
-            # one primitive for the whole MLP: GELU in c_fc's GEMM epilogue (the pre-activation
-            # saved by it), and in backward the GELU derivative in the epilogue of c_proj's
-            # dx GEMM (DGELU), so no elementwise GELU kernel runs in either direction
+            # one primitive for the whole MLP: GELU in c_fc's GEMM epilogue (16-bit) or its own
+            # kernel, and in backward dh = dy W2 then one fused dh * gelu'(pre) + d b1 kernel;
+            # recompute_gelu saves the pre-activation only (the op recomputes h in backward)
             return bt.linear_gelu_linear(
                 x,
                 _cast(self.c_fc.weight, dt),
                 _cast(self.c_fc.bias, dt),
                 _cast(self.c_proj.weight, dt),
                 _cast(self.c_proj.bias, dt),
+                recompute=self.recompute_gelu,
             )
+        if self.recompute_gelu:  # keep the pre-activation only; GELU is redone in backward
+            return _checkpoint(self._gelu_proj, self._fc(x))
         return self._gelu_proj(self._fc(x))
 
 
@@ -494,9 +495,11 @@ class GPT2(_Precision, nn.Module):
             if full.device == "cpu" and full.dtype == bt.float32 and not full.is_symbolic:
                 loss = _HeadCrossEntropyCPU.apply(full.reshape(B * T, Vp), tgt.reshape(B * T), V)
             else:
-                # (B*T, Vp) is a view; its first V columns a strided view (row stride Vp),
-                # which the CUDA loss kernel copies to dense rows in the logits' dtype (bf16
-                # logits are never made float32); the loss itself is float32
+                # (B*T, Vp) is a view; its first V columns a strided view (row stride Vp) that
+                # the loss kernels read in place, and since its gradient reaches `full` through
+                # views only, the loss runs on the padded rows (num_classes V) and its backward
+                # writes full's (B*T, Vp) gradient in one pass (no copy, no scatter).  bf16
+                # logits are never made float32; the loss itself is float32
                 flat = full.reshape(B * T, Vp)
                 if Vp > V:
                     flat = flat.narrow(1, 0, V)

@@ -1,0 +1,594 @@
+// attn_tune.cu: standalone check + sweep of the bf16 flash-attention kernels of
+// src/cuda/attention.cu (attn_fwd_v2, attn_bwd_preprocess v1/v2, attn_bwd_dkdv_v2, attn_bwd_dq_v2)
+// over template configurations.  Build and run: bash bench/attn_tune.sh.  Exit status 1 if any
+// check FAILs.
+//
+// Check (every configuration): B2 H3, T in {7, 100, 200}, D of the configuration, causal and not,
+// q, k, v the non-contiguous slices of a packed (B, T, 3, H, D) buffer; outputs poisoned with NaN;
+// the backward kernels get the float64 reference lse and Dvec (so each kernel is checked alone)
+// and write dq, dk, dv into a packed (B, T, 3, H, D) gradient (d_row = 3 H D) and into separate
+// (B, T, H, D) buffers (d_row = H D): the two must be bitwise equal.  Error: max |gpu - ref| /
+// max |ref| per tensor against float64 CPU math on the bf16-rounded inputs.
+// Timing: B16 H12 T1024 causal, D 64 and 128, cudaEvent, median of 20 reps after 3 warm-ups.
+// FLOPs (causal, the T x T half): fwd 2 B H T^2 D; dkdv 4 (S, dP, dV, dK) and dq 3 (S, dP, dQ)
+// times B H T^2 D; bwd total as usually quoted 5 B H T^2 D (preprocess + dkdv + dq).
+// Prints a table (kernel, config, ms, TFLOP/s, PASS/FAIL) and the best configuration per kernel
+// as V2Config lines to paste into src/cuda/attention.cu.  Baseline = the current V2Config.
+#define BT_ATTENTION_KERNELS_ONLY 1
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../src/cuda/attention.cu"
+
+using bt::cuda::AttnParams;
+using T16 = __nv_bfloat16;
+
+#define CK(x)                                                                                      \
+  do {                                                                                             \
+    cudaError_t e_ = (x);                                                                          \
+    if (e_ != cudaSuccess) {                                                                       \
+      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
+      std::exit(2);                                                                                \
+    }                                                                                              \
+  } while (0)
+
+static int g_fail = 0;
+static bool g_check = true, g_bench = true;
+
+// ---- host helpers ------------------------------------------------------------------------------
+static float bf2f(T16 x) { return __bfloat162float(x); }
+
+template <typename X>
+static X* dmalloc(size_t n) {
+  X* d;
+  CK(cudaMalloc(&d, n * sizeof(X) + 64));
+  return d;
+}
+template <typename X>
+static X* dcopy(const std::vector<X>& h) {
+  X* d = dmalloc<X>(h.size());
+  CK(cudaMemcpy(d, h.data(), h.size() * sizeof(X), cudaMemcpyHostToDevice));
+  return d;
+}
+template <typename X>
+static std::vector<X> hcopy(const X* d, size_t n) {
+  std::vector<X> h(n);
+  CK(cudaMemcpy(h.data(), d, n * sizeof(X), cudaMemcpyDeviceToHost));
+  return h;
+}
+static void poison(void* d, size_t bytes) { CK(cudaMemset(d, 0xff, bytes)); }  // NaN
+
+// max |got - ref| / max |ref|; a non-finite value gives inf.
+template <typename F>
+static double rel_err(const std::vector<double>& ref, F got) {
+  double md = 0, mr = 1e-30;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double g = got(i);
+    if (!std::isfinite(g)) return INFINITY;
+    md = std::max(md, std::fabs(g - ref[i]));
+    mr = std::max(mr, std::fabs(ref[i]));
+  }
+  return md / mr;
+}
+
+// ---- problem: inputs, float64 reference ------------------------------------------------------
+struct Problem {
+  int B, H, T, D;
+  bool causal;
+  double scale;
+  // host (double, on bf16-rounded values): x (B, T, 3, H, D), g = dO and o (B, T, H, D),
+  // lse, dlse, dvec (B, H, T), dq, dk, dv (B, T, H, D)
+  std::vector<double> x, g, o, lse, dlse, dvec, dq, dk, dv;
+  // device
+  T16 *dx = nullptr, *dg = nullptr, *dor = nullptr;
+  float *dlse_ref = nullptr, *ddvec_ref = nullptr, *ddlse = nullptr;
+  size_t nx() const { return size_t(B) * T * 3 * H * D; }
+  size_t no() const { return size_t(B) * T * H * D; }
+  size_t nr() const { return size_t(B) * H * T; }
+  size_t xi(int b, int t, int w, int h, int d) const {
+    return ((((size_t(b) * T + t) * 3 + w) * H + h) * D + d);
+  }
+  size_t oi(int b, int t, int h, int d) const { return ((size_t(b) * T + t) * H + h) * D + d; }
+  size_t ri(int b, int h, int t) const { return (size_t(b) * H + h) * T + t; }
+
+  AttnParams params() const {
+    AttnParams p{};
+    p.B = B, p.H = H, p.L = T, p.S = T, p.D = D;
+    const int64_t row = int64_t(3) * H * D, bat = row * T;
+    p.q_b = p.k_b = p.v_b = bat;
+    p.q_h = p.k_h = p.v_h = D;
+    p.q_l = p.k_l = p.v_l = row;
+    p.o_b = p.g_b = int64_t(T) * H * D;
+    p.o_l = p.g_l = int64_t(H) * D;
+    p.o_h = p.g_h = D;
+    p.dl_b = int64_t(H) * T, p.dl_h = T, p.dl_l = 1;
+    p.d_row = int64_t(H) * D;
+    p.scale = scale;
+    p.causal = causal;
+    return p;
+  }
+  const T16* q() const { return dx; }
+  const T16* k() const { return dx + size_t(H) * D; }
+  const T16* v() const { return dx + 2 * size_t(H) * D; }
+
+  void make(int B_, int H_, int T_, int D_, bool causal_, bool reference, unsigned seed) {
+    B = B_, H = H_, T = T_, D = D_, causal = causal_, scale = 1.0 / std::sqrt(double(D));
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<T16> hx(nx()), hg(no());
+    x.resize(nx()), g.resize(no());
+    for (size_t i = 0; i < nx(); ++i) {
+      hx[i] = __float2bfloat16(nd(rng));
+      x[i] = bf2f(hx[i]);
+    }
+    for (size_t i = 0; i < no(); ++i) {
+      hg[i] = __float2bfloat16(nd(rng));
+      g[i] = bf2f(hg[i]);
+    }
+    dlse.resize(nr());
+    for (auto& e : dlse) e = 0.5 * nd(rng);
+    dx = dcopy(hx);
+    dg = dcopy(hg);
+    std::vector<float> fdl(dlse.begin(), dlse.end());
+    ddlse = dcopy(fdl);
+    o.assign(no(), 0.0);
+    lse.assign(nr(), 0.0);
+    dvec.assign(nr(), 0.0);
+    std::vector<T16> ho(no());
+    if (reference) {
+      dq.assign(no(), 0.0), dk.assign(no(), 0.0), dv.assign(no(), 0.0);
+      std::vector<double> s(T), p(T), dp(T);
+      for (int b = 0; b < B; ++b) {
+        for (int h = 0; h < H; ++h) {
+          for (int i = 0; i < T; ++i) {
+            const int n = causal ? i + 1 : T;
+            double m = -INFINITY;
+            for (int j = 0; j < n; ++j) {
+              double acc = 0;
+              for (int d = 0; d < D; ++d) acc += x[xi(b, i, 0, h, d)] * x[xi(b, j, 1, h, d)];
+              s[j] = acc * scale;
+              m = std::max(m, s[j]);
+            }
+            double l = 0;
+            for (int j = 0; j < n; ++j) l += (p[j] = std::exp(s[j] - m));
+            for (int j = 0; j < n; ++j) p[j] /= l;
+            lse[ri(b, h, i)] = m + std::log(l);
+            double dv_i = 0;
+            for (int j = 0; j < n; ++j) {
+              double acc = 0;
+              for (int d = 0; d < D; ++d) acc += g[oi(b, i, h, d)] * x[xi(b, j, 2, h, d)];
+              dp[j] = acc;
+              dv_i += p[j] * dp[j];
+            }
+            for (int d = 0; d < D; ++d) {
+              double acc = 0;
+              for (int j = 0; j < n; ++j) acc += p[j] * x[xi(b, j, 2, h, d)];
+              o[oi(b, i, h, d)] = acc;
+            }
+            // Dvec = rowsum(dO * O) - dlse (exact O), then dS = P (dP - Dvec)
+            dvec[ri(b, h, i)] = dv_i - dlse[ri(b, h, i)];
+            for (int j = 0; j < n; ++j) {
+              const double ds = p[j] * (dp[j] - dvec[ri(b, h, i)]) * scale;
+              for (int d = 0; d < D; ++d) {
+                dq[oi(b, i, h, d)] += ds * x[xi(b, j, 1, h, d)];
+                dk[oi(b, j, h, d)] += ds * x[xi(b, i, 0, h, d)];
+                dv[oi(b, j, h, d)] += p[j] * g[oi(b, i, h, d)];
+              }
+            }
+          }
+        }
+      }
+      for (size_t i = 0; i < no(); ++i) ho[i] = __float2bfloat16(float(o[i]));
+    } else {
+      for (size_t i = 0; i < no(); ++i) ho[i] = __float2bfloat16(nd(rng));  // timing only
+      for (auto& e : lse) e = 5.0;
+    }
+    dor = dcopy(ho);
+    std::vector<float> fl(lse.begin(), lse.end()), fd(dvec.begin(), dvec.end());
+    dlse_ref = dcopy(fl);
+    ddvec_ref = dcopy(fd);
+  }
+  void release() {
+    for (void* ptr :
+         {(void*)dx, (void*)dg, (void*)dor, (void*)dlse_ref, (void*)ddvec_ref, (void*)ddlse}) {
+      CK(cudaFree(ptr));
+    }
+  }
+};
+
+// ---- configurations ----------------------------------------------------------------------------
+template <int W, int Bc, int MT, int MB = 1>
+struct Fwd {
+  static constexpr int kind = 0;
+  static std::string name() {
+    char b[96];
+    std::snprintf(b, sizeof b, "kFwdWarps = %d, kFwdBc = %d, kFwdMT = %d, kFwdMinBlocks = %d", W,
+                  Bc, MT, MB);
+    return b;
+  }
+};
+template <int W, int Br, bool Frag, int MT, int MB = 1>
+struct Kv {
+  static constexpr int kind = 1;
+  static std::string name() {
+    char b[120];
+    std::snprintf(b, sizeof b,
+                  "kKvWarps = %d, kKvBr = %d, kKvMT = %d, kKvMinBlocks = %d; kKvFrag = %s", W, Br,
+                  MT, MB, Frag ? "true" : "false");
+    return b;
+  }
+};
+template <int W, int Bc, int MT, int MB = 1>
+struct Dq {
+  static constexpr int kind = 2;
+  static std::string name() {
+    char b[96];
+    std::snprintf(b, sizeof b, "kDqWarps = %d, kDqBc = %d, kDqMT = %d, kDqMinBlocks = %d", W, Bc,
+                  MT, MB);
+    return b;
+  }
+};
+template <typename... Cs>
+struct List {};
+
+// The current V2Config as a configuration (the baseline row).
+template <int D>
+using BaseFwd = Fwd<bt::cuda::V2Config<D>::kFwdWarps, bt::cuda::V2Config<D>::kFwdBc,
+                    bt::cuda::V2Config<D>::kFwdMT, bt::cuda::V2Config<D>::kFwdMinBlocks>;
+template <int D>
+using BaseKv = Kv<bt::cuda::V2Config<D>::kKvWarps, bt::cuda::V2Config<D>::kKvBr,
+                  bt::cuda::V2Config<D>::kKvFrag, bt::cuda::V2Config<D>::kKvMT,
+                  bt::cuda::V2Config<D>::kKvMinBlocks>;
+template <int D>
+using BaseDq = Dq<bt::cuda::V2Config<D>::kDqWarps, bt::cuda::V2Config<D>::kDqBc,
+                  bt::cuda::V2Config<D>::kDqMT, bt::cuda::V2Config<D>::kDqMinBlocks>;
+
+// Sweeps (the baseline first).  D = 64: kMT 2 is register blocking (each shared-memory fragment
+// feeds two MMAs); 8 warps double the block.  D = 128: the accumulators leave no room for kMT 2 in
+// the backward (configurations that spill heavily, e.g. D 128 dQ kMT 2, are left out).
+using Fwd64 = List<BaseFwd<64>, Fwd<4, 64, 1>, Fwd<4, 32, 2>, Fwd<8, 64, 1>, Fwd<8, 64, 2>,
+                   Fwd<8, 32, 2>, Fwd<4, 128, 1>, Fwd<4, 64, 2, 2>>;
+using Kv64 = List<BaseKv<64>, Kv<4, 32, true, 1>, Kv<8, 64, true, 1>, Kv<8, 32, true, 1>,
+                  Kv<4, 32, false, 2>, Kv<4, 16, false, 2>, Kv<8, 32, false, 2>,
+                  Kv<8, 16, false, 2>, Kv<4, 16, true, 2>, Kv<4, 64, true, 1, 2>>;
+using Dq64 = List<BaseDq<64>, Dq<4, 64, 1>, Dq<8, 64, 1>, Dq<8, 128, 1>, Dq<4, 32, 2>, Dq<4, 64, 2>,
+                  Dq<8, 32, 2>, Dq<4, 16, 2>, Dq<4, 128, 1, 2>>;
+using Fwd128 =
+    List<BaseFwd<128>, Fwd<4, 32, 1>, Fwd<8, 64, 1>, Fwd<8, 32, 1>, Fwd<4, 32, 2>, Fwd<4, 128, 1>>;
+using Kv128 = List<BaseKv<128>, Kv<4, 16, false, 1>, Kv<8, 32, false, 1>, Kv<8, 16, false, 1>,
+                   Kv<4, 64, false, 1>, Kv<4, 32, true, 1>, Kv<8, 64, false, 1>>;
+using Dq128 = List<BaseDq<128>, Dq<4, 32, 1>, Dq<8, 64, 1>, Dq<8, 32, 1>, Dq<4, 16, 1>>;
+
+// ---- launches ----------------------------------------------------------------------------------
+template <typename K>
+static bool set_smem_attr(K kern, size_t bytes) {
+  if (bytes > 48 * 1024) {
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)) !=
+        cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+  }
+  return true;
+}
+
+template <int D, int W, int Bc, int MT, int MB>
+static bool launch(Fwd<W, Bc, MT, MB>, const Problem& pr, T16* o, float* lse) {
+  using namespace bt::cuda;
+  constexpr size_t smem = fwd_smem<T16, D, W, Bc, MT>();
+  auto kern = attn_fwd_v2<T16, D, W, Bc, MT, MB>;
+  if (!set_smem_attr(kern, smem)) return false;
+  const AttnParams p = pr.params();
+  dim3 grid(p.B * p.H, unsigned(ceil_div(p.L, 16 * MT * W)));
+  kern<<<grid, W * 32, smem>>>(p, pr.q(), pr.k(), pr.v(), o, lse);
+  return cudaGetLastError() == cudaSuccess;
+}
+template <int D, int W, int Br, bool Frag, int MT, int MB>
+static bool launch(Kv<W, Br, Frag, MT, MB>, const Problem& pr, T16* dk, T16* dv, int64_t d_row) {
+  using namespace bt::cuda;
+  constexpr size_t smem = dkdv_smem<T16, D, W, Br, MT>();
+  auto kern = attn_bwd_dkdv_v2<T16, D, W, Br, Frag, MB, MT>;
+  if (!set_smem_attr(kern, smem)) return false;
+  AttnParams p = pr.params();
+  p.d_row = d_row;
+  dim3 grid(p.B * p.H, unsigned(ceil_div(p.S, 16 * MT * W)));
+  kern<<<grid, W * 32, smem>>>(p, pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref, dk, dv);
+  return cudaGetLastError() == cudaSuccess;
+}
+template <int D, int W, int Bc, int MT, int MB>
+static bool launch(Dq<W, Bc, MT, MB>, const Problem& pr, T16* dq, int64_t d_row) {
+  using namespace bt::cuda;
+  constexpr size_t smem = dq_smem<T16, D, W, Bc, MT>();
+  auto kern = attn_bwd_dq_v2<T16, D, W, Bc, MB, MT>;
+  if (!set_smem_attr(kern, smem)) return false;
+  AttnParams p = pr.params();
+  p.d_row = d_row;
+  dim3 grid(p.B * p.H, unsigned(ceil_div(p.L, 16 * MT * W)));
+  kern<<<grid, W * 32, smem>>>(p, pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref, dq);
+  return cudaGetLastError() == cudaSuccess;
+}
+// Preprocess: v = 1 reference (one warp per row), 2 vectorised.
+static void launch_pre(int v, const Problem& pr, float* dvec) {
+  using namespace bt::cuda;
+  const AttnParams p = pr.params();
+  const int64_t rows = int64_t(p.B) * p.H * p.L;
+  if (v == 1) {
+    attn_bwd_preprocess<T16, float>
+        <<<unsigned(ceil_div(rows, kV1Warps)), kV1Warps * 32>>>(p, pr.dor, pr.dg, pr.ddlse, dvec);
+  } else if (pr.D / 8 <= 8) {
+    attn_bwd_preprocess_v2<T16, float, 8>
+        <<<unsigned(ceil_div(rows * 8, 256)), 256>>>(p, pr.dor, pr.dg, pr.ddlse, dvec);
+  } else {
+    attn_bwd_preprocess_v2<T16, float, 16>
+        <<<unsigned(ceil_div(rows * 16, 256)), 256>>>(p, pr.dor, pr.dg, pr.ddlse, dvec);
+  }
+  CK(cudaGetLastError());
+}
+
+// ---- checks ------------------------------------------------------------------------------------
+static const int kCheckT[] = {7, 100, 200};
+static const double kTolO = 2e-2, kTolG = 3e-2;
+static const char* kKernel[] = {"fwd", "dkdv", "dq"};
+
+template <int D, typename C>
+static bool check_cfg() {
+  bool ok = true;
+  for (int T : kCheckT) {
+    for (int causal = 0; causal < 2; ++causal) {
+      Problem pr;
+      pr.make(2, 3, T, D, causal, true, 1234u + T * 7 + causal);
+      const size_t no = pr.no(), nr = pr.nr(), nx = pr.nx();
+      const int HD = pr.H * D;
+      char tag[64];
+      std::snprintf(tag, sizeof tag, "T=%d D=%d %s", T, D, causal ? "causal" : "full");
+      auto fail = [&](const char* what, double e) {
+        std::printf("  FAIL %s [%s] %s: %s err %.3g\n", kKernel[C::kind], C::name().c_str(), tag,
+                    what, e);
+        ok = false;
+      };
+      if constexpr (C::kind == 0) {
+        T16* o = dmalloc<T16>(no);
+        float* lse = dmalloc<float>(nr);
+        poison(o, no * 2), poison(lse, nr * 4);
+        if (!launch<D>(C{}, pr, o, lse)) {
+          fail("launch", INFINITY);
+        } else {
+          CK(cudaDeviceSynchronize());
+          auto ho = hcopy(o, no);
+          auto hl = hcopy(lse, nr);
+          const double eo = rel_err(pr.o, [&](size_t i) { return double(bf2f(ho[i])); });
+          const double el = rel_err(pr.lse, [&](size_t i) { return double(hl[i]); });
+          if (eo > kTolO) fail("o", eo);
+          if (el > 1e-3) fail("lse", el);
+        }
+        CK(cudaFree(o));
+        CK(cudaFree(lse));
+      } else {
+        // a packed (B, T, 3, H, D) gradient (d_row 3 H D) and separate (B, T, H, D) ones
+        T16* packed = dmalloc<T16>(nx);
+        T16* sep = dmalloc<T16>(no);
+        T16* sep2 = dmalloc<T16>(no);
+        poison(packed, nx * 2), poison(sep, no * 2), poison(sep2, no * 2);
+        constexpr bool kv = C::kind == 1;
+        bool launched;
+        if constexpr (kv) {
+          launched = launch<D>(C{}, pr, packed + HD, packed + 2 * HD, 3 * HD) &&
+                     launch<D>(C{}, pr, sep, sep2, HD);
+        } else {
+          launched = launch<D>(C{}, pr, packed, 3 * HD) && launch<D>(C{}, pr, sep, HD);
+        }
+        if (!launched) {
+          fail("launch", INFINITY);
+        } else {
+          CK(cudaDeviceSynchronize());
+          auto hp = hcopy(packed, nx);
+          auto hs = hcopy(sep, no);
+          auto hs2 = hcopy(sep2, no);
+          auto at = [&](int w, size_t i) {  // packed slot w at (B, T, H, D) index i
+            return bf2f(hp[((i / HD) * 3 + w) * HD + i % HD]);
+          };
+          const int w0 = kv ? 1 : 0;
+          const double e0 =
+              rel_err(kv ? pr.dk : pr.dq, [&](size_t i) { return double(at(w0, i)); });
+          if (e0 > kTolG) fail(kv ? "dk" : "dq", e0);
+          if (kv) {
+            const double e1 = rel_err(pr.dv, [&](size_t i) { return double(at(2, i)); });
+            if (e1 > kTolG) fail("dv", e1);
+          }
+          bool same = true, untouched = true;
+          for (size_t i = 0; i < no; ++i) {
+            const uint16_t a = __bfloat16_as_ushort(hp[((i / HD) * 3 + w0) * HD + i % HD]);
+            if (a != __bfloat16_as_ushort(hs[i])) same = false;
+            if (kv && __bfloat16_as_ushort(hp[((i / HD) * 3 + 2) * HD + i % HD]) !=
+                          __bfloat16_as_ushort(hs2[i])) {
+              same = false;
+            }
+            // the slots this kernel does not own stay poisoned (0xffff)
+            if (__bfloat16_as_ushort(hp[((i / HD) * 3 + (kv ? 0 : 1)) * HD + i % HD]) != 0xffff) {
+              untouched = false;
+            }
+          }
+          if (!same) fail("packed != separate (bitwise)", 1);
+          if (!untouched) fail("wrote outside its slots", 1);
+        }
+        CK(cudaFree(packed));
+        CK(cudaFree(sep));
+        CK(cudaFree(sep2));
+      }
+      pr.release();
+    }
+  }
+  return ok;
+}
+
+// ---- timing ------------------------------------------------------------------------------------
+struct Rec {
+  int D, kind;
+  std::string cfg;
+  double ms;
+  bool pass;
+};
+static std::vector<Rec> g_recs;
+
+template <typename F>
+static double time_ms(F f) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) f();
+  CK(cudaDeviceSynchronize());
+  std::vector<float> ts;
+  for (int i = 0; i < 20; ++i) {
+    CK(cudaEventRecord(a));
+    f();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    ts.push_back(ms);
+  }
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  std::sort(ts.begin(), ts.end());
+  return ts[ts.size() / 2];
+}
+
+static const int kB = 16, kH = 12, kT = 1024;
+static double flops(int D, double mult) { return mult * double(kB) * kH * kT * double(kT) * D; }
+static double mult_of(int kind) { return kind == 0 ? 2.0 : kind == 1 ? 4.0 : 3.0; }
+
+template <int D, typename C>
+static void run_cfg(const Problem& big, T16* o, float* lse, T16* gbuf) {
+  const bool pass = g_check ? check_cfg<D, C>() : true;
+  g_fail += pass ? 0 : 1;
+  double ms = -1;
+  if (g_bench) {
+    const int HD = kH * D;
+    bool launched = true;
+    auto f = [&] {
+      if constexpr (C::kind == 0) {
+        launched = launch<D>(C{}, big, o, lse) && launched;
+      } else if constexpr (C::kind == 1) {
+        launched = launch<D>(C{}, big, gbuf + HD, gbuf + 2 * HD, 3 * HD) && launched;
+      } else {
+        launched = launch<D>(C{}, big, gbuf, 3 * HD) && launched;
+      }
+    };
+    ms = time_ms(f);
+    if (!launched) ms = -1;
+  }
+  const double tf = ms > 0 ? flops(D, mult_of(C::kind)) / (ms * 1e-3) / 1e12 : 0;
+  std::printf("%-5s D=%-3d %-72s %8.3f ms %7.1f TFLOP/s  %s\n", kKernel[C::kind], D,
+              C::name().c_str(), ms, tf, pass ? "PASS" : "FAIL");
+  std::fflush(stdout);
+  g_recs.push_back({D, C::kind, C::name(), ms, pass});
+}
+
+template <int D, typename... Cs>
+static void sweep(List<Cs...>, const Problem& big, T16* o, float* lse, T16* gbuf) {
+  (run_cfg<D, Cs>(big, o, lse, gbuf), ...);
+}
+
+template <int D, typename F, typename K, typename Q>
+static void run_d() {
+  Problem big;
+  big.make(kB, kH, kT, D, true, false, 99u);
+  T16* o = dmalloc<T16>(big.no());
+  float* lse = dmalloc<float>(big.nr());
+  float* dvec = dmalloc<float>(big.nr());
+  T16* gbuf = dmalloc<T16>(big.nx());
+  std::printf("\n== D=%d (timing B%d H%d T%d causal) ==\n", D, kB, kH, kT);
+  // preprocess: v1 vs v2 (check against float64 on a small problem, time on the big one)
+  for (int v = 1; v <= 2; ++v) {
+    bool pass = true;
+    if (g_check) {
+      for (int T : kCheckT) {
+        Problem pr;
+        pr.make(2, 3, T, D, false, true, 77u + T);
+        float* dv = dmalloc<float>(pr.nr());
+        poison(dv, pr.nr() * 4);
+        launch_pre(v, pr, dv);
+        CK(cudaDeviceSynchronize());
+        auto h = hcopy(dv, pr.nr());
+        // reference: rowsum(bf16(o) * g) - dlse, in double
+        std::vector<double> ref(pr.nr());
+        std::vector<T16> ho = hcopy(pr.dor, pr.no());
+        for (int b = 0; b < pr.B; ++b) {
+          for (int hh = 0; hh < pr.H; ++hh) {
+            for (int i = 0; i < T; ++i) {
+              double acc = 0;
+              for (int d = 0; d < D; ++d) {
+                acc += double(bf2f(ho[pr.oi(b, i, hh, d)])) * pr.g[pr.oi(b, i, hh, d)];
+              }
+              ref[pr.ri(b, hh, i)] = acc - double(float(pr.dlse[pr.ri(b, hh, i)]));
+            }
+          }
+        }
+        const double e = rel_err(ref, [&](size_t i) { return double(h[i]); });
+        if (e > 1e-5) {
+          std::printf("  FAIL preprocess v%d T=%d D=%d: err %.3g\n", v, T, D, e);
+          pass = false;
+        }
+        CK(cudaFree(dv));
+        pr.release();
+      }
+    }
+    g_fail += pass ? 0 : 1;
+    const double ms = g_bench ? time_ms([&] { launch_pre(v, big, dvec); }) : -1;
+    const double gbs = ms > 0 ? 2.0 * big.no() * 2 / (ms * 1e-3) / 1e9 : 0;
+    std::printf("pre   D=%-3d v%d %-69s %8.3f ms %7.0f GB/s     %s\n", D, v, "", ms, gbs,
+                pass ? "PASS" : "FAIL");
+    g_recs.push_back({D, 3 + v, "v" + std::to_string(v), ms, pass});
+  }
+  sweep<D>(F{}, big, o, lse, gbuf);
+  sweep<D>(K{}, big, o, lse, gbuf);
+  sweep<D>(Q{}, big, o, lse, gbuf);
+  CK(cudaFree(o));
+  CK(cudaFree(lse));
+  CK(cudaFree(dvec));
+  CK(cudaFree(gbuf));
+  big.release();
+}
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--bench")) g_check = false;
+    if (!std::strcmp(argv[i], "--check")) g_bench = false;
+  }
+  run_d<64, Fwd64, Kv64, Dq64>();
+  run_d<128, Fwd128, Kv128, Dq128>();
+  std::printf("\n== best per kernel (PASS only; paste into V2Config<D>) ==\n");
+  for (int D : {64, 128}) {
+    double bwd = 0, fwd = 0;
+    for (int kind : {0, 1, 2, 5}) {  // 5: preprocess v2 (4: v1)
+      const Rec* best = nullptr;
+      const Rec* base = nullptr;
+      for (auto& r : g_recs) {
+        if (r.D != D || r.kind != kind) continue;
+        if (!base) base = &r;  // the baseline is listed first
+        if (r.pass && r.ms > 0 && (!best || r.ms < best->ms)) best = &r;
+      }
+      if (!best) continue;
+      if (kind == 5) {
+        bwd += best->ms;
+        std::printf("D=%d pre   best v2 %.3f ms\n", D, best->ms);
+        continue;
+      }
+      (kind == 0 ? fwd : bwd) += best->ms;
+      std::printf("D=%d %-5s %.3f ms (baseline %.3f ms): static constexpr int %s;\n", D,
+                  kKernel[kind], best->ms, base ? base->ms : -1.0, best->cfg.c_str());
+    }
+    std::printf(
+        "D=%d best fwd %.3f ms (%.0f TFLOP/s), bwd (pre v2 + dkdv + dq) %.3f ms "
+        "(%.0f TFLOP/s at 5 B H T^2 D)\n",
+        D, fwd, flops(D, 2) / (fwd * 1e-3) / 1e12, bwd, flops(D, 5) / (bwd * 1e-3) / 1e12);
+  }
+  std::printf("\n%s: %d failing configuration(s)\n", g_fail ? "FAIL" : "PASS", g_fail);
+  return g_fail ? 1 : 0;
+}
