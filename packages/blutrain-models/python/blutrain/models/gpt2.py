@@ -277,9 +277,10 @@ class GPT2(_Precision, nn.Module):
     - `precision`: "fp32", "tf32" (float32 matmuls on TF32 tensor cores; a global setting) or
       "bf16" (bfloat16 compute, float32 master weights), or a bt.amp.Policy; per block with
       ``model.transformer.h[i].set_precision(...)``.
-    - `recompute`: "none", "gelu" (the MLP keeps its pre-activation only), "attn" (each
+    - `recompute`: "none", "gelu" (the MLP keeps its pre-activation only: inside
+      bt.linear_gelu_linear on the fused path, else through bt.checkpoint), "attn" (each
       attention sublayer keeps its input only) or "block" (each block keeps its input only);
-      recomputed in backward through bt.checkpoint.
+      "attn" and "block" recompute in backward through bt.checkpoint.
     - `fused`: None (on CUDA when blutrain.tensor has them), True or False: bt.add_layer_norm
       for every residual add + LayerNorm pair, bt.linear_gelu_linear for the MLP.
     """
