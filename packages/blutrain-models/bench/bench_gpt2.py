@@ -65,8 +65,7 @@ def profile_kernels(step, n: int, trace_path: str | None) -> list:
                 name = f"{name[:70]} grid={e.get('args', {}).get('grid')}"
             t, c = agg.get(name, (0.0, 0))
             agg[name] = (t + e["dur"] / 1e3 / n, c + 1 / n)
-    return sorted(([k, round(t, 4), round(c, 2)] for k, (t, c) in agg.items()),
-                  key=lambda r: -r[1])
+    return sorted(([k, round(t, 4), round(c, 2)] for k, (t, c) in agg.items()), key=lambda r: -r[1])
 
 
 def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
@@ -393,7 +392,8 @@ def main() -> int:
             if not r.get("kernels"):
                 continue
             tot = sum(k[1] for k in r["kernels"])
-            print(f"\n{r['mode']} {r['framework']}: GPU busy {tot:.1f} ms of {r['step_ms']:.1f} ms a step")
+            head = f"{r['mode']} {r['framework']}: GPU busy {tot:.1f} ms"
+            print(f"\n{head} of {r['step_ms']:.1f} ms a step")
             for name, ms, cnt in r["kernels"][: a.profile]:
                 print(f"  {ms:8.3f} ms {cnt:6.1f}x  {name}")
     if a.json:

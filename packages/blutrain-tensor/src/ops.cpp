@@ -1,6 +1,5 @@
 // ops.cpp: the backend-neutral front (promote, broadcast, check, build the node).
 #include "ops.h"
-#include "attention.h"  // scaled_dot_product_attention fused path (attention helper)
 
 #include <algorithm>
 #include <cmath>
@@ -9,6 +8,7 @@
 #include <optional>
 #include <unordered_map>
 
+#include "attention.h"  // scaled_dot_product_attention fused path (attention helper)
 #include "backend.h"
 #ifdef BT_WITH_CUDA
 #include "cuda/runtime.h"
@@ -1067,9 +1067,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target_in, int64_t igno
     for (int64_t v : tshape) rows *= v;
     const int64_t C = logits.shape()[1];
     Tensor flat = reshape(permute(logits, perm), {rows, C});
-    Tensor loss =
-        cross_entropy(flat, reshape(target_in, {rows}), ignore_index, reduction, label_smoothing,
-                      loss_dtype);
+    Tensor loss = cross_entropy(flat, reshape(target_in, {rows}), ignore_index, reduction,
+                                label_smoothing, loss_dtype);
     return reduction == "none" ? reshape(loss, tshape) : loss;
   }
   const int64_t N = logits.shape()[0];

@@ -186,7 +186,9 @@ def test_several_tensor_indices_gradient_and_setitem():
 
 def test_several_tensor_indices_errors():
     t = bt.ones(3, 4)
-    with pytest.raises(IndexError, match=r"^\[getitem\] index 4 is out of range for dim 1 of size 4"):
+    with pytest.raises(
+        IndexError, match=r"^\[getitem\] index 4 is out of range for dim 1 of size 4"
+    ):
         t[bt.tensor([0, 1]), bt.tensor([1, 4])]
     with pytest.raises(IndexError, match=r"^\[getitem\] index -4 is out of range for dim 0"):
         t[bt.tensor([-4]), bt.tensor([0])]

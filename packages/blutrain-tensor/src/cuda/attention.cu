@@ -17,8 +17,8 @@
 //                                dK/dV per key block looping over query blocks, dQ per query block
 //                                looping over key blocks; both recompute P from lse, and use
 //                                Dvec = rowsum(dO * O) - dlse from attn_bwd_preprocess (v1: a
-//                                warp per row; v2: 16-byte loads, D / 8 lanes per row).  kMT m-tiles
-//                                per warp (register blocking) in all three; V2Config picks.
+//                                warp per row; v2: 16-byte loads, D / 8 lanes per row).  kMT
+//                                m-tiles per warp (register blocking) in all three; V2Config picks.
 // No wgmma (Hopper warpgroup MMA).  float32 with D in {64, 128} runs attention_tf32.cu (TF32 /
 // 3xTF32 tensor cores); other float32 / float64 shapes run the exact SIMT kernels.
 //
@@ -1206,10 +1206,10 @@ void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector
     if constexpr (std::is_same_v<T, float>) {
       const AttnTf32Args ta = tf32_args(p, p.d_row);
       if (attn_tf32_supported(ta) && ptr_aligned(qp, 16) && ptr_aligned(kp, 16) &&
-          ptr_aligned(vp, 16) && ptr_aligned(gp, 16) && ptr_aligned(dq, 8) &&
-          ptr_aligned(dk, 8) && ptr_aligned(dv, 8)) {
-        attn_bwd_tf32(ta, qp, kp, vp, gp, lse.data<float>(op), dvec.data<float>(op), dq, dk, dv,
-                      st, op);
+          ptr_aligned(vp, 16) && ptr_aligned(gp, 16) && ptr_aligned(dq, 8) && ptr_aligned(dk, 8) &&
+          ptr_aligned(dv, 8)) {
+        attn_bwd_tf32(ta, qp, kp, vp, gp, lse.data<float>(op), dvec.data<float>(op), dq, dk, dv, st,
+                      op);
         return;
       }
     }

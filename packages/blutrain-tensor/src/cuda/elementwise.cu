@@ -15,8 +15,8 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
-#include <tuple>
 #include <limits>
+#include <tuple>
 #include <utility>
 
 #include "../backend.h"
@@ -353,8 +353,8 @@ __global__ void __launch_bounds__(kThreads) arange_v1(I n, double start, double 
 
 // Element i's value before the cast, exactly as Random::eval_cpu computes it.
 template <RandKind K, bool F64>
-__device__ __forceinline__ double random_value(uint64_t seed, uint64_t offset, uint64_t i,
-                                               double a, double b) {
+__device__ __forceinline__ double random_value(uint64_t seed, uint64_t offset, uint64_t i, double a,
+                                               double b) {
   if constexpr (K == RandKind::Uniform) {
     const double u = F64 ? philox::uniform_f64(seed, offset, i)
                          : static_cast<double>(philox::uniform_f32(seed, offset, i));
@@ -468,12 +468,14 @@ void launch_elementwise_impl(const char* nm, const F& f, const Tensor& out,
     const int blocks = elementwise_blocks(n, kThreads, dev);
     if (small) {
       using I = uint32_t;
-      elementwise_strided_v1<I, F, O, Ts...><<<blocks, kThreads, 0, st>>>(
-          static_cast<I>(n), f, o, to_off<I>(oo), Arg<I, Ts>{std::get<Is>(ptrs), to_off<I>(io[Is])}...);
+      elementwise_strided_v1<I, F, O, Ts...>
+          <<<blocks, kThreads, 0, st>>>(static_cast<I>(n), f, o, to_off<I>(oo),
+                                        Arg<I, Ts>{std::get<Is>(ptrs), to_off<I>(io[Is])}...);
     } else {
       using I = int64_t;
-      elementwise_strided_v1<I, F, O, Ts...><<<blocks, kThreads, 0, st>>>(
-          static_cast<I>(n), f, o, to_off<I>(oo), Arg<I, Ts>{std::get<Is>(ptrs), to_off<I>(io[Is])}...);
+      elementwise_strided_v1<I, F, O, Ts...>
+          <<<blocks, kThreads, 0, st>>>(static_cast<I>(n), f, o, to_off<I>(oo),
+                                        Arg<I, Ts>{std::get<Is>(ptrs), to_off<I>(io[Is])}...);
     }
   }
   BT_CUDA_LAUNCH_CHECK(nm);
@@ -601,10 +603,10 @@ void binary_launch(const Tensor& x, const Tensor& y, const Tensor& out, const ch
     // and/or cast to bool first, sub of bools is an error.
     constexpr bool is_float = std::is_floating_point<math_t<T>>::value;
     constexpr bool is_bool = std::is_same<T, bool>::value;
-    constexpr bool made = (OP == BinaryOp::Div)                           ? is_float
+    constexpr bool made = (OP == BinaryOp::Div)                         ? is_float
                           : (OP == BinaryOp::And || OP == BinaryOp::Or) ? is_bool
-                          : (OP == BinaryOp::Sub)                         ? !is_bool
-                                                                          : true;
+                          : (OP == BinaryOp::Sub)                       ? !is_bool
+                                                                        : true;
     if constexpr (made) {
       // Bias-style broadcasts (x op row) of the arithmetic ops on floats: the v3 fast path.
       constexpr bool arith =
@@ -709,9 +711,9 @@ void SliceScatter::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
 // ---- unary / binary ---------------------------------------------------------------------------
 void Unary::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   switch (op) {
-#define BT_CASE(N)                                           \
-  case UnaryOp::N:                                           \
-    cuda::unary_launch<UnaryOp::N>(in[0], out[0], name());   \
+#define BT_CASE(N)                                         \
+  case UnaryOp::N:                                         \
+    cuda::unary_launch<UnaryOp::N>(in[0], out[0], name()); \
     break;
     // clang-format off
     BT_CASE(Neg) BT_CASE(Exp) BT_CASE(Log) BT_CASE(Sqrt) BT_CASE(Rsqrt) BT_CASE(Tanh)
@@ -724,9 +726,9 @@ void Unary::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
 
 void Binary::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   switch (op) {
-#define BT_CASE(N)                                                     \
-  case BinaryOp::N:                                                    \
-    cuda::binary_launch<BinaryOp::N>(in[0], in[1], out[0], name());    \
+#define BT_CASE(N)                                                  \
+  case BinaryOp::N:                                                 \
+    cuda::binary_launch<BinaryOp::N>(in[0], in[1], out[0], name()); \
     break;
     // clang-format off
     BT_CASE(Add) BT_CASE(Sub) BT_CASE(Mul) BT_CASE(Div) BT_CASE(Pow) BT_CASE(Maximum)
@@ -772,12 +774,12 @@ void Dropout::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) 
     T* o = static_cast<T*>(out[0].data_ptr(name()));
     if (small) {
       using I = uint32_t;
-      cuda::dropout_v2<I, T><<<blocks, cuda::kThreads, 0, st>>>(
-          static_cast<I>(n), seed, offset, pf, scale, x, cuda::to_off<I>(xo), o);
+      cuda::dropout_v2<I, T><<<blocks, cuda::kThreads, 0, st>>>(static_cast<I>(n), seed, offset, pf,
+                                                                scale, x, cuda::to_off<I>(xo), o);
     } else {
       using I = int64_t;
-      cuda::dropout_v2<I, T><<<blocks, cuda::kThreads, 0, st>>>(
-          static_cast<I>(n), seed, offset, pf, scale, x, cuda::to_off<I>(xo), o);
+      cuda::dropout_v2<I, T><<<blocks, cuda::kThreads, 0, st>>>(static_cast<I>(n), seed, offset, pf,
+                                                                scale, x, cuda::to_off<I>(xo), o);
     }
   });
   BT_CUDA_LAUNCH_CHECK(name());

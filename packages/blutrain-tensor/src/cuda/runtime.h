@@ -24,11 +24,11 @@ namespace bt::cuda {
                                    const char* file, int line);
 
 // Every runtime call and every launch is checked; the error names the op, the call, file and line.
-#define BT_CUDA_CHECK(op, expr)                                                        \
-  do {                                                                                 \
-    const cudaError_t bt_err_ = (expr);                                                \
-    if (bt_err_ != cudaSuccess)                                                        \
-      ::bt::cuda::throw_cuda_error((op), #expr, bt_err_, __FILE__, __LINE__);          \
+#define BT_CUDA_CHECK(op, expr)                                               \
+  do {                                                                        \
+    const cudaError_t bt_err_ = (expr);                                       \
+    if (bt_err_ != cudaSuccess)                                               \
+      ::bt::cuda::throw_cuda_error((op), #expr, bt_err_, __FILE__, __LINE__); \
   } while (0)
 #define BT_CUDA_LAUNCH_CHECK(op) BT_CUDA_CHECK((op), cudaGetLastError())
 

@@ -270,7 +270,8 @@ Tensor advanced_index(const Tensor& t, const std::vector<std::pair<int64_t, Tens
     const int64_t n = t.shape()[dim];
     total *= n;
     Tensor ik = astype(ix, DType::Int64);
-    ik = where(binary(BinaryOp::Lt, ik, Scalar{0, 1}), binary(BinaryOp::Add, ik, Scalar{double(n), 1}), ik);
+    ik = where(binary(BinaryOp::Lt, ik, Scalar{0, 1}),
+               binary(BinaryOp::Add, ik, Scalar{double(n), 1}), ik);
     if (!ik.is_symbolic() && !ik.device().is_cuda()) {  // a CUDA index is checked by index_select
       Tensor c = contiguous(ik);
       const int64_t* p = c.data<int64_t>("getitem");
