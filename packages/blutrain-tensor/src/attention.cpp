@@ -95,34 +95,6 @@ std::vector<Tensor> packed_grad_views(const Tensor& dx, int64_t heads) {
   return r;
 }
 
-namespace {
-bool is_view_node(const std::string& n) {
-  return n == "Permute" || n == "Reshape" || n == "Slice" || n == "Select";
-}
-bool has_hooks(const Node& n) {
-  for (auto& h : n.pre_hooks) {
-    if (!h.empty()) return true;
-  }
-  for (auto& h : n.retain_hooks) {
-    if (!h.empty()) return true;
-  }
-  return false;
-}
-// Whether t's history is a chain of hook-free view nodes ending at `target` (so its gradient
-// reaches target unchanged apart from the index map, which the storage geometry then fixes).
-bool views_of(const Tensor& t, const Edge& target) {
-  Edge e{t.grad_fn(), t.impl()->output_nr};
-  for (int steps = 0; !(e.node == target.node && e.input_nr == target.input_nr); ++steps) {
-    if (!e.node || steps > 16 || !is_view_node(e.node->name()) || has_hooks(*e.node) ||
-        e.node->next.size() != 1) {
-      return false;
-    }
-    e = e.node->next[0];
-  }
-  return true;
-}
-}  // namespace
-
 Tensor packed_qkv_source(const Tensor& q, const Tensor& k, const Tensor& v) {
   if (!grad_enabled() || q.ndim() != 4 || k.shape() != q.shape() || v.shape() != q.shape()) {
     return {};
@@ -156,8 +128,11 @@ Tensor packed_qkv_source(const Tensor& q, const Tensor& k, const Tensor& v) {
   if (off < 0 || n % sl != 0) return {};
   const int64_t r0 = off / sl, c0 = off % sl;
   if (c0 + 3 * HD > sl || (r0 + B * T) * sl > n) return {};
-  const Edge target = gradient_edge(base);
-  if (!views_of(q, target) || !views_of(k, target) || !views_of(v, target)) return {};
+  // their gradients must reach the base unchanged apart from the index map (hook-free views),
+  // which the geometry above then fixes
+  for (const Tensor* t : {&q, &k, &v}) {
+    if (!grad_flows_through_views(*t, base)) return {};
+  }
   Tensor x = reshape(base, {n / sl, sl});
   x = slice(x, 0, r0, r0 + B * T, 1);
   x = slice(x, 1, c0, c0 + 3 * HD, 1);
