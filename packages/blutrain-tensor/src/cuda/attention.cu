@@ -22,58 +22,19 @@
 // No wgmma (Hopper warpgroup MMA).  float32 with D in {64, 128} runs attention_tf32.cu (TF32 /
 // 3xTF32 tensor cores); other float32 / float64 shapes run the exact SIMT kernels.
 //
-// mma.sync.m16n8k16 (.bf16/.f16 inputs, f32 accumulators) register layouts, with
-// g = lane / 4 (groupID) and t = lane % 4 (thread in group); each .b32 register holds two 16-bit
-// elements, the lower column (or k) index in the low half:
-//   A (16 x 16, row major), a0..a3:  a0 = A[g][2t..2t+1]      a1 = A[g+8][2t..2t+1]
-//                                    a2 = A[g][2t+8..2t+9]    a3 = A[g+8][2t+8..2t+9]
-//   B (16 x 8, "col": k fastest), b0..b1:  b0 = B[2t..2t+1][g]   b1 = B[2t+8..2t+9][g]
-//   C (16 x 8 f32), c0..c3:  c0, c1 = C[g][2t], C[g][2t+1]    c2, c3 = C[g+8][2t], C[g+8][2t+1]
-// ldmatrix.x4: lanes 8i..8i+7 give the row addresses of 8x8 matrix i; register ri of every lane
-// holds matrix i's row (lane / 4), columns 2 (lane % 4) + {0, 1}; with .trans it holds rows
-// 2 (lane % 4) + {0, 1} of column (lane / 4) instead.  Hence:
-//   * A from a row-major tile X[m][k]: lane l points at X[m0 + l % 16][k0 + 8 (l / 16)].
-//   * B[k][n] = Y[n][k] from a tile stored n-major (K for S = Q K^T): matrices (n0, k0),
-//     (n0, k0 + 8), (n0 + 8, k0), (n0 + 8, k0 + 8): lane l points at
-//     Y[n0 + l % 8 + 8 (l / 16)][k0 + 8 ((l / 8) % 2)];
-//     r0, r1 = b0, b1 of n-tile n0; r2, r3 = b0, b1 of n-tile n0 + 8.
-//   * B[k][n] = Y[k][n] from a tile stored k-major (V for O = P V): .trans, matrices (k0, n0),
-//     (k0 + 8, n0), (k0, n0 + 8), (k0 + 8, n0 + 8): lane l points at
-//     Y[k0 + l % 16][n0 + 8 (l / 16)].
-//   * C -> A (P = softmax(S) reused as the A operand): the C tiles of columns 16kk..16kk+15
-//     (n-tiles 2kk, 2kk+1) give a0 = pack(c0, c1) of 2kk, a1 = pack(c2, c3) of 2kk, and a2, a3
-//     likewise of 2kk+1.
-// Shared-memory tiles are rows of D 16-bit elements in 16-byte chunks, chunk c of row r stored at
-// chunk c ^ (r % 8) (XOR swizzle: the 8 rows an ldmatrix reads hit 8 different bank groups).
+// Register layouts of mma.sync / ldmatrix and the swizzled tile layout: attention_mma.cuh.
 #include <algorithm>
 #include <cmath>
 
 #include "../attention.h"
 #include "../autocast.h"  // float32_matmul_precision: TF32 vs 3xTF32
+#include "attention_mma.cuh"
 #include "attention_tf32.cuh"
 #include "common.cuh"
 
 namespace bt::cuda {
 
 namespace {
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-struct AttnParams {
-  int B, H, L, S, D;
-  int64_t q_b, q_h, q_l;  // element strides of q (B, H, L, D), unit D stride
-  int64_t k_b, k_h, k_l;
-  int64_t v_b, v_h, v_l;
-  int64_t o_b, o_l, o_h;     // o and do: (B, L, H, D) views
-  int64_t g_b, g_l, g_h;     // do
-  int64_t dl_b, dl_h, dl_l;  // dlse (B, H, L), any strides (a broadcast zero is common)
-  // dq, dk, dv (B, L|S, ., D): row (b, l) of head h at b L|S d_row + l d_row + h D (H D for
-  // separate tensors, 3 H D for the slices of a packed (B, T, 3 H D) gradient).
-  int64_t d_row;
-  double scale;
-  bool causal;
-};
 
 // ==== kernels ==================================================================================
 
@@ -271,98 +232,6 @@ __global__ void __launch_bounds__(kV1Warps * 32)
 }
 
 // ---- v2: tensor cores (bf16 / fp16, D in {64, 128}) -------------------------------------------
-__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-// 16-byte async copy; pred false zero-fills the destination (src is then not read).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool pred) {
-  const int n = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool pred) {
-  const int n = pred ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-// c += a * b (16x8x16), fp32 accumulators.
-template <typename T>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-// Two floats -> one .b32 of two 16-bit elements (lo in the low half).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  } else {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-}
-
-// 2^x with the MUFU instruction (what exp2f compiles to under --use_fast_math); 2^-inf = 0.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Element offset of (row, 16-byte chunk) in a swizzled tile of rows of D elements.
-template <int D>
-__device__ __forceinline__ int swz(int row, int chunk) {
-  return row * D + ((chunk ^ (row & 7)) << 3);
-}
-// Async copy of rows [row0, row0 + R) of a (rows, D) global matrix with row stride `ld` into a
-// swizzled tile; rows >= nrows are zero-filled.  Called by all NT threads of the block.
-template <int R, int D, int NT, typename T>
-__device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t ld, int row0, int nrows) {
-  constexpr int C = D / 8;
-  const int tid = threadIdx.x;
-#pragma unroll
-  for (int idx = tid; idx < R * C; idx += NT) {
-    const int r = idx / C, c = idx % C;
-    const bool ok = row0 + r < nrows;
-    const T* s = ok ? src + (row0 + r) * ld + c * 8 : src;
-    cp_async16(smem_u32(tile + swz<D>(r, c)), s, ok);
-  }
-}
-// Async copy of n floats (rows >= nrows zero-filled).
-template <int R, int NT>
-__device__ __forceinline__ void load_vec(float* dst, const float* src, int row0, int nrows) {
-  for (int r = threadIdx.x; r < R; r += NT) {
-    const bool ok = row0 + r < nrows;
-    cp_async4(smem_u32(dst + r), ok ? src + row0 + r : src, ok);
-  }
-}
-
 // Forward.  Block: kWarps warps, each owning kMT m-tiles of 16 query rows (kBr = 16 kMT kWarps
 // rows per block; kMT = 2 reuses every K / V fragment read from shared memory twice), key tiles
 // of kBc.  Grid: (B * H, ceil(L / kBr)), the last (heaviest, when causal) query blocks first.
