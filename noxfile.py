@@ -104,8 +104,9 @@ def demo(session: nox.Session) -> None:
     session.install(*BUILD_DEPS, "matplotlib")
     install_packages(session, cuda=os.environ.get("BLUTRAIN_CUDA", "AUTO"))
     session.run("python", "packages/blutrain-alloc/examples/demo.py", "out")
-    session.run("python", "packages/blutrain-alloc/bench/bench_alloc.py",
-                "--json", "out/bench_alloc.json")
+    session.run(
+        "python", "packages/blutrain-alloc/bench/bench_alloc.py", "--json", "out/bench_alloc.json"
+    )
 
 
 @nox.session(python="3.11")
@@ -116,8 +117,7 @@ def lint(session: nox.Session) -> None:
     sources = [
         str(p)
         for p in ROOT.glob("packages/*/**/*")
-        if p.suffix in {".h", ".hpp", ".cpp", ".cc", ".c", ".cu", ".cuh"}
-        and "build" not in p.parts
+        if p.suffix in {".h", ".hpp", ".cpp", ".cc", ".c", ".cu", ".cuh"} and "build" not in p.parts
     ]
     if sources:
         session.run("clang-format", "--dry-run", "--Werror", *sources)
@@ -125,14 +125,14 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def cuda_build(session: nox.Session) -> None:
-    """BLUTRAIN_CUDA=ON compile and link of every C++ package for sm_90 (no GPU needed);
+    """BLUTRAIN_CUDA=ON compile and link of every C++ package for sm_90a (no GPU needed);
     then the CPU test of the allocator on that build: CUDA paths must raise, not crash."""
     session.install(*BUILD_DEPS, "pytest", "hypothesis")
     # cuBLAS(Lt) is not in every toolkit install: the wheel brings headers and libraries.
     if (ROOT / "packages" / "blutrain-linalg").exists():
         session.install("nvidia-cublas", "nvidia-cuda-runtime")
     extra_deps(session)
-    install_packages(session, cuda="ON", archs="90-real")
+    install_packages(session, cuda="ON", archs="90a-real")
     # On a CUDA build without a GPU every CUDA path must raise, not crash; linalg's
     # host-logic test compiles its CUDA backend over fake CUDA (needs cublasLt.h).
     cuda_tested = ("blutrain-alloc", "blutrain-linalg", "blutrain-tensor")

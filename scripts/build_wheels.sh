@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-$PWD/.venv-whl312}
-export PATH=$VENV/bin:$PATH BLUTRAIN_CUDA=ON BLUTRAIN_CUDA_ARCHS=${BLUTRAIN_CUDA_ARCHS:-90-real}
+export PATH=$VENV/bin:$PATH BLUTRAIN_CUDA=ON BLUTRAIN_CUDA_ARCHS=${BLUTRAIN_CUDA_ARCHS:-90a-real}
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2}
 mkdir -p .whl/bt
 for name in $(echo "${1:-alloc,linalg,tensor}" | tr , ' '); do

@@ -50,7 +50,7 @@ fi
 # blutrain-models is pure Python: run it from the source tree.
 export PYTHONPATH=$ROOT/packages/blutrain-models/python:$PYTHONPATH
 
-export BLUTRAIN_CUDA=ON BLUTRAIN_CUDA_ARCHS=${BLUTRAIN_CUDA_ARCHS:-90-real}
+export BLUTRAIN_CUDA=ON BLUTRAIN_CUDA_ARCHS=${BLUTRAIN_CUDA_ARCHS:-90a-real}
 PKGS=()
 for name in alloc linalg tensor dist compiler models; do
   [ -f "packages/blutrain-$name/pyproject.toml" ] || continue

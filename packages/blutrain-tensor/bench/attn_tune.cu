@@ -1,7 +1,7 @@
 // attn_tune.cu: standalone check + sweep of the bf16 flash-attention kernels of
-// src/cuda/attention.cu (attn_fwd_v2, attn_bwd_preprocess v1/v2, attn_bwd_dkdv_v2, attn_bwd_dq_v2)
-// over template configurations.  Build and run: bash bench/attn_tune.sh.  Exit status 1 if any
-// check FAILs.
+// src/cuda/attention.cu (attn_fwd_v2, attn_bwd_preprocess v1/v2, attn_bwd_dkdv_v2, attn_bwd_dq_v2,
+// attn_bwd_dkdv_v2<kDq> + attn_bwd_dq_convert) over template configurations.  Build and run: bash
+// bench/attn_tune.sh.  Exit status 1 if any check FAILs.
 //
 // Check (every configuration): B2 H3, T in {7, 100, 200}, D of the configuration, causal and not,
 // q, k, v the non-contiguous slices of a packed (B, T, 3, H, D) buffer; outputs poisoned with NaN;
@@ -9,9 +9,13 @@
 // and write dq, dk, dv into a packed (B, T, 3, H, D) gradient (d_row = 3 H D) and into separate
 // (B, T, H, D) buffers (d_row = H D): the two must be bitwise equal.  Error: max |gpu - ref| /
 // max |ref| per tensor against float64 CPU math on the bf16-rounded inputs.
-// Timing: B16 H12 T1024 causal, D 64 and 128, cudaEvent, median of 20 reps after 3 warm-ups.
+// Fused (v3): T in {1, 7, 100, 200}; dq, dk, dv into the packed gradient (all three slots) and
+// into separate buffers; dk, dv must match bitwise, dq (float atomics: order-dependent) within
+// the tolerance; dq_acc is poisoned before the launcher's memset.
+// Timing: B16 H12 T1024 causal, D 64 and 128, cudaEvent, median of 20 reps after 3 warm-ups
+// (fused: memset of dq_acc + attn_bwd_dkdv_v2 with kDq + attn_bwd_dq_convert, i.e. all of it).
 // FLOPs (causal, the T x T half): fwd 2 B H T^2 D; dkdv 4 (S, dP, dV, dK) and dq 3 (S, dP, dQ)
-// times B H T^2 D; bwd total as usually quoted 5 B H T^2 D (preprocess + dkdv + dq).
+// times B H T^2 D; fused 5; bwd total as usually quoted 5 B H T^2 D (preprocess + dkdv + dq).
 // Prints a table (kernel, config, ms, TFLOP/s, PASS/FAIL) and the best configuration per kernel
 // as V2Config lines to paste into src/cuda/attention.cu.  Baseline = the current V2Config.
 #define BT_ATTENTION_KERNELS_ONLY 1
@@ -234,6 +238,18 @@ struct Dq {
     return b;
   }
 };
+template <int W, int Br, bool Frag, int MT, int MB = 1, bool G = false>
+struct Fu {
+  static constexpr int kind = 3;
+  static std::string name() {
+    char b[140];
+    std::snprintf(b, sizeof b,
+                  "kFuWarps = %d, kFuBr = %d, kFuMT = %d, kFuMinBlocks = %d; kFuFrag = %s, "
+                  "kFuGroupBh = %s",
+                  W, Br, MT, MB, Frag ? "true" : "false", G ? "true" : "false");
+    return b;
+  }
+};
 template <typename... Cs>
 struct List {};
 
@@ -245,6 +261,10 @@ template <int D>
 using BaseKv = Kv<bt::cuda::V2Config<D>::kKvWarps, bt::cuda::V2Config<D>::kKvBr,
                   bt::cuda::V2Config<D>::kKvFrag, bt::cuda::V2Config<D>::kKvMT,
                   bt::cuda::V2Config<D>::kKvMinBlocks>;
+template <int D>
+using BaseFu = Fu<bt::cuda::V2Config<D>::kFuWarps, bt::cuda::V2Config<D>::kFuBr,
+                  bt::cuda::V2Config<D>::kFuFrag, bt::cuda::V2Config<D>::kFuMT,
+                  bt::cuda::V2Config<D>::kFuMinBlocks, bt::cuda::V2Config<D>::kFuGroupBh>;
 template <int D>
 using BaseDq = Dq<bt::cuda::V2Config<D>::kDqWarps, bt::cuda::V2Config<D>::kDqBc,
                   bt::cuda::V2Config<D>::kDqMT, bt::cuda::V2Config<D>::kDqMinBlocks>;
@@ -264,6 +284,16 @@ using Fwd128 =
 using Kv128 = List<BaseKv<128>, Kv<4, 16, false, 1>, Kv<8, 32, false, 1>, Kv<8, 16, false, 1>,
                    Kv<4, 64, false, 1>, Kv<4, 32, true, 1>, Kv<8, 64, false, 1>>;
 using Dq128 = List<BaseDq<128>, Dq<4, 32, 1>, Dq<8, 64, 1>, Dq<8, 32, 1>, Dq<4, 16, 1>>;
+// Fused: kBc = 16 kMT kWarps keys per block (bigger: fewer dQ atomics), kBr queries per tile.
+// (Left out, they spill hundreds of bytes: D 64 Fu<4, 128, true, 1>, Fu<4, 64, false, 2>.)
+// G: kGroupBh (one head's key blocks together: L2 locality of dq_acc's atomics).
+using Fu64 = List<BaseFu<64>, Fu<4, 64, true, 1, 1, true>, Fu<4, 32, true, 1>, Fu<4, 16, true, 1>,
+                  Fu<4, 64, false, 1>, Fu<8, 64, true, 1>, Fu<8, 64, true, 1, 1, true>,
+                  Fu<8, 32, true, 1>, Fu<4, 32, false, 2>, Fu<4, 32, false, 2, 1, true>,
+                  Fu<4, 16, false, 2>, Fu<4, 16, true, 2>, Fu<4, 32, true, 1, 2>>;
+using Fu128 =
+    List<BaseFu<128>, Fu<4, 32, false, 1, 1, true>, Fu<4, 64, false, 1>, Fu<8, 32, false, 1>,
+         Fu<8, 32, false, 1, 1, true>, Fu<4, 16, false, 1>, Fu<8, 16, false, 1>>;
 
 // ---- launches ----------------------------------------------------------------------------------
 template <typename K>
@@ -298,7 +328,8 @@ static bool launch(Kv<W, Br, Frag, MT, MB>, const Problem& pr, T16* dk, T16* dv,
   AttnParams p = pr.params();
   p.d_row = d_row;
   dim3 grid(p.B * p.H, unsigned(ceil_div(p.S, 16 * MT * W)));
-  kern<<<grid, W * 32, smem>>>(p, pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref, dk, dv);
+  kern<<<grid, W * 32, smem>>>(p, pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref, dk, dv,
+                               nullptr);
   return cudaGetLastError() == cudaSuccess;
 }
 template <int D, int W, int Bc, int MT, int MB>
@@ -311,6 +342,24 @@ static bool launch(Dq<W, Bc, MT, MB>, const Problem& pr, T16* dq, int64_t d_row)
   p.d_row = d_row;
   dim3 grid(p.B * p.H, unsigned(ceil_div(p.L, 16 * MT * W)));
   kern<<<grid, W * 32, smem>>>(p, pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref, dq);
+  return cudaGetLastError() == cudaSuccess;
+}
+// Fused: memset of dq_acc, the fused kernel, the dq conversion (as launch_bwd_fused).
+template <int D, int W, int Br, bool Frag, int MT, int MB, bool G>
+static bool launch(Fu<W, Br, Frag, MT, MB, G>, const Problem& pr, float* acc, T16* dq, T16* dk,
+                   T16* dv, int64_t d_row) {
+  using namespace bt::cuda;
+  constexpr size_t smem = fused_smem<T16, D, W, Br, MT>();
+  auto kern = attn_bwd_dkdv_v2<T16, D, W, Br, Frag, MB, MT, true, G>;
+  if (!set_smem_attr(kern, smem)) return false;
+  AttnParams p = pr.params();
+  p.d_row = d_row;
+  CK(cudaMemsetAsync(acc, 0, pr.no() * sizeof(float)));
+  dim3 grid(p.B * p.H, unsigned(ceil_div(p.S, 16 * MT * W)));
+  kern<<<grid, W * 32, smem>>>(p, pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref, dk, dv,
+                               acc);
+  if (cudaGetLastError() != cudaSuccess) return false;
+  attn_bwd_dq_convert<T16, D><<<unsigned(ceil_div(int64_t(pr.no() / 8), 256)), 256>>>(p, acc, dq);
   return cudaGetLastError() == cudaSuccess;
 }
 // Preprocess: v = 1 reference (one warp per row), 2 vectorised.
@@ -333,8 +382,70 @@ static void launch_pre(int v, const Problem& pr, float* dvec) {
 
 // ---- checks ------------------------------------------------------------------------------------
 static const int kCheckT[] = {7, 100, 200};
+static const int kCheckTFused[] = {1, 7, 100, 200};
 static const double kTolO = 2e-2, kTolG = 3e-2;
-static const char* kKernel[] = {"fwd", "dkdv", "dq"};
+static const char* kKernel[] = {"fwd", "dkdv", "dq", "fused"};
+
+// Fused: packed (all three slots, d_row 3 H D) and separate (d_row H D) gradients.
+template <int D, typename C>
+static bool check_fused() {
+  bool ok = true;
+  for (int T : kCheckTFused) {
+    for (int causal = 0; causal < 2; ++causal) {
+      Problem pr;
+      pr.make(2, 3, T, D, causal, true, 4321u + T * 7 + causal);
+      const size_t no = pr.no(), nx = pr.nx();
+      const int HD = pr.H * D;
+      char tag[64];
+      std::snprintf(tag, sizeof tag, "T=%d D=%d %s", T, D, causal ? "causal" : "full");
+      auto fail = [&](const char* what, double e) {
+        std::printf("  FAIL fused [%s] %s: %s err %.3g\n", C::name().c_str(), tag, what, e);
+        ok = false;
+      };
+      T16* packed = dmalloc<T16>(nx);
+      T16 *sq = dmalloc<T16>(no), *sk = dmalloc<T16>(no), *sv = dmalloc<T16>(no);
+      float* acc = dmalloc<float>(no);
+      poison(packed, nx * 2), poison(sq, no * 2), poison(sk, no * 2), poison(sv, no * 2);
+      poison(acc, no * 4);  // the launcher must zero it
+      const bool launched = launch<D>(C{}, pr, acc, packed, packed + HD, packed + 2 * HD, 3 * HD);
+      CK(cudaDeviceSynchronize());
+      auto hp = hcopy(packed, nx);
+      poison(acc, no * 4);
+      const bool launched2 = launch<D>(C{}, pr, acc, sq, sk, sv, HD);
+      CK(cudaDeviceSynchronize());
+      if (!launched || !launched2) {
+        fail("launch", INFINITY);
+      } else {
+        auto hq = hcopy(sq, no), hk = hcopy(sk, no), hv = hcopy(sv, no);
+        auto at = [&](int w, size_t i) { return hp[((i / HD) * 3 + w) * HD + i % HD]; };
+        const std::vector<double>* refs[3] = {&pr.dq, &pr.dk, &pr.dv};
+        const std::vector<T16>* seps[3] = {&hq, &hk, &hv};
+        const char* names[3] = {"dq (packed)", "dk (packed)", "dv (packed)"};
+        const char* snames[3] = {"dq (separate)", "dk (separate)", "dv (separate)"};
+        for (int w = 0; w < 3; ++w) {
+          const double e = rel_err(*refs[w], [&](size_t i) { return double(bf2f(at(w, i))); });
+          if (e > kTolG) fail(names[w], e);
+          const double es =
+              rel_err(*refs[w], [&](size_t i) { return double(bf2f((*seps[w])[i])); });
+          if (es > kTolG) fail(snames[w], es);
+        }
+        bool same = true;
+        for (size_t i = 0; i < no; ++i) {
+          if (__bfloat16_as_ushort(at(1, i)) != __bfloat16_as_ushort(hk[i]) ||
+              __bfloat16_as_ushort(at(2, i)) != __bfloat16_as_ushort(hv[i])) {
+            same = false;
+          }
+        }
+        if (!same) fail("dk/dv packed != separate (bitwise)", 1);
+      }
+      for (void* ptr : {(void*)packed, (void*)sq, (void*)sk, (void*)sv, (void*)acc}) {
+        CK(cudaFree(ptr));
+      }
+      pr.release();
+    }
+  }
+  return ok;
+}
 
 template <int D, typename C>
 static bool check_cfg() {
@@ -461,11 +572,21 @@ static double time_ms(F f) {
 
 static const int kB = 16, kH = 12, kT = 1024;
 static double flops(int D, double mult) { return mult * double(kB) * kH * kT * double(kT) * D; }
-static double mult_of(int kind) { return kind == 0 ? 2.0 : kind == 1 ? 4.0 : 3.0; }
+static double mult_of(int kind) {
+  return kind == 0 ? 2.0 : kind == 1 ? 4.0 : kind == 2 ? 3.0 : 5.0;
+}
+static float* g_acc = nullptr;  // dq_acc of the timing problem
 
 template <int D, typename C>
 static void run_cfg(const Problem& big, T16* o, float* lse, T16* gbuf) {
-  const bool pass = g_check ? check_cfg<D, C>() : true;
+  bool pass = true;
+  if (g_check) {
+    if constexpr (C::kind == 3) {
+      pass = check_fused<D, C>();
+    } else {
+      pass = check_cfg<D, C>();
+    }
+  }
   g_fail += pass ? 0 : 1;
   double ms = -1;
   if (g_bench) {
@@ -476,6 +597,8 @@ static void run_cfg(const Problem& big, T16* o, float* lse, T16* gbuf) {
         launched = launch<D>(C{}, big, o, lse) && launched;
       } else if constexpr (C::kind == 1) {
         launched = launch<D>(C{}, big, gbuf + HD, gbuf + 2 * HD, 3 * HD) && launched;
+      } else if constexpr (C::kind == 3) {
+        launched = launch<D>(C{}, big, g_acc, gbuf, gbuf + HD, gbuf + 2 * HD, 3 * HD) && launched;
       } else {
         launched = launch<D>(C{}, big, gbuf, 3 * HD) && launched;
       }
@@ -495,7 +618,7 @@ static void sweep(List<Cs...>, const Problem& big, T16* o, float* lse, T16* gbuf
   (run_cfg<D, Cs>(big, o, lse, gbuf), ...);
 }
 
-template <int D, typename F, typename K, typename Q>
+template <int D, typename F, typename K, typename Q, typename U>
 static void run_d() {
   Problem big;
   big.make(kB, kH, kT, D, true, false, 99u);
@@ -503,6 +626,7 @@ static void run_d() {
   float* lse = dmalloc<float>(big.nr());
   float* dvec = dmalloc<float>(big.nr());
   T16* gbuf = dmalloc<T16>(big.nx());
+  g_acc = dmalloc<float>(big.no());
   std::printf("\n== D=%d (timing B%d H%d T%d causal) ==\n", D, kB, kH, kT);
   // preprocess: v1 vs v2 (check against float64 on a small problem, time on the big one)
   for (int v = 1; v <= 2; ++v) {
@@ -549,6 +673,8 @@ static void run_d() {
   sweep<D>(F{}, big, o, lse, gbuf);
   sweep<D>(K{}, big, o, lse, gbuf);
   sweep<D>(Q{}, big, o, lse, gbuf);
+  sweep<D>(U{}, big, o, lse, gbuf);
+  CK(cudaFree(g_acc));
   CK(cudaFree(o));
   CK(cudaFree(lse));
   CK(cudaFree(dvec));
@@ -561,12 +687,12 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--bench")) g_check = false;
     if (!std::strcmp(argv[i], "--check")) g_bench = false;
   }
-  run_d<64, Fwd64, Kv64, Dq64>();
-  run_d<128, Fwd128, Kv128, Dq128>();
+  run_d<64, Fwd64, Kv64, Dq64, Fu64>();
+  run_d<128, Fwd128, Kv128, Dq128, Fu128>();
   std::printf("\n== best per kernel (PASS only; paste into V2Config<D>) ==\n");
   for (int D : {64, 128}) {
-    double bwd = 0, fwd = 0;
-    for (int kind : {0, 1, 2, 5}) {  // 5: preprocess v2 (4: v1)
+    double bwd = 0, fwd = 0, pre = 0, fused = 0;
+    for (int kind : {0, 1, 2, 5, 3}) {  // 5: preprocess v2 (4: v1); 3: fused
       const Rec* best = nullptr;
       const Rec* base = nullptr;
       for (auto& r : g_recs) {
@@ -575,7 +701,14 @@ int main(int argc, char** argv) {
         if (r.pass && r.ms > 0 && (!best || r.ms < best->ms)) best = &r;
       }
       if (!best) continue;
+      if (kind == 3) {
+        fused = best->ms;
+        std::printf("D=%d %-5s %.3f ms (baseline %.3f ms): static constexpr int %s;\n", D,
+                    kKernel[kind], best->ms, base ? base->ms : -1.0, best->cfg.c_str());
+        continue;
+      }
       if (kind == 5) {
+        pre = best->ms;
         bwd += best->ms;
         std::printf("D=%d pre   best v2 %.3f ms\n", D, best->ms);
         continue;
@@ -588,6 +721,11 @@ int main(int argc, char** argv) {
         "D=%d best fwd %.3f ms (%.0f TFLOP/s), bwd (pre v2 + dkdv + dq) %.3f ms "
         "(%.0f TFLOP/s at 5 B H T^2 D)\n",
         D, fwd, flops(D, 2) / (fwd * 1e-3) / 1e12, bwd, flops(D, 5) / (bwd * 1e-3) / 1e12);
+    if (fused > 0) {
+      std::printf(
+          "D=%d best bwd fused (pre v2 + memset + fused + convert) %.3f ms (%.0f TFLOP/s)\n", D,
+          pre + fused, flops(D, 5) / ((pre + fused) * 1e-3) / 1e12);
+    }
   }
   std::printf("\n%s: %d failing configuration(s)\n", g_fail ? "FAIL" : "PASS", g_fail);
   return g_fail ? 1 : 0;

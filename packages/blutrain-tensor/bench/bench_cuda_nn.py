@@ -1,12 +1,18 @@
 """CUDA norm / loss kernels at GPT-2 124M shapes (B=16, T=1024, C=768, H=12, V=50257): ours next
 to PyTorch's (torch CUDA, same GPU, same run) for layer_norm, residual add + layer_norm, softmax
 (attention scores) and cross_entropy (the classifier), forward and forward + backward, in bf16 and
-fp32.  Median of many reps after warm-up (reps batched between device synchronisations), achieved
-GB/s against the memory floor (bytes moved / 4.3 TB/s measured copy bandwidth).  Prints a table;
---json OUT writes the rows.  The norm / softmax rows are also timed per kernel version
-(--versions 2,3: BT_CUDA_NN_VERSION, appended to the row as "vN ms %floor").  ce_padded: GPT-2's
-loss on the first V columns of padded (R, 50304) logits (read in place, padded gradient);
-ce_padded_plain: the same with the plain path (dense gradient, then the narrow's scatter).
+fp32.  Median of several batches of reps after warm-up, achieved GB/s against the memory floor
+(bytes moved / 4.3 TB/s measured copy bandwidth).  Prints a table; --json OUT writes the rows.
+The layer-norm rows are also timed per kernel version (--versions 2,3,4: BT_CUDA_NN_VERSION,
+appended to the row as "vN ms %floor %copy", graph timings).  ce_padded: GPT-2's loss on the
+first V columns of padded (R, 50304) logits (read in place, padded gradient); ce_padded_plain:
+the same with the plain path (dense gradient, then the narrow's scatter).
+
+Two timings of ours: "ours" (eager, CUDA events around reps batched calls: includes any host
+launch gaps) and "graph" (the same reps calls captured once in a CUDA graph and replayed: device
+time only, no host overhead; the version columns use it).  Next to each, %copy = ours GB/s over
+the GB/s of a measured device-to-device copy (torch) moving the same bytes, the practical ceiling
+(small copies do not reach 4.3 TB/s); the target is %copy >= 80 (--target).  --ops selects rows.
 Not a test."""
 
 from __future__ import annotations
@@ -14,8 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
+
+from cuda_timing import time_events, time_graph
 
 import blutrain.tensor as bt
 
@@ -30,22 +36,19 @@ B, T, C, H, V = 16, 1024, 768, 12, 50257
 VP = 50304  # GPT-2's padded vocabulary
 
 
-def _sync_bt() -> None:
-    bt._tensor._cuda_synchronize(0)
+_COPY: dict[int, float] = {}
 
 
-def _time(fn, sync, reps: int, batches: int = 7) -> float:
-    for _ in range(3):
-        fn()
-    sync()
-    out = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync()
-        out.append((time.perf_counter() - t0) / reps)
-    return statistics.median(out) * 1e3  # ms
+def _copy_ms(nbytes: int, reps: int) -> float:
+    """A torch device-to-device copy moving nbytes (half read, half written); nan without torch."""
+    if torch is None or not torch.cuda.is_available():
+        return float("nan")
+    if nbytes not in _COPY:
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        _COPY[nbytes] = time_events(lambda: dst.copy_(src), reps, torch_events=True)
+        del src, dst
+    return _COPY[nbytes]
 
 
 def _bt_dtype(name):
@@ -233,38 +236,54 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", dest="out", default=None)
     ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--ops", default="", help="comma-separated row names (default: all)")
     ap.add_argument(
         "--versions",
-        default="2,3",
-        help="kernel versions (BT_CUDA_NN_VERSION) also timed for the norm / softmax rows",
+        default="2,3,4",
+        help="kernel versions (BT_CUDA_NN_VERSION) also timed (graph) for the layer-norm rows",
     )
+    ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
+    ap.add_argument("--target", type=float, default=80.0, help="%%copy target")
     args = ap.parse_args()
     versions = [v for v in args.versions.split(",") if v]
+    ops = {o for o in args.ops.split(",") if o}
     if bt.cuda_device_count() == 0:
         raise SystemExit("no CUDA device")
     rows = []
-    tsync = torch.cuda.synchronize if torch is not None else None
-    hdr = f"{'op':16} {'dtype':5} {'pass':7} {'floor ms':>9} {'ours ms':>9} {'GB/s':>7} "
-    hdr += f"{'%floor':>7} {'torch ms':>9} {'GB/s':>7} {'ours/torch':>10}"
+    hdr = f"{'op':16} {'dtype':5} {'pass':7} {'floor ms':>8} {'ours ms':>8} {'GB/s':>6} "
+    hdr += f"{'%floor':>6} {'%copy':>6} {'graph ms':>8} {'%copy':>6} {'copy GB/s':>9} "
+    hdr += f"{'torch ms':>8} {'ours/torch':>10}"
     print(hdr)
+    pct = lambda a, b: 100 * a / b  # noqa: E731
+
     for dt in args.dtypes.split(","):
         for name, v in cases(dt).items():
+            if ops and name not in ops:
+                continue
             for k, pas in enumerate(["fwd", "fwd+bwd"]):
                 nbytes = v[k]
                 reps = 20 if name.startswith("ce") or name in ("cross_entropy", "softmax") else 50
-                ours = _time(v[2 + k], _sync_bt, reps)  # the default version
+                ours = time_events(v[2 + k], reps)  # the default version
+                is_ce = name.startswith("ce") or name == "cross_entropy"
+                no_graph = args.no_graph or is_ce  # ce: eager only (keeps the bench short)
+                graph = float("nan") if no_graph else time_graph(v[2 + k], reps)
                 per_ver = {}
-                if not name.startswith("ce") and name != "cross_entropy":
+                if "layer_norm" in name:
                     saved = os.environ.get("BT_CUDA_NN_VERSION")
                     for ver in versions:
                         os.environ["BT_CUDA_NN_VERSION"] = ver
-                        per_ver[ver] = _time(v[2 + k], _sync_bt, reps)
+                        t = float("nan") if no_graph else time_graph(v[2 + k], reps)
+                        per_ver[ver] = t if t == t else time_events(v[2 + k], reps)
                     if saved is None:
                         os.environ.pop("BT_CUDA_NN_VERSION", None)
                     else:
                         os.environ["BT_CUDA_NN_VERSION"] = saved
-                theirs = _time(v[4 + k], tsync, reps) if len(v) > 4 else float("nan")
+                theirs = (
+                    time_events(v[4 + k], reps, torch_events=True) if len(v) > 4 else float("nan")
+                )
+                cp = _copy_ms(nbytes, reps)
                 floor = nbytes / BW * 1e3
+                best = graph if graph == graph else ours
                 row = {
                     "op": name,
                     "dtype": dt,
@@ -273,23 +292,41 @@ def main() -> None:
                     "floor_ms": floor,
                     "ours_ms": ours,
                     "ours_gbps": nbytes / ours / 1e6,
+                    "pct_floor": pct(floor, ours),
+                    "pct_copy": pct(cp, ours),
+                    "graph_ms": graph,
+                    "graph_gbps": nbytes / graph / 1e6,
+                    "pct_floor_graph": pct(floor, graph),
+                    "pct_copy_graph": pct(cp, graph),
+                    "copy_ms": cp,
+                    "copy_gbps": nbytes / cp / 1e6,
                     "torch_ms": theirs,
                     "torch_gbps": nbytes / theirs / 1e6,
+                    "meets_target": bool(pct(cp, best) >= args.target),
                 }
                 for ver, ms in per_ver.items():
                     row[f"v{ver}_ms"] = ms
+                    row[f"v{ver}_pct_copy"] = pct(cp, ms)
                 rows.append(row)
                 vers = "".join(
-                    f"  v{ver} {ms:.3f} ms {100 * floor / ms:5.1f}%" for ver, ms in per_ver.items()
+                    f"  v{ver} {ms:.4f} {pct(floor, ms):5.1f}%f {pct(cp, ms):5.1f}%c"
+                    for ver, ms in per_ver.items()
                 )
                 print(
-                    f"{name:16} {dt:5} {pas:7} {floor:9.3f} {ours:9.3f} {row['ours_gbps']:7.0f} "
-                    f"{100 * floor / ours:6.1f}% {theirs:9.3f} {row['torch_gbps']:7.0f} "
-                    f"{theirs / ours:10.2f}{vers}"
+                    f"{name:16} {dt:5} {pas:7} {floor:8.4f} {ours:8.4f} {row['ours_gbps']:6.0f} "
+                    f"{row['pct_floor']:5.1f}% {row['pct_copy']:5.1f}% {graph:8.4f} "
+                    f"{row['pct_copy_graph']:5.1f}% {row['copy_gbps']:9.0f} {theirs:8.4f} "
+                    f"{theirs / ours:10.2f}{vers}",
+                    flush=True,
                 )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(
+                {"bench": "cuda_nn", "copy_floor_Bps": BW, "target_pct_copy": args.target,
+                 "rows": rows},
+                f,
+                indent=1,
+            )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@
 // Causal masks are the top-left aligned tril (key j visible to query i iff j <= i), with L == S
 // on the fused path.  The backward primitive takes q, k, v, o, do (B, L, H, D), lse and dlse
 // (the cotangent of lse, lse's dtype) and returns dq, dk, dv as (B, L|S, H, D) contiguous
-// tensors (the vjp permutes them back to (B, H, ., D) views).  It is deterministic (no atomics).
+// tensors (the vjp permutes them back to (B, H, ., D) views).  Deterministic (no atomics) under
+// use_deterministic_algorithms; otherwise the bf16/fp16 CUDA backward adds dq with float32
+// atomics (dk, dv stay bitwise reproducible).
 #pragma once
 
 #include <utility>

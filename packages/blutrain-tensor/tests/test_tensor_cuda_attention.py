@@ -3,7 +3,10 @@ against float64 numpy on the same (rounded) inputs, in bfloat16 / float16 (tenso
 D in {64, 128}) and float32 (SIMT), causal and not, T in {1, 7, 64, 1024} (tails of the 64 / 128
 row blocks), q/k/v as non-contiguous views of a (B, T, 3C) tensor (GPT-2's split), odd head dims
 and misaligned views (the SIMT fallback), determinism, and the (B, L, H, D) output layout.
-Tolerances are relative Frobenius norms (bf16 1.5e-2, fp16 4e-3, fp32 2e-5)."""
+Tolerances are relative Frobenius norms (bf16 1.5e-2, fp16 4e-3, fp32 2e-5).
+bf16/fp16 backward: by default the one-kernel attn_bwd_dkdv_v2<kDq> (dQ by float atomics: dq is not
+bitwise repeatable, dk/dv are); bt.use_deterministic_algorithms(True) selects the deterministic
+two-kernel split (bitwise repeatable).  Bitwise checks of the backward run in that mode."""
 
 from __future__ import annotations
 
@@ -32,6 +35,20 @@ def _poison_pool(nbytes: int) -> None:
     for _ in range(4):
         bt.full((nbytes // 4 + 1024,), float("nan"), dtype=bt.float32, device="cuda")
     bt._tensor._cuda_synchronize(0)
+
+
+class _deterministic:
+    """bt.use_deterministic_algorithms(on) inside the block (restored after)."""
+
+    def __init__(self, on: bool = True):
+        self.on = on
+
+    def __enter__(self):
+        self.prev = bt.are_deterministic_algorithms_enabled()
+        bt.use_deterministic_algorithms(self.on)
+
+    def __exit__(self, *exc):
+        bt.use_deterministic_algorithms(self.prev)
 
 
 def ref(q, k, v, g, causal, scale):
@@ -173,12 +190,13 @@ def test_deterministic(rng):
     x, _ = _split_qkv(rng, B, T, H, D, bt.bfloat16)
     g = bt.randn(B, H, T, D, dtype=bt.bfloat16, device="cuda")
     res = []
-    for _ in range(2):
-        x.grad = None
-        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in x.split(H * D, dim=2))
-        out, _ = _tensor.flash_attention(q, k, v, is_causal=True)
-        out.backward(g)
-        res.append((_np(out), _np(x.grad)))
+    with _deterministic():
+        for _ in range(2):
+            x.grad = None
+            q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in x.split(H * D, dim=2))
+            out, _ = _tensor.flash_attention(q, k, v, is_causal=True)
+            out.backward(g)
+            res.append((_np(out), _np(x.grad)))
     assert np.array_equal(res[0][0], res[1][0])
     assert np.array_equal(res[0][1], res[1][1])
 
@@ -207,20 +225,31 @@ def _sdpa_x_grad(x_np, g_np, B, T, H, D, dtype, causal, pack, device="cuda", ext
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", [bt.bfloat16, bt.float16], ids=NAME.get)
 def test_packed_qkv_matches_unpacked_and_reference(rng, dtype, D, T, causal):
-    """Packed (gradients written with row stride 3C) == unpacked bitwise (same kernels), and both
-    match float64 numpy; X also used elsewhere (x * x) adds its gradient."""
+    """Packed (gradients written with row stride 3C) == unpacked bitwise (same kernels; in the
+    default fused mode the dq slice only up to atomics order), and both match float64 numpy; X
+    also used elsewhere (x * x) adds its gradient."""
     B, H = 2, 3
+    C = H * D
     x_np = rng.standard_normal((B, T, 3 * H * D))
     g_np = rng.standard_normal((B, H, T, D))
-    for extra in (False, True):
-        yp, gp = _sdpa_x_grad(x_np, g_np, B, T, H, D, dtype, causal, True, extra=extra)
-        yu, gu = _sdpa_x_grad(x_np, g_np, B, T, H, D, dtype, causal, False, extra=extra)
-        tag = f"{NAME[dtype]} T={T} D={D} causal={causal} extra={extra}"
-        assert np.isfinite(gp).all(), f"packed dX {tag}: non-finite"
-        assert np.array_equal(yp, yu), f"out {tag}: packed != unpacked"
-        assert np.array_equal(gp, gu), (
-            f"dX {tag}: packed != unpacked, max diff {abs(gp - gu).max()}"
-        )
+    for det in (True, False):
+        for extra in (False, True):
+            with _deterministic(det):
+                yp, gp = _sdpa_x_grad(x_np, g_np, B, T, H, D, dtype, causal, True, extra=extra)
+                yu, gu = _sdpa_x_grad(x_np, g_np, B, T, H, D, dtype, causal, False, extra=extra)
+            tag = f"{NAME[dtype]} T={T} D={D} causal={causal} extra={extra} det={det}"
+            assert np.isfinite(gp).all(), f"packed dX {tag}: non-finite"
+            assert np.array_equal(yp, yu), f"out {tag}: packed != unpacked"
+            if det:
+                assert np.array_equal(gp, gu), (
+                    f"dX {tag}: packed != unpacked, max diff {abs(gp - gu).max()}"
+                )
+            else:  # dk, dv bitwise; dq (float atomics) close
+                assert np.array_equal(gp[:, :, C:], gu[:, :, C:]), (
+                    f"dK/dV {tag}: packed != unpacked"
+                )
+                err = _relerr(gp[:, :, :C], gu[:, :, :C])
+                assert err <= RTOL[dtype] / 2, f"dQ {tag}: packed vs unpacked rel err {err:.3g}"
     # float64 reference on the rounded inputs
     xr = _np(bt.tensor(x_np, dtype=dtype))
     gr = _np(bt.tensor(g_np, dtype=dtype))
@@ -291,9 +320,101 @@ def test_packed_qkv_deterministic(rng):
     B, T, H, D = 2, 300, 4, 64
     x_np = rng.standard_normal((B, T, 3 * H * D))
     g_np = rng.standard_normal((B, H, T, D))
-    a = _sdpa_x_grad(x_np, g_np, B, T, H, D, bt.bfloat16, True, True)
-    b = _sdpa_x_grad(x_np, g_np, B, T, H, D, bt.bfloat16, True, True)
+    with _deterministic():
+        a = _sdpa_x_grad(x_np, g_np, B, T, H, D, bt.bfloat16, True, True)
+        b = _sdpa_x_grad(x_np, g_np, B, T, H, D, bt.bfloat16, True, True)
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+# ---- fused backward (attn_bwd_dkdv_v2 with kDq: bf16/fp16 D 64, not in deterministic mode) -----
+def _leaf_grads(qn, kn, vn, gn, dtype, causal):
+    """out, dq, dk, dv (numpy, (B, H, ., D)) through separate contiguous leaf q, k, v."""
+    q, k, v = (bt.tensor(a, dtype=dtype, device="cuda", requires_grad=True) for a in (qn, kn, vn))
+    _poison_pool(4 * max(a.size for a in (qn, kn, vn)) * 4)
+    out, _ = _tensor.flash_attention(q, k, v, is_causal=causal)
+    (out * bt.tensor(gn, dtype=dtype, device="cuda")).sum().backward()
+    return _np(out), _np(q.grad), _np(k.grad), _np(v.grad)
+
+
+def _rounded(a, dtype):
+    return _np(bt.tensor(a, dtype=dtype))
+
+
+@pytest.mark.parametrize("layout", ["leaf", "packed"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("T", [1, 7, 64, 1024])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [bt.bfloat16, bt.float16], ids=NAME.get)
+def test_fused_backward_reference(rng, dtype, D, T, causal, layout):
+    """Fused backward (default mode) against float64 numpy: leaf (B, H, T, D) q, k, v (gradients
+    (B, T, H, D), row H D) and packed X (one (B, T, 3C) gradient, row 3C)."""
+    B, H = (1, 2) if T >= 1024 else (2, 3)
+    C = H * D
+    gn = _rounded(rng.standard_normal((B, H, T, D)), dtype)
+    with _deterministic(False):
+        if layout == "leaf":
+            qn, kn, vn = (_rounded(rng.standard_normal((B, H, T, D)), dtype) for _ in range(3))
+            _, *grads = _leaf_grads(qn, kn, vn, gn, dtype, causal)
+        else:
+            x_np = rng.standard_normal((B, T, 3 * C))
+            _, gx = _sdpa_x_grad(x_np, gn, B, T, H, D, dtype, causal, True)
+            xr = _rounded(x_np, dtype)
+            qn, kn, vn = (
+                xr[:, :, i * C : (i + 1) * C].reshape(B, T, H, D).transpose(0, 2, 1, 3)
+                for i in range(3)
+            )
+            grads = [
+                gx[:, :, i * C : (i + 1) * C].reshape(B, T, H, D).transpose(0, 2, 1, 3)
+                for i in range(3)
+            ]
+    _, _, rdq, rdk, rdv = ref(qn, kn, vn, gn, causal, 1 / np.sqrt(D))
+    tag = f"{NAME[dtype]} {layout} T={T} D={D} causal={causal}"
+    for name, got, want in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv), strict=True):
+        bad = ~np.isfinite(got)
+        assert not bad.any(), f"{name} {tag}: {bad.sum()} non-finite, first {np.argwhere(bad)[0]}"
+        err = _relerr(got, want)
+        assert err <= 1.5 * RTOL[dtype], f"{name} {tag}: relative Frobenius error {err:.3g}"
+
+
+@pytest.mark.parametrize("LS", [(33, 100), (100, 33), (1, 70)])
+@pytest.mark.parametrize("D", [64, 128])
+def test_fused_cross_lengths(rng, D, LS):
+    """L != S (not causal): dq_acc is (B, H, L, D), the key tail of the last block is masked."""
+    B, H, (L, S) = 2, 3, LS
+    dtype = bt.bfloat16
+    qn = _rounded(rng.standard_normal((B, H, L, D)), dtype)
+    kn, vn = (_rounded(rng.standard_normal((B, H, S, D)), dtype) for _ in range(2))
+    gn = _rounded(rng.standard_normal((B, H, L, D)), dtype)
+    out, *grads = _leaf_grads(qn, kn, vn, gn, dtype, False)
+    ro, _, rdq, rdk, rdv = ref(qn, kn, vn, gn, False, 1 / np.sqrt(D))
+    assert _relerr(out, ro) <= RTOL[dtype]
+    for name, got, want in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv), strict=True):
+        assert np.isfinite(got).all(), f"{name} L={L} S={S} D={D}: non-finite"
+        err = _relerr(got, want)
+        assert err <= 1.5 * RTOL[dtype], f"{name} L={L} S={S} D={D}: rel err {err:.3g}"
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_fused_vs_deterministic_split(rng, D):
+    """Same inputs: the fused backward (default) and the deterministic split agree closely; the
+    split is bitwise repeatable; the fused one repeats dk, dv bitwise and dq up to atomics order."""
+    B, T, H = 2, 300, 4
+    C = H * D
+    x_np = rng.standard_normal((B, T, 3 * C))
+    g_np = rng.standard_normal((B, H, T, D))
+    with _deterministic(True):
+        d1 = _sdpa_x_grad(x_np, g_np, B, T, H, D, bt.bfloat16, True, True)[1]
+        d2 = _sdpa_x_grad(x_np, g_np, B, T, H, D, bt.bfloat16, True, True)[1]
+    with _deterministic(False):
+        f1 = _sdpa_x_grad(x_np, g_np, B, T, H, D, bt.bfloat16, True, True)[1]
+        f2 = _sdpa_x_grad(x_np, g_np, B, T, H, D, bt.bfloat16, True, True)[1]
+    assert np.array_equal(d1, d2), "deterministic mode: dX not bitwise repeatable"
+    assert np.array_equal(f1[:, :, C:], f2[:, :, C:]), "fused: dK/dV not bitwise repeatable"
+    assert _relerr(f1[:, :, :C], f2[:, :, :C]) <= 2e-3, "fused: dQ repeat differs"
+    for i, name in enumerate(("dq", "dk", "dv")):
+        sl = slice(i * C, (i + 1) * C)
+        err = _relerr(f1[:, :, sl], d1[:, :, sl])
+        assert err <= RTOL[bt.bfloat16], f"{name} D={D}: fused vs split rel err {err:.3g}"
 
 
 @pytest.mark.parametrize("dtype", [bt.bfloat16, bt.float16, bt.float32, bt.float64], ids=NAME.get)

@@ -504,3 +504,183 @@ def test_v3_misaligned_input_falls_back(rng, monkeypatch, dtype):
     xc = bt.tensor(flat, dtype=dtype).narrow(0, 1, R * C).reshape(R, C)
     _close(bt.layer_norm(xg, C), bt.layer_norm(xc, C), dtype, "misaligned layer_norm")
     _close(bt.softmax(xg, -1), bt.softmax(xc, -1), dtype, "misaligned softmax")
+
+
+# ---- v4 layer norm (1-8 warps per row, persistent single-pass backward) --------------------------
+# BT_CUDA_NN_VERSION=4 runs v4 where it applies (fp32 / 16-bit, rows of whole 16-byte vectors,
+# aligned, C <= 8 * 32 * 24 elements) and falls back to v3 / v2 elsewhere.  Shapes: GPT-2's rows
+# (768, 3072), one warp per row with idle lanes (64, 1000, 1032), 2-8 warps per row (2056, 4100,
+# 6144), rows v4 declines (771; 8192 in bf16 and fp32), tiny rows (8), and row counts larger than
+# the persistent grid's rows in flight (3001, 1200) so every block loops and its dweight / dbias
+# partials carry over rows.  Before each run the allocator's free blocks are poisoned with NaN, so
+# an output element (or partial) a kernel forgets to write shows up as non-finite.
+def _poison_pool(*numels):
+    ts = [bt.full((n,), float("nan"), dtype=bt.float32, device="cuda") for n in numels if n > 0]
+    bt.cuda.synchronize()
+    del ts
+
+
+LN_CASES = {
+    "layer_norm": (lambda x, w, b: bt.layer_norm(x, x.shape[-1], w, b), 3),
+    "layer_norm_w": (lambda x, w: bt.layer_norm(x, x.shape[-1], w), 2),
+    "layer_norm_nowb": (lambda x: bt.layer_norm(x, x.shape[-1]), 1),
+    "add_layer_norm": (lambda x, r, w, b: bt.add_layer_norm(x, r, w, b), 4),
+}
+V4_SHAPES = [
+    (37, 768),
+    (9, 3072),
+    (13, 1024),
+    (5, 64),
+    (6, 1000),
+    (7, 1032),
+    (11, 2056),
+    (3, 4100),
+    (3, 6144),
+    (5, 771),
+    (2, 8192),
+    (33, 8),
+]
+
+
+def _ln_arrays(rng, name, R, C):
+    n = LN_CASES[name][1]
+    arrays = [rng.standard_normal((R, C)) * 2 + 0.5]
+    if name == "add_layer_norm":
+        arrays.append(rng.standard_normal((R, C)))
+    while len(arrays) < n:
+        arrays.append(rng.standard_normal(C))
+    return arrays
+
+
+def _run_version(monkeypatch, ver, fn, arrays, dtype, idx, R, C):
+    monkeypatch.setenv("BT_CUDA_NN_VERSION", ver)
+    # float32 blocks of each size the run allocates: fp32 / 16-bit (R, C), partials, stats, (C)
+    _poison_pool(R * C, R * C, R * C // 2, R * C // 2, 2 * 528 * C, R, R, C, C // 2)
+    return _run(fn, arrays, dtype, "cuda", idx)
+
+
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16, bt.float16])
+@pytest.mark.parametrize("name", sorted(LN_CASES))
+@pytest.mark.parametrize("RC", V4_SHAPES, ids=lambda rc: f"{rc[0]}x{rc[1]}")
+def test_v4_layer_norm_matches_v2_and_cpu(rng, monkeypatch, dtype, name, RC):
+    R, C = RC
+    fn = LN_CASES[name][0]
+    arrays = _ln_arrays(rng, name, R, C)
+    idx = list(range(len(arrays)))
+    o4, g4 = _run_version(monkeypatch, "4", fn, arrays, dtype, idx, R, C)
+    o2, g2 = _run_version(monkeypatch, "2", fn, arrays, dtype, idx, R, C)
+    oc, gc = _run(fn, arrays, dtype, "cpu", idx)
+    for i, (a, b, c) in enumerate(zip(o4, o2, oc)):
+        _close(a, b, dtype, f"{name} {RC} v4 vs v2 output {i}")
+        _close(a, c, dtype, f"{name} {RC} v4 vs cpu output {i}")
+    for i, (a, b, c) in enumerate(zip(g4, g2, gc)):
+        assert np.isfinite(_np(a)).all(), f"{name} {RC} v4 grad {i} not finite"
+        _close(a, b, dtype, f"{name} {RC} v4 vs v2 grad {i}", 4)
+        _close(a, c, dtype, f"{name} {RC} v4 vs cpu grad {i}", 4)
+
+
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
+@pytest.mark.parametrize("name", ["layer_norm", "add_layer_norm"])
+@pytest.mark.parametrize("RC", [(3001, 768), (1200, 3072), (517, 2056)], ids=str)
+def test_v4_layer_norm_many_rows(rng, monkeypatch, dtype, name, RC):
+    """More rows than the persistent backward grid holds at once: v4 vs v3 and the CPU."""
+    R, C = RC
+    fn = LN_CASES[name][0]
+    arrays = _ln_arrays(rng, name, R, C)
+    idx = list(range(len(arrays)))
+    o4, g4 = _run_version(monkeypatch, "4", fn, arrays, dtype, idx, R, C)
+    o3, g3 = _run_version(monkeypatch, "3", fn, arrays, dtype, idx, R, C)
+    oc, gc = _run(fn, arrays, dtype, "cpu", idx)
+    for i, (a, b, c) in enumerate(zip(o4, o3, oc)):
+        _close(a, b, dtype, f"{name} {RC} v4 vs v3 output {i}")
+        _close(a, c, dtype, f"{name} {RC} v4 vs cpu output {i}")
+    for i, (a, b, c) in enumerate(zip(g4, g3, gc)):
+        # dweight / dbias sum R rows; 16-bit rounding of the CPU reference's own sums differs
+        k = 4 if dtype == bt.float32 else 8
+        _close(a, b, dtype, f"{name} {RC} v4 vs v3 grad {i}", k)
+        _close(a, c, dtype, f"{name} {RC} v4 vs cpu grad {i}", k)
+
+
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
+@pytest.mark.parametrize("C", [768, 3072])
+def test_v4_layer_norm_backward_deterministic_and_float64(rng, monkeypatch, dtype, C):
+    """dx / dweight / dbias run to run bitwise equal, dweight / dbias close to float64."""
+    monkeypatch.setenv("BT_CUDA_NN_VERSION", "4")
+    R = 4099 if C == 768 else 1031
+    x = rng.standard_normal((R, C))
+    w, b = rng.standard_normal(C), rng.standard_normal(C)
+    g = rng.standard_normal((R, C))
+    res = []
+    for _ in range(2):
+        _poison_pool(R * C, R * C, R * C // 2, R * C // 2, 2 * 528 * C, R, R)
+        xs = [bt.tensor(a, dtype=dtype).to("cuda").requires_grad_(True) for a in (x, w, b)]
+        y = bt.layer_norm(xs[0], C, xs[1], xs[2])
+        y.backward(bt.tensor(g, dtype=dtype).to("cuda"))
+        res.append([_np(t.grad) for t in xs])
+    for a, b2 in zip(res[0], res[1]):
+        assert np.isfinite(a).all(), "v4 layer_norm backward gave non-finite values"
+        assert np.array_equal(a, b2), "v4 layer_norm backward is not deterministic"
+    xr = _np(bt.tensor(x, dtype=dtype))
+    gr = _np(bt.tensor(g, dtype=dtype))
+    m = xr.mean(1, keepdims=True)
+    rs = 1 / np.sqrt(((xr - m) ** 2).mean(1, keepdims=True) + 1e-5)
+    xh = (xr - m) * rs
+    wr = _np(bt.tensor(w, dtype=dtype))
+    gw = gr * wr
+    dx = rs * (gw - gw.mean(1, keepdims=True) - xh * (gw * xh).mean(1, keepdims=True))
+    tol = 1e-4 if dtype == bt.float32 else 2e-2
+    for what, got, ref in [
+        ("dx", res[0][0], dx),
+        ("dweight", res[0][1], (gr * xh).sum(0)),
+        ("dbias", res[0][2], gr.sum(0)),
+    ]:
+        err = np.abs(got - ref).max() / np.abs(ref).max()
+        assert err < tol, f"v4 {what} vs float64: {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
+@pytest.mark.parametrize("grads", ["x", "x_w", "x_b", "w_b"])
+def test_v4_layer_norm_partial_grads(rng, monkeypatch, dtype, grads):
+    """Only some of dx / dweight / dbias wanted (need_dweight / need_dbias flags)."""
+    R, C = 300, 3072
+    arrays = _ln_arrays(rng, "layer_norm", R, C)
+    idx = {"x": [0], "x_w": [0, 1], "x_b": [0, 2], "w_b": [1, 2]}[grads]
+    fn = LN_CASES["layer_norm"][0]
+    o4, g4 = _run_version(monkeypatch, "4", fn, arrays, dtype, idx, R, C)
+    oc, gc = _run(fn, arrays, dtype, "cpu", idx)
+    _close(o4[0], oc[0], dtype, f"v4 {grads} output")
+    for i, (a, c) in enumerate(zip(g4, gc)):
+        _close(a, c, dtype, f"v4 {grads} grad {i}", 8)
+
+
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
+def test_v4_layer_norm_non_contiguous_and_misaligned(rng, monkeypatch, dtype):
+    """A strided input (copied, then v4) and a misaligned one (v4 declines: v2) match the CPU."""
+    monkeypatch.setenv("BT_CUDA_NN_VERSION", "4")
+    arrays = [rng.standard_normal((6, 2 * 768)), rng.standard_normal(768), rng.standard_normal(768)]
+    _compare(
+        lambda x, w, b: bt.layer_norm(x[:, ::2], 768, w, b),
+        arrays,
+        dtype,
+        [0, 1, 2],
+        "v4 layer_norm strided",
+    )
+    R, C = 6, 3072
+    flat = rng.standard_normal(R * C + 1)
+    xg = bt.tensor(flat, dtype=dtype).to("cuda").narrow(0, 1, R * C).reshape(R, C)
+    xc = bt.tensor(flat, dtype=dtype).narrow(0, 1, R * C).reshape(R, C)
+    _close(bt.layer_norm(xg, C), bt.layer_norm(xc, C), dtype, "v4 misaligned layer_norm")
+    rg = bt.tensor(flat, dtype=dtype).to("cuda").narrow(0, 1, R * C).reshape(R, C)
+    s_g, y_g = bt.add_layer_norm(xg, rg)
+    s_c, y_c = bt.add_layer_norm(xc, xc)
+    _close(s_g, s_c, dtype, "v4 misaligned add_layer_norm sum")
+    _close(y_g, y_c, dtype, "v4 misaligned add_layer_norm y")
+
+
+def test_v4_add_layer_norm_sum_exact(rng, monkeypatch):
+    monkeypatch.setenv("BT_CUDA_NN_VERSION", "4")
+    for C in (768, 3072):
+        x = bt.tensor(rng.standard_normal((5, C)), dtype=bt.bfloat16).to("cuda")
+        r = bt.tensor(rng.standard_normal((5, C)), dtype=bt.bfloat16).to("cuda")
+        s, _ = bt.add_layer_norm(x, r)
+        assert np.array_equal(_np(s), _np(x + r)), f"v4 add_layer_norm sum {C}"

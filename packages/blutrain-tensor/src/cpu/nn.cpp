@@ -168,7 +168,8 @@ void CrossEntropy::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
         lse_o[r] = static_cast<S>(lse);
         if (tp[r] == ignore_index) return;
         const double nll = lse - static_cast<double>(p[tp[r]]);
-        loss[r] = (1.0 - ls) * nll + ls * (lse - sum_x / static_cast<double>(C));
+        // without smoothing, the plain nll: -inf logits (masked classes) do not make it 0 * inf
+        loss[r] = ls == 0 ? nll : (1.0 - ls) * nll + ls * (lse - sum_x / static_cast<double>(C));
       });
       dispatch_float(out[0].dtype(), name(), [&](auto otag) {
         using O = typename decltype(otag)::type;

@@ -19,8 +19,14 @@
 //                                Dvec = rowsum(dO * O) - dlse from attn_bwd_preprocess (v1: a
 //                                warp per row; v2: 16-byte loads, D / 8 lanes per row).  kMT
 //                                m-tiles per warp (register blocking) in all three; V2Config picks.
-// No wgmma (Hopper warpgroup MMA).  float32 with D in {64, 128} runs attention_tf32.cu (TF32 /
-// 3xTF32 tensor cores); other float32 / float64 shapes run the exact SIMT kernels.
+//                                Used in deterministic mode (bt::deterministic_algorithms()) and
+//                                for D 128.
+//   attn_bwd_dkdv_v2 with kDq    FA2's one-kernel backward (default for bf16/fp16 D 64): per
+//                                key block dK, dV in registers, dQ's partials added to a float32
+//                                dq_acc by red.global.add.v2.f32, then attn_bwd_dq_convert.
+// On Hopper (sm_90a builds) the bf16/fp16 forward runs attention_sm90.cu (wgmma) instead of
+// attn_fwd_v2.  float32 with D in {64, 128} runs attention_tf32.cu (TF32 / 3xTF32 tensor cores);
+// other float32 / float64 shapes run the exact SIMT kernels.
 //
 // Register layouts of mma.sync / ldmatrix and the swizzled tile layout: attention_mma.cuh.
 #include <algorithm>
@@ -412,19 +418,47 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   }
 }
 
+template <int kBr, int kWarps, int D>
+struct FusedDqSplit {  // dQ stage: each warp owns kM m-tiles (16 queries) x kN columns of D
+  static constexpr int kTiles = kBr / 16;
+  static constexpr int kM = kTiles >= kWarps ? kTiles / kWarps : 1;
+  static constexpr int kN = kTiles >= kWarps ? D : D * kTiles / kWarps;
+};
+
+// 16-byte float atomic add (sm_90); addr 16-byte aligned.
+__device__ __forceinline__ void red_add_v4(float* addr, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr), "f"(a), "f"(b),
+               "f"(c), "f"(d)
+               : "memory");
+}
+
 // Backward, dK and dV.  Block: kWarps warps own kBc = 16 kMT kWarps keys (kMT m-tiles of 16 keys
 // per warp: every Q / dO fragment read from shared memory feeds kMT MMAs) and loop over query
 // tiles of kBr rows (double-buffered Q, dO, lse, Dvec).  Per tile, per warp (keys as M):
 //   S^T = K Q^T, dP^T = V dO^T, P^T = exp(S^T scale - lse), dS^T = P^T (dP^T - Dvec),
 //   dV += P^T dO, dK += dS^T Q (times scale at the end).
 // kFrag: keep the warp's K and V A-fragments in registers (else re-read them from shared memory).
-template <typename T, int D, int kWarps, int kBr, bool kFrag, int kMinBlocks = 1, int kMT = 1>
+// kDq (FA2's one-kernel backward, the default outside determinism mode for D 64): also dQ's
+// partial dS K for each tile: dS^T goes to shared memory (kBc x (kBr + 8), padded rows:
+// conflict-free 32-bit stores and ldmatrix), then the block's warps split the tile's kBr x D
+// product dS K and add it to the float32 dq_acc (B, H, L, D) with red.global.add.v4.f32 (lanes
+// t, t ^ 1 swap halves of their C fragments so each holds 4 adjacent columns of one row;
+// attn_bwd_dq_convert scales and converts dq_acc): 5 GEMM-equivalents per tile pair instead of
+// the split's 7, not deterministic (atomic order).  kGroupBh: consecutive blocks take the key
+// blocks of one (b, h) (their atomics hit one L2-resident dq_acc slice) instead of one key
+// block of consecutive heads (the heaviest causal key blocks first).
+template <typename T, int D, int kWarps, int kBr, bool kFrag, int kMinBlocks = 1, int kMT = 1,
+          bool kDq = false, bool kGroupBh = false>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     attn_bwd_dkdv_v2(AttnParams p, const T* __restrict__ q, const T* __restrict__ k,
                      const T* __restrict__ v, const T* __restrict__ gr,
                      const float* __restrict__ lse, const float* __restrict__ dvec,
-                     T* __restrict__ dk, T* __restrict__ dv) {
+                     T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_acc) {
   constexpr int kWk = 16 * kMT, kBc = kWk * kWarps, NT = kWarps * 32, KS = D / 16;
+  constexpr int kRs = kBr + 8;  // sDS row stride (elements)
+  using Split = FusedDqSplit<kBr, kWarps, D>;
+  constexpr int kDM = Split::kM, kDN = Split::kN;
+  static_assert(!kDq || (((kBr / 16) / kDM) * (D / kDN) == kWarps && kDN % 16 == 0), "dQ split");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);                  // kBc x D
   T* sV = sK + kBc * D;                                    // kBc x D
@@ -432,15 +466,24 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   T* sG = sQ + 2 * kBr * D;                                // 2 x kBr x D
   float* sL = reinterpret_cast<float*>(sG + 2 * kBr * D);  // 2 x kBr
   float* sD = sL + 2 * kBr;                                // 2 x kBr
+  T* sDS = reinterpret_cast<T*>(sD + 2 * kBr);             // kBc x kRs: dS^T (keys x queries)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
-  const int k0 = blockIdx.y * kBc;
+  // grid (B H, key blocks), launched x fastest: key block 0 (when causal, the most query tiles)
+  // of every head first; kGroupBh renumbers the blocks so one head's key blocks run together
+  int bh = blockIdx.x, kblk = blockIdx.y;
+  if constexpr (kGroupBh) {
+    const int64_t lin = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+    bh = static_cast<int>(lin / gridDim.y), kblk = static_cast<int>(lin % gridDim.y);
+  }
+  const int b = bh / p.H, h = bh % p.H;
+  const int k0 = kblk * kBc;
   const T* qb = q + b * p.q_b + h * p.q_h;
   const T* kb = k + b * p.k_b + h * p.k_h;
   const T* vb = v + b * p.v_b + h * p.v_h;
   const T* gb = gr + b * p.g_b + h * p.g_h;  // do rows: stride g_l
   const float* lb = lse + static_cast<int64_t>(bh) * p.L;
   const float* db = dvec + static_cast<int64_t>(bh) * p.L;
+  float* accb = kDq ? dq_acc + static_cast<int64_t>(bh) * p.L * D : nullptr;
   const int i_begin = p.causal ? k0 / kBr : 0;
   const int i_end = (p.L + kBr - 1) / kBr;
 
@@ -481,6 +524,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   }
   const float sl2 = static_cast<float>(p.scale) * kLog2e;
   const int key_lo = k0 + wkey + g;  // keys of (mt, r): key_lo + 16 mt + 8 r
+  // dQ stage: the warp's m-tiles [dm0, dm0 + kDM) of the query tile, columns [dn0, dn0 + kDN)
+  const int dm0 = (warp / (D / kDN)) * kDM, dn0 = (warp % (D / kDN)) * kDN;
 
   for (int i = i_begin; i < i_end; ++i) {
     const int buf = (i - i_begin) & 1;
@@ -502,6 +547,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         for (int e = 0; e < 4; ++e) s[mt][n][e] = dpv[mt][n][e] = 0.f;
       }
     }
+    // S^T = K Q^T, dP^T = V dO^T (keys as M)
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       uint32_t ka[kMT][4], va[kMT][4];
@@ -538,9 +584,11 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
       }
     }
     // P^T and dS^T; element (mt, n, e): key key_lo + 16 mt + 8 (e / 2), query
-    // i kBr + 8 n + 2 t + e % 2
+    // i kBr + 8 n + 2 t + e % 2.  dS^T (the MMA operand, rounded to T) also goes to sDS.
     const int qi0 = i * kBr;
-    const bool need_mask = qi0 + kBr > p.L || (p.causal && qi0 < k0 + kBc);
+    // (key tail too: dS must be 0 there, it feeds dQ)
+    const bool need_mask =
+        qi0 + kBr > p.L || (kDq && k0 + kBc > p.S) || (p.causal && qi0 < k0 + kBc);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
@@ -551,10 +599,17 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
           float pv = fast_exp2(fmaf(s[mt][n][e], sl2, -cL[c] * kLog2e));
           if (need_mask) {
             const int qq = qi0 + c, key = key_lo + 16 * mt + 8 * (e >> 1);
-            if (qq >= p.L || (p.causal && qq < key)) pv = 0.f;
+            if (qq >= p.L || (kDq && key >= p.S) || (p.causal && qq < key)) pv = 0.f;
           }
           s[mt][n][e] = pv;
           dpv[mt][n][e] = pv * (dpv[mt][n][e] - cD[c]);
+        }
+        if constexpr (kDq) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            *reinterpret_cast<uint32_t*>(sDS + (wkey + 16 * mt + g + 8 * r) * kRs + n * 8 + 2 * t) =
+                pack2<T>(dpv[mt][n][2 * r], dpv[mt][n][2 * r + 1]);
+          }
         }
       }
     }
@@ -591,7 +646,64 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         }
       }
     }
-    __syncthreads();
+    __syncthreads();  // (kDq: sDS complete)
+    if constexpr (kDq) {
+      // dQ_tile = dS K (kBr x D; keys as k): A = dS[q][key] = sDS[key][q] (ldmatrix .trans of the
+      // key-major tile), B = K[key][d] (sK, key-major: .trans)
+      {
+        float dqa[kDM][kDN / 8][4];
+#pragma unroll
+        for (int mq = 0; mq < kDM; ++mq) {
+#pragma unroll
+          for (int n = 0; n < kDN / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dqa[mq][n][e] = 0.f;
+          }
+        }
+#pragma unroll
+        for (int kk = 0; kk < kBc / 16; ++kk) {
+          uint32_t a[kDM][4];
+#pragma unroll
+          for (int mq = 0; mq < kDM; ++mq) {
+            const int key = kk * 16 + lane % 8 + 8 * (lane / 16);
+            const int qc = (dm0 + mq) * 16 + 8 * ((lane / 8) % 2);
+            ldsm_x4_t(a[mq], smem_u32(sDS + key * kRs + qc));
+          }
+#pragma unroll
+          for (int dp = 0; dp < kDN / 16; ++dp) {
+            uint32_t r[4];
+            ldsm_x4_t(r, smem_u32(sK + swz<D>(kk * 16 + lane % 16, dn0 / 8 + dp * 2 + lane / 16)));
+#pragma unroll
+            for (int mq = 0; mq < kDM; ++mq) {
+              mma16816<T>(dqa[mq][2 * dp], a[mq], r[0], r[1]);
+              mma16816<T>(dqa[mq][2 * dp + 1], a[mq], r[2], r[3]);
+            }
+          }
+        }
+        // lane pair (t even, t + 1): the even lane takes row g, columns 2t..2t+3; the odd one row
+        // g + 8, columns 2t-2..2t+1
+        const bool odd = t & 1;
+#pragma unroll
+        for (int mq = 0; mq < kDM; ++mq) {
+          const int qq = qi0 + (dm0 + mq) * 16 + g + (odd ? 8 : 0);
+          float* dst = accb + static_cast<int64_t>(qq) * D + dn0 + 2 * (t & 2);
+#pragma unroll
+          for (int n = 0; n < kDN / 8; ++n) {
+            const float* c = dqa[mq][n];
+            const float r0 = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
+            const float r1 = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
+            if (qq < p.L) {
+              if (odd) {
+                red_add_v4(dst + n * 8, r0, r1, c[2], c[3]);
+              } else {
+                red_add_v4(dst + n * 8, c[0], c[1], r0, r1);
+              }
+            }
+          }
+        }
+      }
+      __syncthreads();  // the next iteration refills this Q / dO buffer and sDS
+    }
   }
 
   const float sc = static_cast<float>(p.scale);
@@ -783,19 +895,42 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   }
 }
 
+// dq[b, l, h, :] = dq_acc[b, h, l, :] * scale as T (row stride d_row); 8 elements a thread.
+template <typename T, int D>
+__global__ void __launch_bounds__(256)
+    attn_bwd_dq_convert(AttnParams p, const float* __restrict__ acc, T* __restrict__ dq) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
+  if (idx >= static_cast<int64_t>(p.B) * p.H * p.L * (D / 8)) return;
+  const int d = static_cast<int>(idx % (D / 8)) * 8;
+  const int64_t row = idx / (D / 8);  // (b, h, l)
+  const int l = static_cast<int>(row % p.L), bh = static_cast<int>(row / p.L);
+  const int b = bh / p.H, h = bh % p.H;
+  const float4 x0 = __ldg(reinterpret_cast<const float4*>(acc + row * D + d));
+  const float4 x1 = __ldg(reinterpret_cast<const float4*>(acc + row * D + d) + 1);
+  const float sc = static_cast<float>(p.scale);
+  uint32_t* out =
+      reinterpret_cast<uint32_t*>(dq + (static_cast<int64_t>(b) * p.L + l) * p.d_row + h * D + d);
+  out[0] = pack2<T>(x0.x * sc, x0.y * sc);
+  out[1] = pack2<T>(x0.z * sc, x0.w * sc);
+  out[2] = pack2<T>(x1.x * sc, x1.y * sc);
+  out[3] = pack2<T>(x1.z * sc, x1.w * sc);
+}
+
 // ---- configurations ----------------------------------------------------------------------------
 // Forward: 16 kFwdMT kFwdWarps query rows per block, kFwdBc keys per tile.  Backward dK/dV:
 // 16 kKvMT kKvWarps keys per block, kKvBr queries per tile; dQ: 16 kDqMT kDqWarps queries per
-// block, kDqBc keys per tile.  *MinBlocks: __launch_bounds__ min blocks per SM.  bench/attn_tune.cu
-// sweeps these (it prints its best as lines to paste here).
+// block, kDqBc keys per tile; fused (v3): as dK/dV (kFu*).  *MinBlocks: __launch_bounds__ min
+// blocks per SM.  bench/attn_tune.cu sweeps these (it prints its best as lines to paste here).
 template <int D>
 struct V2Config;
 template <>
 struct V2Config<64> {
   static constexpr int kFwdWarps = 4, kFwdBc = 64, kFwdMT = 2, kFwdMinBlocks = 1;
-  static constexpr int kKvWarps = 4, kKvBr = 64, kKvMT = 1, kKvMinBlocks = 1;
-  static constexpr bool kKvFrag = true;
+  static constexpr int kKvWarps = 4, kKvBr = 32, kKvMT = 2, kKvMinBlocks = 1;  // tuned: 0.266 ms
+  static constexpr bool kKvFrag = false;
   static constexpr int kDqWarps = 4, kDqBc = 64, kDqMT = 2, kDqMinBlocks = 1;  // tuned: 0.177 ms
+  static constexpr int kFuWarps = 4, kFuBr = 32, kFuMT = 2, kFuMinBlocks = 1;  // tuned: 0.408 ms
+  static constexpr bool kFuFrag = false, kFuGroupBh = false;
 };
 template <>
 struct V2Config<128> {
@@ -803,6 +938,9 @@ struct V2Config<128> {
   static constexpr int kKvWarps = 4, kKvBr = 64, kKvMT = 1, kKvMinBlocks = 1;  // tuned: 0.473 ms
   static constexpr bool kKvFrag = false;
   static constexpr int kDqWarps = 4, kDqBc = 64, kDqMT = 1, kDqMinBlocks = 1;
+  // fused: 0.849 ms, slower than dkdv + dq (0.82 ms) at B16 H12 T1024: D 128 runs the split
+  static constexpr int kFuWarps = 4, kFuBr = 64, kFuMT = 1, kFuMinBlocks = 1;
+  static constexpr bool kFuFrag = false, kFuGroupBh = false;
 };
 
 // Shared-memory bytes of each kernel (launchers and bench/attn_tune.cu).
@@ -817,6 +955,10 @@ constexpr size_t dkdv_smem() {
 template <typename T, int D, int kWarps, int kBc, int kMT>
 constexpr size_t dq_smem() {
   return (2 * 16 * kMT * kWarps * D + 4 * kBc * D) * sizeof(T);
+}
+template <typename T, int D, int kWarps, int kBr, int kMT>
+constexpr size_t fused_smem() {
+  return dkdv_smem<T, D, kWarps, kBr, kMT>() + 16 * kMT * kWarps * (kBr + 8) * sizeof(T);
 }
 
 }  // namespace
@@ -896,7 +1038,7 @@ void launch_bwd_v2(const AttnParams& p, const T* q, const T* k, const T* v, cons
     auto kern = attn_bwd_dkdv_v2<T, D, W, Br, C::kKvFrag, C::kKvMinBlocks, MT>;
     set_smem(kern, smem, op);
     dim3 grid(p.B * p.H, static_cast<unsigned>(ceil_div(p.S, Bc)));
-    kern<<<grid, W * 32, smem, st>>>(p, q, k, v, g, lse, dvec, dk, dv);
+    kern<<<grid, W * 32, smem, st>>>(p, q, k, v, g, lse, dvec, dk, dv, nullptr);
     BT_CUDA_LAUNCH_CHECK(op);
   }
   {
@@ -908,6 +1050,28 @@ void launch_bwd_v2(const AttnParams& p, const T* q, const T* k, const T* v, cons
     kern<<<grid, W * 32, smem, st>>>(p, q, k, v, g, lse, dvec, dq);
     BT_CUDA_LAUNCH_CHECK(op);
   }
+}
+
+// The one-kernel backward: dq_acc (B, H, L, D) float32, zeroed here on the stream.
+template <typename T, int D>
+void launch_bwd_fused(const AttnParams& p, const T* q, const T* k, const T* v, const T* g,
+                      const float* lse, const float* dvec, float* dq_acc, T* dq, T* dk, T* dv,
+                      cudaStream_t st, const char* op) {
+  using C = V2Config<D>;
+  const int64_t nacc = static_cast<int64_t>(p.B) * p.H * p.L * D;
+  BT_CUDA_CHECK(op, cudaMemsetAsync(dq_acc, 0, nacc * sizeof(float), st));
+  {
+    constexpr int W = C::kFuWarps, Br = C::kFuBr, MT = C::kFuMT, Bc = 16 * MT * W;
+    constexpr size_t smem = fused_smem<T, D, W, Br, MT>();
+    auto kern = attn_bwd_dkdv_v2<T, D, W, Br, C::kFuFrag, C::kFuMinBlocks, MT, true, C::kFuGroupBh>;
+    set_smem(kern, smem, op);
+    dim3 grid(p.B * p.H, static_cast<unsigned>(ceil_div(p.S, Bc)));
+    kern<<<grid, W * 32, smem, st>>>(p, q, k, v, g, lse, dvec, dk, dv, dq_acc);
+    BT_CUDA_LAUNCH_CHECK(op);
+  }
+  attn_bwd_dq_convert<T, D>
+      <<<static_cast<unsigned>(ceil_div(nacc / 8, int64_t{256})), 256, 0, st>>>(p, dq_acc, dq);
+  BT_CUDA_LAUNCH_CHECK(op);
 }
 
 unsigned v1_blocks(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, kV1Warps)); }
@@ -991,7 +1155,9 @@ void FlashAttention::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>
                       aligned16(v, p.v_b, p.v_h, p.v_l, op);
       if (tc) {
         float* lse = out[1].data<float>(op);
-        if (p.D == 64) {
+        if (attn_fwd_sm90_supported(p)) {  // Hopper: wgmma (attention_sm90.cu)
+          attn_fwd_sm90<T>(p, qp, kp, vp, o, lse, st, op);
+        } else if (p.D == 64) {
           launch_fwd_v2<T, 64>(p, qp, kp, vp, o, lse, st, op);
         } else {
           launch_fwd_v2<T, 128>(p, qp, kp, vp, o, lse, st, op);
@@ -1064,6 +1230,13 @@ void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector
       if (tc) {
         const float* lp = lse.data<float>(op);
         const float* dp = dvec.data<float>(op);
+        // fused, dQ by float atomics (D 64 only: for D 128 the split measured faster)
+        if (!deterministic_algorithms() && p.D == 64) {
+          Tensor acc = empty_tensor({p.B, p.H, p.L, p.D}, DType::Float32, out[0].device(), op);
+          launch_bwd_fused<T, 64>(p, qp, kp, vp, gp, lp, dp, acc.data<float>(op), dq, dk, dv, st,
+                                  op);
+          return;
+        }
         if (p.D == 64) {
           launch_bwd_v2<T, 64>(p, qp, kp, vp, gp, lp, dp, dq, dk, dv, st, op);
         } else {

@@ -37,8 +37,6 @@
 
 namespace bt::cuda {
 
-namespace {
-
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -56,6 +54,15 @@ struct AttnParams {
   double scale;
   bool causal;
 };
+
+// Hopper forward (attention_sm90.cu): supported() says whether it can run p on the current
+// device (built for sm_90a, compute capability 9.0, D 64 or 128); q, k, v rows 16-byte aligned.
+bool attn_fwd_sm90_supported(const AttnParams& p);
+template <typename T>
+void attn_fwd_sm90(const AttnParams& p, const T* q, const T* k, const T* v, T* o, float* lse,
+                   cudaStream_t st, const char* op);
+
+namespace {
 
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));

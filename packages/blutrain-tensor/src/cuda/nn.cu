@@ -10,7 +10,9 @@
 // (online max / sum of exp / sum of x) and writes only float32 lse and the loss.  Rows may be
 // strided (a narrow of padded logits is read in place) and only the first num_classes columns
 // count; an out-of-range target is reported through index.cu's error record (IndexError at the
-// next synchronisation).
+// next synchronisation).  Version 3 (the default for 16-bit / fp32 logits):
+// crossentropy_forward_v3, streaming at memory speed, exp as FFMA + MUFU ex2 (v1 / v2 remain as
+// references).
 #include <cmath>
 
 #include "../backend.h"
@@ -266,19 +268,89 @@ __global__ void layernorm_forward_v3(const T* __restrict__ x, const T* __restric
   }
 }
 
+// v4: a group of WPR warps per row, kV4Warps / WPR rows per block (nn_common.cuh), at most
+// kV4MaxPerLane elements per lane: 3072-wide rows stay in registers without starving the SM of
+// warps.  x (and residual) read once, y (and sum) written once; exact two-pass statistics.
+template <typename T, typename S, int V, int NV, int WPR, bool kAdd>
+__global__ void __launch_bounds__(kV4Warps * 32)
+    layernorm_forward_v4(const T* __restrict__ x, const T* __restrict__ res,
+                         const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ sum_o,
+                         T* __restrict__ y, S* __restrict__ mean_o, S* __restrict__ rstd_o,
+                         int64_t R, int64_t C, double eps) {
+  using A = float;  // v4 runs for 16-bit and fp32 inputs only
+  __shared__ float red[2][2 * kV4Warps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int gl = (warp % WPR) * 32 + lane;
+  const int64_t row = int64_t(blockIdx.x) * (kV4Warps / WPR) + warp / WPR;
+  // rows past R still take part in the group barriers of group_sum2
+  const bool valid = row < R;
+  const int64_t off = valid ? row * C : 0;
+  A v[NV][V];
+  A s = 0;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = v4_col<V, WPR>(j, gl);
+    if (valid && c < C) {
+      load_n<V>(x + off + c, v[j]);
+      if constexpr (kAdd) {
+        A r[V];
+        load_n<V>(res + off + c, r);
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[j][k] = convert<A>(convert<T>(v[j][k] + r[k]));
+        store_n<V>(sum_o + off + c, v[j]);
+      }
+#pragma unroll
+      for (int k = 0; k < V; ++k) s += v[j][k];
+    }
+  }
+  A dummy = 0;
+  s = warp_sum(s);
+  group_sum2<WPR, kV4Warps>(s, dummy, red[0]);
+  const A mean = s / A(C);
+  A ss = 0;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    if (valid && v4_col<V, WPR>(j, gl) < C) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) ss += (v[j][k] - mean) * (v[j][k] - mean);
+    }
+  }
+  ss = warp_sum(ss);
+  group_sum2<WPR, kV4Warps>(ss, dummy, red[1]);
+  const A rstd = A(1) / sqrt(ss / A(C) + A(eps));
+  if (!valid) return;  // no barriers below
+  if (gl == 0) mean_o[row] = mean, rstd_o[row] = rstd;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = v4_col<V, WPR>(j, gl);
+    if (c < C) {
+      A wv[V], bv[V];
+      if (w) load_n<V>(w + c, wv);
+      if (b) load_n<V>(b + c, bv);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        v[j][k] = (v[j][k] - mean) * rstd;
+        if (w) v[j][k] *= wv[k];
+        if (b) v[j][k] += bv[k];
+      }
+      store_n<V>(y + off + c, v[j]);
+    }
+  }
+}
+
 // ---- cross-entropy ----------------------------------------------------------------------------
 // Logits rows start `ld` elements apart (>= C: a narrow or padded view is read in place) and the
 // first C columns are the classes.  Per row: lse (S), and the row loss either straight to
 // `loss_o` (reduction none, in O) or as float/double into `row_loss` for the reduction pass.
 // Ignored rows give 0.  An out-of-range target gives NaN and is recorded in index.cu's error
 // record (`err`), so the host raises IndexError at its next synchronisation.
+// xt: the target's logit (read by the caller when 0 <= tgt < C).
 template <typename T, typename S, typename O>
-__device__ __forceinline__ void ce_finish_row(int64_t row, math_t<T> m, math_t<T> s,
-                                              math_t<T> sum_x, const T* p, int64_t tgt, int64_t C,
-                                              int64_t ii, double ls, S* lse_o, O* loss_o,
-                                              math_t<T>* row_loss, IndexErrorRecord* err) {
+__device__ __forceinline__ void ce_finish_lse(int64_t row, math_t<T> lse, math_t<T> sum_x,
+                                              math_t<T> xt, int64_t tgt, int64_t C, int64_t ii,
+                                              double ls, S* lse_o, O* loss_o, math_t<T>* row_loss,
+                                              IndexErrorRecord* err) {
   using A = math_t<T>;
-  const A lse = m + log(s);
   lse_o[row] = lse;
   A loss = 0;
   if (tgt != ii) {
@@ -289,12 +361,21 @@ __device__ __forceinline__ void ce_finish_row(int64_t row, math_t<T> m, math_t<T
         err->size = C;
       }
     } else {
-      const A nll = lse - load_math(p + tgt);
-      loss = A(1 - ls) * nll + A(ls) * (lse - sum_x / A(C));
+      const A nll = lse - xt;
+      // ls == 0: nll alone (as PyTorch), so masked (-inf) logits give a finite loss, not 0 * inf
+      loss = ls == 0 ? nll : A(1 - ls) * nll + A(ls) * (lse - sum_x / A(C));
     }
   }
   if (loss_o) loss_o[row] = convert<O>(loss);
   if (row_loss) row_loss[row] = loss;
+}
+template <typename T, typename S, typename O>
+__device__ __forceinline__ void ce_finish_row(int64_t row, math_t<T> m, math_t<T> s,
+                                              math_t<T> sum_x, const T* p, int64_t tgt, int64_t C,
+                                              int64_t ii, double ls, S* lse_o, O* loss_o,
+                                              math_t<T>* row_loss, IndexErrorRecord* err) {
+  const math_t<T> xt = tgt >= 0 && tgt < C ? load_math(p + tgt) : math_t<T>(0);
+  ce_finish_lse<T, S, O>(row, m + log(s), sum_x, xt, tgt, C, ii, ls, lse_o, loss_o, row_loss, err);
 }
 
 template <typename T, typename S, typename O>
@@ -351,6 +432,92 @@ __global__ void crossentropy_forward_v2(const T* __restrict__ x, int64_t ld,
     ce_finish_row<T, S, O>(row, m, s, sx, p, t[row], C, ii, ls, lse_o, loss_o, row_loss, err);
 }
 
+// v3: memory speed (the v2 loop was issue-bound: a full-precision expf and a branch per element).
+// kCeThreads per row, kCeUnroll 16-byte streaming loads in flight per thread; per word one max and
+// branch (rescale only on a new running max), then per element one FFMA + MUFU ex2 in log2 units:
+// s = sum 2^(x log2e - ml), ml = fl(m log2e), so lse = (ML + log2 s) ln2 is exact in ML's rounding.
+// Fixed-order block reductions (deterministic).  NaN logits give a NaN lse; +inf ones NaN (as the
+// CPU); an all -inf row lse = -inf (as v2).  Rows start ld elements apart, any alignment (scalar
+// head / tail around the 16-byte words).
+template <typename T, typename S, typename O, bool kSx>
+__global__ void __launch_bounds__(kCeMaxThreads)
+    crossentropy_forward_v3(const T* __restrict__ x, int64_t ld, const int64_t* __restrict__ t,
+                            S* __restrict__ lse_o, O* __restrict__ loss_o,
+                            float* __restrict__ row_loss, int C, int64_t ii, double ls,
+                            IndexErrorRecord* err) {
+  constexpr int V = 16 / sizeof(T), U = kCeUnroll;
+  __shared__ float scratch[64];
+  const int64_t row = blockIdx.x;
+  const T* p = x + row * ld;
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const int64_t tg = t[row];  // needed at the end: its latency hides behind the row's loads
+  float m = -INFINITY, ml = -INFINITY, s = 0, sx = 0;
+  auto add = [&](const float* v, auto n) {
+    constexpr int N = decltype(n)::value;
+    float cm = v[0];
+#pragma unroll
+    for (int k = 1; k < N; ++k) cm = fmaxf(cm, v[k]);
+    if (cm > m) {  // new running max: rescale (ex2(-inf) = 0 covers the first finite value)
+      const float nml = cm * kLog2e;
+      s *= ex2_approx(ml - nml);
+      m = cm;
+      ml = nml;
+    }
+    const float off = ml == -INFINITY ? 0.f : ml;  // all -inf so far: terms are 0, not NaN
+    float e = 0;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      e += ex2_approx(fmaf(v[k], kLog2e, -off));
+      if constexpr (kSx) sx += v[k];
+    }
+    s += e;
+  };
+  const int head = ce_head(p, C);
+  const int nv = (C - head) / V, tail0 = head + nv * V;
+  if (tid < head) {
+    const float v = load_math(p + tid);
+    add(&v, ic<1>{});
+  }
+  const uint4* pv = reinterpret_cast<const uint4*>(p + head);
+  int j = tid;
+  for (; j + (U - 1) * nt < nv; j += U * nt) {
+    uint4 r[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) r[u] = __ldcs(pv + j + u * nt);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float v[V];
+      unpack16<T>(r[u], v);
+      add(v, ic<V>{});
+    }
+  }
+  for (; j < nv; j += nt) {
+    float v[V];
+    unpack16<T>(__ldcs(pv + j), v);
+    add(v, ic<V>{});
+  }
+  if (tail0 + tid < C) {
+    const float v = load_math(p + tail0 + tid);
+    add(&v, ic<1>{});
+  }
+  // the target's logit, in flight during the reductions
+  const float xt = tid == 0 && tg >= 0 && tg < C ? load_math(p + tg) : 0.f;
+  const float M = block_max(m, scratch, -INFINITY);
+  const float ML = M * kLog2e;
+  float st = s == 0.f ? 0.f : s * ex2_approx(ml - ML);  // s == 0: ml may be -inf like ML
+  st = warp_sum(st);
+  if constexpr (kSx) sx = warp_sum(sx);
+  const int lane = tid % 32, warp = tid / 32;
+  if (lane == 0) scratch[warp] = st, scratch[32 + warp] = sx;
+  __syncthreads();
+  if (tid == 0) {
+    float ss = 0, sxx = 0;
+    for (int w = 0; w < nt / 32; ++w) ss += scratch[w], sxx += scratch[32 + w];  // fixed order
+    const float lse = (ML + log2f(ss)) * kLn2;
+    ce_finish_lse<T, S, O>(row, lse, sxx, xt, tg, C, ii, ls, lse_o, loss_o, row_loss, err);
+  }
+}
+
 // One block: loss = sum (or mean over non-ignored rows) of row_loss, in a fixed order.
 template <typename A, typename O>
 __global__ void crossentropy_reduce(const A* __restrict__ row_loss, const int64_t* __restrict__ t,
@@ -391,7 +558,23 @@ void layernorm_forward(const Tensor& x, const Tensor& res, const Tensor& w, cons
       S* mp = static_cast<S*>(mean.data_ptr(op));
       S* rsp = static_cast<S*>(rstd.data_ptr(op));
       const int ver = nn_version();
-      if (ver == 3 && dispatch_v3<T>(C, {xp, rp, wp, bp, yp, sp}, [&](auto vtag, auto nvtag) {
+      if (layernorm_v4(C) &&
+          dispatch_v4<T>(C, {xp, rp, wp, bp, yp, sp}, [&](auto vt, auto nvt, auto wt) {
+            constexpr int V = decltype(vt)::value, NV = decltype(nvt)::value;
+            constexpr int WPR = decltype(wt)::value;
+            const unsigned grid = static_cast<unsigned>(ceil_div(R, kV4Warps / WPR));
+            if (add) {
+              layernorm_forward_v4<T, S, V, NV, WPR, true>
+                  <<<grid, kV4Warps * 32, 0, st>>>(xp, rp, wp, bp, sp, yp, mp, rsp, R, C, eps);
+            } else {
+              layernorm_forward_v4<T, S, V, NV, WPR, false>
+                  <<<grid, kV4Warps * 32, 0, st>>>(xp, rp, wp, bp, sp, yp, mp, rsp, R, C, eps);
+            }
+            BT_CUDA_LAUNCH_CHECK(op);
+          })) {
+        return;
+      }
+      if (ver >= 3 && dispatch_v3<T>(C, {xp, rp, wp, bp, yp, sp}, [&](auto vtag, auto nvtag) {
             constexpr int V = decltype(vtag)::value, NV = decltype(nvtag)::value;
             const unsigned grid = static_cast<unsigned>(ceil_div(R, kV3Warps));
             if (add) {
@@ -448,7 +631,7 @@ void Softmax::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) 
     const T* xp = static_cast<const T*>(x.data_ptr(name()));
     T* yp = static_cast<T*>(out[0].data_ptr(name()));
     const int ver = nn_version();
-    if (ver == 3 && dispatch_v3<T>(C, {xp, yp}, [&](auto vtag, auto nvtag) {
+    if (ver >= 3 && dispatch_v3<T>(C, {xp, yp}, [&](auto vtag, auto nvtag) {  // 4: as 3
           constexpr int V = decltype(vtag)::value, NV = decltype(nvtag)::value;
           softmax_forward_v3<T, V, NV>
               <<<static_cast<unsigned>(ceil_div(R, kV3Warps)), kV3Warps * 32, 0, st>>>(xp, yp, R, C,
@@ -517,7 +700,30 @@ void CrossEntropy::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
         rlp = static_cast<A*>(rl.data_ptr(name()));
       }
       O* lrow = reduction == 0 ? lo : nullptr;
-      if (use_v1()) {
+      const int ver = nn_version();
+      if constexpr (!std::is_same_v<T, double>) {
+        if (ver >= 3 && C <= kCeMaxC) {  // 4: as 3
+          const int threads = ce_threads(C, 16 / sizeof(T));
+          auto launch = [&](auto kern) {
+            kern<<<static_cast<unsigned>(N), threads, 0, st>>>(xp, ld, tp, lse, lrow, rlp,
+                                                               static_cast<int>(C), ignore_index,
+                                                               label_smoothing, err);
+            BT_CUDA_LAUNCH_CHECK(name());
+          };
+          if (label_smoothing != 0) {
+            launch(crossentropy_forward_v3<T, S, O, true>);
+          } else {
+            launch(crossentropy_forward_v3<T, S, O, false>);
+          }
+          if (reduction != 0) {
+            crossentropy_reduce<A, O>
+                <<<1, 1024, 0, st>>>(rlp, tp, N, ignore_index, reduction == 1, lo);
+            BT_CUDA_LAUNCH_CHECK(name());
+          }
+          return;
+        }
+      }
+      if (ver == 1) {
         crossentropy_forward_v1<T, S, O>
             <<<static_cast<unsigned>(N), row_threads(C, 1, 256), 0, st>>>(
                 xp, ld, tp, lse, lrow, rlp, C, ignore_index, label_smoothing, err);

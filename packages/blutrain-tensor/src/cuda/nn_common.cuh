@@ -11,18 +11,32 @@
 
 namespace bt::cuda::nn {
 
-// Kernel version, read per call so tests and benches can flip it: BT_CUDA_NN_VERSION=1|2|3
+// Kernel version, read per call so tests and benches can flip it: BT_CUDA_NN_VERSION=1|2|3|4
 // (BT_CUDA_NN_V1=1 also means 1).  1: the simple reference kernels; 2: block-per-row kernels with
 // 16-byte loads; 3 (layer norm fwd / bwd, add_layer_norm, softmax fwd): one warp per row with the
 // row in registers, used where it applies (16-bit / fp32, aligned rows up to kV3MaxPerLane * 32
-// elements), else 2.  kDefaultNnVersion is the default.
-constexpr int kDefaultNnVersion = 3;
-inline int nn_version() {
+// elements), else 2; 4 (layer norm fwd / bwd, add_layer_norm; elsewhere as 3): 1-8 warps per row,
+// at most kV4MaxPerLane elements per lane in registers, persistent single-pass backward.  Each
+// falls back to the next lower version that applies.  Unset, the default is 4 for layer-norm
+// rows longer than kV4MinDefaultC and 3 otherwise (measured on the H200 at GPT-2's shapes: v4 wins
+// at C = 3072, v3 at C = 768).
+constexpr int kDefaultNnVersion = 4;
+constexpr int64_t kV4MinDefaultC = 1024;
+inline int nn_version_env() {  // 0 when unset
   const char* v1 = std::getenv("BT_CUDA_NN_V1");
   if (v1 && v1[0] && std::strcmp(v1, "0") != 0) return 1;
   const char* e = std::getenv("BT_CUDA_NN_VERSION");
-  if (e && (e[0] == '1' || e[0] == '2' || e[0] == '3') && !e[1]) return e[0] - '0';
-  return kDefaultNnVersion;
+  if (e && e[0] >= '1' && e[0] <= '4' && !e[1]) return e[0] - '0';
+  return 0;
+}
+inline int nn_version() {
+  const int v = nn_version_env();
+  return v ? v : kDefaultNnVersion;
+}
+// Layer norm (forward, backward) of rows of C: v4 when asked for, or by default for long rows.
+inline bool layernorm_v4(int64_t C) {
+  const int v = nn_version_env();
+  return v == 4 || (v == 0 && C > kV4MinDefaultC);
 }
 inline bool use_v1() { return nn_version() == 1; }
 
@@ -244,6 +258,172 @@ inline bool dispatch_v3(int64_t C, std::initializer_list<const void*> ptrs, F&& 
 template <int V>
 __device__ __forceinline__ int64_t v3_col(int j, int lane) {
   return (int64_t(j) * 32 + lane) * V;
+}
+
+// ---- v4: a group of WPR warps per row (WPR = 1, 2, 4 or 8), kV4Warps warps per block ---------
+// Group lane gl = (warp % WPR) * 32 + lane holds the 16-byte vectors j * 32 * WPR + gl (j < NV), so
+// a group's access per j is 512 * WPR contiguous bytes.  WPR is the smallest giving at most
+// kV4MaxPerLane elements per lane (few registers: several rows in flight per SM), so GPT-2's
+// 768 and 3072 rows both run with NV = 3.  Same alignment rules as v3.
+constexpr int kV4MaxPerLane = 24;
+constexpr int kV4Warps = 8;      // warps per block of the forward kernel, and the largest WPR
+constexpr int kV4BwdWarps = 16;  // of the backward: one block per SM, fewer dw / db partials
+
+// Runs f(ic<V>, ic<NV>, ic<WPR>) and returns true, or false (f not run) where v4 does not apply
+// (8-byte elements, C % V != 0, a misaligned pointer, C > 4 * 32 * kV4MaxPerLane).
+template <typename T, typename F>
+inline bool dispatch_v4(int64_t C, std::initializer_list<const void*> ptrs, F&& f) {
+  if constexpr (sizeof(T) == 8) {
+    return false;
+  } else {
+    constexpr int V = static_cast<int>(16 / sizeof(T));
+    constexpr int MaxNV = kV4MaxPerLane / V;
+    if (C <= 0 || C % V != 0) return false;
+    for (const void* p : ptrs) {
+      if (p && (reinterpret_cast<uintptr_t>(p) & 15) != 0) return false;
+    }
+    const int64_t nvec = C / V;
+    auto by_nv = [&](auto wtag) {
+      constexpr int WPR = decltype(wtag)::value;
+      const int64_t nv = ceil_div(nvec, int64_t(32) * WPR);
+      if (nv <= 1) {
+        f(ic<V>{}, ic<1>{}, wtag);
+      } else if (nv <= 2) {
+        f(ic<V>{}, ic<2>{}, wtag);
+      } else if (nv <= 3) {
+        f(ic<V>{}, ic<3>{}, wtag);
+      } else {
+        if constexpr (MaxNV >= 6) {
+          if (nv <= 4) {
+            f(ic<V>{}, ic<4>{}, wtag);
+          } else {
+            f(ic<V>{}, ic<6>{}, wtag);
+          }
+        }
+      }
+    };
+    // WPR 8 (rows over 3072 elements) failed its GPU test (C = 6144): such rows take v3 / v2
+    for (int wpr = 1; wpr <= 4; wpr *= 2) {
+      if (ceil_div(nvec, int64_t(32) * wpr) > MaxNV) continue;
+      switch (wpr) {
+        case 1:
+          by_nv(ic<1>{});
+          break;
+        case 2:
+          by_nv(ic<2>{});
+          break;
+        case 4:
+          by_nv(ic<4>{});
+          break;
+        default:
+          by_nv(ic<8>{});
+          break;
+      }
+      return true;
+    }
+    return false;
+  }
+}
+
+// Column of group lane `gl`'s j-th vector.
+template <int V, int WPR>
+__device__ __forceinline__ int64_t v4_col(int j, int gl) {
+  return (int64_t(j) * 32 * WPR + gl) * V;
+}
+
+// Sum of a and b over the WPR warps of this thread's row group (each warp's values already warp-
+// reduced) in a block of NW warps.  red: 2 * NW floats of shared memory, double-buffered by the
+// caller (successive calls alternate buffers, so one barrier per call suffices).  The barrier is
+// the group's own named barrier (1 + group; 0 is __syncthreads'), so row groups of a block do not
+// wait for each other; every thread of the group must call it.
+template <int WPR, int NW>
+__device__ __forceinline__ void group_sum2(float& a, float& b, float* red) {
+  static_assert(WPR == 1 || NW / WPR < 16, "named barriers 1..15");
+  if constexpr (WPR > 1) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, g0 = warp / WPR * WPR;
+    if (lane == 0) red[warp] = a, red[NW + warp] = b;
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + warp / WPR), "r"(WPR * 32) : "memory");
+    a = 0, b = 0;
+#pragma unroll
+    for (int q = 0; q < WPR; ++q) a += red[g0 + q], b += red[NW + g0 + q];  // fixed order
+  }
+}
+
+}  // namespace bt::cuda::nn
+
+// ---- cross-entropy v3 (nn.cu / nn_fused.cu) ---------------------------------------------------
+namespace bt::cuda::nn {
+
+// One block of kCeThreads per row; each thread streams its 16-byte words of the row with
+// kCeUnroll loads in flight (enough bytes in flight per SM at 6-8 resident blocks), exp as one
+// FFMA + MUFU ex2 on log2e-scaled values.  Rows of 16-bit / fp32 logits up to kCeMaxC classes.
+constexpr int kCeThreads = 256, kCeMaxThreads = 512;  // default; launch bound
+constexpr int kCeUnroll = 4;
+constexpr int64_t kCeMaxC = int64_t(1) << 30;  // column indices fit in int
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+// Threads per row block of the v3 kernels: kCeThreads, or BT_CUDA_CE_THREADS (a multiple of 32
+// in [64, kCeMaxThreads]; for tuning sweeps), then no more than the row needs (>= 32).
+inline int ce_threads(int64_t C, int V) {
+  int cap = kCeThreads;
+  if (const char* e = std::getenv("BT_CUDA_CE_THREADS")) {
+    const int v = std::atoi(e);
+    if (v >= 64 && v <= kCeMaxThreads && v % 32 == 0) cap = v;
+  }
+  return row_threads(C, V, cap);
+}
+
+// 2^x on the MUFU: ~2 ulp, subnormal results flush to 0 (a row's sum is >= 1 anyway).
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The 16 / sizeof(T) elements of a 16-byte word as float, and back (round to nearest even).
+template <typename T>
+__device__ __forceinline__ void unpack16(const uint4& raw, float* out) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      out[i] = __uint_as_float(w[i]);
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      out[2 * i] = __uint_as_float(w[i] << 16);
+      out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else {
+      static_assert(std::is_same_v<T, __half>, "unpack16: fp32 / bf16 / fp16 only");
+      __half2 h;
+      memcpy(&h, &w[i], 4);
+      const float2 f = __half22float2(h);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  }
+}
+template <typename T>
+__device__ __forceinline__ uint4 pack16(const float* in) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      w[i] = __float_as_uint(in[i]);
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+      memcpy(&w[i], &h, 4);
+    } else {
+      const __half2 h = __floats2half2_rn(in[2 * i], in[2 * i + 1]);
+      memcpy(&w[i], &h, 4);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Elements of a row starting at `p` before its first 16-byte boundary (at most C).
+template <typename T>
+__device__ __forceinline__ int ce_head(const T* p, int C) {
+  const int h = static_cast<int>(((16 - (reinterpret_cast<uintptr_t>(p) & 15)) & 15) / sizeof(T));
+  return h < C ? h : C;
 }
 
 }  // namespace bt::cuda::nn

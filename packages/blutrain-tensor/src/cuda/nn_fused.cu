@@ -12,6 +12,8 @@
 // num_classes < the row width (a padded vocabulary) the padding columns get zero gradient, so the
 // padded (N, Vp) gradient is written directly.  Each element is read and written
 // by the same thread in the same step, so the kernel is safe with dlogits aliasing the logits.
+// Version 3 (default, 16-bit / fp32, rows sharing the output's 16-byte alignment):
+// crossentropy_backward_v3 (unrolled streaming loads / stores, exp as FFMA + MUFU ex2).
 #include <algorithm>
 #include <cmath>
 
@@ -295,6 +297,136 @@ __global__ void layernorm_backward_reduce(const math_t<T>* __restrict__ partial,
   }
 }
 
+// v4: one pass over dy and x (mean / rstd saved) on a persistent grid of G blocks of kV4BwdWarps
+// warps; a group of WPR warps per row (nn_common.cuh), rows base + group with base stepping by
+// G * (kV4BwdWarps / WPR), the same trip count for the whole block (group_sum2's barriers).
+// Each lane keeps its columns' dweight / dbias partials in registers across its rows; at the end
+// the row groups add theirs into shared memory one group after another (fixed order) and the block
+// writes partial[block] (2C floats) for layernorm_backward_reduce_v4.  The weight is re-read per
+// row (L1-resident) to save registers.  Deterministic for a given grid.
+template <typename T, typename S, int V, int NV, int WPR>
+__global__ void __launch_bounds__(kV4BwdWarps * 32, 1)
+    layernorm_backward_v4(const T* __restrict__ dy, const T* __restrict__ x,
+                          const T* __restrict__ w, const S* __restrict__ mean,
+                          const S* __restrict__ rstd, const T* __restrict__ extra,
+                          T* __restrict__ dx, float* __restrict__ partial, int64_t R, int64_t C,
+                          bool need_acc) {
+  using A = float;                       // v4 runs for 16-bit and fp32 inputs only
+  constexpr int RG = kV4BwdWarps / WPR;  // row groups per block
+  __shared__ float red[2][2 * kV4BwdWarps];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, grp = warp / WPR;
+  const int gl = (warp % WPR) * 32 + lane;
+  A aw[NV][V], ab[NV][V];
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) aw[j][k] = 0, ab[j][k] = 0;
+  }
+  int parity = 0;
+  for (int64_t base = int64_t(blockIdx.x) * RG; base < R; base += int64_t(gridDim.x) * RG) {
+    const int64_t row = base + grp;
+    const bool valid = row < R;
+    const int64_t off = valid ? row * C : 0;
+    const A m = valid ? A(mean[row]) : A(0), rs = valid ? A(rstd[row]) : A(0);
+    A g[NV][V], xh[NV][V];
+    A s1 = 0, s2 = 0;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = v4_col<V, WPR>(j, gl);
+      if (valid && c < C) {
+        A wv[V];
+        load_n<V>(dy + off + c, g[j]);
+        load_n<V>(x + off + c, xh[j]);
+        if (w) load_n<V>(w + c, wv);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          xh[j][k] = (xh[j][k] - m) * rs;
+          aw[j][k] += g[j][k] * xh[j][k];
+          ab[j][k] += g[j][k];
+          if (w) g[j][k] *= wv[k];  // g is dy * w from here on
+          s1 += g[j][k];
+          s2 += g[j][k] * xh[j][k];
+        }
+      }
+    }
+    s1 = warp_sum(s1);
+    s2 = warp_sum(s2);
+    group_sum2<WPR, kV4BwdWarps>(s1, s2, red[parity]);
+    parity ^= 1;
+    s1 /= A(C);
+    s2 /= A(C);
+    if (valid) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int64_t c = v4_col<V, WPR>(j, gl);
+        if (c < C) {
+          A o[V], ev[V];
+          if (extra) load_n<V>(extra + off + c, ev);
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            o[k] = rs * (g[j][k] - s1 - xh[j][k] * s2);
+            if (extra) o[k] += ev[k];
+          }
+          store_n<V>(dx + off + c, o);
+        }
+      }
+    }
+  }
+  if (!need_acc) return;
+  // Row groups add their partials into acc = [dw | db] in group order; lanes own their columns.
+  A* acc = reinterpret_cast<A*>(smem_raw);
+  for (int q = 0; q < RG; ++q) {
+    if (grp == q) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int64_t c = v4_col<V, WPR>(j, gl);
+        if (c < C) {
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            acc[c + k] = q ? acc[c + k] + aw[j][k] : aw[j][k];
+            acc[C + c + k] = q ? acc[C + c + k] + ab[j][k] : ab[j][k];
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  float* dst = partial + int64_t(blockIdx.x) * 2 * C;
+  for (int64_t i = threadIdx.x * 4; i < 2 * C; i += blockDim.x * 4) {  // 2C % 4 == 0 (C % V)
+    *reinterpret_cast<float4*>(dst + i) = *reinterpret_cast<const float4*>(acc + i);
+  }
+}
+
+// dweight[c] = sum_b partial[b][c], dbias[c] = sum_b partial[b][C + c]: 32 columns per block,
+// kReduceRows threads down each column summing blocks ty, ty + kReduceRows, ... in order, then the
+// column's kReduceRows sums in order (deterministic; all SMs busy instead of one serial loop).
+constexpr int kReduceRows = 16;
+template <typename T>
+__global__ void __launch_bounds__(32 * kReduceRows)
+    layernorm_backward_reduce_v4(const float* __restrict__ partial, int G, int64_t C,
+                                 T* __restrict__ dw, T* __restrict__ db) {
+  __shared__ float sm[kReduceRows][33];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t j = blockIdx.x * int64_t(32) + tx;
+  float s = 0;
+  if (j < 2 * C) {
+#pragma unroll 4
+    for (int b = ty; b < G; b += kReduceRows) s += partial[int64_t(b) * 2 * C + j];
+  }
+  sm[ty][tx] = s;
+  __syncthreads();
+  if (ty != 0 || j >= 2 * C) return;
+  float t = 0;
+#pragma unroll
+  for (int q = 0; q < kReduceRows; ++q) t += sm[q][tx];
+  if (j < C) {
+    if (dw) dw[j] = convert<T>(t);
+  } else if (db) {
+    db[j - C] = convert<T>(t);
+  }
+}
+
 // ---- cross-entropy backward ------------------------------------------------------------------
 // scale[r] = 0 for ignored rows, else g[r] (none), g[0] / #valid (mean), g[0] (sum).  One block.
 template <typename G, typename A>
@@ -370,6 +502,66 @@ __global__ void crossentropy_backward_v2(const T* x, int64_t ldx, const int64_t*
   });
 }
 
+// v3: as v2 with the forward v3's machinery: kCeUnroll 16-byte streaming loads in flight per
+// thread, exp(x - lse) as one FFMA + MUFU ex2 (2^(x log2e - lse log2e)), streaming 16-byte stores.
+// Chunks follow the output row; the host launches it only when each logits row has its output
+// row's 16-byte alignment (as v2 with V > 1).  Padding columns (>= C) load nothing; they and
+// ignored rows store 0 (a select: the logits may be inf / NaN there); a word straddling C loads
+// columns < Cx (in bounds) and zeroes those >= C.
+// Each word is loaded before it is stored by the same thread: safe with dx aliasing x.
+template <typename T, typename S>
+__global__ void __launch_bounds__(kCeMaxThreads)
+    crossentropy_backward_v3(const T* x, int64_t ldx, const int64_t* __restrict__ t,
+                             const S* __restrict__ lse, const float* __restrict__ scale, T* dx,
+                             int C, int Cx, int64_t ii, double ls) {
+  constexpr int V = 16 / sizeof(T), U = kCeUnroll;
+  const int64_t row = blockIdx.x, tg = t[row];
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const float ll = static_cast<float>(lse[row]) * kLog2e, sc = scale[row];
+  const float offv = static_cast<float>(ls / double(C)), on = static_cast<float>(1 - ls);
+  const bool ign = tg == ii, bad = !ign && (tg < 0 || tg >= C);
+  const int tgc = ign || bad ? -1 : static_cast<int>(tg);
+  const T* p = x + row * ldx;
+  T* q = dx + row * Cx;
+  auto grad = [&](float v, int c) {
+    float d = ex2_approx(fmaf(v, kLog2e, -ll)) - offv;
+    d = c == tgc ? d - on : d;
+    d = bad ? NAN : d * sc;
+    return ign || c >= C ? 0.f : d;  // a select: padding / ignored logits may be inf or NaN
+  };
+  auto scalar = [&](int c) {
+    const float v = c >= C ? 0.f : load_math(p + c);
+    q[c] = convert<T>(grad(v, c));
+  };
+  const int head = ce_head(q, Cx);
+  const int nv = (Cx - head) / V, tail0 = head + nv * V;
+  if (tid < head) scalar(tid);
+  const uint4* pv = reinterpret_cast<const uint4*>(p + head);
+  uint4* qv = reinterpret_cast<uint4*>(q + head);
+  auto word = [&](const uint4& r, int w) {
+    const int c0 = head + w * V;
+    float v[V];
+    unpack16<T>(r, v);
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = grad(v[k], c0 + k);
+    __stcs(qv + w, pack16<T>(v));
+  };
+  int j = tid;
+  // loads depend on the column only (not on t / lse / scale: no wait for those before streaming)
+  for (; j + (U - 1) * nt < nv; j += U * nt) {
+    uint4 r[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int w = j + u * nt;
+      r[u] = head + w * V >= C ? make_uint4(0, 0, 0, 0) : __ldcs(pv + w);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) word(r[u], j + u * nt);
+  }
+  for (; j < nv; j += nt) word(head + j * V >= C ? make_uint4(0, 0, 0, 0) : __ldcs(pv + j), j);
+  if (tail0 + tid < Cx) scalar(tail0 + tid);
+}
+
 }  // namespace cuda::nn
 
 // ================================ launchers =====================================================
@@ -432,9 +624,46 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
       return;
     }
     const int ver = nn_version();
+    if (layernorm_v4(C) &&
+        dispatch_v4<T>(C, {dyp, xp, wp, ep, dxp}, [&](auto vt, auto nvt, auto wt) {
+          constexpr int V = decltype(vt)::value, NV = decltype(nvt)::value;
+          constexpr int WPR = decltype(wt)::value, RG = kV4BwdWarps / WPR;
+          // Persistent grid: the resident blocks (1 per SM at <= 128 registers: 16 warps), fewer
+          // for small R.  The partials (G * 2C floats, written and re-read once) stay small next
+          // to the 3 R C elements moved.
+          const size_t smem = need_acc ? size_t(2) * C * sizeof(float) : 0;
+          auto kern = layernorm_backward_v4<T, S, V, NV, WPR>;
+          if (smem > 48 * 1024) {
+            BT_CUDA_CHECK(name(),
+                          cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(smem)));
+          }
+          int per_sm = 0;
+          BT_CUDA_CHECK(name(), cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                    &per_sm, kern, kV4BwdWarps * 32, smem));
+          per_sm = std::max(1, std::min(per_sm, 2));
+          const int G = static_cast<int>(std::min<int64_t>(
+              ceil_div(R, RG), int64_t(device_info(dev.index).sm_count) * per_sm));
+          Tensor partial;
+          float* pp = nullptr;
+          if (need_acc) {
+            partial = empty_tensor({int64_t(G) * 2 * C}, DType::Float32, dev, name());
+            pp = static_cast<float*>(partial.data_ptr(name()));
+          }
+          kern<<<G, kV4BwdWarps * 32, smem, st>>>(dyp, xp, wp, mp, rp, ep, dxp, pp, R, C, need_acc);
+          BT_CUDA_LAUNCH_CHECK(name());
+          if (need_acc) {
+            layernorm_backward_reduce_v4<T>
+                <<<static_cast<unsigned>(ceil_div(2 * C, 32)), dim3(32, kReduceRows), 0, st>>>(
+                    pp, G, C, dwp, dbp);
+            BT_CUDA_LAUNCH_CHECK(name());
+          }
+        })) {
+      return;
+    }
     // v3 keeps dy, xhat and the weight in registers: rows up to 32 elements per lane (C <= 1024
     // in fp32 / 16-bit); longer rows run v2
-    if (ver == 3 && dispatch_v3<T, 32>(C, {dyp, xp, wp, ep, dxp}, [&](auto vtag, auto nvtag) {
+    if (ver >= 3 && dispatch_v3<T, 32>(C, {dyp, xp, wp, ep, dxp}, [&](auto vtag, auto nvtag) {
           constexpr int V = decltype(vtag)::value, NV = decltype(nvtag)::value;
           // Warps per block and blocks: each block's shared memory holds a 2C float slice per
           // warp (dw | db); few blocks keep the partials (G * 2C floats) small next to the
@@ -501,7 +730,9 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
         pp = static_cast<A*>(partial.data_ptr(name()));
       }
       const size_t smem = 2 * C * sizeof(A);
-      if (need_acc && smem <= 48 * 1024) {
+      // below the 48 KB default with room for the kernel's static reduction buffers (C = 6144
+      // fp32 asked for exactly 48 KB and failed to launch)
+      if (need_acc && smem <= 40 * 1024) {
         layernorm_backward_v2<T, S, V, true>
             <<<G, threads, smem, st>>>(dyp, xp, wp, mp, rp, ep, dxp, pp, R, C, true);
       } else {
@@ -545,14 +776,25 @@ void CrossEntropyBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<T
     const S* lp = static_cast<const S*>(lse.data_ptr(name()));
     T* dxp = static_cast<T*>(out[0].data_ptr(name()));
     const unsigned grid = static_cast<unsigned>(N);
-    if (use_v1()) {
+    const int ver = nn_version();
+    // vector width: logits row r and output row r must share their 16-byte alignment
+    const bool rows_match = N == 1 || ((ldx - Cx) * int64_t(sizeof(T))) % 16 == 0;
+    if constexpr (!std::is_same_v<T, double>) {
+      if (ver >= 3 && Cx <= kCeMaxC && rows_match &&
+          vec_width<T>({xp, dxp}) == static_cast<int>(16 / sizeof(T))) {
+        crossentropy_backward_v3<T, S><<<grid, ce_threads(Cx, 16 / sizeof(T)), 0, st>>>(
+            xp, ldx, tp, lp, sp, dxp, static_cast<int>(C), static_cast<int>(Cx), ignore_index,
+            label_smoothing);
+        BT_CUDA_LAUNCH_CHECK(name());
+        return;
+      }
+    }
+    if (ver == 1) {
       crossentropy_backward_v1<T, S><<<grid, row_threads(Cx, 1, 256), 0, st>>>(
           xp, ldx, tp, lp, sp, dxp, C, Cx, ignore_index, label_smoothing);
       BT_CUDA_LAUNCH_CHECK(name());
       return;
     }
-    // vector width: logits row r and output row r must share their 16-byte alignment
-    const bool rows_match = N == 1 || ((ldx - Cx) * int64_t(sizeof(T))) % 16 == 0;
     dispatch_vec(rows_match ? vec_width<T>({xp, dxp}) : 1, [&](auto vtag) {
       constexpr int V = decltype(vtag)::value;
       crossentropy_backward_v2<T, S, V><<<grid, row_threads(Cx, V, 512), 0, st>>>(

@@ -1,0 +1,69 @@
+"""Timing helpers shared by the CUDA kernel benchmarks (bench_cuda_*.py run as scripts, so this
+directory is on sys.path): CUDA-event timing of ours or of PyTorch, and device time from a
+replayed CUDA graph.  All return the median over `batches` of the per-call time, in ms."""
+
+from __future__ import annotations
+
+import statistics
+
+import blutrain.tensor as bt
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+
+def sync_bt() -> None:
+    bt._tensor._cuda_synchronize(0)
+
+
+def time_events(fn, reps: int, batches: int = 7, torch_events: bool = False) -> float:
+    """Eager: CUDA events around `reps` calls (ours: bt events; torch_events: torch's)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize() if torch_events else sync_bt()
+    out = []
+    for _ in range(batches):
+        if torch_events:
+            e0 = torch.cuda.Event(enable_timing=True)
+            e1 = torch.cuda.Event(enable_timing=True)
+        else:
+            e0, e1 = bt.cuda.Event(), bt.cuda.Event()
+        e0.record()
+        for _ in range(reps):
+            fn()
+        e1.record()
+        e1.synchronize()
+        out.append(e0.elapsed_time(e1) / reps)
+    return statistics.median(out)
+
+
+def time_graph(fn, reps: int, batches: int = 7) -> float:
+    """Device time of ours: `reps` calls captured in one CUDA graph, replays timed with events
+    (no host launch gaps).  nan (with a note) if the capture fails."""
+    for _ in range(3):
+        fn()
+    sync_bt()
+    g = bt.cuda.CUDAGraph()
+    try:
+        with bt.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+    except Exception as e:  # noqa: BLE001 - report and go on with the eager numbers
+        print(f"  (graph capture failed: {type(e).__name__}: {e})")
+        return float("nan")
+    try:
+        g.replay()
+        sync_bt()
+        out = []
+        for _ in range(batches):
+            e0, e1 = bt.cuda.Event(), bt.cuda.Event()
+            e0.record()
+            g.replay()
+            e1.record()
+            e1.synchronize()
+            out.append(e0.elapsed_time(e1) / reps)
+        return statistics.median(out)
+    finally:
+        g.reset()

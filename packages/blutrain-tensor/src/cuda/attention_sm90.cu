@@ -1,0 +1,464 @@
+// cuda/attention_sm90.cu: bf16/fp16 flash-attention forward on Hopper warpgroup MMA (wgmma).
+//
+// Same semantics and output layout as attn_fwd_v2 (attention.cu): o (B, L, H, D) contiguous,
+// lse (B, H, L) float32, natural log.  D in {64, 128}.  Built only for sm_90a (wgmma is an
+// arch-specific feature); the launcher returns false elsewhere and attention.cu runs mma.sync.
+//
+// Block: kWG warpgroups (128 threads each), each owning 64 query rows (kBr = 64 kWG), sharing
+// a ring of K / V tiles of kBc keys that all threads load with cp.async.  Per key tile, per
+// warpgroup:  S = Q K^T  (wgmma, A = Q from registers, B = K from shared memory, K-major),  the
+// online softmax on S in registers (the accumulator layout is mma.sync's C layout per warp, so the
+// masking and softmax code matches attn_fwd_v2),  O += P V  (wgmma, A = P from registers, B = V
+// from shared memory, N-major: the transposed-B form).  No TMA or warp specialisation.
+// Measured (H200, B16 H12 T1024 D64 causal): 0.119 ms against mma.sync's 0.137 and cuDNN's
+// 0.085 (through PyTorch); the harness bench/attn_sm90_check.cu times the variants.  Tried and
+// slower: key tiles of 128, three warpgroups, one warpgroup per block, a share of the exponentials
+// as an FMA polynomial (the MUFU unit is not the limit), heads as the fast grid index.
+//
+// Note [shared-memory layout for wgmma]: tiles are panels of 64 columns (128 bytes a row); in a
+// panel, 16-byte chunk c of row r sits at chunk c ^ (r % 8): the hardware's 128-byte swizzle,
+// with each 8-row group (1024 bytes) one swizzle atom, so every tile starts 1024-byte aligned.
+// For D = 64 this is attention_mma.cuh's swz<64> layout.  Descriptors (PTX "matrix descriptor"):
+//   K-major (Q as A, K as B): rows = M|N, 64 elements of K per panel row; SBO = 1024 (next 8
+//     rows); LBO unused; the k-step of 16 elements (32 bytes) advances the start address by 32
+//     bytes inside the atom, panel p by p * rows * 128 bytes.
+//   N-major (V as B, transposed): rows = K (keys), 64 N-elements (d) per panel row; SBO = 1024
+//     (next 8 keys), LBO = the panel stride (next 64 d); the k-step of 16 keys advances the start
+//     by 16 * 128 bytes.
+// wgmma register layouts (m64nNk16, per warp w of the warpgroup, g = lane / 4, t = lane % 4): the
+// f32 accumulator d[4 i + e] is row 16 w + g + 8 (e / 2), column 8 i + 2 t + (e % 2) — mma.sync's
+// C tile i; the register A fragment (four .b32) is mma.sync's m16n8k16 A fragment of rows
+// 16 w .. 16 w + 15.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "attention_mma.cuh"
+#include "common.cuh"
+
+namespace bt::cuda {
+
+namespace {
+
+// ==== kernels ==================================================================================
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define BT_SM90_WGMMA 1
+#endif
+
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
+         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void wg_fence() {
+#ifdef BT_SM90_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wg_commit() {
+#ifdef BT_SM90_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+#ifdef BT_SM90_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Generic-proxy writes (cp.async) to shared memory made visible to the async proxy (wgmma).
+__device__ __forceinline__ void fence_proxy_async() {
+#ifdef BT_SM90_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// Keeps the compiler from moving accumulator reads/writes across an in-flight wgmma.
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+// The same for register A operands: keeps them live (unrecycled) until the wgmma reading them is
+// known complete.
+template <int N>
+__device__ __forceinline__ void reg_fence(uint32_t (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
+  }
+}
+
+// The wgmma wrappers: d (N / 2 floats) += A B (or = A B when scale_d is 0), bf16 or fp16
+// inputs, A from registers; B from shared memory, K-major (wgmma_rs) or N-major (wgmma_rs_tb).
+#define BT_WG_REGS32                                                                            \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define BT_WG_OUT32(d)                                                                            \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),    \
+      "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),  \
+      "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),  \
+      "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define BT_WG_REGS64                                                                            \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
+  "%38, "                                                                                       \
+  "%39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, "  \
+  "%57, "                                                                                       \
+  "%58, %59, %60, %61, %62, %63}"
+#define BT_WG_OUT64(d)                                                                           \
+  BT_WG_OUT32(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),  \
+      "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), \
+      "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), \
+      "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), \
+      "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+// d += A B with A (64 x 16) from registers (a: four .b32 of two 16-bit elements), B N-major.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_rs_tb(float (&d)[N / 2], const uint32_t (&a)[4],
+                                            uint64_t db) {
+#ifdef BT_SM90_WGMMA
+  if constexpr (N == 64 && std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " BT_WG_REGS32
+                 ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+                 : BT_WG_OUT32(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+  } else if constexpr (N == 64) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " BT_WG_REGS32
+                 ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+                 : BT_WG_OUT32(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+  } else if constexpr (N == 128 && std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " BT_WG_REGS64
+                 ", {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+                 : BT_WG_OUT64(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+  } else {
+    static_assert(N == 128, "wgmma_rs_tb: N is 64 or 128");
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " BT_WG_REGS64
+                 ", {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+                 : BT_WG_OUT64(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+  }
+#else
+  __trap();
+#endif
+}
+
+// d = (scale_d ? d : 0) + A B, A (64 x 16) from registers, B K-major (S = Q K^T with Q held in
+// registers: only K is read from shared memory).
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db,
+                                         int scale_d) {
+#ifdef BT_SM90_WGMMA
+  if constexpr (N == 64 && std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " BT_WG_REGS32
+        ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : BT_WG_OUT32(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+  } else if constexpr (N == 64) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " BT_WG_REGS32
+        ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : BT_WG_OUT32(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+  } else if constexpr (N == 128 && std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " BT_WG_REGS64
+        ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : BT_WG_OUT64(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+  } else {
+    static_assert(N == 128, "wgmma_rs: N is 64 or 128");
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " BT_WG_REGS64
+        ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : BT_WG_OUT64(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+  }
+#else
+  __trap();
+#endif
+}
+
+// Element offset of (row, 16-byte chunk c) in a panel-swizzled tile of R rows and D columns.
+template <int R>
+__device__ __forceinline__ int pswz(int row, int c) {
+  return (c >> 3) * R * 64 + row * 64 + (((c & 7) ^ (row & 7)) << 3);
+}
+// Async copy of rows [row0, row0 + R) of a (rows, D) matrix with row stride ld into a
+// panel-swizzled tile; rows >= nrows are zero-filled.  All NT threads of the block call it.
+template <int R, int D, int NT, typename T>
+__device__ __forceinline__ void load_ptile(T* tile, const T* src, int64_t ld, int row0, int nrows) {
+  constexpr int C = D / 8;
+#pragma unroll
+  for (int idx = threadIdx.x; idx < R * C; idx += NT) {
+    const int r = idx / C, c = idx % C;
+    const bool ok = row0 + r < nrows;
+    const T* s = ok ? src + (row0 + r) * ld + c * 8 : src;
+    cp_async16(smem_u32(tile + pswz<R>(r, c)), s, ok);
+  }
+}
+
+// Forward.  Per warpgroup, iteration j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back,
+// waits for S_j only, and runs the softmax of S_j while the P V product is on the tensor cores; O
+// is rescaled once that product lands.  K / V tiles: a ring of kStages (tiles j + 1 .. j + kStages
+// - 2 load while j and j - 1 are read); one block barrier per tile.  Q is held in registers as A
+// fragments (S's wgmma then reads only K from shared memory).
+template <typename T, int D, int kWG, int kBc, int kStages>
+__global__ void __launch_bounds__(kWG * 128)
+    attn_fwd_sm90(AttnParams p, const T* __restrict__ q, const T* __restrict__ k,
+                  const T* __restrict__ v, T* __restrict__ o, float* __restrict__ lse) {
+  constexpr int kBr = 64 * kWG, NT = kWG * 128, KS = D / 16, kTile = kBc * D;
+  extern __shared__ unsigned char smem_raw[];
+  // 1024-byte aligned tiles (the swizzle atom); the launcher allocates 1 KB of slack.
+  T* sQ = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  T* sK = sQ + kBr * D;                // kStages x kBc x D
+  T* sV = sK + kStages * kTile;        // kStages x kBc x D
+  constexpr int kAhead = kStages - 2;  // tiles in flight (j and j - 1 are being read)
+  const int wg = threadIdx.x / 128, wl = threadIdx.x % 128;  // warpgroup, thread in it
+  const int warp = wl / 32, lane = wl % 32, g = lane / 4, t = lane % 4;
+  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * kBr;
+  const T* qb = q + b * p.q_b + h * p.q_h;
+  const T* kb = k + b * p.k_b + h * p.k_h;
+  const T* vb = v + b * p.v_b + h * p.v_h;
+  const int kend = p.causal ? min(q0 + kBr, p.S) : p.S;
+  const int nkb = (kend + kBc - 1) / kBc;
+  const int wrow0 = q0 + 64 * wg;  // the warpgroup's first query row
+
+  load_ptile<kBr, D, NT>(sQ, qb, p.q_l, q0, p.L);
+#pragma unroll
+  for (int i = 0; i < kAhead; ++i) {  // one cp.async group per tile (Q rides with tile 0)
+    if (i < nkb) {
+      load_ptile<kBc, D, NT>(sK + i * kTile, kb, p.k_l, i * kBc, p.S);
+      load_ptile<kBc, D, NT>(sV + i * kTile, vb, p.v_l, i * kBc, p.S);
+    }
+    cp_async_commit();
+  }
+
+  float oacc[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) oacc[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const float sl2 = static_cast<float>(p.scale) * kLog2e;
+  const int row_lo = wrow0 + 16 * warp + g;  // rows row_lo and row_lo + 8
+  float s[kBc / 2];                          // S_j, then P_j in float
+  uint32_t pa[kBc / 16][4];                  // P_{j-1}: the A operand of the in-flight P V product
+  float alpha[2];
+
+  // Every wgmma sits in warpgroup-uniform code (no per-warpgroup branches around them: ptxas
+  // would serialise them).  Causal blocks: the first warpgroup also runs the last key tile, all
+  // masked for its rows.
+  uint32_t qf[D / 16][4];        // the warp's 16 Q rows as A fragments
+  auto next_tile = [&](int j) {  // tile j landed and visible; tile j + kAhead starts loading
+    cp_async_wait<kAhead - 1>();
+    fence_proxy_async();
+    __syncthreads();  // also: every warpgroup is done with tile j - 2's slot
+    const int jn = j + kAhead;
+    if (jn < nkb) {
+      const int slot = jn % kStages;
+      load_ptile<kBc, D, NT>(sK + slot * kTile, kb, p.k_l, jn * kBc, p.S);
+      load_ptile<kBc, D, NT>(sV + slot * kTile, vb, p.v_l, jn * kBc, p.S);
+    }
+    cp_async_commit();  // (possibly empty: keeps one group per tile)
+  };
+  auto issue_s = [&](int j) {  // S = Q K_j^T
+    const uint32_t k_addr = smem_u32(sK + (j % kStages) * kTile);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      const uint32_t poff = (ks / 4) * 128u, koff = (ks % 4) * 32u;
+      const uint64_t db = sw128_desc(k_addr + poff * kBc + koff, 16, 1024);
+      wgmma_rs<T, kBc>(s, qf[ks], db, ks > 0);
+    }
+    wg_commit();
+  };
+  auto issue_pv = [&](int j) {  // O += P_j V_j
+    const uint32_t v_addr = smem_u32(sV + (j % kStages) * kTile);
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk) {
+      const uint64_t db = sw128_desc(v_addr + kk * 16 * 128, kBc * 128, 1024);
+      wgmma_rs_tb<T, D>(oacc, pa[kk], db);
+    }
+    wg_commit();
+  };
+  auto softmax = [&](int j) {  // s: S_j -> P_j; alpha: O's rescale factors; l, m updated
+    const int k0 = j * kBc;
+    if (k0 + kBc > p.S || (p.causal && k0 + kBc - 1 > wrow0 + 16 * warp)) {
+#pragma unroll
+      for (int nt = 0; nt < kBc / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = k0 + nt * 8 + 2 * t + (e & 1), row = row_lo + (e >> 1) * 8;
+          if (col >= p.S || (p.causal && col > row)) s[4 * nt + e] = -INFINITY;
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // rows g and g + 8, log2 domain
+      float mx = m[r];
+#pragma unroll
+      for (int nt = 0; nt < kBc / 8; ++nt) {
+        mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * r], s[4 * nt + 2 * r + 1]) * sl2);
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float base = mx == -INFINITY ? 0.f : mx;
+      alpha[r] = fast_exp2(m[r] - base);
+      m[r] = mx;
+      float rs = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kBc / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float x = fmaf(s[4 * nt + 2 * r + e], sl2, -base);
+          const float pv = fast_exp2(x);
+          s[4 * nt + 2 * r + e] = pv;
+          rs += pv;
+        }
+      }
+      l[r] = l[r] * alpha[r] + rs;  // per-thread partial: the quad's sum is taken at the end
+    }
+  };
+  auto pack_p = [&]() {  // C tiles 2 kk, 2 kk + 1 are the A fragment of keys 16 kk .. 16 kk + 15
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk) {
+      pa[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+      pa[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+  };
+
+  next_tile(0);
+  {
+    const int r = 64 * wg + 16 * warp + lane % 16;  // ldmatrix rows of the A fragments
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      ldsm_x4(qf[ks], smem_u32(sQ + pswz<kBr>(r, 2 * ks + lane / 16)));
+  }
+  wg_fence();
+  issue_s(0);
+  wg_wait<0>();
+  reg_fence(s);
+  softmax(0);  // O is still 0: no rescale
+  pack_p();
+  for (int j = 1; j < nkb; ++j) {
+    next_tile(j);
+    wg_fence();
+    issue_s(j);
+    issue_pv(j - 1);
+    wg_wait<1>();  // S_j landed (groups retire in order); P_{j-1} V_{j-1} may still run
+    reg_fence(s);
+    softmax(j);
+    wg_wait<0>();
+    reg_fence(oacc);
+    reg_fence(pa);
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      oacc[4 * dt + 0] *= alpha[0];
+      oacc[4 * dt + 1] *= alpha[0];
+      oacc[4 * dt + 2] *= alpha[1];
+      oacc[4 * dt + 3] *= alpha[1];
+    }
+    pack_p();
+  }
+  wg_fence();
+  issue_pv(nkb - 1);
+  wg_wait<0>();
+  reg_fence(oacc);
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float lr = l[r];
+    lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+    lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+    const int row = row_lo + 8 * r;
+    if (row < p.L) {
+      const float inv = 1.f / lr;
+      T* orow = o + ((static_cast<int64_t>(b) * p.L + row) * p.H + h) * D;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) =
+            pack2<T>(oacc[4 * dt + 2 * r] * inv, oacc[4 * dt + 2 * r + 1] * inv);
+      }
+      if (t == 0) lse[static_cast<int64_t>(bh) * p.L + row] = (m[r] + log2f(lr)) * kLn2;
+    }
+  }
+}
+
+}  // namespace
+
+// ==== launchers ================================================================================
+
+template <typename T, int D, int kWG, int kBc, int kStages>
+constexpr size_t sm90_fwd_smem() {
+  return (64 * kWG + 2 * kStages * kBc) * D * sizeof(T) + 1024;
+}
+
+template <typename T, int D, int kWG, int kBc, int kStages>
+void launch_fwd_sm90_cfg(const AttnParams& p, const T* q, const T* k, const T* v, T* o, float* lse,
+                         cudaStream_t st, const char* op) {
+  constexpr size_t smem = sm90_fwd_smem<T, D, kWG, kBc, kStages>();
+  auto kern = attn_fwd_sm90<T, D, kWG, kBc, kStages>;
+  BT_CUDA_CHECK(op, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem)));
+  dim3 grid(p.B * p.H, static_cast<unsigned>((p.L + 64 * kWG - 1) / (64 * kWG)));
+  kern<<<grid, kWG * 128, smem, st>>>(p, q, k, v, o, lse);
+  BT_CUDA_LAUNCH_CHECK(op);
+}
+
+// Hopper path: built for sm_90a (BT_CUDA_SM90A), device of compute capability 9.0, D 64 or 128,
+// grid limits; BT_ATTN_SM90=0 in the environment turns it off (comparisons, escape hatch).
+bool attn_fwd_sm90_supported(const AttnParams& p) {
+#if defined(BT_CUDA_SM90A)
+  static const bool enabled = [] {
+    const char* e = std::getenv("BT_ATTN_SM90");
+    return !(e && e[0] == '0');
+  }();
+  if (!enabled || (p.D != 64 && p.D != 128) || p.L < 1 || p.S < 1) return false;
+  if (static_cast<int64_t>(p.B) * p.H > 2147483647LL || (p.L + 127) / 128 > 65535) return false;
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  static int cc[64] = {};  // per device: 0 unknown, else 10 major + minor (the device set is fixed)
+  if (dev < 0 || dev >= 64) return false;
+  if (cc[dev] == 0) {
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+      return false;
+    }
+    cc[dev] = 10 * major + minor;
+  }
+  return cc[dev] == 90;
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+template <typename T>
+void attn_fwd_sm90(const AttnParams& p, const T* q, const T* k, const T* v, T* o, float* lse,
+                   cudaStream_t st, const char* op) {
+  if (p.D == 64) {
+    launch_fwd_sm90_cfg<T, 64, 2, 64, 5>(p, q, k, v, o, lse, st, op);
+  } else {
+    launch_fwd_sm90_cfg<T, 128, 2, 64, 4>(p, q, k, v, o, lse, st, op);
+  }
+}
+template void attn_fwd_sm90<__nv_bfloat16>(const AttnParams&, const __nv_bfloat16*,
+                                           const __nv_bfloat16*, const __nv_bfloat16*,
+                                           __nv_bfloat16*, float*, cudaStream_t, const char*);
+template void attn_fwd_sm90<__half>(const AttnParams&, const __half*, const __half*, const __half*,
+                                    __half*, float*, cudaStream_t, const char*);
+
+}  // namespace bt::cuda
