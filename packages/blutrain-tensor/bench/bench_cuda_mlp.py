@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+
+from cuda_timing import sync_bt, time_events
 
 import blutrain.tensor as bt
 
@@ -21,30 +22,6 @@ except ImportError:  # pragma: no cover
     torch = None
 
 M, C = 16 * 1024, 768
-
-
-def _time(fn, sync, event, reps: int, batches: int = 7) -> float:
-    for _ in range(3):
-        fn()
-    sync()
-    out = []
-    for _ in range(batches):
-        e0, e1 = event(), event()
-        e0.record()
-        for _ in range(reps):
-            fn()
-        e1.record()
-        e1.synchronize()
-        out.append(e0.elapsed_time(e1) / reps)
-    return statistics.median(out)  # ms
-
-
-def _bt_sync() -> None:
-    bt._tensor._cuda_synchronize(0)
-
-
-def _torch_event():
-    return torch.cuda.Event(enable_timing=True)
 
 
 def run(dt: str, reps: int) -> list[dict]:
@@ -69,15 +46,15 @@ def run(dt: str, reps: int) -> list[dict]:
             def fwd_bwd(rc=rc):
                 fwd(rc).backward(g)
 
-            _bt_sync()
+            sync_bt()
             before = bt.cuda.memory_allocated()
             y = fwd()
-            _bt_sync()
+            sync_bt()
             saved = bt.cuda.memory_allocated() - before - y.numel() * y.element_size()
             del y
             with bt.no_grad():
-                t_f = _time(fwd, _bt_sync, bt.cuda.Event, reps)
-            t_fb = _time(fwd_bwd, _bt_sync, bt.cuda.Event, reps)
+                t_f = time_events(fwd, reps)
+            t_fb = time_events(fwd_bwd, reps)
             rows.append(dict(dtype=dt, impl=impl, recompute=rc, fwd_ms=t_f, fwd_bwd_ms=t_fb,
                              saved_MB=saved / 2**20))  # fmt: skip
     if torch is not None and torch.cuda.is_available():
@@ -104,8 +81,8 @@ def run(dt: str, reps: int) -> list[dict]:
         saved = torch.cuda.memory_allocated() - before - ty.numel() * ty.element_size()
         del ty
         with torch.no_grad():
-            t_f = _time(tfwd, torch.cuda.synchronize, _torch_event, reps)
-        t_fb = _time(tfwd_bwd, torch.cuda.synchronize, _torch_event, reps)
+            t_f = time_events(tfwd, reps, torch_events=True)
+        t_fb = time_events(tfwd_bwd, reps, torch_events=True)
         rows.append(dict(dtype=dt, impl="torch", recompute=False, fwd_ms=t_f, fwd_bwd_ms=t_fb,
                          saved_MB=saved / 2**20))  # fmt: skip
     return rows
