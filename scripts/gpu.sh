@@ -48,7 +48,7 @@ if compgen -G ".whl/*.whl" >/dev/null || [ "$PREBUILT" = 1 ]; then
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 # blutrain-models is pure Python: run it from the source tree.
-export PYTHONPATH=$ROOT/packages/blutrain-models/python:$PYTHONPATH
+export PYTHONPATH=$ROOT/packages/blutrain-models/python${PYTHONPATH:+:$PYTHONPATH}
 
 export BLUTRAIN_CUDA=ON BLUTRAIN_CUDA_ARCHS=${BLUTRAIN_CUDA_ARCHS:-90a-real}
 PKGS=()

@@ -110,6 +110,14 @@ static void run_sm90(const Problem& pr, T16* o, float* lse) {
   bt::cuda::launch_fwd_sm90_cfg<T16, D, WG, Bc, St>(pr.p, pr.q(), pr.k(), pr.v(), o, lse, 0,
                                                     "sm90");
 }
+template <int D, int WG, int Bc, int St, int MinB, bool PP>
+static void run_ws(const Problem& pr, T16* o, float* lse) {
+  if (!bt::cuda::launch_fwd_sm90_ws_cfg<T16, D, WG, Bc, St, MinB, PP>(pr.p, pr.q(), pr.k(), pr.v(),
+                                                                      o, lse, 0, "sm90ws")) {
+    std::printf("ws: tensor maps refused\n");
+    std::exit(2);
+  }
+}
 template <int D>
 static void run_v2(const Problem& pr, T16* o, float* lse) {
   using C = bt::cuda::V2Config<D>;
@@ -227,6 +235,8 @@ static void bench(const char* name, int H, int D, Runner fn) {
 }
 
 #define CFG(D, WG, Bc, St) {"sm90 WG" #WG " Bc" #Bc " stages" #St, D, run_sm90<D, WG, Bc, St>}
+#define WS(D, WG, Bc, St, MinB, PP) \
+  {"ws WG" #WG " Bc" #Bc " st" #St " minB" #MinB " pp" #PP, D, run_ws<D, WG, Bc, St, MinB, PP>}
 
 int main(int argc, char** argv) {
   const bool do_check = argc < 2 || std::string(argv[1]) != "--bench";
@@ -238,12 +248,19 @@ int main(int argc, char** argv) {
   };
   const Cfg cfgs[] = {
       {"v2 (mma.sync)", 64, run_v2<64>},
-      CFG(64, 2, 64, 4),
       CFG(64, 2, 64, 5),
-      CFG(64, 1, 64, 4),
+      WS(64, 2, 64, 4, 2, 0),
+      WS(64, 2, 64, 4, 2, 1),
+      WS(64, 2, 128, 3, 1, 0),
+      WS(64, 2, 128, 3, 1, 1),
+      WS(64, 2, 128, 4, 1, 1),
+      WS(64, 3, 64, 5, 1, 1),
+      WS(64, 3, 64, 4, 1, 0),
       {"v2 (mma.sync)", 128, run_v2<128>},
-      CFG(128, 2, 64, 3),
       CFG(128, 2, 64, 4),
+      WS(128, 2, 64, 4, 1, 0),
+      WS(128, 2, 64, 4, 1, 1),
+      WS(128, 2, 64, 3, 1, 1),
   };
   for (const auto& c : cfgs) {
     if (do_check) check(c.name, c.D, c.fn);

@@ -122,7 +122,9 @@ def _run_case(rng, dtype, B, H, T, D, causal, pad=0, lse_grad=False):
     tag = f"{NAME[dtype]} B={B} H={H} T={T} D={D} causal={causal}"
     tol = RTOL[dtype]
     _check(f"out {tag}", out, ro, tol)
-    _check(f"lse {tag}", lse, rl, max(tol / 4, 1e-6))
+    # lse averages rounding over the keys; at T = 1 it is one (TF32) dot product (seen: 8.5e-4
+    # against tol / 4 = 7.5e-4 on the H200), hence tol / 2 there.
+    _check(f"lse {tag}", lse, rl, max(tol / (2 if T == 1 else 4), 1e-6))
     gx = _np(x.grad)
     C = H * D
     pieces = [

@@ -10,10 +10,14 @@
 // online softmax on S in registers (the accumulator layout is mma.sync's C layout per warp, so the
 // masking and softmax code matches attn_fwd_v2),  O += P V  (wgmma, A = P from registers, B = V
 // from shared memory, N-major: the transposed-B form).  No TMA or warp specialisation.
-// Measured (H200, B16 H12 T1024 D64 causal): 0.119 ms against mma.sync's 0.137 and cuDNN's
-// 0.085 (through PyTorch); the harness bench/attn_sm90_check.cu times the variants.  Tried and
-// slower: key tiles of 128, three warpgroups, one warpgroup per block, a share of the exponentials
-// as an FMA polynomial (the MUFU unit is not the limit), heads as the fast grid index.
+// attn_fwd_sm90_ws (the default where TMA maps can describe q, k, v): the same math with one
+// producer warp loading through TMA and mbarriers, the consumers free of loads and block barriers,
+// and (D = 64) warpgroups taking turns at the tensor cores (Note [ping-pong]).  Measured (H200,
+// B16 H12 T1024 D64 causal, bench/attn_sm90_check.cu): ws 0.113 ms (Bc 128, 4 stages,
+// ping-pong), cp.async kernel 0.120, mma.sync 0.137; D128: ws 0.092 against 0.125.  Tried and
+// slower for the cp.async kernel: key tiles of 128, three warpgroups, one warpgroup per block, a
+// share of the exponentials as an FMA polynomial, heads as the fast grid index; for ws: two
+// blocks of 64-key tiles per SM, three warpgroups.
 //
 // Note [shared-memory layout for wgmma]: tiles are panels of 64 columns (128 bytes a row); in a
 // panel, 16-byte chunk c of row r sits at chunk c ^ (r % 8): the hardware's 128-byte swizzle,
@@ -29,6 +33,7 @@
 // f32 accumulator d[4 i + e] is row 16 w + g + 8 (e / 2), column 8 i + 2 t + (e % 2) — mma.sync's
 // C tile i; the register A fragment (four .b32) is mma.sync's m16n8k16 A fragment of rows
 // 16 w .. 16 w + 15.
+#include <cuda.h>  // CUtensorMap (the encoder is fetched through the runtime: no -lcuda)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -41,6 +46,19 @@
 namespace bt::cuda {
 
 namespace {
+
+// Which of a tensor map's middle coordinates is the head: maps list dims by increasing stride
+// (d, then head and row in stride order, then batch).
+struct TmaOrder {
+  bool q_h_inner, k_h_inner, v_h_inner;
+};
+// Registers per thread for kMinBlocks blocks of kWG warpgroups + 1 warp on an SM (64 K registers,
+// allocated 8 per thread at a time; at most 255).  Spelled out (not launch-bounds' minimum
+// blocks): ptxas's own cap for 288 threads x 2 blocks was 94, and spilled.
+constexpr int ws_max_regs(int wg, int min_blocks) {
+  const int r = 65536 / (min_blocks * (wg * 128 + 32)) / 8 * 8;
+  return r > 255 ? 255 : r;
+}
 
 // ==== kernels ==================================================================================
 
@@ -191,6 +209,97 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 #endif
 }
 
+// d = (scale_d ? d : 0) + A B with A and B both from shared memory, K-major (S = Q K^T in the
+// warp-specialised kernel: Q is read from shared memory, which keeps the consumers within the
+// register budget of two 288-thread blocks per SM).
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {
+#ifdef BT_SM90_WGMMA
+  if constexpr (N == 64 && std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " BT_WG_REGS32
+        ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : BT_WG_OUT32(d)
+        : "l"(da), "l"(db), "r"(scale_d));
+  } else if constexpr (N == 64) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " BT_WG_REGS32
+        ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : BT_WG_OUT32(d)
+        : "l"(da), "l"(db), "r"(scale_d));
+  } else if constexpr (N == 128 && std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " BT_WG_REGS64
+        ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : BT_WG_OUT64(d)
+        : "l"(da), "l"(db), "r"(scale_d));
+  } else {
+    static_assert(N == 128, "wgmma_ss: N is 64 or 128");
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " BT_WG_REGS64
+        ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : BT_WG_OUT64(d)
+        : "l"(da), "l"(db), "r"(scale_d));
+  }
+#else
+  __trap();
+#endif
+}
+
+// ---- mbarriers and TMA (the warp-specialised kernel) ------------------------------------------
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+// Makes the initialised barriers visible to the async proxy (TMA) before first use.
+__device__ __forceinline__ void mbar_init_fence() {
+#ifdef BT_SM90_WGMMA
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+// One arrival that also expects `bytes` of TMA transactions before the phase can complete.
+__device__ __forceinline__ void mbar_arrive_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// Spins until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// Named barriers 1.. (0 is __syncthreads): `threads` = the waiting + the arriving threads.
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// One box of a 4-d tensor map into shared memory; completion counted on `bar` (in bytes).
+__device__ __forceinline__ void tma_load4(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
+                                          int c1, int c2, int c3) {
+#ifdef BT_SM90_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+#endif
+}
+
 // Element offset of (row, 16-byte chunk c) in a panel-swizzled tile of R rows and D columns.
 template <int R>
 __device__ __forceinline__ int pswz(int row, int c) {
@@ -207,6 +316,109 @@ __device__ __forceinline__ void load_ptile(T* tile, const T* src, int64_t ld, in
     const bool ok = row0 + r < nrows;
     const T* s = ok ? src + (row0 + r) * ld + c * 8 : src;
     cp_async16(smem_u32(tile + pswz<R>(r, c)), s, ok);
+  }
+}
+
+// ---- the consumer's per-tile steps (both forward kernels) ------------------------------------
+// s: S_j in the accumulator layout -> P_j (unnormalised, log2 domain); m, l: running max and
+// per-thread partial sum of rows row_lo and row_lo + 8; alpha: O's rescale factors.  Columns past
+// S or (causal) past the row are masked; warp_row0 is the warp's first row.
+template <int kBc>
+__device__ __forceinline__ void online_softmax(float (&s)[kBc / 2], float (&m)[2], float (&l)[2],
+                                               float (&alpha)[2], const AttnParams& p, int k0,
+                                               int warp_row0, int row_lo, int t, float sl2) {
+  if (k0 + kBc > p.S || (p.causal && k0 + kBc - 1 > warp_row0)) {
+#pragma unroll
+    for (int nt = 0; nt < kBc / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = k0 + nt * 8 + 2 * t + (e & 1), row = row_lo + (e >> 1) * 8;
+        if (col >= p.S || (p.causal && col > row)) s[4 * nt + e] = -INFINITY;
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {  // rows g and g + 8, log2 domain
+    float mx = m[r];
+#pragma unroll
+    for (int nt = 0; nt < kBc / 8; ++nt) {
+      mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * r], s[4 * nt + 2 * r + 1]) * sl2);
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float base = mx == -INFINITY ? 0.f : mx;
+    alpha[r] = fast_exp2(m[r] - base);
+    m[r] = mx;
+    float rs = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < kBc / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float x = fmaf(s[4 * nt + 2 * r + e], sl2, -base);
+        const float pv = fast_exp2(x);
+        s[4 * nt + 2 * r + e] = pv;
+        rs += pv;
+      }
+    }
+    l[r] = l[r] * alpha[r] + rs;  // per-thread partial: the quad's sum is taken at the end
+  }
+}
+// C tiles 2 kk, 2 kk + 1 of P are the A fragment of keys 16 kk .. 16 kk + 15.
+template <typename T, int kBc>
+__device__ __forceinline__ void pack_p(uint32_t (&pa)[kBc / 16][4], const float (&s)[kBc / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < kBc / 16; ++kk) {
+    pa[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+    pa[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+    pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+    pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+}
+template <int D>
+__device__ __forceinline__ void rescale_o(float (&oacc)[D / 2], const float (&alpha)[2]) {
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    oacc[4 * dt + 0] *= alpha[0];
+    oacc[4 * dt + 1] *= alpha[0];
+    oacc[4 * dt + 2] *= alpha[1];
+    oacc[4 * dt + 3] *= alpha[1];
+  }
+}
+// O += P V for one key tile: P from registers (pa), V from the panel-swizzled tile at v_addr.
+template <typename T, int D, int kBc>
+__device__ __forceinline__ void issue_pv_tile(float (&oacc)[D / 2],
+                                              const uint32_t (&pa)[kBc / 16][4], uint32_t v_addr) {
+#pragma unroll
+  for (int kk = 0; kk < kBc / 16; ++kk) {
+    const uint64_t db = sw128_desc(v_addr + kk * 16 * 128, kBc * 128, 1024);
+    wgmma_rs_tb<T, D>(oacc, pa[kk], db);
+  }
+  wg_commit();
+}
+// o rows row_lo, row_lo + 8 (B, L, H, D) = oacc / l and their lse (natural log).
+template <typename T, int D>
+__device__ __forceinline__ void store_o_lse(const float (&oacc)[D / 2], const float (&m)[2],
+                                            const float (&l)[2], const AttnParams& p, int b, int h,
+                                            int row_lo, int t, T* __restrict__ o,
+                                            float* __restrict__ lse) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float lr = l[r];
+    lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+    lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+    const int row = row_lo + 8 * r;
+    if (row < p.L) {
+      const float inv = 1.f / lr;
+      T* orow = o + ((static_cast<int64_t>(b) * p.L + row) * p.H + h) * D;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) =
+            pack2<T>(oacc[4 * dt + 2 * r] * inv, oacc[4 * dt + 2 * r + 1] * inv);
+      }
+      if (t == 0) {
+        lse[(static_cast<int64_t>(b) * p.H + h) * p.L + row] = (m[r] + log2f(lr)) * kLn2;
+      }
+    }
   }
 }
 
@@ -283,63 +495,9 @@ __global__ void __launch_bounds__(kWG * 128)
     }
     wg_commit();
   };
-  auto issue_pv = [&](int j) {  // O += P_j V_j
-    const uint32_t v_addr = smem_u32(sV + (j % kStages) * kTile);
-#pragma unroll
-    for (int kk = 0; kk < kBc / 16; ++kk) {
-      const uint64_t db = sw128_desc(v_addr + kk * 16 * 128, kBc * 128, 1024);
-      wgmma_rs_tb<T, D>(oacc, pa[kk], db);
-    }
-    wg_commit();
+  auto issue_pv = [&](int j) {
+    issue_pv_tile<T, D, kBc>(oacc, pa, smem_u32(sV + (j % kStages) * kTile));
   };
-  auto softmax = [&](int j) {  // s: S_j -> P_j; alpha: O's rescale factors; l, m updated
-    const int k0 = j * kBc;
-    if (k0 + kBc > p.S || (p.causal && k0 + kBc - 1 > wrow0 + 16 * warp)) {
-#pragma unroll
-      for (int nt = 0; nt < kBc / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = k0 + nt * 8 + 2 * t + (e & 1), row = row_lo + (e >> 1) * 8;
-          if (col >= p.S || (p.causal && col > row)) s[4 * nt + e] = -INFINITY;
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {  // rows g and g + 8, log2 domain
-      float mx = m[r];
-#pragma unroll
-      for (int nt = 0; nt < kBc / 8; ++nt) {
-        mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * r], s[4 * nt + 2 * r + 1]) * sl2);
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float base = mx == -INFINITY ? 0.f : mx;
-      alpha[r] = fast_exp2(m[r] - base);
-      m[r] = mx;
-      float rs = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < kBc / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float x = fmaf(s[4 * nt + 2 * r + e], sl2, -base);
-          const float pv = fast_exp2(x);
-          s[4 * nt + 2 * r + e] = pv;
-          rs += pv;
-        }
-      }
-      l[r] = l[r] * alpha[r] + rs;  // per-thread partial: the quad's sum is taken at the end
-    }
-  };
-  auto pack_p = [&]() {  // C tiles 2 kk, 2 kk + 1 are the A fragment of keys 16 kk .. 16 kk + 15
-#pragma unroll
-    for (int kk = 0; kk < kBc / 16; ++kk) {
-      pa[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-  };
-
   next_tile(0);
   {
     const int r = 64 * wg + 16 * warp + lane % 16;  // ldmatrix rows of the A fragments
@@ -351,8 +509,9 @@ __global__ void __launch_bounds__(kWG * 128)
   issue_s(0);
   wg_wait<0>();
   reg_fence(s);
-  softmax(0);  // O is still 0: no rescale
-  pack_p();
+  online_softmax<kBc>(s, m, l, alpha, p, 0, wrow0 + 16 * warp, row_lo, t,
+                      sl2);  // O = 0: no rescale
+  pack_p<T, kBc>(pa, s);
   for (int j = 1; j < nkb; ++j) {
     next_tile(j);
     wg_fence();
@@ -360,41 +519,161 @@ __global__ void __launch_bounds__(kWG * 128)
     issue_pv(j - 1);
     wg_wait<1>();  // S_j landed (groups retire in order); P_{j-1} V_{j-1} may still run
     reg_fence(s);
-    softmax(j);
+    online_softmax<kBc>(s, m, l, alpha, p, j * kBc, wrow0 + 16 * warp, row_lo, t, sl2);
     wg_wait<0>();
     reg_fence(oacc);
     reg_fence(pa);
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      oacc[4 * dt + 0] *= alpha[0];
-      oacc[4 * dt + 1] *= alpha[0];
-      oacc[4 * dt + 2] *= alpha[1];
-      oacc[4 * dt + 3] *= alpha[1];
-    }
-    pack_p();
+    rescale_o<D>(oacc, alpha);
+    pack_p<T, kBc>(pa, s);
   }
   wg_fence();
   issue_pv(nkb - 1);
   wg_wait<0>();
   reg_fence(oacc);
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float lr = l[r];
-    lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-    lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-    const int row = row_lo + 8 * r;
-    if (row < p.L) {
-      const float inv = 1.f / lr;
-      T* orow = o + ((static_cast<int64_t>(b) * p.L + row) * p.H + h) * D;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) =
-            pack2<T>(oacc[4 * dt + 2 * r] * inv, oacc[4 * dt + 2 * r + 1] * inv);
-      }
-      if (t == 0) lse[static_cast<int64_t>(bh) * p.L + row] = (m[r] + log2f(lr)) * kLn2;
+  store_o_lse<T, D>(oacc, m, l, p, b, h, row_lo, t, o, lse);
+}
+
+// Warp-specialised forward (the default where TMA applies).  Block: kWG consumer warpgroups
+// (64 query rows each) and one producer warp.  The producer's elected lane loads the block's Q
+// tile and then K / V tiles into a ring of kStages slots with TMA; each slot has a `full` mbarrier
+// (one arrival + the transaction bytes) and an `empty` one (one arrival per consumer warpgroup once
+// its wgmmas reading the slot are complete).  Consumers never run a block barrier, never issue a
+// load, and read Q from shared memory (S = Q K^T as shared x shared).  Per tile, per warpgroup:
+// as attn_fwd_sm90 (S_j and P_{j-1} V_{j-1} in flight together, softmax of S_j under the P V).
+// TMA zero-fills rows past L / S, so partial tiles need no special load path.
+template <typename T, int D, int kWG, int kBc, int kStages, int kMinBlocks, bool kPingPong>
+__global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, kMinBlocks))
+    attn_fwd_sm90_ws(const AttnParams p, const __grid_constant__ CUtensorMap tq,
+                     const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
+                     const TmaOrder ord, T* __restrict__ o, float* __restrict__ lse) {
+  constexpr int kBr = 64 * kWG, KS = D / 16, kTile = kBc * D, kPanels = D / 64;
+  constexpr uint32_t kTileBytes = kTile * sizeof(T);
+  extern __shared__ unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  T* sK = sQ + kBr * D;          // kStages x kBc x D
+  T* sV = sK + kStages * kTile;  // kStages x kBc x D
+  uint64_t* full = reinterpret_cast<uint64_t*>(sV + kStages * kTile);
+  uint64_t* empty = full + kStages;
+  uint64_t* qbar = empty + kStages;
+  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * kBr;
+  const int kend = p.causal ? min(q0 + kBr, p.S) : p.S;
+  const int nkb = (kend + kBc - 1) / kBc;
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      mbar_init(full + i, 1);
+      mbar_init(empty + i, kWG);
     }
+    mbar_init(qbar, 1);
+    mbar_init_fence();
   }
+  __syncthreads();  // the last block-wide barrier: roles split here
+
+  if (threadIdx.x >= kWG * 128) {  // ---- producer warp: one lane issues every load
+    if (threadIdx.x == kWG * 128) {
+      // Box coordinates (d, then row / head in the map's order, then batch).
+      auto load = [&](T* dst, const CUtensorMap* map, bool h_inner, uint64_t* bar, int row,
+                      int pnl) {
+        if (h_inner) {
+          tma_load4(dst, map, bar, 64 * pnl, h, row, b);
+        } else {
+          tma_load4(dst, map, bar, 64 * pnl, row, h, b);
+        }
+      };
+      mbar_arrive_tx(qbar, kBr * D * sizeof(T));
+#pragma unroll
+      for (int pnl = 0; pnl < kPanels; ++pnl)
+        load(sQ + pnl * kBr * 64, &tq, ord.q_h_inner, qbar, q0, pnl);
+      for (int j = 0; j < nkb; ++j) {
+        const int slot = j % kStages;
+        if (j >= kStages) mbar_wait(empty + slot, ((j / kStages) - 1) & 1);
+        mbar_arrive_tx(full + slot, 2 * kTileBytes);
+#pragma unroll
+        for (int pnl = 0; pnl < kPanels; ++pnl) {
+          load(sK + slot * kTile + pnl * kBc * 64, &tk, ord.k_h_inner, full + slot, j * kBc, pnl);
+          load(sV + slot * kTile + pnl * kBc * 64, &tv, ord.v_h_inner, full + slot, j * kBc, pnl);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers
+  const int wg = threadIdx.x / 128, wl = threadIdx.x % 128;
+  const int warp = wl / 32, lane = wl % 32, g = lane / 4, t = lane % 4;
+  const int wrow0 = q0 + 64 * wg;
+  const int row_lo = wrow0 + 16 * warp + g;  // rows row_lo and row_lo + 8
+  const float sl2 = static_cast<float>(p.scale) * kLog2e;
+  float oacc[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) oacc[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+  float s[kBc / 2];          // S_j, then P_j in float
+  uint32_t pa[kBc / 16][4];  // P_{j-1}: the A operand of the in-flight P V product
+  const uint32_t q_addr = smem_u32(sQ) + wg * 64 * 128;  // the warpgroup's rows in each panel
+
+  auto issue_s = [&](int j) {  // waits for tile j, then S = Q K_j^T
+    const int slot = j % kStages;
+    mbar_wait(full + slot, (j / kStages) & 1);
+    const uint32_t k_addr = smem_u32(sK + slot * kTile);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      const uint32_t pnl = ks / 4, koff = (ks % 4) * 32u;
+      const uint64_t da = sw128_desc(q_addr + pnl * kBr * 128 + koff, 16, 1024);
+      const uint64_t db = sw128_desc(k_addr + pnl * kBc * 128 + koff, 16, 1024);
+      wgmma_ss<T, kBc>(s, da, db, ks > 0);
+    }
+    wg_commit();
+  };
+  auto release = [&](int j) {  // this warpgroup is done with tile j's slot
+    if (wl == 0) mbar_arrive(empty + j % kStages);
+  };
+  // Note [ping-pong]: the warpgroups wait on the same `full` barriers, so left alone they issue
+  // their GEMMs together and then all run softmax together (tensor cores idle, MUFU contended).
+  // With kPingPong they take turns issuing: warpgroup w waits on named barrier 1 + w, issues, then
+  // lets w + 1 go, so one warpgroup's softmax runs under another's GEMMs.  The last warpgroup
+  // opens the first turn; warpgroup 0 takes the final arrival after its loop (balanced barriers).
+  auto my_turn = [&] {
+    if constexpr (kPingPong) named_bar_sync(1 + wg, 256);
+  };
+  auto next_turn = [&] {
+    if constexpr (kPingPong) named_bar_arrive(1 + (wg + 1) % kWG, 256);
+  };
+  if (kPingPong && wg == kWG - 1) named_bar_arrive(1, 256);
+
+  mbar_wait(qbar, 0);
+  my_turn();
+  wg_fence();
+  issue_s(0);
+  next_turn();
+  wg_wait<0>();
+  reg_fence(s);
+  online_softmax<kBc>(s, m, l, alpha, p, 0, wrow0 + 16 * warp, row_lo, t, sl2);
+  pack_p<T, kBc>(pa, s);
+  for (int j = 1; j < nkb; ++j) {
+    my_turn();
+    wg_fence();
+    issue_s(j);
+    issue_pv_tile<T, D, kBc>(oacc, pa, smem_u32(sV + ((j - 1) % kStages) * kTile));
+    next_turn();
+    wg_wait<1>();  // S_j landed; P_{j-1} V_{j-1} may still run
+    reg_fence(s);
+    online_softmax<kBc>(s, m, l, alpha, p, j * kBc, wrow0 + 16 * warp, row_lo, t, sl2);
+    wg_wait<0>();
+    reg_fence(oacc);
+    reg_fence(pa);
+    release(j - 1);
+    rescale_o<D>(oacc, alpha);
+    pack_p<T, kBc>(pa, s);
+  }
+  if (kPingPong && wg == 0) my_turn();
+  wg_fence();
+  issue_pv_tile<T, D, kBc>(oacc, pa, smem_u32(sV + ((nkb - 1) % kStages) * kTile));
+  wg_wait<0>();
+  reg_fence(oacc);
+  store_o_lse<T, D>(oacc, m, l, p, b, h, row_lo, t, o, lse);
 }
 
 }  // namespace
@@ -416,6 +695,84 @@ void launch_fwd_sm90_cfg(const AttnParams& p, const T* q, const T* k, const T* v
   dim3 grid(p.B * p.H, static_cast<unsigned>((p.L + 64 * kWG - 1) / (64 * kWG)));
   kern<<<grid, kWG * 128, smem, st>>>(p, q, k, v, o, lse);
   BT_CUDA_LAUNCH_CHECK(op);
+}
+
+// ---- tensor maps (warp-specialised kernel) ----------------------------------------------------
+using EncodeTiledFn = decltype(&cuTensorMapEncodeTiled);
+
+// The driver's encoder through the runtime (null when the driver lacks it: the cp.async kernel
+// runs instead).
+EncodeTiledFn tensor_map_encoder() {
+  static const EncodeTiledFn fn = []() -> EncodeTiledFn {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+// A 4-d map over the (rows, D) matrices of one of q / k / v (element strides s_b, s_h, s_l, unit d
+// stride): dims d, then head and row in increasing stride (*h_inner: the head first), then batch;
+// a size-1 dim takes the nested stride.  Box: 64 d x box_rows rows, 128-byte swizzle (the wgmma
+// layout of Note [shared-memory layout for wgmma]); rows past the end read as zeros.  False when
+// the driver refuses (pointer or strides not 16-byte multiples, ...).
+template <typename T>
+bool make_row_map(CUtensorMap* map, bool* h_inner, const T* base, int D, int rows, int H, int B,
+                  int64_t s_b, int64_t s_h, int64_t s_l, int box_rows) {
+  const EncodeTiledFn enc = tensor_map_encoder();
+  if (!enc) return false;
+  constexpr uint64_t es = sizeof(T);
+  const uint64_t key_h = H > 1 ? uint64_t(s_h) : UINT64_MAX,
+                 key_l = rows > 1 ? uint64_t(s_l) : UINT64_MAX;
+  *h_inner = key_h < key_l;
+  cuuint64_t dim[4] = {cuuint64_t(D), 0, 0, cuuint64_t(B)},
+             stride[4] = {es, 0, 0, uint64_t(s_b) * es};
+  cuuint32_t box[4] = {64, 1, 1, 1};
+  const int mid_h = *h_inner ? 1 : 2, mid_l = 3 - mid_h;
+  dim[mid_h] = cuuint64_t(H), stride[mid_h] = uint64_t(s_h) * es;
+  dim[mid_l] = cuuint64_t(rows), stride[mid_l] = uint64_t(s_l) * es;
+  box[mid_l] = cuuint32_t(box_rows);
+  for (int i = 1; i < 4; ++i) {
+    if (dim[i] == 1) stride[i] = stride[i - 1] * dim[i - 1];
+  }
+  const cuuint32_t elem_step[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType dt = std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                                  : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return enc(map, dt, 4, const_cast<T*>(base), dim, stride + 1, box, elem_step,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <typename T, int D, int kWG, int kBc, int kStages>
+constexpr size_t sm90_ws_smem() {
+  return sm90_fwd_smem<T, D, kWG, kBc, kStages>() + (2 * kStages + 1) * sizeof(uint64_t);
+}
+
+// False (nothing launched) when the tensor maps cannot describe q, k or v.
+template <typename T, int D, int kWG, int kBc, int kStages, int kMinBlocks, bool kPingPong>
+bool launch_fwd_sm90_ws_cfg(const AttnParams& p, const T* q, const T* k, const T* v, T* o,
+                            float* lse, cudaStream_t st, const char* op) {
+  CUtensorMap tq, tk, tv;
+  TmaOrder ord{};
+  if (!make_row_map(&tq, &ord.q_h_inner, q, D, p.L, p.H, p.B, p.q_b, p.q_h, p.q_l, 64 * kWG) ||
+      !make_row_map(&tk, &ord.k_h_inner, k, D, p.S, p.H, p.B, p.k_b, p.k_h, p.k_l, kBc) ||
+      !make_row_map(&tv, &ord.v_h_inner, v, D, p.S, p.H, p.B, p.v_b, p.v_h, p.v_l, kBc)) {
+    return false;
+  }
+  constexpr size_t smem = sm90_ws_smem<T, D, kWG, kBc, kStages>();
+  auto kern = attn_fwd_sm90_ws<T, D, kWG, kBc, kStages, kMinBlocks, kPingPong>;
+  BT_CUDA_CHECK(op, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem)));
+  dim3 grid(p.B * p.H, static_cast<unsigned>((p.L + 64 * kWG - 1) / (64 * kWG)));
+  kern<<<grid, kWG * 128 + 32, smem, st>>>(p, tq, tk, tv, ord, o, lse);
+  BT_CUDA_LAUNCH_CHECK(op);
+  return true;
 }
 
 // Hopper path: built for sm_90a (BT_CUDA_SM90A), device of compute capability 9.0, D 64 or 128,
@@ -450,8 +807,10 @@ template <typename T>
 void attn_fwd_sm90(const AttnParams& p, const T* q, const T* k, const T* v, T* o, float* lse,
                    cudaStream_t st, const char* op) {
   if (p.D == 64) {
-    launch_fwd_sm90_cfg<T, 64, 2, 64, 5>(p, q, k, v, o, lse, st, op);
-  } else {
+    if (!launch_fwd_sm90_ws_cfg<T, 64, 2, 128, 4, 1, true>(p, q, k, v, o, lse, st, op)) {
+      launch_fwd_sm90_cfg<T, 64, 2, 64, 5>(p, q, k, v, o, lse, st, op);
+    }
+  } else if (!launch_fwd_sm90_ws_cfg<T, 128, 2, 64, 4, 1, false>(p, q, k, v, o, lse, st, op)) {
     launch_fwd_sm90_cfg<T, 128, 2, 64, 4>(p, q, k, v, o, lse, st, op);
   }
 }

@@ -15,8 +15,12 @@
 // The row-broadcast kernel launches one wave: the blocks resident at once (occupancy, per kernel),
 // so no partial second wave runs at a fraction of the bandwidth.  (The same sizing and a 4x
 // unrolled flat loop measured 1-7% slower for the flat path on the H200, casts to fp32 most.)
+// Flat 16-bit -> fp32 casts have an opt-in kernel (cast_widen_v3, BT_CUDA_CAST_VERSION=3) whose
+// warp stores are contiguous; bench/cast_check.sh times it against v2 and bandwidth baselines.
+// Launchers are left out under BT_ELEMENTWISE_KERNELS_ONLY (that harness).
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <tuple>
@@ -430,6 +434,100 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- widening casts, v3: 16-bit float -> fp32 on flat tensors -------------------------------
+// v2 gives a thread 8 elements: one 16-byte load and two 16-byte stores 16 bytes apart, so each
+// store instruction of a warp covers 1 KB with half of every 32-byte sector (twice the sectors
+// per instruction of a contiguous one).  v3: LB-byte loads (LB = 8: 4 elements, so each store
+// is one contiguous 512-byte warp access; 16: as v2), U vectors per thread per iteration, loads
+// first (bytes in flight), on a one-wave grid-stride grid; kCs: streaming (evict-first) stores;
+// kNa: L1::no_allocate loads.  Exact (a 16-bit float widens exactly).  Off by default
+// (BT_CUDA_CAST_VERSION=3 runs it): bench/cast_check.cu times the configurations.
+template <int LB>
+struct raw_words {
+  uint32_t w[LB / 4];
+};
+template <int LB, bool kNa>
+__device__ __forceinline__ raw_words<LB> ld_words(const void* p) {
+  raw_words<LB> r;
+  if constexpr (LB == 16) {
+    if constexpr (kNa) {
+      asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(r.w[0]), "=r"(r.w[1]), "=r"(r.w[2]), "=r"(r.w[3])
+                   : "l"(p));
+    } else {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+      r.w[0] = v.x, r.w[1] = v.y, r.w[2] = v.z, r.w[3] = v.w;
+    }
+  } else {
+    static_assert(LB == 8, "8- or 16-byte loads");
+    if constexpr (kNa) {
+      asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
+                   : "=r"(r.w[0]), "=r"(r.w[1])
+                   : "l"(p));
+    } else {
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+      r.w[0] = v.x, r.w[1] = v.y;
+    }
+  }
+  return r;
+}
+// The two 16-bit floats of a word (low half first) as float: exact.
+template <typename S>
+__device__ __forceinline__ float2 widen2(uint32_t w) {
+  if constexpr (std::is_same_v<S, __nv_bfloat16>) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  } else {
+    static_assert(std::is_same_v<S, __half>, "bf16 / fp16 only");
+    __half2 h;
+    memcpy(&h, &w, 4);
+    return __half22float2(h);
+  }
+}
+template <bool kCs>
+__device__ __forceinline__ void st_float4(float* p, const float4& v) {
+  if constexpr (kCs) {
+    __stcs(reinterpret_cast<float4*>(p), v);
+  } else {
+    *reinterpret_cast<float4*>(p) = v;
+  }
+}
+
+template <int LB, int U, bool kCs, bool kNa, typename S>
+__global__ void __launch_bounds__(kThreads)
+    cast_widen_v3(uint32_t n, const S* __restrict__ in, float* __restrict__ out) {
+  constexpr int E = LB / 2;  // elements per vector
+  const uint32_t stride = gridDim.x * blockDim.x;
+  const uint32_t nvec = n / E;
+  const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
+  for (uint32_t v0 = tid; v0 < nvec; v0 += U * stride) {
+    raw_words<LB> r[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint32_t v = v0 + u * stride;
+      if (v < nvec) r[u] = ld_words<LB, kNa>(in + size_t(v) * E);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint32_t v = v0 + u * stride;
+      if (v < nvec) {
+#pragma unroll
+        for (int q = 0; q < LB / 8; ++q) {  // one float4 (two words) per 8 input bytes
+          const float2 a = widen2<S>(r[u].w[2 * q]), b = widen2<S>(r[u].w[2 * q + 1]);
+          st_float4<kCs>(out + size_t(v) * E + 4 * q, make_float4(a.x, a.y, b.x, b.y));
+        }
+      }
+    }
+  }
+  for (uint32_t i = nvec * E + tid; i < n; i += stride) out[i] = convert<float>(in[i]);
+}
+// The configuration copy_cast runs (default; BT_CUDA_CAST_VERSION=2 selects v2): 8-byte loads,
+// one vector a thread, a full grid.  Measured on the H200 (bench/cast_check.cu): 100% of a D2D
+// copy of the same bytes at 16x1024x768 and x3072, against 71% / 65% for v2 (the one-wave, U4 and
+// 16-byte-load forms: 60-97%).
+constexpr int kWidenLoadBytes = 8, kWidenUnroll = 1;
+constexpr bool kWidenStreamStores = false, kWidenNoAllocate = false;
+
+#ifndef BT_ELEMENTWISE_KERNELS_ONLY  // (bench/cast_check.cu includes the kernels only)
 // ================================ launchers ====================================================
 
 template <typename T>
@@ -519,12 +617,45 @@ void launch_elementwise(const char* nm, const F& f, const Tensor& out,
   launch_elementwise_impl<O, Ts...>(nm, f, out, ins, std::index_sequence_for<Ts...>{});
 }
 
+// Cast kernel version, read per call: cast_widen_v3 for flat 16-bit -> fp32 casts (default, or
+// BT_CUDA_CAST_VERSION=3); BT_CUDA_CAST_VERSION=2 (or 1) runs the generic flat kernel (v2).
+int cast_version() {
+  const char* e = std::getenv("BT_CUDA_CAST_VERSION");
+  return e && (e[0] == '1' || e[0] == '2') && !e[1] ? 2 : 3;
+}
+
+// dst (fp32) = src (bf16 / fp16) through cast_widen_v3 when asked for and both are contiguous,
+// 16-byte aligned and 32-bit indexable; false (nothing launched) otherwise.
+template <typename S>
+bool try_cast_widen(const Tensor& dst, const Tensor& src, const char* nm) {
+  const int64_t n = dst.numel();
+  if (cast_version() != 3 || n == 0 || n > std::numeric_limits<int32_t>::max() ||
+      src.numel() != n || !dst.is_contiguous() || !src.is_contiguous()) {
+    return false;
+  }
+  const S* ip = cptr<S>(src, nm);
+  float* op = static_cast<float*>(dst.data_ptr(nm));
+  if (!aligned16(ip) || !aligned16(op)) return false;
+  auto kern = cast_widen_v3<kWidenLoadBytes, kWidenUnroll, kWidenStreamStores, kWidenNoAllocate, S>;
+  // A full grid (one vector a thread; the kernel's loop covers any remainder).
+  const int64_t threads_needed = ceil_div(n / (kWidenLoadBytes / 2), kWidenUnroll);
+  const int blocks =
+      static_cast<int>(std::max<int64_t>(1, ceil_div(threads_needed, int64_t(kThreads))));
+  kern<<<blocks, kThreads, 0, stream(dst.device(), nm)>>>(static_cast<uint32_t>(n), ip, op);
+  BT_CUDA_LAUNCH_CHECK(nm);
+  return true;
+}
+
 // dst = src (same shape, any strides), casting from src's dtype to dst's.
 void copy_cast_impl(const Tensor& dst, const Tensor& src, const char* nm) {
   dispatch_cuda_all(dst.dtype(), nm, [&](auto dtag) {
     using D = typename decltype(dtag)::type;
     dispatch_cuda_all(src.dtype(), nm, [&](auto stag) {
       using S = typename decltype(stag)::type;
+      if constexpr (std::is_same<D, float>::value &&
+                    (std::is_same<S, __nv_bfloat16>::value || std::is_same<S, __half>::value)) {
+        if (try_cast_widen<S>(dst, src, nm)) return;
+      }
       if constexpr (std::is_same<D, S>::value) {
         launch_elementwise<D, S>(nm, CopyF<D>{}, dst, {src});
       } else {
@@ -818,5 +949,10 @@ void Dropout::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) 
   });
   BT_CUDA_LAUNCH_CHECK(name());
 }
+
+#else   // BT_ELEMENTWISE_KERNELS_ONLY
+}  // namespace
+}  // namespace cuda
+#endif  // BT_ELEMENTWISE_KERNELS_ONLY
 
 }  // namespace bt

@@ -5,7 +5,12 @@
 // kernel sums the partials over blocks in a fixed order; no float atomics anywhere.  Each kernel
 // keeps a simple reference version (_v1); BT_CUDA_NN_V1=1 selects them.  Layer norm backward also
 // has _v3 (one warp per row, rows up to 1024 elements in registers, per-warp shared-memory
-// dweight / dbias partials), selected by BT_CUDA_NN_VERSION (nn_common.cuh).
+// dweight / dbias partials), selected by BT_CUDA_NN_VERSION (nn_common.cuh); its partials are
+// summed by layernorm_backward_reduce_v4 (many blocks; the serial one-thread-per-column reduce,
+// ceil(2C / 256) blocks, stays for v2).  _v4 (several warps a row, partials in registers) runs
+// rows over 1024 elements by default, and _v5 (the next row's loads in flight during each row's
+// math; BT_CUDA_NN_VERSION=5, opt-in until measured) is timed against them by
+// bench/ln_bwd_check.sh.  Launchers are left out under BT_NN_FUSED_KERNELS_ONLY (the harness).
 //
 // Cross-entropy backward reads the logits in their dtype and writes dlogits in that dtype in one
 // pass (p = exp(x - lse) from the saved lse; no float32 copy).  Logits rows may be strided; with
@@ -427,6 +432,234 @@ __global__ void __launch_bounds__(32 * kReduceRows)
   }
 }
 
+// v5: v3 / v4 with more bytes in flight per warp.  A group of WPR warps per row (the smallest WPR
+// giving at most kV5MaxNV 16-byte vectors per lane, so GPT-2's 768 and 3072 rows, bf16 and fp32,
+// all hold 3 vectors per lane and array), NW warps per block on a persistent grid.  With kPf a
+// group issues its next row's loads (dy, x, extra as raw 16-byte words; mean, rstd) before the
+// current row's math, so its loads overlap its own shuffles, barrier and stores instead of the
+// SM's loads draining at each row's reductions.  Rows stay raw and are unpacked twice (a few ALU
+// ops next to the memory time) to leave registers for the prefetch.  The weight sits in shared
+// memory as float; dweight / dbias partials accumulate in a per-group shared slice (each group
+// lane owns its columns), rows in order; at the end the block sums its groups' slices in group
+// order into partial[block] for layernorm_backward_reduce_v4.  kCs: streaming (evict-first) loads
+// of dy / x / extra and stores of dx.  Deterministic for a given grid.
+constexpr int kV5MaxNV = 3;  // 16-byte vectors per lane and array
+constexpr int kV5Warps = 8;  // warps per block (eval_gpu's choice; the check harness tries 16)
+
+template <bool kCs>
+__device__ __forceinline__ uint4 ld16(const void* p) {
+  const uint4* q = reinterpret_cast<const uint4*>(p);
+  if constexpr (kCs) {
+    return __ldcs(q);
+  } else {
+    return __ldg(q);
+  }
+}
+template <bool kCs>
+__device__ __forceinline__ void st16(void* p, const uint4& v) {
+  uint4* q = reinterpret_cast<uint4*>(p);
+  if constexpr (kCs) {
+    __stcs(q, v);
+  } else {
+    *q = v;
+  }
+}
+
+template <typename T, typename S, int NV, int WPR, int NW, bool kPf, bool kCs>
+__global__ void __launch_bounds__(NW * 32, 16 / NW)  // <= 128 registers: 16 warps per SM
+    layernorm_backward_v5(const T* __restrict__ dy, const T* __restrict__ x,
+                          const T* __restrict__ w, const S* __restrict__ mean,
+                          const S* __restrict__ rstd, const T* __restrict__ extra,
+                          T* __restrict__ dx, float* __restrict__ partial, int64_t R, int64_t C,
+                          bool need_acc) {
+  constexpr int V = static_cast<int>(16 / sizeof(T)), RG = NW / WPR;
+  static_assert(V % 4 == 0, "v5 reads float4s of the weight and partials");
+  __shared__ float red[2][2 * NW];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, grp = warp / WPR;
+  const int gl = (warp % WPR) * 32 + lane;
+  float* wsm = reinterpret_cast<float*>(smem_raw);  // C floats: the weight (1 without one)
+  float* acc = wsm + C + int64_t(grp) * 2 * C;      // 2C floats: this group's [dw | db]
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) wsm[i] = w ? load_math(w + i) : 1.f;
+  if (need_acc) {
+    for (int64_t i = threadIdx.x; i < int64_t(RG) * 2 * C; i += blockDim.x) wsm[C + i] = 0.f;
+  }
+  __syncthreads();
+
+  const int64_t step = int64_t(gridDim.x) * RG;
+  int64_t row = int64_t(blockIdx.x) * RG + grp;  // the group's rows: row, row + step, ...
+  auto load_row = [&](int64_t r, uint4(&d)[NV], uint4(&xv)[NV], uint4(&e)[NV], float& m,
+                      float& rs) {
+    if (r >= R) return;
+    const int64_t off = r * C;
+    m = static_cast<float>(mean[r]);
+    rs = static_cast<float>(rstd[r]);
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = v4_col<V, WPR>(j, gl);
+      if (c < C) {
+        d[j] = ld16<kCs>(dy + off + c);
+        xv[j] = ld16<kCs>(x + off + c);
+        if (extra) e[j] = ld16<kCs>(extra + off + c);
+      }
+    }
+  };
+  uint4 cd[NV], cx[NV], ce[NV];
+  float cm = 0.f, cr = 0.f;
+  if constexpr (kPf) load_row(row, cd, cx, ce, cm, cr);
+  int parity = 0;
+  for (; row < R; row += step) {
+    uint4 nd[NV], nx[NV], ne[NV];
+    float nm = 0.f, nr = 0.f;
+    if constexpr (kPf) {
+      load_row(row + step, nd, nx, ne, nm, nr);  // in flight during this row's math
+    } else {
+      load_row(row, cd, cx, ce, cm, cr);
+    }
+    const int64_t off = row * C;
+    float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = v4_col<V, WPR>(j, gl);
+      if (c < C) {
+        float g[V], xh[V];
+        unpack16<T>(cd[j], g);
+        unpack16<T>(cx[j], xh);
+#pragma unroll
+        for (int k = 0; k < V; k += 4) {
+          const float4 wv = *reinterpret_cast<const float4*>(wsm + c + k);
+          const float ww[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            xh[k + q] = (xh[k + q] - cm) * cr;
+            const float gw = g[k + q] * ww[q];
+            s1 += gw;
+            s2 += gw * xh[k + q];
+          }
+          if (need_acc) {
+            float4* pw = reinterpret_cast<float4*>(acc + c + k);
+            float4* pb = reinterpret_cast<float4*>(acc + C + c + k);
+            float4 a = *pw, b = *pb;
+            a.x += g[k] * xh[k];
+            a.y += g[k + 1] * xh[k + 1];
+            a.z += g[k + 2] * xh[k + 2];
+            a.w += g[k + 3] * xh[k + 3];
+            b.x += g[k];
+            b.y += g[k + 1];
+            b.z += g[k + 2];
+            b.w += g[k + 3];
+            *pw = a;
+            *pb = b;
+          }
+        }
+      }
+    }
+    s1 = warp_sum(s1);
+    s2 = warp_sum(s2);
+    group_sum2<WPR, NW>(s1, s2, red[parity]);
+    parity ^= 1;
+    s1 /= static_cast<float>(C);
+    s2 /= static_cast<float>(C);
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = v4_col<V, WPR>(j, gl);
+      if (c < C) {
+        float g[V], xh[V], ev[V], o[V];
+        unpack16<T>(cd[j], g);
+        unpack16<T>(cx[j], xh);
+        if (extra) unpack16<T>(ce[j], ev);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const float xhk = (xh[k] - cm) * cr;
+          o[k] = cr * (g[k] * wsm[c + k] - s1 - xhk * s2);
+          if (extra) o[k] += ev[k];
+        }
+        st16<kCs>(dx + off + c, pack16<T>(o));
+      }
+    }
+    if constexpr (kPf) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) cd[j] = nd[j], cx[j] = nx[j], ce[j] = ne[j];
+      cm = nm, cr = nr;
+    }
+  }
+  if (!need_acc) return;
+  __syncthreads();
+  const float* all = wsm + C;
+  float* dst = partial + int64_t(blockIdx.x) * 2 * C;
+  for (int64_t i = threadIdx.x * 4; i < 2 * C; i += blockDim.x * 4) {  // 2C % 4 == 0 (C % V)
+    float4 t = *reinterpret_cast<const float4*>(all + i);
+    for (int q = 1; q < RG; ++q) {  // group order: deterministic
+      const float4 u = *reinterpret_cast<const float4*>(all + int64_t(q) * 2 * C + i);
+      t.x += u.x, t.y += u.y, t.z += u.z, t.w += u.w;
+    }
+    *reinterpret_cast<float4*>(dst + i) = t;
+  }
+}
+
+// Runs f(ic<NV>, ic<WPR>) (which returns whether it launched) and returns its result, or false
+// (f not run) where v5 does not apply: 8-byte elements, C % V != 0, a misaligned pointer, rows
+// over 8 * 32 * kV5MaxNV vectors.
+template <typename T, typename F>
+inline bool dispatch_v5(int64_t C, std::initializer_list<const void*> ptrs, F&& f) {
+  if constexpr (sizeof(T) == 8) {
+    return false;
+  } else {
+    constexpr int V = static_cast<int>(16 / sizeof(T));
+    if (C <= 0 || C % V != 0) return false;
+    for (const void* p : ptrs) {
+      if (p && (reinterpret_cast<uintptr_t>(p) & 15) != 0) return false;
+    }
+    const int64_t nvec = C / V;
+    auto by_nv = [&](auto wtag) {
+      constexpr int WPR = decltype(wtag)::value;
+      const int64_t nv = ceil_div(nvec, int64_t(32) * WPR);
+      static_assert(kV5MaxNV == 3, "by_nv covers NV 1..3");
+      if (nv <= 1) return static_cast<bool>(f(ic<1>{}, wtag));
+      if (nv <= 2) return static_cast<bool>(f(ic<2>{}, wtag));
+      return static_cast<bool>(f(ic<3>{}, wtag));
+    };
+    if (nvec <= 32 * kV5MaxNV) return by_nv(ic<1>{});
+    if (nvec <= 64 * kV5MaxNV) return by_nv(ic<2>{});
+    if (nvec <= 128 * kV5MaxNV) return by_nv(ic<4>{});
+    if (nvec <= 256 * kV5MaxNV) return by_nv(ic<8>{});
+    return false;
+  }
+}
+
+// Launch geometry of v5 (shared by eval_gpu and bench/ln_bwd_check.cu): dynamic shared memory
+// (weight + RG group slices) and the persistent grid, the resident blocks (at most 4 per SM) but
+// no more than the row groups need; 0 where the kernel cannot launch (more shared memory than
+// smem_optin, the device's per-block opt-in limit).
+template <typename T, typename S, int NV, int WPR, int NW, bool kPf, bool kCs>
+struct LnBwdV5 {
+  static constexpr int kThreadsV5 = NW * 32;
+  static size_t smem(int64_t C, bool need_acc) {
+    return static_cast<size_t>(C + (need_acc ? int64_t(NW / WPR) * 2 * C : 0)) * sizeof(float);
+  }
+  static int grid(int64_t R, int64_t C, bool need_acc, int sm_count, size_t smem_optin,
+                  const char* op) {
+    auto kern = layernorm_backward_v5<T, S, NV, WPR, NW, kPf, kCs>;
+    const size_t sm = smem(C, need_acc);
+    if (sm > smem_optin) return 0;
+    if (sm > 48 * 1024) {
+      BT_CUDA_CHECK(op, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(sm)));
+    }
+    int per_sm = 0;
+    BT_CUDA_CHECK(op, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, kThreadsV5, sm));
+    if (per_sm == 0) return 0;
+    per_sm = std::min(per_sm, 4);
+    return static_cast<int>(std::min<int64_t>(ceil_div(R, NW / WPR), int64_t(sm_count) * per_sm));
+  }
+  static void launch(int G, cudaStream_t st, const T* dy, const T* x, const T* w, const S* mean,
+                     const S* rstd, const T* extra, T* dx, float* partial, int64_t R, int64_t C,
+                     bool need_acc) {
+    layernorm_backward_v5<T, S, NV, WPR, NW, kPf, kCs><<<G, kThreadsV5, smem(C, need_acc), st>>>(
+        dy, x, w, mean, rstd, extra, dx, partial, R, C, need_acc);
+  }
+};
+
 // ---- cross-entropy backward ------------------------------------------------------------------
 // scale[r] = 0 for ignored rows, else g[r] (none), g[0] / #valid (mean), g[0] (sum).  One block.
 template <typename G, typename A>
@@ -564,6 +797,7 @@ __global__ void __launch_bounds__(kCeMaxThreads)
 
 }  // namespace cuda::nn
 
+#ifndef BT_NN_FUSED_KERNELS_ONLY  // (bench/ln_bwd_check.cu includes the kernels only)
 // ================================ launchers =====================================================
 using namespace cuda;
 using namespace cuda::nn;
@@ -624,6 +858,32 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
       return;
     }
     const int ver = nn_version();
+    // v5 (BT_CUDA_NN_VERSION=5; opt-in until measured): the next row's loads in flight during
+    // each row's math
+    if (ver == 5 && dispatch_v5<T>(C, {dyp, xp, wp, ep, dxp}, [&](auto nvt, auto wt) {
+          constexpr int NV = decltype(nvt)::value, WPR = decltype(wt)::value;
+          using K = LnBwdV5<T, S, NV, WPR, kV5Warps, true, false>;
+          const DeviceInfo& di = device_info(dev.index);
+          const int G = K::grid(R, C, need_acc, di.sm_count, di.smem_per_block_optin, name());
+          if (G == 0) return false;
+          Tensor partial;
+          float* pp = nullptr;
+          if (need_acc) {
+            partial = empty_tensor({int64_t(G) * 2 * C}, DType::Float32, dev, name());
+            pp = static_cast<float*>(partial.data_ptr(name()));
+          }
+          K::launch(G, st, dyp, xp, wp, mp, rp, ep, dxp, pp, R, C, need_acc);
+          BT_CUDA_LAUNCH_CHECK(name());
+          if (need_acc) {
+            layernorm_backward_reduce_v4<T>
+                <<<static_cast<unsigned>(ceil_div(2 * C, 32)), dim3(32, kReduceRows), 0, st>>>(
+                    pp, G, C, dwp, dbp);
+            BT_CUDA_LAUNCH_CHECK(name());
+          }
+          return true;
+        })) {
+      return;
+    }
     if (layernorm_v4(C) &&
         dispatch_v4<T>(C, {dyp, xp, wp, ep, dxp}, [&](auto vt, auto nvt, auto wt) {
           constexpr int V = decltype(vt)::value, NV = decltype(nvt)::value;
@@ -683,16 +943,19 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
           const int G = static_cast<int>(std::min<int64_t>(
               ceil_div(R, nw), int64_t(device_info(dev.index).sm_count) * per_sm));
           Tensor partial;
-          A* pp = nullptr;  // float: v3 never runs for float64 (dispatch_v3)
+          float* pp = nullptr;  // v3 never runs for float64 (dispatch_v3)
           if (need_acc) {
             partial = empty_tensor({int64_t(G) * 2 * C}, DType::Float32, dev, name());
-            pp = static_cast<A*>(partial.data_ptr(name()));
+            pp = static_cast<float*>(partial.data_ptr(name()));
           }
           kern<<<G, nw * 32, smem, st>>>(dyp, xp, wp, mp, rp, ep, dxp, pp, R, C, need_acc);
           BT_CUDA_LAUNCH_CHECK(name());
           if (need_acc) {
-            layernorm_backward_reduce<T>
-                <<<static_cast<unsigned>(ceil_div(2 * C, 256)), 256, 0, st>>>(pp, G, C, dwp, dbp);
+            // 32 columns x kReduceRows per block: the serial one-thread-per-column reduce ran
+            // only ceil(2C / 256) blocks, each summing G partials one after another
+            layernorm_backward_reduce_v4<T>
+                <<<static_cast<unsigned>(ceil_div(2 * C, 32)), dim3(32, kReduceRows), 0, st>>>(
+                    pp, G, C, dwp, dbp);
             BT_CUDA_LAUNCH_CHECK(name());
           }
         })) {
@@ -803,5 +1066,7 @@ void CrossEntropyBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<T
     });
   });
 }
+
+#endif  // BT_NN_FUSED_KERNELS_ONLY
 
 }  // namespace bt
