@@ -1,24 +1,31 @@
 // ln_bwd_check.cu: standalone check + timing of the layer-norm backward kernels of
-// src/cuda/nn_fused.cu (v1, v2, v3 with either dweight / dbias reduce, v4, v5 configurations).
-// Build and run: bash bench/ln_bwd_check.sh [--check | --bench] (needs an sm_90 GPU).  Exit status
-// 1 on any FAIL.
+// src/cuda/nn_fused.cu (v1, v2, v3 with either dweight / dbias reduce, v4, v5 and v6
+// configurations).  Build and run: bash bench/ln_bwd_check.sh [--check | --bench] (needs an sm_90
+// GPU).  Exit status 1 on any FAIL.
 //
 // Check: bf16 and fp32; R in {1, 7, 300, 16384}; C in {768, 3072, 1000, 100} (each variant where
-// it applies: v3-v5 need rows of whole 16-byte vectors, so C = 100 runs them in fp32 only);
-// weight + dweight + dbias, weight + dweight, dbias only, neither (dx only; R = 16384: weight +
-// dweight + dbias only); with and without `extra` (add_layer_norm's residual gradient).  dx, dw, db
-// and the partials are poisoned (NaN) before each run; error = max |gpu - ref| / max |ref| per
-// output against float64 math on the rounded inputs and the float mean / rstd the kernels read.
-// Tolerances: bf16 4e-3 (the output's rounding, 2^-9 relative, plus float math), fp32 2e-5 (float
-// sums of up to 16384 rows).  Each variant runs twice: dx, dw, db must be bitwise equal
-// (determinism for a fixed grid).
+// it applies: v3-v6 need rows of whole 16-byte vectors, so C = 100 runs them in fp32 only; the v6
+// sweep configurations build GPT-2's row shapes only); weight + dweight + dbias, weight + dweight,
+// dbias only, neither (dx only; R = 16384: weight + dweight + dbias only); with and without
+// `extra` (add_layer_norm's residual gradient).  dx, dw, db and the partials are poisoned (NaN)
+// before each run; error = max |gpu - ref| / max |ref| per output against float64 math on the
+// rounded inputs and the float mean / rstd the kernels read.  Tolerances: bf16 4e-3 (the output's
+// rounding, 2^-9 relative, plus float math), fp32 2e-5 (float sums of up to 16384 rows).  Each
+// variant runs twice: dx, dw, db must be bitwise equal (determinism for a fixed grid; for v6 also
+// that its arrival counters were reset by the first run).
 //
 // Timing: R = 16384, C = 768 and 3072, weight + dweight + dbias, with and without extra;
-// cudaEvent median of 30 after 5 warm-ups, each launch sequence timed alone.  Bytes: dy, x
+// cudaEvent median of 15 samples, each the mean of 10 back-to-back calls (launch latency and the
+// runners' host work hidden, as in a training step; session 11 timed single calls, which counted
+// the host's launch time too), after 5 warm-ups; grids cached per (kernel, problem).  Bytes: dy, x
 // (+ extra) read and dx written once (the tiny weight / stats / partials not counted).  "copy":
 // cudaMemcpyAsync D2D of bytes / 2 (it reads and writes, so it moves the same bytes), "copyk": a
 // plain uint4 copy kernel of the same size; %copy = copy ms / ours ms.  main / reduce: the row
-// kernel and the dweight / dbias reduce timed alone.
+// kernel and the dweight / dbias reduce kernel timed alone ("-": none; v6 with clusters reduces
+// in the row kernel), main's %copy against the same copy.  regs / local (bytes of local memory
+// per thread: spills) / smemKB (dynamic, per block) / blk/SM (occupancy) / grid / cl (cluster
+// size) / parts (partial rows of 2C floats written): the row kernel's launch.  The summary at the
+// end gives, per case, the library default's %copy and the best variant's.
 #define BT_NN_FUSED_KERNELS_ONLY 1
 #include <algorithm>
 #include <cmath>
@@ -26,8 +33,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../src/cuda/nn_fused.cu"
@@ -53,8 +62,31 @@ using bf16 = __nv_bfloat16;
 }
 
 static int g_fail = 0;
-static int g_sms = 0;
+static int g_sms = 0, g_major = 0;
 static size_t g_optin = 0;
+// What the last runner launched (mode 0 / 1), for the bench's registers / occupancy columns.
+struct LaunchNote {
+  const void* kern = nullptr;                            // the row kernel
+  int grid = 0, threads = 0, cluster = 1, partials = 0;  // partials: rows of 2C floats written
+  size_t smem = 0;                                       // dynamic shared memory, bytes
+};
+static LaunchNote g_note;
+// Grids by (kernel, R, C, extra, need_acc): the occupancy queries (and cudaFuncSetAttribute) run
+// once, so the timed loops launch only (the host work per call stays under the GPU time).
+static std::map<std::tuple<const void*, int64_t, int64_t, bool, bool>, int> g_grids;
+template <typename F>
+static int cached_grid(const void* kern, int64_t R, int64_t C, bool extra, bool need_acc, F&& f) {
+  const auto key = std::make_tuple(kern, R, C, extra, need_acc);
+  auto it = g_grids.find(key);
+  if (it != g_grids.end()) return it->second;
+  const int G = f();
+  g_grids.emplace(key, G);
+  return G;
+}
+static void note(const void* kern, int grid, int threads, size_t smem, int partials,
+                 int cluster = 1) {
+  g_note = LaunchNote{kern, grid, threads, cluster, partials, smem};
+}
 constexpr int64_t kMaxPartialBlocks = 2048;  // partial buffer rows (blocks); grids are checked
 
 static float to_f(float v) { return v; }
@@ -202,7 +234,11 @@ static bool run_v2(const Prob<T>& p, int mode) {
     }
     if (mode != 2) {
       const size_t smem = 2 * p.C * sizeof(float);
-      if (need_acc && smem <= 40 * 1024) {
+      const bool sm = need_acc && smem <= 40 * 1024;
+      note(sm ? reinterpret_cast<const void*>(layernorm_backward_v2<T, float, V, true>)
+              : reinterpret_cast<const void*>(layernorm_backward_v2<T, float, V, false>),
+           G, threads, sm ? smem : 0, need_acc ? G : 0);
+      if (sm) {
         layernorm_backward_v2<T, float, V, true><<<G, threads, smem>>>(
             p.dy, p.x, p.wp(), p.mean, p.rstd, p.ep(), p.dx, p.partial, p.R, p.C, true);
       } else {
@@ -229,15 +265,19 @@ static bool run_v3(const Prob<T>& p, int mode) {
     const int nw = 8;
     const size_t smem = need_acc ? size_t(nw) * 2 * p.C * sizeof(float) : 0;
     auto kern = layernorm_backward_v3<T, float, V, NV>;
-    if (smem > 48 * 1024) {
-      CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(smem)));
-    }
-    int per_sm = 0;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, nw * 32, smem));
-    per_sm = std::max(1, std::min(per_sm, 2));
-    const int G = static_cast<int>(std::min<int64_t>(ceil_div(p.R, nw), int64_t(g_sms) * per_sm));
+    const int G =
+        cached_grid(reinterpret_cast<const void*>(kern), p.R, p.C, p.has_extra, need_acc, [&] {
+          if (smem > 48 * 1024) {
+            CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(smem)));
+          }
+          int per_sm = 0;
+          CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, nw * 32, smem));
+          per_sm = std::max(1, std::min(per_sm, 2));
+          return static_cast<int>(std::min<int64_t>(ceil_div(p.R, nw), int64_t(g_sms) * per_sm));
+        });
     if (mode != 2) {
+      note(reinterpret_cast<const void*>(kern), G, nw * 32, smem, need_acc ? G : 0);
       kern<<<G, nw * 32, smem>>>(p.dy, p.x, p.wp(), p.mean, p.rstd, p.ep(), p.dx, p.partial, p.R,
                                  p.C, need_acc);
       CK(cudaGetLastError());
@@ -265,15 +305,19 @@ static bool run_v4(const Prob<T>& p, int mode) {
     constexpr int WPR = decltype(wt)::value, RG = kV4BwdWarps / WPR;
     const size_t smem = need_acc ? size_t(2) * p.C * sizeof(float) : 0;
     auto kern = layernorm_backward_v4<T, float, V, NV, WPR>;
-    if (smem > 48 * 1024) {
-      CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(smem)));
-    }
-    int per_sm = 0;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, kV4BwdWarps * 32, smem));
-    per_sm = std::max(1, std::min(per_sm, 2));
-    const int G = static_cast<int>(std::min<int64_t>(ceil_div(p.R, RG), int64_t(g_sms) * per_sm));
+    const int G =
+        cached_grid(reinterpret_cast<const void*>(kern), p.R, p.C, p.has_extra, need_acc, [&] {
+          if (smem > 48 * 1024) {
+            CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(smem)));
+          }
+          int per_sm = 0;
+          CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, kV4BwdWarps * 32, smem));
+          per_sm = std::max(1, std::min(per_sm, 2));
+          return static_cast<int>(std::min<int64_t>(ceil_div(p.R, RG), int64_t(g_sms) * per_sm));
+        });
     if (mode != 2) {
+      note(reinterpret_cast<const void*>(kern), G, kV4BwdWarps * 32, smem, need_acc ? G : 0);
       kern<<<G, kV4BwdWarps * 32, smem>>>(p.dy, p.x, p.wp(), p.mean, p.rstd, p.ep(), p.dx,
                                           p.partial, p.R, p.C, need_acc);
       CK(cudaGetLastError());
@@ -287,7 +331,7 @@ static bool run_v4(const Prob<T>& p, int mode) {
   });
 }
 
-// v5 with NW warps per block, prefetch and streaming as given (eval_gpu: kV5Warps, pf, no cs)
+// v5 with NW warps per block, prefetch and streaming as given (eval_gpu: kV5Warps, no pf, no cs)
 template <typename T, int NW, bool kPf, bool kCs>
 static bool run_v5(const Prob<T>& p, int mode) {
   const bool need_acc = p.need_acc();
@@ -297,9 +341,14 @@ static bool run_v5(const Prob<T>& p, int mode) {
       return false;
     } else {
       using K = LnBwdV5<T, float, NV, WPR, NW, kPf, kCs>;
-      const int G = K::grid(p.R, p.C, need_acc, g_sms, g_optin, "v5");
+      auto kern = layernorm_backward_v5<T, float, NV, WPR, NW, kPf, kCs>;
+      const int G =
+          cached_grid(reinterpret_cast<const void*>(kern), p.R, p.C, p.has_extra, need_acc,
+                      [&] { return K::grid(p.R, p.C, need_acc, g_sms, g_optin, "v5"); });
       if (G == 0 || G > kMaxPartialBlocks) return false;
       if (mode != 2) {
+        note(reinterpret_cast<const void*>(kern), G, NW * 32, K::smem(p.C, need_acc),
+             need_acc ? G : 0);
         K::launch(G, 0, p.dy, p.x, p.wp(), p.mean, p.rstd, p.ep(), p.dx, p.partial, p.R, p.C,
                   need_acc);
         CK(cudaGetLastError());
@@ -315,6 +364,48 @@ static bool run_v5(const Prob<T>& p, int mode) {
   });
 }
 
+// v6 with NW warps per block, K ring slots per row group, clusters of CL (1: no cluster) and the
+// dw / db partials reduced in the kernel (kFinal, CL > 1) or by reduce_v4.  kAll: every row shape
+// (the library's configurations); else GPT-2's (NV 3: bf16 WPR 1 / 4, fp32 WPR 2 / 8) only, to
+// keep the sweep's compile time down.
+template <typename T, int NW, int K, int CL, bool kFinal, bool kAll>
+static bool run_v6(const Prob<T>& p, int mode) {
+  const bool need_acc = p.need_acc();
+  return dispatch_v5<T>(p.C, {p.dy, p.x, p.wp(), p.ep(), p.dx}, [&](auto nvt, auto wt) {
+    constexpr int NV = decltype(nvt)::value, WPR = decltype(wt)::value;
+    constexpr bool gpt2 =
+        NV == 3 && (sizeof(T) == 2 ? (WPR == 1 || WPR == 4) : (WPR == 2 || WPR == 8));
+    if constexpr (WPR > NW || (!kAll && !gpt2)) {
+      return false;
+    } else {
+      using L = LnBwdV6<T, float, NV, WPR, NW, K, CL>;
+      const int G = cached_grid(
+          reinterpret_cast<const void*>(L::kernel()), p.R, p.C, p.has_extra, need_acc,
+          [&] { return L::grid(p.R, p.C, p.has_extra, g_sms, g_optin, g_major, "v6"); });
+      const bool fin = CL > 1 && kFinal;
+      const int P = G / CL;  // partial rows written
+      if (G == 0 || P > kMaxPartialBlocks) return false;
+      if (mode == 2 && (fin || !need_acc)) return false;  // no separate reduce
+      if (mode != 2) {
+        note(reinterpret_cast<const void*>(L::kernel()), G, L::kThreads,
+             L::smem(p.C, p.ep() != nullptr), need_acc ? P : 0, CL);
+        L::launch(G, 0, p.dy, p.x, p.wp(), p.mean, p.rstd, p.ep(), p.dx, p.partial, p.dwp(),
+                  p.dbp(), p.R, p.C, need_acc, fin, "v6");
+        CK(cudaGetLastError());
+      }
+      if (mode != 1 && need_acc && !fin) {
+        layernorm_backward_reduce_v4<T>
+            <<<static_cast<unsigned>(ceil_div(2 * p.C, 32)), dim3(32, kReduceRows)>>>(
+                p.partial, P, p.C, p.dwp(), p.dbp());
+        CK(cudaGetLastError());
+      }
+      return true;
+    }
+  });
+}
+
+static_assert(kV6Warps == 8 && kV6Stages == 3 && kV6Cluster == 1, "v6 (lib) variant names");
+
 template <typename T>
 struct Variant {
   const char* name;
@@ -323,18 +414,27 @@ struct Variant {
 
 template <typename T>
 static std::vector<Variant<T>> variants() {
+  // "lib": the configuration eval_gpu launches for that version
   return {
       {"v1 (reference)", run_v1<T>},
       {"v2", run_v2<T>},
       {"v3 + reduce (old)", run_v3<T, false>},
-      {"v3 + reduce_v4 (default)", run_v3<T, true>},
-      {"v4", run_v4<T>},
-      {"v5 nw8 pf (BT_..=5)", run_v5<T, 8, true, false>},
-      {"v5 nw8", run_v5<T, 8, false, false>},
-      {"v5 nw8 pf cs", run_v5<T, 8, true, true>},
-      {"v5 nw16 pf", run_v5<T, 16, true, false>},
+      {"v3 + reduce_v4 (lib)", run_v3<T, true>},
+      {"v4 (lib)", run_v4<T>},
+      {"v5 nw8 pf (old lib)", run_v5<T, 8, true, false>},
+      {"v5 nw8 (lib)", run_v5<T, 8, false, false>},
       {"v5 nw16", run_v5<T, 16, false, false>},
-      {"v5 nw16 pf cs", run_v5<T, 16, true, true>},
+      {"v6 nw8 k3 cl8", run_v6<T, 8, 3, 8, true, true>},
+      {"v6 nw8 k3 cl1 + reduce (lib)", run_v6<T, kV6Warps, kV6Stages, kV6Cluster, false, true>},
+      {"v6 nw8 k3 cl8 + reduce", run_v6<T, 8, 3, 8, false, false>},
+      {"v6 nw8 k2 cl8", run_v6<T, 8, 2, 8, true, false>},
+      {"v6 nw8 k4 cl8", run_v6<T, 8, 4, 8, true, false>},
+      {"v6 nw8 k3 cl2", run_v6<T, 8, 3, 2, true, false>},
+      {"v6 nw8 k3 cl4", run_v6<T, 8, 3, 4, true, false>},
+      {"v6 nw8 k3 cl16", run_v6<T, 8, 3, 16, true, false>},
+      {"v6 nw4 k4 cl8", run_v6<T, 4, 4, 8, true, false>},
+      {"v6 nw16 k2 cl8", run_v6<T, 16, 2, 8, true, false>},
+      {"v6 nw16 k3 cl8", run_v6<T, 16, 3, 8, true, false>},
   };
 }
 
@@ -441,6 +541,9 @@ __global__ void copy_kernel(const uint4* __restrict__ a, uint4* __restrict__ b, 
   if (i < n) b[i] = a[i];
 }
 
+// Median over kSamples of the mean time of kBatch back-to-back calls of f (as in a training step:
+// launch latency hidden, the gaps between dependent kernels counted), after warm-ups.
+constexpr int kSamples = 15, kBatch = 10;
 template <typename F>
 static float median_ms(F&& f) {
   cudaEvent_t a, b;
@@ -449,20 +552,40 @@ static float median_ms(F&& f) {
   for (int i = 0; i < 5; ++i) f();
   CK(cudaDeviceSynchronize());
   std::vector<float> ts;
-  for (int r = 0; r < 30; ++r) {
+  for (int r = 0; r < kSamples; ++r) {
     CK(cudaEventRecord(a));
-    f();
+    for (int i = 0; i < kBatch; ++i) f();
     CK(cudaEventRecord(b));
     CK(cudaEventSynchronize(b));
     float ms;
     CK(cudaEventElapsedTime(&ms, a, b));
-    ts.push_back(ms);
+    ts.push_back(ms / kBatch);
   }
   CK(cudaEventDestroy(a));
   CK(cudaEventDestroy(b));
   std::sort(ts.begin(), ts.end());
   return ts[ts.size() / 2];
 }
+
+// The variant eval_gpu runs by default for this case (ln_bwd_default; v2 never at these shapes).
+static const char* default_variant(int ver) {
+  switch (ver) {
+    case 6:
+      return "v6 nw8 k3 cl1 + reduce (lib)";
+    case 5:
+      return "v5 nw8 (lib)";
+    case 4:
+      return "v4 (lib)";
+    default:
+      return "v3 + reduce_v4 (lib)";
+  }
+}
+
+struct CaseSummary {
+  std::string name, def, best;
+  float def_pct = 0, best_pct = 0;
+};
+static std::vector<CaseSummary> g_summary;
 
 template <typename T>
 static void bench_all() {
@@ -485,25 +608,49 @@ static void bench_all() {
       });
       CK(cudaFree(ca));
       CK(cudaFree(cb));
+      const char* def = default_variant(ln_bwd_default<T>(C, ex != 0, g_major));
       std::printf(
           "\nbench %s R=%lld C=%lld %s: %.1f MB moved; memcpy D2D %.4f ms (%.0f GB/s), copy "
-          "kernel %.4f ms (%.0f GB/s)\n",
+          "kernel %.4f ms (%.0f GB/s); library default: %s\n",
           tname<T>(), static_cast<long long>(R), static_cast<long long>(C),
           ex ? "layer_norm + extra (add_layer_norm)" : "layer_norm", bytes / 1e6, copy_ms,
-          bytes / copy_ms / 1e6, copyk_ms, bytes / copyk_ms / 1e6);
-      std::printf("  %-26s %9s %7s %7s %7s %9s %9s\n", "variant", "ms", "GB/s", "%copy", "%copyk",
-                  "main ms", "reduce ms");
+          bytes / copy_ms / 1e6, copyk_ms, bytes / copyk_ms / 1e6, def);
+      std::printf("  %-26s %8s %6s %6s %6s | %8s %6s %9s | %4s %5s %6s %6s %5s %2s %5s\n",
+                  "variant", "ms", "GB/s", "%copy", "%copyk", "main ms", "%copy", "reduce ms",
+                  "regs", "local", "smemKB", "blk/SM", "grid", "cl", "parts");
+      CaseSummary sum;
+      sum.name = std::string(tname<T>()) + " C=" + std::to_string(C) + (ex ? " + extra" : "");
+      sum.def = def;
       for (const auto& v : vs) {
-        if (v.fn == nullptr) continue;
         if (std::string(v.name).rfind("v1", 0) == 0) continue;  // the reference: far too slow
         if (!v.fn(p, 0)) continue;
         CK(cudaDeviceSynchronize());
+        const LaunchNote ln = g_note;
         const float ms = median_ms([&] { v.fn(p, 0); });
         const float main_ms = median_ms([&] { v.fn(p, 1); });
-        const float red_ms = median_ms([&] { v.fn(p, 2); });
-        std::printf("  %-26s %9.4f %7.0f %6.1f%% %6.1f%% %9.4f %9.4f\n", v.name, ms,
-                    bytes / ms / 1e6, 100.0 * copy_ms / ms, 100.0 * copyk_ms / ms, main_ms, red_ms);
+        const bool has_red = v.fn(p, 2);
+        const float red_ms = has_red ? median_ms([&] { v.fn(p, 2); }) : 0.f;
+        cudaFuncAttributes fa{};
+        CK(cudaFuncGetAttributes(&fa, ln.kern));
+        int per_sm = 0;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ln.kern, ln.threads, ln.smem));
+        char red[16];
+        if (has_red) {
+          std::snprintf(red, sizeof red, "%9.4f", red_ms);
+        } else {
+          std::snprintf(red, sizeof red, "%9s", "-");
+        }
+        const double pct = 100.0 * copy_ms / ms;
+        std::printf(
+            "  %-26s %8.4f %6.0f %5.1f%% %5.1f%% | %8.4f %5.1f%% %s | %4d %5zu %6.1f %6d %5d %2d "
+            "%5d\n",
+            v.name, ms, bytes / ms / 1e6, pct, 100.0 * copyk_ms / ms, main_ms,
+            100.0 * copy_ms / main_ms, red, fa.numRegs, static_cast<size_t>(fa.localSizeBytes),
+            ln.smem / 1024.0, per_sm, ln.grid, ln.cluster, ln.partials);
+        if (pct > sum.best_pct) sum.best_pct = static_cast<float>(pct), sum.best = v.name;
+        if (sum.def == v.name) sum.def_pct = static_cast<float>(pct);
       }
+      g_summary.push_back(sum);
       p.free();
     }
   }
@@ -515,6 +662,7 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   g_sms = prop.multiProcessorCount;
+  g_major = prop.major;
   g_optin = prop.sharedMemPerBlockOptin;
   std::printf("device %s, %d SMs, %zu KB opt-in shared memory per block\n", prop.name, g_sms,
               g_optin / 1024);
@@ -525,6 +673,11 @@ int main(int argc, char** argv) {
   if (do_bench) {
     bench_all<bf16>();
     bench_all<float>();
+    std::printf("\nsummary (%% of a D2D copy, whole backward): library default | best variant\n");
+    for (const CaseSummary& c : g_summary) {
+      std::printf("  %-20s %5.1f%% %-24s | %5.1f%% %s\n", c.name.c_str(), c.def_pct, c.def.c_str(),
+                  c.best_pct, c.best.c_str());
+    }
   }
   std::printf(g_fail ? "ln_bwd_check: %d FAIL\n" : "ln_bwd_check: all PASS\n", g_fail);
   return g_fail ? 1 : 0;

@@ -552,8 +552,16 @@ def _ln_arrays(rng, name, R, C):
     return arrays
 
 
+def _set_version(monkeypatch, ver):
+    """BT_CUDA_NN_VERSION=ver, or unset for "default" (the launcher's per-shape choice)."""
+    if ver == "default":
+        monkeypatch.delenv("BT_CUDA_NN_VERSION", raising=False)
+    else:
+        monkeypatch.setenv("BT_CUDA_NN_VERSION", ver)
+
+
 def _run_version(monkeypatch, ver, fn, arrays, dtype, idx, R, C):
-    monkeypatch.setenv("BT_CUDA_NN_VERSION", ver)
+    _set_version(monkeypatch, ver)
     # float32 blocks of each size the run allocates: fp32 / 16-bit (R, C), partials, stats, (C)
     _poison_pool(R * C, R * C, R * C // 2, R * C // 2, 2 * 528 * C, R, R, C, C // 2)
     return _run(fn, arrays, dtype, "cuda", idx)
@@ -601,12 +609,14 @@ def test_v4_layer_norm_many_rows(rng, monkeypatch, dtype, name, RC):
         _close(a, c, dtype, f"{name} {RC} v4 vs cpu grad {i}", k)
 
 
+@pytest.mark.parametrize("ver", ["4", "5", "6", "default"])
 @pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
 @pytest.mark.parametrize("C", [768, 3072])
-def test_v4_layer_norm_backward_deterministic_and_float64(rng, monkeypatch, dtype, C):
-    """dx / dweight / dbias run to run bitwise equal, dweight / dbias close to float64."""
-    monkeypatch.setenv("BT_CUDA_NN_VERSION", "4")
-    R = 4099 if C == 768 else 1031
+def test_layer_norm_backward_deterministic_and_float64(rng, monkeypatch, ver, dtype, C):
+    """dx / dweight / dbias run to run bitwise equal, dweight / dbias close to float64.  R: several
+    rows per row group of the persistent grids (v6's 3-slot ring wraps around)."""
+    _set_version(monkeypatch, ver)
+    R = 9001 if C == 768 else 2503
     x = rng.standard_normal((R, C))
     w, b = rng.standard_normal(C), rng.standard_normal(C)
     g = rng.standard_normal((R, C))
@@ -618,8 +628,8 @@ def test_v4_layer_norm_backward_deterministic_and_float64(rng, monkeypatch, dtyp
         y.backward(bt.tensor(g, dtype=dtype).to("cuda"))
         res.append([_np(t.grad) for t in xs])
     for a, b2 in zip(res[0], res[1]):
-        assert np.isfinite(a).all(), "v4 layer_norm backward gave non-finite values"
-        assert np.array_equal(a, b2), "v4 layer_norm backward is not deterministic"
+        assert np.isfinite(a).all(), f"v{ver} layer_norm backward gave non-finite values"
+        assert np.array_equal(a, b2), f"v{ver} layer_norm backward is not deterministic"
     xr = _np(bt.tensor(x, dtype=dtype))
     gr = _np(bt.tensor(g, dtype=dtype))
     m = xr.mean(1, keepdims=True)
@@ -635,7 +645,7 @@ def test_v4_layer_norm_backward_deterministic_and_float64(rng, monkeypatch, dtyp
         ("dbias", res[0][2], gr.sum(0)),
     ]:
         err = np.abs(got - ref).max() / np.abs(ref).max()
-        assert err < tol, f"v4 {what} vs float64: {err:.3g}"
+        assert err < tol, f"v{ver} {what} vs float64: {err:.3g}"
 
 
 @pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
@@ -686,61 +696,52 @@ def test_v4_add_layer_norm_sum_exact(rng, monkeypatch):
         assert np.array_equal(_np(s), _np(x + r)), f"v4 add_layer_norm sum {C}"
 
 
-# ---- v5 layer norm backward (BT_CUDA_NN_VERSION=5: the next row's loads in flight) ---------------
-# v5 applies to fp32 / 16-bit rows of whole 16-byte vectors, aligned, up to 8 * 32 * 3 vectors
-# (bf16 6144, fp32 3072 elements); elsewhere the default kernels run.  Shapes as v4's plus row
-# counts beyond the persistent grid (every group loops, prefetching past the last row).
+# ---- v5 / v6 layer norm backward and the default choice ------------------------------------------
+# BT_CUDA_NN_VERSION=5: v5 (the next row's loads in flight); 6: v6 (cp.async row ring, dw / db in
+# registers, on sm_90 reduced in the kernel through a cluster and the last block to arrive);
+# "default": unset, the launcher's choice (v6 for 16-bit on sm_90, v5 for fp32, ...).  v5 / v6
+# apply to fp32 / 16-bit rows of whole 16-byte vectors, aligned, up to 8 * 32 * 3 vectors (bf16
+# 6144, fp32 3072 elements); elsewhere the default kernels run.  Shapes as v4's plus row counts
+# beyond the persistent grid (every group loops, prefetching past the last row).  Running the
+# shapes one after another also checks that v6's arrival counters are left at zero for the next
+# launch (a stale count would leave dweight / dbias unwritten: NaN from the poisoned pool).
+LN_BWD_VERSIONS = ["5", "6", "default"]
+
+
+@pytest.mark.parametrize("ver", LN_BWD_VERSIONS)
 @pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16, bt.float16])
 @pytest.mark.parametrize("name", sorted(LN_CASES))
 @pytest.mark.parametrize(
     "RC", V4_SHAPES + [(3001, 768), (1200, 3072)], ids=lambda rc: f"{rc[0]}x{rc[1]}"
 )
-def test_v5_layer_norm_matches_v2_and_cpu(rng, monkeypatch, dtype, name, RC):
+def test_layer_norm_bwd_version_matches_v2_and_cpu(rng, monkeypatch, ver, dtype, name, RC):
     R, C = RC
     fn = LN_CASES[name][0]
     arrays = _ln_arrays(rng, name, R, C)
     idx = list(range(len(arrays)))
-    o5, g5 = _run_version(monkeypatch, "5", fn, arrays, dtype, idx, R, C)
+    o5, g5 = _run_version(monkeypatch, ver, fn, arrays, dtype, idx, R, C)
     o2, g2 = _run_version(monkeypatch, "2", fn, arrays, dtype, idx, R, C)
     oc, gc = _run(fn, arrays, dtype, "cpu", idx)
     for i, (a, b, c) in enumerate(zip(o5, o2, oc)):
-        _close(a, b, dtype, f"{name} {RC} v5 vs v2 output {i}")
-        _close(a, c, dtype, f"{name} {RC} v5 vs cpu output {i}")
+        _close(a, b, dtype, f"{name} {RC} v{ver} vs v2 output {i}")
+        _close(a, c, dtype, f"{name} {RC} v{ver} vs cpu output {i}")
     k = 4 if R < 1000 else (4 if dtype == bt.float32 else 8)
     for i, (a, b, c) in enumerate(zip(g5, g2, gc)):
-        assert np.isfinite(_np(a)).all(), f"{name} {RC} v5 grad {i} not finite"
-        _close(a, b, dtype, f"{name} {RC} v5 vs v2 grad {i}", k)
-        _close(a, c, dtype, f"{name} {RC} v5 vs cpu grad {i}", k)
+        assert np.isfinite(_np(a)).all(), f"{name} {RC} v{ver} grad {i} not finite"
+        _close(a, b, dtype, f"{name} {RC} v{ver} vs v2 grad {i}", k)
+        _close(a, c, dtype, f"{name} {RC} v{ver} vs cpu grad {i}", k)
 
 
-@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
-@pytest.mark.parametrize("C", [768, 3072])
-def test_v5_layer_norm_backward_deterministic(rng, monkeypatch, dtype, C):
-    """dx / dweight / dbias run to run bitwise equal (and finite) with v5."""
-    monkeypatch.setenv("BT_CUDA_NN_VERSION", "5")
-    R = 4099 if C == 768 else 1031
-    arrays = [rng.standard_normal((R, C)), rng.standard_normal(C), rng.standard_normal(C)]
-    g = rng.standard_normal((R, C))
-    res = []
-    for _ in range(2):
-        _poison_pool(R * C, R * C, R * C // 2, R * C // 2, 2 * 528 * C, R, R)
-        xs = [bt.tensor(a, dtype=dtype).to("cuda").requires_grad_(True) for a in arrays]
-        bt.layer_norm(xs[0], C, xs[1], xs[2]).backward(bt.tensor(g, dtype=dtype).to("cuda"))
-        res.append([_np(t.grad) for t in xs])
-    for a, b2 in zip(res[0], res[1]):
-        assert np.isfinite(a).all(), "v5 layer_norm backward gave non-finite values"
-        assert np.array_equal(a, b2), "v5 layer_norm backward is not deterministic"
-
-
+@pytest.mark.parametrize("ver", LN_BWD_VERSIONS)
 @pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
 @pytest.mark.parametrize("grads", ["x", "x_w", "x_b", "w_b"])
-def test_v5_layer_norm_partial_grads(rng, monkeypatch, dtype, grads):
+def test_layer_norm_bwd_version_partial_grads(rng, monkeypatch, ver, dtype, grads):
     R, C = 300, 768
     arrays = _ln_arrays(rng, "layer_norm", R, C)
     idx = {"x": [0], "x_w": [0, 1], "x_b": [0, 2], "w_b": [1, 2]}[grads]
     fn = LN_CASES["layer_norm"][0]
-    o5, g5 = _run_version(monkeypatch, "5", fn, arrays, dtype, idx, R, C)
+    o5, g5 = _run_version(monkeypatch, ver, fn, arrays, dtype, idx, R, C)
     oc, gc = _run(fn, arrays, dtype, "cpu", idx)
-    _close(o5[0], oc[0], dtype, f"v5 {grads} output")
+    _close(o5[0], oc[0], dtype, f"v{ver} {grads} output")
     for i, (a, c) in enumerate(zip(g5, gc)):
-        _close(a, c, dtype, f"v5 {grads} grad {i}", 8)
+        _close(a, c, dtype, f"v{ver} {grads} grad {i}", 8)

@@ -23,9 +23,9 @@
 //                                for D 128.
 //   attn_bwd_dkdv_v2 with kDq    FA2's one-kernel backward (default for bf16/fp16 D 64): per
 //                                key block dK, dV in registers, dQ's partials added to a float32
-//                                dq_acc by red.global.add.v2.f32, then attn_bwd_dq_convert.
+//                                dq_acc by red.global.add.v4.f32, then attn_bwd_dq_convert.
 // On Hopper (sm_90a builds) the bf16/fp16 forward runs attention_sm90.cu (wgmma) instead of
-// attn_fwd_v2.  float32 with D in {64, 128} runs attention_tf32.cu (TF32 / 3xTF32 tensor cores);
+// attn_fwd_v2, and the D 64 one-kernel backward its wgmma kernel (dQ by TMA reduce-add).  float32 with D in {64, 128} runs attention_tf32.cu (TF32 / 3xTF32 tensor cores);
 // other float32 / float64 shapes run the exact SIMT kernels.
 //
 // Register layouts of mma.sync / ldmatrix and the swizzled tile layout: attention_mma.cuh.
@@ -425,13 +425,6 @@ struct FusedDqSplit {  // dQ stage: each warp owns kM m-tiles (16 queries) x kN 
   static constexpr int kN = kTiles >= kWarps ? D : D * kTiles / kWarps;
 };
 
-// 16-byte float atomic add (sm_90); addr 16-byte aligned.
-__device__ __forceinline__ void red_add_v4(float* addr, float a, float b, float c, float d) {
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr), "f"(a), "f"(b),
-               "f"(c), "f"(d)
-               : "memory");
-}
-
 // Backward, dK and dV.  Block: kWarps warps own kBc = 16 kMT kWarps keys (kMT m-tiles of 16 keys
 // per warp: every Q / dO fragment read from shared memory feeds kMT MMAs) and loop over query
 // tiles of kBr rows (double-buffered Q, dO, lse, Dvec).  Per tile, per warp (keys as M):
@@ -680,9 +673,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
             }
           }
         }
-        // lane pair (t even, t + 1): the even lane takes row g, columns 2t..2t+3; the odd one row
-        // g + 8, columns 2t-2..2t+1
-        const bool odd = t & 1;
+        const bool odd = t & 1;  // (red_add_c_tile: the odd lane adds row g + 8)
 #pragma unroll
         for (int mq = 0; mq < kDM; ++mq) {
           const int qq = qi0 + (dm0 + mq) * 16 + g + (odd ? 8 : 0);
@@ -690,15 +681,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 #pragma unroll
           for (int n = 0; n < kDN / 8; ++n) {
             const float* c = dqa[mq][n];
-            const float r0 = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
-            const float r1 = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
-            if (qq < p.L) {
-              if (odd) {
-                red_add_v4(dst + n * 8, r0, r1, c[2], c[3]);
-              } else {
-                red_add_v4(dst + n * 8, c[0], c[1], r0, r1);
-              }
-            }
+            red_add_c_tile(dst + n * 8, c[0], c[1], c[2], c[3], odd, qq < p.L);
           }
         }
       }
@@ -1052,7 +1035,8 @@ void launch_bwd_v2(const AttnParams& p, const T* q, const T* k, const T* v, cons
   }
 }
 
-// The one-kernel backward: dq_acc (B, H, L, D) float32, zeroed here on the stream.
+// The one-kernel backward: dq_acc (B, H, L, D) float32, zeroed here on the stream.  On Hopper
+// (sm_90a builds, D 64) attention_sm90.cu's wgmma kernel runs in place of attn_bwd_dkdv_v2<kDq>.
 template <typename T, int D>
 void launch_bwd_fused(const AttnParams& p, const T* q, const T* k, const T* v, const T* g,
                       const float* lse, const float* dvec, float* dq_acc, T* dq, T* dk, T* dv,
@@ -1060,7 +1044,7 @@ void launch_bwd_fused(const AttnParams& p, const T* q, const T* k, const T* v, c
   using C = V2Config<D>;
   const int64_t nacc = static_cast<int64_t>(p.B) * p.H * p.L * D;
   BT_CUDA_CHECK(op, cudaMemsetAsync(dq_acc, 0, nacc * sizeof(float), st));
-  {
+  if (!attn_bwd_sm90<T>(p, q, k, v, g, lse, dvec, dq_acc, dk, dv, st, op)) {  // Hopper: wgmma
     constexpr int W = C::kFuWarps, Br = C::kFuBr, MT = C::kFuMT, Bc = 16 * MT * W;
     constexpr size_t smem = fused_smem<T, D, W, Br, MT>();
     auto kern = attn_bwd_dkdv_v2<T, D, W, Br, C::kFuFrag, C::kFuMinBlocks, MT, true, C::kFuGroupBh>;

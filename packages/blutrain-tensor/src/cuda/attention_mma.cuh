@@ -61,6 +61,12 @@ bool attn_fwd_sm90_supported(const AttnParams& p);
 template <typename T>
 void attn_fwd_sm90(const AttnParams& p, const T* q, const T* k, const T* v, T* o, float* lse,
                    cudaStream_t st, const char* op);
+// Hopper backward (D 64): dK, dV into dk / dv, dQ added into the zeroed float32 dq_acc (B, H, L,
+// D) for attn_bwd_dq_convert.  False (nothing launched) where it does not apply.
+template <typename T>
+bool attn_bwd_sm90(const AttnParams& p, const T* q, const T* k, const T* v, const T* g,
+                   const float* lse, const float* dvec, float* dq_acc, T* dk, T* dv,
+                   cudaStream_t st, const char* op);
 
 namespace {
 
@@ -126,6 +132,33 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// 16-byte float atomic add (one instruction from sm_90; four before); addr 16-byte aligned.
+__device__ __forceinline__ void red_add_v4(float* addr, float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr), "f"(a), "f"(b),
+               "f"(c), "f"(d)
+               : "memory");
+#else
+  atomicAdd(addr, a), atomicAdd(addr + 1, b), atomicAdd(addr + 2, c), atomicAdd(addr + 3, d);
+#endif
+}
+// Adds one 16 x 8 C tile (c0..c3: rows g, g + 8 of columns 2t, 2t + 1) to float memory with half
+// the atomics: lanes t and t ^ 1 swap halves, so the even lane adds row g, columns 2t .. 2t + 3
+// and the odd lane row g + 8, columns 2t - 2 .. 2t + 1.  dst: the lane's row (g, or g + 8 when
+// odd) at column 2 (t & 2) of the tile; ok: that row exists.  All 32 lanes must call it.
+__device__ __forceinline__ void red_add_c_tile(float* dst, float c0, float c1, float c2, float c3,
+                                               bool odd, bool ok) {
+  const float r0 = __shfl_xor_sync(0xffffffffu, odd ? c0 : c2, 1);
+  const float r1 = __shfl_xor_sync(0xffffffffu, odd ? c1 : c3, 1);
+  if (ok) {
+    if (odd) {
+      red_add_v4(dst, r0, r1, c2, c3);
+    } else {
+      red_add_v4(dst, c0, c1, r0, r1);
+    }
+  }
 }
 
 // Element offset of (row, 16-byte chunk) in a swizzled tile of rows of D elements.

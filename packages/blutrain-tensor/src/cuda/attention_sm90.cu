@@ -1,8 +1,9 @@
-// cuda/attention_sm90.cu: bf16/fp16 flash-attention forward on Hopper warpgroup MMA (wgmma).
+// cuda/attention_sm90.cu: bf16/fp16 flash attention on Hopper warpgroup MMA (wgmma) and TMA: the
+// forward (D 64, 128) and the D 64 backward (attn_bwd_sm90_ws, near the end of the kernels).
 //
 // Same semantics and output layout as attn_fwd_v2 (attention.cu): o (B, L, H, D) contiguous,
-// lse (B, H, L) float32, natural log.  D in {64, 128}.  Built only for sm_90a (wgmma is an
-// arch-specific feature); the launcher returns false elsewhere and attention.cu runs mma.sync.
+// lse (B, H, L) float32, natural log.  Built only for sm_90a (wgmma is an arch-specific feature);
+// the launchers return false elsewhere and attention.cu runs mma.sync.
 //
 // Block: kWG warpgroups (128 threads each), each owning 64 query rows (kBr = 64 kWG), sharing
 // a ring of K / V tiles of kBc keys that all threads load with cp.async.  Per key tile, per
@@ -50,13 +51,15 @@ namespace {
 // Which of a tensor map's middle coordinates is the head: maps list dims by increasing stride
 // (d, then head and row in stride order, then batch).
 struct TmaOrder {
-  bool q_h_inner, k_h_inner, v_h_inner;
+  bool q_h_inner, k_h_inner, v_h_inner, g_h_inner;  // (g: dO, backward only)
 };
 // Registers per thread for kMinBlocks blocks of kWG warpgroups + 1 warp on an SM (64 K registers,
-// allocated 8 per thread at a time; at most 255).  Spelled out (not launch-bounds' minimum
-// blocks): ptxas's own cap for 288 threads x 2 blocks was 94, and spilled.
+// allocated 8 per thread at a time, to warps in groups of 4: a 9-warp block is charged for 12, so
+// 201 registers fail to launch with "too many resources"; at most 255).  Spelled out (not
+// launch-bounds' minimum blocks): ptxas's own cap for 288 threads x 2 blocks was 94, and spilled.
 constexpr int ws_max_regs(int wg, int min_blocks) {
-  const int r = 65536 / (min_blocks * (wg * 128 + 32)) / 8 * 8;
+  const int warps = (wg * 4 + 1 + 3) / 4 * 4;
+  const int r = 65536 / (min_blocks * warps * 32) / 8 * 8;
   return r > 255 ? 255 : r;
 }
 
@@ -209,41 +212,42 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 #endif
 }
 
-// d = (scale_d ? d : 0) + A B with A and B both from shared memory, K-major (S = Q K^T in the
-// warp-specialised kernel: Q is read from shared memory, which keeps the consumers within the
-// register budget of two 288-thread blocks per SM).
-template <typename T, int N>
+// d = (scale_d ? d : 0) + A B with A and B both from shared memory, K-major unless kTA / kTB (S =
+// Q K^T in the warp-specialised forward: Q is read from shared memory, which keeps the consumers
+// within the register budget of two 288-thread blocks per SM; the backward's dQ = dS K reads both
+// operands M|N-major: kTA = kTB = 1).
+template <typename T, int N, int kTA = 0, int kTB = 0>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {
 #ifdef BT_SM90_WGMMA
   if constexpr (N == 64 && std::is_same_v<T, __nv_bfloat16>) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " BT_WG_REGS32
-        ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+        ", %32, %33, p, 1, 1, %35, %36;\n}\n"
         : BT_WG_OUT32(d)
-        : "l"(da), "l"(db), "r"(scale_d));
+        : "l"(da), "l"(db), "r"(scale_d), "n"(kTA), "n"(kTB));
   } else if constexpr (N == 64) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " BT_WG_REGS32
-        ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+        ", %32, %33, p, 1, 1, %35, %36;\n}\n"
         : BT_WG_OUT32(d)
-        : "l"(da), "l"(db), "r"(scale_d));
+        : "l"(da), "l"(db), "r"(scale_d), "n"(kTA), "n"(kTB));
   } else if constexpr (N == 128 && std::is_same_v<T, __nv_bfloat16>) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " BT_WG_REGS64
-        ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+        ", %64, %65, p, 1, 1, %67, %68;\n}\n"
         : BT_WG_OUT64(d)
-        : "l"(da), "l"(db), "r"(scale_d));
+        : "l"(da), "l"(db), "r"(scale_d), "n"(kTA), "n"(kTB));
   } else {
     static_assert(N == 128, "wgmma_ss: N is 64 or 128");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " BT_WG_REGS64
-        ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+        ", %64, %65, p, 1, 1, %67, %68;\n}\n"
         : BT_WG_OUT64(d)
-        : "l"(da), "l"(db), "r"(scale_d));
+        : "l"(da), "l"(db), "r"(scale_d), "n"(kTA), "n"(kTB));
   }
 #else
   __trap();
@@ -262,23 +266,32 @@ __device__ __forceinline__ void mbar_init_fence() {
 }
 // One arrival that also expects `bytes` of TMA transactions before the phase can complete.
 __device__ __forceinline__ void mbar_arrive_tx(uint64_t* bar, uint32_t bytes) {
+#ifdef BT_SM90_WGMMA
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
                "r"(bytes)
                : "memory");
+#else
+  __trap();  // (sm_90 only; the launchers never run these kernels elsewhere)
+#endif
 }
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
 // Spins until the phase of parity `parity` has completed.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#ifndef BT_SM90_WGMMA
+  __trap();
+#endif
   uint32_t done = 0;
   do {
+#ifdef BT_SM90_WGMMA
     asm volatile(
         "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
         "selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
         : "r"(smem_u32(bar)), "r"(parity)
         : "memory");
+#endif
   } while (!done);
 }
 // Named barriers 1.. (0 is __syncthreads): `threads` = the waiting + the arriving threads.
@@ -297,6 +310,37 @@ __device__ __forceinline__ void tma_load4(void* dst, const CUtensorMap* map, uin
       " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
+#endif
+}
+
+// Adds a box of float32 shared memory into global memory through a 3-d tensor map (TMA reduce:
+// the L2 does the read-modify-write; the issuing thread goes on at once).  One bulk group per
+// commit; wait_read<N>: all but the newest N groups have finished reading shared memory;
+// wait_all: all complete, their writes performed.
+__device__ __forceinline__ void tma_reduce_add3(const void* src, const CUtensorMap* map, int c0,
+                                                int c1, int c2) {
+#ifdef BT_SM90_WGMMA
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group"
+      " [%0, {%2, %3, %4}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_commit() {
+#ifdef BT_SM90_WGMMA
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+#ifdef BT_SM90_WGMMA
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_wait_all() {
+#ifdef BT_SM90_WGMMA
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 #endif
 }
 
@@ -676,6 +720,267 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, k
   store_o_lse<T, D>(oacc, m, l, p, b, h, row_lo, t, o, lse);
 }
 
+
+// Backward on wgmma (D = 64), warp-specialised; dK, dV stored, dQ added to a float32 dq_acc
+// (B, H, L, D) (attn_bwd_dq_convert scales and converts it).  Block: kWG consumer warpgroups, each
+// owning 64 keys (kBc = 64 kWG), and one producer warp.  The producer loads the block's K and V
+// once, then per query tile (kBr = 64 queries) Q, dO (TMA) and lse, Dvec (its 32 lanes) into a ring
+// of kStages slots (full / empty mbarriers as in the forward; rows past L get lse = +inf, so P = 0
+// there with no mask).  Per tile, per warpgroup, keys as the M dimension (FA2's order, so P^T and
+// dS^T are register A operands):
+//   S^T = K Q^T, dP^T = V dO^T       (wgmma, all four K-major from shared memory: K and V as
+//                                     register fragments would need more than the 168 registers
+//                                     a 9-warp block can have)
+//   P^T = exp2(S^T scale log2e - lse log2e),  dS^T = P^T (dP^T - Dvec)
+//   dV += P^T dO, dK += dS^T Q        (register A, dO / Q N-major: the forward's P V form)
+//   dS^T -> shared memory; dQ_part = dS K (both operands M|N-major from shared memory, the
+//   warpgroup's 64 keys), added to dq_acc: kDq 1 by red.global.add.v4 from registers, kDq 2 (the
+//   default) through shared memory and a TMA reduce-add issued by one thread (the consumers do
+//   not wait for it); kDq 0 skips it (timing only: wrong dq).
+// sDS (and kDq 2's buffer) are double-buffered: the warpgroup barrier of tile i (before its dQ
+// wgmma) orders every warp's reads of tile i - 1's buffer before anyone writes it at tile i + 1.
+// kPingPong: the warpgroups take turns issuing their GEMM batches (Note [ping-pong]).
+// Measured (H200, B16 H12 T1024 D64 causal, memset + kernel + convert, bench/attn_sm90_bwd_check):
+// kDq 2, 3 stages, ping-pong 0.333 ms; without ping-pong 0.341; 2 stages 0.344; kDq 1 0.404;
+// no dQ adds at all 0.264; the mma.sync one-kernel backward 0.396.  Tried and slower: exchanging
+// dQ halves between the warpgroups so each element is added once (red.v4 0.355, TMA 0.345);
+// waiting for S^T alone and running the exponentials under dP^T (0.49: spills, serialised wgmma);
+// each warp reducing its own 16 rows of dQ, no warpgroup barrier (0.340); a producer warpgroup
+// handing registers to the consumers (setmaxnreg 24 / 240) with K and V as register fragments
+// (0.336): the dQ stage (0.08 ms over "no dQ") does not shrink with fewer barriers or traffic.
+template <typename T, int D, int kWG, int kStages, int kDq, bool kPingPong>
+__global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, 1))
+    attn_bwd_sm90_ws(const AttnParams p, const __grid_constant__ CUtensorMap tq,
+                     const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
+                     const __grid_constant__ CUtensorMap tg,
+                     const __grid_constant__ CUtensorMap tacc, const TmaOrder ord,
+                     const float* __restrict__ lse, const float* __restrict__ dvec,
+                     T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_acc) {
+  static_assert(D == 64, "attn_bwd_sm90: D 64 (D 128 would not fit the registers)");
+  constexpr int kBr = 64, kBc = 64 * kWG, KS = D / 16, kQTile = kBr * D;
+  extern __shared__ unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  T* sV = sK + kBc * D;
+  T* sQ = sV + kBc * D;              // kStages x kBr x D
+  T* sG = sQ + kStages * kQTile;     // kStages x kBr x D
+  T* sDS = sG + kStages * kQTile;    // kWG x 2 x (64 keys x kBr queries)
+  float* sL = reinterpret_cast<float*>(sDS + kWG * 2 * 64 * kBr);  // kStages x kBr: lse log2e
+  float* sDv = sL + kStages * kBr;                                  // kStages x kBr: Dvec
+  uint64_t* full = reinterpret_cast<uint64_t*>(sDv + kStages * kBr);
+  // kDq 2: per warpgroup 2 buffers of the 64 x 64 float dQ part (1024-aligned: after sDS), as two
+  // 64 x 32 panels in the 128-byte swizzle (conflict-free float2 stores, the TMA box layout)
+  float* sXq = reinterpret_cast<float*>(sDS + kWG * 2 * 64 * kBr);
+  if constexpr (kDq == 2) {
+    sL = sXq + kWG * 2 * 64 * 64;
+    sDv = sL + kStages * kBr;
+    full = reinterpret_cast<uint64_t*>(sDv + kStages * kBr);
+  }
+  uint64_t* empty = full + kStages;
+  uint64_t* kvbar = empty + kStages;
+  // grid (B H, key blocks), x fastest: key block 0 (causal: the most query tiles) of every head
+  // first
+  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H, k0 = blockIdx.y * kBc;
+  const int i_begin = p.causal ? k0 / kBr : 0, i_end = (p.L + kBr - 1) / kBr;
+  const int ntiles = i_end - i_begin;
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      mbar_init(full + i, 33);  // the TMA arrival + one per producer lane (lse, Dvec stores)
+      mbar_init(empty + i, kWG);
+    }
+    mbar_init(kvbar, 1);
+    mbar_init_fence();
+  }
+  __syncthreads();  // the last block-wide barrier
+
+  if (threadIdx.x >= kWG * 128) {  // ---- producer warp
+    const int lane = threadIdx.x - kWG * 128;
+    auto load = [&](T* dst, const CUtensorMap* map, bool h_inner, uint64_t* bar, int row) {
+      if (h_inner) {
+        tma_load4(dst, map, bar, 0, h, row, b);
+      } else {
+        tma_load4(dst, map, bar, 0, row, h, b);
+      }
+    };
+    if (lane == 0) {
+      mbar_arrive_tx(kvbar, 2 * kBc * D * sizeof(T));
+      load(sK, &tk, ord.k_h_inner, kvbar, k0);
+      load(sV, &tv, ord.v_h_inner, kvbar, k0);
+    }
+    const float* lb = lse + static_cast<int64_t>(bh) * p.L;
+    const float* db = dvec + static_cast<int64_t>(bh) * p.L;
+    for (int it = 0; it < ntiles; ++it) {
+      const int slot = it % kStages, q0 = (i_begin + it) * kBr;
+      if (it >= kStages) mbar_wait(empty + slot, ((it / kStages) - 1) & 1);
+      if (lane == 0) {
+        mbar_arrive_tx(full + slot, 2 * kQTile * sizeof(T));
+        load(sQ + slot * kQTile, &tq, ord.q_h_inner, full + slot, q0);
+        load(sG + slot * kQTile, &tg, ord.g_h_inner, full + slot, q0);
+      }
+#pragma unroll
+      for (int r = lane; r < kBr; r += 32) {
+        const bool ok = q0 + r < p.L;
+        sL[slot * kBr + r] = ok ? lb[q0 + r] * kLog2e : INFINITY;
+        sDv[slot * kBr + r] = ok ? db[q0 + r] : 0.f;
+      }
+      mbar_arrive(full + slot);
+    }
+    return;
+  }
+
+  // ---- consumers
+  const int wg = threadIdx.x / 128, wl = threadIdx.x % 128;
+  const int warp = wl / 32, lane = wl % 32, g = lane / 4, t = lane % 4;
+  const int key_w0 = k0 + 64 * wg;           // the warpgroup's first key
+  const int key_lo = key_w0 + 16 * warp + g;  // the thread's keys key_lo, key_lo + 8
+  const float sl2 = static_cast<float>(p.scale) * kLog2e;
+  // Turns at the tensor cores (Note [ping-pong]; barriers 5 + w): a warpgroup issues its S^T, dP^T
+  // GEMMs, then its dV, dK, dQ GEMMs, each batch in its turn, so one warpgroup's exponentials and
+  // dQ stage run under the other's GEMMs.
+  auto my_turn = [&] {
+    if constexpr (kPingPong) named_bar_sync(5 + wg, 256);
+  };
+  auto next_turn = [&] {
+    if constexpr (kPingPong) named_bar_arrive(5 + (wg + 1) % kWG, 256);
+  };
+  if (kPingPong && wg == kWG - 1) named_bar_arrive(5, 256);
+  mbar_wait(kvbar, 0);
+  float dka[D / 2], dva[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dka[i] = dva[i] = 0.f;
+  float* accb = dq_acc + static_cast<int64_t>(bh) * p.L * D;
+  // the warpgroup's keys (one panel): the A operand of S^T, dP^T (K-major), B of dQ (N-major)
+  const uint32_t k_addr = smem_u32(sK) + 64 * wg * 128, v_addr = smem_u32(sV) + 64 * wg * 128;
+  const bool odd = t & 1;
+
+  for (int it = 0; it < ntiles; ++it) {
+    const int slot = it % kStages, q0 = (i_begin + it) * kBr;
+    T* ds = sDS + (wg * 2 + (it & 1)) * 64 * kBr;
+    const uint32_t q_addr = smem_u32(sQ + slot * kQTile), g_addr = smem_u32(sG + slot * kQTile);
+    mbar_wait(full + slot, (it / kStages) & 1);
+    float s[kBr / 2], dp[kBr / 2];
+    my_turn();
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      wgmma_ss<T, kBr>(s, sw128_desc(k_addr + ks * 32, 16, 1024),
+                       sw128_desc(q_addr + ks * 32, 16, 1024), ks > 0);
+    }
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      wgmma_ss<T, kBr>(dp, sw128_desc(v_addr + ks * 32, 16, 1024),
+                       sw128_desc(g_addr + ks * 32, 16, 1024), ks > 0);
+    }
+    wg_commit();
+    next_turn();
+    // (one wait for both: waiting for S^T alone and overlapping the exponentials with dP^T measured
+    // 35% slower, with spills)
+    wg_wait<0>();
+    reg_fence(s);
+    reg_fence(dp);
+    // element (n, e): key key_lo + 8 (e / 2), query q0 + 8 n + 2 t + (e % 2)
+    const float* cL = sL + slot * kBr;
+    const float* cD = sDv + slot * kBr;
+    const bool need_mask = (p.causal && q0 < key_w0 + 64) || key_w0 + 64 > p.S;
+#pragma unroll
+    for (int n = 0; n < kBr / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = 8 * n + 2 * t + (e & 1);
+        float pv = fast_exp2(fmaf(s[4 * n + e], sl2, -cL[c]));
+        if (need_mask) {
+          const int key = key_lo + 8 * (e >> 1);
+          if (key >= p.S || (p.causal && q0 + c < key)) pv = 0.f;
+        }
+        s[4 * n + e] = pv;
+        dp[4 * n + e] = pv * (dp[4 * n + e] - cD[c]);
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {  // dS^T rows (keys) 16 warp + g + 8 r, query chunk n
+        *reinterpret_cast<uint32_t*>(ds + pswz<64>(16 * warp + g + 8 * r, n) + 2 * t) =
+            pack2<T>(dp[4 * n + 2 * r], dp[4 * n + 2 * r + 1]);
+      }
+    }
+    uint32_t pa[kBr / 16][4], da[kBr / 16][4];
+    pack_p<T, kBr>(pa, s);
+    pack_p<T, kBr>(da, dp);
+    my_turn();
+    wg_fence();
+    issue_pv_tile<T, D, kBr>(dva, pa, g_addr);  // dV += P^T dO
+    issue_pv_tile<T, D, kBr>(dka, da, q_addr);  // dK += dS^T Q
+    fence_proxy_async();                        // sDS stores -> the wgmma (async proxy)
+    if constexpr (kDq == 2) {
+      if (wl == 0) bulk_wait_read<1>();  // the reduce of tile it - 2 (this tile's sXq buffer)
+    }
+    named_bar_sync(1 + wg, 128);
+    float dq[D / 2];
+    const uint32_t ds_addr = smem_u32(ds);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {  // dQ_part = dS K over the warpgroup's 64 keys
+      wgmma_ss<T, D, 1, 1>(dq, sw128_desc(ds_addr + kk * 16 * 128, 64 * 128, 1024),
+                           sw128_desc(k_addr + kk * 16 * 128, kBc * 128, 1024), kk > 0);
+    }
+    wg_commit();
+    next_turn();
+    wg_wait<0>();
+    reg_fence(dq);
+    reg_fence(dka);
+    reg_fence(dva);
+    reg_fence(pa);
+    reg_fence(da);
+    if (wl == 0) mbar_arrive(empty + slot);  // Q, dO, lse, Dvec of this slot all read
+    const int qq = q0 + 16 * warp + g + (odd ? 8 : 0);
+    float* dst = accb + static_cast<int64_t>(qq) * D + 2 * (t & 2);
+    if constexpr (kDq == 1) {
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        red_add_c_tile(dst + 8 * n, dq[4 * n], dq[4 * n + 1], dq[4 * n + 2], dq[4 * n + 3], odd,
+                       qq < p.L);
+      }
+    } else if constexpr (kDq == 2) {
+      float* xq = sXq + (wg * 2 + (it & 1)) * 64 * 64;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = 16 * warp + g + 8 * r, chunk = 2 * (n & 3) + (t >> 1);
+          *reinterpret_cast<float2*>(xq + (n >> 2) * 2048 + row * 32 + ((chunk ^ (row & 7)) << 2) +
+                                     2 * (t & 1)) = make_float2(dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
+        }
+      }
+      fence_proxy_async();
+      named_bar_sync(1 + wg, 128);
+      if (wl == 0) {
+        tma_reduce_add3(xq, &tacc, 0, q0, bh);
+        tma_reduce_add3(xq + 2048, &tacc, 32, q0, bh);
+        bulk_commit();
+      }
+    }
+  }
+
+  if (kPingPong && wg == 0) my_turn();  // the last warpgroup's final arrival
+  if constexpr (kDq == 2) {
+    if (wl == 0) bulk_wait_all();  // sXq stays allocated and the adds land before exit
+  }
+  const float sc = static_cast<float>(p.scale);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key_lo + 8 * r;
+    if (key < p.S) {
+      const int64_t base = (static_cast<int64_t>(b) * p.S + key) * p.d_row + h * D;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        *reinterpret_cast<uint32_t*>(dk + base + 8 * n + 2 * t) =
+            pack2<T>(dka[4 * n + 2 * r] * sc, dka[4 * n + 2 * r + 1] * sc);
+        *reinterpret_cast<uint32_t*>(dv + base + 8 * n + 2 * t) =
+            pack2<T>(dva[4 * n + 2 * r], dva[4 * n + 2 * r + 1]);
+      }
+    }
+  }
+}
+
+
+
 }  // namespace
 
 // ==== launchers ================================================================================
@@ -814,6 +1119,67 @@ void attn_fwd_sm90(const AttnParams& p, const T* q, const T* k, const T* v, T* o
     launch_fwd_sm90_cfg<T, 128, 2, 64, 4>(p, q, k, v, o, lse, st, op);
   }
 }
+// ---- backward ----------------------------------------------------------------------------------
+// dq_acc (B H, L, 64) float32 for the TMA reduce: box 32 x 64 rows (128-byte rows, swizzled).
+bool make_acc_map(CUtensorMap* map, float* acc, int L, int BH) {
+  const EncodeTiledFn enc = tensor_map_encoder();
+  if (!enc) return false;
+  const cuuint64_t dim[3] = {64, cuuint64_t(L), cuuint64_t(BH)};
+  const cuuint64_t stride[2] = {64 * sizeof(float), uint64_t(L) * 64 * sizeof(float)};
+  const cuuint32_t box[3] = {32, 64, 1}, elem_step[3] = {1, 1, 1};
+  return enc(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, acc, dim, stride, box, elem_step,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <typename T, int D, int kWG, int kStages, int kDq>
+constexpr size_t sm90_bwd_smem() {
+  return (2 * 64 * kWG + 2 * kStages * 64 + kWG * 2 * 64) * D * sizeof(T) +
+         (2 * kStages * 64 + (kDq >= 2 ? kWG * 2 * 64 * 64 : 0)) * sizeof(float) +
+         (2 * kStages + 1) * sizeof(uint64_t) + 1024;
+}
+
+template <typename T, int kWG, int kStages, int kDq = 1, bool kPingPong = false>
+bool launch_bwd_sm90_cfg(const AttnParams& p, const T* q, const T* k, const T* v, const T* g,
+                         const float* lse, const float* dvec, float* dq_acc, T* dk, T* dv,
+                         cudaStream_t st, const char* op) {
+  constexpr int D = 64, kBc = 64 * kWG;
+  CUtensorMap tq, tk, tv, tg, tacc;
+  TmaOrder ord{};
+  if (!make_row_map(&tq, &ord.q_h_inner, q, D, p.L, p.H, p.B, p.q_b, p.q_h, p.q_l, 64) ||
+      !make_row_map(&tk, &ord.k_h_inner, k, D, p.S, p.H, p.B, p.k_b, p.k_h, p.k_l, kBc) ||
+      !make_row_map(&tv, &ord.v_h_inner, v, D, p.S, p.H, p.B, p.v_b, p.v_h, p.v_l, kBc) ||
+      !make_row_map(&tg, &ord.g_h_inner, g, D, p.L, p.H, p.B, p.g_b, p.g_h, p.g_l, 64) ||
+      !make_acc_map(&tacc, dq_acc, p.L, p.B * p.H)) {
+    return false;
+  }
+  constexpr size_t smem = sm90_bwd_smem<T, D, kWG, kStages, kDq>();
+  auto kern = attn_bwd_sm90_ws<T, D, kWG, kStages, kDq, kPingPong>;
+  BT_CUDA_CHECK(op, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem)));
+  dim3 grid(p.B * p.H, static_cast<unsigned>((p.S + kBc - 1) / kBc));
+  kern<<<grid, kWG * 128 + 32, smem, st>>>(p, tq, tk, tv, tg, tacc, ord, lse, dvec, dk, dv,
+                                           dq_acc);
+  BT_CUDA_LAUNCH_CHECK(op);
+  return true;
+}
+
+template <typename T>
+bool attn_bwd_sm90(const AttnParams& p, const T* q, const T* k, const T* v, const T* g,
+                   const float* lse, const float* dvec, float* dq_acc, T* dk, T* dv,
+                   cudaStream_t st, const char* op) {
+  if (p.D != 64 || !attn_fwd_sm90_supported(p)) return false;
+  return launch_bwd_sm90_cfg<T, 2, 3, 2, true>(p, q, k, v, g, lse, dvec, dq_acc, dk, dv, st, op);
+}
+template bool attn_bwd_sm90<__nv_bfloat16>(const AttnParams&, const __nv_bfloat16*,
+                                           const __nv_bfloat16*, const __nv_bfloat16*,
+                                           const __nv_bfloat16*, const float*, const float*,
+                                           float*, __nv_bfloat16*, __nv_bfloat16*, cudaStream_t,
+                                           const char*);
+template bool attn_bwd_sm90<__half>(const AttnParams&, const __half*, const __half*, const __half*,
+                                    const __half*, const float*, const float*, float*, __half*,
+                                    __half*, cudaStream_t, const char*);
+
 template void attn_fwd_sm90<__nv_bfloat16>(const AttnParams&, const __nv_bfloat16*,
                                            const __nv_bfloat16*, const __nv_bfloat16*,
                                            __nv_bfloat16*, float*, cudaStream_t, const char*);

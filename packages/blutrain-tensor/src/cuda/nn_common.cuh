@@ -11,7 +11,7 @@
 
 namespace bt::cuda::nn {
 
-// Kernel version, read per call so tests and benches can flip it: BT_CUDA_NN_VERSION=1|2|3|4|5
+// Kernel version, read per call so tests and benches can flip it: BT_CUDA_NN_VERSION=1..6
 // (BT_CUDA_NN_V1=1 also means 1).  1: the simple reference kernels; 2: block-per-row kernels with
 // 16-byte loads; 3 (layer norm fwd / bwd, add_layer_norm, softmax fwd): one warp per row with the
 // row in registers, used where it applies (16-bit / fp32, aligned rows up to kV3MaxPerLane * 32
@@ -19,15 +19,17 @@ namespace bt::cuda::nn {
 // at most kV4MaxPerLane elements per lane in registers, persistent single-pass backward.  Each
 // falls back to the next lower version that applies.  Unset, the default is 4 for layer-norm
 // rows longer than kV4MinDefaultC and 3 otherwise (measured on the H200 at GPT-2's shapes: v4 wins
-// at C = 3072, v3 at C = 768).  5: layer norm backward v5 (nn_fused.cu) where it applies, every
-// other kernel as with the version unset (an opt-in for measuring v5).
+// at C = 3072, v3 at C = 768), except the layer-norm backward, which picks per dtype / C / extra
+// (ln_bwd_default in nn_fused.cu: v5 or v6 where they measured best).  5 and 6: layer norm
+// backward v5 / v6 (nn_fused.cu) where they apply, every other kernel (and the backward where
+// they do not apply) as with the version unset.
 constexpr int kDefaultNnVersion = 4;
 constexpr int64_t kV4MinDefaultC = 1024;
 inline int nn_version_env() {  // 0 when unset
   const char* v1 = std::getenv("BT_CUDA_NN_V1");
   if (v1 && v1[0] && std::strcmp(v1, "0") != 0) return 1;
   const char* e = std::getenv("BT_CUDA_NN_VERSION");
-  if (e && e[0] >= '1' && e[0] <= '5' && !e[1]) return e[0] - '0';
+  if (e && e[0] >= '1' && e[0] <= '6' && !e[1]) return e[0] - '0';
   return 0;
 }
 inline int nn_version() {
@@ -35,10 +37,10 @@ inline int nn_version() {
   return v ? v : kDefaultNnVersion;
 }
 // Layer norm (forward, backward) of rows of C: v4 when asked for, or by default for long rows
-// (5 counts as unset here: where the backward v5 does not apply, the default runs).
+// (5 and 6 count as unset here: where the backward v5 / v6 do not apply, the default runs).
 inline bool layernorm_v4(int64_t C) {
   const int v = nn_version_env();
-  return v == 4 || ((v == 0 || v == 5) && C > kV4MinDefaultC);
+  return v == 4 || ((v == 0 || v == 5 || v == 6) && C > kV4MinDefaultC);
 }
 inline bool use_v1() { return nn_version() == 1; }
 

@@ -5,12 +5,24 @@
 // kernel sums the partials over blocks in a fixed order; no float atomics anywhere.  Each kernel
 // keeps a simple reference version (_v1); BT_CUDA_NN_V1=1 selects them.  Layer norm backward also
 // has _v3 (one warp per row, rows up to 1024 elements in registers, per-warp shared-memory
-// dweight / dbias partials), selected by BT_CUDA_NN_VERSION (nn_common.cuh); its partials are
-// summed by layernorm_backward_reduce_v4 (many blocks; the serial one-thread-per-column reduce,
-// ceil(2C / 256) blocks, stays for v2).  _v4 (several warps a row, partials in registers) runs
-// rows over 1024 elements by default, and _v5 (the next row's loads in flight during each row's
-// math; BT_CUDA_NN_VERSION=5, opt-in until measured) is timed against them by
-// bench/ln_bwd_check.sh.  Launchers are left out under BT_NN_FUSED_KERNELS_ONLY (the harness).
+// dweight / dbias partials), _v4 (several warps a row, partials in registers), _v5 (a group of
+// warps per row, partials in shared memory; its next-row prefetch measured slower and is off in
+// the library) and _v6 (rows through a per-group cp.async shared-memory ring, partials in
+// registers; optionally one launch on sm_90: the partials summed across a thread-block cluster
+// through distributed shared memory, then over clusters by the last block to arrive, measured
+// slower than the reduce kernel and off in the library).  v3-v5
+// partials are summed by layernorm_backward_reduce_v4 (many blocks; the serial one-thread-per-
+// column reduce, ceil(2C / 256) blocks, stays for v2).  All of them are deterministic for a given
+// grid.  Which one runs (nn_common.cuh's version switch; each falls back to the next that applies:
+// 16-bit / fp32 rows of whole 16-byte vectors, aligned, and not too long):
+//   BT_CUDA_NN_VERSION unset: ln_bwd_default: v6 on sm_80+ (kV6Default; measured best in every
+//     bf16 / fp32 case of ln_bwd_check.sh); without it fp32 v5, 16-bit v5 for C <= 1024 with
+//     extra, v3 for C <= 1024, v4 for longer rows.
+//   1: v1.  2: v2.  3: v3 -> v2.  4: v4 -> v3 -> v2.
+//   5: v5 -> (v4 for C > 1024) -> v3 -> v2.  6: v6 (sm_80+; clusters on sm_90+) -> the default
+//     without v6.
+// bench/ln_bwd_check.sh checks every variant against float64 and times them next to a D2D copy.
+// Launchers are left out under BT_NN_FUSED_KERNELS_ONLY (the harness).
 //
 // Cross-entropy backward reads the logits in their dtype and writes dlogits in that dtype in one
 // pass (p = exp(x - lse) from the saved lse; no float32 copy).  Logits rows may be strided; with
@@ -19,6 +31,8 @@
 // by the same thread in the same step, so the kernel is safe with dlogits aliasing the logits.
 // Version 3 (default, 16-bit / fp32, rows sharing the output's 16-byte alignment):
 // crossentropy_backward_v3 (unrolled streaming loads / stores, exp as FFMA + MUFU ex2).
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -660,6 +674,417 @@ struct LnBwdV5 {
   }
 };
 
+// v6 (aimed at 16-bit rows, where v3-v5 stayed near 64% of copy: a bf16 row carries half an fp32
+// row's bytes for the same math, so the loads a warp holds in registers while it computes were
+// too few bytes to cover memory latency, and v3 / v5's per-row shared-memory dweight / dbias
+// read-modify-writes cost as much L1 bandwidth as the row itself).  Three changes:
+//  - rows arrive through a per-group ring of kV6Stages shared-memory slots filled by cp.async
+//    (16-byte copies, L2 only): each group keeps its next K - 1 rows in flight while it computes
+//    one, with no registers held for them.  Each lane copies and later reads only its own columns
+//    (the v4 / v5 layout), so a slot needs no barrier: cp.async.wait_group orders it per thread;
+//    lane 0 of each warp copies the row's mean / rstd, read by its warp after a __syncwarp.
+//  - dweight / dbias partials in registers over all of a lane's rows (as v4); the weight is
+//    kept as raw 16-byte words in registers (unpacked per use: one ALU op for bf16).
+//  - one launch on Hopper: blocks form clusters of CL; after the row loop each block puts its
+//    partial (its groups' registers summed in group order) in shared memory, block rank r of a
+//    cluster sums slice r of [dw | db] over the cluster's blocks in rank order through distributed
+//    shared memory and writes it to partial[cluster]; the last block to finish slice r over all
+//    clusters (a per-slice arrival counter, reset by that block) sums the slice over the clusters
+//    in cluster order and writes dweight / dbias.  CL = 1 (or final_here false) writes the
+//    partials for layernorm_backward_reduce_v4 instead.
+// Deterministic for a given grid: every sum has a fixed order whichever block arrives last.
+// Arrival counters are one per device (a __device__ array): the backward kernels of a device run
+// in stream order (Note [streams]), never two at once.
+constexpr int kV6Warps = 8;        // warps per block (library)
+constexpr int kV6Stages = 3;       // ring slots per row group (library): K - 1 rows in flight
+// blocks per cluster (library: 1, the reduce kernel; 8 on sm_90 measured 57.5% of copy against
+// 68.5% at bf16 16384 x 768, ln_bwd_check.sh, session 12)
+constexpr int kV6Cluster = 1;
+constexpr int kV6MaxCluster = 16;  // 16 needs the non-portable cluster size attribute
+constexpr int kV6MaxBlocksPerSm = 4;
+__device__ unsigned int g_ln_bwd_v6_arrivals[kV6MaxCluster];
+
+// Shared-memory addresses as 32-bit offsets (fewer registers than generic pointers).
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void async_copy16(unsigned smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void async_copy4(unsigned smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem), "l"(gmem) : "memory");
+}
+// One 16-byte shared load (the compiler split plain uint4 reads of the ring into 4- and 8-byte
+// ones); volatile keeps it after the cp.async.wait_group before it.
+__device__ __forceinline__ uint4 lds16(unsigned smem) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(smem));
+  return v;
+}
+__device__ __forceinline__ float2 lds8f(unsigned smem) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(smem));
+  return v;
+}
+__device__ __forceinline__ void async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// This thread's copies of all but the newest N committed groups have landed.
+template <int N>
+__device__ __forceinline__ void async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ float4 f4_add(float4 a, float4 b) {
+  return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
+// Float4 i of [dw | db] (C % 4 == 0: never straddles the two) converted and stored.
+template <typename T>
+__device__ __forceinline__ void ln_store_dwdb4(int64_t i, float4 s, int64_t C, T* dw, T* db) {
+  const int64_t e = i * 4;
+  T* d = e < C ? (dw ? dw + e : nullptr) : (db ? db + (e - C) : nullptr);
+  if (!d) return;
+  d[0] = convert<T>(s.x);
+  d[1] = convert<T>(s.y);
+  d[2] = convert<T>(s.z);
+  d[3] = convert<T>(s.w);
+}
+
+// Sums float4 columns [a, b) of partial rows 0..P-1 (row stride n4 float4s) in a fixed order and
+// stores them to dw / db: QS threads per column take rows sub, sub + QS, ... (independent loads
+// in flight), then one thread adds the QS sums in order.  buf: blockDim.x float4s of shared
+// memory.  Every thread of the block calls it.  __ldcg: the partials were written by other blocks
+// during this kernel (L2 is coherent, L1 is not).
+template <typename T>
+__device__ void ln_bwd_final_slice(const float4* partial, int P, int64_t n4, int64_t a, int64_t b,
+                                   int64_t C, float4* buf, T* dw, T* db) {
+  const int t = threadIdx.x, nt = blockDim.x;
+  const int n = static_cast<int>(b - a);
+  if (n <= 0) return;
+  const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (n >= nt) {
+    for (int i = t; i < n; i += nt) {
+      float4 s = z;
+#pragma unroll 4
+      for (int p = 0; p < P; ++p) s = f4_add(s, __ldcg(partial + p * n4 + a + i));
+      ln_store_dwdb4(a + i, s, C, dw, db);
+    }
+    return;
+  }
+  const int QS = nt / n;
+  if (t < QS * n) {
+    const int i = t % n, sub = t / n;
+    float4 s = z;
+#pragma unroll 4
+    for (int p = sub; p < P; p += QS) s = f4_add(s, __ldcg(partial + p * n4 + a + i));
+    buf[sub * n + i] = s;
+  }
+  __syncthreads();
+  if (t < n) {
+    float4 s = buf[t];
+    for (int q = 1; q < QS; ++q) s = f4_add(s, buf[q * n + t]);
+    ln_store_dwdb4(a + t, s, C, dw, db);
+  }
+}
+
+template <typename T, typename S, int NV, int WPR, int NW, int K, int CL>
+__global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 registers
+    layernorm_backward_v6(const T* __restrict__ dy, const T* __restrict__ x,
+                          const T* __restrict__ w, const S* __restrict__ mean,
+                          const S* __restrict__ rstd, const T* __restrict__ extra,
+                          T* __restrict__ dx, float* __restrict__ partial, T* __restrict__ dw,
+                          T* __restrict__ db, int64_t R, int64_t C, bool need_acc,
+                          bool final_here) {
+  constexpr int V = static_cast<int>(16 / sizeof(T)), RG = NW / WPR;
+  static_assert(V % 4 == 0 && sizeof(S) == 4, "v6: 16-bit / fp32 rows, float statistics");
+  static_assert(K >= 2 && CL >= 1 && CL <= kV6MaxCluster, "v6 configuration");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();  // cp.async: sm_80+ (the host launches v6 only there)
+#else
+  __shared__ float red[2][2 * NW];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, grp = warp / WPR;
+  const int gl = (warp % WPR) * 32 + lane;
+  // Ring of this group: K slots of [dy | x (| extra)] rows (C * sizeof(T) % 16 == 0, C % V);
+  // stats: this warp's (mean, rstd) per slot.  Byte offsets in shared memory.
+  const unsigned row_bytes = static_cast<unsigned>(C * sizeof(T));
+  const unsigned slot_bytes = (extra ? 3u : 2u) * row_bytes;
+  const unsigned ring = smem_addr(smem_raw) + unsigned(grp) * K * slot_bytes;
+  const unsigned stats = smem_addr(smem_raw) + unsigned(RG) * K * slot_bytes + warp * K * 8;
+
+  uint4 wr[NV];  // the weight's raw words (1 without a weight)
+  float aw[NV][V], ab[NV][V];
+  {
+    float one[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) one[k] = 1.f;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = v4_col<V, WPR>(j, gl);
+      wr[j] = w && c < C ? __ldg(reinterpret_cast<const uint4*>(w + c)) : pack16<T>(one);
+#pragma unroll
+      for (int k = 0; k < V; ++k) aw[j][k] = 0.f, ab[j][k] = 0.f;
+    }
+  }
+
+  const int64_t step = int64_t(gridDim.x) * RG;
+  const int64_t row0 = int64_t(blockIdx.x) * RG + grp;  // the group's rows: row0 + i * step
+  // Copies row r (if any) into slot `slot`, then commits a group (empty past the last row, so
+  // every thread's group count stays in step with the loop).
+  auto issue = [&](int64_t r, int slot) {
+    if (r < R) {
+      const unsigned sl = ring + slot * slot_bytes;
+      const int64_t off = r * C;
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int64_t c = v4_col<V, WPR>(j, gl);
+        if (c < C) {
+          const unsigned cb = static_cast<unsigned>(c * sizeof(T));
+          async_copy16(sl + cb, dy + off + c);
+          async_copy16(sl + row_bytes + cb, x + off + c);
+          if (extra) async_copy16(sl + 2 * row_bytes + cb, extra + off + c);
+        }
+      }
+      if (lane == 0) {
+        async_copy4(stats + slot * 8, mean + r);
+        async_copy4(stats + slot * 8 + 4, rstd + r);
+      }
+    }
+    async_commit();
+  };
+#pragma unroll
+  for (int k = 0; k < K - 1; ++k) issue(row0 + k * step, k);
+
+  int slot = 0, parity = 0;
+  for (int64_t row = row0; row < R; row += step) {
+    __syncwarp();  // the warp is done with the slot refilled next (lane 0 rewrites its stats)
+    issue(row + (K - 1) * step, slot == 0 ? K - 1 : slot - 1);
+    async_wait<K - 1>();  // this row's copies (this thread's) landed
+    __syncwarp();         // lane 0's mean / rstd visible to the warp
+    const unsigned sl = ring + slot * slot_bytes;
+    const float2 st = lds8f(stats + slot * 8);
+    const float m = st.x, rs = st.y;
+    float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = v4_col<V, WPR>(j, gl);
+      if (c < C) {
+        const unsigned cb = static_cast<unsigned>(c * sizeof(T));
+        float g[V], xh[V], wv[V];
+        unpack16<T>(lds16(sl + cb), g);
+        unpack16<T>(lds16(sl + row_bytes + cb), xh);
+        unpack16<T>(wr[j], wv);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          xh[k] = (xh[k] - m) * rs;
+          const float gw = g[k] * wv[k];
+          s1 += gw;
+          s2 += gw * xh[k];
+          if (need_acc) {
+            aw[j][k] += g[k] * xh[k];
+            ab[j][k] += g[k];
+          }
+        }
+      }
+    }
+    s1 = warp_sum(s1);
+    s2 = warp_sum(s2);
+    group_sum2<WPR, NW>(s1, s2, red[parity]);
+    parity ^= 1;
+    s1 /= static_cast<float>(C);
+    s2 /= static_cast<float>(C);
+    const int64_t off = row * C;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = v4_col<V, WPR>(j, gl);
+      if (c < C) {  // the slot again (shared memory reads are cheap; registers are not)
+        const unsigned cb = static_cast<unsigned>(c * sizeof(T));
+        float g[V], xh[V], wv[V], ev[V], o[V];
+        unpack16<T>(lds16(sl + cb), g);
+        unpack16<T>(lds16(sl + row_bytes + cb), xh);
+        unpack16<T>(wr[j], wv);
+        if (extra) unpack16<T>(lds16(sl + 2 * row_bytes + cb), ev);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          o[k] = rs * (g[k] * wv[k] - s1 - (xh[k] - m) * rs * s2);
+          if (extra) o[k] += ev[k];
+        }
+        *reinterpret_cast<uint4*>(dx + off + c) = pack16<T>(o);
+      }
+    }
+    slot = slot + 1 == K ? 0 : slot + 1;
+  }
+  async_wait<0>();  // the (empty or unused) groups still pending
+  if (!need_acc) return;
+
+  // Block partial acc = [dw | db] (2C floats over the ring): groups add theirs in group order.
+  __syncthreads();
+  float* acc = reinterpret_cast<float*>(smem_raw);
+  for (int q = 0; q < RG; ++q) {
+    if (grp == q) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int64_t c = v4_col<V, WPR>(j, gl);
+        if (c < C) {
+#pragma unroll
+          for (int k = 0; k < V; k += 4) {
+            float4* pw = reinterpret_cast<float4*>(acc + c + k);
+            float4* pb = reinterpret_cast<float4*>(acc + C + c + k);
+            float4 a = make_float4(aw[j][k], aw[j][k + 1], aw[j][k + 2], aw[j][k + 3]);
+            float4 b = make_float4(ab[j][k], ab[j][k + 1], ab[j][k + 2], ab[j][k + 3]);
+            if (q) a = f4_add(*pw, a), b = f4_add(*pb, b);
+            *pw = a;
+            *pb = b;
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  const int64_t n4 = C / 2;  // float4s of [dw | db]
+  const float4* acc4 = reinterpret_cast<const float4*>(acc);
+  if constexpr (CL == 1) {
+    float4* dst = reinterpret_cast<float4*>(partial) + int64_t(blockIdx.x) * n4;
+    for (int64_t i = threadIdx.x; i < n4; i += blockDim.x) dst[i] = acc4[i];
+  } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    namespace cg = cooperative_groups;
+    __shared__ unsigned last_flag;  // this block finished its slice last
+    cg::cluster_group cluster = cg::this_cluster();
+    const int rank = static_cast<int>(cluster.block_rank());
+    const int64_t a = n4 * rank / CL, b = n4 * (rank + 1) / CL;  // this block's slice
+    cluster.sync();  // every block's partial is in its shared memory
+    const float4* peer[CL];
+#pragma unroll
+    for (int q = 0; q < CL; ++q) peer[q] = cluster.map_shared_rank(acc4, q);
+    float4* dst = reinterpret_cast<float4*>(partial) + int64_t(blockIdx.x / CL) * n4;
+    for (int64_t i = a + threadIdx.x; i < b; i += blockDim.x) {
+      float4 t = peer[0][i];
+#pragma unroll
+      for (int q = 1; q < CL; ++q) t = f4_add(t, peer[q][i]);  // rank order
+      dst[i] = t;
+    }
+    // done reading the peers' shared memory; wait (below) before exiting, as they read ours
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+    if (final_here) {
+      const unsigned P = gridDim.x / CL;
+      __threadfence();  // this block's slice of partial[cluster] before its arrival
+      __syncthreads();
+      if (threadIdx.x == 0) last_flag = atomicAdd(&g_ln_bwd_v6_arrivals[rank], 1u) == P - 1;
+      __syncthreads();
+      if (last_flag) {  // every cluster's slice `rank` is written
+        __threadfence();
+        ln_bwd_final_slice<T>(reinterpret_cast<const float4*>(partial), static_cast<int>(P), n4, a,
+                              b, C, reinterpret_cast<float4*>(acc + 2 * C), dw, db);
+        if (threadIdx.x == 0) g_ln_bwd_v6_arrivals[rank] = 0;  // ready for the next launch
+      }
+    }
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+    __trap();  // clusters: sm_90+ (the host launches CL > 1 only there)
+#endif
+  }
+#endif
+}
+
+// Launch geometry of v6 (shared by eval_gpu and bench/ln_bwd_check.cu).  Shared memory: the rings
+// and stats during the row loop, then the block partial (2C floats) and the final slice buffer
+// (one float4 per thread) at the end.  Grid: the resident blocks (at most kV6MaxBlocksPerSm per
+// SM; whole clusters as cudaOccupancyMaxActiveClusters allows), no more than the row groups need
+// (rounded up to whole clusters); 0 where it cannot launch (compute capability below 8, or 9 for
+// clusters, or more shared memory than smem_optin).
+template <typename T, typename S, int NV, int WPR, int NW, int K, int CL>
+struct LnBwdV6 {
+  static constexpr int kThreads = NW * 32, kRG = NW / WPR, kCluster = CL;
+  static auto kernel() { return layernorm_backward_v6<T, S, NV, WPR, NW, K, CL>; }
+  static size_t smem(int64_t C, bool extra) {
+    const size_t ring = size_t(kRG) * K * (extra ? 3 : 2) * size_t(C) * sizeof(T);
+    const size_t stats = size_t(NW) * K * 2 * sizeof(float);
+    const size_t tail = size_t(2) * C * sizeof(float) + size_t(kThreads) * 16;
+    return std::max(ring + stats, tail);
+  }
+  static void set_cluster(cudaLaunchConfig_t& cfg, cudaLaunchAttribute& at) {
+    at.id = cudaLaunchAttributeClusterDimension;
+    at.val.clusterDim.x = CL;
+    at.val.clusterDim.y = 1;
+    at.val.clusterDim.z = 1;
+    cfg.attrs = &at;
+    cfg.numAttrs = 1;
+  }
+  static int grid(int64_t R, int64_t C, bool extra, int sm_count, size_t smem_optin, int major,
+                  const char* op) {
+    auto kern = kernel();
+    const size_t sm = smem(C, extra);
+    if (major < 8 || (CL > 1 && major < 9) || sm > smem_optin) return 0;
+    BT_CUDA_CHECK(op, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(sm)));
+    if constexpr (CL > 8) {
+      BT_CUDA_CHECK(op,
+                    cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    }
+    int per_sm = 0;
+    BT_CUDA_CHECK(op, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, kThreads, sm));
+    per_sm = std::min(per_sm, kV6MaxBlocksPerSm);
+    int64_t cap = int64_t(sm_count) * per_sm;
+    const int64_t need = ceil_div(R, int64_t(kRG));
+    if constexpr (CL > 1) {
+      cudaLaunchConfig_t cfg = {};
+      cudaLaunchAttribute at;
+      cfg.gridDim =
+          dim3(static_cast<unsigned>(ceil_div(std::max<int64_t>(cap, 1), int64_t(CL)) * CL));
+      cfg.blockDim = dim3(kThreads);
+      cfg.dynamicSmemBytes = sm;
+      set_cluster(cfg, at);
+      int clusters = 0;
+      BT_CUDA_CHECK(op, cudaOccupancyMaxActiveClusters(&clusters, kern, &cfg));
+      cap = std::min<int64_t>(cap, int64_t(clusters) * CL) / CL * CL;
+      return static_cast<int>(std::min<int64_t>(ceil_div(need, int64_t(CL)) * CL, cap));
+    }
+    return static_cast<int>(std::min<int64_t>(need, cap));
+  }
+  // final_here (CL > 1): dweight / dbias written by the kernel; else G / CL (CL > 1) or G
+  // partials are left for layernorm_backward_reduce_v4.
+  static void launch(int G, cudaStream_t st, const T* dy, const T* x, const T* w, const S* mean,
+                     const S* rstd, const T* extra, T* dx, float* partial, T* dw, T* db, int64_t R,
+                     int64_t C, bool need_acc, bool final_here, const char* op) {
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute at;
+    cfg.gridDim = dim3(static_cast<unsigned>(G));
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem(C, extra != nullptr);
+    cfg.stream = st;
+    if constexpr (CL > 1) set_cluster(cfg, at);
+    BT_CUDA_CHECK(op, cudaLaunchKernelEx(&cfg, kernel(), dy, x, w, mean, rstd, extra, dx, partial,
+                                         dw, db, R, C, need_acc, CL > 1 && final_here));
+  }
+};
+
+// The layer-norm backward kernel LayerNormBackward::eval_gpu runs with BT_CUDA_NN_VERSION unset,
+// for T rows of C (with `extra`: add_layer_norm's residual gradient) on a device of compute
+// capability `major`; with_v6 false: the choice when v6 does not apply.  H200, R = 16384, GPT-2's
+// C (bench/RESULTS.md session 11, % of a D2D copy, dw / db reduce included): fp32: v5 (nw8, no
+// prefetch) 84-92% against v3 / v4's 57-73%; bf16 C = 768 + extra: v5 74% against v3's 64%;
+// bf16 otherwise v3 (C <= kV4MinDefaultC) or v4 (longer rows), v5 within 2%.  16-bit on sm_90+:
+// v6 when kV6Default (ln_bwd_check.sh, session 12: v6 with the reduce kernel was the best variant
+// for bf16 and fp32, C 768 and 3072, with and without extra; false: the v5 / v3 / v4 choice).  The launcher
+// falls back down v6 -> v5 -> v4 -> v3 -> v2 where a kernel does not apply (double, misaligned
+// pointers, rows not whole 16-byte vectors or too long).
+constexpr bool kV6Default = true;
+template <typename K>
+struct ln_tag {  // a type as a value (for generic lambdas)
+  using type = K;
+};
+template <typename T>
+inline int ln_bwd_default(int64_t C, bool extra, int major, bool with_v6 = true) {
+  if (kV6Default && with_v6 && major >= 8) return 6;
+  if (sizeof(T) == 4) return 5;
+  if (sizeof(T) == 2 && extra && C <= kV4MinDefaultC) return 5;
+  return C > kV4MinDefaultC ? 4 : 3;
+}
+
 // ---- cross-entropy backward ------------------------------------------------------------------
 // scale[r] = 0 for ignored rows, else g[r] (none), g[0] / #valid (mean), g[0] (sum).  One block.
 template <typename G, typename A>
@@ -857,29 +1282,57 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
       if (dbp) BT_CUDA_CHECK(name(), cudaMemsetAsync(dbp, 0, C * sizeof(T), st));
       return;
     }
-    const int ver = nn_version();
-    // v5 (BT_CUDA_NN_VERSION=5; opt-in until measured): the next row's loads in flight during
-    // each row's math
-    if (ver == 5 && dispatch_v5<T>(C, {dyp, xp, wp, ep, dxp}, [&](auto nvt, auto wt) {
+    const int ver = nn_version(), env = nn_version_env();
+    const DeviceInfo& di = device_info(dev.index);
+    // BT_CUDA_NN_VERSION=5 / 6 force v5 / v6 where they apply; unset, ln_bwd_default picks
+    const int want = env ? env : ln_bwd_default<T>(C, ep != nullptr, di.major);
+    auto float_buffer = [&](int64_t n) {  // the dw / db partials (none without need_acc)
+      if (!need_acc) return std::pair<Tensor, float*>(Tensor(), nullptr);
+      Tensor t = empty_tensor({n}, DType::Float32, dev, name());
+      return std::pair<Tensor, float*>(t, static_cast<float*>(t.data_ptr(name())));
+    };
+    auto reduce_partials = [&](const float* pp, int P) {
+      layernorm_backward_reduce_v4<T>
+          <<<static_cast<unsigned>(ceil_div(2 * C, 32)), dim3(32, kReduceRows), 0, st>>>(pp, P, C,
+                                                                                         dwp, dbp);
+      BT_CUDA_LAUNCH_CHECK(name());
+    };
+    // v6: rows through a cp.async shared-memory ring, dw / db in registers, on sm_90 one launch
+    // (cluster + last-arrival reduce of the partials); elsewhere its partials go to reduce_v4
+    if (want == 6 && dispatch_v5<T>(C, {dyp, xp, wp, ep, dxp}, [&](auto nvt, auto wt) {
           constexpr int NV = decltype(nvt)::value, WPR = decltype(wt)::value;
-          using K = LnBwdV5<T, S, NV, WPR, kV5Warps, true, false>;
-          const DeviceInfo& di = device_info(dev.index);
+          auto run = [&](auto kt) {
+            using K = typename decltype(kt)::type;
+            const int G = K::grid(R, C, ep != nullptr, di.sm_count, di.smem_per_block_optin,
+                                  di.major, name());
+            if (G == 0) return false;
+            constexpr int CL = K::kCluster;
+            auto [partial, pp] = float_buffer(int64_t(G / CL) * 2 * C);
+            K::launch(G, st, dyp, xp, wp, mp, rp, ep, dxp, pp, dwp, dbp, R, C, need_acc, true,
+                      name());
+            if (need_acc && CL == 1) reduce_partials(pp, G);
+            return true;
+          };
+          using K8 = LnBwdV6<T, S, NV, WPR, kV6Warps, kV6Stages, kV6Cluster>;
+          using K1 = LnBwdV6<T, S, NV, WPR, kV6Warps, kV6Stages, 1>;
+          if (di.major >= 9) return run(ln_tag<K8>{});
+          return run(ln_tag<K1>{});
+        })) {
+      return;
+    }
+    // v5 (nw8, no prefetch: the prefetch measured slower): a group of warps per row, dw / db
+    // in shared memory; the default for fp32 and for 16-bit C <= 1024 with extra
+    const bool want5 =
+        want == 5 || (want == 6 && ln_bwd_default<T>(C, ep != nullptr, di.major, false) == 5);
+    if (want5 && dispatch_v5<T>(C, {dyp, xp, wp, ep, dxp}, [&](auto nvt, auto wt) {
+          constexpr int NV = decltype(nvt)::value, WPR = decltype(wt)::value;
+          using K = LnBwdV5<T, S, NV, WPR, kV5Warps, false, false>;
           const int G = K::grid(R, C, need_acc, di.sm_count, di.smem_per_block_optin, name());
           if (G == 0) return false;
-          Tensor partial;
-          float* pp = nullptr;
-          if (need_acc) {
-            partial = empty_tensor({int64_t(G) * 2 * C}, DType::Float32, dev, name());
-            pp = static_cast<float*>(partial.data_ptr(name()));
-          }
+          auto [partial, pp] = float_buffer(int64_t(G) * 2 * C);
           K::launch(G, st, dyp, xp, wp, mp, rp, ep, dxp, pp, R, C, need_acc);
           BT_CUDA_LAUNCH_CHECK(name());
-          if (need_acc) {
-            layernorm_backward_reduce_v4<T>
-                <<<static_cast<unsigned>(ceil_div(2 * C, 32)), dim3(32, kReduceRows), 0, st>>>(
-                    pp, G, C, dwp, dbp);
-            BT_CUDA_LAUNCH_CHECK(name());
-          }
+          if (need_acc) reduce_partials(pp, G);
           return true;
         })) {
       return;

@@ -1,0 +1,156 @@
+// attn_sm90_bwd_check.cu: standalone check + timing of the Hopper wgmma attention backward
+// (attn_bwd_sm90_ws, src/cuda/attention_sm90.cu) next to the mma.sync one-kernel backward
+// (attn_bwd_dkdv_v2<kDq>, attention.cu).  Build and run: bash bench/attn_sm90_bwd_check.sh
+// [--check | --bench] (needs an sm_90 GPU).  Exit status 1 on a FAIL.
+//
+// Check: bf16, D 64, T in {1, 7, 64, 100, 200, 1024} (B2 H3; T 1024: B1 H2), causal and not; q, k, v
+// the strided slices of a packed (B, T, 3, H, D) buffer; the kernels get the float64 reference lse
+// and Dvec; dq, dk, dv go to a packed (B, T, 3, H, D) gradient poisoned with NaN (dq_acc poisoned
+// before the memset).  Error: max |gpu - ref| / max |ref| per tensor against float64 math on the
+// bf16 inputs; tolerance 3e-2 (P and dS are rounded to bf16 for the tensor cores).
+// Timing: B16 H12 T1024 D64, causal and not: memset + backward kernel + dq conversion (what the
+// library runs after the Dvec preprocess), cudaEvent median of 20 after 3 warm-ups; FLOPs 5 B H T^2
+// D (half when causal).
+#define BT_ATTENTION_KERNELS_ONLY 1
+#include <cstring>
+
+#include "../src/cuda/attention.cu"
+#include "../src/cuda/attention_sm90.cu"
+#include "attn_problem.cuh"
+
+static int g_fail = 0;
+
+// The launchers' BT_CUDA_CHECK reports here (the library's version throws a Python exception).
+[[noreturn]] void bt::cuda::throw_cuda_error(const char* op, const char* expr, cudaError_t err,
+                                             const char* file, int line) {
+  std::printf("CUDA error in %s: %s: %s at %s:%d\n", op, expr, cudaGetErrorString(err), file, line);
+  std::exit(2);
+}
+
+template <int WG, int St, int Dq, bool PP = false>
+struct Ws {
+  static constexpr int kWG = WG, kStages = St, kDq = Dq;
+  static constexpr bool kPP = PP;
+};
+// kind 0: the wgmma kernel as the library runs it (dQ by TMA reduce, 3 stages, ping-pong); 1: the
+// mma.sync one-kernel backward (V2Config<64>'s fused config); 2: 0 without ping-pong; 3: 0 with 2
+// stages; 4: dQ by red.v4 from registers; 5: no dQ adds (timing only: its dq is wrong, not checked).
+static bool run_bwd(int kind, const Problem& pr, float* acc, T16* dq, T16* dk, T16* dv,
+                    int64_t d_row) {
+  using namespace bt::cuda;
+  AttnParams p = pr.params();
+  p.d_row = d_row;
+  CK(cudaMemsetAsync(acc, 0, pr.no() * sizeof(float)));
+  auto ws = [&](auto cfg) {
+    using C = decltype(cfg);
+    return launch_bwd_sm90_cfg<T16, C::kWG, C::kStages, C::kDq, C::kPP>(
+        p, pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref, acc, dk, dv, 0, "bwd_sm90");
+  };
+  if (kind == 0) {
+    if (!ws(Ws<2, 3, 2, true>{})) return false;  // the library's configuration
+  } else if (kind == 2) {
+    if (!ws(Ws<2, 3, 2, false>{})) return false;
+  } else if (kind == 3) {
+    if (!ws(Ws<2, 2, 2, true>{})) return false;
+  } else if (kind == 4) {
+    if (!ws(Ws<2, 3, 1, true>{})) return false;
+  } else if (kind == 5) {
+    if (!ws(Ws<2, 3, 0, true>{})) return false;
+  } else {
+    using C = V2Config<64>;
+    constexpr int W = C::kFuWarps, Br = C::kFuBr, MT = C::kFuMT, Bc = 16 * MT * W;
+    constexpr size_t smem = fused_smem<T16, 64, W, Br, MT>();
+    auto kern = attn_bwd_dkdv_v2<T16, 64, W, Br, C::kFuFrag, C::kFuMinBlocks, MT, true, false>;
+    CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    dim3 grid(p.B * p.H, unsigned(ceil_div(p.S, Bc)));
+    kern<<<grid, W * 32, smem>>>(p, pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref, dk,
+                                 dv, acc);
+    CK(cudaGetLastError());
+  }
+  attn_bwd_dq_convert<T16, 64><<<unsigned(ceil_div(int64_t(pr.no() / 8), 256)), 256>>>(p, acc, dq);
+  CK(cudaGetLastError());
+  return true;
+}
+
+static const char* kName[] = {"wgmma (library)", "mma.sync fused", "wgmma no pp", "wgmma 2 st",
+                              "wgmma red.v4", "wgmma no dQ"};
+static const int kKinds = 6;
+
+static void check(int kind) {
+  const int Ts[] = {1, 7, 64, 100, 200, 1024};
+  for (int T : Ts) {
+    for (int causal = 0; causal < 2; ++causal) {
+      Problem pr;
+      const int B = T >= 1024 ? 1 : 2, H = T >= 1024 ? 2 : 3;
+      pr.make(B, H, T, 64, causal, true, 4321u + T * 7 + causal);
+      const size_t no = pr.no(), nx = pr.nx();
+      const int HD = pr.H * 64;
+      T16* packed = dmalloc<T16>(nx);
+      float* acc = dmalloc<float>(no);
+      poison(packed, nx * 2), poison(acc, no * 4);
+      const bool ok = run_bwd(kind, pr, acc, packed, packed + HD, packed + 2 * HD, 3 * HD);
+      CK(cudaDeviceSynchronize());
+      double e[3] = {INFINITY, INFINITY, INFINITY};
+      if (ok) {
+        auto hp = hcopy(packed, nx);
+        auto at = [&](int w, size_t i) { return double(bf2f(hp[((i / HD) * 3 + w) * HD + i % HD])); };
+        e[0] = rel_err(pr.dq, [&](size_t i) { return at(0, i); });
+        e[1] = rel_err(pr.dk, [&](size_t i) { return at(1, i); });
+        e[2] = rel_err(pr.dv, [&](size_t i) { return at(2, i); });
+      }
+      const bool pass = e[0] <= 3e-2 && e[1] <= 3e-2 && e[2] <= 3e-2;
+      g_fail += pass ? 0 : 1;
+      std::printf("check %-16s T=%-5d %-6s dq %.2e dk %.2e dv %.2e  %s\n", kName[kind], T,
+                  causal ? "causal" : "full", e[0], e[1], e[2], pass ? "PASS" : "FAIL");
+      CK(cudaFree(packed));
+      CK(cudaFree(acc));
+      pr.release();
+    }
+  }
+}
+
+static void bench() {
+  const int B = 16, H = 12, T = 1024;
+  for (int causal = 1; causal >= 0; --causal) {
+    Problem big;
+    big.make(B, H, T, 64, causal, false, 99u);
+    T16* gbuf = dmalloc<T16>(big.nx());
+    float* acc = dmalloc<float>(big.no());
+    const int HD = H * 64;
+    const double fl = 5.0 * B * H * double(T) * T * 64 * (causal ? 0.5 : 1.0);
+    for (int kind = 0; kind < kKinds; ++kind) {
+      bool ok = true;
+      const double ms = time_ms([&] {
+        ok = run_bwd(kind, big, acc, gbuf, gbuf + HD, gbuf + 2 * HD, 3 * HD) && ok;
+      });
+      std::printf("bench %-16s B%d H%d T%d D64 %-6s %8.3f ms %7.1f TFLOP/s%s\n", kName[kind], B, H,
+                  T, causal ? "causal" : "full", ms, fl / (ms * 1e-3) / 1e12,
+                  ok ? "" : "  (not launched)");
+    }
+    CK(cudaFree(gbuf));
+    CK(cudaFree(acc));
+    big.release();
+  }
+}
+
+int main(int argc, char** argv) {
+  {
+    cudaFuncAttributes fa{};
+    CK(cudaFuncGetAttributes(&fa, bt::cuda::attn_bwd_sm90_ws<T16, 64, 2, 3, 2, true>));
+    std::printf("attn_bwd_sm90_ws: %d registers, max %d threads, %zu B local\n", fa.numRegs,
+                fa.maxThreadsPerBlock, fa.localSizeBytes);
+  }
+  bool do_check = true, do_bench = true;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--bench")) do_check = false;
+    if (!std::strcmp(argv[i], "--check")) do_bench = false;
+  }
+  if (do_check) {
+    for (int kind = 0; kind < kKinds; ++kind) {
+      if (kind != 5) check(kind);
+    }
+  }
+  if (do_bench) bench();
+  std::printf("%s: %d failing check(s)\n", g_fail ? "FAIL" : "PASS", g_fail);
+  return g_fail ? 1 : 0;
+}
