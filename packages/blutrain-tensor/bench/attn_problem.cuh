@@ -1,5 +1,5 @@
-// attn_problem.cuh: what the attention harnesses share: CUDA error checks, device buffers,
-// NaN poisoning, the relative error, cudaEvent timing, and Problem (bf16 inputs as slices of a
+// attn_problem.cuh: what the bf16 attention harnesses share beyond harness_common.cuh (CK, device
+// buffers, NaN poisoning, rel_err, time_ms; included here): Problem (bf16 inputs as slices of a
 // packed (B, T, 3, H, D) buffer, dO, and float64 reference o, lse, Dvec, dq, dk, dv).
 // Included by attn_tune.cu and attn_sm90_bwd_check.cu after the kernel sources.
 #pragma once
@@ -13,53 +13,13 @@
 
 #include <cuda_bf16.h>
 
+#include "harness_common.cuh"
+
 using bt::cuda::AttnParams;
 using T16 = __nv_bfloat16;
 
-#define CK(x)                                                                                      \
-  do {                                                                                             \
-    cudaError_t e_ = (x);                                                                          \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
-      std::exit(2);                                                                                \
-    }                                                                                              \
-  } while (0)
-
 // ---- host helpers ------------------------------------------------------------------------------
 static float bf2f(T16 x) { return __bfloat162float(x); }
-
-template <typename X>
-static X* dmalloc(size_t n) {
-  X* d;
-  CK(cudaMalloc(&d, n * sizeof(X) + 64));
-  return d;
-}
-template <typename X>
-static X* dcopy(const std::vector<X>& h) {
-  X* d = dmalloc<X>(h.size());
-  CK(cudaMemcpy(d, h.data(), h.size() * sizeof(X), cudaMemcpyHostToDevice));
-  return d;
-}
-template <typename X>
-static std::vector<X> hcopy(const X* d, size_t n) {
-  std::vector<X> h(n);
-  CK(cudaMemcpy(h.data(), d, n * sizeof(X), cudaMemcpyDeviceToHost));
-  return h;
-}
-static void poison(void* d, size_t bytes) { CK(cudaMemset(d, 0xff, bytes)); }  // NaN
-
-// max |got - ref| / max |ref|; a non-finite value gives inf.
-template <typename F>
-static double rel_err(const std::vector<double>& ref, F got) {
-  double md = 0, mr = 1e-30;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double g = got(i);
-    if (!std::isfinite(g)) return INFINITY;
-    md = std::max(md, std::fabs(g - ref[i]));
-    mr = std::max(mr, std::fabs(ref[i]));
-  }
-  return md / mr;
-}
 
 // ---- problem: inputs, float64 reference ------------------------------------------------------
 struct Problem {
@@ -185,27 +145,3 @@ struct Problem {
     }
   }
 };
-
-// cudaEvent median of 20 runs after 3 warm-ups (ms).
-template <typename F>
-static double time_ms(F f) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) f();
-  CK(cudaDeviceSynchronize());
-  std::vector<float> ts;
-  for (int i = 0; i < 20; ++i) {
-    CK(cudaEventRecord(a));
-    f();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    ts.push_back(ms);
-  }
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
-  std::sort(ts.begin(), ts.end());
-  return ts[ts.size() / 2];
-}

@@ -6,10 +6,11 @@
 // q, k, v are the non-contiguous slices of (B, T, 3, H, D) buffers (a (B, T, 3C) linear split);
 // outputs are poisoned with NaN; the backward runs with a random dlse, twice (bitwise equal) and
 // into a packed (B, T, 3, H, D) dq/dk/dv buffer (d_row = 3 H D, bitwise equal to the separate one).
-// Error: max |gpu - ref| / max |ref| per tensor.  Then times fwd and bwd (both kernels; Dvec is
-// precomputed) at B16 H12 T1024 D64 causal, cudaEvent, 20 reps after 3 warm-ups.  Causal FLOPs:
-// fwd 2 B H T^2 D (QK^T and PV, half the T x T), bwd 5 B H T^2 D (QK^T, dO V^T, P^T dO, dS^T Q,
-// dS K; our kernels recompute QK^T and dO V^T in both kernels, not counted).
+// Error: max |gpu - ref| / max(0.1, max |ref|) per tensor.  Then times fwd and bwd (both kernels;
+// Dvec is precomputed) at B16 H12 T1024 D64 causal, cudaEvent, the mean of 20 back-to-back reps
+// after 3 warm-ups.  Causal FLOPs: fwd 2 B H T^2 D (QK^T and PV, half the T x T), bwd 5 B H T^2 D
+// (QK^T, dO V^T, P^T dO, dS^T Q, dS K; our kernels recompute QK^T and dO V^T in both kernels, not
+// counted).
 #define BT_ATTN_TF32_STANDALONE
 #include <cmath>
 #include <cstdio>
@@ -18,53 +19,22 @@
 #include <vector>
 
 #include "../src/cuda/attention_tf32.cu"
+#include "harness_common.cuh"
 
 using bt::cuda::AttnTf32Args;
 
-#define CK(x)                                                                                      \
-  do {                                                                                             \
-    cudaError_t e_ = (x);                                                                          \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
-      std::exit(2);                                                                                \
-    }                                                                                              \
-  } while (0)
-
 static int g_fail = 0;
 
-template <typename T>
-static T* dev_copy(const std::vector<T>& h) {
-  T* d;
-  CK(cudaMalloc(&d, h.size() * sizeof(T) + 16));
-  CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return d;
-}
+constexpr size_t kPad = 16;  // spare bytes after each device buffer (dcopy, dmalloc)
 static float* dev_nan(size_t n) {
-  float* d;
-  CK(cudaMalloc(&d, n * sizeof(float) + 16));
-  CK(cudaMemset(d, 0xff, n * sizeof(float)));  // NaN
+  float* d = dmalloc<float>(n, kPad);
+  poison(d, n * sizeof(float));
   return d;
-}
-static std::vector<float> host(const float* d, size_t n) {
-  std::vector<float> h(n);
-  CK(cudaMemcpy(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost));
-  return h;
 }
 
-// err of gpu values got(idx) vs ref (double), over n entries: max abs diff / max |ref|; NaN -> inf
-template <typename F>
-static double rel_err(const std::vector<double>& ref, F got) {
-  // floor 0.1: at T == 1 dq and dk are exactly zero and the kernels return the rounding of
-  // dP - Dvec, two O(1) terms that cancel; measure it against their scale, not against zero
-  double md = 0, mr = 1e-1;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double g = got(i);
-    if (!std::isfinite(g)) return INFINITY;
-    md = std::max(md, std::fabs(g - ref[i]));
-    mr = std::max(mr, std::fabs(ref[i]));
-  }
-  return md / mr;
-}
+// rel_err's floor for max |ref|: at T == 1 dq and dk are exactly zero and the kernels return the
+// rounding of dP - Dvec, two O(1) terms that cancel; measure it against their scale, not zero
+constexpr double kRefFloor = 1e-1;
 
 static void report(const char* what, const char* name, double err, double tol) {
   const bool ok = err <= tol;
@@ -174,16 +144,17 @@ static void run_case(int B, int H, int L, int S, int D, bool causal, bool exact,
     return;
   }
   const double tol = exact ? 2e-5 : 4e-3;
-  float* qd = dev_copy(qbuf);
-  float* dkv = dev_copy(kvbuf);
+  float* qd = dcopy(qbuf, kPad);
+  float* dkv = dcopy(kvbuf, kPad);
   const float *q = qd, *k = dkv + C, *v = dkv + 2 * C;
   float* o = dev_nan((size_t)B * L * C);
   float* lse = dev_nan((size_t)B * H * L);
   bt::cuda::attn_fwd_tf32(a, q, k, v, o, lse, 0, "attn_fwd_tf32");
   CK(cudaDeviceSynchronize());
-  const auto ho = host(o, ro.size()), hl = host(lse, rl.size());
-  report(what, "o", rel_err(ro, [&](size_t i) { return (double)ho[i]; }), tol);
-  report(what, "lse", rel_err(rl, [&](size_t i) { return (double)hl[i]; }), exact ? 2e-6 : 1e-3);
+  const auto ho = hcopy(o, ro.size()), hl = hcopy(lse, rl.size());
+  report(what, "o", rel_err(ro, [&](size_t i) { return (double)ho[i]; }, kRefFloor), tol);
+  report(what, "lse",
+         rel_err(rl, [&](size_t i) { return (double)hl[i]; }, kRefFloor), exact ? 2e-6 : 1e-3);
 
   // Dvec from the GPU's o (as attn_bwd_preprocess does)
   std::vector<float> dvec((size_t)B * H * L);
@@ -197,23 +168,23 @@ static void run_case(int B, int H, int L, int S, int D, bool causal, bool exact,
         }
         dvec[((size_t)b * H + h) * L + i] = (float)(s - dlse[((size_t)b * H + h) * L + i]);
       }
-  float* g = dev_copy(go);
-  float* dvd = dev_copy(dvec);
+  float* g = dcopy(go, kPad);
+  float* dvd = dcopy(dvec, kPad);
   float* dq = dev_nan(rdq.size());
   float* dk = dev_nan(rdk.size());
   float* dv = dev_nan(rdv.size());
   bt::cuda::attn_bwd_tf32(a, q, k, v, g, lse, dvd, dq, dk, dv, 0, "attn_bwd_tf32");
   CK(cudaDeviceSynchronize());
-  const auto hdq = host(dq, rdq.size()), hdk = host(dk, rdk.size()), hdv = host(dv, rdv.size());
-  report(what, "dq", rel_err(rdq, [&](size_t i) { return (double)hdq[i]; }), tol);
-  report(what, "dk", rel_err(rdk, [&](size_t i) { return (double)hdk[i]; }), tol);
-  report(what, "dv", rel_err(rdv, [&](size_t i) { return (double)hdv[i]; }), tol);
+  const auto hdq = hcopy(dq, rdq.size()), hdk = hcopy(dk, rdk.size()), hdv = hcopy(dv, rdv.size());
+  report(what, "dq", rel_err(rdq, [&](size_t i) { return (double)hdq[i]; }, kRefFloor), tol);
+  report(what, "dk", rel_err(rdk, [&](size_t i) { return (double)hdk[i]; }, kRefFloor), tol);
+  report(what, "dv", rel_err(rdv, [&](size_t i) { return (double)hdv[i]; }, kRefFloor), tol);
   // repeat: bitwise equal
-  CK(cudaMemset(dq, 0xff, rdq.size() * 4));
-  CK(cudaMemset(dk, 0xff, rdk.size() * 4));
+  poison(dq, rdq.size() * 4);
+  poison(dk, rdk.size() * 4);
   bt::cuda::attn_bwd_tf32(a, q, k, v, g, lse, dvd, dq, dk, dv, 0, "attn_bwd_tf32");
   CK(cudaDeviceSynchronize());
-  const bool same = host(dq, rdq.size()) == hdq && host(dk, rdk.size()) == hdk;
+  const bool same = hcopy(dq, rdq.size()) == hdq && hcopy(dk, rdk.size()) == hdk;
   report(what, "rep", same ? 0.0 : INFINITY, 0);
   if (L == S) {  // packed (B, T, 3, H, D) dq/dk/dv
     AttnTf32Args ap = a;
@@ -221,7 +192,7 @@ static void run_case(int B, int H, int L, int S, int D, bool causal, bool exact,
     float* pk = dev_nan((size_t)B * L * 3 * C);
     bt::cuda::attn_bwd_tf32(ap, q, k, v, g, lse, dvd, pk, pk + C, pk + 2 * C, 0, "attn_bwd_tf32");
     CK(cudaDeviceSynchronize());
-    const auto hp = host(pk, (size_t)B * L * 3 * C);
+    const auto hp = hcopy(pk, (size_t)B * L * 3 * C);
     bool eq = true;
     for (size_t r = 0; r < (size_t)B * L; ++r) {
       eq = eq && std::memcmp(&hp[(r * 3 + 0) * C], &hdq[r * C], C * 4) == 0;
@@ -252,16 +223,13 @@ static void bench(bool exact) {
   a.g_b = (int64_t)T * C, a.g_l = C, a.g_h = D;
   a.d_row = C;
   a.scale = 0.125, a.causal = true, a.exact = exact;
-  float* x = dev_copy(qkv);
-  float* g = dev_copy(go);
-  float* dv_ = dev_copy(dvec);
+  float* x = dcopy(qkv, kPad);
+  float* g = dcopy(go, kPad);
+  float* dv_ = dcopy(dvec, kPad);
   float* o = dev_nan((size_t)B * T * C);
   float* lse = dev_nan((size_t)B * H * T);
   float *dq = dev_nan((size_t)B * T * C), *dk = dev_nan((size_t)B * T * C),
         *dv = dev_nan((size_t)B * T * C);
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
   const double flop = 2.0 * B * H * (double)T * T * D;
   float ms[2];
   for (int pass = 0; pass < 2; ++pass) {
@@ -272,13 +240,7 @@ static void bench(bool exact) {
         bt::cuda::attn_bwd_tf32(a, x, x + C, x + 2 * C, g, lse, dv_, dq, dk, dv, 0, "bwd");
       }
     };
-    for (int i = 0; i < 3; ++i) call();
-    CK(cudaEventRecord(e0));
-    for (int i = 0; i < 20; ++i) call();
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    CK(cudaEventElapsedTime(&ms[pass], e0, e1));
-    ms[pass] /= 20;
+    ms[pass] = time_ms(call, 3, 1, 20);  // one sample: the mean of 20 back-to-back calls
   }
   std::printf(
       "bench %s B16 H12 T1024 D64 causal: fwd %.3f ms (%.1f TFLOP/s)  bwd %.3f ms (%.1f "

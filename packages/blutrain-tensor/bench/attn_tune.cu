@@ -408,7 +408,7 @@ static void run_cfg(const Problem& big, T16* o, float* lse, T16* gbuf) {
         launched = launch<D>(C{}, big, gbuf, 3 * HD) && launched;
       }
     };
-    ms = time_ms(f);
+    ms = time_ms(f, 3, 20);
     if (!launched) ms = -1;
   }
   const double tf = ms > 0 ? flops(D, mult_of(C::kind)) / (ms * 1e-3) / 1e12 : 0;
@@ -469,7 +469,7 @@ static void run_d() {
       }
     }
     g_fail += pass ? 0 : 1;
-    const double ms = g_bench ? time_ms([&] { launch_pre(v, big, dvec); }) : -1;
+    const double ms = g_bench ? time_ms([&] { launch_pre(v, big, dvec); }, 3, 20) : -1;
     const double gbs = ms > 0 ? 2.0 * big.no() * 2 / (ms * 1e-3) / 1e9 : 0;
     std::printf("pre   D=%-3d v%d %-69s %8.3f ms %7.0f GB/s     %s\n", D, v, "", ms, gbs,
                 pass ? "PASS" : "FAIL");

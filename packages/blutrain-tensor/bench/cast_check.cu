@@ -27,25 +27,13 @@
 #include <vector>
 
 #include "../src/cuda/elementwise.cu"
+// throw_cuda_error: declared by runtime.h; nothing here calls it, but keep the harness
+// self-contained.
+#define BT_HARNESS_THROW_STUB 1
+#include "harness_common.cuh"
 
 using namespace bt::cuda;
 using bf16 = __nv_bfloat16;
-
-#define CK(x)                                                                                      \
-  do {                                                                                             \
-    cudaError_t e_ = (x);                                                                          \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
-      std::exit(2);                                                                                \
-    }                                                                                              \
-  } while (0)
-
-// Declared by runtime.h; nothing here calls it, but keep the harness self-contained.
-[[noreturn]] void bt::cuda::throw_cuda_error(const char* op, const char* expr, cudaError_t err,
-                                             const char* file, int line) {
-  std::printf("CUDA error in %s: %s: %s at %s:%d\n", op, expr, cudaGetErrorString(err), file, line);
-  std::exit(2);
-}
 
 static int g_fail = 0, g_sms = 0;
 constexpr int kT = 256;  // threads per block (elementwise.cu's kThreads)
@@ -324,16 +312,13 @@ static void check_kind(int kind, const std::vector<Variant>& vs, const char* wha
         }
       }
     }
-    void *din, *dout;
-    CK(cudaMalloc(&din, hin.size()));
-    CK(cudaMalloc(&dout, want.size()));
-    CK(cudaMemcpy(din, hin.data(), hin.size(), cudaMemcpyHostToDevice));
-    std::vector<uint8_t> got(want.size());
+    uint8_t* din = dcopy(hin, 0);
+    uint8_t* dout = dmalloc<uint8_t>(want.size(), 0);
     for (const auto& v : vs) {
-      CK(cudaMemset(dout, 0xff, want.size()));
+      poison(dout, want.size());
       v.fn(din, dout, n);
       CK(cudaDeviceSynchronize());
-      CK(cudaMemcpy(got.data(), dout, got.size(), cudaMemcpyDeviceToHost));
+      const std::vector<uint8_t> got = hcopy(dout, want.size());
       size_t bad = 0;
       for (size_t i = 0; i < got.size(); i += ob) bad += std::memcmp(&got[i], &want[i], ob) != 0;
       if (bad) {
@@ -349,26 +334,8 @@ static void check_kind(int kind, const std::vector<Variant>& vs, const char* wha
 
 // ---- timing -----------------------------------------------------------------------------------
 template <typename F>
-static float median_ms(F&& f) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < 5; ++i) f();
-  CK(cudaDeviceSynchronize());
-  std::vector<float> ts;
-  for (int r = 0; r < 30; ++r) {
-    CK(cudaEventRecord(a));
-    f();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    ts.push_back(ms);
-  }
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
-  std::sort(ts.begin(), ts.end());
-  return ts[ts.size() / 2];
+static float median_ms(F&& f) {  // median of 30 after 5 warm-ups
+  return time_ms(f, 5, 30);
 }
 
 static void row(const std::string& name, double bytes, float ms, float copy_ms) {

@@ -40,26 +40,12 @@
 #include <vector>
 
 #include "../src/cuda/nn_fused.cu"
+#define BT_HARNESS_THROW_STUB 1  // the library's BT_CUDA_CHECK reports, prints and exits
+#include "harness_common.cuh"
 
 using namespace bt::cuda;
 using namespace bt::cuda::nn;
 using bf16 = __nv_bfloat16;
-
-#define CK(x)                                                                                      \
-  do {                                                                                             \
-    cudaError_t e_ = (x);                                                                          \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); \
-      std::exit(2);                                                                                \
-    }                                                                                              \
-  } while (0)
-
-// The library's BT_CUDA_CHECK reports here (the library's version throws a Python exception).
-[[noreturn]] void bt::cuda::throw_cuda_error(const char* op, const char* expr, cudaError_t err,
-                                             const char* file, int line) {
-  std::printf("CUDA error in %s: %s: %s at %s:%d\n", op, expr, cudaGetErrorString(err), file, line);
-  std::exit(2);
-}
 
 static int g_fail = 0;
 static int g_sms = 0, g_major = 0;
@@ -125,8 +111,7 @@ struct Prob {
         t[i] = from_f<T>(nd(rng) * sc + sh);
         h[i] = to_f(t[i]);
       }
-      CK(cudaMalloc(dev, m * sizeof(T)));
-      CK(cudaMemcpy(*dev, t.data(), m * sizeof(T), cudaMemcpyHostToDevice));
+      *dev = dcopy(t, 0);
     };
     fill(hx, n, 2.f, 0.5f, &x);
     fill(hdy, n, 1.f, 0.f, &dy);
@@ -142,20 +127,18 @@ struct Prob {
       hmean[r] = static_cast<float>(m);
       hrstd[r] = static_cast<float>(1.0 / std::sqrt(s2 / C + 1e-5));
     }
-    CK(cudaMalloc(&mean, R * sizeof(float)));
-    CK(cudaMalloc(&rstd, R * sizeof(float)));
-    CK(cudaMemcpy(mean, hmean.data(), R * sizeof(float), cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(rstd, hrstd.data(), R * sizeof(float), cudaMemcpyHostToDevice));
-    CK(cudaMalloc(&dx, n * sizeof(T)));
-    CK(cudaMalloc(&dw, C * sizeof(T)));
-    CK(cudaMalloc(&db, C * sizeof(T)));
-    CK(cudaMalloc(&partial, kMaxPartialBlocks * 2 * C * sizeof(float)));
+    mean = dcopy(hmean, 0);
+    rstd = dcopy(hrstd, 0);
+    dx = dmalloc<T>(n, 0);
+    dw = dmalloc<T>(C, 0);
+    db = dmalloc<T>(C, 0);
+    partial = dmalloc<float>(kMaxPartialBlocks * 2 * C, 0);
   }
   void poison() const {  // 0xff bytes: NaN in bf16 and fp32
-    CK(cudaMemset(dx, 0xff, static_cast<size_t>(R) * C * sizeof(T)));
-    CK(cudaMemset(dw, 0xff, C * sizeof(T)));
-    CK(cudaMemset(db, 0xff, C * sizeof(T)));
-    CK(cudaMemset(partial, 0xff, kMaxPartialBlocks * 2 * C * sizeof(float)));
+    ::poison(dx, static_cast<size_t>(R) * C * sizeof(T));
+    ::poison(dw, C * sizeof(T));
+    ::poison(db, C * sizeof(T));
+    ::poison(partial, kMaxPartialBlocks * 2 * C * sizeof(float));
   }
   const T* wp() const { return has_w ? w : nullptr; }
   const T* ep() const { return has_extra ? extra : nullptr; }
@@ -445,19 +428,14 @@ static const char* tname() {
 
 template <typename T>
 static void fetch(const T* d, size_t n, std::vector<float>& h) {
-  std::vector<T> t(n);
-  CK(cudaMemcpy(t.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  const std::vector<T> t = hcopy(d, n);
   h.resize(n);
   for (size_t i = 0; i < n; ++i) h[i] = to_f(t[i]);
 }
 
-static double rel_err(const std::vector<float>& g, const std::vector<double>& r) {
-  double md = 0, mr = 0;
-  for (size_t i = 0; i < r.size(); ++i) {
-    md = std::isfinite(g[i]) ? std::max(md, std::fabs(g[i] - r[i])) : INFINITY;
-    mr = std::max(mr, std::fabs(r[i]));
-  }
-  return mr > 0 ? md / mr : md;
+// rel_err of fetched values against r, no floor on max |r| (an all-zero r: max |g - r|)
+static double rel_err_f(const std::vector<float>& g, const std::vector<double>& r) {
+  return rel_err(r, [&](size_t i) { return double(g[i]); }, 0.0);
 }
 
 static bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
@@ -509,9 +487,9 @@ static void check_all() {
             }
             if (!applies) continue;
             ++ran[vi];
-            const double edx = rel_err(out[0][0], rdx);
-            const double edw = p.need_dw ? rel_err(out[0][1], rdw) : 0.0;
-            const double edb = p.need_db ? rel_err(out[0][2], rdb) : 0.0;
+            const double edx = rel_err_f(out[0][0], rdx);
+            const double edw = p.need_dw ? rel_err_f(out[0][1], rdw) : 0.0;
+            const double edb = p.need_db ? rel_err_f(out[0][2], rdb) : 0.0;
             const bool det = same_bits(out[0][0], out[1][0]) && same_bits(out[0][1], out[1][1]) &&
                              same_bits(out[0][2], out[1][2]);
             worst[vi] = std::max({worst[vi], edx, edw, edb});
@@ -542,29 +520,11 @@ __global__ void copy_kernel(const uint4* __restrict__ a, uint4* __restrict__ b, 
 }
 
 // Median over kSamples of the mean time of kBatch back-to-back calls of f (as in a training step:
-// launch latency hidden, the gaps between dependent kernels counted), after warm-ups.
+// launch latency hidden, the gaps between dependent kernels counted), after 5 warm-ups.
 constexpr int kSamples = 15, kBatch = 10;
 template <typename F>
 static float median_ms(F&& f) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < 5; ++i) f();
-  CK(cudaDeviceSynchronize());
-  std::vector<float> ts;
-  for (int r = 0; r < kSamples; ++r) {
-    CK(cudaEventRecord(a));
-    for (int i = 0; i < kBatch; ++i) f();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    ts.push_back(ms / kBatch);
-  }
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
-  std::sort(ts.begin(), ts.end());
-  return ts[ts.size() / 2];
+  return time_ms(f, 5, kSamples, kBatch);
 }
 
 // The variant eval_gpu runs by default for this case (ln_bwd_default; v2 never at these shapes).
