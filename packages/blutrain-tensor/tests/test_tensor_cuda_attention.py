@@ -4,9 +4,11 @@ D in {64, 128}) and float32 (SIMT), causal and not, T in {1, 7, 64, 1024} (tails
 row blocks), q/k/v as non-contiguous views of a (B, T, 3C) tensor (GPT-2's split), odd head dims
 and misaligned views (the SIMT fallback), determinism, and the (B, L, H, D) output layout.
 Tolerances are relative Frobenius norms (bf16 1.5e-2, fp16 4e-3, fp32 2e-5).
-bf16/fp16 backward: by default the one-kernel attn_bwd_dkdv_v2<kDq> (dQ by float atomics: dq is not
-bitwise repeatable, dk/dv are); bt.use_deterministic_algorithms(True) selects the deterministic
-two-kernel split (bitwise repeatable).  Bitwise checks of the backward run in that mode."""
+bf16/fp16 backward: by default one kernel per key block (on sm_90a builds with D 64 the wgmma
+attn_bwd_sm90_ws, elsewhere attn_bwd_dkdv_v2<kDq>), dQ added by float atomics or a TMA reduce-add:
+dq is not bitwise repeatable, dk/dv are; bt.use_deterministic_algorithms(True) selects the
+deterministic two-kernel split (bitwise repeatable).  Bitwise checks of the backward run in that
+mode."""
 
 from __future__ import annotations
 
