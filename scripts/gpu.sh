@@ -40,9 +40,14 @@ left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 selected() { [ -z "$1" ] || [[ ",$1," == *",$2,"* ]]; }
 
 declare -A STATUS
+shopt -s nullglob  # no carried wheels: an empty list, not the literal pattern
 wheels=(.whl/*.whl)
 [ "$PREBUILT" = 1 ] && wheels+=(.whl/bt/*.whl)
-if compgen -G ".whl/*.whl" >/dev/null || [ "$PREBUILT" = 1 ]; then
+shopt -u nullglob
+if [ "$PREBUILT" = 1 ] && ! compgen -G ".whl/bt/*.whl" >/dev/null; then
+  echo "--prebuilt: no wheels in .whl/bt (run scripts/build_wheels.sh first)"; exit 2
+fi
+if [ ${#wheels[@]} -gt 0 ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "${wheels[@]}" >"$OUT/install.log" 2>&1 || tail -20 "$OUT/install.log"
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}

@@ -3,14 +3,14 @@
 // (attn_bwd_dkdv_v2<kDq>, attention.cu).  Build and run: bash bench/attn_sm90_bwd_check.sh
 // [--check | --bench] (needs an sm_90 GPU).  Exit status 1 on a FAIL.
 //
-// Check: bf16, D 64, T in {1, 7, 64, 100, 200, 1024} (B2 H3; T 1024: B1 H2), causal and not; q, k, v
-// the strided slices of a packed (B, T, 3, H, D) buffer; the kernels get the float64 reference lse
-// and Dvec; dq, dk, dv go to a packed (B, T, 3, H, D) gradient poisoned with NaN (dq_acc poisoned
-// before the memset).  Error: max |gpu - ref| / max |ref| per tensor against float64 math on the
-// bf16 inputs; tolerance 3e-2 (P and dS are rounded to bf16 for the tensor cores).
-// Timing: B16 H12 T1024 D64, causal and not: memset + backward kernel + dq conversion (what the
-// library runs after the Dvec preprocess), cudaEvent median of 20 after 3 warm-ups; FLOPs 5 B H T^2
-// D (half when causal).
+// Check: bf16, D 64, T in {1, 7, 64, 100, 200, 1024} (B2 H3; T 1024: B1 H2), causal and not; q, k,
+// v the strided slices of a packed (B, T, 3, H, D) buffer; the kernels get the float64 reference
+// lse and Dvec; dq, dk, dv go to a packed (B, T, 3, H, D) gradient poisoned with NaN (dq_acc
+// poisoned before the memset).  Error: max |gpu - ref| / max |ref| per tensor against float64 math
+// on the bf16 inputs; tolerance 3e-2 (P and dS are rounded to bf16 for the tensor cores). Timing:
+// B16 H12 T1024 D64, causal and not: memset + backward kernel + dq conversion (what the library
+// runs after the Dvec preprocess), cudaEvent median of 20 after 3 warm-ups; FLOPs 5 B H T^2 D (half
+// when causal).
 #define BT_ATTENTION_KERNELS_ONLY 1
 #include <cstring>
 
@@ -28,7 +28,8 @@ struct Ws {
 };
 // kind 0: the wgmma kernel as the library runs it (dQ by TMA reduce, 3 stages, ping-pong); 1: the
 // mma.sync one-kernel backward (V2Config<64>'s fused config); 2: 0 without ping-pong; 3: 0 with 2
-// stages; 4: dQ by red.v4 from registers; 5: no dQ adds (timing only: its dq is wrong, not checked).
+// stages; 4: dQ by red.v4 from registers; 5: no dQ adds (timing only: its dq is wrong, not
+// checked).
 static bool run_bwd(int kind, const Problem& pr, float* acc, T16* dq, T16* dk, T16* dv,
                     int64_t d_row) {
   using namespace bt::cuda;
@@ -66,8 +67,8 @@ static bool run_bwd(int kind, const Problem& pr, float* acc, T16* dq, T16* dk, T
   return true;
 }
 
-static const char* kName[] = {"wgmma (library)", "mma.sync fused", "wgmma no pp", "wgmma 2 st",
-                              "wgmma red.v4", "wgmma no dQ"};
+static const char* kName[] = {"wgmma (library)", "mma.sync fused", "wgmma no pp",
+                              "wgmma 2 st",      "wgmma red.v4",   "wgmma no dQ"};
 static const int kKinds = 6;
 
 static void check(int kind) {
@@ -87,7 +88,9 @@ static void check(int kind) {
       double e[3] = {INFINITY, INFINITY, INFINITY};
       if (ok) {
         auto hp = hcopy(packed, nx);
-        auto at = [&](int w, size_t i) { return double(bf2f(hp[((i / HD) * 3 + w) * HD + i % HD])); };
+        auto at = [&](int w, size_t i) {
+          return double(bf2f(hp[((i / HD) * 3 + w) * HD + i % HD]));
+        };
         e[0] = rel_err(pr.dq, [&](size_t i) { return at(0, i); });
         e[1] = rel_err(pr.dk, [&](size_t i) { return at(1, i); });
         e[2] = rel_err(pr.dv, [&](size_t i) { return at(2, i); });
@@ -113,6 +116,7 @@ static void bench() {
     const int HD = H * 64;
     const double fl = 5.0 * B * H * double(T) * T * 64 * (causal ? 0.5 : 1.0);
     for (int kind = 0; kind < kKinds; ++kind) {
+      if (!harness_selected(kName[kind])) continue;
       bool ok = true;
       auto run = [&] {
         ok = run_bwd(kind, big, acc, gbuf, gbuf + HD, gbuf + 2 * HD, 3 * HD) && ok;
@@ -142,7 +146,7 @@ int main(int argc, char** argv) {
   }
   if (do_check) {
     for (int kind = 0; kind < kKinds; ++kind) {
-      if (kind != 5) check(kind);
+      if (kind != 5 && harness_selected(kName[kind])) check(kind);
     }
   }
   if (do_bench) bench();

@@ -95,10 +95,10 @@ static void run_sm90(const Problem& pr, T16* o, float* lse) {
   bt::cuda::launch_fwd_sm90_cfg<T16, D, WG, Bc, St>(pr.p, pr.q(), pr.k(), pr.v(), o, lse, 0,
                                                     "sm90");
 }
-template <int D, int WG, int Bc, int St, int MinB, bool PP>
+template <int D, int WG, int Bc, int St, int MinB, bool PP, bool Pers = false>
 static void run_ws(const Problem& pr, T16* o, float* lse) {
-  if (!bt::cuda::launch_fwd_sm90_ws_cfg<T16, D, WG, Bc, St, MinB, PP>(pr.p, pr.q(), pr.k(), pr.v(),
-                                                                      o, lse, 0, "sm90ws")) {
+  if (!bt::cuda::launch_fwd_sm90_ws_cfg<T16, D, WG, Bc, St, MinB, PP, Pers>(
+          pr.p, pr.q(), pr.k(), pr.v(), o, lse, 0, "sm90ws")) {
     std::printf("ws: tensor maps refused\n");
     std::exit(2);
   }
@@ -192,6 +192,8 @@ static void bench(const char* name, int H, int D, Runner fn) {
 #define CFG(D, WG, Bc, St) {"sm90 WG" #WG " Bc" #Bc " stages" #St, D, run_sm90<D, WG, Bc, St>}
 #define WS(D, WG, Bc, St, MinB, PP) \
   {"ws WG" #WG " Bc" #Bc " st" #St " minB" #MinB " pp" #PP, D, run_ws<D, WG, Bc, St, MinB, PP>}
+#define WSP(D, WG, Bc, St, PP) \
+  {"persistent WG" #WG " Bc" #Bc " st" #St " pp" #PP, D, run_ws<D, WG, Bc, St, 1, PP, true>}
 
 int main(int argc, char** argv) {
   const bool do_check = argc < 2 || std::string(argv[1]) != "--bench";
@@ -209,19 +211,24 @@ int main(int argc, char** argv) {
       WS(64, 2, 128, 3, 1, 0),
       WS(64, 2, 128, 3, 1, 1),
       WS(64, 2, 128, 4, 1, 1),
+      WSP(64, 2, 128, 4, 1),
+      WSP(64, 2, 128, 3, 1),
+      WSP(64, 2, 128, 4, 0),
       WS(64, 3, 64, 5, 1, 1),
       WS(64, 3, 64, 4, 1, 0),
       {"v2 (mma.sync)", 128, run_v2<128>},
       CFG(128, 2, 64, 4),
       WS(128, 2, 64, 4, 1, 0),
       WS(128, 2, 64, 4, 1, 1),
+      WSP(128, 2, 64, 4, 0),
+      WSP(128, 2, 64, 4, 1),
       WS(128, 2, 64, 3, 1, 1),
   };
   for (const auto& c : cfgs) {
-    if (do_check) check(c.name, c.D, c.fn);
+    if (do_check && harness_selected(c.name)) check(c.name, c.D, c.fn);
   }
   for (const auto& c : cfgs) {
-    if (do_bench) bench(c.name, c.D == 64 ? 12 : 6, c.D, c.fn);
+    if (do_bench && harness_selected(c.name)) bench(c.name, c.D == 64 ? 12 : 6, c.D, c.fn);
   }
   std::printf(g_fail ? "attn_sm90_check: %d FAIL\n" : "attn_sm90_check: all PASS\n", g_fail);
   return g_fail ? 1 : 0;

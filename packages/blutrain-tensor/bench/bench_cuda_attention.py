@@ -6,7 +6,7 @@ and not, bf16 and fp32.  Passes: fwd and fwd+bwd take q, k, v as views of a (B, 
 q, k, v leaf tensors (the attention kernels alone).  Flops: 4 B H T^2 D forward (half when
 causal), 2.5x that backward; TFLOP/s and the floor (flops / 790 TFLOP/s bf16 dense peak
 measured).  Median of batched reps between device synchronisations.  Prints a table; --json OUT
-writes the rows.  Not a test."""
+writes the rows; --profile lists each pass's kernels.  Not a test."""
 
 from __future__ import annotations
 
@@ -108,6 +108,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", dest="out", default=None)
     ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print each pass's kernels (device time per call) for bf16 D64 causal",
+    )
     args = ap.parse_args()
     if bt.cuda_device_count() == 0:
         raise SystemExit("no CUDA device")
@@ -151,6 +156,13 @@ def main() -> None:
                         f"{ours:9.3f} {row['ours_tflops']:8.1f} {theirs:9.3f} "
                         f"{row['torch_tflops']:8.1f} {theirs / ours:10.2f}"
                     )
+    if args.profile and torch is not None:
+        from cuda_timing import kernel_profile, print_profile
+
+        v = cases("bf16", 12, 64, True)
+        for name, fn in zip(("ours fwd", "ours fwd+bwd", "torch fwd", "torch fwd+bwd",
+                             "ours fb-leaf", "torch fb-leaf"), v):
+            print_profile(f"bf16 B{B} H12 T{T} D64 causal, {name}", kernel_profile(fn))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

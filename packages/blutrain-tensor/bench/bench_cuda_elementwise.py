@@ -1,6 +1,7 @@
 """CUDA elementwise kernels at GPT-2 124M shapes (B=16, T=1024, C=768; MLP 4C=3072): ours next to
-PyTorch's (torch CUDA, same GPU, same run) for add, mul, gelu (tanh) and bf16 <-> fp32 casts, in
-bf16 and fp32, all contiguous.  Also a plain device copy of the same bytes through torch in the
+PyTorch's (torch CUDA, same GPU, same run) for add, mul, gelu (tanh), bf16 <-> fp32 casts (all
+contiguous) and the heads transpose (B, T, H, D) -> (B, H, T, D) made contiguous, in bf16 and
+fp32.  Also a plain device copy of the same bytes through torch in the
 same run (the practical ceiling).  Times with CUDA events (reps batched between two events,
 median of several batches after warm-up), eager and as one replayed CUDA graph ("graph": device
 time, no host launch gaps); GB/s counts bytes read + written, against the floor
@@ -84,6 +85,16 @@ def cases():
                     (lambda tx=tx, tb=tb: tx + tb) if have_torch else None,
                 )
             )
+    # heads <-> sequence: (B, T, H, D) viewed as (B, H, T, D) made contiguous (copy_rows_v4), as
+    # a (B, H, T, D) attention gradient becomes a leaf's
+    for dt in ("bf16", "fp32"):
+        H, D = 12, 64
+        x = bt.randn(B, T, H, D, dtype=getattr(bt, BT_DT[dt]), device="cuda")
+        tx = (torch.randn(B, T, H, D, dtype=getattr(torch, BT_DT[dt]), device="cuda")
+              if have_torch else None)  # fmt: skip
+        theirs = (lambda tx=tx: tx.transpose(1, 2).contiguous()) if have_torch else None
+        rows.append(("heads_transpose", dt, f"{B}x{T}x{H}x{D}", 2 * B * T * C * SIZE[dt],
+                     lambda x=x: x.transpose(1, 2).contiguous(), theirs))  # fmt: skip
     for src, dst in (("bf16", "fp32"), ("fp32", "bf16")):
         for shape in ((B, T, C), (B, T, 4 * C)):
             n = shape[0] * shape[1] * shape[2]

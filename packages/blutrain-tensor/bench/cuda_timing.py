@@ -67,3 +67,44 @@ def time_graph(fn, reps: int, batches: int = 7) -> float:
         return statistics.median(out)
     finally:
         g.reset()
+
+
+def kernel_profile(fn, n: int = 5) -> list:
+    """Device time per call of each kernel (and memcpy / memset) `fn` launches, largest first:
+    [(name, ms, launches per call)].  torch.profiler's CUPTI trace records every kernel of the
+    process, ours included; needs torch with CUDA."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync_bt()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        sync_bt()
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    finally:
+        os.unlink(path)
+    agg: dict = {}
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            t, c = agg.get(e["name"][:80], (0.0, 0))
+            agg[e["name"][:80]] = (t + e["dur"] / 1e3 / n, c + 1 / n)
+    return sorted(((k, t, c) for k, (t, c) in agg.items()), key=lambda r: -r[1])
+
+
+def print_profile(title: str, rows: list, top: int = 12) -> None:
+    total = sum(r[1] for r in rows)
+    print(f"  -- {title}: {total:.3f} ms of kernels per call")
+    for name, ms, calls in rows[:top]:
+        print(f"     {ms:8.4f} ms  x{calls:4.1f}  {name}")

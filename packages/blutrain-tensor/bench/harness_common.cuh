@@ -1,12 +1,12 @@
 // harness_common.cuh: the host helpers the standalone CUDA harnesses in bench/ share: the CK error
 // check (prints the error and exits 2), device buffers (dmalloc / dcopy, `pad` spare bytes after
 // the data; hcopy back), poison (0xff bytes: NaN in bf16 and fp32), rel_err (max |got - ref| /
-// max |ref|) and time_ms (cudaEvent median).  Define BT_HARNESS_THROW_STUB before the include
-// (which must then follow the library sources: runtime.h declares it) to also get the
-// bt::cuda::throw_cuda_error the launchers' BT_CUDA_CHECK calls, printing and exiting 2 instead of
-// raising the library's Python exception.  Included by attn_problem.cuh (attn_tune.cu,
-// attn_sm90_bwd_check.cu), attn_sm90_check.cu, attn_tf32_check.cu, cast_check.cu and
-// ln_bwd_check.cu.
+// max |ref|), time_ms (cudaEvent median) and harness_selected (the BT_HARNESS_ONLY filter).  Define
+// BT_HARNESS_THROW_STUB before the include (which must then follow the library sources: runtime.h
+// declares it) to also get the bt::cuda::throw_cuda_error the launchers' BT_CUDA_CHECK calls,
+// printing and exiting 2 instead of raising the library's Python exception.  Included by
+// attn_problem.cuh (attn_tune.cu, attn_sm90_bwd_check.cu), attn_sm90_check.cu, attn_tf32_check.cu,
+// cast_check.cu and ln_bwd_check.cu.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #define CK(x)                                                                                      \
@@ -32,6 +33,21 @@
   std::exit(2);
 }
 #endif
+
+// Whether a variant named `name` runs: BT_HARNESS_ONLY (comma-separated substrings) in the
+// environment narrows a harness to some variants (ncu, compute-sanitizer); unset: all run.
+static bool harness_selected(const char* name) {
+  const char* only = std::getenv("BT_HARNESS_ONLY");
+  if (!only || !*only) return true;
+  const std::string list(only), nm(name);
+  size_t b = 0;
+  while (b <= list.size()) {
+    const size_t e = std::min(list.find(',', b), list.size());
+    if (e > b && nm.find(list.substr(b, e - b)) != std::string::npos) return true;
+    b = e + 1;
+  }
+  return false;
+}
 
 // n elements of X, plus pad spare bytes (0: exactly n, so compute-sanitizer sees any overrun).
 template <typename X>

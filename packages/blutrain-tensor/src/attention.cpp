@@ -3,6 +3,7 @@
 #include "attention.h"
 
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -41,8 +42,20 @@ bool flash_attention_supported(const Tensor& q, const Tensor& k, const Tensor& v
   return true;
 }
 
+namespace {
+// The kernels fold the scale into the exponent after the row max: it must be positive.
+void check_scale(double scale, const char* op) {
+  if (!(std::isfinite(scale) && scale > 0)) {
+    throw ValueError(std::string("[") + op + "] scale must be a positive finite number, got " +
+                     std::to_string(scale) +
+                     " (scaled_dot_product_attention composes GEMMs for any other scale)");
+  }
+}
+}  // namespace
+
 std::pair<Tensor, Tensor> flash_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                           bool causal, double scale) {
+  check_scale(scale, "flash_attention");
   if (!flash_attention_supported(q, k, v, causal)) {
     throw ValueError("[flash_attention] unsupported inputs q " + shape_str(q.shape()) + ", k " +
                      shape_str(k.shape()) + ", v " + shape_str(v.shape()) + " (" +
@@ -141,6 +154,7 @@ Tensor packed_qkv_source(const Tensor& q, const Tensor& k, const Tensor& v) {
 
 std::pair<Tensor, Tensor> flash_attention_packed(const Tensor& x, int64_t heads, bool causal,
                                                  double scale) {
+  check_scale(scale, "flash_attention_packed");
   const bool ok = x.ndim() == 3 && heads >= 1 && is_floating(x.dtype()) && x.size(0) >= 1 &&
                   x.size(1) >= 1 && x.size(2) >= 3 * heads && x.size(2) % (3 * heads) == 0 &&
                   (!x.device().is_cuda() || x.size(2) / (3 * heads) <= 256);

@@ -1264,7 +1264,8 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   const int64_t hd = q.shape().back();
   const bool cuda_ok = q.dtype() == DType::BFloat16 || q.dtype() == DType::Float16 ||
                        (q.dtype() == DType::Float32 && (hd == 64 || hd == 128));
-  if (!attn_mask.defined() && dropout_p == 0 &&
+  // (the fused kernels take the row max of S before scaling: a positive, finite scale only)
+  if (!attn_mask.defined() && dropout_p == 0 && std::isfinite(sc) && sc > 0 &&
       (q.device().is_cuda() ? cuda_ok : flash_attention_cpu()) &&
       flash_attention_supported(q, k, v, is_causal)) {
     // q, k, v sliced from one (B, T, 3C) tensor (GPT-2's qkv): one op on it, whose backward

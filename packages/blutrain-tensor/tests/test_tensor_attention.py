@@ -72,6 +72,29 @@ def test_unsupported_inputs_raise():
         flash(bt.zeros((2, 3, 4)), bt.zeros((2, 3, 4)), bt.zeros((2, 3, 4)))
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.5, float("nan"), float("inf")])
+def test_non_positive_scale_raises(scale):
+    # the kernels take the row max of S before scaling: only a positive finite scale is valid
+    q = bt.zeros((1, 2, 3, 4))
+    with pytest.raises(ValueError, match=r"\[flash_attention\] scale must be a positive"):
+        flash(q, q, q, scale=scale)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_negative_scale_composes(rng, causal):
+    # scaled_dot_product_attention takes the composed path for such a scale, fused kernels on
+    needs_linalg()
+    _, (q, k, v) = split_qkv(rng, 2, 7, 2, 8, bt.float64)
+    old = _tensor._flash_attention_cpu()
+    try:
+        _tensor._set_flash_attention_cpu(True)
+        y = bt.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=-0.4)
+    finally:
+        _tensor._set_flash_attention_cpu(old)
+    ro, _ = ref_attention(f64(q), f64(k), f64(v), causal, -0.4)
+    np.testing.assert_allclose(f64(y), ro, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_sdpa_fused_matches_composed(rng, causal):
     needs_linalg()

@@ -189,6 +189,17 @@ def test_sdpa_front_uses_fused_layout(rng):
     _check("sdpa with mask", ym, ro, 2 * RTOL[bt.bfloat16])
 
 
+@pytest.mark.parametrize("scale", [0.02, 0.4, 3.0, -0.3])
+@pytest.mark.parametrize("D", [64, 128])
+def test_sdpa_scales(rng, scale, D):
+    # the kernels scale after the row max (positive scales); a negative scale composes GEMMs
+    B, T, H = 2, 80, 2
+    _, (q, k, v) = _split_qkv(rng, B, T, H, D, bt.bfloat16)
+    y = bt.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    ro, *_ = ref(*(_np(t) for t in (q, k, v)), np.zeros((B, H, T, D)), True, scale)
+    _check(f"sdpa scale={scale} D={D}", y, ro, 2 * RTOL[bt.bfloat16])
+
+
 def test_deterministic(rng):
     B, T, H, D = 2, 300, 4, 64
     x, _ = _split_qkv(rng, B, T, H, D, bt.bfloat16)

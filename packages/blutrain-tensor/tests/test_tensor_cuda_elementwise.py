@@ -165,6 +165,49 @@ def test_contiguous_of_views(dtype, rng):
         same(f(gx).contiguous(), f(x).contiguous())
 
 
+# Views whose last dim stays contiguous (copy_rows_v4: rows of whole vectors at any offsets), and
+# near misses that must take the scalar strided kernel (a row off the vector grid, a last dim that
+# is not a multiple of the vector, a misaligned base): every one against the CPU.
+ROW_VIEWS = {
+    "heads": (lambda t: t.transpose(1, 2), (2, 9, 3, 64)),  # (B, T, H, D) -> (B, H, T, D)
+    "heads_d16": (lambda t: t.permute(2, 0, 1, 3), (3, 5, 4, 16)),
+    "slice_rows": (lambda t: t[:, 1:6:2], (4, 7, 32)),
+    "slice_cols": (lambda t: t[:, :, 16:48], (3, 5, 64)),
+    "expanded": (lambda t: t[:, :1].expand(3, 4, 32), (3, 2, 32)),
+    "off_grid": (lambda t: t[:, :, 1:33], (3, 5, 40)),
+    "odd_last": (lambda t: t.transpose(0, 1), (6, 4, 12)),
+    "misaligned": (lambda t: t[1:].reshape(5, 3, 16)[:, ::2], (5 * 3 * 16 + 1,)),
+}
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=dname)
+@pytest.mark.parametrize("view", list(ROW_VIEWS))
+def test_contiguous_of_row_views(dtype, view, rng):
+    f, shape = ROW_VIEWS[view]
+    x = make(rng, shape, dtype)
+    same(f(cuda(x)).contiguous(), f(x).contiguous(), what=f"{dname(dtype)} {view}")
+
+
+@pytest.mark.parametrize("src,dst", [(bt.bfloat16, bt.float32), (bt.float32, bt.bfloat16),
+                                     (bt.float16, bt.float32), (bt.int32, bt.float64)],
+                         ids=lambda d: dname(d))
+@pytest.mark.parametrize("view", ["heads", "slice_cols", "off_grid"])
+def test_astype_of_row_views(src, dst, view, rng):
+    f, shape = ROW_VIEWS[view]
+    x = make(rng, shape, src, 0.0, 100.0)
+    same(f(cuda(x)).to(dst), f(x).to(dst), what=f"{dname(src)}->{dname(dst)} {view}")
+
+
+def test_copy_into_row_view(rng):
+    # copy_ into a permuted destination (the output side of the row kernel)
+    x = make(rng, (2, 3, 5, 64), bt.bfloat16)
+    dst_cpu = bt.zeros(2, 5, 3, 64, dtype=bt.bfloat16)
+    dst_gpu = cuda(dst_cpu)
+    dst_cpu.transpose(1, 2).copy_(x)
+    dst_gpu.transpose(1, 2).copy_(cuda(x))
+    same(dst_gpu, dst_cpu)
+
+
 @pytest.mark.parametrize("dtype", FLOATS, ids=dname)
 @pytest.mark.parametrize("sl", [(slice(None), slice(1, 7, 2)), (slice(2, 3), slice(None, None, 3))])
 def test_slice_scatter_via_backward(dtype, sl, rng):

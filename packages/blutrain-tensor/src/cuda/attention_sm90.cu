@@ -13,12 +13,14 @@
 // from shared memory, N-major: the transposed-B form).  No TMA or warp specialisation.
 // attn_fwd_sm90_ws (the default where TMA maps can describe q, k, v): the same math with one
 // producer warp loading through TMA and mbarriers, the consumers free of loads and block barriers,
-// and (D = 64) warpgroups taking turns at the tensor cores (Note [ping-pong]).  Measured (H200,
-// B16 H12 T1024 D64 causal, bench/attn_sm90_check.cu): ws 0.113 ms (Bc 128, 4 stages,
-// ping-pong), cp.async kernel 0.120, mma.sync 0.137; D128: ws 0.092 against 0.125.  Tried and
-// slower for the cp.async kernel: key tiles of 128, three warpgroups, one warpgroup per block, a
-// share of the exponentials as an FMA polynomial, heads as the fast grid index; for ws: two
-// blocks of 64-key tiles per SM, three warpgroups.
+// warpgroups taking turns at the tensor cores (Note [ping-pong]) and, by default, one persistent
+// block per SM walking the query tiles (Note [persistent forward]).  Measured (H200, B16 H12
+// T1024 D64, bench/attn_sm90_check.cu, session 13): persistent ws 0.090 ms causal / 0.143 full
+// (Bc 128, 4 stages, ping-pong), one block per tile 0.110 / 0.159, cp.async kernel 0.120 causal,
+// mma.sync 0.137; D128 (H6): persistent 0.078 / 0.122, one block per tile 0.086 / 0.129.  Tried
+// and slower for the cp.async kernel: key tiles of 128, three warpgroups, one warpgroup per
+// block, a share of the exponentials as an FMA polynomial, heads as the fast grid index; for ws:
+// two blocks of 64-key tiles per SM, three warpgroups.
 //
 // Note [shared-memory layout for wgmma]: tiles are panels of 64 columns (128 bytes a row); in a
 // panel, 16-byte chunk c of row r sits at chunk c ^ (r % 8): the hardware's 128-byte swizzle,
@@ -38,6 +40,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -105,6 +108,11 @@ __device__ __forceinline__ void reg_fence(float (&r)[N]) {
 }
 // The same for register A operands: keeps them live (unrecycled) until the wgmma reading them is
 // known complete.
+template <int N>
+__device__ __forceinline__ void reg_fence(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
 template <int N>
 __device__ __forceinline__ void reg_fence(uint32_t (&r)[N][4]) {
 #pragma unroll
@@ -344,6 +352,19 @@ __device__ __forceinline__ void bulk_wait_all() {
 #endif
 }
 
+// Shared-memory accesses by 32-bit shared address (a generic pointer costs 64-bit arithmetic).
+__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_shared_v2f(uint32_t addr, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
+__device__ __forceinline__ float2 ld_shared_v2f(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
 // Element offset of (row, 16-byte chunk c) in a panel-swizzled tile of R rows and D columns.
 template <int R>
 __device__ __forceinline__ int pswz(int row, int c) {
@@ -383,13 +404,16 @@ __device__ __forceinline__ void online_softmax(float (&s)[kBc / 2], float (&m)[2
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {  // rows g and g + 8, log2 domain
-    float mx = m[r];
+    // max(S) sl2 = max(S sl2) as sl2 > 0 (the op takes the fused path only for a positive
+    // scale): one multiply per row, not per element
+    float hi = -INFINITY;
 #pragma unroll
     for (int nt = 0; nt < kBc / 8; ++nt) {
-      mx = fmaxf(mx, fmaxf(s[4 * nt + 2 * r], s[4 * nt + 2 * r + 1]) * sl2);
+      hi = fmaxf(hi, fmaxf(s[4 * nt + 2 * r], s[4 * nt + 2 * r + 1]));
     }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, 1));
+    hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, 2));
+    const float mx = fmaxf(m[r], hi * sl2);
     const float base = mx == -INFINITY ? 0.f : mx;
     alpha[r] = fast_exp2(m[r] - base);
     m[r] = mx;
@@ -428,16 +452,20 @@ __device__ __forceinline__ void rescale_o(float (&oacc)[D / 2], const float (&al
     oacc[4 * dt + 3] *= alpha[1];
   }
 }
-// O += P V for one key tile: P from registers (pa), V from the panel-swizzled tile at v_addr.
+// O += P V for one key tile: P from registers (pa), V from the panel-swizzled tile whose
+// N-major descriptor is db0 (sw128_desc(v_addr, kBc * 128, 1024)); a k-step of 16 keys is 2048
+// bytes, 128 descriptor units.
+template <typename T, int D, int kBc>
+__device__ __forceinline__ void issue_pv_desc(float (&oacc)[D / 2],
+                                              const uint32_t (&pa)[kBc / 16][4], uint64_t db0) {
+#pragma unroll
+  for (int kk = 0; kk < kBc / 16; ++kk) wgmma_rs_tb<T, D>(oacc, pa[kk], db0 + 128 * kk);
+  wg_commit();
+}
 template <typename T, int D, int kBc>
 __device__ __forceinline__ void issue_pv_tile(float (&oacc)[D / 2],
                                               const uint32_t (&pa)[kBc / 16][4], uint32_t v_addr) {
-#pragma unroll
-  for (int kk = 0; kk < kBc / 16; ++kk) {
-    const uint64_t db = sw128_desc(v_addr + kk * 16 * 128, kBc * 128, 1024);
-    wgmma_rs_tb<T, D>(oacc, pa[kk], db);
-  }
-  wg_commit();
+  issue_pv_desc<T, D, kBc>(oacc, pa, sw128_desc(v_addr, kBc * 128, 1024));
 }
 // o rows row_lo, row_lo + 8 (B, L, H, D) = oacc / l and their lse (natural log).
 template <typename T, int D>
@@ -451,13 +479,20 @@ __device__ __forceinline__ void store_o_lse(const float (&oacc)[D / 2], const fl
     lr += __shfl_xor_sync(0xffffffffu, lr, 1);
     lr += __shfl_xor_sync(0xffffffffu, lr, 2);
     const int row = row_lo + 8 * r;
+    // Packed before the row test: wgmma accumulators read on a divergent path make ptxas
+    // serialise the next tile's wgmmas (the persistent kernel's loop).
+    const float inv = 1.f / lr;
+    uint32_t packed[D / 8];
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      packed[dt] = pack2<T>(oacc[4 * dt + 2 * r] * inv, oacc[4 * dt + 2 * r + 1] * inv);
+    }
+    reg_fence(packed);
     if (row < p.L) {
-      const float inv = 1.f / lr;
       T* orow = o + ((static_cast<int64_t>(b) * p.L + row) * p.H + h) * D;
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) {
-        *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) =
-            pack2<T>(oacc[4 * dt + 2 * r] * inv, oacc[4 * dt + 2 * r + 1] * inv);
+        *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) = packed[dt];
       }
       if (t == 0) {
         lse[(static_cast<int64_t>(b) * p.H + h) * p.L + row] = (m[r] + log2f(lr)) * kLn2;
@@ -579,106 +614,116 @@ __global__ void __launch_bounds__(kWG * 128)
 }
 
 // Warp-specialised forward (the default where TMA applies).  Block: kWG consumer warpgroups
-// (64 query rows each) and one producer warp.  The producer's elected lane loads the block's Q
-// tile and then K / V tiles into a ring of kStages slots with TMA; each slot has a `full` mbarrier
+// (64 query rows each) and one producer warp.  The producer's elected lane loads each tile's Q
+// and then K / V tiles into a ring of kStages slots with TMA; each slot has a `full` mbarrier
 // (one arrival + the transaction bytes) and an `empty` one (one arrival per consumer warpgroup once
 // its wgmmas reading the slot are complete).  Consumers never run a block barrier, never issue a
 // load, and read Q from shared memory (S = Q K^T as shared x shared).  Per tile, per warpgroup:
 // as attn_fwd_sm90 (S_j and P_{j-1} V_{j-1} in flight together, softmax of S_j under the P V).
 // TMA zero-fills rows past L / S, so partial tiles need no special load path.
-template <typename T, int D, int kWG, int kBc, int kStages, int kMinBlocks, bool kPingPong>
+// Note [persistent forward]: with kPersistent the grid is one block per SM and each block walks
+// query tiles (tile_at): the producer runs ahead into the next tile (Q in a second buffer, K / V
+// through the same ring, whose counter runs on across tiles), so a tile's first loads land while
+// the previous tile's last P V and O store finish: without it every block starts on an empty
+// pipeline (a causal T 1024 block does only 4.5 key tiles on average).  Tiles are ordered most
+// work first (the last query tiles when causal) and dealt in a snake (block i takes tiles i,
+// 2G - 1 - i, 2G + i, ...), which balances the causal triangle within ~2% of a dynamic queue.
+template <typename T, int D, int kWG, int kBc, int kStages, int kMinBlocks, bool kPingPong,
+          bool kPersistent>
 __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, kMinBlocks))
     attn_fwd_sm90_ws(const AttnParams p, const __grid_constant__ CUtensorMap tq,
                      const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
                      const TmaOrder ord, T* __restrict__ o, float* __restrict__ lse) {
   constexpr int kBr = 64 * kWG, KS = D / 16, kTile = kBc * D, kPanels = D / 64;
+  constexpr int kQBufs = kPersistent ? 2 : 1;
   constexpr uint32_t kTileBytes = kTile * sizeof(T);
   extern __shared__ unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  T* sK = sQ + kBr * D;          // kStages x kBc x D
-  T* sV = sK + kStages * kTile;  // kStages x kBc x D
+  T* sK = sQ + kQBufs * kBr * D;  // kStages x kBc x D
+  T* sV = sK + kStages * kTile;   // kStages x kBc x D
   uint64_t* full = reinterpret_cast<uint64_t*>(sV + kStages * kTile);
   uint64_t* empty = full + kStages;
-  uint64_t* qbar = empty + kStages;
-  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
-  const int q0 = (gridDim.y - 1 - blockIdx.y) * kBr;
-  const int kend = p.causal ? min(q0 + kBr, p.S) : p.S;
-  const int nkb = (kend + kBc - 1) / kBc;
+  uint64_t* qfull = empty + kStages;  // kQBufs each
+  uint64_t* qempty = qfull + kQBufs;
+  const int BH = p.B * p.H, nq = (p.L + kBr - 1) / kBr, ntiles = BH * nq;
+  // The block's n-th tile (-1 past the last): tile t is query tile nq - 1 - t / BH of head t % BH.
+  auto tile_at = [&](int n) -> int {
+    if constexpr (!kPersistent) {
+      return n == 0 ? static_cast<int>(blockIdx.y) * BH + static_cast<int>(blockIdx.x) : -1;
+    } else {
+      const int G = gridDim.x, i = blockIdx.x;
+      const int t = n * G + ((n & 1) ? G - 1 - i : i);
+      return t < ntiles ? t : -1;
+    }
+  };
+  auto key_tiles = [&](int q0) { return ((p.causal ? min(q0 + kBr, p.S) : p.S) + kBc - 1) / kBc; };
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(full + i, 1);
       mbar_init(empty + i, kWG);
     }
-    mbar_init(qbar, 1);
+    for (int i = 0; i < kQBufs; ++i) {
+      mbar_init(qfull + i, 1);
+      mbar_init(qempty + i, kWG);
+    }
     mbar_init_fence();
   }
   __syncthreads();  // the last block-wide barrier: roles split here
 
   if (threadIdx.x >= kWG * 128) {  // ---- producer warp: one lane issues every load
     if (threadIdx.x == kWG * 128) {
-      // Box coordinates (d, then row / head in the map's order, then batch).
-      auto load = [&](T* dst, const CUtensorMap* map, bool h_inner, uint64_t* bar, int row,
-                      int pnl) {
-        if (h_inner) {
-          tma_load4(dst, map, bar, 64 * pnl, h, row, b);
-        } else {
-          tma_load4(dst, map, bar, 64 * pnl, row, h, b);
-        }
-      };
-      mbar_arrive_tx(qbar, kBr * D * sizeof(T));
+      int it = 0;  // K / V ring position, across tiles
+      for (int n = 0;; ++n) {
+        const int tile = tile_at(n);
+        if (tile < 0) break;
+        const int b = (tile % BH) / p.H, h = tile % p.H, q0 = (nq - 1 - tile / BH) * kBr;
+        // Box coordinates (d, then row / head in the map's order, then batch).
+        auto load = [&](T* dst, const CUtensorMap* map, bool h_inner, uint64_t* bar, int row,
+                        int pnl) {
+          if (h_inner) {
+            tma_load4(dst, map, bar, 64 * pnl, h, row, b);
+          } else {
+            tma_load4(dst, map, bar, 64 * pnl, row, h, b);
+          }
+        };
+        const int qs = n % kQBufs;
+        if (n >= kQBufs) mbar_wait(qempty + qs, ((n / kQBufs) - 1) & 1);
+        mbar_arrive_tx(qfull + qs, kBr * D * sizeof(T));
 #pragma unroll
-      for (int pnl = 0; pnl < kPanels; ++pnl)
-        load(sQ + pnl * kBr * 64, &tq, ord.q_h_inner, qbar, q0, pnl);
-      for (int j = 0; j < nkb; ++j) {
-        const int slot = j % kStages;
-        if (j >= kStages) mbar_wait(empty + slot, ((j / kStages) - 1) & 1);
-        mbar_arrive_tx(full + slot, 2 * kTileBytes);
+        for (int pnl = 0; pnl < kPanels; ++pnl)
+          load(sQ + (qs * kPanels + pnl) * kBr * 64, &tq, ord.q_h_inner, qfull + qs, q0, pnl);
+        const int nkb = key_tiles(q0);
+        for (int j = 0; j < nkb; ++j, ++it) {
+          const int slot = it % kStages;
+          if (it >= kStages) mbar_wait(empty + slot, ((it / kStages) - 1) & 1);
+          mbar_arrive_tx(full + slot, 2 * kTileBytes);
 #pragma unroll
-        for (int pnl = 0; pnl < kPanels; ++pnl) {
-          load(sK + slot * kTile + pnl * kBc * 64, &tk, ord.k_h_inner, full + slot, j * kBc, pnl);
-          load(sV + slot * kTile + pnl * kBc * 64, &tv, ord.v_h_inner, full + slot, j * kBc, pnl);
+          for (int pnl = 0; pnl < kPanels; ++pnl) {
+            load(sK + slot * kTile + pnl * kBc * 64, &tk, ord.k_h_inner, full + slot, j * kBc, pnl);
+            load(sV + slot * kTile + pnl * kBc * 64, &tv, ord.v_h_inner, full + slot, j * kBc, pnl);
+          }
         }
       }
     }
     return;
   }
 
-  // ---- consumers
-  const int wg = threadIdx.x / 128, wl = threadIdx.x % 128;
+  // ---- consumers (the warpgroup index through a shuffle: warp-uniform for ptxas, so the
+  // wgmma descriptors live in uniform registers; Note [backward instruction count])
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+  const int wl = threadIdx.x % 128;
   const int warp = wl / 32, lane = wl % 32, g = lane / 4, t = lane % 4;
-  const int wrow0 = q0 + 64 * wg;
-  const int row_lo = wrow0 + 16 * warp + g;  // rows row_lo and row_lo + 8
   const float sl2 = static_cast<float>(p.scale) * kLog2e;
-  float oacc[D / 2];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) oacc[i] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
   float s[kBc / 2];          // S_j, then P_j in float
   uint32_t pa[kBc / 16][4];  // P_{j-1}: the A operand of the in-flight P V product
-  const uint32_t q_addr = smem_u32(sQ) + wg * 64 * 128;  // the warpgroup's rows in each panel
-
-  auto issue_s = [&](int j) {  // waits for tile j, then S = Q K_j^T
-    const int slot = j % kStages;
-    mbar_wait(full + slot, (j / kStages) & 1);
-    const uint32_t k_addr = smem_u32(sK + slot * kTile);
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      const uint32_t pnl = ks / 4, koff = (ks % 4) * 32u;
-      const uint64_t da = sw128_desc(q_addr + pnl * kBr * 128 + koff, 16, 1024);
-      const uint64_t db = sw128_desc(k_addr + pnl * kBc * 128 + koff, 16, 1024);
-      wgmma_ss<T, kBc>(s, da, db, ks > 0);
-    }
-    wg_commit();
-  };
-  auto release = [&](int j) {  // this warpgroup is done with tile j's slot
-    if (wl == 0) mbar_arrive(empty + j % kStages);
-  };
   // Note [ping-pong]: the warpgroups wait on the same `full` barriers, so left alone they issue
   // their GEMMs together and then all run softmax together (tensor cores idle, MUFU contended).
   // With kPingPong they take turns issuing: warpgroup w waits on named barrier 1 + w, issues, then
   // lets w + 1 go, so one warpgroup's softmax runs under another's GEMMs.  The last warpgroup
-  // opens the first turn; warpgroup 0 takes the final arrival after its loop (balanced barriers).
+  // opens the first turn; warpgroup 0 takes the final arrival after its last tile (balanced
+  // barriers; every warpgroup takes the same number of turns per tile, so the chain of turns
+  // runs on unbroken from tile to tile).
   auto my_turn = [&] {
     if constexpr (kPingPong) named_bar_sync(1 + wg, 256);
   };
@@ -687,39 +732,81 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, k
   };
   if (kPingPong && wg == kWG - 1) named_bar_arrive(1, 256);
 
-  mbar_wait(qbar, 0);
-  my_turn();
-  wg_fence();
-  issue_s(0);
-  next_turn();
-  wg_wait<0>();
-  reg_fence(s);
-  online_softmax<kBc>(s, m, l, alpha, p, 0, wrow0 + 16 * warp, row_lo, t, sl2);
-  pack_p<T, kBc>(pa, s);
-  for (int j = 1; j < nkb; ++j) {
+  int it = 0;  // K / V ring position of the tile's first key tile
+  for (int n = 0;; ++n) {
+    const int tile = tile_at(n);
+    if (tile < 0) break;
+    const int b = (tile % BH) / p.H, h = tile % p.H, q0 = (nq - 1 - tile / BH) * kBr;
+    const int nkb = key_tiles(q0), qs = n % kQBufs;
+    const int wrow0 = q0 + 64 * wg;
+    const int row_lo = wrow0 + 16 * warp + g;  // rows row_lo and row_lo + 8
+    float oacc[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) oacc[i] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+    // the warpgroup's rows in each panel of this tile's Q buffer (K-major descriptor; a k-step of
+    // 16 elements is 32 bytes, 2 descriptor units; a panel kBr | kBc rows of 128 bytes)
+    const uint64_t dq0 = sw128_desc(smem_u32(sQ + qs * kBr * D) + wg * 64 * 128, 16, 1024);
+
+    auto issue_s = [&](int j) {  // waits for key tile j, then S = Q K_j^T
+      const int slot = (it + j) % kStages;
+      mbar_wait(full + slot, ((it + j) / kStages) & 1);
+      const uint64_t dk0 = sw128_desc(smem_u32(sK + slot * kTile), 16, 1024);
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const uint32_t pnl = ks / 4, kstep = (ks % 4) * 2;
+        wgmma_ss<T, kBc>(s, dq0 + pnl * kBr * 8 + kstep, dk0 + pnl * kBc * 8 + kstep, ks > 0);
+      }
+      wg_commit();
+    };
+    auto v_addr = [&](int j) { return smem_u32(sV + ((it + j) % kStages) * kTile); };
+    auto release = [&](int j) {  // this warpgroup is done with key tile j's slot
+      if (wl == 0) mbar_arrive(empty + (it + j) % kStages);
+    };
+
+    mbar_wait(qfull + qs, (n / kQBufs) & 1);
     my_turn();
     wg_fence();
-    issue_s(j);
-    issue_pv_tile<T, D, kBc>(oacc, pa, smem_u32(sV + ((j - 1) % kStages) * kTile));
+    issue_s(0);
     next_turn();
-    wg_wait<1>();  // S_j landed; P_{j-1} V_{j-1} may still run
+    wg_wait<0>();
     reg_fence(s);
-    online_softmax<kBc>(s, m, l, alpha, p, j * kBc, wrow0 + 16 * warp, row_lo, t, sl2);
+    online_softmax<kBc>(s, m, l, alpha, p, 0, wrow0 + 16 * warp, row_lo, t, sl2);
+    pack_p<T, kBc>(pa, s);
+    for (int j = 1; j < nkb; ++j) {
+      my_turn();
+      wg_fence();
+      issue_s(j);
+      issue_pv_tile<T, D, kBc>(oacc, pa, v_addr(j - 1));
+      next_turn();
+      wg_wait<1>();  // S_j landed; P_{j-1} V_{j-1} may still run
+      reg_fence(s);
+      online_softmax<kBc>(s, m, l, alpha, p, j * kBc, wrow0 + 16 * warp, row_lo, t, sl2);
+      wg_wait<0>();
+      reg_fence(oacc);
+      reg_fence(pa);
+      release(j - 1);
+      rescale_o<D>(oacc, alpha);
+      pack_p<T, kBc>(pa, s);
+    }
+    if constexpr (!kPersistent) {
+      if (kPingPong && wg == 0) my_turn();
+    }
+    wg_fence();
+    issue_pv_tile<T, D, kBc>(oacc, pa, v_addr(nkb - 1));
     wg_wait<0>();
     reg_fence(oacc);
-    reg_fence(pa);
-    release(j - 1);
-    rescale_o<D>(oacc, alpha);
-    pack_p<T, kBc>(pa, s);
+    if constexpr (kPersistent) {  // the producer reuses both for the tile after next
+      release(nkb - 1);
+      if (wl == 0) mbar_arrive(qempty + qs);
+    }
+    store_o_lse<T, D>(oacc, m, l, p, b, h, row_lo, t, o, lse);
+    it += nkb;
   }
-  if (kPingPong && wg == 0) my_turn();
-  wg_fence();
-  issue_pv_tile<T, D, kBc>(oacc, pa, smem_u32(sV + ((nkb - 1) % kStages) * kTile));
-  wg_wait<0>();
-  reg_fence(oacc);
-  store_o_lse<T, D>(oacc, m, l, p, b, h, row_lo, t, o, lse);
+  if constexpr (kPersistent) {
+    if (kPingPong && wg == 0) my_turn();
+  }
 }
-
 
 // Backward on wgmma (D = 64), warp-specialised; dK, dV stored, dQ added to a float32 dq_acc
 // (B, H, L, D) (attn_bwd_dq_convert scales and converts it).  Block: kWG consumer warpgroups, each
@@ -741,8 +828,9 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, k
 // wgmma) orders every warp's reads of tile i - 1's buffer before anyone writes it at tile i + 1.
 // kPingPong: the warpgroups take turns issuing their GEMM batches (Note [ping-pong]).
 // Measured (H200, B16 H12 T1024 D64 causal, memset + kernel + convert, bench/attn_sm90_bwd_check):
-// kDq 2, 3 stages, ping-pong 0.333 ms; without ping-pong 0.341; 2 stages 0.344; kDq 1 0.404;
-// no dQ adds at all 0.264; the mma.sync one-kernel backward 0.396.  Tried and slower: exchanging
+// kDq 2, 3 stages, ping-pong 0.333 ms (0.325 after Note [backward instruction count]; full
+// 0.538); without ping-pong 0.341; 2 stages 0.344; kDq 1 0.404; no dQ adds at all 0.264 (0.231);
+// the mma.sync one-kernel backward 0.396.  Tried and slower: exchanging
 // dQ halves between the warpgroups so each element is added once (red.v4 0.355, TMA 0.345);
 // waiting for S^T alone and running the exponentials under dP^T (0.49: spills, serialised wgmma);
 // each warp reducing its own 16 rows of dQ, no warpgroup barrier (0.340); a producer warpgroup
@@ -761,11 +849,11 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, 1
   extern __shared__ unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   T* sV = sK + kBc * D;
-  T* sQ = sV + kBc * D;              // kStages x kBr x D
-  T* sG = sQ + kStages * kQTile;     // kStages x kBr x D
-  T* sDS = sG + kStages * kQTile;    // kWG x 2 x (64 keys x kBr queries)
+  T* sQ = sV + kBc * D;            // kStages x kBr x D
+  T* sG = sQ + kStages * kQTile;   // kStages x kBr x D
+  T* sDS = sG + kStages * kQTile;  // kWG x 2 x (64 keys x kBr queries)
   float* sL = reinterpret_cast<float*>(sDS + kWG * 2 * 64 * kBr);  // kStages x kBr: lse log2e
-  float* sDv = sL + kStages * kBr;                                  // kStages x kBr: Dvec
+  float* sDv = sL + kStages * kBr;                                 // kStages x kBr: Dvec
   uint64_t* full = reinterpret_cast<uint64_t*>(sDv + kStages * kBr);
   // kDq 2: per warpgroup 2 buffers of the 64 x 64 float dQ part (1024-aligned: after sDS), as two
   // 64 x 32 panels in the 128-byte swizzle (conflict-free float2 stores, the TMA box layout)
@@ -786,7 +874,7 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, 1
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(full + i, 33);  // the TMA arrival + one per producer lane (lse, Dvec stores)
-      mbar_init(empty + i, kWG);
+      mbar_init(empty + i, kWG * 128);  // every consumer thread (each read lse / Dvec itself)
     }
     mbar_init(kvbar, 1);
     mbar_init_fence();
@@ -829,9 +917,17 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, 1
   }
 
   // ---- consumers
-  const int wg = threadIdx.x / 128, wl = threadIdx.x % 128;
+  // Note [backward instruction count]: the loop below was written for few instructions besides
+  // the wgmmas and exponentials (ncu, call 4 of session 13: 863 warp instructions per warp and
+  // tile against cuDNN's 640, the same 20 wgmmas): the warpgroup index goes through a shuffle so
+  // ptxas sees it warp-uniform (descriptors in uniform registers); descriptors are built once and
+  // stepped by adding offsets (a descriptor's address field is address / 16); shared memory is
+  // addressed with 32-bit shared addresses (generic pointers cost 64-bit address arithmetic per
+  // access); masking runs only on the tiles that need it.
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+  const int wl = threadIdx.x % 128;
   const int warp = wl / 32, lane = wl % 32, g = lane / 4, t = lane % 4;
-  const int key_w0 = k0 + 64 * wg;           // the warpgroup's first key
+  const int key_w0 = k0 + 64 * wg;            // the warpgroup's first key
   const int key_lo = key_w0 + 16 * warp + g;  // the thread's keys key_lo, key_lo + 8
   const float sl2 = static_cast<float>(p.scale) * kLog2e;
   // Turns at the tensor cores (Note [ping-pong]; barriers 5 + w): a warpgroup issues its S^T, dP^T
@@ -848,28 +944,36 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, 1
   float dka[D / 2], dva[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dka[i] = dva[i] = 0.f;
-  float* accb = dq_acc + static_cast<int64_t>(bh) * p.L * D;
   // the warpgroup's keys (one panel): the A operand of S^T, dP^T (K-major), B of dQ (N-major)
   const uint32_t k_addr = smem_u32(sK) + 64 * wg * 128, v_addr = smem_u32(sV) + 64 * wg * 128;
-  const bool odd = t & 1;
+  const uint64_t dk_kmaj = sw128_desc(k_addr, 16, 1024), dv_kmaj = sw128_desc(v_addr, 16, 1024);
+  const uint64_t dk_nmaj = sw128_desc(k_addr, kBc * 128, 1024);
+  // This thread's shared-memory byte offsets: dS^T element (key row 16 warp + g (+ 8), query
+  // chunk n) at row * 128 + ((n ^ g) << 4) + 4 t (the 128-byte swizzle; row % 8 = g); kDq 2's
+  // float2 of dQ row 16 warp + g (+ 8), chunk 2 (n % 4) + t / 2 of panel n / 4 at row * 128 +
+  // ((chunk ^ g) << 4) + 8 (t % 2).
+  const uint32_t ds_thr = (16 * warp + g) * 128 + 4 * t, g16 = g << 4;
+  const uint32_t xq_thr = (16 * warp + g) * 128 + 8 * (t & 1), tg16 = ((t >> 1) ^ g) << 4;
+  const uint32_t sds_base = smem_u32(sDS) + wg * 2 * 64 * kBr * sizeof(T);
+  const uint32_t sxq_base = smem_u32(sXq) + wg * 2 * 64 * 64 * sizeof(float);
+  const uint32_t sl_base = smem_u32(sL) + 8 * t, sdv_base = smem_u32(sDv) + 8 * t;
 
   for (int it = 0; it < ntiles; ++it) {
     const int slot = it % kStages, q0 = (i_begin + it) * kBr;
-    T* ds = sDS + (wg * 2 + (it & 1)) * 64 * kBr;
+    const uint32_t ds_addr = sds_base + (it & 1) * 64 * kBr * sizeof(T);
     const uint32_t q_addr = smem_u32(sQ + slot * kQTile), g_addr = smem_u32(sG + slot * kQTile);
+    const uint64_t dq_kmaj = sw128_desc(q_addr, 16, 1024), dg_kmaj = sw128_desc(g_addr, 16, 1024);
     mbar_wait(full + slot, (it / kStages) & 1);
     float s[kBr / 2], dp[kBr / 2];
     my_turn();
     wg_fence();
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      wgmma_ss<T, kBr>(s, sw128_desc(k_addr + ks * 32, 16, 1024),
-                       sw128_desc(q_addr + ks * 32, 16, 1024), ks > 0);
+    for (int ks = 0; ks < KS; ++ks) {  // k-step: 16 elements = 32 bytes = 2 descriptor units
+      wgmma_ss<T, kBr>(s, dk_kmaj + 2 * ks, dq_kmaj + 2 * ks, ks > 0);
     }
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
-      wgmma_ss<T, kBr>(dp, sw128_desc(v_addr + ks * 32, 16, 1024),
-                       sw128_desc(g_addr + ks * 32, 16, 1024), ks > 0);
+      wgmma_ss<T, kBr>(dp, dv_kmaj + 2 * ks, dg_kmaj + 2 * ks, ks > 0);
     }
     wg_commit();
     next_turn();
@@ -878,47 +982,57 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, 1
     wg_wait<0>();
     reg_fence(s);
     reg_fence(dp);
-    // element (n, e): key key_lo + 8 (e / 2), query q0 + 8 n + 2 t + (e % 2)
-    const float* cL = sL + slot * kBr;
-    const float* cD = sDv + slot * kBr;
-    const bool need_mask = (p.causal && q0 < key_w0 + 64) || key_w0 + 64 > p.S;
+    // element (n, e): key key_lo + 8 (e / 2), query q0 + 8 n + 2 t + (e % 2); P^T, dS^T in place
+    const uint32_t cl = sl_base + slot * kBr * 4, cd = sdv_base + slot * kBr * 4;
+    auto exp_ds = [&](auto masked) {
 #pragma unroll
-    for (int n = 0; n < kBr / 8; ++n) {
+      for (int n = 0; n < kBr / 8; ++n) {
+        const float2 lv = ld_shared_v2f(cl + 32 * n), dvv = ld_shared_v2f(cd + 32 * n);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = 8 * n + 2 * t + (e & 1);
-        float pv = fast_exp2(fmaf(s[4 * n + e], sl2, -cL[c]));
-        if (need_mask) {
-          const int key = key_lo + 8 * (e >> 1);
-          if (key >= p.S || (p.causal && q0 + c < key)) pv = 0.f;
+        for (int e = 0; e < 4; ++e) {
+          float pv = fast_exp2(fmaf(s[4 * n + e], sl2, -((e & 1) ? lv.y : lv.x)));
+          if constexpr (decltype(masked)::value) {
+            const int key = key_lo + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1);
+            if (key >= p.S || (p.causal && q0 + c < key)) pv = 0.f;
+          }
+          s[4 * n + e] = pv;
+          dp[4 * n + e] = pv * (dp[4 * n + e] - ((e & 1) ? dvv.y : dvv.x));
         }
-        s[4 * n + e] = pv;
-        dp[4 * n + e] = pv * (dp[4 * n + e] - cD[c]);
       }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {  // dS^T rows (keys) 16 warp + g + 8 r, query chunk n
-        *reinterpret_cast<uint32_t*>(ds + pswz<64>(16 * warp + g + 8 * r, n) + 2 * t) =
-            pack2<T>(dp[4 * n + 2 * r], dp[4 * n + 2 * r + 1]);
-      }
+    };
+    if ((p.causal && q0 < key_w0 + 64) || key_w0 + 64 > p.S) {
+      exp_ds(std::true_type{});
+    } else {
+      exp_ds(std::false_type{});
     }
     uint32_t pa[kBr / 16][4], da[kBr / 16][4];
     pack_p<T, kBr>(pa, s);
     pack_p<T, kBr>(da, dp);
+    // dS^T to shared memory for dQ: rows (keys) 16 warp + g + 8 r, query chunk n hold the pair
+    // da[n / 2][2 (n % 2) + r] (the A fragment's own words: packed once)
+#pragma unroll
+    for (int n = 0; n < kBr / 8; ++n) {
+      const uint32_t col = g16 ^ (n << 4);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        st_shared_b32(ds_addr + ds_thr + r * 1024 + col, da[n >> 1][2 * (n & 1) + r]);
+      }
+    }
     my_turn();
     wg_fence();
-    issue_pv_tile<T, D, kBr>(dva, pa, g_addr);  // dV += P^T dO
-    issue_pv_tile<T, D, kBr>(dka, da, q_addr);  // dK += dS^T Q
-    fence_proxy_async();                        // sDS stores -> the wgmma (async proxy)
+    issue_pv_desc<T, D, kBr>(dva, pa, sw128_desc(g_addr, kBr * 128, 1024));  // dV += P^T dO
+    issue_pv_desc<T, D, kBr>(dka, da, sw128_desc(q_addr, kBr * 128, 1024));  // dK += dS^T Q
+    fence_proxy_async();  // sDS stores -> the wgmma (async proxy)
     if constexpr (kDq == 2) {
       if (wl == 0) bulk_wait_read<1>();  // the reduce of tile it - 2 (this tile's sXq buffer)
     }
     named_bar_sync(1 + wg, 128);
     float dq[D / 2];
-    const uint32_t ds_addr = smem_u32(ds);
+    const uint64_t dds = sw128_desc(ds_addr, 64 * 128, 1024);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {  // dQ_part = dS K over the warpgroup's 64 keys
-      wgmma_ss<T, D, 1, 1>(dq, sw128_desc(ds_addr + kk * 16 * 128, 64 * 128, 1024),
-                           sw128_desc(k_addr + kk * 16 * 128, kBc * 128, 1024), kk > 0);
+    for (int kk = 0; kk < 4; ++kk) {  // dQ_part = dS K over the warpgroup's 64 keys (16 keys a
+                                      // step: 2048 bytes = 128 descriptor units)
+      wgmma_ss<T, D, 1, 1>(dq, dds + 128 * kk, dk_nmaj + 128 * kk, kk > 0);
     }
     wg_commit();
     next_turn();
@@ -928,31 +1042,35 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, 1
     reg_fence(dva);
     reg_fence(pa);
     reg_fence(da);
-    if (wl == 0) mbar_arrive(empty + slot);  // Q, dO, lse, Dvec of this slot all read
-    const int qq = q0 + 16 * warp + g + (odd ? 8 : 0);
-    float* dst = accb + static_cast<int64_t>(qq) * D + 2 * (t & 2);
+    // Q, dO, lse, Dvec of this slot all read.  Every thread arrives: racecheck follows an
+    // mbarrier arrive -> wait edge, but not one thread's arrival on behalf of its warp (measured:
+    // the same time as one arrival per warpgroup).
+    mbar_arrive(empty + slot);
     if constexpr (kDq == 1) {
+      const bool odd = t & 1;
+      const int qq = q0 + 16 * warp + g + (odd ? 8 : 0);
+      float* dst = dq_acc + (static_cast<int64_t>(bh) * p.L + qq) * D + 2 * (t & 2);
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
         red_add_c_tile(dst + 8 * n, dq[4 * n], dq[4 * n + 1], dq[4 * n + 2], dq[4 * n + 3], odd,
                        qq < p.L);
       }
     } else if constexpr (kDq == 2) {
-      float* xq = sXq + (wg * 2 + (it & 1)) * 64 * 64;
+      const uint32_t xq = sxq_base + (it & 1) * 64 * 64 * sizeof(float);
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
+        const uint32_t off = xq + xq_thr + (n >> 2) * 8192 + (tg16 ^ ((n & 3) << 5));
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int row = 16 * warp + g + 8 * r, chunk = 2 * (n & 3) + (t >> 1);
-          *reinterpret_cast<float2*>(xq + (n >> 2) * 2048 + row * 32 + ((chunk ^ (row & 7)) << 2) +
-                                     2 * (t & 1)) = make_float2(dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
+          st_shared_v2f(off + r * 1024, dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
         }
       }
       fence_proxy_async();
       named_bar_sync(1 + wg, 128);
       if (wl == 0) {
-        tma_reduce_add3(xq, &tacc, 0, q0, bh);
-        tma_reduce_add3(xq + 2048, &tacc, 32, q0, bh);
+        float* xqp = sXq + (wg * 2 + (it & 1)) * 64 * 64;
+        tma_reduce_add3(xqp, &tacc, 0, q0, bh);
+        tma_reduce_add3(xqp + 2048, &tacc, 32, q0, bh);
         bulk_commit();
       }
     }
@@ -978,8 +1096,6 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, 1
     }
   }
 }
-
-
 
 }  // namespace
 
@@ -1054,13 +1170,28 @@ bool make_row_map(CUtensorMap* map, bool* h_inner, const T* base, int D, int row
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <typename T, int D, int kWG, int kBc, int kStages>
+template <typename T, int D, int kWG, int kBc, int kStages, bool kPersistent>
 constexpr size_t sm90_ws_smem() {
-  return sm90_fwd_smem<T, D, kWG, kBc, kStages>() + (2 * kStages + 1) * sizeof(uint64_t);
+  constexpr int kQBufs = kPersistent ? 2 : 1;
+  return sm90_fwd_smem<T, D, kWG, kBc, kStages>() + (kQBufs - 1) * 64 * kWG * D * sizeof(T) +
+         (2 * kStages + 2 * kQBufs) * sizeof(uint64_t);
+}
+
+// Multiprocessors of the current device (cached per device; 0 when it cannot be read).
+int sm_count_current() {
+  static int count[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  if (count[dev] == 0 &&
+      cudaDeviceGetAttribute(&count[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    count[dev] = 0;
+  }
+  return count[dev];
 }
 
 // False (nothing launched) when the tensor maps cannot describe q, k or v.
-template <typename T, int D, int kWG, int kBc, int kStages, int kMinBlocks, bool kPingPong>
+template <typename T, int D, int kWG, int kBc, int kStages, int kMinBlocks, bool kPingPong,
+          bool kPersistent = false>
 bool launch_fwd_sm90_ws_cfg(const AttnParams& p, const T* q, const T* k, const T* v, T* o,
                             float* lse, cudaStream_t st, const char* op) {
   CUtensorMap tq, tk, tv;
@@ -1070,11 +1201,19 @@ bool launch_fwd_sm90_ws_cfg(const AttnParams& p, const T* q, const T* k, const T
       !make_row_map(&tv, &ord.v_h_inner, v, D, p.S, p.H, p.B, p.v_b, p.v_h, p.v_l, kBc)) {
     return false;
   }
-  constexpr size_t smem = sm90_ws_smem<T, D, kWG, kBc, kStages>();
-  auto kern = attn_fwd_sm90_ws<T, D, kWG, kBc, kStages, kMinBlocks, kPingPong>;
+  constexpr size_t smem = sm90_ws_smem<T, D, kWG, kBc, kStages, kPersistent>();
+  auto kern = attn_fwd_sm90_ws<T, D, kWG, kBc, kStages, kMinBlocks, kPingPong, kPersistent>;
   BT_CUDA_CHECK(op, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem)));
-  dim3 grid(p.B * p.H, static_cast<unsigned>((p.L + 64 * kWG - 1) / (64 * kWG)));
+  // Tile indices are int (q alone would pass 32 TB before they overflow).
+  const int64_t nq = (p.L + 64 * kWG - 1) / (64 * kWG), ntiles = int64_t(p.B) * p.H * nq;
+  if (ntiles > 2147483647LL) return false;
+  dim3 grid(p.B * p.H, static_cast<unsigned>(nq));
+  if constexpr (kPersistent) {  // one block per SM (or per tile, if the count is unknown)
+    const int sms = sm_count_current();
+    grid = dim3(static_cast<unsigned>(sms > 0 ? std::min<int64_t>(ntiles, int64_t(sms) * kMinBlocks)
+                                              : ntiles));
+  }
   kern<<<grid, kWG * 128 + 32, smem, st>>>(p, tq, tk, tv, ord, o, lse);
   BT_CUDA_LAUNCH_CHECK(op);
   return true;
@@ -1112,10 +1251,10 @@ template <typename T>
 void attn_fwd_sm90(const AttnParams& p, const T* q, const T* k, const T* v, T* o, float* lse,
                    cudaStream_t st, const char* op) {
   if (p.D == 64) {
-    if (!launch_fwd_sm90_ws_cfg<T, 64, 2, 128, 4, 1, true>(p, q, k, v, o, lse, st, op)) {
+    if (!launch_fwd_sm90_ws_cfg<T, 64, 2, 128, 4, 1, true, true>(p, q, k, v, o, lse, st, op)) {
       launch_fwd_sm90_cfg<T, 64, 2, 64, 5>(p, q, k, v, o, lse, st, op);
     }
-  } else if (!launch_fwd_sm90_ws_cfg<T, 128, 2, 64, 4, 1, false>(p, q, k, v, o, lse, st, op)) {
+  } else if (!launch_fwd_sm90_ws_cfg<T, 128, 2, 64, 4, 1, true, true>(p, q, k, v, o, lse, st, op)) {
     launch_fwd_sm90_cfg<T, 128, 2, 64, 4>(p, q, k, v, o, lse, st, op);
   }
 }
@@ -1158,8 +1297,7 @@ bool launch_bwd_sm90_cfg(const AttnParams& p, const T* q, const T* k, const T* v
   BT_CUDA_CHECK(op, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem)));
   dim3 grid(p.B * p.H, static_cast<unsigned>((p.S + kBc - 1) / kBc));
-  kern<<<grid, kWG * 128 + 32, smem, st>>>(p, tq, tk, tv, tg, tacc, ord, lse, dvec, dk, dv,
-                                           dq_acc);
+  kern<<<grid, kWG * 128 + 32, smem, st>>>(p, tq, tk, tv, tg, tacc, ord, lse, dvec, dk, dv, dq_acc);
   BT_CUDA_LAUNCH_CHECK(op);
   return true;
 }
@@ -1173,8 +1311,8 @@ bool attn_bwd_sm90(const AttnParams& p, const T* q, const T* k, const T* v, cons
 }
 template bool attn_bwd_sm90<__nv_bfloat16>(const AttnParams&, const __nv_bfloat16*,
                                            const __nv_bfloat16*, const __nv_bfloat16*,
-                                           const __nv_bfloat16*, const float*, const float*,
-                                           float*, __nv_bfloat16*, __nv_bfloat16*, cudaStream_t,
+                                           const __nv_bfloat16*, const float*, const float*, float*,
+                                           __nv_bfloat16*, __nv_bfloat16*, cudaStream_t,
                                            const char*);
 template bool attn_bwd_sm90<__half>(const AttnParams&, const __half*, const __half*, const __half*,
                                     const __half*, const float*, const float*, float*, __half*,

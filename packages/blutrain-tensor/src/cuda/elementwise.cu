@@ -170,6 +170,41 @@ __global__ void __launch_bounds__(kThreads)
   for (I i = nvec * N + tid; i < n; i += stride) out[i] = f(in[i]...);
 }
 
+// v4 (copies and casts only): both operands run contiguously along their last L elements, rows
+// anywhere (a permute that keeps the last dim, e.g. (B, T, H, D) -> (B, H, T, D), or a slice):
+// N elements per thread through 16-byte vectors, the row offsets' divisions once per vector rather
+// than once per element as in v1.  Every row start is vector-aligned (the host checks).
+// kU vectors per thread and iteration, all loads first: rows land scattered in DRAM, so each
+// thread keeps several in flight (one measured 1.6 TB/s on the H200's heads transpose).
+template <int N, int kU, typename F, typename O, typename S>
+__global__ void __launch_bounds__(kThreads)
+    copy_rows_v4(uint32_t nvec, uint32_t row_vecs, F f, O* __restrict__ out, Off<uint32_t> oo,
+                 const S* __restrict__ in, Off<uint32_t> io) {
+  const uint32_t stride = gridDim.x * blockDim.x;
+  for (uint32_t v0 = blockIdx.x * blockDim.x + threadIdx.x; v0 < nvec; v0 += kU * stride) {
+    S x[kU][N];
+    uint32_t dst[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const uint32_t v = v0 + u * stride;
+      if (v < nvec) {
+        const uint32_t row = v / row_vecs, col = (v - row * row_vecs) * N;
+        vload<N>(in + io(row) + col, x[u]);
+        dst[u] = oo(row) + col;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (v0 + u * stride < nvec) {
+        O r[N];
+#pragma unroll
+        for (int k = 0; k < N; ++k) r[k] = f(x[u][k]);
+        vstore<N>(out + dst[u], r);
+      }
+    }
+  }
+}
+
 // v3: out = f(x, b) (f(b, x) when B_FIRST) with x and out contiguous and b one row of L = lv * N
 // elements repeated over the rows (a bias: stride 0 over the leading dims). Thread t keeps column
 // vector t % lv of b in registers and walks rows t / lv, + rows_step, ..., 4 rows per iteration
@@ -646,6 +681,46 @@ bool try_cast_widen(const Tensor& dst, const Tensor& src, const char* nm) {
   return true;
 }
 
+// dst = f(src) through copy_rows_v4 when it applies: not both flat, both contiguous over the same
+// trailing L elements (L a multiple of the vector width), every row start vector-aligned, 32-bit
+// offsets; false (nothing launched) otherwise.
+template <typename O, typename S, typename F>
+bool try_copy_rows(const Tensor& dst, const Tensor& src, const F& f, const char* nm) {
+  constexpr int kN = vec_width<O, S>();
+  const int64_t n = dst.numel();
+  if (n == 0 || n > std::numeric_limits<int32_t>::max() ||
+      (dst.is_contiguous() && src.is_contiguous()) ||
+      max_offset(dst) > std::numeric_limits<int32_t>::max() ||
+      max_offset(src) > std::numeric_limits<int32_t>::max()) {
+    return false;
+  }
+  const Shape& sh = dst.shape();
+  const Strides &so = dst.strides(), &si = src.strides();
+  int64_t d = dst.ndim() - 1, L = 1;
+  for (; d >= 0; --d) {  // the trailing dims contiguous in both
+    if (sh[d] == 1) continue;
+    if (so[d] != L || si[d] != L) break;
+    L *= sh[d];
+  }
+  if (L % kN != 0 || L == n) return false;
+  Shape lead(sh.begin(), sh.begin() + (d + 1));
+  Strides lo(so.begin(), so.begin() + (d + 1)), li(si.begin(), si.begin() + (d + 1));
+  for (int64_t k = 0; k <= d; ++k) {
+    if (lo[k] % kN != 0 || li[k] % kN != 0) return false;  // a row start off the vector grid
+  }
+  O* o = static_cast<O*>(dst.data_ptr(nm));
+  const S* ip = cptr<S>(src, nm);
+  if (!aligned16(o) || !aligned16(ip)) return false;
+  constexpr int kU = 4;
+  const int64_t nvec = n / kN;
+  const int blocks = elementwise_blocks(ceil_div(nvec, int64_t(kU)), kThreads, dst.device().index);
+  copy_rows_v4<kN, kU, F, O, S><<<blocks, kThreads, 0, stream(dst.device(), nm)>>>(
+      static_cast<uint32_t>(nvec), static_cast<uint32_t>(L / kN), f, o,
+      to_off<uint32_t>(make_offset(lead, lo, nm)), ip, to_off<uint32_t>(make_offset(lead, li, nm)));
+  BT_CUDA_LAUNCH_CHECK(nm);
+  return true;
+}
+
 // dst = src (same shape, any strides), casting from src's dtype to dst's.
 void copy_cast_impl(const Tensor& dst, const Tensor& src, const char* nm) {
   dispatch_cuda_all(dst.dtype(), nm, [&](auto dtag) {
@@ -657,8 +732,10 @@ void copy_cast_impl(const Tensor& dst, const Tensor& src, const char* nm) {
         if (try_cast_widen<S>(dst, src, nm)) return;
       }
       if constexpr (std::is_same<D, S>::value) {
+        if (try_copy_rows<D, S>(dst, src, CopyF<D>{}, nm)) return;
         launch_elementwise<D, S>(nm, CopyF<D>{}, dst, {src});
       } else {
+        if (try_copy_rows<D, S>(dst, src, CastF<S, D>{}, nm)) return;
         launch_elementwise<D, S>(nm, CastF<S, D>{}, dst, {src});
       }
     });

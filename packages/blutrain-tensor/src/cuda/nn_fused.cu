@@ -695,8 +695,8 @@ struct LnBwdV5 {
 // Deterministic for a given grid: every sum has a fixed order whichever block arrives last.
 // Arrival counters are one per device (a __device__ array): the backward kernels of a device run
 // in stream order (Note [streams]), never two at once.
-constexpr int kV6Warps = 8;        // warps per block (library)
-constexpr int kV6Stages = 3;       // ring slots per row group (library): K - 1 rows in flight
+constexpr int kV6Warps = 8;   // warps per block (library)
+constexpr int kV6Stages = 3;  // ring slots per row group (library): K - 1 rows in flight
 // blocks per cluster (library: 1, the reduce kernel; 8 on sm_90 measured 57.5% of copy against
 // 68.5% at bf16 16384 x 768, ln_bwd_check.sh, session 12)
 constexpr int kV6Cluster = 1;
@@ -859,7 +859,12 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
   for (int k = 0; k < K - 1; ++k) issue(row0 + k * step, k);
 
   int slot = 0, parity = 0;
-  for (int64_t row = row0; row < R; row += step) {
+  // Every row group runs the block's trip count (that of group 0), idle past R, so that
+  // group_sum2's named barriers pair up alike in every group (compute-sanitizer's racecheck
+  // reported the final __syncthreads-ordered accumulation as racing when they did not).
+  for (int64_t base = row0 - grp; base < R; base += step) {
+    const int64_t row = base + grp;
+    const bool live = row < R;
     __syncwarp();  // the warp is done with the slot refilled next (lane 0 rewrites its stats)
     issue(row + (K - 1) * step, slot == 0 ? K - 1 : slot - 1);
     async_wait<K - 1>();  // this row's copies (this thread's) landed
@@ -871,7 +876,7 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int64_t c = v4_col<V, WPR>(j, gl);
-      if (c < C) {
+      if (live && c < C) {
         const unsigned cb = static_cast<unsigned>(c * sizeof(T));
         float g[V], xh[V], wv[V];
         unpack16<T>(lds16(sl + cb), g);
@@ -900,7 +905,7 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int64_t c = v4_col<V, WPR>(j, gl);
-      if (c < C) {  // the slot again (shared memory reads are cheap; registers are not)
+      if (live && c < C) {  // the slot again (shared memory reads are cheap; registers are not)
         const unsigned cb = static_cast<unsigned>(c * sizeof(T));
         float g[V], xh[V], wv[V], ev[V], o[V];
         unpack16<T>(lds16(sl + cb), g);
@@ -1069,9 +1074,9 @@ struct LnBwdV6 {
 // prefetch) 84-92% against v3 / v4's 57-73%; bf16 C = 768 + extra: v5 74% against v3's 64%;
 // bf16 otherwise v3 (C <= kV4MinDefaultC) or v4 (longer rows), v5 within 2%.  16-bit on sm_90+:
 // v6 when kV6Default (ln_bwd_check.sh, session 12: v6 with the reduce kernel was the best variant
-// for bf16 and fp32, C 768 and 3072, with and without extra; false: the v5 / v3 / v4 choice).  The launcher
-// falls back down v6 -> v5 -> v4 -> v3 -> v2 where a kernel does not apply (double, misaligned
-// pointers, rows not whole 16-byte vectors or too long).
+// for bf16 and fp32, C 768 and 3072, with and without extra; false: the v5 / v3 / v4 choice).  The
+// launcher falls back down v6 -> v5 -> v4 -> v3 -> v2 where a kernel does not apply (double,
+// misaligned pointers, rows not whole 16-byte vectors or too long).
 constexpr bool kV6Default = true;
 template <typename K>
 struct ln_tag {  // a type as a value (for generic lambdas)
