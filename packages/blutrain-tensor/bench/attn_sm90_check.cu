@@ -6,7 +6,9 @@
 // and not; q, k, v the strided slices of a packed (B, T, 3, H, D) buffer; o and lse poisoned with
 // NaN; error = max |gpu - ref| / max |ref| against float64 math on the bf16 inputs (o; lse
 // absolute).  Timing: B16 H12 T1024 D64 and B16 H6 T1024 D128, causal and not, cudaEvent median
-// of 20 after 3 warm-ups; flops 4 B H T^2 D (half when causal).
+// of 20 after 3 warm-ups; flops 4 B H T^2 D (half when causal).  Rows: the cp.async kernel, the
+// warp-specialised one per tile ("ws") and persistent ("persistent": the library's default).
+// BT_HARNESS_ONLY=name,... runs only the rows whose names contain one of those strings.
 #define BT_ATTENTION_KERNELS_ONLY 1
 #include <algorithm>
 #include <cmath>

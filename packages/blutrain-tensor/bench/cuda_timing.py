@@ -1,6 +1,7 @@
 """Timing helpers shared by the CUDA kernel benchmarks (bench_cuda_*.py run as scripts, so this
 directory is on sys.path): CUDA-event timing of ours or of PyTorch, and device time from a
-replayed CUDA graph.  All return the median over `batches` of the per-call time, in ms."""
+replayed CUDA graph (both return the median over `batches` of the per-call time, in ms); the
+device time of each kernel a call launches (kernel_profile, through torch.profiler)."""
 
 from __future__ import annotations
 
