@@ -141,6 +141,9 @@ fi
 # Each kernel test file runs under memcheck and under racecheck, all files of one tool at once
 # (each in its own process), SANITIZE_S seconds each (default 150). SANITIZE_K narrows every file
 # (pytest -k); per-file filters below skip the very large shapes (the tools slow kernels 10-100x).
+# memcheck runs with the allocator's caching off (BLUTRAIN_ALLOC_CONF=caching:0: every tensor its
+# own cudaMalloc of exactly its size), so an access past a tensor's end is reported instead of
+# landing in a cached neighbour.
 if [ "$SANITIZE" = 1 ]; then
   declare -A SAN_K=(
     [test_tensor_cuda_nn]="not vocab"
@@ -158,7 +161,9 @@ if [ "$SANITIZE" = 1 ]; then
       f=packages/blutrain-tensor/tests/$base.py
       [ -f "$f" ] || continue
       log="$OUT/sanitize-$tool-$base.log"
-      timeout "${SANITIZE_S:-150}" compute-sanitizer --tool $tool --error-exitcode 99 \
+      conf=""; [ "$tool" = memcheck ] && conf=caching:0
+      BLUTRAIN_ALLOC_CONF=$conf timeout "${SANITIZE_S:-150}" \
+        compute-sanitizer --tool $tool --error-exitcode 99 \
         --target-processes all $PY -m pytest -q -m gpu -o addopts="" -p no:cacheprovider \
         -k "${SANITIZE_K:-${SAN_K[$base]}}" "$f" >"$log" 2>&1 &
       spids+=($!) slogs+=("$log")

@@ -28,16 +28,20 @@ std::atomic<CachingPool*> g_pageable{nullptr};
 std::atomic<int> g_device_count{-1};
 // Options for CUDA device pools, present and future; guarded by g_create_mutex.
 bool g_expandable = false;
+bool g_caching = true;
+constexpr const char* kKnownOptions = "expandable_segments, caching";
 
 void apply_option(CachingPool& p, const std::string& name, int64_t value) {
   if (name == "expandable_segments")
     p.set_expandable(value != 0);
+  else if (name == "caching")
+    p.set_caching(value != 0);
   else
     throw Error(BT_ALLOC_EINVAL,
-                "[set_option] unknown option '" + name + "'; known: expandable_segments");
+                "[set_option] unknown option '" + name + "'; known: " + kKnownOptions);
 }
 
-// BLUTRAIN_ALLOC_CONF="expandable_segments:1": read once,
+// BLUTRAIN_ALLOC_CONF="expandable_segments:1,caching:0": read once,
 // before any pool exists.
 void read_env_options() {
   const char* conf = std::getenv("BLUTRAIN_ALLOC_CONF");
@@ -50,6 +54,7 @@ void read_env_options() {
     out = at < s.size() && (s[at] == '1' || s[at] == 'T' || s[at] == 't');
   };
   flag("expandable_segments", g_expandable);
+  flag("caching", g_caching);
 }
 
 int device_count() {
@@ -92,6 +97,7 @@ CachingPool& pool(int device) {
                                                                          : make_device_pool(device);
     if (device >= 0) {
       if (g_expandable) made->set_expandable(true);
+      if (!g_caching) made->set_caching(false);
     }
     p = made.release();  // lives until process exit: pools outlive every user
     slot->store(p, std::memory_order_release);
@@ -230,6 +236,7 @@ static int set_option(const char* name, int64_t value) {
     {
       std::lock_guard<std::mutex> lock(g_create_mutex);
       if (key == "expandable_segments") g_expandable = value != 0;
+      if (key == "caching") g_caching = value != 0;
     }
     bool any = false;
     for (int d = 0; d < kMaxDevices; ++d)
@@ -237,9 +244,9 @@ static int set_option(const char* name, int64_t value) {
         apply_option(*p, key, value);
         any = true;
       }
-    if (!any && key != "expandable_segments")
+    if (!any && key != "expandable_segments" && key != "caching")
       throw Error(BT_ALLOC_EINVAL,
-                  "[set_option] unknown option '" + key + "'; known: expandable_segments");
+                  "[set_option] unknown option '" + key + "'; known: " + kKnownOptions);
   });
 }
 

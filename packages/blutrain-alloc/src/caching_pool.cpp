@@ -139,10 +139,11 @@ Block* CachingPool::take(Block* block, size_t size, size_t requested) {
   return block;
 }
 
-Block* CachingPool::grow(Pools& pools, int32_t pool_id, bool small, StreamId stream, size_t size) {
-  if (!small && expandable_ && pool_id == 0 && source_->supports_expandable())
+Block* CachingPool::grow(Pools& pools, int32_t pool_id, bool small, StreamId stream, size_t size,
+                         bool exact) {
+  if (!exact && !small && expandable_ && pool_id == 0 && source_->supports_expandable())
     return grow_expandable(pools, stream, size);
-  const size_t bytes = segment_size_for(size);
+  const size_t bytes = exact ? size : segment_size_for(size);
   if (limit_ && st_.reserved_bytes + bytes > limit_) return nullptr;
   const uintptr_t base = source_->allocate(bytes);
   if (!base) return nullptr;
@@ -232,20 +233,27 @@ void* CachingPool::malloc(size_t size, StreamId stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!key_by_stream_) stream = 0;
   process_events();
-  const size_t rounded = round_size(size);
-  const bool small = rounded <= kSmallRequest;
   const int32_t pool_id = pool_for_stream(stream);
+  // Note [No caching]: with caching off, a request of the default pool (not under graph capture,
+  // where memory may not come from the system) gets a segment of exactly its size, released to
+  // the system as soon as it is free: a checker such as compute-sanitizer's memcheck then sees
+  // every tensor as its own allocation, so an access past a tensor's end is reported instead of
+  // landing in a neighbour of the same segment.  For finding bugs only: every request and free
+  // calls the system (cudaMalloc / cudaFree, which synchronises the device).
+  const bool exact = !caching_ && pool_id == 0 && !capture_underway();
+  const size_t rounded = exact ? size : round_size(size);
+  const bool small = rounded <= kSmallRequest;
   Pools& pools = pools_for(pool_id);
   FreeSet& set = small ? pools.small : pools.large;
 
-  Block* block = find_free(set, stream, rounded);
-  if (!block) block = grow(pools, pool_id, small, stream, rounded);
+  Block* block = exact ? nullptr : find_free(set, stream, rounded);
+  if (!block) block = grow(pools, pool_id, small, stream, rounded, exact);
   if (!block && !capture_underway()) {
     // Note [OOM retry]: return every wholly free cached segment and try once
     // more. Skipped during graph capture, where freeing memory is illegal.
     st_.cache_flushes++;
     release_cached(true, -1);
-    block = grow(pools, pool_id, small, stream, rounded);
+    block = grow(pools, pool_id, small, stream, rounded, exact);
   }
   if (!block) throw_oom(size, rounded, stream);
   return reinterpret_cast<void*>(take(block, rounded, size)->addr);
@@ -352,7 +360,8 @@ void CachingPool::free_block(Block* block) {
   }
   insert_free(block);
   Pools& pools = pools_for(block->pool_id);
-  if (pools.releasing && !block->prev && !block->next && !block->segment->expandable)
+  const bool uncached = !caching_ && block->pool_id == 0 && !capture_underway();
+  if ((pools.releasing || uncached) && !block->prev && !block->next && !block->segment->expandable)
     release_segment(block->segment);
 }
 
@@ -455,6 +464,12 @@ void CachingPool::set_fraction(double fraction) {
                                      std::to_string(fraction));
   std::lock_guard<std::mutex> lock(mutex_);
   limit_ = uint64_t(fraction * double(source_->total_bytes()));
+}
+
+void CachingPool::set_caching(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  caching_ = on;
+  if (!on && !capture_underway()) release_cached(true, -1);  // what is cached now goes back
 }
 
 void CachingPool::set_expandable(bool on) {

@@ -30,6 +30,8 @@
 // * Optional expandable segments (CUDA virtual memory): one growing segment
 //   per stream for the large pool, so freed space at the end of the mapped
 //   range is always reusable by a bigger request (see Note [Expandable segments]).
+// * Optional no-caching mode (set_caching(false); BLUTRAIN_ALLOC_CONF=caching:0), for memory
+//   checkers: see Note [No caching].
 //
 // Locking rule: every public method takes `mutex_` for its whole duration and
 // never calls user code while holding it. The only system calls made under the
@@ -146,6 +148,7 @@ class CachingPool {
   void set_limit(uint64_t bytes);
   void set_fraction(double fraction);
   void set_expandable(bool on);
+  void set_caching(bool on);
   std::vector<bt_alloc_block_info> snapshot();
 
   int32_t begin_private_pool(StreamId stream);
@@ -168,7 +171,7 @@ class CachingPool {
   Pools& pools_for(int32_t pool_id);
   int32_t pool_for_stream(StreamId stream) const;
   Block* find_free(FreeSet& set, StreamId stream, size_t size);
-  Block* grow(Pools& pools, int32_t pool_id, bool small, StreamId stream, size_t size);
+  Block* grow(Pools& pools, int32_t pool_id, bool small, StreamId stream, size_t size, bool exact);
   Block* grow_expandable(Pools& pools, StreamId stream, size_t size);
   Block* take(Block* block, size_t size, size_t requested);
   void free_block(Block* block);
@@ -190,6 +193,7 @@ class CachingPool {
   std::unique_ptr<EventSupport> events_;
   const bool key_by_stream_;
   bool expandable_ = false;
+  bool caching_ = true;
 
   std::map<int32_t, Pools> pools_;         // 0 = default
   std::map<StreamId, int32_t> capturing_;  // stream -> private pool id

@@ -153,16 +153,38 @@ def test_memory_fraction_caps_the_process():
         ba.free(p)
 
 
+def malloc_tagged(sizes: list[int]) -> list[int]:
+    """Device blocks of `sizes`, block i filled with i + 1 and read back."""
+    ptrs = [ba.malloc(n, DEV) for n in sizes]
+    for i, (p, n) in enumerate(zip(ptrs, sizes)):
+        fill(p, n, i + 1)
+    cp.cuda.Stream.null.synchronize()
+    for i, (p, n) in enumerate(zip(ptrs, sizes)):
+        assert probe(p, n) == {i + 1}
+    return ptrs
+
+
+def test_no_caching_mode_allocates_exactly_and_frees_at_once():
+    ba.set_caching(False, DEV)
+    base = ba.stats(DEV)
+    try:
+        sizes = [100, 3 * MIB + 7]
+        ptrs = malloc_tagged(sizes)
+        s = ba.stats(DEV)
+        assert s["reserved_bytes"] - base["reserved_bytes"] == sum(sizes)
+        assert s["segments"] - base["segments"] == len(sizes)
+        for p in ptrs:
+            ba.free(p)
+        assert ba.stats(DEV)["reserved_bytes"] == base["reserved_bytes"], "freed at once"
+    finally:
+        ba.set_caching(True, DEV)
+
+
 def test_expandable_segments_grow_and_shrink():
     ba.set_option("expandable_segments", 1)
     try:
         sizes = [30 * MIB, 3 * MIB + 7, 100 * MIB, 17 * MIB]
-        ptrs = [ba.malloc(n, DEV) for n in sizes]
-        for i, (p, n) in enumerate(zip(ptrs, sizes)):
-            fill(p, n, i + 1)
-        cp.cuda.Stream.null.synchronize()
-        for i, (p, n) in enumerate(zip(ptrs, sizes)):
-            assert probe(p, n) == {i + 1}
+        ptrs = malloc_tagged(sizes)
         segs = {b["segment"] for b in ba.snapshot(DEV) if b["expandable"]}
         assert len(segs) == 1, "large blocks of one stream share one expandable segment"
         check_structure(DEV, dict(zip(ptrs, sizes)))

@@ -197,6 +197,37 @@ def test_expandable_segment_grows_in_place_and_shrinks(host_clean):
         ba.set_expandable(False, "cpu")
 
 
+def test_no_caching_gives_each_request_its_own_exact_segment(host_clean):
+    keep = ba.malloc(5000)
+    ba.free(keep)
+    assert ba.stats("cpu")["reserved_bytes"] > 0, "cached before"
+    ba.set_caching(False, "cpu")
+    try:
+        assert ba.stats("cpu")["reserved_bytes"] == 0, "turning caching off returns the cache"
+        sizes = [1, 1000, 3 * MIB + 7]
+        ptrs = [ba.malloc(n) for n in sizes]
+        for p, n in zip(ptrs, sizes):
+            fill(p, n, n)
+        s = ba.stats("cpu")
+        assert s["segments"] == len(sizes)
+        assert s["reserved_bytes"] == s["allocated_bytes"] == sum(sizes)
+        blocks = {x["address"]: x for x in ba.snapshot("cpu")}
+        assert sorted(b["size"] for b in blocks.values()) == sorted(sizes)
+        ba.free(ptrs[1])
+        assert ba.stats("cpu")["reserved_bytes"] == sizes[0] + sizes[2], "freed at once"
+        assert holds(ptrs[0], sizes[0], sizes[0]) and holds(ptrs[2], sizes[2], sizes[2])
+        for p in (ptrs[0], ptrs[2]):
+            ba.free(p)
+        s = ba.stats("cpu")
+        assert s["reserved_bytes"] == 0 and s["segments"] == 0
+    finally:
+        ba.set_caching(True, "cpu")
+    p, q = ba.malloc(1000), ba.malloc(1000)
+    assert q == p + 1024, "caching again: blocks split from one segment"
+    ba.free(p)
+    ba.free(q)
+
+
 def test_many_threads(host_clean):
     errors = []
 

@@ -21,15 +21,18 @@
 
 static int g_fail = 0;
 
-template <int WG, int St, int Dq, bool PP = false>
+template <int WG, int St, int Dq, bool PP = false, bool Def = false>
 struct Ws {
   static constexpr int kWG = WG, kStages = St, kDq = Dq;
-  static constexpr bool kPP = PP;
+  static constexpr bool kPP = PP, kDefer = Def;
 };
 // kind 0: the wgmma kernel as the library runs it (dQ by TMA reduce, 3 stages, ping-pong); 1: the
 // mma.sync one-kernel backward (V2Config<64>'s fused config); 2: 0 without ping-pong; 3: 0 with 2
 // stages; 4: dQ by red.v4 from registers; 5: no dQ adds (timing only: its dq is wrong, not
-// checked).
+// checked); 6-9: kDefer (a producer warpgroup, 232 registers per consumer thread, each tile's dQ
+// stored under the next tile's S^T, dP^T): 3 stages, 4 stages, 3 without ping-pong, red.v4;
+// 10-12: kDq 3 (one warpgroup per tile computes the dQ part over the block's 128 keys and adds
+// it: half the reduce traffic), 3, 4 and 2 stages.
 static bool run_bwd(int kind, const Problem& pr, float* acc, T16* dq, T16* dk, T16* dv,
                     int64_t d_row) {
   using namespace bt::cuda;
@@ -38,11 +41,11 @@ static bool run_bwd(int kind, const Problem& pr, float* acc, T16* dq, T16* dk, T
   CK(cudaMemsetAsync(acc, 0, pr.no() * sizeof(float)));
   auto ws = [&](auto cfg) {
     using C = decltype(cfg);
-    return launch_bwd_sm90_cfg<T16, C::kWG, C::kStages, C::kDq, C::kPP>(
+    return launch_bwd_sm90_cfg<T16, C::kWG, C::kStages, C::kDq, C::kPP, C::kDefer>(
         p, pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref, acc, dk, dv, 0, "bwd_sm90");
   };
   if (kind == 0) {
-    if (!ws(Ws<2, 3, 2, true>{})) return false;  // the library's configuration
+    if (!ws(Ws<2, 3, 2, true>{})) return false;  // the library's configuration until session 14
   } else if (kind == 2) {
     if (!ws(Ws<2, 3, 2, false>{})) return false;
   } else if (kind == 3) {
@@ -51,6 +54,20 @@ static bool run_bwd(int kind, const Problem& pr, float* acc, T16* dq, T16* dk, T
     if (!ws(Ws<2, 3, 1, true>{})) return false;
   } else if (kind == 5) {
     if (!ws(Ws<2, 3, 0, true>{})) return false;
+  } else if (kind == 6) {
+    if (!ws(Ws<2, 3, 2, true, true>{})) return false;
+  } else if (kind == 7) {
+    if (!ws(Ws<2, 4, 2, true, true>{})) return false;
+  } else if (kind == 8) {
+    if (!ws(Ws<2, 3, 2, false, true>{})) return false;
+  } else if (kind == 9) {
+    if (!ws(Ws<2, 3, 1, true, true>{})) return false;
+  } else if (kind == 10) {
+    if (!ws(Ws<2, 3, 3, true, true>{})) return false;
+  } else if (kind == 11) {
+    if (!ws(Ws<2, 4, 3, true, true>{})) return false;
+  } else if (kind == 12) {
+    if (!ws(Ws<2, 2, 3, true, true>{})) return false;
   } else {
     using C = V2Config<64>;
     constexpr int W = C::kFuWarps, Br = C::kFuBr, MT = C::kFuMT, Bc = 16 * MT * W;
@@ -67,9 +84,11 @@ static bool run_bwd(int kind, const Problem& pr, float* acc, T16* dq, T16* dk, T
   return true;
 }
 
-static const char* kName[] = {"wgmma (library)", "mma.sync fused", "wgmma no pp",
-                              "wgmma 2 st",      "wgmma red.v4",   "wgmma no dQ"};
-static const int kKinds = 6;
+static const char* kName[] = {"wgmma (library)", "mma.sync fused", "wgmma no pp", "wgmma 2 st",
+                              "wgmma red.v4",    "wgmma no dQ",    "defer 3 st",  "defer 4 st",
+                              "defer no pp",     "defer red.v4",   "dq128 3 st",  "dq128 4 st",
+                              "dq128 2 st"};
+static const int kKinds = 13;
 
 static void check(int kind) {
   const int Ts[] = {1, 7, 64, 100, 200, 1024};
@@ -133,12 +152,14 @@ static void bench() {
 }
 
 int main(int argc, char** argv) {
-  {
+  auto attrs = [](const char* what, auto kern) {
     cudaFuncAttributes fa{};
-    CK(cudaFuncGetAttributes(&fa, bt::cuda::attn_bwd_sm90_ws<T16, 64, 2, 3, 2, true>));
-    std::printf("attn_bwd_sm90_ws: %d registers, max %d threads, %zu B local\n", fa.numRegs,
-                fa.maxThreadsPerBlock, fa.localSizeBytes);
-  }
+    CK(cudaFuncGetAttributes(&fa, kern));
+    std::printf("attn_bwd_sm90_ws %s: %d registers, max %d threads, %zu B local\n", what,
+                fa.numRegs, fa.maxThreadsPerBlock, fa.localSizeBytes);
+  };
+  attrs("(library)", bt::cuda::attn_bwd_sm90_ws<T16, 64, 2, 3, 2, true, false>);
+  attrs("(defer)", bt::cuda::attn_bwd_sm90_ws<T16, 64, 2, 3, 2, true, true>);
   bool do_check = true, do_bench = true;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--bench")) do_check = false;

@@ -351,7 +351,7 @@ static bool run_v5(const Prob<T>& p, int mode) {
 // dw / db partials reduced in the kernel (kFinal, CL > 1) or by reduce_v4.  kAll: every row shape
 // (the library's configurations); else GPT-2's (NV 3: bf16 WPR 1 / 4, fp32 WPR 2 / 8) only, to
 // keep the sweep's compile time down.
-template <typename T, int NW, int K, int CL, bool kFinal, bool kAll>
+template <typename T, int NW, int K, int CL, bool kFinal, bool kAll, int kRed = 6>
 static bool run_v6(const Prob<T>& p, int mode) {
   const bool need_acc = p.need_acc();
   return dispatch_v5<T>(p.C, {p.dy, p.x, p.wp(), p.ep(), p.dx}, [&](auto nvt, auto wt) {
@@ -377,9 +377,14 @@ static bool run_v6(const Prob<T>& p, int mode) {
         CK(cudaGetLastError());
       }
       if (mode != 1 && need_acc && !fin) {
-        layernorm_backward_reduce_v4<T>
-            <<<static_cast<unsigned>(ceil_div(2 * p.C, 32)), dim3(32, kReduceRows)>>>(
-                p.partial, P, p.C, p.dwp(), p.dbp());
+        if constexpr (kRed >= 6) {  // 6: the library's reduce (PDL as the library), 60: no PDL
+          launch_ln_bwd_reduce_v6<T>(p.partial, P, p.C, p.dwp(), p.dbp(), 0,
+                                     kRed == 6 && kV6ReducePdl && g_major >= 9, "reduce_v6");
+        } else {
+          layernorm_backward_reduce_v4<T>
+              <<<static_cast<unsigned>(ceil_div(2 * p.C, 32)), dim3(32, kReduceRows)>>>(
+                  p.partial, P, p.C, p.dwp(), p.dbp());
+        }
         CK(cudaGetLastError());
       }
       return true;
@@ -387,7 +392,8 @@ static bool run_v6(const Prob<T>& p, int mode) {
   });
 }
 
-static_assert(kV6Warps == 8 && kV6Stages == 3 && kV6Cluster == 1, "v6 (lib) variant names");
+static_assert(kV6Warps == 16 && kV6Stages == 2 && kV6Cluster == 1 && kV6ReducePdl,
+              "v6 (lib) variant names");
 
 template <typename T>
 struct Variant {
@@ -408,8 +414,13 @@ static std::vector<Variant<T>> variants() {
       {"v5 nw8 (lib)", run_v5<T, 8, false, false>},
       {"v5 nw16", run_v5<T, 16, false, false>},
       {"v6 nw8 k3 cl8", run_v6<T, 8, 3, 8, true, true>},
-      {"v6 nw8 k3 cl1 + reduce (lib)", run_v6<T, kV6Warps, kV6Stages, kV6Cluster, false, true>},
-      {"v6 nw8 k3 cl8 + reduce", run_v6<T, 8, 3, 8, false, false>},
+      {"v6 nw16 k2 cl1 + reduce6 (lib)", run_v6<T, kV6Warps, kV6Stages, kV6Cluster, false, true>},
+      {"v6 nw16 k2 cl1 + reduce4", run_v6<T, 16, 2, 1, false, false, 4>},
+      {"v6 nw16 k2 cl1 + reduce6 no pdl", run_v6<T, 16, 2, 1, false, false, 60>},
+      {"v6 nw8 k3 cl1 + reduce4 (old lib)", run_v6<T, 8, 3, 1, false, true, 4>},
+      {"v6 nw8 k3 cl1 + reduce6", run_v6<T, 8, 3, 1, false, false>},
+      {"v6 nw16 k3 cl1 + reduce6", run_v6<T, 16, 3, 1, false, false>},
+      {"v6 nw8 k3 cl8 + reduce6", run_v6<T, 8, 3, 8, false, false>},
       {"v6 nw8 k2 cl8", run_v6<T, 8, 2, 8, true, false>},
       {"v6 nw8 k4 cl8", run_v6<T, 8, 4, 8, true, false>},
       {"v6 nw8 k3 cl2", run_v6<T, 8, 3, 2, true, false>},
@@ -533,7 +544,7 @@ static float median_ms(F&& f) {
 static const char* default_variant(int ver) {
   switch (ver) {
     case 6:
-      return "v6 nw8 k3 cl1 + reduce (lib)";
+      return "v6 nw16 k2 cl1 + reduce6 (lib)";
     case 5:
       return "v5 nw8 (lib)";
     case 4:

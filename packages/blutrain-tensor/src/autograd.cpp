@@ -43,10 +43,17 @@ struct AccumulateGrad : Node {
     if (g.dtype() != leaf->dtype) g = astype(g, leaf->dtype);
     if (!leaf->grad) {
       // Keep the gradient itself only when nothing else holds it (a user-given gradient or a
-      // cotangent passed through unchanged must not be aliased by .grad).
+      // cotangent passed through unchanged must not be aliased by .grad).  A view of a tensor
+      // that only the view still holds (a backward's output reshaped on its way to the leaf, as
+      // the packed attention gradient is) counts as unshared: it is kept, detached from that
+      // base, instead of copied.
+      const auto& base = g.impl()->view_base;
+      const bool via_base = base && base.use_count() == 1 && base->storage == g.storage() &&
+                            !base->grad_fn && g.offset() == 0 &&
+                            size_t(g.numel()) * itemsize(g.dtype()) == g.storage()->nbytes();
       const bool own = g.impl_ptr().use_count() <= 2 && g.is_contiguous() && !g.impl()->grad_fn &&
-                       g.storage().use_count() == 1;
-      leaf->grad = own ? g.impl_ptr() : clone(g).impl_ptr();
+                       g.storage().use_count() == (via_base ? 2 : 1);
+      leaf->grad = !own ? clone(g).impl_ptr() : via_base ? detach(g).impl_ptr() : g.impl_ptr();
     } else {
       Tensor acc(leaf->grad);
       inplace(acc, add(acc, g), "accumulate_grad");

@@ -267,3 +267,25 @@ def test_hook_handles_remove():
     (x * 2).sum().backward()
     assert calls == [1, 2]
     np.testing.assert_array_equal(x.grad.numpy(), [4.0, 4.0])
+
+
+def test_leaf_keeps_a_gradient_reached_through_views_without_a_copy():
+    # The gradient of z = x.reshape(6, 4) is a fresh tensor; the reshape's backward hands the leaf
+    # a view of it that nothing else holds: .grad keeps that memory instead of a copy.
+    x = bt.randn(2, 3, 4).requires_grad_(True)
+    w = bt.randn(6, 4)
+    z = x.reshape(6, 4)
+    seen = []
+    z.register_hook(lambda g: seen.append(g.data_ptr()))
+    (z * w).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), w.numpy().reshape(2, 3, 4), rtol=0, atol=0)
+    assert x.grad.data_ptr() == seen[0]
+
+
+def test_leaf_never_aliases_a_user_gradient_passed_through_views():
+    x = bt.randn(2, 3, 4).requires_grad_(True)
+    g = bt.ones(6, 4)
+    x.reshape(6, 4).backward(g)
+    assert x.grad.data_ptr() != g.data_ptr()
+    g.mul_(5.0)
+    np.testing.assert_array_equal(x.grad.numpy(), np.ones((2, 3, 4), np.float32))

@@ -309,6 +309,20 @@ __device__ __forceinline__ void named_bar_sync(int id, int threads) {
 __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Register budget of this warp's warpgroup changed to N per thread (every warp of the warpgroup
+// runs the same one): the producer gives registers back, the consumers take them.
+template <int N>
+__device__ __forceinline__ void regs_dec() {
+#ifdef BT_SM90_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void regs_inc() {
+#ifdef BT_SM90_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
 // One box of a 4-d tensor map into shared memory; completion counted on `bar` (in bytes).
 __device__ __forceinline__ void tma_load4(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
                                           int c1, int c2, int c3) {
@@ -808,6 +822,12 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, k
   }
 }
 
+// Threads of the backward block: kWG consumer warpgroups and a producer warp, or with kDefer a
+// producer warpgroup (setmaxnreg moves registers between whole warpgroups).
+constexpr int bwd_threads(int wg, bool defer) { return wg * 128 + (defer ? 128 : 32); }
+// kDefer's register split (per thread; 128 x 40 + 256 x 232 <= 64 K): the producer needs few.
+constexpr int kBwdProducerRegs = 40, kBwdConsumerRegs = 232;
+
 // Backward on wgmma (D = 64), warp-specialised; dK, dV stored, dQ added to a float32 dq_acc
 // (B, H, L, D) (attn_bwd_dq_convert scales and converts it).  Block: kWG consumer warpgroups, each
 // owning 64 keys (kBc = 64 kWG), and one producer warp.  The producer loads the block's K and V
@@ -821,9 +841,10 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, k
 //   P^T = exp2(S^T scale log2e - lse log2e),  dS^T = P^T (dP^T - Dvec)
 //   dV += P^T dO, dK += dS^T Q        (register A, dO / Q N-major: the forward's P V form)
 //   dS^T -> shared memory; dQ_part = dS K (both operands M|N-major from shared memory, the
-//   warpgroup's 64 keys), added to dq_acc: kDq 1 by red.global.add.v4 from registers, kDq 2 (the
-//   default) through shared memory and a TMA reduce-add issued by one thread (the consumers do
-//   not wait for it); kDq 0 skips it (timing only: wrong dq).
+//   warpgroup's 64 keys), added to dq_acc: kDq 1 by red.global.add.v4 from registers, kDq 2
+//   through shared memory and a TMA reduce-add issued by one thread (the consumers do not wait
+//   for it), kDq 3 (the default) as kDq 2 but over the block's 128 keys by one warpgroup per tile
+//   (Note [deferred dQ]); kDq 0 skips it (timing only: wrong dq).
 // sDS (and kDq 2's buffer) are double-buffered: the warpgroup barrier of tile i (before its dQ
 // wgmma) orders every warp's reads of tile i - 1's buffer before anyone writes it at tile i + 1.
 // kPingPong: the warpgroups take turns issuing their GEMM batches (Note [ping-pong]).
@@ -836,8 +857,23 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, k
 // each warp reducing its own 16 rows of dQ, no warpgroup barrier (0.340); a producer warpgroup
 // handing registers to the consumers (setmaxnreg 24 / 240) with K and V as register fragments
 // (0.336): the dQ stage (0.08 ms over "no dQ") does not shrink with fewer barriers or traffic.
-template <typename T, int D, int kWG, int kStages, int kDq, bool kPingPong>
-__global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, 1))
+// Note [deferred dQ]: with kDefer the producer is a warpgroup that gives registers to the
+// consumers (setmaxnreg 40 / 232), and tile i's dQ GEMM is issued with tile i + 1's S^T, dP^T
+// (one more wgmma group in flight during the exponentials; its part is stored after them).  The
+// dQ GEMM never waits in a stage of its own, and ptxas keeps the wgmmas asynchronous only when no
+// group is in flight across a wgmma.fence (issuing dQ_i in tile i + 1's first stage does that;
+// storing dQ_i under tile i + 1's S^T, dP^T with dQ_i still in tile i's last stage made ptxas
+// serialise every wgmma, C7514).  kDq 3 (needs kDefer and ping-pong, 2 warpgroups): tile i's
+// dQ part is computed by warpgroup i % 2 alone over the block's 128 keys (both warpgroups' dS^T,
+// all of sK), so every dq_acc element gets one TMA reduce-add per key block instead of two.  The
+// other warpgroup's dS^T is complete and visible by then through the ping-pong barriers: its
+// stores, fence.proxy.async and bar.arrive precede this warpgroup's next turn, and the buffers
+// (sDS double-buffered by tile parity) are rewritten only after the dQ GEMM reading them was
+// waited for, one turn earlier.  Measured (session 14, same harness): kDq 3 (the default) 0.299
+// ms causal / 0.487 full against kDq 2's 0.329 / 0.546; kDefer with kDq 2 0.335 / 0.555 (the
+// deferral alone gains nothing: the dQ stage's cost was its reduce traffic, not its wait).
+template <typename T, int D, int kWG, int kStages, int kDq, bool kPingPong, bool kDefer>
+__global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_regs(kWG, 1))
     attn_bwd_sm90_ws(const AttnParams p, const __grid_constant__ CUtensorMap tq,
                      const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
                      const __grid_constant__ CUtensorMap tg,
@@ -858,7 +894,9 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, 1
   // kDq 2: per warpgroup 2 buffers of the 64 x 64 float dQ part (1024-aligned: after sDS), as two
   // 64 x 32 panels in the 128-byte swizzle (conflict-free float2 stores, the TMA box layout)
   float* sXq = reinterpret_cast<float*>(sDS + kWG * 2 * 64 * kBr);
-  if constexpr (kDq == 2) {
+  static_assert(kDq != 3 || (kDefer && kPingPong && kWG == 2), "kDq 3: deferred, ping-pong, 2 WG");
+  constexpr bool kTmaDq = kDq >= 2;  // dQ parts through shared memory and TMA reduce-adds
+  if constexpr (kTmaDq) {
     sL = sXq + kWG * 2 * 64 * 64;
     sDv = sL + kStages * kBr;
     full = reinterpret_cast<uint64_t*>(sDv + kStages * kBr);
@@ -882,6 +920,10 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, 1
   __syncthreads();  // the last block-wide barrier
 
   if (threadIdx.x >= kWG * 128) {  // ---- producer warp
+    if constexpr (kDefer) {
+      regs_dec<kBwdProducerRegs>();
+      if (threadIdx.x >= kWG * 128 + 32) return;  // one warp of the producer warpgroup works
+    }
     const int lane = threadIdx.x - kWG * 128;
     auto load = [&](T* dst, const CUtensorMap* map, bool h_inner, uint64_t* bar, int row) {
       if (h_inner) {
@@ -917,6 +959,7 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, 1
   }
 
   // ---- consumers
+  if constexpr (kDefer) regs_inc<kBwdConsumerRegs>();
   // Note [backward instruction count]: the loop below was written for few instructions besides
   // the wgmmas and exponentials (ncu, call 4 of session 13: 863 warp instructions per warp and
   // tile against cuDNN's 640, the same 20 wgmmas): the warpgroup index goes through a shuffle so
@@ -958,7 +1001,81 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, 1
   const uint32_t sxq_base = smem_u32(sXq) + wg * 2 * 64 * 64 * sizeof(float);
   const uint32_t sl_base = smem_u32(sL) + 8 * t, sdv_base = smem_u32(sDv) + 8 * t;
 
-  for (int it = 0; it < ntiles; ++it) {
+  float dq[D / 2];  // kDefer: tile it - 1's dQ part, stored while tile it's S^T, dP^T run
+  uint32_t pa[kBr / 16][4], da[kBr / 16][4];  // P^T, dS^T as A fragments
+  // The dQ part of tile `it` (rows from q0): kDq 1 adds it to dq_acc from registers; kDq 2 puts it
+  // in its sXq buffer, and one thread adds the buffer with a TMA reduce.
+  auto store_dq = [&](int it, int q0) {
+    if constexpr (kDq == 1) {
+      const bool odd = t & 1;
+      const int qq = q0 + 16 * warp + g + (odd ? 8 : 0);
+      float* dst = dq_acc + (static_cast<int64_t>(bh) * p.L + qq) * D + 2 * (t & 2);
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        red_add_c_tile(dst + 8 * n, dq[4 * n], dq[4 * n + 1], dq[4 * n + 2], dq[4 * n + 3], odd,
+                       qq < p.L);
+      }
+    } else if constexpr (kTmaDq) {
+      // kDq 3: a warpgroup stores every other tile's part (its buffers alternate per store)
+      const int buf = kDq == 3 ? (it >> 1) & 1 : it & 1;
+      const uint32_t xq = sxq_base + buf * 64 * 64 * sizeof(float);
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        const uint32_t off = xq + xq_thr + (n >> 2) * 8192 + (tg16 ^ ((n & 3) << 5));
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          st_shared_v2f(off + r * 1024, dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
+        }
+      }
+      fence_proxy_async();
+      named_bar_sync(1 + wg, 128);
+      if (wl == 0) {
+        float* xqp = sXq + (wg * 2 + buf) * 64 * 64;
+        tma_reduce_add3(xqp, &tacc, 0, q0, bh);
+        tma_reduce_add3(xqp + 2048, &tacc, 32, q0, bh);
+        bulk_commit();
+      }
+    }
+  };
+  // This tile's GEMMs reading the slot (and, unless kDefer, its dQ GEMM) are complete: the slot
+  // is released.
+  auto tile_done = [&](int slot) {
+    reg_fence(dka);
+    reg_fence(dva);
+    reg_fence(pa);
+    reg_fence(da);
+    // Q, dO, lse, Dvec of this slot all read.  Every thread arrives: racecheck follows an
+    // mbarrier arrive -> wait edge, but not one thread's arrival on behalf of its warp (measured:
+    // the same time as one arrival per warpgroup).
+    mbar_arrive(empty + slot);
+  };
+  // dQ_part = dS K, dS^T from buffer `buf` (16 keys a step: 2048 bytes = 128 descriptor units),
+  // committed as one group: over the warpgroup's 64 keys, or (kDq 3) over the block's 128 keys,
+  // both warpgroups' dS^T and all of sK.
+  constexpr uint32_t kDsBuf = 64 * kBr * sizeof(T) / 16;  // one dS^T buffer, descriptor units
+  auto issue_dq = [&](int buf) {
+    if constexpr (kDq == 3) {
+      const uint64_t dds = sw128_desc(smem_u32(sDS), 64 * 128, 1024) + buf * kDsBuf;
+      const uint64_t dkk = sw128_desc(smem_u32(sK), kBc * 128, 1024);
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) {
+        wgmma_ss<T, D, 1, 1>(dq, dds + (kk / 4) * 2 * kDsBuf + 128 * (kk % 4), dkk + 128 * kk,
+                             kk > 0);
+      }
+    } else {
+      const uint64_t dds = sw128_desc(sds_base, 64 * 128, 1024) + buf * kDsBuf;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        wgmma_ss<T, D, 1, 1>(dq, dds + 128 * kk, dk_nmaj + 128 * kk, kk > 0);
+      }
+    }
+    wg_commit();
+  };
+  // Whether this warpgroup computes and stores tile j's dQ part (kDq 3: tiles of its parity).
+  auto dq_mine = [&](int j) { return kDq != 3 || (j & 1) == wg; };
+  // One query tile.  kDefer (Note [deferred dQ]): `pending` = tile it - 1's dQ GEMM not issued
+  // yet; it runs beside this tile's S^T, dP^T and is stored after the exponentials.
+  auto tile = [&](int it, auto pending) {
     const int slot = it % kStages, q0 = (i_begin + it) * kBr;
     const uint32_t ds_addr = sds_base + (it & 1) * 64 * kBr * sizeof(T);
     const uint32_t q_addr = smem_u32(sQ + slot * kQTile), g_addr = smem_u32(sG + slot * kQTile);
@@ -976,10 +1093,18 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, 1
       wgmma_ss<T, kBr>(dp, dv_kmaj + 2 * ks, dg_kmaj + 2 * ks, ks > 0);
     }
     wg_commit();
-    next_turn();
-    // (one wait for both: waiting for S^T alone and overlapping the exponentials with dP^T measured
-    // 35% slower, with spills)
-    wg_wait<0>();
+    constexpr bool kPending = decltype(pending)::value;
+    const bool dq_now = kPending && dq_mine(it - 1);
+    // (S^T and dP^T waited for together: waiting for S^T alone and overlapping the exponentials
+    // with dP^T measured 35% slower, with spills)
+    if (dq_now) {
+      issue_dq((it - 1) & 1);
+      next_turn();
+      wg_wait<1>();
+    } else {
+      next_turn();
+      wg_wait<0>();
+    }
     reg_fence(s);
     reg_fence(dp);
     // element (n, e): key key_lo + 8 (e / 2), query q0 + 8 n + 2 t + (e % 2); P^T, dS^T in place
@@ -1005,7 +1130,6 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, 1
     } else {
       exp_ds(std::false_type{});
     }
-    uint32_t pa[kBr / 16][4], da[kBr / 16][4];
     pack_p<T, kBr>(pa, s);
     pack_p<T, kBr>(da, dp);
     // dS^T to shared memory for dQ: rows (keys) 16 warp + g + 8 r, query chunk n hold the pair
@@ -1018,66 +1142,56 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, 1
         st_shared_b32(ds_addr + ds_thr + r * 1024 + col, da[n >> 1][2 * (n & 1) + r]);
       }
     }
+    if (dq_now) {
+      wg_wait<0>();  // tile it - 1's dQ part
+      reg_fence(dq);
+      store_dq(it - 1, q0 - kBr);
+    }
     my_turn();
     wg_fence();
     issue_pv_desc<T, D, kBr>(dva, pa, sw128_desc(g_addr, kBr * 128, 1024));  // dV += P^T dO
     issue_pv_desc<T, D, kBr>(dka, da, sw128_desc(q_addr, kBr * 128, 1024));  // dK += dS^T Q
     fence_proxy_async();  // sDS stores -> the wgmma (async proxy)
-    if constexpr (kDq == 2) {
-      if (wl == 0) bulk_wait_read<1>();  // the reduce of tile it - 2 (this tile's sXq buffer)
+    if constexpr (kTmaDq) {
+      // the sXq buffer stored next (this tile's, or with kDefer the previous tile's at the next
+      // tile) was last reduced two stores ago
+      if (wl == 0) bulk_wait_read<1>();
     }
     named_bar_sync(1 + wg, 128);
-    float dq[D / 2];
-    const uint64_t dds = sw128_desc(ds_addr, 64 * 128, 1024);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {  // dQ_part = dS K over the warpgroup's 64 keys (16 keys a
-                                      // step: 2048 bytes = 128 descriptor units)
-      wgmma_ss<T, D, 1, 1>(dq, dds + 128 * kk, dk_nmaj + 128 * kk, kk > 0);
-    }
-    wg_commit();
+    if constexpr (!kDefer) issue_dq(it & 1);
     next_turn();
     wg_wait<0>();
-    reg_fence(dq);
-    reg_fence(dka);
-    reg_fence(dva);
-    reg_fence(pa);
-    reg_fence(da);
-    // Q, dO, lse, Dvec of this slot all read.  Every thread arrives: racecheck follows an
-    // mbarrier arrive -> wait edge, but not one thread's arrival on behalf of its warp (measured:
-    // the same time as one arrival per warpgroup).
-    mbar_arrive(empty + slot);
-    if constexpr (kDq == 1) {
-      const bool odd = t & 1;
-      const int qq = q0 + 16 * warp + g + (odd ? 8 : 0);
-      float* dst = dq_acc + (static_cast<int64_t>(bh) * p.L + qq) * D + 2 * (t & 2);
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        red_add_c_tile(dst + 8 * n, dq[4 * n], dq[4 * n + 1], dq[4 * n + 2], dq[4 * n + 3], odd,
-                       qq < p.L);
+    if constexpr (!kDefer) {
+      reg_fence(dq);
+      tile_done(slot);
+      store_dq(it, q0);
+    } else {
+      tile_done(slot);
+    }
+  };
+  if constexpr (kDefer) {
+    if (ntiles > 0) {
+      tile(0, std::false_type{});
+      for (int it = 1; it < ntiles; ++it) tile(it, std::true_type{});
+      const bool last = dq_mine(ntiles - 1);
+      my_turn();
+      if (last) {
+        wg_fence();
+        issue_dq((ntiles - 1) & 1);
       }
-    } else if constexpr (kDq == 2) {
-      const uint32_t xq = sxq_base + (it & 1) * 64 * 64 * sizeof(float);
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        const uint32_t off = xq + xq_thr + (n >> 2) * 8192 + (tg16 ^ ((n & 3) << 5));
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          st_shared_v2f(off + r * 1024, dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
-        }
-      }
-      fence_proxy_async();
-      named_bar_sync(1 + wg, 128);
-      if (wl == 0) {
-        float* xqp = sXq + (wg * 2 + (it & 1)) * 64 * 64;
-        tma_reduce_add3(xqp, &tacc, 0, q0, bh);
-        tma_reduce_add3(xqp + 2048, &tacc, 32, q0, bh);
-        bulk_commit();
+      next_turn();
+      if (last) {
+        wg_wait<0>();
+        reg_fence(dq);
+        store_dq(ntiles - 1, (i_begin + ntiles - 1) * kBr);
       }
     }
+  } else {
+    for (int it = 0; it < ntiles; ++it) tile(it, std::false_type{});
   }
 
   if (kPingPong && wg == 0) my_turn();  // the last warpgroup's final arrival
-  if constexpr (kDq == 2) {
+  if constexpr (kTmaDq) {
     if (wl == 0) bulk_wait_all();  // sXq stays allocated and the adds land before exit
   }
   const float sc = static_cast<float>(p.scale);
@@ -1278,7 +1392,8 @@ constexpr size_t sm90_bwd_smem() {
          (2 * kStages + 1) * sizeof(uint64_t) + 1024;
 }
 
-template <typename T, int kWG, int kStages, int kDq = 1, bool kPingPong = false>
+template <typename T, int kWG, int kStages, int kDq = 1, bool kPingPong = false,
+          bool kDefer = false>
 bool launch_bwd_sm90_cfg(const AttnParams& p, const T* q, const T* k, const T* v, const T* g,
                          const float* lse, const float* dvec, float* dq_acc, T* dk, T* dv,
                          cudaStream_t st, const char* op) {
@@ -1293,11 +1408,12 @@ bool launch_bwd_sm90_cfg(const AttnParams& p, const T* q, const T* k, const T* v
     return false;
   }
   constexpr size_t smem = sm90_bwd_smem<T, D, kWG, kStages, kDq>();
-  auto kern = attn_bwd_sm90_ws<T, D, kWG, kStages, kDq, kPingPong>;
+  auto kern = attn_bwd_sm90_ws<T, D, kWG, kStages, kDq, kPingPong, kDefer>;
   BT_CUDA_CHECK(op, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem)));
   dim3 grid(p.B * p.H, static_cast<unsigned>((p.S + kBc - 1) / kBc));
-  kern<<<grid, kWG * 128 + 32, smem, st>>>(p, tq, tk, tv, tg, tacc, ord, lse, dvec, dk, dv, dq_acc);
+  kern<<<grid, bwd_threads(kWG, kDefer), smem, st>>>(p, tq, tk, tv, tg, tacc, ord, lse, dvec, dk,
+                                                     dv, dq_acc);
   BT_CUDA_LAUNCH_CHECK(op);
   return true;
 }
@@ -1307,7 +1423,8 @@ bool attn_bwd_sm90(const AttnParams& p, const T* q, const T* k, const T* v, cons
                    const float* lse, const float* dvec, float* dq_acc, T* dk, T* dv,
                    cudaStream_t st, const char* op) {
   if (p.D != 64 || !attn_fwd_sm90_supported(p)) return false;
-  return launch_bwd_sm90_cfg<T, 2, 3, 2, true>(p, q, k, v, g, lse, dvec, dq_acc, dk, dv, st, op);
+  return launch_bwd_sm90_cfg<T, 2, 3, 3, true, true>(p, q, k, v, g, lse, dvec, dq_acc, dk, dv, st,
+                                                     op);
 }
 template bool attn_bwd_sm90<__nv_bfloat16>(const AttnParams&, const __nv_bfloat16*,
                                            const __nv_bfloat16*, const __nv_bfloat16*,

@@ -695,8 +695,14 @@ struct LnBwdV5 {
 // Deterministic for a given grid: every sum has a fixed order whichever block arrives last.
 // Arrival counters are one per device (a __device__ array): the backward kernels of a device run
 // in stream order (Note [streams]), never two at once.
-constexpr int kV6Warps = 8;   // warps per block (library)
-constexpr int kV6Stages = 3;  // ring slots per row group (library): K - 1 rows in flight
+// warps per block and ring slots per row group (K - 1 rows in flight) of the library: one
+// 16-warp block per SM, 2 slots measured best for bf16 and fp32, C 768 and 3072, with and
+// without extra (ln_bwd_check.sh, session 14: bf16 C 768 79.8% of copy against 75.0% for 8
+// warps and 3 slots, 71.0% for 8 and 4; its partials are 132 rows instead of 264)
+constexpr int kV6Warps = 16;
+constexpr int kV6Stages = 2;
+// the partials' reduce as a programmatic dependent launch on sm_90+ (launch_ln_bwd_reduce_v6)
+constexpr bool kV6ReducePdl = true;
 // blocks per cluster (library: 1, the reduce kernel; 8 on sm_90 measured 57.5% of copy against
 // 68.5% at bf16 16384 x 768, ln_bwd_check.sh, session 12)
 constexpr int kV6Cluster = 1;
@@ -788,6 +794,59 @@ __device__ void ln_bwd_final_slice(const float4* partial, int P, int64_t n4, int
     for (int q = 1; q < QS; ++q) s = f4_add(s, buf[q * n + t]);
     ln_store_dwdb4(a + t, s, C, dw, db);
   }
+}
+
+// dweight / dbias from P partial rows of [dw | db] (n4 = C / 2 float4s each; v6's partials):
+// kRedCols float4 columns per block, kRedPhases threads down each column summing rows ph,
+// ph + kRedPhases, ... (all loads of a thread in flight at once for P <= 8 kRedPhases), then the
+// column's phase sums in order (deterministic).  Measured (ln_bwd_check.sh, session 14, bf16
+// 16384 x 768 after v6 nw16 k2): level with reduce_v4 launched plainly (78.2-78.7% of copy
+// against 79.0-79.4%); launched as a programmatic dependent 80.7%.
+constexpr int kRedCols = 16, kRedPhases = 32;
+template <typename T>
+__global__ void __launch_bounds__(kRedCols* kRedPhases)
+    layernorm_backward_reduce_v6(const float4* __restrict__ partial, int P, int64_t n4, int64_t C,
+                                 T* __restrict__ dw, T* __restrict__ db) {
+  __shared__ float4 sums[kRedPhases][kRedCols];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as a programmatic dependent (launch_ln_bwd_reduce_v6): wait here until the row
+  // kernel has finished and its partials are visible (a no-op in an ordinary launch).
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+  const int tx = threadIdx.x % kRedCols, ph = threadIdx.x / kRedCols;
+  const int64_t j = blockIdx.x * int64_t(kRedCols) + tx;
+  float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (j < n4) {
+#pragma unroll 8
+    for (int b = ph; b < P; b += kRedPhases) s = f4_add(s, __ldcg(partial + b * n4 + j));
+  }
+  sums[ph][tx] = s;
+  __syncthreads();
+  if (ph != 0 || j >= n4) return;
+#pragma unroll
+  for (int q = 1; q < kRedPhases; ++q) s = f4_add(s, sums[q][tx]);
+  ln_store_dwdb4(j, s, C, dw, db);
+}
+// pdl (compute capability 9+): launched as a programmatic dependent of the row kernel before it
+// (cudaLaunchAttributeProgrammaticStreamSerialization), so its blocks are resident and waiting
+// when the row kernel ends instead of launching after it.
+template <typename T>
+void launch_ln_bwd_reduce_v6(const float* partial, int P, int64_t C, T* dw, T* db, cudaStream_t st,
+                             bool pdl, const char* op) {
+  const int64_t n4 = C / 2;
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute at;
+  cfg.gridDim = dim3(static_cast<unsigned>(ceil_div(n4, int64_t(kRedCols))));
+  cfg.blockDim = dim3(kRedCols * kRedPhases);
+  cfg.stream = st;
+  if (pdl) {
+    at.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &at;
+    cfg.numAttrs = 1;
+  }
+  BT_CUDA_CHECK(op, cudaLaunchKernelEx(&cfg, layernorm_backward_reduce_v6<T>,
+                                       reinterpret_cast<const float4*>(partial), P, n4, C, dw, db));
 }
 
 template <typename T, typename S, int NV, int WPR, int NW, int K, int CL>
@@ -923,33 +982,45 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
     slot = slot + 1 == K ? 0 : slot + 1;
   }
   async_wait<0>();  // the (empty or unused) groups still pending
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // a programmatic dependent (the partials' reduce) may launch now; it waits for this grid's end
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
   if (!need_acc) return;
 
-  // Block partial acc = [dw | db] (2C floats over the ring): groups add theirs in group order.
+  // Block partial acc = [dw | db]: each group puts its 2C floats in its slice (over the ring),
+  // then each float4 column is summed over the slices in group order into slice 0 (one barrier;
+  // a barrier per group measured slower).
   __syncthreads();
   float* acc = reinterpret_cast<float*>(smem_raw);
-  for (int q = 0; q < RG; ++q) {
-    if (grp == q) {
+  {
+    float* mine = acc + int64_t(grp) * 2 * C;
 #pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        const int64_t c = v4_col<V, WPR>(j, gl);
-        if (c < C) {
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = v4_col<V, WPR>(j, gl);
+      if (c < C) {
 #pragma unroll
-          for (int k = 0; k < V; k += 4) {
-            float4* pw = reinterpret_cast<float4*>(acc + c + k);
-            float4* pb = reinterpret_cast<float4*>(acc + C + c + k);
-            float4 a = make_float4(aw[j][k], aw[j][k + 1], aw[j][k + 2], aw[j][k + 3]);
-            float4 b = make_float4(ab[j][k], ab[j][k + 1], ab[j][k + 2], ab[j][k + 3]);
-            if (q) a = f4_add(*pw, a), b = f4_add(*pb, b);
-            *pw = a;
-            *pb = b;
-          }
+        for (int k = 0; k < V; k += 4) {
+          *reinterpret_cast<float4*>(mine + c + k) =
+              make_float4(aw[j][k], aw[j][k + 1], aw[j][k + 2], aw[j][k + 3]);
+          *reinterpret_cast<float4*>(mine + C + c + k) =
+              make_float4(ab[j][k], ab[j][k + 1], ab[j][k + 2], ab[j][k + 3]);
         }
       }
     }
+  }
+  __syncthreads();
+  const int64_t n4 = C / 2;  // float4s of [dw | db]
+  if constexpr (RG > 1) {
+    float4* a4 = reinterpret_cast<float4*>(acc);
+    for (int64_t i = threadIdx.x; i < n4; i += blockDim.x) {
+      float4 t = a4[i];
+#pragma unroll
+      for (int q = 1; q < RG; ++q) t = f4_add(t, a4[q * n4 + i]);
+      a4[i] = t;
+    }
     __syncthreads();
   }
-  const int64_t n4 = C / 2;  // float4s of [dw | db]
   const float4* acc4 = reinterpret_cast<const float4*>(acc);
   if constexpr (CL == 1) {
     float4* dst = reinterpret_cast<float4*>(partial) + int64_t(blockIdx.x) * n4;
@@ -996,11 +1067,12 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
 }
 
 // Launch geometry of v6 (shared by eval_gpu and bench/ln_bwd_check.cu).  Shared memory: the rings
-// and stats during the row loop, then the block partial (2C floats) and the final slice buffer
-// (one float4 per thread) at the end.  Grid: the resident blocks (at most kV6MaxBlocksPerSm per
-// SM; whole clusters as cudaOccupancyMaxActiveClusters allows), no more than the row groups need
-// (rounded up to whole clusters); 0 where it cannot launch (compute capability below 8, or 9 for
-// clusters, or more shared memory than smem_optin).
+// and stats during the row loop, then the groups' [dw | db] slices (2C floats each), summed into
+// the block partial (slice 0), and the final slice buffer (one float4 per thread) at the end. Grid:
+// the resident blocks (at most kV6MaxBlocksPerSm per SM; whole clusters as
+// cudaOccupancyMaxActiveClusters allows), no more than the row groups need (rounded up to whole
+// clusters); 0 where it cannot launch (compute capability below 8, or 9 for clusters, or more
+// shared memory than smem_optin).
 template <typename T, typename S, int NV, int WPR, int NW, int K, int CL>
 struct LnBwdV6 {
   static constexpr int kThreads = NW * 32, kRG = NW / WPR, kCluster = CL;
@@ -1008,8 +1080,10 @@ struct LnBwdV6 {
   static size_t smem(int64_t C, bool extra) {
     const size_t ring = size_t(kRG) * K * (extra ? 3 : 2) * size_t(C) * sizeof(T);
     const size_t stats = size_t(NW) * K * 2 * sizeof(float);
+    // the groups' [dw | db] slices, then the block partial (slice 0) and the final slice buffer
+    const size_t slices = size_t(kRG) * 2 * C * sizeof(float);
     const size_t tail = size_t(2) * C * sizeof(float) + size_t(kThreads) * 16;
-    return std::max(ring + stats, tail);
+    return std::max({ring + stats, slices, tail});
   }
   static void set_cluster(cudaLaunchConfig_t& cfg, cudaLaunchAttribute& at) {
     at.id = cudaLaunchAttributeClusterDimension;
@@ -1315,7 +1389,10 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
             auto [partial, pp] = float_buffer(int64_t(G / CL) * 2 * C);
             K::launch(G, st, dyp, xp, wp, mp, rp, ep, dxp, pp, dwp, dbp, R, C, need_acc, true,
                       name());
-            if (need_acc && CL == 1) reduce_partials(pp, G);
+            if (need_acc && CL == 1) {
+              launch_ln_bwd_reduce_v6<T>(pp, G, C, dwp, dbp, st, kV6ReducePdl && di.major >= 9,
+                                         name());
+            }
             return true;
           };
           using K8 = LnBwdV6<T, S, NV, WPR, kV6Warps, kV6Stages, kV6Cluster>;

@@ -41,6 +41,7 @@ __all__ = [
     "set_memory_fraction",
     "set_memory_limit",
     "snapshot",
+    "set_caching",
     "set_expandable",
     "plot_snapshot",
     "memory_summary",
@@ -137,6 +138,18 @@ def set_expandable(on: bool, device: Device = "cuda") -> None:
     ``BLUTRAIN_ALLOC_CONF=expandable_segments:1`` turns it on for every device.
     """
     _alloc.set_pool_option(_device(device), "expandable_segments", int(on))
+
+
+def set_caching(on: bool, device: Device = "cuda") -> None:
+    """Turn caching off (``on=False``) or back on for ``device``'s default pool.
+
+    Off, every request gets a system allocation of exactly its size, returned to the system
+    when freed (``cudaMalloc`` / ``cudaFree`` on devices, which synchronise): memory checkers
+    such as ``compute-sanitizer --tool memcheck`` then report an access past a tensor's end
+    instead of it landing inside a cached segment.  Slow; for finding bugs.  Graph-capture
+    pools keep caching.  ``BLUTRAIN_ALLOC_CONF=caching:0`` turns it off for every device.
+    """
+    _alloc.set_pool_option(_device(device), "caching", int(on))
 
 
 def snapshot(device: Device = "cpu") -> list[dict]:
