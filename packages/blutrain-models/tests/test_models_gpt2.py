@@ -108,8 +108,13 @@ def test_forward_matches_float64_numpy(rng, vocab_multiple):
     assert (
         np.array_equal(l2.detach().numpy(), logits.detach().numpy()) and loss2.item() == loss.item()
     )
+    # one sequence alone: the same up to float32 rounding (BLAS may sum a row of a 3T-row
+    # product in another order than the same row of a T-row one: OpenBLAS's Zen / Haswell
+    # kernels treat M's remainder rows apart)
     l3, _ = model(idx[1])
-    assert np.array_equal(l3.detach().numpy()[0], logits.detach().numpy()[1])
+    ref1 = logits.detach().numpy()[1]
+    err1 = np.abs(l3.detach().numpy()[0] - ref1).max() / np.abs(ref1).max()
+    assert err1 < 2e-6, err1
     assert model(idx)[1] is None
 
 
