@@ -240,7 +240,7 @@ void* CachingPool::malloc(size_t size, StreamId stream) {
   // every tensor as its own allocation, so an access past a tensor's end is reported instead of
   // landing in a neighbour of the same segment.  For finding bugs only: every request and free
   // calls the system (cudaMalloc / cudaFree, which synchronises the device).
-  const bool exact = !caching_ && pool_id == 0 && !capture_underway();
+  const bool exact = uncached(pool_id);
   const size_t rounded = exact ? size : round_size(size);
   const bool small = rounded <= kSmallRequest;
   Pools& pools = pools_for(pool_id);
@@ -360,8 +360,8 @@ void CachingPool::free_block(Block* block) {
   }
   insert_free(block);
   Pools& pools = pools_for(block->pool_id);
-  const bool uncached = !caching_ && block->pool_id == 0 && !capture_underway();
-  if ((pools.releasing || uncached) && !block->prev && !block->next && !block->segment->expandable)
+  if ((pools.releasing || uncached(block->pool_id)) && !block->prev && !block->next &&
+      !block->segment->expandable)
     release_segment(block->segment);
 }
 

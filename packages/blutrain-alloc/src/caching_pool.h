@@ -187,6 +187,9 @@ class CachingPool {
   // While a private pool is capturing, events may not be queried and memory
   // may not be returned to the system (both would break the capture).
   bool capture_underway() const { return !capturing_.empty(); }
+  // Blocks of `pool_id` bypass the cache (Note [No caching]): caching is off, and the pool is
+  // the default one with no capture under way.
+  bool uncached(int32_t pool_id) const { return !caching_ && pool_id == 0 && !capture_underway(); }
 
   std::mutex mutex_;
   std::unique_ptr<MemorySource> source_;

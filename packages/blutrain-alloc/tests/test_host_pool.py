@@ -228,6 +228,12 @@ def test_no_caching_gives_each_request_its_own_exact_segment(host_clean):
     ba.free(q)
 
 
+def test_unknown_option_names_the_known_ones():
+    known = "known: expandable_segments, caching"
+    with pytest.raises(ValueError, match=f"unknown option 'cachng'; {known}"):
+        ba.set_option("cachng", 0)
+
+
 def test_many_threads(host_clean):
     errors = []
 

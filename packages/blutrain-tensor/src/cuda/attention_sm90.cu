@@ -1001,10 +1001,10 @@ __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_r
   const uint32_t sxq_base = smem_u32(sXq) + wg * 2 * 64 * 64 * sizeof(float);
   const uint32_t sl_base = smem_u32(sL) + 8 * t, sdv_base = smem_u32(sDv) + 8 * t;
 
-  float dq[D / 2];  // kDefer: tile it - 1's dQ part, stored while tile it's S^T, dP^T run
+  float dq[D / 2];  // kDefer: tile it - 1's dQ part, computed beside tile it's S^T, dP^T
   uint32_t pa[kBr / 16][4], da[kBr / 16][4];  // P^T, dS^T as A fragments
-  // The dQ part of tile `it` (rows from q0): kDq 1 adds it to dq_acc from registers; kDq 2 puts it
-  // in its sXq buffer, and one thread adds the buffer with a TMA reduce.
+  // The dQ part of tile `it` (rows from q0): kDq 1 adds it to dq_acc from registers; kDq 2 / 3
+  // put it in an sXq buffer, and one thread adds the buffer with a TMA reduce.
   auto store_dq = [&](int it, int q0) {
     if constexpr (kDq == 1) {
       const bool odd = t & 1;
