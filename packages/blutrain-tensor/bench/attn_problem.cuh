@@ -3,6 +3,8 @@
 // packed (B, T, 3, H, D) buffer, dO, and float64 reference o, lse, Dvec, dq, dk, dv).
 // Included by attn_tune.cu and attn_sm90_bwd_check.cu after the kernel sources.
 #pragma once
+#include <cuda_bf16.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -10,8 +12,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-#include <cuda_bf16.h>
 
 #include "harness_common.cuh"
 
@@ -52,7 +52,7 @@ struct Problem {
     p.o_l = p.g_l = int64_t(H) * D;
     p.o_h = p.g_h = D;
     p.dl_b = int64_t(H) * T, p.dl_h = T, p.dl_l = 1;
-    p.d_row = int64_t(H) * D;
+    p.dg = GradLayout::from_rows(p.L, p.S, p.D, int64_t(H) * D);
     p.scale = scale;
     p.causal = causal;
     return p;

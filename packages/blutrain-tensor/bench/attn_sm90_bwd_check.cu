@@ -37,7 +37,7 @@ static bool run_bwd(int kind, const Problem& pr, float* acc, T16* dq, T16* dk, T
                     int64_t d_row) {
   using namespace bt::cuda;
   AttnParams p = pr.params();
-  p.d_row = d_row;
+  p.dg = GradLayout::from_rows(p.L, p.S, p.D, d_row);
   CK(cudaMemsetAsync(acc, 0, pr.no() * sizeof(float)));
   auto ws = [&](auto cfg) {
     using C = decltype(cfg);

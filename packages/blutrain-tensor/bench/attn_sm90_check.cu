@@ -53,7 +53,7 @@ struct Problem {
     p.q_b = p.k_b = p.v_b = T * row;
     p.q_h = p.k_h = p.v_h = D;
     p.q_l = p.k_l = p.v_l = row;
-    p.d_row = static_cast<int64_t>(H) * D;
+    p.dg = GradLayout::from_rows(p.L, p.S, p.D, static_cast<int64_t>(H) * D);
     p.scale = 1.0 / std::sqrt(static_cast<double>(D));
     p.causal = causal;
   }

@@ -133,7 +133,7 @@ static void run_case(int B, int H, int L, int S, int D, bool causal, bool exact,
   a.k_b = (int64_t)S * 3 * C, a.k_h = D, a.k_l = 3 * C;
   a.v_b = a.k_b, a.v_h = D, a.v_l = 3 * C;
   a.g_b = (int64_t)L * C, a.g_l = C, a.g_h = D;
-  a.d_row = C;
+  a.dg = GradLayout::from_rows(a.L, a.S, a.D, C);
   a.scale = scale, a.causal = causal, a.exact = exact;
   char what[128];
   std::snprintf(what, sizeof what, "%s B%d H%d L%d S%d D%d %s", exact ? "3xTF32" : "1xTF32", B, H,
@@ -188,7 +188,7 @@ static void run_case(int B, int H, int L, int S, int D, bool causal, bool exact,
   report(what, "rep", same ? 0.0 : INFINITY, 0);
   if (L == S) {  // packed (B, T, 3, H, D) dq/dk/dv
     AttnTf32Args ap = a;
-    ap.d_row = 3 * C;
+    ap.dg = GradLayout::from_rows(ap.L, ap.S, ap.D, 3 * C);
     float* pk = dev_nan((size_t)B * L * 3 * C);
     bt::cuda::attn_bwd_tf32(ap, q, k, v, g, lse, dvd, pk, pk + C, pk + 2 * C, 0, "attn_bwd_tf32");
     CK(cudaDeviceSynchronize());
@@ -221,7 +221,7 @@ static void bench(bool exact) {
   a.q_h = a.k_h = a.v_h = D;
   a.q_l = a.k_l = a.v_l = 3 * C;
   a.g_b = (int64_t)T * C, a.g_l = C, a.g_h = D;
-  a.d_row = C;
+  a.dg = GradLayout::from_rows(a.L, a.S, a.D, C);
   a.scale = 0.125, a.causal = true, a.exact = exact;
   float* x = dcopy(qkv, kPad);
   float* g = dcopy(go, kPad);

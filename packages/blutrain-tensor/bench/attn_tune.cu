@@ -154,7 +154,7 @@ static bool launch(Kv<W, Br, Frag, MT, MB>, const Problem& pr, T16* dk, T16* dv,
   auto kern = attn_bwd_dkdv_v2<T16, D, W, Br, Frag, MB, MT>;
   if (!set_smem_attr(kern, smem)) return false;
   AttnParams p = pr.params();
-  p.d_row = d_row;
+  p.dg = GradLayout::from_rows(p.L, p.S, p.D, d_row);
   dim3 grid(p.B * p.H, unsigned(ceil_div(p.S, 16 * MT * W)));
   kern<<<grid, W * 32, smem>>>(p, pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref, dk, dv,
                                nullptr);
@@ -167,7 +167,7 @@ static bool launch(Dq<W, Bc, MT, MB>, const Problem& pr, T16* dq, int64_t d_row)
   auto kern = attn_bwd_dq_v2<T16, D, W, Bc, MB, MT>;
   if (!set_smem_attr(kern, smem)) return false;
   AttnParams p = pr.params();
-  p.d_row = d_row;
+  p.dg = GradLayout::from_rows(p.L, p.S, p.D, d_row);
   dim3 grid(p.B * p.H, unsigned(ceil_div(p.L, 16 * MT * W)));
   kern<<<grid, W * 32, smem>>>(p, pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref, dq);
   return cudaGetLastError() == cudaSuccess;
@@ -181,7 +181,7 @@ static bool launch(Fu<W, Br, Frag, MT, MB, G>, const Problem& pr, float* acc, T1
   auto kern = attn_bwd_dkdv_v2<T16, D, W, Br, Frag, MB, MT, true, G>;
   if (!set_smem_attr(kern, smem)) return false;
   AttnParams p = pr.params();
-  p.d_row = d_row;
+  p.dg = GradLayout::from_rows(p.L, p.S, p.D, d_row);
   CK(cudaMemsetAsync(acc, 0, pr.no() * sizeof(float)));
   dim3 grid(p.B * p.H, unsigned(ceil_div(p.S, 16 * MT * W)));
   kern<<<grid, W * 32, smem>>>(p, pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref, dk, dv,

@@ -80,11 +80,31 @@ std::vector<Tensor> FlashAttention::vjp(const VjpArgs& a) {
   Tensor glse = a.cotangents[1];
   glse = astype(glse, lse.dtype());
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
+  // Gradients in q's layout when q is a contiguous (B, H, L, D) tensor (separate leaves: their
+  // gradients are then kept as they come), else (B, L|S, H, D) rows, seen as (B, H, L|S, D).
+  const bool hm = q.is_contiguous();
+  if (hm) {
+    return apply(std::make_shared<FlashAttentionBackward>(scale, causal, true),
+                 {q, k, v, o, g, lse, glse},
+                 {{{B, H, L, D}, q.dtype()}, {{B, H, S, D}, k.dtype()}, {{B, H, S, D}, v.dtype()}},
+                 q.device());
+  }
   auto r =
       apply(std::make_shared<FlashAttentionBackward>(scale, causal), {q, k, v, o, g, lse, glse},
             {{{B, L, H, D}, q.dtype()}, {{B, S, H, D}, k.dtype()}, {{B, S, H, D}, v.dtype()}},
             q.device());
   return {permute(r[0], {0, 2, 1, 3}), permute(r[1], {0, 2, 1, 3}), permute(r[2], {0, 2, 1, 3})};
+}
+
+std::vector<Tensor> attention_grad_rows(const std::vector<Tensor>& out, bool heads_major) {
+  if (!heads_major) return out;
+  std::vector<Tensor> r;
+  for (const Tensor& t : out) {
+    const auto& s = t.shape();
+    const auto& w = t.strides();
+    r.push_back(make_view(t, {s[0], s[2], s[1], s[3]}, {w[0], w[2], w[1], w[3]}, t.offset()));
+  }
+  return r;
 }
 
 std::vector<Tensor> FlashAttentionBackward::vjp(const VjpArgs& a) { return Primitive::vjp(a); }

@@ -35,18 +35,28 @@ class FlashAttention : public Primitive {
   bool causal;
 };
 
+// Outputs dq, dk, dv: (B, L|S, H, D) (heads_major false; the packed backward's slices too) or
+// (B, H, L|S, D) (heads_major: the layout of contiguous (B, H, T, D) leaves, so their gradients
+// need no copy).
 class FlashAttentionBackward : public Primitive {
   BT_PRIM_BODY(FlashAttentionBackward, "flash_attention_backward")
-  FlashAttentionBackward(double s, bool c) : scale(s), causal(c) {}
+  FlashAttentionBackward(double s, bool c, bool hm = false)
+      : scale(s), causal(c), heads_major(hm) {}
   bool saves_inputs() const override { return false; }
   bool differentiable() const override { return false; }
   void attrs(Attrs& a) const override {
     a["scale"] = scale;
     a["causal"] = causal;
+    a["heads_major"] = heads_major;
   }
   double scale;
   bool causal;
+  bool heads_major;
 };
+
+// FlashAttentionBackward's outputs seen as (B, L|S, H, D) views (a permuted view where
+// heads_major), as the kernels index them.
+std::vector<Tensor> attention_grad_rows(const std::vector<Tensor>& out, bool heads_major);
 
 // Packed self-attention: the single input X (B, T, 3 H D) with unit last stride (rows of 3 H D
 // may have a larger row stride) holds q, k, v as its three split(H D, -1) slices, each viewed

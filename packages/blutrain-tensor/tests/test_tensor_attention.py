@@ -133,6 +133,24 @@ def test_gradcheck(rng, causal):
     )
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_leaf_gradients_in_leaf_layout(rng, causal):
+    """Contiguous (B, H, T, D) leaves get contiguous gradients of their layout (the backward
+    writes them heads-major); the same values through transposed (B, T, H, D) views agree."""
+    B, H, T, D = 2, 3, 5, 4
+    qn, kn, vn = (rng.standard_normal((B, H, T, D)) for _ in range(3))
+    g = bt.tensor(rng.standard_normal((B, H, T, D)))
+    leaves = [bt.tensor(a, requires_grad=True) for a in (qn, kn, vn)]
+    flash(*leaves, is_causal=causal)[0].backward(g)
+    rows = [bt.tensor(a.transpose(0, 2, 1, 3).copy(), requires_grad=True) for a in (qn, kn, vn)]
+    flash(*(t.transpose(1, 2) for t in rows), is_causal=causal)[0].backward(g)
+    for a, b in zip(leaves, rows, strict=True):
+        assert a.grad.is_contiguous() and tuple(a.grad.shape) == (B, H, T, D)
+        np.testing.assert_allclose(
+            a.grad.numpy(), b.grad.numpy().transpose(0, 2, 1, 3), rtol=1e-12, atol=1e-12
+        )
+
+
 def test_gradients_through_qkv_split(rng):
     """Gradients reach the (B, T, 3C) tensor the views came from (GPT-2's path)."""
     B, T, H, D = 2, 6, 2, 4

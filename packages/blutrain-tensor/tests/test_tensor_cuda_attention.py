@@ -362,7 +362,7 @@ def _rounded(a, dtype):
 @pytest.mark.parametrize("dtype", [bt.bfloat16, bt.float16], ids=NAME.get)
 def test_fused_backward_reference(rng, dtype, D, T, causal, layout):
     """Fused backward (default mode) against float64 numpy: leaf (B, H, T, D) q, k, v (gradients
-    (B, T, H, D), row H D) and packed X (one (B, T, 3C) gradient, row 3C)."""
+    written (B, H, T, D), their layout) and packed X (one (B, T, 3C) gradient, row 3C)."""
     B, H = (1, 2) if T >= 1024 else (2, 3)
     C = H * D
     gn = _rounded(rng.standard_normal((B, H, T, D)), dtype)
@@ -389,6 +389,44 @@ def test_fused_backward_reference(rng, dtype, D, T, causal, layout):
         assert not bad.any(), f"{name} {tag}: {bad.sum()} non-finite, first {np.argwhere(bad)[0]}"
         err = _relerr(got, want)
         assert err <= 1.5 * RTOL[dtype], f"{name} {tag}: relative Frobenius error {err:.3g}"
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["fused", "deterministic"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [bt.bfloat16, bt.float32, bt.float64], ids=NAME.get)
+def test_leaf_gradients_keep_leaf_layout(rng, dtype, D, det):
+    """Contiguous (B, H, T, D) leaves: the backward writes dq, dk, dv in that layout (heads-major;
+    the leaves keep them as they come: contiguous, no copy); a transposed-view input still gets
+    (B, T, H, D) rows.  Both against float64, every backend (tensor cores, the deterministic
+    split, TF32, the SIMT reference for float64)."""
+    B, H, T = 2, 3, 200
+    qn, kn, vn, gn = (_rounded(rng.standard_normal((B, H, T, D)), dtype) for _ in range(4))
+    _, _, rdq, rdk, rdv = ref(qn, kn, vn, gn, True, 1 / np.sqrt(D))
+    with _deterministic(det):
+        q, k, v = (
+            bt.tensor(a, dtype=dtype, device="cuda", requires_grad=True) for a in (qn, kn, vn)
+        )
+        _poison_pool(4 * qn.size * 8)
+        out, _ = _tensor.flash_attention(q, k, v, is_causal=True)
+        (out * bt.tensor(gn, dtype=dtype, device="cuda")).sum().backward()
+        # the same values through (B, T, H, D) leaves seen transposed: the rows layout
+        lt = [
+            bt.tensor(
+                a.transpose(0, 2, 1, 3).copy(), dtype=dtype, device="cuda", requires_grad=True
+            )
+            for a in (qn, kn, vn)
+        ]
+        out2, _ = _tensor.flash_attention(*(t.transpose(1, 2) for t in lt), is_causal=True)
+        (out2 * bt.tensor(gn, dtype=dtype, device="cuda")).sum().backward()
+    tol = 1.5 * RTOL[dtype]
+    for name, leaf, tleaf, want in zip(("dq", "dk", "dv"), (q, k, v), lt, (rdq, rdk, rdv)):
+        assert leaf.grad.is_contiguous() and tuple(leaf.grad.shape) == (B, H, T, D), name
+        for what, got in ((f"{name} leaf", _np(leaf.grad)), (f"{name} rows", _np(tleaf.grad))):
+            if what.endswith("rows"):
+                got = got.transpose(0, 2, 1, 3)
+            assert np.isfinite(got).all(), f"{what} {NAME[dtype]} D={D}: non-finite"
+            err = _relerr(got, want)
+            assert err <= tol, f"{what} {NAME[dtype]} D={D} det={det}: rel err {err:.3g}"
 
 
 @pytest.mark.parametrize("LS", [(33, 100), (100, 33), (1, 70)])

@@ -687,19 +687,22 @@ def test_v4_layer_norm_non_contiguous_and_misaligned(rng, monkeypatch, dtype):
     _close(y_g, y_c, dtype, "v4 misaligned add_layer_norm y")
 
 
-def test_v4_add_layer_norm_sum_exact(rng, monkeypatch):
-    monkeypatch.setenv("BT_CUDA_NN_VERSION", "4")
+@pytest.mark.parametrize("ver", ["4", "6"])
+def test_add_layer_norm_sum_exact_by_version(rng, monkeypatch, ver):
+    """The sum add_layer_norm returns is x + r rounded once, as the elementwise add gives it."""
+    monkeypatch.setenv("BT_CUDA_NN_VERSION", ver)
     for C in (768, 3072):
-        x = bt.tensor(rng.standard_normal((5, C)), dtype=bt.bfloat16).to("cuda")
-        r = bt.tensor(rng.standard_normal((5, C)), dtype=bt.bfloat16).to("cuda")
+        x = bt.tensor(rng.standard_normal((700, C)), dtype=bt.bfloat16).to("cuda")
+        r = bt.tensor(rng.standard_normal((700, C)), dtype=bt.bfloat16).to("cuda")
         s, _ = bt.add_layer_norm(x, r)
-        assert np.array_equal(_np(s), _np(x + r)), f"v4 add_layer_norm sum {C}"
+        assert np.array_equal(_np(s), _np(x + r)), f"v{ver} add_layer_norm sum {C}"
 
 
 # ---- v5 / v6 layer norm backward and the default choice ------------------------------------------
 # BT_CUDA_NN_VERSION=5: v5 (the next row's loads in flight); 6: v6 (cp.async row ring, dw / db in
-# registers, on sm_90 reduced in the kernel through a cluster and the last block to arrive);
-# "default": unset, the launcher's choice (v6 for 16-bit on sm_90, v5 for fp32, ...).  v5 / v6
+# registers, on sm_90 reduced in the kernel through a cluster and the last block to arrive), and
+# the forward v6 (cp.async row ring) too; "default": unset, the launcher's choice (backward v6 for
+# 16-bit on sm_90, v5 for fp32, ...; forward v6 for 16-bit rows over 1024).  v5 / v6
 # apply to fp32 / 16-bit rows of whole 16-byte vectors, aligned, up to 8 * 32 * 3 vectors (bf16
 # 6144, fp32 3072 elements); elsewhere the default kernels run.  Shapes as v4's plus row counts
 # beyond the persistent grid (every group loops, prefetching past the last row).  Running the

@@ -72,13 +72,15 @@ void FlashAttention::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>
 }
 
 // inputs q, k, v, o, do, lse, dlse; outputs dq (B, L, H, D), dk, dv (B, S, H, D), unit D stride
-// (contiguous, or the packed backward's slices of one (B, T, 3 H D) gradient).
+// (contiguous, or the packed backward's slices of one (B, T, 3 H D) gradient), or with
+// heads_major (B, H, L|S, D) contiguous (attention_grad_rows gives the (B, L|S, H, D) views).
 void FlashAttentionBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   const Tensor &q = in[0], &k = in[1], &v = in[2], &o = in[3], &g = in[4];
   const Tensor lse = cpu::contiguous_raw(in[5]), dlse = cpu::contiguous_raw(in[6]);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
-  const View4 vq(q), vk(k), vv(v), vo(o), vg(g);   // o, do are (B, L, H, D)
-  const View4 wq(out[0]), wk(out[1]), wv(out[2]);  // dq, dk, dv: (B, L|S, H, D), unit D stride
+  const View4 vq(q), vk(k), vv(v), vo(o), vg(g);  // o, do are (B, L, H, D)
+  const std::vector<Tensor> rows = attention_grad_rows(out, heads_major);
+  const View4 wq(rows[0]), wk(rows[1]), wv(rows[2]);  // dq, dk, dv: (B, L|S, H, D) views
   const double sc = scale;
   const bool causal_ = causal;
   dispatch_float(q.dtype(), name(), [&](auto tag) {

@@ -3,9 +3,9 @@
 // Semantics (see attention.h and cpu/attention.cpp): o = softmax(q k^T * scale) v per (b, h), key
 // j visible to query i iff j < S and (not causal or j <= i); lse = the rows' natural logsumexp.
 // q, k, v are (B, H, L|S, D) views with any B/H/sequence strides and unit D stride; o is written
-// (B, L, H, D) contiguous, dq, dk, dv (B, L|S, H, D) with row stride d_row (H D, or 3 H D for the
-// packed-qkv backward's single (B, T, 3 H D) gradient); lse is (B, H, L) float32 (float64 for
-// float64).
+// (B, L, H, D) contiguous; dq, dk, dv where GradLayout (attention_tf32.cuh) says: (B, L|S, H, D)
+// rows (contiguous, or the packed-qkv backward's single (B, T, 3 H D) gradient) or (B, H, L|S, D)
+// contiguous (separate leaves of that layout); lse is (B, H, L) float32 (float64 for float64).
 //
 // Kernels:
 //   attn_fwd_v1 / attn_bwd_*_v1  SIMT reference, any float dtype, D <= 256: one warp per row, the
@@ -25,11 +25,13 @@
 //                                key block dK, dV in registers, dQ's partials added to a float32
 //                                dq_acc by red.global.add.v4.f32, then attn_bwd_dq_convert.
 // On Hopper (sm_90a builds) the bf16/fp16 forward runs attention_sm90.cu (wgmma) instead of
-// attn_fwd_v2, and the D 64 one-kernel backward its wgmma kernel (dQ by TMA reduce-add).  float32 with D in {64, 128} runs attention_tf32.cu (TF32 / 3xTF32 tensor cores);
-// other float32 / float64 shapes run the exact SIMT kernels.
+// attn_fwd_v2, and the D 64 one-kernel backward its wgmma kernel (dQ by TMA reduce-add).  float32
+// with D in {64, 128} runs attention_tf32.cu (TF32 / 3xTF32 tensor cores); other float32 / float64
+// shapes run the exact SIMT kernels.
 //
 // Register layouts of mma.sync / ldmatrix and the swizzled tile layout: attention_mma.cuh.
 #include <algorithm>
+#include <array>
 #include <cmath>
 
 #include "../attention.h"
@@ -189,7 +191,7 @@ __global__ void __launch_bounds__(kV1Warps * 32)
 #pragma unroll
     for (int t = 0; t < 8; ++t) acc[t] += ds * kv[t];
   }
-  T* out = dq + (static_cast<int64_t>(b) * p.L + i) * p.d_row + h * p.D;
+  T* out = dq + p.dg.dq(b, h, i);
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
     const int d = lane + 32 * t;
@@ -226,7 +228,7 @@ __global__ void __launch_bounds__(kV1Warps * 32)
       av[t] += pr * gv[t];
     }
   }
-  const int64_t base = (static_cast<int64_t>(b) * p.S + j) * p.d_row + h * p.D;
+  const int64_t base = p.dg.kv(b, h, j);
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
     const int d = lane + 32 * t;
@@ -696,7 +698,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     for (int r = 0; r < 2; ++r) {
       const int key = key_lo + 16 * mt + 8 * r;
       if (key < p.S) {
-        const int64_t base = (static_cast<int64_t>(b) * p.S + key) * p.d_row + h * D;
+        const int64_t base = p.dg.kv(b, h, key);
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
           *reinterpret_cast<uint32_t*>(dk + base + dt * 8 + 2 * t) =
@@ -867,7 +869,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     for (int r = 0; r < 2; ++r) {
       const int row = row_lo + 16 * mt + 8 * r;
       if (row < p.L) {
-        T* out = dq + (static_cast<int64_t>(b) * p.L + row) * p.d_row + h * D;
+        T* out = dq + p.dg.dq(b, h, row);
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
           *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * t) =
@@ -878,7 +880,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   }
 }
 
-// dq[b, l, h, :] = dq_acc[b, h, l, :] * scale as T (row stride d_row); 8 elements a thread.
+// dq[b, h, l, :] (where p.dg says) = dq_acc[b, h, l, :] * scale as T; 8 elements a thread.
 template <typename T, int D>
 __global__ void __launch_bounds__(256)
     attn_bwd_dq_convert(AttnParams p, const float* __restrict__ acc, T* __restrict__ dq) {
@@ -891,8 +893,7 @@ __global__ void __launch_bounds__(256)
   const float4 x0 = __ldg(reinterpret_cast<const float4*>(acc + row * D + d));
   const float4 x1 = __ldg(reinterpret_cast<const float4*>(acc + row * D + d) + 1);
   const float sc = static_cast<float>(p.scale);
-  uint32_t* out =
-      reinterpret_cast<uint32_t*>(dq + (static_cast<int64_t>(b) * p.L + l) * p.d_row + h * D + d);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dq + p.dg.dq(b, h, l) + d);
   out[0] = pack2<T>(x0.x * sc, x0.y * sc);
   out[1] = pack2<T>(x0.z * sc, x0.w * sc);
   out[2] = pack2<T>(x1.x * sc, x1.y * sc);
@@ -962,7 +963,7 @@ AttnParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, double
   p.q_b = q.strides()[0], p.q_h = q.strides()[1], p.q_l = q.strides()[2];
   p.k_b = k.strides()[0], p.k_h = k.strides()[1], p.k_l = k.strides()[2];
   p.v_b = v.strides()[0], p.v_h = v.strides()[1], p.v_l = v.strides()[2];
-  p.d_row = static_cast<int64_t>(p.H) * p.D;
+  p.dg = GradLayout::from_rows(p.L, p.S, p.D, static_cast<int64_t>(p.H) * p.D);
   p.scale = scale;
   p.causal = causal;
   return p;
@@ -1101,15 +1102,15 @@ namespace bt {
 using namespace cuda;
 
 // float32 on tensor cores (attention_tf32.cu): 1xTF32 for "high"/"medium", 3xTF32 (fp32-accurate)
-// for "highest".  d_row: the row stride of dq/dk/dv (forward: o is (B, L, H, D) contiguous).
-static AttnTf32Args tf32_args(const AttnParams& p, int64_t d_row) {
+// for "highest".  (The forward writes o (B, L, H, D) contiguous; dg is the backward's.)
+static AttnTf32Args tf32_args(const AttnParams& p) {
   AttnTf32Args a{};
   a.B = p.B, a.H = p.H, a.L = p.L, a.S = p.S, a.D = p.D;
   a.q_b = p.q_b, a.q_h = p.q_h, a.q_l = p.q_l;
   a.k_b = p.k_b, a.k_h = p.k_h, a.k_l = p.k_l;
   a.v_b = p.v_b, a.v_h = p.v_h, a.v_l = p.v_l;
   a.g_b = p.g_b, a.g_l = p.g_l, a.g_h = p.g_h;
-  a.d_row = d_row;
+  a.dg = p.dg;
   a.scale = p.scale;
   a.causal = p.causal;
   a.exact = float32_matmul_precision() == MatmulPrecision::Highest;
@@ -1150,7 +1151,7 @@ void FlashAttention::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>
       }
     }
     if constexpr (std::is_same_v<T, float>) {
-      const AttnTf32Args ta = tf32_args(p, static_cast<int64_t>(p.H) * p.D);
+      const AttnTf32Args ta = tf32_args(p);
       if (attn_tf32_supported(ta) && ptr_aligned(qp, 16) && ptr_aligned(kp, 16) &&
           ptr_aligned(vp, 16)) {
         attn_fwd_tf32(ta, qp, kp, vp, o, out[1].data<float>(op), st, op);
@@ -1179,17 +1180,25 @@ void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector
   if (!lse.is_contiguous()) {
     throw RuntimeError(std::string("[") + op + "] lse must be contiguous");
   }
-  // dq, dk, dv: (B, L|S, H, D) with one row stride d_row (contiguous, or packed slices).
-  p.d_row = out[0].strides()[1];
+  // dq, dk, dv seen as (B, L|S, H, D) views (attention_grad_rows): any strides with a unit D
+  // stride; dk and dv share one layout (the kernels write both through p.dg.kv).
+  const std::vector<Tensor> d = attention_grad_rows(out, heads_major);
   for (int i = 0; i < 3; ++i) {
-    const auto& w = out[i].strides();
-    const int64_t rows = i == 0 ? p.L : p.S;
-    if ((w[0] != rows * p.d_row && out[i].size(0) > 1) || (w[1] != p.d_row && rows > 1) ||
-        (w[2] != p.D && p.H > 1) || (w[3] != 1 && p.D > 1)) {
+    if (d[i].strides()[3] != 1 && p.D > 1) {
       throw RuntimeError(std::string("[") + op + "] unsupported gradient layout " +
-                         shape_str(out[i].shape()) + " strides " + shape_str(w));
+                         shape_str(out[i].shape()) + " strides " + shape_str(out[i].strides()));
     }
   }
+  auto bhl = [](const Tensor& t) {  // (b, h, l) strides of a (B, L, H, D) view
+    const auto& w = t.strides();
+    return std::array<int64_t, 3>{w[0], w[2], w[1]};
+  };
+  const auto sq = bhl(d[0]), sk = bhl(d[1]), sv = bhl(d[2]);
+  if (sk != sv) {
+    throw RuntimeError(std::string("[") + op + "] dk and dv must share a layout, got strides " +
+                       shape_str(out[1].strides()) + " and " + shape_str(out[2].strides()));
+  }
+  p.dg = GradLayout{sq[0], sq[1], sq[2], sk[0], sk[1], sk[2]};
   dispatch_cuda_float(q.dtype(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
     using A = math_t<T>;
@@ -1208,7 +1217,7 @@ void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector
       const bool tc =
           tc_shape(p) && aligned16(q, p.q_b, p.q_h, p.q_l, op) &&
           aligned16(k, p.k_b, p.k_h, p.k_l, op) && aligned16(v, p.v_b, p.v_h, p.v_l, op) &&
-          aligned16(g, p.g_b, p.g_h, p.g_l, op) && p.d_row % 2 == 0 &&
+          aligned16(g, p.g_b, p.g_h, p.g_l, op) && p.dg.even() &&
           reinterpret_cast<uintptr_t>(dq) % 4 == 0 && reinterpret_cast<uintptr_t>(dk) % 4 == 0 &&
           reinterpret_cast<uintptr_t>(dv) % 4 == 0;
       if (tc) {
@@ -1230,7 +1239,7 @@ void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector
       }
     }
     if constexpr (std::is_same_v<T, float>) {
-      const AttnTf32Args ta = tf32_args(p, p.d_row);
+      const AttnTf32Args ta = tf32_args(p);
       if (attn_tf32_supported(ta) && ptr_aligned(qp, 16) && ptr_aligned(kp, 16) &&
           ptr_aligned(vp, 16) && ptr_aligned(gp, 16) && ptr_aligned(dq, 8) && ptr_aligned(dk, 8) &&
           ptr_aligned(dv, 8)) {

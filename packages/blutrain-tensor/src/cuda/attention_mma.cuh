@@ -35,6 +35,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "attention_tf32.cuh"  // GradLayout
+
 namespace bt::cuda {
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -48,9 +50,7 @@ struct AttnParams {
   int64_t o_b, o_l, o_h;     // o and do: (B, L, H, D) views
   int64_t g_b, g_l, g_h;     // do
   int64_t dl_b, dl_h, dl_l;  // dlse (B, H, L), any strides (a broadcast zero is common)
-  // dq, dk, dv (B, L|S, ., D): row (b, l) of head h at b L|S d_row + l d_row + h D (H D for
-  // separate tensors, 3 H D for the slices of a packed (B, T, 3 H D) gradient).
-  int64_t d_row;
+  GradLayout dg;             // where dq, dk, dv go (attention_tf32.cuh)
   double scale;
   bool causal;
 };

@@ -1199,7 +1199,7 @@ __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_r
   for (int r = 0; r < 2; ++r) {
     const int key = key_lo + 8 * r;
     if (key < p.S) {
-      const int64_t base = (static_cast<int64_t>(b) * p.S + key) * p.d_row + h * D;
+      const int64_t base = p.dg.kv(b, h, key);
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
         *reinterpret_cast<uint32_t*>(dk + base + 8 * n + 2 * t) =

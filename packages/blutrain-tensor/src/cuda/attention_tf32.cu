@@ -467,7 +467,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int r = 0; r < 2; ++r) {
     const int key = key_lo + 8 * r;
     if (key < p.S) {
-      const int64_t base = (static_cast<int64_t>(b) * p.S + key) * p.d_row + h * D;
+      const int64_t base = p.dg.kv(b, h, key);
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) {
         *reinterpret_cast<float2*>(dk + base + dt * 8 + 2 * t) =
@@ -584,7 +584,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int r = 0; r < 2; ++r) {
     const int row = row_lo + 8 * r;
     if (row < p.L) {
-      float* out = dq + (static_cast<int64_t>(b) * p.L + row) * p.d_row + h * D;
+      float* out = dq + p.dg.dq(b, h, row);
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) {
         *reinterpret_cast<float2*>(out + dt * 8 + 2 * t) =
@@ -683,7 +683,7 @@ bool attn_tf32_supported(const AttnTf32Args& a) {
     return false;
   }
   // g is only read by the backward; a default-constructed (zero) g stride passes
-  return m4(a.g_b) && m4(a.g_l) && m4(a.g_h) && a.d_row % 2 == 0 && a.d_row >= a.H * a.D;
+  return m4(a.g_b) && m4(a.g_l) && m4(a.g_h) && a.dg.even();
 }
 
 void attn_fwd_tf32(const AttnTf32Args& a, const float* q, const float* k, const float* v, float* o,

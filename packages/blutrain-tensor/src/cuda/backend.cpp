@@ -16,8 +16,10 @@ void throw_cuda_error(const char* op, const char* expr, cudaError_t err, const c
                       int line) {
   std::string msg = std::string("[") + op + "] " + expr + " failed: " + cudaGetErrorName(err) +
                     " (" + cudaGetErrorString(err) + ") at " + file + ":" + std::to_string(line);
+  // Clear the error (a non-sticky one: a bad argument, out of memory), so that the next op's
+  // launch check does not report it again; a sticky one stays (the context is lost anyway).
+  cudaGetLastError();
   if (err == cudaErrorMemoryAllocation) {
-    cudaGetLastError();  // not sticky: clear it
     throw RuntimeError(msg + "; free memory (blutrain.alloc.empty_cache) or use a smaller batch");
   }
   throw RuntimeError(msg);
@@ -49,7 +51,8 @@ cudaStream_t stream(int device, const char* op) {
   cudaStream_t s = g_current[device].load(std::memory_order_acquire);
   if (s) return s;
   std::lock_guard<std::mutex> lock(g_stream_mutex);
-  if (!g_own[device]) BT_CUDA_CHECK(op, cudaStreamCreateWithFlags(&g_own[device], cudaStreamNonBlocking));
+  if (!g_own[device])
+    BT_CUDA_CHECK(op, cudaStreamCreateWithFlags(&g_own[device], cudaStreamNonBlocking));
   s = g_current[device].load(std::memory_order_acquire);
   if (!s) {
     s = g_own[device];

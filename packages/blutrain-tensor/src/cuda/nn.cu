@@ -3,8 +3,10 @@
 // reduced with fixed-order block reductions (deterministic).  Each kernel has a simple reference
 // version (_v1: scalar loads, one pass per quantity) and a fast one (_v2: 16-byte vector loads,
 // online max/sum); softmax and layer norm also have _v3 (one warp per row, the row in registers,
-// several rows per block) for rows up to 3072 elements.  BT_CUDA_NN_VERSION=1|2|3 (or
-// BT_CUDA_NN_V1=1) selects the version (nn_common.cuh; tests compare them).
+// several rows per block) for rows up to 3072 elements; layer norm also _v4 (a group of warps per
+// row) and _v6 (persistent, rows through a cp.async shared-memory ring: the default for 16-bit
+// rows over 1024).  BT_CUDA_NN_VERSION=1..6 (or BT_CUDA_NN_V1=1) selects the version
+// (nn_common.cuh; tests compare them).
 //
 // Cross-entropy never materialises float32 logits: it reads the logits in their dtype once
 // (online max / sum of exp / sum of x) and writes only float32 lse and the loss.  Rows may be
@@ -12,8 +14,12 @@
 // count; an out-of-range target is reported through index.cu's error record (IndexError at the
 // next synchronisation).  Version 3 (the default for 16-bit / fp32 logits):
 // crossentropy_forward_v3, streaming at memory speed, exp as FFMA + MUFU ex2 (v1 / v2 remain as
-// references).
+// references).  Launchers are left out under BT_NN_KERNELS_ONLY (the harness).
+#include <algorithm>
 #include <cmath>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "../backend.h"
 #include "../nn_fused.h"
@@ -338,6 +344,175 @@ __global__ void __launch_bounds__(kV4Warps * 32)
   }
 }
 
+// v6 (bf16 C = 3072 stayed at 65-71% of copy with v4: a block's rows are loaded, reduced and
+// stored in turn, so with ~2 waves of blocks the loads and the stores barely overlapped):
+// persistent blocks of NW warps, a group of WPR warps per row (dispatch_v5's layout), each group's
+// rows (x, and with kAdd the residual) arriving through a ring of K shared-memory slots filled by
+// cp.async, so K - 1 rows are in flight while the group normalises one.  Each lane copies and
+// reads only its own columns, so a slot needs no barrier (cp.async.wait_group orders it per
+// thread).  Same sums in the same order as v4 for the same layout; weight / bias as raw 16-byte
+// words in registers.
+template <typename T, typename S, int NV, int WPR, int NW, int K, bool kAdd>
+__global__ void __launch_bounds__(NW * 32)
+    layernorm_forward_v6(const T* __restrict__ x, const T* __restrict__ res,
+                         const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ sum_o,
+                         T* __restrict__ y, S* __restrict__ mean_o, S* __restrict__ rstd_o,
+                         int64_t R, int64_t C, double eps) {
+  constexpr int V = static_cast<int>(16 / sizeof(T)), RG = NW / WPR;
+  static_assert(V % 4 == 0 && sizeof(S) == 4 && K >= 2, "v6: 16-bit / fp32 rows, float stats");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();  // cp.async: sm_80+ (the host launches v6 only there)
+#else
+  __shared__ float red[2][2 * NW];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, grp = warp / WPR;
+  const int gl = (warp % WPR) * 32 + lane;
+  const unsigned row_bytes = static_cast<unsigned>(C * sizeof(T));
+  const unsigned slot_bytes = (kAdd ? 2u : 1u) * row_bytes;
+  const unsigned ring = smem_addr(smem_raw) + unsigned(grp) * K * slot_bytes;
+  uint4 wr[NV], br[NV];
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = v4_col<V, WPR>(j, gl);
+    const bool in = c < C;
+    wr[j] = w && in ? __ldg(reinterpret_cast<const uint4*>(w + c)) : uint4{};
+    br[j] = b && in ? __ldg(reinterpret_cast<const uint4*>(b + c)) : uint4{};
+  }
+  const int64_t step = int64_t(gridDim.x) * RG;
+  const int64_t row0 = int64_t(blockIdx.x) * RG + grp;  // the group's rows: row0 + i * step
+  // Copies row r (if any) into slot `slot`, then commits a group (empty past the last row, so
+  // every thread's group count stays in step with the loop).
+  auto issue = [&](int64_t r, int slot) {
+    if (r < R) {
+      const unsigned sl = ring + slot * slot_bytes;
+      const int64_t off = r * C;
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int64_t c = v4_col<V, WPR>(j, gl);
+        if (c < C) {
+          const unsigned cb = static_cast<unsigned>(c * sizeof(T));
+          async_copy16(sl + cb, x + off + c);
+          if constexpr (kAdd) async_copy16(sl + row_bytes + cb, res + off + c);
+        }
+      }
+    }
+    async_commit();
+  };
+#pragma unroll
+  for (int k = 0; k < K - 1; ++k) issue(row0 + k * step, k);
+
+  int slot = 0;
+  // Every group runs the block's trip count (idle past R), so group_sum2's barriers pair up.
+  for (int64_t base = row0 - grp; base < R; base += step) {
+    const int64_t row = base + grp, off = row * C;
+    const bool live = row < R;
+    issue(row + (K - 1) * step, slot == 0 ? K - 1 : slot - 1);  // the slot read last turn
+    async_wait<K - 1>();  // this row's copies (this thread's) landed
+    const unsigned sl = ring + slot * slot_bytes;
+    float v[NV][V];
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = v4_col<V, WPR>(j, gl);
+      if (live && c < C) {
+        const unsigned cb = static_cast<unsigned>(c * sizeof(T));
+        unpack16<T>(lds16(sl + cb), v[j]);
+        if constexpr (kAdd) {
+          float r[V];
+          unpack16<T>(lds16(sl + row_bytes + cb), r);
+#pragma unroll
+          for (int k = 0; k < V; ++k) v[j][k] = convert<float>(convert<T>(v[j][k] + r[k]));
+          *reinterpret_cast<uint4*>(sum_o + off + c) = pack16<T>(v[j]);
+        }
+#pragma unroll
+        for (int k = 0; k < V; ++k) s += v[j][k];
+      }
+    }
+    float dummy = 0.f;
+    s = warp_sum(s);
+    group_sum2<WPR, NW>(s, dummy, red[0]);
+    const float mean = s / float(C);
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      if (live && v4_col<V, WPR>(j, gl) < C) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) ss += (v[j][k] - mean) * (v[j][k] - mean);
+      }
+    }
+    ss = warp_sum(ss);
+    group_sum2<WPR, NW>(ss, dummy, red[1]);
+    const float rstd = 1.f / sqrtf(ss / float(C) + float(eps));
+    if (live && gl == 0) mean_o[row] = mean, rstd_o[row] = rstd;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = v4_col<V, WPR>(j, gl);
+      if (live && c < C) {
+        float wv[V], bv[V];
+        if (w) unpack16<T>(wr[j], wv);
+        if (b) unpack16<T>(br[j], bv);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          v[j][k] = (v[j][k] - mean) * rstd;
+          if (w) v[j][k] *= wv[k];
+          if (b) v[j][k] += bv[k];
+        }
+        *reinterpret_cast<uint4*>(y + off + c) = pack16<T>(v[j]);
+      }
+    }
+    slot = slot + 1 == K ? 0 : slot + 1;
+  }
+  async_wait<0>();  // the (empty) groups still pending
+#endif
+}
+
+// Launch geometry of forward v6 (shared by layernorm_forward and bench/ln_fwd_check.cu): the
+// rings in dynamic shared memory; a persistent grid of the resident blocks (at most
+// kLnFwdV6MaxBlocksPerSm per SM), no more than the row groups need; 0 where it cannot launch
+// (compute capability below 8, or more shared memory than smem_optin).
+constexpr int kLnFwdV6MaxBlocksPerSm = 8;
+template <typename T, typename S, int NV, int WPR, int NW, int K, bool kAdd>
+struct LnFwdV6 {
+  static constexpr int kThreads = NW * 32, kRG = NW / WPR;
+  static auto kernel() { return layernorm_forward_v6<T, S, NV, WPR, NW, K, kAdd>; }
+  static size_t smem(int64_t C) { return size_t(kRG) * K * (kAdd ? 2 : 1) * size_t(C) * sizeof(T); }
+  // Resident blocks per SM for rows of C (the occupancy query; cached by the caller).  The
+  // kernel's dynamic shared memory limit is raised to all the opt-in its static shared memory
+  // leaves, not to this C's need: a cached answer for a longer C must still launch after a
+  // shorter C's query.
+  static int per_sm(int64_t C, size_t smem_optin, int major, const char* op) {
+    if (major < 8) return 0;
+    auto kern = kernel();
+    cudaFuncAttributes fa{};
+    BT_CUDA_CHECK(op, cudaFuncGetAttributes(&fa, kern));
+    const size_t sm = smem(C), cap = smem_optin - std::min(smem_optin, fa.sharedSizeBytes);
+    if (sm > cap) return 0;
+    BT_CUDA_CHECK(op, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(cap)));
+    int n = 0;
+    BT_CUDA_CHECK(op, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, kThreads, sm));
+    return std::min(n, kLnFwdV6MaxBlocksPerSm);
+  }
+  static int grid(int64_t R, int per_sm, int sm_count) {
+    return static_cast<int>(
+        std::min<int64_t>(ceil_div(R, int64_t(kRG)), int64_t(sm_count) * per_sm));
+  }
+  static void launch(int G, cudaStream_t st, const T* x, const T* res, const T* w, const T* b,
+                     T* sum_o, T* y, S* mean, S* rstd, int64_t R, int64_t C, double eps) {
+    kernel()<<<G, kThreads, smem(C), st>>>(x, res, w, b, sum_o, y, mean, rstd, R, C, eps);
+  }
+};
+
+// Forward v6 as the library runs it: kLnFwdV6Warps warps per block, kLnFwdV6Stages ring slots
+// per row group; by default for 16-bit rows over kV4MinDefaultC.  Measured (ln_fwd_check.sh,
+// session 15, H200, % of a D2D copy): bf16 4096 x 3072 75.5% (v4 64.7%), with the residual add
+// 91.0% (v4 86.7%); at C = 768 and in fp32 v3 / v4 stay (within 2% of v6's best there).
+constexpr int kLnFwdV6Warps = 16, kLnFwdV6Stages = 3;
+template <typename T>
+inline bool ln_fwd_v6_default(int64_t C) {
+  return sizeof(T) == 2 && C > kV4MinDefaultC;
+}
+
 // ---- cross-entropy ----------------------------------------------------------------------------
 // Logits rows start `ld` elements apart (>= C: a narrow or padded view is read in place) and the
 // first C columns are the classes.  Per row: lse (S), and the row loss either straight to
@@ -533,7 +708,45 @@ __global__ void crossentropy_reduce(const A* __restrict__ row_loss, const int64_
   if (threadIdx.x == 0) out[0] = convert<O>(mean ? s / cnt : s);
 }
 
+#ifndef BT_NN_KERNELS_ONLY  // (bench/ln_fwd_check.cu includes the kernels only)
 // ================================ launchers =====================================================
+
+// Resident blocks per SM of a forward v6 kernel for rows of C on a device, queried once per
+// (kernel, C, device).  Locking: g_ln_fwd_occ_mu guards g_ln_fwd_occ (eval_gpu may run on
+// several host threads); the query itself runs under it (once per key).
+inline std::mutex g_ln_fwd_occ_mu;
+inline std::map<std::tuple<const void*, int64_t, int>, int> g_ln_fwd_occ;
+
+// Launches forward v6 and returns true, or false where it does not apply (dispatch_v5's rules,
+// compute capability below 8, rows too long for the rings).
+template <typename T>
+bool launch_ln_fwd_v6(int dev, cudaStream_t st, const T* xp, const T* rp, const T* wp, const T* bp,
+                      T* sp, T* yp, float* mp, float* rsp, int64_t R, int64_t C, double eps,
+                      const char* op) {
+  return dispatch_v5<T>(C, {xp, rp, wp, bp, sp, yp}, [&](auto nvt, auto wt) {
+    constexpr int NV = decltype(nvt)::value, WPR = decltype(wt)::value;
+    auto go = [&](auto addt) {
+      constexpr bool kAdd = decltype(addt)::value;
+      using L = LnFwdV6<T, float, NV, WPR, kLnFwdV6Warps, kLnFwdV6Stages, kAdd>;
+      const DeviceInfo& di = device_info(dev);
+      int per_sm = 0;
+      {
+        std::lock_guard<std::mutex> lock(g_ln_fwd_occ_mu);
+        const auto key = std::make_tuple(reinterpret_cast<const void*>(L::kernel()), C, dev);
+        auto it = g_ln_fwd_occ.find(key);
+        if (it == g_ln_fwd_occ.end()) {
+          it = g_ln_fwd_occ.emplace(key, L::per_sm(C, di.smem_per_block_optin, di.major, op)).first;
+        }
+        per_sm = it->second;
+      }
+      if (per_sm == 0) return false;
+      L::launch(L::grid(R, per_sm, di.sm_count), st, xp, rp, wp, bp, sp, yp, mp, rsp, R, C, eps);
+      BT_CUDA_LAUNCH_CHECK(op);
+      return true;
+    };
+    return rp ? go(std::true_type{}) : go(std::false_type{});
+  });
+}
 
 void layernorm_forward(const Tensor& x, const Tensor& res, const Tensor& w, const Tensor& b,
                        Tensor* sum_o, Tensor& y, Tensor& mean, Tensor& rstd, double eps,
@@ -558,6 +771,14 @@ void layernorm_forward(const Tensor& x, const Tensor& res, const Tensor& w, cons
       S* mp = static_cast<S*>(mean.data_ptr(op));
       S* rsp = static_cast<S*>(rstd.data_ptr(op));
       const int ver = nn_version();
+      if constexpr (sizeof(S) == 4 && sizeof(T) != 8) {
+        const int env = nn_version_env();
+        if ((env == 6 || (env == 0 && ln_fwd_v6_default<T>(C))) &&
+            launch_ln_fwd_v6<T>(y.device().index, st, xp, rp, wp, bp, sp, yp, mp, rsp, R, C, eps,
+                                op)) {
+          return;
+        }
+      }
       if (layernorm_v4(C) &&
           dispatch_v4<T>(C, {xp, rp, wp, bp, yp, sp}, [&](auto vt, auto nvt, auto wt) {
             constexpr int V = decltype(vt)::value, NV = decltype(nvt)::value;
@@ -744,5 +965,9 @@ void CrossEntropy::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
     });
   });
 }
+
+#else
+}  // namespace cuda::nn
+#endif  // BT_NN_KERNELS_ONLY
 
 }  // namespace bt

@@ -20,9 +20,10 @@ namespace bt::cuda::nn {
 // falls back to the next lower version that applies.  Unset, the default is 4 for layer-norm
 // rows longer than kV4MinDefaultC and 3 otherwise (measured on the H200 at GPT-2's shapes: v4 wins
 // at C = 3072, v3 at C = 768), except the layer-norm backward, which picks per dtype / C / extra
-// (ln_bwd_default in nn_fused.cu: v5 or v6 where they measured best).  5 and 6: layer norm
-// backward v5 / v6 (nn_fused.cu) where they apply, every other kernel (and the backward where
-// they do not apply) as with the version unset.
+// (ln_bwd_default in nn_fused.cu: v5 or v6 where they measured best), and the layer-norm forward
+// of 16-bit rows longer than kV4MinDefaultC, which runs v6 (ln_fwd_v6_default in nn.cu).  5 and
+// 6: layer norm backward v5 / v6 (nn_fused.cu) where they apply, 6 also the forward v6 (nn.cu),
+// every other kernel (and these where they do not apply) as with the version unset.
 constexpr int kDefaultNnVersion = 4;
 constexpr int64_t kV4MinDefaultC = 1024;
 inline int nn_version_env() {  // 0 when unset
@@ -428,6 +429,76 @@ template <typename T>
 __device__ __forceinline__ int ce_head(const T* p, int C) {
   const int h = static_cast<int>(((16 - (reinterpret_cast<uintptr_t>(p) & 15)) & 15) / sizeof(T));
   return h < C ? h : C;
+}
+
+// ---- row rings (layer-norm forward / backward v6) -------------------------------------------
+// cp.async 16-byte copies into shared memory and 16-byte shared loads, addressed by 32-bit
+// shared-memory offsets.
+// Shared-memory addresses as 32-bit offsets (fewer registers than generic pointers).
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void async_copy16(unsigned smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void async_copy4(unsigned smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem), "l"(gmem) : "memory");
+}
+// One 16-byte shared load (the compiler split plain uint4 reads of the ring into 4- and 8-byte
+// ones); volatile keeps it after the cp.async.wait_group before it.
+__device__ __forceinline__ uint4 lds16(unsigned smem) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(smem));
+  return v;
+}
+__device__ __forceinline__ float2 lds8f(unsigned smem) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(smem));
+  return v;
+}
+__device__ __forceinline__ void async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// This thread's copies of all but the newest N committed groups have landed.
+template <int N>
+__device__ __forceinline__ void async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// ---- v5 / v6 row layout: dispatch_v4's column mapping (v4_col), at most kV5MaxNV vectors per
+// lane, WPR = 1, 2, 4 or 8 warps per row -------------------------------------------------------
+constexpr int kV5MaxNV = 3;  // 16-byte vectors per lane and array
+
+// Runs f(ic<NV>, ic<WPR>) (which returns whether it launched) and returns its result, or false
+// (f not run) where v5 does not apply: 8-byte elements, C % V != 0, a misaligned pointer, rows
+// over 8 * 32 * kV5MaxNV vectors.
+template <typename T, typename F>
+inline bool dispatch_v5(int64_t C, std::initializer_list<const void*> ptrs, F&& f) {
+  if constexpr (sizeof(T) == 8) {
+    return false;
+  } else {
+    constexpr int V = static_cast<int>(16 / sizeof(T));
+    if (C <= 0 || C % V != 0) return false;
+    for (const void* p : ptrs) {
+      if (p && (reinterpret_cast<uintptr_t>(p) & 15) != 0) return false;
+    }
+    const int64_t nvec = C / V;
+    auto by_nv = [&](auto wtag) {
+      constexpr int WPR = decltype(wtag)::value;
+      const int64_t nv = ceil_div(nvec, int64_t(32) * WPR);
+      static_assert(kV5MaxNV == 3, "by_nv covers NV 1..3");
+      if (nv <= 1) return static_cast<bool>(f(ic<1>{}, wtag));
+      if (nv <= 2) return static_cast<bool>(f(ic<2>{}, wtag));
+      return static_cast<bool>(f(ic<3>{}, wtag));
+    };
+    if (nvec <= 32 * kV5MaxNV) return by_nv(ic<1>{});
+    if (nvec <= 64 * kV5MaxNV) return by_nv(ic<2>{});
+    if (nvec <= 128 * kV5MaxNV) return by_nv(ic<4>{});
+    if (nvec <= 256 * kV5MaxNV) return by_nv(ic<8>{});
+    return false;
+  }
 }
 
 }  // namespace bt::cuda::nn

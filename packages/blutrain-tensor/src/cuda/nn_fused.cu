@@ -457,7 +457,6 @@ __global__ void __launch_bounds__(32 * kReduceRows)
 // lane owns its columns), rows in order; at the end the block sums its groups' slices in group
 // order into partial[block] for layernorm_backward_reduce_v4.  kCs: streaming (evict-first) loads
 // of dy / x / extra and stores of dx.  Deterministic for a given grid.
-constexpr int kV5MaxNV = 3;  // 16-byte vectors per lane and array
 constexpr int kV5Warps = 8;  // warps per block (eval_gpu's choice; the check harness tries 16)
 
 template <bool kCs>
@@ -611,36 +610,6 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW)  // <= 128 registers: 16 war
   }
 }
 
-// Runs f(ic<NV>, ic<WPR>) (which returns whether it launched) and returns its result, or false
-// (f not run) where v5 does not apply: 8-byte elements, C % V != 0, a misaligned pointer, rows
-// over 8 * 32 * kV5MaxNV vectors.
-template <typename T, typename F>
-inline bool dispatch_v5(int64_t C, std::initializer_list<const void*> ptrs, F&& f) {
-  if constexpr (sizeof(T) == 8) {
-    return false;
-  } else {
-    constexpr int V = static_cast<int>(16 / sizeof(T));
-    if (C <= 0 || C % V != 0) return false;
-    for (const void* p : ptrs) {
-      if (p && (reinterpret_cast<uintptr_t>(p) & 15) != 0) return false;
-    }
-    const int64_t nvec = C / V;
-    auto by_nv = [&](auto wtag) {
-      constexpr int WPR = decltype(wtag)::value;
-      const int64_t nv = ceil_div(nvec, int64_t(32) * WPR);
-      static_assert(kV5MaxNV == 3, "by_nv covers NV 1..3");
-      if (nv <= 1) return static_cast<bool>(f(ic<1>{}, wtag));
-      if (nv <= 2) return static_cast<bool>(f(ic<2>{}, wtag));
-      return static_cast<bool>(f(ic<3>{}, wtag));
-    };
-    if (nvec <= 32 * kV5MaxNV) return by_nv(ic<1>{});
-    if (nvec <= 64 * kV5MaxNV) return by_nv(ic<2>{});
-    if (nvec <= 128 * kV5MaxNV) return by_nv(ic<4>{});
-    if (nvec <= 256 * kV5MaxNV) return by_nv(ic<8>{});
-    return false;
-  }
-}
-
 // Launch geometry of v5 (shared by eval_gpu and bench/ln_bwd_check.cu): dynamic shared memory
 // (weight + RG group slices) and the persistent grid, the resident blocks (at most 4 per SM) but
 // no more than the row groups need; 0 where the kernel cannot launch (more shared memory than
@@ -709,39 +678,6 @@ constexpr int kV6Cluster = 1;
 constexpr int kV6MaxCluster = 16;  // 16 needs the non-portable cluster size attribute
 constexpr int kV6MaxBlocksPerSm = 4;
 __device__ unsigned int g_ln_bwd_v6_arrivals[kV6MaxCluster];
-
-// Shared-memory addresses as 32-bit offsets (fewer registers than generic pointers).
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void async_copy16(unsigned smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void async_copy4(unsigned smem, const void* gmem) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem), "l"(gmem) : "memory");
-}
-// One 16-byte shared load (the compiler split plain uint4 reads of the ring into 4- and 8-byte
-// ones); volatile keeps it after the cp.async.wait_group before it.
-__device__ __forceinline__ uint4 lds16(unsigned smem) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(smem));
-  return v;
-}
-__device__ __forceinline__ float2 lds8f(unsigned smem) {
-  float2 v;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(smem));
-  return v;
-}
-__device__ __forceinline__ void async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-// This thread's copies of all but the newest N committed groups have landed.
-template <int N>
-__device__ __forceinline__ void async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 __device__ __forceinline__ float4 f4_add(float4 a, float4 b) {
   return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
