@@ -82,17 +82,14 @@ std::vector<Tensor> FlashAttention::vjp(const VjpArgs& a) {
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
   // Gradients in q's layout when q is a contiguous (B, H, L, D) tensor (separate leaves: their
   // gradients are then kept as they come), else (B, L|S, H, D) rows, seen as (B, H, L|S, D).
-  const bool hm = q.is_contiguous();
-  if (hm) {
-    return apply(std::make_shared<FlashAttentionBackward>(scale, causal, true),
+  const bool heads_major = q.is_contiguous();
+  auto shape = [&](int64_t rows) {
+    return heads_major ? Shape{B, H, rows, D} : Shape{B, rows, H, D};
+  };
+  auto r = apply(std::make_shared<FlashAttentionBackward>(scale, causal, heads_major),
                  {q, k, v, o, g, lse, glse},
-                 {{{B, H, L, D}, q.dtype()}, {{B, H, S, D}, k.dtype()}, {{B, H, S, D}, v.dtype()}},
-                 q.device());
-  }
-  auto r =
-      apply(std::make_shared<FlashAttentionBackward>(scale, causal), {q, k, v, o, g, lse, glse},
-            {{{B, L, H, D}, q.dtype()}, {{B, S, H, D}, k.dtype()}, {{B, S, H, D}, v.dtype()}},
-            q.device());
+                 {{shape(L), q.dtype()}, {shape(S), k.dtype()}, {shape(S), v.dtype()}}, q.device());
+  if (heads_major) return r;
   return {permute(r[0], {0, 2, 1, 3}), permute(r[1], {0, 2, 1, 3}), permute(r[2], {0, 2, 1, 3})};
 }
 
