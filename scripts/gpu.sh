@@ -140,7 +140,8 @@ fi
 # ---- compute-sanitizer on the kernel tests (slow: opt-in) --------------------------------
 # Each kernel test file runs under memcheck and under racecheck (one tool at a time), split into
 # SAN_SHARDS shards (its tests dealt round-robin, each shard its own process, all at once), each
-# shard SANITIZE_S seconds at most (default 240). SANITIZE_K narrows every file (pytest -k);
+# shard SANITIZE_S seconds at most (default 240). SANITIZE_FILES (e.g. "attention,precision")
+# picks files by their name after test_tensor_cuda_; SANITIZE_K narrows every file (pytest -k);
 # per-file filters below skip the very large shapes (the tools slow kernels 10-100x).  memcheck
 # runs with the allocator's caching off (BLUTRAIN_ALLOC_CONF=caching:0: every tensor its own
 # cudaMalloc of exactly its size), so an access past a tensor's end is reported instead of landing
@@ -176,6 +177,7 @@ if [ "$SANITIZE" = 1 ]; then
     for base in "${!SAN_K[@]}"; do
       f=packages/blutrain-tensor/tests/$base.py
       [ -f "$f" ] || continue
+      selected "${SANITIZE_FILES:-}" "${base#test_tensor_cuda_}" || continue
       n=${SAN_SHARDS[$base]:-1}
       k=${SAN_K[$base]}
       [ "$tool" = racecheck ] && k=${SAN_K_RACE[$base]:-$k}

@@ -16,6 +16,7 @@
 #include "harness_common.cuh"
 
 using bt::cuda::AttnParams;
+using bt::cuda::GradLayout;
 using T16 = __nv_bfloat16;
 
 // ---- host helpers ------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build and run the standalone check + timing of the Hopper wgmma attention backward (needs an
-# sm_90 GPU).  bash bench/attn_sm90_bwd_check.sh [--check | --bench]   (exit 1 on any FAIL)
+# sm_90 GPU).  bash bench/attn_sm90_bwd_check.sh [--check | --check-small | --bench]   (exit 1 on any FAIL)
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 SRC=$HERE/../src

@@ -22,6 +22,7 @@
 #include "harness_common.cuh"
 
 using bt::cuda::AttnTf32Args;
+using bt::cuda::GradLayout;
 
 static int g_fail = 0;
 

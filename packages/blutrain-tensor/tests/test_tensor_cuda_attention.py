@@ -391,6 +391,47 @@ def test_fused_backward_reference(rng, dtype, D, T, causal, layout):
         assert err <= 1.5 * RTOL[dtype], f"{name} {tag}: relative Frobenius error {err:.3g}"
 
 
+@pytest.mark.parametrize("layout", ["leaf", "packed"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fused_backward_more_blocks_than_sms(rng, causal, layout):
+    """bf16 D 64 with more (head, key block) items than an H200 has SMs (3 x 16 heads x 4 key
+    blocks = 192 > 132), so the persistent Hopper backward's blocks each walk several items (the
+    K / V double buffer, the ring running on across items), the pool poisoned with NaN first:
+    float64 reference; dk, dv bitwise repeatable."""
+    B, H, T, D = 3, 16, 512, 64
+    dtype = bt.bfloat16
+    C = H * D
+    gn = _rounded(rng.standard_normal((B, H, T, D)), dtype)
+    runs = []
+    with _deterministic(False):
+        if layout == "leaf":
+            qn, kn, vn = (_rounded(rng.standard_normal((B, H, T, D)), dtype) for _ in range(3))
+            for _ in range(2):
+                runs.append(_leaf_grads(qn, kn, vn, gn, dtype, causal)[1:])
+        else:
+            x_np = rng.standard_normal((B, T, 3 * C))
+            xr = _rounded(x_np, dtype)
+            qn, kn, vn = (
+                xr[:, :, i * C : (i + 1) * C].reshape(B, T, H, D).transpose(0, 2, 1, 3)
+                for i in range(3)
+            )
+            for _ in range(2):
+                gx = _sdpa_x_grad(x_np, gn, B, T, H, D, dtype, causal, True)[1]
+                runs.append(
+                    [
+                        gx[:, :, i * C : (i + 1) * C].reshape(B, T, H, D).transpose(0, 2, 1, 3)
+                        for i in range(3)
+                    ]
+                )
+    _, _, rdq, rdk, rdv = ref(qn, kn, vn, gn, causal, 1 / np.sqrt(D))
+    tag = f"{layout} B={B} H={H} T={T} causal={causal}"
+    for name, got, want in zip(("dq", "dk", "dv"), runs[0], (rdq, rdk, rdv), strict=True):
+        assert np.isfinite(got).all(), f"{name} {tag}: non-finite elements"
+        err = _relerr(got, want)
+        assert err <= 1.5 * RTOL[dtype], f"{name} {tag}: relative Frobenius error {err:.3g}"
+    assert np.array_equal(runs[0][1], runs[1][1]) and np.array_equal(runs[0][2], runs[1][2]), tag
+
+
 @pytest.mark.parametrize("det", [False, True], ids=["fused", "deterministic"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", [bt.bfloat16, bt.float32, bt.float64], ids=NAME.get)

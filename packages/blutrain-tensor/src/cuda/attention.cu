@@ -136,10 +136,13 @@ __global__ void __launch_bounds__(kV1Warps * 32)
 
 // The same, vectorised: kLpr lanes per row (kLpr = D / VW rounded up to a power of two, so D = 64
 // bf16 runs 4 rows per warp), 16-byte loads of VW = 16 / sizeof(T) elements.  Needs D % VW == 0
-// and 16-byte aligned rows of o and do.
+// and 16-byte aligned rows of o and do.  With acc_zero (the fused backward's float32 dq_acc,
+// (B, H, L, D) contiguous, D % 4 == 0) it also zeroes the row's accumulator: one launch and one
+// pass instead of a separate memset.
 template <typename T, typename A, int kLpr>
 __global__ void __launch_bounds__(256)
-    attn_bwd_preprocess_v2(AttnParams p, const T* o, const T* g, const A* dlse, A* dvec) {
+    attn_bwd_preprocess_v2(AttnParams p, const T* o, const T* g, const A* dlse, A* dvec,
+                           float* acc_zero) {
   constexpr int VW = 16 / sizeof(T);
   const int sub = threadIdx.x % kLpr;
   const int64_t row_id = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) / kLpr;
@@ -159,6 +162,10 @@ __global__ void __launch_bounds__(256)
       const T* ge = reinterpret_cast<const T*>(&gu);
 #pragma unroll
       for (int e = 0; e < VW; ++e) s += convert<A>(oe[e]) * convert<A>(ge[e]);
+    }
+    if (acc_zero) {
+      float4* arow = reinterpret_cast<float4*>(acc_zero + row_id * p.D);
+      for (int c = sub; c < p.D / 4; c += kLpr) arow[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }
 #pragma unroll
@@ -1036,15 +1043,15 @@ void launch_bwd_v2(const AttnParams& p, const T* q, const T* k, const T* v, cons
   }
 }
 
-// The one-kernel backward: dq_acc (B, H, L, D) float32, zeroed here on the stream.  On Hopper
-// (sm_90a builds, D 64) attention_sm90.cu's wgmma kernel runs in place of attn_bwd_dkdv_v2<kDq>.
+// The one-kernel backward: dq_acc (B, H, L, D) float32, zeroed by the caller (launch_preprocess)
+// on the stream.  On Hopper (sm_90a builds, D 64) attention_sm90.cu's wgmma kernel runs in place
+// of attn_bwd_dkdv_v2<kDq>.
 template <typename T, int D>
 void launch_bwd_fused(const AttnParams& p, const T* q, const T* k, const T* v, const T* g,
                       const float* lse, const float* dvec, float* dq_acc, T* dq, T* dk, T* dv,
                       cudaStream_t st, const char* op) {
   using C = V2Config<D>;
   const int64_t nacc = static_cast<int64_t>(p.B) * p.H * p.L * D;
-  BT_CUDA_CHECK(op, cudaMemsetAsync(dq_acc, 0, nacc * sizeof(float), st));
   if (!attn_bwd_sm90<T>(p, q, k, v, g, lse, dvec, dq_acc, dk, dv, st, op)) {  // Hopper: wgmma
     constexpr int W = C::kFuWarps, Br = C::kFuBr, MT = C::kFuMT, Bc = 16 * MT * W;
     constexpr size_t smem = fused_smem<T, D, W, Br, MT>();
@@ -1061,25 +1068,30 @@ void launch_bwd_fused(const AttnParams& p, const T* q, const T* k, const T* v, c
 
 unsigned v1_blocks(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, kV1Warps)); }
 
-// Dvec: the vectorised kernel when rows of o and do are 16-byte aligned, else v1.
+// Dvec: the vectorised kernel when rows of o and do are 16-byte aligned, else v1.  acc_zero
+// (optional): a (B, H, L, D) float32 buffer zeroed on the way (by the vectorised kernel, else by a
+// memset).
 template <typename T, typename A>
 void launch_preprocess(const AttnParams& p, const T* o, const T* g, const A* dlse, A* dvec,
-                       cudaStream_t st, const char* op) {
+                       float* acc_zero, cudaStream_t st, const char* op) {
   constexpr int VW = 16 / sizeof(T);
   const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.L;
   const bool vec = p.D % VW == 0 && reinterpret_cast<uintptr_t>(o) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(g) % 16 == 0 && p.o_b % VW == 0 && p.o_l % VW == 0 &&
                    p.o_h % VW == 0 && p.g_b % VW == 0 && p.g_l % VW == 0 && p.g_h % VW == 0;
-  if (!vec) {
+  if (!vec || (acc_zero && p.D % 4 != 0)) {
     attn_bwd_preprocess<T, A><<<v1_blocks(rows), kV1Warps * 32, 0, st>>>(p, o, g, dlse, dvec);
     BT_CUDA_LAUNCH_CHECK(op);
+    if (acc_zero) {
+      BT_CUDA_CHECK(op, cudaMemsetAsync(acc_zero, 0, rows * p.D * sizeof(float), st));
+    }
     return;
   }
   const int chunks = p.D / VW;
   auto go = [&](auto lpr) {
     constexpr int L = decltype(lpr)::value;
     const auto blocks = static_cast<unsigned>(ceil_div(rows * L, int64_t{256}));
-    attn_bwd_preprocess_v2<T, A, L><<<blocks, 256, 0, st>>>(p, o, g, dlse, dvec);
+    attn_bwd_preprocess_v2<T, A, L><<<blocks, 256, 0, st>>>(p, o, g, dlse, dvec, acc_zero);
     BT_CUDA_LAUNCH_CHECK(op);
   };
   if (chunks <= 4) {
@@ -1211,21 +1223,28 @@ void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector
     T* dv = out[2].data<T>(op);
     const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.L;
     Tensor dvec = empty_tensor({p.B, p.H, p.L}, lse.dtype(), out[0].device(), op);
-    launch_preprocess<T, A>(p, o.data<T>(op), gp, dlse.data<A>(op), dvec.data<A>(op), st, op);
+    // The tensor-core paths (bf16 / fp16): aligned rows, an even gradient layout.  (g's batch
+    // stride is a multiple of 8 whenever its row strides are, for dense layouts.)
+    bool tc = false;
     if constexpr (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) {
-      // (g's batch stride is a multiple of 8 whenever its row strides are, for dense layouts)
-      const bool tc =
-          tc_shape(p) && aligned16(q, p.q_b, p.q_h, p.q_l, op) &&
-          aligned16(k, p.k_b, p.k_h, p.k_l, op) && aligned16(v, p.v_b, p.v_h, p.v_l, op) &&
-          aligned16(g, p.g_b, p.g_h, p.g_l, op) && p.dg.even() &&
-          reinterpret_cast<uintptr_t>(dq) % 4 == 0 && reinterpret_cast<uintptr_t>(dk) % 4 == 0 &&
-          reinterpret_cast<uintptr_t>(dv) % 4 == 0;
+      tc = tc_shape(p) && aligned16(q, p.q_b, p.q_h, p.q_l, op) &&
+           aligned16(k, p.k_b, p.k_h, p.k_l, op) && aligned16(v, p.v_b, p.v_h, p.v_l, op) &&
+           aligned16(g, p.g_b, p.g_h, p.g_l, op) && p.dg.even() &&
+           reinterpret_cast<uintptr_t>(dq) % 4 == 0 && reinterpret_cast<uintptr_t>(dk) % 4 == 0 &&
+           reinterpret_cast<uintptr_t>(dv) % 4 == 0;
+    }
+    // fused, dQ by float atomics into dq_acc (D 64 only: for D 128 the split measured faster);
+    // the preprocess zeroes dq_acc
+    const bool fused = tc && !deterministic_algorithms() && p.D == 64;
+    Tensor acc =
+        fused ? empty_tensor({p.B, p.H, p.L, p.D}, DType::Float32, out[0].device(), op) : Tensor();
+    launch_preprocess<T, A>(p, o.data<T>(op), gp, dlse.data<A>(op), dvec.data<A>(op),
+                            fused ? acc.data<float>(op) : nullptr, st, op);
+    if constexpr (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) {
       if (tc) {
         const float* lp = lse.data<float>(op);
         const float* dp = dvec.data<float>(op);
-        // fused, dQ by float atomics (D 64 only: for D 128 the split measured faster)
-        if (!deterministic_algorithms() && p.D == 64) {
-          Tensor acc = empty_tensor({p.B, p.H, p.L, p.D}, DType::Float32, out[0].device(), op);
+        if (fused) {
           launch_bwd_fused<T, 64>(p, qp, kp, vp, gp, lp, dp, acc.data<float>(op), dq, dk, dv, st,
                                   op);
           return;

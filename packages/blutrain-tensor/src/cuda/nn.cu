@@ -309,21 +309,8 @@ __global__ void __launch_bounds__(kV4Warps * 32)
       for (int k = 0; k < V; ++k) s += v[j][k];
     }
   }
-  A dummy = 0;
-  s = warp_sum(s);
-  group_sum2<WPR, kV4Warps>(s, dummy, red[0]);
-  const A mean = s / A(C);
-  A ss = 0;
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    if (valid && v4_col<V, WPR>(j, gl) < C) {
-#pragma unroll
-      for (int k = 0; k < V; ++k) ss += (v[j][k] - mean) * (v[j][k] - mean);
-    }
-  }
-  ss = warp_sum(ss);
-  group_sum2<WPR, kV4Warps>(ss, dummy, red[1]);
-  const A rstd = A(1) / sqrt(ss / A(C) + A(eps));
+  const float2 stats = group_mean_rstd<V, NV, WPR, kV4Warps>(v, s, valid, gl, C, eps, red);
+  const A mean = stats.x, rstd = stats.y;
   if (!valid) return;  // no barriers below
   if (gl == 0) mean_o[row] = mean, rstd_o[row] = rstd;
 #pragma unroll
@@ -428,21 +415,8 @@ __global__ void __launch_bounds__(NW * 32)
         for (int k = 0; k < V; ++k) s += v[j][k];
       }
     }
-    float dummy = 0.f;
-    s = warp_sum(s);
-    group_sum2<WPR, NW>(s, dummy, red[0]);
-    const float mean = s / float(C);
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      if (live && v4_col<V, WPR>(j, gl) < C) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) ss += (v[j][k] - mean) * (v[j][k] - mean);
-      }
-    }
-    ss = warp_sum(ss);
-    group_sum2<WPR, NW>(ss, dummy, red[1]);
-    const float rstd = 1.f / sqrtf(ss / float(C) + float(eps));
+    const float2 stats = group_mean_rstd<V, NV, WPR, NW>(v, s, live, gl, C, eps, red);
+    const float mean = stats.x, rstd = stats.y;
     if (live && gl == 0) mean_o[row] = mean, rstd_o[row] = rstd;
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
@@ -711,11 +685,21 @@ __global__ void crossentropy_reduce(const A* __restrict__ row_loss, const int64_
 #ifndef BT_NN_KERNELS_ONLY  // (bench/ln_fwd_check.cu includes the kernels only)
 // ================================ launchers =====================================================
 
-// Resident blocks per SM of a forward v6 kernel for rows of C on a device, queried once per
-// (kernel, C, device).  Locking: g_ln_fwd_occ_mu guards g_ln_fwd_occ (eval_gpu may run on
-// several host threads); the query itself runs under it (once per key).
-inline std::mutex g_ln_fwd_occ_mu;
-inline std::map<std::tuple<const void*, int64_t, int>, int> g_ln_fwd_occ;
+// Resident blocks per SM of forward v6 kernel L for rows of C on device dev, queried once per
+// (L, C, dev).  Locking: each L's mutex guards its cache (eval_gpu may run on several host
+// threads); the query itself runs under it (once per key).
+template <typename L>
+int ln_fwd_v6_per_sm(int64_t C, int dev, const DeviceInfo& di, const char* op) {
+  static std::mutex mu;
+  static std::map<std::pair<int64_t, int>, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find({C, dev});
+  if (it == cache.end()) {
+    it = cache.emplace(std::make_pair(C, dev), L::per_sm(C, di.smem_per_block_optin, di.major, op))
+             .first;
+  }
+  return it->second;
+}
 
 // Launches forward v6 and returns true, or false where it does not apply (dispatch_v5's rules,
 // compute capability below 8, rows too long for the rings).
@@ -729,16 +713,7 @@ bool launch_ln_fwd_v6(int dev, cudaStream_t st, const T* xp, const T* rp, const 
       constexpr bool kAdd = decltype(addt)::value;
       using L = LnFwdV6<T, float, NV, WPR, kLnFwdV6Warps, kLnFwdV6Stages, kAdd>;
       const DeviceInfo& di = device_info(dev);
-      int per_sm = 0;
-      {
-        std::lock_guard<std::mutex> lock(g_ln_fwd_occ_mu);
-        const auto key = std::make_tuple(reinterpret_cast<const void*>(L::kernel()), C, dev);
-        auto it = g_ln_fwd_occ.find(key);
-        if (it == g_ln_fwd_occ.end()) {
-          it = g_ln_fwd_occ.emplace(key, L::per_sm(C, di.smem_per_block_optin, di.major, op)).first;
-        }
-        per_sm = it->second;
-      }
+      const int per_sm = ln_fwd_v6_per_sm<L>(C, dev, di, op);
       if (per_sm == 0) return false;
       L::launch(L::grid(R, per_sm, di.sm_count), st, xp, rp, wp, bp, sp, yp, mp, rsp, R, C, eps);
       BT_CUDA_LAUNCH_CHECK(op);

@@ -354,6 +354,31 @@ __device__ __forceinline__ void group_sum2(float& a, float& b, float* red) {
   }
 }
 
+// Exact two-pass mean and rstd of the row a group of WPR warps holds as v[NV][V] floats (lane gl
+// holds columns v4_col(j, gl)); s: the lane's sum of its elements, in order j, then k (the caller
+// adds them as they load); live false: a row past R, which still joins the group barriers.
+// Layer-norm forward v4 and v6 share it, so they give the same statistics for the same layout.
+// red: the caller's __shared__ scratch.
+template <int V, int NV, int WPR, int NW>
+__device__ __forceinline__ float2 group_mean_rstd(const float (&v)[NV][V], float s, bool live,
+                                                  int gl, int64_t C, double eps,
+                                                  float (&red)[2][2 * NW]) {
+  float ss = 0.f, dummy = 0.f;
+  s = warp_sum(s);
+  group_sum2<WPR, NW>(s, dummy, red[0]);
+  const float mean = s / float(C);
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    if (live && v4_col<V, WPR>(j, gl) < C) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) ss += (v[j][k] - mean) * (v[j][k] - mean);
+    }
+  }
+  ss = warp_sum(ss);
+  group_sum2<WPR, NW>(ss, dummy, red[1]);
+  return make_float2(mean, 1.f / sqrtf(ss / float(C) + float(eps)));
+}
+
 }  // namespace bt::cuda::nn
 
 // ---- cross-entropy v3 (nn.cu / nn_fused.cu) ---------------------------------------------------
