@@ -203,3 +203,22 @@ def test_gpu_transfers_and_stubs():
     assert (g + g).cpu().tolist() == (x + x).tolist()
     with pytest.raises((ValueError, RuntimeError), match=r"^\[add\]"):
         g + x
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bt.cuda_device_count() == 0, reason="needs a CUDA device")
+def test_cuda_error_is_cleared_once_raised(tmp_path):
+    """A CUDA runtime error raised as an exception (here cudaGraphDebugDotPrint failing to open
+    its file: not sticky, recorded as the thread's last error) is cleared, so the next op's launch
+    check does not report it a second time."""
+    x = bt.ones(1024, device="cuda")
+    y = x + 1  # the kernel's first launch outside the capture
+    g = bt.cuda.CUDAGraph()
+    with bt.cuda.graph(g):
+        y = x + 1
+    g.replay()
+    with pytest.raises(RuntimeError, match=r"^\[CUDAGraph\.debug_dump\] cudaGraphDebugDotPrint"):
+        g.debug_dump(tmp_path / "no-such-dir" / "graph.dot")
+    z = bt.ones(8, device="cuda") + 1  # a kernel launch and its launch check
+    assert z.cpu().tolist() == [2.0] * 8
+    assert y.cpu().tolist() == [2.0] * 1024
