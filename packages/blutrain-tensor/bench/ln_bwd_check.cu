@@ -42,14 +42,10 @@
 #include "../src/cuda/nn_fused.cu"
 #define BT_HARNESS_THROW_STUB 1  // the library's BT_CUDA_CHECK reports, prints and exits
 #include "harness_common.cuh"
+#include "ln_harness.cuh"
 
 using namespace bt::cuda;
 using namespace bt::cuda::nn;
-using bf16 = __nv_bfloat16;
-
-static int g_fail = 0;
-static int g_sms = 0, g_major = 0;
-static size_t g_optin = 0;
 // What the last runner launched (mode 0 / 1), for the bench's registers / occupancy columns.
 struct LaunchNote {
   const void* kern = nullptr;                            // the row kernel
@@ -74,19 +70,6 @@ static void note(const void* kern, int grid, int threads, size_t smem, int parti
   g_note = LaunchNote{kern, grid, threads, cluster, partials, smem};
 }
 constexpr int64_t kMaxPartialBlocks = 2048;  // partial buffer rows (blocks); grids are checked
-
-static float to_f(float v) { return v; }
-static float to_f(bf16 v) { return __bfloat162float(v); }
-template <typename T>
-static T from_f(float v);
-template <>
-float from_f<float>(float v) {
-  return v;
-}
-template <>
-bf16 from_f<bf16>(float v) {
-  return __float2bfloat16(v);
-}
 
 // One problem: device buffers and the host copies the reference reads.
 template <typename T>
@@ -433,28 +416,6 @@ static std::vector<Variant<T>> variants() {
 }
 
 template <typename T>
-static const char* tname() {
-  return sizeof(T) == 2 ? "bf16" : "fp32";
-}
-
-template <typename T>
-static void fetch(const T* d, size_t n, std::vector<float>& h) {
-  const std::vector<T> t = hcopy(d, n);
-  h.resize(n);
-  for (size_t i = 0; i < n; ++i) h[i] = to_f(t[i]);
-}
-
-// rel_err of fetched values against r, no floor on max |r| (an all-zero r: max |g - r|)
-static double rel_err_f(const std::vector<float>& g, const std::vector<double>& r) {
-  return rel_err(r, [&](size_t i) { return double(g[i]); }, 0.0);
-}
-
-static bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return false;
-  return a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-template <typename T>
 static void check_all() {
   const double tol = sizeof(T) == 2 ? 4e-3 : 2e-5;
   const int64_t Rs[] = {1, 7, 300, 16384};
@@ -532,14 +493,6 @@ __global__ void copy_kernel(const uint4* __restrict__ a, uint4* __restrict__ b, 
   if (i < n) b[i] = a[i];
 }
 
-// Median over kSamples of the mean time of kBatch back-to-back calls of f (as in a training step:
-// launch latency hidden, the gaps between dependent kernels counted), after 5 warm-ups.
-constexpr int kSamples = 15, kBatch = 10;
-template <typename F>
-static float median_ms(F&& f) {
-  return time_ms(f, 5, kSamples, kBatch);
-}
-
 // The variant eval_gpu runs by default for this case (ln_bwd_default; v2 never at these shapes).
 static const char* default_variant(int ver) {
   switch (ver) {
@@ -553,12 +506,6 @@ static const char* default_variant(int ver) {
       return "v3 + reduce_v4 (lib)";
   }
 }
-
-struct CaseSummary {
-  std::string name, def, best;
-  float def_pct = 0, best_pct = 0;
-};
-static std::vector<CaseSummary> g_summary;
 
 template <typename T>
 static void bench_all() {
@@ -630,28 +577,14 @@ static void bench_all() {
 }
 
 int main(int argc, char** argv) {
-  const bool do_check = argc < 2 || std::string(argv[1]) != "--bench";
-  const bool do_bench = argc < 2 || std::string(argv[1]) != "--check";
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
-  g_sms = prop.multiProcessorCount;
-  g_major = prop.major;
-  g_optin = prop.sharedMemPerBlockOptin;
-  std::printf("device %s, %d SMs, %zu KB opt-in shared memory per block\n", prop.name, g_sms,
-              g_optin / 1024);
-  if (do_check) {
-    check_all<bf16>();
-    check_all<float>();
-  }
-  if (do_bench) {
-    bench_all<bf16>();
-    bench_all<float>();
-    std::printf("\nsummary (%% of a D2D copy, whole backward): library default | best variant\n");
-    for (const CaseSummary& c : g_summary) {
-      std::printf("  %-20s %5.1f%% %-24s | %5.1f%% %s\n", c.name.c_str(), c.def_pct, c.def.c_str(),
-                  c.best_pct, c.best.c_str());
-    }
-  }
-  std::printf(g_fail ? "ln_bwd_check: %d FAIL\n" : "ln_bwd_check: all PASS\n", g_fail);
-  return g_fail ? 1 : 0;
+  return ln_harness_main(
+      argc, argv, "ln_bwd_check", ", whole backward",
+      [] {
+        check_all<bf16>();
+        check_all<float>();
+      },
+      [] {
+        bench_all<bf16>();
+        bench_all<float>();
+      });
 }

@@ -32,33 +32,16 @@
 #include "../src/cuda/nn.cu"
 #define BT_HARNESS_THROW_STUB 1  // the library's BT_CUDA_CHECK reports, prints and exits
 #include "harness_common.cuh"
+#include "ln_harness.cuh"
 
 using namespace bt::cuda;
 using namespace bt::cuda::nn;
-using bf16 = __nv_bfloat16;
-
-static int g_fail = 0;
-static int g_sms = 0, g_major = 0;
-static size_t g_optin = 0;
 struct LaunchNote {  // what the last runner launched, for the bench's columns
   const void* kern = nullptr;
   int grid = 0, threads = 0;
   size_t smem = 0;
 };
 static LaunchNote g_note;
-
-static float to_f(float v) { return v; }
-static float to_f(bf16 v) { return __bfloat162float(v); }
-template <typename T>
-static T from_f(float v);
-template <>
-float from_f<float>(float v) {
-  return v;
-}
-template <>
-bf16 from_f<bf16>(float v) {
-  return __float2bfloat16(v);
-}
 
 template <typename T>
 struct Prob {
@@ -227,21 +210,6 @@ static const char* default_variant(int64_t C) {
   return C > kV4MinDefaultC ? "v4" : "v3";
 }
 
-template <typename T>
-static const char* tname() {
-  return sizeof(T) == 2 ? "bf16" : "fp32";
-}
-
-template <typename T>
-static void fetch(const T* d, size_t n, std::vector<float>& h) {
-  const std::vector<T> t = hcopy(d, n);
-  h.resize(n);
-  for (size_t i = 0; i < n; ++i) h[i] = to_f(t[i]);
-}
-
-static double rel_err_f(const std::vector<float>& g, const std::vector<double>& r) {
-  return rel_err(r, [&](size_t i) { return double(g[i]); }, 0.0);
-}
 // max over i of |g[i] - r[i]| / |r[i]| (per-row statistics)
 static double rel_each(const std::vector<float>& g, const std::vector<double>& r) {
   double e = 0;
@@ -250,10 +218,6 @@ static double rel_each(const std::vector<float>& g, const std::vector<double>& r
     e = std::max(e, std::fabs(g[i] - r[i]) / std::max(std::fabs(r[i]), 1e-30));
   }
   return e;
-}
-static bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() &&
-         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 template <typename T>
@@ -324,18 +288,6 @@ static void check_all() {
   }
 }
 
-constexpr int kSamples = 15, kBatch = 10;
-template <typename F>
-static float median_ms(F&& f) {
-  return time_ms(f, 5, kSamples, kBatch);
-}
-
-struct CaseSummary {
-  std::string name, def, best;
-  float def_pct = 0, best_pct = 0;
-};
-static std::vector<CaseSummary> g_summary;
-
 template <typename T>
 static void bench_all() {
   auto vs = variants<T>();
@@ -386,28 +338,14 @@ static void bench_all() {
 }
 
 int main(int argc, char** argv) {
-  const bool do_check = argc < 2 || std::string(argv[1]) != "--bench";
-  const bool do_bench = argc < 2 || std::string(argv[1]) != "--check";
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
-  g_sms = prop.multiProcessorCount;
-  g_major = prop.major;
-  g_optin = prop.sharedMemPerBlockOptin;
-  std::printf("device %s, %d SMs, %zu KB opt-in shared memory per block\n", prop.name, g_sms,
-              g_optin / 1024);
-  if (do_check) {
-    check_all<bf16>();
-    check_all<float>();
-  }
-  if (do_bench) {
-    bench_all<bf16>();
-    bench_all<float>();
-    std::printf("\nsummary (%% of a D2D copy): library default | best variant\n");
-    for (const CaseSummary& c : g_summary) {
-      std::printf("  %-20s %5.1f%% %-18s | %5.1f%% %s\n", c.name.c_str(), c.def_pct, c.def.c_str(),
-                  c.best_pct, c.best.c_str());
-    }
-  }
-  std::printf(g_fail ? "ln_fwd_check: %d FAIL\n" : "ln_fwd_check: all PASS\n", g_fail);
-  return g_fail ? 1 : 0;
+  return ln_harness_main(
+      argc, argv, "ln_fwd_check", "",
+      [] {
+        check_all<bf16>();
+        check_all<float>();
+      },
+      [] {
+        bench_all<bf16>();
+        bench_all<float>();
+      });
 }
