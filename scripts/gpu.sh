@@ -140,18 +140,17 @@ fi
 # ---- compute-sanitizer on the kernel tests (slow: opt-in) --------------------------------
 # Each kernel test file runs under memcheck and under racecheck (one tool at a time), split into
 # SAN_SHARDS shards (its tests dealt round-robin, each shard its own process, all at once), each
-# shard SANITIZE_S seconds at most (default 240). SANITIZE_FILES (e.g. "attention,precision")
-# picks files by their name after test_tensor_cuda_, SANITIZE_SHARDS (e.g. "attention=6") sets
-# their shard counts; SANITIZE_K narrows every file (pytest -k);
-# per-file filters below skip the very large shapes (the tools slow kernels 10-100x).  memcheck
-# runs with the allocator's caching off (BLUTRAIN_ALLOC_CONF=caching:0: every tensor its own
-# cudaMalloc of exactly its size), so an access past a tensor's end is reported instead of landing
-# in a cached neighbour.  racecheck reports hazards inside cuBLASLt's own kernels (nvjet*: not
+# shard SANITIZE_S seconds at most (default 240).  Knobs: SANITIZE_TOOLS (default "memcheck
+# racecheck"); SANITIZE_FILES (e.g. "attention,precision": files by their name after
+# test_tensor_cuda_); SANITIZE_SHARDS (e.g. "attention=6"); SANITIZE_K narrows every file
+# (pytest -k).  Per-file filters below skip the very large shapes (the tools slow kernels
+# 10-100x).  memcheck runs with the allocator's caching off (BLUTRAIN_ALLOC_CONF=caching:0: every
+# tensor its own cudaMalloc of exactly its size), so an access past a tensor's end is reported
+# instead of landing in a cached neighbour.  racecheck reports hazards inside cuBLASLt's own kernels (nvjet*: not
 # ours; their split-K reductions), which fail the shard (rc 99): each racecheck status also counts
 # the hazard reports that name any other kernel ("ours"), the number that must be 0.  (The tool's
 # --kernel-name-exclude kns=nvjet would skip them, but compute-sanitizer 2025.x then fails with
 # "Internal Sanitizer Error ... hardware exception" on the first cuBLASLt kernel: session 16.)
-# SANITIZE_TOOLS: the tools to run (default "memcheck racecheck").
 if [ "$SANITIZE" = 1 ]; then
   declare -A SAN_K=(
     [test_tensor_cuda_nn]="not vocab"
