@@ -8,15 +8,12 @@
 // lse and Dvec; dq, dk, dv go to a packed (B, T, 3, H, D) gradient poisoned with NaN (dq_acc
 // poisoned before the memset).  Error: max |gpu - ref| / max |ref| per tensor against float64 math
 // on the bf16 inputs; tolerance 3e-2 (P and dS are rounded to bf16 for the tensor cores); the
-// persistent kinds run there on 3 blocks (kind 15, whose blocks wait on each other: also on one
-// block per item, under a 20 s watchdog), and at the timing shape against kind 10 (dk, dv bitwise,
-// dq_acc to 1e-5, kind 15's dq to 8e-3; compare_persistent).  Timing: B16 H12 T1024 D64, causal
-// and not: memset + backward kernel + dq conversion (what the library runs after the Dvec
-// preprocess; kind 15: the counters' memset + the kernel), cudaEvent median of 20 after 3
-// warm-ups; FLOPs 5 B H T^2 D (half when causal).
+// persistent kinds run there on 3 blocks, and at the timing shape against kind 10 (dk, dv bitwise,
+// dq_acc to 1e-5; compare_persistent).  Timing:
+// B16 H12 T1024 D64, causal and not: memset + backward kernel + dq conversion (what the library
+// runs after the Dvec preprocess), cudaEvent median of 20 after 3 warm-ups; FLOPs 5 B H T^2 D (half
+// when causal).
 #define BT_ATTENTION_KERNELS_ONLY 1
-#include <unistd.h>
-
 #include <cstring>
 
 #include "../src/cuda/attention.cu"
@@ -40,32 +37,19 @@ struct Ws {
 // red.v4; 10-12: kDq 3 (one warpgroup per tile computes the dQ part over the block's 128 keys and
 // adds it: half the reduce traffic), 3, 4 and 2 stages; 13-14: kDq 3 persistent (one block per SM
 // walking (head, key block) items, K / V double-buffered; Note [persistent backward]), 3 and 2
-// stages; 15: kDq 4, persistent, dq written by the kernel (Note [dQ in the kernel]: no dq_acc
-// memset, no conversion; its per-tile counters zeroed instead).
+// stages.
 static bool run_bwd(int kind, const Problem& pr, float* acc, T16* dq, T16* dk, T16* dv,
                     int64_t d_row) {
   using namespace bt::cuda;
   AttnParams p = pr.params();
   p.dg = GradLayout::from_rows(p.L, p.S, p.D, d_row);
-  static int* sem = nullptr;  // kind 15's counters: B H (ceil(L / 64) + 1)
-  static int64_t sem_n = 0;
-  const int64_t nsem = int64_t(p.B) * p.H * (ceil_div(int64_t(p.L), int64_t{64}) + 1);
-  if (kind == 15) {
-    if (nsem > sem_n) {
-      if (sem) CK(cudaFree(sem));
-      sem = dmalloc<int>(nsem), sem_n = nsem;
-    }
-    CK(cudaMemsetAsync(sem, 0, nsem * sizeof(int)));
-  } else {
-    CK(cudaMemsetAsync(acc, 0, pr.no() * sizeof(float)));
-  }
+  CK(cudaMemsetAsync(acc, 0, pr.no() * sizeof(float)));
   auto ws = [&](auto cfg) {
     using C = decltype(cfg);
     return launch_bwd_sm90_cfg<T16, C::kWG, C::kStages, C::kDq, C::kPP, C::kDefer, C::kPersist>(
-        p, pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref, acc, dk, dv, dq,
-        C::kDq == 4 ? sem : nullptr, 0, "bwd_sm90", g_blocks);
+        p, pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref, acc, dk, dv, 0, "bwd_sm90",
+        g_blocks);
   };
-  if (kind == 15) return ws(Ws<2, 3, 4, true, true, true>{});
   if (kind == 0) {
     if (!ws(Ws<2, 3, 2, true>{})) return false;  // the library's configuration until session 14
   } else if (kind == 2) {
@@ -110,34 +94,15 @@ static bool run_bwd(int kind, const Problem& pr, float* acc, T16* dq, T16* dk, T
   return true;
 }
 
-// Waits for the device, but at most 20 s (BT_HARNESS_HANG_S: more under a sanitizer): a kernel
-// whose blocks wait on each other (kind 15) and never finishes is reported with the case that
-// launched it, and the harness exits 3.
-static void sync_or_exit(const char* kind, int T, bool causal) {
-  const char* env = std::getenv("BT_HARNESS_HANG_S");
-  const int limit_ms = 1000 * (env && std::atoi(env) > 0 ? std::atoi(env) : 20);
-  for (int ms = 0; ms < limit_ms; ++ms) {
-    const cudaError_t e = cudaStreamQuery(0);
-    if (e == cudaSuccess) return;
-    if (e != cudaErrorNotReady) CK(e);
-    usleep(1000);
-  }
-  std::printf("HANG %s T=%d %s: still running after %d s\n", kind, T, causal ? "causal" : "full",
-              limit_ms / 1000);
-  std::fflush(stdout);
-  std::_Exit(3);
-}
+static const char* kName[] = {"wgmma kDq 2",  "mma.sync fused", "wgmma no pp", "wgmma 2 st",
+                              "wgmma red.v4", "wgmma no dQ",    "defer 3 st",  "defer 4 st",
+                              "defer no pp",  "defer red.v4",   "dq128 3 st",  "dq128 4 st",
+                              "dq128 2 st",   "persist 3 st",   "persist 2 st"};
+static const int kKinds = 15;
 
-static const char* kName[] = {"wgmma kDq 2",  "mma.sync fused", "wgmma no pp",  "wgmma 2 st",
-                              "wgmma red.v4", "wgmma no dQ",    "defer 3 st",   "defer 4 st",
-                              "defer no pp",  "defer red.v4",   "dq128 3 st",   "dq128 4 st",
-                              "dq128 2 st",   "persist 3 st",   "persist 2 st", "persist dq"};
-static const int kKinds = 16;
-
-// blocks: of a persistent kind's grid (0: one per SM, as the library: at these sizes one item a
-// block, most of them waiting on other blocks for kind 15; 3: each block walks several items)
-static void check(int kind, int blocks) {
-  g_blocks = blocks;
+static void check(int kind) {
+  // persistent kinds: 3 blocks, so each walks several items (the library runs one per SM)
+  g_blocks = kind >= 13 ? 3 : 0;
   const int Ts[] = {1, 7, 64, 100, 200, 1024};
   for (int T : Ts) {
     for (int causal = 0; causal < 2; ++causal) {
@@ -150,7 +115,7 @@ static void check(int kind, int blocks) {
       float* acc = dmalloc<float>(no);
       poison(packed, nx * 2), poison(acc, no * 4);
       const bool ok = run_bwd(kind, pr, acc, packed, packed + HD, packed + 2 * HD, 3 * HD);
-      sync_or_exit(kName[kind], T, causal);
+      CK(cudaDeviceSynchronize());
       double e[3] = {INFINITY, INFINITY, INFINITY};
       if (ok) {
         auto hp = hcopy(packed, nx);
@@ -163,8 +128,8 @@ static void check(int kind, int blocks) {
       }
       const bool pass = e[0] <= 3e-2 && e[1] <= 3e-2 && e[2] <= 3e-2;
       g_fail += pass ? 0 : 1;
-      std::printf("check %-16s T=%-5d %-6s blocks %-3d dq %.2e dk %.2e dv %.2e  %s\n", kName[kind],
-                  T, causal ? "causal" : "full", blocks, e[0], e[1], e[2], pass ? "PASS" : "FAIL");
+      std::printf("check %-16s T=%-5d %-6s dq %.2e dk %.2e dv %.2e  %s\n", kName[kind], T,
+                  causal ? "causal" : "full", e[0], e[1], e[2], pass ? "PASS" : "FAIL");
       CK(cudaFree(packed));
       CK(cudaFree(acc));
       pr.release();
@@ -175,9 +140,8 @@ static void check(int kind, int blocks) {
 
 // The persistent kernel at the timing shape (B16 H12 T1024, more items than SMs) against the
 // one-item-per-block kernel (kind 10) on the same inputs: dk, dv bitwise equal (the same sums in
-// the same order), dq_acc within 1e-5 of max |dq_acc| (its adds land in another order; kind 15,
-// whose dq_acc is scratch: dq within 8e-3 of max |dq|, about two bf16 steps); with the library's
-// grid and with 7 blocks.
+// the same order), dq_acc within 1e-5 of max |dq_acc| (its adds land in another order); with the
+// library's grid and with 7 blocks.
 static void compare_persistent() {
   const int B = 16, H = 12, T = 1024, HD = H * 64;
   for (int causal = 0; causal < 2; ++causal) {
@@ -193,12 +157,12 @@ static void compare_persistent() {
     const auto href = hcopy(ref, nx);
     const auto aref = hcopy(acc_ref, no);
     for (int blocks : {0, 7}) {
-      for (int kind : {13, 14, 15}) {
+      for (int kind : {13, 14}) {
         poison(got, nx * 2), poison(acc_got, no * 4);
         g_blocks = blocks;
         run_bwd(kind, big, acc_got, got, got + HD, got + 2 * HD, 3 * HD);
         g_blocks = 0;
-        sync_or_exit(kName[kind], T, causal);
+        CK(cudaDeviceSynchronize());
         const auto hg = hcopy(got, nx);
         const auto ag = hcopy(acc_got, no);
         size_t kv_diff = 0;  // dk, dv elements (slots 1, 2 of each packed row) not bitwise equal
@@ -207,26 +171,18 @@ static void compare_persistent() {
           if (is_kv && std::memcmp(&hg[i], &href[i], sizeof(T16)) != 0) ++kv_diff;
         }
         double amax = 0, dmax = 0;
-        if (kind == 15) {  // dq (slot 0 of each packed row)
-          for (size_t i = 0; i < nx; ++i) {
-            if ((i / HD) % 3 != 0) continue;
-            amax = std::max(amax, std::fabs(double(bf2f(href[i]))));
-            const double d = std::fabs(double(bf2f(hg[i])) - double(bf2f(href[i])));
-            dmax = std::isnan(d) ? INFINITY : std::max(dmax, d);
-          }
-        } else {
-          for (size_t i = 0; i < no; ++i) {
-            amax = std::max(amax, std::fabs(double(aref[i])));
-            const double d = std::fabs(double(ag[i]) - double(aref[i]));
-            dmax = std::isnan(d) ? INFINITY : std::max(dmax, d);
-          }
+        for (size_t i = 0; i < no; ++i) {
+          amax = std::max(amax, std::fabs(double(aref[i])));
+          const double d = std::fabs(double(ag[i]) - double(aref[i]));
+          dmax = std::isnan(d) ? INFINITY : std::max(dmax, d);
         }
         const double e = dmax / amax;
-        const bool pass = kv_diff == 0 && e <= (kind == 15 ? 8e-3 : 1e-5);
+        const bool pass = kv_diff == 0 && e <= 1e-5;
         g_fail += pass ? 0 : 1;
-        std::printf("compare %-12s blocks %-3d B%d H%d T%d %-6s dk/dv differing %zu, %s %.2e  %s\n",
-                    kName[kind], blocks, B, H, T, causal ? "causal" : "full", kv_diff,
-                    kind == 15 ? "dq" : "dq_acc", e, pass ? "PASS" : "FAIL");
+        std::printf(
+            "compare %-12s blocks %-3d B%d H%d T%d %-6s dk/dv differing %zu, dq_acc %.2e  %s\n",
+            kName[kind], blocks, B, H, T, causal ? "causal" : "full", kv_diff, e,
+            pass ? "PASS" : "FAIL");
       }
     }
     CK(cudaFree(ref));
@@ -273,8 +229,6 @@ int main(int argc, char** argv) {
   attrs("(kDq 2)", bt::cuda::attn_bwd_sm90_ws<T16, 64, 2, 3, 2, true, false, false>);
   attrs("(library: kDq 3, defer)", bt::cuda::attn_bwd_sm90_ws<T16, 64, 2, 3, 3, true, true, false>);
   attrs("(persistent)", bt::cuda::attn_bwd_sm90_ws<T16, 64, 2, 3, 3, true, true, true>);
-  attrs("(library: persistent, dq in the kernel)",
-        bt::cuda::attn_bwd_sm90_ws<T16, 64, 2, 3, 4, true, true, true>);
   bool do_check = true, do_bench = true, do_compare = true;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--bench")) do_check = false;
@@ -283,9 +237,7 @@ int main(int argc, char** argv) {
   }
   if (do_check) {
     for (int kind = 0; kind < kKinds; ++kind) {
-      if (kind == 5 || !harness_selected(kName[kind])) continue;
-      check(kind, kind >= 13 ? 3 : 0);
-      if (kind == 15) check(kind, 0);
+      if (kind != 5 && harness_selected(kName[kind])) check(kind);
     }
     if (do_compare && harness_selected("persist")) compare_persistent();
   }

@@ -199,11 +199,11 @@ static void launch_pre(int v, const Problem& pr, float* dvec) {
     attn_bwd_preprocess<T16, float>
         <<<unsigned(ceil_div(rows, kV1Warps)), kV1Warps * 32>>>(p, pr.dor, pr.dg, pr.ddlse, dvec);
   } else if (pr.D / 8 <= 8) {
-    attn_bwd_preprocess_v2<T16, float, 8><<<unsigned(ceil_div(rows * 8, 256)), 256>>>(
-        p, pr.dor, pr.dg, pr.ddlse, dvec, nullptr, nullptr, 0);
+    attn_bwd_preprocess_v2<T16, float, 8>
+        <<<unsigned(ceil_div(rows * 8, 256)), 256>>>(p, pr.dor, pr.dg, pr.ddlse, dvec, nullptr);
   } else {
-    attn_bwd_preprocess_v2<T16, float, 16><<<unsigned(ceil_div(rows * 16, 256)), 256>>>(
-        p, pr.dor, pr.dg, pr.ddlse, dvec, nullptr, nullptr, 0);
+    attn_bwd_preprocess_v2<T16, float, 16>
+        <<<unsigned(ceil_div(rows * 16, 256)), 256>>>(p, pr.dor, pr.dg, pr.ddlse, dvec, nullptr);
   }
   CK(cudaGetLastError());
 }

@@ -434,11 +434,11 @@ def test_fused_backward_more_blocks_than_sms(rng, causal, layout):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fused_backward_graph_replay(rng, causal):
-    """The bf16 D 64 forward and backward captured in one CUDA graph (on Hopper the backward is a
-    cooperative launch whose per-tile counters the Dvec preprocess zeroes on every replay), then
-    replayed on three fresh sets of inputs: float64 reference each time, dk / dv bitwise equal to
-    an eager run on the same inputs, dq within two bf16 steps of it (its sums land in any
-    order)."""
+    """The bf16 D 64 forward and backward captured in one CUDA graph (the Dvec preprocess zeroing
+    the float32 dQ accumulator, the persistent backward on Hopper, the dq conversion, all from the
+    graph's pool), then replayed on three fresh sets of inputs: float64 reference each time, dk /
+    dv bitwise equal to an eager run on the same inputs, dq within two bf16 steps of it (its sums
+    land in any order)."""
     B, H, T, D = 2, 8, 512, 64
     dtype = bt.bfloat16
 

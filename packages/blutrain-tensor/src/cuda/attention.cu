@@ -138,17 +138,14 @@ __global__ void __launch_bounds__(kV1Warps * 32)
 // bf16 runs 4 rows per warp), 16-byte loads of VW = 16 / sizeof(T) elements.  Needs D % VW == 0
 // and 16-byte aligned rows of o and do.  With acc_zero (the fused backward's float32 dq_acc,
 // (B, H, L, D) contiguous, D % 4 == 0) it also zeroes the row's accumulator: one launch and one
-// pass instead of a separate memset.  sem_zero: nsem (<= the rows) int32 counters zeroed, one a
-// thread.
+// pass instead of a separate memset.
 template <typename T, typename A, int kLpr>
 __global__ void __launch_bounds__(256)
     attn_bwd_preprocess_v2(AttnParams p, const T* o, const T* g, const A* dlse, A* dvec,
-                           float* acc_zero, int* sem_zero, int64_t nsem) {
+                           float* acc_zero) {
   constexpr int VW = 16 / sizeof(T);
   const int sub = threadIdx.x % kLpr;
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
-  if (sem_zero && tid < nsem) sem_zero[tid] = 0;
-  const int64_t row_id = tid / kLpr;
+  const int64_t row_id = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) / kLpr;
   const bool ok = row_id < static_cast<int64_t>(p.B) * p.H * p.L;
   A s = 0;
   int b = 0, h = 0, i = 0;
@@ -1048,19 +1045,14 @@ void launch_bwd_v2(const AttnParams& p, const T* q, const T* k, const T* v, cons
 
 // The one-kernel backward: dq_acc (B, H, L, D) float32, zeroed by the caller (launch_preprocess)
 // on the stream.  On Hopper (sm_90a builds, D 64) attention_sm90.cu's wgmma kernel runs in place
-// of attn_bwd_dkdv_v2<kDq>.  dq_sem (attn_bwd_sm90_dq_in_kernel): the caller zeroed these
-// counters instead of dq_acc, and the Hopper kernel writes dq itself (no conversion pass); should
-// it not launch, dq_acc is zeroed here for the fallback.
+// of attn_bwd_dkdv_v2<kDq>.
 template <typename T, int D>
 void launch_bwd_fused(const AttnParams& p, const T* q, const T* k, const T* v, const T* g,
-                      const float* lse, const float* dvec, float* dq_acc, int* dq_sem, T* dq, T* dk,
-                      T* dv, cudaStream_t st, const char* op) {
+                      const float* lse, const float* dvec, float* dq_acc, T* dq, T* dk, T* dv,
+                      cudaStream_t st, const char* op) {
   using C = V2Config<D>;
   const int64_t nacc = static_cast<int64_t>(p.B) * p.H * p.L * D;
-  if (attn_bwd_sm90<T>(p, q, k, v, g, lse, dvec, dq_acc, dq_sem, dq, dk, dv, st, op)) {
-    if (dq_sem) return;
-  } else {
-    if (dq_sem) BT_CUDA_CHECK(op, cudaMemsetAsync(dq_acc, 0, nacc * sizeof(float), st));
+  if (!attn_bwd_sm90<T>(p, q, k, v, g, lse, dvec, dq_acc, dk, dv, st, op)) {  // Hopper: wgmma
     constexpr int W = C::kFuWarps, Br = C::kFuBr, MT = C::kFuMT, Bc = 16 * MT * W;
     constexpr size_t smem = fused_smem<T, D, W, Br, MT>();
     auto kern = attn_bwd_dkdv_v2<T, D, W, Br, C::kFuFrag, C::kFuMinBlocks, MT, true, C::kFuGroupBh>;
@@ -1078,11 +1070,10 @@ unsigned v1_blocks(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, k
 
 // Dvec: the vectorised kernel when rows of o and do are 16-byte aligned, else v1.  acc_zero
 // (optional): a (B, H, L, D) float32 buffer zeroed on the way (by the vectorised kernel, else by a
-// memset); likewise sem_zero, nsem int32 counters.
+// memset).
 template <typename T, typename A>
 void launch_preprocess(const AttnParams& p, const T* o, const T* g, const A* dlse, A* dvec,
-                       float* acc_zero, int* sem_zero, int64_t nsem, cudaStream_t st,
-                       const char* op) {
+                       float* acc_zero, cudaStream_t st, const char* op) {
   constexpr int VW = 16 / sizeof(T);
   const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.L;
   const bool vec = p.D % VW == 0 && reinterpret_cast<uintptr_t>(o) % 16 == 0 &&
@@ -1094,15 +1085,13 @@ void launch_preprocess(const AttnParams& p, const T* o, const T* g, const A* dls
     if (acc_zero) {
       BT_CUDA_CHECK(op, cudaMemsetAsync(acc_zero, 0, rows * p.D * sizeof(float), st));
     }
-    if (sem_zero) BT_CUDA_CHECK(op, cudaMemsetAsync(sem_zero, 0, nsem * sizeof(int), st));
     return;
   }
   const int chunks = p.D / VW;
   auto go = [&](auto lpr) {
     constexpr int L = decltype(lpr)::value;
     const auto blocks = static_cast<unsigned>(ceil_div(rows * L, int64_t{256}));
-    attn_bwd_preprocess_v2<T, A, L>
-        <<<blocks, 256, 0, st>>>(p, o, g, dlse, dvec, acc_zero, sem_zero, nsem);
+    attn_bwd_preprocess_v2<T, A, L><<<blocks, 256, 0, st>>>(p, o, g, dlse, dvec, acc_zero);
     BT_CUDA_LAUNCH_CHECK(op);
   };
   if (chunks <= 4) {
@@ -1245,26 +1234,18 @@ void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector
            reinterpret_cast<uintptr_t>(dv) % 4 == 0;
     }
     // fused, dQ by float atomics into dq_acc (D 64 only: for D 128 the split measured faster);
-    // the preprocess zeroes dq_acc, or on Hopper (dq written by the kernel) the per-tile
-    // counters of Note [dQ in the kernel]
+    // the preprocess zeroes dq_acc
     const bool fused = tc && !deterministic_algorithms() && p.D == 64;
-    const bool dq_in_kernel = fused && attn_bwd_sm90_dq_in_kernel(p);
     Tensor acc =
         fused ? empty_tensor({p.B, p.H, p.L, p.D}, DType::Float32, out[0].device(), op) : Tensor();
-    // (Note [dQ in the kernel]: a counter per (head, 64-query tile), then one per head)
-    const int64_t nsem =
-        dq_in_kernel ? int64_t(p.B) * p.H * (ceil_div(int64_t(p.L), int64_t{64}) + 1) : 0;
-    Tensor sem = dq_in_kernel ? empty_tensor({nsem}, DType::Int32, out[0].device(), op) : Tensor();
     launch_preprocess<T, A>(p, o.data<T>(op), gp, dlse.data<A>(op), dvec.data<A>(op),
-                            fused && !dq_in_kernel ? acc.data<float>(op) : nullptr,
-                            dq_in_kernel ? sem.data<int32_t>(op) : nullptr, nsem, st, op);
+                            fused ? acc.data<float>(op) : nullptr, st, op);
     if constexpr (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) {
       if (tc) {
         const float* lp = lse.data<float>(op);
         const float* dp = dvec.data<float>(op);
         if (fused) {
-          launch_bwd_fused<T, 64>(p, qp, kp, vp, gp, lp, dp, acc.data<float>(op),
-                                  dq_in_kernel ? sem.data<int32_t>(op) : nullptr, dq, dk, dv, st,
+          launch_bwd_fused<T, 64>(p, qp, kp, vp, gp, lp, dp, acc.data<float>(op), dq, dk, dv, st,
                                   op);
           return;
         }

@@ -61,16 +61,12 @@ bool attn_fwd_sm90_supported(const AttnParams& p);
 template <typename T>
 void attn_fwd_sm90(const AttnParams& p, const T* q, const T* k, const T* v, T* o, float* lse,
                    cudaStream_t st, const char* op);
-// Hopper backward (D 64): dK, dV into dk / dv.  dQ: with dq_sem null, added into the zeroed
-// float32 dq_acc (B, H, L, D) for attn_bwd_dq_convert; with dq_sem (B H (ceil(L / 64) + 1)
-// zeroed int32 counters) written to dq by the kernel, dq_acc (not zeroed) its scratch (Note [dQ
-// in the kernel], attention_sm90.cu).  False (nothing launched) where it does not apply.
-// dq_in_kernel: whether the dq_sem form applies to p (BT_ATTN_SM90_DQ=0 turns it off).
-bool attn_bwd_sm90_dq_in_kernel(const AttnParams& p);
+// Hopper backward (D 64): dK, dV into dk / dv, dQ added into the zeroed float32 dq_acc (B, H, L,
+// D) for attn_bwd_dq_convert.  False (nothing launched) where it does not apply.
 template <typename T>
 bool attn_bwd_sm90(const AttnParams& p, const T* q, const T* k, const T* v, const T* g,
-                   const float* lse, const float* dvec, float* dq_acc, int* dq_sem, T* dq, T* dk,
-                   T* dv, cudaStream_t st, const char* op);
+                   const float* lse, const float* dvec, float* dq_acc, T* dk, T* dv,
+                   cudaStream_t st, const char* op);
 
 namespace {
 

@@ -285,22 +285,6 @@ __device__ __forceinline__ void mbar_arrive_tx(uint64_t* bar, uint32_t bytes) {
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
-// Whether the phase of parity `parity` has completed (waiting a while first, as the hardware sees
-// fit).
-__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-#ifdef BT_SM90_WGMMA
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(smem_u32(bar)), "r"(parity)
-      : "memory");
-#else
-  __trap();
-#endif
-  return done != 0;
-}
 // Spins until the phase of parity `parity` has completed.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 #ifndef BT_SM90_WGMMA
@@ -365,54 +349,6 @@ __device__ __forceinline__ void tma_reduce_add3(const void* src, const CUtensorM
       : "memory");
 #endif
 }
-// The reverse of tma_reduce_add3: a plain store of the box (bulk group as above).
-__device__ __forceinline__ void tma_store3(const void* src, const CUtensorMap* map, int c0, int c1,
-                                           int c2) {
-#ifdef BT_SM90_WGMMA
-  asm volatile(
-      "cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group"
-      " [%0, {%2, %3, %4}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
-      "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-#endif
-}
-// One box of a 3-d tensor map into shared memory; completion counted on `bar` (in bytes).
-__device__ __forceinline__ void tma_load3(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
-                                          int c1, int c2) {
-#ifdef BT_SM90_WGMMA
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-#endif
-}
-// Global-memory flags between blocks: an acquire load (spun on); relaxed adds after an acq_rel
-// fence (a release).  The proxy fence orders this thread's generic accesses with its bulk (async
-// proxy) copies of global memory.
-__device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
-  int v = 0;
-#ifdef BT_SM90_WGMMA
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
-#endif
-  return v;
-}
-__device__ __forceinline__ void red_relaxed_gpu_add(int* ptr, int v) {
-#ifdef BT_SM90_WGMMA
-  asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
-#endif
-}
-// With fence_acq_rel_gpu before relaxed adds: a release of everything this thread wrote.
-__device__ __forceinline__ void fence_acq_rel_gpu() {
-#ifdef BT_SM90_WGMMA
-  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void fence_proxy_async_global() {
-#ifdef BT_SM90_WGMMA
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-#endif
-}
 __device__ __forceinline__ void bulk_commit() {
 #ifdef BT_SM90_WGMMA
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
@@ -440,14 +376,6 @@ __device__ __forceinline__ void st_shared_v2f(uint32_t addr, float a, float b) {
 __device__ __forceinline__ float2 ld_shared_v2f(uint32_t addr) {
   float2 v;
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ float4 ld_shared_v4f(uint32_t addr) {
-  float4 v;
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(addr)
-               : "memory");
   return v;
 }
 
@@ -916,8 +844,7 @@ constexpr int kBwdProducerRegs = 40, kBwdConsumerRegs = 232;
 //   warpgroup's 64 keys), added to dq_acc: kDq 1 by red.global.add.v4 from registers, kDq 2
 //   through shared memory and a TMA reduce-add issued by one thread (the consumers do not wait
 //   for it), kDq 3 (the default) as kDq 2 but over the block's 128 keys by one warpgroup per tile
-//   (Note [deferred dQ]), kDq 4 (the causal default) as kDq 3, a dq warp ordering the parts and
-//   writing dq (Note [dQ in the kernel]); kDq 0 skips it (timing only: wrong dq).
+//   (Note [deferred dQ]); kDq 0 skips it (timing only: wrong dq).
 // sDS (and kDq 2's buffer) are double-buffered: the warpgroup barrier of tile i (before its dQ
 // wgmma) orders every warp's reads of tile i - 1's buffer before anyone writes it at tile i + 1.
 // kPingPong: the warpgroups take turns issuing their GEMM batches (Note [ping-pong]).
@@ -952,38 +879,14 @@ constexpr int kBwdProducerRegs = 40, kBwdConsumerRegs = 232;
 // its dK, dV; without it every block starts on an empty pipeline and ends on a drained one.
 // Every parity (ring slot and phase, dS^T buffer, kDq 3's owner and sXq buffer) follows the ring
 // position, so the ordering arguments above hold across items unchanged; an item's last dQ turn
-// sits between its last tile and the next item's first, like a tile's first turn.
-// Note [dQ in the kernel]: kDq 4 is kDq 3 (persistent) with dq written by the kernel, so the
-// float32 dq_acc needs neither zeroing beforehand nor a conversion pass after (together ~0.03 ms
-// of memory traffic at B16 H12 T1024).  The warpgroups hand each dQ part through their two sXq
-// buffers (xq_full / xq_empty mbarriers) to a dq warp (the producer warpgroup's second warp), which
-// walks the ring positions as the producer does.  Query tile i of head bh receives one part from
-// each key block kb that reaches it (causal: kb <= i / 2; nc of them), ordered by counters that
-// the Dvec preprocess zeroes: first_done[bh] (the kb 0 item's parts all landed) and cnt[bh, i]
-// (middle parts landed):
-//   nc == 1         the part, scaled, is dq: converted straight from sXq;
-//   kb == 0         TMA store of the part into dq_acc (so no zeroing);
-//   0 < kb < nc-1   wait for first_done, then TMA reduce-add;
-//   kb == nc - 1    wait for first_done and cnt == nc - 2, load the tile's sum of the other parts
-//                   from dq_acc (TMA, into sAcc), add its own, convert to dq.
-// The counters move once per item: at its end the dq warp waits for its bulk copies
-// (cp.async.bulk.wait_group 0), fences (proxy, then acq_rel: a release) and adds to first_done or
-// to the cnt of each tile it sent a middle part.  An item waits only at its start, all at once
-// (acquire loads, a lane a tile, then a proxy fence): for first_done and the cnt of each tile it
-// completes.  Its sums of the other parts are loaded into sAcc when the previous tile is done, so
-// the load runs while the warpgroups compute the part.  (A release per part, each waiting for its
-// copy, and a wait per tile made the dq warp the bottleneck: 0.299 against 0.283 ms causal,
-// 0.581 against 0.475 full; this warp also polls its mbarriers with pauses, its issue slots being
-// the consumers'.)  A sXq buffer is released once the copy reading it is one part old.  Waits are
-// only for items of lower index (smaller kb, same head), every block takes its items in
-// increasing index and signals an item before it starts the next, so with every block resident
-// (a cooperative launch) the waits end; in the snake order of Note [persistent backward] the
-// awaited items are ~1.5 rounds older, so at GPT-2's shape nobody waits.  The sum order still
-// varies run to run (not deterministic, as before).  Measured (session 17, bench/
-// attn_sm90_bwd_check, B16 H12 T1024; kDq 3 with its memset and conversion): causal 0.275 against
-// 0.281 ms; non-causal 0.499 against 0.469 (every tile's last part is in the last key block's
-// items, whose dq warp then converts one tile per tile), so the library runs kDq 4 for causal
-// attention only (attn_bwd_sm90_dq_in_kernel).
+// sits between its last tile and the next item's first, like a tile's first turn.  Tried and
+// not kept (session 17, commit 59bcac1): the producer warpgroup's idle second warp taking each dQ
+// part and ordering a query tile's parts across blocks with counters in global memory (key block
+// 0 stores its part, so dq_acc needs no zeroing; the last part's item loads the others' sum, adds
+// its own and writes dq, so no conversion pass), under a cooperative launch.  Memset + kernel +
+// conversion against counters' memset + kernel: causal 0.281 / 0.284 / 0.282 ms against 0.275 /
+// 0.282 / 0.280 (three runs), full 0.469-0.474 against 0.499-0.503: about 1% for ~300 lines of
+// waits between blocks (a hang if the protocol ever breaks), so kDq 3 stays.
 template <typename T, int D, int kWG, int kStages, int kDq, bool kPingPong, bool kDefer,
           bool kPersist>
 __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_regs(kWG, 1))
@@ -992,8 +895,7 @@ __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_r
                      const __grid_constant__ CUtensorMap tg,
                      const __grid_constant__ CUtensorMap tacc, const TmaOrder ord,
                      const float* __restrict__ lse, const float* __restrict__ dvec,
-                     T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_acc,
-                     T* __restrict__ dq_out, int* __restrict__ dq_sem) {
+                     T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_acc) {
   static_assert(D == 64, "attn_bwd_sm90: D 64 (D 128 would not fit the registers)");
   constexpr int kBr = 64, kBc = 64 * kWG, KS = D / 16, kQTile = kBr * D;
   constexpr int kKvBufs = kPersist ? 2 : 1;  // K, V buffers (Note [persistent backward])
@@ -1009,25 +911,16 @@ __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_r
   // kDq 2: per warpgroup 2 buffers of the 64 x 64 float dQ part (1024-aligned: after sDS), as two
   // 64 x 32 panels in the 128-byte swizzle (conflict-free float2 stores, the TMA box layout)
   float* sXq = reinterpret_cast<float*>(sDS + kWG * 2 * 64 * kBr);
-  static_assert(kDq < 3 || (kDefer && kPingPong && kWG == 2),
-                "kDq 3, 4: deferred, ping-pong, 2 WG");
-  static_assert(kDq != 4 || kPersist, "kDq 4: persistent (its blocks wait on each other)");
+  static_assert(kDq != 3 || (kDefer && kPingPong && kWG == 2), "kDq 3: deferred, ping-pong, 2 WG");
   constexpr bool kTmaDq = kDq >= 2;  // dQ parts through shared memory and TMA reduce-adds
-  // kDq 4: one more 64 x 64 float buffer, the dq warp's copy of a finished dq_acc tile
-  float* sAcc = sXq + kWG * 2 * 64 * 64;
   if constexpr (kTmaDq) {
-    sL = sXq + kWG * 2 * 64 * 64 + (kDq == 4 ? 64 * 64 : 0);
+    sL = sXq + kWG * 2 * 64 * 64;
     sDv = sL + kStages * kBr;
     full = reinterpret_cast<uint64_t*>(sDv + kStages * kBr);
   }
   uint64_t* empty = full + kStages;
   uint64_t* kvfull = empty + kStages;  // kKvBufs each
   uint64_t* kvempty = kvfull + kKvBufs;
-  // kDq 4 (Note [dQ in the kernel]): per sXq buffer (warpgroup w's buffer c at 2 w + c) full /
-  // empty between its warpgroup and the dq warp, and the dq warp's tile loads
-  uint64_t* xq_full = kvempty + kKvBufs;
-  uint64_t* xq_empty = xq_full + 2 * kWG;
-  uint64_t* xq_load = xq_empty + 2 * kWG;
   // Work items (bh, key block) in order key block 0 (causal: the most query tiles) of every head
   // first.  One item per block: grid (B H, key blocks); kPersist: one block per SM, block i taking
   // items i, 2G - 1 - i, 2G + i, ... (the forward's snake, Note [persistent forward]).
@@ -1054,13 +947,6 @@ __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_r
       mbar_init(kvfull + i, 1);
       mbar_init(kvempty + i, kWG * 128);
     }
-    if constexpr (kDq == 4) {
-      for (int i = 0; i < 2 * kWG; ++i) {
-        mbar_init(xq_full + i, 128);  // every thread of the owning warpgroup
-        mbar_init(xq_empty + i, 32);  // the dq warp's lanes (each after its own reads)
-      }
-      mbar_init(xq_load, 1);
-    }
     mbar_init_fence();
   }
   __syncthreads();  // the last block-wide barrier
@@ -1068,147 +954,7 @@ __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_r
   if (threadIdx.x >= kWG * 128) {  // ---- producer warp
     if constexpr (kDefer) {
       regs_dec<kBwdProducerRegs>();
-      // one warp of the producer warpgroup loads; with kDq 4 the next one is the dq warp
-      if (threadIdx.x >= kWG * 128 + (kDq == 4 ? 64 : 32)) return;
-      if (kDq == 4 && threadIdx.x >= kWG * 128 + 32) {  // ---- dq warp (Note [dQ in the kernel])
-        // Control flow is warp-uniform; lane 0 alone issues and waits for the bulk copies.
-        const int lane = threadIdx.x % 32;
-        const float sc = static_cast<float>(p.scale);
-        const bool dq16 = reinterpret_cast<uintptr_t>(dq_out) % 16 == 0 && p.dg.dq_b % 8 == 0 &&
-                          p.dg.dq_h % 8 == 0 && p.dg.dq_l % 8 == 0;
-        int* const first_done = dq_sem + static_cast<int64_t>(BH) * i_end;  // per head
-        // key blocks adding to query tile i (causal: those starting at or below it)
-        auto parts = [&](int i) { return p.causal ? min(nkv, i / 2 + 1) : nkv; };
-        // The buffer the newest bulk copy (lane 0's) may still be reading, back to its warpgroup
-        // once the reads are done.  Every lane arrives on xq_empty, after a warp barrier:
-        // racecheck follows each thread's own arrive -> wait edge, not one lane's for the warp.
-        int held = -1;
-        auto release_held = [&] {
-          if (held >= 0) {
-            if (lane == 0) bulk_wait_read<0>();
-            __syncwarp();
-            mbar_arrive(xq_empty + held);
-            held = -1;
-          }
-        };
-        // Waits (the whole warp) until every lane's *ctr >= need (null ctr: no condition);
-        // then lane 0's bulk copies may read what the counters cover.
-        auto wait_for = [&](const int* ctr, int need) {
-          while (!__all_sync(0xffffffffu, !ctr || ld_acquire_gpu(ctr) >= need)) {
-            release_held();
-            __nanosleep(128);
-          }
-          __syncwarp();
-          if (lane == 0) fence_proxy_async_global();
-        };
-        // mbar_wait, polling slowly: this warp is never the critical path, and its issue slots
-        // belong to the consumer warps beside it
-        auto lazy_wait = [&](uint64_t* bar, uint32_t parity) {
-          while (!mbar_try_wait(bar, parity)) __nanosleep(100);
-        };
-        uint32_t load_parity = 0;
-        int gt = 0;  // ring position, as the producer counts it
-        for (int n = 0;; ++n) {
-          const int item = item_at(n);
-          if (item < 0) break;
-          const int bh = item % BH, b = bh / p.H, h = bh % p.H, kb = item / BH;
-          const bool first = kb == 0;
-          bool copied = false;
-          if (!first) {  // the item's waits, all at its start: the first item's parts landed, and
-                         // for each tile it completes, every middle part (a lane a tile)
-            wait_for(first_done + bh, 1);
-            for (int i0 = item_begin(item); i0 < i_end; i0 += 32) {
-              const int i = i0 + lane, nc = i < i_end ? parts(i) : 0;
-              const bool gate = i < i_end && kb == nc - 1 && nc > 2;
-              wait_for(gate ? dq_sem + static_cast<int64_t>(bh) * i_end + i : nullptr, nc - 2);
-            }
-          }
-          for (int i = item_begin(item); i < i_end; ++i, ++gt) {
-            const int xb = (gt & 1) * 2 + ((gt >> 1) & 1);  // owner warpgroup gt % 2, its buffer
-            float* xq = sXq + xb * 64 * 64;
-            const int q0 = i * kBr, nc = parts(i);
-            const bool last = kb == nc - 1 && nc > 1;
-            if (last && lane == 0) {  // the other parts' sum into sAcc while the part is computed
-              fence_proxy_async();    // (after the warp's reads of sAcc for the previous tile)
-              mbar_arrive_tx(xq_load, 64 * 64 * sizeof(float));
-              tma_load3(sAcc, &tacc, xq_load, 0, q0, bh);
-              tma_load3(sAcc + 2048, &tacc, xq_load, 32, q0, bh);
-            }
-            lazy_wait(xq_full + xb, (gt >> 2) & 1);
-            if (nc > 1 && !last) {  // first or middle part: into dq_acc
-              if (lane == 0) {
-                if (first) {
-                  tma_store3(xq, &tacc, 0, q0, bh);
-                  tma_store3(xq + 2048, &tacc, 32, q0, bh);
-                } else {
-                  tma_reduce_add3(xq, &tacc, 0, q0, bh);
-                  tma_reduce_add3(xq + 2048, &tacc, 32, q0, bh);
-                }
-                bulk_commit();
-                if (held >= 0) bulk_wait_read<1>();  // the previous copy's reads
-              }
-              __syncwarp();
-              if (held >= 0) mbar_arrive(xq_empty + held);  // its buffer, one part later
-              held = xb;
-              copied = true;
-              continue;
-            }
-            release_held();
-            if (last) {  // every other part summed in dq_acc, in sAcc
-              lazy_wait(xq_load, load_parity);
-              load_parity ^= 1;
-            }
-            // dq rows q0 + r, 8 columns 8 j a lane: chunks 2 (j % 4), + 1 of panel j / 4 (the
-            // TMA box layout of sXq and sAcc)
-            const uint32_t xs = smem_u32(xq), as = smem_u32(sAcc);
-            for (int u = lane; u < 64 * 8; u += 32) {
-              const int r = u >> 3, j = u & 7, c0 = 2 * (j & 3);
-              if (q0 + r >= p.L) break;
-              const uint32_t o0 = (j >> 2) * 8192 + r * 128 + ((c0 ^ (r & 7)) << 4);
-              const uint32_t o1 = (j >> 2) * 8192 + r * 128 + (((c0 + 1) ^ (r & 7)) << 4);
-              // (one chunk at a time: the producer warpgroup has 40 registers a thread)
-              auto chunk = [&](uint32_t o, uint32_t& lo, uint32_t& hi) {
-                float4 x = ld_shared_v4f(xs + o);
-                if (last) {
-                  const float4 a = ld_shared_v4f(as + o);
-                  x.x += a.x, x.y += a.y, x.z += a.z, x.w += a.w;
-                }
-                lo = pack2<T>(x.x * sc, x.y * sc), hi = pack2<T>(x.z * sc, x.w * sc);
-              };
-              uint32_t w0, w1, w2, w3;
-              chunk(o0, w0, w1);
-              chunk(o1, w2, w3);
-              T* dst = dq_out + p.dg.dq(b, h, q0 + r) + 8 * j;
-              if (dq16) {
-                *reinterpret_cast<uint4*>(dst) = make_uint4(w0, w1, w2, w3);
-              } else {
-                uint32_t* d32 = reinterpret_cast<uint32_t*>(dst);
-                d32[0] = w0, d32[1] = w1, d32[2] = w2, d32[3] = w3;
-              }
-            }
-            __syncwarp();
-            mbar_arrive(xq_empty + xb);
-          }
-          // The item's parts in dq_acc: once all its copies are done, one release, then its
-          // counters (first_done, or cnt of each tile it added a middle part to).
-          if (copied) release_held();
-          if (copied && lane == 0) {
-            bulk_wait_all();
-            fence_proxy_async_global();
-            fence_acq_rel_gpu();
-            if (first) {
-              red_relaxed_gpu_add(first_done + bh, 1);
-            } else {
-              for (int i = item_begin(item); i < i_end; ++i) {
-                const int nc = parts(i);
-                if (kb < nc - 1)
-                  red_relaxed_gpu_add(dq_sem + static_cast<int64_t>(bh) * i_end + i, 1);
-              }
-            }
-          }
-        }
-        return;
-      }
+      if (threadIdx.x >= kWG * 128 + 32) return;  // one warp of the producer warpgroup works
     }
     const int lane = threadIdx.x - kWG * 128;
     int gt = 0;  // ring position: the block's query tiles counted across items
@@ -1307,21 +1053,6 @@ __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_r
         red_add_c_tile(dst + 8 * n, dq[4 * n], dq[4 * n + 1], dq[4 * n + 2], dq[4 * n + 3], odd,
                        qq < p.L);
       }
-    } else if constexpr (kDq == 4) {
-      // buffer (gi >> 1) % 2 of this warpgroup, as kDq 3; the dq warp takes it from here
-      const int xb = wg * 2 + ((gi >> 1) & 1);
-      if (gi >= 4) mbar_wait(xq_empty + xb, ((gi >> 2) - 1) & 1);  // its previous use done
-      const uint32_t xq = smem_u32(sXq) + xb * 64 * 64 * sizeof(float);
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        const uint32_t off = xq + xq_thr + (n >> 2) * 8192 + (tg16 ^ ((n & 3) << 5));
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          st_shared_v2f(off + r * 1024, dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
-        }
-      }
-      fence_proxy_async();  // (the dq warp's bulk copies read it)
-      mbar_arrive(xq_full + xb);
     } else if constexpr (kTmaDq) {
       // kDq 3: a warpgroup stores every other tile's part (its buffers alternate per store)
       const int buf = kDq == 3 ? (gi >> 1) & 1 : gi & 1;
@@ -1361,7 +1092,7 @@ __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_r
   // both warpgroups' dS^T and all of sK.
   constexpr uint32_t kDsBuf = 64 * kBr * sizeof(T) / 16;  // one dS^T buffer, descriptor units
   auto issue_dq = [&](int buf) {
-    if constexpr (kDq >= 3) {
+    if constexpr (kDq == 3) {
       const uint64_t dds = sw128_desc(smem_u32(sDS), 64 * 128, 1024) + buf * kDsBuf;
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk) {
@@ -1379,7 +1110,7 @@ __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_r
   };
   // Whether this warpgroup computes and stores the dQ part of the tile at ring position gi (kDq 3:
   // positions of its parity).
-  auto dq_mine = [&](int gi) { return kDq < 3 || (gi & 1) == wg; };
+  auto dq_mine = [&](int gi) { return kDq != 3 || (gi & 1) == wg; };
   // The item's query tile it, at ring position gi = gbase + it (slots, phases and every buffer
   // parity follow gi, so they alternate across items too).  kDefer (Note [deferred dQ]):
   // `pending` = the previous tile's dQ GEMM not issued yet; it runs beside this tile's S^T, dP^T
@@ -1461,7 +1192,7 @@ __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_r
     issue_pv_desc<T, D, kBr>(dva, pa, sw128_desc(g_addr, kBr * 128, 1024));  // dV += P^T dO
     issue_pv_desc<T, D, kBr>(dka, da, sw128_desc(q_addr, kBr * 128, 1024));  // dK += dS^T Q
     fence_proxy_async();  // sDS stores -> the wgmma (async proxy)
-    if constexpr (kTmaDq && kDq != 4) {
+    if constexpr (kTmaDq) {
       // the sXq buffer stored next (this tile's, or with kDefer the previous tile's at the next
       // tile) was last reduced two stores ago
       if (wl == 0) bulk_wait_read<1>();
@@ -1720,16 +1451,15 @@ template <typename T, int D, int kWG, int kStages, int kDq, bool kPersist>
 constexpr size_t sm90_bwd_smem() {
   constexpr int kKvBufs = kPersist ? 2 : 1;
   return (kKvBufs * 2 * 64 * kWG + 2 * kStages * 64 + kWG * 2 * 64) * D * sizeof(T) +
-         (2 * kStages * 64 + (kDq >= 2 ? kWG * 2 * 64 * 64 : 0) + (kDq == 4 ? 64 * 64 : 0)) *
-             sizeof(float) +
-         (2 * kStages + 2 * kKvBufs + (kDq == 4 ? 4 * kWG + 1 : 0)) * sizeof(uint64_t) + 1024;
+         (2 * kStages * 64 + (kDq >= 2 ? kWG * 2 * 64 * 64 : 0)) * sizeof(float) +
+         (2 * kStages + 2 * kKvBufs) * sizeof(uint64_t) + 1024;
 }
 
 template <typename T, int kWG, int kStages, int kDq = 1, bool kPingPong = false,
           bool kDefer = false, bool kPersist = false>
 bool launch_bwd_sm90_cfg(const AttnParams& p, const T* q, const T* k, const T* v, const T* g,
-                         const float* lse, const float* dvec, float* dq_acc, T* dk, T* dv, T* dq,
-                         int* dq_sem, cudaStream_t st, const char* op, int max_blocks = 0) {
+                         const float* lse, const float* dvec, float* dq_acc, T* dk, T* dv,
+                         cudaStream_t st, const char* op, int max_blocks = 0) {
   constexpr int D = 64, kBc = 64 * kWG;
   CUtensorMap tq, tk, tv, tg, tacc;
   TmaOrder ord{};
@@ -1741,7 +1471,6 @@ bool launch_bwd_sm90_cfg(const AttnParams& p, const T* q, const T* k, const T* v
     return false;
   }
   constexpr size_t smem = sm90_bwd_smem<T, D, kWG, kStages, kDq, kPersist>();
-  static_assert(smem <= 227 * 1024, "attn_bwd_sm90: more shared memory than a block can have");
   auto kern = attn_bwd_sm90_ws<T, D, kWG, kStages, kDq, kPingPong, kDefer, kPersist>;
   BT_CUDA_CHECK(op, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem)));
@@ -1752,62 +1481,30 @@ bool launch_bwd_sm90_cfg(const AttnParams& p, const T* q, const T* k, const T* v
     const int sms = max_blocks > 0 ? max_blocks : sm_count_current();  // (a harness sets fewer)
     grid = dim3(static_cast<unsigned>(sms > 0 ? std::min<int64_t>(items, sms) : items));
   }
-  if constexpr (kDq == 4) {
-    // Cooperative: every block resident at once, which the waits between blocks need (Note [dQ
-    // in the kernel]); one block fits an SM, so the grid of at most one per SM always launches.
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(bwd_threads(kWG, kDefer));
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = st;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeCooperative;
-    attr[0].val.cooperative = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    BT_CUDA_CHECK(op, cudaLaunchKernelEx(&cfg, kern, p, tq, tk, tv, tg, tacc, ord, lse, dvec, dk,
-                                         dv, dq_acc, dq, dq_sem));
-  } else {
-    kern<<<grid, bwd_threads(kWG, kDefer), smem, st>>>(p, tq, tk, tv, tg, tacc, ord, lse, dvec, dk,
-                                                       dv, dq_acc, dq, dq_sem);
-  }
+  kern<<<grid, bwd_threads(kWG, kDefer), smem, st>>>(p, tq, tk, tv, tg, tacc, ord, lse, dvec, dk,
+                                                     dv, dq_acc);
   BT_CUDA_LAUNCH_CHECK(op);
   return true;
 }
 
-bool attn_bwd_sm90_dq_in_kernel(const AttnParams& p) {
-  static const bool enabled = [] {
-    const char* e = std::getenv("BT_ATTN_SM90_DQ");
-    return !(e && e[0] == '0');
-  }();
-  // causal only: non-causal, every tile's last part sits in the last key block's items, whose dq
-  // warp then converts a tile per tile (B16 H12 T1024 full: 0.499 ms against 0.469 for kDq 3,
-  // memset and conversion included; causal 0.275 against 0.281, session 17)
-  return enabled && p.D == 64 && p.causal && attn_fwd_sm90_supported(p);
-}
-
 template <typename T>
 bool attn_bwd_sm90(const AttnParams& p, const T* q, const T* k, const T* v, const T* g,
-                   const float* lse, const float* dvec, float* dq_acc, int* dq_sem, T* dq, T* dk,
-                   T* dv, cudaStream_t st, const char* op) {
+                   const float* lse, const float* dvec, float* dq_acc, T* dk, T* dv,
+                   cudaStream_t st, const char* op) {
   if (p.D != 64 || !attn_fwd_sm90_supported(p)) return false;
-  if (dq_sem) {  // kDq 4: dq written by the kernel (Note [dQ in the kernel])
-    return launch_bwd_sm90_cfg<T, 2, 3, 4, true, true, true>(p, q, k, v, g, lse, dvec, dq_acc, dk,
-                                                             dv, dq, dq_sem, st, op);
-  }
   // kDq 3, 3 stages, ping-pong, persistent (Note [persistent backward]; B16 H12 T1024 causal,
   // memset + kernel + convert: 0.284 ms against 0.300 one item per block, session 16)
   return launch_bwd_sm90_cfg<T, 2, 3, 3, true, true, true>(p, q, k, v, g, lse, dvec, dq_acc, dk, dv,
-                                                           dq, nullptr, st, op);
+                                                           st, op);
 }
 template bool attn_bwd_sm90<__nv_bfloat16>(const AttnParams&, const __nv_bfloat16*,
                                            const __nv_bfloat16*, const __nv_bfloat16*,
                                            const __nv_bfloat16*, const float*, const float*, float*,
-                                           int*, __nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*,
-                                           cudaStream_t, const char*);
+                                           __nv_bfloat16*, __nv_bfloat16*, cudaStream_t,
+                                           const char*);
 template bool attn_bwd_sm90<__half>(const AttnParams&, const __half*, const __half*, const __half*,
-                                    const __half*, const float*, const float*, float*, int*,
-                                    __half*, __half*, __half*, cudaStream_t, const char*);
+                                    const __half*, const float*, const float*, float*, __half*,
+                                    __half*, cudaStream_t, const char*);
 
 template void attn_fwd_sm90<__nv_bfloat16>(const AttnParams&, const __nv_bfloat16*,
                                            const __nv_bfloat16*, const __nv_bfloat16*,
