@@ -379,6 +379,21 @@ __device__ __forceinline__ float2 ld_shared_v2f(uint32_t addr) {
   return v;
 }
 
+// The n-th of `count` work items this block runs, -1 past its last.  One item per block (a 2-d
+// grid): item blockIdx.y * gridDim.x + blockIdx.x at n = 0.  Persistent (one block per SM): block
+// i of G takes items i, 2G - 1 - i, 2G + i, ..., a snake that spreads the costly items, dealt
+// first, over every block (Note [persistent forward]).
+template <bool kPersistent>
+__device__ __forceinline__ int block_item(int n, int count) {
+  if constexpr (!kPersistent) {
+    return n == 0 ? static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x) : -1;
+  } else {
+    const int G = gridDim.x, i = blockIdx.x;
+    const int t = n * G + ((n & 1) ? G - 1 - i : i);
+    return t < count ? t : -1;
+  }
+}
+
 // Element offset of (row, 16-byte chunk c) in a panel-swizzled tile of R rows and D columns.
 template <int R>
 __device__ __forceinline__ int pswz(int row, int c) {
@@ -661,15 +676,7 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, k
   uint64_t* qempty = qfull + kQBufs;
   const int BH = p.B * p.H, nq = (p.L + kBr - 1) / kBr, ntiles = BH * nq;
   // The block's n-th tile (-1 past the last): tile t is query tile nq - 1 - t / BH of head t % BH.
-  auto tile_at = [&](int n) -> int {
-    if constexpr (!kPersistent) {
-      return n == 0 ? static_cast<int>(blockIdx.y) * BH + static_cast<int>(blockIdx.x) : -1;
-    } else {
-      const int G = gridDim.x, i = blockIdx.x;
-      const int t = n * G + ((n & 1) ? G - 1 - i : i);
-      return t < ntiles ? t : -1;
-    }
-  };
+  auto tile_at = [&](int n) { return block_item<kPersistent>(n, ntiles); };
   auto key_tiles = [&](int q0) { return ((p.causal ? min(q0 + kBr, p.S) : p.S) + kBc - 1) / kBc; };
 
   if (threadIdx.x == 0) {
@@ -925,15 +932,7 @@ __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_r
   // first.  One item per block: grid (B H, key blocks); kPersist: one block per SM, block i taking
   // items i, 2G - 1 - i, 2G + i, ... (the forward's snake, Note [persistent forward]).
   const int BH = p.B * p.H, nkv = (p.S + kBc - 1) / kBc, i_end = (p.L + kBr - 1) / kBr;
-  auto item_at = [&](int n) -> int {
-    if constexpr (!kPersist) {
-      return n == 0 ? static_cast<int>(blockIdx.y) * BH + static_cast<int>(blockIdx.x) : -1;
-    } else {
-      const int G = gridDim.x, i = blockIdx.x;
-      const int t = n * G + ((n & 1) ? G - 1 - i : i);
-      return t < BH * nkv ? t : -1;
-    }
-  };
+  auto item_at = [&](int n) { return block_item<kPersist>(n, BH * nkv); };
   // The item's head, first key and first query tile (causal: the tiles below its keys are skipped)
   auto item_k0 = [&](int item) { return item / BH * kBc; };
   auto item_begin = [&](int item) { return p.causal ? item_k0(item) / kBr : 0; };

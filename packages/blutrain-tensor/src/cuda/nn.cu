@@ -371,17 +371,8 @@ __global__ void __launch_bounds__(NW * 32)
   // every thread's group count stays in step with the loop).
   auto issue = [&](int64_t r, int slot) {
     if (r < R) {
-      const unsigned sl = ring + slot * slot_bytes;
-      const int64_t off = r * C;
-#pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        const int64_t c = v4_col<V, WPR>(j, gl);
-        if (c < C) {
-          const unsigned cb = static_cast<unsigned>(c * sizeof(T));
-          async_copy16(sl + cb, x + off + c);
-          if constexpr (kAdd) async_copy16(sl + row_bytes + cb, res + off + c);
-        }
-      }
+      ring_copy_row<V, NV, WPR>(ring + slot * slot_bytes, row_bytes, r * C, C, gl, x,
+                                kAdd ? res : nullptr);
     }
     async_commit();
   };

@@ -223,6 +223,18 @@ __device__ __forceinline__ void block_ms(A& m, A& s, A* scratch) {
 constexpr int kV3MaxPerLane = 96;
 constexpr int kV3Warps = 4;  // rows (warps) per block of the forward kernels
 
+// Whether rows of C elements of T are whole 16-byte words at every pointer of ptrs (nulls
+// skipped): C a multiple of 16 / sizeof(T) and each pointer 16-byte aligned.  The v3, v4 and v5
+// layouts all need it.
+template <typename T>
+inline bool rows_in_words16(int64_t C, std::initializer_list<const void*> ptrs) {
+  if (C <= 0 || C % static_cast<int64_t>(16 / sizeof(T)) != 0) return false;
+  for (const void* p : ptrs) {
+    if (p && (reinterpret_cast<uintptr_t>(p) & 15) != 0) return false;
+  }
+  return true;
+}
+
 // Runs f(ic<V>, ic<NV>) with the smallest supported NV covering a row of C, and returns true;
 // false (f not run) when v3 does not apply: 8-byte elements, C % V != 0, a misaligned pointer or
 // a row longer than MaxPerLane elements per lane (what fits in registers).
@@ -232,10 +244,7 @@ inline bool dispatch_v3(int64_t C, std::initializer_list<const void*> ptrs, F&& 
     return false;
   } else {
     constexpr int V = static_cast<int>(16 / sizeof(T));
-    if (C <= 0 || C % V != 0) return false;
-    for (const void* p : ptrs) {
-      if (p && (reinterpret_cast<uintptr_t>(p) & 15) != 0) return false;
-    }
+    if (!rows_in_words16<T>(C, ptrs)) return false;
     const int64_t nv = ceil_div(C, int64_t(32) * V);
     auto run = [&](auto nvtag) {
       constexpr int NV = decltype(nvtag)::value;
@@ -283,10 +292,7 @@ inline bool dispatch_v4(int64_t C, std::initializer_list<const void*> ptrs, F&& 
   } else {
     constexpr int V = static_cast<int>(16 / sizeof(T));
     constexpr int MaxNV = kV4MaxPerLane / V;
-    if (C <= 0 || C % V != 0) return false;
-    for (const void* p : ptrs) {
-      if (p && (reinterpret_cast<uintptr_t>(p) & 15) != 0) return false;
-    }
+    if (!rows_in_words16<T>(C, ptrs)) return false;
     const int64_t nvec = C / V;
     auto by_nv = [&](auto wtag) {
       constexpr int WPR = decltype(wtag)::value;
@@ -492,6 +498,25 @@ __device__ __forceinline__ void async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// The ring copy of the v6 kernels (layer-norm forward and backward): this lane's 16-byte words
+// (columns v4_col(j, gl)) of the row at element offset `off` of each source, source i into
+// [slot + i * row_bytes, ...) of shared memory; null sources are skipped.  The caller commits.
+template <int V, int NV, int WPR, typename T>
+__device__ __forceinline__ void ring_copy_row(unsigned slot, unsigned row_bytes, int64_t off,
+                                              int64_t C, int gl, const T* s0, const T* s1,
+                                              const T* s2 = nullptr) {
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = v4_col<V, WPR>(j, gl);
+    if (c < C) {
+      const unsigned cb = slot + static_cast<unsigned>(c * sizeof(T));
+      async_copy16(cb, s0 + off + c);
+      if (s1) async_copy16(cb + row_bytes, s1 + off + c);
+      if (s2) async_copy16(cb + 2 * row_bytes, s2 + off + c);
+    }
+  }
+}
+
 // ---- v5 / v6 row layout: dispatch_v4's column mapping (v4_col), at most kV5MaxNV vectors per
 // lane, WPR = 1, 2, 4 or 8 warps per row -------------------------------------------------------
 constexpr int kV5MaxNV = 3;  // 16-byte vectors per lane and array
@@ -505,10 +530,7 @@ inline bool dispatch_v5(int64_t C, std::initializer_list<const void*> ptrs, F&& 
     return false;
   } else {
     constexpr int V = static_cast<int>(16 / sizeof(T));
-    if (C <= 0 || C % V != 0) return false;
-    for (const void* p : ptrs) {
-      if (p && (reinterpret_cast<uintptr_t>(p) & 15) != 0) return false;
-    }
+    if (!rows_in_words16<T>(C, ptrs)) return false;
     const int64_t nvec = C / V;
     auto by_nv = [&](auto wtag) {
       constexpr int WPR = decltype(wtag)::value;

@@ -831,18 +831,7 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
   // every thread's group count stays in step with the loop).
   auto issue = [&](int64_t r, int slot) {
     if (r < R) {
-      const unsigned sl = ring + slot * slot_bytes;
-      const int64_t off = r * C;
-#pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        const int64_t c = v4_col<V, WPR>(j, gl);
-        if (c < C) {
-          const unsigned cb = static_cast<unsigned>(c * sizeof(T));
-          async_copy16(sl + cb, dy + off + c);
-          async_copy16(sl + row_bytes + cb, x + off + c);
-          if (extra) async_copy16(sl + 2 * row_bytes + cb, extra + off + c);
-        }
-      }
+      ring_copy_row<V, NV, WPR>(ring + slot * slot_bytes, row_bytes, r * C, C, gl, dy, x, extra);
       if (lane == 0) {
         async_copy4(stats + slot * 8, mean + r);
         async_copy4(stats + slot * 8 + 4, rstd + r);
