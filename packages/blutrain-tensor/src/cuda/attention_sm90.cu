@@ -893,7 +893,12 @@ constexpr int kBwdProducerRegs = 40, kBwdConsumerRegs = 232;
 // its own and writes dq, so no conversion pass), under a cooperative launch.  Memset + kernel +
 // conversion against counters' memset + kernel: causal 0.281 / 0.284 / 0.282 ms against 0.275 /
 // 0.282 / 0.280 (three runs), full 0.469-0.474 against 0.499-0.503: about 1% for ~300 lines of
-// waits between blocks (a hang if the protocol ever breaks), so kDq 3 stays.
+// waits between blocks (a hang if the protocol ever breaks), so kDq 3 stays.  Also tried
+// (session 18): causal, the second warpgroup's first query tile of each item is all masked (its
+// keys follow every query there), 1 of its ~9 tiles at T 1024; skipping that tile's GEMMs and
+// exponentials (keeping the turns, a zero dS^T and the slot's release) measured 0.280-0.283 ms
+// against 0.282-0.284: with one warpgroup idle the other's GEMM / exponential chain is exposed,
+// so the skipped work was not on the critical path.
 template <typename T, int D, int kWG, int kStages, int kDq, bool kPingPong, bool kDefer,
           bool kPersist>
 __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_regs(kWG, 1))

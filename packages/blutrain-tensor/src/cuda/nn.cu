@@ -251,7 +251,10 @@ __global__ void layernorm_forward_v3(const T* __restrict__ x, const T* __restric
   for (int j = 0; j < NV; ++j) {
     if (v3_col<V>(j, lane) < C) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) ss += (v[j][k] - mean) * (v[j][k] - mean);
+      for (int k = 0; k < V; ++k) {
+        v[j][k] -= mean;  // centred once, for the squares and the normalisation
+        ss += v[j][k] * v[j][k];
+      }
     }
   }
   const A rstd = A(1) / sqrt(warp_sum(ss) / A(C) + A(eps));
@@ -265,7 +268,7 @@ __global__ void layernorm_forward_v3(const T* __restrict__ x, const T* __restric
       if (b) load_n<V>(b + c, bv);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        v[j][k] = (v[j][k] - mean) * rstd;
+        v[j][k] *= rstd;  // (v centred above)
         if (w) v[j][k] *= wv[k];
         if (b) v[j][k] += bv[k];
       }
@@ -322,7 +325,7 @@ __global__ void __launch_bounds__(kV4Warps * 32)
       if (b) load_n<V>(b + c, bv);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        v[j][k] = (v[j][k] - mean) * rstd;
+        v[j][k] *= rstd;  // (v centred by group_mean_rstd)
         if (w) v[j][k] *= wv[k];
         if (b) v[j][k] += bv[k];
       }
@@ -338,7 +341,10 @@ __global__ void __launch_bounds__(kV4Warps * 32)
 // cp.async, so K - 1 rows are in flight while the group normalises one.  Each lane copies and
 // reads only its own columns, so a slot needs no barrier (cp.async.wait_group orders it per
 // thread).  Same sums in the same order as v4 for the same layout; weight / bias as raw 16-byte
-// words in registers.
+// words in registers.  v6 holds the row in registers (~116 of them: 16 warps an SM).  Tried
+// (session 18): re-reading the row from its slot in each pass instead (32-64 registers, 2-4x the
+// warps and rows in flight) was slower in every case (bf16 4096 x 3072: 62-70% of copy against
+// 76%), so rows in flight are not what v6 lacks there.
 template <typename T, typename S, int NV, int WPR, int NW, int K, bool kAdd>
 __global__ void __launch_bounds__(NW * 32)
     layernorm_forward_v6(const T* __restrict__ x, const T* __restrict__ res,
@@ -418,7 +424,7 @@ __global__ void __launch_bounds__(NW * 32)
         if (b) unpack16<T>(br[j], bv);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-          v[j][k] = (v[j][k] - mean) * rstd;
+          v[j][k] *= rstd;  // (v centred by group_mean_rstd)
           if (w) v[j][k] *= wv[k];
           if (b) v[j][k] += bv[k];
         }
@@ -472,6 +478,7 @@ struct LnFwdV6 {
 // per row group; by default for 16-bit rows over kV4MinDefaultC.  Measured (ln_fwd_check.sh,
 // session 15, H200, % of a D2D copy): bf16 4096 x 3072 75.5% (v4 64.7%), with the residual add
 // 91.0% (v4 86.7%); at C = 768 and in fp32 v3 / v4 stay (within 2% of v6's best there).
+// Session 18, the row centred once (group_mean_rstd): 80.6-81.6% and 92.3-92.4%.
 constexpr int kLnFwdV6Warps = 16, kLnFwdV6Stages = 3;
 template <typename T>
 inline bool ln_fwd_v6_default(int64_t C) {

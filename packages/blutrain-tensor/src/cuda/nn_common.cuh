@@ -361,14 +361,15 @@ __device__ __forceinline__ void group_sum2(float& a, float& b, float* red) {
 }
 
 // Exact two-pass mean and rstd of the row a group of WPR warps holds as v[NV][V] floats (lane gl
-// holds columns v4_col(j, gl)); s: the lane's sum of its elements, in order j, then k (the caller
-// adds them as they load); live false: a row past R, which still joins the group barriers.
-// Layer-norm forward v4 and v6 share it, so they give the same statistics for the same layout.
-// red: the caller's __shared__ scratch.
+// holds columns v4_col(j, gl)), leaving v centred (v - mean, taken once for the squares and the
+// normalisation, which then only scales: bf16 4096 x 3072 80.6-81.6% of copy against 79.1-79.4%,
+// session 18); s: the lane's sum of its elements, in order j, then k (the caller adds them as
+// they load); live false: a row past R, which still joins the group barriers.  Layer-norm forward
+// v4 and v6 share it, so they give the same statistics for the same layout.  red: the caller's
+// __shared__ scratch.
 template <int V, int NV, int WPR, int NW>
-__device__ __forceinline__ float2 group_mean_rstd(const float (&v)[NV][V], float s, bool live,
-                                                  int gl, int64_t C, double eps,
-                                                  float (&red)[2][2 * NW]) {
+__device__ __forceinline__ float2 group_mean_rstd(float (&v)[NV][V], float s, bool live, int gl,
+                                                  int64_t C, double eps, float (&red)[2][2 * NW]) {
   float ss = 0.f, dummy = 0.f;
   s = warp_sum(s);
   group_sum2<WPR, NW>(s, dummy, red[0]);
@@ -377,7 +378,10 @@ __device__ __forceinline__ float2 group_mean_rstd(const float (&v)[NV][V], float
   for (int j = 0; j < NV; ++j) {
     if (live && v4_col<V, WPR>(j, gl) < C) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) ss += (v[j][k] - mean) * (v[j][k] - mean);
+      for (int k = 0; k < V; ++k) {
+        v[j][k] -= mean;
+        ss += v[j][k] * v[j][k];
+      }
     }
   }
   ss = warp_sum(ss);
