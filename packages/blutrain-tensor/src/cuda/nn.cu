@@ -342,8 +342,8 @@ __global__ void __launch_bounds__(kV4Warps * 32)
 // reads only its own columns, so a slot needs no barrier (cp.async.wait_group orders it per
 // thread).  Same sums in the same order as v4 for the same layout; weight / bias as raw 16-byte
 // words in registers.  v6 holds the row in registers (~116 of them: 16 warps an SM).  Tried
-// (session 18): re-reading the row from its slot in each pass instead (32-64 registers, 2-4x the
-// warps and rows in flight) was slower in every case (bf16 4096 x 3072: 62-70% of copy against
+// (session 18): re-reading the row from its slot in each pass instead (32-64 registers, up to 3x
+// the warps and rows in flight) was slower in every case (bf16 4096 x 3072: 62-70% of copy against
 // 76%), so rows in flight are not what v6 lacks there.
 template <typename T, typename S, int NV, int WPR, int NW, int K, bool kAdd>
 __global__ void __launch_bounds__(NW * 32)
