@@ -113,3 +113,35 @@ def test_trainer_on_gpu(tmp_path):
     assert [r["step"] for r in steps] == list(range(1, 13))
     assert all(math.isfinite(r["loss"]) and r["peak_mem_bytes"] > 0 for r in steps)
     assert s["final_loss"] < s["first_loss"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_dropped_logits_take_their_gradient(rng, precision):
+    # `loss = model(x, y)[1]` drops the logits: the loss's backward writes dlogits over them, so
+    # backward's peak is one (B*T, padded vocab) tensor lower than with the logits held, and
+    # every gradient is bitwise the same.
+    cfg = GPT2Config(block_size=64, vocab_size=8000, n_layer=2, n_head=4, n_embd=64)
+    sd = weights(cfg, rng)
+    x = bt.tensor(rng.integers(0, cfg.vocab_size, (8, cfg.block_size)), device="cuda")
+    out = {}
+    for keep in (False, True):
+        m = GPT2(cfg, device="cuda", precision=precision)
+        m.load_state_dict(sd)
+        logits, loss = m(x, x)
+        if not keep:
+            del logits
+        bt.cuda.synchronize()
+        before = bt.cuda.memory_allocated()
+        bt.cuda.reset_peak_memory_stats()
+        loss.backward()
+        bt.cuda.synchronize()
+        grads = {n: p.grad.cpu().numpy() for n, p in m.named_parameters()}
+        out[keep] = (bt.cuda.max_memory_allocated() - before, loss.item(), grads)
+    item = 2 if precision == "bf16" else 4
+    logits_bytes = 8 * cfg.block_size * cfg.padded_vocab_size * item
+    (peak_drop, l_drop, g_drop), (peak_keep, l_keep, g_keep) = out[False], out[True]
+    assert peak_keep >= logits_bytes, (peak_keep, logits_bytes)
+    assert peak_drop <= peak_keep - 0.9 * logits_bytes, (peak_drop, peak_keep, logits_bytes)
+    assert l_drop == l_keep
+    for n in g_keep:
+        assert np.array_equal(g_drop[n], g_keep[n]), n

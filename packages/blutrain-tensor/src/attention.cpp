@@ -77,8 +77,8 @@ std::vector<Tensor> FlashAttention::vjp(const VjpArgs& a) {
   const Tensor& o = a.outputs[0];
   const Tensor& lse = a.outputs[1];
   Tensor g = unit_last(a.cotangents[0]);
-  Tensor glse = a.cotangents[1];
-  glse = astype(glse, lse.dtype());
+  const Tensor& dl = a.cotangents[1];
+  const Tensor glse = dl.defined() ? astype(dl, lse.dtype()) : Tensor();  // undefined: zero
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
   // Gradients in q's layout when q is a contiguous (B, H, L, D) tensor (separate leaves: their
   // gradients are then kept as they come), else (B, L|S, H, D) rows, seen as (B, H, L|S, D).
@@ -192,7 +192,8 @@ std::vector<Tensor> FlashAttentionPacked::vjp(const VjpArgs& a) {
   const Tensor& x = a.inputs[0];
   const Tensor& lse = a.outputs[1];
   Tensor g = unit_last(a.cotangents[0]);
-  Tensor glse = astype(a.cotangents[1], lse.dtype());
+  const Tensor& dl = a.cotangents[1];
+  const Tensor glse = dl.defined() ? astype(dl, lse.dtype()) : Tensor();  // undefined: zero
   auto r = apply(std::make_shared<FlashAttentionPackedBackward>(scale, causal, heads),
                  {x, a.outputs[0], g, lse, glse}, {{x.shape(), x.dtype()}}, x.device());
   return {r[0]};

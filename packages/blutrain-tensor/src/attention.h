@@ -10,10 +10,10 @@
 //       its diagonal).
 // Causal masks are the top-left aligned tril (key j visible to query i iff j <= i), with L == S
 // on the fused path.  The backward primitive takes q, k, v, o, do (B, L, H, D), lse and dlse
-// (the cotangent of lse, lse's dtype) and returns dq, dk, dv as (B, L|S, H, D) contiguous
-// tensors (the vjp permutes them back to (B, H, ., D) views).  Deterministic (no atomics) under
-// use_deterministic_algorithms; otherwise the bf16/fp16 CUDA backward adds dq with float32
-// atomics (dk, dv stay bitwise reproducible).
+// (the cotangent of lse, lse's dtype; undefined when none flowed) and returns dq, dk, dv as
+// (B, L|S, H, D) contiguous tensors (the vjp permutes them back to (B, H, ., D) views).
+// Deterministic (no atomics) under use_deterministic_algorithms; otherwise the bf16/fp16 CUDA
+// backward adds dq with float32 atomics (dk, dv stay bitwise reproducible).
 #pragma once
 
 #include <utility>
@@ -27,6 +27,7 @@ class FlashAttention : public Primitive {
   BT_PRIM_BODY(FlashAttention, "flash_attention")
   FlashAttention(double s, bool c) : scale(s), causal(c) {}
   bool saves_outputs() const override { return true; }
+  bool takes_no_cotangent(size_t i) const override { return i == 1; }  // lse: dlse undefined
   void attrs(Attrs& a) const override {
     a["scale"] = scale;
     a["causal"] = causal;
@@ -67,6 +68,7 @@ class FlashAttentionPacked : public Primitive {
   BT_PRIM_BODY(FlashAttentionPacked, "flash_attention_packed")
   FlashAttentionPacked(double s, bool c, int64_t h) : scale(s), causal(c), heads(h) {}
   bool saves_outputs() const override { return true; }
+  bool takes_no_cotangent(size_t i) const override { return i == 1; }  // lse: dlse undefined
   void attrs(Attrs& a) const override {
     a["scale"] = scale;
     a["causal"] = causal;

@@ -253,7 +253,6 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
     }
   }
 
-  std::vector<std::shared_ptr<Node>> ran;
   while (!ready.empty()) {
     std::shared_ptr<Node> node = ready.top();
     ready.pop();
@@ -261,7 +260,11 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
     buffers.erase(node.get());
     grads.resize(node->out_meta.size());
     for (size_t i = 0; i < grads.size(); ++i) {
+      const bool hooked = !node->pre_hooks[i].empty() ||
+                          (i < node->retain_hooks.size() && !node->retain_hooks[i].empty());
       if (!grads[i].defined()) {
+        // hooks see zeros, and a capture records them (its nodes take no undefined values)
+        if (!hooked && !active_graph() && node->takes_no_gradient(i)) continue;
         const auto& m = node->out_meta[i];
         grads[i] = zeros(m.shape, m.dtype, m.device);
       }
@@ -274,8 +277,10 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
         for (auto& h : node->retain_hooks[i]) h(grads[i]);
       }
     }
+    node->last_run = !retain_graph;
     std::vector<Tensor> in_grads = node->apply(grads);
-    ran.push_back(node);
+    grads.clear();
+    if (!retain_graph) node->release();  // saved tensors go now, not at the end of backward
     for (size_t i = 0; i < node->next.size(); ++i) {
       const Edge& e = node->next[i];
       if (!e.node) continue;
@@ -294,9 +299,6 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
         ready.push(e.node);
       }
     }
-  }
-  if (!retain_graph) {
-    for (auto& n : ran) n->release();
   }
 }
 

@@ -8,7 +8,9 @@
 // in backward).  A leaf's AccumulateGrad node runs once all contributions to it are summed; it
 // runs the leaf's tensor hooks, accumulates into .grad (in place when .grad exists, so gradient
 // views into flat buffers stay valid) and then fires the "gradient final" (post-accumulate) hooks.
-// Without retain_graph the nodes release what they saved; running one again raises.
+// Without retain_graph each node releases what it saved as soon as it has run (PyTorch's rule):
+// activations are freed layer by layer as backward walks back, so its peak is its start.  Running
+// a released node again raises.
 #pragma once
 
 #include <memory>
@@ -39,6 +41,9 @@ struct Node : std::enable_shared_from_this<Node> {
   virtual std::vector<Tensor> apply(std::vector<Tensor>& grads) = 0;
   virtual void release() {}
   virtual bool is_accumulator() const { return false; }
+  // Whether apply() takes an undefined gradient for forward output i when none reached it
+  // (instead of zeros: no fill kernel for outputs such as a norm's statistics).
+  virtual bool takes_no_gradient(size_t i) const { return false; }
 
   std::vector<Edge> next;
   std::vector<TensorMeta> out_meta;
@@ -46,6 +51,9 @@ struct Node : std::enable_shared_from_this<Node> {
   std::vector<std::vector<GradHook>> retain_hooks;  // retain_grad(): run after pre_hooks
   uint64_t seq;
   bool released = false;
+  // Set by the engine before apply(): this run is the node's last (no retain_graph), so its
+  // vjp may write its result over a saved input that nothing else references (see donatable()).
+  bool last_run = false;
 };
 
 // The leaf's accumulator (created on first use, unique per leaf).

@@ -83,10 +83,10 @@ Tensor softmax_backward(const Tensor& y, const Tensor& dy, bool log) {
 
 Tensor cross_entropy_backward(const Tensor& logits, const Tensor& target, const Tensor& lse,
                               const Tensor& grad_loss, int64_t ignore_index, int reduction,
-                              double label_smoothing, int64_t num_classes) {
-  return apply1(
-      std::make_shared<CrossEntropyBackward>(ignore_index, reduction, label_smoothing, num_classes),
-      {logits, target, lse, grad_loss}, logits.shape(), logits.dtype(), logits.device());
+                              double label_smoothing, int64_t num_classes, bool in_place) {
+  return apply1(std::make_shared<CrossEntropyBackward>(ignore_index, reduction, label_smoothing,
+                                                       num_classes, in_place),
+                {logits, target, lse, grad_loss}, logits.shape(), logits.dtype(), logits.device());
 }
 
 // ---- vjps --------------------------------------------------------------------------------------

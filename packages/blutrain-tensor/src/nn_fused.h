@@ -52,10 +52,11 @@ class SoftmaxBackward : public Primitive {
 // an IndexError on CUDA) gives a NaN row on CUDA.
 class CrossEntropyBackward : public Primitive {
   BT_PRIM_BODY(CrossEntropyBackward, "cross_entropy_backward")
-  CrossEntropyBackward(int64_t ii, int r, double ls, int64_t nc = -1)
-      : ignore_index(ii), reduction(r), label_smoothing(ls), num_classes(nc) {}
+  CrossEntropyBackward(int64_t ii, int r, double ls, int64_t nc = -1, bool over = false)
+      : ignore_index(ii), reduction(r), label_smoothing(ls), num_classes(nc), in_place(over) {}
   bool differentiable() const override { return false; }
   bool saves_inputs() const override { return false; }
+  int overwrites_input() const override { return in_place ? 0 : -1; }
   void attrs(Attrs& a) const override {
     a["ignore_index"] = ignore_index;
     a["reduction"] = static_cast<int64_t>(reduction);
@@ -67,6 +68,7 @@ class CrossEntropyBackward : public Primitive {
   int reduction;  // 0 none, 1 mean, 2 sum
   double label_smoothing;
   int64_t num_classes;
+  bool in_place;  // dlogits written over the logits (Note [donating a saved input])
 };
 
 // inputs: x (R, C), residual (R, C), weight (C) or undefined, bias (C) or undefined.
@@ -76,6 +78,7 @@ class AddLayerNorm : public Primitive {
   BT_PRIM_BODY(AddLayerNorm, "add_layer_norm")
   AddLayerNorm(double e, bool w, bool b) : eps(e), has_weight(w), has_bias(b) {}
   bool saves_outputs() const override { return true; }
+  bool takes_no_cotangent(size_t i) const override { return i >= 2; }  // mean, rstd
   // Only weight is needed by the backward (x and residual are not kept alive).
   bool saves_input(size_t i, const std::vector<bool>&) const override { return i == 2; }
   void attrs(Attrs& a) const override { a["eps"] = eps; }
@@ -94,6 +97,7 @@ std::vector<Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const
 Tensor softmax_backward(const Tensor& y, const Tensor& dy, bool log);
 Tensor cross_entropy_backward(const Tensor& logits, const Tensor& target, const Tensor& lse,
                               const Tensor& grad_loss, int64_t ignore_index, int reduction,
-                              double label_smoothing, int64_t num_classes = -1);
+                              double label_smoothing, int64_t num_classes = -1,
+                              bool in_place = false);
 
 }  // namespace bt

@@ -68,7 +68,7 @@ struct PrimNode : Node {
     }
     check_saved(saved_in, ver_in, "input");
     check_saved(saved_out, ver_out, "output");
-    VjpArgs args{saved_in, saved_out, in_meta, grads, needs};
+    VjpArgs args{saved_in, saved_out, in_meta, grads, needs, last_run};
     auto r = prim->vjp(args);
     r.resize(next.size());
     for (size_t i = 0; i < r.size(); ++i) {
@@ -81,8 +81,30 @@ struct PrimNode : Node {
     saved_in.clear();
     saved_out.clear();
   }
+  bool takes_no_gradient(size_t i) const override { return prim->takes_no_cotangent(i); }
 };
 }  // namespace
+
+bool donatable(const Tensor& saved) {
+  if (!saved.defined() || saved.is_symbolic() || saved.impl_ptr().use_count() != 1) return false;
+  const auto& base = saved.impl()->view_base;
+  const bool via_base = base && base.use_count() == 1 && base->storage == saved.storage();
+  return saved.storage().use_count() == (via_base ? 2 : 1);
+}
+
+// Output 0 of a primitive that overwrites input k: input k's memory, as a fresh contiguous
+// tensor without autograd state (the vjp checked donatable(); see the Note in primitives.h).
+static Tensor donated_output(const Primitive& prim, const Tensor& in, const Shape& shape,
+                             DType dtype) {
+  if (!in.defined() || in.is_symbolic() || in.shape() != shape || in.dtype() != dtype ||
+      !in.is_contiguous()) {
+    throw RuntimeError(std::string("[") + prim.name() +
+                       "] can write its result over its input only when that input is a "
+                       "contiguous tensor of the result's shape " +
+                       shape_str(shape) + " and dtype");
+  }
+  return make_view(in, shape, in.strides(), in.offset());
+}
 
 std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Tensor>& inputs,
                           const std::vector<std::pair<Shape, DType>>& out_meta, Device device) {
@@ -104,10 +126,13 @@ std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Ten
     const bool like0 = prim->preserves_layout() && out_meta.size() == 1 && !inputs.empty() &&
                        inputs[0].shape() == out_meta[0].first && !inputs[0].is_contiguous() &&
                        is_dense(inputs[0]);
+    const int over = prim->overwrites_input();
     for (auto& m : out_meta) {
       outs.push_back(
-          like0 ? empty_strided(m.first, inputs[0].strides(), m.second, device, prim->name())
-                : empty_tensor(m.first, m.second, device, prim->name()));
+          over >= 0 && outs.empty()
+              ? donated_output(*prim, inputs.at(static_cast<size_t>(over)), m.first, m.second)
+          : like0 ? empty_strided(m.first, inputs[0].strides(), m.second, device, prim->name())
+                  : empty_tensor(m.first, m.second, device, prim->name()));
     }
     for (auto& t : inputs) {
       if (t.defined() && t.is_symbolic()) {
@@ -120,6 +145,7 @@ std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Ten
     } else {
       prim->eval_cpu(inputs, outs);
     }
+    if (over >= 0) outs[0].storage()->bump_version();  // the input's old values are gone
   }
   if (graph) {
     Attrs a;
@@ -430,8 +456,10 @@ std::vector<Tensor> LayerNorm::vjp(const VjpArgs& a) {
 }
 
 std::vector<Tensor> CrossEntropy::vjp(const VjpArgs& a) {
+  // dlogits over the logits when nothing can read them again (Note [donating a saved input])
+  const bool over = a.last_run && donatable(a.inputs[0]) && a.inputs[0].is_contiguous();
   return {cross_entropy_backward(a.inputs[0], a.inputs[1], a.outputs[1], a.cotangents[0],
-                                 ignore_index, reduction, label_smoothing, num_classes),
+                                 ignore_index, reduction, label_smoothing, num_classes, over),
           Tensor()};
 }
 

@@ -33,9 +33,23 @@ struct VjpArgs {
   const std::vector<Tensor>& inputs;   // saved inputs (undefined unless saves_inputs())
   const std::vector<Tensor>& outputs;  // saved outputs (undefined unless saves_outputs())
   const std::vector<TensorMeta>& in_meta;
-  const std::vector<Tensor>& cotangents;  // one per output (zeros where none flowed)
+  const std::vector<Tensor>& cotangents;  // one per output (zeros where none flowed, or undefined
+                                          // where the primitive takes_no_cotangent)
   const std::vector<bool>& needs;         // which inputs need a gradient
+  bool last_run = false;  // the node frees its saved tensors after this vjp (no retain_graph)
 };
+
+// Note [donating a saved input]
+// A vjp may write its gradient over a saved input (the loss's dlogits over the logits: 1.5 GiB
+// at GPT-2's bf16 shape) when that input can never be read again: this is the node's last run
+// (VjpArgs::last_run) and donatable() says no one else holds the memory: the node's saved Tensor
+// is the only handle to its TensorImpl, and every reference to the storage is that impl or the
+// view base that only it keeps alive.  A user still holding the logits (or a view of them, a
+// numpy / DLPack export, another node that saved them) shows up in those reference counts, and
+// the vjp then allocates as usual.  The primitive names the input its output overwrites
+// (Primitive::overwrites_input); apply() gives the output that memory, and bumps its version.
+// The kernels read each element before the same thread writes it.
+bool donatable(const Tensor& saved);
 
 class Primitive {
  public:
@@ -58,6 +72,12 @@ class Primitive {
   // Elementwise ops: the output takes input 0's memory layout when that is dense (so a
   // transposed input gives a transposed output and the loop runs in memory order, as numpy's).
   virtual bool preserves_layout() const { return false; }
+  // Whether vjp takes an undefined cotangent for output i when no gradient reached it (instead of
+  // a zero-filled one): outputs such as a norm's statistics or attention's lse, which rarely get
+  // a gradient, then cost no fill kernel in backward.
+  virtual bool takes_no_cotangent(size_t i) const { return false; }
+  // The input whose memory output 0 is written over, or -1 (see Note [donating a saved input]).
+  virtual int overwrites_input() const { return -1; }
   virtual void attrs(Attrs& a) const {}
 };
 
@@ -333,6 +353,7 @@ class LayerNorm : public Primitive {
   BT_PRIM_BODY(LayerNorm, "layer_norm")
   LayerNorm(double e, bool w, bool b) : eps(e), has_weight(w), has_bias(b) {}
   bool saves_outputs() const override { return true; }
+  bool takes_no_cotangent(size_t i) const override { return i > 0; }  // mean, rstd
   void attrs(Attrs& a) const override { a["eps"] = eps; }
   double eps;
   bool has_weight, has_bias;
@@ -347,6 +368,7 @@ class CrossEntropy : public Primitive {
   CrossEntropy(int64_t ii, int r, double ls, int64_t nc = -1)
       : ignore_index(ii), reduction(r), label_smoothing(ls), num_classes(nc) {}
   bool saves_outputs() const override { return true; }
+  bool takes_no_cotangent(size_t i) const override { return i == 1; }  // lse
   void attrs(Attrs& a) const override {
     a["ignore_index"] = ignore_index;
     a["reduction"] = std::string(reduction == 0 ? "none" : reduction == 1 ? "mean" : "sum");

@@ -26,3 +26,22 @@ TOL = {
     bt.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
 }
 FLOAT_DTYPES = [bt.float64, bt.float32, bt.float16, bt.bfloat16]
+
+
+def gradient_probe():
+    """(probe, seen): probe(x) is x * 1.0 whose backward records the data_ptr of the gradient
+    arriving there (where that memory came from) in `seen`.  A custom Function rather than a hook,
+    which on a view would change the path the gradient takes."""
+    seen: list[int] = []
+
+    class Probe(bt.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(g.data_ptr())
+            return g
+
+    return Probe.apply, seen

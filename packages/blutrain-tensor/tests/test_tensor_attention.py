@@ -133,6 +133,23 @@ def test_gradcheck(rng, causal):
     )
 
 
+def test_unused_lse_gets_no_zero_fill_but_hooks_see_zeros(rng):
+    """No gradient reaches lse: the backward runs without a dlse (no zero-filled buffer); a hook
+    on lse still sees zeros of its shape, and the gradients are the same both ways."""
+    qn, kn, vn, gn = (rng.standard_normal((2, 3, 6, 4)) for _ in range(4))
+    grads, seen = [], []
+    for hook in (False, True):
+        q, k, v = (bt.tensor(a, requires_grad=True) for a in (qn, kn, vn))
+        out, lse = flash(q, k, v, is_causal=True)
+        if hook:
+            lse.register_hook(lambda g: seen.append(g.numpy().copy()))
+        out.backward(bt.tensor(gn))
+        grads.append([t.grad.numpy() for t in (q, k, v)])
+    assert len(seen) == 1 and seen[0].shape == (2, 3, 6) and not seen[0].any()
+    for a, b in zip(*grads, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_leaf_gradients_in_leaf_layout(rng, causal):
     """Contiguous (B, H, T, D) leaves get contiguous gradients of their layout (the backward

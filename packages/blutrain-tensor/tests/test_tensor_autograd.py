@@ -289,3 +289,43 @@ def test_leaf_never_aliases_a_user_gradient_passed_through_views():
     assert x.grad.data_ptr() != g.data_ptr()
     g.mul_(5.0)
     np.testing.assert_array_equal(x.grad.numpy(), np.ones((2, 3, 4), np.float32))
+
+
+def test_nodes_release_saved_state_as_backward_goes():
+    # Without retain_graph a node frees what it saved right after it runs (so backward's memory
+    # falls as it walks back), not at the end of backward: by the time an earlier op's hook
+    # runs, a later custom Function's context is gone.
+    import gc
+    import weakref
+
+    class Ctx:
+        pass
+
+    refs = []
+
+    class Keep(bt.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.payload = Ctx()
+            refs.append(weakref.ref(ctx.payload))
+            return x * 2.0
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2.0
+
+    x = bt.ones(3, requires_grad=True)
+    a = x * 3.0
+    alive_in_hook = []
+    a.register_hook(lambda g: alive_in_hook.append(gc.collect() >= 0 and refs[0]() is not None))
+    Keep.apply(a).sum().backward()
+    assert alive_in_hook == [False]
+    np.testing.assert_array_equal(x.grad.numpy(), [6.0, 6.0, 6.0])
+    # with retain_graph it stays (the node may run again)
+    refs.clear()
+    alive_in_hook.clear()
+    b = x * 3.0
+    b.register_hook(lambda g: alive_in_hook.append(refs[0]() is not None))
+    y = Keep.apply(b).sum()
+    y.backward(retain_graph=True)
+    assert alive_in_hook == [True]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tensor_testutil import gradient_probe
 
 import blutrain.tensor as bt
 
@@ -344,3 +345,69 @@ def test_ce_v3_target_out_of_range_raises(monkeypatch):
     with pytest.raises(IndexError, match="cross_entropy"):
         bt.cuda.synchronize()
     del lp
+
+
+# ---- dlogits written over dropped logits (Note [donating a saved input], primitives.h) -------
+def _head_grads(dtype, hx, w, t, keep, C):
+    """GPT-2's padded head on the GPU: full = h @ W^T through a probe that records where its
+    gradient arrives; the loss on full's first C columns.  Returns the leaves' gradients,
+    whether the gradient came back in the logits' memory, and the held logits' change."""
+    probe, seen = gradient_probe()
+    h = bt.tensor(hx, dtype=dtype, device="cuda", requires_grad=True)
+    W = bt.tensor(w, dtype=dtype, device="cuda", requires_grad=True)
+    full = probe(bt.linear(h, W))
+    ptr = full.data_ptr()
+    logits = full.narrow(1, 0, C) if full.shape[1] > C else full
+    tt = bt.tensor(t, dtype=bt.int64, device="cuda")
+    loss = bt.cross_entropy(logits, tt, ignore_index=-1, label_smoothing=0.1, loss_dtype=bt.float32)
+    before = _np(logits) if keep else None
+    held = logits if keep else None
+    del full, logits
+    loss.backward()
+    changed = keep and not np.array_equal(_np(held), before)
+    return _np(h.grad), _np(W.grad), seen[-1] == ptr, changed
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("C, Cp", [(V_GPT, VP_GPT), (1001, 1001)])
+def test_ce_backward_over_dropped_logits_bitwise(rng, monkeypatch, version, dtype, C, Cp):
+    monkeypatch.setenv("BT_CUDA_NN_VERSION", str(version))
+    N, K = 96, 32
+    hx, w = rng.standard_normal((N, K)), rng.standard_normal((Cp, K)) * 0.3
+    t = _targets(rng, N, C, ii=-1)
+    _poison_pool(N * Cp * 4)
+    gh, gw, donated, _ = _head_grads(dtype, hx, w, t, False, C)
+    _poison_pool(N * Cp * 4)
+    rh, rw, donated_ref, changed = _head_grads(dtype, hx, w, t, True, C)
+    assert donated and not donated_ref and not changed
+    assert np.array_equal(gh, rh) and np.array_equal(gw, rw)
+    assert np.all(gw[C:] == 0)
+
+
+def test_ce_backward_over_dropped_logits_memory():
+    # the gradient takes the logits' memory: backward's peak above its start is the (small)
+    # head gradients, not another (N, Cp) tensor
+    N, K, Cp = 2048, 64, VP_GPT
+    rng = np.random.default_rng()
+    peaks = {}
+    for keep in (False, True):
+        h = bt.tensor(
+            rng.standard_normal((N, K)), dtype=bt.bfloat16, device="cuda", requires_grad=True
+        )
+        W = bt.tensor(
+            rng.standard_normal((Cp, K)) * 0.1, dtype=bt.bfloat16, device="cuda", requires_grad=True
+        )
+        logits = bt.linear(h, W).narrow(1, 0, V_GPT)
+        t = bt.tensor(_targets(rng, N, V_GPT), dtype=bt.int64, device="cuda")
+        loss = bt.cross_entropy(logits, t, loss_dtype=bt.float32)
+        held = logits if keep else None  # noqa: F841
+        del logits
+        bt.cuda.synchronize()
+        start = bt.cuda.memory_allocated()
+        bt.cuda.reset_peak_memory_stats()
+        loss.backward()
+        bt.cuda.synchronize()
+        peaks[keep] = bt.cuda.max_memory_allocated() - start
+    nbytes = N * Cp * 2
+    assert peaks[True] >= nbytes and peaks[False] <= peaks[True] - 0.9 * nbytes, (peaks, nbytes)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tensor_testutil import gradient_probe
 
 import blutrain.tensor as bt
 
@@ -457,3 +458,90 @@ def test_gradcheck_cross_entropy_padded(rng):
         lambda x: bt.cross_entropy(x.narrow(1, 0, 5), tgt, label_smoothing=0.1),
         [leaf(rng, (4, 8))],
     )
+
+
+# ---- the loss's backward writing dlogits over dropped logits ----------------------------------
+# Note [donating a saved input] (primitives.h): with backward's last run (no retain_graph) and no
+# other holder of the logits' memory, cross_entropy's vjp writes dlogits over the logits.  The
+# gradient then reaches the logits' producer in the logits' own memory (its data_ptr); when the
+# logits are held, it gets fresh memory and the held logits are unchanged.  Either way the
+# gradients are bitwise those of the out-of-place backward.
+def _head_loss(seed, dtype, C, Cp, *, keep, retain=False, B=3, T=5, K=6):
+    """h (B, T, K), W (Cp, K) leaves; full = linear(h, W); the loss on full's first C columns,
+    backward run once.  Returns (h, W, loss, whether the gradient reached full in the logits'
+    memory, (held logits, their values before backward) when keep)."""
+    rng = np.random.default_rng(seed)
+    h = bt.tensor(rng.standard_normal((B, T, K)), dtype=dtype, requires_grad=True)
+    W = bt.tensor(rng.standard_normal((Cp, K)), dtype=dtype, requires_grad=True)
+    t = rng.integers(0, C, B * T)
+    t[3] = -1
+    probe, seen = gradient_probe()
+    full = probe(bt.linear(h, W))  # (B, T, Cp), as GPT-2's tied head
+    ptr = full.data_ptr()
+    flat = full.reshape(B * T, Cp)
+    logits = flat.narrow(1, 0, C) if Cp > C else flat
+    ld = bt.float32 if dtype == bt.bfloat16 else None
+    loss = bt.cross_entropy(
+        logits, bt.tensor(t, dtype=bt.int64), ignore_index=-1, label_smoothing=0.1, loss_dtype=ld
+    )
+    held = (logits, f64(logits)) if keep else None
+    del full, flat, logits
+    loss.backward(retain_graph=retain)
+    return h, W, loss, seen[-1] == ptr, held
+
+
+@pytest.mark.parametrize("dtype", [bt.float64, bt.float32, bt.bfloat16])
+@pytest.mark.parametrize("C, Cp", [(37, 48), (40, 40)])
+def test_cross_entropy_backward_overwrites_dropped_logits(dtype, C, Cp):
+    seed = int(np.random.default_rng().integers(1 << 30))
+    h, W, _, donated, _ = _head_loss(seed, dtype, C, Cp, keep=False)
+    assert donated, "dlogits should take the dropped logits' memory"
+    rh, rW, _, donated_ref, (lg, before) = _head_loss(seed, dtype, C, Cp, keep=True)
+    assert not donated_ref, "held logits must not be overwritten"
+    assert np.array_equal(f64(lg), before), "the held logits changed"
+    assert np.array_equal(f64(h.grad), f64(rh.grad)) and np.array_equal(f64(W.grad), f64(rW.grad))
+    if dtype == bt.float64:  # and they are right: the float64 reference through the head
+        rng = np.random.default_rng(seed)
+        x, w = rng.standard_normal((15, 6)), rng.standard_normal((Cp, 6))
+        t = rng.integers(0, C, 15)
+        t[3] = -1
+        _, d = np_ce((x @ w.T)[:, :C], t, -1, "mean", 0.1)
+        np.testing.assert_allclose(f64(h.grad).reshape(15, 6), d @ w[:C], rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(f64(W.grad)[:C], d.T @ x, rtol=1e-10, atol=1e-12)
+        assert np.all(f64(W.grad)[C:] == 0)
+
+
+def test_cross_entropy_backward_keeps_logits_for_retain_graph():
+    seed = int(np.random.default_rng().integers(1 << 30))
+    h, W, loss, donated, _ = _head_loss(seed, bt.float32, 37, 48, keep=False, retain=True)
+    assert not donated, "retain_graph: the node runs again and must still read its logits"
+    once = f64(W.grad)
+    loss.backward()  # the second run reads the logits it saved: intact, so the same gradient
+    np.testing.assert_array_equal(f64(W.grad), 2 * once)
+    rh, rW, _, _, _ = _head_loss(seed, bt.float32, 37, 48, keep=False)
+    np.testing.assert_array_equal(once, f64(rW.grad))
+
+
+def test_cross_entropy_backward_other_holders_block_the_overwrite():
+    # a second node that saved the logits (full * full), and a numpy export: no overwrite, and
+    # the gradient is the out-of-place one
+    rng = np.random.default_rng()
+    x = rng.standard_normal((6, 9))
+    t = bt.tensor(rng.integers(0, 9, 6), dtype=bt.int64)
+    for other in ("mul", "numpy"):
+        X = bt.tensor(x, requires_grad=True)
+        full = X * 1.0
+        ptr = full.data_ptr()
+        seen = []
+        full.register_hook(lambda g, seen=seen: seen.append(g.data_ptr()))  # full is no view
+        extra = (full * full).sum() * 0.0 if other == "mul" else None
+        export = full.detach().numpy() if other == "numpy" else None
+        before = None if export is None else export.copy()
+        loss = bt.cross_entropy(full, t)
+        del full
+        (loss + extra if extra is not None else loss).backward()
+        assert seen[-1] != ptr, other
+        if export is not None:
+            assert np.array_equal(export, before), "the exported logits changed"
+        _, d = np_ce(x, t.numpy(), -100, "mean", 0.0)
+        np.testing.assert_allclose(f64(X.grad), d, rtol=1e-10, atol=1e-12)

@@ -76,7 +76,8 @@ void FlashAttention::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>
 // heads_major (B, H, L|S, D) contiguous (attention_grad_rows gives the (B, L|S, H, D) views).
 void FlashAttentionBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   const Tensor &q = in[0], &k = in[1], &v = in[2], &o = in[3], &g = in[4];
-  const Tensor lse = cpu::contiguous_raw(in[5]), dlse = cpu::contiguous_raw(in[6]);
+  const Tensor lse = cpu::contiguous_raw(in[5]);
+  const Tensor dlse = in[6].defined() ? cpu::contiguous_raw(in[6]) : Tensor();  // none: zero
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
   const View4 vq(q), vk(k), vv(v), vo(o), vg(g);  // o, do are (B, L, H, D)
   const std::vector<Tensor> rows = attention_grad_rows(out, heads_major);
@@ -93,7 +94,7 @@ void FlashAttentionBackward::eval_cpu(const std::vector<Tensor>& in, std::vector
       const T* opp = o.data<T>(name());
       const T* gp = g.data<T>(name());
       const LS* lp = lse.data<LS>(name());
-      const LS* dlp = dlse.data<LS>(name());
+      const LS* dlp = dlse.defined() ? dlse.data<LS>(name()) : nullptr;
       T* dqp = out[0].data<T>(name());
       T* dkp = out[1].data<T>(name());
       T* dvp = out[2].data<T>(name());
@@ -107,7 +108,7 @@ void FlashAttentionBackward::eval_cpu(const std::vector<Tensor>& in, std::vector
           get(qp + vq(b, h, i), vq.s3, qi);
           get(gp + vg(b, i, h), vg.s3, gi);
           const T* oi = opp + vo(b, i, h);
-          double Di = -static_cast<double>(dlp[(b * H + h) * L + i]);
+          double Di = dlp ? -static_cast<double>(dlp[(b * H + h) * L + i]) : 0.0;
           for (int64_t d = 0; d < D; ++d) Di += gi[d] * static_cast<double>(oi[d * vo.s3]);
           const double lse_i = static_cast<double>(lp[(b * H + h) * L + i]);
           std::fill(dq.begin(), dq.end(), 0.0);

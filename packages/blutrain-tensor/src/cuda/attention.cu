@@ -119,7 +119,8 @@ __global__ void __launch_bounds__(kV1Warps * 32)
   if (lane == 0) lse[row_id] = m + v1_log(l);
 }
 
-// Dvec[b, h, i] = sum_d do[b, i, h, d] * o[b, i, h, d] - dlse[b, h, i] (both backward paths).
+// Dvec[b, h, i] = sum_d do[b, i, h, d] * o[b, i, h, d] - dlse[b, h, i] (both backward paths; no
+// dlse term when dlse is null: no gradient reached lse).
 template <typename T, typename A>
 __global__ void __launch_bounds__(kV1Warps * 32)
     attn_bwd_preprocess(AttnParams p, const T* o, const T* g, const A* dlse, A* dvec) {
@@ -131,7 +132,9 @@ __global__ void __launch_bounds__(kV1Warps * 32)
   v1_load(ov, o + b * p.o_b + i * p.o_l + h * p.o_h, p.D);
   v1_load(gv, g + b * p.g_b + i * p.g_l + h * p.g_h, p.D);
   const A s = v1_dot(ov, gv);
-  if (threadIdx.x % 32 == 0) dvec[row_id] = s - dlse[b * p.dl_b + h * p.dl_h + i * p.dl_l];
+  if (threadIdx.x % 32 == 0) {
+    dvec[row_id] = dlse ? s - dlse[b * p.dl_b + h * p.dl_h + i * p.dl_l] : s;
+  }
 }
 
 // The same, vectorised: kLpr lanes per row (kLpr = D / VW rounded up to a power of two, so D = 64
@@ -144,6 +147,11 @@ __global__ void __launch_bounds__(256)
     attn_bwd_preprocess_v2(AttnParams p, const T* o, const T* g, const A* dlse, A* dvec,
                            float* acc_zero) {
   constexpr int VW = 16 / sizeof(T);
+  // On Hopper (Note [programmatic dependent launch]): this kernel may start during the tail of
+  // the one that made do; and the backward kernel after it may be scheduled now: it takes a
+  // whole SM, so it starts only where this kernel's blocks are done.
+  grid_dependents_launch();
+  grid_dependency_wait();
   const int sub = threadIdx.x % kLpr;
   const int64_t row_id = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) / kLpr;
   const bool ok = row_id < static_cast<int64_t>(p.B) * p.H * p.L;
@@ -170,7 +178,7 @@ __global__ void __launch_bounds__(256)
   }
 #pragma unroll
   for (int off = kLpr / 2; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
-  if (ok && sub == 0) dvec[row_id] = s - dlse[b * p.dl_b + h * p.dl_h + i * p.dl_l];
+  if (ok && sub == 0) dvec[row_id] = dlse ? s - dlse[b * p.dl_b + h * p.dl_h + i * p.dl_l] : s;
 }
 
 // dq: one warp per query row, looping over the visible keys.
@@ -891,6 +899,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 template <typename T, int D>
 __global__ void __launch_bounds__(256)
     attn_bwd_dq_convert(AttnParams p, const float* __restrict__ acc, T* __restrict__ dq) {
+  grid_dependency_wait();  // acc comes from the backward kernel before
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
   if (idx >= static_cast<int64_t>(p.B) * p.H * p.L * (D / 8)) return;
   const int d = static_cast<int>(idx % (D / 8)) * 8;
@@ -1052,7 +1061,8 @@ void launch_bwd_fused(const AttnParams& p, const T* q, const T* k, const T* v, c
                       cudaStream_t st, const char* op) {
   using C = V2Config<D>;
   const int64_t nacc = static_cast<int64_t>(p.B) * p.H * p.L * D;
-  if (!attn_bwd_sm90<T>(p, q, k, v, g, lse, dvec, dq_acc, dk, dv, st, op)) {  // Hopper: wgmma
+  const bool sm90 = attn_bwd_sm90<T>(p, q, k, v, g, lse, dvec, dq_acc, dk, dv, st, op);
+  if (!sm90) {  // not Hopper: the mma.sync fused kernel
     constexpr int W = C::kFuWarps, Br = C::kFuBr, MT = C::kFuMT, Bc = 16 * MT * W;
     constexpr size_t smem = fused_smem<T, D, W, Br, MT>();
     auto kern = attn_bwd_dkdv_v2<T, D, W, Br, C::kFuFrag, C::kFuMinBlocks, MT, true, C::kFuGroupBh>;
@@ -1061,9 +1071,10 @@ void launch_bwd_fused(const AttnParams& p, const T* q, const T* k, const T* v, c
     kern<<<grid, W * 32, smem, st>>>(p, q, k, v, g, lse, dvec, dk, dv, dq_acc);
     BT_CUDA_LAUNCH_CHECK(op);
   }
-  attn_bwd_dq_convert<T, D>
-      <<<static_cast<unsigned>(ceil_div(nacc / 8, int64_t{256})), 256, 0, st>>>(p, dq_acc, dq);
-  BT_CUDA_LAUNCH_CHECK(op);
+  // on Hopper, overlapping the backward's tail (Note [programmatic dependent launch])
+  launch_dependent(sm90, attn_bwd_dq_convert<T, D>,
+                   static_cast<unsigned>(ceil_div(nacc / 8, int64_t{256})), 256, 0, st, op, p,
+                   static_cast<const float*>(dq_acc), dq);
 }
 
 unsigned v1_blocks(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, kV1Warps)); }
@@ -1073,7 +1084,7 @@ unsigned v1_blocks(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, k
 // memset).
 template <typename T, typename A>
 void launch_preprocess(const AttnParams& p, const T* o, const T* g, const A* dlse, A* dvec,
-                       float* acc_zero, cudaStream_t st, const char* op) {
+                       float* acc_zero, cudaStream_t st, const char* op, bool hopper = false) {
   constexpr int VW = 16 / sizeof(T);
   const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.L;
   const bool vec = p.D % VW == 0 && reinterpret_cast<uintptr_t>(o) % 16 == 0 &&
@@ -1091,8 +1102,8 @@ void launch_preprocess(const AttnParams& p, const T* o, const T* g, const A* dls
   auto go = [&](auto lpr) {
     constexpr int L = decltype(lpr)::value;
     const auto blocks = static_cast<unsigned>(ceil_div(rows * L, int64_t{256}));
-    attn_bwd_preprocess_v2<T, A, L><<<blocks, 256, 0, st>>>(p, o, g, dlse, dvec, acc_zero);
-    BT_CUDA_LAUNCH_CHECK(op);
+    launch_dependent(hopper, attn_bwd_preprocess_v2<T, A, L>, blocks, 256, 0, st, op, p, o, g, dlse,
+                     dvec, acc_zero);
   };
   if (chunks <= 4) {
     go(std::integral_constant<int, 4>{});
@@ -1188,7 +1199,9 @@ void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector
   check_dims(p, op);
   p.o_b = o.strides()[0], p.o_l = o.strides()[1], p.o_h = o.strides()[2];
   p.g_b = g.strides()[0], p.g_l = g.strides()[1], p.g_h = g.strides()[2];
-  p.dl_b = dlse.strides()[0], p.dl_h = dlse.strides()[1], p.dl_l = dlse.strides()[2];
+  if (dlse.defined()) {  // undefined: no gradient reached lse (zero)
+    p.dl_b = dlse.strides()[0], p.dl_h = dlse.strides()[1], p.dl_l = dlse.strides()[2];
+  }
   if (!lse.is_contiguous()) {
     throw RuntimeError(std::string("[") + op + "] lse must be contiguous");
   }
@@ -1238,8 +1251,9 @@ void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector
     const bool fused = tc && !deterministic_algorithms() && p.D == 64;
     Tensor acc =
         fused ? empty_tensor({p.B, p.H, p.L, p.D}, DType::Float32, out[0].device(), op) : Tensor();
-    launch_preprocess<T, A>(p, o.data<T>(op), gp, dlse.data<A>(op), dvec.data<A>(op),
-                            fused ? acc.data<float>(op) : nullptr, st, op);
+    launch_preprocess<T, A>(p, o.data<T>(op), gp, dlse.defined() ? dlse.data<A>(op) : nullptr,
+                            dvec.data<A>(op), fused ? acc.data<float>(op) : nullptr, st, op,
+                            fused && attn_fwd_sm90_supported(p));
     if constexpr (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) {
       if (tc) {
         const float* lp = lse.data<float>(op);

@@ -690,7 +690,8 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, k
     }
     mbar_init_fence();
   }
-  __syncthreads();  // the last block-wide barrier: roles split here
+  __syncthreads();         // the last block-wide barrier: roles split here
+  grid_dependency_wait();  // q, k, v may come from the kernel before (a GEMM)
 
   if (threadIdx.x >= kWG * 128) {  // ---- producer warp: one lane issues every load
     if (threadIdx.x == kWG * 128) {
@@ -981,6 +982,8 @@ __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_r
         load(sK, &tk, ord.k_h_inner, kvfull + kb, k0);
         load(sK + kBc * D, &tv, ord.v_h_inner, kvfull + kb, k0);
       }
+      // Dvec comes from the kernel before: the K, V loads above may start before it ends
+      if (n == 0) grid_dependency_wait();
       const float* lb = lse + static_cast<int64_t>(bh) * p.L;
       const float* db = dvec + static_cast<int64_t>(bh) * p.L;
       for (int i = item_begin(item); i < i_end; ++i, ++gt) {
@@ -1005,6 +1008,7 @@ __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_r
 
   // ---- consumers
   if constexpr (kDefer) regs_inc<kBwdConsumerRegs>();
+  grid_dependency_wait();  // before the dq_acc reduce-adds and the dK, dV stores
   // Note [backward instruction count]: the loop below was written for few instructions besides
   // the wgmmas and exponentials (ncu, call 4 of session 13: 863 warp instructions per warp and
   // tile against cuDNN's 640, the same 20 wgmmas): the warpgroup index goes through a shuffle so
@@ -1394,7 +1398,8 @@ bool launch_fwd_sm90_ws_cfg(const AttnParams& p, const T* q, const T* k, const T
     grid = dim3(static_cast<unsigned>(sms > 0 ? std::min<int64_t>(ntiles, int64_t(sms) * kMinBlocks)
                                               : ntiles));
   }
-  kern<<<grid, kWG * 128 + 32, smem, st>>>(p, tq, tk, tv, ord, o, lse);
+  // overlaps the previous kernel's tail (Note [programmatic dependent launch])
+  launch_dependent(true, kern, grid, kWG * 128 + 32, smem, st, op, p, tq, tk, tv, ord, o, lse);
   BT_CUDA_LAUNCH_CHECK(op);
   return true;
 }
@@ -1485,9 +1490,9 @@ bool launch_bwd_sm90_cfg(const AttnParams& p, const T* q, const T* k, const T* v
     const int sms = max_blocks > 0 ? max_blocks : sm_count_current();  // (a harness sets fewer)
     grid = dim3(static_cast<unsigned>(sms > 0 ? std::min<int64_t>(items, sms) : items));
   }
-  kern<<<grid, bwd_threads(kWG, kDefer), smem, st>>>(p, tq, tk, tv, tg, tacc, ord, lse, dvec, dk,
-                                                     dv, dq_acc);
-  BT_CUDA_LAUNCH_CHECK(op);
+  // overlaps the Dvec kernel's tail (Note [programmatic dependent launch])
+  launch_dependent(true, kern, grid, bwd_threads(kWG, kDefer), smem, st, op, p, tq, tk, tv, tg,
+                   tacc, ord, lse, dvec, dk, dv, dq_acc);
   return true;
 }
 

@@ -4,7 +4,8 @@
 //   - dispatch over dtypes with CUDA types;
 //   - StridedOffset: element offsets of a strided view from a linear (row-major) index, with the
 //     view's dims coalesced first so the common cases run as 1-D loops;
-//   - warp and block reductions.
+//   - warp and block reductions;
+//   - programmatic dependent launch (a kernel starting during its predecessor's tail).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -12,7 +13,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
+#include <utility>
 
 #include "../dtype.h"
 #include "../tensor.h"
@@ -159,5 +162,49 @@ __device__ __forceinline__ T block_max(T v, T* scratch, T lowest) {
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---- programmatic dependent launch ------------------------------------------------------------
+// Note [programmatic dependent launch]
+// A kernel started by launch_dependent() on Hopper may begin while the kernel before it on the
+// stream is still finishing: its launch, block setup and reads of older inputs overlap that
+// kernel's tail (a few microseconds a kernel boundary).  Such a kernel calls
+// grid_dependency_wait() before it reads anything the previous kernel wrote, and before it
+// writes global memory at all: the caching allocator may hand it memory that the previous kernel
+// is still reading (freed on the host once that kernel was queued).  grid_dependents_launch() in
+// the earlier kernel lets the dependent be scheduled before that kernel's blocks exit (the wait
+// still waits for all of them).  BT_CUDA_PDL=0 in the environment launches normally.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+inline bool pdl_enabled() {  // read at each launch, so a test can compare both ways
+  const char* e = std::getenv("BT_CUDA_PDL");
+  return !(e && e[0] == '0');
+}
+
+// kern<<<grid, block, smem, st>>>(args...), allowed to overlap the previous kernel when
+// `dependent` (the caller knows the device is Hopper and kern waits as the Note says).
+template <typename... KArgs, typename... Args>
+void launch_dependent(bool dependent, void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                      cudaStream_t st, const char* op, Args&&... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cfg.attrs = &attr;
+  cfg.numAttrs = dependent && pdl_enabled() ? 1 : 0;
+  BT_CUDA_CHECK(op, cudaLaunchKernelEx(&cfg, kern, std::forward<Args>(args)...));
+}
 
 }  // namespace bt::cuda

@@ -1111,11 +1111,12 @@ __global__ void crossentropy_row_scale(const int64_t* __restrict__ t, const G* _
 // d = (exp(x - lse) - ls / C - (i == target) * (1 - ls)) * scale[row]; ignored rows 0, an
 // out-of-range target NaN.  Logits rows start ldx elements apart; dlogits is (N, Cx) dense and its
 // columns >= C (a padded vocabulary's padding) get 0, so it is the padded gradient in one pass.
+// x is not __restrict__: dx may be x (Note [donating a saved input]); each thread reads an
+// element before it writes it.
 template <typename T, typename S>
-__global__ void crossentropy_backward_v1(const T* __restrict__ x, int64_t ldx,
-                                         const int64_t* __restrict__ t, const S* __restrict__ lse,
-                                         const math_t<T>* scale, T* dx, int64_t C, int64_t Cx,
-                                         int64_t ii, double ls) {
+__global__ void crossentropy_backward_v1(const T* x, int64_t ldx, const int64_t* __restrict__ t,
+                                         const S* __restrict__ lse, const math_t<T>* scale, T* dx,
+                                         int64_t C, int64_t Cx, int64_t ii, double ls) {
   using A = math_t<T>;
   const int64_t row = blockIdx.x, tg = t[row];
   const A l = lse[row], sc = scale[row], offv = A(ls / double(C)), on = A(1 - ls);

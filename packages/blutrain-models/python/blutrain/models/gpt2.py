@@ -273,6 +273,11 @@ class GPT2(_Precision, nn.Module):
     padded vocabulary are never returned); loss: a float32 0-d tensor (mean cross-entropy over
     the non-ignored targets), or None without targets.
 
+    Training, drop the logits before backward (``loss = model(idx, targets)[1]``): with nothing
+    else holding them, the loss's backward writes its gradient over them instead of allocating
+    another (B, T, padded vocab) tensor (1.5 GiB at B=16, T=1024 in bf16).  Held logits are
+    left intact and cost that memory.
+
     GPU options (all keep the math of the plain model):
     - `precision`: "fp32", "tf32" (float32 matmuls on TF32 tensor cores; a global setting) or
       "bf16" (bfloat16 compute, float32 master weights), or a bt.amp.Policy; per block with

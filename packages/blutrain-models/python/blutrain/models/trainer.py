@@ -538,7 +538,8 @@ class Trainer:
         losses = []
         for _ in range(cfg.grad_accum):
             x, y = self._next_batch()
-            _, loss = self.model(x, y)
+            # the logits are not kept: backward then writes their gradient over them
+            loss = self.model(x, y)[1]
             if cfg.grad_accum > 1:
                 (loss / cfg.grad_accum).backward()
             else:
@@ -1152,7 +1153,7 @@ def bench(
     params = list(m.parameters())
 
     def step() -> Any:
-        _, loss = m(x, y)
+        loss = m(x, y)[1]  # logits dropped: the loss's backward writes dlogits over them
         loss.backward()
         clip_and_step(opt, params, 1.0)
         opt.zero_grad()
