@@ -47,12 +47,14 @@ struct AccumulateGrad : Node {
       // that only the view still holds (a backward's output reshaped on its way to the leaf, as
       // the packed attention gradient is) counts as unshared: it is kept, detached from that
       // base, instead of copied.
-      const auto& base = g.impl()->view_base;
-      const bool via_base = base && base.use_count() == 1 && base->storage == g.storage() &&
-                            !base->grad_fn && g.offset() == 0 &&
-                            size_t(g.numel()) * itemsize(g.dtype()) == g.storage()->nbytes();
+      bool via_base = false;
+      const bool sole = storage_only_via(g, &via_base);
+      // kept through the base only when g is that whole base's memory and the base has no history
+      const bool base_ok =
+          !via_base || (!g.impl()->view_base->grad_fn && g.offset() == 0 &&
+                        size_t(g.numel()) * itemsize(g.dtype()) == g.storage()->nbytes());
       const bool own = g.impl_ptr().use_count() <= 2 && g.is_contiguous() && !g.impl()->grad_fn &&
-                       g.storage().use_count() == (via_base ? 2 : 1);
+                       sole && base_ok;
       leaf->grad = !own ? clone(g).impl_ptr() : via_base ? detach(g).impl_ptr() : g.impl_ptr();
     } else {
       Tensor acc(leaf->grad);

@@ -86,10 +86,8 @@ struct PrimNode : Node {
 }  // namespace
 
 bool donatable(const Tensor& saved) {
-  if (!saved.defined() || saved.is_symbolic() || saved.impl_ptr().use_count() != 1) return false;
-  const auto& base = saved.impl()->view_base;
-  const bool via_base = base && base.use_count() == 1 && base->storage == saved.storage();
-  return saved.storage().use_count() == (via_base ? 2 : 1);
+  return saved.defined() && !saved.is_symbolic() && saved.impl_ptr().use_count() == 1 &&
+         storage_only_via(saved);
 }
 
 // Output 0 of a primitive that overwrites input k: input k's memory, as a fresh contiguous

@@ -248,6 +248,13 @@ Tensor make_view(const Tensor& base, const Shape& shape, const Strides& strides,
 
 Tensor detach(const Tensor& t) { return make_view(t, t.shape(), t.strides(), t.offset()); }
 
+bool storage_only_via(const Tensor& t, bool* via_base) {
+  const auto& base = t.impl()->view_base;
+  const bool vb = base && base.use_count() == 1 && base->storage == t.storage();
+  if (via_base) *via_base = vb;
+  return t.storage().use_count() == (vb ? 2 : 1);
+}
+
 // ---- repr ----------------------------------------------------------------------------------
 static double read_double(const Tensor& t, int64_t off) {
   const char* base = static_cast<const char*>(t.storage()->data());

@@ -178,6 +178,9 @@ Tensor symbolic_tensor(const Shape& shape, DType dtype, Device device);
 Tensor make_view(const Tensor& base, const Shape& shape, const Strides& strides, int64_t offset);
 // The same data without autograd history (shares storage and version counter).
 Tensor detach(const Tensor& t);
+// Whether every reference to t's storage is t's impl, or t's view base that only t keeps alive
+// (*via_base says which): nothing but t can reach the memory through another tensor handle.
+bool storage_only_via(const Tensor& t, bool* via_base = nullptr);
 
 std::string tensor_repr(const Tensor& t);
 
