@@ -86,6 +86,7 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
         cuda.reset_peak_memory_stats()
     bt.manual_seed(0)
     model = GPT2(cfg, device="cuda", precision=a.mode, recompute=a.recompute)
+    model.classifier_chunk_size = a.classifier_chunk or None
     set_matmul_precision(a.mode)
     opt = make_adamw(model.named_parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     params = list(model.parameters())
@@ -95,7 +96,7 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
     y = bt.tensor(data[:, 1:], device="cuda")
 
     def step():
-        loss = model(x, y)[1]  # logits dropped: the loss's backward writes dlogits over them
+        loss = model(x, y, return_logits=False)[1]  # head + loss in chunks: no whole logits
         loss.backward()
         clip_and_step(opt, params, 1.0)  # no host sync
         opt.zero_grad()
@@ -278,6 +279,12 @@ def main() -> int:
     )
     p.add_argument("--recompute", default="none", help="ours: none, gelu, attn, block")
     p.add_argument(
+        "--classifier-chunk",
+        type=int,
+        default=0,
+        help="ours: rows per chunk of the fused classifier (0: its default, at most 512 MiB of logits)",
+    )
+    p.add_argument(
         "--budget-s",
         type=float,
         default=None,
@@ -335,6 +342,8 @@ def main() -> int:
                 a.model,
                 "--recompute",
                 a.recompute,
+                "--classifier-chunk",
+                str(a.classifier_chunk),
                 "--profile",
                 str(a.profile),
             ]

@@ -145,3 +145,43 @@ def test_dropped_logits_take_their_gradient(rng, precision):
     assert l_drop == l_keep
     for n in g_keep:
         assert np.array_equal(g_drop[n], g_keep[n]), n
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fused_classifier_never_holds_the_logits(rng, precision):
+    # model(x, y, return_logits=False) runs the head and the loss as bt.linear_cross_entropy
+    # in row chunks: the step's peak is most of one (B*T, padded vocab) tensor lower than with
+    # the logits made (and dropped), and the loss and gradients agree with that path.
+    cfg = GPT2Config(block_size=64, vocab_size=8000, n_layer=2, n_head=4, n_embd=64)
+    sd = weights(cfg, rng)
+    # 32 x 64 rows: the logits (16 MB in bf16) well above the head's float32 dW (2 MB) and the
+    # backward's copies of it
+    B = 32
+    x = bt.tensor(rng.integers(0, cfg.vocab_size, (B, cfg.block_size)), device="cuda")
+    y = rng.integers(0, cfg.vocab_size, (B, cfg.block_size))
+    y[0, :5] = -1  # ignored targets
+    y = bt.tensor(y, device="cuda")
+    out = {}
+    for fused_head in (True, False):
+        m = GPT2(cfg, device="cuda", precision=precision)
+        m.load_state_dict(sd)
+        m.classifier_chunk_size = 128  # 16 chunks
+        bt.cuda.synchronize()
+        before = bt.cuda.memory_allocated()
+        bt.cuda.reset_peak_memory_stats()
+        logits, loss = m(x, y, return_logits=not fused_head)
+        assert (logits is None) == fused_head
+        del logits
+        loss.backward()
+        bt.cuda.synchronize()
+        grads = {n: p.grad.cpu().float().numpy() for n, p in m.named_parameters()}
+        out[fused_head] = (bt.cuda.max_memory_allocated() - before, loss.item(), grads)
+    item = 2 if precision == "bf16" else 4
+    logits_bytes = B * cfg.block_size * cfg.padded_vocab_size * item
+    (peak_f, loss_f, g_f), (peak_u, loss_u, g_u) = out[True], out[False]
+    assert peak_f <= peak_u - 0.5 * logits_bytes, (peak_f, peak_u, logits_bytes)
+    tol = 1e-5 if precision == "fp32" else 2e-2
+    assert loss_f == pytest.approx(loss_u, rel=tol)
+    for n in g_u:
+        scale = max(np.abs(g_u[n]).max(), 1e-8)
+        assert np.abs(g_f[n] - g_u[n]).max() / scale <= 10 * tol, n

@@ -69,6 +69,28 @@ def test_fused_ops_give_the_same_numbers(rng):
         np.testing.assert_allclose(gb[n], ga[n], rtol=1e-4, atol=1e-5, err_msg=n)
 
 
+def test_fused_classifier_gives_the_same_numbers(rng):
+    # return_logits=False with fused=True: the head and loss as bt.linear_cross_entropy in row
+    # chunks (ignored targets, a padded vocabulary), against the plain model's logits path
+    if not hasattr(bt, "linear_cross_entropy"):
+        pytest.skip("this blutrain.tensor has no linear_cross_entropy")
+    a, b = twin(rng, fused=True)
+    b.classifier_chunk_size = 5
+    x = rng.integers(0, CFG.vocab_size, (2, CFG.block_size))
+    y = rng.integers(0, CFG.vocab_size, (2, CFG.block_size))
+    y[0, :3] = -1
+    _, sa, ga = run(a, x, y)
+    b.zero_grad()
+    logits, loss = b(x, y, return_logits=False)
+    assert logits is None
+    loss.backward()
+    assert float(loss.item()) == pytest.approx(sa, rel=1e-5)
+    for n, p in b.named_parameters():
+        np.testing.assert_allclose(p.grad.numpy(), ga[n], rtol=1e-4, atol=1e-5, err_msg=n)
+    with pytest.raises(ValueError, match="return_logits=False needs targets"):
+        b(x, return_logits=False)
+
+
 def test_precision_names_and_policies():
     assert precision_name("float32") == "fp32" and precision_name("BF16") == "bf16"
     with pytest.raises(ValueError, match="not one of fp32, tf32, bf16"):

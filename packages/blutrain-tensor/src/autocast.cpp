@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 
+#include "autograd.h"
 #include "ops.h"
 
 namespace bt {
@@ -258,6 +259,94 @@ std::vector<Tensor> LinearGeluLinear::vjp(const VjpArgs& a) {
       r[1] =
           apply1(std::make_shared<LinearWeightGrad>(false), {dpre, x}, w1.shape(), dt, dy.device());
     }
+  }
+  return r;
+}
+
+// ---- linear_cross_entropy (Note [chunked classifier]) -----------------------------------------
+// Default chunk: logits of at most this many bytes.  Each chunk re-reads and re-writes the dW
+// accumulator and runs its dx GEMM on fewer rows, so fewer, larger chunks are faster: on an H200
+// at GPT-2's head (16384 x 50304 x 768, fwd + bwd) bf16 took 6.77 ms unchunked, 7.38 ms in
+// 4096-row chunks (this default), 7.75 ms in 2368-row chunks (256 MiB); fp32 (TF32) 16.0 ms
+// unchunked and 17.0 ms in 2048-row chunks, where memory matters more than that 0.3% of a step.
+constexpr int64_t kChunkBytes = 512LL << 20;  // 512 MiB
+
+Tensor linear_cross_entropy(const Tensor& x, const Tensor& w, const Tensor& target,
+                            int64_t ignore_index, const std::string& reduction,
+                            std::optional<int64_t> num_classes, std::optional<int64_t> chunk_size) {
+  const char* op = "linear_cross_entropy";
+  if (!x.defined() || !w.defined() || !target.defined())
+    throw ValueError("[linear_cross_entropy] input, weight and target are required");
+  check_linear_args(x, w, Tensor(), op);
+  const Shape rows_shape(x.shape().begin(), x.shape().end() - 1);
+  if (target.shape() != rows_shape) {
+    throw ValueError("[linear_cross_entropy] target has shape " + shape_str(target.shape()) +
+                     ", expected input's leading dims " + shape_str(rows_shape) + " (input " +
+                     shape_str(x.shape()) + ")");
+  }
+  if (target.device() != x.device())
+    throw ValueError("[linear_cross_entropy] target must be on the input's device");
+  if (is_floating(target.dtype()) || target.dtype() == DType::Bool) {
+    throw TypeError(std::string("[linear_cross_entropy] target must hold integer class ids, got ") +
+                    dtype_name(target.dtype()));
+  }
+  if (reduction != "mean" && reduction != "sum") {
+    throw ValueError("[linear_cross_entropy] reduction must be 'mean' or 'sum', got '" + reduction +
+                     "' (per-row losses: use linear + cross_entropy)");
+  }
+  const int64_t Vp = w.shape()[0], K = w.shape()[1];
+  const int64_t V = num_classes.value_or(Vp);
+  if (V < 1 || V > Vp) {
+    throw ValueError("[linear_cross_entropy] num_classes " + std::to_string(V) +
+                     " must be in [1, " + std::to_string(Vp) + "] (weight " + shape_str(w.shape()) +
+                     ")");
+  }
+  if (chunk_size && *chunk_size < 1) {
+    throw ValueError("[linear_cross_entropy] chunk_size must be >= 1, got " +
+                     std::to_string(*chunk_size));
+  }
+  const DType dt = promote_types(x.dtype(), w.dtype());
+  if (!is_floating(dt)) {
+    throw TypeError(std::string("[linear_cross_entropy] expects floating tensors, got ") +
+                    dtype_name(x.dtype()) + " and " + dtype_name(w.dtype()));
+  }
+  Tensor x2 = gemm_ready_2d(reshape(astype(x, dt), {-1, K}));
+  Tensor w2 = gemm_ready_2d(astype(w, dt));
+  Tensor t = contiguous(reshape(astype(target, DType::Int64), {-1}));
+  const int64_t N = x2.shape()[0];
+  int64_t rows = chunk_size.value_or(0);
+  if (!chunk_size) {  // even chunks of at most the byte budget, whole multiples of 64 rows
+    const int64_t row_bytes = std::max<int64_t>(Vp * static_cast<int64_t>(itemsize(dt)), 1);
+    const int64_t cap = std::max<int64_t>(kChunkBytes / row_bytes, 1);
+    const int64_t chunks = std::max<int64_t>((N + cap - 1) / cap, 1);
+    rows = ((N + chunks - 1) / chunks + 63) / 64 * 64;
+  }
+  rows = std::max<int64_t>(std::min(rows, N), 1);
+  const DType acc = is_16bit(dt) ? DType::Float32 : dt;  // loss and dW accumulator
+  const bool need_dx = grad_enabled() && x.requires_grad();
+  const bool need_dw = grad_enabled() && w.requires_grad();
+  std::vector<std::pair<Shape, DType>> meta{{Shape{}, acc}};
+  if (need_dx) meta.push_back({x2.shape(), dt});
+  if (need_dw) meta.push_back({w2.shape(), acc});
+  auto outs = apply(std::make_shared<LinearCrossEntropy>(ignore_index, V, rows, need_dx, need_dw),
+                    {x2, w2, t}, meta, x.device());
+  if (reduction == "sum") return outs[0];
+  // the mean over non-ignored rows (0/0 = nan when there are none, as cross_entropy)
+  return div(outs[0], sum(astype(binary(BinaryOp::Ne, t, Scalar{double(ignore_index), 1}), acc)));
+}
+
+std::vector<Tensor> LinearCrossEntropy::vjp(const VjpArgs& a) {
+  // The forward saved the gradients of the summed loss: scale them by its cotangent.
+  const Tensor& g = a.cotangents[0];
+  std::vector<Tensor> r(a.in_meta.size());  // (no inputs are saved)
+  size_t k = 1;
+  if (need_dx) {
+    const Tensor& dx = a.outputs[k++];
+    if (a.needs[0]) r[0] = mul(dx, astype(g, dx.dtype()));
+  }
+  if (need_dw && a.needs[1]) {
+    const Tensor& dw = a.outputs[k];
+    r[1] = astype(mul(dw, astype(g, dw.dtype())), a.in_meta[1].dtype);
   }
   return r;
 }

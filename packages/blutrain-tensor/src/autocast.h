@@ -9,9 +9,12 @@
 //   - linear_gelu(x, W, b) = gelu_tanh(x W^T + b): one GEMM whose epilogue adds the bias, applies
 //     the GELU and also writes the pre-activation (saved for backward).
 //   - linear_gelu_linear: the whole GELU MLP (GEMM, GELU, GEMM) as one primitive.
+//   - linear_cross_entropy: a classifier head and its loss, x W^T -> cross-entropy, run in row
+//     chunks so the (N, V) logits never exist whole (Note [chunked classifier]).
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -89,6 +92,44 @@ class LinearGeluLinear : public Primitive {
   bool has_b1, has_b2, recompute;
 };
 
+// Note [chunked classifier]
+// A language model's head makes (N, V) logits, N = B*T tokens, V ~ 50K classes: at GPT-2's
+// B=16, T=1024 that is 3.3 GB in float32 (1.65 in bf16), the largest tensor of the step, kept
+// from the forward until the loss's backward.  LinearCrossEntropy never keeps it: its forward
+// walks the rows in chunks and, per chunk, runs the head GEMM into one chunk buffer, the
+// cross-entropy forward (row losses, lse), the cross-entropy backward written over that buffer
+// (dlogits of the summed loss), then the two backward GEMMs: dx rows = dlogits W, and
+// dW += dlogits^T x with beta = 1 into a float32 accumulator for 16-bit weights (one rounding at
+// the end, as the unchunked GEMM's).  So the forward already holds the gradients of the SUMMED
+// loss; the vjp only scales them by the incoming gradient (the front's mean divides by the
+// valid-target count with ordinary ops, so that scale reaches the vjp through autograd).
+// Costs: the same GEMM flops as linear + cross_entropy, plus one (N, K) and one (V, K) scaling in
+// backward; the backward's work moves into the forward (dx and dW are computed even if no
+// backward follows, unless grad mode is off or neither x nor W requires grad).
+// Higher-order gradients through it are not supported (the saved gradients are constants).
+//
+// Inputs x (N, K), W (Vp, K), target (N) int64 contiguous.  Outputs: loss_sum () (the summed
+// loss over non-ignored rows; float32 for 16-bit inputs, else x's dtype), then dx (N, K) in x's
+// dtype if need_dx, then dW (Vp, K) (float32 for 16-bit, else x's dtype) if need_dw.  Only the
+// first num_classes columns of the head are classes (a padded vocabulary): the padding columns
+// get zero gradient.  chunk_rows: rows per chunk (the front picks it from a byte budget).
+class LinearCrossEntropy : public Primitive {
+  BT_PRIM_BODY(LinearCrossEntropy, "linear_cross_entropy")
+  LinearCrossEntropy(int64_t ii, int64_t nc, int64_t rows, bool ndx, bool ndw)
+      : ignore_index(ii), num_classes(nc), chunk_rows(rows), need_dx(ndx), need_dw(ndw) {}
+  bool saves_inputs() const override { return false; }
+  bool saves_outputs() const override { return true; }
+  bool saves_output(size_t i) const override { return i > 0; }        // dx, dW
+  bool takes_no_cotangent(size_t i) const override { return i > 0; }  // never returned
+  void attrs(Attrs& a) const override {
+    a["ignore_index"] = ignore_index;
+    a["num_classes"] = num_classes;
+    a["chunk_rows"] = chunk_rows;
+  }
+  int64_t ignore_index, num_classes, chunk_rows;
+  bool need_dx, need_dw;
+};
+
 // How linear_gelu_linear runs its GELU parts on CUDA (BLUTRAIN_LGL_EPILOGUE=kernel|cublaslt, read
 // once at first use; tests switch it with set_lgl_impl):
 //   Kernel (default): backward dh = dy W2 as a plain GEMM, then our fused du = dh * gelu'(pre)
@@ -121,5 +162,13 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias);
 // saves pre only and recomputes h in backward.
 Tensor linear_gelu_linear(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2,
                           const Tensor& b2, bool recompute = false);
+
+// cross_entropy(x W^T, target) over the first num_classes (default: all) columns, reduction
+// "mean" or "sum", without keeping the logits (Note [chunked classifier]).  x (..., K), W (V, K),
+// target (...) integer; chunk_size: rows per chunk (default: even chunks of at most 512 MiB of
+// logits, see autocast.cpp).  The loss is float32 for 16-bit inputs.
+Tensor linear_cross_entropy(const Tensor& x, const Tensor& weight, const Tensor& target,
+                            int64_t ignore_index, const std::string& reduction,
+                            std::optional<int64_t> num_classes, std::optional<int64_t> chunk_size);
 
 }  // namespace bt

@@ -2,6 +2,7 @@
 // the descriptor's device field picks the backend, so src/cuda/ only needs to pass its stream).
 #include "../autocast.h"
 #include "../backend.h"
+#include "../nn_fused.h"
 #include "../primitives.h"
 #include "blutrain/linalg.h"
 
@@ -215,6 +216,75 @@ static void run_linear_weight_grad(LinearWeightGrad& p, const std::vector<Tensor
   call_gemm(p, d);
 }
 
+// LinearCrossEntropy (Note [chunked classifier], autocast.h): per chunk of rows, the head GEMM
+// into one (rows, Vp) buffer, the cross-entropy forward (row losses), its backward over the same
+// buffer, then dx rows = dlogits W and dW (+)= dlogits^T x.  The cross-entropy, fill and
+// reduction steps are those primitives' own kernels, run on the device's backend.
+static void run_linear_cross_entropy(LinearCrossEntropy& p, const std::vector<Tensor>& in,
+                                     std::vector<Tensor>& out, void* stream, bool gpu) {
+  const Tensor &x = in[0], &w = in[1], &t = in[2];
+  const int64_t N = x.shape()[0], K = x.shape()[1], Vp = w.shape()[0];
+  const Device dev = x.device();
+  const DType acc = out[0].dtype();
+  auto run = [gpu](Primitive&& prim, const std::vector<Tensor>& ins, std::vector<Tensor> outs) {
+    if (gpu) {
+      prim.eval_gpu(ins, outs);
+    } else {
+      prim.eval_cpu(ins, outs);
+    }
+  };
+  if (!gpu) {  // the CPU cross-entropy raises on a bad target; name its row in the whole batch
+    const int64_t* tp = static_cast<const int64_t*>(t.data_ptr(p.name()));
+    for (int64_t i = 0; i < N; ++i) {
+      if (tp[i] != p.ignore_index && (tp[i] < 0 || tp[i] >= p.num_classes)) {
+        throw IndexError("[linear_cross_entropy] target " + std::to_string(tp[i]) + " (row " +
+                         std::to_string(i) + ") is out of range for " +
+                         std::to_string(p.num_classes) + " classes (ignore_index is " +
+                         std::to_string(p.ignore_index) + ")");
+      }
+    }
+  }
+  Tensor row_loss = empty_tensor({N}, acc, dev, p.name());
+  const size_t idw = p.need_dx ? 2 : 1;
+  if (N > 0) {
+    const int64_t rows = std::min(p.chunk_rows, N);
+    const bool backward = p.need_dx || p.need_dw;
+    Tensor buf = empty_tensor({rows, Vp}, x.dtype(), dev, p.name());
+    Tensor one;
+    if (backward) {  // the summed loss's gradient, 1
+      one = empty_tensor({}, acc, dev, p.name());
+      run(Full(1.0), {}, {one});
+    }
+    const DType sd = x.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
+    for (int64_t r0 = 0; r0 < N; r0 += rows) {
+      const int64_t n = std::min(rows, N - r0);
+      const Tensor xc = make_view(x, {n, K}, x.strides(), x.offset() + r0 * x.strides()[0]);
+      const Tensor tc = make_view(t, {n}, {1}, t.offset() + r0);
+      const Tensor logits = make_view(buf, {n, Vp}, {Vp, 1}, buf.offset());
+      const Tensor lse = empty_tensor({n}, sd, dev, p.name());
+      call_gemm(p, make_desc(p, xc, false, w, true, logits, stream));
+      run(CrossEntropy(p.ignore_index, 0, 0.0, p.num_classes), {logits, tc},
+          {make_view(row_loss, {n}, {1}, r0), lse});
+      if (!backward) continue;
+      // dlogits of the summed loss over the logits (each element read before it is written)
+      run(CrossEntropyBackward(p.ignore_index, 2, 0.0, p.num_classes, true), {logits, tc, lse, one},
+          {logits});
+      if (p.need_dx) {
+        const Tensor dxc = make_view(out[1], {n, K}, {K, 1}, out[1].offset() + r0 * K);
+        call_gemm(p, make_desc(p, logits, false, w, false, dxc, stream));
+      }
+      if (p.need_dw) {
+        bt_linalg_gemm_desc d = make_desc(p, logits, true, xc, false, out[idw], stream);
+        d.beta = r0 == 0 ? 0.0 : 1.0;  // accumulate over chunks in dW's (wide) dtype
+        call_gemm(p, d);
+      }
+    }
+  } else if (p.need_dw) {  // no rows: a zero gradient
+    run(Full(0.0), {}, {out[idw]});
+  }
+  run(Reduce(ReduceOp::Sum, {0}, false), {row_loss}, {out[0]});
+}
+
 void Matmul::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   run_gemm(*this, in, out, trans_b, has_bias, nullptr);
 }
@@ -229,6 +299,9 @@ void LinearDgelu::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& o
 }
 void LinearGeluLinear::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   run_linear_gelu_linear(*this, in, out, nullptr, false);
+}
+void LinearCrossEntropy::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  run_linear_cross_entropy(*this, in, out, nullptr, false);
 }
 
 #ifdef BT_WITH_CUDA
@@ -249,6 +322,9 @@ void LinearDgelu::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& o
 void LinearGeluLinear::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   run_linear_gelu_linear(*this, in, out, backend::current_stream(out[0].device()), true);
 }
+void LinearCrossEntropy::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  run_linear_cross_entropy(*this, in, out, backend::current_stream(out[0].device()), true);
+}
 #else
 void LinearGelu::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {
   backend::no_cuda_kernel(name());
@@ -260,6 +336,9 @@ void LinearDgelu::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {
   backend::no_cuda_kernel(name());
 }
 void LinearGeluLinear::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {
+  backend::no_cuda_kernel(name());
+}
+void LinearCrossEntropy::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {
   backend::no_cuda_kernel(name());
 }
 #endif

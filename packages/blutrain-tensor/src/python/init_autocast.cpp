@@ -51,6 +51,20 @@ void init_autocast(nanobind::module_& m) {
       "the hidden activation gelu(pre) in backward (half the MLP's saved activations; the "
       "gradients are the same bits as recompute=False wherever the GELU runs as its own kernel: "
       "float32/float64; 16-bit forwards then run the GELU outside the GEMM too).");
+  m.def("linear_cross_entropy", &linear_cross_entropy, "input"_a, "weight"_a, "target"_a,
+        nb::kw_only(), "ignore_index"_a = -100, "reduction"_a = "mean",
+        "num_classes"_a = nb::none(), "chunk_size"_a = nb::none(),
+        "cross_entropy(linear(input, weight), target) without keeping the logits: a classifier "
+        "head and its loss in one op. input (..., K), weight (V, K), target (...) integer class "
+        "ids; only the first num_classes (default V) columns are classes (the rest, e.g. a "
+        "padded vocabulary, get zero gradient); targets equal to ignore_index count for "
+        "nothing; reduction 'mean' (over non-ignored targets) or 'sum'. The forward runs the rows "
+        "in chunks of chunk_size rows (default: even chunks of at most 512 MiB of logits): the "
+        "head GEMM, the loss and its gradient in one buffer, then the input and weight gradient "
+        "GEMMs, so only a chunk of logits ever exists (GPT-2 124M at B=16, T=1024: 3.3 GB in "
+        "float32). The backward scales the saved gradients. The loss is float32 for bf16/fp16 "
+        "inputs, whose weight gradient is accumulated over chunks in float32. Not twice "
+        "differentiable.");
   m.def(
       "_set_linear_gelu_linear_impl", [](const std::string& s) { set_lgl_impl(parse_lgl_impl(s)); },
       "impl"_a,

@@ -273,10 +273,13 @@ class GPT2(_Precision, nn.Module):
     padded vocabulary are never returned); loss: a float32 0-d tensor (mean cross-entropy over
     the non-ignored targets), or None without targets.
 
-    Training, drop the logits before backward (``loss = model(idx, targets)[1]``): with nothing
-    else holding them, the loss's backward writes its gradient over them instead of allocating
-    another (B, T, padded vocab) tensor (1.5 GiB at B=16, T=1024 in bf16).  Held logits are
-    left intact and cost that memory.
+    Training, ask for the loss alone: ``loss = model(idx, targets, return_logits=False)[1]``
+    (logits None).  On the fused path (CUDA by default, see `fused`) the head and the loss are
+    then one bt.linear_cross_entropy, which runs the rows in chunks and never holds the
+    (B, T, padded vocab) logits: 3.3 GB in float32 at B=16, T=1024, 1.65 GB in bf16; the
+    chunk's size is `classifier_chunk_size` rows (None: chunks of at most 512 MiB).  Elsewhere,
+    and when the logits are returned but dropped before backward, the loss's backward writes
+    its gradient over them instead of allocating another such tensor.
 
     GPU options (all keep the math of the plain model):
     - `precision`: "fp32", "tf32" (float32 matmuls on TF32 tensor cores; a global setting) or
@@ -287,7 +290,8 @@ class GPT2(_Precision, nn.Module):
       attention sublayer keeps its input only) or "block" (each block keeps its input only);
       "attn" and "block" recompute in backward through bt.checkpoint.
     - `fused`: None (on CUDA when blutrain.tensor has them), True or False: bt.add_layer_norm
-      for every residual add + LayerNorm pair, bt.linear_gelu_linear for the MLP.
+      for every residual add + LayerNorm pair, bt.linear_gelu_linear for the MLP, and
+      bt.linear_cross_entropy for the head and loss when the logits are not returned.
     """
 
     def __init__(
@@ -309,6 +313,8 @@ class GPT2(_Precision, nn.Module):
         self.device = device or "cpu"
         self.recompute = recompute
         self.fused = fused
+        # rows per chunk of the fused classifier (None: bt.linear_cross_entropy's default)
+        self.classifier_chunk_size: int | None = None
         self.transformer = _Transformer(config)
         if init:
             self.init_weights()
@@ -427,6 +433,11 @@ class GPT2(_Precision, nn.Module):
             return False, False
         return hasattr(bt, "add_layer_norm"), hasattr(bt, "linear_gelu_linear")
 
+    def _fused_classifier(self, h: bt.Tensor) -> bool:
+        """Whether the head and the loss run as one bt.linear_cross_entropy for hidden states h."""
+        want = self.fused if self.fused is not None else str(h.device).startswith("cuda")
+        return want and not h.is_symbolic and hasattr(bt, "linear_cross_entropy")
+
     def hidden_states(self, idx: bt.Tensor, wte: bt.Tensor | None = None) -> bt.Tensor:
         """The final LayerNorm's output (B, T, C) for checked int64 ids (B, T).
 
@@ -479,23 +490,43 @@ class GPT2(_Precision, nn.Module):
         V = self.config.vocab_size
         return logits.narrow(-1, 0, V) if self.config.padded_vocab_size > V else logits
 
-    def forward(self, idx: Any, targets: Any = None) -> tuple[bt.Tensor, bt.Tensor | None]:
+    def forward(
+        self, idx: Any, targets: Any = None, *, return_logits: bool = True
+    ) -> tuple[bt.Tensor | None, bt.Tensor | None]:
+        """(logits, loss); with targets and return_logits=False, (None, loss) (see the class)."""
         idx = self._as_ids(idx, "idx")
         if idx.shape[1] > self.config.block_size:
             raise ValueError(
                 f"[GPT2] sequence length {idx.shape[1]} is longer than the block size "
                 f"{self.config.block_size}"
             )
-        wte = _cast(self.transformer.wte.weight, self._compute)  # one cast, two uses
-        full = bt.linear(self.hidden_states(idx, wte), wte)  # (B, T, Vp), compute dtype
-        logits = self._unpad(full)
-        loss = None
+        tgt = None
         if targets is not None:
             tgt = self._as_ids(targets, "targets", allow_ignore=True)
             if tuple(tgt.shape) != tuple(idx.shape):
                 raise ValueError(
                     f"[GPT2] targets have shape {tuple(tgt.shape)}, idx {tuple(idx.shape)}"
                 )
+        elif not return_logits:
+            raise ValueError("[GPT2] return_logits=False needs targets (there is nothing else)")
+        wte = _cast(self.transformer.wte.weight, self._compute)  # one cast, two uses
+        h = self.hidden_states(idx, wte)
+        if tgt is not None and not return_logits and self._fused_classifier(h):
+            # the head and the loss in row chunks: the logits never exist whole
+            loss = bt.linear_cross_entropy(
+                h,
+                wte,
+                tgt,
+                ignore_index=IGNORE_INDEX,
+                num_classes=self.config.vocab_size,
+                chunk_size=self.classifier_chunk_size,
+            )
+            return None, loss
+        full = bt.linear(h, wte)  # (B, T, Vp), compute dtype
+        del h
+        logits = self._unpad(full)
+        loss = None
+        if tgt is not None:
             B, T = idx.shape
             V, Vp = self.config.vocab_size, full.shape[-1]
             if full.device == "cpu" and full.dtype == bt.float32 and not full.is_symbolic:
@@ -516,7 +547,7 @@ class GPT2(_Precision, nn.Module):
                     ignore_index=IGNORE_INDEX,
                     loss_dtype=bt.float32 if half else None,
                 )
-        return logits, loss
+        return (logits if return_logits else None), loss
 
     # -- weights as numpy --------------------------------------------------------------------------
     def state_dict(self) -> OrderedDict[str, np.ndarray]:  # type: ignore[override]

@@ -538,8 +538,8 @@ class Trainer:
         losses = []
         for _ in range(cfg.grad_accum):
             x, y = self._next_batch()
-            # the logits are not kept: backward then writes their gradient over them
-            loss = self.model(x, y)[1]
+            # the loss alone: on CUDA the head and loss run in chunks, the logits never whole
+            loss = self.model(x, y, return_logits=False)[1]
             if cfg.grad_accum > 1:
                 (loss / cfg.grad_accum).backward()
             else:
@@ -621,7 +621,7 @@ class Trainer:
         with bt.no_grad():
             for _ in range(n):
                 x, y = self.val_loader.next_batch()
-                _, loss = self.model(x, y)
+                _, loss = self.model(x, y, return_logits=False)
                 total = total + loss.detach().float()  # summed on the device: one sync
         self.model.train()
         return float(total.item()) / n
@@ -1068,7 +1068,7 @@ def evaluate_loss(
     with bt.no_grad():
         for _ in range(n):
             x, y = loader.next_batch()
-            total += float(model(x, y)[1].item())
+            total += float(model(x, y, return_logits=False)[1].item())
     return total / n, n
 
 
@@ -1153,7 +1153,7 @@ def bench(
     params = list(m.parameters())
 
     def step() -> Any:
-        loss = m(x, y)[1]  # logits dropped: the loss's backward writes dlogits over them
+        loss = m(x, y, return_logits=False)[1]  # the head + loss in chunks (no whole logits)
         loss.backward()
         clip_and_step(opt, params, 1.0)
         opt.zero_grad()
