@@ -282,7 +282,7 @@ def main() -> int:
         "--classifier-chunk",
         type=int,
         default=0,
-        help="ours: rows per chunk of the fused classifier (0: its default, at most 512 MiB of logits)",
+        help="ours: rows per chunk of the fused classifier (0: its default, <= 512 MiB of logits)",
     )
     p.add_argument(
         "--budget-s",
