@@ -79,23 +79,35 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument(
+        "--runs",
+        default="fused,logits",
+        help="heads to train, in order: fused (chunked classifier) or logits; repeat one to see "
+        "the run-to-run spread (the attention backward's float atomics)",
+    )
+    ap.add_argument("--deterministic", action="store_true", help="bt.use_deterministic_algorithms")
     a = ap.parse_args()
     files = {s: sorted(glob.glob(os.path.join(a.data, f"*_{s}_*.bin"))) for s in ("train", "val")}
     if not files["train"] or not files["val"]:
         raise SystemExit(f"no *_train_*.bin / *_val_*.bin shards in {a.data}")
-    fused = train(a, True, files)
-    plain = train(a, False, files)
-    print(f"GPT-2 {a.model} {a.precision} B={a.B} T={a.T} lr={a.lr}: chunked classifier vs logits")
-    print(
-        f"{'step':>5} {'train fused':>12} {'train logits':>13} {'val fused':>10} {'val logits':>11}"
-    )
-    for (s, tf, vf), (_, tp, vp) in zip(fused, plain):
-        print(f"{s:5d} {tf:12.4f} {tp:13.4f} {vf:10.4f} {vp:11.4f}")
-    dt = max(abs(f[1] - p[1]) for f, p in zip(fused, plain))
-    dv = max(abs(f[2] - p[2]) for f, p in zip(fused, plain))
-    print(f"max |train difference| {dt:.4f}, max |val difference| {dv:.4f}")
-    print(f"final val loss: fused {fused[-1][2]:.4f}, logits {plain[-1][2]:.4f}")
-    np.testing.assert_(all(np.isfinite([r[2] for r in fused + plain])), "non-finite val loss")
+    if a.deterministic:
+        bt.use_deterministic_algorithms(True)
+    runs = a.runs.split(",")
+    if not runs or any(r not in ("fused", "logits") for r in runs):
+        raise SystemExit(f"--runs: a list of 'fused' / 'logits', got {a.runs!r}")
+    results = [train(a, r == "fused", files) for r in runs]
+    det = ", deterministic" if a.deterministic else ""
+    print(f"GPT-2 {a.model} {a.precision}{det} B={a.B} T={a.T} lr={a.lr}, {a.steps} steps")
+    names = [f"{r}#{i}" for i, r in enumerate(runs)]
+    print(f"{'step':>5} " + " ".join(f"{'train ' + n:>15}" for n in names) + " "
+          + " ".join(f"{'val ' + n:>13}" for n in names))  # fmt: skip
+    for k, (step, _, _) in enumerate(results[0]):
+        tr = " ".join(f"{res[k][1]:15.4f}" for res in results)
+        va = " ".join(f"{res[k][2]:13.4f}" for res in results)
+        print(f"{step:5d} {tr} {va}")
+    print("final val loss: " + ", ".join(f"{n} {res[-1][2]:.4f}" for n, res in zip(names, results)))
+    vals = [r[2] for res in results for r in res]
+    np.testing.assert_(all(np.isfinite(vals)), "non-finite validation loss")
 
 
 if __name__ == "__main__":

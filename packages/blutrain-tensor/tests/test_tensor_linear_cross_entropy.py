@@ -322,3 +322,21 @@ def test_cuda_peak_memory_is_one_chunk_of_logits(dtype):
     grads = 2 * (N * K * item + VP_GPT * K * 4)  # saved dx, dW (fp32) and the scaled copies
     assert peaks[False] >= logits, peaks
     assert peaks[True] <= chunk + grads + (8 << 20), (peaks, chunk, grads)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bt.cuda_device_count() == 0, reason="no CUDA device")
+def test_cuda_target_out_of_range_raises():
+    # a target in the padding (>= num_classes) or negative: IndexError at the next sync, as
+    # cross_entropy's kernels report it; the next good call is unaffected
+    x = bt.zeros((6, 4), device="cuda", requires_grad=True)
+    w = bt.zeros((16, 4), device="cuda", requires_grad=True)
+    bad = bt.tensor(np.array([0, 1, 12, 3, -100, 2]), device="cuda")
+    loss = bt.linear_cross_entropy(x, w, bad, num_classes=10, chunk_size=2)
+    with pytest.raises(IndexError, match="cross_entropy"):
+        loss.item()
+    neg = bt.tensor(np.array([0, -3, 1, 2, 3, 4]), device="cuda")
+    with pytest.raises(IndexError, match="cross_entropy"):
+        bt.linear_cross_entropy(x, w, neg, num_classes=10).item()
+    ok = bt.linear_cross_entropy(x, w, bt.tensor(np.arange(6), device="cuda"), num_classes=10)
+    assert ok.item() == pytest.approx(np.log(10), rel=1e-6)
