@@ -426,17 +426,16 @@ class GPT2(_Precision, nn.Module):
                 self._pos_cache[T] = pos
         return pos
 
+    def _wants_fused(self, x: bt.Tensor) -> bool:
+        """Whether fused ops run for activations like x (`fused`, else on CUDA; never symbolic)."""
+        want = self.fused if self.fused is not None else str(x.device).startswith("cuda")
+        return bool(want) and not x.is_symbolic
+
     def _fused_ops(self, x: bt.Tensor) -> tuple[bool, bool]:
         """(add_layer_norm, linear_gelu_linear) fused ops to use for activations like x."""
-        want = self.fused if self.fused is not None else str(x.device).startswith("cuda")
-        if not want or x.is_symbolic:
+        if not self._wants_fused(x):
             return False, False
         return hasattr(bt, "add_layer_norm"), hasattr(bt, "linear_gelu_linear")
-
-    def _fused_classifier(self, h: bt.Tensor) -> bool:
-        """Whether the head and the loss run as one bt.linear_cross_entropy for hidden states h."""
-        want = self.fused if self.fused is not None else str(h.device).startswith("cuda")
-        return want and not h.is_symbolic and hasattr(bt, "linear_cross_entropy")
 
     def hidden_states(self, idx: bt.Tensor, wte: bt.Tensor | None = None) -> bt.Tensor:
         """The final LayerNorm's output (B, T, C) for checked int64 ids (B, T).
@@ -511,7 +510,8 @@ class GPT2(_Precision, nn.Module):
             raise ValueError("[GPT2] return_logits=False needs targets (there is nothing else)")
         wte = _cast(self.transformer.wte.weight, self._compute)  # one cast, two uses
         h = self.hidden_states(idx, wte)
-        if tgt is not None and not return_logits and self._fused_classifier(h):
+        fused_head = self._wants_fused(h) and hasattr(bt, "linear_cross_entropy")
+        if tgt is not None and not return_logits and fused_head:
             # the head and the loss in row chunks: the logits never exist whole
             loss = bt.linear_cross_entropy(
                 h,
@@ -523,7 +523,6 @@ class GPT2(_Precision, nn.Module):
             )
             return None, loss
         full = bt.linear(h, wte)  # (B, T, Vp), compute dtype
-        del h
         logits = self._unpad(full)
         loss = None
         if tgt is not None:

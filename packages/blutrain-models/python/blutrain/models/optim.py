@@ -5,7 +5,7 @@
     sched = CosineSchedule(max_lr=6e-4, warmup_steps=100, max_steps=5000, min_lr=6e-5)
     for step in range(5000):
         for micro in range(accum):                 # gradient accumulation: grads add up
-            loss = model(x, y)[1]                  # logits dropped: dlogits reuse them
+            loss = model(x, y, return_logits=False)[1]  # the loss alone (no whole logits)
             (loss / accum).backward()
         norm = clip_grad_norm_(model.parameters(), 1.0)
         opt.set_lr(sched(step))
