@@ -265,7 +265,7 @@ def test_bf16_policy_matches_torch_autocast(weights124m):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("recompute", ["gelu", "attn", "block"])
+@pytest.mark.parametrize("recompute", ["gelu", "ln", "ln+gelu", "attn", "block"])
 def test_recompute_changes_nothing(precision, recompute):
     w = random_weights(SMALL, 7)
     x, y = batch(SMALL, 4, 3, SMALL.block_size)

@@ -277,7 +277,9 @@ def main() -> int:
         help="ours, ours+graph (the step replayed as one CUDA graph), torch (--compile adds "
         "torch.compile)",
     )
-    p.add_argument("--recompute", default="none", help="ours: none, gelu, attn, block")
+    p.add_argument(
+        "--recompute", default="none", help="ours: none, gelu, ln, attn, block or ln+gelu"
+    )
     p.add_argument(
         "--classifier-chunk",
         type=int,

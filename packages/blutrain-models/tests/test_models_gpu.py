@@ -64,7 +64,7 @@ def test_gpu_forward_backward_matches_cpu(rng, precision):
     assert not wte[CFG.vocab_size :].any()
 
 
-@pytest.mark.parametrize("recompute", ["none", "gelu", "attn", "block"])
+@pytest.mark.parametrize("recompute", ["none", "gelu", "ln", "ln+gelu", "attn", "block"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_bench_runs_every_mode(precision, recompute):
     r = bench(
@@ -185,3 +185,47 @@ def test_fused_classifier_never_holds_the_logits(rng, precision):
     for n in g_u:
         scale = max(np.abs(g_u[n]).max(), 1e-8)
         assert np.abs(g_f[n] - g_u[n]).max() / scale <= 10 * tol, n
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_ln_recompute_keeps_two_activations_less_per_layer(rng, precision):
+    # recompute="ln": no LayerNorm output is kept through the forward (the linears after them
+    # rebuild them in backward), so the memory the forward leaves behind is two (B*T, C) tensors
+    # a layer lower; the gradients are bitwise those of keeping them (deterministic mode: the
+    # attention backward's float atomics would otherwise differ between any two runs).
+    prev = bt.are_deterministic_algorithms_enabled()
+    bt.use_deterministic_algorithms(True)
+    try:
+        _ln_recompute_memory(rng, precision)
+    finally:
+        bt.use_deterministic_algorithms(prev)
+
+
+def _ln_recompute_memory(rng, precision):
+    cfg = GPT2Config(block_size=64, vocab_size=500, n_layer=3, n_head=4, n_embd=256)
+    sd = weights(cfg, rng)
+    B = 16
+    x = bt.tensor(rng.integers(0, cfg.vocab_size, (B, cfg.block_size)), device="cuda")
+    out = {}
+    for mode in ("none", "ln"):
+        m = GPT2(cfg, device="cuda", precision=precision, recompute=mode)
+        m.load_state_dict(sd)
+        bt.cuda.synchronize()
+        before = bt.cuda.memory_allocated()
+        _, loss = m(x, x, return_logits=False)
+        bt.cuda.synchronize()
+        held = bt.cuda.memory_allocated() - before
+        loss.backward()
+        grads = {n: p.grad.cpu().float().numpy() for n, p in m.named_parameters()}
+        out[mode] = (held, loss.item(), grads)
+        del loss, m
+    item = 2 if precision == "bf16" else 4
+    two_per_layer = 2 * cfg.n_layer * B * cfg.block_size * cfg.n_embd * item
+    # less the recipes' own holdings: in bf16 each add_layer_norm's recipe keeps its bias's
+    # bf16 copy (n_embd elements), which the norm alone would not
+    recipes = (2 * cfg.n_layer - 1) * cfg.n_embd * item if precision == "bf16" else 0
+    drop = out["none"][0] - out["ln"][0]
+    assert drop >= two_per_layer - recipes, (out["none"][0], out["ln"][0], two_per_layer)
+    assert out["none"][1] == out["ln"][1]
+    for n, g in out["none"][2].items():
+        assert np.array_equal(out["ln"][2][n], g), n

@@ -17,7 +17,8 @@ void check_device_match(const Tensor& a, const Tensor& b, const char* op) {
 }  // namespace
 
 std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual,
-                                         const Tensor& weight, const Tensor& bias, double eps) {
+                                         const Tensor& weight, const Tensor& bias, double eps,
+                                         bool recompute) {
   const char* op = "add_layer_norm";
   if (!x.defined() || !residual.defined()) throw ValueError("[add_layer_norm] undefined input");
   if (!is_floating(x.dtype())) {
@@ -46,6 +47,18 @@ std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual
       apply(std::make_shared<AddLayerNorm>(eps, weight.defined(), bias.defined()), in,
             {{x.shape(), dt}, {x.shape(), dt}, {rows, stat_dtype(dt)}, {rows, stat_dtype(dt)}},
             x.device());
+  if (recompute && grad_enabled() && outs[1].requires_grad()) {
+    // y again: LayerNorm's kernels on the kept sum do y's very arithmetic (the add kernels
+    // normalise the stored, rounded sum)
+    const std::vector<std::pair<Shape, DType>> meta{
+        {x.shape(), dt}, {rows, stat_dtype(dt)}, {rows, stat_dtype(dt)}};
+    auto prim = std::make_shared<LayerNorm>(eps, weight.defined(), bias.defined());
+    const Device dev = x.device();
+    mark_recompute(outs[1], "add_layer_norm", {outs[0], in[2], in[3]},
+                   [prim, meta, dev](const std::vector<Tensor>& ins) {
+                     return apply(prim, ins, meta, dev)[0];
+                   });
+  }
   return {outs[0], outs[1]};
 }
 

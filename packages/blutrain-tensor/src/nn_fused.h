@@ -78,6 +78,7 @@ class AddLayerNorm : public Primitive {
   BT_PRIM_BODY(AddLayerNorm, "add_layer_norm")
   AddLayerNorm(double e, bool w, bool b) : eps(e), has_weight(w), has_bias(b) {}
   bool saves_outputs() const override { return true; }
+  bool saves_output(size_t i) const override { return i != 1; }        // sum, mean, rstd (not y)
   bool takes_no_cotangent(size_t i) const override { return i >= 2; }  // mean, rstd
   // Only weight is needed by the backward (x and residual are not kept alive).
   bool saves_input(size_t i, const std::vector<bool>&) const override { return i == 2; }
@@ -88,8 +89,11 @@ class AddLayerNorm : public Primitive {
 
 // Fronts.
 // (sum, y): sum = x + residual, y = layer_norm(sum, (C,), weight, bias, eps) over the last dim.
+// recompute: y is rebuilt in backward (layer_norm of the kept sum) by whichever op saves it,
+// instead of being kept (Note [recomputed activations], primitives.h).
 std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual,
-                                         const Tensor& weight, const Tensor& bias, double eps);
+                                         const Tensor& weight, const Tensor& bias, double eps,
+                                         bool recompute = false);
 // The backward ops as functions (used by the vjps in primitives.cpp).
 std::vector<Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                                         const Tensor& mean, const Tensor& rstd, const Tensor& extra,

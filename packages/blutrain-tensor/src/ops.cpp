@@ -983,7 +983,7 @@ Tensor softmax(const Tensor& x_in, int64_t dim, bool log) {
 }
 
 Tensor layer_norm(const Tensor& x, const Shape& ns, const Tensor& weight, const Tensor& bias,
-                  double eps) {
+                  double eps, bool recompute) {
   if (!is_floating(x.dtype()))
     throw TypeError(std::string("[layer_norm] expects a floating input, got ") +
                     dtype_name(x.dtype()));
@@ -1007,8 +1007,15 @@ Tensor layer_norm(const Tensor& x, const Shape& ns, const Tensor& weight, const 
   const DType sd = x.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
   std::vector<Tensor> in{x2, weight.defined() ? reshape(astype(weight, x.dtype()), {C}) : Tensor(),
                          bias.defined() ? reshape(astype(bias, x.dtype()), {C}) : Tensor()};
-  auto outs = apply(std::make_shared<LayerNorm>(eps, weight.defined(), bias.defined()), in,
-                    {{x2s, x.dtype()}, {rows, sd}, {rows, sd}}, x.device());
+  const std::vector<std::pair<Shape, DType>> meta{{x2s, x.dtype()}, {rows, sd}, {rows, sd}};
+  auto prim = std::make_shared<LayerNorm>(eps, weight.defined(), bias.defined());
+  auto outs = apply(prim, in, meta, x.device());
+  if (recompute && grad_enabled() && outs[0].requires_grad()) {
+    const Device dev = x.device();
+    mark_recompute(outs[0], "layer_norm", in, [prim, meta, dev](const std::vector<Tensor>& ins) {
+      return apply(prim, ins, meta, dev)[0];
+    });
+  }
   return reshape(outs[0], x.shape());
 }
 

@@ -105,8 +105,10 @@ Tensor masked_select_bool(const Tensor& x, const Tensor& mask);  // x[mask]
 
 // ---- neural-network ops --------------------------------------------------------------------
 Tensor softmax(const Tensor& x, int64_t dim, bool log);
+// recompute: the output is rebuilt in backward by whichever op saves it, instead of being kept
+// (Note [recomputed activations], primitives.h).
 Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight,
-                  const Tensor& bias, double eps);
+                  const Tensor& bias, double eps, bool recompute = false);
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index,
                      const std::string& reduction, double label_smoothing,
                      std::optional<DType> loss_dtype = std::nullopt);

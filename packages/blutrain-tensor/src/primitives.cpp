@@ -21,9 +21,46 @@ std::vector<Tensor> Primitive::vjp(const VjpArgs&) {
 
 // ---- the autograd node of a primitive ------------------------------------------------------
 namespace {
+// A saved input kept as its recipe (Note [recomputed activations]): the view's geometry over
+// the rebuilt tensor.
+struct RecomputedInput {
+  std::shared_ptr<Recompute> recipe;
+  Shape shape;
+  Strides strides;
+  int64_t offset = 0;
+};
+
+// The recipe of `t`'s values when t is a marked tensor, or a view of one, still unchanged.
+std::shared_ptr<Recompute> recipe_of(const Tensor& t) {
+  if (t.is_symbolic()) return nullptr;
+  const auto& root = t.impl()->view_base ? t.impl()->view_base : t.impl_ptr();
+  const auto& r = root->recompute;
+  if (!r || root->storage != t.storage() || t.version() != r->version) return nullptr;
+  return r;
+}
+
+Tensor rebuild(const RecomputedInput& s, const char* node_op) {
+  const Recompute& r = *s.recipe;
+  for (size_t i = 0; i < r.inputs.size(); ++i) {
+    if (r.inputs[i].defined() && r.inputs[i].version() != r.versions[i]) {
+      throw RuntimeError(std::string("[backward] input ") + std::to_string(i) + " of " + r.op +
+                         ", kept to recompute its output for " + node_op +
+                         "'s backward (recompute=True), was modified by an in-place operation. "
+                         "Use an out-of-place op, or recompute=False.");
+    }
+  }
+  GradModeGuard no_grad(false);
+  Tensor base = r.run();
+  if (base.shape() == s.shape && base.strides() == s.strides && base.offset() == s.offset) {
+    return base;
+  }
+  return make_view(base, s.shape, s.strides, s.offset);
+}
+
 struct PrimNode : Node {
   std::shared_ptr<Primitive> prim;
   std::vector<Tensor> saved_in, saved_out;
+  std::vector<RecomputedInput> recomputed_in;  // empty, or one per input (recipe or null)
   std::vector<uint64_t> ver_in, ver_out;
   std::vector<TensorMeta> in_meta;
   std::vector<bool> needs;
@@ -68,7 +105,15 @@ struct PrimNode : Node {
     }
     check_saved(saved_in, ver_in, "input");
     check_saved(saved_out, ver_out, "output");
-    VjpArgs args{saved_in, saved_out, in_meta, grads, needs, last_run};
+    std::vector<Tensor> rebuilt;
+    if (!recomputed_in.empty()) {
+      rebuilt = saved_in;
+      for (size_t i = 0; i < recomputed_in.size(); ++i) {
+        if (recomputed_in[i].recipe) rebuilt[i] = rebuild(recomputed_in[i], prim->name());
+      }
+    }
+    VjpArgs args{
+        recomputed_in.empty() ? saved_in : rebuilt, saved_out, in_meta, grads, needs, last_run};
     auto r = prim->vjp(args);
     r.resize(next.size());
     for (size_t i = 0; i < r.size(); ++i) {
@@ -80,10 +125,25 @@ struct PrimNode : Node {
     released = true;
     saved_in.clear();
     saved_out.clear();
+    recomputed_in.clear();
   }
   bool takes_no_gradient(size_t i) const override { return prim->takes_no_cotangent(i); }
 };
 }  // namespace
+
+void mark_recompute(const Tensor& out, const char* op, std::vector<Tensor> inputs,
+                    std::function<Tensor(const std::vector<Tensor>&)> run) {
+  if (!out.defined() || out.is_symbolic()) return;
+  auto r = std::make_shared<Recompute>();
+  for (auto& t : inputs) {
+    r->inputs.push_back(t.defined() ? detach(t) : Tensor());  // no grad_fn: the graph stays free
+    r->versions.push_back(t.defined() ? t.version() : 0);
+  }
+  r->run = [run = std::move(run), ins = r->inputs] { return run(ins); };
+  r->version = out.version();
+  r->op = op;
+  out.impl()->recompute = std::move(r);
+}
 
 bool donatable(const Tensor& saved) {
   return saved.defined() && !saved.is_symbolic() && saved.impl_ptr().use_count() == 1 &&
@@ -180,7 +240,14 @@ std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Ten
   if (prim->saves_inputs()) {
     for (size_t i = 0; i < inputs.size(); ++i) {
       const bool keep = inputs[i].defined() && prim->saves_input(i, node->needs);
-      node->saved_in.push_back(keep ? inputs[i] : Tensor());
+      auto recipe = keep ? recipe_of(inputs[i]) : nullptr;
+      const bool rebuilt = recipe != nullptr;
+      if (rebuilt) {  // Note [recomputed activations]: the recipe, not the tensor
+        node->recomputed_in.resize(inputs.size());
+        node->recomputed_in[i] = {std::move(recipe), inputs[i].shape(), inputs[i].strides(),
+                                  inputs[i].offset()};
+      }
+      node->saved_in.push_back(keep && !rebuilt ? inputs[i] : Tensor());
       node->ver_in.push_back(keep ? inputs[i].version() : 0);
     }
   }

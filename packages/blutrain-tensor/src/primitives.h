@@ -15,6 +15,7 @@
 // its CPU kernel in src/cpu/, its vjp in primitives.cpp, its front function in ops.cpp.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -50,6 +51,32 @@ struct VjpArgs {
 // (Primitive::overwrites_input); apply() gives the output that memory, and bumps its version.
 // The kernels read each element before the same thread writes it.
 bool donatable(const Tensor& saved);
+
+// Note [recomputed activations]
+// A cheap op's output that the next op saves for its backward (a layer norm's output, which the
+// following linear keeps for its weight gradient: B*T*C elements per norm and layer) can instead
+// be rebuilt in backward from tensors that are kept anyway (the norm's input, which the norm's
+// own node saves).  The op's front marks such an output with a Recompute (mark_recompute); apply()
+// then keeps, for an input that is that output or a view of it, the recipe and the view's
+// geometry in place of the tensor, so the activation's memory goes as soon as the forward drops
+// it.  Before the vjp, the node rebuilds it without grad: the same primitive on the same inputs,
+// so the same bits as the forward's.  Cost: the op runs again in backward, once per node that
+// saved the tensor (GPT-2: one linear per norm).
+// In-place changes: the recipe records its inputs' versions, and a rebuild after one of them
+// changed raises (as a changed saved tensor does).  A marked tensor changed in place is no longer
+// replaced by its recipe (its version no longer matches the recipe's), so it is saved as usual.
+// Symbolic (captured) tensors are always saved as usual.
+struct Recompute {
+  std::function<Tensor()> run;  // rebuilds the marked tensor (called with grad mode off)
+  std::vector<Tensor> inputs;   // what run reads, checked for in-place changes
+  std::vector<uint64_t> versions;
+  uint64_t version = 0;  // the marked tensor's version when it was marked
+  const char* op = "";
+};
+// Marks `out` (a fresh output of `op`) as rebuilt by `run` from `inputs` (see the Note); a no-op
+// for symbolic tensors.
+void mark_recompute(const Tensor& out, const char* op, std::vector<Tensor> inputs,
+                    std::function<Tensor(const std::vector<Tensor>&)> run);
 
 class Primitive {
  public:
@@ -353,6 +380,7 @@ class LayerNorm : public Primitive {
   BT_PRIM_BODY(LayerNorm, "layer_norm")
   LayerNorm(double e, bool w, bool b) : eps(e), has_weight(w), has_bias(b) {}
   bool saves_outputs() const override { return true; }
+  bool saves_output(size_t i) const override { return i > 0; }        // mean, rstd (not y)
   bool takes_no_cotangent(size_t i) const override { return i > 0; }  // mean, rstd
   void attrs(Attrs& a) const override { a["eps"] = eps; }
   double eps;

@@ -91,6 +91,7 @@ class Storage {
 // ---- tensor ------------------------------------------------------------------------------
 class Tensor;
 struct Node;
+struct Recompute;  // primitives.h, Note [recomputed activations]
 using GradHook = std::function<Tensor(const Tensor&)>;   // returns an undefined Tensor to keep
 using PostAccHook = std::function<void(const Tensor&)>;  // fired once a leaf's .grad is final
 
@@ -117,6 +118,9 @@ struct TensorImpl {
   // in-place change of the view under autograd rebases this base's history (PyTorch semantics).
   std::shared_ptr<TensorImpl> view_base;
   std::vector<std::weak_ptr<TensorImpl>> views;  // on a base: its live views, refreshed on rebase
+  // Set on an output its op can rebuild in backward (a layer norm's with recompute=True): nodes
+  // that save it, or a view of it, keep this recipe instead (Note [recomputed activations]).
+  std::shared_ptr<Recompute> recompute;
 };
 
 class Tensor {

@@ -1221,12 +1221,18 @@ NB_MODULE(_tensor, m) {
   m.def(
       "layer_norm",
       [](const Tensor& x, nb::handle ns, std::optional<Tensor> w, std::optional<Tensor> b,
-         double eps) {
+         double eps, bool recompute) {
         return layer_norm(x, parse_shape(nb::make_tuple(ns), "layer_norm"), w ? *w : Tensor(),
-                          b ? *b : Tensor(), eps);
+                          b ? *b : Tensor(), eps, recompute);
       },
       "input"_a, "normalized_shape"_a, "weight"_a = nb::none(), "bias"_a = nb::none(),
-      "eps"_a = 1e-5);
+      "eps"_a = 1e-5, nb::kw_only(), "recompute"_a = false,
+      "layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, recompute=False)"
+      "\n\nLayer normalisation over the trailing normalized_shape dims (statistics in float32 "
+      "for 16-bit input; the output has the input's dtype). recompute=True: the output is not "
+      "kept for backward by the ops that use it (a following linear's weight gradient); each "
+      "rebuilds it in backward from the input the norm keeps anyway, bitwise the same values. "
+      "Saves one activation per norm for one extra norm forward in backward.");
   m.def(
       "cross_entropy",
       [](const Tensor& x, const Tensor& t, int64_t ii, const std::string& red, double ls,

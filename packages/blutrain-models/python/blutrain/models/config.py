@@ -287,3 +287,41 @@ def _read_text_or_path(source: str | os.PathLike, op: str) -> str:
             raise FileNotFoundError(f"[{op}] {path}: no such file")
         return path.read_text()
     return str(source)
+
+
+# Activation recomputation, per block (Block.set_recompute, GPT2.set_recompute(spec, layers)):
+# "gelu" (the MLP keeps its pre-activation only), "ln" (the block's two LayerNorm outputs are not
+# kept: the linears after them rebuild them in backward), "attn" (the attention sublayer keeps
+# its input only) and "block" (the block keeps its input only); "none", one of them, or several
+# joined by "+" (e.g. "ln+gelu").
+RECOMPUTE_PARTS = ("gelu", "ln", "attn", "block")
+RECOMPUTE = ("none", *RECOMPUTE_PARTS)
+
+
+def parse_recompute(spec: Any, op: str = "GPT2") -> frozenset[str]:
+    """The parts of a recompute spec: "none", a part, parts joined by "+" or ",", or an
+    iterable of parts; raises ValueError (prefixed with `op`) naming what is wrong."""
+    if isinstance(spec, str):
+        items = [p.strip() for p in spec.replace(",", "+").split("+")]
+    elif spec is None:
+        items = ["none"]
+    else:
+        items = [str(p).strip() for p in spec]
+    parts = frozenset(p for p in items if p and p != "none")
+    bad = sorted(parts - set(RECOMPUTE_PARTS))
+    if bad:
+        raise ValueError(
+            f"[{op}] recompute {spec!r} is not one of {', '.join(RECOMPUTE)} "
+            f"(or parts joined by '+', e.g. 'ln+gelu')"
+        )
+    if "block" in parts and len(parts) > 1:
+        raise ValueError(
+            f"[{op}] recompute {spec!r}: 'block' already recomputes the whole block; "
+            "it does not combine with other parts"
+        )
+    return parts
+
+
+def recompute_name(parts: frozenset[str]) -> str:
+    """The canonical spec of a set of parts ("none", "ln+gelu", ...)."""
+    return "+".join(p for p in ("ln", "gelu", "attn", "block") if p in parts) or "none"

@@ -35,7 +35,13 @@ import blutrain.tensor as bt
 from blutrain.tensor import nn
 
 from .checkpoint import CheckpointError, check_tensors, to_numpy
-from .config import GPT2Config
+from .config import (  # RECOMPUTE, RECOMPUTE_PARTS: re-exported
+    RECOMPUTE,  # noqa: F401
+    RECOMPUTE_PARTS,  # noqa: F401
+    GPT2Config,
+    parse_recompute,
+    recompute_name,
+)
 
 # Targets equal to this are ignored by the loss (nanoGPT's and llm.c's convention).
 IGNORE_INDEX = -1
@@ -54,7 +60,6 @@ PRECISIONS = {
     "bf16": ("bfloat16", "high"),
 }
 _PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "tensorfloat32": "tf32"}
-RECOMPUTE = ("none", "gelu", "attn", "block")
 
 
 def precision_name(mode: str) -> str:
@@ -91,20 +96,25 @@ def _cast(p: bt.Tensor | None, dtype: Any) -> bt.Tensor | None:
     return p.to(dtype)
 
 
-def _ln(x: bt.Tensor, ln: nn.LayerNorm, dtype: Any) -> bt.Tensor:
-    return bt.layer_norm(
-        x, ln.normalized_shape, _cast(ln.weight, dtype), _cast(ln.bias, dtype), ln.eps
-    )
+def _ln(x: bt.Tensor, ln: nn.LayerNorm, dtype: Any, recompute: bool = False) -> bt.Tensor:
+    """LayerNorm in `dtype`; recompute: its output is rebuilt in backward, not kept."""
+    w, b = _cast(ln.weight, dtype), _cast(ln.bias, dtype)
+    if recompute:
+        return bt.layer_norm(x, ln.normalized_shape, w, b, ln.eps, recompute=True)
+    return bt.layer_norm(x, ln.normalized_shape, w, b, ln.eps)
 
 
 def _add_ln(
-    x: bt.Tensor, r: bt.Tensor, ln: nn.LayerNorm, dtype: Any, fused: bool
+    x: bt.Tensor, r: bt.Tensor, ln: nn.LayerNorm, dtype: Any, fused: bool, recompute: bool = False
 ) -> tuple[bt.Tensor, bt.Tensor]:
     """(x + r, LayerNorm(x + r)): one fused kernel when blutrain.tensor has it."""
     if fused:
-        return bt.add_layer_norm(x, r, _cast(ln.weight, dtype), _cast(ln.bias, dtype), ln.eps)
+        w, b = _cast(ln.weight, dtype), _cast(ln.bias, dtype)
+        if recompute:
+            return bt.add_layer_norm(x, r, w, b, ln.eps, recompute=True)
+        return bt.add_layer_norm(x, r, w, b, ln.eps)
     s = x + r
-    return s, _ln(s, ln, dtype)
+    return s, _ln(s, ln, dtype, recompute)
 
 
 def _checkpoint(fn: Any, *args: bt.Tensor) -> bt.Tensor:
@@ -203,11 +213,24 @@ class Block(_Precision, nn.Module):
         self.ln_2 = nn.LayerNorm(C, eps=eps)
         self.mlp = MLP(config)
         self.fused_add_ln = False  # GPT2 sets it
+        self.recompute: frozenset[str] = frozenset()
+
+    def set_recompute(self, spec: Any) -> Block:
+        """What this block recomputes in backward (see RECOMPUTE_PARTS): "none", "gelu", "ln",
+        "attn", "block" or parts joined by "+", e.g. "ln+gelu". Returns self."""
+        self.recompute = parse_recompute(spec)
+        self.mlp.recompute_gelu = "gelu" in self.recompute
+        return self
+
+    def attend(self, h: bt.Tensor) -> bt.Tensor:
+        """The attention sublayer on LayerNorm output h (through bt.checkpoint with "attn")."""
+        return _checkpoint(self.attn, h) if "attn" in self.recompute else self.attn(h)
 
     def forward(self, x: bt.Tensor) -> bt.Tensor:
-        dt = self._compute
+        dt, rln = self._compute, "ln" in self.recompute
         x = _cast(x, dt)
-        x, h = _add_ln(x, self.attn(_ln(x, self.ln_1, dt)), self.ln_2, dt, self.fused_add_ln)
+        a = self.attend(_ln(x, self.ln_1, dt, rln))
+        x, h = _add_ln(x, a, self.ln_2, dt, self.fused_add_ln, rln)
         return x + self.mlp(h)
 
 
@@ -285,10 +308,15 @@ class GPT2(_Precision, nn.Module):
     - `precision`: "fp32", "tf32" (float32 matmuls on TF32 tensor cores; a global setting) or
       "bf16" (bfloat16 compute, float32 master weights), or a bt.amp.Policy; per block with
       ``model.transformer.h[i].set_precision(...)``.
-    - `recompute`: "none", "gelu" (the MLP keeps its pre-activation only: inside
-      bt.linear_gelu_linear on the fused path, else through bt.checkpoint), "attn" (each
-      attention sublayer keeps its input only) or "block" (each block keeps its input only);
-      "attn" and "block" recompute in backward through bt.checkpoint.
+    - `recompute`: what every block recomputes in backward instead of keeping: "none",
+      "gelu" (the MLP keeps its pre-activation only: inside bt.linear_gelu_linear on the fused
+      path, else through bt.checkpoint), "ln" (the LayerNorm outputs are not kept: the linears
+      after them rebuild them, bitwise, from the kept residual stream), "attn" (each attention
+      sublayer keeps its input only), "block" (each block keeps its input only), or parts
+      joined by "+" ("ln+gelu").  "attn" and "block" go through bt.checkpoint.  Per layer:
+      ``model.set_recompute("ln+gelu", layers=range(6))`` or
+      ``model.transformer.h[i].set_recompute(...)``; the final LayerNorm follows the last
+      block's "ln".
     - `fused`: None (on CUDA when blutrain.tensor has them), True or False: bt.add_layer_norm
       for every residual add + LayerNorm pair, bt.linear_gelu_linear for the MLP, and
       bt.linear_cross_entropy for the head and loss when the logits are not returned.
@@ -307,15 +335,14 @@ class GPT2(_Precision, nn.Module):
         super().__init__()
         if not isinstance(config, GPT2Config):
             raise TypeError(f"[GPT2] config must be a GPT2Config, got {type(config).__name__}")
-        if recompute not in RECOMPUTE:
-            raise ValueError(f"[GPT2] recompute {recompute!r} is not one of {', '.join(RECOMPUTE)}")
+        parse_recompute(recompute)  # bad specs fail before any allocation
         self.config = config
         self.device = device or "cpu"
-        self.recompute = recompute
         self.fused = fused
         # rows per chunk of the fused classifier (None: bt.linear_cross_entropy's default)
         self.classifier_chunk_size: int | None = None
         self.transformer = _Transformer(config)
+        self.set_recompute(recompute)
         if init:
             self.init_weights()
         else:
@@ -426,6 +453,32 @@ class GPT2(_Precision, nn.Module):
                 self._pos_cache[T] = pos
         return pos
 
+    # -- recomputation ---------------------------------------------------------------------------
+    def set_recompute(self, spec: Any, layers: Any = None) -> GPT2:
+        """Sets what blocks recompute in backward (see the class docstring): every block, or
+        the block indices in `layers`. Returns self."""
+        blocks = list(self.transformer.h)
+        idx = range(len(blocks)) if layers is None else list(layers)
+        for i in idx:
+            if not -len(blocks) <= int(i) < len(blocks):
+                raise IndexError(f"[GPT2] set_recompute: layer {i} out of range ({len(blocks)})")
+        parts = parse_recompute(spec)
+        for i in idx:
+            blocks[int(i)].set_recompute(parts)
+        return self
+
+    @property
+    def recompute(self) -> str:
+        """Every block's recompute spec ("none", "ln+gelu", ...), or "per-layer: a, b, ..."."""
+        names = [recompute_name(b.recompute) for b in self.transformer.h]
+        if len(set(names)) <= 1:
+            return names[0] if names else "none"
+        return "per-layer: " + ", ".join(names)
+
+    @recompute.setter
+    def recompute(self, spec: Any) -> None:
+        self.set_recompute(spec)
+
     def _wants_fused(self, x: bt.Tensor) -> bool:
         """Whether fused ops run for activations like x (`fused`, else on CUDA; never symbolic)."""
         want = self.fused if self.fused is not None else str(x.device).startswith("cuda")
@@ -459,25 +512,30 @@ class GPT2(_Precision, nn.Module):
         for b in blocks:
             b.fused_add_ln = add_ln
             b.mlp.fused = lin_gelu
-            b.mlp.recompute_gelu = self.recompute == "gelu"
-        if self.recompute == "block":  # each block keeps only its input
-            for b in blocks:
-                x = _checkpoint(b, _cast(x, b._compute))
-            return _ln(_cast(x, dt), tr.ln_f, dt)
         # The residual stream x and the next LayerNorm's output h travel together, so every
         # "x = x + branch; h = LayerNorm(x)" pair (ln_2, the next block's ln_1, ln_f) can be
-        # one fused add + LayerNorm; the math is that of Block.forward.
-        h = _ln(_cast(x, blocks[0]._compute), blocks[0].ln_1, blocks[0]._compute)
+        # one fused add + LayerNorm; the math is that of Block.forward.  A block that
+        # recomputes whole ("block") takes x alone and keeps only it.
+        h = None  # the pending LayerNorm output of x for the next block (or ln_f)
         for i, b in enumerate(blocks):
-            bdt = b._compute
-            x, h = _cast(x, bdt), _cast(h, bdt)
-            if self.recompute == "attn":
-                a = _checkpoint(b.attn, h)
-            else:
-                a = b.attn(h)
-            x, h = _add_ln(x, a, b.ln_2, bdt, add_ln)
-            nxt = blocks[i + 1].ln_1 if i + 1 < len(blocks) else tr.ln_f
-            x, h = _add_ln(x, b.mlp(h), nxt, bdt, add_ln)
+            bdt, rln = b._compute, "ln" in b.recompute
+            if "block" in b.recompute:
+                x, h = _checkpoint(b, _cast(x, bdt)), None
+                continue
+            x = _cast(x, bdt)
+            h = _ln(x, b.ln_1, bdt, rln) if h is None else _cast(h, bdt)
+            x, h = _add_ln(x, b.attend(h), b.ln_2, bdt, add_ln, rln)
+            m = b.mlp(h)
+            if i + 1 < len(blocks) and "block" in blocks[i + 1].recompute:
+                x, h = x + m, None
+                continue
+            nxt = blocks[i + 1] if i + 1 < len(blocks) else b
+            nln = blocks[i + 1].ln_1 if i + 1 < len(blocks) else tr.ln_f
+            x, h = _add_ln(x, m, nln, bdt, add_ln, "ln" in nxt.recompute)
+        if h is None:
+            last = blocks[-1] if blocks else None
+            rln = last is not None and "ln" in last.recompute
+            h = _ln(_cast(x, dt), tr.ln_f, dt, rln)
         return _cast(h, dt) if dt is not None else h
 
     def head(self, x: bt.Tensor) -> bt.Tensor:

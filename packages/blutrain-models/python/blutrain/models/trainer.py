@@ -84,7 +84,7 @@ class TrainConfig:
     # where and how
     device: str = "auto"  # auto: CUDA when this build can run on a GPU here, else CPU
     precision: str = "auto"  # auto (bf16 on a GPU, fp32 on the CPU), fp32, tf32 or bf16
-    recompute: str = "none"  # activation recomputation: none, gelu, attn or block
+    recompute: str = "none"  # activation recomputation: none, gelu, ln, attn, block or "ln+gelu"
     threads: int = 0  # CPU threads (OpenMP and BLAS); 0: OMP_NUM_THREADS, else all cores but one
     seed: int = 1337
     # logging, evaluation, checkpoints
@@ -122,10 +122,9 @@ class TrainConfig:
             raise ValueError(
                 f"[TrainConfig] precision {self.precision!r} is not one of auto, fp32, tf32, bf16"
             )
-        if self.recompute not in ("none", "gelu", "attn", "block"):
-            raise ValueError(
-                f"[TrainConfig] recompute {self.recompute!r} is not one of none, gelu, attn, block"
-            )
+        from .config import parse_recompute
+
+        parse_recompute(self.recompute, "TrainConfig")
         if not self.lr > 0:
             raise ValueError(f"[TrainConfig] lr must be > 0, got {self.lr}")
 
@@ -939,7 +938,7 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
         ("grad-clip", float, "global gradient-norm clip (0: off)"),
         ("device", str, "auto, cpu, cuda or cuda:N"),
         ("precision", str, "auto (bf16 on a GPU, fp32 on the CPU), fp32, tf32 or bf16"),
-        ("recompute", str, "activation recomputation: none, gelu, attn or block"),
+        ("recompute", str, "activation recomputation: none, gelu, ln, attn, block or ln+gelu"),
         ("threads", int, "CPU threads (0: $OMP_NUM_THREADS, else all cores but one)"),
         ("seed", int, "random seed (init and data order)"),
         ("out-dir", str, "directory for metrics.jsonl, loss.png and checkpoint/"),
@@ -1208,7 +1207,7 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated modes to run: fp32, tf32, bf16 (auto: bf16 on a GPU, fp32 on the "
         "CPU)",
     )
-    p.add_argument("--recompute", default="none", help="none, gelu, attn or block")
+    p.add_argument("--recompute", default="none", help="none, gelu, ln, attn, block, or ln+gelu")
     p.add_argument(
         "--threads",
         type=int,

@@ -244,6 +244,7 @@ class LayerNorm(Module):
         elementwise_affine: bool = True,
         bias: bool = True,
         dtype: Any = None,
+        recompute: bool = False,
     ) -> None:
         super().__init__()
         dtype = dtype or bt.float32
@@ -251,6 +252,8 @@ class LayerNorm(Module):
             (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
         )
         self.eps = eps
+        # rebuild the output in backward rather than keep it (bt.layer_norm's recompute)
+        self.recompute = recompute
         self.weight = (
             Parameter(bt.ones(*self.normalized_shape, dtype=dtype)) if elementwise_affine else None
         )
@@ -266,11 +269,15 @@ class LayerNorm(Module):
         p = self.precision
         if p is not None:
             x = p.cast(x)
-        y = bt.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        y = bt.layer_norm(
+            x, self.normalized_shape, self.weight, self.bias, self.eps, recompute=self.recompute
+        )
         return y if p is None else p.finish(y)
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}"
+        return f"{self.normalized_shape}, eps={self.eps}" + (
+            ", recompute=True" if self.recompute else ""
+        )
 
 
 class Embedding(Module):
