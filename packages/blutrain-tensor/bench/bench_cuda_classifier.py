@@ -1,6 +1,7 @@
 """GPT-2 124M's classifier head and loss (N = B*T = 16384 rows, C = 768, vocabulary 50257 padded
 to 50304), forward + backward: bt.linear_cross_entropy (the chunked fused classifier, per chunk
-size), our unfused linear + cross_entropy (logits dropped before backward, so dlogits take their
+size; at the default size also with the chunk's cross-entropy as two kernels instead of one), our
+unfused linear + cross_entropy (logits dropped before backward, so dlogits take their
 memory) and PyTorch's F.linear + F.cross_entropy, in bf16 and fp32 under TF32 (same GPU, same
 run).  Per row: median time per call over CUDA-event batches, the GEMMs' rate (3 GEMMs of
 2 N Vp C flops), and the peak device memory above the start (each library's allocator
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from cuda_timing import sync_bt, time_events
 
@@ -52,6 +54,12 @@ def run(dt: str, reps: int, chunks: list[int | None]) -> list[dict]:
             bt.linear_cross_entropy(x, w, tgt, num_classes=V, chunk_size=ch).backward()
 
         add(f"fused chunk={ch or 'auto'}", fused, _peak_bt(fused, (x, w)))
+        if ch is None:  # the chunk's cross-entropy as two kernels (forward, backward) instead of v4
+            os.environ["BT_CUDA_CE_FUSED"] = "0"
+            try:
+                add("fused chunk=auto, 2 CE kernels", fused, _peak_bt(fused, (x, w)))
+            finally:
+                del os.environ["BT_CUDA_CE_FUSED"]
 
     def unfused():
         loss = bt.cross_entropy(bt.linear(x, w).narrow(1, 0, V), tgt, loss_dtype=bt.float32)

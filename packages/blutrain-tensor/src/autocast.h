@@ -106,6 +106,9 @@ class LinearGeluLinear : public Primitive {
 // Costs: the same GEMM flops as linear + cross_entropy, plus one (N, K) and one (V, K) scaling in
 // backward; the backward's work moves into the forward (dx and dW are computed even if no
 // backward follows, unless grad mode is off or neither x nor W requires grad).
+// On CUDA the chunk's cross-entropy forward and backward are one kernel that reads the chunk's
+// logits once (crossentropy_fwd_bwd_v4, the row held in shared memory between its two passes;
+// BT_CUDA_CE_FUSED=0 runs the two kernels instead).
 // Higher-order gradients through it are not supported (the saved gradients are constants).
 //
 // Inputs x (N, K), W (Vp, K), target (N) int64 contiguous.  Outputs: loss_sum () (the summed
@@ -150,6 +153,15 @@ namespace cuda {
 // gets the column sums of du (deterministic). pre (M, N) contiguous, d's dtype. src/cuda/mlp.cu.
 void gelu_tanh_backward_inplace(const Tensor& d, const Tensor& pre, const Tensor& db,
                                 const char* op);
+// The chunked classifier's cross-entropy on one chunk: logits (N, Cx) contiguous (the first
+// num_classes columns are classes), target (N) int64.  Writes lse (N) and row_loss (N) (float32;
+// 0 for ignored rows) and, over the logits, the gradient of the summed loss, in one kernel that
+// reads the logits once (src/cuda/nn.cu, crossentropy_fwd_bwd_v4).  Returns false, having done
+// nothing, where that kernel does not apply (float64, unaligned rows, rows over the shared
+// memory of a block, BT_CUDA_CE_FUSED=0); the caller then runs the two cross-entropy kernels.
+bool cross_entropy_fwd_bwd_inplace(const Tensor& logits, const Tensor& target, const Tensor& lse,
+                                   const Tensor& row_loss, int64_t num_classes,
+                                   int64_t ignore_index, const char* op);
 }  // namespace cuda
 
 // dy * gelu_tanh'(pre), computed in float32 for 16-bit inputs (composed ops: any backend).

@@ -223,7 +223,11 @@ def _poison_pool(nbytes: int) -> None:
 @pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16, bt.float16])
 @pytest.mark.parametrize("chunk", [None, 257, 2000])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_cuda_matches_float64_reference(rng, dtype, chunk, reduction):
+@pytest.mark.parametrize("ce_kernels", ["fused", "two"])
+def test_cuda_matches_float64_reference(rng, monkeypatch, dtype, chunk, reduction, ce_kernels):
+    # "fused": each chunk's cross-entropy forward and backward in one kernel (v4, the default);
+    # "two": the forward and backward kernels (BT_CUDA_CE_FUSED=0)
+    monkeypatch.setenv("BT_CUDA_CE_FUSED", "1" if ce_kernels == "fused" else "0")
     N, K = 1037, 64
     xd = rng.standard_normal((N, K))
     wd = rng.standard_normal((VP_GPT, K)) * 0.3
@@ -272,6 +276,33 @@ def test_cuda_matches_linear_plus_cross_entropy(rng, dtype):
     tol = 1e-5 if dtype == bt.float32 else 1e-2
     for i, what in enumerate(("loss", "dx", "dw")):
         _check(grads[0][i], grads[1][i], tol, what)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bt.cuda_device_count() == 0, reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16, bt.float16])
+@pytest.mark.parametrize("V, Vp", [(1000, 1000), (997, 1024), (8, 8), (50257, 50304)])
+def test_cuda_fused_ce_kernel_matches_the_two_kernels(rng, monkeypatch, dtype, V, Vp):
+    """v4 (one kernel) against the forward + backward kernels: the same loss to float32
+    rounding, gradients within a rounding step of the 16-bit dlogits (unpadded, padded and
+    tiny vocabularies; ignored rows)."""
+    N, K = 300, 32
+    xd, wd = rng.standard_normal((N, K)), rng.standard_normal((Vp, K)) * 0.3
+    wd[V:] = 0
+    t = bt.tensor(_targets(rng, N, V), device="cuda")
+    out = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("BT_CUDA_CE_FUSED", flag)
+        x = bt.tensor(xd, dtype=dtype, device="cuda", requires_grad=True)
+        w = bt.tensor(wd, dtype=dtype, device="cuda", requires_grad=True)
+        _poison_pool(4 * N * Vp)
+        loss = bt.linear_cross_entropy(x, w, t, reduction="sum", num_classes=V, chunk_size=128)
+        loss.backward()
+        out[flag] = (f64(loss), f64(x.grad), f64(w.grad))
+    tol = {bt.float32: 1e-5, bt.bfloat16: 1e-2, bt.float16: 2e-3}[dtype]
+    for i, what in enumerate(("loss", "dx", "dw")):
+        _check(out["1"][i], out["0"][i], tol, what)
+    assert np.all(out["1"][2][V:] == 0)
 
 
 @pytest.mark.gpu
@@ -326,7 +357,9 @@ def test_cuda_peak_memory_is_one_chunk_of_logits(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(bt.cuda_device_count() == 0, reason="no CUDA device")
-def test_cuda_target_out_of_range_raises():
+@pytest.mark.parametrize("ce_kernels", ["fused", "two"])
+def test_cuda_target_out_of_range_raises(monkeypatch, ce_kernels):
+    monkeypatch.setenv("BT_CUDA_CE_FUSED", "1" if ce_kernels == "fused" else "0")
     # a target in the padding (>= num_classes) or negative: IndexError at the next sync, as
     # cross_entropy's kernels report it; the next good call is unaffected
     x = bt.zeros((6, 4), device="cuda", requires_grad=True)

@@ -263,12 +263,20 @@ static void run_linear_cross_entropy(LinearCrossEntropy& p, const std::vector<Te
       const Tensor logits = make_view(buf, {n, Vp}, {Vp, 1}, buf.offset());
       const Tensor lse = empty_tensor({n}, sd, dev, p.name());
       call_gemm(p, make_desc(p, xc, false, w, true, logits, stream));
-      run(CrossEntropy(p.ignore_index, 0, 0.0, p.num_classes), {logits, tc},
-          {make_view(row_loss, {n}, {1}, r0), lse});
-      if (!backward) continue;
-      // dlogits of the summed loss over the logits (each element read before it is written)
-      run(CrossEntropyBackward(p.ignore_index, 2, 0.0, p.num_classes, true), {logits, tc, lse, one},
-          {logits});
+      const Tensor loss_rows = make_view(row_loss, {n}, {1}, r0);
+      bool fused = false;  // forward and backward in one kernel (CUDA, where it applies)
+#ifdef BT_WITH_CUDA
+      fused = gpu && backward &&
+              cuda::cross_entropy_fwd_bwd_inplace(logits, tc, lse, loss_rows, p.num_classes,
+                                                  p.ignore_index, p.name());
+#endif
+      if (!fused) {
+        run(CrossEntropy(p.ignore_index, 0, 0.0, p.num_classes), {logits, tc}, {loss_rows, lse});
+        if (!backward) continue;
+        // dlogits of the summed loss over the logits (each element read before it is written)
+        run(CrossEntropyBackward(p.ignore_index, 2, 0.0, p.num_classes, true),
+            {logits, tc, lse, one}, {logits});
+      }
       if (p.need_dx) {
         const Tensor dxc = make_view(out[1], {n, K}, {K, 1}, out[1].offset() + r0 * K);
         call_gemm(p, make_desc(p, logits, false, w, false, dxc, stream));

@@ -14,13 +14,17 @@
 // count; an out-of-range target is reported through index.cu's error record (IndexError at the
 // next synchronisation).  Version 3 (the default for 16-bit / fp32 logits):
 // crossentropy_forward_v3, streaming at memory speed, exp as FFMA + MUFU ex2 (v1 / v2 remain as
-// references).  Launchers are left out under BT_NN_KERNELS_ONLY (the harness).
+// references); crossentropy_fwd_bwd_v4 (the chunked classifier's) also writes the gradient of
+// the summed loss over the logits from a shared-memory copy of the row, reading the logits once.
+// Launchers are left out under BT_NN_KERNELS_ONLY (the harness).
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
 
+#include "../autocast.h"  // cuda::cross_entropy_fwd_bwd_inplace
 #include "../backend.h"
 #include "../nn_fused.h"
 #include "../primitives.h"
@@ -665,6 +669,105 @@ __global__ void __launch_bounds__(kCeMaxThreads)
   }
 }
 
+// v4, the chunked classifier's (Note [chunked classifier], autocast.h): the forward and the
+// summed loss's backward of one row in one kernel that reads the row from memory once.  Pass 1
+// streams the row as v3 does (running max; sum of 2^(x log2e - ml), FFMA + MUFU ex2) and keeps
+// each 16-byte word in shared memory; pass 2 writes exp(x - lse) - onehot from there over the
+// logits (v3's backward arithmetic with scale 1).  v3's forward + backward read the row twice
+// and write it once; this reads it once.  Rows are Cx elements apart, 16-byte aligned; columns
+// >= C are padding (not loaded, gradient 0).  Row losses to row_loss, 0 for ignored rows; an
+// out-of-range target gives a NaN loss and gradient row and is recorded in `err`.
+template <typename T>
+__global__ void __launch_bounds__(kCeMaxThreads)
+    crossentropy_fwd_bwd_v4(T* x, const int64_t* __restrict__ t, float* __restrict__ lse_o,
+                            float* __restrict__ row_loss, int C, int Cx, int64_t ii,
+                            IndexErrorRecord* err) {
+  extern __shared__ uint4 srow[];  // the row's first ceil(C / V) words
+  constexpr int V = 16 / sizeof(T), U = kCeUnroll;
+  __shared__ float scratch[64];
+  __shared__ float lse_s;
+  const int64_t row = blockIdx.x, tg = t[row];
+  uint4* pv = reinterpret_cast<uint4*>(x + row * int64_t(Cx));
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const int nv = Cx / V, nfull = C / V, nload = (C + V - 1) / V;
+  float m = -INFINITY, ml = -INFINITY, s = 0;
+  auto add = [&](const uint4& r, int w) {
+    float v[V];
+    unpack16<T>(r, v);
+    if (w >= nfull) {  // the word straddling C: its padding columns count for nothing
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[k] = w * V + k < C ? v[k] : -INFINITY;
+    }
+    float cm = v[0];
+#pragma unroll
+    for (int k = 1; k < V; ++k) cm = fmaxf(cm, v[k]);
+    if (cm > m) {  // new running max: rescale (ex2(-inf) = 0 covers the first finite value)
+      const float nml = cm * kLog2e;
+      s *= ex2_approx(ml - nml);
+      m = cm;
+      ml = nml;
+    }
+    const float off = ml == -INFINITY ? 0.f : ml;
+    float e = 0;
+#pragma unroll
+    for (int k = 0; k < V; ++k) e += ex2_approx(fmaf(v[k], kLog2e, -off));
+    s += e;
+  };
+  int j = tid;
+  for (; j + (U - 1) * nt < nload; j += U * nt) {
+    uint4 r[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) r[u] = __ldcs(pv + j + u * nt);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      srow[j + u * nt] = r[u];
+      add(r[u], j + u * nt);
+    }
+  }
+  for (; j < nload; j += nt) {
+    const uint4 r = __ldcs(pv + j);
+    srow[j] = r;
+    add(r, j);
+  }
+  const float M = block_max(m, scratch, -INFINITY);  // its barriers also publish srow
+  const float ML = M * kLog2e;
+  float st = s == 0.f ? 0.f : s * ex2_approx(ml - ML);
+  st = warp_sum(st);
+  if (tid % 32 == 0) scratch[tid / 32] = st;
+  __syncthreads();
+  if (tid == 0) {
+    float ss = 0;
+    for (int w = 0; w < nt / 32; ++w) ss += scratch[w];  // fixed order
+    const float lse = (ML + log2f(ss)) * kLn2;
+    const float xt = tg >= 0 && tg < C ? load_math(reinterpret_cast<const T*>(srow) + tg) : 0.f;
+    ce_finish_lse<T, float, float>(row, lse, 0.f, xt, tg, C, ii, 0.0, lse_o, nullptr, row_loss,
+                                   err);
+    lse_s = lse;
+  }
+  __syncthreads();
+  const float ll = lse_s * kLog2e;
+  const bool ign = tg == ii, bad = !ign && (tg < 0 || tg >= C);
+  const int tgc = ign || bad ? -1 : static_cast<int>(tg);
+  for (int w = tid; w < nv; w += nt) {
+    float v[V];
+    if (w < nload) {
+      unpack16<T>(srow[w], v);
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[k] = 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const int c = w * V + k;
+      float d = ex2_approx(fmaf(v[k], kLog2e, -ll));
+      d = c == tgc ? d - 1.f : d;
+      d = bad ? NAN : d;
+      v[k] = ign || c >= C ? 0.f : d;  // a select: padding / ignored logits may be inf or NaN
+    }
+    __stcs(pv + w, pack16<T>(v));
+  }
+}
+
 // One block: loss = sum (or mean over non-ignored rows) of row_loss, in a fixed order.
 template <typename A, typename O>
 __global__ void crossentropy_reduce(const A* __restrict__ row_loss, const int64_t* __restrict__ t,
@@ -937,6 +1040,47 @@ void CrossEntropy::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
       }
     });
   });
+}
+
+// The chunked classifier's cross-entropy on one chunk (autocast.h): v4 where it applies.
+bool cuda::cross_entropy_fwd_bwd_inplace(const Tensor& logits, const Tensor& target,
+                                         const Tensor& lse, const Tensor& row_loss,
+                                         int64_t num_classes, int64_t ignore_index,
+                                         const char* op) {
+  if (const char* e = std::getenv("BT_CUDA_CE_FUSED"); e && e[0] == '0') return false;
+  const DType dt = logits.dtype();
+  if (dt != DType::BFloat16 && dt != DType::Float16 && dt != DType::Float32) return false;
+  if (logits.ndim() != 2 || !logits.is_contiguous() || row_loss.dtype() != DType::Float32 ||
+      lse.dtype() != DType::Float32 || !row_loss.is_contiguous() || !lse.is_contiguous()) {
+    return false;
+  }
+  const int64_t N = logits.shape()[0], Cx = logits.shape()[1], C = num_classes;
+  const int64_t esize = static_cast<int64_t>(itemsize(dt));
+  if (N == 0 || C < 1 || C > Cx || Cx > kCeMaxC || (Cx * esize) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(logits.data_ptr(op)) % 16 != 0 || nn_version() < 3) {
+    return false;
+  }
+  const DeviceInfo& di = device_info(logits.device().index);
+  const size_t smem = static_cast<size_t>((C * esize + 15) / 16 * 16);
+  if (smem > di.smem_per_block_optin) return false;
+  cudaStream_t st = stream(logits.device(), op);
+  Tensor tc = contiguous_on(target, op, st);
+  IndexErrorRecord* err = index_error_record(logits.device().index);
+  const int threads = row_threads(Cx, static_cast<int>(16 / esize), kCeMaxThreads);
+  dispatch_cuda_float(dt, op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (!std::is_same_v<T, double>) {
+      auto kern = crossentropy_fwd_bwd_v4<T>;
+      BT_CUDA_CHECK(op, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(smem)));
+      kern<<<static_cast<unsigned>(N), threads, smem, st>>>(
+          static_cast<T*>(logits.data_ptr(op)), static_cast<const int64_t*>(tc.data_ptr(op)),
+          static_cast<float*>(lse.data_ptr(op)), static_cast<float*>(row_loss.data_ptr(op)),
+          static_cast<int>(C), static_cast<int>(Cx), ignore_index, err);
+      BT_CUDA_LAUNCH_CHECK(op);
+    }
+  });
+  return true;
 }
 
 #else
