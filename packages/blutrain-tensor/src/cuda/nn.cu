@@ -583,6 +583,27 @@ __global__ void crossentropy_forward_v2(const T* __restrict__ x, int64_t ld,
     ce_finish_row<T, S, O>(row, m, s, sx, p, t[row], C, ii, ls, lse_o, loss_o, row_loss, err);
 }
 
+// One group of N values of a row into its running max m (ml = m log2e, rounded) and sum
+// s = sum 2^(x log2e - ml): per group one max and branch (rescale only on a new running max),
+// then per value one FFMA + MUFU ex2.
+template <int N>
+__device__ __forceinline__ void ce_online_add(const float* v, float& m, float& ml, float& s) {
+  float cm = v[0];
+#pragma unroll
+  for (int k = 1; k < N; ++k) cm = fmaxf(cm, v[k]);
+  if (cm > m) {  // new running max: rescale (ex2(-inf) = 0 covers the first finite value)
+    const float nml = cm * kLog2e;
+    s *= ex2_approx(ml - nml);
+    m = cm;
+    ml = nml;
+  }
+  const float off = ml == -INFINITY ? 0.f : ml;  // all -inf so far: terms are 0, not NaN
+  float e = 0;
+#pragma unroll
+  for (int k = 0; k < N; ++k) e += ex2_approx(fmaf(v[k], kLog2e, -off));
+  s += e;
+}
+
 // v3: memory speed (the v2 loop was issue-bound: a full-precision expf and a branch per element).
 // kCeThreads per row, kCeUnroll 16-byte streaming loads in flight per thread; per word one max and
 // branch (rescale only on a new running max), then per element one FFMA + MUFU ex2 in log2 units:
@@ -605,23 +626,11 @@ __global__ void __launch_bounds__(kCeMaxThreads)
   float m = -INFINITY, ml = -INFINITY, s = 0, sx = 0;
   auto add = [&](const float* v, auto n) {
     constexpr int N = decltype(n)::value;
-    float cm = v[0];
+    ce_online_add<N>(v, m, ml, s);
+    if constexpr (kSx) {
 #pragma unroll
-    for (int k = 1; k < N; ++k) cm = fmaxf(cm, v[k]);
-    if (cm > m) {  // new running max: rescale (ex2(-inf) = 0 covers the first finite value)
-      const float nml = cm * kLog2e;
-      s *= ex2_approx(ml - nml);
-      m = cm;
-      ml = nml;
+      for (int k = 0; k < N; ++k) sx += v[k];
     }
-    const float off = ml == -INFINITY ? 0.f : ml;  // all -inf so far: terms are 0, not NaN
-    float e = 0;
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      e += ex2_approx(fmaf(v[k], kLog2e, -off));
-      if constexpr (kSx) sx += v[k];
-    }
-    s += e;
   };
   const int head = ce_head(p, C);
   const int nv = (C - head) / V, tail0 = head + nv * V;
@@ -698,20 +707,7 @@ __global__ void __launch_bounds__(kCeMaxThreads)
 #pragma unroll
       for (int k = 0; k < V; ++k) v[k] = w * V + k < C ? v[k] : -INFINITY;
     }
-    float cm = v[0];
-#pragma unroll
-    for (int k = 1; k < V; ++k) cm = fmaxf(cm, v[k]);
-    if (cm > m) {  // new running max: rescale (ex2(-inf) = 0 covers the first finite value)
-      const float nml = cm * kLog2e;
-      s *= ex2_approx(ml - nml);
-      m = cm;
-      ml = nml;
-    }
-    const float off = ml == -INFINITY ? 0.f : ml;
-    float e = 0;
-#pragma unroll
-    for (int k = 0; k < V; ++k) e += ex2_approx(fmaf(v[k], kLog2e, -off));
-    s += e;
+    ce_online_add<V>(v, m, ml, s);
   };
   int j = tid;
   for (; j + (U - 1) * nt < nload; j += U * nt) {
