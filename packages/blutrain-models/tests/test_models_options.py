@@ -40,6 +40,16 @@ def twin(rng, **kw):
     return a, b
 
 
+def assert_same_numbers(a, b, x):
+    """Models a and b give the same logits and loss (1e-5) and gradients (1e-4) on batch x."""
+    la, sa, ga = run(a, x, x)
+    lb, sb, gb = run(b, x, x)
+    np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
+    assert sb == pytest.approx(sa, rel=1e-5)
+    for n in ga:
+        np.testing.assert_allclose(gb[n], ga[n], rtol=1e-4, atol=1e-5, err_msg=n)
+
+
 def _needs_recompute_support(mode):
     parts = set(mode.split("+"))
     if parts & {"attn", "block"} or ("gelu" in parts and not hasattr(bt, "linear_gelu_linear")):
@@ -61,12 +71,7 @@ def test_recompute_gives_the_same_numbers(rng, mode, fused):
     a, b = twin(rng, recompute=mode, fused=fused)
     assert b.recompute == mode
     x = rng.integers(0, CFG.vocab_size, (2, CFG.block_size))
-    la, sa, ga = run(a, x, x)
-    lb, sb, gb = run(b, x, x)
-    np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
-    assert sb == pytest.approx(sa, rel=1e-5)
-    for n in ga:
-        np.testing.assert_allclose(gb[n], ga[n], rtol=1e-4, atol=1e-5, err_msg=n)
+    assert_same_numbers(a, b, x)
 
 
 @pytest.mark.parametrize("fused", [None, True])
@@ -98,12 +103,7 @@ def test_recompute_per_layer(rng, layers):
     assert b.transformer.h[1].recompute == frozenset(layers[1].split("+")) - {"none"}
     assert b.recompute == "per-layer: " + ", ".join(layers)
     x = rng.integers(0, CFG.vocab_size, (2, CFG.block_size))
-    la, sa, ga = run(a, x, x)
-    lb, sb, gb = run(b, x, x)
-    np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
-    assert sb == pytest.approx(sa, rel=1e-5)
-    for n in ga:
-        np.testing.assert_allclose(gb[n], ga[n], rtol=1e-4, atol=1e-5, err_msg=n)
+    assert_same_numbers(a, b, x)
     b.recompute = "gelu"  # the model-wide setter reaches every block
     assert b.recompute == "gelu" and all(blk.mlp.recompute_gelu for blk in b.transformer.h)
 
@@ -128,12 +128,7 @@ def test_fused_ops_give_the_same_numbers(rng):
         pytest.skip("this blutrain.tensor has neither add_layer_norm nor linear_gelu")
     a, b = twin(rng, fused=True)
     x = rng.integers(0, CFG.vocab_size, (2, CFG.block_size))
-    la, sa, ga = run(a, x, x)
-    lb, sb, gb = run(b, x, x)
-    np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
-    assert sb == pytest.approx(sa, rel=1e-5)
-    for n in ga:
-        np.testing.assert_allclose(gb[n], ga[n], rtol=1e-4, atol=1e-5, err_msg=n)
+    assert_same_numbers(a, b, x)
 
 
 def test_fused_classifier_gives_the_same_numbers(rng):

@@ -109,9 +109,9 @@ def main() -> None:
     finally:
         bt.set_float32_matmul_precision(prev)
     print(f"classifier head + loss, fwd+bwd: N={N} C={C} V={V} (padded {VP}); fp32 = TF32 GEMMs")
-    print(f"{'dtype':5} {'impl':22} {'ms':>8} {'TFLOP/s':>8} {'peak MB':>9}")
+    print(f"{'dtype':5} {'impl':30} {'ms':>8} {'TFLOP/s':>8} {'peak MB':>9}")
     for r in rows:
-        print(f"{r['dtype']:5} {r['impl']:22} {r['ms']:8.3f} {r['tflops']:8.1f} "
+        print(f"{r['dtype']:5} {r['impl']:30} {r['ms']:8.3f} {r['tflops']:8.1f} "
               f"{r['peak_MB']:9.1f}")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
