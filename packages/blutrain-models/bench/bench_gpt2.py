@@ -80,6 +80,8 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
     from blutrain.models.trainer import _cuda_sync, clip_and_step, make_adamw, peak_memory_bytes
 
     cuda = getattr(bt, "cuda", None)
+    if hasattr(bt, "set_cast_cache_enabled"):
+        bt.set_cast_cache_enabled(a.cast_cache == "on")
     L, H, C = MODELS[a.model]
     cfg = GPT2Config(block_size=max(1024, a.T), n_layer=L, n_head=H, n_embd=C, vocab_multiple=128)
     if hasattr(cuda, "reset_peak_memory_stats"):
@@ -132,6 +134,12 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
         "first_loss": first,
         "last_loss": last,
     }
+    try:  # GEMMs cuBLASLt had no fused epilogue for (run as GEMM + our epilogue kernel)
+        import blutrain.linalg as la
+
+        out["gemm_fallbacks"] = int(la.get_option("fallback_epilogues"))
+    except (ImportError, AttributeError, RuntimeError, ValueError):
+        pass
     if a.profile:
         out["kernels"] = profile_kernels(run, 2, a.trace)
     return out
@@ -298,6 +306,13 @@ def main() -> int:
         default=0,
         help="print the N kernels with the most GPU time per step of each run (torch.profiler)",
     )
+    p.add_argument(
+        "--cast-cache",
+        default="on",
+        choices=["on", "off"],
+        help="ours: keep the weights' 16-bit casts between steps (bt.cached_astype) or cast "
+        "every step",
+    )
     p.add_argument("--trace", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mode", default=None, help=argparse.SUPPRESS)
@@ -348,6 +363,8 @@ def main() -> int:
                 str(a.classifier_chunk),
                 "--profile",
                 str(a.profile),
+                "--cast-cache",
+                a.cast_cache,
             ]
             t0 = time.perf_counter()
             try:

@@ -241,3 +241,30 @@ def test_deferred_syncs_log_every_step_identically(tmp_path, shards):
     a = load_checkpoint(tmp_path / "a" / "checkpoint").trainer["loader"]
     c = load_checkpoint(tmp_path / "c" / "checkpoint").trainer["loader"]
     assert a == c
+
+
+def test_cast_cache_trains_to_the_same_bits(rng):
+    """bf16: the weights' kept casts (AdamW rewrites them) give the bits of casting every step."""
+    if not hasattr(bt, "cached_astype"):
+        pytest.skip("this blutrain.tensor has no cached_astype")
+    from blutrain.models.trainer import clip_and_step, make_adamw
+
+    x = rng.integers(0, CFG.vocab_size, (2, CFG.block_size))
+    params_after = []
+    for enabled in (True, False):
+        bt.set_cast_cache_enabled(enabled)
+        try:
+            _, m = twin(np.random.default_rng(0), precision="bf16")
+            opt = make_adamw(m.named_parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+            params = list(m.parameters())
+            for _ in range(3):
+                m(x, x)[1].backward()
+                clip_and_step(opt, params, 1.0)
+                opt.zero_grad()
+            kept = bt.cast_cache_bytes(m.transformer.h[0].mlp.c_fc.weight)
+            assert (kept > 0) == enabled
+            params_after.append({n: p.detach().numpy().copy() for n, p in m.named_parameters()})
+        finally:
+            bt.set_cast_cache_enabled(True)
+    for n, a in params_after[0].items():
+        assert np.array_equal(a, params_after[1][n]), n

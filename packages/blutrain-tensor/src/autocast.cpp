@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <tuple>
 
 #include "autograd.h"
 #include "ops.h"
@@ -98,6 +99,21 @@ static Tensor gemm_ready_2d(const Tensor& t) {
 
 static bool is_16bit(DType d) { return d == DType::BFloat16 || d == DType::Float16; }
 
+DType weight_grad_dtype(const VjpArgs& a, size_t i, DType dt) {
+  const bool wide = i < a.grad_dtypes.size() && a.grad_dtypes[i] == DType::Float32;
+  return is_16bit(dt) && wide ? DType::Float32 : dt;
+}
+
+std::pair<Tensor, Tensor> linear_weight_grads(const VjpArgs& a, const Tensor& g, const Tensor& x,
+                                              const Shape& weight_shape, size_t iw, bool want_db) {
+  const DType dw = weight_grad_dtype(a, iw, g.dtype());
+  std::vector<std::pair<Shape, DType>> meta{{weight_shape, dw}};
+  if (want_db) meta.push_back({Shape{weight_shape[0]}, dw});
+  auto r = apply(std::make_shared<LinearWeightGrad>(want_db), {gemm_ready_2d(g), gemm_ready_2d(x)},
+                 meta, g.device());
+  return {r[0], want_db ? r[1] : Tensor()};
+}
+
 Tensor gelu_tanh_backward(const Tensor& dy_in, const Tensor& pre_in) {
   // 16-bit: the derivative in float32 (its tanh and cubic lose too much in bf16).
   const DType dt = dy_in.dtype();
@@ -156,13 +172,9 @@ std::vector<Tensor> LinearGelu::vjp(const VjpArgs& a) {
   if (a.needs[0]) r[0] = matmul(dpre, w);
   const bool want_db = has_bias && a.needs[2];
   if (a.needs[1]) {
-    const DType dt = dpre.dtype();
-    std::vector<std::pair<Shape, DType>> meta{{w.shape(), dt}};
-    if (want_db) meta.push_back({Shape{w.shape()[0]}, dt});
-    auto g = apply(std::make_shared<LinearWeightGrad>(want_db), {gemm_ready_2d(dpre), x}, meta,
-                   dpre.device());
-    r[1] = g[0];
-    if (want_db) r[2] = g[1];
+    auto [dw, db] = linear_weight_grads(a, dpre, x, w.shape(), 1, want_db);
+    r[1] = dw;
+    if (want_db) r[2] = db;
   } else if (want_db) {
     r[2] = sum(dpre, {0});
   }
@@ -240,11 +252,9 @@ std::vector<Tensor> LinearGeluLinear::vjp(const VjpArgs& a) {
     const Tensor h = recompute ? apply1(std::make_shared<Unary>(UnaryOp::GeluTanh), {pre},
                                         pre.shape(), pre.dtype(), pre.device())
                                : a.outputs[1];
-    std::vector<std::pair<Shape, DType>> meta{{w2.shape(), dt}};
-    if (want_db2) meta.push_back({Shape{w2.shape()[0]}, dt});
-    auto g = apply(std::make_shared<LinearWeightGrad>(want_db2), {dy, h}, meta, dy.device());
-    if (a.needs[2]) r[2] = g[0];
-    if (want_db2) r[ib2] = g[1];
+    auto [dw2, db2] = linear_weight_grads(a, dy, h, w2.shape(), 2, want_db2);
+    if (a.needs[2]) r[2] = dw2;
+    if (want_db2) r[ib2] = db2;
   }
   if (a.needs[0] || a.needs[1] || want_db1) {
     const int64_t M = dy.shape()[0], N1 = w2.shape()[1];
@@ -255,10 +265,7 @@ std::vector<Tensor> LinearGeluLinear::vjp(const VjpArgs& a) {
     const Tensor& dpre = d[0];
     if (want_db1) r[ib1] = d[1];
     if (a.needs[0]) r[0] = matmul(dpre, w1);
-    if (a.needs[1]) {
-      r[1] =
-          apply1(std::make_shared<LinearWeightGrad>(false), {dpre, x}, w1.shape(), dt, dy.device());
-    }
+    if (a.needs[1]) r[1] = linear_weight_grads(a, dpre, x, w1.shape(), 1, false).first;
   }
   return r;
 }

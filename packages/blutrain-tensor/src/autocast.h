@@ -164,6 +164,16 @@ bool cross_entropy_fwd_bwd_inplace(const Tensor& logits, const Tensor& target, c
                                    int64_t ignore_index, const char* op);
 }  // namespace cuda
 
+// The dtype a weight-gradient GEMM of a vjp writes input i's gradient in: float32 when `dt` is
+// 16-bit and that gradient goes unnarrowed to a float32 master (VjpArgs::grad_dtypes, Note
+// [cached casts]), else dt.
+DType weight_grad_dtype(const VjpArgs& a, size_t i, DType dt);
+// A linear layer's weight gradient dW = g^T x (g (M, N), x (M, K) 2-D) in weight_grad_dtype(a,
+// iw, ...) and, with want_db, the bias's db = column sums of g from the same GEMM (BGRAD), in
+// the same dtype.  Returns {dW, db or undefined}.
+std::pair<Tensor, Tensor> linear_weight_grads(const VjpArgs& a, const Tensor& g, const Tensor& x,
+                                              const Shape& weight_shape, size_t iw, bool want_db);
+
 // dy * gelu_tanh'(pre), computed in float32 for 16-bit inputs (composed ops: any backend).
 Tensor gelu_tanh_backward(const Tensor& dy, const Tensor& pre);
 

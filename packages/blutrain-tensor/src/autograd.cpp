@@ -293,7 +293,9 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
           throw RuntimeError("[" + node->name() + "] backward produced a gradient of shape " +
                              shape_str(g.shape()) + " for an input of shape " + shape_str(m.shape));
         }
-        if (g.dtype() != m.dtype) g = astype(g, m.dtype);
+        if (g.dtype() != m.dtype && g.dtype() != e.node->grad_dtype_taken(e.input_nr)) {
+          g = astype(g, m.dtype);
+        }
         accumulate(e, g);
       }
       if (--deps[e.node.get()] == 0) {

@@ -44,6 +44,9 @@ struct Node : std::enable_shared_from_this<Node> {
   // Whether apply() takes an undefined gradient for forward output i when none reached it
   // (instead of zeros: no fill kernel for outputs such as a norm's statistics).
   virtual bool takes_no_gradient(size_t i) const { return false; }
+  // The dtype this node takes forward output i's gradient in: out_meta[i]'s, or for a cast a
+  // wider one that it would widen the gradient to anyway (Note [cached casts], primitives.h).
+  virtual DType grad_dtype_taken(size_t i) const { return out_meta[i].dtype; }
 
   std::vector<Edge> next;
   std::vector<TensorMeta> out_meta;

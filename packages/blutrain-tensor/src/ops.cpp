@@ -2,6 +2,7 @@
 #include "ops.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <mutex>
 #include <numeric>
@@ -160,6 +161,75 @@ Tensor contiguous(const Tensor& x) {
 
 Tensor clone(const Tensor& x) {
   return apply1(mk<AsType>(), {x}, x.shape(), x.dtype(), x.device());
+}
+
+// ---- cached casts (Note [cached casts]) -----------------------------------------------------
+static Tensor raw_copy_into(const Tensor& dst, const Tensor& src, const char* op);
+
+std::mutex& cast_cache_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+CastCache::Entry* CastCache::find(const Tensor& x, DType to) {
+  for (auto& e : entries) {
+    if (e.to == to && e.from == x.dtype() && e.offset == x.offset() && e.shape == x.shape() &&
+        e.strides == x.strides()) {
+      return &e;
+    }
+  }
+  return nullptr;
+}
+
+static std::atomic<bool> g_cast_cache_enabled{true};
+void set_cast_cache_enabled(bool enabled) { g_cast_cache_enabled.store(enabled); }
+bool cast_cache_enabled() { return g_cast_cache_enabled.load(); }
+
+Tensor cached_astype(const Tensor& x, DType dtype) {
+  check_defined(x, "cached_astype");
+  if (x.dtype() == dtype) return x;
+  if (!cast_cache_enabled() || !is_floating(x.dtype()) || !is_floating(dtype) || x.is_symbolic() ||
+      !x.storage() || active_graph()) {
+    return astype(x, dtype);
+  }
+  Tensor copy;
+  {
+    std::lock_guard<std::mutex> lock(cast_cache_mutex());
+    auto& cache = x.storage()->cast_cache;
+    if (!cache) cache = std::make_shared<CastCache>();
+    CastCache::Entry* e = cache->find(x, dtype);
+    if (!e) {
+      GradModeGuard no_grad(false);
+      cache->entries.push_back(
+          {x.shape(), x.strides(), x.offset(), x.dtype(), dtype, astype(detach(x), dtype), 0, 0});
+      e = &cache->entries.back();
+    } else if (!e->current(x)) {
+      raw_copy_into(e->copy, x, "cached_astype");
+      e->copy.storage()->bump_version();  // a view of the old copy saved for backward is stale
+    }
+    e->from_version = x.version();
+    e->copy_version = e->copy.version();
+    copy = e->copy;
+  }
+  return apply1(mk<CachedCast>(), {x, copy}, x.shape(), dtype, x.device());
+}
+
+void drop_cast_cache(const Tensor& x) {
+  check_defined(x, "drop_cast_cache");
+  if (!x.storage()) return;
+  std::lock_guard<std::mutex> lock(cast_cache_mutex());
+  x.storage()->cast_cache.reset();
+}
+
+int64_t cast_cache_bytes(const Tensor& x) {
+  check_defined(x, "cast_cache_bytes");
+  if (!x.storage()) return 0;
+  std::lock_guard<std::mutex> lock(cast_cache_mutex());
+  int64_t n = 0;
+  if (const auto& c = x.storage()->cast_cache) {
+    for (const auto& e : c->entries) n += e.copy.numel() * static_cast<int64_t>(itemsize(e.to));
+  }
+  return n;
 }
 
 Tensor to_device(const Tensor& x, Device device) {

@@ -37,6 +37,18 @@ Tensor astype(const Tensor& x, DType dtype);  // a copy only when the dtype chan
 Tensor to_device(const Tensor& x, Device device);
 Tensor contiguous(const Tensor& x);
 Tensor clone(const Tensor& x);
+// x cast to `dtype`, kept with x's storage and reused while x is unchanged (Note [cached casts],
+// primitives.h): for a master weight's compute copy.  Differentiable (the gradient goes to x);
+// the result shares the kept copy's memory.  Plain astype when disabled, for non-floating
+// dtypes, symbolic tensors and in capture mode.
+Tensor cached_astype(const Tensor& x, DType dtype);
+// Frees the casts cached_astype keeps for x's storage (every geometry and dtype).
+void drop_cast_cache(const Tensor& x);
+// Bytes held by the casts kept for x's storage.
+int64_t cast_cache_bytes(const Tensor& x);
+// Process-wide switch (default on): off, cached_astype is astype (no copy kept or reused).
+void set_cast_cache_enabled(bool enabled);
+bool cast_cache_enabled();
 
 // ---- views ---------------------------------------------------------------------------------
 Tensor reshape(const Tensor& x, Shape shape);  // a view where strides allow, else a copy

@@ -63,6 +63,39 @@ void bump(const Tensor& t) {
 
 int g_kernel_version = 2;
 
+// Per param: the copy its storage's cast cache keeps for a float32 param's geometry, in a 16-bit
+// dtype (the first such entry), else undefined.
+std::vector<Tensor> kept_casts(const std::vector<Tensor>& params) {
+  std::vector<Tensor> copies(params.size());
+  std::lock_guard<std::mutex> lock(cast_cache_mutex());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Tensor& p = params[i];
+    if (p.dtype() != DType::Float32 || !p.storage() || !p.storage()->cast_cache) continue;
+    for (DType to : {DType::BFloat16, DType::Float16}) {
+      if (const CastCache::Entry* e = p.storage()->cast_cache->find(p, to)) {
+        copies[i] = e->copy;
+        break;
+      }
+    }
+  }
+  return copies;
+}
+
+// After the kernel wrote the copies: they match their params' new values.
+void mark_casts_current(const std::vector<Tensor>& params, const std::vector<Tensor>& copies) {
+  std::lock_guard<std::mutex> lock(cast_cache_mutex());
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!copies[i].defined()) continue;
+    copies[i].storage()->bump_version();  // views of the old values saved for backward are stale
+    const auto& cache = params[i].storage()->cast_cache;
+    CastCache::Entry* e = cache ? cache->find(params[i], copies[i].dtype()) : nullptr;
+    if (e && e->copy.storage() == copies[i].storage()) {
+      e->from_version = params[i].version();
+      e->copy_version = e->copy.version();
+    }
+  }
+}
+
 }  // namespace
 
 void set_optim_kernel_version(int v) {
@@ -146,10 +179,14 @@ void adamw_(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
   prim->step = step.value;
   prim->weight_decays = weight_decays;
   std::vector<Tensor> in;
-  in.reserve(4 * n + 3);
+  in.reserve(5 * n + 3);
   for (const auto* l : {&params, &grads, &exp_avgs, &exp_avg_sqs}) {
     for (const auto& t : *l) in.push_back(detach(t));
   }
+  // The 16-bit casts kept for float32 params (Note [cached casts]): rewritten by the kernel.
+  const std::vector<Tensor> copies = kept_casts(params);
+  for (const auto& c : copies) prim->has_copies = prim->has_copies || c.defined();
+  if (prim->has_copies) in.insert(in.end(), copies.begin(), copies.end());
   if (lr.tensor.defined()) {
     check_scalar_tensor(lr.tensor, op, "lr", dev);
     prim->has_lr = true;
@@ -172,6 +209,7 @@ void adamw_(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
     bump(exp_avgs[i]);
     bump(exp_avg_sqs[i]);
   }
+  if (prim->has_copies) mark_casts_current(params, copies);
 }
 
 Tensor grad_norm(const std::vector<Tensor>& grads) {

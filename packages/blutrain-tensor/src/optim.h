@@ -28,6 +28,8 @@ struct ScalarArg {
 //   p -= lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
 // params/grads: float32, float64, or bfloat16/float16 (with float32 states); states: float32
 // (float64 for float64 params).  All contiguous, same device; grads' dtype == params'.
+// A float32 param with a 16-bit cast kept by cached_astype gets that copy rewritten from its new
+// value in the same kernel, and stays current (Note [cached casts], primitives.h).
 void adamw_(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
             const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
             const ScalarArg& lr, double beta1, double beta2, double eps,
@@ -44,8 +46,9 @@ Tensor clip_coef(const Tensor& norm, double max_norm, double eps);
 void scale_(const std::vector<Tensor>& grads, const Tensor& coef);
 
 // ---- primitives ------------------------------------------------------------------------------
-// Inputs: params (n), grads (n), exp_avgs (n), exp_avg_sqs (n), then the optional device scalars
-// lr, step, grad_scale (has_* say which are present).  No outputs: updates its inputs in place.
+// Inputs: params (n), grads (n), exp_avgs (n), exp_avg_sqs (n), then with has_copies the params'
+// 16-bit copies (n, undefined where a param has none), then the optional device scalars lr, step,
+// grad_scale (has_* say which are present).  No outputs: updates its inputs in place.
 class AdamW : public Primitive {
   BT_PRIM_BODY(AdamW, "adamw_")
   bool differentiable() const override { return false; }
@@ -60,7 +63,7 @@ class AdamW : public Primitive {
   size_t n = 0;
   double lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, step = 1;
   std::vector<double> weight_decays;
-  bool has_lr = false, has_step = false, has_scale = false;
+  bool has_lr = false, has_step = false, has_scale = false, has_copies = false;
 };
 // Inputs: grads (any float dtypes, contiguous).  Output: the norm (0-d).
 class GradNorm : public Primitive {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "autocast.h"
 #include "capture.h"
 #include "nn_fused.h"
 #include "ops.h"
@@ -112,8 +113,20 @@ struct PrimNode : Node {
         if (recomputed_in[i].recipe) rebuilt[i] = rebuild(recomputed_in[i], prim->name());
       }
     }
-    VjpArgs args{
-        recomputed_in.empty() ? saved_in : rebuilt, saved_out, in_meta, grads, needs, last_run};
+    std::vector<DType> grad_dtypes(in_meta.size());
+    const bool capturing = active_graph() != nullptr;  // captured graphs keep one dtype per edge
+    for (size_t i = 0; i < in_meta.size(); ++i) {
+      const Edge& e = next[i];
+      grad_dtypes[i] = !capturing && needs[i] && e.node ? e.node->grad_dtype_taken(e.input_nr)
+                                                        : in_meta[i].dtype;
+    }
+    VjpArgs args{recomputed_in.empty() ? saved_in : rebuilt,
+                 saved_out,
+                 in_meta,
+                 grads,
+                 needs,
+                 last_run,
+                 grad_dtypes};
     auto r = prim->vjp(args);
     r.resize(next.size());
     for (size_t i = 0; i < r.size(); ++i) {
@@ -128,6 +141,14 @@ struct PrimNode : Node {
     recomputed_in.clear();
   }
   bool takes_no_gradient(size_t i) const override { return prim->takes_no_cotangent(i); }
+  DType grad_dtype_taken(size_t i) const override {
+    const DType own = out_meta[i].dtype;
+    const bool hooked =
+        !pre_hooks[i].empty() || (i < retain_hooks.size() && !retain_hooks[i].empty());
+    if (!prim->is_cast() || hooked || in_meta.empty()) return own;
+    const DType wide = in_meta[0].dtype;
+    return is_floating(wide) && is_floating(own) && itemsize(wide) > itemsize(own) ? wide : own;
+  }
 };
 }  // namespace
 
@@ -280,6 +301,9 @@ std::vector<Tensor> ArgReduce::vjp(const VjpArgs&) { return {}; }
 
 std::vector<Tensor> AsType::vjp(const VjpArgs& a) {
   return {astype(a.cotangents[0], a.in_meta[0].dtype)};
+}
+std::vector<Tensor> CachedCast::vjp(const VjpArgs& a) {
+  return {astype(a.cotangents[0], a.in_meta[0].dtype), Tensor()};
 }
 std::vector<Tensor> ToDevice::vjp(const VjpArgs& a) {
   return {to_device(a.cotangents[0], a.in_meta[0].device)};
@@ -560,6 +584,16 @@ std::vector<Tensor> Matmul::vjp(const VjpArgs& a) {
   if (a.needs[0]) {
     // C = A op(B): dA = g op(B)^T
     r[0] = sum_to(matmul(g, trans_b ? B : mT(B)), A.shape());
+  }
+  const bool linear2d = trans_b && A.ndim() == 2 && B.ndim() == 2 && g.ndim() == 2;
+  if (linear2d && a.needs[1] && weight_grad_dtype(a, 1, g.dtype()) != g.dtype()) {
+    // A 16-bit linear layer whose weight is a cast of a float32 master: dW (and db, one BGRAD
+    // GEMM) written in float32 (Note [cached casts]).
+    const bool want_db = has_bias && a.needs[2];
+    auto [dw, db] = linear_weight_grads(a, g, A, B.shape(), 1, want_db);
+    r[1] = dw;
+    if (want_db) r[2] = db;
+    return r;
   }
   if (a.needs[1]) {
     if (trans_b) {

@@ -18,6 +18,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <variant>
 #include <vector>
@@ -38,6 +39,10 @@ struct VjpArgs {
                                           // where the primitive takes_no_cotangent)
   const std::vector<bool>& needs;         // which inputs need a gradient
   bool last_run = false;  // the node frees its saved tensors after this vjp (no retain_graph)
+  // The dtype input i's gradient may be returned in: in_meta[i]'s, or a wider one when that input
+  // is a cast of a wider tensor whose node takes its gradient unnarrowed (Note [cached casts]).
+  // A vjp that writes a gradient anyway (a GEMM) writes it in this dtype; others may ignore it.
+  const std::vector<DType>& grad_dtypes;
 };
 
 // Note [donating a saved input]
@@ -78,6 +83,43 @@ struct Recompute {
 void mark_recompute(const Tensor& out, const char* op, std::vector<Tensor> inputs,
                     std::function<Tensor(const std::vector<Tensor>&)> run);
 
+// Note [cached casts]
+// Mixed precision casts each float32 master weight to bf16 in every forward: at GPT-2's size 148
+// launches per step that rewrite the values the optimizer has just produced, and 148 more in
+// backward that widen the weights' bf16 gradients to float32.
+//   Forward: cached_astype(p, dt) keeps the cast with p's storage (Storage::cast_cache, one entry
+// per geometry and dtype) and returns it while it is current: p's version and the copy's are
+// those recorded when it was written.  An in-place change of either makes it stale, and the next
+// call casts again, into the same memory.  adamw_ writes the copy of each float32 parameter that
+// has one from the value it has just computed, in its own kernel, and records the new versions:
+// a training loop casts each weight once.  The result is a CachedCast of the copy (a view of the
+// copy's memory, no kernel); its node sends the gradient to p.  The copy lives as long as p's
+// storage (drop_cast_cache frees it sooner).  Capture mode and symbolic tensors get a plain
+// astype.  One process-wide mutex guards every cache (cast_cache_mutex()).  A CUDA graph captured
+// while the copy was current reads the copy, not p: between its replays change p only through a
+// captured (or eager) adamw_, which rewrites the copy, or re-capture.
+//   Backward: a cast's node (AsType, CachedCast) widens its cotangent to its input's dtype.  The
+// engine passes a cotangent already in that dtype through unnarrowed (Node::wide_grad_dtype), and
+// a vjp that writes the gradient of such an input anyway (a linear layer's weight GEMM) writes it
+// in that dtype (VjpArgs::grad_dtypes): float32 out of a bf16 GEMM, one rounding fewer and no
+// widening kernel.  Hooks on the cast's output see the narrow dtype as before (they turn this off).
+struct CastCache {
+  struct Entry {
+    Shape shape;
+    Strides strides;
+    int64_t offset = 0;
+    DType from = DType::Float32, to = DType::BFloat16;
+    Tensor copy;  // contiguous, `to`
+    uint64_t from_version = 0, copy_version = 0;
+    bool current(const Tensor& x) const {
+      return from_version == x.version() && copy_version == copy.version();
+    }
+  };
+  std::vector<Entry> entries;
+  Entry* find(const Tensor& x, DType to);  // the entry of x's geometry and dtype, or null
+};
+std::mutex& cast_cache_mutex();
+
 class Primitive {
  public:
   virtual ~Primitive() = default;
@@ -105,6 +147,9 @@ class Primitive {
   virtual bool takes_no_cotangent(size_t i) const { return false; }
   // The input whose memory output 0 is written over, or -1 (see Note [donating a saved input]).
   virtual int overwrites_input() const { return -1; }
+  // A cast: its vjp only converts the cotangent to input 0's dtype, so it may be given one in that
+  // dtype already (Note [cached casts]).
+  virtual bool is_cast() const { return false; }
   virtual void attrs(Attrs& a) const {}
 };
 
@@ -161,6 +206,16 @@ class Random : public Primitive {
 class AsType : public Primitive {
   BT_PRIM_BODY(AsType, "astype")
   bool saves_inputs() const override { return false; }
+  bool is_cast() const override { return true; }
+};
+// cached_astype's result (Note [cached casts]): inputs (x, copy), the output is the copy's
+// memory (no kernel); the gradient goes to x, in x's dtype.
+class CachedCast : public Primitive {
+  BT_PRIM_BODY(CachedCast, "cached_astype")
+  bool is_view() const override { return true; }
+  Tensor eval_view(const std::vector<Tensor>& in) override;
+  bool saves_inputs() const override { return false; }
+  bool is_cast() const override { return true; }
 };
 class ToDevice : public Primitive {
   BT_PRIM_BODY(ToDevice, "to_device")
@@ -443,10 +498,10 @@ class Matmul : public Primitive {
 // X-macro of every primitive class, for backend tables (no_cuda.cpp, future dispatch).
 // clang-format off
 #define BT_PRIMITIVES(X)                                                                     \
-  X(Full) X(Arange) X(Random) X(AsType) X(ToDevice) X(Reshape) X(Permute) X(Expand)         \
-  X(Slice) X(Select) X(SliceScatter) X(Unary) X(Binary) X(Where) X(MaskedFill) X(Reduce)     \
-  X(ArgReduce) X(IndexSelect) X(IndexAdd) X(Gather) X(ScatterAdd) X(Concatenate) X(Softmax) \
-  X(LayerNorm) X(CrossEntropy) X(Dropout) X(Matmul)
+  X(Full) X(Arange) X(Random) X(AsType) X(CachedCast) X(ToDevice) X(Reshape) X(Permute)     \
+  X(Expand) X(Slice) X(Select) X(SliceScatter) X(Unary) X(Binary) X(Where) X(MaskedFill)     \
+  X(Reduce) X(ArgReduce) X(IndexSelect) X(IndexAdd) X(Gather) X(ScatterAdd) X(Concatenate)   \
+  X(Softmax) X(LayerNorm) X(CrossEntropy) X(Dropout) X(Matmul)
 // clang-format on
 
 // ---- running a primitive -------------------------------------------------------------------

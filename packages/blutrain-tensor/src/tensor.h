@@ -63,6 +63,8 @@ struct AllocHooks {
 void set_alloc_hooks(const AllocHooks& hooks);
 bool have_alloc_hooks();
 
+struct CastCache;  // primitives.h, Note [cached casts]
+
 class Storage {
  public:
   static std::shared_ptr<Storage> allocate(size_t nbytes, Device device, const char* op);
@@ -77,6 +79,10 @@ class Storage {
   Device device() const { return device_; }
   uint64_t version() const { return version_.load(std::memory_order_relaxed); }
   void bump_version() { version_.fetch_add(1, std::memory_order_relaxed); }
+
+  // Casts of this storage's tensors kept by cached_astype; null until the first.  Read and
+  // written under cast_cache_mutex() (Note [cached casts], primitives.h).
+  std::shared_ptr<CastCache> cast_cache;
 
  private:
   Storage() = default;

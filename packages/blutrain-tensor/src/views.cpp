@@ -83,6 +83,11 @@ Tensor Select::eval_view(const std::vector<Tensor>& in) {
   return make_view(x, s, st, off);
 }
 
+Tensor CachedCast::eval_view(const std::vector<Tensor>& in) {
+  const Tensor& copy = in[1];
+  return make_view(copy, copy.shape(), copy.strides(), copy.offset());
+}
+
 // Views never reach a kernel.
 #define BT_VIEW_NO_KERNEL(Name)                                                         \
   void Name::eval_cpu(const std::vector<Tensor>&, std::vector<Tensor>&) {               \
@@ -96,5 +101,6 @@ BT_VIEW_NO_KERNEL(Permute)
 BT_VIEW_NO_KERNEL(Expand)
 BT_VIEW_NO_KERNEL(Slice)
 BT_VIEW_NO_KERNEL(Select)
+BT_VIEW_NO_KERNEL(CachedCast)
 
 }  // namespace bt

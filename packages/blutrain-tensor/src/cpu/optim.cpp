@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../backend.h"
+#include "loops.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -36,7 +37,7 @@ float read_scalar(const Tensor& t) { return *t.data<float>("optim"); }
 
 // Scalars: computed in double from (lr, step), then rounded to the math type once per call.
 void AdamW::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>&) {
-  size_t k = 4 * n;
+  size_t k = has_copies ? 5 * n : 4 * n;
   const double lr_v = has_lr ? static_cast<double>(read_scalar(in[k++])) : lr;
   const double step_v = has_step ? static_cast<double>(read_scalar(in[k++])) : step;
   const float scale_f = has_scale ? read_scalar(in[k++]) : 1.0f;
@@ -80,6 +81,10 @@ void AdamW::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>&) {
       }
     }
   });
+  // The kept 16-bit casts (Note [cached casts]): astype's own conversion, so the same bits.
+  for (size_t i = 0; has_copies && i < n; ++i) {
+    if (in[4 * n + i].defined()) cpu::copy_raw(in[4 * n + i], in[i]);
+  }
 }
 
 // Per-chunk partial sums of squares (float accumulation; double for float64), then a fixed-order

@@ -32,7 +32,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kVec = 4;
-constexpr int kMaxAdamW = 512;  // tensors per AdamW launch
+constexpr int kMaxAdamW = 448;  // tensors per AdamW launch
 constexpr int kMaxList = 1024;  // tensors per norm / scale launch
 static_assert(kOptimChunk % (kThreads * kVec) == 0, "chunk must be a multiple of a block's vector");
 
@@ -44,10 +44,13 @@ struct AdamWTable {
   void* v[kMaxAdamW];
   int64_t numel[kMaxAdamW];
   double wd[kMaxAdamW];
+  void* copy[kMaxAdamW];  // float32 params: the 16-bit cast to rewrite, or null
   int block_start[kMaxAdamW + 1];
-  uint8_t vec[kMaxAdamW];  // all four pointers aligned for kVec-wide loads
+  uint8_t vec[kMaxAdamW];        // all the pointers aligned for kVec-wide loads
+  uint8_t copy_kind[kMaxAdamW];  // CopyKind
   int n;
 };
+enum CopyKind : uint8_t { kNoCopy = 0, kBf16Copy = 1, kHalfCopy = 2 };
 struct ListTable {
   void* t[kMaxList];
   int64_t numel[kMaxList];
@@ -139,11 +142,35 @@ __device__ __forceinline__ AdamWCoef<M> adamw_coef(const AdamWArgs& a, double wd
   return c;
 }
 
+// The updated float32 param's cast into its kept 16-bit copy (Note [cached casts]): the same
+// round-to-nearest conversion as the astype kernel's.
+template <typename T>
+__device__ __forceinline__ void store_copy(void* copy, int kind, int64_t i, T p) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (kind == kBf16Copy) static_cast<__nv_bfloat16*>(copy)[i] = convert<__nv_bfloat16>(p);
+    if (kind == kHalfCopy) static_cast<__half*>(copy)[i] = convert<__half>(p);
+  }
+}
+template <typename C, typename T>
+__device__ __forceinline__ void store_copy_vec(void* copy, int64_t i, const Vec<T>& p) {
+  Vec<C> c;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) c.v[k] = convert<C>(p.v[k]);
+  *reinterpret_cast<Vec<C>*>(static_cast<C*>(copy) + i) = c;
+}
+template <typename T>
+__device__ __forceinline__ void store_copy(void* copy, int kind, int64_t i, const Vec<T>& p) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (kind == kBf16Copy) store_copy_vec<__nv_bfloat16>(copy, i, p);
+    if (kind == kHalfCopy) store_copy_vec<__half>(copy, i, p);
+  }
+}
+
 // ---- kernels ----------------------------------------------------------------------------------
 // v1: the simple reference: one launch per tensor, one element per thread, scalar loads.
 template <typename T, typename S>
-__global__ void adamw_kernel_v1(T* p, const T* g, S* m, S* v, int64_t n, double wd,
-                                const AdamWArgs a) {
+__global__ void adamw_kernel_v1(T* p, const T* g, S* m, S* v, int64_t n, double wd, void* copy,
+                                int copy_kind, const AdamWArgs a) {
   using M = math_t<T>;
   const AdamWCoef<M> c = adamw_coef<M>(a, wd);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -153,6 +180,7 @@ __global__ void adamw_kernel_v1(T* p, const T* g, S* m, S* v, int64_t n, double 
     p[i] = convert<T>(pi);
     m[i] = static_cast<S>(mi);
     v[i] = static_cast<S>(vi);
+    store_copy(copy, copy_kind, i, p[i]);
   }
 }
 
@@ -171,6 +199,8 @@ __global__ void __launch_bounds__(kThreads)
   const T* g = static_cast<const T*>(tab.g[t]);
   S* m = static_cast<S*>(tab.m[t]);
   S* v = static_cast<S*>(tab.v[t]);
+  void* copy = tab.copy[t];
+  const int copy_kind = tab.copy_kind[t];
   const int64_t start = static_cast<int64_t>(b - tab.block_start[t]) * kOptimChunk;
   const int64_t end = min(tab.numel[t], start + kOptimChunk);
   int64_t tail = start;
@@ -192,6 +222,7 @@ __global__ void __launch_bounds__(kThreads)
       *reinterpret_cast<Vec<T>*>(p + i) = pv;
       *reinterpret_cast<Vec<S>*>(m + i) = mv;
       *reinterpret_cast<Vec<S>*>(v + i) = vv;
+      store_copy(copy, copy_kind, i, pv);
     }
   }
   for (int64_t i = tail + threadIdx.x; i < end; i += kThreads) {
@@ -200,6 +231,7 @@ __global__ void __launch_bounds__(kThreads)
     p[i] = convert<T>(pi);
     m[i] = static_cast<S>(mi);
     v[i] = static_cast<S>(vi);
+    store_copy(copy, copy_kind, i, p[i]);
   }
 }
 
@@ -321,7 +353,7 @@ void AdamW::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>&) {
   using namespace cuda;
   const Device dev = in[0].device();
   cudaStream_t st = stream(dev, name());
-  size_t k = 4 * n;
+  size_t k = has_copies ? 5 * n : 4 * n;
   AdamWArgs a{};
   a.lr = lr;
   a.step = step;
@@ -340,15 +372,24 @@ void AdamW::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>&) {
     if (numel[i] > 0) idx.push_back(i);
   }
   if (idx.empty()) return;
+  // The kept 16-bit cast of param i (float32 params only), or null.
+  auto copy_of = [&](size_t i) -> std::pair<void*, uint8_t> {
+    if (!has_copies || in[0].dtype() != DType::Float32 || !in[4 * n + i].defined()) {
+      return {nullptr, kNoCopy};
+    }
+    const Tensor& c = in[4 * n + i];
+    return {c.data_ptr(name()), c.dtype() == DType::BFloat16 ? kBf16Copy : kHalfCopy};
+  };
   dispatch_cuda_float(in[0].dtype(), name(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     using S = std::conditional_t<std::is_same_v<T, double>, double, float>;
     if (optim_kernel_version() == 1) {
       for (size_t i : idx) {
         const int blocks = elementwise_blocks(numel[i], kThreads, dev.index);
+        const auto [copy, kind] = copy_of(i);
         adamw_kernel_v1<T, S><<<blocks, kThreads, 0, st>>>(
             in[i].data<T>(name()), in[n + i].data<T>(name()), in[2 * n + i].data<S>(name()),
-            in[3 * n + i].data<S>(name()), numel[i], weight_decays[i], a);
+            in[3 * n + i].data<S>(name()), numel[i], weight_decays[i], copy, kind, a);
         BT_CUDA_LAUNCH_CHECK(name());
       }
       return;
@@ -361,8 +402,12 @@ void AdamW::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>&) {
           tab.m[j] = in[2 * n + i].data_ptr(name());
           tab.v[j] = in[3 * n + i].data_ptr(name());
           tab.wd[j] = weight_decays[i];
+          const auto [copy, kind] = copy_of(i);
+          tab.copy[j] = copy;
+          tab.copy_kind[j] = kind;
           tab.vec[j] = aligned(tab.p[j], sizeof(T)) && aligned(tab.g[j], sizeof(T)) &&
-                       aligned(tab.m[j], sizeof(S)) && aligned(tab.v[j], sizeof(S));
+                       aligned(tab.m[j], sizeof(S)) && aligned(tab.v[j], sizeof(S)) &&
+                       (!copy || aligned(copy, 2));
         },
         [&](const AdamWTable& tab, int blocks, int64_t) {
           adamw_kernel_v2<T, S><<<blocks, kThreads, 0, st>>>(tab, a);

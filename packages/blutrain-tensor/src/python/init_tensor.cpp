@@ -1162,6 +1162,20 @@ NB_MODULE(_tensor, m) {
       "obj"_a, "Zero-copy import of an object with __dlpack__ (or the buffer protocol).");
 
   m.def("astype", &astype, "x"_a, "dtype"_a);
+  m.def("cached_astype", &cached_astype, "x"_a, "dtype"_a,
+        "x cast to dtype, kept with x's storage and reused while x is unchanged: the compute\n"
+        "copy of a master weight (bt.amp's policies use it for parameters).  Differentiable;\n"
+        "the gradient reaches x in x's dtype.  AdamW rewrites a float32 parameter's kept 16-bit\n"
+        "copy in its own kernel, so a training loop casts each weight once.  The result shares\n"
+        "the kept copy's memory: change x, not the result.  Plain astype when disabled\n"
+        "(set_cast_cache_enabled) or while capturing.");
+  m.def("drop_cast_cache", &drop_cast_cache, "x"_a,
+        "Frees the casts cached_astype keeps for x's storage.");
+  m.def("cast_cache_bytes", &cast_cache_bytes, "x"_a,
+        "Bytes of the casts cached_astype keeps for x's storage.");
+  m.def("set_cast_cache_enabled", &set_cast_cache_enabled, "enabled"_a,
+        "Process-wide switch of cached_astype (default on); off, it is astype.");
+  m.def("is_cast_cache_enabled", &cast_cache_enabled, "Whether cached_astype keeps casts.");
   m.def(
       "unary",
       [](const std::string& op, const Tensor& x) {

@@ -90,9 +90,15 @@ def _policy_dtypes(policy: Any) -> tuple[Any, Any]:
 
 
 def _cast(p: bt.Tensor | None, dtype: Any) -> bt.Tensor | None:
-    """p in the compute dtype (a differentiable cast: gradients reach the fp32 master)."""
+    """p in the compute dtype (a differentiable cast: gradients reach the fp32 master).
+
+    A parameter's cast is kept between steps (bt.cached_astype: AdamW rewrites it in its own
+    kernel), so mixed precision casts each weight once, not once per forward.
+    """
     if p is None or dtype is None or p.dtype == dtype:
         return p
+    if p.is_leaf and p.requires_grad and hasattr(bt, "cached_astype"):
+        return bt.cached_astype(p, dtype)
     return p.to(dtype)
 
 

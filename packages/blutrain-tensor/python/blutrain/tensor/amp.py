@@ -11,7 +11,9 @@ A module's policy applies to it and to its children unless a child sets its own
 
 - ``nn.Linear``: casts the input and weight/bias to ``compute`` (the casts are differentiable, so
   the gradients of float32 master weights come back float32); the output is ``compute`` dtype, or
-  ``output`` when given.
+  ``output`` when given. Parameters' casts are kept between steps (``bt.cached_astype``; AdamW
+  rewrites them in its kernel), and the weight-gradient GEMMs write float32 directly.
+  ``bt.set_cast_cache_enabled(False)`` casts every time instead.
 - ``nn.LayerNorm``: keeps 16-bit activations 16-bit in and out; its kernel computes in float32.
 - ``nn.Embedding``: gathers rows of the (float32) table, then casts them to ``compute``.
 - losses: call them on float32 logits (``Policy(output=bt.float32)`` on the head).
@@ -80,7 +82,11 @@ class Policy:
     matmul_precision: str | None = None
 
     def cast(self, t: Tensor | None) -> Tensor | None:
-        """t cast to the compute dtype (floating tensors only; differentiable)."""
+        """t cast to the compute dtype (floating tensors only; differentiable).
+
+        A parameter (a leaf that requires grad) gets ``bt.cached_astype``: its cast is kept
+        between steps and AdamW rewrites it with the update, so each weight is cast once.
+        """
         if (
             t is None
             or self.compute is None
@@ -88,6 +94,8 @@ class Policy:
             or t.dtype == self.compute
         ):
             return t
+        if t.is_leaf and t.requires_grad:
+            return _C.cached_astype(t, self.compute)
         return t.to(self.compute)
 
     def finish(self, t: Tensor) -> Tensor:

@@ -1,0 +1,279 @@
+"""Cached casts and float32 weight gradients (Note [cached casts], src/primitives.h).
+
+bt.cached_astype(p, dtype) keeps p's cast with p's storage and reuses it while p is unchanged;
+AdamW rewrites a float32 parameter's kept 16-bit copy in its own kernel.  A cast's node takes its
+gradient in its input's dtype, so a 16-bit linear layer's weight GEMM writes a float32 master's
+gradient in float32.  Checked on every backend:
+  - the kept copy is bitwise astype's, reused (same memory) while p is unchanged, and rebuilt in
+    place after an in-place change of p or of the copy;
+  - AdamW keeps it current (bitwise astype of the updated p, no new cast) on both CUDA kernels;
+  - gradients: the same bits through cached_astype as through astype, and a float32 dW equal to
+    a float64 reference of the bf16 GEMM to float32 accuracy (a bf16-rounded one fails that);
+  - hooks on the cast's output still see its own dtype; a step between forward and backward
+    raises (the copy saved for backward changed); caching off gives the same bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tensor_testutil import needs_linalg
+
+import blutrain.tensor as bt
+from blutrain.tensor import _tensor as C
+
+NO_CUDA = pytest.mark.skipif(bt.cuda_device_count() == 0, reason="no CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, NO_CUDA])]
+
+
+@pytest.fixture(autouse=True)
+def _linalg_and_switch():
+    needs_linalg()
+    was = bt.is_cast_cache_enabled()
+    bt.set_cast_cache_enabled(True)
+    yield
+    bt.set_cast_cache_enabled(was)
+
+
+def _bits(t: bt.Tensor) -> np.ndarray:
+    a = t.detach().cpu()
+    if a.dtype in (bt.bfloat16, bt.float16):
+        a = a.float()
+    return np.ascontiguousarray(a.numpy()).view(np.uint8)
+
+
+def _same_bits(a: bt.Tensor, b: bt.Tensor) -> bool:
+    return a.shape == b.shape and np.array_equal(_bits(a), _bits(b))
+
+
+def _param(rng, shape, device, scale=1.0):
+    return bt.tensor(
+        rng.standard_normal(shape) * scale, dtype=bt.float32, device=device, requires_grad=True
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [bt.bfloat16, bt.float16])
+def test_kept_copy_is_astype_and_reused(device, dtype):
+    rng = np.random.default_rng(1)
+    p = _param(rng, (37, 29), device)
+    a = bt.cached_astype(p, dtype)
+    assert a.dtype == dtype and a.shape == p.shape
+    assert _same_bits(a, p.detach().to(dtype))
+    assert bt.cast_cache_bytes(p) == 37 * 29 * 2
+    b = bt.cached_astype(p, dtype)
+    assert b.data_ptr() == a.data_ptr(), "an unchanged parameter must reuse its copy"
+    same = bt.cached_astype(p, bt.float32)  # same dtype: p itself
+    assert same.data_ptr() == p.data_ptr() and same.is_leaf
+    # an in-place change of p makes the copy stale: the next call casts again, into its memory
+    with bt.no_grad():
+        p.mul_(-3.0)
+    c = bt.cached_astype(p, dtype)
+    assert c.data_ptr() == a.data_ptr()
+    assert _same_bits(c, p.detach().to(dtype))
+    # so does a change of the copy itself (through the returned view)
+    with bt.no_grad():
+        c.add_(1.0)
+    assert _same_bits(bt.cached_astype(p, dtype), p.detach().to(dtype))
+    bt.drop_cast_cache(p)
+    assert bt.cast_cache_bytes(p) == 0
+    assert _same_bits(bt.cached_astype(p, dtype), p.detach().to(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_geometries_and_dtypes_have_their_own_entries(device):
+    rng = np.random.default_rng(2)
+    p = _param(rng, (8, 6), device)
+    whole = bt.cached_astype(p, bt.bfloat16)
+    row = bt.cached_astype(p[3], bt.bfloat16)
+    half = bt.cached_astype(p, bt.float16)
+    assert _same_bits(row, p.detach()[3].to(bt.bfloat16))
+    assert _same_bits(half, p.detach().to(bt.float16))
+    assert _same_bits(whole, p.detach().to(bt.bfloat16))
+    assert bt.cast_cache_bytes(p) == (48 + 6 + 48) * 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_not_cached_where_it_does_not_apply(device):
+    rng = np.random.default_rng(3)
+    i = bt.tensor(rng.integers(0, 9, (5,)), dtype=bt.int64, device=device)
+    assert bt.cached_astype(i, bt.float32).dtype == bt.float32
+    assert bt.cast_cache_bytes(i) == 0
+    p = _param(rng, (4, 4), device)
+    bt.set_cast_cache_enabled(False)
+    assert _same_bits(bt.cached_astype(p, bt.bfloat16), p.detach().to(bt.bfloat16))
+    assert bt.cast_cache_bytes(p) == 0
+
+
+def _linear_grads(device, cast, seed=4, hook=None):
+    """A bf16 linear layer on float32 masters W (N, K), b (N); returns (W, b, x16, g16)."""
+    rng = np.random.default_rng(seed)
+    M, K, N = 67, 96, 40
+    W = _param(rng, (N, K), device, 0.1)
+    b = _param(rng, (N,), device, 0.1)
+    x16 = bt.tensor(rng.standard_normal((M, K)), dtype=bt.bfloat16, device=device)
+    g16 = bt.tensor(rng.standard_normal((M, N)), dtype=bt.bfloat16, device=device)
+    w16 = cast(W)
+    if hook is not None:
+        hook(w16)
+    y = bt.linear(x16, w16, cast(b))
+    (y.float() * g16.float()).sum().backward()  # y's cotangent is g16, exactly
+    return W, b, x16, g16, w16
+
+
+CASTS = {
+    "cached": lambda t: bt.cached_astype(t, bt.bfloat16),
+    "astype": lambda t: t.to(bt.bfloat16),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cast", list(CASTS))
+def test_weight_gradient_is_written_in_float32(device, cast):
+    W, b, x16, g16, _ = _linear_grads(device, CASTS[cast])
+    assert W.grad.dtype == bt.float32 and b.grad.dtype == bt.float32
+    g = g16.float().cpu().numpy().astype(np.float64)
+    x = x16.float().cpu().numpy().astype(np.float64)
+    dw_ref, db_ref = g.T @ x, g.sum(0)
+    # float32 accumulation of exact bf16 products: ~1e-6 relative; a bf16-rounded result is off
+    # by up to 2^-9 of each value, far outside this tolerance.
+    scale = np.abs(g).T @ np.abs(x)
+    err = np.abs(W.grad.cpu().numpy() - dw_ref) / scale
+    assert err.max() < 2e-5, f"dW relative error {err.max():.2e}: not a float32 result"
+    db_err = np.abs(b.grad.cpu().numpy() - db_ref) / np.abs(g).sum(0)
+    assert db_err.max() < 2e-5, f"db relative error {db_err.max():.2e}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cached_and_astype_give_the_same_bits(device):
+    Wa, ba, _, _, _ = _linear_grads(device, CASTS["cached"])
+    Wb, bb, _, _, _ = _linear_grads(device, CASTS["astype"])
+    assert _same_bits(Wa.grad, Wb.grad) and _same_bits(ba.grad, bb.grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hooks_on_the_cast_see_its_dtype(device):
+    seen = []
+
+    def hook(w16):
+        w16.register_hook(lambda g: seen.append(g.dtype))
+        w16.retain_grad()
+
+    W, _, x16, g16, w16 = _linear_grads(device, CASTS["cached"], hook=hook)
+    assert seen == [bt.bfloat16]
+    assert w16.grad.dtype == bt.bfloat16
+    # the master still gets the (rounded) gradient, in float32
+    assert W.grad.dtype == bt.float32
+    assert _same_bits(W.grad, w16.grad.float())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_shared_weight_gradients_add_up(device):
+    """One cast used twice (a tied embedding): both gradients reach the master."""
+    rng = np.random.default_rng(5)
+    W = _param(rng, (12, 8), device)
+    x16 = bt.tensor(rng.standard_normal((6, 8)), dtype=bt.bfloat16, device=device)
+    idx = bt.tensor(np.array([1, 3, 3, 7]), dtype=bt.int64, device=device)
+    w16 = bt.cached_astype(W, bt.bfloat16)
+    loss = bt.linear(x16, w16).float().sum() + bt.embedding(idx, w16).float().sum()
+    loss.backward()
+    x = x16.float().cpu().numpy().astype(np.float64)
+    want = np.tile(x.sum(0), (12, 1))
+    for i in [1, 3, 3, 7]:
+        want[i] += 1.0
+    np.testing.assert_allclose(W.grad.cpu().numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def _adamw(ps, gs, states, step):
+    ms, vs = states
+    C._adamw_(ps, gs, ms, vs, 1e-2, 0.9, 0.95, 1e-8, [0.1, 0.0, 0.1], step)
+
+
+@pytest.mark.parametrize(
+    "device,kernel",
+    [
+        ("cpu", 2),
+        pytest.param("cuda", 2, marks=[pytest.mark.gpu, NO_CUDA]),
+        pytest.param("cuda", 1, marks=[pytest.mark.gpu, NO_CUDA]),
+    ],
+)
+def test_adamw_keeps_the_copies_current(device, kernel):
+    rng = np.random.default_rng(6)
+    shapes = [(33, 17), (5000,), (3,)]  # odd sizes: vector and scalar tails
+    ps = [_param(rng, s, device) for s in shapes]
+    ref = [bt.tensor(p.detach().cpu().numpy(), device=device) for p in ps]
+    dts = [bt.bfloat16, bt.float16, None]  # the last param has no copy
+    copies = [bt.cached_astype(p, d) if d else None for p, d in zip(ps, dts, strict=True)]
+    zeros = [[bt.zeros(s, device=device) for s in shapes] for _ in range(4)]
+    prev = C._optim_kernel_version() if device == "cuda" else None
+    if device == "cuda":
+        C._set_optim_kernel_version(kernel)
+    try:
+        for step in (1, 2, 3):
+            gs = [
+                bt.tensor(rng.standard_normal(s), dtype=bt.float32, device=device) for s in shapes
+            ]
+            _adamw(ps, gs, zeros[:2], step)
+            _adamw(ref, gs, zeros[2:], step)
+    finally:
+        if prev is not None:
+            C._set_optim_kernel_version(prev)
+    for p, r, d, c in zip(ps, ref, dts, copies, strict=True):
+        assert _same_bits(p, r), "a kept copy must not change the update"
+        if d is None:
+            continue
+        again = bt.cached_astype(p, d)
+        assert again.data_ptr() == c.data_ptr()
+        assert _same_bits(again, p.detach().to(d)), "AdamW left the copy stale or misrounded"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_between_forward_and_backward_raises(device):
+    rng = np.random.default_rng(7)
+    W = _param(rng, (8, 4), device)
+    x16 = bt.tensor(rng.standard_normal((3, 4)), dtype=bt.bfloat16, device=device)
+    loss = bt.linear(x16, bt.cached_astype(W, bt.bfloat16)).float().sum()
+    with bt.no_grad():  # the step rewrites the copy the linear saved for dx
+        C._adamw_(
+            [W],
+            [bt.ones(W.shape, device=device)],
+            [bt.zeros(W.shape, device=device)],
+            [bt.zeros(W.shape, device=device)],
+            1e-2,
+            0.9,
+            0.95,
+            1e-8,
+            0.0,
+            1,
+        )
+    with pytest.raises(RuntimeError, match="modified by an in-place"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_caching_off_trains_to_the_same_bits(device):
+    """Two bf16 linear layers on float32 masters, three AdamW steps, cache on and off."""
+
+    def run(enabled):
+        bt.set_cast_cache_enabled(enabled)
+        rng = np.random.default_rng(8)
+        ps = [
+            _param(rng, (24, 16), device, 0.2),
+            _param(rng, (24,), device, 0.2),
+            _param(rng, (8, 24), device, 0.2),
+        ]
+        states = [[bt.zeros(p.shape, device=device) for p in ps] for _ in range(2)]
+        for step in (1, 2, 3):
+            x = bt.tensor(rng.standard_normal((10, 16)), dtype=bt.bfloat16, device=device)
+            w1, b1, w2 = (bt.cached_astype(p, bt.bfloat16) for p in ps)
+            h = bt.gelu(bt.linear(x, w1, b1), "tanh")
+            loss = (bt.linear(h, w2).float() ** 2).mean()
+            for p in ps:
+                p.grad = None
+            loss.backward()
+            C._adamw_(ps, [p.grad for p in ps], *states, 1e-2, 0.9, 0.95, 1e-8, 0.0, step)
+        return ps
+
+    on, off = run(True), run(False)
+    for a, b in zip(on, off, strict=True):
+        assert _same_bits(a, b)
