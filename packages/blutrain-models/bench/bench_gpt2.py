@@ -58,9 +58,10 @@ def profile_kernels(step, n: int, trace_path: str | None) -> list:
         events = json.load(f).get("traceEvents", [])
     agg: dict = {}
     by_grid = os.environ.get("BT_PROFILE_GRID") == "1"  # split each kernel's rows by grid size
+    chars = int(os.environ.get("BT_PROFILE_NAME_CHARS", "90"))  # template arguments: longer
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
-            name = e["name"][:90]
+            name = e["name"][:chars]
             if by_grid:
                 name = f"{name[:70]} grid={e.get('args', {}).get('grid')}"
             t, c = agg.get(name, (0.0, 0))

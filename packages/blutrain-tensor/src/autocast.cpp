@@ -8,7 +8,9 @@
 #include <tuple>
 
 #include "autograd.h"
+#include "capture.h"
 #include "ops.h"
+#include "optim.h"
 
 namespace bt {
 
@@ -346,15 +348,29 @@ std::vector<Tensor> LinearCrossEntropy::vjp(const VjpArgs& a) {
   // The forward saved the gradients of the summed loss: scale them by its cotangent.
   const Tensor& g = a.cotangents[0];
   std::vector<Tensor> r(a.in_meta.size());  // (no inputs are saved)
-  size_t k = 1;
-  if (need_dx) {
-    const Tensor& dx = a.outputs[k++];
-    if (a.needs[0]) r[0] = mul(dx, astype(g, dx.dtype()));
+  const size_t idx = 1, idw = need_dx ? 2 : 1;
+  const bool want_dx = need_dx && a.needs[0], want_dw = need_dw && a.needs[1];
+  // On the node's last run nothing else can read them (Note [donating a saved input]): scale
+  // them in place with the multi-tensor kernel, the same bits as the multiplications below.
+  // (donatable() is asked before any copy of the saved handles exists.)
+  bool in_place = a.last_run && !active_graph() && g.dtype() == DType::Float32;
+  if (want_dx) in_place = in_place && donatable(a.outputs[idx]) && a.outputs[idx].is_contiguous();
+  if (want_dw) in_place = in_place && donatable(a.outputs[idw]) && a.outputs[idw].is_contiguous();
+  if (in_place && (want_dx || want_dw)) {
+    if (want_dx) r[0] = a.outputs[idx];
+    if (want_dw) r[1] = a.outputs[idw];
+    std::vector<Tensor> wanted;
+    for (const Tensor& t : {r[0], r[1]}) {
+      if (t.defined()) wanted.push_back(t);
+    }
+    scale_(wanted, g);
+  } else {
+    if (want_dx) r[0] = mul(a.outputs[idx], astype(g, a.outputs[idx].dtype()));
+    if (want_dw) r[1] = mul(a.outputs[idw], astype(g, a.outputs[idw].dtype()));
   }
-  if (need_dw && a.needs[1]) {
-    const Tensor& dw = a.outputs[k];
-    r[1] = astype(mul(dw, astype(g, dw.dtype())), a.in_meta[1].dtype);
-  }
+  // dW is float32 for 16-bit weights: kept so where the weight is a cast of a float32 master
+  // (Note [cached casts]), else rounded to the weight's dtype.
+  if (r[1].defined()) r[1] = astype(r[1], weight_grad_dtype(a, 1, a.in_meta[1].dtype));
   return r;
 }
 

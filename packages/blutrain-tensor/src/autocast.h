@@ -41,6 +41,8 @@ class LinearGelu : public Primitive {
   explicit LinearGelu(bool bias) : has_bias(bias) {}
   bool saves_input(size_t i, const std::vector<bool>& needs) const override { return i < 2; }
   bool saves_outputs() const override { return true; }  // pre (y is the next layer's input)
+  // pre is never returned by the front: no zero-filled cotangent for it in backward
+  bool takes_no_cotangent(size_t i) const override { return i == 1; }
   void attrs(Attrs& a) const override { a["bias"] = has_bias; }
   bool has_bias;
 };
@@ -84,6 +86,9 @@ class LinearGeluLinear : public Primitive {
   bool saves_input(size_t i, const std::vector<bool>& needs) const override { return i < 3; }
   bool saves_outputs() const override { return true; }  // h and pre (pre only with recompute)
   bool saves_output(size_t i) const override { return i > 0; }  // never y
+  // h and pre are never returned by the front: no zero-filled cotangents for them in backward
+  // (at GPT-2's bf16 shape two 100 MB fills a layer)
+  bool takes_no_cotangent(size_t i) const override { return i > 0; }
   void attrs(Attrs& a) const override {
     a["bias1"] = has_b1;
     a["bias2"] = has_b2;
@@ -102,7 +107,8 @@ class LinearGeluLinear : public Primitive {
 // dW += dlogits^T x with beta = 1 into a float32 accumulator for 16-bit weights (one rounding at
 // the end, as the unchunked GEMM's).  So the forward already holds the gradients of the SUMMED
 // loss; the vjp only scales them by the incoming gradient (the front's mean divides by the
-// valid-target count with ordinary ops, so that scale reaches the vjp through autograd).
+// valid-target count with ordinary ops, so that scale reaches the vjp through autograd), in place
+// with the multi-tensor scale kernel on the node's last run (Note [donating a saved input]).
 // Costs: the same GEMM flops as linear + cross_entropy, plus one (N, K) and one (V, K) scaling in
 // backward; the backward's work moves into the forward (dx and dW are computed even if no
 // backward follows, unless grad mode is off or neither x nor W requires grad).
@@ -153,6 +159,13 @@ namespace cuda {
 // gets the column sums of du (deterministic). pre (M, N) contiguous, d's dtype. src/cuda/mlp.cu.
 void gelu_tanh_backward_inplace(const Tensor& d, const Tensor& pre, const Tensor& db,
                                 const char* op);
+// db (N) = column sums of g (M, N) (deterministic: fixed chunks of rows, then the chunks in
+// order), db of g's dtype or float32 (src/cuda/mlp.cu).  column_sums_apply: whether it runs g
+// (contiguous, 16-byte aligned rows, not float64, M > 0).  LinearWeightGrad uses it for the bias
+// gradient unless BLUTRAIN_BGRAD=cublaslt (read once): then cuBLASLt's BGRAD epilogue.
+bool column_sums_apply(const Tensor& g);
+void column_sums(const Tensor& g, const Tensor& db, const char* op);
+bool bias_grad_by_kernel();
 // The chunked classifier's cross-entropy on one chunk: logits (N, Cx) contiguous (the first
 // num_classes columns are classes), target (N) int64.  Writes lse (N) and row_loss (N) (float32;
 // 0 for ignored rows) and, over the logits, the gradient of the summed loss, in one kernel that

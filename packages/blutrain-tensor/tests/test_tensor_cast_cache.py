@@ -277,3 +277,32 @@ def test_caching_off_trains_to_the_same_bits(device):
     on, off = run(True), run(False)
     for a, b in zip(on, off, strict=True):
         assert _same_bits(a, b)
+
+
+@pytest.mark.gpu
+@NO_CUDA
+@pytest.mark.parametrize("impl", ["kernel", "cublaslt"])
+@pytest.mark.parametrize("master", [bt.float32, bt.bfloat16, None])
+@pytest.mark.parametrize("M,N", [(1, 64), (67, 36), (300, 768), (4099, 2304)])
+def test_bias_gradient_kernels(monkeypatch, impl, master, M, N):
+    """A linear layer's db on CUDA: our column-sum kernel (the default where rows are whole 16-byte
+    vectors) and cuBLASLt's BGRAD epilogue, against float64 sums of the same g; float32 db for a
+    float32 master of a bf16 layer, else the layer's dtype."""
+    monkeypatch.setenv("BLUTRAIN_BGRAD", impl)
+    rng = np.random.default_rng(M * N)
+    K = 32
+    dt = bt.float32 if master is None else bt.bfloat16
+    Wd = master or bt.float32
+    W = bt.tensor(rng.standard_normal((N, K)) * 0.1, dtype=Wd, device="cuda", requires_grad=True)
+    b = bt.tensor(rng.standard_normal((N,)) * 0.1, dtype=Wd, device="cuda", requires_grad=True)
+    x = bt.tensor(rng.standard_normal((M, K)), dtype=dt, device="cuda")
+    g = bt.tensor(rng.standard_normal((M, N)), dtype=dt, device="cuda")
+    y = bt.linear(x, bt.cached_astype(W, dt), bt.cached_astype(b, dt))
+    y.backward(g)
+    want = g.cpu().float().numpy().astype(np.float64).sum(0)
+    scale = np.abs(g.cpu().float().numpy().astype(np.float64)).sum(0)
+    got = b.grad.cpu().float().numpy()
+    assert b.grad.dtype == Wd
+    # float32 sums: ~1e-6 relative; a bf16 result (bf16 master): 2^-8
+    tol = 4e-3 if Wd == bt.bfloat16 else 2e-5
+    assert (np.abs(got - want) / scale).max() < tol

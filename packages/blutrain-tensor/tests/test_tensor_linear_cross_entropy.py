@@ -168,6 +168,45 @@ def test_retain_graph_backward_twice(rng):
     np.testing.assert_allclose(f64(w.grad), 2 * g1[1], rtol=1e-14)
 
 
+_DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(bt.cuda_device_count() == 0, reason="no CUDA device"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_last_backward_scales_in_place_to_the_same_bits(rng, device):
+    """The last backward scales the saved gradients in place (one multi-tensor kernel); a
+    retained graph multiplies instead: the same bits.  With a float32 master behind a bf16 cast,
+    dW reaches it in float32 unrounded (Note [cached casts]): its bf16 rounding is the bf16
+    weight's gradient."""
+    N, K, V = 37, 16, 29
+    xd, wd = rng.standard_normal((N, K)), rng.standard_normal((V, K)) * 0.3
+    t = bt.tensor(_targets(rng, N, V), device=device)
+    dw = {}
+    for master in (bt.bfloat16, bt.float32):
+        grads = []
+        for retain in (False, True):
+            x = bt.tensor(xd, dtype=bt.bfloat16, device=device, requires_grad=True)
+            w = bt.tensor(wd, dtype=master, device=device, requires_grad=True)
+            loss = bt.linear_cross_entropy(x, w.to(bt.bfloat16), t, chunk_size=16)
+            (loss * 3.0).backward(retain_graph=retain)
+            assert w.grad.dtype == master
+            grads.append((f64(x.grad), f64(w.grad)))
+        for a, b in zip(grads[0], grads[1], strict=True):
+            assert np.array_equal(a, b)
+        dw[master] = w.grad
+    rounded = f64(dw[bt.float32].to(bt.bfloat16))
+    assert np.array_equal(rounded, f64(dw[bt.bfloat16]))
+    assert not np.array_equal(rounded, f64(dw[bt.float32])), "dW was rounded to bf16"
+
+
 def test_all_ignored_and_empty(rng):
     x, w = _leaves(rng, 4, 3, 5, bt.float64)
     t = bt.tensor(np.full(4, -100))

@@ -205,11 +205,20 @@ static void run_linear_gelu_linear(LinearGeluLinear& p, const std::vector<Tensor
   call_gemm(p, d2);
 }
 
-// LinearWeightGrad: dW = g^T x (N, K); db = row sums of g^T (BGRAD_A) into out[1].
+// LinearWeightGrad: dW = g^T x (N, K); db = row sums of g^T into out[1]: on CUDA our column-sum
+// kernel after a plain GEMM where it applies (cuBLASLt runs BGRAD as a separate, slower kernel;
+// see src/cuda/mlp.cu), else the GEMM's BGRAD_A epilogue.
 static void run_linear_weight_grad(LinearWeightGrad& p, const std::vector<Tensor>& in,
-                                   std::vector<Tensor>& out, void* stream) {
+                                   std::vector<Tensor>& out, void* stream, bool gpu) {
   bt_linalg_gemm_desc d = make_desc(p, in[0], true, in[1], false, out[0], stream);
   if (p.has_bias) {
+#ifdef BT_WITH_CUDA
+    if (gpu && cuda::bias_grad_by_kernel() && cuda::column_sums_apply(in[0])) {
+      call_gemm(p, d);
+      cuda::column_sums(in[0], out[1], p.name());
+      return;
+    }
+#endif
     d.epilogue = BT_LINALG_EPI_BGRAD_A;
     d.bgrad = vec(out[1], p);
   }
@@ -300,7 +309,7 @@ void LinearGelu::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& ou
   run_linear_gelu(*this, in, out, nullptr, false);
 }
 void LinearWeightGrad::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  run_linear_weight_grad(*this, in, out, nullptr);
+  run_linear_weight_grad(*this, in, out, nullptr, false);
 }
 void LinearDgelu::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   run_linear_dgelu(*this, in, out, nullptr, false);
@@ -322,7 +331,7 @@ void LinearGelu::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& ou
   run_linear_gelu(*this, in, out, backend::current_stream(out[0].device()), true);
 }
 void LinearWeightGrad::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  run_linear_weight_grad(*this, in, out, backend::current_stream(out[0].device()));
+  run_linear_weight_grad(*this, in, out, backend::current_stream(out[0].device()), true);
 }
 void LinearDgelu::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   run_linear_dgelu(*this, in, out, backend::current_stream(out[0].device()), true);

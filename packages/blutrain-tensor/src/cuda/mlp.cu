@@ -13,8 +13,13 @@
 //     chunks in a fixed order. The chunking depends only on (M, N), so db is bitwise
 //     deterministic (no atomics).
 // Math in float for 16-bit and float32 (double for float64), as the CPU's gelu_tanh_backward.
+// column_sums runs v2's column-sum pass alone: a linear layer's bias gradient on CUDA (in place
+// of cuBLASLt's BGRAD epilogue, which runs as a separate kernel that re-reads the gradient at
+// about half of this one's speed; BLUTRAIN_BGRAD=cublaslt keeps it).
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <string>
 
 #include "../autocast.h"
 #include "../backend.h"
@@ -71,11 +76,13 @@ struct alignas(16) Pack {
 
 // v2: block (kColThreads, kRowThreads) over columns [blockIdx.x * 32 * V, +32 V) and rows
 // [blockIdx.y * chunk, +chunk); V = 16 bytes of T. With BGRAD, writes partial[blockIdx.y, :] =
-// column sums of the rounded du over the chunk (threads' rows summed in a fixed order).
-template <typename T, bool BGRAD>
+// column sums of the rounded du over the chunk (threads' rows summed in a fixed order).  Without
+// GELU (a linear layer's bias gradient): only the column sums of d, which is left as it is.
+template <typename T, bool BGRAD, bool GELU = true>
 __global__ void __launch_bounds__(kColThreads* kRowThreads)
     dgelu_v2(int64_t M, int64_t N, int64_t chunk, T* __restrict__ d, const T* __restrict__ pre,
              math_t<T>* __restrict__ partial) {
+  static_assert(BGRAD || GELU, "nothing to do");
   using C = math_t<T>;
   constexpr int V = 16 / sizeof(T);
   using P = Pack<V, T>;
@@ -91,14 +98,19 @@ __global__ void __launch_bounds__(kColThreads* kRowThreads)
     for (int64_t r = r0 + threadIdx.y; r < r1; r += kRowThreads) {
       P* dp = reinterpret_cast<P*>(d + r * N + col);
       const P g = *dp;
-      const P x = *reinterpret_cast<const P*>(pre + r * N + col);
-      P o;
+      if constexpr (GELU) {
+        const P x = *reinterpret_cast<const P*>(pre + r * N + col);
+        P o;
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        o.v[k] = convert<T>(convert<C>(g.v[k]) * gelu_tanh_grad(convert<C>(x.v[k])));
-        if constexpr (BGRAD) acc[k] += convert<C>(o.v[k]);
+        for (int k = 0; k < V; ++k) {
+          o.v[k] = convert<T>(convert<C>(g.v[k]) * gelu_tanh_grad(convert<C>(x.v[k])));
+          if constexpr (BGRAD) acc[k] += convert<C>(o.v[k]);
+        }
+        *dp = o;
+      } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) acc[k] += convert<C>(g.v[k]);
       }
-      *dp = o;
     }
   }
   if constexpr (BGRAD) {
@@ -121,10 +133,10 @@ __global__ void __launch_bounds__(kColThreads* kRowThreads)
 
 // db[j] = sum over chunks of partial[c, j]: block (32 columns, 8 lanes); lane l sums chunks l,
 // l + 8, ... in order, then the 8 lanes are added in order (a fixed tree: deterministic).
-template <typename T>
+template <typename T, typename B = T>
 __global__ void __launch_bounds__(kColThreads* kRowThreads)
     column_sum_partials(int64_t chunks, int64_t N, const math_t<T>* __restrict__ partial,
-                        T* __restrict__ db) {
+                        B* __restrict__ db) {
   using C = math_t<T>;
   __shared__ C red[kRowThreads][kColThreads];
   const int64_t j = static_cast<int64_t>(blockIdx.x) * kColThreads + threadIdx.x;
@@ -138,7 +150,7 @@ __global__ void __launch_bounds__(kColThreads* kRowThreads)
     C t = C(0);
 #pragma unroll
     for (int y = 0; y < kRowThreads; ++y) t += red[y][threadIdx.x];
-    db[j] = convert<T>(t);
+    db[j] = convert<B>(t);
   }
 }
 
@@ -146,7 +158,60 @@ __global__ void __launch_bounds__(kColThreads* kRowThreads)
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// The v2 grid: chunks of rows that depend only on (M, N) (the same db bits on every run).
+int64_t v2_chunk_rows(int64_t M) {
+  int64_t chunk = kChunkRows;
+  if (ceil_div(M, chunk) > 65535) chunk = ceil_div(ceil_div(M, 65535), kRowThreads) * kRowThreads;
+  return chunk;
+}
+
 }  // namespace
+
+bool bias_grad_by_kernel() {
+  const char* e = std::getenv("BLUTRAIN_BGRAD");  // read per call: tests switch it
+  return !(e && std::string(e) == "cublaslt");
+}
+
+bool column_sums_apply(const Tensor& g) {
+  if (g.ndim() != 2 || !g.is_contiguous() || g.dtype() == DType::Float64 ||
+      !is_floating(g.dtype()) || g.shape()[0] == 0) {
+    return false;
+  }
+  const int64_t V = 16 / static_cast<int64_t>(itemsize(g.dtype()));
+  return g.shape()[1] % V == 0 && aligned16(g.data_ptr("column_sums"));
+}
+
+void column_sums(const Tensor& g, const Tensor& db, const char* op) {
+  const int64_t M = g.shape()[0], N = g.shape()[1];
+  if (!column_sums_apply(g) || db.shape() != Shape{N} || !db.is_contiguous() ||
+      (db.dtype() != g.dtype() && db.dtype() != DType::Float32)) {
+    throw RuntimeError(std::string("[") + op + "] internal: column_sums got " +
+                       shape_str(g.shape()) + " and " + shape_str(db.shape()));
+  }
+  if (N == 0) return;
+  cudaStream_t st = stream(g.device(), op);
+  dispatch_cuda_float(g.dtype(), op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using C = math_t<T>;
+    constexpr int V = 16 / sizeof(T);
+    const int64_t chunk = v2_chunk_rows(M), chunks = ceil_div(M, chunk);
+    const dim3 grid(static_cast<unsigned>(ceil_div(N / V, kColThreads)),
+                    static_cast<unsigned>(chunks));
+    const dim3 block(kColThreads, kRowThreads);
+    Tensor partial = empty_tensor({chunks, N}, DType::Float32, g.device(), op);
+    C* pa = static_cast<C*>(partial.data_ptr(op));
+    dgelu_v2<T, true, false>
+        <<<grid, block, 0, st>>>(M, N, chunk, static_cast<T*>(g.data_ptr(op)), nullptr, pa);
+    BT_CUDA_LAUNCH_CHECK(op);
+    const unsigned cols = static_cast<unsigned>(ceil_div(N, kColThreads));
+    if (db.dtype() == g.dtype()) {
+      column_sum_partials<T><<<cols, block, 0, st>>>(chunks, N, pa, db.data<T>(op));
+    } else {
+      column_sum_partials<T, float><<<cols, block, 0, st>>>(chunks, N, pa, db.data<float>(op));
+    }
+    BT_CUDA_LAUNCH_CHECK(op);
+  });
+}
 
 void gelu_tanh_backward_inplace(const Tensor& d, const Tensor& pre, const Tensor& db,
                                 const char* op) {
@@ -185,8 +250,7 @@ void gelu_tanh_backward_inplace(const Tensor& d, const Tensor& pre, const Tensor
       return;
     }
     // Chunks depend only on (M, N): the same grid, hence the same db bits, on every run.
-    int64_t chunk = kChunkRows;
-    if (ceil_div(M, chunk) > 65535) chunk = ceil_div(ceil_div(M, 65535), kRowThreads) * kRowThreads;
+    const int64_t chunk = v2_chunk_rows(M);
     const int64_t chunks = ceil_div(M, chunk);
     const dim3 grid(static_cast<unsigned>(ceil_div(N / V, kColThreads)),
                     static_cast<unsigned>(chunks));
