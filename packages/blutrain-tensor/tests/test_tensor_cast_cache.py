@@ -10,7 +10,9 @@ gradient in float32.  Checked on every backend:
   - gradients: the same bits through cached_astype as through astype, and a float32 dW equal to
     a float64 reference of the bf16 GEMM to float32 accuracy (a bf16-rounded one fails that);
   - hooks on the cast's output still see its own dtype; a step between forward and backward
-    raises (the copy saved for backward changed); caching off gives the same bits.
+    raises (the copy saved for backward changed); caching off gives the same bits;
+  - CUDA: a linear layer's bias gradient by our column-sum kernel and by cuBLASLt's BGRAD
+    epilogue (BLUTRAIN_BGRAD=cublaslt), against float64 sums.
 """
 
 from __future__ import annotations
