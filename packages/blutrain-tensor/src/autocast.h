@@ -48,7 +48,8 @@ class LinearGelu : public Primitive {
 };
 
 // Backward of a linear layer's weight: dW = g^T x (N, K) and, with bias, db = column sums of g
-// (N) in the same GEMM (linalg's BGRAD_A epilogue). Inputs g (M, N), x (M, K).
+// (N): linalg's BGRAD_A epilogue of the same GEMM, or on CUDA our column-sum kernel after it
+// (cuda::column_sums). Inputs g (M, N), x (M, K). dW / db may be float32 for 16-bit g and x.
 class LinearWeightGrad : public Primitive {
   BT_PRIM_BODY(LinearWeightGrad, "linear_weight_grad")
   explicit LinearWeightGrad(bool bias) : has_bias(bias) {}
@@ -182,8 +183,9 @@ bool cross_entropy_fwd_bwd_inplace(const Tensor& logits, const Tensor& target, c
 // [cached casts]), else dt.
 DType weight_grad_dtype(const VjpArgs& a, size_t i, DType dt);
 // A linear layer's weight gradient dW = g^T x (g (M, N), x (M, K) 2-D) in weight_grad_dtype(a,
-// iw, ...) and, with want_db, the bias's db = column sums of g from the same GEMM (BGRAD), in
-// the same dtype.  Returns {dW, db or undefined}.
+// iw, ...) and, with want_db, the bias's db = column sums of g in the same dtype (one
+// LinearWeightGrad: on CUDA our column-sum kernel, else the GEMM's BGRAD epilogue).  Returns
+// {dW, db or undefined}.
 std::pair<Tensor, Tensor> linear_weight_grads(const VjpArgs& a, const Tensor& g, const Tensor& x,
                                               const Shape& weight_shape, size_t iw, bool want_db);
 

@@ -587,8 +587,8 @@ std::vector<Tensor> Matmul::vjp(const VjpArgs& a) {
   }
   const bool linear2d = trans_b && A.ndim() == 2 && B.ndim() == 2 && g.ndim() == 2;
   if (linear2d && a.needs[1] && weight_grad_dtype(a, 1, g.dtype()) != g.dtype()) {
-    // A 16-bit linear layer whose weight is a cast of a float32 master: dW (and db, one BGRAD
-    // GEMM) written in float32 (Note [cached casts]).
+    // A 16-bit linear layer whose weight is a cast of a float32 master: dW and db written in
+    // float32 (Note [cached casts]) by LinearWeightGrad.
     const bool want_db = has_bias && a.needs[2];
     auto [dw, db] = linear_weight_grads(a, g, A, B.shape(), 1, want_db);
     r[1] = dw;
