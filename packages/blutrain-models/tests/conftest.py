@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -10,8 +12,9 @@ from blutrain.models import GPT2Config
 
 @pytest.fixture
 def rng(request: pytest.FixtureRequest) -> np.random.Generator:
-    # Fresh inputs every run, but printed so a failure can be replayed.
-    seed = np.random.SeedSequence().entropy % (2**32)
+    # Fresh inputs every run, printed so a failure can be replayed: BLUTRAIN_TEST_SEED=N pytest ...
+    fixed = os.environ.get("BLUTRAIN_TEST_SEED")
+    seed = int(fixed) if fixed else np.random.SeedSequence().entropy % (2**32)
     print(f"numpy seed {seed} for {request.node.name}")
     return np.random.default_rng(seed)
 

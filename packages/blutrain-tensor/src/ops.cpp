@@ -44,12 +44,27 @@ static void check_defined(const Tensor& t, const char* op) {
 }
 
 // ---- creation ------------------------------------------------------------------------------
+// Whether an integer dtype holds value (a cast of NaN or of an out-of-range double is undefined
+// behaviour in C++); floating and bool dtypes hold any value.
+static bool fits_integer_dtype(double v, DType dt) {
+  if (is_floating(dt) || dt == DType::Bool) return true;
+  if (!std::isfinite(v)) return false;
+  switch (dt) {
+    case DType::UInt8:
+      return v >= 0.0 && v <= 255.0;
+    case DType::Int32:
+      return v >= -2147483648.0 && v <= 2147483647.0;
+    default:  // Int64: 2^63 itself is out of range
+      return v >= -9223372036854775808.0 && v < 9223372036854775808.0;
+  }
+}
+
 Tensor full(const Shape& shape, double value, DType dtype, Device device, const char* op) {
   check_device(device, op);
-  for (auto d : shape) {
-    if (d < 0) {
-      throw ValueError(std::string("[") + op + "] negative dimension in shape " + shape_str(shape));
-    }
+  checked_numel(shape, op, itemsize(dtype));
+  if (!fits_integer_dtype(value, dtype)) {
+    throw ValueError(std::string("[") + op + "] value " + std::to_string(value) + " does not fit " +
+                     dtype_name(dtype));
   }
   return apply1(mk<Full>(value), {}, shape, dtype, device);
 }
@@ -116,11 +131,7 @@ void set_rng_state(uint64_t seed, uint64_t offset) {
 static Tensor random_op(RandKind k, const Shape& shape, DType dtype, Device device, double a,
                         double b, const char* op) {
   check_device(device, op);
-  for (auto d : shape) {
-    if (d < 0)
-      throw ValueError(std::string("[") + op + "] negative dimension in shape " + shape_str(shape));
-  }
-  const uint64_t n = static_cast<uint64_t>(shape_numel(shape));
+  const uint64_t n = static_cast<uint64_t>(checked_numel(shape, op, itemsize(dtype)));
   auto [seed, off] =
       next_philox(philox::counters_needed(n, k == RandKind::Uniform && dtype == DType::Float64));
   return apply1(mk<Random>(k, seed, off, a, b), {}, shape, dtype, device);
@@ -277,8 +288,9 @@ static Shape infer_shape(Shape shape, int64_t numel, const Shape& from, const ch
       infer = static_cast<int64_t>(i);
     } else if (shape[i] < 0) {
       throw ValueError(std::string("[") + op + "] invalid shape " + shape_str(shape));
-    } else {
-      prod *= shape[i];
+    } else if (__builtin_mul_overflow(prod, shape[i], &prod)) {
+      throw ValueError(std::string("[") + op + "] shape " + shape_str(shape) +
+                       " has more elements than int64 can count");
     }
   }
   if (infer >= 0) {
@@ -343,11 +355,11 @@ Tensor permute(const Tensor& x, std::vector<int64_t> perm) {
 }
 
 Tensor transpose(const Tensor& x, int64_t d0, int64_t d1) {
-  if (x.ndim() < 2 && d0 == d1) return x;
-  std::vector<int64_t> perm(x.ndim());
-  std::iota(perm.begin(), perm.end(), 0);
   d0 = wrap_dim(d0, x.ndim(), "transpose");
   d1 = wrap_dim(d1, x.ndim(), "transpose");
+  if (d0 == d1) return x;  // also a 0-d tensor's (0, -1)
+  std::vector<int64_t> perm(x.ndim());
+  std::iota(perm.begin(), perm.end(), 0);
   std::swap(perm[d0], perm[d1]);
   return permute(x, perm);
 }
@@ -372,6 +384,7 @@ Tensor expand(const Tensor& x, const Shape& shape_in) {
     }
   }
   if (shape == x.shape()) return x;
+  checked_numel(shape, "expand");
   return apply1(mk<Expand>(shape), {x}, shape, x.dtype(), x.device());
 }
 Tensor broadcast_to(const Tensor& x, const Shape& shape) { return expand(x, shape); }
@@ -392,7 +405,7 @@ Tensor slice(const Tensor& x, int64_t dim, std::optional<int64_t> start_o,
 }
 
 Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
-  dim = wrap_dim(dim, x.ndim(), "narrow");
+  dim = wrap_shape_dim(dim, x.ndim(), "narrow");
   const int64_t n = x.shape()[dim];
   if (start < 0) start += n;
   if (start < 0 || length < 0 || start + length > n) {
@@ -418,7 +431,7 @@ Tensor select(const Tensor& x, int64_t dim, int64_t index) {
 }
 
 std::vector<Tensor> split_sizes(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim) {
-  dim = wrap_dim(dim, x.ndim(), "split");
+  dim = wrap_shape_dim(dim, x.ndim(), "split");
   int64_t total = 0;
   for (auto s : sizes) {
     if (s < 0) throw ValueError("[split] sizes must be non-negative");
@@ -439,7 +452,7 @@ std::vector<Tensor> split_sizes(const Tensor& x, const std::vector<int64_t>& siz
 
 std::vector<Tensor> split(const Tensor& x, int64_t size, int64_t dim) {
   if (size <= 0) throw ValueError("[split] split_size must be positive");
-  dim = wrap_dim(dim, x.ndim(), "split");
+  dim = wrap_shape_dim(dim, x.ndim(), "split");
   std::vector<int64_t> sizes;
   for (int64_t at = 0; at < x.shape()[dim]; at += size) {
     sizes.push_back(std::min(size, x.shape()[dim] - at));
@@ -450,7 +463,7 @@ std::vector<Tensor> split(const Tensor& x, int64_t size, int64_t dim) {
 
 std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {
   if (chunks <= 0) throw ValueError("[chunk] chunks must be positive");
-  dim = wrap_dim(dim, x.ndim(), "chunk");
+  dim = wrap_shape_dim(dim, x.ndim(), "chunk");
   const int64_t n = x.shape()[dim];
   return split(x, std::max<int64_t>(1, (n + chunks - 1) / chunks), dim);
 }
@@ -791,6 +804,14 @@ static Tensor& inplace_view(Tensor& x, const Tensor& result, const char* op) {
 
 Tensor& inplace(Tensor& x, const Tensor& result, const char* op) {
   check_defined(x, op);
+  for (int64_t d = 0; d < x.ndim(); ++d) {  // an expand()ed view: one element per several places
+    if (x.strides()[d] == 0 && x.shape()[d] > 1) {
+      throw RuntimeError(std::string("[") + op + "] the tensor of shape " + shape_str(x.shape()) +
+                         " has elements that share memory (dim " + std::to_string(d) +
+                         " has stride 0, as after expand()); clone() it " +
+                         "before changing it in place");
+    }
+  }
   if (broadcast_shapes(x.shape(), result.shape(), op) != x.shape()) {
     throw ValueError(std::string("[") + op + "] the result of shape " + shape_str(result.shape()) +
                      " does not fit the tensor of shape " + shape_str(x.shape()) +
@@ -913,7 +934,7 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   check_same_device(x, index, "index_select");
   if (index.ndim() > 1)
     throw ValueError("[index_select] index must be 1-D, got shape " + shape_str(index.shape()));
-  dim = wrap_dim(dim, x.ndim(), "index_select");
+  dim = wrap_shape_dim(dim, x.ndim(), "index_select");
   Shape s = x.shape();
   s[dim] = index.numel();
   return apply1(mk<IndexSelect>(dim), {x, reshape(index, {-1})}, s, x.dtype(), x.device());
@@ -921,7 +942,7 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
 
 Tensor index_add(const Tensor& base, int64_t dim, const Tensor& index, const Tensor& src) {
   check_index_tensor(index, "index_add");
-  dim = wrap_dim(dim, base.ndim(), "index_add");
+  dim = wrap_shape_dim(dim, base.ndim(), "index_add");
   Shape s = base.shape();
   s[dim] = index.numel();
   if (src.shape() != s) {
@@ -935,7 +956,7 @@ Tensor index_add(const Tensor& base, int64_t dim, const Tensor& index, const Ten
 Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
   check_index_tensor(index, "gather");
   check_same_device(x, index, "gather");
-  dim = wrap_dim(dim, x.ndim(), "gather");
+  dim = wrap_shape_dim(dim, x.ndim(), "gather");
   if (index.ndim() != x.ndim()) {
     throw ValueError("[gather] index has " + std::to_string(index.ndim()) + " dims but input has " +
                      std::to_string(x.ndim()));
@@ -952,10 +973,22 @@ Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
 
 Tensor scatter_add(const Tensor& base, int64_t dim, const Tensor& index, const Tensor& src) {
   check_index_tensor(index, "scatter_add");
-  dim = wrap_dim(dim, base.ndim(), "scatter_add");
+  dim = wrap_shape_dim(dim, base.ndim(), "scatter_add");
   if (src.shape() != index.shape()) {
     throw ValueError("[scatter_add] src shape " + shape_str(src.shape()) +
                      " must equal index shape " + shape_str(index.shape()));
+  }
+  // index[i][j]... addresses base at the same position outside dim: it must fit there
+  if (index.ndim() != base.ndim()) {
+    throw ValueError("[scatter_add] index has " + std::to_string(index.ndim()) +
+                     " dims but the input has " + std::to_string(base.ndim()));
+  }
+  for (int64_t d = 0; d < base.ndim(); ++d) {
+    if (d != dim && index.shape()[d] > base.shape()[d]) {
+      throw ValueError("[scatter_add] index shape " + shape_str(index.shape()) +
+                       " is larger than input shape " + shape_str(base.shape()) + " at dim " +
+                       std::to_string(d));
+    }
   }
   return apply1(mk<ScatterAdd>(dim), {base, index, astype(src, base.dtype())}, base.shape(),
                 base.dtype(), base.device());

@@ -94,9 +94,8 @@ std::shared_ptr<Storage> Storage::allocate(size_t nbytes, Device device, const c
   const size_t request = nbytes == 0 ? 1 : nbytes;  // a valid pointer even for empty tensors
   if (g_alloc.malloc) {
     void* p = nullptr;
-    const int rc =
-        g_alloc.malloc(device.is_cuda() ? device.index : kHostPageable, request,
-                       backend::current_stream(device), &p);
+    const int rc = g_alloc.malloc(device.is_cuda() ? device.index : kHostPageable, request,
+                                  backend::current_stream(device), &p);
     if (rc != 0) {
       throw RuntimeError(std::string("[") + op + "] cannot allocate " + std::to_string(nbytes) +
                          " bytes on " + device.str() + ": " +
@@ -163,7 +162,15 @@ int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op) {
   return dim < 0 ? dim + std::max<int64_t>(ndim, 1) : dim;
 }
 
-int64_t Tensor::size(int64_t dim) const { return shape()[wrap_dim(dim, ndim(), "size")]; }
+int64_t wrap_shape_dim(int64_t dim, int64_t ndim, const char* op) {
+  if (ndim == 0) {
+    throw IndexError(std::string("[") + op + "] dim " + std::to_string(dim) +
+                     " does not exist: the tensor is 0-d (reshape it to (1,) first)");
+  }
+  return wrap_dim(dim, ndim, op);
+}
+
+int64_t Tensor::size(int64_t dim) const { return shape()[wrap_shape_dim(dim, ndim(), "size")]; }
 int64_t Tensor::numel() const { return shape_numel(shape()); }
 
 bool Tensor::is_contiguous() const {
@@ -189,14 +196,27 @@ void* Tensor::data_ptr(const char* op) const {
   return static_cast<char*>(impl_->storage->data()) + impl_->offset * itemsize(impl_->dtype);
 }
 
-Tensor empty_tensor(const Shape& shape, DType dtype, Device device, const char* op) {
+int64_t checked_numel(const Shape& shape, const char* op, int64_t item_bytes) {
+  int64_t n = 1;
+  bool overflow = false;
   for (auto d : shape) {
     if (d < 0) {
       throw ValueError(std::string("[") + op + "] negative dimension in shape " + shape_str(shape));
     }
+    overflow = overflow || __builtin_mul_overflow(n, d, &n);
   }
+  int64_t bytes = 0;
+  if (overflow || __builtin_mul_overflow(n, item_bytes, &bytes)) {
+    throw ValueError(std::string("[") + op + "] shape " + shape_str(shape) +
+                     " has more elements than int64 can count");
+  }
+  return n;
+}
+
+Tensor empty_tensor(const Shape& shape, DType dtype, Device device, const char* op) {
+  const int64_t n = checked_numel(shape, op, itemsize(dtype));
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage = Storage::allocate(shape_numel(shape) * itemsize(dtype), device, op);
+  impl->storage = Storage::allocate(n * itemsize(dtype), device, op);
   impl->shape = shape;
   impl->strides = contiguous_strides(shape);
   impl->dtype = dtype;

@@ -172,7 +172,15 @@ class Tensor {
 
 Strides contiguous_strides(const Shape& shape);
 int64_t shape_numel(const Shape& shape);
+// shape_numel of a shape that came from a user: a negative size, or a count (or its size in
+// bytes, at item_bytes each) past int64, is a ValueError naming op.  Overflow would otherwise
+// size a tensor far smaller than its shape.
+int64_t checked_numel(const Shape& shape, const char* op, int64_t item_bytes = 1);
+// A dim in [-ndim, ndim) made non-negative; a 0-d tensor takes 0 or -1 (reductions over "all" of
+// a scalar), so this is for ops that never index the shape.
 int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op);
+// As wrap_dim, for ops that index shape()[dim]: a 0-d tensor has no dims and raises IndexError.
+int64_t wrap_shape_dim(int64_t dim, int64_t ndim, const char* op);
 
 // A fresh contiguous tensor (memory uninitialised).
 Tensor empty_tensor(const Shape& shape, DType dtype, Device device, const char* op);

@@ -385,11 +385,10 @@ def test_ce_backward_over_dropped_logits_bitwise(rng, monkeypatch, version, dtyp
     assert np.all(gw[C:] == 0)
 
 
-def test_ce_backward_over_dropped_logits_memory():
+def test_ce_backward_over_dropped_logits_memory(rng):
     # the gradient takes the logits' memory: backward's peak above its start is the (small)
     # head gradients, not another (N, Cp) tensor
     N, K, Cp = 2048, 64, VP_GPT
-    rng = np.random.default_rng()
     peaks = {}
     for keep in (False, True):
         h = bt.tensor(

@@ -222,3 +222,207 @@ def test_cuda_error_is_cleared_once_raised(tmp_path):
     z = bt.ones(8, device="cuda") + 1  # a kernel launch and its launch check
     assert z.cpu().tolist() == [2.0] * 8
     assert y.cpu().tolist() == [2.0] * 1024
+
+
+# ---- found by fuzzing random (mostly wrong) calls: each of these crashed or wrote out of bounds
+
+
+def scalar() -> bt.Tensor:
+    # made per test: a module-level tensor would stay allocated while other packages' tests run
+    return bt.tensor(1.5)
+
+
+@pytest.mark.parametrize(
+    "fn,exc,pattern",
+    [
+        # a 0-d tensor has no dim 0 to index (these read shape()[0] of an empty shape)
+        (lambda: scalar().size(0), IndexError, r"^\[size\] dim 0 does not exist: the tensor is 0"),
+        (lambda: scalar().split(1), IndexError, r"^\[split\] dim 0 does not exist"),
+        (lambda: scalar().split([1]), IndexError, r"^\[split\] dim 0 does not exist"),
+        (lambda: scalar().chunk(2), IndexError, r"^\[chunk\] dim 0 does not exist"),
+        (lambda: scalar().narrow(0, 0, 1), IndexError, r"^\[narrow\] dim 0 does not exist"),
+        (
+            lambda: bt.index_select(scalar(), 0, bt.tensor([0])),
+            IndexError,
+            r"^\[index_select\] dim 0 does not exist",
+        ),
+        (
+            lambda: bt.gather(scalar(), 0, bt.tensor(0)),
+            IndexError,
+            r"^\[gather\] dim 0 does not exist",
+        ),
+        (lambda: bt.ones(3).transpose(5, 5), IndexError, r"^\[transpose\] dim 5 is out of range"),
+        # scatter_add's index addresses the input outside dim at its own position
+        (
+            lambda: bt.scatter_add(bt.ones(4, 3), 0, bt.zeros(6, 5, dtype=bt.int64), bt.ones(6, 5)),
+            ValueError,
+            r"^\[scatter_add\] index shape \(6, 5\) is larger than input shape \(4, 3\) at dim 1",
+        ),
+        (
+            lambda: bt.scatter_add(bt.ones(4, 3), 0, bt.zeros(2, dtype=bt.int64), bt.ones(2)),
+            ValueError,
+            r"^\[scatter_add\] index has 1 dims but the input has 2",
+        ),
+        # element counts past int64 (they wrapped to a small allocation)
+        (lambda: bt.zeros(1 << 62, 4), ValueError, r"^\[zeros\] shape .* more elements than int64"),
+        (lambda: bt.empty(1 << 40, 1 << 40), ValueError, r"^\[empty\] shape .* than int64"),
+        (lambda: bt.randn(1 << 62, 8), ValueError, r"^\[randn\] shape .* than int64"),
+        (lambda: bt.ones(0).reshape(1 << 62, 4, 0), ValueError, r"^\[reshape\] shape .* int64"),
+        (lambda: bt.ones(1, 1).expand(1 << 62, 4), ValueError, r"^\[expand\] shape .* int64"),
+        # int arguments: a TypeError naming the op (was nanobind's "std::bad_cast")
+        (
+            lambda: bt.ones(2, 3).reshape(bt.tensor([3, 2])),
+            TypeError,
+            r"^\[reshape\] shape entries must be ints",
+        ),
+        (lambda: bt.ones(2, 3).view(6.0), TypeError, r"^\[view\] shape entries must be ints"),
+        (lambda: bt.ones(2, 3).reshape(1 << 70), TypeError, r"^\[reshape\] .*out of the int64"),
+        (lambda: bt.ones(2, 3).sum(bt.ones(2)), TypeError, r"^\[sum\] dims must be ints"),
+        (lambda: bt.ones(2, 3).amax((0, 1.0)), TypeError, r"^\[amax\] dims must be ints"),
+        (lambda: bt.ones(2, 3).split([bt.ones(2)]), TypeError, r"^\[split\] dims must be ints"),
+    ],
+)
+def test_fuzz_found_errors(fn, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        fn()
+
+
+def test_int_like_arguments_are_accepted():
+    np = pytest.importorskip("numpy")
+    x = bt.arange(6)
+    assert x.reshape(np.int64(2), np.int32(3)).shape == (2, 3)
+    assert x.reshape(bt.tensor(6)).shape == (6,)  # a one-element integer tensor has __index__
+    assert x.reshape(2, 3).sum(np.int64(1)).shape == (2,)
+    assert scalar().transpose(0, -1).shape == ()
+    assert scalar().sum(0).item() == 1.5  # reducing "over" a scalar's dim 0 stays allowed
+
+
+@pytest.mark.parametrize("value,truth", [(1.5, True), (0.0, False), (-0.0, False), (3, True)])
+def test_bool_of_one_element_tensor(value, truth):
+    # any dtype and rank (bool() of a float tensor raised "std::bad_cast")
+    for dtype in (bt.float32, bt.bfloat16, bt.float64, bt.int64):
+        assert bool(bt.full((1, 1), value, dtype=dtype)) is truth
+    assert bool(bt.tensor(value)) is truth
+
+
+def _leaf() -> bt.Tensor:
+    return bt.ones(3).requires_grad_(True)
+
+
+@pytest.mark.parametrize(
+    "fn,exc,pattern",
+    [
+        # a gradient hook's result stands in for the gradient: a Tensor of its shape, or None
+        (
+            lambda: _hooked(lambda g: "a"),
+            TypeError,
+            r"^\[hook\] a gradient hook must return a Tensor or None, got <class 'str'>",
+        ),
+        (
+            lambda: _hooked(lambda g: g.reshape(3, 1)),
+            ValueError,
+            r"^\[hook\] a gradient hook returned shape \(3, 1\) on cpu for a gradient of shape",
+        ),
+        # .grad is accumulated into and read by optimizers: floating, on the tensor's device
+        (
+            lambda: setattr(_leaf(), "grad", bt.ones(3, dtype=bt.int64)),
+            TypeError,
+            r"^\[grad\] assigned gradient is int64 on cpu; expected a floating tensor on cpu",
+        ),
+        # lists of tensors name the op and the position (were "std::bad_cast")
+        (
+            lambda: bt.clip_grad_norm_([_leaf(), 3], 1.0),
+            TypeError,
+            r"^\[clip_grad_norm_\] parameters\[1\] is a int, not a Tensor",
+        ),
+        (
+            lambda: bt.backward([(_leaf() * 2).sum()], ["x"]),
+            TypeError,
+            r"^\[backward\] grad_tensors\[0\] is a str, not a Tensor",
+        ),
+        (lambda: bt.backward(5), TypeError, r"^\[backward\] tensors must be a list of tensors"),
+    ],
+)
+def test_autograd_argument_errors(fn, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        fn()
+
+
+def _hooked(hook):
+    x = _leaf()
+    x.register_hook(hook)
+    (x * 2).sum().backward()
+
+
+def test_custom_function_backward_must_return_tensors():
+    class Bad(bt.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2.0
+
+    with pytest.raises(TypeError, match=r"^\[Bad\] backward's gradients\[0\] is a float"):
+        Bad.apply(_leaf()).sum().backward()
+
+
+@pytest.mark.parametrize(
+    "fn,exc,pattern",
+    [
+        # in-place writes to an expand()ed view would write one element from several places
+        (lambda: bt.ones(1, 3).expand(4, 3).add_(1), RuntimeError, r"^\[add_\] .*share memory"),
+        (lambda: bt.ones(1, 3).expand(4, 3).zero_(), RuntimeError, r"^\[zero_\] .*stride 0"),
+        (
+            lambda: bt.ones(3, 1).expand(3, 2).copy_(bt.zeros(3, 2)),
+            RuntimeError,
+            r"^\[copy_\] the tensor of shape \(3, 2\) has elements that share memory \(dim 1",
+        ),
+        # in-place arithmetic keeps the tensor's dtype; a float result would be truncated
+        (
+            lambda: bt.ones(3, dtype=bt.int64).add_(1.5),
+            TypeError,
+            r"^\[add_\] the result is float32, which cannot be stored in place in a int64 tensor",
+        ),
+        (lambda: bt.ones(3, dtype=bt.int32).div_(2), TypeError, r"^\[div_\] the result is float"),
+        (lambda: bt.ones(3, dtype=bt.int64).exp_(), TypeError, r"^\[exp_\] the result is float"),
+        (lambda: bt.ones(3, dtype=bt.bool).mul_(2), TypeError, r"^\[mul_\] .* in a bool tensor"),
+        # a value an integer dtype cannot hold (its cast is undefined behaviour in C++)
+        (
+            lambda: bt.full((2,), float("nan"), dtype=bt.int64),
+            ValueError,
+            r"^\[full\] value nan does not fit int64",
+        ),
+        (lambda: bt.full((2,), 300, dtype=bt.uint8), ValueError, r"^\[full\] .* fit uint8"),
+        (lambda: bt.full((2,), 2.0**31, dtype=bt.int32), ValueError, r"^\[full\] .* fit int32"),
+    ],
+)
+def test_in_place_and_fill_errors(fn, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        fn()
+
+
+def test_in_place_cases_that_stay_allowed():
+    x = bt.ones(3, dtype=bt.int64)
+    x.add_(2)  # int + int stays int
+    x[0] = 7.9  # setitem and copy_ cast, as PyTorch
+    assert x.tolist() == [7, 3, 3]
+    y = bt.zeros(1, 3).expand(4, 3)[1]  # one row of an expanded view does not overlap itself
+    y.fill_(5.0)
+    assert y.tolist() == [5.0, 5.0, 5.0]
+    f = bt.ones(2)
+    f.mul_(bt.tensor([2, 3]))  # an int operand into a float tensor
+    assert f.tolist() == [2.0, 3.0]
+    assert bt.full((2,), 255, dtype=bt.uint8).tolist() == [255, 255]
+    assert bt.full((2,), -(2.0**63), dtype=bt.int64).tolist() == [-(2**63)] * 2
+
+
+def test_bmm_of_an_empty_batch():
+    needs_linalg()
+    a = bt.randn(0, 2, 3).requires_grad_(True)
+    b = bt.randn(0, 3, 4).requires_grad_(True)
+    y = bt.bmm(a, b)
+    assert y.shape == (0, 2, 4)
+    y.sum().backward()
+    assert a.grad.shape == (0, 2, 3) and b.grad.shape == (0, 3, 4)

@@ -364,11 +364,10 @@ def test_cuda_deterministic(rng):
 @pytest.mark.gpu
 @pytest.mark.skipif(bt.cuda_device_count() == 0, reason="no CUDA device")
 @pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
-def test_cuda_peak_memory_is_one_chunk_of_logits(dtype):
+def test_cuda_peak_memory_is_one_chunk_of_logits(rng, dtype):
     # forward + backward of the head: the fused op's peak above its start is a chunk of logits
     # plus the gradients; linear + cross_entropy holds all (N, Vp) logits
     N, K, rows = 4096, 64, 512
-    rng = np.random.default_rng()
     item = 4 if dtype == bt.float32 else 2
     xd, wd = rng.standard_normal((N, K)), rng.standard_normal((VP_GPT, K)) * 0.1
     t = bt.tensor(_targets(rng, N, V_GPT), device="cuda")

@@ -492,8 +492,8 @@ def _head_loss(seed, dtype, C, Cp, *, keep, retain=False, B=3, T=5, K=6):
 
 @pytest.mark.parametrize("dtype", [bt.float64, bt.float32, bt.bfloat16])
 @pytest.mark.parametrize("C, Cp", [(37, 48), (40, 40)])
-def test_cross_entropy_backward_overwrites_dropped_logits(dtype, C, Cp):
-    seed = int(np.random.default_rng().integers(1 << 30))
+def test_cross_entropy_backward_overwrites_dropped_logits(rng, dtype, C, Cp):
+    seed = int(rng.integers(1 << 30))
     h, W, _, donated, _ = _head_loss(seed, dtype, C, Cp, keep=False)
     assert donated, "dlogits should take the dropped logits' memory"
     rh, rW, _, donated_ref, (lg, before) = _head_loss(seed, dtype, C, Cp, keep=True)
@@ -511,8 +511,8 @@ def test_cross_entropy_backward_overwrites_dropped_logits(dtype, C, Cp):
         assert np.all(f64(W.grad)[C:] == 0)
 
 
-def test_cross_entropy_backward_keeps_logits_for_retain_graph():
-    seed = int(np.random.default_rng().integers(1 << 30))
+def test_cross_entropy_backward_keeps_logits_for_retain_graph(rng):
+    seed = int(rng.integers(1 << 30))
     h, W, loss, donated, _ = _head_loss(seed, bt.float32, 37, 48, keep=False, retain=True)
     assert not donated, "retain_graph: the node runs again and must still read its logits"
     once = f64(W.grad)
@@ -522,10 +522,9 @@ def test_cross_entropy_backward_keeps_logits_for_retain_graph():
     np.testing.assert_array_equal(once, f64(rW.grad))
 
 
-def test_cross_entropy_backward_other_holders_block_the_overwrite():
+def test_cross_entropy_backward_other_holders_block_the_overwrite(rng):
     # a second node that saved the logits (full * full), and a numpy export: no overwrite, and
     # the gradient is the out-of-place one
-    rng = np.random.default_rng()
     x = rng.standard_normal((6, 9))
     t = bt.tensor(rng.integers(0, 9, 6), dtype=bt.int64)
     for other in ("mul", "numpy"):

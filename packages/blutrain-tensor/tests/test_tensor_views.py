@@ -155,8 +155,7 @@ def test_advanced_index_and_mask():
         lambda i, j: (-1, j),
     ],
 )
-def test_several_tensor_indices_match_numpy(index):
-    rng = np.random.default_rng()
+def test_several_tensor_indices_match_numpy(rng, index):
     a = rng.standard_normal((4, 5, 6))
     i = rng.integers(-4, 4, 3)
     j = rng.integers(0, 5, 3)
@@ -167,8 +166,7 @@ def test_several_tensor_indices_match_numpy(index):
     np.testing.assert_array_equal(t_of(a)[as_bt].numpy(), t_of(a)[as_lists].numpy())
 
 
-def test_several_tensor_indices_gradient_and_setitem():
-    rng = np.random.default_rng()
+def test_several_tensor_indices_gradient_and_setitem(rng):
     a = rng.standard_normal((4, 5))
     i, j = np.array([0, 3, 3, -1]), np.array([1, 4, 4, 0])
     t = bt.tensor(a, requires_grad=True)

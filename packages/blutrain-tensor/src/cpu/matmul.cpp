@@ -39,7 +39,7 @@ static bt_linalg_matrix describe(const Tensor& t, bool transpose_view, int32_t& 
   m.ptr = t.data_ptr(name);
   m.dtype = linalg_dtype(t.dtype(), name);
   m.batch_stride = nd == 3 ? t.strides()[0] : 0;
-  if (rows == 0 || cols == 0) {  // nothing is read: any layout (e.g. an empty expand view)
+  if (t.numel() == 0) {  // nothing is read: any layout (e.g. an empty expand view)
     op = BT_LINALG_OP_N;
     m.ld = std::max<int64_t>(cols, 1);
   } else if ((cols == 1 || cs == 1) && (rows == 1 || rs >= cols)) {
@@ -110,6 +110,7 @@ static bt_linalg_matrix vec(const Tensor& t, const Primitive& p) {
 }
 
 static void call_gemm(const Primitive& p, const bt_linalg_gemm_desc& d) {
+  if (d.batch == 0) return;  // bmm of an empty batch: nothing to write (linalg wants batch >= 1)
   const auto* api = linalg_api(p);
   if (api->gemm(&d) != 0) {
     throw RuntimeError(std::string("[") + p.name() + "] blutrain-linalg: " + api->last_error());

@@ -16,5 +16,8 @@ void init_autocast(nanobind::module_& m);   // init_autocast.cpp: precision poli
 
 DType parse_dtype(nanobind::handle h, const char* op);
 Device parse_device(nanobind::handle h, const char* op);
+// The tensors of a Python iterable (None -> an undefined Tensor); anything else is a TypeError
+// naming op and what[i].
+std::vector<Tensor> tensor_list(nanobind::handle seq, const char* op, const char* what);
 
 }  // namespace bt::python

@@ -15,23 +15,6 @@ namespace bt::python {
 
 namespace {
 
-std::vector<Tensor> list_of(nb::handle seq, const char* op, const char* what) {
-  std::vector<Tensor> r;
-  size_t i = 0;
-  for (nb::handle h : seq) {
-    if (h.is_none()) {
-      r.push_back(Tensor());
-    } else if (!nb::isinstance<Tensor>(h)) {
-      throw TypeError(std::string("[") + op + "] " + what + "[" + std::to_string(i) + "] is a " +
-                      nb::type_name(h.type()).c_str() + ", not a Tensor");
-    } else {
-      r.push_back(nb::cast<Tensor>(h));
-    }
-    ++i;
-  }
-  return r;
-}
-
 // A Python float/int, or a 0-d float32 tensor on the tensors' device (read at run time).
 ScalarArg scalar_arg(nb::handle h, const char* op, const char* what) {
   ScalarArg s;
@@ -58,10 +41,10 @@ void init_optim(nb::module_& m) {
          nb::handle lr, double beta1, double beta2, double eps, nb::handle weight_decays,
          nb::handle step, nb::handle grad_scale) {
         const char* op = "adamw_";
-        auto p = list_of(params, op, "params");
-        auto g = list_of(grads, op, "grads");
-        auto ma = list_of(exp_avgs, op, "exp_avgs");
-        auto va = list_of(exp_avg_sqs, op, "exp_avg_sqs");
+        auto p = tensor_list(params, op, "params");
+        auto g = tensor_list(grads, op, "grads");
+        auto ma = tensor_list(exp_avgs, op, "exp_avgs");
+        auto va = tensor_list(exp_avg_sqs, op, "exp_avg_sqs");
         std::vector<double> wd;
         if (nb::isinstance<nb::float_>(weight_decays) || nb::isinstance<nb::int_>(weight_decays)) {
           wd.assign(p.size(), nb::cast<double>(weight_decays));
@@ -86,7 +69,8 @@ void init_optim(nb::module_& m) {
       "tensor multiplying every gradient (e.g. a clip coefficient).  On CUDA one kernel launch.");
   m.def(
       "_grad_norm",
-      [](nb::handle grads) { return grad_norm(list_of(grads, "grad_norm", "grads")); }, "grads"_a,
+      [](nb::handle grads) { return grad_norm(tensor_list(grads, "grad_norm", "grads")); },
+      "grads"_a,
       "Global L2 norm of the tensors (None entries skipped) as a 0-d tensor on their device, "
       "float32 accumulation, deterministic reduction, no host sync.");
   m.def("_clip_coef", &clip_coef, "norm"_a, "max_norm"_a, "eps"_a = 1e-6,
@@ -94,7 +78,7 @@ void init_optim(nb::module_& m) {
   m.def(
       "_scale_",
       [](nb::handle tensors, const Tensor& coef) {
-        scale_(list_of(tensors, "scale_", "grads"), coef);
+        scale_(tensor_list(tensors, "scale_", "grads"), coef);
       },
       "tensors"_a, "coef"_a,
       "Multiplies every tensor in place by coef (a 0-d float32 tensor on their device).");

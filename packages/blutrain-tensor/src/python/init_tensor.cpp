@@ -60,33 +60,54 @@ Device parse_device(nb::handle h, const char* op) {
   return Device::parse(nb::cast<std::string>(nb::str(h)), op);
 }
 
+bool is_tensor(nb::handle h) { return nb::isinstance<Tensor>(h); }
+
+// An integer argument: a Python int or anything with __index__ (a numpy integer, a one-element
+// integer tensor), not a float or bool.  A wrong type is a TypeError naming the op, not
+// nanobind's bare std::bad_cast.
+int64_t int_arg(nb::handle v, const char* op, const char* what) {
+  auto fail = [&](const char* why) -> int64_t {
+    throw TypeError(std::string("[") + op + "] " + what + " must be ints, got " +
+                    nb::cast<std::string>(nb::repr(v)) + why);
+  };
+  if (PyBool_Check(v.ptr()) || PyFloat_Check(v.ptr())) return fail("");
+  nb::object i = nb::steal(PyNumber_Index(v.ptr()));
+  if (!i.is_valid()) {
+    PyErr_Clear();
+    return fail("");
+  }
+  int overflow = 0;
+  const long long r = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+  if (overflow != 0) return fail(" (out of the int64 range)");
+  return r;
+}
+
+// The ints of an iterable (a tuple, list, ...); anything else is a TypeError naming the op.
+std::vector<int64_t> int_list(nb::handle seq, const char* op, const char* what) {
+  if (!PySequence_Check(seq.ptr()) || is_tensor(seq)) {
+    throw TypeError(std::string("[") + op + "] " + what +
+                    " must be an int or a sequence of ints, got " +
+                    nb::cast<std::string>(nb::repr(seq)));
+  }
+  std::vector<int64_t> r;
+  for (nb::handle v : seq) r.push_back(int_arg(v, op, what));
+  return r;
+}
+
 Shape parse_shape(nb::handle args, const char* op) {
   // f(2, 3), f((2, 3)), f([2, 3])
-  Shape s;
   nb::sequence seq = nb::borrow<nb::sequence>(args);
-  if (nb::len(seq) == 1 && !nb::isinstance<nb::int_>(seq[0])) {
-    for (nb::handle v : seq[0]) s.push_back(nb::cast<int64_t>(v));
-  } else {
-    for (nb::handle v : seq) {
-      if (!nb::isinstance<nb::int_>(v)) {
-        throw TypeError(std::string("[") + op + "] shape entries must be ints, got " +
-                        nb::cast<std::string>(nb::repr(v)));
-      }
-      s.push_back(nb::cast<int64_t>(v));
-    }
+  if (nb::len(seq) == 1 && PySequence_Check(seq[0].ptr()) && !is_tensor(seq[0])) {
+    return int_list(seq[0], op, "shape entries");
   }
-  return s;
+  return int_list(seq, op, "shape entries");
 }
 
-std::vector<int64_t> parse_dims(nb::handle h) {
-  std::vector<int64_t> d;
-  if (!h.is_valid() || h.is_none()) return d;
-  if (nb::isinstance<nb::int_>(h)) return {nb::cast<int64_t>(h)};
-  for (nb::handle v : h) d.push_back(nb::cast<int64_t>(v));
-  return d;
+std::vector<int64_t> parse_dims(nb::handle h, const char* op) {
+  if (!h.is_valid() || h.is_none()) return {};
+  if (!PySequence_Check(h.ptr()) || is_tensor(h)) return {int_arg(h, op, "dims")};
+  return int_list(h, op, "dims");
 }
-
-bool is_tensor(nb::handle h) { return nb::isinstance<Tensor>(h); }
 
 Tensor import_array(nb::ndarray<> a, const char* op, nb::handle owner);
 
@@ -457,19 +478,60 @@ Tensor inplace_self(const Tensor& a, nb::handle other) {
   return track ? clone(a) : a;
 }
 
+// In-place arithmetic stores its result in a's dtype: as PyTorch, a float result may not go
+// into an integer tensor, nor a non-bool one into a bool tensor (that would truncate silently).
+// Copies (copy_, fill_, setitem) do cast.
+Tensor& arith_inplace(Tensor& a, const Tensor& r, const char* op) {
+  const bool lower = (is_floating(r.dtype()) && !is_floating(a.dtype())) ||
+                     (a.dtype() == DType::Bool && r.dtype() != DType::Bool);
+  if (lower) {
+    throw TypeError(std::string("[") + op + "] the result is " + dtype_name(r.dtype()) +
+                    ", which cannot be stored in place in a " + dtype_name(a.dtype()) +
+                    " tensor; use the out-of-place op");
+  }
+  return inplace(a, r, op);
+}
+
 // ---- hooks from Python ---------------------------------------------------------------------
 GradHook py_hook(nb::callable fn) {
   return [fn](const Tensor& g) -> Tensor {
     nb::gil_scoped_acquire gil;
     nb::object r = fn(g);
     if (r.is_none()) return Tensor();
-    return nb::cast<Tensor>(r);
+    Tensor* out = nullptr;
+    if (!nb::try_cast<Tensor*>(r, out) || out == nullptr) {
+      throw TypeError("[hook] a gradient hook must return a Tensor or None, got " +
+                      nb::cast<std::string>(nb::repr(r.type())));
+    }
+    // the engine adds this where g would go: it must be able to stand in for g
+    if (out->shape() != g.shape() || out->device() != g.device()) {
+      throw ValueError("[hook] a gradient hook returned shape " + shape_str(out->shape()) + " on " +
+                       out->device().str() + " for a gradient of shape " + shape_str(g.shape()) +
+                       " on " + g.device().str());
+    }
+    return *out;
   };
 }
 
-std::vector<Tensor> tensor_list(nb::handle seq) {
+std::vector<Tensor> tensor_list(nb::handle seq, const char* op, const char* what) {
+  if (nb::steal(PyObject_GetIter(seq.ptr())).ptr() == nullptr) {  // not iterable
+    PyErr_Clear();
+    throw TypeError(std::string("[") + op + "] " + what + " must be a list of tensors, got a " +
+                    nb::type_name(seq.type()).c_str());
+  }
   std::vector<Tensor> r;
-  for (nb::handle h : seq) r.push_back(h.is_none() ? Tensor() : nb::cast<Tensor>(h));
+  size_t i = 0;
+  for (nb::handle h : seq) {
+    if (h.is_none()) {
+      r.push_back(Tensor());
+    } else if (!is_tensor(h)) {
+      throw TypeError(std::string("[") + op + "] " + what + "[" + std::to_string(i) + "] is a " +
+                      nb::type_name(h.type()).c_str() + ", not a Tensor");
+    } else {
+      r.push_back(nb::cast<Tensor>(h));
+    }
+    ++i;
+  }
   return r;
 }
 
@@ -536,6 +598,9 @@ const bt_tensor_api g_api = {
 namespace bt::python {
 DType parse_dtype(nb::handle h, const char* op) { return ::parse_dtype(h, op); }
 Device parse_device(nb::handle h, const char* op) { return ::parse_device(h, op); }
+std::vector<Tensor> tensor_list(nb::handle seq, const char* op, const char* what) {
+  return ::tensor_list(seq, op, what);
+}
 }  // namespace bt::python
 
 NB_MODULE(_tensor, m) {
@@ -639,7 +704,7 @@ NB_MODULE(_tensor, m) {
   T.def(
       "stride",
       [](const Tensor& t, std::optional<int64_t> d) -> nb::object {
-        if (d) return nb::int_(t.strides()[wrap_dim(*d, t.ndim(), "stride")]);
+        if (d) return nb::int_(t.strides()[wrap_shape_dim(*d, t.ndim(), "stride")]);
         return shape_tuple(t.strides());
       },
       "dim"_a = nb::none(), "Strides in elements.");
@@ -695,6 +760,12 @@ NB_MODULE(_tensor, m) {
         if (g && g->shape() != t.shape()) {
           throw ValueError("[grad] assigned gradient has shape " + shape_str(g->shape()) +
                            ", expected " + shape_str(t.shape()));
+        }
+        // backward accumulates into it and optimizers read it as the parameter's gradient
+        if (g && (!is_floating(g->dtype()) || g->device() != t.device())) {
+          throw TypeError(std::string("[grad] assigned gradient is ") + dtype_name(g->dtype()) +
+                          " on " + g->device().str() + "; expected a floating tensor on " +
+                          t.device().str());
         }
         t.impl()->grad = g ? g->impl_ptr() : nullptr;
       },
@@ -835,14 +906,18 @@ NB_MODULE(_tensor, m) {
       throw RuntimeError("[bool] the truth value of a tensor with " + std::to_string(t.numel()) +
                          " elements is ambiguous");
     }
-    return nb::cast<bool>(nb::cast(t).attr("item")());
+    // item() is a bool, an int or a float: Python's truth of that (nanobind's bool caster
+    // takes True / False only)
+    const int truth = PyObject_IsTrue(nb::cast(t).attr("item")().ptr());
+    if (truth < 0) throw nb::python_error();
+    return truth == 1;
   });
 #define BT_IOP(py, op)                                                \
   T.def(                                                              \
       py,                                                             \
       [](Tensor& a, nb::handle b) -> Tensor {                         \
         Tensor r = binop(BinaryOp::op, inplace_self(a, b), b, false); \
-        inplace(a, r, py);                                            \
+        arith_inplace(a, r, py);                                      \
         return a;                                                     \
       },                                                              \
       "other"_a, nb::sig("def " py "(self, other: Tensor | float | int | bool) -> Tensor"));
@@ -858,11 +933,11 @@ NB_MODULE(_tensor, m) {
 #undef BT_IOP
 
   // unary methods (and their in-place forms)
-#define BT_UN(py, op)                                                      \
-  T.def(py, [](const Tensor& a) { return unary(UnaryOp::op, a); });        \
-  T.def(py "_", [](Tensor& a) -> Tensor {                                  \
-    inplace(a, unary(UnaryOp::op, inplace_self(a, nb::handle())), py "_"); \
-    return a;                                                              \
+#define BT_UN(py, op)                                                            \
+  T.def(py, [](const Tensor& a) { return unary(UnaryOp::op, a); });              \
+  T.def(py "_", [](Tensor& a) -> Tensor {                                        \
+    arith_inplace(a, unary(UnaryOp::op, inplace_self(a, nb::handle())), py "_"); \
+    return a;                                                                    \
   });
   BT_UN("neg", Neg)
   BT_UN("exp", Exp)
@@ -910,15 +985,15 @@ NB_MODULE(_tensor, m) {
       "mask"_a, "value"_a);
 
   // reductions
-#define BT_RED(py, op)                                            \
-  T.def(                                                          \
-      py,                                                         \
-      [](const Tensor& a, nb::handle dim, bool keepdim) {         \
-        return reduce(ReduceOp::op, a, parse_dims(dim), keepdim); \
-      },                                                          \
-      "dim"_a = nb::none(), "keepdim"_a = false,                  \
-      nb::sig(                                                    \
-          "def " py                                               \
+#define BT_RED(py, op)                                                \
+  T.def(                                                              \
+      py,                                                             \
+      [](const Tensor& a, nb::handle dim, bool keepdim) {             \
+        return reduce(ReduceOp::op, a, parse_dims(dim, py), keepdim); \
+      },                                                              \
+      "dim"_a = nb::none(), "keepdim"_a = false,                      \
+      nb::sig(                                                        \
+          "def " py                                                   \
           "(self, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> Tensor"));
   BT_RED("sum", Sum)
   BT_RED("mean", Mean)
@@ -928,7 +1003,7 @@ NB_MODULE(_tensor, m) {
   T.def(
       "var",
       [](const Tensor& a, nb::handle dim, double correction, bool keepdim) {
-        return reduce(ReduceOp::Var, a, parse_dims(dim), keepdim, correction);
+        return reduce(ReduceOp::Var, a, parse_dims(dim, "var"), keepdim, correction);
       },
       "dim"_a = nb::none(), "correction"_a = 1.0, "keepdim"_a = false,
       "Variance (Bessel-corrected by default).");
@@ -992,7 +1067,7 @@ NB_MODULE(_tensor, m) {
       "split",
       [](const Tensor& a, nb::handle size, int64_t dim) {
         if (nb::isinstance<nb::int_>(size)) return split(a, nb::cast<int64_t>(size), dim);
-        return split_sizes(a, parse_dims(size), dim);
+        return split_sizes(a, parse_dims(size, "split"), dim);
       },
       "split_size_or_sections"_a, "dim"_a = 0);
   T.def(
@@ -1284,9 +1359,8 @@ NB_MODULE(_tensor, m) {
       "clip_grad_norm_",
       [](nb::handle params, double max_norm) {
         std::vector<Tensor> grads;
-        for (nb::handle h : params) {
-          Tensor t = nb::cast<Tensor>(h);
-          if (t.impl()->grad) grads.push_back(Tensor(t.impl()->grad));
+        for (const Tensor& t : tensor_list(params, "clip_grad_norm_", "parameters")) {
+          if (t.defined() && t.impl()->grad) grads.push_back(Tensor(t.impl()->grad));
         }
         return clip_grad_norm_(grads, max_norm);
       },
@@ -1301,10 +1375,11 @@ NB_MODULE(_tensor, m) {
       "backward",
       [](nb::handle tensors, nb::handle grads, bool retain_graph) {
         std::vector<Tensor> ts = is_tensor(tensors) ? std::vector<Tensor>{nb::cast<Tensor>(tensors)}
-                                                    : tensor_list(tensors);
+                                                    : tensor_list(tensors, "backward", "tensors");
         std::vector<Tensor> gs;
         if (grads.is_valid() && !grads.is_none()) {
-          gs = is_tensor(grads) ? std::vector<Tensor>{nb::cast<Tensor>(grads)} : tensor_list(grads);
+          gs = is_tensor(grads) ? std::vector<Tensor>{nb::cast<Tensor>(grads)}
+                                : tensor_list(grads, "backward", "grad_tensors");
         }
         run_backward(ts, gs, retain_graph);
       },
@@ -1313,16 +1388,17 @@ NB_MODULE(_tensor, m) {
   m.def(
       "_attach_function",
       [](const std::string& name, nb::callable backward, nb::handle inputs, nb::handle outputs) {
-        auto ins = tensor_list(inputs);
-        auto outs = tensor_list(outputs);
+        auto ins = tensor_list(inputs, name.c_str(), "inputs");
+        auto outs = tensor_list(outputs, name.c_str(), "outputs");
         make_custom_node(
             name,
-            [backward](const std::vector<Tensor>& grads) {
+            [backward, name](const std::vector<Tensor>& grads) {
               nb::gil_scoped_acquire gil;
               nb::list gl;
               for (auto& g : grads) gl.append(g.defined() ? nb::cast(g) : nb::none());
               nb::object r = backward(gl);
-              return tensor_list(r);
+              if (r.is_none() || is_tensor(r)) r = nb::make_tuple(r);  // one input
+              return tensor_list(r, name.c_str(), "backward's gradients");
             },
             ins, outs);
       },
