@@ -426,3 +426,35 @@ def test_bmm_of_an_empty_batch():
     assert y.shape == (0, 2, 4)
     y.sum().backward()
     assert a.grad.shape == (0, 2, 3) and b.grad.shape == (0, 3, 4)
+
+
+@pytest.mark.parametrize(
+    "fn,pattern",
+    [
+        (lambda: bt.amax(3.0), r"^\[amax\] expected a Tensor, got float"),
+        (lambda: bt.sum(None), r"^\[sum\] expected a Tensor, got NoneType"),
+        (lambda: bt.reshape([1, 2], (2,)), r"^\[reshape\] expected a Tensor, got list"),
+        (lambda: bt.max((1, 2)), r"^\[max\] expected a Tensor, got tuple"),
+        (lambda: bt.exp(2.0), r"^\[exp\] expected a Tensor, got float"),
+        (lambda: bt.add(2, 3), r"^\[add\] expected a Tensor operand, got int and int"),
+        (lambda: bt.maximum("a", bt.ones(2)), r"^\[maximum\] expected a Tensor, got str"),
+    ],
+)
+def test_functional_forms_name_the_op_for_non_tensors(fn, pattern):
+    with pytest.raises(TypeError, match=pattern):
+        fn()
+
+
+def test_functional_forms_take_a_scalar_first_operand():
+    assert bt.add(2, bt.ones(2)).tolist() == [3.0, 3.0]
+    assert bt.sub(1, bt.ones(2)).tolist() == [0.0, 0.0]
+    assert bt.pow(2, bt.ones(2)).tolist() == [2.0, 2.0]
+
+
+def test_tensor_from_bad_data():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ValueError, match=r"^\[tensor\] cannot make a tensor from this data"):
+        bt.tensor([[1, 2], [3]])
+    with pytest.raises(ValueError, match=r"^\[tensor\] uint64 values above 2\*\*63 - 1"):
+        bt.tensor(np.array([2**63], dtype=np.uint64))
+    assert bt.tensor(np.array([2**63 - 1], dtype=np.uint64)).tolist() == [2**63 - 1]

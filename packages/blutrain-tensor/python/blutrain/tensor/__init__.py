@@ -112,11 +112,18 @@ def tensor(
     if isinstance(data, Tensor):
         t = data.detach().clone()
     else:
-        arr = np.asarray(data)
+        try:
+            arr = np.asarray(data)
+        except ValueError as e:  # ragged nesting: numpy's message, named as ours
+            raise ValueError(f"[tensor] cannot make a tensor from this data: {e}") from e
         if not isinstance(data, np.ndarray | np.generic) and arr.dtype == np.float64:
             arr = arr.astype(np.float32)
         if arr.dtype.name not in _NUMPY_OK:
             if arr.dtype.kind in "iu":
+                if arr.size and arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
+                    raise ValueError(
+                        f"[tensor] {arr.dtype} values above 2**63 - 1 do not fit int64"
+                    )
                 arr = arr.astype(np.int64)
             elif arr.dtype.kind == "f":
                 arr = arr.astype(np.float32)
@@ -204,9 +211,26 @@ def randn_like(t: Tensor, dtype: dtype | None = None) -> Tensor:
 
 
 # ---- functional forms of the methods ----------------------------------------------------------
+def _as_input(x: Any, op: str) -> Tensor:
+    """x, which a functional form calls a method of: a non-tensor is a TypeError naming the op
+    (not Python's "'float' object has no attribute ...")."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"[{op}] expected a Tensor, got {type(x).__name__}")
+    return x
+
+
+def _other(a: Any, b: Any, op: str) -> Any:
+    """The tensor of a binary functional form called with a scalar first (bt.add(2, t))."""
+    if not isinstance(b, Tensor):
+        raise TypeError(
+            f"[{op}] expected a Tensor operand, got {type(a).__name__} and {type(b).__name__}"
+        )
+    return b
+
+
 def _unary(name: str) -> Callable[[Tensor], Tensor]:
     def f(input: Tensor) -> Tensor:
-        return _C.unary(name, input)
+        return _C.unary(name, _as_input(input, name))
 
     f.__name__ = name
     f.__doc__ = f"Elementwise {name}."
@@ -230,89 +254,89 @@ logical_not = _unary("logical_not")
 
 
 def add(a: Tensor, b: Any) -> Tensor:
-    return a + b if isinstance(a, Tensor) else b.__radd__(a)
+    return a + b if isinstance(a, Tensor) else _other(a, b, "add").__radd__(a)
 
 
 def sub(a: Tensor, b: Any) -> Tensor:
-    return a - b if isinstance(a, Tensor) else b.__rsub__(a)
+    return a - b if isinstance(a, Tensor) else _other(a, b, "sub").__rsub__(a)
 
 
 def mul(a: Tensor, b: Any) -> Tensor:
-    return a * b if isinstance(a, Tensor) else b.__rmul__(a)
+    return a * b if isinstance(a, Tensor) else _other(a, b, "mul").__rmul__(a)
 
 
 def div(a: Tensor, b: Any) -> Tensor:
-    return a / b if isinstance(a, Tensor) else b.__rtruediv__(a)
+    return a / b if isinstance(a, Tensor) else _other(a, b, "div").__rtruediv__(a)
 
 
 def pow(a: Tensor, b: Any) -> Tensor:  # noqa: A001
-    return a**b if isinstance(a, Tensor) else b.__rpow__(a)
+    return a**b if isinstance(a, Tensor) else _other(a, b, "pow").__rpow__(a)
 
 
 def maximum(a: Tensor, b: Tensor) -> Tensor:
-    return a.maximum(b)
+    return _as_input(a, "maximum").maximum(b)
 
 
 def minimum(a: Tensor, b: Tensor) -> Tensor:
-    return a.minimum(b)
+    return _as_input(a, "minimum").minimum(b)
 
 
 def eq(a: Tensor, b: Any) -> Tensor:
-    return a.eq(b)
+    return _as_input(a, "eq").eq(b)
 
 
 def ne(a: Tensor, b: Any) -> Tensor:
-    return a.ne(b)
+    return _as_input(a, "ne").ne(b)
 
 
 def lt(a: Tensor, b: Any) -> Tensor:
-    return a.lt(b)
+    return _as_input(a, "lt").lt(b)
 
 
 def le(a: Tensor, b: Any) -> Tensor:
-    return a.le(b)
+    return _as_input(a, "le").le(b)
 
 
 def gt(a: Tensor, b: Any) -> Tensor:
-    return a.gt(b)
+    return _as_input(a, "gt").gt(b)
 
 
 def ge(a: Tensor, b: Any) -> Tensor:
-    return a.ge(b)
+    return _as_input(a, "ge").ge(b)
 
 
 def masked_fill(input: Tensor, mask: Tensor, value: builtins.float) -> Tensor:
-    return input.masked_fill(mask, value)
+    return _as_input(input, "masked_fill").masked_fill(mask, value)
 
 
 def sum(input: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:  # noqa: A001
-    return input.sum(dim, keepdim)
+    return _as_input(input, "sum").sum(dim, keepdim)
 
 
 def mean(input: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
-    return input.mean(dim, keepdim)
+    return _as_input(input, "mean").mean(dim, keepdim)
 
 
 def var(
     input: Tensor, dim: Any = None, correction: builtins.float = 1, keepdim: bool = False
 ) -> Tensor:
-    return input.var(dim, correction, keepdim)
+    return _as_input(input, "var").var(dim, correction, keepdim)
 
 
 def amax(input: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
-    return input.amax(dim, keepdim)
+    return _as_input(input, "amax").amax(dim, keepdim)
 
 
 def amin(input: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
-    return input.amin(dim, keepdim)
+    return _as_input(input, "amin").amin(dim, keepdim)
 
 
 def argmax(input: Tensor, dim: builtins.int | None = None, keepdim: bool = False) -> Tensor:
-    return input.argmax(dim, keepdim)
+    return _as_input(input, "argmax").argmax(dim, keepdim)
 
 
 def argmin(input: Tensor, dim: builtins.int | None = None, keepdim: bool = False) -> Tensor:
-    return input.argmin(dim, keepdim)
+    return _as_input(input, "argmin").argmin(dim, keepdim)
 
 
 MaxResult = namedtuple("MaxResult", ["values", "indices"])
@@ -336,11 +360,11 @@ def _min(self: Tensor, dim: Any = None, keepdim: bool = False) -> Any:
 
 
 def max(input: Tensor, dim: Any = None, keepdim: bool = False) -> Any:  # noqa: A001
-    return _max(input, dim, keepdim)
+    return _max(_as_input(input, "max"), dim, keepdim)
 
 
 def min(input: Tensor, dim: Any = None, keepdim: bool = False) -> Any:  # noqa: A001
-    return _min(input, dim, keepdim)
+    return _min(_as_input(input, "min"), dim, keepdim)
 
 
 def clamp(
@@ -356,43 +380,43 @@ def clamp(
 
 
 def reshape(input: Tensor, shape: Sequence[builtins.int]) -> Tensor:
-    return input.reshape(*shape)
+    return _as_input(input, "reshape").reshape(*shape)
 
 
 def transpose(input: Tensor, dim0: builtins.int, dim1: builtins.int) -> Tensor:
-    return input.transpose(dim0, dim1)
+    return _as_input(input, "transpose").transpose(dim0, dim1)
 
 
 def permute(input: Tensor, dims: Sequence[builtins.int]) -> Tensor:
-    return input.permute(*dims)
+    return _as_input(input, "permute").permute(*dims)
 
 
 def squeeze(input: Tensor, dim: builtins.int | None = None) -> Tensor:
-    return input.squeeze(dim)
+    return _as_input(input, "squeeze").squeeze(dim)
 
 
 def unsqueeze(input: Tensor, dim: builtins.int) -> Tensor:
-    return input.unsqueeze(dim)
+    return _as_input(input, "unsqueeze").unsqueeze(dim)
 
 
 def flatten(input: Tensor, start_dim: builtins.int = 0, end_dim: builtins.int = -1) -> Tensor:
-    return input.flatten(start_dim, end_dim)
+    return _as_input(input, "flatten").flatten(start_dim, end_dim)
 
 
 def narrow(input: Tensor, dim: builtins.int, start: builtins.int, length: builtins.int) -> Tensor:
-    return input.narrow(dim, start, length)
+    return _as_input(input, "narrow").narrow(dim, start, length)
 
 
 def split(input: Tensor, split_size_or_sections: Any, dim: builtins.int = 0) -> list[Tensor]:
-    return input.split(split_size_or_sections, dim)
+    return _as_input(input, "split").split(split_size_or_sections, dim)
 
 
 def chunk(input: Tensor, chunks: builtins.int, dim: builtins.int = 0) -> list[Tensor]:
-    return input.chunk(chunks, dim)
+    return _as_input(input, "chunk").chunk(chunks, dim)
 
 
 def clone(input: Tensor) -> Tensor:
-    return input.clone()
+    return _as_input(input, "clone").clone()
 
 
 def allclose(
