@@ -395,6 +395,7 @@ Tensor slice(const Tensor& x, int64_t dim, std::optional<int64_t> start_o,
   dim = wrap_dim(dim, x.ndim(), "slice");
   if (step <= 0) throw ValueError("[slice] step must be positive, got " + std::to_string(step));
   const int64_t n = x.shape()[dim];
+  step = std::min(step, std::max<int64_t>(n, 1));  // same elements; no overflow in size, stride
   auto norm = [n](int64_t v) { return std::clamp<int64_t>(v < 0 ? v + n : v, 0, n); };
   const int64_t start = start_o ? norm(*start_o) : 0;
   const int64_t stop = std::max(start, stop_o ? norm(*stop_o) : n);

@@ -458,3 +458,31 @@ def test_tensor_from_bad_data():
     with pytest.raises(ValueError, match=r"^\[tensor\] uint64 values above 2\*\*63 - 1"):
         bt.tensor(np.array([2**63], dtype=np.uint64))
     assert bt.tensor(np.array([2**63 - 1], dtype=np.uint64)).tolist() == [2**63 - 1]
+
+
+@pytest.mark.parametrize(
+    "fn,exc,pattern",
+    [
+        # Python ints past int64 (were "std::bad_cast")
+        (lambda: bt.ones(2, dtype=bt.int64) + 2**70, ValueError, r"^\[add\] the integer operand"),
+        (lambda: bt.ones(3)[2**70], TypeError, r"^\[getitem\] indices must be ints, got 118"),
+        (lambda: bt.ones(3).split(2**70), TypeError, r"^\[split\] sizes must be ints"),
+        # an index list numpy cannot hold as ints
+        (lambda: bt.ones(3)[[[0, 1], [2]]], IndexError, r"^\[getitem\] index lists must hold ints"),
+        # scalars of the Python-level ops
+        (lambda: bt.clip_grad_norm_([], "a"), TypeError, r"^\[clip_grad_norm_\] max_norm must"),
+        (lambda: bt.allclose(bt.ones(2), bt.ones(3)), ValueError, r"^\[allclose\] shapes \(2,\)"),
+        (lambda: bt.allclose(bt.ones(2), bt.ones(2), "x"), TypeError, r"^\[allclose\] rtol must"),
+    ],
+)
+def test_python_argument_errors(fn, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        fn()
+
+
+def test_slices_with_bounds_and_steps_past_int64():
+    x = bt.arange(5.0)
+    assert x[2 : 2**70].tolist() == [2.0, 3.0, 4.0]  # clamped, as Python slicing
+    assert x[-(2**70) : 2].tolist() == [0.0, 1.0]
+    assert x[1 :: 2**70].tolist() == [1.0]  # one element, and no overflow in its stride
+    assert x[:: 2**62].tolist() == [0.0]

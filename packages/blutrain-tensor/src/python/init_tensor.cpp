@@ -125,7 +125,14 @@ Operand operand(nb::handle h, const char* op) {
   } else if (PyBool_Check(h.ptr())) {
     o.s = {h.is(Py_True) ? 1.0 : 0.0, 0};
   } else if (PyLong_Check(h.ptr())) {
-    o.s = {static_cast<double>(nb::cast<int64_t>(h)), 1};
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(h.ptr(), &overflow);
+    if (overflow != 0) {
+      throw ValueError(std::string("[") + op + "] the integer operand " +
+                       nb::cast<std::string>(nb::repr(h)) +
+                       " does not fit int64; pass it as a float");
+    }
+    o.s = {static_cast<double>(v), 1};
   } else if (PyFloat_Check(h.ptr())) {
     o.s = {nb::cast<double>(h), 2};
   } else if (nb::hasattr(h, "dtype") && nb::hasattr(h, "ndim") &&
@@ -261,7 +268,13 @@ Tensor import_array(nb::ndarray<> a, const char* op, nb::handle owner) {
 Tensor index_tensor_from(nb::handle h, Device dev) {
   // A list of ints / bools, or a numpy array: becomes an index tensor.
   nb::object np = nb::module_::import_("numpy");
-  nb::object arr = np.attr("asarray")(h);
+  nb::object arr;
+  try {
+    arr = np.attr("asarray")(h);
+  } catch (const nb::python_error& e) {  // ragged lists, objects numpy cannot hold
+    throw IndexError(std::string("[getitem] index lists must hold ints or bools (") + e.what() +
+                     ")");
+  }
   std::string kind = nb::cast<std::string>(arr.attr("dtype").attr("kind"));
   if (kind == "b") {
     arr = arr.attr("astype")("bool");
@@ -381,7 +394,7 @@ Tensor getitem(const Tensor& self, nb::handle idx) {
     } else if (PyBool_Check(it.ptr())) {
       throw IndexError("[getitem] bool scalars are not supported as indices");
     } else if (is_int(it)) {
-      const int64_t i = nb::cast<int64_t>(nb::int_(it));
+      const int64_t i = int_arg(it, "getitem", "indices");
       if (d >= t.ndim()) throw IndexError("[getitem] too many indices");
       const int64_t n = t.shape()[d];
       if (i < -n || i >= n) {
@@ -398,7 +411,16 @@ Tensor getitem(const Tensor& self, nb::handle idx) {
       // Attribute access, not PySliceObject: the stable ABI hides the struct.
       auto get = [](nb::handle o) -> std::optional<int64_t> {
         if (o.is_none()) return std::nullopt;
-        return nb::cast<int64_t>(nb::int_(o));
+        nb::object i = nb::steal(PyNumber_Index(o.ptr()));
+        if (!i.is_valid()) {
+          PyErr_Clear();
+          throw TypeError("[getitem] slice bounds must be ints or None, got " +
+                          nb::cast<std::string>(nb::repr(o)));
+        }
+        int overflow = 0;  // a bound past int64 clamps, as Python's slicing
+        const long long v = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+        if (overflow != 0) return overflow > 0 ? INT64_MAX : -INT64_MAX;
+        return v;
       };
       auto st = get(it.attr("step"));
       const int64_t step = st ? *st : 1;
@@ -1066,7 +1088,7 @@ NB_MODULE(_tensor, m) {
   T.def(
       "split",
       [](const Tensor& a, nb::handle size, int64_t dim) {
-        if (nb::isinstance<nb::int_>(size)) return split(a, nb::cast<int64_t>(size), dim);
+        if (nb::isinstance<nb::int_>(size)) return split(a, int_arg(size, "split", "sizes"), dim);
         return split_sizes(a, parse_dims(size, "split"), dim);
       },
       "split_size_or_sections"_a, "dim"_a = 0);

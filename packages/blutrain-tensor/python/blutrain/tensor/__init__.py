@@ -219,6 +219,14 @@ def _as_input(x: Any, op: str) -> Tensor:
     return x
 
 
+def _number(v: Any, op: str, what: str) -> builtins.float:
+    """A float argument (an int, a numpy scalar, a one-element tensor); else a TypeError."""
+    try:
+        return builtins.float(v)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"[{op}] {what} must be a number, got {v!r}") from None
+
+
 def _other(a: Any, b: Any, op: str) -> Any:
     """The tensor of a binary functional form called with a scalar first (bt.add(2, t))."""
     if not isinstance(b, Tensor):
@@ -422,7 +430,16 @@ def clone(input: Tensor) -> Tensor:
 def allclose(
     a: Tensor, b: Tensor, rtol: builtins.float = 1e-5, atol: builtins.float = 1e-8
 ) -> bool:
-    return builtins.bool(np.allclose(_np64(a), _np64(b), rtol=rtol, atol=atol))
+    """Whether a and b (broadcast together) agree within atol + rtol * |b| everywhere."""
+    x, y = _np64(_as_input(a, "allclose")), _np64(_as_input(b, "allclose"))
+    rtol, atol = _number(rtol, "allclose", "rtol"), _number(atol, "allclose", "atol")
+    try:
+        np.broadcast_shapes(x.shape, y.shape)
+    except ValueError:
+        raise ValueError(
+            f"[allclose] shapes {tuple(x.shape)} and {tuple(y.shape)} cannot be broadcast"
+        ) from None
+    return builtins.bool(np.allclose(x, y, rtol=rtol, atol=atol))
 
 
 def _np64(t: Tensor) -> np.ndarray:
@@ -747,7 +764,7 @@ def clip_grad_norm_(parameters: Any, max_norm: builtins.float) -> Tensor:
     """
     if isinstance(parameters, Tensor):
         parameters = [parameters]
-    return _C.clip_grad_norm_(list(parameters), builtins.float(max_norm))
+    return _C.clip_grad_norm_(list(parameters), _number(max_norm, "clip_grad_norm_", "max_norm"))
 
 
 from . import nn  # noqa: E402  (nn uses the names above)
