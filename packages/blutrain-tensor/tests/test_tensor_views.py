@@ -284,3 +284,44 @@ def test_setitem_in_capture_renames_self():
     copy = g.nodes[ops.index("copy_")]
     assert g.nodes[-1]["inputs"][0] == copy["outputs"][0]
     assert z.is_symbolic
+
+
+def test_index_method_forms_match_the_functions_and_numpy(rng):
+    a = rng.standard_normal((4, 5))
+    x = bt.tensor(a, dtype=bt.float64)
+    idx = rng.integers(0, 4, size=6)
+    gidx = rng.integers(0, 5, size=(4, 3))
+    src = rng.standard_normal((6, 5))
+    np.testing.assert_array_equal(x.index_select(0, bt.tensor(idx)).numpy(), a[idx])
+    np.testing.assert_array_equal(
+        x.gather(1, bt.tensor(gidx)).numpy(), np.take_along_axis(a, gidx, 1)
+    )
+    want = a.copy()
+    np.add.at(want, idx, src)
+    np.testing.assert_allclose(
+        x.index_add(0, bt.tensor(idx), bt.tensor(src, dtype=bt.float64)).numpy(), want, rtol=1e-12
+    )
+    sidx = rng.integers(0, 4, size=(3, 5))
+    ssrc = rng.standard_normal((3, 5))
+    want = a.copy()
+    for i in range(3):
+        for j in range(5):
+            want[sidx[i, j], j] += ssrc[i, j]
+    got = x.scatter_add(0, bt.tensor(sidx), bt.tensor(ssrc, dtype=bt.float64)).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    np.testing.assert_array_equal(a, x.numpy())  # the out-of-place forms leave self alone
+
+
+def test_index_add_in_place_and_its_gradient(rng):
+    a = rng.standard_normal((4, 3))
+    idx = bt.tensor([0, 2, 0])
+    w = bt.tensor(a, dtype=bt.float64).requires_grad_(True)
+    s = bt.tensor(rng.standard_normal((3, 3)), dtype=bt.float64).requires_grad_(True)
+    h = w * 2.0
+    r = h.index_add_(0, idx, s)
+    assert r.data_ptr() == h.data_ptr()  # self, changed in place
+    (h * h).sum().backward()
+    ref = 2 * a
+    np.add.at(ref, [0, 2, 0], s.detach().numpy())
+    np.testing.assert_allclose(w.grad.numpy(), 2 * 2 * ref, rtol=1e-12)  # d(h^2)/dw = 2h * 2
+    np.testing.assert_allclose(s.grad.numpy(), 2 * ref[[0, 2, 0]], rtol=1e-12)

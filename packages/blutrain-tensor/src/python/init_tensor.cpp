@@ -1095,6 +1095,22 @@ NB_MODULE(_tensor, m) {
   T.def(
       "chunk", [](const Tensor& a, int64_t c, int64_t d) { return chunk(a, c, d); }, "chunks"_a,
       "dim"_a = 0);
+  // the method forms of bt.index_select / gather / index_add / scatter_add
+  T.def("index_select", &index_select, "dim"_a, "index"_a,
+        "The entries of dim at the (1-D, int32/int64) index positions.");
+  T.def("gather", &gather, "dim"_a, "index"_a,
+        "out[i][j]... = self[..index[i][j]..] along dim (index has self's rank).");
+  T.def("index_add", &index_add, "dim"_a, "index"_a, "source"_a,
+        "A copy of self with source's slices added at the index positions of dim.");
+  T.def(
+      "index_add_",
+      [](Tensor& a, int64_t dim, const Tensor& index, const Tensor& source) -> Tensor {
+        inplace(a, index_add(inplace_self(a, nb::cast(source)), dim, index, source), "index_add_");
+        return a;
+      },
+      "dim"_a, "index"_a, "source"_a, "index_add in place; returns self.");
+  T.def("scatter_add", &scatter_add, "dim"_a, "index"_a, "src"_a,
+        "A copy of self with src[i][j]... added at self[..index[i][j]..] along dim.");
   T.def("contiguous", [](const Tensor& a) { return contiguous(a); });
   T.def("clone", [](const Tensor& a) { return clone(a); });
   T.def(
