@@ -27,8 +27,8 @@ unsqueeze var where zeros""".split()
 METHODS = """__getitem__ __setitem__ size stride view expand item tolist __len__ __bool__ __float__
 __int__ __index__ contiguous float to fill_ zero_ add_ mul_ div_ copy_ masked_fill_ narrow select
 __matmul__ __pow__ __truediv__ __lt__ __invert__ backward sum mean amax argmax max softmax
-split chunk gather scatter_add index_add_ index_select permute transpose reshape flatten squeeze unsqueeze detach
-retain_grad requires_grad_ exp_ neg_""".split()
+split chunk gather scatter_add index_add_ index_select permute transpose reshape flatten squeeze
+unsqueeze detach retain_grad requires_grad_ exp_ neg_""".split()
 EXPECTED = (TypeError, ValueError, IndexError, RuntimeError, NotImplementedError, OverflowError)
 # Python's and nanobind's own messages for a wrong call signature name the function already
 PY_ARG_ERRORS = (

@@ -325,3 +325,23 @@ def test_index_add_in_place_and_its_gradient(rng):
     np.add.at(ref, [0, 2, 0], s.detach().numpy())
     np.testing.assert_allclose(w.grad.numpy(), 2 * 2 * ref, rtol=1e-12)  # d(h^2)/dw = 2h * 2
     np.testing.assert_allclose(s.grad.numpy(), 2 * ref[[0, 2, 0]], rtol=1e-12)
+
+
+def test_in_place_methods_return_self():
+    from blutrain.tensor import nn
+
+    x = bt.ones(3)
+    for r in (x.add_(1), x.mul_(2), x.zero_(), x.fill_(2.0), x.exp_(), x.requires_grad_(False)):
+        assert r is x
+    y = x
+    y += 1  # __iadd__ keeps the object: y is still x
+    assert y is x and x.tolist() == y.tolist()
+
+    class Frozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(bt.ones(2)).requires_grad_(False)  # still a Parameter
+
+    m = Frozen()
+    assert type(m.w) is nn.Parameter and not m.w.requires_grad
+    assert [name for name, _ in m.named_parameters()] == ["w"]

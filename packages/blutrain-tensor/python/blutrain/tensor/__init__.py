@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 from collections import namedtuple
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -531,6 +532,29 @@ Tensor.new_ones = lambda self, *shape: ones(*shape, dtype=self.dtype, device=sel
 Tensor.gelu = lambda self, approximate="none": gelu(self, approximate)  # type: ignore[attr-defined]
 Tensor.clamp = lambda self, min=None, max=None: clamp(self, min, max)  # type: ignore[attr-defined]
 Tensor.where = lambda self, condition, other: where(condition, self, other)  # type: ignore[attr-defined]
+
+
+def _returning_self(method: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """An in-place method that returns self itself, as PyTorch's: the C++ binding returns a new
+    Python object for the same tensor, which would drop a subclass (nn.Parameter(x)
+    .requires_grad_(False) would be a plain Tensor that a Module does not register)."""
+
+    @functools.wraps(method)
+    def f(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        method(self, *args, **kwargs)
+        return self
+
+    return f
+
+
+for _name in dir(Tensor):
+    if (_name.endswith("_") and not _name.endswith("__")) or _name in (
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+    ):
+        setattr(Tensor, _name, _returning_self(getattr(Tensor, _name)))
 
 
 # ---- grad mode ----------------------------------------------------------------------------------
