@@ -85,3 +85,40 @@ def test_parameter_hooks_for_bucketing():
     assert sorted(ready) == sorted(n for n, _ in blk.named_parameters())
     assert ready.index("mlp.c_proj.weight") < ready.index("attn.c_attn.weight")
     assert ready.index("ln_2.weight") < ready.index("ln_1.weight")
+
+
+def test_module_to_casts_parameters_and_keeps_ties():
+    from blutrain.tensor import nn
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(5, 3)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight  # one Parameter in two modules
+            self.norm = nn.LayerNorm(3)
+
+    m = Tied()
+    before = m.emb.weight.detach().to(bt.float64).numpy()
+    assert m.to(dtype=bt.bfloat16) is m
+    assert all(p.dtype == bt.bfloat16 and p.requires_grad for p in m.parameters())
+    assert m.head.weight is m.emb.weight  # still tied
+    assert [n for n, _ in m.named_parameters()] == ["emb.weight", "norm.weight", "norm.bias"]
+    np.testing.assert_allclose(m.emb.weight.detach().to(bt.float64).numpy(), before, rtol=2**-8)
+    assert m.cpu() is m and m.emb.weight.device == "cpu"
+
+
+@pytest.mark.parametrize(
+    "make,pattern",
+    [
+        (lambda nn: nn.Linear(-1, 4), r"^\[Linear\] in_features must be a non-negative int"),
+        (lambda nn: nn.Linear(3, 2.5), r"^\[Linear\] out_features must be a non-negative int"),
+        (lambda nn: nn.Embedding(-5, 2), r"^\[Embedding\] num_embeddings must be"),
+        (lambda nn: nn.Dropout(1.5), r"^\[Dropout\] p must be in \[0, 1\], got 1.5"),
+    ],
+)
+def test_module_constructor_errors(make, pattern):
+    from blutrain.tensor import nn
+
+    with pytest.raises(ValueError, match=pattern):
+        make(nn)

@@ -167,6 +167,31 @@ class Module:
                     )
                 p.copy_(src)
 
+    def to(self, device: str | None = None, dtype: Any = None) -> Module:
+        """Moves parameters to device and casts the floating ones to dtype; returns self.
+        A parameter that changes becomes a new leaf Parameter (its .grad is dropped: build the
+        optimizer afterwards); one shared by several modules (tied weights) stays shared."""
+        moved: dict[int, Parameter] = {}
+        for m in list(self.modules()):
+            for name, p in list(m._parameters.items()):
+                if id(p) not in moved:
+                    t = p.detach()
+                    if dtype is not None and t.dtype in _FLOATING:
+                        t = t.to(dtype)
+                    if device is not None:
+                        t = t.to(device)
+                    same = t.dtype == p.dtype and t.device == p.device
+                    moved[id(p)] = p if same else Parameter(t, requires_grad=p.requires_grad)
+                if moved[id(p)] is not p:
+                    setattr(m, name, moved[id(p)])
+        return self
+
+    def cuda(self, device: int | str = 0) -> Module:
+        return self.to(device if isinstance(device, str) else f"cuda:{device}")
+
+    def cpu(self) -> Module:
+        return self.to("cpu")
+
     def name_parameters(self) -> None:
         """Sets each parameter's .name to its qualified name (capture graphs show it)."""
         for n, p in self.named_parameters():
@@ -181,6 +206,15 @@ class Module:
             sub = repr(m).replace("\n", "\n  ")
             lines.append(f"  ({name}): {sub}")
         return "\n".join(lines) + (")" if len(lines) == 1 else "\n)")
+
+
+_FLOATING = (bt.float16, bt.bfloat16, bt.float32, bt.float64)
+
+
+def _sizes(op: str, **sizes: Any) -> None:
+    for what, n in sizes.items():
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"[{op}] {what} must be a non-negative int, got {n!r}")
 
 
 def _uniform(shape: tuple[int, ...], bound: float, dtype: Any) -> Tensor:
@@ -206,8 +240,9 @@ class Linear(Module):
         super().__init__()
         if activation not in (None, "gelu_tanh"):
             raise ValueError(f"[Linear] activation must be None or 'gelu_tanh', got {activation!r}")
+        _sizes("Linear", in_features=in_features, out_features=out_features)
         dtype = dtype or bt.float32
-        bound = 1 / math.sqrt(in_features)
+        bound = 1 / math.sqrt(in_features) if in_features else 0.0  # nothing to scale for 0
         self.in_features, self.out_features = in_features, out_features
         self.activation = activation
         self.weight = Parameter(_uniform((out_features, in_features), bound, dtype))
@@ -283,6 +318,7 @@ class LayerNorm(Module):
 class Embedding(Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: Any = None) -> None:
         super().__init__()
+        _sizes("Embedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim)
         self.weight = Parameter(bt.randn(num_embeddings, embedding_dim, dtype=dtype or bt.float32))
 
     def forward(self, idx: Tensor) -> Tensor:
@@ -298,6 +334,8 @@ class Embedding(Module):
 class Dropout(Module):
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"[Dropout] p must be in [0, 1], got {p}")
         self.p = p
 
     def forward(self, x: Tensor) -> Tensor:
