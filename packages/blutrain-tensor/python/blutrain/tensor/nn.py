@@ -182,8 +182,9 @@ class Module:
                         t = t.to(device)
                     same = t.dtype == p.dtype and t.device == p.device
                     moved[id(p)] = p if same else Parameter(t, requires_grad=p.requires_grad)
-                if moved[id(p)] is not p:
-                    setattr(m, name, moved[id(p)])
+                if moved[id(p)] is not p:  # in place in the registry: setattr would reorder
+                    m._parameters[name] = moved[id(p)]
+                    object.__setattr__(m, name, moved[id(p)])
         return self
 
     def cuda(self, device: int | str = 0) -> Module:
