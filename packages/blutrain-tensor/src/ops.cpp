@@ -1218,7 +1218,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target_in, int64_t igno
 }
 
 Tensor dropout(const Tensor& x, double p, bool training) {
-  if (p < 0 || p > 1) throw ValueError("[dropout] p must be in [0, 1], got " + std::to_string(p));
+  if (!(p >= 0 && p <= 1))  // NaN too
+    throw ValueError("[dropout] p must be in [0, 1], got " + std::to_string(p));
   if (!is_floating(x.dtype()))
     throw TypeError(std::string("[dropout] expects a floating input, got ") +
                     dtype_name(x.dtype()));

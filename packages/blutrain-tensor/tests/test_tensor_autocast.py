@@ -585,3 +585,41 @@ def test_linear_gelu_fp32_forward_impls(rng, lgl_impl, impl):
         + _np(bt.tensor(b, dtype=bt.float32))
     )
     np.testing.assert_allclose(_np(y), ref, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    "make,exc,pattern",
+    [
+        (
+            lambda: bt.amp.Policy(compute=bt.int64),
+            TypeError,
+            r"^\[Policy\.compute\] expected a floating",
+        ),
+        (
+            lambda: bt.amp.Policy(output="bool"),
+            TypeError,
+            r"^\[Policy\.output\] expected a floating",
+        ),
+        (lambda: bt.amp.Policy(param="float7"), TypeError, r"^\[dtype\] unknown dtype 'float7'"),
+        (
+            lambda: bt.amp.Policy(matmul_precision="fast"),
+            ValueError,
+            r"^\[Policy\] matmul_precision",
+        ),
+        (
+            lambda: bt.autocast(bt.int32).__enter__(),
+            TypeError,
+            r"^\[autocast\] expected a floating",
+        ),
+        (lambda: bt.dropout(bt.ones(2), float("nan")), ValueError, r"^\[dropout\] p must be in"),
+    ],
+)
+def test_policy_and_autocast_argument_errors(make, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        make()
+
+
+def test_policy_takes_dtype_names():
+    p = bt.amp.Policy(compute="bfloat16", param="float32")
+    assert p.compute == bt.bfloat16 and p.param == bt.float32
+    assert p.cast(bt.ones(2)).dtype == bt.bfloat16

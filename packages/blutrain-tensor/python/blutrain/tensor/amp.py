@@ -67,6 +67,17 @@ __all__ = [
 ]
 
 
+def _floating_dtype(dt: Any, what: str) -> Any:
+    """None, or dt (a dtype or its name) as a floating bt dtype; else a named error."""
+    if dt is None:
+        return None
+    if isinstance(dt, str):
+        dt = bt.empty(0, dtype=dt).dtype  # the names bt's factories take ("bfloat16", ...)
+    if not isinstance(dt, bt.dtype) or not bt.empty(0, dtype=dt).is_floating_point():
+        raise TypeError(f"[{what}] expected a floating dtype, got {dt!r}")
+    return dt
+
+
 @dataclass(frozen=True)
 class Policy:
     """A layer's precision: compute dtype, parameter (master weight) dtype, output dtype.
@@ -80,6 +91,19 @@ class Policy:
     param: Any = None
     output: Any = None
     matmul_precision: str | None = None
+
+    def __post_init__(self) -> None:
+        # dtype names ("bfloat16") become dtypes; anything but a floating dtype is refused here
+        # rather than at a layer's first cast
+        for field in ("compute", "param", "output"):
+            object.__setattr__(
+                self, field, _floating_dtype(getattr(self, field), f"Policy.{field}")
+            )
+        if self.matmul_precision not in (None, "highest", "high", "medium"):
+            raise ValueError(
+                "[Policy] matmul_precision must be None, 'highest', 'high' or 'medium', "
+                f"got {self.matmul_precision!r}"
+            )
 
     def cast(self, t: Tensor | None) -> Tensor | None:
         """t cast to the compute dtype (floating tensors only; differentiable).
@@ -135,8 +159,9 @@ def autocast(dtype: Any = None, enabled: bool = True) -> Iterator[None]:
         logits = model(idx)      # Linear/Embedding outputs bf16; LayerNorm keeps bf16
     loss = bt.cross_entropy(logits.float(), targets)
     """
+    dtype = _floating_dtype(dtype, "autocast") or bt.bfloat16
     prev = current_autocast_dtype()
-    _state.dtype = (dtype or bt.bfloat16) if enabled else None
+    _state.dtype = dtype if enabled else None
     try:
         yield
     finally:
