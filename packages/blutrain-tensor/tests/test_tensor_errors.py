@@ -473,6 +473,9 @@ def test_tensor_from_bad_data():
         (lambda: bt.clip_grad_norm_([], "a"), TypeError, r"^\[clip_grad_norm_\] max_norm must"),
         (lambda: bt.allclose(bt.ones(2), bt.ones(3)), ValueError, r"^\[allclose\] shapes \(2,\)"),
         (lambda: bt.allclose(bt.ones(2), bt.ones(2), "x"), TypeError, r"^\[allclose\] rtol must"),
+        # a device index that is no CUDA device number (was "std::bad_cast" past int32)
+        (lambda: bt.zeros(2, device=2**70), ValueError, r"^\[zeros\] device index 118"),
+        (lambda: bt.zeros(2, device=-1), ValueError, r"^\[zeros\] device index -1 is not"),
     ],
 )
 def test_python_argument_errors(fn, exc, pattern):

@@ -46,10 +46,18 @@ void init_optim(nb::module_& m) {
         auto ma = tensor_list(exp_avgs, op, "exp_avgs");
         auto va = tensor_list(exp_avg_sqs, op, "exp_avg_sqs");
         std::vector<double> wd;
+        auto number = [&](nb::handle h) {
+          double v = 0;
+          if (!nb::try_cast<double>(h, v)) {
+            throw TypeError(std::string("[") + op + "] weight_decay must be a float or a list " +
+                            "of floats, got " + nb::cast<std::string>(nb::repr(h)));
+          }
+          return v;
+        };
         if (nb::isinstance<nb::float_>(weight_decays) || nb::isinstance<nb::int_>(weight_decays)) {
-          wd.assign(p.size(), nb::cast<double>(weight_decays));
+          wd.assign(p.size(), number(weight_decays));
         } else {
-          for (nb::handle h : weight_decays) wd.push_back(nb::cast<double>(h));
+          for (nb::handle h : weight_decays) wd.push_back(number(h));
         }
         Tensor gs;
         if (!grad_scale.is_none()) {

@@ -56,7 +56,15 @@ std::optional<DType> opt_dtype(nb::handle h, const char* op) {
 Device parse_device(nb::handle h, const char* op) {
   if (!h.is_valid() || h.is_none()) return Device();
   if (nb::isinstance<nb::str>(h)) return Device::parse(nb::cast<std::string>(h), op);
-  if (nb::isinstance<nb::int_>(h)) return Device{Device::CUDA, nb::cast<int>(h)};
+  if (nb::isinstance<nb::int_>(h)) {  // a CUDA device index
+    int overflow = 0;
+    const long long i = PyLong_AsLongLongAndOverflow(h.ptr(), &overflow);
+    if (overflow != 0 || i < 0 || i > INT32_MAX) {
+      throw ValueError(std::string("[") + op + "] device index " +
+                       nb::cast<std::string>(nb::repr(h)) + " is not a CUDA device number");
+    }
+    return Device{Device::CUDA, static_cast<int>(i)};
+  }
   return Device::parse(nb::cast<std::string>(nb::str(h)), op);
 }
 
