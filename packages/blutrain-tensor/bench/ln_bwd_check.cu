@@ -127,6 +127,7 @@ struct Prob {
   const T* ep() const { return has_extra ? extra : nullptr; }
   T* dwp() const { return need_dw ? dw : nullptr; }
   T* dbp() const { return need_db ? db : nullptr; }
+  LnGrads<T> grads() const { return {dwp(), dbp(), false}; }
   void free() {
     for (void* p : {static_cast<void*>(dy), static_cast<void*>(x), static_cast<void*>(w),
                     static_cast<void*>(extra), static_cast<void*>(dx), static_cast<void*>(dw),
@@ -177,7 +178,7 @@ static bool run_v1(const Prob<T>& p, int mode) {
   }
   if (mode != 1 && p.need_acc()) {
     layernorm_backward_dwdb_v1<T, float><<<static_cast<unsigned>(ceil_div(p.C, 256)), 256>>>(
-        p.dy, p.x, p.mean, p.rstd, p.dwp(), p.dbp(), p.R, p.C);
+        p.dy, p.x, p.mean, p.rstd, p.grads(), p.R, p.C);
     CK(cudaGetLastError());
   }
   return true;
@@ -214,8 +215,8 @@ static bool run_v2(const Prob<T>& p, int mode) {
       CK(cudaGetLastError());
     }
     if (mode != 1 && need_acc) {
-      layernorm_backward_reduce<T><<<static_cast<unsigned>(ceil_div(2 * p.C, 256)), 256>>>(
-          p.partial, G, p.C, p.dwp(), p.dbp());
+      layernorm_backward_reduce<T>
+          <<<static_cast<unsigned>(ceil_div(2 * p.C, 256)), 256>>>(p.partial, G, p.C, p.grads());
       CK(cudaGetLastError());
     }
   });
@@ -252,10 +253,10 @@ static bool run_v3(const Prob<T>& p, int mode) {
       if (kReduceV4) {
         layernorm_backward_reduce_v4<T>
             <<<static_cast<unsigned>(ceil_div(2 * p.C, 32)), dim3(32, kReduceRows)>>>(
-                p.partial, G, p.C, p.dwp(), p.dbp());
+                p.partial, G, p.C, p.grads());
       } else {
-        layernorm_backward_reduce<T><<<static_cast<unsigned>(ceil_div(2 * p.C, 256)), 256>>>(
-            p.partial, G, p.C, p.dwp(), p.dbp());
+        layernorm_backward_reduce<T>
+            <<<static_cast<unsigned>(ceil_div(2 * p.C, 256)), 256>>>(p.partial, G, p.C, p.grads());
       }
       CK(cudaGetLastError());
     }
@@ -290,8 +291,8 @@ static bool run_v4(const Prob<T>& p, int mode) {
     }
     if (mode != 1 && need_acc) {
       layernorm_backward_reduce_v4<T>
-          <<<static_cast<unsigned>(ceil_div(2 * p.C, 32)), dim3(32, kReduceRows)>>>(
-              p.partial, G, p.C, p.dwp(), p.dbp());
+          <<<static_cast<unsigned>(ceil_div(2 * p.C, 32)), dim3(32, kReduceRows)>>>(p.partial, G,
+                                                                                    p.C, p.grads());
       CK(cudaGetLastError());
     }
   });
@@ -322,7 +323,7 @@ static bool run_v5(const Prob<T>& p, int mode) {
       if (mode != 1 && need_acc) {
         layernorm_backward_reduce_v4<T>
             <<<static_cast<unsigned>(ceil_div(2 * p.C, 32)), dim3(32, kReduceRows)>>>(
-                p.partial, G, p.C, p.dwp(), p.dbp());
+                p.partial, G, p.C, p.grads());
         CK(cudaGetLastError());
       }
       return true;
@@ -355,18 +356,18 @@ static bool run_v6(const Prob<T>& p, int mode) {
       if (mode != 2) {
         note(reinterpret_cast<const void*>(L::kernel()), G, L::kThreads,
              L::smem(p.C, p.ep() != nullptr), need_acc ? P : 0, CL);
-        L::launch(G, 0, p.dy, p.x, p.wp(), p.mean, p.rstd, p.ep(), p.dx, p.partial, p.dwp(),
-                  p.dbp(), p.R, p.C, need_acc, fin, "v6");
+        L::launch(G, 0, p.dy, p.x, p.wp(), p.mean, p.rstd, p.ep(), p.dx, p.partial, p.grads(), p.R,
+                  p.C, need_acc, fin, "v6");
         CK(cudaGetLastError());
       }
       if (mode != 1 && need_acc && !fin) {
         if constexpr (kRed >= 6) {  // 6: the library's reduce (PDL as the library), 60: no PDL
-          launch_ln_bwd_reduce_v6<T>(p.partial, P, p.C, p.dwp(), p.dbp(), 0,
+          launch_ln_bwd_reduce_v6<T>(p.partial, P, p.C, p.grads(), 0,
                                      kRed == 6 && kV6ReducePdl && g_major >= 9, "reduce_v6");
         } else {
           layernorm_backward_reduce_v4<T>
               <<<static_cast<unsigned>(ceil_div(2 * p.C, 32)), dim3(32, kReduceRows)>>>(
-                  p.partial, P, p.C, p.dwp(), p.dbp());
+                  p.partial, P, p.C, p.grads());
         }
         CK(cudaGetLastError());
       }

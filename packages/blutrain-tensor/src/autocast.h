@@ -59,7 +59,8 @@ class LinearWeightGrad : public Primitive {
   bool has_bias;
 };
 
-// dpre = (g W) * gelu_tanh'(pre), with bgrad also db = column sums of dpre. Inputs g (M, N2),
+// dpre = (g W) * gelu_tanh'(pre), with bgrad also db = column sums of dpre (g's dtype, or float32
+// for a 16-bit g whose bias is a cast of a float32 master). Inputs g (M, N2),
 // W (N2, N1), pre (M, N1) contiguous. CPU and LglImpl::Cublaslt: one GEMM with linalg's
 // DGELU(_BGRAD) epilogue; CUDA otherwise: a plain GEMM into dpre, then our kernel in place.
 class LinearDgelu : public Primitive {
@@ -157,7 +158,8 @@ const char* lgl_impl_name(LglImpl impl);
 
 namespace cuda {
 // d (M, N) contiguous: dh in, du = dh * gelu_tanh'(pre) out (in place); db (N), when defined,
-// gets the column sums of du (deterministic). pre (M, N) contiguous, d's dtype. src/cuda/mlp.cu.
+// gets the column sums of du (deterministic; d's dtype, or float32 for 16-bit d: the float32 sums
+// unrounded). pre (M, N) contiguous, d's dtype. src/cuda/mlp.cu.
 void gelu_tanh_backward_inplace(const Tensor& d, const Tensor& pre, const Tensor& db,
                                 const char* op);
 // db (N) = column sums of g (M, N) (deterministic: fixed chunks of rows, then the chunks in

@@ -1,6 +1,7 @@
 // nn_fused.cpp: fronts of the fused normalisation / loss ops and their vjps (see nn_fused.h).
 #include "nn_fused.h"
 
+#include "autocast.h"
 #include "ops.h"
 
 namespace bt {
@@ -64,7 +65,7 @@ std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual
 
 std::vector<Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                                         const Tensor& mean, const Tensor& rstd, const Tensor& extra,
-                                        bool need_dweight, bool need_dbias) {
+                                        bool need_dweight, bool need_dbias, bool wide_grads) {
   const int64_t C = x.shape().back();
   const int64_t R = C ? x.numel() / C : 0;
   const DType dt = x.dtype();
@@ -75,12 +76,14 @@ std::vector<Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const
                          reshape(rstd, {R}),
                          extra.defined() ? reshape(astype(extra, dt), {R, C}) : Tensor()};
   const bool hw = weight.defined();
+  const bool wide = wide_grads && (dt == DType::BFloat16 || dt == DType::Float16);
+  const DType gdt = wide ? DType::Float32 : dt;
   std::vector<std::pair<Shape, DType>> meta{{{R, C}, dt}};
-  if (need_dweight) meta.push_back({{C}, dt});
-  if (need_dbias) meta.push_back({{C}, dt});
-  auto outs =
-      apply(std::make_shared<LayerNormBackward>(hw, extra.defined(), need_dweight, need_dbias), in,
-            meta, x.device());
+  if (need_dweight) meta.push_back({{C}, gdt});
+  if (need_dbias) meta.push_back({{C}, gdt});
+  auto outs = apply(
+      std::make_shared<LayerNormBackward>(hw, extra.defined(), need_dweight, need_dbias, wide), in,
+      meta, x.device());
   std::vector<Tensor> r(3);
   r[0] = reshape(outs[0], x.shape());
   size_t k = 1;
@@ -102,6 +105,12 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& target, const 
                 {logits, target, lse, grad_loss}, logits.shape(), logits.dtype(), logits.device());
 }
 
+bool layer_norm_wide_grads(const VjpArgs& a, DType dt, bool need_dweight, size_t iw,
+                           bool need_dbias, size_t ib) {
+  auto wide = [&](size_t i) { return weight_grad_dtype(a, i, dt) == DType::Float32; };
+  return (need_dweight || need_dbias) && (!need_dweight || wide(iw)) && (!need_dbias || wide(ib));
+}
+
 // ---- vjps --------------------------------------------------------------------------------------
 std::vector<Tensor> LayerNormBackward::vjp(const VjpArgs&) {
   throw RuntimeError("[layer_norm_backward] is not differentiable (no double backward)");
@@ -117,9 +126,10 @@ std::vector<Tensor> AddLayerNorm::vjp(const VjpArgs& a) {
   // cotangents: sum, y, mean, rstd (the last two carry nothing: stats are not differentiable).
   const Tensor& gsum = a.cotangents[0];
   const Tensor& gy = a.cotangents[1];
-  auto r =
-      layer_norm_backward(gy, a.outputs[0], has_weight ? a.inputs[2] : Tensor(), a.outputs[2],
-                          a.outputs[3], gsum, has_weight && a.needs[2], has_bias && a.needs[3]);
+  const bool ndw = has_weight && a.needs[2], ndb = has_bias && a.needs[3];
+  auto r = layer_norm_backward(gy, a.outputs[0], has_weight ? a.inputs[2] : Tensor(), a.outputs[2],
+                               a.outputs[3], gsum, ndw, ndb,
+                               layer_norm_wide_grads(a, a.outputs[0].dtype(), ndw, 2, ndb, 3));
   return {r[0], r[0], r[1], r[2]};
 }
 

@@ -18,11 +18,12 @@ namespace bt {
 // inputs: dy (R, C), x (R, C), weight (C) or undefined, mean (R), rstd (R), extra (R, C) or
 // undefined (added to dx: the residual stream's gradient in add_layer_norm's backward).
 // outputs: dx (R, C) in x's dtype, then dweight (C) if need_dweight, then dbias (C) if
-// need_dbias (both in weight's dtype, i.e. x's).
+// need_dbias (both in x's dtype, or float32 with wide_grads for 16-bit x: the kernels' float32
+// column sums unrounded, for a weight that is a cast of a float32 master, Note [cached casts]).
 class LayerNormBackward : public Primitive {
   BT_PRIM_BODY(LayerNormBackward, "layer_norm_backward")
-  LayerNormBackward(bool w, bool e, bool ndw, bool ndb)
-      : has_weight(w), has_extra(e), need_dweight(ndw), need_dbias(ndb) {}
+  LayerNormBackward(bool w, bool e, bool ndw, bool ndb, bool wide = false)
+      : has_weight(w), has_extra(e), need_dweight(ndw), need_dbias(ndb), wide_grads(wide) {}
   bool differentiable() const override { return false; }
   bool saves_inputs() const override { return false; }
   void attrs(Attrs& a) const override {
@@ -30,8 +31,9 @@ class LayerNormBackward : public Primitive {
     a["has_extra"] = has_extra;
     a["need_dweight"] = need_dweight;
     a["need_dbias"] = need_dbias;
+    a["wide_grads"] = wide_grads;
   }
-  bool has_weight, has_extra, need_dweight, need_dbias;
+  bool has_weight, has_extra, need_dweight, need_dbias, wide_grads;
 };
 
 // inputs: y (..., C) (the forward's output), dy (same shape).  output: dx (y's dtype).
@@ -94,10 +96,16 @@ class AddLayerNorm : public Primitive {
 std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual,
                                          const Tensor& weight, const Tensor& bias, double eps,
                                          bool recompute = false);
-// The backward ops as functions (used by the vjps in primitives.cpp).
+// The backward ops as functions (used by the vjps in primitives.cpp).  wide_grads: dweight and
+// dbias in float32 for 16-bit x (see LayerNormBackward; ignored otherwise).
 std::vector<Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                                         const Tensor& mean, const Tensor& rstd, const Tensor& extra,
-                                        bool need_dweight, bool need_dbias);
+                                        bool need_dweight, bool need_dbias,
+                                        bool wide_grads = false);
+// A layer norm vjp's wide_grads: true when each wanted affine gradient (weight at input iw, bias
+// at ib) goes unnarrowed to a float32 master (weight_grad_dtype, autocast.h).
+bool layer_norm_wide_grads(const VjpArgs& a, DType dt, bool need_dweight, size_t iw,
+                           bool need_dbias, size_t ib);
 Tensor softmax_backward(const Tensor& y, const Tensor& dy, bool log);
 Tensor cross_entropy_backward(const Tensor& logits, const Tensor& target, const Tensor& lse,
                               const Tensor& grad_loss, int64_t ignore_index, int reduction,

@@ -584,6 +584,10 @@ const char* binary_name(BinaryOp op) {
       return "maximum";
     case BinaryOp::Minimum:
       return "minimum";
+    case BinaryOp::FloorDiv:
+      return "floor_divide";
+    case BinaryOp::Mod:
+      return "remainder";
     case BinaryOp::Eq:
       return "eq";
     case BinaryOp::Ne:
@@ -664,6 +668,10 @@ Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
   if (op == BinaryOp::And || op == BinaryOp::Or) dt = DType::Bool;
   if (op == BinaryOp::Sub && dt == DType::Bool) {
     throw TypeError("[sub] subtraction of bool tensors is not supported; use logical_xor or ^");
+  }
+  if ((op == BinaryOp::FloorDiv || op == BinaryOp::Mod) && dt == DType::Bool) {
+    throw TypeError(std::string("[") + nm +
+                    "] is not defined for bool tensors; cast to an integer " + "dtype first");
   }
   const Shape shape = broadcast_shapes(a.shape(), b.shape(), nm);
   const DType out_dt =
@@ -941,7 +949,8 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   return apply1(mk<IndexSelect>(dim), {x, reshape(index, {-1})}, s, x.dtype(), x.device());
 }
 
-Tensor index_add(const Tensor& base, int64_t dim, const Tensor& index, const Tensor& src) {
+Tensor index_add(const Tensor& base, int64_t dim, const Tensor& index, const Tensor& src,
+                 bool over_base) {
   check_index_tensor(index, "index_add");
   dim = wrap_shape_dim(dim, base.ndim(), "index_add");
   Shape s = base.shape();
@@ -950,8 +959,9 @@ Tensor index_add(const Tensor& base, int64_t dim, const Tensor& index, const Ten
     throw ValueError("[index_add] source has shape " + shape_str(src.shape()) + ", expected " +
                      shape_str(s));
   }
-  return apply1(mk<IndexAdd>(dim), {base, reshape(index, {-1}), astype(src, base.dtype())},
-                base.shape(), base.dtype(), base.device());
+  return apply1(mk<IndexAdd>(dim, over_base),
+                {base, reshape(index, {-1}), astype(src, base.dtype())}, base.shape(), base.dtype(),
+                base.device());
 }
 
 Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {

@@ -107,7 +107,9 @@ Tensor argreduce(bool is_max, const Tensor& x, std::optional<int64_t> dim, bool 
 
 // ---- indexing, joining ---------------------------------------------------------------------
 Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index);
-Tensor index_add(const Tensor& base, int64_t dim, const Tensor& index, const Tensor& src);
+// over_base: the result is written over base's memory (the caller checked donatable(base)).
+Tensor index_add(const Tensor& base, int64_t dim, const Tensor& index, const Tensor& src,
+                 bool over_base = false);
 Tensor gather(const Tensor& x, int64_t dim, const Tensor& index);
 Tensor scatter_add(const Tensor& base, int64_t dim, const Tensor& index, const Tensor& src);
 Tensor cat(const std::vector<Tensor>& xs, int64_t dim);

@@ -416,7 +416,9 @@ std::vector<Tensor> Unary::vjp(const VjpArgs& a) {
 }
 
 // Binary --------------------------------------------------------------------------------------
-bool Binary::saves_inputs() const { return !(op == BinaryOp::Add || op == BinaryOp::Sub); }
+bool Binary::saves_inputs() const {
+  return !(op == BinaryOp::Add || op == BinaryOp::Sub || op == BinaryOp::FloorDiv);
+}
 
 std::vector<Tensor> Binary::vjp(const VjpArgs& a) {
   const Tensor& g = a.cotangents[0];
@@ -443,6 +445,10 @@ std::vector<Tensor> Binary::vjp(const VjpArgs& a) {
       }
       return {gx, gy};
     }
+    case BinaryOp::FloorDiv:  // piecewise constant: zero almost everywhere (PyTorch's too)
+      return {zeros_like(g), a.needs[1] ? zeros_like(g) : Tensor()};
+    case BinaryOp::Mod:  // a - b * floor(a / b)
+      return {g, a.needs[1] ? neg(mul(g, binary(BinaryOp::FloorDiv, x, y))) : Tensor()};
     case BinaryOp::Maximum:
     case BinaryOp::Minimum: {
       // Ties split the gradient evenly, as PyTorch does.
@@ -508,9 +514,14 @@ std::vector<Tensor> Reduce::vjp(const VjpArgs& a) {
 
 // Indexing --------------------------------------------------------------------------------------
 std::vector<Tensor> IndexSelect::vjp(const VjpArgs& a) {
+  // An embedding's table gradient: float32 straight into a float32 master's cast (Note [cached
+  // casts]), summed over the fresh zeros in place (no copy of a table-sized base) unless a
+  // double backward could still need that base.
   const auto& m = a.in_meta[0];
   const Tensor& g = a.cotangents[0];
-  return {index_add(zeros(m.shape, g.dtype(), m.device), dim, a.inputs[1], g), Tensor()};
+  Tensor base = zeros(m.shape, weight_grad_dtype(a, 0, g.dtype()), m.device);
+  const bool over = !grad_enabled() && donatable(base);
+  return {index_add(base, dim, a.inputs[1], g, over), Tensor()};
 }
 std::vector<Tensor> IndexAdd::vjp(const VjpArgs& a) {
   const Tensor& g = a.cotangents[0];
@@ -539,9 +550,10 @@ std::vector<Tensor> Softmax::vjp(const VjpArgs& a) {
 }
 
 std::vector<Tensor> LayerNorm::vjp(const VjpArgs& a) {
+  const bool ndw = has_weight && a.needs[1], ndb = has_bias && a.needs[2];
   return layer_norm_backward(a.cotangents[0], a.inputs[0], has_weight ? a.inputs[1] : Tensor(),
-                             a.outputs[1], a.outputs[2], Tensor(), has_weight && a.needs[1],
-                             has_bias && a.needs[2]);
+                             a.outputs[1], a.outputs[2], Tensor(), ndw, ndb,
+                             layer_norm_wide_grads(a, a.inputs[0].dtype(), ndw, 1, ndb, 2));
 }
 
 std::vector<Tensor> CrossEntropy::vjp(const VjpArgs& a) {

@@ -100,9 +100,11 @@ void mark_recompute(const Tensor& out, const char* op, std::vector<Tensor> input
 // captured (or eager) adamw_, which rewrites the copy, or re-capture.
 //   Backward: a cast's node (AsType, CachedCast) widens its cotangent to its input's dtype.  The
 // engine passes a cotangent already in that dtype through unnarrowed (Node::wide_grad_dtype), and
-// a vjp that writes the gradient of such an input anyway (a linear layer's weight GEMM) writes it
-// in that dtype (VjpArgs::grad_dtypes): float32 out of a bf16 GEMM, one rounding fewer and no
-// widening kernel.  Hooks on the cast's output see the narrow dtype as before (they turn this off).
+// a vjp that writes the gradient of such an input anyway writes it in that dtype
+// (VjpArgs::grad_dtypes): float32 out of a bf16 GEMM (a linear layer's dW and db), out of the layer
+// norm backward's column sums (dweight, dbias) and out of an embedding's index_add, one rounding
+// fewer and no widening kernel.  Hooks on the cast's output see the narrow dtype as before (they
+// turn this off).
 struct CastCache {
   struct Entry {
     Shape shape;
@@ -318,7 +320,27 @@ class Unary : public Primitive {
   UnaryOp op;
 };
 
-enum class BinaryOp { Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge, And, Or };
+// FloorDiv / Mod: Python's // and % (pymath.h).  Eq and after give bool (kernels rely on the
+// order).
+enum class BinaryOp {
+  Add,
+  Sub,
+  Mul,
+  Div,
+  Pow,
+  Maximum,
+  Minimum,
+  FloorDiv,
+  Mod,
+  Eq,
+  Ne,
+  Lt,
+  Le,
+  Gt,
+  Ge,
+  And,
+  Or
+};
 const char* binary_name(BinaryOp op);
 // Inputs arrive broadcast to the output shape (expand views) and cast to the compute dtype.
 class Binary : public Primitive {
@@ -332,10 +354,11 @@ class Binary : public Primitive {
   bool saves_input(size_t i, const std::vector<bool>& needs) const override {
     if (op == BinaryOp::Mul) return needs[1 - i];
     if (op == BinaryOp::Div) return i == 1 || needs[1];
+    if (op == BinaryOp::Mod) return needs[1];  // b's gradient reads a // b
     return true;
   }
   bool saves_outputs() const override { return op == BinaryOp::Pow; }
-  bool differentiable() const override { return op <= BinaryOp::Minimum; }
+  bool differentiable() const override { return op <= BinaryOp::Mod; }
   bool preserves_layout() const override { return true; }
   BinaryOp op;
 };
@@ -393,11 +416,18 @@ class IndexSelect : public Primitive {  // inputs: x, index (int, 1-D)
   void attrs(Attrs& a) const override { a["dim"] = dim; }
   int64_t dim;
 };
-class IndexAdd : public Primitive {  // out = base; out.index_add_(dim, index, src)
+// out = base; out.index_add_(dim, index, src).  over_base: out is written over base's memory
+// (a fresh zero base no one else holds: IndexSelect's vjp; Note [donating a saved input]).
+class IndexAdd : public Primitive {
   BT_PRIM_BODY(IndexAdd, "index_add")
-  explicit IndexAdd(int64_t d) : dim(d) {}
-  void attrs(Attrs& a) const override { a["dim"] = dim; }
+  explicit IndexAdd(int64_t d, bool over = false) : dim(d), over_base(over) {}
+  void attrs(Attrs& a) const override {
+    a["dim"] = dim;
+    a["over_base"] = over_base;
+  }
+  int overwrites_input() const override { return over_base ? 0 : -1; }
   int64_t dim;
+  bool over_base;
 };
 class Gather : public Primitive {  // inputs: x, index (int, same ndim)
   BT_PRIM_BODY(Gather, "gather")

@@ -37,6 +37,9 @@ struct RuntimeError : std::runtime_error {
 struct NotImplementedError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+struct ZeroDivisionError : std::domain_error {  // integer // or % by zero
+  using std::domain_error::domain_error;
+};
 
 std::string shape_str(const Shape& s);  // "(2, 3)"
 

@@ -18,18 +18,26 @@ import blutrain.tensor as bt
 SHAPES = [(), (0,), (3,), (1, 3), (2, 3), (3, 2), (2, 3, 4), (2, 1, 3), (5, 0), (2, 2, 3, 4)]
 DTYPES = [bt.float32, bt.float64, bt.bfloat16, bt.float16, bt.int64, bt.int32, bt.bool, bt.uint8]
 FUNCTIONS = """abs add add_layer_norm allclose amax amin argmax argmin bmm cat chunk clamp
-clip_grad_norm_ clone cos cross_entropy div dropout embedding eq erf exp flatten full gather ge
-gelu gt index_add index_select layer_norm le linear linear_cross_entropy linear_gelu
+clip_grad_norm_ clone cos cross_entropy div dropout embedding eq erf exp flatten floor_divide full
+gather ge gelu gt index_add index_select layer_norm le linear linear_cross_entropy linear_gelu
 linear_gelu_linear log log_softmax logical_not lt masked_fill matmul max maximum mean min minimum
-mul narrow ne neg ones permute pow randint randn relu reshape rsqrt scaled_dot_product_attention
-scatter_add sigmoid sign sin softmax split sqrt squeeze stack sub sum tanh tensor transpose
-unsqueeze var where zeros""".split()
+mul narrow ne neg ones permute pow randint randn relu remainder reshape rsqrt
+scaled_dot_product_attention scatter_add sigmoid sign sin softmax split sqrt squeeze stack sub sum
+tanh tensor transpose unsqueeze var where zeros""".split()
 METHODS = """__getitem__ __setitem__ size stride view expand item tolist __len__ __bool__ __float__
 __int__ __index__ contiguous float to fill_ zero_ add_ mul_ div_ copy_ masked_fill_ narrow select
-__matmul__ __pow__ __truediv__ __lt__ __invert__ backward sum mean amax argmax max softmax
-split chunk gather scatter_add index_add_ index_select permute transpose reshape flatten squeeze
-unsqueeze detach retain_grad requires_grad_ exp_ neg_""".split()
-EXPECTED = (TypeError, ValueError, IndexError, RuntimeError, NotImplementedError, OverflowError)
+__matmul__ __pow__ __truediv__ __floordiv__ __mod__ __rmod__ __lt__ __invert__ backward sum mean
+amax argmax max softmax split chunk gather scatter_add index_add_ index_select permute transpose
+reshape flatten squeeze unsqueeze detach retain_grad requires_grad_ exp_ neg_""".split()
+EXPECTED = (
+    TypeError,
+    ValueError,
+    IndexError,
+    RuntimeError,
+    NotImplementedError,
+    OverflowError,
+    ZeroDivisionError,
+)
 # Python's and nanobind's own messages for a wrong call signature name the function already
 PY_ARG_ERRORS = (
     "incompatible function arguments",

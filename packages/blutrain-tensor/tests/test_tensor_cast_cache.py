@@ -308,3 +308,174 @@ def test_bias_gradient_kernels(monkeypatch, impl, master, M, N):
     # float32 sums: ~1e-6 relative; a bf16 result (bf16 master): 2^-8
     tol = 4e-3 if Wd == bt.bfloat16 else 2e-5
     assert (np.abs(got - want) / scale).max() < tol
+
+
+# ---- layer norm and embedding gradients in float32 -------------------------------------------
+# A 16-bit layer norm's dweight / dbias and an embedding's table gradient go to a float32 master
+# in float32 (the kernels' float32 sums unrounded; no widening kernel).  Tolerances as above:
+# float32 sums are ~1e-6 relative to the summed magnitudes; a 16-bit result is off by up to 2^-9.
+NORM_SHAPES = [(67, 96), (300, 768), (5, 40)]
+
+
+# how the float32 masters reach a 16-bit norm; "mixed": as they are (the front casts them)
+NORM_CASTS = {
+    "cached": lambda t, dt: bt.cached_astype(t, dt),
+    "astype": lambda t, dt: t.to(dt),
+    "mixed": lambda t, dt: t,
+}
+
+
+def _norm_grads(device, kind, R, C, cast, dtype=bt.bfloat16, hook=None):
+    """A 16-bit layer norm ("layer_norm" or "add_layer_norm") on float32 masters w, b (reaching it
+    through NORM_CASTS[cast]), with y's cotangent g16 exactly; returns (w, b, normalised input s,
+    g16, w16)."""
+    rng = np.random.default_rng(R * 1000 + C)
+    w = _param(rng, (C,), device, 0.5)
+    b = _param(rng, (C,), device, 0.5)
+    x16 = bt.tensor(rng.standard_normal((R, C)) * 2 + 0.5, dtype=dtype, device=device)
+    g16 = bt.tensor(rng.standard_normal((R, C)), dtype=dtype, device=device)
+    w16, b16 = NORM_CASTS[cast](w, dtype), NORM_CASTS[cast](b, dtype)
+    if hook is not None:
+        hook(w16)
+    if kind == "layer_norm":
+        s, y = x16, bt.layer_norm(x16, (C,), w16, b16)
+    else:
+        r16 = bt.tensor(rng.standard_normal((R, C)), dtype=dtype, device=device)
+        s, y = bt.add_layer_norm(x16, r16, w16, b16)  # the kernels normalise the rounded sum
+    (y.float() * g16.float()).sum().backward()
+    return w, b, s, g16, w16
+
+
+def _check_norm_grads(w, b, s, g16, tol=2e-5):
+    s64 = s.detach().float().cpu().numpy().astype(np.float64)
+    g = g16.float().cpu().numpy().astype(np.float64)
+    xhat = (s64 - s64.mean(1, keepdims=True)) / np.sqrt(s64.var(1, keepdims=True) + 1e-5)
+    dw_err = np.abs(w.grad.cpu().numpy() - (g * xhat).sum(0)) / np.abs(g * xhat).sum(0)
+    db_err = np.abs(b.grad.cpu().numpy() - g.sum(0)) / np.abs(g).sum(0)
+    assert dw_err.max() < tol, f"dweight relative error {dw_err.max():.2e}: not a float32 sum"
+    assert db_err.max() < tol, f"dbias relative error {db_err.max():.2e}: not a float32 sum"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["layer_norm", "add_layer_norm"])
+@pytest.mark.parametrize("cast", list(NORM_CASTS))
+@pytest.mark.parametrize("R,C", NORM_SHAPES)
+@pytest.mark.parametrize("dtype", [bt.bfloat16, bt.float16])
+def test_layer_norm_affine_gradients_are_float32(device, kind, cast, R, C, dtype):
+    w, b, s, g16, _ = _norm_grads(device, kind, R, C, cast, dtype)
+    assert w.grad.dtype == bt.float32 and b.grad.dtype == bt.float32
+    _check_norm_grads(w, b, s, g16)
+
+
+@pytest.mark.gpu
+@NO_CUDA
+@pytest.mark.parametrize("ver", ["1", "2", "3", "4", "5", "6"])
+@pytest.mark.parametrize("dtype", [bt.bfloat16, bt.float16])
+@pytest.mark.parametrize("R,C", [*NORM_SHAPES, (2048, 3072)])
+def test_layer_norm_float32_gradients_every_kernel(monkeypatch, ver, dtype, R, C):
+    """Every backward kernel (BT_CUDA_NN_VERSION; each falls back where it does not apply) writes
+    float32 dweight / dbias for a float32 master, and a weight-only norm writes dweight alone."""
+    monkeypatch.setenv("BT_CUDA_NN_VERSION", ver)
+    w, b, s, g16, _ = _norm_grads("cuda", "add_layer_norm", R, C, "cached", dtype)
+    _check_norm_grads(w, b, s, g16)
+    w2 = bt.tensor(w.detach().cpu().numpy(), device="cuda", requires_grad=True)
+    bt.layer_norm(s.detach(), (C,), bt.cached_astype(w2, dtype)).float().sum().backward()
+    assert w2.grad.dtype == bt.float32 and w2.grad.shape == (C,)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_norm_hooks_on_the_cast_see_its_dtype(device):
+    seen = []
+
+    def hook(w16):
+        w16.register_hook(lambda g: seen.append(g.dtype))
+        w16.retain_grad()
+
+    w, b, s, g16, w16 = _norm_grads(device, "layer_norm", 67, 96, "cached", hook=hook)
+    assert seen == [bt.bfloat16] and w16.grad.dtype == bt.bfloat16
+    assert w.grad.dtype == bt.float32 and _same_bits(w.grad, w16.grad.float())
+    # one kernel writes both: with the weight's gradient in bf16, so is the bias's (rounded once)
+    assert b.grad.dtype == bt.float32
+    _check_norm_grads(w, b, s, g16, tol=4e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cast", list(CASTS))
+def test_embedding_gradient_is_written_in_float32(device, cast):
+    """600 rows into 7 of 50 entries: float32 sums, exact zeros elsewhere."""
+    rng = np.random.default_rng(8)
+    W = _param(rng, (50, 24), device)
+    idx = rng.integers(0, 7, 600)
+    g16 = bt.tensor(rng.standard_normal((600, 24)), dtype=bt.bfloat16, device=device)
+    e = bt.embedding(bt.tensor(idx, dtype=bt.int64, device=device), CASTS[cast](W))
+    (e.float() * g16.float()).sum().backward()
+    assert W.grad.dtype == bt.float32
+    g = g16.float().cpu().numpy().astype(np.float64)
+    want, scale = np.zeros((50, 24)), np.zeros((50, 24))
+    np.add.at(want, idx, g)
+    np.add.at(scale, idx, np.abs(g))
+    got = W.grad.cpu().numpy()
+    assert not got[7:].any()
+    err = np.abs(got[:7] - want[:7]) / scale[:7]
+    assert err.max() < 2e-5, f"embedding gradient relative error {err.max():.2e}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
+def test_embedding_gradient_over_fresh_zeros(device, dtype):
+    """The table gradient is summed over its fresh zeros in place: a second backward through a
+    retained graph starts from zeros again (the leaf's .grad doubles), and rows no index names
+    stay exactly zero."""
+    rng = np.random.default_rng(9)
+    W = bt.tensor(rng.standard_normal((10, 4)), dtype=dtype, device=device, requires_grad=True)
+    ids = rng.integers(0, 8, 30)
+    e = bt.embedding(bt.tensor(ids, dtype=bt.int64, device=device), W)
+    loss = (e.float() * 3.0).sum()
+    loss.backward(retain_graph=True)
+    first = W.grad.float().cpu().numpy().copy()
+    loss.backward()
+    counts = np.bincount(ids, minlength=10)[:, None] * np.full((1, 4), 3.0)
+    np.testing.assert_array_equal(first, counts)
+    np.testing.assert_array_equal(W.grad.float().cpu().numpy(), 2 * counts)
+
+
+@pytest.fixture
+def lgl_impl():
+    prev = C._get_linear_gelu_linear_impl()
+    yield C._set_linear_gelu_linear_impl
+    C._set_linear_gelu_linear_impl(prev)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("impl", ["kernel", "kernel_v1", "cublaslt"])
+def test_mlp_first_bias_gradient_is_float32(lgl_impl, device, recompute, impl):
+    """linear_gelu_linear's b1 gradient (column sums of the rounded bf16 dpre) comes out in
+    float32: most values are not bf16 numbers (a bf16 sum widened afterwards would all be), and
+    it matches float64 to bf16's accuracy of dpre.  impl (CUDA): our column-sum kernel, its v1
+    reference, or linalg's DGELU_BGRAD epilogue (the CPU always runs the epilogue)."""
+    lgl_impl(impl)
+    rng = np.random.default_rng(12)
+    M, K, N = 96, 64, 128
+    p = {
+        n: _param(rng, s, device, 0.2)
+        for n, s in {"w1": (N, K), "b1": (N,), "w2": (K, N), "b2": (K,)}.items()
+    }
+    x16 = bt.tensor(rng.standard_normal((M, K)), dtype=bt.bfloat16, device=device)
+    c = {n: bt.cached_astype(t, bt.bfloat16) for n, t in p.items()}
+    y = bt.linear_gelu_linear(x16, c["w1"], c["b1"], c["w2"], c["b2"], recompute=recompute)
+    g16 = bt.tensor(rng.standard_normal((M, K)), dtype=bt.bfloat16, device=device)
+    (y.float() * g16.float()).sum().backward()
+    db1 = p["b1"].grad.cpu().numpy()
+    assert p["b1"].grad.dtype == bt.float32
+    as_bf16 = bt.tensor(db1).to(bt.bfloat16).float().numpy()
+    assert (as_bf16 != db1).mean() > 0.8, "b1's gradient looks bf16-rounded"
+    # float64 reference of the whole chain from the bf16 values
+    f = lambda t: t.detach().float().cpu().numpy().astype(np.float64)  # noqa: E731
+    pre = f(x16) @ f(c["w1"]).T + f(c["b1"])
+    k = np.sqrt(2 / np.pi)
+    t = np.tanh(k * (pre + 0.044715 * pre**3))
+    dgelu = 0.5 * (1 + t) + 0.5 * pre * (1 - t * t) * k * (1 + 3 * 0.044715 * pre**2)
+    dpre = (f(g16) @ f(c["w2"])) * dgelu
+    err = np.abs(db1 - dpre.sum(0)) / np.abs(dpre).sum(0)
+    assert err.max() < 2e-2, f"b1 gradient relative error {err.max():.2e}"

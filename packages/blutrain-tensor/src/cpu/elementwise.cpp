@@ -4,6 +4,7 @@
 
 #include "../backend.h"
 #include "../primitives.h"
+#include "../pymath.h"
 #include "../random.h"
 #include "fastmath.h"
 #include "loops.h"
@@ -255,6 +256,8 @@ static inline auto binary_fn(C a, C b) {
   }
   if constexpr (OP == BinaryOp::Maximum) return (a != a) ? a : ((b != b) ? b : (a > b ? a : b));
   if constexpr (OP == BinaryOp::Minimum) return (a != a) ? a : ((b != b) ? b : (a < b ? a : b));
+  if constexpr (OP == BinaryOp::FloorDiv) return pymath::floor_divide<C>(a, b);
+  if constexpr (OP == BinaryOp::Mod) return pymath::remainder<C>(a, b);
   if constexpr (OP == BinaryOp::Eq) return a == b;
   if constexpr (OP == BinaryOp::Ne) return a != b;
   if constexpr (OP == BinaryOp::Lt) return a < b;
@@ -306,8 +309,28 @@ static void binary_dispatch(const Tensor& x, const Tensor& y, const Tensor& out,
   });
 }
 
+// Integer // and % by zero raise (as Python's do) before anything is written.
+static void check_integer_divisor(const Tensor& y, const char* nm) {
+  if (is_floating(y.dtype()) || y.numel() == 0) return;
+  dispatch_all(y.dtype(), nm, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* b = base_ptr<T>(y);
+    bool zero = false;
+    for_each_strided<1>(
+        y.shape(), {y.strides()},
+        [&](const std::array<int64_t, 1>& off, int64_t n, const std::array<int64_t, 1>& s) {
+          for (int64_t i = 0; i < n && !zero; ++i) zero = b[off[0] + i * s[0]] == T(0);
+        });
+    if (zero) {
+      throw ZeroDivisionError(std::string("[") + nm + "] integer division by zero (" +
+                              dtype_name(y.dtype()) + " divisor)");
+    }
+  });
+}
+
 void Binary::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   const Tensor &x = in[0], &y = in[1], &o = out[0];
+  if (op == BinaryOp::FloorDiv || op == BinaryOp::Mod) check_integer_divisor(y, name());
   switch (op) {
 #define BT_CASE(N)                                 \
   case BinaryOp::N:                                \
@@ -315,8 +338,8 @@ void Binary::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
     break;
     // clang-format off
     BT_CASE(Add) BT_CASE(Sub) BT_CASE(Mul) BT_CASE(Div) BT_CASE(Pow) BT_CASE(Maximum)
-    BT_CASE(Minimum) BT_CASE(Eq) BT_CASE(Ne) BT_CASE(Lt) BT_CASE(Le) BT_CASE(Gt) BT_CASE(Ge)
-    BT_CASE(And) BT_CASE(Or)
+    BT_CASE(Minimum) BT_CASE(FloorDiv) BT_CASE(Mod) BT_CASE(Eq) BT_CASE(Ne) BT_CASE(Lt) BT_CASE(Le)
+    BT_CASE(Gt) BT_CASE(Ge) BT_CASE(And) BT_CASE(Or)
     // clang-format on
 #undef BT_CASE
   }

@@ -60,7 +60,9 @@ void IndexSelect::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& o
 }
 
 void IndexAdd::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  cpu::copy_raw(out[0], in[0]);
+  if (out[0].numel() && out[0].data_ptr(name()) != in[0].data_ptr(name())) {
+    cpu::copy_raw(out[0], in[0]);
+  }
   Tensor src = contiguous_raw(in[2]);
   int64_t outer, D, inner;
   split3(out[0].shape(), dim, outer, D, inner);

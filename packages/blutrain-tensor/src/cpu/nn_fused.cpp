@@ -53,9 +53,19 @@ void LayerNormBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<Tens
         }
       });
       size_t k = 1;
-      T* dw = need_dweight ? static_cast<T*>(out[k++].data_ptr(name())) : nullptr;
-      T* db = need_dbias ? static_cast<T*>(out[k++].data_ptr(name())) : nullptr;
+      void* dw = need_dweight ? out[k++].data_ptr(name()) : nullptr;
+      void* db = need_dbias ? out[k++].data_ptr(name()) : nullptr;
       if (!dw && !db) return;
+      // float32 dweight / dbias for 16-bit rows where the front asked for them (nn_fused.h)
+      const bool f32 = out[1].dtype() == DType::Float32 && x.dtype() != DType::Float32;
+      auto put = [f32](void* p, int64_t c, double v) {
+        if (!p) return;
+        if (f32) {
+          static_cast<float*>(p)[c] = static_cast<float>(v);
+        } else {
+          static_cast<T*>(p)[c] = static_cast<T>(v);
+        }
+      };
       cpu::parallel_for(C, R, [&](int64_t c) {  // one column per task: fixed row order
         double sw = 0, sb = 0;
         for (int64_t r = 0; r < R; ++r) {
@@ -64,8 +74,8 @@ void LayerNormBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<Tens
                 static_cast<double>(rp[r]);
           sb += g;
         }
-        if (dw) dw[c] = static_cast<T>(sw);
-        if (db) db[c] = static_cast<T>(sb);
+        put(dw, c, sw);
+        put(db, c, sb);
       });
     });
   });

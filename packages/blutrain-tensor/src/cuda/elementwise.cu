@@ -28,6 +28,7 @@
 
 #include "../backend.h"
 #include "../primitives.h"
+#include "../pymath.h"
 #include "../random.h"
 #include "common.cuh"
 
@@ -351,6 +352,8 @@ __device__ __forceinline__ auto binary_fn(C a, C b) {
   }
   if constexpr (OP == BinaryOp::Maximum) return (a != a) ? a : ((b != b) ? b : (a > b ? a : b));
   if constexpr (OP == BinaryOp::Minimum) return (a != a) ? a : ((b != b) ? b : (a < b ? a : b));
+  if constexpr (OP == BinaryOp::FloorDiv) return pymath::floor_divide<C>(a, b);
+  if constexpr (OP == BinaryOp::Mod) return pymath::remainder<C>(a, b);
   if constexpr (OP == BinaryOp::Eq) return a == b;
   if constexpr (OP == BinaryOp::Ne) return a != b;
   if constexpr (OP == BinaryOp::Lt) return a < b;
@@ -366,6 +369,21 @@ struct BinaryF {
   __device__ __forceinline__ O operator()(T a, T b) const {
     using C = math_t<T>;
     return convert<O>(binary_fn<OP, C>(convert<C>(a), convert<C>(b)));
+  }
+};
+
+// Integer // and %: a zero divisor gives 0 there and records a device error (the first one),
+// which check_index_errors raises as ZeroDivisionError at the next sync.
+template <BinaryOp OP, typename T>
+struct IntDivF {
+  IndexErrorRecord* err;
+  int code;
+  __device__ __forceinline__ T operator()(T a, T b) const {
+    if (b == T(0)) {
+      atomicCAS(&err->flag, 0, code);
+      return T(0);
+    }
+    return binary_fn<OP, T>(a, b);
   }
 };
 
@@ -845,11 +863,16 @@ void binary_launch(const Tensor& x, const Tensor& y, const Tensor& out, const ch
     // and/or cast to bool first, sub of bools is an error.
     constexpr bool is_float = std::is_floating_point<math_t<T>>::value;
     constexpr bool is_bool = std::is_same<T, bool>::value;
+    constexpr bool pydiv = OP == BinaryOp::FloorDiv || OP == BinaryOp::Mod;
     constexpr bool made = (OP == BinaryOp::Div)                         ? is_float
                           : (OP == BinaryOp::And || OP == BinaryOp::Or) ? is_bool
-                          : (OP == BinaryOp::Sub)                       ? !is_bool
+                          : (OP == BinaryOp::Sub || pydiv)              ? !is_bool
                                                                         : true;
-    if constexpr (made) {
+    if constexpr (made && pydiv && !is_float) {
+      const int code = OP == BinaryOp::FloorDiv ? kDeviceErrorFloorDiv : kDeviceErrorRemainder;
+      launch_elementwise<O, T, T>(nm, IntDivF<OP, T>{index_error_record(out.device().index), code},
+                                  out, {x, y});
+    } else if constexpr (made) {
       // Bias-style broadcasts (x op row) of the arithmetic ops on floats: the v3 fast path.
       constexpr bool arith =
           OP == BinaryOp::Add || OP == BinaryOp::Sub || OP == BinaryOp::Mul || OP == BinaryOp::Div;
@@ -974,8 +997,8 @@ void Binary::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
     break;
     // clang-format off
     BT_CASE(Add) BT_CASE(Sub) BT_CASE(Mul) BT_CASE(Div) BT_CASE(Pow) BT_CASE(Maximum)
-    BT_CASE(Minimum) BT_CASE(Eq) BT_CASE(Ne) BT_CASE(Lt) BT_CASE(Le) BT_CASE(Gt) BT_CASE(Ge)
-    BT_CASE(And) BT_CASE(Or)
+    BT_CASE(Minimum) BT_CASE(FloorDiv) BT_CASE(Mod) BT_CASE(Eq) BT_CASE(Ne) BT_CASE(Lt) BT_CASE(Le)
+    BT_CASE(Gt) BT_CASE(Ge) BT_CASE(And) BT_CASE(Or)
     // clang-format on
 #undef BT_CASE
   }

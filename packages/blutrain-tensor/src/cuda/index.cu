@@ -525,6 +525,12 @@ void check_index_errors(int device) {
   BT_CUDA_CHECK(op, cudaMemcpyToSymbolAsync(g_index_error, &zero, sizeof(zero), 0,
                                             cudaMemcpyHostToDevice, st));
   BT_CUDA_CHECK(op, cudaStreamSynchronize(st));
+  if (rec.flag == kDeviceErrorFloorDiv || rec.flag == kDeviceErrorRemainder) {
+    throw ZeroDivisionError(std::string("[") +
+                            (rec.flag == kDeviceErrorFloorDiv ? "floor_divide" : "remainder") +
+                            "] integer division by zero (detected on the GPU; those elements "
+                            "are 0)");
+  }
   const char* names[] = {"?",      "index_select", "index_add",
                          "gather", "scatter_add",  "cross_entropy"};
   const char* nm = (rec.flag >= 1 && rec.flag <= 5) ? names[rec.flag] : names[0];

@@ -57,16 +57,17 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// v1 column sums: db[j] = sum_i d[i, j], rows in order (the reference for v2's db).
-template <typename T>
+// v1 column sums: db[j] = sum_i d[i, j], rows in order (the reference for v2's db); db in T or
+// float32 (B).
+template <typename T, typename B = T>
 __global__ void __launch_bounds__(kThreads)
-    column_sum_v1(int64_t M, int64_t N, const T* __restrict__ d, T* __restrict__ db) {
+    column_sum_v1(int64_t M, int64_t N, const T* __restrict__ d, B* __restrict__ db) {
   using C = math_t<T>;
   const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= N) return;
   C s = C(0);
   for (int64_t i = 0; i < M; ++i) s += convert<C>(d[i * N + j]);
-  db[j] = convert<T>(s);
+  db[j] = convert<B>(s);
 }
 
 template <int N, typename T>
@@ -217,7 +218,8 @@ void gelu_tanh_backward_inplace(const Tensor& d, const Tensor& pre, const Tensor
                                 const char* op) {
   if (d.ndim() != 2 || pre.shape() != d.shape() || !d.is_contiguous() || !pre.is_contiguous() ||
       pre.dtype() != d.dtype() ||
-      (db.defined() && (db.shape() != Shape{d.shape()[1]} || db.dtype() != d.dtype()))) {
+      (db.defined() && (db.shape() != Shape{d.shape()[1]} ||
+                        (db.dtype() != d.dtype() && db.dtype() != DType::Float32)))) {
     throw RuntimeError(std::string("[") + op +
                        "] internal: dgelu expects contiguous (M, N) dh and pre of one dtype, got " +
                        shape_str(d.shape()) + " and " + shape_str(pre.shape()));
@@ -230,9 +232,14 @@ void gelu_tanh_backward_inplace(const Tensor& d, const Tensor& pre, const Tensor
     using T = typename decltype(tag)::type;
     using C = math_t<T>;
     constexpr int V = 16 / sizeof(T);
-    T* bp = db.defined() ? static_cast<T*>(db.data_ptr(op)) : nullptr;
+    // db in d's dtype, or float32 for a float32 master (Note [cached casts]): bp or bp32
+    const bool wide = db.defined() && db.dtype() != d.dtype();
+    T* bp = db.defined() && !wide ? static_cast<T*>(db.data_ptr(op)) : nullptr;
+    float* bp32 = wide ? static_cast<float*>(db.data_ptr(op)) : nullptr;
     if (M == 0) {  // column sums over no rows
-      if (bp) BT_CUDA_CHECK(op, cudaMemsetAsync(bp, 0, N * sizeof(T), st));
+      if (db.defined())
+        BT_CUDA_CHECK(op,
+                      cudaMemsetAsync(db.data_ptr(op), 0, db.numel() * itemsize(db.dtype()), st));
       return;
     }
     T* dp = static_cast<T*>(d.data_ptr(op));
@@ -242,11 +249,10 @@ void gelu_tanh_backward_inplace(const Tensor& d, const Tensor& pre, const Tensor
       const int blocks = elementwise_blocks(M * N, kThreads, dev);
       dgelu_v1<T><<<blocks, kThreads, 0, st>>>(M * N, dp, pp);
       BT_CUDA_LAUNCH_CHECK(op);
-      if (bp) {
-        column_sum_v1<T>
-            <<<static_cast<unsigned>(ceil_div(N, kThreads)), kThreads, 0, st>>>(M, N, dp, bp);
-        BT_CUDA_LAUNCH_CHECK(op);
-      }
+      const unsigned blocks_n = static_cast<unsigned>(ceil_div(N, kThreads));
+      if (bp) column_sum_v1<T><<<blocks_n, kThreads, 0, st>>>(M, N, dp, bp);
+      if (bp32) column_sum_v1<T, float><<<blocks_n, kThreads, 0, st>>>(M, N, dp, bp32);
+      if (db.defined()) BT_CUDA_LAUNCH_CHECK(op);
       return;
     }
     // Chunks depend only on (M, N): the same grid, hence the same db bits, on every run.
@@ -255,14 +261,15 @@ void gelu_tanh_backward_inplace(const Tensor& d, const Tensor& pre, const Tensor
     const dim3 grid(static_cast<unsigned>(ceil_div(N / V, kColThreads)),
                     static_cast<unsigned>(chunks));
     const dim3 block(kColThreads, kRowThreads);
-    if (bp) {
+    if (db.defined()) {
       const DType acc_dt = std::is_same<C, double>::value ? DType::Float64 : DType::Float32;
       Tensor partial = empty_tensor({chunks, N}, acc_dt, d.device(), op);
       C* pa = static_cast<C*>(partial.data_ptr(op));
       dgelu_v2<T, true><<<grid, block, 0, st>>>(M, N, chunk, dp, pp, pa);
       BT_CUDA_LAUNCH_CHECK(op);
-      column_sum_partials<T>
-          <<<static_cast<unsigned>(ceil_div(N, kColThreads)), block, 0, st>>>(chunks, N, pa, bp);
+      const unsigned cols = static_cast<unsigned>(ceil_div(N, kColThreads));
+      if (bp) column_sum_partials<T><<<cols, block, 0, st>>>(chunks, N, pa, bp);
+      if (bp32) column_sum_partials<T, float><<<cols, block, 0, st>>>(chunks, N, pa, bp32);
       BT_CUDA_LAUNCH_CHECK(op);
     } else {
       dgelu_v2<T, false><<<grid, block, 0, st>>>(M, N, chunk, dp, pp, nullptr);

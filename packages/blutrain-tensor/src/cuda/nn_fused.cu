@@ -94,6 +94,33 @@ __global__ void softmax_backward_v2(const T* __restrict__ y, const T* __restrict
 }
 
 // ---- layer norm backward ---------------------------------------------------------------------
+// Where dweight / dbias go: T, or float32 (f32) for 16-bit rows whose weight is a cast of a
+// float32 master (the column sums are float32 already; one rounding fewer and no widening kernel,
+// Note [cached casts]).  Either pointer may be null (that gradient is not wanted).
+template <typename T>
+struct LnGrads {
+  void* dw = nullptr;
+  void* db = nullptr;
+  bool f32 = false;
+  __host__ __device__ bool any() const { return dw || db; }
+  // element c of dweight (bias false) or dbias (bias true)
+  template <typename A>
+  __device__ __forceinline__ void put(bool bias, int64_t c, A v) const {
+    void* p = bias ? db : dw;
+    if (!p) return;
+    if (f32) {
+      static_cast<float*>(p)[c] = static_cast<float>(v);
+    } else {
+      static_cast<T*>(p)[c] = convert<T>(v);
+    }
+  }
+  // element j of [dweight | dbias]
+  template <typename A>
+  __device__ __forceinline__ void put_joined(int64_t j, int64_t C, A v) const {
+    put(j >= C, j < C ? j : j - C, v);
+  }
+};
+
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ extra), g = dy * w, xhat = (x-mean)*rstd.
 template <typename T, typename S>
 __global__ void layernorm_backward_dx_v1(const T* __restrict__ dy, const T* __restrict__ x,
@@ -124,8 +151,7 @@ __global__ void layernorm_backward_dx_v1(const T* __restrict__ dy, const T* __re
 template <typename T, typename S>
 __global__ void layernorm_backward_dwdb_v1(const T* __restrict__ dy, const T* __restrict__ x,
                                            const S* __restrict__ mean, const S* __restrict__ rstd,
-                                           T* __restrict__ dw, T* __restrict__ db, int64_t R,
-                                           int64_t C) {
+                                           LnGrads<T> grads, int64_t R, int64_t C) {
   using A = math_t<T>;
   const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (c >= C) return;
@@ -135,8 +161,8 @@ __global__ void layernorm_backward_dwdb_v1(const T* __restrict__ dy, const T* __
     sw += g * (load_math(x + r * C + c) - A(mean[r])) * A(rstd[r]);
     sb += g;
   }
-  if (dw) dw[c] = convert<T>(sw);
-  if (db) db[c] = convert<T>(sb);
+  grads.put(false, c, sw);
+  grads.put(true, c, sb);
 }
 
 // v2: a grid of G blocks, block b takes rows b, b + G, ...; dx as v1 but vectorised, and the
@@ -303,17 +329,13 @@ __global__ void layernorm_backward_v3(const T* __restrict__ dy, const T* __restr
 // dweight[c] = sum_b partial[b][c], dbias[c] = sum_b partial[b][C + c], b in order.
 template <typename T>
 __global__ void layernorm_backward_reduce(const math_t<T>* __restrict__ partial, int G, int64_t C,
-                                          T* __restrict__ dw, T* __restrict__ db) {
+                                          LnGrads<T> grads) {
   using A = math_t<T>;
   const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (j >= 2 * C) return;
   A s = 0;
   for (int b = 0; b < G; ++b) s += partial[b * 2 * C + j];
-  if (j < C) {
-    if (dw) dw[j] = convert<T>(s);
-  } else if (db) {
-    db[j - C] = convert<T>(s);
-  }
+  grads.put_joined(j, C, s);
 }
 
 // v4: one pass over dy and x (mean / rstd saved) on a persistent grid of G blocks of kV4BwdWarps
@@ -424,7 +446,7 @@ constexpr int kReduceRows = 16;
 template <typename T>
 __global__ void __launch_bounds__(32 * kReduceRows)
     layernorm_backward_reduce_v4(const float* __restrict__ partial, int G, int64_t C,
-                                 T* __restrict__ dw, T* __restrict__ db) {
+                                 LnGrads<T> grads) {
   __shared__ float sm[kReduceRows][33];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t j = blockIdx.x * int64_t(32) + tx;
@@ -439,11 +461,7 @@ __global__ void __launch_bounds__(32 * kReduceRows)
   float t = 0;
 #pragma unroll
   for (int q = 0; q < kReduceRows; ++q) t += sm[q][tx];
-  if (j < C) {
-    if (dw) dw[j] = convert<T>(t);
-  } else if (db) {
-    db[j - C] = convert<T>(t);
-  }
+  grads.put_joined(j, C, t);
 }
 
 // v5: v3 / v4 with more bytes in flight per warp.  A group of WPR warps per row (the smallest WPR
@@ -685,14 +703,15 @@ __device__ __forceinline__ float4 f4_add(float4 a, float4 b) {
 
 // Float4 i of [dw | db] (C % 4 == 0: never straddles the two) converted and stored.
 template <typename T>
-__device__ __forceinline__ void ln_store_dwdb4(int64_t i, float4 s, int64_t C, T* dw, T* db) {
+__device__ __forceinline__ void ln_store_dwdb4(int64_t i, float4 s, int64_t C,
+                                               const LnGrads<T>& grads) {
   const int64_t e = i * 4;
-  T* d = e < C ? (dw ? dw + e : nullptr) : (db ? db + (e - C) : nullptr);
-  if (!d) return;
-  d[0] = convert<T>(s.x);
-  d[1] = convert<T>(s.y);
-  d[2] = convert<T>(s.z);
-  d[3] = convert<T>(s.w);
+  const bool bias = e >= C;
+  const int64_t c = bias ? e - C : e;
+  grads.put(bias, c, s.x);
+  grads.put(bias, c + 1, s.y);
+  grads.put(bias, c + 2, s.z);
+  grads.put(bias, c + 3, s.w);
 }
 
 // Sums float4 columns [a, b) of partial rows 0..P-1 (row stride n4 float4s) in a fixed order and
@@ -702,7 +721,7 @@ __device__ __forceinline__ void ln_store_dwdb4(int64_t i, float4 s, int64_t C, T
 // during this kernel (L2 is coherent, L1 is not).
 template <typename T>
 __device__ void ln_bwd_final_slice(const float4* partial, int P, int64_t n4, int64_t a, int64_t b,
-                                   int64_t C, float4* buf, T* dw, T* db) {
+                                   int64_t C, float4* buf, const LnGrads<T>& grads) {
   const int t = threadIdx.x, nt = blockDim.x;
   const int n = static_cast<int>(b - a);
   if (n <= 0) return;
@@ -712,7 +731,7 @@ __device__ void ln_bwd_final_slice(const float4* partial, int P, int64_t n4, int
       float4 s = z;
 #pragma unroll 4
       for (int p = 0; p < P; ++p) s = f4_add(s, __ldcg(partial + p * n4 + a + i));
-      ln_store_dwdb4(a + i, s, C, dw, db);
+      ln_store_dwdb4(a + i, s, C, grads);
     }
     return;
   }
@@ -728,7 +747,7 @@ __device__ void ln_bwd_final_slice(const float4* partial, int P, int64_t n4, int
   if (t < n) {
     float4 s = buf[t];
     for (int q = 1; q < QS; ++q) s = f4_add(s, buf[q * n + t]);
-    ln_store_dwdb4(a + t, s, C, dw, db);
+    ln_store_dwdb4(a + t, s, C, grads);
   }
 }
 
@@ -742,7 +761,7 @@ constexpr int kRedCols = 16, kRedPhases = 32;
 template <typename T>
 __global__ void __launch_bounds__(kRedCols* kRedPhases)
     layernorm_backward_reduce_v6(const float4* __restrict__ partial, int P, int64_t n4, int64_t C,
-                                 T* __restrict__ dw, T* __restrict__ db) {
+                                 LnGrads<T> grads) {
   __shared__ float4 sums[kRedPhases][kRedCols];
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched as a programmatic dependent (launch_ln_bwd_reduce_v6): wait here until the row
@@ -761,14 +780,14 @@ __global__ void __launch_bounds__(kRedCols* kRedPhases)
   if (ph != 0 || j >= n4) return;
 #pragma unroll
   for (int q = 1; q < kRedPhases; ++q) s = f4_add(s, sums[q][tx]);
-  ln_store_dwdb4(j, s, C, dw, db);
+  ln_store_dwdb4(j, s, C, grads);
 }
 // pdl (compute capability 9+): launched as a programmatic dependent of the row kernel before it
 // (cudaLaunchAttributeProgrammaticStreamSerialization), so its blocks are resident and waiting
 // when the row kernel ends instead of launching after it.
 template <typename T>
-void launch_ln_bwd_reduce_v6(const float* partial, int P, int64_t C, T* dw, T* db, cudaStream_t st,
-                             bool pdl, const char* op) {
+void launch_ln_bwd_reduce_v6(const float* partial, int P, int64_t C, LnGrads<T> grads,
+                             cudaStream_t st, bool pdl, const char* op) {
   const int64_t n4 = C / 2;
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute at;
@@ -782,7 +801,7 @@ void launch_ln_bwd_reduce_v6(const float* partial, int P, int64_t C, T* dw, T* d
     cfg.numAttrs = 1;
   }
   BT_CUDA_CHECK(op, cudaLaunchKernelEx(&cfg, layernorm_backward_reduce_v6<T>,
-                                       reinterpret_cast<const float4*>(partial), P, n4, C, dw, db));
+                                       reinterpret_cast<const float4*>(partial), P, n4, C, grads));
 }
 
 template <typename T, typename S, int NV, int WPR, int NW, int K, int CL>
@@ -790,9 +809,8 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
     layernorm_backward_v6(const T* __restrict__ dy, const T* __restrict__ x,
                           const T* __restrict__ w, const S* __restrict__ mean,
                           const S* __restrict__ rstd, const T* __restrict__ extra,
-                          T* __restrict__ dx, float* __restrict__ partial, T* __restrict__ dw,
-                          T* __restrict__ db, int64_t R, int64_t C, bool need_acc,
-                          bool final_here) {
+                          T* __restrict__ dx, float* __restrict__ partial, LnGrads<T> grads,
+                          int64_t R, int64_t C, bool need_acc, bool final_here) {
   constexpr int V = static_cast<int>(16 / sizeof(T)), RG = NW / WPR;
   static_assert(V % 4 == 0 && sizeof(S) == 4, "v6: 16-bit / fp32 rows, float statistics");
   static_assert(K >= 2 && CL >= 1 && CL <= kV6MaxCluster, "v6 configuration");
@@ -979,7 +997,7 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
       if (last_flag) {  // every cluster's slice `rank` is written
         __threadfence();
         ln_bwd_final_slice<T>(reinterpret_cast<const float4*>(partial), static_cast<int>(P), n4, a,
-                              b, C, reinterpret_cast<float4*>(acc + 2 * C), dw, db);
+                              b, C, reinterpret_cast<float4*>(acc + 2 * C), grads);
         if (threadIdx.x == 0) g_ln_bwd_v6_arrivals[rank] = 0;  // ready for the next launch
       }
     }
@@ -1052,8 +1070,8 @@ struct LnBwdV6 {
   // final_here (CL > 1): dweight / dbias written by the kernel; else G / CL (CL > 1) or G
   // partials are left for layernorm_backward_reduce_v4.
   static void launch(int G, cudaStream_t st, const T* dy, const T* x, const T* w, const S* mean,
-                     const S* rstd, const T* extra, T* dx, float* partial, T* dw, T* db, int64_t R,
-                     int64_t C, bool need_acc, bool final_here, const char* op) {
+                     const S* rstd, const T* extra, T* dx, float* partial, LnGrads<T> grads,
+                     int64_t R, int64_t C, bool need_acc, bool final_here, const char* op) {
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute at;
     cfg.gridDim = dim3(static_cast<unsigned>(G));
@@ -1062,7 +1080,7 @@ struct LnBwdV6 {
     cfg.stream = st;
     if constexpr (CL > 1) set_cluster(cfg, at);
     BT_CUDA_CHECK(op, cudaLaunchKernelEx(&cfg, kernel(), dy, x, w, mean, rstd, extra, dx, partial,
-                                         dw, db, R, C, need_acc, CL > 1 && final_here));
+                                         grads, R, C, need_acc, CL > 1 && final_here));
   }
 };
 
@@ -1278,13 +1296,16 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
     const S* rp = static_cast<const S*>(rstd.data_ptr(name()));
     T* dxp = static_cast<T*>(out[0].data_ptr(name()));
     size_t k = 1;
-    T* dwp = need_dweight ? static_cast<T*>(out[k++].data_ptr(name())) : nullptr;
-    T* dbp = need_dbias ? static_cast<T*>(out[k++].data_ptr(name())) : nullptr;
-    const bool need_acc = dwp || dbp;
+    LnGrads<T> grads;  // dweight / dbias: T, or float32 where the front asked for it
+    if (need_dweight || need_dbias) grads.f32 = sizeof(T) == 2 && out[1].dtype() == DType::Float32;
+    if (need_dweight) grads.dw = out[k++].data_ptr(name());
+    if (need_dbias) grads.db = out[k++].data_ptr(name());
+    const bool need_acc = grads.any();
     if (C == 0) return;
     if (R == 0) {  // empty batch: dweight / dbias are zeros
-      if (dwp) BT_CUDA_CHECK(name(), cudaMemsetAsync(dwp, 0, C * sizeof(T), st));
-      if (dbp) BT_CUDA_CHECK(name(), cudaMemsetAsync(dbp, 0, C * sizeof(T), st));
+      const size_t bytes = C * (grads.f32 ? sizeof(float) : sizeof(T));
+      if (grads.dw) BT_CUDA_CHECK(name(), cudaMemsetAsync(grads.dw, 0, bytes, st));
+      if (grads.db) BT_CUDA_CHECK(name(), cudaMemsetAsync(grads.db, 0, bytes, st));
       return;
     }
     const int ver = nn_version(), env = nn_version_env();
@@ -1299,7 +1320,7 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
     auto reduce_partials = [&](const float* pp, int P) {
       layernorm_backward_reduce_v4<T>
           <<<static_cast<unsigned>(ceil_div(2 * C, 32)), dim3(32, kReduceRows), 0, st>>>(pp, P, C,
-                                                                                         dwp, dbp);
+                                                                                         grads);
       BT_CUDA_LAUNCH_CHECK(name());
     };
     // v6: rows through a cp.async shared-memory ring, dw / db in registers, on sm_90 one launch
@@ -1313,10 +1334,9 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
             if (G == 0) return false;
             constexpr int CL = K::kCluster;
             auto [partial, pp] = float_buffer(int64_t(G / CL) * 2 * C);
-            K::launch(G, st, dyp, xp, wp, mp, rp, ep, dxp, pp, dwp, dbp, R, C, need_acc, true,
-                      name());
+            K::launch(G, st, dyp, xp, wp, mp, rp, ep, dxp, pp, grads, R, C, need_acc, true, name());
             if (need_acc && CL == 1) {
-              launch_ln_bwd_reduce_v6<T>(pp, G, C, dwp, dbp, st, kV6ReducePdl && di.major >= 9,
+              launch_ln_bwd_reduce_v6<T>(pp, G, C, grads, st, kV6ReducePdl && di.major >= 9,
                                          name());
             }
             return true;
@@ -1376,7 +1396,7 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
           if (need_acc) {
             layernorm_backward_reduce_v4<T>
                 <<<static_cast<unsigned>(ceil_div(2 * C, 32)), dim3(32, kReduceRows), 0, st>>>(
-                    pp, G, C, dwp, dbp);
+                    pp, G, C, grads);
             BT_CUDA_LAUNCH_CHECK(name());
           }
         })) {
@@ -1416,7 +1436,7 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
             // only ceil(2C / 256) blocks, each summing G partials one after another
             layernorm_backward_reduce_v4<T>
                 <<<static_cast<unsigned>(ceil_div(2 * C, 32)), dim3(32, kReduceRows), 0, st>>>(
-                    pp, G, C, dwp, dbp);
+                    pp, G, C, grads);
             BT_CUDA_LAUNCH_CHECK(name());
           }
         })) {
@@ -1427,8 +1447,8 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
           dyp, xp, wp, mp, rp, ep, dxp, C);
       BT_CUDA_LAUNCH_CHECK(name());
       if (need_acc) {
-        layernorm_backward_dwdb_v1<T, S><<<static_cast<unsigned>(ceil_div(C, 256)), 256, 0, st>>>(
-            dyp, xp, mp, rp, dwp, dbp, R, C);
+        layernorm_backward_dwdb_v1<T, S>
+            <<<static_cast<unsigned>(ceil_div(C, 256)), 256, 0, st>>>(dyp, xp, mp, rp, grads, R, C);
         BT_CUDA_LAUNCH_CHECK(name());
       }
       return;
@@ -1466,7 +1486,7 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
       BT_CUDA_LAUNCH_CHECK(name());
       if (need_acc) {
         layernorm_backward_reduce<T>
-            <<<static_cast<unsigned>(ceil_div(2 * C, 256)), 256, 0, st>>>(pp, G, C, dwp, dbp);
+            <<<static_cast<unsigned>(ceil_div(2 * C, 256)), 256, 0, st>>>(pp, G, C, grads);
         BT_CUDA_LAUNCH_CHECK(name());
       }
     });

@@ -69,6 +69,9 @@ struct IndexErrorRecord {
   long long value, size;
 };
 constexpr int kIndexErrorCrossEntropy = 5;
+// integer floor_divide / remainder by zero (elementwise.cu): raised as ZeroDivisionError
+constexpr int kDeviceErrorFloorDiv = 6;
+constexpr int kDeviceErrorRemainder = 7;
 IndexErrorRecord* index_error_record(int device);
 
 // Grid size for a grid-stride elementwise loop: enough blocks to fill the device a few times over.

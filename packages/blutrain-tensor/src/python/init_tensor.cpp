@@ -680,6 +680,8 @@ NB_MODULE(_tensor, m) {
       PyErr_SetString(PyExc_NotImplementedError, e.what());
     } catch (const bt::ValueError& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const bt::ZeroDivisionError& e) {
+      PyErr_SetString(PyExc_ZeroDivisionError, e.what());
     }
   });
 
@@ -898,6 +900,10 @@ NB_MODULE(_tensor, m) {
   BT_BINOP("__rmul__", Mul, true)
   BT_BINOP("__truediv__", Div, false)
   BT_BINOP("__rtruediv__", Div, true)
+  BT_BINOP("__floordiv__", FloorDiv, false)
+  BT_BINOP("__rfloordiv__", FloorDiv, true)
+  BT_BINOP("__mod__", Mod, false)
+  BT_BINOP("__rmod__", Mod, true)
   BT_BINOP("__pow__", Pow, false)
   BT_BINOP("__rpow__", Pow, true)
   BT_BINOP("__eq__", Eq, false)
@@ -912,6 +918,8 @@ NB_MODULE(_tensor, m) {
   BT_BINOP("sub", Sub, false)
   BT_BINOP("mul", Mul, false)
   BT_BINOP("div", Div, false)
+  BT_BINOP("floor_divide", FloorDiv, false)
+  BT_BINOP("remainder", Mod, false)
   BT_BINOP("pow", Pow, false)
   BT_BINOP("maximum", Maximum, false)
   BT_BINOP("minimum", Minimum, false)
@@ -955,10 +963,14 @@ NB_MODULE(_tensor, m) {
   BT_IOP("__isub__", Sub)
   BT_IOP("__imul__", Mul)
   BT_IOP("__itruediv__", Div)
+  BT_IOP("__ifloordiv__", FloorDiv)
+  BT_IOP("__imod__", Mod)
   BT_IOP("add_", Add)
   BT_IOP("sub_", Sub)
   BT_IOP("mul_", Mul)
   BT_IOP("div_", Div)
+  BT_IOP("floor_divide_", FloorDiv)
+  BT_IOP("remainder_", Mod)
   BT_IOP("pow_", Pow)
 #undef BT_IOP
 
@@ -1108,8 +1120,13 @@ NB_MODULE(_tensor, m) {
         "The entries of dim at the (1-D, int32/int64) index positions.");
   T.def("gather", &gather, "dim"_a, "index"_a,
         "out[i][j]... = self[..index[i][j]..] along dim (index has self's rank).");
-  T.def("index_add", &index_add, "dim"_a, "index"_a, "source"_a,
-        "A copy of self with source's slices added at the index positions of dim.");
+  T.def(
+      "index_add",
+      [](const Tensor& t, int64_t dim, const Tensor& index, const Tensor& source) {
+        return index_add(t, dim, index, source);
+      },
+      "dim"_a, "index"_a, "source"_a,
+      "A copy of self with source's slices added at the index positions of dim.");
   T.def(
       "index_add_",
       [](Tensor& a, int64_t dim, const Tensor& index, const Tensor& source) -> Tensor {
@@ -1341,7 +1358,12 @@ NB_MODULE(_tensor, m) {
   m.def("cat", &cat, "tensors"_a, "dim"_a = 0, "Concatenates along an existing dim.");
   m.def("stack", &stack, "tensors"_a, "dim"_a = 0, "Stacks along a new dim.");
   m.def("index_select", &index_select, "input"_a, "dim"_a, "index"_a);
-  m.def("index_add", &index_add, "input"_a, "dim"_a, "index"_a, "source"_a);
+  m.def(
+      "index_add",
+      [](const Tensor& t, int64_t dim, const Tensor& index, const Tensor& source) {
+        return index_add(t, dim, index, source);
+      },
+      "input"_a, "dim"_a, "index"_a, "source"_a);
   m.def("gather", &gather, "input"_a, "dim"_a, "index"_a);
   m.def("scatter_add", &scatter_add, "input"_a, "dim"_a, "index"_a, "src"_a);
   m.def(

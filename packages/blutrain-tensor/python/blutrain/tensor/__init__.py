@@ -278,6 +278,17 @@ def div(a: Tensor, b: Any) -> Tensor:
     return a / b if isinstance(a, Tensor) else _other(a, b, "div").__rtruediv__(a)
 
 
+def floor_divide(a: Tensor, b: Any) -> Tensor:
+    """Python's a // b elementwise (rounds toward minus infinity; integer division by zero
+    raises ZeroDivisionError, on CUDA at the next synchronisation)."""
+    return a // b if isinstance(a, Tensor) else _other(a, b, "floor_divide").__rfloordiv__(a)
+
+
+def remainder(a: Tensor, b: Any) -> Tensor:
+    """Python's a % b elementwise: a - b * floor(a / b), with the divisor's sign (not C's fmod)."""
+    return a % b if isinstance(a, Tensor) else _other(a, b, "remainder").__rmod__(a)
+
+
 def pow(a: Tensor, b: Any) -> Tensor:  # noqa: A001
     return a**b if isinstance(a, Tensor) else _other(a, b, "pow").__rpow__(a)
 
@@ -553,6 +564,8 @@ for _name in dir(Tensor):
         "__isub__",
         "__imul__",
         "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
     ):
         setattr(Tensor, _name, _returning_self(getattr(Tensor, _name)))
 
@@ -867,6 +880,7 @@ __all__ = [
     "float16",
     "float32",
     "float64",
+    "floor_divide",
     "from_dlpack",
     "from_numpy",
     "full",
@@ -922,6 +936,7 @@ __all__ = [
     "randn",
     "randn_like",
     "relu",
+    "remainder",
     "reshape",
     "rsqrt",
     "scaled_dot_product_attention",
