@@ -261,7 +261,10 @@ std::vector<Tensor> LinearGeluLinear::vjp(const VjpArgs& a) {
   if (a.needs[0] || a.needs[1] || want_db1) {
     const int64_t M = dy.shape()[0], N1 = w2.shape()[1];
     std::vector<std::pair<Shape, DType>> meta{{{M, N1}, dt}};
-    if (want_db1) meta.push_back({Shape{N1}, weight_grad_dtype(a, ib1, dt)});
+    // db1 in float32 for a float32 master from our column-sum kernels (the CPU: linalg's
+    // epilogue); cuBLASLt's DGELU_BGRAD (LglImpl::Cublaslt on CUDA) keeps dpre's dtype
+    const bool wide_db1 = !(dy.device().is_cuda() && lgl_impl() == LglImpl::Cublaslt);
+    if (want_db1) meta.push_back({Shape{N1}, wide_db1 ? weight_grad_dtype(a, ib1, dt) : dt});
     auto d = apply(std::make_shared<LinearDgelu>(want_db1), {dy, w2, contiguous(pre)}, meta,
                    dy.device());
     const Tensor& dpre = d[0];
