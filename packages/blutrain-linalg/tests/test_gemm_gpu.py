@@ -187,6 +187,21 @@ def test_dgelu_bgrad(fused, dt, shape):
     assert rel_err(np64(bg), want.sum(axis=0)) < tol
 
 
+@pytest.mark.parametrize("shape", [(97, 64, 130), (256, 768, 512)])
+def test_dgelu_bgrad_float32_bias_grad_of_bf16(fused, shape):
+    """A float32 bgrad beside a bf16 D (a float32 master's bias): cuBLASLt 13's heuristic rejects
+    the fused DGELU_BGRAD as an invalid value, and the call runs unfused rather than failing."""
+    m, n, k = shape
+    a, b = g(m, k, dtype=torch.bfloat16), g(k, n, dtype=torch.bfloat16)
+    pre = g(m, n, dtype=torch.bfloat16)
+    bg = torch.full((n,), float("nan"), dtype=torch.float32, device="cuda")
+    d, got = bl.matmul(a, b, aux=pre, epilogue="dgelu_bgrad", bgrad=bg)
+    want = ref_mm(a, b) * dgelu64(np64(pre))
+    assert got.dtype == torch.float32
+    assert rel_err(np64(d), want) < 2e-2
+    assert rel_err(np64(got), want.sum(axis=0)) < 2e-2
+
+
 @pytest.mark.parametrize("dt", ["float32", "bfloat16"])
 @pytest.mark.parametrize("transa", [False, True])
 def test_bgrad_a_b(fused, dt, transa):
