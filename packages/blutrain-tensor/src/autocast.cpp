@@ -153,7 +153,7 @@ Tensor linear_gelu(const Tensor& x, const Tensor& w, const Tensor& b) {
                     dtype_name(x.dtype()) + " and " + dtype_name(w.dtype()));
   }
   const int64_t in = w.shape()[1], outf = w.shape()[0];
-  Tensor x2 = gemm_ready_2d(reshape(astype(x, dt), {-1, in}));
+  Tensor x2 = gemm_ready_2d(as_rows(astype(x, dt)));
   std::vector<Tensor> ins{x2, gemm_ready_2d(astype(w, dt))};
   if (b.defined()) ins.push_back(contiguous(astype(b, dt)));
   const Shape s2{x2.shape()[0], outf};
@@ -225,7 +225,7 @@ Tensor linear_gelu_linear(const Tensor& x, const Tensor& w1, const Tensor& b1, c
                     dtype_name(x.dtype()));
   }
   const int64_t K = w1.shape()[1], N1 = w1.shape()[0], N2 = w2.shape()[0];
-  Tensor x2 = gemm_ready_2d(reshape(astype(x, dt), {-1, K}));
+  Tensor x2 = gemm_ready_2d(as_rows(astype(x, dt)));
   std::vector<Tensor> ins{x2, gemm_ready_2d(astype(w1, dt)), gemm_ready_2d(astype(w2, dt))};
   if (b1.defined()) ins.push_back(contiguous(astype(b1, dt)));
   if (b2.defined()) ins.push_back(contiguous(astype(b2, dt)));
@@ -322,7 +322,7 @@ Tensor linear_cross_entropy(const Tensor& x, const Tensor& w, const Tensor& targ
     throw TypeError(std::string("[linear_cross_entropy] expects floating tensors, got ") +
                     dtype_name(x.dtype()) + " and " + dtype_name(w.dtype()));
   }
-  Tensor x2 = gemm_ready_2d(reshape(astype(x, dt), {-1, K}));
+  Tensor x2 = gemm_ready_2d(as_rows(astype(x, dt)));
   Tensor w2 = gemm_ready_2d(astype(w, dt));
   Tensor t = contiguous(reshape(astype(target, DType::Int64), {-1}));
   const int64_t N = x2.shape()[0];

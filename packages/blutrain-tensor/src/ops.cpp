@@ -307,6 +307,12 @@ static Shape infer_shape(Shape shape, int64_t numel, const Shape& from, const ch
   return shape;
 }
 
+Tensor as_rows(const Tensor& x) {
+  int64_t rows = 1;
+  for (size_t d = 0; d + 1 < x.shape().size(); ++d) rows *= x.shape()[d];
+  return reshape(x, {rows, x.shape().back()});
+}
+
 Tensor reshape(const Tensor& x, Shape shape) {
   check_defined(x, "reshape");
   shape = infer_shape(std::move(shape), x.numel(), x.shape(), "reshape");
@@ -1288,7 +1294,7 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
         apply1(std::make_shared<Matmul>(), {gemm_ready(a), gemm_ready(b)}, {m, n}, dt, a.device());
   } else if (b.ndim() == 2) {
     Shape lead(a.shape().begin(), a.shape().end() - 2);
-    Tensor a2 = reshape(a, {-1, k});
+    Tensor a2 = as_rows(a);
     Tensor o2 = apply1(std::make_shared<Matmul>(), {gemm_ready(a2), gemm_ready(b)},
                        {a2.shape()[0], n}, dt, a.device());
     lead.push_back(m);
@@ -1352,7 +1358,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   DType dt = matmul_dtype(x, w, "linear");
   if (b.defined()) check_same_device(x, b, "linear");
   const int64_t in = w.shape()[1], outf = w.shape()[0];
-  Tensor x2 = gemm_ready(reshape(astype(x, dt), {-1, in}));
+  Tensor x2 = gemm_ready(as_rows(astype(x, dt)));
   std::vector<Tensor> ins{x2, gemm_ready(astype(w, dt))};
   if (b.defined()) ins.push_back(astype(b, dt));
   Tensor y = apply1(std::make_shared<Matmul>(true, b.defined()), ins, {x2.shape()[0], outf}, dt,

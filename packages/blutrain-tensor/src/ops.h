@@ -52,7 +52,10 @@ bool cast_cache_enabled();
 
 // ---- views ---------------------------------------------------------------------------------
 Tensor reshape(const Tensor& x, Shape shape);  // a view where strides allow, else a copy
-Tensor view(const Tensor& x, Shape shape);     // a view or an error
+// x (..., n) as (rows, n), rows the product of the leading dims (reshape(x, {-1, n}), which is
+// ambiguous for n == 0).  x must have at least one dim.
+Tensor as_rows(const Tensor& x);
+Tensor view(const Tensor& x, Shape shape);  // a view or an error
 Tensor flatten(const Tensor& x, int64_t start = 0, int64_t end = -1);
 Tensor permute(const Tensor& x, std::vector<int64_t> perm);
 Tensor transpose(const Tensor& x, int64_t d0, int64_t d1);

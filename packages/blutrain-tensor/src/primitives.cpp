@@ -610,16 +610,16 @@ std::vector<Tensor> Matmul::vjp(const VjpArgs& a) {
   if (a.needs[1]) {
     if (trans_b) {
       // B is (n, k): dB = g^T A, summed over batches.
-      Tensor g2 = reshape(g, {-1, g.shape().back()}), A2 = reshape(A, {-1, A.shape().back()});
+      Tensor g2 = as_rows(g), A2 = as_rows(A);
       r[1] = matmul(mT(g2), A2);
     } else if (B.ndim() == 2 && A.ndim() > 2) {
-      Tensor g2 = reshape(g, {-1, g.shape().back()}), A2 = reshape(A, {-1, A.shape().back()});
+      Tensor g2 = as_rows(g), A2 = as_rows(A);
       r[1] = matmul(mT(A2), g2);
     } else {
       r[1] = sum_to(matmul(mT(A), g), B.shape());
     }
   }
-  if (has_bias && a.needs[2]) r[2] = sum(reshape(g, {-1, g.shape().back()}), {0});
+  if (has_bias && a.needs[2]) r[2] = sum(as_rows(g), {0});
   return r;
 }
 

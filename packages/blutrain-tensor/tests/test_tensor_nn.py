@@ -122,3 +122,26 @@ def test_module_constructor_errors(make, pattern):
 
     with pytest.raises(ValueError, match=pattern):
         make(nn)
+
+
+def test_zero_feature_linear_layers(rng):
+    """No input features (K = 0): the product is empty, so a linear layer gives its bias, and the
+    gradients have the empty shapes (reshape(-1, 0) alone would be ambiguous)."""
+    needs_linalg()
+    lin = nn.Linear(0, 3)
+    b = rng.standard_normal(3)
+    lin.bias = nn.Parameter(bt.tensor(b, dtype=bt.float32))
+    x = bt.randn(2, 5, 0, requires_grad=True)
+    y = lin(x)
+    assert y.shape == (2, 5, 3)
+    np.testing.assert_allclose(y.detach().numpy(), np.broadcast_to(b, (2, 5, 3)), rtol=1e-6)
+    y.sum().backward()
+    assert x.grad.shape == (2, 5, 0) and lin.weight.grad.shape == (3, 0)
+    np.testing.assert_array_equal(lin.bias.grad.numpy(), [10.0, 10.0, 10.0])
+    assert not (bt.randn(2, 3, 0) @ bt.randn(0, 4)).numpy().any()
+    w1, b1 = bt.randn(3, 0), bt.tensor(b, dtype=bt.float32)
+    h = bt.linear_gelu(bt.randn(4, 0), w1, b1)
+    want = bt.gelu(b1, approximate="tanh").numpy()
+    np.testing.assert_allclose(h.numpy(), np.broadcast_to(want, (4, 3)))
+    assert bt.linear_gelu_linear(bt.randn(4, 0), w1, b1, bt.randn(2, 3), None).shape == (4, 2)
+    assert nn.Linear(4, 0)(bt.randn(3, 4)).shape == (3, 0)
