@@ -16,40 +16,24 @@
 #else
 #define BT_PYMATH_FN inline
 #endif
+// fmod / floor / copysign: CUDA's device overloads are global, the host's float ones in std
+#if defined(__CUDA_ARCH__)
+#define BT_PYMATH_STD ::
+#else
+#define BT_PYMATH_STD std::
+#endif
 
 namespace bt::pymath {
-
-template <typename C>
-BT_PYMATH_FN C fmod_of(C a, C b) {
-#if defined(__CUDA_ARCH__)
-  return ::fmod(a, b);
-#else
-  return std::fmod(a, b);
-#endif
-}
-
-template <typename C>
-BT_PYMATH_FN C copysign_of(C a, C b) {
-#if defined(__CUDA_ARCH__)
-  return ::copysign(a, b);
-#else
-  return std::copysign(a, b);
-#endif
-}
 
 template <typename C>
 BT_PYMATH_FN C floor_divide(C a, C b) {
   if constexpr (std::is_floating_point<C>::value) {
     if (b == C(0)) return a / b;
-    const C m = fmod_of(a, b);
+    const C m = BT_PYMATH_STD fmod(a, b);
     C d = (a - m) / b;  // an integer up to rounding
     if (m != C(0) && ((b < C(0)) != (m < C(0)))) d -= C(1);
-    if (d == C(0)) return copysign_of(C(0), a / b);  // the sign of the true quotient
-#if defined(__CUDA_ARCH__)
-    C f = ::floor(d);
-#else
-    C f = std::floor(d);
-#endif
+    if (d == C(0)) return BT_PYMATH_STD copysign(C(0), a / b);  // the sign of the true quotient
+    C f = BT_PYMATH_STD floor(d);
     if (d - f > C(0.5)) f += C(1);
     return f;
   } else if constexpr (std::is_same<C, bool>::value) {
@@ -71,11 +55,11 @@ BT_PYMATH_FN C floor_divide(C a, C b) {
 template <typename C>
 BT_PYMATH_FN C remainder(C a, C b) {
   if constexpr (std::is_floating_point<C>::value) {
-    C r = fmod_of(a, b);  // nan for b == 0
+    C r = BT_PYMATH_STD fmod(a, b);  // nan for b == 0
     if (r != C(0)) {
       if ((b < C(0)) != (r < C(0))) r += b;
     } else {
-      r = copysign_of(C(0), b);  // a zero takes the divisor's sign
+      r = BT_PYMATH_STD copysign(C(0), b);  // a zero takes the divisor's sign
     }
     return r;
   } else if constexpr (std::is_same<C, bool>::value) {
@@ -91,3 +75,5 @@ BT_PYMATH_FN C remainder(C a, C b) {
 }
 
 }  // namespace bt::pymath
+
+#undef BT_PYMATH_STD

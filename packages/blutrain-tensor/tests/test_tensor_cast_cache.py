@@ -153,13 +153,20 @@ def test_cached_and_astype_give_the_same_bits(device):
     assert _same_bits(Wa.grad, Wb.grad) and _same_bits(ba.grad, bb.grad)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_hooks_on_the_cast_see_its_dtype(device):
+def _dtype_recording_hook():
+    """(seen, hook): hook(w16) records the dtype of each gradient w16 gets and retains it."""
     seen = []
 
     def hook(w16):
         w16.register_hook(lambda g: seen.append(g.dtype))
         w16.retain_grad()
+
+    return seen, hook
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hooks_on_the_cast_see_its_dtype(device):
+    seen, hook = _dtype_recording_hook()
 
     W, _, x16, g16, w16 = _linear_grads(device, CASTS["cached"], hook=hook)
     assert seen == [bt.bfloat16]
@@ -385,11 +392,7 @@ def test_layer_norm_float32_gradients_every_kernel(monkeypatch, ver, dtype, R, C
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_layer_norm_hooks_on_the_cast_see_its_dtype(device):
-    seen = []
-
-    def hook(w16):
-        w16.register_hook(lambda g: seen.append(g.dtype))
-        w16.retain_grad()
+    seen, hook = _dtype_recording_hook()
 
     w, b, s, g16, w16 = _norm_grads(device, "layer_norm", 67, 96, "cached", hook=hook)
     assert seen == [bt.bfloat16] and w16.grad.dtype == bt.bfloat16
