@@ -121,13 +121,21 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
 
         run()
         _cuda_sync("cuda")
+    # An event after each step: the GPU's time per step, to set beside the host's (a gap
+    # between the two is idle GPU time; a rising trend is the clocks dropping under load).
+    events = [bt.cuda.Event() for _ in range(a.steps + 1)] if cuda else []
     t0 = time.perf_counter()
-    for _ in range(a.steps):
+    if events:
+        events[0].record()
+    for i in range(a.steps):
         loss = run()
+        if events:
+            events[i + 1].record()
     last = float(loss.item())
     _cuda_sync("cuda")
     dt = time.perf_counter() - t0
     peak = peak_memory_bytes("cuda")
+    gpu_ms = [events[i].elapsed_time(events[i + 1]) for i in range(a.steps)] if events else []
     out = {
         "tokens_per_s": a.B * a.T * a.steps / dt,
         "peak_bytes": peak,
@@ -135,6 +143,15 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
         "first_loss": first,
         "last_loss": last,
     }
+    if gpu_ms:
+        srt = sorted(gpu_ms)
+        out["gpu_step_ms"] = {
+            "min": round(srt[0], 3),
+            "median": round(srt[len(srt) // 2], 3),
+            "max": round(srt[-1], 3),
+            "first": round(gpu_ms[0], 3),
+            "last": round(gpu_ms[-1], 3),
+        }
     try:  # GEMMs cuBLASLt had no fused epilogue for (run as GEMM + our epilogue kernel)
         import blutrain.linalg as la
 
