@@ -17,6 +17,7 @@ and writes JSON. Not a test: it never fails for being slow; a failing run is sho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -76,6 +77,7 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
     import numpy as np
 
     import blutrain.tensor as bt
+    from blutrain.models import gpt2 as gpt2_mod
     from blutrain.models.config import GPT2Config
     from blutrain.models.gpt2 import GPT2, set_matmul_precision
     from blutrain.models.trainer import _cuda_sync, clip_and_step, make_adamw, peak_memory_bytes
@@ -83,6 +85,7 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
     cuda = getattr(bt, "cuda", None)
     if hasattr(bt, "set_cast_cache_enabled"):
         bt.set_cast_cache_enabled(a.cast_cache == "on")
+    tuned = getattr(gpt2_mod, "gemm_autotune", None)  # as the trainer: the first step tunes
     L, H, C = MODELS[a.model]
     cfg = GPT2Config(block_size=max(1024, a.T), n_layer=L, n_head=H, n_embd=C, vocab_multiple=128)
     if hasattr(cuda, "reset_peak_memory_stats"):
@@ -99,8 +102,9 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
     y = bt.tensor(data[:, 1:], device="cuda")
 
     def step():
-        loss = model(x, y, return_logits=False)[1]  # head + loss in chunks: no whole logits
-        loss.backward()
+        with tuned(a.gemm_autotune == "on", "cuda") if tuned else contextlib.nullcontext():
+            loss = model(x, y, return_logits=False)[1]  # head + loss in chunks: no whole logits
+            loss.backward()
         clip_and_step(opt, params, 1.0)  # no host sync
         opt.zero_grad()
         return loss
@@ -331,6 +335,13 @@ def main() -> int:
         help="ours: keep the weights' 16-bit casts between steps (bt.cached_astype) or cast "
         "every step",
     )
+    p.add_argument(
+        "--gemm-autotune",
+        default="on",
+        choices=["on", "off"],
+        help="ours: time cuBLASLt's algorithms per GEMM shape in the warm-up (the trainer's "
+        "default) or take its heuristic's first choice",
+    )
     p.add_argument("--trace", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mode", default=None, help=argparse.SUPPRESS)
@@ -383,6 +394,8 @@ def main() -> int:
                 str(a.profile),
                 "--cast-cache",
                 a.cast_cache,
+                "--gemm-autotune",
+                a.gemm_autotune,
             ]
             t0 = time.perf_counter()
             try:

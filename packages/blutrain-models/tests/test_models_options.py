@@ -268,3 +268,49 @@ def test_cast_cache_trains_to_the_same_bits(rng):
             bt.set_cast_cache_enabled(True)
     for n, a in params_after[0].items():
         assert np.array_equal(a, params_after[1][n]), n
+
+
+def test_gemm_autotune_is_scoped():
+    """gemm_autotune turns blutrain-linalg's autotune on for a CUDA device inside the block only,
+    never on the CPU or in deterministic mode, and restores the previous value (also on error)."""
+    la = pytest.importorskip("blutrain.linalg")
+    from blutrain.models.gpt2 import gemm_autotune
+
+    prev = int(la.get_option("autotune"))
+    try:
+        la.set_option("autotune", 0)
+        with gemm_autotune(True, "cpu") as on:
+            assert not on and la.get_option("autotune") == 0
+        with gemm_autotune(False, "cuda") as on:
+            assert not on and la.get_option("autotune") == 0
+        with gemm_autotune(True, "cuda:0") as on:
+            assert on and la.get_option("autotune") == 1
+        assert la.get_option("autotune") == 0
+        with pytest.raises(KeyError), gemm_autotune(True, "cuda"):
+            raise KeyError("inside")
+        assert la.get_option("autotune") == 0
+        if hasattr(bt, "use_deterministic_algorithms"):
+            bt.use_deterministic_algorithms(True)
+            try:
+                with gemm_autotune(True, "cuda") as on:
+                    assert not on and la.get_option("autotune") == 0
+            finally:
+                bt.use_deterministic_algorithms(False)
+    finally:
+        la.set_option("autotune", prev)
+
+
+def test_gemm_autotune_option_of_the_trainer_and_bench():
+    """TrainConfig.gemm_autotune defaults on; `blutrain train` and `blutrain bench` take
+    --no-gemm-autotune."""
+    import argparse
+
+    from blutrain.models.trainer import add_commands
+
+    assert TrainConfig().gemm_autotune is True
+    assert TrainConfig(gemm_autotune=False).gemm_autotune is False
+    p = argparse.ArgumentParser()
+    add_commands(p.add_subparsers(dest="cmd"))
+    assert p.parse_args(["train", "--no-gemm-autotune"]).gemm_autotune is False
+    assert p.parse_args(["train"]).gemm_autotune is None  # TrainConfig's default applies
+    assert p.parse_args(["bench", "--no-gemm-autotune"]).gemm_autotune is False

@@ -8,7 +8,9 @@ bf16/fp16 backward: by default one kernel per key block (on sm_90a builds with D
 attn_bwd_sm90_ws, elsewhere attn_bwd_dkdv_v2<kDq>), dQ added by float atomics or a TMA reduce-add:
 dq is not bitwise repeatable, dk/dv are; bt.use_deterministic_algorithms(True) selects the
 deterministic two-kernel split (bitwise repeatable).  Bitwise checks of the backward run in that
-mode."""
+mode.  float32 on tensor cores (attention_tf32.cu) does the same for D 64: dQ by float atomics
+from the dK / dV kernel by default, the split in deterministic mode; both are checked against
+float64."""
 
 from __future__ import annotations
 
@@ -618,14 +620,17 @@ class _precision:
         bt.set_float32_matmul_precision(self.old)
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("prec", ["highest", "high"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("T", [1, 7, 64, 1024])
 @pytest.mark.parametrize("D", [64, 128])
-def test_tf32_flash_attention(rng, monkeypatch, prec, D, T, causal):
+def test_tf32_flash_attention(rng, monkeypatch, prec, D, T, causal, det):
+    """Both backwards against float64: the default (D 64: dQ by atomics from the dK / dV
+    kernel) and deterministic mode's two-kernel split."""
     monkeypatch.setitem(RTOL, bt.float32, TF32_TOL[prec])
     B, H = (1, 2) if T >= 1024 else (2, 3)
-    with _precision(prec):
+    with _precision(prec), _deterministic(det):
         _run_case(rng, bt.float32, B, H, T, D, causal)
 
 
@@ -682,21 +687,44 @@ def test_tf32_precision_is_used(rng, D):
     assert bt.get_float32_matmul_precision() == "highest"  # restored by _precision
 
 
-@pytest.mark.parametrize("prec", ["highest", "high"])
-def test_tf32_deterministic(rng, prec):
-    B, T, H, D = 2, 300, 4, 64
+def _tf32_packed_runs(rng, prec, det, D, runs=2):
+    B, T, H = 2, 300, 4
     x, _ = _split_qkv(rng, B, T, H, D, bt.float32)
-    g = bt.randn(B, H, T, D, dtype=bt.float32, device="cuda")
+    g = bt.tensor(rng.standard_normal((B, H, T, D)), dtype=bt.float32, device="cuda")
     res = []
-    with _precision(prec):
-        for _ in range(2):
+    with _precision(prec), _deterministic(det):
+        for _ in range(runs):
             x.grad = None
             q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in x.split(H * D, dim=2))
             out, _ = _tensor.flash_attention(q, k, v, is_causal=True)
             out.backward(g)
             res.append((_np(out), _np(x.grad)))
+    return res, H * D
+
+
+@pytest.mark.parametrize("prec", ["highest", "high"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_tf32_deterministic(rng, prec, D):
+    """Deterministic mode: the split backward, bitwise repeatable."""
+    res, _ = _tf32_packed_runs(rng, prec, True, D)
     assert np.array_equal(res[0][0], res[1][0])
     assert np.array_equal(res[0][1], res[1][1])
+
+
+@pytest.mark.parametrize("prec", ["highest", "high"])
+@pytest.mark.parametrize("D", [64])  # D 128 keeps the split by default (attention.cu)
+def test_tf32_dq_atomic_matches_split(rng, prec, D):
+    """The default backward (dQ by float atomics): dK and dV bitwise those of the split (the
+    same products in the same order), dQ within a quarter of the float64 tolerance of the
+    split's (different summation orders; TF32 rounds dS in both)."""
+    seed = int(rng.integers(1 << 30))
+    fused, C = _tf32_packed_runs(np.random.default_rng(seed), prec, False, D)
+    split, _ = _tf32_packed_runs(np.random.default_rng(seed), prec, True, D, runs=1)
+    assert np.array_equal(fused[0][0], split[0][0])
+    for r in fused:
+        assert np.array_equal(r[1][:, :, C:], split[0][1][:, :, C:]), "dK / dV changed"
+        err = _relerr(r[1][:, :, :C], split[0][1][:, :, :C])
+        assert err < TF32_TOL[prec] / 4, f"dQ by atomics vs the split: rel err {err:.3g}"
 
 
 @pytest.mark.parametrize("prec", ["highest", "high"])

@@ -4,7 +4,10 @@
 //   attn_fwd_tf32_k        online softmax (log2 domain), no L x S matrix in memory
 //   attn_bwd_dkdv_tf32_k   dK, dV per key block looping over query blocks (recompute P from lse)
 //   attn_bwd_dq_tf32_k     dQ per query block looping over key blocks
-// The backward is deterministic (no atomics), like attention.cu's v2 kernels.
+// That split is deterministic (no atomics), like attention.cu's v2 kernels.  Outside
+// deterministic mode (AttnTf32Args::fused_dq) the dK / dV kernel also adds each tile's dQ part
+// (dS K over its keys) into the zeroed dq with float atomics, and the dQ kernel (which recomputes
+// S and dP) is not run: see Note [tf32 dQ by atomics].
 //
 // mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 fragments (PTX ISA, "Matrix fragments for
 // mma.m16n8k8" .tf32), g = lane / 4, t = lane % 4, one 32-bit element per register:
@@ -77,6 +80,16 @@ __device__ __forceinline__ uint32_t tf32_rna(float x) {
   return r;
 }
 
+// out[0] += x, out[1] += y by atomics: one vector atomic where the GPU has it (sm_90).
+__device__ __forceinline__ void add_pair(float* out, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(out), make_float2(x, y));
+#else
+  atomicAdd(out, x);
+  atomicAdd(out + 1, y);
+#endif
+}
+
 // Fragments: hi = tf32(x); lo = tf32(x - hi) only when kExact.
 template <bool kExact>
 struct FragA {
@@ -143,6 +156,20 @@ __device__ __forceinline__ FragB<kExact> ldb_k(const float* Y, int k0, int n0) {
   split<kExact>(p[0], b.hi[0], b.lo);
   split<kExact>(p[LD], b.hi[1], b.lo + (kExact ? 1 : 0));
   return b;
+}
+// A (16 x 8) = X[k0 + k'][r0 .. r0 + 15] of a tile stored k-major (dS^T, keys as rows, for
+// dQ = dS K), k permuted as ldb_k's: logical k = t is row 2t, k = t + 4 is row 2t + 1.  With a
+// row stride of 4 mod 32 floats the 32 lanes hit 32 banks.
+template <bool kExact, int LD>
+__device__ __forceinline__ FragA<kExact> lda_k(const float* X, int k0, int r0) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const float* p = X + (k0 + 2 * t) * LD + r0 + g;
+  FragA<kExact> a;
+  split<kExact>(p[0], a.hi[0], a.lo);
+  split<kExact>(p[8], a.hi[1], a.lo + (kExact ? 1 : 0));
+  split<kExact>(p[LD], a.hi[2], a.lo + (kExact ? 2 : 0));
+  split<kExact>(p[LD + 8], a.hi[3], a.lo + (kExact ? 3 : 0));
+  return a;
 }
 // A from a C tile (its 8 columns become the permuted k): a0 = c0, a1 = c2, a2 = c1, a3 = c3.
 template <bool kExact>
@@ -357,13 +384,27 @@ __global__ void __launch_bounds__(kWarps * 32)
 // over query tiles of kBr rows (double-buffered Q, dO, lse, Dvec).  Per tile, per warp:
 //   S^T = K Q^T, dP^T = V dO^T, P^T = exp(S^T scale - lse), dS^T = P^T (dP^T - Dvec),
 //   dV += P^T dO, dK += dS^T Q (times scale at the end).
-template <int D, bool kExact, int kWarps, int kBr>
+// kDq: also dq += scale dS K over the block's keys, by float atomics (dq zeroed before).
+//
+// Note [tf32 dQ by atomics]: the tile's dO buffer is free once dV has its product, so the warps
+// write dS^T there (kBc rows of kBr + 4 floats: fits in kBr rows of D + 4 whenever kBc <= kBr
+// (D + 4) / (kBr + 4)), then each warp takes one 16-query m-tile and 8 of the D / 8 n-tiles of
+// dS K, with all kBc keys as k, and adds its 16 x 64 part to dq.  Summing across warps first
+// keeps the atomics at one per dq element per (key block, query tile), as FlashAttention-2's.
+// The dQ kernel's second pass over S and dP (a third of the backward's MMAs) is gone; the order
+// of the float additions into dq varies, hence not in deterministic mode.
+template <int D, bool kExact, int kWarps, int kBr, bool kDq = false>
 __global__ void __launch_bounds__(kWarps * 32)
     attn_bwd_dkdv_tf32_k(AttnTf32Args p, const float* __restrict__ q, const float* __restrict__ k,
                          const float* __restrict__ v, const float* __restrict__ gr,
                          const float* __restrict__ lse, const float* __restrict__ dvec,
-                         float* __restrict__ dk, float* __restrict__ dv) {
+                         float* __restrict__ dk, float* __restrict__ dv, float* __restrict__ dq) {
   constexpr int kBc = 16 * kWarps, NT = kWarps * 32, LD = D + 4, KC = D / 8;
+  constexpr int LDS = kBr + 4;                           // dS^T rows in the dO buffer (kDq)
+  constexpr int kMTiles = kBr / 16;                      // dQ m-tiles of a query tile
+  constexpr int kNPerWarp = (D / 8) * kMTiles / kWarps;  // dQ n-tiles per warp
+  static_assert(!kDq || (kBc * LDS <= kBr * LD && kWarps % kMTiles == 0 && kNPerWarp >= 1),
+                "dS^T must fit in a dO buffer, and the dQ tiles split evenly over the warps");
   extern __shared__ float4 smem_f4[];
   float* sK = reinterpret_cast<float*>(smem_f4);  // kBc x LD
   float* sV = sK + kBc * LD;                      // kBc x LD
@@ -456,6 +497,43 @@ __global__ void __launch_bounds__(kWarps * 32)
       for (int dt = 0; dt < D / 8; ++dt) {
         mma<kExact>(dva[dt], pa, ldb_k<kExact, LD>(cG, 8 * kc, 8 * dt));
         mma<kExact>(dka[dt], da, ldb_k<kExact, LD>(cQ, 8 * kc, 8 * dt));
+      }
+    }
+    if constexpr (kDq) {                // Note [tf32 dQ by atomics]
+      float* sS = sG + buf * kBr * LD;  // dS^T over this tile's dO (read by every warp above)
+      __syncthreads();
+#pragma unroll
+      for (int nt = 0; nt < kBr / 8; ++nt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          *reinterpret_cast<float2*>(sS + (warp * 16 + g + 8 * r) * LDS + nt * 8 + 2 * t) =
+              make_float2(dpt[nt][2 * r], dpt[nt][2 * r + 1]);
+        }
+      }
+      __syncthreads();
+      const int m0 = (warp % kMTiles) * 16, n0 = (warp / kMTiles) * kNPerWarp;
+      float acc[kNPerWarp][4];
+#pragma unroll
+      for (int n = 0; n < kNPerWarp; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+      for (int kc = 0; kc < kBc / 8; ++kc) {
+        const FragA<kExact> da = lda_k<kExact, LDS>(sS, 8 * kc, m0);
+#pragma unroll
+        for (int n = 0; n < kNPerWarp; ++n) {
+          mma<kExact>(acc[n], da, ldb_k<kExact, LD>(sK, 8 * kc, 8 * (n0 + n)));
+        }
+      }
+      const float sc = static_cast<float>(p.scale);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int query = q0 + m0 + g + 8 * r;
+        if (query < p.L) {
+          float* out = dq + p.dg.dq(b, h, query);
+#pragma unroll
+          for (int n = 0; n < kNPerWarp; ++n) {
+            add_pair(out + 8 * (n0 + n) + 2 * t, acc[n][2 * r] * sc, acc[n][2 * r + 1] * sc);
+          }
+        }
       }
     }
     __syncthreads();  // the next iteration refills this buffer
@@ -594,6 +672,20 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// dq = 0 where GradLayout puts it (before the fused backward adds into it): one float2 per
+// thread, rows of D (even) floats.
+__global__ void attn_zero_dq_tf32_k(AttnTf32Args p, float* __restrict__ dq) {
+  const int64_t pairs = static_cast<int64_t>(p.B) * p.H * p.L * (p.D / 2);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < pairs;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / (p.D / 2);
+    const int c = static_cast<int>(i % (p.D / 2)) * 2;
+    const int l = static_cast<int>(row % p.L);
+    const int bh = static_cast<int>(row / p.L);
+    *reinterpret_cast<float2*>(dq + p.dg.dq(bh / p.H, bh % p.H, l) + c) = make_float2(0.f, 0.f);
+  }
+}
+
 // ---- configurations ----------------------------------------------------------------------------
 // Forward: kFwdWarps warps x kFwdMT m-tiles of 16 query rows, kFwdBc keys per tile.  dK/dV:
 // 16 kKvWarps keys per block, kKvBr queries per tile.  dQ: 16 kDqWarps queries, kDqBc keys.
@@ -652,10 +744,21 @@ void launch_bwd(const AttnTf32Args& a, const float* q, const float* k, const flo
     constexpr int W = C::kKvWarps, Br = C::kKvBr, Bc = 16 * W;
     const size_t smem =
         static_cast<size_t>(2 * Bc + 4 * Br) * (D + 4) * sizeof(float) + 4 * Br * sizeof(float);
+    dim3 grid(a.B * a.H, blocks_of(a.S, Bc));
+    if (a.fused_dq) {
+      const int64_t pairs = static_cast<int64_t>(a.B) * a.H * a.L * (D / 2);
+      const unsigned zb = static_cast<unsigned>(std::min<int64_t>((pairs + 255) / 256, 132 * 16));
+      attn_zero_dq_tf32_k<<<zb, 256, 0, st>>>(a, dq);
+      BT_CUDA_LAUNCH_CHECK(op);
+      auto kern = attn_bwd_dkdv_tf32_k<D, kExact, W, Br, true>;
+      set_smem_tf32(kern, smem, op);
+      kern<<<grid, W * 32, smem, st>>>(a, q, k, v, g, lse, dvec, dk, dv, dq);
+      BT_CUDA_LAUNCH_CHECK(op);
+      return;
+    }
     auto kern = attn_bwd_dkdv_tf32_k<D, kExact, W, Br>;
     set_smem_tf32(kern, smem, op);
-    dim3 grid(a.B * a.H, blocks_of(a.S, Bc));
-    kern<<<grid, W * 32, smem, st>>>(a, q, k, v, g, lse, dvec, dk, dv);
+    kern<<<grid, W * 32, smem, st>>>(a, q, k, v, g, lse, dvec, dk, dv, nullptr);
     BT_CUDA_LAUNCH_CHECK(op);
   }
   {

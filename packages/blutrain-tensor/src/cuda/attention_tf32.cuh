@@ -44,6 +44,9 @@ struct AttnTf32Args {
   double scale;
   bool causal;
   bool exact;
+  // Backward: dQ by float atomics from the dK / dV kernel (one kernel, not deterministic) instead
+  // of its own kernel.  Note [tf32 dQ by atomics] in attention_tf32.cu.
+  bool fused_dq = false;
 };
 
 // D in {64, 128}, L, S >= 1 (L == S when causal), strides multiples of 4 elements (16-byte rows),

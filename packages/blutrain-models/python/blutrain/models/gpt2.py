@@ -23,10 +23,11 @@ model, and the padding rows get exactly zero gradient (they start at zero and st
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -75,6 +76,37 @@ def set_matmul_precision(mode: str) -> None:
     fn = getattr(bt, "set_float32_matmul_precision", None)
     if fn is not None:
         fn(PRECISIONS[precision_name(mode)][1])
+
+
+@contextlib.contextmanager
+def gemm_autotune(on: bool, device: str) -> Iterator[bool]:
+    """Inside the block, on a CUDA device, time cuBLASLt's candidate algorithms for each new
+    GEMM shape once; blutrain-linalg's previous setting comes back on exit.
+
+    blutrain-linalg picks by cuBLASLt's heuristic unless its "autotune" option is set; then a
+    new (shape, layout, dtype, epilogue) key times up to 32 candidates (a few ms, one host sync,
+    a transient scratch buffer of twice the L2 to time with a cold cache) and keeps the fastest,
+    persisted under ~/.cache/blutrain/linalg ($BLUTRAIN_CACHE_DIR) so later runs start tuned.
+    A training step repeats the same dozen shapes, so this is paid once: GPT-2 124M's step is
+    1-2% faster (packages/blutrain-tensor/bench/RESULTS.md, session 25). The trainer wraps its
+    steps only: sampling's growing shapes would each pay the timing. Deterministic mode
+    (bt.cuda.use_deterministic_algorithms) keeps it off. Yields whether it is on."""
+    la = None
+    deterministic = getattr(bt, "are_deterministic_algorithms_enabled", lambda: False)()
+    if on and str(device).startswith("cuda") and not deterministic:
+        try:
+            import blutrain.linalg as la
+        except ImportError:
+            la = None
+    if la is None:
+        yield False
+        return
+    prev = int(la.get_option("autotune"))
+    la.set_option("autotune", 1)
+    try:
+        yield True
+    finally:
+        la.set_option("autotune", prev)
 
 
 def _policy_dtypes(policy: Any) -> tuple[Any, Any]:

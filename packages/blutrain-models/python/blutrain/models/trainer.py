@@ -85,6 +85,7 @@ class TrainConfig:
     device: str = "auto"  # auto: CUDA when this build can run on a GPU here, else CPU
     precision: str = "auto"  # auto (bf16 on a GPU, fp32 on the CPU), fp32, tf32 or bf16
     recompute: str = "none"  # activation recomputation: none, gelu, ln, attn, block or "ln+gelu"
+    gemm_autotune: bool = True  # CUDA: time cuBLASLt's algorithms per GEMM shape once (cached)
     threads: int = 0  # CPU threads (OpenMP and BLAS); 0: OMP_NUM_THREADS, else all cores but one
     seed: int = 1337
     # logging, evaluation, checkpoints
@@ -529,21 +530,23 @@ class Trainer:
 
     def _queue_step(self) -> None:
         """One optimizer step with no host sync: its loss and norm stay on the device."""
+        from .gpt2 import gemm_autotune
         from .optim import grad_norm_and_clip_coef
 
         cfg = self.cfg
         lr = self.schedule(self.step)
         self.optimizer.set_lr(lr)
         losses = []
-        for _ in range(cfg.grad_accum):
-            x, y = self._next_batch()
-            # the loss alone: on CUDA the head and loss run in chunks, the logits never whole
-            loss = self.model(x, y, return_logits=False)[1]
-            if cfg.grad_accum > 1:
-                (loss / cfg.grad_accum).backward()
-            else:
-                loss.backward()
-            losses.append(loss.detach())
+        with gemm_autotune(cfg.gemm_autotune, self.device):  # the first step times the GEMMs
+            for _ in range(cfg.grad_accum):
+                x, y = self._next_batch()
+                # the loss alone: on CUDA the head and loss run in chunks, the logits never whole
+                loss = self.model(x, y, return_logits=False)[1]
+                if cfg.grad_accum > 1:
+                    (loss / cfg.grad_accum).backward()
+                else:
+                    loss.backward()
+                losses.append(loss.detach())
         # The norm and the clip coefficient stay device tensors; the coefficient scales the
         # gradients inside the AdamW kernel (grad_scale), so the grads are not rewritten.
         norm: Any
@@ -954,6 +957,13 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
         default = getattr(d, name.replace("-", "_"))
         p.add_argument(f"--{name}", type=typ, default=None, help=f"{help_} (default: {default})")
     _bool_flag(p, "resume", d.resume, "continue from <out-dir>/checkpoint when it exists")
+    _bool_flag(
+        p,
+        "gemm-autotune",
+        d.gemm_autotune,
+        "on a GPU, time cuBLASLt's algorithms for each GEMM shape once and keep the fastest "
+        "(cached in ~/.cache/blutrain)",
+    )
     _bool_flag(p, "progress", d.progress, "live progress bar")
     _bool_flag(p, "plot", d.plot, "write loss.png at the end")
 
@@ -1124,6 +1134,7 @@ def bench(
     seed: int = 0,
     precision: str = "auto",
     recompute: str = "none",
+    gemm_autotune: bool = True,
 ) -> dict:
     """tokens/s and peak memory of `steps` training steps (forward, backward, clipping, AdamW)
     on one fixed batch of random tokens, after `warmup` untimed steps. On a GPU the timed steps
@@ -1132,6 +1143,7 @@ def bench(
     import blutrain.tensor as bt
 
     from .gpt2 import GPT2, set_matmul_precision
+    from .gpt2 import gemm_autotune as tuned_gemms
 
     dev = resolve_device(device)
     prec = resolve_precision(precision, dev)
@@ -1152,8 +1164,9 @@ def bench(
     params = list(m.parameters())
 
     def step() -> Any:
-        loss = m(x, y, return_logits=False)[1]  # the head + loss in chunks (no whole logits)
-        loss.backward()
+        with tuned_gemms(gemm_autotune, dev):  # as the trainer: the first warm-up step tunes
+            loss = m(x, y, return_logits=False)[1]  # the head + loss in chunks (no whole logits)
+            loss.backward()
         clip_and_step(opt, params, 1.0)
         opt.zero_grad()
         return loss
@@ -1214,6 +1227,7 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="CPU threads (0: $OMP_NUM_THREADS, else all cores but one)",
     )
+    _bool_flag(p, "gemm-autotune", True, "on a GPU, time cuBLASLt's algorithms per GEMM shape once")
     p.add_argument("--json", default=None, help="also write the result to this JSON file")
 
 
@@ -1232,6 +1246,7 @@ def _bench_run(args: argparse.Namespace) -> int:
             args.device,
             precision=mode,
             recompute=args.recompute,
+            gemm_autotune=args.gemm_autotune is not False,
         )
         for mode in modes
     ]

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# A / B of our GPT-2 step under environment settings, the arms interleaved over rounds (the
+# machine's speed drifts between runs), one subprocess each (bench_gpt2.py --worker):
+#   bash bench/ab_step.sh MODE FRAMEWORK STEPS ROUNDS "label|VAR=x VAR2=y|--arg v" "label|..." ...
+# e.g. ab_step.sh tf32 ours+graph 10 2 "split|BT_ATTN_TF32_FUSED=0" "dq-atomic|"
+#      ab_step.sh bf16 ours+graph 10 2 "heuristic||--gemm-autotune off" "tuned||"
+# Needs the packages importable (scripts/gpu.sh --prebuilt, or PYTHONPATH). Rows go to stdout
+# and $OUT/ab_MODE.txt; the workers' stderr to $OUT/ab_stderr.log.
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+MODE=$1 FW=$2 STEPS=$3 ROUNDS=$4; shift 4
+B=packages/blutrain-models/bench/bench_gpt2.py
+for r in $(seq "$ROUNDS"); do
+  for arm in "$@"; do
+    IFS='|' read -r label vars args <<<"$arm"
+    res=$(env $vars python3 $B --worker "$FW" --mode "$MODE" --steps "$STEPS" --warmup 3 $args \
+      2>>"$OUT/ab_stderr.log" | grep '^RESULT ' | cut -c8-)
+    python3 -c "
+import json, sys
+r = json.loads(sys.argv[1] or '{}')
+g = r.get('gpu_step_ms', {})
+print(f\"{sys.argv[2]:5s} {sys.argv[3]:12s} {sys.argv[4]:14s} {r.get('tokens_per_s', 0):10,.0f} tok/s \"
+      f\"{r.get('step_ms', 0):7.2f} ms  gpu first/median/last {g.get('first')}/{g.get('median')}/\"
+      f\"{g.get('last')}  {r.get('peak_bytes', 0) / 2**30:.2f} GiB\", r.get('error', ''))
+" "$res" "$MODE" "$FW" "$label" | tee -a "$OUT/ab_$MODE.txt"
+  done
+done
