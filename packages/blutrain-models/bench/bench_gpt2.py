@@ -80,7 +80,13 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
     from blutrain.models import gpt2 as gpt2_mod
     from blutrain.models.config import GPT2Config
     from blutrain.models.gpt2 import GPT2, set_matmul_precision
-    from blutrain.models.trainer import _cuda_sync, clip_and_step, make_adamw, peak_memory_bytes
+    from blutrain.models.trainer import (
+        _cuda_sync,
+        clip_and_step,
+        make_adamw,
+        peak_memory_bytes,
+        resolve_recompute,
+    )
 
     cuda = getattr(bt, "cuda", None)
     if hasattr(bt, "set_cast_cache_enabled"):
@@ -91,7 +97,12 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
     if hasattr(cuda, "reset_peak_memory_stats"):
         cuda.reset_peak_memory_stats()
     bt.manual_seed(0)
-    model = GPT2(cfg, device="cuda", precision=a.mode, recompute=a.recompute)
+    model = GPT2(
+        cfg,
+        device="cuda",
+        precision=a.mode,
+        recompute=resolve_recompute(a.recompute, "cuda", a.mode),
+    )
     model.classifier_chunk_size = a.classifier_chunk or None
     set_matmul_precision(a.mode)
     opt = make_adamw(model.named_parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -146,6 +157,7 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
         "step_ms": 1e3 * dt / a.steps,
         "first_loss": first,
         "last_loss": last,
+        "recompute": model.recompute,
     }
     if gpu_ms:
         srt = sorted(gpu_ms)
@@ -308,7 +320,10 @@ def main() -> int:
         "torch.compile)",
     )
     p.add_argument(
-        "--recompute", default="none", help="ours: none, gelu, ln, attn, block or ln+gelu"
+        "--recompute",
+        default="auto",
+        help="ours: auto (the trainer's: ln in fp32 / tf32, none in bf16), none, gelu, ln, attn, "
+        "block or ln+gelu",
     )
     p.add_argument(
         "--classifier-chunk",
@@ -443,6 +458,7 @@ def main() -> int:
                 f"{r['step_ms']:8.1f} {r['peak_bytes'] / 2**30:9.2f} {100 * r['mfu']:5.1f}% "
                 f"{r.get('ratio_to_torch_eager', float('nan')):6.2f}  "
                 f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}"
+                + (f"  recompute {r['recompute']}" if r.get("recompute", "none") != "none" else "")
             )
         else:
             print(f"{r['mode']:5s}  {r['framework']:14s} {r['error']}")

@@ -1142,15 +1142,16 @@ static AttnTf32Args tf32_args(const AttnParams& p) {
   return a;
 }
 // The float32 backward's dQ by atomics (Note [tf32 dQ by atomics]) outside deterministic mode,
-// for D 64 (measured: 0.80 vs 0.99 ms at B16 H12 T1024 causal in 1xTF32; D 128 is checked by
-// bench/attn_tf32_check.cu but not yet timed in a model).  BT_ATTN_TF32_FUSED=0 in the
-// environment keeps the two-kernel split (comparisons).
-static bool tf32_fused_dq(int D) {
+// where it measured faster (bench/attn_tf32_check.cu, B16 T1024 causal, C 768, ms split ->
+// atomics): D 64 1xTF32 0.995 -> 0.805, 3xTF32 2.487 -> 2.409; D 128 1xTF32 1.494 -> 1.163.
+// D 128 3xTF32 keeps the split (3.341 -> 4.845: the fused kernel spills registers there).
+// BT_ATTN_TF32_FUSED=0 in the environment keeps the split everywhere (comparisons).
+static bool tf32_fused_dq(int D, bool exact) {
   static const bool env_off = [] {
     const char* e = std::getenv("BT_ATTN_TF32_FUSED");
     return e && std::string(e) == "0";
   }();
-  return D == 64 && !env_off && !deterministic_algorithms();
+  return (D == 64 || !exact) && !env_off && !deterministic_algorithms();
 }
 static bool ptr_aligned(const void* ptr, uintptr_t n) {
   return reinterpret_cast<uintptr_t>(ptr) % n == 0;
@@ -1286,7 +1287,7 @@ void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector
     }
     if constexpr (std::is_same_v<T, float>) {
       AttnTf32Args ta = tf32_args(p);
-      ta.fused_dq = tf32_fused_dq(p.D);
+      ta.fused_dq = tf32_fused_dq(p.D, ta.exact);
       if (attn_tf32_supported(ta) && ptr_aligned(qp, 16) && ptr_aligned(kp, 16) &&
           ptr_aligned(vp, 16) && ptr_aligned(gp, 16) && ptr_aligned(dq, 8) && ptr_aligned(dk, 8) &&
           ptr_aligned(dv, 8)) {
