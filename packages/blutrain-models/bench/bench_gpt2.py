@@ -322,7 +322,7 @@ def main() -> int:
     p.add_argument(
         "--recompute",
         default="auto",
-        help="ours: auto (the trainer's: ln in fp32 / tf32, none in bf16), none, gelu, ln, attn, "
+        help="ours: auto (the trainer's: ln in fp32, else none), none, gelu, ln, attn, "
         "block or ln+gelu",
     )
     p.add_argument(

@@ -316,13 +316,14 @@ def test_gemm_autotune_option_of_the_trainer_and_bench():
     assert p.parse_args(["bench", "--no-gemm-autotune"]).gemm_autotune is False
 
 
-def test_recompute_auto_is_ln_for_float32_on_a_gpu():
+def test_recompute_auto_is_ln_for_fp32_on_a_gpu():
     """recompute="auto" (the trainer's and the benchmarks' default) rebuilds the LayerNorms in
-    fp32 and tf32 on a GPU only; explicit specs pass through; bad ones still fail."""
+    fp32 on a GPU only; explicit specs pass through; bad ones still fail."""
     from blutrain.models.trainer import resolve_recompute
 
     assert resolve_recompute("auto", "cuda", "fp32") == "ln"
-    assert resolve_recompute("AUTO", "cuda:1", "tf32") == "ln"
+    assert resolve_recompute("AUTO", "cuda:1", "float32") == "ln"
+    assert resolve_recompute("auto", "cuda", "tf32") == "none"
     assert resolve_recompute("auto", "cuda", "bf16") == "none"
     assert resolve_recompute("auto", "cpu", "fp32") == "none"
     assert resolve_recompute("gelu", "cuda", "fp32") == "gelu"

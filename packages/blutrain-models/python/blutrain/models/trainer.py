@@ -84,8 +84,8 @@ class TrainConfig:
     # where and how
     device: str = "auto"  # auto: CUDA when this build can run on a GPU here, else CPU
     precision: str = "auto"  # auto (bf16 on a GPU, fp32 on the CPU), fp32, tf32 or bf16
-    # activation recomputation: auto ("ln" for fp32 / tf32 on a GPU, else none), none, gelu,
-    # ln, attn, block or "ln+gelu"
+    # activation recomputation: auto ("ln" for fp32 on a GPU, else none), none, gelu, ln,
+    # attn, block or "ln+gelu"
     recompute: str = "auto"
     gemm_autotune: bool = True  # CUDA: time cuBLASLt's algorithms per GEMM shape once (cached)
     threads: int = 0  # CPU threads (OpenMP and BLAS); 0: OMP_NUM_THREADS, else all cores but one
@@ -213,18 +213,20 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_recompute(recompute: str, device: str, precision: str) -> str:
-    """ "auto" -> "ln" for fp32 and tf32 on a GPU, else "none"; any other spec unchanged.
+    """ "auto" -> "ln" for fp32 on a GPU, else "none"; any other spec unchanged.
 
-    float32 activations take twice bf16's memory; rebuilding the two LayerNorm outputs of each
-    block in backward (bitwise the same numbers) takes GPT-2 124M's fp32 / tf32 peak from 11.17
-    to 10.05 GiB at B=16, T=1024 for 0.2-0.6% of the step time (models README). bf16 keeps
-    everything (its peak is already low, and its step is the one raced against PyTorch)."""
+    fp32 activations take twice bf16's memory; rebuilding the two LayerNorm outputs of each
+    block in backward (bitwise the same numbers) takes GPT-2 124M's fp32 peak from 11.17 to
+    10.05 GiB at B=16, T=1024, within the noise of its GEMM-bound step (56,840 -> 56,822 tok/s,
+    session 25). tf32 keeps them: the same recompute cost its faster step about 3% (237,442 ->
+    229,187 tok/s as a graph, partly the machine) and its 11.17 GiB is already under its aim;
+    bf16 keeps everything too (6.78 GiB)."""
     if str(recompute).lower() != "auto":
         return recompute
     from .gpt2 import precision_name
 
-    fp32_like = precision_name(precision) in ("fp32", "tf32")
-    return "ln" if fp32_like and str(device).startswith("cuda") else "none"
+    fp32 = precision_name(precision) == "fp32"
+    return "ln" if fp32 and str(device).startswith("cuda") else "none"
 
 
 def resolve_precision(precision: str, device: str) -> str:
@@ -962,8 +964,8 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
         (
             "recompute",
             str,
-            "activation recomputation: auto (ln for fp32 / tf32 on a GPU, else none), none, "
-            "gelu, ln, attn, block or ln+gelu",
+            "activation recomputation: auto (ln for fp32 on a GPU, else none), none, gelu, "
+            "ln, attn, block or ln+gelu",
         ),
         ("threads", int, "CPU threads (0: $OMP_NUM_THREADS, else all cores but one)"),
         ("seed", int, "random seed (init and data order)"),
@@ -1247,8 +1249,7 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--recompute",
         default="auto",
-        help="auto (ln for fp32 / tf32 on a GPU, else none), none, gelu, ln, attn, block, or "
-        "ln+gelu",
+        help="auto (ln for fp32 on a GPU, else none), none, gelu, ln, attn, block, or ln+gelu",
     )
     p.add_argument(
         "--threads",
