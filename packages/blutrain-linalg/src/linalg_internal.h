@@ -76,9 +76,8 @@ struct Options {
   int64_t workspace_bytes = 32ll << 20;  // bytes; cuBLAS's own default on Hopper
   int64_t persist = 1;
   int64_t num_threads = 0;
-  int64_t fused_epilogues = 1;
-  int64_t use_alloc = 1;  // 0: CUDA scratch from cudaMallocAsync even when blutrain-alloc is set //
-                          // 0: always run epilogues as separate kernels (for testing)
+  int64_t fused_epilogues = 1;  // 0: always run epilogues as separate kernels (for testing)
+  int64_t use_alloc = 1;  // 0: CUDA scratch from cudaMallocAsync even when blutrain-alloc is set
 };
 Options& options();
 
