@@ -174,3 +174,48 @@ def test_clip_grad_norm(rng):
     for k, p in params.items():
         np.testing.assert_allclose(p.grad.numpy(), before[k], rtol=1e-6)
     assert clip_grad_norm_([bt.nn.Parameter(bt.zeros(2))], 1.0) == 0.0
+
+
+def test_adamw_device_scalars_give_the_same_bits(rng):
+    """Note [AdamW in a CUDA graph]: lr and the step count read from 0-d float32 tensors give
+    the host scalars' updates bit for bit when lr is a float32 value; the step counts and the
+    errors for misuse are checked too."""
+    if not hasattr(bt._tensor, "_adamw_"):
+        pytest.skip("no fused AdamW in this blutrain.tensor build")
+    w0 = rng.standard_normal((8, 5)).astype(np.float32)
+    b0 = rng.standard_normal(5).astype(np.float32)
+    grads = [
+        (rng.standard_normal((8, 5)).astype(np.float32), rng.standard_normal(5).astype(np.float32))
+        for _ in range(4)
+    ]
+    out = {}
+    for dev_scalars in (False, True):
+        w, b = bt.tensor(w0, requires_grad=True), bt.tensor(b0, requires_grad=True)
+        opt = AdamW({"w": w, "b": b}, lr=2.0**-7, weight_decay=0.1)
+        if dev_scalars:
+            opt.use_device_scalars(True)
+        for i, (gw, gb) in enumerate(grads):
+            opt.set_lr(2.0 ** -(7 + i))  # float32-exact values: the host path then agrees
+            w.grad, b.grad = bt.tensor(gw), bt.tensor(gb)
+            opt.step()
+        out[dev_scalars] = (w.detach().numpy().copy(), b.detach().numpy().copy())
+        assert opt.common_step() == 4
+    assert np.array_equal(out[True][0], out[False][0])
+    assert np.array_equal(out[True][1], out[False][1])
+    opt.advance_steps()
+    assert opt.common_step() == 5
+    opt.state["b"]["step"] = 2
+    with pytest.raises(RuntimeError, match="different step counts"):
+        opt.common_step()
+    plain = AdamW({"w": bt.tensor(w0, requires_grad=True)})
+    with pytest.raises(RuntimeError, match="use_device_scalars"):
+        plain.write_device_scalars(1e-3, 1)
+    with pytest.raises(ValueError, match="fused"):
+        AdamW({"w": bt.tensor(w0, requires_grad=True)}, fused=False).use_device_scalars(True)
+
+
+def test_cuda_graph_needs_a_gpu(tmp_path):
+    from blutrain.models.trainer import TrainConfig, Trainer
+
+    with pytest.raises(ValueError, match="cuda_graph needs a CUDA device"):
+        Trainer(TrainConfig(device="cpu", cuda_graph=True, out_dir=str(tmp_path)))

@@ -314,6 +314,8 @@ def test_gemm_autotune_option_of_the_trainer_and_bench():
     assert p.parse_args(["train", "--no-gemm-autotune"]).gemm_autotune is False
     assert p.parse_args(["train"]).gemm_autotune is None  # TrainConfig's default applies
     assert p.parse_args(["bench", "--no-gemm-autotune"]).gemm_autotune is False
+    assert TrainConfig().cuda_graph is False
+    assert p.parse_args(["train", "--cuda-graph"]).cuda_graph is True
 
 
 def test_recompute_auto_is_ln_for_fp32_on_a_gpu():

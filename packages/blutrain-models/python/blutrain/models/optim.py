@@ -63,6 +63,14 @@ def _named(params: Any) -> list[tuple[str, bt.Tensor]]:
     return out
 
 
+def _capturing(device: str) -> bool:
+    """Whether `device`'s current stream is capturing a CUDA graph."""
+    cuda = getattr(bt, "cuda", None)
+    if not device.startswith("cuda") or cuda is None:
+        return False
+    return bool(cuda.is_current_stream_capturing(device))
+
+
 def _state_dtype(p: bt.Tensor) -> Any:
     """The fused kernel keeps float32 moments for 16-bit parameters (float64 for float64)."""
     return bt.float64 if p.dtype == bt.float64 else bt.float32
@@ -105,10 +113,66 @@ class AdamW:
         self.fused = fused is None or bool(fused)
         # name -> {"step": int, "exp_avg": Tensor, "exp_avg_sq": Tensor}, created lazily
         self.state: dict[str, dict[str, Any]] = {}
+        # device -> (lr, step) 0-d float32 tensors the fused kernel reads (use_device_scalars)
+        self._dev_scalars: dict[str, tuple[bt.Tensor, bt.Tensor]] | None = None
+        self._dev_step = 0
 
     # -- the step --------------------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
         self.lr = float(lr)
+
+    # Note [AdamW in a CUDA graph]: a captured step() bakes its scalar kernel arguments in, so a
+    # replay would reuse the captured lr and step count (the bias corrections). With device
+    # scalars on, the fused kernel reads lr and the step from 0-d float32 tensors instead. An
+    # eager step() writes them itself; under a capture it only checks them, and the caller
+    # writes them before each replay (write_device_scalars) and advances the host-side step
+    # counts (advance_steps: checkpoints read them), as a replay runs no Python. lr is then a
+    # float32 (the kernel derives its coefficients in double from it, as from a host lr), so
+    # eager steps with device scalars and replays give the same bits.
+    def use_device_scalars(self, on: bool = True) -> None:
+        """Read lr and the step count from device tensors (see Note [AdamW in a CUDA graph])."""
+        if not on:
+            self._dev_scalars = None
+            return
+        if not self.fused:
+            raise ValueError("[AdamW] device scalars need the fused kernel (fused=None or True)")
+        self._dev_scalars = {}
+        for _, p in self.params:
+            dev = str(p.device)
+            if dev not in self._dev_scalars:
+                self._dev_scalars[dev] = (
+                    bt.zeros((), dtype=bt.float32, device=dev),
+                    bt.zeros((), dtype=bt.float32, device=dev),
+                )
+        self.write_device_scalars(self.lr, self.common_step() + 1)
+
+    def common_step(self) -> int:
+        """The step count every parameter's state shares (0 before the first step); raises when
+        they differ (a parameter that missed updates), which one set of device scalars cannot
+        express."""
+        steps = {int(st["step"]) for st in self.state.values()}
+        if len(steps) > 1:
+            raise RuntimeError(
+                f"[AdamW] parameters are at different step counts {sorted(steps)[:4]}: one "
+                "device step count cannot serve them (device scalars / CUDA graphs)"
+            )
+        return steps.pop() if steps else 0
+
+    def write_device_scalars(self, lr: float, step: int) -> None:
+        """Set the device lr and step count the next step() (or graph replay) reads."""
+        if self._dev_scalars is None:
+            raise RuntimeError("[AdamW] write_device_scalars: call use_device_scalars() first")
+        self.lr = float(lr)
+        self._dev_step = int(step)
+        for lr_t, step_t in self._dev_scalars.values():
+            lr_t.fill_(self.lr)
+            step_t.fill_(float(step))
+
+    def advance_steps(self) -> None:
+        """Count one step on the host for every parameter with state (what a graph replay of
+        step() does on the device without running this Python)."""
+        for st in self.state.values():
+            st["step"] += 1
 
     @bt.no_grad()
     def step(self, grad_scale: bt.Tensor | None = None) -> None:
@@ -158,6 +222,11 @@ class AdamW:
             if g is None:
                 continue
             if not p.is_contiguous():  # the kernel needs dense memory: reference path for it
+                if self._dev_scalars is not None:
+                    raise RuntimeError(
+                        f"[AdamW] parameter {name} is not contiguous: its reference path takes "
+                        "host scalars, which device scalars (CUDA graphs) cannot"
+                    )
                 self._step_one_reference(name, p, g, grad_scale)
                 continue
             if not g.is_contiguous():
@@ -166,19 +235,33 @@ class AdamW:
             st["step"] += 1
             key = (str(p.device), str(p.dtype), st["step"])
             groups.setdefault(key, []).append((name, p, g))
-        for (_, _, step), items in groups.items():
+        for (dev, _, step), items in groups.items():
             st = [self.state[n] for n, _, _ in items]
+            lr_arg: Any = self.lr
+            step_arg: Any = float(step)
+            if self._dev_scalars is not None:  # Note [AdamW in a CUDA graph]
+                if dev not in self._dev_scalars:
+                    raise RuntimeError(f"[AdamW] no device scalars on {dev}: parameters moved?")
+                if not _capturing(dev):
+                    self.write_device_scalars(self.lr, step)  # eager: this step's values
+                elif step != self._dev_step:
+                    raise RuntimeError(
+                        f"[AdamW] the device scalars hold step {self._dev_step}, but parameters "
+                        f"on {dev} take step {step}: call write_device_scalars(lr, {step}) "
+                        "before the capture"
+                    )
+                lr_arg, step_arg = self._dev_scalars[dev]
             bt._tensor._adamw_(
                 [p for _, p, _ in items],
                 [g for _, _, g in items],
                 [s["exp_avg"] for s in st],
                 [s["exp_avg_sq"] for s in st],
-                self.lr,
+                lr_arg,
                 self.betas[0],
                 self.betas[1],
                 self.eps,
                 [self.weight_decay if self.decay[n] else 0.0 for n, _, _ in items],
-                float(step),
+                step_arg,
                 grad_scale,
             )
 

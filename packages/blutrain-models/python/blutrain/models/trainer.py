@@ -88,6 +88,7 @@ class TrainConfig:
     # attn, block or "ln+gelu"
     recompute: str = "auto"
     gemm_autotune: bool = True  # CUDA: time cuBLASLt's algorithms per GEMM shape once (cached)
+    cuda_graph: bool = False  # CUDA: replay each step as one captured graph after 3 eager steps
     threads: int = 0  # CPU threads (OpenMP and BLAS); 0: OMP_NUM_THREADS, else all cores but one
     seed: int = 1337
     # logging, evaluation, checkpoints
@@ -210,6 +211,9 @@ def resolve_device(device: str) -> str:
     except Exception:  # noqa: BLE001 - CUDA kernels not there yet: train on the CPU
         pass
     return "cpu"
+
+
+GRAPH_WARMUP_STEPS = 3  # eager steps before the capture (the first one tunes the GEMMs)
 
 
 def resolve_recompute(recompute: str, device: str, precision: str) -> str:
@@ -445,6 +449,10 @@ class Trainer:
 
         self.cfg = config
         self.device = resolve_device(config.device)
+        if config.cuda_graph and not self.device.startswith("cuda"):
+            raise ValueError(
+                f"[train] cuda_graph needs a CUDA device, not {self.device} (drop --cuda-graph)"
+            )
         self.precision = resolve_precision(config.precision, self.device)
         self.out_dir = Path(config.out_dir)
         self.console = console
@@ -486,6 +494,9 @@ class Trainer:
         self.schedule = CosineSchedule(
             config.lr, config.warmup_steps, config.max_steps, config.min_lr
         )
+        if config.cuda_graph and self.device.startswith("cuda"):
+            # the warm-up's eager steps read the same float32 lr as the replays will
+            self.optimizer.use_device_scalars(True)
         self.step = 0
         self.history = History()
         self.tokens_per_step = config.batch_size * config.seq_len * config.grad_accum
@@ -497,6 +508,10 @@ class Trainer:
         self.sync_every = (config.log_interval or 10) if self.device.startswith("cuda") else 1
         self._pending: list[dict[str, Any]] = []
         self._prefetched: list[tuple[Any, Any]] = []
+        self._graph: Any = None  # the captured step (cuda_graph), see _graph_step
+        self._graph_inputs: list[tuple[Any, Any]] = []
+        self._graph_outputs: tuple[list[Any], Any] = ([], 0.0)
+        self._eager_steps = 0
         self.prefetch = self.device.startswith("cuda")  # upload batches ahead, at sync points
         self._t_sync = time.perf_counter()
         if config.resume:
@@ -550,16 +565,27 @@ class Trainer:
 
     def _queue_step(self) -> None:
         """One optimizer step with no host sync: its loss and norm stay on the device."""
+        lr = self.schedule(self.step)
+        self.optimizer.set_lr(lr)
+        batches = [self._next_batch() for _ in range(self.cfg.grad_accum)]
+        if self.cfg.cuda_graph and self._eager_steps >= GRAPH_WARMUP_STEPS:
+            losses, norm = self._graph_step(batches, lr)
+        else:
+            losses, norm = self._step_body(batches)
+            self._eager_steps += 1
+        self.step += 1
+        self._pending.append({"step": self.step, "lr": lr, "losses": losses, "norm": norm})
+
+    def _step_body(self, batches: list[tuple[Any, Any]]) -> tuple[list[Any], Any]:
+        """Forward and backward of the micro-batches, clipping, AdamW: (losses, norm), device
+        tensors (the norm 0.0 without clipping)."""
         from .gpt2 import gemm_autotune
         from .optim import grad_norm_and_clip_coef
 
         cfg = self.cfg
-        lr = self.schedule(self.step)
-        self.optimizer.set_lr(lr)
         losses = []
         with gemm_autotune(cfg.gemm_autotune, self.device):  # the first step times the GEMMs
-            for _ in range(cfg.grad_accum):
-                x, y = self._next_batch()
+            for x, y in batches:
                 # the loss alone: on CUDA the head and loss run in chunks, the logits never whole
                 loss = self.model(x, y, return_logits=False)[1]
                 if cfg.grad_accum > 1:
@@ -575,8 +601,61 @@ class Trainer:
             norm = 0.0
         self.optimizer.step(grad_scale=coef)
         self.optimizer.zero_grad()
-        self.step += 1
-        self._pending.append({"step": self.step, "lr": lr, "losses": losses, "norm": norm})
+        return losses, norm
+
+    def _graph_step(self, batches: list[tuple[Any, Any]], lr: float) -> tuple[list[Any], Any]:
+        """The step as a CUDA graph replay (captured at its first call, after the eager warm-up
+        steps): the batches are copied into the graph's input buffers and AdamW's lr and step
+        count into its device scalars (Note [AdamW in a CUDA graph]). The losses and the norm are
+        copied out of the graph's outputs, which the next replay overwrites."""
+        import blutrain.tensor as bt
+
+        opt = self.optimizer
+        step = opt.common_step() + 1
+        if self._graph is None:
+            bt.cuda.synchronize()
+            bt.cuda.empty_cache()  # the warm-up's cached blocks: the graph gets its own pool
+            self._graph_inputs = [
+                (
+                    bt.zeros(tuple(x.shape), dtype=bt.int64, device=self.device),
+                    bt.zeros(tuple(y.shape), dtype=bt.int64, device=self.device),
+                )
+                for x, y in batches
+            ]
+            opt.write_device_scalars(lr, step)
+            self._copy_graph_inputs(batches)
+            g = bt.cuda.CUDAGraph()
+            with bt.cuda.graph(g):  # records; the step's counts advance here, on the host
+                self._graph_outputs = self._step_body(self._graph_inputs)
+            self._graph = g
+        else:
+            opt.advance_steps()
+            opt.write_device_scalars(lr, step)
+            self._copy_graph_inputs(batches)
+        self._graph.replay()
+        losses, norm = self._graph_outputs
+        return [x.clone() for x in losses], (norm.clone() if isinstance(norm, bt.Tensor) else norm)
+
+    def _copy_graph_inputs(self, batches: list[tuple[Any, Any]]) -> None:
+        import blutrain.tensor as bt
+
+        for (sx, sy), (x, y) in zip(self._graph_inputs, batches):
+            for dst, src in ((sx, x), (sy, y)):
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise ValueError(
+                        f"[train] cuda_graph: batch shape {tuple(src.shape)} differs from the "
+                        f"captured {tuple(dst.shape)} (a graph replays fixed shapes)"
+                    )
+                dst.copy_(src if isinstance(src, bt.Tensor) else bt.tensor(src, device=self.device))
+
+    def _drop_graph(self) -> None:
+        """Forget the captured step (its buffers and pool); the next graph step captures anew."""
+        if self._graph is not None:
+            self._graph.reset()
+        self._graph = None
+        self._graph_inputs = []
+        self._graph_outputs = ([], 0.0)
+        self._eager_steps = 0
 
     def _sync(self) -> list[dict[str, Any]]:
         """Read back the queued steps' losses and norms (one host sync); their metrics."""
@@ -686,6 +765,8 @@ class Trainer:
         path = Path(path)
         ck = load_checkpoint(path)
         tr = ck.trainer or {}
+        if self._graph is not None:  # the optimizer's state tensors are about to be replaced
+            self._drop_graph()
         for key in ("step", "model_config", "loader", "optimizer"):
             if key not in tr:
                 raise CheckpointError(
@@ -988,6 +1069,13 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
         d.gemm_autotune,
         "on a GPU, time cuBLASLt's algorithms for each GEMM shape once and keep the fastest "
         "(cached in ~/.cache/blutrain)",
+    )
+    _bool_flag(
+        p,
+        "cuda-graph",
+        d.cuda_graph,
+        "on a GPU, capture the training step (forward, backward, clipping, AdamW) once as a CUDA "
+        "graph after 3 eager steps and replay it: no per-kernel launch cost",
     )
     _bool_flag(p, "progress", d.progress, "live progress bar")
     _bool_flag(p, "plot", d.plot, "write loss.png at the end")
