@@ -335,3 +335,30 @@ def test_recompute_auto_is_ln_for_fp32_on_a_gpu():
         resolve_recompute("auto", "cuda", "fp8")
     with pytest.raises(ValueError, match="recompute 'all' is not one of"):
         TrainConfig(recompute="all")
+
+
+def test_cuda_graph_rejects_a_batch_of_another_shape(tmp_path, shards):
+    """A captured step replays fixed shapes: a batch of another shape is a clear ValueError
+    naming both shapes, not a silent partial copy (the copy itself is checked on the CPU)."""
+    cfg_json = tmp_path / "m.json"
+    GPT2Config(block_size=32, n_layer=1, n_head=2, n_embd=16).to_json(cfg_json)
+    t = Trainer(
+        TrainConfig(
+            model=str(cfg_json),
+            data=str(shards),
+            batch_size=2,
+            seq_len=32,
+            out_dir=str(tmp_path / "out"),
+            progress=False,
+            plot=False,
+            device="cpu",
+        )
+    )
+    t._graph_inputs = [(bt.zeros((2, 32), dtype=bt.int64), bt.zeros((2, 32), dtype=bt.int64))]
+    bad = np.zeros((2, 16), dtype=np.int64)
+    with pytest.raises(ValueError, match=r"shape \(2, 16\) differs from the captured \(2, 32\)"):
+        t._copy_graph_inputs([(bad, bad)])
+    x = np.arange(64, dtype=np.int64).reshape(2, 32)
+    t._copy_graph_inputs([(x, x + 1)])
+    assert np.array_equal(t._graph_inputs[0][0].numpy(), x)
+    assert np.array_equal(t._graph_inputs[0][1].numpy(), x + 1)
