@@ -17,7 +17,6 @@ and writes JSON. Not a test: it never fails for being slow; a failing run is sho
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -77,9 +76,8 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
     import numpy as np
 
     import blutrain.tensor as bt
-    from blutrain.models import gpt2 as gpt2_mod
     from blutrain.models.config import GPT2Config
-    from blutrain.models.gpt2 import GPT2, set_matmul_precision
+    from blutrain.models.gpt2 import GPT2, gemm_autotune, set_matmul_precision
     from blutrain.models.trainer import (
         _cuda_sync,
         clip_and_step,
@@ -91,7 +89,6 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
     cuda = getattr(bt, "cuda", None)
     if hasattr(bt, "set_cast_cache_enabled"):
         bt.set_cast_cache_enabled(a.cast_cache == "on")
-    tuned = getattr(gpt2_mod, "gemm_autotune", None)  # as the trainer: the first step tunes
     L, H, C = MODELS[a.model]
     cfg = GPT2Config(block_size=max(1024, a.T), n_layer=L, n_head=H, n_embd=C, vocab_multiple=128)
     if hasattr(cuda, "reset_peak_memory_stats"):
@@ -113,7 +110,7 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
     y = bt.tensor(data[:, 1:], device="cuda")
 
     def step():
-        with tuned(a.gemm_autotune == "on", "cuda") if tuned else contextlib.nullcontext():
+        with gemm_autotune(a.gemm_autotune == "on", "cuda"):  # as the trainer: step 1 tunes
             loss = model(x, y, return_logits=False)[1]  # head + loss in chunks: no whole logits
             loss.backward()
         clip_and_step(opt, params, 1.0)  # no host sync
