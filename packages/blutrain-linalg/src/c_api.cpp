@@ -181,6 +181,8 @@ int api_set_option(const char* name, int64_t v) {
     o.fused_epilogues = v != 0;
   else if (n == "use_alloc")
     o.use_alloc = v != 0;
+  else if (n == "fp32_3xtf32")
+    o.fp32_3xtf32 = v != 0;
   else if (n == "num_threads") {
     if (v < 0) return fail(BT_LINALG_EINVAL, "[set_option] num_threads must be >= 0");
     o.num_threads = v;
@@ -215,6 +217,8 @@ int api_get_option(const char* name, int64_t* v) {
     *v = o.fused_epilogues;
   else if (n == "use_alloc")
     *v = o.use_alloc;
+  else if (n == "fp32_3xtf32")
+    *v = o.fp32_3xtf32;
   else if (n == "cuda")
     *v = cuda_available();
   else if (cuda_get_stat(name, v) == BT_LINALG_OK)

@@ -71,7 +71,12 @@ typedef enum bt_linalg_op { BT_LINALG_OP_N = 0, BT_LINALG_OP_T = 1 } bt_linalg_o
 /* How products are formed. Accumulation is always fp32 or wider.
  *   DEFAULT:   the inputs' precision (fp32 inputs -> FP32; f16/bf16 inputs -> their own
  *              tensor-core path with fp32 accumulation; f64 -> fp64).
- *   FP32:      true fp32 products (no tensor-core shortcuts).
+ *   FP32:      fp32-accurate products. On CUDA sm_80+ (option "fp32_3xtf32", default 1) by
+ *              our 3xTF32 kernel: each operand split into two TF32 parts, three tensor-core
+ *              products, partial sums promoted to fp32 every 32 k's; error against float64
+ *              below cuBLAS SGEMM's, 1.1-1.2x its speed. Option 0 (or an operand cp.async
+ *              cannot load: not 16-byte aligned, ld not a multiple of 4) uses cuBLAS SGEMM.
+ *              An infinite operand then gives NaN rather than +-inf in the outputs it reaches.
  *   TF32:      fp32 in and out, operands rounded to tf32 (10-bit mantissa) on tensor
  *              cores; the CPU emulates it by rounding operands, so results match the GPU's
  *              error profile.
@@ -166,9 +171,12 @@ static inline void bt_linalg_gemm_desc_init(bt_linalg_gemm_desc* d) {
  *   "num_threads"        CPU BLAS threads (0 = OpenBLAS's default)
  *   "fused_epilogues"    0/1: 0 runs every CUDA epilogue as separate kernels (default 1)
  *   "use_alloc"          0/1: 0 takes CUDA scratch from cudaMallocAsync, not blutrain-alloc
+ *   "fp32_3xtf32"        0/1: float32 GEMMs (DEFAULT / FP32) on CUDA by the 3xTF32 kernel
+ *                        (default 1) or by cuBLAS SGEMM (0); epilogues then run as our kernels
  * Read-only (get_option): "cuda" (1 if built with CUDA), "cache_entries",
  *   "cache_hits", "cache_misses", "fallback_epilogues" (calls whose epilogue ran as a
- *   separate kernel because cuBLASLt lacked it for that combination). */
+ *   separate kernel because cuBLASLt lacked it for that combination), "tf32x3_calls" (GEMMs
+ *   run by the 3xTF32 kernel). */
 typedef struct bt_linalg_api {
   uint32_t abi_version;
   uint32_t struct_size; /* sizeof(bt_linalg_api) of the library that filled it */

@@ -11,7 +11,7 @@ int cuda_set_alloc_api(const void*) { return BT_LINALG_OK; }
 int cuda_get_stat(const char* name, int64_t* v) {
   const std::string n = name;
   if (n == "cache_entries" || n == "cache_hits" || n == "cache_misses" ||
-      n == "fallback_epilogues") {
+      n == "fallback_epilogues" || n == "tf32x3_calls") {
     *v = 0;
     return BT_LINALG_OK;
   }

@@ -4,6 +4,7 @@
 // cudaError_t value (as int) of the launch.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace blutrain::linalg::kern {
@@ -31,5 +32,27 @@ size_t colsum_scratch_bytes(int64_t rows, int64_t cols, int64_t batch);
 int colsum(Mat x, Mat out, int64_t rows, int64_t cols, int64_t batch, void* scratch, void* stream);
 // out[b, i] = sum_j x[b, i, j] (row sums).
 int rowsum(Mat x, Mat out, int64_t rows, int64_t cols, int64_t batch, void* stream);
+
+// float32 D = alpha op(A) op(B) + beta C on TF32 tensor cores, 3xTF32 (gemm_tf32x3.cu, Note
+// [3xTF32]). Row-major, as bt_linalg_gemm_desc: op(A) (m, k), op(B) (k, n), D and C (m, n).
+struct Tf32x3Problem {
+  int64_t m, n, k, batch;
+  int transa, transb;
+  const float* a;
+  int64_t lda, bsa;
+  const float* b;
+  int64_t ldb, bsb;
+  const float* c;  // read when beta != 0 (may equal d)
+  int64_t ldc, bsc;
+  float* d;
+  int64_t ldd, bsd;
+  double alpha, beta;
+};
+// Whether the kernel takes the problem (16-byte aligned A and B, ld and batch strides of A and B
+// multiples of 4, non-empty).
+bool gemm_tf32x3_supported(const Tf32x3Problem& p);
+// Split-K workspace the call wants on device `dev` (0: none); without it the call runs unsplit.
+size_t gemm_tf32x3_workspace_bytes(const Tf32x3Problem& p, int dev);
+int gemm_tf32x3(const Tf32x3Problem& p, int dev, void* workspace, void* stream);
 
 }  // namespace blutrain::linalg::kern

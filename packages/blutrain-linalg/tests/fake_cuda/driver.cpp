@@ -92,6 +92,7 @@ int main(int argc, char** argv) {
       double beta = pick(rng) % 3 == 0 ? 1.25 : 0.0;
       bool inplace = beta != 0 && pick(rng) % 2;
       int fused = pick(rng) % 2, noepi = pick(rng) % 3 == 0, tune = pick(rng) % 4 == 0;
+      int x3 = pick(rng) % 2;  // float32 inputs: the 3xTF32 kernel or cuBLASLt
       int64_t pad = pick(rng) % 2 ? 3 : 0;
       int64_t ar = ta ? k : m, ac = ta ? m : k, br = tb ? n : k, bc = tb ? k : n;
       int64_t lda = (ac ? ac : 1) + pad, ldb = (bc ? bc : 1) + pad, ldd = n + pad;
@@ -118,6 +119,7 @@ int main(int argc, char** argv) {
         if (!noepi) unsetenv("FAKE_LT_NO_EPI");
         api->set_option("fused_epilogues", fused);
         api->set_option("autotune", tune);
+        api->set_option("fp32_3xtf32", x3);
         bt_linalg_gemm_desc d;
         bt_linalg_gemm_desc_init(&d);
         d.device = dev == 0 ? -1 : 0;
@@ -155,11 +157,12 @@ int main(int argc, char** argv) {
         ++bad;
         printf(
             "MISMATCH it %d: din %d dout %d m %lld n %lld k %lld b %lld ta %d tb %d epi %d beta %g "
-            "inplace %d fused %d noepi %d tune %d pad %lld bsb %lld: rc %d/%d err D %.3g aux %.3g "
+            "inplace %d fused %d noepi %d tune %d x3 %d pad %lld bsb %lld: rc %d/%d err D %.3g aux "
+            "%.3g "
             "bgrad %.3g\n",
             it, din, dout, (long long)m, (long long)n, (long long)k, (long long)batch, ta, tb, epi,
-            beta, (int)inplace, fused, noepi, tune, (long long)pad, (long long)bsb, rc[0], rc[1],
-            e1, e2, e3);
+            beta, (int)inplace, fused, noepi, tune, x3, (long long)pad, (long long)bsb, rc[0],
+            rc[1], e1, e2, e3);
       }
     }
     int64_t h1, m1;
@@ -171,6 +174,8 @@ int main(int argc, char** argv) {
   int64_t v;
   api->get_option("fallback_epilogues", &v);
   printf("fallbacks %lld\n", (long long)v);
+  api->get_option("tf32x3_calls", &v);
+  printf("tf32x3 calls %lld\n", (long long)v);
   api->get_option("cache_entries", &v);
   printf("cache entries %lld\n", (long long)v);
   printf("%d mismatches in %d\n", bad, iters);

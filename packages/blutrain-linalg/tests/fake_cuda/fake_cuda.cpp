@@ -153,4 +153,31 @@ int rowsum(Mat x, Mat out, int64_t r, int64_t c, int64_t b, void*) {
     }
   return 0;
 }
+// The 3xTF32 GEMM, in double (its error is below fp32's; the driver's tolerance is fp32's).
+bool gemm_tf32x3_supported(const Tf32x3Problem& p) {
+  return p.lda % 4 == 0 && p.ldb % 4 == 0 && p.m > 0 && p.n > 0 && p.k > 0;
+}
+size_t gemm_tf32x3_workspace_bytes(const Tf32x3Problem& p, int) {
+  return size_t(p.batch * p.m * p.n) * sizeof(float);  // as a split-K call would ask
+}
+int gemm_tf32x3(const Tf32x3Problem& p, int, void* ws, void*) {
+  assert(ws);
+  for (int64_t x = 0; x < p.batch; ++x)
+    for (int64_t i = 0; i < p.m; ++i)
+      for (int64_t j = 0; j < p.n; ++j) {
+        double s = 0;
+        for (int64_t kk = 0; kk < p.k; ++kk) {
+          const float a =
+              p.transa ? p.a[x * p.bsa + kk * p.lda + i] : p.a[x * p.bsa + i * p.lda + kk];
+          const float b =
+              p.transb ? p.b[x * p.bsb + j * p.ldb + kk] : p.b[x * p.bsb + kk * p.ldb + j];
+          s += double(a) * double(b);
+        }
+        float* d = p.d + x * p.bsd + i * p.ldd + j;
+        double v = p.alpha * s;
+        if (p.beta != 0) v += p.beta * p.c[x * p.bsc + i * p.ldc + j];
+        *d = float(v);
+      }
+  return 0;
+}
 }  // namespace blutrain::linalg::kern
