@@ -3,8 +3,9 @@
 Rows = B*T = 16384. For each linear layer (in -> out) of GPT-2 124M (768->2304 qkv,
 768->768 attention projection, 768->3072 fc, 3072->768 fc projection, 768->50257 lm head) it
 times the forward GEMM (x @ W^T) and both backward GEMMs (dX = dY @ W, dW = dY^T @ X) in fp32
-(true fp32), tf32 and bf16, ours next to torch.matmul in the same process on the same GPU, and
-linear + bias + GELU fused (one call, pre-activation saved) against torch's three ops.
+(fp32-accurate: ours is the 3xTF32 kernel on sm_80+, torch's SGEMM), tf32 and bf16, ours next to
+torch.matmul in the same process on the same GPU, and linear + bias + GELU fused (one call,
+pre-activation saved) against torch's three ops.
 
 Timing, two ways, both reported (inputs rotated over --rotate sets so no call finds the
 previous call's operands in L2; both sides write into preallocated outputs, out=, so

@@ -301,7 +301,7 @@ int main(int argc, char** argv) {
         check({"split-k beta batch", 128, 128, 4096, 2, ta, tb, 4, 0.5, 1, true, 3000});
       }
     check({"gpt2 qkv fwd", 16384, 2304, 768, 1, 0, 1, 0, 1, 0, false, 4096});
-    check({"gpt2 fc2 dX", 16384, 768, 3072, 1, 0, 0, 0, 1, 0, false, 4096});
+    check({"gpt2 fc1 dX", 16384, 768, 3072, 1, 0, 0, 0, 1, 0, false, 4096});
     check({"gpt2 fc1 dW", 3072, 768, 16384, 1, 1, 0, 0, 1, 0, false, 4096});
     check({"gpt2 proj dW +=", 768, 768, 16384, 1, 1, 0, 0, 1, 1, true, 4096});
     check({"gpt2 lm head fwd", 2048, 50304, 768, 1, 0, 1, 0, 1, 0, false, 4096});

@@ -77,7 +77,7 @@ struct Options {
   int64_t persist = 1;
   int64_t num_threads = 0;
   int64_t fused_epilogues = 1;  // 0: always run epilogues as separate kernels (for testing)
-  int64_t use_alloc = 1;  // 0: CUDA scratch from cudaMallocAsync even when blutrain-alloc is set
+  int64_t use_alloc = 1;    // 0: CUDA scratch from cudaMallocAsync even when blutrain-alloc is set
   int64_t fp32_3xtf32 = 1;  // 1: fp32 GEMMs on CUDA (sm_80+) by our 3xTF32 kernel; 0: cuBLAS SGEMM
 };
 Options& options();

@@ -134,7 +134,7 @@ def test_tf32_engaged_only_in_high(rng, op):
     for p in ("highest", "high"):
         bt.set_float32_matmul_precision(p)
         errs[p] = np.abs(_np(run()) - ref).max() / np.abs(ref).max()
-    assert errs["highest"] < 5e-6, f"'highest' is not true fp32: {errs}"
+    assert errs["highest"] < 5e-6, f"'highest' is not fp32-accurate: {errs}"
     assert errs["high"] > 2e-5, f"'high' did not engage TF32 (error looks like fp32): {errs}"
     assert errs["high"] < 5e-3, f"'high' error too large for TF32: {errs}"
 

@@ -11,9 +11,10 @@
 // then added to the running sum with an ordinary fp32 add ("promotion"): the measured error
 // against float64 is then about half SGEMM's (GPT-2 shapes: max 6e-8 vs 2e-7 of sum |a b|).
 // hi comes from integer rounding ((bits + 0x1000) & ~0x1fff: half away from zero), two integer
-// ops; timed 5-8% faster than cvt.rna.tf32 (which rounds half to even). Non-finite operands: NaN stays NaN (lo = NaN);
-// an infinite operand gives NaN, not +-inf, in the outputs it reaches (inf - inf in lo), as does
-// a finite |x| within 2^-11 of FLT_MAX (hi rounds to inf).
+// ops; timed 5-8% faster than cvt.rna.tf32 (which rounds half to even).
+// Non-finite operands: NaN stays NaN (lo = NaN); an infinite operand gives NaN, not +-inf, in the
+// outputs it reaches (inf - inf in lo), as does a finite |x| within 2^-11 of FLT_MAX (hi rounds
+// to inf).
 //
 // Tiles. A block computes a 128 x 128 tile of D with 8 warps (2 along m x 4 along n, each 64 x 32:
 // 4 x 4 MMA tiles). K advances 32 at a time through a 4-stage cp.async ring. Operands are copied

@@ -13,10 +13,11 @@ blutrain-alloc. Errors start with the op and name the shapes, e.g.
 
 Modes (``mode=``) say how products of float32 inputs are formed: ``"fp32"`` (fp32-accurate,
 the default; on CUDA sm_80+ our 3xTF32 tensor-core kernel, whose error is below cuBLAS
-SGEMM's, unless ``set_option("fp32_3xtf32", 0)`` picks SGEMM), ``"tf32"`` (tensor cores, 10-bit mantissa operands), ``"bf16"`` / ``"fp16"``
-(operands rounded to 16 bits). Accumulation is always fp32 or wider. float16 / bfloat16
-inputs use their own precision (fp32 accumulation); float64 inputs compute in float64. The
-CPU emulates the reduced modes by rounding the operands the same way.
+SGEMM's, unless ``set_option("fp32_3xtf32", 0)`` picks SGEMM), ``"tf32"`` (tensor cores,
+10-bit mantissa operands), ``"bf16"`` / ``"fp16"`` (operands rounded to 16 bits).
+Accumulation is always fp32 or wider. float16 / bfloat16 inputs use their own precision (fp32
+accumulation); float64 inputs compute in float64. The CPU emulates the reduced modes by
+rounding the operands the same way.
 """
 
 from __future__ import annotations

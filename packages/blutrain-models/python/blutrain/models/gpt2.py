@@ -54,7 +54,8 @@ def _normal(shape: tuple[int, ...], std: float, device: str | None) -> bt.Tensor
 
 # -- precision, fused ops, recomputation ---------------------------------------------------------
 # Precision modes: the compute dtype of the model's math (None: the parameters' own, float32)
-# and the float32 matmul precision ("highest": true fp32; "high": TF32 tensor cores on CUDA).
+# and the float32 matmul precision ("highest": fp32-accurate, on CUDA by blutrain-linalg's 3xTF32
+# kernel; "high": TF32 tensor cores).
 PRECISIONS = {
     "fp32": (None, "highest"),
     "tf32": (None, "high"),

@@ -21,7 +21,8 @@ A module's policy applies to it and to its children unless a child sets its own
 ``param`` (when given) is the dtype the module's parameters are stored in (the optimizer's master
 weights): ``set_precision`` converts them, so call it before building the optimizer.
 ``matmul_precision`` (when given) sets the process-wide float32 matmul precision
-(``bt.set_float32_matmul_precision``): 'highest' = true fp32, 'high' = TF32 tensor cores.
+(``bt.set_float32_matmul_precision``): 'highest' = fp32-accurate (on CUDA, blutrain-linalg's
+3xTF32 kernel), 'high' = TF32 tensor cores.
 
 Presets: ``fp32()`` (compute float32, 'highest'), ``tf32()`` (float32 + 'high'), ``bf16()``
 (compute bfloat16, params float32, 'highest' for the float32 parts).
