@@ -505,3 +505,23 @@ def test_options():
     with pytest.raises(ValueError, match=r"\[set_option\] unknown option 'nope'"):
         bl.set_option("nope", 1)
     assert bl.cache_path().endswith("cublaslt_algos.txt")
+
+
+def test_fp32_3xtf32_option_round_trips_and_leaves_the_cpu_alone():
+    """The option exists in every build (CUDA or not), defaults on, and does not touch CPU GEMMs
+    (true fp32 sgemm there; the 3xTF32 call counter stays put)."""
+    prev = bl.get_option("fp32_3xtf32")
+    assert prev == 1
+    calls = bl.get_option("tf32x3_calls")
+    try:
+        a = np.random.default_rng(0).standard_normal((33, 20)).astype(np.float32)
+        b = np.random.default_rng(1).standard_normal((20, 12)).astype(np.float32)
+        for on in (0, 1):
+            bl.set_option("fp32_3xtf32", on)
+            assert bl.get_option("fp32_3xtf32") == on
+            d = bl.matmul(a, b)
+            ref = a.astype(np.float64) @ b.astype(np.float64)
+            assert np.abs(d - ref).max() / np.abs(ref).max() < 1e-6
+        assert bl.get_option("tf32x3_calls") == calls
+    finally:
+        bl.set_option("fp32_3xtf32", prev)
