@@ -189,6 +189,7 @@ __device__ __forceinline__ void mma_tf32(float (&acc)[4], const uint32_t (&a)[4]
 // kAK: A K-contiguous (transa = N); kBKc: B K-contiguous (transb = T).
 template <class T, bool kAK, bool kBKc>
 __global__ void __launch_bounds__(T::kThreads, 1) gemm_tf32x3_k(Args p) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800  // mma tf32, cp.async: sm_80+
   constexpr int MI = T::MI, NI = T::NI, BK = T::BK;
   extern __shared__ __align__(16) float smem[];
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
@@ -325,6 +326,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) gemm_tf32x3_k(Args p) {
         }
       }
     }
+#else
+  __trap();  // never launched there: gemm_cuda.cpp routes sm < 80 to cuBLAS
+#endif
 }
 
 // D[b] = alpha sum_s W[b, s] + beta C[b], the split-K partials summed in order s = 0, 1, ...
