@@ -121,16 +121,19 @@ def test_3xtf32_split_k_batch_beta_in_place_is_deterministic(tf32x3):
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("epi", ["bias_gelu_aux", "dgelu_bgrad", "linear_backward"])
-def test_3xtf32_with_epilogues_matches_sgemm_path(epi, tf32x3):
-    """fp32 epilogues run as our kernels after the 3xTF32 GEMM: the same results as cuBLAS's
-    fused path to fp32 accuracy."""
-    x, w, b = g(256, 768), g(3072, 768), g(3072)
-    dy, pre = g(256, 3072), g(256, 768)
+@pytest.mark.parametrize("rows", [256, 2048])  # split-K and one slice
+@pytest.mark.parametrize("epi", ["bias_gelu_aux", "bias", "dgelu_bgrad", "linear_backward"])
+def test_3xtf32_with_epilogues_matches_sgemm_path(epi, rows, tf32x3):
+    """fp32 epilogues run as our kernels after the 3xTF32 GEMM (split-K at 256 rows, one slice
+    at 2048): the same results as cuBLAS's fused path to fp32 accuracy."""
+    x, w, b = g(rows, 768), g(3072, 768), g(3072)
+    dy, pre = g(rows, 3072), g(rows, 768)
 
     def run():
         if epi == "bias_gelu_aux":
             return list(bl.linear(x, w, b, activation="gelu", save_preact=True))
+        if epi == "bias":
+            return [bl.linear(x, w, b), bl.linear(x, w, b)]
         if epi == "dgelu_bgrad":
             return list(bl.matmul_dgelu(dy, w, pre, bias_grad=True))
         return list(bl.linear_backward(dy, x, w))
@@ -288,6 +291,22 @@ def test_fused_path_is_taken_for_the_transformer_epilogues():
     bl.linear(x, w, b)
     torch.cuda.synchronize()
     assert bl.get_option("fallback_epilogues") == before
+
+
+def test_3xtf32_misaligned_operand_keeps_cublaslt_fused_epilogue(tf32x3):
+    """A float32 GEMM whose A the 3xTF32 kernel cannot load (4-byte aligned only) goes to
+    cuBLASLt with its fused epilogue: no 3xTF32 call, no unfused fallback, fp32-accurate."""
+    tf32x3(True)
+    bl.set_option("fused_epilogues", 1)
+    base, w, b = g(256 * 768 + 1), g(512, 768), g(512)
+    x = base[1:].view(256, 768)  # data_ptr 4 bytes past a 16-byte boundary
+    calls, fallbacks = x3_calls(), bl.get_option("fallback_epilogues")
+    y, pre = bl.linear(x, w, b, activation="gelu", save_preact=True)
+    assert x3_calls() == calls
+    assert bl.get_option("fallback_epilogues") == fallbacks
+    z = ref_mm(x, w, transb=True) + np64(b)
+    assert rel_err(np64(pre), z) < 1e-5
+    assert rel_err(np64(y), gelu64(z)) < 1e-5
 
 
 @pytest.mark.parametrize("x3", [True, False])

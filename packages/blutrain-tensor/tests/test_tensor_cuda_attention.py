@@ -8,7 +8,7 @@ bf16/fp16 backward: by default one kernel per key block (on sm_90a builds with D
 attn_bwd_sm90_ws, elsewhere attn_bwd_dkdv_v2<kDq>), dQ added by float atomics or a TMA reduce-add:
 dq is not bitwise repeatable, dk/dv are; bt.use_deterministic_algorithms(True) selects the
 deterministic two-kernel split (bitwise repeatable).  Bitwise checks of the backward run in that
-mode.  float32 on tensor cores (attention_tf32.cu) does the same (but D 128 under "highest"):
+mode.  float32 on tensor cores (attention_tf32.cu) does the same:
 dQ by float atomics from the dK / dV kernel by default, the split in deterministic mode; both are
 checked against float64."""
 
@@ -626,8 +626,8 @@ class _precision:
 @pytest.mark.parametrize("T", [1, 7, 64, 1024])
 @pytest.mark.parametrize("D", [64, 128])
 def test_tf32_flash_attention(rng, monkeypatch, prec, D, T, causal, det):
-    """Both backwards against float64: the default (dQ by atomics from the dK / dV kernel, but
-    for D 128 under "highest") and deterministic mode's two-kernel split."""
+    """Both backwards against float64: the default (dQ by atomics from the dK / dV kernel) and
+    deterministic mode's two-kernel split."""
     monkeypatch.setitem(RTOL, bt.float32, TF32_TOL[prec])
     B, H = (1, 2) if T >= 1024 else (2, 3)
     with _precision(prec), _deterministic(det):

@@ -1198,7 +1198,9 @@ int cuda_gemm(const bt_linalg_gemm_desc& d) {
   // it reads). lt_run also skips it while the stream captures a graph (it synchronises).
   const bool may_tune = options().autotune && !(d.beta != 0.0 && d.c.ptr == d.d.ptr) &&
                         !(epi_reads_aux(d.epilogue) && d.aux.ptr == d.d.ptr);
-  if (wants_tf32x3(*ds, d)) return run_unfused(*ds, d.device, d, s, may_tune, true);
+  // Only problems the kernel takes: the rest keep cuBLASLt's fused epilogues below.
+  if (wants_tf32x3(*ds, d) && kern::gemm_tf32x3_supported(tf32x3_problem(d)))
+    return run_unfused(*ds, d.device, d, s, may_tune, true);
   if (d.k > 0 && d.m > 0 && d.n > 0 && lt_supports_out(d.a.dtype, d.d.dtype) && fusable(d)) {
     int rc = lt_run(*ds, d.device, to_lt(d), s, may_tune);
     if (rc != BT_LINALG_ENOTSUP) return rc;

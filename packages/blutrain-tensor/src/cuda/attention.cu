@@ -1143,15 +1143,16 @@ static AttnTf32Args tf32_args(const AttnParams& p) {
 }
 // The float32 backward's dQ by atomics (Note [tf32 dQ by atomics]) outside deterministic mode,
 // where it measured faster (bench/attn_tf32_check.cu, B16 T1024 causal, C 768, ms split ->
-// atomics): D 64 1xTF32 0.995 -> 0.805, 3xTF32 2.487 -> 2.409; D 128 1xTF32 1.494 -> 1.163.
-// D 128 3xTF32 keeps the split (3.341 -> 4.845: the fused kernel spills registers there).
-// BT_ATTN_TF32_FUSED=0 in the environment keeps the split everywhere (comparisons).
-static bool tf32_fused_dq(int D, bool exact) {
+// atomics): D 64 1xTF32 0.995 -> 0.805; D 128 1xTF32 1.494 -> 1.163; with 3xTF32's integer
+// split (session 27) D 64 1.697 -> 1.492 and D 128 2.203 -> 1.609 (before it, D 128 spilled
+// and the split was faster). BT_ATTN_TF32_FUSED=0 in the environment keeps the split everywhere
+// (comparisons).
+static bool tf32_fused_dq() {
   static const bool env_off = [] {
     const char* e = std::getenv("BT_ATTN_TF32_FUSED");
     return e && std::string(e) == "0";
   }();
-  return (D == 64 || !exact) && !env_off && !deterministic_algorithms();
+  return !env_off && !deterministic_algorithms();
 }
 static bool ptr_aligned(const void* ptr, uintptr_t n) {
   return reinterpret_cast<uintptr_t>(ptr) % n == 0;
@@ -1287,7 +1288,7 @@ void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector
     }
     if constexpr (std::is_same_v<T, float>) {
       AttnTf32Args ta = tf32_args(p);
-      ta.fused_dq = tf32_fused_dq(p.D, ta.exact);
+      ta.fused_dq = tf32_fused_dq();
       if (attn_tf32_supported(ta) && ptr_aligned(qp, 16) && ptr_aligned(kp, 16) &&
           ptr_aligned(vp, 16) && ptr_aligned(gp, 16) && ptr_aligned(dq, 8) && ptr_aligned(dk, 8) &&
           ptr_aligned(dv, 8)) {

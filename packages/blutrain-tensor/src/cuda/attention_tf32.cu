@@ -20,9 +20,10 @@
 //
 // Shared memory tiles are float rows of D + 4 elements: the 4-float pad puts the 32 lanes of
 // every fragment load (X[g][t], and X[2t][g] for the permuted k-major B) in 32 different banks.
-// Fragments are read with scalar LDS and rounded to TF32 with cvt.rna; 3xTF32 also keeps the
-// residual small = tf32(x - big) and accumulates big*small + small*big + big*big (small terms
-// first), dropping small*small (~2^-22 relative), as CUTLASS's OpMultiplyAddFastF32 does.
+// Fragments are read with scalar LDS and rounded to TF32 (1xTF32: cvt.rna; 3xTF32: integer
+// rounding, see split()); 3xTF32 also keeps the residual small = x - big and accumulates
+// big*small + small*big + big*big (small terms first), dropping small*small (~2^-22 relative),
+// as CUTLASS's OpMultiplyAddFastF32 does.
 #include <algorithm>
 #include <string>
 
@@ -101,10 +102,18 @@ struct FragB {
   uint32_t hi[2];
   uint32_t lo[kExact ? 2 : 1];
 };
+// 3xTF32 rounds hi with two integer ops ((bits + 0x1000) & ~0x1fff: half away from zero) and
+// passes lo = x - hi (exact) as is, the MMA reading its top 10 mantissa bits: no cvt, as
+// blutrain-linalg's 3xTF32 GEMM (Note [3xTF32] there; 5-8% faster than two cvt.rna). An infinite
+// x gives lo = NaN either way; a NaN stays NaN in lo.
 template <bool kExact>
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t* lo) {
-  hi = tf32_rna(x);
-  if constexpr (kExact) *lo = tf32_rna(x - __uint_as_float(hi));
+  if constexpr (kExact) {
+    hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+    *lo = __float_as_uint(x - __uint_as_float(hi));
+  } else {
+    hi = tf32_rna(x);
+  }
 }
 
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
