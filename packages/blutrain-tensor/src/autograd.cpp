@@ -242,6 +242,40 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
     Tensor& slot = buf[e.input_nr];
     slot = slot.defined() ? add(slot, g) : g;
   };
+  // Note [taking over a pending gradient] (autograd.h): move a summed gradient out of the buffer
+  // for a node that can take it over; afterwards put back what it did not take.
+  auto offer_pending = [&](Node& node) {
+    node.pending.clear();
+    node.pending_taken.clear();
+    if (active_graph()) return;
+    for (size_t i = 0; i < node.next.size(); ++i) {
+      const Edge& e = node.next[i];
+      if (!e.node || !node.takes_pending_gradient(i)) continue;
+      bool repeated = false;  // the same producer slot on two inputs: leave it to the plain sum
+      for (size_t j = 0; j < node.next.size(); ++j) {
+        repeated = repeated ||
+                   (j != i && node.next[j].node == e.node && node.next[j].input_nr == e.input_nr);
+      }
+      auto it = buffers.find(e.node.get());
+      if (repeated || it == buffers.end() || !it->second[e.input_nr].defined()) continue;
+      if (node.pending.empty()) {
+        node.pending.resize(node.next.size());
+        node.pending_taken.assign(node.next.size(), 0);
+      }
+      node.pending[i] = std::move(it->second[e.input_nr]);
+      it->second[e.input_nr] = Tensor();
+    }
+  };
+  auto return_pending = [&](Node& node) {
+    for (size_t i = 0; i < node.pending.size(); ++i) {
+      if (node.pending[i].defined() && !node.pending_taken[i]) {
+        const Edge& e = node.next[i];
+        buffers[e.node.get()][e.input_nr] = std::move(node.pending[i]);
+      }
+    }
+    node.pending.clear();
+    node.pending_taken.clear();
+  };
   auto cmp = [](const std::shared_ptr<Node>& a, const std::shared_ptr<Node>& b) {
     return a->seq < b->seq;
   };
@@ -280,8 +314,10 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
       }
     }
     node->last_run = !retain_graph;
+    offer_pending(*node);
     std::vector<Tensor> in_grads = node->apply(grads);
     grads.clear();
+    return_pending(*node);
     if (!retain_graph) node->release();  // saved tensors go now, not at the end of backward
     for (size_t i = 0; i < node->next.size(); ++i) {
       const Edge& e = node->next[i];

@@ -47,6 +47,9 @@ struct Node : std::enable_shared_from_this<Node> {
   // The dtype this node takes forward output i's gradient in: out_meta[i]'s, or for a cast a
   // wider one that it would widen the gradient to anyway (Note [cached casts], primitives.h).
   virtual DType grad_dtype_taken(size_t i) const { return out_meta[i].dtype; }
+  // Whether apply() may fold the gradient already summed for forward input i into its own
+  // result (Note [taking over a pending gradient]).
+  virtual bool takes_pending_gradient(size_t i) const { return false; }
 
   std::vector<Edge> next;
   std::vector<TensorMeta> out_meta;
@@ -57,7 +60,24 @@ struct Node : std::enable_shared_from_this<Node> {
   // Set by the engine before apply(): this run is the node's last (no retain_graph), so its
   // vjp may write its result over a saved input that nothing else references (see donatable()).
   bool last_run = false;
+  // Set by the engine around apply() (Note [taking over a pending gradient]): pending[i] is the
+  // gradient already summed for input i at its producer, moved out of the engine's buffer (so
+  // this is its only handle), or undefined; apply() sets pending_taken[i] when its result for
+  // input i includes it.  Both empty when nothing is offered.
+  std::vector<Tensor> pending;
+  std::vector<char> pending_taken;
 };
+
+// Note [taking over a pending gradient]
+// A tensor used twice gets two gradients, summed by the engine: add(first, second), a pass over
+// both.  GPT-2's tied embedding gets the classifier's dW (50304 x 768 float32, 154 MB) and the
+// embedding's sparse index_add; summing them costs a zero fill and an add of the whole table
+// (0.15 ms a bf16 step).  A node whose vjp can add its contribution into an existing tensor says
+// so (takes_pending_gradient; index_select's table input).  When the producer's buffer already
+// holds a gradient for that input, the engine moves it out and offers it (Node::pending); the vjp
+// adds into it (in place where donatable() allows, else out of place) and marks it taken, and the
+// engine stores the result in place of the sum.  Not taken, it goes back to the buffer and the
+// usual add follows.  Capture mode keeps the plain sum (captured graphs record one op per edge).
 
 // The leaf's accumulator (created on first use, unique per leaf).
 std::shared_ptr<Node> grad_accumulator(const Tensor& leaf);

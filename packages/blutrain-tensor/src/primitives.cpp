@@ -126,7 +126,9 @@ struct PrimNode : Node {
                  grads,
                  needs,
                  last_run,
-                 grad_dtypes};
+                 grad_dtypes,
+                 pending.empty() ? nullptr : &pending,
+                 pending.empty() ? nullptr : &pending_taken};
     auto r = prim->vjp(args);
     r.resize(next.size());
     for (size_t i = 0; i < r.size(); ++i) {
@@ -141,6 +143,9 @@ struct PrimNode : Node {
     recomputed_in.clear();
   }
   bool takes_no_gradient(size_t i) const override { return prim->takes_no_cotangent(i); }
+  bool takes_pending_gradient(size_t i) const override {
+    return i < needs.size() && needs[i] && prim->takes_pending_gradient(i);
+  }
   DType grad_dtype_taken(size_t i) const override {
     const DType own = out_meta[i].dtype;
     const bool hooked =
@@ -519,7 +524,18 @@ std::vector<Tensor> IndexSelect::vjp(const VjpArgs& a) {
   // double backward could still need that base.
   const auto& m = a.in_meta[0];
   const Tensor& g = a.cotangents[0];
-  Tensor base = zeros(m.shape, weight_grad_dtype(a, 0, g.dtype()), m.device);
+  const DType dt = weight_grad_dtype(a, 0, g.dtype());
+  Tensor base;
+  // The table's other gradient (a tied classifier's dW), when the engine offers it: add into it
+  // instead of into zeros (Note [taking over a pending gradient], autograd.h).
+  if (a.pending && a.needs[0] && (*a.pending)[0].defined()) {
+    Tensor& p = (*a.pending)[0];
+    if (p.dtype() == dt && p.shape() == m.shape && p.device() == m.device && p.is_contiguous()) {
+      base = std::move(p);
+      (*a.pending_taken)[0] = 1;
+    }
+  }
+  if (!base.defined()) base = zeros(m.shape, dt, m.device);
   const bool over = !grad_enabled() && donatable(base);
   return {index_add(base, dim, a.inputs[1], g, over), Tensor()};
 }

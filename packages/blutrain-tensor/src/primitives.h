@@ -43,6 +43,11 @@ struct VjpArgs {
   // is a cast of a wider tensor whose node takes its gradient unnarrowed (Note [cached casts]).
   // A vjp that writes a gradient anyway (a GEMM) writes it in this dtype; others may ignore it.
   const std::vector<DType>& grad_dtypes;
+  // Note [taking over a pending gradient] (autograd.h): (*pending)[i], where defined, is the
+  // gradient already summed for input i, held only here; a vjp whose result for input i includes
+  // it (in place or not) sets (*pending_taken)[i].  Null when nothing is offered.
+  std::vector<Tensor>* pending = nullptr;
+  std::vector<char>* pending_taken = nullptr;
 };
 
 // Note [donating a saved input]
@@ -149,6 +154,9 @@ class Primitive {
   virtual bool takes_no_cotangent(size_t i) const { return false; }
   // The input whose memory output 0 is written over, or -1 (see Note [donating a saved input]).
   virtual int overwrites_input() const { return -1; }
+  // Whether vjp may take over the gradient already summed for input i (VjpArgs::pending; Note
+  // [taking over a pending gradient], autograd.h).
+  virtual bool takes_pending_gradient(size_t i) const { return false; }
   // A cast: its vjp only converts the cotangent to input 0's dtype, so it may be given one in that
   // dtype already (Note [cached casts]).
   virtual bool is_cast() const { return false; }
@@ -413,6 +421,7 @@ class ArgReduce : public Primitive {  // argmax / argmin over one dim
 class IndexSelect : public Primitive {  // inputs: x, index (int, 1-D)
   BT_PRIM_BODY(IndexSelect, "index_select")
   explicit IndexSelect(int64_t d) : dim(d) {}
+  bool takes_pending_gradient(size_t i) const override { return i == 0; }
   void attrs(Attrs& a) const override { a["dim"] = dim; }
   int64_t dim;
 };

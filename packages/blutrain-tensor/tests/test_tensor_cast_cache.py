@@ -442,6 +442,46 @@ def test_embedding_gradient_over_fresh_zeros(device, dtype):
     np.testing.assert_array_equal(W.grad.float().cpu().numpy(), 2 * counts)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cast", [*CASTS, "none"])
+@pytest.mark.parametrize("order", ["head_last", "embedding_last"])
+def test_tied_table_gradient_sums_both_uses(device, cast, order):
+    """A table used by an embedding and a linear head (GPT-2's tied wte): the embedding's
+    backward adds its rows into the head's dW that the engine offers it (Note [taking over a
+    pending gradient]) instead of into zeros and a second add. The sum matches float64 whichever
+    use runs first, rows no index names carry the head's part alone, and a second backward
+    through the retained graph doubles .grad."""
+    rng = np.random.default_rng()
+    V, C, N, M = int(rng.integers(40, 90)), 24, 300, 40
+    W = _param(rng, (V, C), device)
+    Wc = W if cast == "none" else CASTS[cast](W)
+    idx = rng.integers(0, V // 2, N)
+    h = bt.tensor(rng.standard_normal((M, C)), dtype=Wc.dtype, device=device)
+    g1 = bt.tensor(rng.standard_normal((N, C)), dtype=bt.float32, device=device)
+    g2 = bt.tensor(rng.standard_normal((M, V)), dtype=bt.float32, device=device)
+    ids = bt.tensor(idx, dtype=bt.int64, device=device)
+    if order == "head_last":  # the head is made last, so its backward runs first
+        emb = (bt.embedding(ids, Wc).float() * g1).sum()
+        head = (bt.linear(h, Wc).float() * g2).sum()
+    else:
+        head = (bt.linear(h, Wc).float() * g2).sum()
+        emb = (bt.embedding(ids, Wc).float() * g1).sum()
+    loss = emb + head
+    loss.backward(retain_graph=True)
+    first = W.grad.float().cpu().numpy().copy()
+    hf = h.float().cpu().numpy().astype(np.float64)
+    g1n, g2n = g1.cpu().numpy().astype(np.float64), g2.cpu().numpy().astype(np.float64)
+    want = g2n.T @ hf
+    np.add.at(want, idx, g1n)
+    scale = np.abs(g2n).T @ np.abs(hf)
+    np.add.at(scale, idx, np.abs(g1n))
+    tol = 2e-5 if Wc.dtype == bt.float32 else 1e-2  # a bf16 GEMM's dW
+    err = np.abs(first - want) / scale
+    assert err.max() < tol, f"tied table gradient relative error {err.max():.2e}"
+    loss.backward()
+    np.testing.assert_allclose(W.grad.float().cpu().numpy(), 2 * first, rtol=1e-6, atol=1e-6)
+
+
 @pytest.fixture
 def lgl_impl():
     prev = C._get_linear_gelu_linear_impl()

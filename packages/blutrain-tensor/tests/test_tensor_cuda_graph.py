@@ -210,6 +210,74 @@ def test_graph_replay_matches_eager_training(rng, det):
         bt.use_deterministic_algorithms(prev)
 
 
+def _driver():
+    """libcuda through ctypes: its memsets are what libraries (cuBLASLt) issue under capture."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        pytest.skip("no libcuda.so.1")
+    u64, u32, u16, u8, sz = (
+        ctypes.c_uint64,
+        ctypes.c_uint32,
+        ctypes.c_uint16,
+        ctypes.c_uint8,
+        ctypes.c_size_t,
+    )
+    lib.cuMemsetD8Async.argtypes = [u64, u8, sz, ctypes.c_void_p]
+    lib.cuMemsetD16Async.argtypes = [u64, u16, sz, ctypes.c_void_p]
+    lib.cuMemsetD32Async.argtypes = [u64, u32, sz, ctypes.c_void_p]
+    lib.cuMemsetD2D16Async.argtypes = [u64, sz, u16, sz, sz, ctypes.c_void_p]
+    return lib
+
+
+@pytest.mark.parametrize("as_kernels", [True, False])
+def test_graph_memset_nodes_run_as_fill_kernels(rng, as_kernels):
+    """Note [memset nodes]: 1-, 2- and 4-byte and pitched (2-D) memsets captured from the driver
+    API run as fill kernels in replays, write exactly their bytes, and stay ordered before the
+    work after them; memsets_as_kernels=False keeps them as memset nodes."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    lib = _driver()
+    n = int(rng.integers(3000, 6000))
+    buf = torch.zeros(16 * n, dtype=torch.uint8, device="cuda")
+    base, view = buf.data_ptr(), bt.from_dlpack(buf)
+    o8, l8 = int(rng.integers(0, 64)), int(rng.integers(1, n))
+    o16, l16 = 2 * n + 2 * int(rng.integers(0, 64)), int(rng.integers(1, n // 2))
+    o32, l32 = 4 * n + 4 * int(rng.integers(0, 64)), int(rng.integers(1, n // 4))
+    o2d, pitch, w, h = 8 * n, 2 * int(rng.integers(40, 64)), int(rng.integers(1, 40)), 7
+    v8, v16, v32, v2d = (int(rng.integers(1, 2**b)) for b in (8, 16, 32, 16))
+    poison = int(rng.integers(1, 256))
+
+    want = np.full(16 * n, poison, dtype=np.uint8)
+    want[o8 : o8 + l8] = v8
+    want[o16 : o16 + 2 * l16].view(np.uint16)[:] = v16
+    want[o32 : o32 + 4 * l32].view(np.uint32)[:] = v32
+    for r in range(h):
+        want[o2d + r * pitch : o2d + r * pitch + 2 * w].view(np.uint16)[:] = v2d
+
+    s = bt.cuda.current_stream()
+    g = bt.cuda.CUDAGraph(memsets_as_kernels=as_kernels)
+    torch.cuda.synchronize()
+    with bt.cuda.graph(g):
+        assert lib.cuMemsetD8Async(base + o8, v8, l8, s) == 0
+        assert lib.cuMemsetD16Async(base + o16, v16, l16, s) == 0
+        assert lib.cuMemsetD32Async(base + o32, v32, l32, s) == 0
+        assert lib.cuMemsetD2D16Async(base + o2d, pitch, v2d, w, h, s) == 0
+        after = view.to(bt.int32) + 1  # reads the buffer after the memsets, in stream order
+    assert g.memsets_replaced == (4 if as_kernels else 0)
+    for _ in range(2):  # each replay rewrites the bytes
+        buf.fill_(poison)
+        torch.cuda.synchronize()
+        g.replay()
+        bt.cuda.synchronize()
+        np.testing.assert_array_equal(buf.cpu().numpy(), want)
+        np.testing.assert_array_equal(host(after), want.astype(np.int32) + 1)
+    g.reset()
+
+
 def test_make_graphed_step(rng):
     init = init_params(rng)
     ((x, y),) = batches(rng, 1)

@@ -10,6 +10,14 @@
 // the graph); reset() destroys the graph and the Python side releases the pool.  Host syncs during
 // capture raise (backend.cpp checks cuda::capturing in copy_bytes and synchronize).
 //
+// Note [memset nodes]: libraries zero small scratch words with cudaMemsetAsync before their
+// kernels (cuBLASLt before each persistent GEMM: GPT-2's bf16 step captures 108).  In a replay
+// a memset node costs ~4 us of idle GPU around it (0.45 ms a step, session 28's trace), where a
+// kernel node follows a kernel node with next to none.  capture_end therefore replaces every
+// 1-D or 2-D memset node by a kernel node that writes the same bytes, with the same
+// dependencies (memsets_as_kernels, on by default; BLUTRAIN_GRAPH_MEMSETS=keep turns the default
+// off).  Stream order is kept: the fill runs where the memset ran.
+//
 // In a build without CUDA the same symbols exist (inline, below) and raise clear errors.
 #pragma once
 
@@ -28,7 +36,9 @@ class CudaGraph {
   CudaGraph& operator=(const CudaGraph&) = delete;
 
   // Begins capturing the current stream of `device` (throws if this graph already holds one).
-  void capture_begin(int device);
+  // memsets_as_kernels: whether capture_end turns memset nodes into fill kernels (Note
+  // [memset nodes]).
+  void capture_begin(int device, bool memsets_as_kernels = true);
   // Ends the capture and instantiates the graph; throws (and discards it) if the capture was
   // invalidated by an operation not allowed while capturing.
   void capture_end();
@@ -43,6 +53,8 @@ class CudaGraph {
   bool captured() const { return exec_ != nullptr; }
   int device() const { return device_; }
   int64_t num_nodes() const;
+  // Memset nodes capture_end replaced by fill kernels (Note [memset nodes]).
+  int64_t memsets_replaced() const { return memsets_replaced_; }
   // Writes a Graphviz description of the captured graph (cudaGraphDebugDotPrint).
   void debug_dump(const std::string& path) const;
 
@@ -52,6 +64,8 @@ class CudaGraph {
   void* capture_stream_ = nullptr;  // cudaStream_t being captured
   int device_ = -1;
   bool capturing_ = false;
+  bool memsets_as_kernels_ = true;
+  int64_t memsets_replaced_ = 0;
 };
 
 // Events, as integer handles (cudaEvent_t).  record() enqueues on the device's current stream.
@@ -74,7 +88,7 @@ bool stream_capturing(int device);
                      "] blutrain-tensor was built without CUDA (rebuild with BLUTRAIN_CUDA=ON)");
 }
 inline CudaGraph::~CudaGraph() = default;
-inline void CudaGraph::capture_begin(int) { no_cuda_graph("CUDAGraph.capture_begin"); }
+inline void CudaGraph::capture_begin(int, bool) { no_cuda_graph("CUDAGraph.capture_begin"); }
 inline void CudaGraph::capture_end() { no_cuda_graph("CUDAGraph.capture_end"); }
 inline void CudaGraph::capture_abort() noexcept {}
 inline void CudaGraph::replay() { no_cuda_graph("CUDAGraph.replay"); }

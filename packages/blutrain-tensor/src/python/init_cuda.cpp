@@ -43,7 +43,9 @@ void init_cuda(nb::module_& m) {
                               "A CUDA graph of work captured on blutrain's current stream.")
       .def(nb::init<>())
       .def("capture_begin", &cuda::CudaGraph::capture_begin, "device"_a,
-           "Begins capturing the device's current stream (thread-local mode).")
+           "memsets_as_kernels"_a = true,
+           "Begins capturing the device's current stream (thread-local mode); with "
+           "memsets_as_kernels, capture_end turns memset nodes into fill kernels.")
       .def("capture_end", &cuda::CudaGraph::capture_end,
            "Ends the capture and instantiates the graph (raises if it was invalidated).")
       .def("capture_abort", &cuda::CudaGraph::capture_abort,
@@ -60,6 +62,8 @@ void init_cuda(nb::module_& m) {
       .def_prop_ro("captured", &cuda::CudaGraph::captured)
       .def_prop_ro("device", &cuda::CudaGraph::device)
       .def("num_nodes", &cuda::CudaGraph::num_nodes, "Nodes of the captured graph.")
+      .def_prop_ro("memsets_replaced", &cuda::CudaGraph::memsets_replaced,
+                   "Memset nodes capture_end replaced by fill kernels.")
       .def("debug_dump", &cuda::CudaGraph::debug_dump, "path"_a,
            "Writes the graph as Graphviz text.");
   m.def("_cuda_event_create", &cuda::event_create, "device"_a, "enable_timing"_a,

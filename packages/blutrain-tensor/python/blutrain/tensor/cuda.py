@@ -42,6 +42,7 @@ Rules (as for ``torch.cuda.graphs``):
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -338,9 +339,17 @@ class CUDAGraph:
     """A captured sequence of GPU work, replayed with one launch. See the module docstring.
 
     Capture with ``with bt.cuda.graph(g): ...``; :meth:`replay` re-runs it on the same memory;
-    :meth:`reset` destroys it and releases its private memory pool."""
+    :meth:`reset` destroys it and releases its private memory pool.
 
-    def __init__(self) -> None:
+    ``memsets_as_kernels``: replace the capture's memset nodes (cuBLASLt zeroes scratch words
+    before its persistent GEMMs) by kernel nodes that write the same bytes, which a replay runs
+    without the ~4 us of idle GPU a memset node costs. None: on unless the environment sets
+    ``BLUTRAIN_GRAPH_MEMSETS=keep``."""
+
+    def __init__(self, memsets_as_kernels: bool | None = None) -> None:
+        if memsets_as_kernels is None:
+            memsets_as_kernels = os.environ.get("BLUTRAIN_GRAPH_MEMSETS", "") != "keep"
+        self._memsets_as_kernels = bool(memsets_as_kernels)
         self._g = _C._CUDAGraph()
         self._pool: int | None = None
         self._device: int | None = None
@@ -360,7 +369,7 @@ class CUDAGraph:
         s = current_stream(dev)
         pool = int(alloc._alloc.begin_graph_pool(dev, s))
         try:
-            self._g.capture_begin(dev)
+            self._g.capture_begin(dev, self._memsets_as_kernels)
         except BaseException:
             alloc._alloc.end_graph_pool(dev, s)
             alloc.release_graph_pool(pool, dev)
@@ -415,6 +424,11 @@ class CUDAGraph:
     def num_nodes(self) -> int:
         """Number of nodes (kernels, copies, ...) in the captured graph."""
         return int(self._g.num_nodes())
+
+    @property
+    def memsets_replaced(self) -> int:
+        """Memset nodes of the capture that run as fill kernels (see the class docstring)."""
+        return int(self._g.memsets_replaced)
 
     def debug_dump(self, path: str) -> None:
         """Write the captured graph as Graphviz text."""

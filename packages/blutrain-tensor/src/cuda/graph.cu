@@ -1,9 +1,11 @@
-// cuda/graph.cpp: CUDA graph capture / replay and CUDA events over the runtime (graph.h; see
-// Note [graph capture] there).
-#include "graph.h"
-
+// cuda/graph.cu: CUDA graph capture / replay and CUDA events over the runtime (graph.h; see
+// Note [graph capture] and Note [memset nodes] there).
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <vector>
+
+#include "graph.h"
 #include "runtime.h"
 
 namespace bt::cuda {
@@ -16,11 +18,115 @@ cudaEvent_t as_event(uintptr_t h) { return reinterpret_cast<cudaEvent_t>(h); }
 void check_event(uintptr_t h, const char* op) {
   if (!h) throw RuntimeError(std::string("[") + op + "] the event was never created");
 }
+
+// ================================ kernels ======================================================
+
+// A memset node's work: `height` rows of `width` elements of `elem_bytes` (1, 2 or 4) bytes,
+// `pitch` bytes apart, each set to the low bytes of `value` (cudaMemsetParams).
+__global__ void memset_fill(unsigned char* __restrict__ dst, size_t pitch, unsigned value,
+                            unsigned elem_bytes, size_t width, size_t height) {
+  const size_t n = width * height;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    unsigned char* p = dst + (i / width) * pitch + (i % width) * elem_bytes;
+    if (elem_bytes == 4) {
+      *reinterpret_cast<unsigned*>(p) = value;
+    } else if (elem_bytes == 2) {
+      *reinterpret_cast<unsigned short*>(p) = static_cast<unsigned short>(value);
+    } else {
+      *p = static_cast<unsigned char>(value);
+    }
+  }
+}
+
+// ================================ graph rewriting ==============================================
+
+constexpr unsigned kFillThreads = 256;
+constexpr unsigned kFillMaxBlocks = 1024;  // grid-stride beyond (large memsets are rare here)
+
+// CUDA 13 gives every edge its data (port / type); CUDA 12 the plain node lists.
+#if CUDART_VERSION >= 13000
+using EdgeData = std::vector<cudaGraphEdgeData>;
+cudaError_t node_deps(cudaGraphNode_t n, cudaGraphNode_t* out, EdgeData* ed, size_t* count) {
+  return cudaGraphNodeGetDependencies(n, out, ed ? ed->data() : nullptr, count);
+}
+cudaError_t node_dependents(cudaGraphNode_t n, cudaGraphNode_t* out, EdgeData* ed, size_t* count) {
+  return cudaGraphNodeGetDependentNodes(n, out, ed ? ed->data() : nullptr, count);
+}
+cudaError_t add_edges(cudaGraph_t g, const cudaGraphNode_t* from, const cudaGraphNode_t* to,
+                      const EdgeData* ed, size_t count) {
+  return cudaGraphAddDependencies(g, from, to, ed ? ed->data() : nullptr, count);
+}
+#else
+using EdgeData = std::vector<char>;  // unused
+cudaError_t node_deps(cudaGraphNode_t n, cudaGraphNode_t* out, EdgeData*, size_t* count) {
+  return cudaGraphNodeGetDependencies(n, out, count);
+}
+cudaError_t node_dependents(cudaGraphNode_t n, cudaGraphNode_t* out, EdgeData*, size_t* count) {
+  return cudaGraphNodeGetDependentNodes(n, out, count);
+}
+cudaError_t add_edges(cudaGraph_t g, const cudaGraphNode_t* from, const cudaGraphNode_t* to,
+                      const EdgeData*, size_t count) {
+  return cudaGraphAddDependencies(g, from, to, count);
+}
+#endif
+
+// Replaces memset node `m` of `g` by a memset_fill kernel node with the same in- and out-edges
+// (Note [memset nodes]); false (the node kept) for a memset it cannot express.
+bool memset_to_kernel(cudaGraph_t g, cudaGraphNode_t m, const char* op) {
+  cudaMemsetParams mp = {};
+  BT_CUDA_CHECK(op, cudaGraphMemsetNodeGetParams(m, &mp));
+  if (mp.elementSize != 1 && mp.elementSize != 2 && mp.elementSize != 4) return false;
+  size_t n_in = 0, n_out = 0;
+  BT_CUDA_CHECK(op, node_deps(m, nullptr, nullptr, &n_in));
+  BT_CUDA_CHECK(op, node_dependents(m, nullptr, nullptr, &n_out));
+  std::vector<cudaGraphNode_t> in(n_in), out(n_out);
+  EdgeData in_ed(n_in), out_ed(n_out);
+  BT_CUDA_CHECK(op, node_deps(m, in.data(), &in_ed, &n_in));
+  BT_CUDA_CHECK(op, node_dependents(m, out.data(), &out_ed, &n_out));
+
+  unsigned char* dst = static_cast<unsigned char*>(mp.dst);
+  size_t pitch = mp.height > 1 ? mp.pitch : mp.width * mp.elementSize;
+  unsigned value = mp.value, elem = mp.elementSize;
+  size_t width = mp.width, height = mp.height;
+  void* args[] = {&dst, &pitch, &value, &elem, &width, &height};
+  const size_t n = width * height;
+  cudaKernelNodeParams kp = {};
+  kp.func = reinterpret_cast<void*>(memset_fill);
+  kp.gridDim = dim3(static_cast<unsigned>(std::max<size_t>(
+      1, std::min<size_t>(kFillMaxBlocks, (n + kFillThreads - 1) / kFillThreads))));
+  kp.blockDim = dim3(kFillThreads);
+  kp.kernelParams = args;  // copied into the node
+
+  cudaGraphNode_t k = nullptr;
+  // In-edges of a memset are plain (default) edges, as the kernel node's are.
+  BT_CUDA_CHECK(op, cudaGraphAddKernelNode(&k, g, in.data(), n_in, &kp));
+  BT_CUDA_CHECK(op, cudaGraphDestroyNode(m));  // and its edges
+  if (n_out) {
+    std::vector<cudaGraphNode_t> from(n_out, k);
+    BT_CUDA_CHECK(op, add_edges(g, from.data(), out.data(), &out_ed, n_out));
+  }
+  return true;
+}
+
+int64_t memsets_to_kernels(cudaGraph_t g, const char* op) {
+  size_t count = 0;
+  BT_CUDA_CHECK(op, cudaGraphGetNodes(g, nullptr, &count));
+  std::vector<cudaGraphNode_t> nodes(count);
+  BT_CUDA_CHECK(op, cudaGraphGetNodes(g, nodes.data(), &count));
+  int64_t replaced = 0;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type;
+    BT_CUDA_CHECK(op, cudaGraphNodeGetType(node, &type));
+    if (type == cudaGraphNodeTypeMemset && memset_to_kernel(g, node, op)) ++replaced;
+  }
+  return replaced;
+}
 }  // namespace
 
 CudaGraph::~CudaGraph() { reset(); }
 
-void CudaGraph::capture_begin(int device) {
+void CudaGraph::capture_begin(int device, bool memsets_as_kernels) {
   const char* op = "CUDAGraph.capture_begin";
   if (capturing_ || exec_) {
     throw RuntimeError(std::string("[") + op +
@@ -38,6 +144,8 @@ void CudaGraph::capture_begin(int device) {
   capture_stream_ = s;
   device_ = device;
   capturing_ = true;
+  memsets_as_kernels_ = memsets_as_kernels;
+  memsets_replaced_ = 0;
 }
 
 void CudaGraph::capture_end() {
@@ -57,6 +165,14 @@ void CudaGraph::capture_end() {
         "): an operation not allowed while capturing ran (a host synchronisation, a legacy "
         "default-stream call, or work joined from another stream); warm the step up before "
         "capturing and keep host reads out of it");
+  }
+  if (memsets_as_kernels_) {
+    try {
+      memsets_replaced_ = memsets_to_kernels(g, op);
+    } catch (...) {
+      cudaGraphDestroy(g);
+      throw;
+    }
   }
   cudaGraphExec_t exec = nullptr;
   const cudaError_t ierr = cudaGraphInstantiate(&exec, g, 0);
