@@ -294,6 +294,9 @@ def test_cli_commands(tmp_path, data_dir, model_json, capsys):
 def test_bench_function(model_json):
     r = bench(model_json, batch_size=2, seq_len=8, steps=2, warmup=0, device="cpu")
     assert r["device"] == "cpu" and r["tokens_per_s"] > 0 and r["mfu"] is None
+    assert r["cuda_graph"] is False
+    with pytest.raises(ValueError, match=r"\[bench\] cuda_graph needs a CUDA device, not cpu"):
+        bench(model_json, batch_size=2, seq_len=8, steps=1, device="cpu", cuda_graph=True)
 
 
 def test_set_threads_before_import():

@@ -340,15 +340,18 @@ Tensor linear_cross_entropy(const Tensor& x, const Tensor& w, const Tensor& targ
   std::vector<std::pair<Shape, DType>> meta{{Shape{}, acc}};
   if (need_dx) meta.push_back({x2.shape(), dt});
   if (need_dw) meta.push_back({w2.shape(), acc});
-  auto outs = apply(std::make_shared<LinearCrossEntropy>(ignore_index, V, rows, need_dx, need_dw),
-                    {x2, w2, t}, meta, x.device());
-  if (reduction == "sum") return outs[0];
-  // the mean over non-ignored rows (0/0 = nan when there are none, as cross_entropy)
-  return div(outs[0], sum(astype(binary(BinaryOp::Ne, t, Scalar{double(ignore_index), 1}), acc)));
+  // The mean over non-ignored rows (0/0 = nan when none): folded into the primitive, except in
+  // float16, whose dlogits / count would fall into subnormals (Note [chunked classifier]).
+  const bool fold_mean = reduction == "mean" && dt != DType::Float16;
+  Tensor loss = apply(
+      std::make_shared<LinearCrossEntropy>(ignore_index, V, rows, need_dx, need_dw, fold_mean),
+      {x2, w2, t}, meta, x.device())[0];
+  if (reduction == "sum" || fold_mean) return loss;
+  return div(loss, sum(astype(binary(BinaryOp::Ne, t, Scalar{double(ignore_index), 1}), acc)));
 }
 
 std::vector<Tensor> LinearCrossEntropy::vjp(const VjpArgs& a) {
-  // The forward saved the gradients of the summed loss: scale them by its cotangent.
+  // The forward saved the gradients of the loss: scale them by its cotangent.
   const Tensor& g = a.cotangents[0];
   std::vector<Tensor> r(a.in_meta.size());  // (no inputs are saved)
   const size_t idx = 1, idw = need_dx ? 2 : 1;

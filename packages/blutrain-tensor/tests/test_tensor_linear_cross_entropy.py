@@ -212,6 +212,9 @@ def test_all_ignored_and_empty(rng):
     t = bt.tensor(np.full(4, -100))
     mean = bt.linear_cross_entropy(x, w, t)
     assert np.isnan(mean.item())  # 0 / 0, as cross_entropy
+    mean.backward()  # no row counts: zero gradients, as PyTorch's
+    assert np.all(f64(x.grad) == 0) and np.all(f64(w.grad) == 0)
+    x.grad, w.grad = None, None
     total = bt.linear_cross_entropy(x, w, t, reduction="sum")
     total.backward()
     assert total.item() == 0 and np.all(f64(x.grad) == 0) and np.all(f64(w.grad) == 0)

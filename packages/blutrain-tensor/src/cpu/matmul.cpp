@@ -1,5 +1,7 @@
 // cpu/matmul.cpp: matmul / linear through blutrain-linalg's C ABI (the same call serves CUDA:
 // the descriptor's device field picks the backend, so src/cuda/ only needs to pass its stream).
+#include <algorithm>
+
 #include "../autocast.h"
 #include "../backend.h"
 #include "../nn_fused.h"
@@ -256,14 +258,31 @@ static void run_linear_cross_entropy(LinearCrossEntropy& p, const std::vector<Te
   }
   Tensor row_loss = empty_tensor({N}, acc, dev, p.name());
   const size_t idw = p.need_dx ? 2 : 1;
+  // The mean's count of non-ignored rows and its inverse, the gradient of every row's loss.
+  Tensor count, inverse;
+  if (p.mean) {
+    count = empty_tensor({}, acc, dev, p.name());
+    inverse = empty_tensor({}, acc, dev, p.name());
+    if (gpu) {
+#ifdef BT_WITH_CUDA
+      cuda::count_targets(t, p.ignore_index, count, inverse, p.name());
+#endif
+    } else {
+      const int64_t* tp = static_cast<const int64_t*>(t.data_ptr(p.name()));
+      const double n = static_cast<double>(
+          std::count_if(tp, tp + N, [&](int64_t v) { return v != p.ignore_index; }));
+      run(Full(n), {}, {count});
+      run(Full(1.0 / n), {}, {inverse});  // inf for n = 0: ignored rows' gradients stay 0
+    }
+  }
   if (N > 0) {
     const int64_t rows = std::min(p.chunk_rows, N);
     const bool backward = p.need_dx || p.need_dw;
     Tensor buf = empty_tensor({rows, Vp}, x.dtype(), dev, p.name());
-    Tensor one;
-    if (backward) {  // the summed loss's gradient, 1
-      one = empty_tensor({}, acc, dev, p.name());
-      run(Full(1.0), {}, {one});
+    Tensor grad_loss = inverse;  // every row's loss gradient: 1 / count for the mean, else 1
+    if (backward && !p.mean) {
+      grad_loss = empty_tensor({}, acc, dev, p.name());
+      run(Full(1.0), {}, {grad_loss});
     }
     const DType sd = x.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
     for (int64_t r0 = 0; r0 < N; r0 += rows) {
@@ -277,15 +296,15 @@ static void run_linear_cross_entropy(LinearCrossEntropy& p, const std::vector<Te
       bool fused = false;  // forward and backward in one kernel (CUDA, where it applies)
 #ifdef BT_WITH_CUDA
       fused = gpu && backward &&
-              cuda::cross_entropy_fwd_bwd_inplace(logits, tc, lse, loss_rows, p.num_classes,
-                                                  p.ignore_index, p.name());
+              cuda::cross_entropy_fwd_bwd_inplace(logits, tc, lse, loss_rows, inverse,
+                                                  p.num_classes, p.ignore_index, p.name());
 #endif
       if (!fused) {
         run(CrossEntropy(p.ignore_index, 0, 0.0, p.num_classes), {logits, tc}, {loss_rows, lse});
         if (!backward) continue;
-        // dlogits of the summed loss over the logits (each element read before it is written)
+        // dlogits of the loss over the logits (each element read before it is written)
         run(CrossEntropyBackward(p.ignore_index, 2, 0.0, p.num_classes, true),
-            {logits, tc, lse, one}, {logits});
+            {logits, tc, lse, grad_loss}, {logits});
       }
       if (p.need_dx) {
         const Tensor dxc = make_view(out[1], {n, K}, {K, 1}, out[1].offset() + r0 * K);
@@ -300,7 +319,13 @@ static void run_linear_cross_entropy(LinearCrossEntropy& p, const std::vector<Te
   } else if (p.need_dw) {  // no rows: a zero gradient
     run(Full(0.0), {}, {out[idw]});
   }
-  run(Reduce(ReduceOp::Sum, {0}, false), {row_loss}, {out[0]});
+  if (!p.mean) {
+    run(Reduce(ReduceOp::Sum, {0}, false), {row_loss}, {out[0]});
+    return;
+  }
+  Tensor total = empty_tensor({}, acc, dev, p.name());
+  run(Reduce(ReduceOp::Sum, {0}, false), {row_loss}, {total});
+  run(Binary(BinaryOp::Div), {total, count}, {out[0]});  // 0 / 0 = nan with every row ignored
 }
 
 void Matmul::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {

@@ -682,15 +682,16 @@ __global__ void __launch_bounds__(kCeMaxThreads)
 // summed loss's backward of one row in one kernel that reads the row from memory once.  Pass 1
 // streams the row as v3 does (running max; sum of 2^(x log2e - ml), FFMA + MUFU ex2) and keeps
 // each 16-byte word in shared memory; pass 2 writes exp(x - lse) - onehot from there over the
-// logits (v3's backward arithmetic with scale 1).  v3's forward + backward read the row twice
+// logits (v3's backward arithmetic, times *scale where given: the mean's 1 / count; exactly the
+// same bits as before for no scale, d * 1 = d).  v3's forward + backward read the row twice
 // and write it once; this reads it once.  Rows are Cx elements apart, 16-byte aligned; columns
 // >= C are padding (not loaded, gradient 0).  Row losses to row_loss, 0 for ignored rows; an
 // out-of-range target gives a NaN loss and gradient row and is recorded in `err`.
 template <typename T>
 __global__ void __launch_bounds__(kCeMaxThreads)
     crossentropy_fwd_bwd_v4(T* x, const int64_t* __restrict__ t, float* __restrict__ lse_o,
-                            float* __restrict__ row_loss, int C, int Cx, int64_t ii,
-                            IndexErrorRecord* err) {
+                            float* __restrict__ row_loss, const float* __restrict__ scale, int C,
+                            int Cx, int64_t ii, IndexErrorRecord* err) {
   extern __shared__ uint4 srow[];  // the row's first ceil(C / V) words
   constexpr int V = 16 / sizeof(T), U = kCeUnroll;
   __shared__ float scratch[64];
@@ -741,7 +742,7 @@ __global__ void __launch_bounds__(kCeMaxThreads)
     lse_s = lse;
   }
   __syncthreads();
-  const float ll = lse_s * kLog2e;
+  const float ll = lse_s * kLog2e, sc = scale ? *scale : 1.f;
   const bool ign = tg == ii, bad = !ign && (tg < 0 || tg >= C);
   const int tgc = ign || bad ? -1 : static_cast<int>(tg);
   for (int w = tid; w < nv; w += nt) {
@@ -756,11 +757,25 @@ __global__ void __launch_bounds__(kCeMaxThreads)
     for (int k = 0; k < V; ++k) {
       const int c = w * V + k;
       float d = ex2_approx(fmaf(v[k], kLog2e, -ll));
-      d = c == tgc ? d - 1.f : d;
+      d = (c == tgc ? d - 1.f : d) * sc;
       d = bad ? NAN : d;
       v[k] = ign || c >= C ? 0.f : d;  // a select: padding / ignored logits may be inf or NaN
     }
     __stcs(pv + w, pack16<T>(v));
+  }
+}
+
+// One block: count = the targets != ii, inverse = 1 / count (inf for none).
+template <typename A>
+__global__ void count_targets_kernel(const int64_t* __restrict__ t, int64_t N, int64_t ii,
+                                     A* __restrict__ count, A* __restrict__ inverse) {
+  __shared__ double scratch[32];
+  double n = 0;
+  for (int64_t i = threadIdx.x; i < N; i += blockDim.x) n += t[i] != ii;
+  n = block_sum(n, scratch);
+  if (threadIdx.x == 0) {
+    *count = static_cast<A>(n);
+    *inverse = static_cast<A>(1) / static_cast<A>(n);
   }
 }
 
@@ -1041,13 +1056,14 @@ void CrossEntropy::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
 // The chunked classifier's cross-entropy on one chunk (autocast.h): v4 where it applies.
 bool cuda::cross_entropy_fwd_bwd_inplace(const Tensor& logits, const Tensor& target,
                                          const Tensor& lse, const Tensor& row_loss,
-                                         int64_t num_classes, int64_t ignore_index,
-                                         const char* op) {
+                                         const Tensor& scale, int64_t num_classes,
+                                         int64_t ignore_index, const char* op) {
   if (const char* e = std::getenv("BT_CUDA_CE_FUSED"); e && e[0] == '0') return false;
   const DType dt = logits.dtype();
   if (dt != DType::BFloat16 && dt != DType::Float16 && dt != DType::Float32) return false;
   if (logits.ndim() != 2 || !logits.is_contiguous() || row_loss.dtype() != DType::Float32 ||
-      lse.dtype() != DType::Float32 || !row_loss.is_contiguous() || !lse.is_contiguous()) {
+      lse.dtype() != DType::Float32 || !row_loss.is_contiguous() || !lse.is_contiguous() ||
+      (scale.defined() && scale.dtype() != DType::Float32)) {
     return false;
   }
   const int64_t N = logits.shape()[0], Cx = logits.shape()[1], C = num_classes;
@@ -1072,11 +1088,28 @@ bool cuda::cross_entropy_fwd_bwd_inplace(const Tensor& logits, const Tensor& tar
       kern<<<static_cast<unsigned>(N), threads, smem, st>>>(
           static_cast<T*>(logits.data_ptr(op)), static_cast<const int64_t*>(tc.data_ptr(op)),
           static_cast<float*>(lse.data_ptr(op)), static_cast<float*>(row_loss.data_ptr(op)),
-          static_cast<int>(C), static_cast<int>(Cx), ignore_index, err);
+          scale.defined() ? scale.data<float>(op) : nullptr, static_cast<int>(C),
+          static_cast<int>(Cx), ignore_index, err);
       BT_CUDA_LAUNCH_CHECK(op);
     }
   });
   return true;
+}
+
+void cuda::count_targets(const Tensor& target, int64_t ignore_index, const Tensor& count,
+                         const Tensor& inverse, const char* op) {
+  cudaStream_t st = stream(target.device(), op);
+  Tensor tc = contiguous_on(target, op, st);
+  const int64_t* tp = static_cast<const int64_t*>(tc.data_ptr(op));
+  const int64_t N = tc.numel();
+  if (count.dtype() == DType::Float64) {
+    count_targets_kernel<double>
+        <<<1, 1024, 0, st>>>(tp, N, ignore_index, count.data<double>(op), inverse.data<double>(op));
+  } else {
+    count_targets_kernel<float>
+        <<<1, 1024, 0, st>>>(tp, N, ignore_index, count.data<float>(op), inverse.data<float>(op));
+  }
+  BT_CUDA_LAUNCH_CHECK(op);
 }
 
 #else

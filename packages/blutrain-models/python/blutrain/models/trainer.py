@@ -271,6 +271,35 @@ def clip_and_step(opt: Any, params: list, max_norm: float) -> Any:
     return norm
 
 
+def capture_step(opt: Any, step: Callable[[], Any]) -> Callable[[], Any]:
+    """Captures `step()` (a whole training step ending in `opt.step()`) as one CUDA graph and
+    returns `run()`: each call replays it as the next optimizer step and returns the captured
+    step's outputs (overwritten by the next replay). AdamW reads lr and the step count from
+    device scalars (Note [AdamW in a CUDA graph] in optim.py): the capture counts the first
+    replay's step on the host, and every later replay first advances the host counts and writes
+    the new step to the device. For benchmarks; the trainer's _graph_step does the same with its
+    batches copied in."""
+    import blutrain.tensor as bt
+
+    opt.use_device_scalars()  # writes this step's lr and count
+    bt.cuda.empty_cache()  # the eager steps' cached blocks: the graph gets its own pool
+    graph = bt.cuda.CUDAGraph()
+    with bt.cuda.graph(graph):  # records the step; its host-side counts advance here
+        outputs = step()
+    replays = 0
+
+    def run() -> Any:
+        nonlocal replays
+        if replays:
+            opt.advance_steps()
+            opt.write_device_scalars(opt.lr, opt.common_step())
+        replays += 1
+        graph.replay()
+        return outputs
+
+    return run
+
+
 def peak_memory_bytes(device: str) -> int:
     """Peak bytes: blutrain.tensor's CUDA allocator stats when it has them, else memory_bytes."""
     if device.startswith("cuda"):
@@ -1248,11 +1277,14 @@ def bench(
     precision: str = "auto",
     recompute: str = "auto",
     gemm_autotune: bool = True,
+    cuda_graph: bool = False,
 ) -> dict:
     """tokens/s and peak memory of `steps` training steps (forward, backward, clipping, AdamW)
     on one fixed batch of random tokens, after `warmup` untimed steps. On a GPU the timed steps
     run without host syncs (one at the end), as the trainer's; the peak memory is
-    blutrain.alloc's (bt.cuda.max_memory_allocated) over warm-up and timed steps."""
+    blutrain.alloc's (bt.cuda.max_memory_allocated) over warm-up and timed steps. cuda_graph
+    (CUDA only): the whole step is captured once after the warm-up and the timed steps replay it,
+    as the trainer's cuda_graph option does."""
     import blutrain.tensor as bt
 
     from .gpt2 import GPT2, set_matmul_precision
@@ -1264,6 +1296,8 @@ def bench(
     cfg = model_config(model, vocab_multiple)
     if seq_len > cfg.block_size:
         raise ValueError(f"[bench] seq_len {seq_len} > block size {cfg.block_size}")
+    if cuda_graph and not dev.startswith("cuda"):
+        raise ValueError(f"[bench] cuda_graph needs a CUDA device, not {dev} (drop --cuda-graph)")
     cuda = getattr(bt, "cuda", None)
     if dev.startswith("cuda") and hasattr(cuda, "reset_peak_memory_stats"):
         cuda.reset_peak_memory_stats()
@@ -1288,12 +1322,16 @@ def bench(
     for _ in range(warmup):
         float(step().item())
     _cuda_sync(dev)
+    run = step
+    if cuda_graph:
+        run = capture_step(opt, step)
+        float(run().item())  # the first replay (untimed), checked for errors
     times = []
     t_all = time.perf_counter()
     loss = None
     for _ in range(steps):
         t0 = time.perf_counter()
-        loss = step()
+        loss = run()
         if not dev.startswith("cuda"):
             times.append(time.perf_counter() - t0)
     last_loss = float(loss.item()) if loss is not None else math.nan  # the one sync
@@ -1310,6 +1348,7 @@ def bench(
         "device": dev,
         "precision": prec,
         "recompute": recompute,
+        "cuda_graph": cuda_graph,
         "batch_size": batch_size,
         "seq_len": seq_len,
         "steps": steps,
@@ -1346,6 +1385,12 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
         help="CPU threads (0: $OMP_NUM_THREADS, else all cores but one)",
     )
     _bool_flag(p, "gemm-autotune", True, "on a GPU, time cuBLASLt's algorithms per GEMM shape once")
+    _bool_flag(
+        p,
+        "cuda-graph",
+        False,
+        "on a GPU, replay the whole step as one captured CUDA graph (no launch overhead)",
+    )
     p.add_argument("--json", default=None, help="also write the result to this JSON file")
 
 
@@ -1365,13 +1410,15 @@ def _bench_run(args: argparse.Namespace) -> int:
             precision=mode,
             recompute=args.recompute,
             gemm_autotune=args.gemm_autotune is not False,
+            cuda_graph=args.cuda_graph is True,
         )
         for mode in modes
     ]
     r = rows[0]
     table = Table(
         title=f"blutrain bench: GPT-2 {r['model']} ({r['n_params'] / 1e6:.1f}M), "
-        f"B={r['batch_size']} T={r['seq_len']}, {r['device']}",
+        f"B={r['batch_size']} T={r['seq_len']}, {r['device']}"
+        + (", CUDA graph" if r["cuda_graph"] else ""),
         show_edge=False,
     )
     for col in ("precision", "tokens/s", "step (mean)", "peak memory", "MFU"):
