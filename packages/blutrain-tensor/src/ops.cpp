@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -84,6 +85,14 @@ Tensor arange(double start, double stop, double step, DType dtype, Device device
   if (step == 0) throw ValueError("[arange] step must be nonzero");
   const double n = std::ceil((stop - start) / step);
   if (!std::isfinite(n)) throw ValueError("[arange] start, stop and step must be finite");
+  if (n >= 0x1p63) {  // (a cast of a larger double to int64 is undefined: it gave 0 elements)
+    char msg[200];
+    std::snprintf(msg, sizeof msg,
+                  "[arange] the range [%.17g, %.17g) in steps of %.17g has %.17g elements, more "
+                  "than int64 can count",
+                  start, stop, step, n);
+    throw ValueError(msg);
+  }
   return apply1(mk<Arange>(start, step), {}, {std::max<int64_t>(0, static_cast<int64_t>(n))}, dtype,
                 device);
 }

@@ -153,6 +153,9 @@ def test_arange_and_item():
     assert bt.arange(1, 2, 0.25).tolist() == [1.0, 1.25, 1.5, 1.75]
     assert bt.arange(5, 0, -2).tolist() == [5, 3, 1]
     assert bt.arange(3, dtype=bt.float64).dtype == bt.float64
+    assert bt.arange(5, 0, 1).tolist() == []  # an empty range, as numpy's
+    with pytest.raises(ValueError, match=r"\[arange\] the range .* more than int64 can count"):
+        bt.arange(2**70)  # (was an empty tensor: an out-of-range double -> int64 cast)
     with pytest.raises(RuntimeError, match=r"\[item\] a tensor with 3 elements"):
         bt.ones(3).item()
 
