@@ -245,8 +245,9 @@ def _ln_recompute_memory(rng, precision):
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_trainer_cuda_graph_matches_eager(tmp_path, precision):
     """cuda_graph=True: 3 eager steps, then the step captured once and replayed. With two
-    micro-batches, the warm-up lr changing every step, evaluation and a checkpoint mid-run, its
-    losses, validation losses, parameters and step counts are bitwise the eager run's when that
+    micro-batches, the warm-up lr changing every step, evaluation, text samples (eager forward
+    passes between replays) and a checkpoint mid-run, its losses, validation losses, samples,
+    parameters and step counts are bitwise the eager run's when that
     run's AdamW also reads lr and the step from device scalars (Note [AdamW in a CUDA graph]).
     (Head size 32 runs the deterministic attention kernels; the one exception is the validation
     loss before training, whose GEMMs the first run met before they were tuned.)"""
@@ -271,7 +272,7 @@ def test_trainer_cuda_graph_matches_eager(tmp_path, precision):
                 precision=precision,
                 eval_interval=5,
                 eval_batches=2,
-                sample_interval=0,
+                sample_interval=4,
                 ckpt_interval=5,
                 log_interval=3,
                 out_dir=str(out),
@@ -286,11 +287,15 @@ def test_trainer_cuda_graph_matches_eager(tmp_path, precision):
         recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         losses = [r["loss"] for r in recs if "loss" in r]
         vals = [r["val_loss"] for r in recs if "val_loss" in r]
+        samples = [(r["step"], r["sample"]) for r in recs if "sample" in r]
         steps = {int(st["step"]) for st in t.optimizer.state.values()}
         params = {n: p.detach().float().cpu().numpy() for n, p in t.model.named_parameters()}
-        runs[graph] = (losses, vals, steps, params, t._graph is not None)
-    (le, ve, se, pe, ge), (lg, vg, sg, pg, gg) = runs[False], runs[True]
+        runs[graph] = (losses, vals, steps, params, t._graph is not None, samples)
+    (le, ve, se, pe, ge, xe), (lg, vg, sg, pg, gg, xg) = runs[False], runs[True]
     assert not ge and gg, "the graph run captured no graph"
+    # samples at steps 4 and 8 (after replays 1 and 5) and at the last step, as in eager mode
+    assert [s for s, _ in xg] == [4, 8, 10] and all(text for _, text in xg), xg
+    assert xg == xe, (xe, xg)
     assert len(le) == len(lg) == 10 and se == sg == {10}
     assert lg == le, list(zip(le, lg))
     # evaluations at steps 0, 5 and 10, and the final summary's record of the last
