@@ -175,6 +175,9 @@ void gelu_tanh_backward_inplace(const Tensor& d, const Tensor& pre, const Tensor
 // gradient unless BLUTRAIN_BGRAD=cublaslt (read once): then cuBLASLt's BGRAD epilogue.
 bool column_sums_apply(const Tensor& g);
 void column_sums(const Tensor& g, const Tensor& db, const char* op);
+// column_sums for any contiguous (M, N) g (the reference kernel where v2 does not apply; zeros
+// for M = 0).
+void column_sums_any(const Tensor& g, const Tensor& db, const char* op);
 bool bias_grad_by_kernel();
 // The chunked classifier's cross-entropy on one chunk: logits (N, Cx) contiguous (the first
 // num_classes columns are classes), target (N) int64.  Writes lse (N) and row_loss (N) (float32;

@@ -19,7 +19,7 @@ void check_device_match(const Tensor& a, const Tensor& b, const char* op) {
 
 std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual,
                                          const Tensor& weight, const Tensor& bias, double eps,
-                                         bool recompute) {
+                                         bool recompute, const Tensor& residual_bias) {
   const char* op = "add_layer_norm";
   if (!x.defined() || !residual.defined()) throw ValueError("[add_layer_norm] undefined input");
   if (!is_floating(x.dtype())) {
@@ -33,20 +33,21 @@ std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual
   }
   check_device_match(x, residual, op);
   const int64_t C = x.shape().back();
-  for (const Tensor* p : {&weight, &bias}) {
+  for (const Tensor* p : {&weight, &bias, &residual_bias}) {
     if (p->defined() && p->shape() != Shape{C}) {
-      throw ValueError("[add_layer_norm] weight and bias must have shape (" + std::to_string(C) +
-                       ",), got " + shape_str(p->shape()));
+      throw ValueError("[add_layer_norm] weight, bias and residual_bias must have shape (" +
+                       std::to_string(C) + ",), got " + shape_str(p->shape()));
     }
     check_device_match(x, *p, op);
   }
   const DType dt = x.dtype();
   Shape rows(x.shape().begin(), x.shape().end() - 1);
-  std::vector<Tensor> in{x, astype(residual, dt), weight.defined() ? astype(weight, dt) : Tensor(),
-                         bias.defined() ? astype(bias, dt) : Tensor()};
+  auto cast = [dt](const Tensor& t) { return t.defined() ? astype(t, dt) : Tensor(); };
+  std::vector<Tensor> in{x, astype(residual, dt), cast(weight), cast(bias), cast(residual_bias)};
   auto outs =
-      apply(std::make_shared<AddLayerNorm>(eps, weight.defined(), bias.defined()), in,
-            {{x.shape(), dt}, {x.shape(), dt}, {rows, stat_dtype(dt)}, {rows, stat_dtype(dt)}},
+      apply(std::make_shared<AddLayerNorm>(eps, weight.defined(), bias.defined(),
+                                           residual_bias.defined()),
+            in, {{x.shape(), dt}, {x.shape(), dt}, {rows, stat_dtype(dt)}, {rows, stat_dtype(dt)}},
             x.device());
   if (recompute && grad_enabled() && outs[1].requires_grad()) {
     // y again: LayerNorm's kernels on the kept sum do y's very arithmetic (the add kernels
@@ -65,7 +66,8 @@ std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual
 
 std::vector<Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                                         const Tensor& mean, const Tensor& rstd, const Tensor& extra,
-                                        bool need_dweight, bool need_dbias, bool wide_grads) {
+                                        bool need_dweight, bool need_dbias, bool wide_grads,
+                                        bool need_dsum) {
   const int64_t C = x.shape().back();
   const int64_t R = C ? x.numel() / C : 0;
   const DType dt = x.dtype();
@@ -81,14 +83,16 @@ std::vector<Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const
   std::vector<std::pair<Shape, DType>> meta{{{R, C}, dt}};
   if (need_dweight) meta.push_back({{C}, gdt});
   if (need_dbias) meta.push_back({{C}, gdt});
-  auto outs = apply(
-      std::make_shared<LayerNormBackward>(hw, extra.defined(), need_dweight, need_dbias, wide), in,
-      meta, x.device());
-  std::vector<Tensor> r(3);
+  if (need_dsum) meta.push_back({{C}, gdt});
+  auto outs = apply(std::make_shared<LayerNormBackward>(hw, extra.defined(), need_dweight,
+                                                        need_dbias, wide, need_dsum),
+                    in, meta, x.device());
+  std::vector<Tensor> r(4);
   r[0] = reshape(outs[0], x.shape());
   size_t k = 1;
   if (need_dweight) r[1] = outs[k++];
   if (need_dbias) r[2] = outs[k++];
+  if (need_dsum) r[3] = outs[k++];
   return r;
 }
 
@@ -127,10 +131,15 @@ std::vector<Tensor> AddLayerNorm::vjp(const VjpArgs& a) {
   const Tensor& gsum = a.cotangents[0];
   const Tensor& gy = a.cotangents[1];
   const bool ndw = has_weight && a.needs[2], ndb = has_bias && a.needs[3];
+  const bool nds = has_residual_bias && a.needs[4];
+  const DType dt = a.outputs[0].dtype();
+  // float32 affine / residual-bias gradients only when every wanted one goes to a float32 master
+  const bool wide = (ndw || ndb || nds) &&
+                    (!(ndw || ndb) || layer_norm_wide_grads(a, dt, ndw, 2, ndb, 3)) &&
+                    (!nds || weight_grad_dtype(a, 4, dt) == DType::Float32);
   auto r = layer_norm_backward(gy, a.outputs[0], has_weight ? a.inputs[2] : Tensor(), a.outputs[2],
-                               a.outputs[3], gsum, ndw, ndb,
-                               layer_norm_wide_grads(a, a.outputs[0].dtype(), ndw, 2, ndb, 3));
-  return {r[0], r[0], r[1], r[2]};
+                               a.outputs[3], gsum, ndw, ndb, wide, nds);
+  return {r[0], r[0], r[1], r[2], r[3]};
 }
 
 }  // namespace bt

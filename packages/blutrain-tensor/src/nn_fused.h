@@ -1,12 +1,14 @@
 // nn_fused.h: fused normalisation / loss primitives beyond primitives.h.
 //
-//   LayerNormBackward     dy, x, weight?, mean, rstd, extra? -> dx (+ extra), dweight?, dbias?
+//   LayerNormBackward     dy, x, weight?, mean, rstd, extra? -> dx (+ extra), dweight?, dbias?,
+//                         dsum? (the column sums of dx: a residual bias's gradient)
 //                         (dweight/dbias reduced deterministically: per-block partials, then a
 //                         second pass; no float atomics)
 //   SoftmaxBackward       y, dy -> dx, for softmax and log_softmax over the last dim
 //   CrossEntropyBackward  logits, target, lse, grad_loss -> dlogits (logits' dtype), one pass
-//   AddLayerNorm          x, residual, weight?, bias? -> sum = x + residual, y = layer_norm(sum),
-//                         mean, rstd (one kernel reading x and residual once)
+//   AddLayerNorm          x, residual, weight?, bias?, residual_bias? -> sum = x + residual
+//                         (+ residual_bias), y = layer_norm(sum), mean, rstd (one kernel reading
+//                         x and residual once)
 // They are what the vjps of Softmax / LayerNorm / CrossEntropy / AddLayerNorm run on every
 // backend.  Statistics (mean, rstd, lse) are float32 for 16-bit inputs, the input dtype otherwise.
 #pragma once
@@ -18,12 +20,19 @@ namespace bt {
 // inputs: dy (R, C), x (R, C), weight (C) or undefined, mean (R), rstd (R), extra (R, C) or
 // undefined (added to dx: the residual stream's gradient in add_layer_norm's backward).
 // outputs: dx (R, C) in x's dtype, then dweight (C) if need_dweight, then dbias (C) if
-// need_dbias (both in x's dtype, or float32 with wide_grads for 16-bit x: the kernels' float32
-// column sums unrounded, for a weight that is a cast of a float32 master, Note [cached casts]).
+// need_dbias, then dsum (C) if need_dsum: the column sums of dx as stored (rounded), the gradient
+// of a bias added to the residual (Note [residual bias]) (all in x's dtype, or float32 with
+// wide_grads for 16-bit x: the kernels' float32 column sums unrounded, for a weight that is a cast
+// of a float32 master, Note [cached casts]).
 class LayerNormBackward : public Primitive {
   BT_PRIM_BODY(LayerNormBackward, "layer_norm_backward")
-  LayerNormBackward(bool w, bool e, bool ndw, bool ndb, bool wide = false)
-      : has_weight(w), has_extra(e), need_dweight(ndw), need_dbias(ndb), wide_grads(wide) {}
+  LayerNormBackward(bool w, bool e, bool ndw, bool ndb, bool wide = false, bool nds = false)
+      : has_weight(w),
+        has_extra(e),
+        need_dweight(ndw),
+        need_dbias(ndb),
+        wide_grads(wide),
+        need_dsum(nds) {}
   bool differentiable() const override { return false; }
   bool saves_inputs() const override { return false; }
   void attrs(Attrs& a) const override {
@@ -32,8 +41,9 @@ class LayerNormBackward : public Primitive {
     a["need_dweight"] = need_dweight;
     a["need_dbias"] = need_dbias;
     a["wide_grads"] = wide_grads;
+    a["need_dsum"] = need_dsum;
   }
-  bool has_weight, has_extra, need_dweight, need_dbias, wide_grads;
+  bool has_weight, has_extra, need_dweight, need_dbias, wide_grads, need_dsum;
 };
 
 // inputs: y (..., C) (the forward's output), dy (same shape).  output: dx (y's dtype).
@@ -73,35 +83,50 @@ class CrossEntropyBackward : public Primitive {
   bool in_place;  // dlogits written over the logits (Note [donating a saved input])
 };
 
-// inputs: x (R, C), residual (R, C), weight (C) or undefined, bias (C) or undefined.
+// Note [residual bias]
+// A transformer block's "x + linear(h, W, b); LayerNorm" can leave b out of the linear and give
+// it to add_layer_norm as residual_bias: the sum x + r + b is rounded once, and b's gradient is
+// the column sums of dsum, which the layer-norm backward already holds (no separate pass over
+// the (R, C) gradient, as the linear's bias gradient needs).  GPT-2 has two such biases a block
+// (attention's projection, the MLP's second linear).
+//
+// inputs: x (R, C), residual (R, C), weight (C) or undefined, bias (C) or undefined,
+// residual_bias (C) or undefined.
 // outputs: sum (R, C), y (R, C) (x's dtype), mean (R), rstd (R).  y normalises the stored
 // (rounded) sum, so the backward is exactly LayerNorm's on `sum`.
 class AddLayerNorm : public Primitive {
   BT_PRIM_BODY(AddLayerNorm, "add_layer_norm")
-  AddLayerNorm(double e, bool w, bool b) : eps(e), has_weight(w), has_bias(b) {}
+  AddLayerNorm(double e, bool w, bool b, bool rb = false)
+      : eps(e), has_weight(w), has_bias(b), has_residual_bias(rb) {}
   bool saves_outputs() const override { return true; }
   bool saves_output(size_t i) const override { return i != 1; }        // sum, mean, rstd (not y)
   bool takes_no_cotangent(size_t i) const override { return i >= 2; }  // mean, rstd
   // Only weight is needed by the backward (x and residual are not kept alive).
   bool saves_input(size_t i, const std::vector<bool>&) const override { return i == 2; }
-  void attrs(Attrs& a) const override { a["eps"] = eps; }
+  void attrs(Attrs& a) const override {
+    a["eps"] = eps;
+    a["has_residual_bias"] = has_residual_bias;
+  }
   double eps;
-  bool has_weight, has_bias;
+  bool has_weight, has_bias, has_residual_bias;
 };
 
 // Fronts.
 // (sum, y): sum = x + residual, y = layer_norm(sum, (C,), weight, bias, eps) over the last dim.
 // recompute: y is rebuilt in backward (layer_norm of the kept sum) by whichever op saves it,
 // instead of being kept (Note [recomputed activations], primitives.h).
+// residual_bias (C): added to the sum (Note [residual bias]).
 std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual,
                                          const Tensor& weight, const Tensor& bias, double eps,
-                                         bool recompute = false);
+                                         bool recompute = false,
+                                         const Tensor& residual_bias = Tensor());
 // The backward ops as functions (used by the vjps in primitives.cpp).  wide_grads: dweight and
-// dbias in float32 for 16-bit x (see LayerNormBackward; ignored otherwise).
+// dbias (and dsum) in float32 for 16-bit x (see LayerNormBackward; ignored otherwise).  Returns
+// {dx, dweight, dbias, dsum} (undefined where not asked for).
 std::vector<Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                                         const Tensor& mean, const Tensor& rstd, const Tensor& extra,
-                                        bool need_dweight, bool need_dbias,
-                                        bool wide_grads = false);
+                                        bool need_dweight, bool need_dbias, bool wide_grads = false,
+                                        bool need_dsum = false);
 // A layer norm vjp's wide_grads: true when each wanted affine gradient (weight at input iw, bias
 // at ib) goes unnarrowed to a float32 master (weight_grad_dtype, autocast.h).
 bool layer_norm_wide_grads(const VjpArgs& a, DType dt, bool need_dweight, size_t iw,

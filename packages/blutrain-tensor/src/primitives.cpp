@@ -567,9 +567,11 @@ std::vector<Tensor> Softmax::vjp(const VjpArgs& a) {
 
 std::vector<Tensor> LayerNorm::vjp(const VjpArgs& a) {
   const bool ndw = has_weight && a.needs[1], ndb = has_bias && a.needs[2];
-  return layer_norm_backward(a.cotangents[0], a.inputs[0], has_weight ? a.inputs[1] : Tensor(),
-                             a.outputs[1], a.outputs[2], Tensor(), ndw, ndb,
-                             layer_norm_wide_grads(a, a.inputs[0].dtype(), ndw, 1, ndb, 2));
+  auto r = layer_norm_backward(a.cotangents[0], a.inputs[0], has_weight ? a.inputs[1] : Tensor(),
+                               a.outputs[1], a.outputs[2], Tensor(), ndw, ndb,
+                               layer_norm_wide_grads(a, a.inputs[0].dtype(), ndw, 1, ndb, 2));
+  r.resize(3);  // (no dsum)
+  return r;
 }
 
 std::vector<Tensor> CrossEntropy::vjp(const VjpArgs& a) {

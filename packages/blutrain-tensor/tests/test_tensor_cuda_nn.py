@@ -163,6 +163,25 @@ def test_add_layer_norm(rng, dtype, C):
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [bt.float64])
+@pytest.mark.parametrize("C", [7, 768, 3072])
+@pytest.mark.parametrize("grads", [[0, 1, 2, 3, 4], [0, 4]], ids=["all", "x-rb"])
+def test_add_layer_norm_residual_bias(rng, dtype, C, grads):
+    """residual_bias on CUDA against the CPU: sum, y and the gradients (all five, or only x's
+    and the residual bias's: v6 then sums dx's columns without dweight / dbias).  C 768 / 3072
+    in 16-bit run v6's in-kernel sums on sm_90; C 7 and float64 the column-sum pass after."""
+    arrays = [rng.standard_normal((3, 50, C)), rng.standard_normal((3, 50, C))]
+    arrays += [rng.standard_normal(C) for _ in range(3)]
+    _compare(
+        lambda x, r, w, b, rb: bt.add_layer_norm(x, r, w, b, residual_bias=rb),
+        arrays,
+        dtype,
+        grads,
+        f"add_layer_norm residual_bias {C}",
+        k=2,
+    )
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_layer_norm_non_contiguous(rng, dtype):
     arrays = [rng.standard_normal((40, 6)), rng.standard_normal((6, 40))]

@@ -136,6 +136,62 @@ def test_gradcheck_add_layer_norm(rng, affine):
     _gc(fn, xs)
 
 
+@pytest.mark.parametrize("affine", [True, False])
+def test_gradcheck_add_layer_norm_residual_bias(rng, affine):
+    """residual_bias (Note [residual bias]): sum = x + r + rb; rb's gradient is the column sums
+    of dsum (from both the sum's and y's cotangents)."""
+    shapes = [(2, 3, 5), (2, 3, 5)] + ([(5,), (5,)] if affine else []) + [(5,)]
+    xs = [leaf(rng, s) for s in shapes]
+
+    def fn(x, r, *rest):
+        wb, rb = rest[:-1], rest[-1]
+        s, y = bt.add_layer_norm(x, r, *wb, eps=1e-5, residual_bias=rb)
+        return s * 0.5 + y
+
+    _gc(fn, xs)
+
+
+@pytest.mark.parametrize("dtype", [bt.float64, bt.float32, bt.bfloat16])
+def test_add_layer_norm_residual_bias_matches_unfused(rng, dtype):
+    """add_layer_norm(x, r, residual_bias=b) is add_layer_norm(x, r + b) with b's gradient the
+    column sums of r's: the same forward (one rounding of the sum in 16-bit, so within a rounding
+    there) and the same gradients, b's against float64 column sums of dsum."""
+    C = 24
+    xd, rd, gd = (rng.standard_normal((4, 7, C)) for _ in range(3))
+    bd, wd = rng.standard_normal(C), rng.standard_normal(C)
+    g = bt.tensor(gd, dtype=dtype)
+
+    def run(fused):
+        x, r = bt.tensor(xd, dtype=dtype, requires_grad=True), bt.tensor(rd, dtype=dtype)
+        r.requires_grad_(True)
+        b = bt.tensor(bd, dtype=dtype, requires_grad=True)
+        w = bt.tensor(wd, dtype=dtype)
+        if fused:
+            s, y = bt.add_layer_norm(x, r, w, None, residual_bias=b)
+        else:
+            s, y = bt.add_layer_norm(x, r + b, w, None)
+        (s * g + y * g).sum().backward()
+        return s, y, x.grad, r.grad, b.grad
+
+    fs, fy, fx, fr, fb = run(True)
+    us, uy, ux, ur, ub = run(False)
+    tol = 1e-12 if dtype == bt.float64 else (1e-5 if dtype == bt.float32 else 2e-2)
+    for a, u in ((fs, us), (fy, uy), (fx, ux), (fr, ur)):
+        np.testing.assert_allclose(f64(a), f64(u), rtol=tol, atol=tol * 4)
+    # b's gradient: the column sums of dsum as stored (r's gradient), rounded once to b's dtype
+    rows = f64(fr).reshape(-1, C)
+    ulp = {bt.float64: 1e-15, bt.float32: 2**-23, bt.bfloat16: 2**-8}[dtype]
+    err = np.abs(f64(fb) - rows.sum(0)) / np.abs(rows).sum(0)
+    assert err.max() <= 2 * ulp, err.max()
+    np.testing.assert_allclose(f64(fb), f64(ub), rtol=tol, atol=tol * 28)
+
+
+def test_add_layer_norm_residual_bias_errors():
+    x = bt.zeros((2, 3))
+    with pytest.raises(ValueError, match=r"\[add_layer_norm\] weight, bias and residual_bias"):
+        bt.add_layer_norm(x, x, residual_bias=bt.zeros(4))
+
+
 def test_gradcheck_add_layer_norm_only_y(rng):
     xs = [leaf(rng, s) for s in [(2, 3, 4), (2, 3, 4), (4,), (4,)]]
     _gc(lambda x, r, w, b: bt.add_layer_norm(x, r, w, b)[1], xs)

@@ -55,8 +55,9 @@ void LayerNormBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<Tens
       size_t k = 1;
       void* dw = need_dweight ? out[k++].data_ptr(name()) : nullptr;
       void* db = need_dbias ? out[k++].data_ptr(name()) : nullptr;
-      if (!dw && !db) return;
-      // float32 dweight / dbias for 16-bit rows where the front asked for them (nn_fused.h)
+      void* ds = need_dsum ? out[k++].data_ptr(name()) : nullptr;
+      if (!dw && !db && !ds) return;
+      // float32 dweight / dbias / dsum for 16-bit rows where the front asked for them (nn_fused.h)
       const bool f32 = out[1].dtype() == DType::Float32 && x.dtype() != DType::Float32;
       auto put = [f32](void* p, int64_t c, double v) {
         if (!p) return;
@@ -67,15 +68,17 @@ void LayerNormBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<Tens
         }
       };
       cpu::parallel_for(C, R, [&](int64_t c) {  // one column per task: fixed row order
-        double sw = 0, sb = 0;
+        double sw = 0, sb = 0, sd = 0;
         for (int64_t r = 0; r < R; ++r) {
           const double g = static_cast<double>(dyp[r * C + c]);
           sw += g * (static_cast<double>(xp[r * C + c]) - static_cast<double>(mp[r])) *
                 static_cast<double>(rp[r]);
           sb += g;
+          if (ds) sd += static_cast<double>(dx[r * C + c]);  // dx as stored
         }
         put(dw, c, sw);
         put(db, c, sb);
+        put(ds, c, sd);
       });
     });
   });
@@ -163,6 +166,7 @@ void AddLayerNorm::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
   Tensor x = contiguous_raw(in[0]), res = contiguous_raw(in[1]);
   Tensor w = has_weight ? contiguous_raw(in[2]) : Tensor();
   Tensor b = has_bias ? contiguous_raw(in[3]) : Tensor();
+  Tensor rb = has_residual_bias ? contiguous_raw(in[4]) : Tensor();
   const int64_t C = x.shape().back();
   const int64_t rows = C ? x.numel() / C : 0;
   dispatch_float(x.dtype(), name(), [&](auto tag) {
@@ -173,6 +177,7 @@ void AddLayerNorm::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
       const T* rp = static_cast<const T*>(res.data_ptr(name()));
       const T* wp = has_weight ? static_cast<const T*>(w.data_ptr(name())) : nullptr;
       const T* bp = has_bias ? static_cast<const T*>(b.data_ptr(name())) : nullptr;
+      const T* rbp = has_residual_bias ? static_cast<const T*>(rb.data_ptr(name())) : nullptr;
       T* so = static_cast<T*>(out[0].data_ptr(name()));
       T* y = static_cast<T*>(out[1].data_ptr(name()));
       S* mean_o = static_cast<S*>(out[2].data_ptr(name()));
@@ -182,9 +187,11 @@ void AddLayerNorm::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
         T* sp = so + r * C;
         double s = 0;
         for (int64_t i = 0; i < C; ++i) {
-          // The sum rounds to T (as x + residual would); the norm reads the rounded value.
-          sp[i] = static_cast<T>(static_cast<compute_t<T>>(xp[r * C + i]) +
-                                 static_cast<compute_t<T>>(rp[r * C + i]));
+          // The sum rounds to T once (as x + residual would); the norm reads the rounded value.
+          compute_t<T> v =
+              static_cast<compute_t<T>>(xp[r * C + i]) + static_cast<compute_t<T>>(rp[r * C + i]);
+          if (rbp) v += static_cast<compute_t<T>>(rbp[i]);
+          sp[i] = static_cast<T>(v);
           s += static_cast<double>(sp[i]);
         }
         const double mean = s / static_cast<double>(C);

@@ -265,6 +265,28 @@ void column_sums(const Tensor& g, const Tensor& db, const char* op) {
   });
 }
 
+void column_sums_any(const Tensor& g, const Tensor& db, const char* op) {
+  if (column_sums_apply(g)) return column_sums(g, db, op);
+  const int64_t M = g.shape()[0], N = g.shape()[1];
+  if (N == 0) return;
+  cudaStream_t st = stream(g.device(), op);
+  if (M == 0) {
+    BT_CUDA_CHECK(op, cudaMemsetAsync(db.data_ptr(op), 0, db.numel() * itemsize(db.dtype()), st));
+    return;
+  }
+  dispatch_cuda_float(g.dtype(), op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* gp = static_cast<const T*>(g.data_ptr(op));
+    const unsigned blocks = static_cast<unsigned>(ceil_div(N, kThreads));
+    if (db.dtype() == g.dtype()) {
+      column_sum_v1<T><<<blocks, kThreads, 0, st>>>(M, N, gp, db.data<T>(op));
+    } else {
+      column_sum_v1<T, float><<<blocks, kThreads, 0, st>>>(M, N, gp, db.data<float>(op));
+    }
+    BT_CUDA_LAUNCH_CHECK(op);
+  });
+}
+
 void gelu_tanh_backward_inplace(const Tensor& d, const Tensor& pre, const Tensor& db,
                                 const char* op) {
   if (d.ndim() != 2 || pre.shape() != d.shape() || !d.is_contiguous() || !pre.is_contiguous() ||

@@ -219,13 +219,15 @@ __global__ void layernorm_forward_v2(const T* __restrict__ x, const T* __restric
 
 // v3: one warp per row (kV3Warps rows per block), the row (and with kAdd the rounded sum) in
 // registers: x (and residual) read once, y (and sum) written once; exact two-pass statistics from
-// registers; warp-shuffle reductions (deterministic).
+// registers; warp-shuffle reductions (deterministic).  rb (kAdd only, may be null): a residual
+// bias added to the sum before its one rounding, (x + res) + rb as the CPU's (Note [residual
+// bias]).
 template <typename T, typename S, int V, int NV, bool kAdd>
 __global__ void layernorm_forward_v3(const T* __restrict__ x, const T* __restrict__ res,
                                      const T* __restrict__ w, const T* __restrict__ b,
                                      T* __restrict__ sum_o, T* __restrict__ y,
                                      S* __restrict__ mean_o, S* __restrict__ rstd_o, int64_t R,
-                                     int64_t C, double eps) {
+                                     int64_t C, double eps, const T* __restrict__ rb = nullptr) {
   using A = math_t<T>;
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * kV3Warps + threadIdx.x / 32;
@@ -241,8 +243,15 @@ __global__ void layernorm_forward_v3(const T* __restrict__ x, const T* __restric
       if constexpr (kAdd) {
         A r[V];
         load_n<V>(res + off + c, r);
+        if (rb) {
+          A bv[V];
+          load_n<V>(rb + c, bv);
 #pragma unroll
-        for (int k = 0; k < V; ++k) v[j][k] = convert<A>(convert<T>(v[j][k] + r[k]));
+          for (int k = 0; k < V; ++k) v[j][k] = convert<A>(convert<T>(v[j][k] + r[k] + bv[k]));
+        } else {
+#pragma unroll
+          for (int k = 0; k < V; ++k) v[j][k] = convert<A>(convert<T>(v[j][k] + r[k]));
+        }
         store_n<V>(sum_o + off + c, v[j]);
       }
 #pragma unroll
@@ -922,6 +931,44 @@ void layernorm_forward(const Tensor& x, const Tensor& res, const Tensor& w, cons
   });
 }
 
+// add_layer_norm with a residual bias (Note [residual bias]) through v3, the one kernel that
+// adds it; false (nothing done) where v3 does not apply (the caller adds the bias first).
+bool add_layernorm_forward_bias(const Tensor& x, const Tensor& res, const Tensor& w,
+                                const Tensor& b, const Tensor& rb, Tensor& sum_o, Tensor& y,
+                                Tensor& mean, Tensor& rstd, double eps, const char* op) {
+  const int64_t C = x.shape().back();
+  const int64_t R = C ? x.numel() / C : 0;
+  if (R == 0) return true;
+  if (nn_version() < 3 || x.dtype() == DType::Float64) return false;
+  cudaStream_t st = stream(y.device(), op);
+  Tensor xc = contiguous_on(x, op, st), rc = contiguous_on(res, op, st);
+  Tensor wc = contiguous_on(w, op, st), bc = contiguous_on(b, op, st);
+  Tensor rbc = contiguous_on(rb, op, st);
+  bool done = false;
+  dispatch_cuda_float(x.dtype(), op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (!std::is_same_v<T, double>) {
+      using S = stat_t<T>;
+      auto ptr = [&](const Tensor& t) {
+        return t.defined() ? static_cast<const T*>(t.data_ptr(op)) : nullptr;
+      };
+      const T *xp = ptr(xc), *rp = ptr(rc), *wp = ptr(wc), *bp = ptr(bc), *rbp = ptr(rbc);
+      T* yp = static_cast<T*>(y.data_ptr(op));
+      T* sp = static_cast<T*>(sum_o.data_ptr(op));
+      S* mp = static_cast<S*>(mean.data_ptr(op));
+      S* rsp = static_cast<S*>(rstd.data_ptr(op));
+      done = dispatch_v3<T>(C, {xp, rp, wp, bp, yp, sp, rbp}, [&](auto vtag, auto nvtag) {
+        constexpr int V = decltype(vtag)::value, NV = decltype(nvtag)::value;
+        const unsigned grid = static_cast<unsigned>(ceil_div(R, kV3Warps));
+        layernorm_forward_v3<T, S, V, NV, true>
+            <<<grid, kV3Warps * 32, 0, st>>>(xp, rp, wp, bp, sp, yp, mp, rsp, R, C, eps, rbp);
+        BT_CUDA_LAUNCH_CHECK(op);
+      });
+    }
+  });
+  return done;
+}
+
 }  // namespace cuda::nn
 
 using namespace cuda;
@@ -969,8 +1016,27 @@ void LayerNorm::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out
 }
 
 void AddLayerNorm::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  layernorm_forward(in[0], in[1], has_weight ? in[2] : Tensor(), has_bias ? in[3] : Tensor(),
-                    &out[0], out[1], out[2], out[3], eps, name());
+  Tensor res = in[1];
+  if (has_residual_bias) {
+    if (add_layernorm_forward_bias(in[0], in[1], has_weight ? in[2] : Tensor(),
+                                   has_bias ? in[3] : Tensor(), in[4], out[0], out[1], out[2],
+                                   out[3], eps, name())) {
+      return;
+    }
+    // Elsewhere (float64, rows v3 does not take): residual + residual_bias first, a separate
+    // broadcast add (two roundings in 16-bit instead of one).
+    const Tensor& rb = in[4];
+    const int64_t C = res.shape().back(), R = C ? res.numel() / C : 0;
+    const Tensor rc = contiguous_on(res, name(), stream(res.device(), name()));
+    const Tensor rows = make_view(rc, {R, C}, {C, 1}, rc.offset());
+    const Tensor rbv = make_view(rb, {R, C}, {0, rb.strides()[0]}, rb.offset());
+    Tensor sum2 = empty_tensor({R, C}, res.dtype(), res.device(), name());
+    std::vector<Tensor> o{sum2};
+    Binary(BinaryOp::Add).eval_gpu({rows, rbv}, o);
+    res = sum2;
+  }
+  layernorm_forward(in[0], res, has_weight ? in[2] : Tensor(), has_bias ? in[3] : Tensor(), &out[0],
+                    out[1], out[2], out[3], eps, name());
 }
 
 void CrossEntropy::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {

@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "../autocast.h"  // cuda::column_sums_any
 #include "../backend.h"
 #include "../nn_fused.h"
 #include "common.cuh"
@@ -102,11 +103,12 @@ struct LnGrads {
   void* dw = nullptr;
   void* db = nullptr;
   bool f32 = false;
-  __host__ __device__ bool any() const { return dw || db; }
-  // element c of dweight (bias false) or dbias (bias true)
+  void* ds = nullptr;  // v6 only: the column sums of dx (Note [residual bias]); same dtype rule
+  __host__ __device__ bool any() const { return dw || db || ds; }
+  // element c of dweight (seg 0), dbias (1) or dsum (2)
   template <typename A>
-  __device__ __forceinline__ void put(bool bias, int64_t c, A v) const {
-    void* p = bias ? db : dw;
+  __device__ __forceinline__ void put(int seg, int64_t c, A v) const {
+    void* p = seg == 0 ? dw : (seg == 1 ? db : ds);
     if (!p) return;
     if (f32) {
       static_cast<float*>(p)[c] = static_cast<float>(v);
@@ -117,7 +119,7 @@ struct LnGrads {
   // element j of [dweight | dbias]
   template <typename A>
   __device__ __forceinline__ void put_joined(int64_t j, int64_t C, A v) const {
-    put(j >= C, j < C ? j : j - C, v);
+    put(j >= C ? 1 : 0, j < C ? j : j - C, v);
   }
 };
 
@@ -701,17 +703,17 @@ __device__ __forceinline__ float4 f4_add(float4 a, float4 b) {
   return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
 }
 
-// Float4 i of [dw | db] (C % 4 == 0: never straddles the two) converted and stored.
+// Float4 i of [dw | db (| ds)] (C % 4 == 0: never straddles two) converted and stored.
 template <typename T>
 __device__ __forceinline__ void ln_store_dwdb4(int64_t i, float4 s, int64_t C,
                                                const LnGrads<T>& grads) {
   const int64_t e = i * 4;
-  const bool bias = e >= C;
-  const int64_t c = bias ? e - C : e;
-  grads.put(bias, c, s.x);
-  grads.put(bias, c + 1, s.y);
-  grads.put(bias, c + 2, s.z);
-  grads.put(bias, c + 3, s.w);
+  const int seg = static_cast<int>(e / C);
+  const int64_t c = e - seg * C;
+  grads.put(seg, c, s.x);
+  grads.put(seg, c + 1, s.y);
+  grads.put(seg, c + 2, s.z);
+  grads.put(seg, c + 3, s.w);
 }
 
 // Sums float4 columns [a, b) of partial rows 0..P-1 (row stride n4 float4s) in a fixed order and
@@ -788,7 +790,7 @@ __global__ void __launch_bounds__(kRedCols* kRedPhases)
 template <typename T>
 void launch_ln_bwd_reduce_v6(const float* partial, int P, int64_t C, LnGrads<T> grads,
                              cudaStream_t st, bool pdl, const char* op) {
-  const int64_t n4 = C / 2;
+  const int64_t n4 = (grads.ds ? 3 : 2) * C / 4;  // float4s of [dw | db (| ds)]
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute at;
   cfg.gridDim = dim3(static_cast<unsigned>(ceil_div(n4, int64_t(kRedCols))));
@@ -827,6 +829,26 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
   const unsigned slot_bytes = (extra ? 3u : 2u) * row_bytes;
   const unsigned ring = smem_addr(smem_raw) + unsigned(grp) * K * slot_bytes;
   const unsigned stats = smem_addr(smem_raw) + unsigned(RG) * K * slot_bytes + warp * K * 8;
+  // Note [residual bias]: with grads.ds, this group's column sums of dx (as stored) accumulate in
+  // shared memory past the ring, the stats and the end's slices (the registers are full at
+  // C = 768: 125 of 128); a lane owns its columns in its group, so no barrier is needed.
+  const int nseg = grads.ds ? 3 : 2;
+  float* dsa = nullptr;
+  if (grads.ds) {
+    const size_t ring_stats = size_t(RG) * K * slot_bytes + size_t(NW) * K * 8;
+    const size_t off = ring_stats > size_t(RG) * 12 * C ? ring_stats : size_t(RG) * 12 * C;
+    dsa = reinterpret_cast<float*>(smem_raw + off) + int64_t(grp) * C;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int64_t c = v4_col<V, WPR>(j, gl);
+      if (c < C) {
+#pragma unroll
+        for (int k = 0; k < V; k += 4) {
+          *reinterpret_cast<float4*>(dsa + c + k) = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      }
+    }
+  }
 
   uint4 wr[NV];  // the weight's raw words (1 without a weight)
   float aw[NV][V], ab[NV][V];
@@ -919,7 +941,18 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
           o[k] = rs * (g[k] * wv[k] - s1 - (xh[k] - m) * rs * s2);
           if (extra) o[k] += ev[k];
         }
-        *reinterpret_cast<uint4*>(dx + off + c) = pack16<T>(o);
+        const uint4 packed = pack16<T>(o);
+        *reinterpret_cast<uint4*>(dx + off + c) = packed;
+        if (dsa) {  // the stored (rounded) values, as column sums of dx would read them
+          float q[V];
+          unpack16<T>(packed, q);
+#pragma unroll
+          for (int k = 0; k < V; k += 4) {
+            float4* a = reinterpret_cast<float4*>(dsa + c + k);
+            const float4 t = *a;
+            *a = make_float4(t.x + q[k], t.y + q[k + 1], t.z + q[k + 2], t.w + q[k + 3]);
+          }
+        }
       }
     }
     slot = slot + 1 == K ? 0 : slot + 1;
@@ -931,13 +964,13 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
 #endif
   if (!need_acc) return;
 
-  // Block partial acc = [dw | db]: each group puts its 2C floats in its slice (over the ring),
-  // then each float4 column is summed over the slices in group order into slice 0 (one barrier;
-  // a barrier per group measured slower).
+  // Block partial acc = [dw | db (| ds)]: each group puts its nseg C floats in its slice (over
+  // the ring), then each float4 column is summed over the slices in group order into slice 0
+  // (one barrier; a barrier per group measured slower).
   __syncthreads();
   float* acc = reinterpret_cast<float*>(smem_raw);
   {
-    float* mine = acc + int64_t(grp) * 2 * C;
+    float* mine = acc + int64_t(grp) * nseg * C;
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int64_t c = v4_col<V, WPR>(j, gl);
@@ -948,12 +981,16 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
               make_float4(aw[j][k], aw[j][k + 1], aw[j][k + 2], aw[j][k + 3]);
           *reinterpret_cast<float4*>(mine + C + c + k) =
               make_float4(ab[j][k], ab[j][k + 1], ab[j][k + 2], ab[j][k + 3]);
+          if (dsa) {
+            *reinterpret_cast<float4*>(mine + 2 * C + c + k) =
+                *reinterpret_cast<const float4*>(dsa + c + k);
+          }
         }
       }
     }
   }
   __syncthreads();
-  const int64_t n4 = C / 2;  // float4s of [dw | db]
+  const int64_t n4 = nseg * C / 4;  // float4s of [dw | db (| ds)]
   if constexpr (RG > 1) {
     float4* a4 = reinterpret_cast<float4*>(acc);
     for (int64_t i = threadIdx.x; i < n4; i += blockDim.x) {
@@ -997,7 +1034,7 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
       if (last_flag) {  // every cluster's slice `rank` is written
         __threadfence();
         ln_bwd_final_slice<T>(reinterpret_cast<const float4*>(partial), static_cast<int>(P), n4, a,
-                              b, C, reinterpret_cast<float4*>(acc + 2 * C), grads);
+                              b, C, reinterpret_cast<float4*>(acc + nseg * C), grads);
         if (threadIdx.x == 0) g_ln_bwd_v6_arrivals[rank] = 0;  // ready for the next launch
       }
     }
@@ -1020,12 +1057,19 @@ template <typename T, typename S, int NV, int WPR, int NW, int K, int CL>
 struct LnBwdV6 {
   static constexpr int kThreads = NW * 32, kRG = NW / WPR, kCluster = CL;
   static auto kernel() { return layernorm_backward_v6<T, S, NV, WPR, NW, K, CL>; }
-  static size_t smem(int64_t C, bool extra) {
+  static size_t smem(int64_t C, bool extra, bool ds = false) {
     const size_t ring = size_t(kRG) * K * (extra ? 3 : 2) * size_t(C) * sizeof(T);
     const size_t stats = size_t(NW) * K * 2 * sizeof(float);
-    // the groups' [dw | db] slices, then the block partial (slice 0) and the final slice buffer
-    const size_t slices = size_t(kRG) * 2 * C * sizeof(float);
-    const size_t tail = size_t(2) * C * sizeof(float) + size_t(kThreads) * 16;
+    const size_t nseg = ds ? 3 : 2;
+    // the groups' [dw | db (| ds)] slices, then the block partial (slice 0) and the final slice
+    // buffer; with ds, the groups' dx column sums past both the ring and the slices (the kernel
+    // computes the same offset)
+    const size_t slices = size_t(kRG) * nseg * C * sizeof(float);
+    const size_t tail = nseg * C * sizeof(float) + size_t(kThreads) * 16;
+    if (ds) {
+      const size_t dsa = size_t(kRG) * C * sizeof(float);
+      return std::max(std::max(ring + stats, slices) + dsa, tail);
+    }
     return std::max({ring + stats, slices, tail});
   }
   static void set_cluster(cudaLaunchConfig_t& cfg, cudaLaunchAttribute& at) {
@@ -1037,9 +1081,9 @@ struct LnBwdV6 {
     cfg.numAttrs = 1;
   }
   static int grid(int64_t R, int64_t C, bool extra, int sm_count, size_t smem_optin, int major,
-                  const char* op) {
+                  const char* op, bool ds = false) {
     auto kern = kernel();
-    const size_t sm = smem(C, extra);
+    const size_t sm = smem(C, extra, ds);
     if (major < 8 || (CL > 1 && major < 9) || sm > smem_optin) return 0;
     BT_CUDA_CHECK(op, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(sm)));
@@ -1076,7 +1120,7 @@ struct LnBwdV6 {
     cudaLaunchAttribute at;
     cfg.gridDim = dim3(static_cast<unsigned>(G));
     cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = smem(C, extra != nullptr);
+    cfg.dynamicSmemBytes = smem(C, extra != nullptr, grads.ds != nullptr);
     cfg.stream = st;
     if constexpr (CL > 1) set_cluster(cfg, at);
     BT_CUDA_CHECK(op, cudaLaunchKernelEx(&cfg, kernel(), dy, x, w, mean, rstd, extra, dx, partial,
@@ -1284,6 +1328,7 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
   Tensor w = has_weight ? contiguous_on(in[2], name(), st) : Tensor();
   Tensor mean = contiguous_on(in[3], name(), st), rstd = contiguous_on(in[4], name(), st);
   Tensor ex = has_extra ? contiguous_on(in[5], name(), st) : Tensor();
+  bool ds_done = false;  // dsum written by the row kernel (v6)
   dispatch_cuda_float(x.dtype(), name(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     using A = math_t<T>;
@@ -1297,9 +1342,13 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
     T* dxp = static_cast<T*>(out[0].data_ptr(name()));
     size_t k = 1;
     LnGrads<T> grads;  // dweight / dbias: T, or float32 where the front asked for it
-    if (need_dweight || need_dbias) grads.f32 = sizeof(T) == 2 && out[1].dtype() == DType::Float32;
+    if (need_dweight || need_dbias || need_dsum) {
+      grads.f32 = sizeof(T) == 2 && out[1].dtype() == DType::Float32;
+    }
     if (need_dweight) grads.dw = out[k++].data_ptr(name());
     if (need_dbias) grads.db = out[k++].data_ptr(name());
+    void* ds_out = need_dsum ? out[k].data_ptr(name()) : nullptr;  // (v6 only: see below)
+
     const bool need_acc = grads.any();
     if (C == 0) return;
     if (R == 0) {  // empty batch: dweight / dbias are zeros
@@ -1329,16 +1378,26 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
           constexpr int NV = decltype(nvt)::value, WPR = decltype(wt)::value;
           auto run = [&](auto kt) {
             using K = typename decltype(kt)::type;
+            // v6 also sums dx's columns (dsum) where asked (Note [residual bias])
+            LnGrads<T> g6 = grads;
+            g6.ds = ds_out;
+            const bool acc6 = g6.any();
             const int G = K::grid(R, C, ep != nullptr, di.sm_count, di.smem_per_block_optin,
-                                  di.major, name());
+                                  di.major, name(), g6.ds != nullptr);
             if (G == 0) return false;
             constexpr int CL = K::kCluster;
-            auto [partial, pp] = float_buffer(int64_t(G / CL) * 2 * C);
-            K::launch(G, st, dyp, xp, wp, mp, rp, ep, dxp, pp, grads, R, C, need_acc, true, name());
-            if (need_acc && CL == 1) {
-              launch_ln_bwd_reduce_v6<T>(pp, G, C, grads, st, kV6ReducePdl && di.major >= 9,
-                                         name());
+            Tensor partial;
+            float* pp = nullptr;
+            if (acc6) {
+              partial = empty_tensor({int64_t(G / CL) * (g6.ds ? 3 : 2) * C}, DType::Float32, dev,
+                                     name());
+              pp = static_cast<float*>(partial.data_ptr(name()));
             }
+            K::launch(G, st, dyp, xp, wp, mp, rp, ep, dxp, pp, g6, R, C, acc6, true, name());
+            if (acc6 && CL == 1) {
+              launch_ln_bwd_reduce_v6<T>(pp, G, C, g6, st, kV6ReducePdl && di.major >= 9, name());
+            }
+            ds_done = g6.ds != nullptr;
             return true;
           };
           using K8 = LnBwdV6<T, S, NV, WPR, kV6Warps, kV6Stages, kV6Cluster>;
@@ -1491,6 +1550,11 @@ void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tens
       }
     });
   });
+  // dsum: the column sums of dx as stored (Note [residual bias]): v6 sums them in its row pass;
+  // after the other kernels, a column-sum pass over dx.
+  if (need_dsum && !ds_done) {
+    cuda::column_sums_any(out[0], out[1 + size_t(need_dweight) + size_t(need_dbias)], name());
+  }
 }
 
 void CrossEntropyBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {

@@ -24,6 +24,7 @@ model, and the padding rows get exactly zero gradient (they start at zero and st
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from collections import OrderedDict
@@ -144,16 +145,31 @@ def _ln(x: bt.Tensor, ln: nn.LayerNorm, dtype: Any, recompute: bool = False) -> 
 
 
 def _add_ln(
-    x: bt.Tensor, r: bt.Tensor, ln: nn.LayerNorm, dtype: Any, fused: bool, recompute: bool = False
+    x: bt.Tensor,
+    r: bt.Tensor,
+    ln: nn.LayerNorm,
+    dtype: Any,
+    fused: bool,
+    recompute: bool = False,
+    residual_bias: Any = None,
 ) -> tuple[bt.Tensor, bt.Tensor]:
-    """(x + r, LayerNorm(x + r)): one fused kernel when blutrain.tensor has it."""
+    """(x + r (+ residual_bias), LayerNorm of that): one fused kernel when blutrain.tensor has
+    it. residual_bias: the bias of the linear layer that made r, left out of it (Note [residual
+    bias] in blutrain.tensor: its gradient comes from the layer norm's backward)."""
+    rb = _cast(residual_bias, dtype) if residual_bias is not None else None
     if fused:
         w, b = _cast(ln.weight, dtype), _cast(ln.bias, dtype)
+        kw = {"residual_bias": rb} if rb is not None else {}
         if recompute:
-            return bt.add_layer_norm(x, r, w, b, ln.eps, recompute=True)
-        return bt.add_layer_norm(x, r, w, b, ln.eps)
-    s = x + r
+            return bt.add_layer_norm(x, r, w, b, ln.eps, recompute=True, **kw)
+        return bt.add_layer_norm(x, r, w, b, ln.eps, **kw)
+    s = x + r if rb is None else x + r + rb
     return s, _ln(s, ln, dtype, recompute)
+
+
+def _has_residual_bias() -> bool:
+    """Whether bt.add_layer_norm takes residual_bias (blutrain.tensor builds before it did not)."""
+    return "residual_bias" in (getattr(bt, "add_layer_norm", None).__doc__ or "")
 
 
 def _checkpoint(fn: Any, *args: bt.Tensor) -> bt.Tensor:
@@ -194,7 +210,9 @@ class CausalSelfAttention(_Precision, nn.Module):
         self.c_attn = nn.Linear(C, 3 * C)
         self.c_proj = nn.Linear(C, C)
 
-    def forward(self, x: bt.Tensor) -> bt.Tensor:
+    def forward(self, x: bt.Tensor, defer_bias: bool = False) -> bt.Tensor:
+        """defer_bias: c_proj's bias is left out, for the add_layer_norm after this sublayer to
+        add (Note [residual bias] in blutrain.tensor)."""
         B, T, C = x.shape
         H, dt = self.n_head, self._compute
         qkv = bt.linear(x, _cast(self.c_attn.weight, dt), _cast(self.c_attn.bias, dt))
@@ -202,7 +220,8 @@ class CausalSelfAttention(_Precision, nn.Module):
         q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in qkv.split(C, 2))
         y = bt.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return bt.linear(y, _cast(self.c_proj.weight, dt), _cast(self.c_proj.bias, dt))
+        bias = None if defer_bias else _cast(self.c_proj.bias, dt)
+        return bt.linear(y, _cast(self.c_proj.weight, dt), bias)
 
 
 class MLP(_Precision, nn.Module):
@@ -224,7 +243,8 @@ class MLP(_Precision, nn.Module):
             bt.gelu(u, "tanh"), _cast(self.c_proj.weight, dt), _cast(self.c_proj.bias, dt)
         )
 
-    def forward(self, x: bt.Tensor) -> bt.Tensor:
+    def forward(self, x: bt.Tensor, defer_bias: bool = False) -> bt.Tensor:
+        """defer_bias (fused only): c_proj's bias is left to the next add_layer_norm."""
         dt = self._compute
         if self.fused:
             # one primitive for the whole MLP: GELU in c_fc's GEMM epilogue (16-bit) or its own
@@ -235,9 +255,11 @@ class MLP(_Precision, nn.Module):
                 _cast(self.c_fc.weight, dt),
                 _cast(self.c_fc.bias, dt),
                 _cast(self.c_proj.weight, dt),
-                _cast(self.c_proj.bias, dt),
+                None if defer_bias else _cast(self.c_proj.bias, dt),
                 recompute=self.recompute_gelu,
             )
+        if defer_bias:
+            raise ValueError("[MLP] defer_bias needs the fused MLP (mlp.fused)")
         if self.recompute_gelu:  # keep the pre-activation only; GELU is redone in backward
             return _checkpoint(self._gelu_proj, self._fc(x))
         return self._gelu_proj(self._fc(x))
@@ -261,9 +283,11 @@ class Block(_Precision, nn.Module):
         self.mlp.recompute_gelu = "gelu" in self.recompute
         return self
 
-    def attend(self, h: bt.Tensor) -> bt.Tensor:
+    def attend(self, h: bt.Tensor, defer_bias: bool = False) -> bt.Tensor:
         """The attention sublayer on LayerNorm output h (through bt.checkpoint with "attn")."""
-        return _checkpoint(self.attn, h) if "attn" in self.recompute else self.attn(h)
+        if "attn" in self.recompute:
+            return _checkpoint(functools.partial(self.attn, defer_bias=defer_bias), h)
+        return self.attn(h, defer_bias)
 
     def forward(self, x: bt.Tensor) -> bt.Tensor:
         dt, rln = self._compute, "ln" in self.recompute
@@ -547,6 +571,7 @@ class GPT2(_Precision, nn.Module):
             wte = _cast(tr.wte.weight, dt)
         x = bt.embedding(idx, wte) + bt.embedding(self._positions(T), _cast(tr.wpe.weight, dt))
         add_ln, lin_gelu = self._fused_ops(x)
+        rb_ok = add_ln and _has_residual_bias()
         blocks = list(tr.h)
         for b in blocks:
             b.fused_add_ln = add_ln
@@ -563,14 +588,19 @@ class GPT2(_Precision, nn.Module):
                 continue
             x = _cast(x, bdt)
             h = _ln(x, b.ln_1, bdt, rln) if h is None else _cast(h, bdt)
-            x, h = _add_ln(x, b.attend(h), b.ln_2, bdt, add_ln, rln)
-            m = b.mlp(h)
-            if i + 1 < len(blocks) and "block" in blocks[i + 1].recompute:
+            # the residual branches' last biases go to the fused add + LayerNorm after them
+            pb = b.attn.c_proj.bias if rb_ok else None
+            x, h = _add_ln(x, b.attend(h, rb_ok), b.ln_2, bdt, add_ln, rln, pb)
+            plain_next = i + 1 < len(blocks) and "block" in blocks[i + 1].recompute
+            defer = rb_ok and lin_gelu and not plain_next
+            m = b.mlp(h, defer)
+            if plain_next:
                 x, h = x + m, None
                 continue
             nxt = blocks[i + 1] if i + 1 < len(blocks) else b
             nln = blocks[i + 1].ln_1 if i + 1 < len(blocks) else tr.ln_f
-            x, h = _add_ln(x, m, nln, bdt, add_ln, "ln" in nxt.recompute)
+            mb = b.mlp.c_proj.bias if defer else None
+            x, h = _add_ln(x, m, nln, bdt, add_ln, "ln" in nxt.recompute, mb)
         if h is None:
             last = blocks[-1] if blocks else None
             rln = last is not None and "ln" in last.recompute
