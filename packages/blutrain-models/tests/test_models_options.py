@@ -131,6 +131,26 @@ def test_fused_ops_give_the_same_numbers(rng):
     assert_same_numbers(a, b, x)
 
 
+def test_fused_qkv_attention_gives_the_same_numbers(rng):
+    # with the CPU's flash kernels on, the fused model's attention sublayers run bt.qkv_attention
+    # (one node; the qkv bias gradient from the packed backward) against linear + sdpa
+    if not hasattr(bt, "qkv_attention"):
+        pytest.skip("this blutrain.tensor has no qkv_attention")
+    from blutrain.tensor import _tensor
+
+    old = _tensor._flash_attention_cpu()
+    _tensor._set_flash_attention_cpu(True)
+    try:
+        a, b = twin(rng, fused=True)
+        a.fused = False
+        x = rng.integers(0, CFG.vocab_size, (2, CFG.block_size))
+        assert_same_numbers(a, b, x)
+        assert all(blk.attn.fused for blk in b.transformer.h)
+        assert not any(blk.attn.fused for blk in a.transformer.h)
+    finally:
+        _tensor._set_flash_attention_cpu(old)
+
+
 def test_fused_classifier_gives_the_same_numbers(rng):
     # return_logits=False with fused=True: the head and loss as bt.linear_cross_entropy in row
     # chunks (ignored targets, a padded vocabulary), against the plain model's logits path

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "autocast.h"  // linear_weight_grads
 #include "autograd.h"
 #include "ops.h"
 
@@ -197,6 +198,35 @@ std::vector<Tensor> FlashAttentionPacked::vjp(const VjpArgs& a) {
   auto r = apply(std::make_shared<FlashAttentionPackedBackward>(scale, causal, heads),
                  {x, a.outputs[0], g, lse, glse}, {{x.shape(), x.dtype()}}, x.device());
   return {r[0]};
+}
+
+std::vector<Tensor> QkvAttention::vjp(const VjpArgs& a) {
+  // Only o's cotangent flows (the front returns neither lse nor qkv).
+  const Tensor &x = a.inputs[0], &w = a.inputs[1];
+  const Tensor& o = a.outputs[0];
+  const Tensor& qkv = a.outputs[2];
+  const int64_t M = qkv.size(0), N = qkv.size(1), B = M / seq;
+  const DType dt = qkv.dtype();
+  const bool want_db = has_bias && a.needs[2];
+  const DType cs_dtype = dt == DType::Float64 ? DType::Float64 : DType::Float32;
+  std::vector<std::pair<Shape, DType>> meta{{{B, seq, N}, dt}};
+  if (want_db) meta.push_back({Shape{N}, cs_dtype});
+  auto d = apply(std::make_shared<FlashAttentionPackedBackward>(scale, causal, heads, want_db),
+                 {view(qkv, {B, seq, N}), o, unit_last(a.cotangents[0]), a.outputs[1], Tensor()},
+                 meta, qkv.device());
+  const Tensor dqkv = view(d[0], {M, N});
+  std::vector<Tensor> r(a.inputs.size());
+  if (a.needs[0]) r[0] = matmul(dqkv, w);
+  if (a.needs[1]) {
+    r[1] = weight_grad_dtype(a, 1, dt) != dt
+               ? linear_weight_grads(a, dqkv, x, w.shape(), 1, false).first
+               : matmul(transpose(dqkv, 0, 1), x);
+  }
+  if (want_db) {
+    const DType want = weight_grad_dtype(a, 2, dt);
+    r[2] = d[1].dtype() == want ? d[1] : astype(d[1], want);
+  }
+  return r;
 }
 
 std::vector<Tensor> FlashAttentionPackedBackward::vjp(const VjpArgs& a) {

@@ -16,6 +16,7 @@
 // backward adds dq with float32 atomics (dk, dv stay bitwise reproducible).
 #pragma once
 
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -79,21 +80,75 @@ class FlashAttentionPacked : public Primitive {
   int64_t heads;
 };
 
-// inputs X, o, do, lse, dlse; output dX (B, T, 3 H D) contiguous.
+// inputs X, o, do, lse, dlse; output dX (B, T, 3 H D) contiguous, and with colsum its column sums
+// (3 H D) (float32; float64 for float64): the qkv bias's gradient (Note [packed column sums]).
 class FlashAttentionPackedBackward : public Primitive {
   BT_PRIM_BODY(FlashAttentionPackedBackward, "flash_attention_packed_backward")
-  FlashAttentionPackedBackward(double s, bool c, int64_t h) : scale(s), causal(c), heads(h) {}
+  FlashAttentionPackedBackward(double s, bool c, int64_t h, bool cs = false)
+      : scale(s), causal(c), heads(h), colsum(cs) {}
   bool saves_inputs() const override { return false; }
   bool differentiable() const override { return false; }
   void attrs(Attrs& a) const override {
     a["scale"] = scale;
     a["causal"] = causal;
     a["heads"] = heads;
+    a["colsum"] = colsum;
   }
   double scale;
   bool causal;
   int64_t heads;
+  bool colsum;
 };
+
+// Note [packed column sums]
+// A linear layer's bias gradient is the column sums of its output's gradient: for GPT-2's qkv
+// projection a separate pass over attention's (B T, 3 C) dX (75 MB a layer in bf16).
+// QkvAttention (the projection and the attention in one node) asks FlashAttentionPackedBackward
+// for those sums, and two identities of softmax attention (no lse cotangent) make them cheap:
+//   k: zero.  k's bias adds q_i . b to every score of query i, a shift softmax ignores (dS's rows
+//      sum to 0), so the kernels write 0 rather than the rounding noise of summing dK;
+//   v: sum over keys of dV = sum over queries of P^T dO = sum over queries of dO (P's rows sum to
+//      1): column sums of dO, read anyway by the backward's preprocess (which computes Dvec);
+//   q: summed by the dq conversion kernel, over the values it stores (rounded).
+// Both kernels write float32 partials over 16 rows (B ceil(T / 16), 3 C) that the column-sum
+// kernels add up: fixed trees and orders, deterministic.  This runs on the bf16 / fp16 one-kernel
+// backward (D 64); every other path (deterministic mode, D 128, float32, an lse cotangent) sums
+// the stored dX afterwards.  The values equal the composition's up to rounding (exactly 0 for k,
+// where the composition returns its rounding noise).
+
+// QkvAttention: y = attention(x W^T + b) with q, k, v the three split(H D, -1) slices of the
+// projection (GPT-2's c_attn and self-attention in one node).  Inputs x (M = B T, K) rows, W
+// (3 H D, K), b (3 H D) when has_bias; outputs o (B, T, H, D), lse (B, H, T) (lse_dtype), and
+// qkv (M, 3 H D) (saved for the backward, never returned by the front).  Forward: the linear's
+// GEMM, then FlashAttentionPacked on qkv.  Backward: FlashAttentionPackedBackward with the
+// bias's column sums (Note [packed column sums]), then the dx and dW GEMMs of the linear.
+class QkvAttention : public Primitive {
+  BT_PRIM_BODY(QkvAttention, "qkv_attention")
+  QkvAttention(double s, bool c, int64_t h, int64_t t, bool bias)
+      : scale(s), causal(c), heads(h), seq(t), has_bias(bias) {}
+  bool saves_input(size_t i, const std::vector<bool>& needs) const override { return i < 2; }
+  bool saves_outputs() const override { return true; }
+  bool takes_no_cotangent(size_t i) const override { return i > 0; }  // lse, qkv
+  void attrs(Attrs& a) const override {
+    a["scale"] = scale;
+    a["causal"] = causal;
+    a["heads"] = heads;
+    a["seq"] = seq;
+    a["bias"] = has_bias;
+  }
+  double scale;
+  bool causal;
+  int64_t heads, seq;
+  bool has_bias;
+};
+
+// The fused projection + attention of GPT-2's attention sublayer: x (B, T, K), weight (3 H D, K),
+// bias (3 H D) or undefined -> (B, T, H D), the attention output before the output projection:
+// the same as linear(x, weight, bias) split into q, k, v, viewed (B, H, T, D) and passed to
+// scaled_dot_product_attention.  QkvAttention where the fused kernels run the packed qkv (as
+// scaled_dot_product_attention decides), else that composition.
+Tensor qkv_attention(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t heads,
+                     bool causal, std::optional<double> scale);
 
 // The (B, H, T, D) q, k, v views (no autograd) of a packed X (B, T, 3 H D) (kernel plumbing).
 std::vector<Tensor> packed_qkv_views(const Tensor& x, int64_t heads);

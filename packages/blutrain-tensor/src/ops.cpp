@@ -1377,6 +1377,14 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   return reshape(y, os);
 }
 
+// Whether scaled_dot_product_attention's fused kernels take q's dtype, head dim and device, and
+// the scale (they take the row max of S before scaling: a positive, finite scale only).
+static bool fused_attention_applies(DType dt, int64_t hd, Device dev, double sc) {
+  const bool cuda_ok = dt == DType::BFloat16 || dt == DType::Float16 ||
+                       (dt == DType::Float32 && (hd == 64 || hd == 128));
+  return std::isfinite(sc) && sc > 0 && (dev.is_cuda() ? cuda_ok : flash_attention_cpu());
+}
+
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& attn_mask, double dropout_p, bool is_causal,
                                     std::optional<double> scale) {
@@ -1398,12 +1406,8 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   // per layer (40.8 GiB peak at B=16, T=1024) and spent ~60 ms a step in softmax/masking; the
   // TF32 kernels need none of that (H200, B16 H12 T1024 D64 causal: 3xTF32 fwd 0.56 ms, bwd 2.49;
   // 1xTF32 0.24 / 0.99; GPT-2 124M fp32 peak 41.4 -> 16.9 GiB).
-  const int64_t hd = q.shape().back();
-  const bool cuda_ok = q.dtype() == DType::BFloat16 || q.dtype() == DType::Float16 ||
-                       (q.dtype() == DType::Float32 && (hd == 64 || hd == 128));
-  // (the fused kernels take the row max of S before scaling: a positive, finite scale only)
-  if (!attn_mask.defined() && dropout_p == 0 && std::isfinite(sc) && sc > 0 &&
-      (q.device().is_cuda() ? cuda_ok : flash_attention_cpu()) &&
+  if (!attn_mask.defined() && dropout_p == 0 &&
+      fused_attention_applies(q.dtype(), q.shape().back(), q.device(), sc) &&
       flash_attention_supported(q, k, v, is_causal)) {
     // q, k, v sliced from one (B, T, 3C) tensor (GPT-2's qkv): one op on it, whose backward
     // writes the single (B, T, 3C) gradient directly (no scatter into zero-filled buffers).
@@ -1428,6 +1432,43 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   Tensor p = softmax(s, -1, false);
   if (dropout_p > 0) p = dropout(p, dropout_p, true);
   return matmul(p, v);
+}
+
+Tensor qkv_attention(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t heads,
+                     bool causal, std::optional<double> scale) {
+  const char* op = "qkv_attention";
+  check_defined(x, op);
+  check_defined(weight, op);
+  if (x.ndim() != 3) {
+    throw ValueError("[qkv_attention] input must be (B, T, C), got " + shape_str(x.shape()));
+  }
+  if (heads < 1 || weight.ndim() != 2 || weight.shape()[0] % (3 * heads) != 0 ||
+      weight.shape()[0] == 0) {
+    throw ValueError("[qkv_attention] weight must be (3 * heads * D, C) with D >= 1, got " +
+                     shape_str(weight.shape()) + " for " + std::to_string(heads) + " heads");
+  }
+  const int64_t B = x.size(0), T = x.size(1), N = weight.shape()[0], HD = N / 3, D = HD / heads;
+  const double sc = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D));
+  const DType dt = matmul_dtype(x, weight, op);
+  if (!fused_attention_applies(dt, D, x.device(), sc) || B == 0 || T == 0 ||
+      (x.device().is_cuda() && D > 256) || x.shape().back() != weight.shape()[1] ||
+      (bias.defined() && (bias.shape() != Shape{N} || bias.device() != x.device()))) {
+    // the composition (and its errors for bad shapes)
+    const Tensor qkv = linear(x, weight, bias);
+    auto qkv_view = [&](int64_t j) {
+      return transpose(view(slice(qkv, 2, j * HD, (j + 1) * HD, 1), {B, T, heads, D}), 1, 2);
+    };
+    const Tensor y = scaled_dot_product_attention(qkv_view(0), qkv_view(1), qkv_view(2), Tensor(),
+                                                  0.0, causal, sc);
+    return reshape(transpose(y, 1, 2), {B, T, HD});
+  }
+  Tensor x2 = gemm_ready(as_rows(astype(x, dt)));
+  std::vector<Tensor> ins{x2, gemm_ready(astype(weight, dt))};
+  if (bias.defined()) ins.push_back(astype(bias, dt));
+  const DType ls = dt == DType::Float64 ? DType::Float64 : DType::Float32;
+  auto outs = apply(std::make_shared<QkvAttention>(sc, causal, heads, T, bias.defined()), ins,
+                    {{{B, T, heads, D}, dt}, {{B, heads, T}, ls}, {{B * T, N}, dt}}, x.device());
+  return view(outs[0], {B, T, HD});
 }
 
 Tensor clip_grad_norm_(const std::vector<Tensor>& grads, double max_norm, double eps) {

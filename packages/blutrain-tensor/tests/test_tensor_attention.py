@@ -431,3 +431,126 @@ def test_packed_sdpa_capture_records(rng):
         assert "flash_attention" in ops and "flash_attention_backward" in ops
     finally:
         _tensor._set_flash_attention_cpu(old)
+
+
+# ---- qkv_attention: the qkv projection and attention as one node -----------------------------
+def _node_names(t):
+    """Names of every autograd node t depends on."""
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        n = todo.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        names.add(n.name())
+        todo.extend(nf for nf, _ in n.next_functions)
+    return names
+
+
+def _qkv_composed(x, w, b, H, causal):
+    """What qkv_attention computes, spelled as GPT-2 did: linear, split views, sdpa."""
+    B, T, _ = x.shape
+    C = w.shape[0] // 3
+    qkv = bt.linear(x, w, b)
+    q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in qkv.split(C, 2))
+    y = bt.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return y.transpose(1, 2).contiguous().view(B, T, C)
+
+
+class _flash_cpu:
+    """The CPU's fused attention kernels on (or off) inside the block."""
+
+    def __init__(self, on):
+        self.on = on
+
+    def __enter__(self):
+        self.old = _tensor._flash_attention_cpu()
+        _tensor._set_flash_attention_cpu(self.on)
+
+    def __exit__(self, *exc):
+        _tensor._set_flash_attention_cpu(self.old)
+
+
+@pytest.mark.parametrize("dtype", [bt.float64, bt.float32, bt.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("T", [1, 7])
+def test_qkv_attention_matches_composition(rng, dtype, causal, bias, T):
+    """The fused node (flash CPU kernels on) against linear + split + sdpa with the same kernels:
+    the same outputs and gradients, the bias's from the packed backward's column sums."""
+    needs_linalg()
+    B, H, D, C = 2, 2, 4, 8
+    arrays = [
+        rng.standard_normal((B, T, C)),
+        rng.standard_normal((3 * H * D, C)) * 0.3,
+        rng.standard_normal(3 * H * D),
+    ]
+    g = bt.tensor(rng.standard_normal((B, T, H * D)), dtype=dtype)
+    res = []
+    with _flash_cpu(True):
+        for fn in (bt.qkv_attention, _qkv_composed):
+            x, w, b = (bt.tensor(a, dtype=dtype, requires_grad=True) for a in arrays)
+            y = fn(x, w, b if bias else None, H, causal)
+            assert ("QkvAttention" in _node_names(y)) == (fn is bt.qkv_attention)
+            y.backward(g)
+            grads = [x.grad, w.grad] + ([b.grad] if bias else [])
+            res.append([f64(y)] + [f64(t) for t in grads])
+    # float64 sums the same values in another order; bf16 rounds the bias gradient once either way
+    tol = {bt.float64: 1e-12, bt.float32: 1e-6, bt.bfloat16: 8e-3}[dtype]
+    for name, a, r in zip(("out", "dx", "dW", "db"), res[0], res[1]):
+        np.testing.assert_allclose(a, r, rtol=tol, atol=tol, err_msg=name)
+    if bias:  # and the bias gradient is the column sums of the composed path's dqkv
+        with _flash_cpu(True):
+            x, w, b = (bt.tensor(a, dtype=bt.float64, requires_grad=True) for a in arrays)
+            qkv = bt.linear(x, w, b)
+            qkv.retain_grad()
+            q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, 2))
+            y = bt.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            y.transpose(1, 2).contiguous().view(B, T, H * D).backward(bt.tensor(f64(g)))
+            np.testing.assert_allclose(
+                f64(b.grad), qkv.grad.numpy().sum((0, 1)), rtol=1e-12, atol=1e-12
+            )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_qkv_attention_gradcheck(rng, causal):
+    needs_linalg()
+
+    def leaf(shape, scale=1.0):
+        a = rng.uniform(-1, 1, size=shape) * scale
+        return bt.tensor(a, dtype=bt.float64, requires_grad=True)
+
+    xs = [leaf((2, 3, 4)), leaf((12, 4), 0.5), leaf((12,))]
+    with _flash_cpu(True):
+        assert bt.gradcheck(
+            lambda x, w, b: bt.qkv_attention(x, w, b, 2, is_causal=causal),
+            xs,
+            eps=1e-6,
+            atol=1e-6,
+            rtol=1e-5,
+        )
+
+
+def test_qkv_attention_composes_where_the_kernels_do_not_run(rng):
+    """Flash CPU kernels off, or a scale the kernels do not take: the composition's nodes (and
+    its numbers); bad shapes raise naming the op."""
+    needs_linalg()
+    x = bt.tensor(rng.standard_normal((2, 5, 8)), requires_grad=True)
+    w = bt.tensor(rng.standard_normal((24, 8)), requires_grad=True)
+    with _flash_cpu(False):
+        y = bt.qkv_attention(x, w, None, 2, is_causal=True)
+        assert "QkvAttention" not in _node_names(y)
+        np.testing.assert_array_equal(
+            y.detach().numpy(), _qkv_composed(x, w, None, 2, True).detach().numpy()
+        )
+    with _flash_cpu(True):
+        y = bt.qkv_attention(x, w, None, 2, is_causal=False, scale=-0.5)
+        assert "QkvAttention" not in _node_names(y)
+    with pytest.raises(ValueError, match=r"\[qkv_attention\] weight must be \(3 \* heads \* D"):
+        bt.qkv_attention(x, bt.zeros((20, 8)), None, 2)
+    with pytest.raises(ValueError, match=r"\[qkv_attention\] input must be \(B, T, C\)"):
+        bt.qkv_attention(bt.zeros((5, 8)), w, None, 2)
+    with pytest.raises(ValueError, match=r"\[linear\] input of shape"):
+        bt.qkv_attention(bt.zeros((2, 5, 7)), w, None, 2)
+    with pytest.raises(ValueError, match=r"\[linear\] bias has shape"):
+        bt.qkv_attention(x, w, bt.zeros((5,)), 2)

@@ -754,3 +754,81 @@ def test_tf32_sdpa_front(rng, prec):
         got = gx[:, :, i * H * D : (i + 1) * H * D].reshape(B, T, H, D).transpose(0, 2, 1, 3)
         assert np.isfinite(got).all()
         assert _relerr(got, want) <= 1.5 * tol, f"dX slice {i} ({prec})"
+
+
+# ---- qkv_attention: projection + attention in one node, the bias gradient from the kernels ------
+def _qkv_attention_grads(arrays, g_np, H, dtype, causal, fused, wide):
+    """out and the gradients of x, W, b for sum(y * g), y = qkv_attention (fused) or its
+    composition (then also its qkv gradient dX); wide: W and b float32 leaves cast to dtype (their
+    gradients come back float32)."""
+    leaf_dt = bt.float32 if wide else dtype
+    x, w, b = (
+        bt.tensor(a, dtype=d, device="cuda", requires_grad=True)
+        for a, d in zip(arrays, (dtype, leaf_dt, leaf_dt), strict=True)
+    )
+    wc, bc = (bt.astype(t, dtype) if wide else t for t in (w, b))
+    B, T, C = x.shape[0], x.shape[1], w.shape[0] // 3
+    qkv = None
+    if fused:
+        y = bt.qkv_attention(x, wc, bc, H, is_causal=causal)
+    else:
+        qkv = bt.linear(x, wc, bc)
+        qkv.retain_grad()
+        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in qkv.split(C, 2))
+        y = bt.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+    _poison_pool(B * T * 3 * C * 4 * 4)  # the column-sum partials come from freed blocks
+    (y * bt.tensor(g_np, dtype=dtype, device="cuda")).sum().backward()
+    res = [_np(t) for t in (y, x.grad, w.grad, b.grad)]
+    return res, b.grad.dtype, (None if fused else _np(qkv.grad).reshape(B * T, 3 * C))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("T", [1, 7, 100, 1024])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [bt.bfloat16, bt.float16, bt.float32], ids=NAME.get)
+def test_qkv_attention_matches_composition(rng, dtype, D, T, causal):
+    """bt.qkv_attention against linear + split + sdpa (the same GEMMs and attention kernels): the
+    same out bitwise; in deterministic mode the same dx and dW bitwise, in the default mode (dQ by
+    atomics) close.  The bias gradient against float64 sums of the composition's dX by the
+    identities of Note [packed column sums] (q: dQ's column sums, k: 0, v: dO's column sums),
+    each column within the dtype's tolerance of the sum of its |terms|; exactly 0 for k where the
+    kernels sum (16-bit, D 64, default mode)."""
+    B, H, K = 2, 2, 48
+    C = H * D
+    arrays = [
+        rng.standard_normal((B, T, K)),
+        rng.standard_normal((3 * C, K)) * 0.2,
+        rng.standard_normal(3 * C),
+    ]
+    g_np = rng.standard_normal((B, T, C))
+    g_r = _np(bt.tensor(g_np, dtype=dtype)).reshape(B * T, C)  # dO as the kernels read it
+    for det in (True, False):
+        for wide in (False, True) if dtype != bt.float32 else (False,):
+            with _deterministic(det):
+                fu, db_dt, _ = _qkv_attention_grads(arrays, g_np, H, dtype, causal, True, wide)
+                co, _, dX = _qkv_attention_grads(arrays, g_np, H, dtype, causal, False, wide)
+            tag = f"{NAME[dtype]} T={T} D={D} causal={causal} det={det} wide={wide}"
+            assert db_dt == (bt.float32 if wide else dtype), tag
+            assert all(np.isfinite(a).all() for a in fu), f"{tag}: non-finite"
+            assert np.array_equal(fu[0], co[0]), f"out {tag}"
+            for name, a, r in zip(("dx", "dW"), fu[1:3], co[1:3], strict=True):
+                if det:
+                    assert np.array_equal(a, r), f"{name} {tag}: max diff {abs(a - r).max()}"
+                else:
+                    assert _relerr(a, r) <= RTOL[dtype] / 2, f"{name} {tag}"
+            ref = np.concatenate([dX[:, :C].sum(0), np.zeros(C), g_r.sum(0)])
+            # q and v: as a whole, and column by column within the tolerance of the sum of their
+            # terms' sizes
+            qv = np.r_[0:C, 2 * C : 3 * C]
+            err = _relerr(fu[3][qv], ref[qv])
+            assert err <= RTOL[dtype] / 2, f"db {tag}: rel err {err:.3g}"
+            scale = np.abs(dX[:, qv]).sum(0) + np.abs(ref[qv])
+            bad = np.abs(fu[3][qv] - ref[qv]) > RTOL[dtype] * scale
+            assert not bad.any(), f"db {tag}: columns {qv[bad][:8]}"
+            # k: exact dK sums to 0, a computed one to its rounding noise (at T = 1 dK is all
+            # noise): no larger than the noise's own size
+            dk_abs = np.abs(dX[:, C : 2 * C]).sum(0)
+            assert (np.abs(fu[3][C : 2 * C]) <= dk_abs * (1 + RTOL[dtype]) + 1e-30).all(), tag
+            if dtype != bt.float32 and D == 64 and not det:
+                assert (fu[3][C : 2 * C] == 0).all(), f"db {tag}: k's slice not exactly 0"

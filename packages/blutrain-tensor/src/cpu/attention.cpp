@@ -156,9 +156,38 @@ void FlashAttentionPackedBackward::eval_cpu(const std::vector<Tensor>& in,
   auto douts = packed_grad_views(out[0], heads);
   FlashAttentionBackward(scale, causal)
       .eval_cpu({qkv[0], qkv[1], qkv[2], in[1], in[2], in[3], in[4]}, douts);
+  if (!colsum) return;
+  // dX's column sums (Note [packed column sums]) in double, over the stored (rounded) values
+  const int64_t N = out[0].size(2), M = N ? out[0].numel() / N : 0;
+  dispatch_float(out[0].dtype(), name(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_float(out[1].dtype(), name(), [&](auto stag) {
+      using S = typename decltype(stag)::type;
+      const T* dx = out[0].data<T>(name());
+      S* cs = out[1].data<S>(name());
+      cpu::parallel_for(N, M, [&](int64_t j) {
+        double s = 0;
+        for (int64_t i = 0; i < M; ++i) s += static_cast<double>(dx[i * N + j]);
+        cs[j] = static_cast<S>(s);
+      });
+    });
+  });
+}
+
+// The linear's GEMM into qkv, then the packed attention on it.
+void QkvAttention::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  std::vector<Tensor> proj{out[2]};
+  Matmul(true, has_bias).eval_cpu(in, proj);
+  const int64_t M = out[2].size(0), N = out[2].size(1);
+  std::vector<Tensor> att{out[0], out[1]};
+  FlashAttentionPacked(scale, causal, heads)
+      .eval_cpu({make_view(out[2], {M / seq, seq, N}, {seq * N, N, 1}, out[2].offset())}, att);
 }
 
 #ifndef BT_WITH_CUDA
+void QkvAttention::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {
+  backend::no_cuda_kernel(name());
+}
 void FlashAttentionPacked::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {
   backend::no_cuda_kernel(name());
 }

@@ -183,6 +183,67 @@ __global__ void __launch_bounds__(256)
   if (ok && sub == 0) dvec[row_id] = dlse ? s - dlse[b * p.dl_b + h * p.dl_h + i * p.dl_l] : s;
 }
 
+// attn_bwd_preprocess_v2 with column sums (Note [packed column sums]), 16-bit, D 64: a warp takes
+// one (b, h) 16-row group, lane = (row quad rq, chunk c of 8 columns), rows 4 j + rq.  Dvec as
+// attn_bwd_preprocess_v2<T, float, 8> (the same products and shuffle tree: the same bits; no dlse
+// on this path).  The group's column sums of do are v's bias gradient (the sum over keys of dV is
+// the sum over queries of dO: P's rows sum to 1); k's are zero (softmax ignores a per-query
+// shift of the scores, which is all k's bias adds).
+template <typename T>
+__global__ void __launch_bounds__(256)
+    attn_bwd_preprocess_cs(AttnParams p, const T* o, const T* g, float* dvec, float* acc_zero) {
+  constexpr int D = 64, VW = 8;
+  grid_dependents_launch();  // as attn_bwd_preprocess_v2 (Note [programmatic dependent launch])
+  grid_dependency_wait();
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) / 32;
+  if (warp >= static_cast<int64_t>(p.B) * p.H * p.cs_groups) return;  // whole warps
+  const int lane = threadIdx.x % 32, c = lane % 8, rq = lane / 8;
+  const int grp = static_cast<int>(warp % p.cs_groups), bh = static_cast<int>(warp / p.cs_groups);
+  const int b = bh / p.H, h = bh % p.H;
+  float cs[VW] = {};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int l = grp * 16 + 4 * j + rq;
+    const bool ok = l < p.L;
+    float s = 0.f;
+    if (ok) {
+      const T* orow = o + b * p.o_b + l * p.o_l + h * p.o_h;
+      const T* grow = g + b * p.g_b + l * p.g_l + h * p.g_h;
+      const uint4 ou = __ldg(reinterpret_cast<const uint4*>(orow) + c);
+      const uint4 gu = __ldg(reinterpret_cast<const uint4*>(grow) + c);
+      const T* oe = reinterpret_cast<const T*>(&ou);
+      const T* ge = reinterpret_cast<const T*>(&gu);
+#pragma unroll
+      for (int e = 0; e < VW; ++e) {
+        s += convert<float>(oe[e]) * convert<float>(ge[e]);
+        cs[e] += convert<float>(ge[e]);
+      }
+      if (acc_zero) {
+        float4* arow =
+            reinterpret_cast<float4*>(acc_zero + (static_cast<int64_t>(bh) * p.L + l) * D);
+        arow[c] = arow[c + 8] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+#pragma unroll
+    for (int off = 4; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if (ok && c == 0) dvec[static_cast<int64_t>(bh) * p.L + l] = s;
+  }
+#pragma unroll
+  for (int e = 0; e < VW; ++e) {
+    cs[e] += __shfl_xor_sync(0xffffffffu, cs[e], 8);
+    cs[e] += __shfl_xor_sync(0xffffffffu, cs[e], 16);
+  }
+  if (rq == 0) {
+    const int64_t HD = static_cast<int64_t>(p.H) * D;
+    float* row = p.cs + (static_cast<int64_t>(b) * p.cs_groups + grp) * 3 * HD + h * D + c * VW;
+    float4* kcols = reinterpret_cast<float4*>(row + HD);
+    float4* vcols = reinterpret_cast<float4*>(row + 2 * HD);
+    kcols[0] = kcols[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    vcols[0] = make_float4(cs[0], cs[1], cs[2], cs[3]);
+    vcols[1] = make_float4(cs[4], cs[5], cs[6], cs[7]);
+  }
+}
+
 // dq: one warp per query row, looping over the visible keys.
 template <typename T, typename A>
 __global__ void __launch_bounds__(kV1Warps * 32)
@@ -918,6 +979,50 @@ __global__ void __launch_bounds__(256)
   out[3] = pack2<T>(x1.z * sc, x1.w * sc);
 }
 
+// attn_bwd_dq_convert with column sums (Note [packed column sums]), D 64: a warp converts one
+// (b, h) 16-row group, lane = (row quad rq, 8-column chunk), rows 4 j + rq; the group's sums of
+// the rounded values (lanes of one chunk added by xor 8, 16) go to partial row b cs_groups + group.
+template <typename T>
+__global__ void __launch_bounds__(256)
+    attn_bwd_dq_convert_cs(AttnParams p, const float* __restrict__ acc, T* __restrict__ dq) {
+  constexpr int D = 64;
+  grid_dependency_wait();  // acc comes from the backward kernel before
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) / 32;
+  if (warp >= static_cast<int64_t>(p.B) * p.H * p.cs_groups) return;  // whole warps
+  const int lane = threadIdx.x % 32, d = (lane % 8) * 8, rq = lane / 8;
+  const int grp = static_cast<int>(warp % p.cs_groups), bh = static_cast<int>(warp / p.cs_groups);
+  const int b = bh / p.H, h = bh % p.H;
+  const float sc = static_cast<float>(p.scale);
+  float s[8] = {};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int l = grp * 16 + 4 * j + rq;
+    if (l < p.L) {
+      const float* src = acc + (static_cast<int64_t>(bh) * p.L + l) * D + d;
+      const float4 x0 = __ldg(reinterpret_cast<const float4*>(src));
+      const float4 x1 = __ldg(reinterpret_cast<const float4*>(src) + 1);
+      const uint32_t w[4] = {pack2<T>(x0.x * sc, x0.y * sc), pack2<T>(x0.z * sc, x0.w * sc),
+                             pack2<T>(x1.x * sc, x1.y * sc), pack2<T>(x1.z * sc, x1.w * sc)};
+      *reinterpret_cast<uint4*>(dq + p.dg.dq(b, h, l) + d) = make_uint4(w[0], w[1], w[2], w[3]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = unpack2<T>(w[i]);
+        s[2 * i] += f.x, s[2 * i + 1] += f.y;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    s[i] += __shfl_xor_sync(0xffffffffu, s[i], 8);
+    s[i] += __shfl_xor_sync(0xffffffffu, s[i], 16);
+  }
+  if (rq == 0) {
+    float* out = p.cs + (static_cast<int64_t>(b) * p.cs_groups + grp) * 3 * p.H * D + h * D + d;
+    reinterpret_cast<float4*>(out)[0] = make_float4(s[0], s[1], s[2], s[3]);
+    reinterpret_cast<float4*>(out)[1] = make_float4(s[4], s[5], s[6], s[7]);
+  }
+}
+
 // ---- configurations ----------------------------------------------------------------------------
 // Forward: 16 kFwdMT kFwdWarps query rows per block, kFwdBc keys per tile.  Backward dK/dV:
 // 16 kKvMT kKvWarps keys per block, kKvBr queries per tile; dQ: 16 kDqMT kDqWarps queries per
@@ -1056,7 +1161,8 @@ void launch_bwd_v2(const AttnParams& p, const T* q, const T* k, const T* v, cons
 
 // The one-kernel backward: dq_acc (B, H, L, D) float32, zeroed by the caller (launch_preprocess)
 // on the stream.  On Hopper (sm_90a builds, D 64) attention_sm90.cu's wgmma kernel runs in place
-// of attn_bwd_dkdv_v2<kDq>.
+// of attn_bwd_dkdv_v2<kDq>.  With p.cs (Note [packed column sums]) the conversion writes dq's
+// column sums too.
 template <typename T, int D>
 void launch_bwd_fused(const AttnParams& p, const T* q, const T* k, const T* v, const T* g,
                       const float* lse, const float* dvec, float* dq_acc, T* dq, T* dk, T* dv,
@@ -1074,6 +1180,15 @@ void launch_bwd_fused(const AttnParams& p, const T* q, const T* k, const T* v, c
     BT_CUDA_LAUNCH_CHECK(op);
   }
   // on Hopper, overlapping the backward's tail (Note [programmatic dependent launch])
+  if constexpr (D == 64) {
+    if (p.cs) {
+      const int64_t threads = static_cast<int64_t>(p.B) * p.H * p.cs_groups * 32;
+      launch_dependent(sm90, attn_bwd_dq_convert_cs<T>,
+                       static_cast<unsigned>(ceil_div(threads, int64_t{256})), 256, 0, st, op, p,
+                       static_cast<const float*>(dq_acc), dq);
+      return;
+    }
+  }
   launch_dependent(sm90, attn_bwd_dq_convert<T, D>,
                    static_cast<unsigned>(ceil_div(nacc / 8, int64_t{256})), 256, 0, st, op, p,
                    static_cast<const float*>(dq_acc), dq);
@@ -1084,21 +1199,32 @@ unsigned v1_blocks(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, k
 // Dvec: the vectorised kernel when rows of o and do are 16-byte aligned, else v1.  acc_zero
 // (optional): a (B, H, L, D) float32 buffer zeroed on the way (by the vectorised kernel, else by a
 // memset).
+// With p.cs (Note [packed column sums]; 16-bit, D 64, no dlse, rows 16-byte aligned)
+// attn_bwd_preprocess_cs also writes the k and v partial column sums: returns whether it ran.
 template <typename T, typename A>
-void launch_preprocess(const AttnParams& p, const T* o, const T* g, const A* dlse, A* dvec,
+bool launch_preprocess(const AttnParams& p, const T* o, const T* g, const A* dlse, A* dvec,
                        float* acc_zero, cudaStream_t st, const char* op, bool hopper = false) {
   constexpr int VW = 16 / sizeof(T);
   const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.L;
   const bool vec = p.D % VW == 0 && reinterpret_cast<uintptr_t>(o) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(g) % 16 == 0 && p.o_b % VW == 0 && p.o_l % VW == 0 &&
                    p.o_h % VW == 0 && p.g_b % VW == 0 && p.g_l % VW == 0 && p.g_h % VW == 0;
+  if constexpr (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) {
+    if (p.cs && vec && p.D == 64 && !dlse) {
+      const int64_t threads = static_cast<int64_t>(p.B) * p.H * p.cs_groups * 32;
+      launch_dependent(hopper, attn_bwd_preprocess_cs<T>,
+                       static_cast<unsigned>(ceil_div(threads, int64_t{256})), 256, 0, st, op, p, o,
+                       g, dvec, acc_zero);
+      return true;
+    }
+  }
   if (!vec || (acc_zero && p.D % 4 != 0)) {
     attn_bwd_preprocess<T, A><<<v1_blocks(rows), kV1Warps * 32, 0, st>>>(p, o, g, dlse, dvec);
     BT_CUDA_LAUNCH_CHECK(op);
     if (acc_zero) {
       BT_CUDA_CHECK(op, cudaMemsetAsync(acc_zero, 0, rows * p.D * sizeof(float), st));
     }
-    return;
+    return false;
   }
   const int chunks = p.D / VW;
   auto go = [&](auto lpr) {
@@ -1116,6 +1242,7 @@ void launch_preprocess(const AttnParams& p, const T* o, const T* g, const A* dls
   } else {
     go(std::integral_constant<int, 32>{});
   }
+  return false;
 }
 
 }  // namespace
@@ -1204,12 +1331,18 @@ void FlashAttention::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>
 }
 
 // inputs q, k, v, o, do, lse, dlse; outputs dq (B, L, H, D), dk, dv (B, S, H, D).
-void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  const char* op = name();
+namespace {
+// FlashAttentionBackward's kernels; cs / cs_groups: Note [packed column sums] (null: none).
+// Returns whether cs was written (the bf16 / fp16 one-kernel path, D 64, without dlse).
+bool attention_backward_gpu(const FlashAttentionBackward& prim, const std::vector<Tensor>& in,
+                            std::vector<Tensor>& out, float* cs, int cs_groups) {
+  const char* op = prim.name();
+  const double scale = prim.scale;
+  const bool causal = prim.causal, heads_major = prim.heads_major;
   const Tensor &q = in[0], &k = in[1], &v = in[2], &o = in[3], &g = in[4], &lse = in[5],
                &dlse = in[6];
   cudaStream_t st = stream(out[0].device(), op);
-  if (out[0].numel() == 0 && out[1].numel() == 0) return;
+  if (out[0].numel() == 0 && out[1].numel() == 0) return false;
   AttnParams p = make_params(q, k, v, scale, causal);
   check_dims(p, op);
   p.o_b = o.strides()[0], p.o_l = o.strides()[1], p.o_h = o.strides()[2];
@@ -1239,6 +1372,7 @@ void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector
                        shape_str(out[1].strides()) + " and " + shape_str(out[2].strides()));
   }
   p.dg = GradLayout{sq[0], sq[1], sq[2], sk[0], sk[1], sk[2]};
+  bool cs_written = false;
   dispatch_cuda_float(q.dtype(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
     using A = math_t<T>;
@@ -1266,9 +1400,13 @@ void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector
     const bool fused = tc && !deterministic_algorithms() && p.D == 64;
     Tensor acc =
         fused ? empty_tensor({p.B, p.H, p.L, p.D}, DType::Float32, out[0].device(), op) : Tensor();
-    launch_preprocess<T, A>(p, o.data<T>(op), gp, dlse.defined() ? dlse.data<A>(op) : nullptr,
-                            dvec.data<A>(op), fused ? acc.data<float>(op) : nullptr, st, op,
-                            fused && attn_fwd_sm90_supported(p));
+    // column sums (Note [packed column sums]) on the fused path: k and v's by the preprocess
+    // (where it can), then q's by the dq conversion
+    if (fused && cs) p.cs = cs, p.cs_groups = cs_groups;
+    cs_written = launch_preprocess<T, A>(
+        p, o.data<T>(op), gp, dlse.defined() ? dlse.data<A>(op) : nullptr, dvec.data<A>(op),
+        fused ? acc.data<float>(op) : nullptr, st, op, fused && attn_fwd_sm90_supported(p));
+    if (!cs_written) p.cs = nullptr;
     if constexpr (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) {
       if (tc) {
         const float* lp = lse.data<float>(op);
@@ -1306,6 +1444,12 @@ void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector
             p, qp, kp, vp, gp, lp, dp, dk, dv);
     BT_CUDA_LAUNCH_CHECK(op);
   });
+  return cs_written;
+}
+}  // namespace
+
+void FlashAttentionBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  attention_backward_gpu(*this, in, out, nullptr, 0);
 }
 
 // Packed: q, k, v are views of X; dq, dk, dv the three (B, T, H, D) slices of dX (row 3 H D).
@@ -1313,12 +1457,40 @@ void FlashAttentionPacked::eval_gpu(const std::vector<Tensor>& in, std::vector<T
   FlashAttention(scale, causal).eval_gpu(packed_qkv_views(in[0], heads), out);
 }
 
+// The linear's GEMM into qkv, then the packed attention on it (as QkvAttention::eval_cpu).
+void QkvAttention::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  std::vector<Tensor> proj{out[2]};
+  Matmul(true, has_bias).eval_gpu(in, proj);
+  const int64_t M = out[2].size(0), N = out[2].size(1);
+  std::vector<Tensor> att{out[0], out[1]};
+  FlashAttentionPacked(scale, causal, heads)
+      .eval_gpu({make_view(out[2], {M / seq, seq, N}, {seq * N, N, 1}, out[2].offset())}, att);
+}
+
+// With colsum, out[1] = dX's column sums (Note [packed column sums]): partial sums of 16 rows from
+// the preprocess and dq conversion kernels where they ran, added up by the column-sum kernels;
+// else dX summed afterwards.
 void FlashAttentionPackedBackward::eval_gpu(const std::vector<Tensor>& in,
                                             std::vector<Tensor>& out) {
+  const char* op = name();
   auto qkv = packed_qkv_views(in[0], heads);
   auto douts = packed_grad_views(out[0], heads);
-  FlashAttentionBackward(scale, causal)
-      .eval_gpu({qkv[0], qkv[1], qkv[2], in[1], in[2], in[3], in[4]}, douts);
+  const int64_t B = out[0].size(0), T = out[0].size(1), N = out[0].size(2);
+  Tensor part;
+  const int groups = static_cast<int>(ceil_div(T, int64_t{16}));
+  if (colsum && B * T > 0 && N > 0) {
+    part = empty_tensor({B * groups, N}, DType::Float32, out[0].device(), op);
+  }
+  const bool written = attention_backward_gpu(
+      FlashAttentionBackward(scale, causal), {qkv[0], qkv[1], qkv[2], in[1], in[2], in[3], in[4]},
+      douts, part.defined() ? part.data<float>(op) : nullptr, groups);
+  if (!colsum) return;
+  if (written) {
+    cuda::column_sums_any(part, out[1], op);
+  } else {
+    const Tensor rows = make_view(out[0], {B * T, N}, {N, 1}, out[0].offset());
+    cuda::column_sums_any(rows, out[1], op);
+  }
 }
 
 }  // namespace bt

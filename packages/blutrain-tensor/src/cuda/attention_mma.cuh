@@ -53,6 +53,11 @@ struct AttnParams {
   GradLayout dg;             // where dq, dk, dv go (attention_tf32.cuh)
   double scale;
   bool causal;
+  // Note [packed column sums] (attention.h): where not null (packed backward, L == S, no dlse),
+  // partial column sums of dq, dk, dv over each 16 rows: cs (B cs_groups, 3 H D) float32, row
+  // b cs_groups + l / 16, column j H D + h D + d for j = q, k, v (cs_groups = ceil(L / 16)).
+  float* cs = nullptr;
+  int cs_groups = 0;
 };
 
 // Hopper forward (attention_sm90.cu): supported() says whether it can run p on the current
@@ -124,6 +129,16 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   } else {
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+// The two floats pack2 rounded (what was stored).
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
+  } else {
+    return __half22float2(*reinterpret_cast<__half2*>(&v));
   }
 }
 

@@ -42,6 +42,22 @@ void init_attention(nanobind::module_& m) {
       "-1) slices viewed (B, T, heads, D) and transposed.  Same outputs as flash_attention; the\n"
       "backward gives x a single (B, T, 3 * heads * D) gradient.");
   m.def(
+      "qkv_attention",
+      [](const Tensor& x, const Tensor& weight, std::optional<Tensor> bias, int64_t heads,
+         bool causal, std::optional<double> scale) {
+        return qkv_attention(x, weight, bias ? *bias : Tensor(), heads, causal, scale);
+      },
+      "x"_a, "weight"_a, "bias"_a.none(), "heads"_a, "is_causal"_a = false, "scale"_a = nb::none(),
+      "qkv_attention(x, weight, bias, heads, is_causal=False, scale=None) -> Tensor\n\n"
+      "A transformer's qkv projection and self-attention as one op: x (B, T, C), weight\n"
+      "(3 * heads * D, C), bias (3 * heads * D,) or None -> (B, T, heads * D), the attention\n"
+      "output before the output projection.  The same values as linear(x, weight, bias) split\n"
+      "into q, k, v, each viewed (B, T, heads, D).transpose(1, 2), passed to\n"
+      "scaled_dot_product_attention and transposed back.  Where the fused kernels run (as\n"
+      "scaled_dot_product_attention decides) it is one autograd node whose backward gets the\n"
+      "bias gradient from the attention backward's kernels instead of a separate pass over the\n"
+      "(B * T, 3 C) gradient; elsewhere it is that composition.");
+  m.def(
       "_packed_qkv_source",
       [](const Tensor& q, const Tensor& k, const Tensor& v) -> std::optional<Tensor> {
         Tensor x = packed_qkv_source(q, k, v);

@@ -209,17 +209,24 @@ class CausalSelfAttention(_Precision, nn.Module):
         self.n_embd = C
         self.c_attn = nn.Linear(C, 3 * C)
         self.c_proj = nn.Linear(C, C)
+        self.fused = False  # bt.qkv_attention for c_attn + attention (GPT2 sets it)
 
     def forward(self, x: bt.Tensor, defer_bias: bool = False) -> bt.Tensor:
         """defer_bias: c_proj's bias is left out, for the add_layer_norm after this sublayer to
         add (Note [residual bias] in blutrain.tensor)."""
         B, T, C = x.shape
         H, dt = self.n_head, self._compute
-        qkv = bt.linear(x, _cast(self.c_attn.weight, dt), _cast(self.c_attn.bias, dt))
-        # q, k, v: strided views of qkv, (B, T, C) -> (B, H, T, D): no copies before attention
-        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in qkv.split(C, 2))
-        y = bt.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        w, b = _cast(self.c_attn.weight, dt), _cast(self.c_attn.bias, dt)
+        if self.fused:
+            # one node: its backward takes c_attn's bias gradient from the attention kernels
+            # (Note [packed column sums] in blutrain.tensor)
+            y = bt.qkv_attention(x, w, b, H, is_causal=True)
+        else:
+            qkv = bt.linear(x, w, b)
+            # q, k, v: strided views of qkv, (B, T, C) -> (B, H, T, D): no copies before attention
+            q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in qkv.split(C, 2))
+            y = bt.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = y.transpose(1, 2).contiguous().view(B, T, C)
         bias = None if defer_bias else _cast(self.c_proj.bias, dt)
         return bt.linear(y, _cast(self.c_proj.weight, dt), bias)
 
@@ -572,10 +579,12 @@ class GPT2(_Precision, nn.Module):
         x = bt.embedding(idx, wte) + bt.embedding(self._positions(T), _cast(tr.wpe.weight, dt))
         add_ln, lin_gelu = self._fused_ops(x)
         rb_ok = add_ln and _has_residual_bias()
+        qkv_fused = self._wants_fused(x) and hasattr(bt, "qkv_attention")
         blocks = list(tr.h)
         for b in blocks:
             b.fused_add_ln = add_ln
             b.mlp.fused = lin_gelu
+            b.attn.fused = qkv_fused
         # The residual stream x and the next LayerNorm's output h travel together, so every
         # "x = x + branch; h = LayerNorm(x)" pair (ln_2, the next block's ln_1, ln_f) can be
         # one fused add + LayerNorm; the math is that of Block.forward.  A block that
