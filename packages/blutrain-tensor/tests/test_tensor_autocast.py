@@ -444,6 +444,30 @@ def test_nn_gelu_mlp_with_policy(rng):
     np.testing.assert_allclose(_np(y), _np(ref), rtol=5e-2, atol=5e-2)
 
 
+@pytest.mark.parametrize("flash_cpu", [False, True])
+def test_nn_self_attention_with_policy(rng, flash_cpu):
+    # nn.self_attention = the split-and-sdpa composition, with c_attn's policy (its fused node
+    # where the CPU's flash kernels are on)
+    old = bt._tensor._flash_attention_cpu()
+    bt._tensor._set_flash_attention_cpu(flash_cpu)
+    try:
+        c_attn = nn.Linear(8, 24)
+        x = bt.tensor(rng.standard_normal((2, 5, 8)), dtype=bt.float32)
+        q, k, v = (t.view(2, 5, 2, 4).transpose(1, 2) for t in c_attn(x).split(8, 2))
+        ref = bt.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ref = ref.transpose(1, 2).contiguous().view(2, 5, 8)
+        y = nn.self_attention(c_attn, x, 2, is_causal=True)
+        np.testing.assert_allclose(_np(y), _np(ref), rtol=1e-5, atol=1e-6)
+        c_attn.set_precision(bt.amp.Policy(compute=bt.bfloat16, output=bt.float32))
+        y = nn.self_attention(c_attn, x, 2, is_causal=True)
+        assert y.dtype == bt.float32
+        y.sum().backward()
+        assert c_attn.weight.grad.dtype == bt.float32 and c_attn.bias.grad.dtype == bt.float32
+        np.testing.assert_allclose(_np(y), _np(ref), rtol=5e-2, atol=5e-2)
+    finally:
+        bt._tensor._set_flash_attention_cpu(old)
+
+
 # ---- linear_gelu_linear: recompute option, implementation switch ------------------------------
 @pytest.fixture
 def lgl_impl():

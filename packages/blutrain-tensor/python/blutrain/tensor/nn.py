@@ -272,6 +272,17 @@ def gelu_mlp(fc: Linear, proj: Linear, x: Tensor) -> Tensor:
     return y if q is None else q.finish(y)
 
 
+def self_attention(c_attn: Linear, x: Tensor, heads: int, is_causal: bool = False) -> Tensor:
+    """Self-attention on c_attn(x) split into q, k, v (each (B, T, heads, D) as (B, heads, T, D))
+    through bt.qkv_attention: one node whose backward takes c_attn's bias gradient from the
+    attention kernels. Honours c_attn's precision policy (compute dtype in, output dtype out).
+    Returns (B, T, heads * D), the input of the output projection."""
+    p = c_attn.precision
+    c = p.cast if p is not None else (lambda t: t)
+    y = bt.qkv_attention(c(x), c(c_attn.weight), c(c_attn.bias), heads, is_causal=is_causal)
+    return y if p is None else p.finish(y)
+
+
 class LayerNorm(Module):
     def __init__(
         self,
@@ -393,4 +404,5 @@ class functional:  # noqa: N801 (a namespace, as torch.nn.functional)
     log_softmax = staticmethod(bt.log_softmax)
     cross_entropy = staticmethod(bt.cross_entropy)
     scaled_dot_product_attention = staticmethod(bt.scaled_dot_product_attention)
+    qkv_attention = staticmethod(bt.qkv_attention)
     relu = staticmethod(bt.relu)
