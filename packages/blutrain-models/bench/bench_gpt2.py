@@ -39,7 +39,7 @@ def flops_per_token(L: int, C: int, T: int) -> float:
 # -- workers (one per subprocess) ------------------------------------------------------------
 
 
-def profile_kernels(step, n: int, trace_path: str | None) -> list:
+def profile_kernels(step, n: int, trace_path: str | None) -> tuple[list, dict]:
     """GPU time of each kernel name over n more steps, per step, largest first.
 
     torch.profiler's CUDA activity tracing (CUPTI) records every kernel of the process, ours
@@ -66,7 +66,51 @@ def profile_kernels(step, n: int, trace_path: str | None) -> list:
                 name = f"{name[:70]} grid={e.get('args', {}).get('grid')}"
             t, c = agg.get(name, (0.0, 0))
             agg[name] = (t + e["dur"] / 1e3 / n, c + 1 / n)
-    return sorted(([k, round(t, 4), round(c, 2)] for k, (t, c) in agg.items()), key=lambda r: -r[1])
+    kernels = sorted(
+        ([k, round(t, 4), round(c, 2)] for k, (t, c) in agg.items()), key=lambda r: -r[1]
+    )
+    return kernels, idle_between_kernels(events, n, chars)
+
+
+def idle_between_kernels(events: list, n: int, chars: int) -> dict:
+    """Where the GPU sits idle between the traced events of n steps, per step.
+
+    Every gap between the end of the GPU work so far and the start of the next event counts
+    (launch latency, a kernel's drain, host stalls), charged to the event that starts after it."""
+    evs = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"][:chars])
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    )
+    if not evs:
+        return {}
+    idle: dict = {}
+    end = evs[0][1]
+    for start, stop, name in evs[1:]:
+        if start > end:
+            t, c = idle.get(name, (0.0, 0))
+            idle[name] = (t + (start - end) / 1e3 / n, c + 1 / n)
+        end = max(end, stop)
+    top = sorted(([k, round(t, 4), round(c, 2)] for k, (t, c) in idle.items()), key=lambda r: -r[1])
+    return {
+        "span_ms": round((end - evs[0][0]) / 1e3 / n, 3),
+        "idle_ms": round(sum(r[1] for r in top), 3),
+        "events": round(len(evs) / n, 1),
+        "idle_before": top[:12],
+    }
+
+
+def step_trend(gpu_ms: list) -> dict:
+    """Summary of the GPU milliseconds between the events recorded after each timed step."""
+    srt = sorted(gpu_ms)
+    return {
+        "min": round(srt[0], 3),
+        "median": round(srt[len(srt) // 2], 3),
+        "max": round(srt[-1], 3),
+        "first": round(gpu_ms[0], 3),
+        "last": round(gpu_ms[-1], 3),
+        "all": [round(t, 3) for t in gpu_ms],
+    }
 
 
 def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
@@ -155,14 +199,7 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
         "recompute": model.recompute,
     }
     if gpu_ms:
-        srt = sorted(gpu_ms)
-        out["gpu_step_ms"] = {
-            "min": round(srt[0], 3),
-            "median": round(srt[len(srt) // 2], 3),
-            "max": round(srt[-1], 3),
-            "first": round(gpu_ms[0], 3),
-            "last": round(gpu_ms[-1], 3),
-        }
+        out["gpu_step_ms"] = step_trend(gpu_ms)
     try:  # GEMMs cuBLASLt had no fused epilogue for (run as GEMM + our epilogue kernel)
         import blutrain.linalg as la
 
@@ -170,7 +207,7 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
     except (ImportError, AttributeError, RuntimeError, ValueError):
         pass
     if a.profile:
-        out["kernels"] = profile_kernels(run, 2, a.trace)
+        out["kernels"], out["idle"] = profile_kernels(run, 2, a.trace)
     return out
 
 
@@ -261,9 +298,12 @@ def run_torch(a: argparse.Namespace, compile_: bool) -> dict:
     for _ in range(a.warmup - 1):
         step()
     torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(a.steps + 1)]
     t0 = time.perf_counter()
-    for _ in range(a.steps):
+    events[0].record()
+    for i in range(a.steps):
         loss = step()
+        events[i + 1].record()
     last = float(loss.item())
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
@@ -273,9 +313,10 @@ def run_torch(a: argparse.Namespace, compile_: bool) -> dict:
         "step_ms": 1e3 * dt / a.steps,
         "first_loss": first,
         "last_loss": last,
+        "gpu_step_ms": step_trend([events[i].elapsed_time(events[i + 1]) for i in range(a.steps)]),
     }
     if a.profile:
-        out["kernels"] = profile_kernels(step, 2, a.trace)
+        out["kernels"], out["idle"] = profile_kernels(step, 2, a.trace)
     return out
 
 
@@ -457,6 +498,17 @@ def main() -> int:
             )
         else:
             print(f"{r['mode']:5s}  {r['framework']:14s} {r['error']}")
+    # GPU time per step (CUDA events): a rise from the first timed step to the last is the
+    # clocks dropping under sustained load, not host time
+    trend = [r for r in rows if r.get("gpu_step_ms")]
+    if trend:
+        print("GPU ms a step (first / median / last timed step):")
+        for r in trend:
+            g = r["gpu_step_ms"]
+            print(
+                f"  {r['mode']:5s}  {r['framework']:14s} {g['first']:.2f} / {g['median']:.2f} / "
+                f"{g['last']:.2f}"
+            )
     if a.profile:
         for r in rows:
             if not r.get("kernels"):
@@ -466,6 +518,15 @@ def main() -> int:
             print(f"\n{head} of {r['step_ms']:.1f} ms a step")
             for name, ms, cnt in r["kernels"][: a.profile]:
                 print(f"  {ms:8.3f} ms {cnt:6.1f}x  {name}")
+            idle = r.get("idle") or {}
+            if idle:
+                print(
+                    f"  idle between GPU events: {idle['idle_ms']:.3f} ms of a "
+                    f"{idle['span_ms']:.3f} ms span a step, {idle['events']:.0f} events; "
+                    "most before:"
+                )
+                for name, ms, cnt in idle["idle_before"]:
+                    print(f"  {ms:8.3f} ms {cnt:6.1f}x  {name}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(

@@ -832,3 +832,34 @@ def test_qkv_attention_matches_composition(rng, dtype, D, T, causal):
             assert (np.abs(fu[3][C : 2 * C]) <= dk_abs * (1 + RTOL[dtype]) + 1e-30).all(), tag
             if dtype != bt.float32 and D == 64 and not det:
                 assert (fu[3][C : 2 * C] == 0).all(), f"db {tag}: k's slice not exactly 0"
+
+
+def test_nn_self_attention_bf16_policy_on_gpu(rng):
+    """nn.self_attention on the GPU with a bf16 policy (float32 parameters, bf16 compute, float32
+    out): the fused node against the same module's composition (linear + split + sdpa) under the
+    same policy; float32 gradients of W and b, within bf16's tolerance of the composition's."""
+    from blutrain.tensor import nn
+
+    B, T, H, D = 2, 128, 2, 64
+    C = H * D
+    c_attn = nn.Linear(C, 3 * C).cuda()
+    c_attn.set_precision(bt.amp.Policy(compute=bt.bfloat16, output=bt.float32))
+    x_np, g_np = rng.standard_normal((B, T, C)), rng.standard_normal((B, T, C))
+    got = []
+    for fused in (True, False):
+        c_attn.zero_grad()
+        x = bt.tensor(x_np, dtype=bt.float32, device="cuda", requires_grad=True)
+        if fused:
+            y = nn.self_attention(c_attn, x, H, is_causal=True)
+        else:
+            qkv = c_attn(x)
+            q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(C, 2))
+            y = bt.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = y.transpose(1, 2).contiguous().view(B, T, C)
+        assert y.dtype == bt.float32
+        (y * bt.tensor(g_np, dtype=bt.float32, device="cuda")).sum().backward()
+        assert c_attn.weight.grad.dtype == bt.float32 and c_attn.bias.grad.dtype == bt.float32
+        got.append([_np(t) for t in (y, x.grad, c_attn.weight.grad, c_attn.bias.grad)])
+    for name, a, r in zip(("y", "dx", "dW", "db"), *got, strict=True):
+        assert np.isfinite(a).all(), name
+        assert _relerr(a, r) <= RTOL[bt.bfloat16], f"{name}: rel err {_relerr(a, r):.3g}"
