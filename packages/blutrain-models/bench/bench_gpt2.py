@@ -39,6 +39,11 @@ def flops_per_token(L: int, C: int, T: int) -> float:
 # -- workers (one per subprocess) ------------------------------------------------------------
 
 
+def is_gpu_event(e: dict) -> bool:
+    """A trace event of GPU work with a duration: a kernel, memcpy or memset."""
+    return e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+
+
 def profile_kernels(step, n: int, trace_path: str | None) -> tuple[list, dict]:
     """GPU time of each kernel name over n more steps, per step, largest first.
 
@@ -60,7 +65,7 @@ def profile_kernels(step, n: int, trace_path: str | None) -> tuple[list, dict]:
     by_grid = os.environ.get("BT_PROFILE_GRID") == "1"  # split each kernel's rows by grid size
     chars = int(os.environ.get("BT_PROFILE_NAME_CHARS", "90"))  # template arguments: longer
     for e in events:
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+        if is_gpu_event(e):
             name = e["name"][:chars]
             if by_grid:
                 name = f"{name[:70]} grid={e.get('args', {}).get('grid')}"
@@ -78,9 +83,7 @@ def idle_between_kernels(events: list, n: int, chars: int) -> dict:
     Every gap between the end of the GPU work so far and the start of the next event counts
     (launch latency, a kernel's drain, host stalls), charged to the event that starts after it."""
     evs = sorted(
-        (e["ts"], e["ts"] + e["dur"], e["name"][:chars])
-        for e in events
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+        (e["ts"], e["ts"] + e["dur"], e["name"][:chars]) for e in events if is_gpu_event(e)
     )
     if not evs:
         return {}
