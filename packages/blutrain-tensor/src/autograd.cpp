@@ -56,10 +56,14 @@ struct AccumulateGrad : Node {
       const bool own = g.impl_ptr().use_count() <= 2 && g.is_contiguous() && !g.impl()->grad_fn &&
                        sole && base_ok;
       leaf->grad = !own ? clone(g).impl_ptr() : via_base ? detach(g).impl_ptr() : g.impl_ptr();
+    } else if (leaf->grad_overwrite) {
+      Tensor acc(leaf->grad);
+      copy_(acc, g);  // the first gradient of a bucket's window: no zero fill, no add
     } else {
       Tensor acc(leaf->grad);
       inplace(acc, add(acc, g), "accumulate_grad");
     }
+    leaf->grad_overwrite = false;
     for (auto& h : leaf->post_acc_hooks) h(leaf_t);
     return {};
   }

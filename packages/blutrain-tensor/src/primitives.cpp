@@ -229,7 +229,7 @@ std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Ten
     } else {
       prim->eval_cpu(inputs, outs);
     }
-    if (over >= 0) outs[0].storage()->bump_version();  // the input's old values are gone
+    if (over >= 0) outs[0].bump_version();  // the input's old values are gone
   }
   if (graph) {
     Attrs a;

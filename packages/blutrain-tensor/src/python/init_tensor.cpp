@@ -616,7 +616,7 @@ int c_from_pyobject(void* pyobj, void** handle) {
 }
 int c_bump_version(void* handle) {
   const Tensor& t = *static_cast<const Tensor*>(handle);
-  if (t.storage()) t.storage()->bump_version();
+  t.bump_version();
   return BT_TENSOR_OK;
 }
 const bt_tensor_api g_api = {
@@ -640,7 +640,7 @@ NB_MODULE(_tensor, m) {
   // clear error naming the reason when it is missing).
   const bt_alloc_api* alloc = bt_alloc_import();
   if (!alloc) throw nb::python_error();
-  set_alloc_hooks({alloc->malloc, alloc->free, alloc->last_error});
+  set_alloc_hooks({alloc->malloc, alloc->free, alloc->last_error, alloc->record_stream});
   {
     LinalgHooks lh;
     const bt_linalg_api* la = bt_linalg_import();
@@ -825,6 +825,20 @@ NB_MODULE(_tensor, m) {
         });
       },
       "hook"_a, "hook(tensor) runs once the leaf's .grad is final for this backward.");
+  T.def(
+      "record_stream",
+      [](const Tensor& t, nb::handle stream) {
+        nb::handle h = nb::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream") : stream;
+        record_stream(t, reinterpret_cast<void*>(nb::cast<uintptr_t>(h)));
+      },
+      "stream"_a,
+      "Marks this CUDA tensor's memory as used by `stream` (a bt.cuda.Stream, a torch stream or "
+      "a cudaStream_t int): once freed it is not reused before the work queued on that stream "
+      "so far has finished (blutrain.alloc's record_stream).");
+  T.def_prop_ro(
+      "_grad_overwrite", [](const Tensor& t) { return t.impl()->grad_overwrite; },
+      "Whether the next accumulated gradient replaces .grad instead of adding (see "
+      "_set_grad_overwrite).");
 
   // data out
   T.def(
@@ -1439,6 +1453,23 @@ NB_MODULE(_tensor, m) {
   // autograd
   m.def("is_grad_enabled", &grad_enabled, "Whether ops record autograd history.");
   m.def("set_grad_enabled", &set_grad_enabled, "mode"_a, "Turns autograd recording on or off.");
+  // ---- flat buffers (blutrain-dist): Note [version counter groups] in tensor.h ---------------
+  m.def(
+      "_set_data", [](const Tensor& dst, const Tensor& src) { set_data(dst, src); }, "tensor"_a,
+      "source"_a,
+      "tensor (a leaf) now views source's memory (same shape, dtype, device), keeping its "
+      "autograd identity: PyTorch's `p.data = source`.");
+  m.def(
+      "_share_version_counter",
+      [](nb::handle seq) { share_version_counter(tensor_list(seq, "share_version_counter", "tensors")); },
+      "tensors"_a, "Gives the tensors one version counter of their own (Note [version counter groups]).");
+  m.def(
+      "_set_grad_overwrite",
+      [](nb::handle seq, bool on) {
+        for (const Tensor& t : tensor_list(seq, "set_grad_overwrite", "tensors")) t.impl()->grad_overwrite = on;
+      },
+      "tensors"_a, "on"_a,
+      "The next gradient accumulated into each leaf's existing .grad replaces it (no zero fill).");
   m.def(
       "backward",
       [](nb::handle tensors, nb::handle grads, bool retain_graph) {
