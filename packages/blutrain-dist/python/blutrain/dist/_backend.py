@@ -330,6 +330,12 @@ class MpiBackend:
                 return [req], fin_ordered
             ib, _ = self._reduce_buffer(i)
             ob, back = self._reduce_buffer(o)
+            if ob._shares_storage(
+                ib
+            ):  # in place (ZeRO-1's chunk of its bucket): MPI forbids aliasing
+                dst, ob = ob, bt.empty(tuple(ob.shape), dtype=ob.dtype)
+            else:
+                dst = None
             req = self.g.comm.Ireduce_scatter_block(
                 self._spec(ib, cnt), self._spec(ob), self._op(op, o.dtype)
             )
@@ -337,6 +343,8 @@ class MpiBackend:
             def finish() -> None:
                 if op == AVG and n > 1:
                     ob.div_(float(n))
+                if dst is not None:
+                    dst.copy_(ob)
                 if back is not None:
                     back()
 
@@ -347,6 +355,13 @@ class MpiBackend:
     def all_gather(self, out: bt.Tensor, inp: bt.Tensor, what: str, seq: int) -> Any:
         def start(h: list[bt.Tensor]) -> tuple[list[Any], Any]:
             o, i = h
+            slot = o.data_ptr() + self.g.rank * i.numel() * i.element_size()
+            if i._shares_storage(o) and i.numel():
+                if i.data_ptr() != slot:  # aliased elsewhere: MPI forbids it
+                    i = i.clone()
+                else:  # this rank's slot of the output (ZeRO's parameter chunk)
+                    req = self.g.comm.Iallgather(self.MPI.IN_PLACE, self._spec(o, i.numel()))
+                    return [req], None
             req = self.g.comm.Iallgather(self._spec(i), self._spec(o, i.numel()))
             return [req], None
 
