@@ -197,16 +197,9 @@ class Reducer:
                 )
         self.buckets = build_buckets(self.named, g.size, first_bucket_mb, bucket_mb)
         self.reduce_dtype = reduce_dtype
-        for b in self.buckets:
-            if reduce_dtype is not None and reduce_dtype not in (
-                bt.float32,
-                bt.bfloat16,
-                bt.float16,
-                bt.float64,
-            ):
-                raise TypeError(
-                    f"[{who}] reduce_dtype must be a floating dtype, got {reduce_dtype}"
-                )
+        floats = (bt.float32, bt.bfloat16, bt.float16, bt.float64)
+        if reduce_dtype is not None and reduce_dtype not in floats:
+            raise TypeError(f"[{who}] reduce_dtype must be a floating dtype, got {reduce_dtype}")
         check_layout_agrees(g, self.buckets, who)
         self._where: dict[int, tuple[Bucket, int]] = {}
         for b in self.buckets:
@@ -295,8 +288,12 @@ class Reducer:
             b.stack = [(b.buffer, 1)]
             self._attach(b, b.buffer)
             return
-        if not self._deterministic() or b.stack[-1][1] == 1:
+        if not self._deterministic():
             return  # accumulate in place into the top buffer
+        top, count = b.stack[-1]
+        if count == 1:  # g_{i-1} + g_i: a pair, in place
+            b.stack[-1] = (top, 2)
+            return
         buf = bt.empty(b.padded, dtype=b.dtype, device=b.device)
         if b.padded > b.numel:
             buf[b.numel :].zero_()
@@ -374,9 +371,11 @@ class Reducer:
             self._next_launch += 1
 
     def _launch(self, b: Bucket) -> None:
-        if self._deterministic():
+        if self._deterministic() and len(b.stack) > 1:
             self._merge_equal(b)
             self._fold(b)
+            for p, v in zip(b.params, b.views(b.buffer), strict=True):
+                p.grad = v  # back to the bucket itself (the folded sum)
         buf = b.buffer
         seq = self.g.next_seq()
         what = (

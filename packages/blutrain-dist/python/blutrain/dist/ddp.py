@@ -25,12 +25,11 @@ from typing import Any
 
 import blutrain.tensor as bt
 
-from . import _backend
 from ._group import ProcessGroup, group
 from ._reducer import Reducer
 
 
-def broadcast_parameters(g: ProcessGroup, named: list[tuple[str, bt.Tensor]], who: str) -> None:
+def _broadcast(g: ProcessGroup, named: list[tuple[str, bt.Tensor]], who: str) -> None:
     """Rank 0's values into every rank's parameters (so replicas start equal)."""
     if g.size == 1:
         return
@@ -72,7 +71,7 @@ class DistributedDataParallel:
         self.group = g
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if broadcast_parameters:
-            globals()["broadcast_parameters"](g, named, "DistributedDataParallel")
+            _broadcast(g, named, "DistributedDataParallel")
         self.reducer = Reducer(
             g,
             named,
@@ -145,4 +144,5 @@ class DistributedDataParallel:
         )
 
 
-__all__ = ["DistributedDataParallel", "broadcast_parameters", "_backend"]
+broadcast_parameters = _broadcast
+__all__ = ["DistributedDataParallel", "broadcast_parameters"]

@@ -42,6 +42,7 @@ import blutrain.tensor as bt
 from . import _dist
 from ._group import group
 from ._reducer import Bucket, Reducer
+from .ddp import broadcast_parameters as _broadcast_parameters
 
 _16BIT = (bt.float16, bt.bfloat16)
 
@@ -106,7 +107,7 @@ class ZeroOptimizer:
         self.step_count = 0
         named = [(n, p) for n, p in optimizer.params if p.requires_grad]
         if broadcast_parameters:
-            globals()["broadcast_parameters"](g, named, "ZeroOptimizer")
+            _broadcast_parameters(g, named, "ZeroOptimizer")
         self._shard_grads: dict[int, bt.Tensor] = {}
         self.reducer = Reducer(
             g,
