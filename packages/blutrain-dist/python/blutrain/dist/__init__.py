@@ -40,6 +40,7 @@ from ._group import (
 )
 from ._group import group as _group
 from ._group import init as _init
+from .checkpoint import load_checkpoint, save_checkpoint
 from .collectives import (
     all_gather,
     all_reduce,
@@ -50,13 +51,17 @@ from .collectives import (
     reduce_scatter,
     send,
 )
+from .ddp import DistributedDataParallel
+from .zero import ZeroOptimizer
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "DistError",
+    "DistributedDataParallel",
     "DistTimeoutError",
     "ProcessGroup",
     "Work",
+    "ZeroOptimizer",
     "all_gather",
     "all_reduce",
     "allgather_object",
@@ -67,11 +72,13 @@ __all__ = [
     "init",
     "is_initialized",
     "launched_by_mpi",
+    "load_checkpoint",
     "local_rank",
     "local_world_size",
     "rank",
     "recv",
     "reduce_scatter",
+    "save_checkpoint",
     "send",
     "shutdown",
     "world_size",

@@ -495,8 +495,6 @@ def init(
 ) -> ProcessGroup:
     """Start blutrain.dist in this process (see :mod:`blutrain.dist`)."""
     global _GROUP
-    if _GROUP is not None:
-        raise RuntimeError("[init] blutrain.dist is already initialised (call shutdown() first)")
     if backend not in ("auto", "nccl", "mpi"):
         raise ValueError(f"[init] backend must be 'auto', 'nccl' or 'mpi', got {backend!r}")
     if on_fault not in ("abort", "raise"):
@@ -513,6 +511,8 @@ def init(
         raise ValueError(f"[init] timeout must be > 0 seconds, got {timeout}")
     if check_collectives is None:
         check_collectives = os.environ.get("BLUTRAIN_DIST_CHECK", "0") not in ("", "0")
+    if _GROUP is not None:
+        raise RuntimeError("[init] blutrain.dist is already initialised (call shutdown() first)")
     g = ProcessGroup(backend, device, timeout, check_collectives, on_fault, deterministic)
     _GROUP = g
     return g
