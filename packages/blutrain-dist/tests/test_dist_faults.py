@@ -26,9 +26,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _run(kind: str, tmp_path: Path, launcher_args: list[str] | None = None) -> tuple[int, str, float, list[int]]:
-    rc, so, se, dt = launch(3, [str(HERE / "fault_worker.py"), kind, str(tmp_path)], timeout=120,
-                            extra_env={"BLUTRAIN_DIST_TIMEOUT": "4"}, launcher_args=launcher_args)
+def _run(
+    kind: str, tmp_path: Path, launcher_args: list[str] | None = None
+) -> tuple[int, str, float, list[int]]:
+    rc, so, se, dt = launch(
+        3,
+        [str(HERE / "fault_worker.py"), kind, str(tmp_path)],
+        timeout=120,
+        extra_env={"BLUTRAIN_DIST_TIMEOUT": "4"},
+        launcher_args=launcher_args,
+    )
     pids = [int(p.read_text()) for p in sorted(tmp_path.glob("*.pid"))]
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
