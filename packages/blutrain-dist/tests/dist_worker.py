@@ -336,6 +336,8 @@ def train(
     A = k // n
     g = dist._group("train")
     g._deterministic = deterministic
+    if deterministic:  # on a GPU the kernels must be bitwise reproducible too
+        bt.use_deterministic_algorithms(True)
     model = model or gpt2()
     data = batches(model.config.vocab_size, k)
     fwd, ctx = model, contextlib.nullcontext
@@ -382,6 +384,8 @@ def train(
             opt.step()
             opt.zero_grad(set_to_none=False)
     g._deterministic = None
+    if deterministic:
+        bt.use_deterministic_algorithms(False)
     return model, handle, losses
 
 
