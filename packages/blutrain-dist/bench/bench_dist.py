@@ -18,10 +18,10 @@ import contextlib
 import gc
 import json
 import math
-import os
 import socket
 import sys
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -49,6 +49,8 @@ def torch_group(device: str) -> Any:
 
     if tdist.is_initialized():
         return tdist
+    # torch 2.13 renamed *_tensor to *_single; the GPU machine's 2.11 has only the old names
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     addr = socket.gethostbyname(socket.gethostname()) if dist.world_size() > 1 else "127.0.0.1"
     if dist.rank() == 0:
         with socket.socket() as s:
@@ -110,15 +112,7 @@ def bench_collectives(a: argparse.Namespace) -> list[dict[str, Any]]:
             part = bt.ones(numel // n, device=dev)
             tx = torch.ones(numel, device=tdev)
             tpart = torch.ones(numel // n, device=tdev)
-            if op == "all_reduce":
-                ours = lambda: dist.all_reduce(x)  # noqa: E731
-                theirs = lambda: tdist.all_reduce(tx)  # noqa: E731
-            elif op == "reduce_scatter":
-                ours = lambda: dist.reduce_scatter(part, x)  # noqa: E731
-                theirs = lambda: tdist.reduce_scatter_tensor(tpart, tx)  # noqa: E731
-            else:
-                ours = lambda: dist.all_gather(x, part)  # noqa: E731
-                theirs = lambda: tdist.all_gather_into_tensor(tx, tpart)  # noqa: E731
+            ours, theirs = _calls(op, x, part, tx, tpart, tdist)
             t_ours = time_loop(ours, sync_ours, a.min_seconds)
             t_theirs = time_loop(theirs, sync_torch, a.min_seconds) if tdist else float("nan")
             b = numel * 4
@@ -135,12 +129,25 @@ def bench_collectives(a: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append(row)
             if dist.rank() == 0:
                 print(
-                    f"{op:15s} {b:>12,d} B  ours {row['ours_us']:10.1f} us {row['ours_busbw_GBs']:8.2f} "
-                    f"GB/s | torch {row['torch_us']:10.1f} us {row['torch_busbw_GBs']:8.2f} GB/s",
+                    f"{op:15s} {b:>12,d} B  ours {row['ours_us']:10.1f} us "
+                    f"{row['ours_busbw_GBs']:8.2f} GB/s | torch {row['torch_us']:10.1f} us "
+                    f"{row['torch_busbw_GBs']:8.2f} GB/s",
                     flush=True,
                 )
-            del x, part, tx, tpart
     return rows
+
+
+def _calls(op: str, x: Any, part: Any, tx: Any, tpart: Any, tdist: Any) -> tuple[Any, Any]:
+    """(ours, torch's) for one collective on the same sizes."""
+    if op == "all_reduce":
+        return (lambda: dist.all_reduce(x)), (lambda: tdist.all_reduce(tx))
+    if op == "reduce_scatter":
+        return (lambda: dist.reduce_scatter(part, x)), (
+            lambda: tdist.reduce_scatter_tensor(tpart, tx)
+        )
+    if op == "all_gather":
+        return (lambda: dist.all_gather(x, part)), (lambda: tdist.all_gather_into_tensor(tx, tpart))
+    raise ValueError(f"[bench_dist] unknown collective {op!r}")
 
 
 # ---- the GPT-2 step ---------------------------------------------------------------------------
