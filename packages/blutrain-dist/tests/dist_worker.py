@@ -467,18 +467,21 @@ def zero_memory_vs_formula() -> None:
     from blutrain.models.optim import AdamW
 
     n = dist.world_size()
-    for stage in (1, 2):
+    for stage, dtype in ((1, None), (2, None), (1, bt.bfloat16), (2, bt.bfloat16)):
         gc.collect()
         base = alloc.stats("cpu")["allocated_bytes"]
         model = gpt2()
+        if dtype is not None:  # bf16 parameters, float32 masters: ZeRO's 2 + 2 + 12
+            bt.nn.Module.to(model, dtype=dtype)
         opt = dist.ZeroOptimizer(AdamW(model.named_parameters(), lr=1e-3), stage=stage)
         train(f"zero{stage}", steps=1, model=model, opt=opt)
         gc.collect()
         held = alloc.stats("cpu")["allocated_bytes"] - base
         mem = opt.memory()
-        FIGURES[f"zero{stage} bytes held (alloc stats)"] = held
-        FIGURES[f"zero{stage} formula bytes"] = mem["formula_bytes"]
-        FIGURES[f"zero{stage} formula"] = mem["formula"]
+        tag = f"zero{stage}" + (" bf16 params" if dtype is not None else "")
+        FIGURES[f"{tag} bytes held (alloc stats)"] = held
+        FIGURES[f"{tag} formula bytes"] = mem["formula_bytes"]
+        FIGURES[f"{tag} formula"] = mem["formula"]
         ratio = held / mem["formula_bytes"]
         check(
             abs(ratio - 1) <= 0.05,

@@ -139,8 +139,11 @@ class _CudaWork(Work):
 
     def __del__(self) -> None:
         ev, self.event = getattr(self, "event", 0), 0
-        if ev and getattr(self, "_completed", False):
-            _dist.event_release(ev)  # incomplete events are dropped, never reused
+        try:
+            if ev and (getattr(self, "_completed", False) or _dist.event_query(ev)):
+                _dist.event_release(ev)  # back to the pool; an incomplete one is never reused
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
 
 
 def done_work(group: Any, what: str, seq: int) -> Work:

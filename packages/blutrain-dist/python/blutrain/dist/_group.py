@@ -372,6 +372,8 @@ class ProcessGroup:
     # -- the watchdog thread ---------------------------------------------------------------------
     def watch_cuda(self, work: Any) -> None:
         """Have the watchdog check an NCCL work's completion against the timeout."""
+        if self._watchdog is None:  # one rank, or MPI without threads: nothing to report to
+            return
         with self._lock:
             self._cuda_works.append(work)
 
