@@ -32,7 +32,9 @@ if mpirun --version 2>&1 | grep -q "Open MPI"; then
 fi
 
 # 1 ---------------------------------------------------------------------------------------------
-timeout 240 $PY -m pytest -q -s -m gpu "$T/test_dist_gpu.py" -p no:cacheprovider -o addopts="" \
+# (with blutrain-tensor's stream / event / record_stream tests, which dist relies on)
+timeout 240 $PY -m pytest -q -s -m gpu "$T/test_dist_gpu.py" \
+  packages/blutrain-tensor/tests/test_tensor_flat_buffers.py -p no:cacheprovider -o addopts="" \
   >"$OUT/dist-gpu-tests.log" 2>&1
 S[1-nccl-world1-tests]="rc=$? $(tail -1 "$OUT/dist-gpu-tests.log")"
 grep -E "^ZeRO-" "$OUT/dist-gpu-tests.log"
