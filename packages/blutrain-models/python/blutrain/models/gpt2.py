@@ -758,6 +758,32 @@ class GPT2(_Precision, nn.Module):
         model.load_state_dict(weights, source=str(path))
         return model
 
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, *, device: str | None = None) -> GPT2:
+        """The model of a training checkpoint directory (or of the run directory holding one in
+        checkpoint/): its config from trainer.json, its weights checked and loaded."""
+        from pathlib import Path
+
+        from .checkpoint import load_checkpoint
+
+        p = Path(path)
+        if (p / "checkpoint").is_dir() and not (p / "manifest.json").exists():
+            p = p / "checkpoint"
+        ck = load_checkpoint(p)
+        mc = (ck.trainer or {}).get("model_config")
+        if not isinstance(mc, dict):
+            raise CheckpointError(
+                f"[GPT2] {p}: the checkpoint has no model_config in trainer.json (not written "
+                "by the trainer)"
+            )
+        try:
+            config = GPT2Config.from_dict(mc)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"[GPT2] {p}/trainer.json: model_config: {e}") from None
+        model = cls(config, device=device, init=False)
+        model.load_state_dict(ck.weights, source=str(p / "model.safetensors"))
+        return model
+
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write a Hugging Face GPT-2 directory (config.json + model.safetensors)."""
         from .convert import save_hf
