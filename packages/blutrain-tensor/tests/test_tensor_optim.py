@@ -237,6 +237,7 @@ BAD_SCALARS = [  # (arguments, exception, message); tensors are made in the test
     ({"lr": "big"}, TypeError, r"lr must be a float or a 0-d float32 tensor, got str"),
     ({"eps": -1e-8}, ValueError, r"eps must be >= 0, got -1e-08"),
     ({"weight_decay": [0.1, -0.1]}, ValueError, r"weight_decay\[1\] must be >= 0, got -0.1"),
+    ({"weight_decay": "0.1"}, TypeError, r"weight_decay must be a number or one number per tensor"),
     ({"weight_decay": [0.1, None]}, TypeError, r"weight_decay\[1\] must be a number, got None"),
     ({"lr": ((), bt.float64)}, TypeError, r"lr must be float32, got float64"),
     ({"grad_scale": ((2,), bt.float32)}, ValueError, r"grad_scale must be a 0-d tensor"),
@@ -254,6 +255,17 @@ def test_adamw_bad_scalars_name_the_argument_and_value(rng, over, exc, message):
         _adamw(ps, gs, ms, vs, **over)
     for t, b in zip(ps + ms + vs, before, strict=True):  # nothing was written
         assert np.array_equal(t.numpy(), b)
+
+
+def test_numpy_scalars_are_numbers(rng):
+    ps, gs, ms, vs = _lists(rng)
+    qs = [p.clone() for p in ps]
+    _adamw(ps, gs, ms, vs, lr=np.float32(1e-3), betas=(np.float32(0.9), 0.99), step=np.int64(1))
+    m2, v2 = [bt.zeros_like(m) for m in ms], [bt.zeros_like(v) for v in vs]
+    lr, b1 = float(np.float32(1e-3)), float(np.float32(0.9))
+    _adamw(qs, gs, m2, v2, lr=lr, betas=(b1, 0.99), step=1)
+    for p, q in zip(ps, qs, strict=True):
+        assert np.array_equal(p.numpy(), q.numpy())
 
 
 def test_lists_must_be_lists(rng):

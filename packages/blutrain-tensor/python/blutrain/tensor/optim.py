@@ -24,6 +24,7 @@ is ``grad_norm`` + ``clip_coef`` + ``scale_`` for a list of parameters.
 from __future__ import annotations
 
 import builtins
+import numbers
 from collections.abc import Iterable, Sequence
 
 from . import _tensor as _C
@@ -43,10 +44,14 @@ def _list(tensors: Iterable[Tensor | None], op: str, what: str) -> list[Tensor |
         ) from None
 
 
+def _is_number(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, builtins.bool)  # numpy scalars too
+
+
 def _float(v: object, op: str, what: str) -> builtins.float:
-    if isinstance(v, builtins.bool) or not isinstance(v, builtins.int | builtins.float):
+    if not _is_number(v):
         raise TypeError(f"[{op}] {what} must be a number, got {v!r}")
-    return builtins.float(v)
+    return builtins.float(v)  # type: ignore[arg-type]
 
 
 def adamw_(
@@ -89,10 +94,12 @@ def adamw_(
     b1, b2 = _float(beta1, op, "beta1"), _float(beta2, op, "beta2")
     e = _float(eps, op, "eps")
     wd: builtins.float | list[builtins.float]
-    if isinstance(weight_decay, builtins.int | builtins.float) and not isinstance(
-        weight_decay, builtins.bool
-    ):
-        wd = builtins.float(weight_decay)
+    if _is_number(weight_decay):
+        wd = builtins.float(weight_decay)  # type: ignore[arg-type]
+    elif isinstance(weight_decay, str | bytes) or not isinstance(weight_decay, Iterable):
+        raise TypeError(
+            f"[{op}] weight_decay must be a number or one number per tensor, got {weight_decay!r}"
+        )
     else:
         wd = [_float(w, op, f"weight_decay[{i}]") for i, w in enumerate(weight_decay)]
     _C._adamw_(
