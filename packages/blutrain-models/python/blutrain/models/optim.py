@@ -18,7 +18,7 @@ rounding. Weight decay applies only to tensors with dim >= 2 (matmul weights and
 never to biases and LayerNorm weights, as in GPT-2/nanoGPT/llm.c.
 
 By default (``fused=None``) the step runs blutrain-tensor's multi-tensor kernel
-(``bt._tensor._adamw_``: one CUDA launch for every parameter, OpenMP loops on the CPU; the same
+(``bt.optim.adamw_``: one CUDA launch for every parameter, OpenMP loops on the CPU; the same
 arithmetic, operation for operation); ``fused=False`` keeps the per-tensor Python path below as
 the reference. Clipping without a host sync: ``norm, coef = grad_norm_and_clip_coef(params,
 max_norm)`` then ``opt.step(grad_scale=coef)`` (the coefficient multiplies every gradient inside
@@ -253,18 +253,17 @@ class AdamW:
                         "before the capture"
                     )
                 lr_arg, step_arg = self._dev_scalars[dev]
-            bt._tensor._adamw_(
+            bt.optim.adamw_(
                 [p for _, p, _ in items],
                 [g for _, _, g in items],
                 [s["exp_avg"] for s in st],
                 [s["exp_avg_sq"] for s in st],
-                lr_arg,
-                self.betas[0],
-                self.betas[1],
-                self.eps,
-                [self.weight_decay if self.decay[n] else 0.0 for n, _, _ in items],
-                step_arg,
-                grad_scale,
+                lr=lr_arg,
+                step=step_arg,
+                betas=self.betas,
+                eps=self.eps,
+                weight_decay=[self.weight_decay if self.decay[n] else 0.0 for n, _, _ in items],
+                grad_scale=grad_scale,
             )
 
     def _step_one_reference(
@@ -406,7 +405,7 @@ def clip_grad_norm_(
         return 0.0 if sync else bt.tensor(0.0)
     if max_norm is None or not math.isfinite(max_norm) or max_norm <= 0:
         if not sync:
-            return bt._tensor._grad_norm([p.grad for p in params])
+            return bt.optim.grad_norm([p.grad for p in params])
         with bt.no_grad():
             total = None
             for p in params:
@@ -427,7 +426,7 @@ def grad_norm_and_clip_coef(
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return None, None
-    norm = bt._tensor._grad_norm(grads)
+    norm = bt.optim.grad_norm(grads)
     if max_norm is None or not math.isfinite(max_norm) or max_norm <= 0:
         return norm, None
-    return norm, bt._tensor._clip_coef(norm, float(max_norm), eps)
+    return norm, bt.optim.clip_coef(norm, float(max_norm), eps)
