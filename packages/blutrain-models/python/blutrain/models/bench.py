@@ -37,7 +37,7 @@ def capture_step(opt: Any, step: Callable[[], Any]) -> Callable[[], Any]:
     replay's step on the host, and every later replay first advances the host counts and writes
     the new step to the device. The trainer's CudaGraphStep does the same with its batches
     copied in (Note [the step as a CUDA graph] in steps/cuda_graph.py)."""
-    import blutrain.tensor as bt
+    from ._tensor import bt
 
     opt.use_device_scalars()  # writes this step's lr and count
     bt.cuda.empty_cache()  # the eager steps' cached blocks: the graph gets its own pool
@@ -61,7 +61,7 @@ def capture_step(opt: Any, step: Callable[[], Any]) -> Callable[[], Any]:
 def synchronize(device: str) -> None:
     """Wait for the device's queued work (nothing to wait for on the CPU)."""
     if is_cuda(device):
-        import blutrain.tensor as bt
+        from ._tensor import bt
 
         bt.cuda.synchronize(device)
 
@@ -90,8 +90,7 @@ def bench(
                         ("warmup", warmup, 0)):  # fmt: skip
         if not isinstance(v, int) or v < lo:
             raise ValueError(f"[bench] {name} must be an int >= {lo}, got {v!r}")
-    import blutrain.tensor as bt
-
+    from ._tensor import bt
     from .gpt2 import GPT2, set_matmul_precision
     from .gpt2 import gemm_autotune as tuned_gemms
     from .optim import AdamW, grad_norm_and_clip_coef

@@ -596,12 +596,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog = f"blutrain {cmd.name}"
     try:
         if cmd.needs_tensor:
-            import blutrain.tensor  # noqa: F401 - fails here, before anything runs
+            from . import _tensor  # noqa: F401 - a missing or old blutrain-tensor fails here
         return int(cmd.run(args) or 0)
     except ImportError as e:
-        if not _tensor_missing(e):
+        if not _tensor_missing(e) and type(e).__name__ != "TensorVersionError":
             raise
-        print(f"{prog}: error: {TENSOR_INSTALL}", file=sys.stderr)
+        why = TENSOR_INSTALL if _tensor_missing(e) else str(e)
+        print(f"{prog}: error: {why}", file=sys.stderr)
         return EXIT_USAGE
     except (OSError, ValueError) as e:
         # Our errors name the file, flag or tensor and what was expected: one line, no traceback.

@@ -58,7 +58,7 @@ def is_cuda(device: str) -> bool:
 def resolve_device(device: str) -> str:
     """ "auto" -> "cuda" when this blutrain.tensor build runs ops on a GPU here, else "cpu";
     "cuda" or "cuda:N" where there is no GPU is a ValueError saying why."""
-    import blutrain.tensor as bt
+    from ._tensor import bt
 
     gpu = bt.cuda_built() and bt.cuda_device_count() > 0
     if device == "auto":
@@ -109,7 +109,7 @@ def memory_bytes(device: str) -> tuple[int, int]:
     """(current, peak) bytes: blutrain.tensor's CUDA allocator on a GPU, the process's resident
     memory on the CPU."""
     if is_cuda(device):
-        import blutrain.tensor as bt
+        from ._tensor import bt
 
         return int(bt.cuda.memory_allocated(device)), int(bt.cuda.max_memory_allocated(device))
     try:
@@ -139,8 +139,7 @@ def peak_flops(device: str, precision: str) -> float | None:
         return float(env)
     if not is_cuda(device):
         return None
-    import blutrain.tensor as bt
-
+    from ._tensor import bt
     from .gpt2 import precision_name
 
     name = bt.cuda.get_device_name(device)

@@ -33,8 +33,7 @@ from typing import Any
 
 import numpy as np
 
-import blutrain.tensor as bt
-
+from ._tensor import bt
 from .schedule import CosineSchedule, cosine_lr  # noqa: F401 - re-exported
 
 
@@ -67,10 +66,7 @@ def _named(params: Any) -> list[tuple[str, bt.Tensor]]:
 
 def _capturing(device: str) -> bool:
     """Whether `device`'s current stream is capturing a CUDA graph."""
-    cuda = getattr(bt, "cuda", None)
-    if not device.startswith("cuda") or cuda is None:
-        return False
-    return bool(cuda.is_current_stream_capturing(device))
+    return device.startswith("cuda") and bt.cuda.is_current_stream_capturing(device)
 
 
 def _state_dtype(p: bt.Tensor) -> Any:

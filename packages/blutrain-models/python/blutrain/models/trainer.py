@@ -136,8 +136,7 @@ class Trainer:
                 f"{cfg.max_steps}); pass a larger --max-steps to extend it"
             )
         # -- build
-        import blutrain.tensor as bt
-
+        from ._tensor import bt
         from .gpt2 import GPT2, set_matmul_precision
         from .tokenizer import get_encoding
 
@@ -268,7 +267,7 @@ class Trainer:
         batch when it is used would stall the host every step; here the upload happens where the
         trainer syncs anyway (after reading back the losses). Only the steps up to the next sync
         point are fetched, so a checkpoint there saves the loader exactly at self.step."""
-        import blutrain.tensor as bt
+        from ._tensor import bt
 
         n = steps * self.cfg.grad_accum
         if n < 1:
@@ -307,7 +306,7 @@ class Trainer:
 
     def _sync(self) -> list[dict[str, Any]]:
         """Read back the queued steps' losses and norms (one host sync); their metrics."""
-        import blutrain.tensor as bt
+        from ._tensor import bt
 
         pending, self._pending = self._pending, []
         if not pending:
@@ -586,7 +585,7 @@ class Trainer:
 def evaluate_loss(model: Any, loader: Any, batches: int) -> float:
     """Mean loss of `model` over the next `batches` batches of `loader` (summed on the device:
     one host sync)."""
-    import blutrain.tensor as bt
+    from ._tensor import bt
 
     model.eval()
     total: Any = 0.0

@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import blutrain.tensor as bt
-
+from .._tensor import bt
 from ..device import is_cuda
 from .base import Batch, StepOutput
 from .eager import EagerStep
