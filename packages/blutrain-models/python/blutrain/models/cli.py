@@ -299,8 +299,9 @@ def _eval_run(args: argparse.Namespace) -> int:
     from .data import DataLoader
     from .trainer import evaluate_loss, find_data
 
-    data = find_data(args.data)
+    find_data(args.data, prepare_default=False)  # a missing --data fails before the model
     model = _model_from_args(args)
+    data = find_data(args.data)
     T = args.seq_len or min(model.config.block_size, 1024)
     if T > model.config.block_size:
         raise UsageError(

@@ -731,7 +731,12 @@ class GPT2(_Precision, bt.nn.Module):
         p = Path(path)
         if (p / "checkpoint").is_dir() and not (p / "manifest.json").exists():
             p = p / "checkpoint"
-        ck = load_checkpoint(p)
+        try:
+            ck = load_checkpoint(p)
+        except (CheckpointError, FileNotFoundError) as e:
+            raise type(e)(
+                f"{e} (give a run directory of `blutrain train` or its checkpoint/)"
+            ) from None
         mc = (ck.trainer or {}).get("model_config")
         if not isinstance(mc, dict):
             raise CheckpointError(

@@ -28,6 +28,7 @@ from .checkpoint import CheckpointError, check_tensors, load_checkpoint
 from .config import GPT2Config
 from .schedule import CosineSchedule
 
+RESUME_HINT = "resume from an intact checkpoint, or start a new run in another --out-dir"
 _REQUIRED = {
     "step": int,
     "model_config": dict,
@@ -60,10 +61,13 @@ def saved_train_config(path: str | Path) -> dict[str, Any]:
     try:
         d = json.loads(p.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"[resume] {p}: cannot read it ({e})") from None
+        raise CheckpointError(
+            f"[resume] {p}: cannot read it ({e}); resume from an intact checkpoint, or start a "
+            "new run in another --out-dir"
+        ) from None
     tc = d.get("train_config") if isinstance(d, dict) else None
     if not isinstance(tc, dict):
-        raise CheckpointError(f"[resume] {p}: no train_config object")
+        raise CheckpointError(f"[resume] {p}: holds no train_config object; {RESUME_HINT}")
     return tc
 
 
@@ -92,15 +96,27 @@ def _history(h: Any, where: str) -> dict[str, list[tuple[int, float]]]:
 
 def read_saved_run(path: str | Path, model_config: GPT2Config) -> SavedRun:
     """Read and check a trainer checkpoint for a model of `model_config`: the manifest, every
-    file's size and hash, every tensor's name, shape and dtype, and trainer.json's fields.
-    Raises CheckpointError (a ValueError) or FileNotFoundError naming what is wrong."""
-    path = Path(path)
+    file's size and hash, every tensor's name, shape and dtype, finite weights, and
+    trainer.json's fields. Raises CheckpointError (a ValueError) or FileNotFoundError: one line
+    naming what is wrong and what to do."""
+    try:
+        return _read(Path(path), model_config)
+    except (CheckpointError, FileNotFoundError) as e:
+        msg = str(e)
+        for prefix in ("[load_checkpoint] ", "[checkpoint] ", "[safetensors] "):
+            msg = msg.removeprefix(prefix)
+        if "start a new run" not in msg:
+            msg = f"{msg}; {RESUME_HINT}"
+        raise type(e)(f"[resume] {msg}") from None
+
+
+def _read(path: Path, model_config: GPT2Config) -> SavedRun:
     expected = {k: (s, np.float32) for k, s in model_config.param_shapes().items()}
-    where = f"[resume] {path / 'trainer.json'}"
+    where = f"{path / 'trainer.json'}"
     ck = load_checkpoint(path)
     tr = ck.trainer
     if tr is None:
-        raise CheckpointError(f"[resume] {path}: holds no trainer.json (not a training run)")
+        raise CheckpointError(f"{path}: holds no trainer.json (not a training run)")
     for key, typ in _REQUIRED.items():
         v = tr.get(key)
         if not isinstance(v, typ) or isinstance(v, bool):
@@ -122,24 +138,25 @@ def read_saved_run(path: str | Path, model_config: GPT2Config) -> SavedRun:
             if getattr(saved_model, k) != getattr(model_config, k)
         ]
         raise CheckpointError(
-            f"[resume] {path} holds another model: {', '.join(diff)}; resume with that "
-            "model's --model, or start a new run in another --out-dir"
+            f"{path} holds another model: {', '.join(diff)}; resume with that model's --model, "
+            "or start a new run in another --out-dir"
         )
     check_tensors(ck.weights, expected, path / "model.safetensors")
-    if "schedule" in tr:
-        schedule = CosineSchedule.from_state(tr["schedule"])
-    else:  # written before schedules were saved: the config's
-        tc = tr["train_config"]
-        try:
+    for name, a in ck.weights.items():
+        if not np.isfinite(a).all():
+            raise CheckpointError(f"{path / 'model.safetensors'}: tensor {name!r} holds NaN or inf")
+    try:
+        if "schedule" in tr:
+            schedule = CosineSchedule.from_state(tr["schedule"])
+        else:  # written before schedules were saved: the run's config
+            tc = tr["train_config"]
             schedule = CosineSchedule(
                 float(tc["lr"]), int(tc["warmup_steps"]), int(tc["max_steps"]), tc.get("min_lr")
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{where}: train_config has no usable schedule ({e!r})") from None
-    for name, a in ck.weights.items():
-        if not np.isfinite(a).all():
-            raise CheckpointError(f"[resume] {path}: tensor {name!r} holds NaN or inf")
-    hist = _history(tr.get("history"), where)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"{where}: schedule: {str(e).removeprefix('[CosineSchedule] ')}"
+        ) from None
     return SavedRun(
         path=path,
         step=step,
@@ -149,5 +166,5 @@ def read_saved_run(path: str | Path, model_config: GPT2Config) -> SavedRun:
         loader=tr["loader"],
         optimizer={"meta": tr["optimizer"], "tensors": ck.optimizer or {}},
         weights=ck.weights,
-        history=hist,
+        history=_history(tr.get("history"), where),
     )

@@ -53,7 +53,7 @@ from .device import (
 )
 from .process_group import ProcessGroup
 from .run_dir import RunDir
-from .run_state import SavedRun, read_saved_run
+from .run_state import RESUME_HINT, SavedRun, read_saved_run
 from .schedule import CosineSchedule
 from .steps import StepOutput, step_class
 from .train_config import DEFAULT_DATA, ConfigError, TrainConfig
@@ -72,19 +72,22 @@ def run_model_config(cfg: TrainConfig) -> GPT2Config:
     return model_config(cfg.model, cfg.vocab_multiple)
 
 
-def find_data(data: str | None, quiet: bool = False, main: bool = True) -> Path:
+def find_data(
+    data: str | None, quiet: bool = False, main: bool = True, prepare_default: bool = True
+) -> Path:
     """The shard directory; the default one is prepared from the shipped Tiny Shakespeare (by
-    the main process)."""
+    the main process, unless prepare_default is False)."""
     if data is not None:
         p = Path(data)
         if not p.exists():
             raise FileNotFoundError(
-                f"[train] --data {p}: no such file or directory (make token shards with "
+                f"[data] --data {p}: no such file or directory (make token shards with "
                 f"`blutrain prepare FILES -o {p}`)"
             )
         return p
     p = Path(DEFAULT_DATA)
-    if main and (not any(p.glob("*_train_*.bin")) or not any(p.glob("*_val_*.bin"))):
+    missing = not any(p.glob("*_train_*.bin")) or not any(p.glob("*_val_*.bin"))
+    if main and prepare_default and missing:
         from .data import prepare
 
         if not quiet:
@@ -216,7 +219,10 @@ class Trainer:
         try:
             self.train_loader.check_state_dict(saved.loader)
         except ValueError as e:
-            raise ValueError(f"[resume] {path}: {e}") from None
+            raise ValueError(
+                f"[resume] {path}: {e}; resume with the run's own --data, --seq-len and --seed, "
+                "or start a new run in another --out-dir"
+            ) from None
         return saved
 
     def _schedule(self, saved: SavedRun | None) -> CosineSchedule:
@@ -246,7 +252,10 @@ class Trainer:
 
     def _apply(self, saved: SavedRun) -> None:
         """Load a checked checkpoint; the optimizer's state is checked (by the step) first."""
-        self.stepper.load_state_dict(saved.optimizer)
+        try:
+            self.stepper.load_state_dict(saved.optimizer)
+        except ValueError as e:
+            raise ValueError(f"[resume] {saved.path}: {e}; {RESUME_HINT}") from None
         self.model.load_state_dict(saved.weights, source=str(saved.path / "model.safetensors"))
         self.train_loader.load_state_dict(saved.loader)
         self.step = saved.step
