@@ -496,3 +496,51 @@ def test_every_verb_without_a_usable_tensor_package(script, tmp_path):
         [sys.executable, "-c", script, "prepare"], cwd=tmp_path, capture_output=True, text=True
     )
     assert r.stderr.strip().endswith("prepare 0"), r.stderr
+
+
+@pytest.mark.parametrize(
+    "damage", ["weights-nan", "optimizer-tensor-missing", "trainer-bad-loader", "manifest-no-files"]
+)
+def test_a_failed_load_changes_nothing(damage, world, tmp_path):
+    """Trainer.load checks the whole checkpoint (the optimizer's state last, by the step)
+    before it changes anything: weights, AdamW moments and steps, the loader's position, the
+    step and the schedule are those of before the failed load."""
+    cfg = TrainConfig(
+        model=str(world / "model.json"),
+        data=str(world / "data"),
+        batch_size=2,
+        seq_len=16,
+        max_steps=4,
+        warmup_steps=1,
+        eval_interval=0,
+        sample_interval=0,
+        log_interval=0,
+        progress=False,
+        plot=False,
+        out_dir=str(tmp_path / "run"),
+    )
+    t = Trainer(cfg)
+    t.train_step()  # some optimizer state and a loader position of its own
+    before = (
+        {k: v.copy() for k, v in t.model.state_dict().items()},
+        t.stepper.state_dict(),
+        t.train_loader.state_dict(),
+        t.step,
+        t.schedule.state_dict(),
+    )
+    ck = tmp_path / "damaged"
+    shutil.copytree(world / "half" / "checkpoint", ck)
+    DAMAGE[damage][0](ck)
+    with pytest.raises(ValueError, match=r"\[resume\]"):
+        t.load(ck)
+    weights, opt, loader, step, schedule = before
+    for k, v in t.model.state_dict().items():
+        assert np.array_equal(v, weights[k]), k
+    now = t.stepper.state_dict()
+    assert now["meta"] == opt["meta"]
+    for k, v in now["tensors"].items():
+        assert np.array_equal(v, opt["tensors"][k]), k
+    assert t.train_loader.state_dict() == loader and t.step == step
+    assert t.schedule.state_dict() == schedule
+    t.load(world / "half" / "checkpoint")  # an intact one loads
+    assert t.step == 2

@@ -154,6 +154,28 @@ def test_cosine_schedule():
         CosineSchedule(1.0, -1, 10)
 
 
+def test_cosine_schedule_extend():
+    """A resumed run with a new end: from the resume step, the cosine runs from the learning
+    rate reached there to the new min_lr; the learning rate never rises; the warmup is kept."""
+    s = CosineSchedule(1.0, warmup_steps=10, max_steps=110, min_lr=0.1)
+    e = s.extend(60, 210, 0.1)  # half-way, twice as long
+    assert e(60) == s(60) and e(210) == pytest.approx(0.1)
+    lrs = [e(i) for i in range(60, 211)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+    assert e(135) == pytest.approx(0.1 + 0.5 * (s(60) - 0.1))  # half-way down the new cosine
+    w = s.extend(5, 50, 0.1)  # inside the warmup: the same warmup, then the whole cosine
+    assert [w(i) for i in range(11)] == [s(i) for i in range(11)] and w(50) == 0.1
+    done = s.extend(110, 200, 0.1)  # finished: stays at min_lr
+    assert {done(i) for i in range(110, 201)} == {0.1}
+    lower = s.extend(110, 200, 0.01)  # a lower min_lr: decays on from where it is
+    assert lower(110) == 0.1 and lower(200) == pytest.approx(0.01)
+    assert CosineSchedule.from_state(e.state_dict()) == e
+    with pytest.raises(ValueError, match="above the learning rate"):
+        s.extend(110, 200, 0.5)
+    with pytest.raises(ValueError, match="already at step 60"):
+        s.extend(60, 60, 0.1)
+
+
 def test_clip_grad_norm(rng):
     params = make_params(rng)
     grads = {k: rng.standard_normal(p.shape).astype(np.float32) * 3 for k, p in params.items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -59,36 +60,100 @@ def final_weights(out_dir):
     return load_checkpoint(out_dir / "checkpoint").weights
 
 
+def metrics(run):
+    return [json.loads(line) for line in open(run / "metrics.jsonl")]
+
+
+def per_step(run, key):
+    return {r["step"]: r[key] for r in metrics(run) if key in r and "event" not in r}
+
+
+def assert_same_run(a, b):
+    """Two run directories end with the same weights, optimizer state, step and loader
+    position, and logged the same losses, gradient norms and learning rates at every step."""
+    ca, cb = load_checkpoint(a / "checkpoint"), load_checkpoint(b / "checkpoint")
+    for part in ("weights", "optimizer"):
+        ta, tb = getattr(ca, part), getattr(cb, part)
+        assert ta.keys() == tb.keys()
+        for k in ta:
+            assert np.array_equal(ta[k], tb[k]), f"{part} {k} differs after resume"
+    for key in ("step", "loader", "optimizer", "schedule"):
+        assert ca.trainer[key] == cb.trainer[key], key
+    for key in ("loss", "grad_norm", "lr"):
+        assert per_step(a, key) == per_step(b, key), key
+
+
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_resume_is_bit_exact(tmp_path, data_dir, model_json, grad_accum):
-    full = config(tmp_path / "a", data_dir, model_json, grad_accum=grad_accum)
-    sa = train(full)
-    assert sa["steps"] == 6
+    """Train 3 of 6 steps and resume to 6 == 6 straight: weights, AdamW moments, losses, lr,
+    data order (the loader's position), bit for bit."""
+    train(config(tmp_path / "a", data_dir, model_json, grad_accum=grad_accum))
     split = config(tmp_path / "b", data_dir, model_json, grad_accum=grad_accum)
     Trainer(split).fit(until=3)
     ck = load_checkpoint(tmp_path / "b" / "run" / "checkpoint")
     assert ck.trainer["step"] == 3 and ck.optimizer
-    resumed = Trainer(
-        config(tmp_path / "b", data_dir, model_json, grad_accum=grad_accum, resume=True)
-    )
+    resumed = Trainer(dataclasses.replace(split, resume=True))
     assert resumed.step == 3
-    sb = resumed.fit()
-    assert sb["steps"] == 6
-    wa, wb = final_weights(tmp_path / "a" / "run"), final_weights(tmp_path / "b" / "run")
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert np.array_equal(wa[k], wb[k]), f"{k} differs after resume"
-    oa = load_checkpoint(tmp_path / "a" / "run" / "checkpoint").optimizer
-    ob = load_checkpoint(tmp_path / "b" / "run" / "checkpoint").optimizer
-    for k in oa:
-        assert np.array_equal(oa[k], ob[k]), k
+    assert resumed.fit()["steps"] == 6
+    assert_same_run(tmp_path / "a" / "run", tmp_path / "b" / "run")
+    assert sorted(per_step(tmp_path / "b" / "run", "loss")) == [1, 2, 3, 4, 5, 6]
 
-    def losses(path):
-        recs = [json.loads(line) for line in open(path / "run" / "metrics.jsonl")]
-        return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
-    la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
-    assert la == lb and sorted(la) == [1, 2, 3, 4, 5, 6]
+def test_resume_after_a_crash_drops_the_lost_steps(tmp_path, data_dir, model_json):
+    """A run that went on past its last checkpoint and died: the resumed run redoes those
+    steps (the metrics of the lost ones are dropped, not duplicated) and ends bit for bit as
+    the run that never stopped."""
+    train(config(tmp_path / "a", data_dir, model_json))
+    run = tmp_path / "b" / "run"
+    cfg = config(tmp_path / "b", data_dir, model_json)
+    Trainer(cfg).fit(until=2)
+    shutil.copytree(run / "checkpoint", tmp_path / "at2")
+    Trainer(dataclasses.replace(cfg, resume=True)).fit(until=4)
+    shutil.rmtree(run / "checkpoint")  # the crash: steps 3, 4 logged, the checkpoint at 2
+    shutil.copytree(tmp_path / "at2", run / "checkpoint")
+    Trainer(dataclasses.replace(cfg, resume="auto")).fit()
+    assert [r["step"] for r in metrics(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert_same_run(tmp_path / "a" / "run", run)
+
+
+def test_extending_a_run_continues_its_schedule(tmp_path, data_dir, model_json, capsys):
+    """--resume with a larger --max-steps: the cosine restarts from the learning rate reached,
+    down to min_lr at the new end; it never rises. Through the CLI, which keeps every setting
+    of the run that is not given again."""
+    out = tmp_path / "run"
+    flags = ["--data", str(data_dir), "--model", model_json, "--batch-size", "2"]
+    flags += ["--seq-len", "16", "--eval-interval", "0", "--sample-interval", "0"]
+    flags += ["--warmup-steps", "2", "--no-progress", "--no-plot", "--out-dir", str(out)]
+    assert cli.main(["train", *flags, "--max-steps", "4"]) == 0
+    # an unfinished run stopped at 4 of 10 (its own schedule), extended to 14
+    t = Trainer(config(tmp_path / "u", data_dir, model_json, max_steps=10, warmup_steps=2))
+    t.fit(until=4)
+    lr_at_4 = t.schedule(4)
+    ext = ["--out-dir", str(tmp_path / "u" / "run"), "--resume", "--max-steps", "14"]
+    assert cli.main(["train", *ext, "--no-progress"]) == 0
+    lrs = per_step(tmp_path / "u" / "run", "lr")
+    tail = [lrs[s] for s in range(5, 15)]  # step s ran at schedule(s - 1)
+    assert tail[0] == lr_at_4  # continuous: the first extended step keeps the reached lr
+    assert all(a >= b for a, b in zip(tail, tail[1:])), tail  # never up
+    assert tail[-1] > 3e-4 > tail[-1] * 0.5  # cosine to lr / 10 = 3e-4 at step 14
+    # a finished run extended: its schedule has reached min_lr (lr / 10 = 2e-4) at its end and
+    # stays there (no jump back up) ...
+    assert cli.main(["train", "--out-dir", str(out), "--resume", "--max-steps", "6"]) == 0
+    lrs = per_step(out, "lr")
+    assert lrs[4] > 2e-4 and [lrs[s] for s in (5, 6)] == [2e-4] * 2
+    # ... unless a lower --min-lr asks it to decay further, from where it is
+    assert cli.main(["train", "--out-dir", str(out), "--resume", "--max-steps", "9",
+                     "--min-lr", "1e-4"]) == 0  # fmt: skip
+    lrs = per_step(out, "lr")
+    assert lrs[7] == 2e-4 and 2e-4 > lrs[8] > lrs[9] > 1e-4
+    s = load_checkpoint(out / "checkpoint").trainer["schedule"]
+    assert (s["decay_start"], s["decay_start_lr"], s["max_steps"], s["min_lr"]) == (
+        6,
+        2e-4,
+        9,
+        1e-4,
+    )
+    capsys.readouterr()
 
 
 def test_loss_falls_and_logs_are_written(tmp_path, data_dir, model_json):
