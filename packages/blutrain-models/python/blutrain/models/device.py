@@ -2,7 +2,7 @@
 and the peak FLOP/s that MFU is measured against.
 
 `set_threads` runs before blutrain.tensor is imported (OpenMP reads its setting once); the rest
-import blutrain.tensor when called.
+load blutrain.tensor when called.
 """
 
 from __future__ import annotations
