@@ -721,6 +721,13 @@ NB_MODULE(_tensor, m) {
       .def("__repr__",
            [](Node& n) { return "<" + n.name() + (n.is_accumulator() ? "" : "Backward") + ">"; });
 
+  nb::class_<HookHandle>(m, "_HookHandle",
+                         "A registered hook's C++ entry (bt.RemovableHandle wraps it).")
+      .def("remove", &HookHandle::remove,
+           "Erases the hook from the C++ core; False when it was gone already.");
+  m.def("_hook_calls", &hook_calls,
+        "Hook calls the autograd engine has made in this process (for tests).");
+
   nb::class_<Tensor> T(m, "Tensor", "An n-dimensional array with reverse-mode autograd.");
   T.def(nb::init<const Tensor&>(), "other"_a,
         "A new handle to the same tensor (used by Parameter).");
@@ -814,17 +821,23 @@ NB_MODULE(_tensor, m) {
       "gradient"_a = nb::none(), "retain_graph"_a = false,
       "Accumulates d(self)/d(leaf) into every leaf's .grad.");
   T.def(
-      "_register_hook", [](const Tensor& t, nb::callable fn) { register_hook(t, py_hook(fn)); },
-      "hook"_a, "hook(grad) -> Tensor | None runs when the gradient of this tensor is computed.");
+      "_register_hook",
+      [](const Tensor& t, nb::callable fn) { return register_hook(t, py_hook(fn)); }, "hook"_a,
+      "hook(grad) -> Tensor | None runs when the gradient of this tensor is computed; returns "
+      "the C++ handle whose remove() erases it.");
   T.def(
       "_register_post_accumulate_grad_hook",
       [](const Tensor& t, nb::callable fn) {
-        register_post_accumulate_hook(t, [fn](const Tensor& leaf) {
+        return register_post_accumulate_hook(t, [fn](const Tensor& leaf) {
           nb::gil_scoped_acquire gil;
           fn(leaf);
         });
       },
-      "hook"_a, "hook(tensor) runs once the leaf's .grad is final for this backward.");
+      "hook"_a,
+      "hook(tensor) runs once the leaf's .grad is final for this backward; returns the C++ "
+      "handle whose remove() erases it.");
+  T.def("_hook_counts", &hook_counts,
+        "(gradient hooks, post-accumulate hooks) the engine would call for this tensor.");
 
   // data out
   T.def(
