@@ -17,10 +17,13 @@
 #include "../backend.h"
 #include "../capture.h"
 #include "../ops.h"
-#include "blutrain/alloc_import.h"
-#include "blutrain/linalg_import.h"
 #include "blutrain/tensor.h"
 #include "init.h"
+
+// Names this module in the errors of the capsule importer (blutrain/capi_import.h).
+#define BT_CAPI_IMPORTER "blutrain.tensor"
+#include "blutrain/alloc_import.h"
+#include "blutrain/linalg_import.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -647,14 +650,7 @@ NB_MODULE(_tensor, m) {
     if (la) {
       lh.api = la;
     } else {
-      nb::object t, v, tb;
-      PyObject *pt, *pv, *ptb;
-      PyErr_Fetch(&pt, &pv, &ptb);
-      PyErr_NormalizeException(&pt, &pv, &ptb);
-      lh.unavailable_reason = pv ? nb::cast<std::string>(nb::str(pv)) : "import failed";
-      Py_XDECREF(pt);
-      Py_XDECREF(pv);
-      Py_XDECREF(ptb);
+      lh.unavailable_reason = nb::cast<std::string>(nb::steal(bt_capi_take_error_message()));
     }
     set_linalg_hooks(lh);
   }

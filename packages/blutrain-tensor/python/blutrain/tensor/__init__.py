@@ -22,7 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from . import _tensor as _C
+try:
+    from . import _tensor as _C
+except ImportError as _e:  # nanobind wraps an error of the module's init: raise the cause itself
+    if isinstance(_e.__cause__, ImportError):  # (a refused C ABI capsule names both sides)
+        raise _e.__cause__ from None
+    raise
 from ._tensor import (
     ABI_VERSION,
     Graph,
