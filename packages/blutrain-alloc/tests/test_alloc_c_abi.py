@@ -130,7 +130,7 @@ def test_a_module_that_cannot_be_imported(probe, swap_module):
     swap_module(None)  # what a missing module looks like to the import system
     with pytest.raises(ImportError, match=rf"^\[blutrain.dependent\] needs blutrain.alloc's C ABI "
                                           rf"{WANT} but cannot import blutrain.alloc._alloc: .*"
-                                          r"install blutrain.alloc"):
+                                          r"; pip install blutrain-alloc$"):
         probe.try_import()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 
@@ -282,6 +283,22 @@ def test_a_wrong_linalg_capsule_leaves_matmul_off_with_both_sides_named():
         "'blutrain.alloc._C_API', not 'blutrain.linalg._C_API' with blutrain.linalg's C ABI "
         "table (blutrain.tensor needs 1.0)"
     )
+
+
+def test_a_bad_alloc_conf_stops_the_import_naming_the_key():
+    # blutrain.alloc refuses the setting at import; tensor's capsule import passes it on
+    env = dict(os.environ, BLUTRAIN_ALLOC_CONF="expandable_segment:1")
+    r = subprocess.run(
+        [sys.executable, "-c", "import blutrain.tensor"], capture_output=True, text=True, env=env
+    )
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "ImportError: [blutrain.tensor] needs blutrain.alloc's C ABI 1."
+    ), r.stderr
+    assert (
+        "importing blutrain.alloc._alloc failed: [BLUTRAIN_ALLOC_CONF] unknown key "
+        "'expandable_segment' (did you mean 'expandable_segments'?)" in r.stderr
+    ), r.stderr
 
 
 def test_c_abi_describe_and_bump_version():

@@ -70,11 +70,21 @@ static inline const void* bt_capi_import(const char* importer, const char* provi
   const unsigned want_major = want_version >> 16, want_minor = want_version & 0xffffu;
   PyObject* mod = PyImport_ImportModule(module);
   if (!mod) {
+    const int missing = PyErr_ExceptionMatches(PyExc_ModuleNotFoundError);
     PyObject* why = bt_capi_take_error_message();
-    PyErr_Format(PyExc_ImportError,
-                 "[%s] needs %s's C ABI %u.%u but cannot import %s: %S; install %s (pip install "
-                 "%s)",
-                 importer, provider, want_major, want_minor, module, why, provider, provider);
+    if (missing) { /* not installed: say what to install (the distribution: blutrain-alloc) */
+      char dist[64];
+      size_t i = 0;
+      for (; provider[i] && i + 1 < sizeof dist; ++i)
+        dist[i] = provider[i] == '.' ? '-' : provider[i];
+      dist[i] = 0;
+      PyErr_Format(PyExc_ImportError,
+                   "[%s] needs %s's C ABI %u.%u but cannot import %s: %S; pip install %s", importer,
+                   provider, want_major, want_minor, module, why, dist);
+    } else { /* installed but failing (e.g. a bad BLUTRAIN_ALLOC_CONF): its own message */
+      PyErr_Format(PyExc_ImportError, "[%s] needs %s's C ABI %u.%u but importing %s failed: %S",
+                   importer, provider, want_major, want_minor, module, why);
+    }
     Py_XDECREF(why);
     return NULL;
   }
