@@ -4,7 +4,8 @@ Each case runs the command in-process on a shared small world (token shards, mod
 run stopped half-way, a finished run, checkpoints damaged in every way) and asserts: exit status
 2, one line on stderr that starts `blutrain VERB: error:` and names what was wrong (the
 fragments listed), no traceback, and every file and directory of the world byte for byte as it
-was (sha256 of each). The missing / too old blutrain-tensor cases run in subprocesses.
+was (sha256 of each). A missing or too old blutrain-tensor and a bad BLUTRAIN_ALLOC_CONF run in
+subprocesses, every verb that needs the tensor library in each.
 """
 
 from __future__ import annotations
@@ -469,16 +470,31 @@ for verb in sys.argv[1:]:
 """
 
 
-@pytest.mark.parametrize("script", [_WITHOUT_TENSOR, _OLD_TENSOR], ids=["missing", "too-old"])
+_BAD_ALLOC_CONF = """
+import sys
+from blutrain.models import cli
+for verb in sys.argv[1:]:
+    rc = cli.main([verb])
+    print(verb, rc, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(
+    "script", [_WITHOUT_TENSOR, _OLD_TENSOR, _BAD_ALLOC_CONF], ids=["missing", "too-old", "conf"]
+)
 def test_every_verb_without_a_usable_tensor_package(script, tmp_path):
-    """blutrain-models without (a recent enough) blutrain-tensor: each tensor verb says what to
-    install, exits 2 and writes nothing; `prepare` still works."""
+    """blutrain-models without (a recent enough, or a well configured) blutrain-tensor: each
+    tensor verb says what to do, exits 2 and writes nothing; `prepare` still works."""
+    env = dict(os.environ)
+    if script is _BAD_ALLOC_CONF:
+        env["BLUTRAIN_ALLOC_CONF"] = "expandable_segments:1,cachin:0"  # a typo of caching
     r = subprocess.run(
         [sys.executable, "-c", script, *TENSOR_CASES],
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=120,
+        env=env,
     )
     lines = r.stderr.strip().split("\n")
     assert r.returncode == 0 and len(lines) == 2 * len(TENSOR_CASES), r.stderr
@@ -488,12 +504,19 @@ def test_every_verb_without_a_usable_tensor_package(script, tmp_path):
         assert msg.startswith(f"blutrain {verb}: error: "), msg
         if script is _WITHOUT_TENSOR:
             assert "needs blutrain-tensor, which is not installed: pip install" in msg
-        else:
+        elif script is _OLD_TENSOR:
             assert "API level >= 1" in msg and "has level 0" in msg and "reinstall" in msg
+        else:
+            assert "[BLUTRAIN_ALLOC_CONF] unknown key 'cachin' (did you mean 'caching'?)" in msg
+            assert "allowed keys" in msg
     assert "Traceback" not in r.stderr
     assert list(tmp_path.iterdir()) == []
     r = subprocess.run(
-        [sys.executable, "-c", script, "prepare"], cwd=tmp_path, capture_output=True, text=True
+        [sys.executable, "-c", script, "prepare"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
     )
     assert r.stderr.strip().endswith("prepare 0"), r.stderr
 

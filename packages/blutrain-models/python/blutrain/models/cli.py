@@ -600,9 +600,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from . import _tensor  # noqa: F401 - a missing or old blutrain-tensor fails here
         return int(cmd.run(args) or 0)
     except ImportError as e:
-        if not _tensor_missing(e) and type(e).__name__ != "TensorVersionError":
+        # blutrain-tensor missing, too old (models._tensor), or refusing its settings at import
+        # (a bad BLUTRAIN_ALLOC_CONF): what to do, in one line
+        if _tensor_missing(e):
+            why = TENSOR_INSTALL
+        elif type(e).__name__ == "TensorVersionError" or str(e).startswith("["):
+            why = _one_line(e)
+        else:
             raise
-        why = TENSOR_INSTALL if _tensor_missing(e) else str(e)
         print(f"{prog}: error: {why}", file=sys.stderr)
         return EXIT_USAGE
     except (OSError, ValueError) as e:
