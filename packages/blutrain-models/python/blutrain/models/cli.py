@@ -1,10 +1,11 @@
 """The `blutrain` command: prepare, train, sample, eval, bench.
 
 Each subcommand is a `Command` in COMMANDS: a name, a help line, a function that adds its
-arguments to an argparse subparser, a function that runs it, and whether it needs
-blutrain-tensor (all but `prepare`; checked before anything runs). `train`'s flags are made
-from TrainConfig's fields by `add_config_flags` (name, type, default and help written once, in
-train_config.py).
+arguments to an argparse subparser, and a function that runs it. A verb that runs tensors
+(all but `prepare`) first calls `start(threads)`: the CPU threads are set, then blutrain-tensor
+is imported and checked, before the verb reads a model or writes anything. `train`'s flags are
+made from TrainConfig's fields by `add_config_flags` (name, type, default and help written once,
+in train_config.py).
 
 Errors a user can cause (a bad flag, a missing file, a checkpoint that does not fit) print one
 line, `blutrain VERB: error: [where] what was wrong ... what to do`, and exit with status 2;
@@ -48,7 +49,6 @@ class Command:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
-    needs_tensor: bool = True
 
 
 class UsageError(ValueError):
@@ -145,6 +145,16 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig.from_dict(values, where="flags" if not args.config else args.config)
 
 
+def start(threads: int) -> None:
+    """What every verb that runs tensors does first: set the CPU threads (OpenMP reads them
+    once, when blutrain.tensor is imported), then import blutrain.tensor through models._tensor,
+    so a missing, too old or misconfigured one stops the verb here (see main)."""
+    from .device import set_threads
+
+    set_threads(threads)
+    from . import _tensor  # noqa: F401
+
+
 # -- train ---------------------------------------------------------------------------------------
 
 
@@ -161,9 +171,11 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
 def _train_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    cfg = config_from_args(args)
+    start(cfg.threads)
     from .trainer import train
 
-    train(config_from_args(args), console=Console())
+    train(cfg, console=Console())
     return 0
 
 
@@ -211,9 +223,8 @@ def load_model(
 
 
 def _model_from_args(args: argparse.Namespace):
-    from .device import resolve_device, set_threads
+    from .device import resolve_device
 
-    set_threads(args.threads)
     given = [n for n in ("checkpoint", "hf", "model") if getattr(args, n)]
     if len(given) > 1:
         raise UsageError(
@@ -252,6 +263,7 @@ def _sample_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _sample_run(args: argparse.Namespace) -> int:
+    start(args.threads)
     import numpy as np
 
     from .config import EOT_TOKEN
@@ -296,6 +308,7 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _eval_run(args: argparse.Namespace) -> int:
+    start(args.threads)
     from .data import DataLoader
     from .trainer import evaluate_loss, find_data
 
@@ -379,10 +392,11 @@ def _bench_run(args: argparse.Namespace) -> int:
 
     from ._io import atomic_write_bytes
     from .bench import bench
-    from .device import fmt_bytes, set_threads
+
+    start(args.threads)
+    from .device import fmt_bytes
     from .gpt2 import precision_name
 
-    set_threads(args.threads)
     modes = [s.strip() for s in str(args.precision).split(",") if s.strip()] or ["auto"]
     for m in modes:
         if m.lower() != "auto":
@@ -542,7 +556,6 @@ COMMANDS: list[Command] = [
         "tokenize text into llm.c token shards (default: Tiny Shakespeare)",
         _prepare_arguments,
         _prepare_run,
-        needs_tensor=False,
     ),
     Command(
         "train",
@@ -596,8 +609,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     prog = f"blutrain {cmd.name}"
     try:
-        if cmd.needs_tensor:
-            from . import _tensor  # noqa: F401 - a missing or old blutrain-tensor fails here
         return int(cmd.run(args) or 0)
     except ImportError as e:
         # blutrain-tensor missing, too old (models._tensor), or refusing its settings at import

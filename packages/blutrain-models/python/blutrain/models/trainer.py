@@ -112,8 +112,7 @@ class Trainer:
         group: ProcessGroup | None = None,
     ) -> None:
         cfg = self.cfg = config
-        if cfg.threads > 0:
-            set_threads(cfg.threads)  # before blutrain.tensor is imported
+        set_threads(cfg.threads)  # before blutrain.tensor is imported (if it is not yet)
         # -- checks: nothing is built or written before all of these pass
         step_cls = step_class(cfg.step)
         self.group = group if group is not None else step_cls.process_group(cfg)
