@@ -80,6 +80,17 @@ def install_torch_cpu(session: nox.Session) -> None:
     session.run("python", "-m", "pip", "install", "-q", "torch==2.13.0")
 
 
+def train_cuda() -> str:
+    """BLUTRAIN_CUDA for the main job: the user's setting, else AUTO where a GPU is visible (the
+    CUDA backends build where nvcc is found, and the run uses the GPU), else OFF (no CUDA build
+    that nothing here could run)."""
+    if os.environ.get("BLUTRAIN_CUDA"):
+        return os.environ["BLUTRAIN_CUDA"]
+    gpus = pathlib.Path("/proc/driver/nvidia/gpus")
+    visible = (gpus.is_dir() and any(gpus.iterdir())) or os.path.exists("/dev/nvidia0")
+    return "AUTO" if visible else "OFF"
+
+
 def cuda_wheels(session: nox.Session, cuda: str) -> None:
     """cuBLAS(Lt) headers and libraries for a CUDA build, where the toolkit lacks them (AUTO
     builds CUDA where nvcc is found)."""
@@ -102,11 +113,11 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def train(session: nox.Session) -> None:
-    """The main job: train a small GPT-2 on the shipped Tiny Shakespeare. The packages build
-    with BLUTRAIN_CUDA=AUTO (CUDA where nvcc is found; BLUTRAIN_CUDA=OFF skips it) and
-    `blutrain train` runs on the GPU when there is one, else on the CPU. Arguments go to
-    `blutrain train` (`nox -s train -- --max-steps 600 --resume`)."""
-    cuda = os.environ.get("BLUTRAIN_CUDA", "AUTO")
+    """The main job: train a small GPT-2 on the shipped Tiny Shakespeare. Where a GPU is
+    visible the packages build with BLUTRAIN_CUDA=AUTO (CUDA where nvcc is found) and
+    `blutrain train` runs on the GPU; elsewhere they build for the CPU (BLUTRAIN_CUDA=... sets
+    it). Arguments go to `blutrain train` (`nox -s train -- --resume --max-steps 600`)."""
+    cuda = train_cuda()
     session.install(*BUILD_DEPS)
     extra_deps(session)
     cuda_wheels(session, cuda)
