@@ -11,7 +11,9 @@ import pytest
 
 from dist_runs import HERE, launch
 
-pytestmark = pytest.mark.mpi
+# the first test starts every job of the module (its fixture): more than pytest.ini's 300 s
+# per test on a loaded 2-core machine
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(900)]
 
 
 def _alive(pid: int) -> bool:

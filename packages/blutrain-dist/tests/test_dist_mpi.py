@@ -21,7 +21,9 @@ GROUP_CASES = [
     "zero_memory_vs_formula",
     "disagreeing_models",
 ]
-pytestmark = pytest.mark.mpi
+# the first test starts every job of the module (its fixture): more than pytest.ini's 300 s
+# per test on a loaded 2-core machine
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
