@@ -315,6 +315,112 @@ class ZeroOptimizer:
             "formula": f"{pe} + {grads_f:g} + ({me} + {2 * se}) / {n} bytes/param",
         }
 
+    # -- whole state, AdamW's format (the trainer's checkpoints) --------------------------------
+    def _separate_master(self, b: Bucket) -> bool:
+        return not self.masters[b.index]._shares_storage(self.param_buffers[b.index])
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The whole optimizer state on every rank (a collective: each bucket's chunks are
+        all-gathered), in AdamW.state_dict()'s format: {"meta": {"hyperparameters", "steps"},
+        "tensors": {"exp_avg/<name>", "exp_avg_sq/<name>"}} plus "master/<name>" (float32) for
+        16-bit parameters.  Loads at any world size (load_full_state_dict)."""
+        from .collectives import _backend_for
+
+        tensors: dict[str, np.ndarray] = {}
+        steps: dict[str, int] = {}
+        if self.step_count > 0:
+            for b in self.buckets:
+                kinds = [
+                    ("exp_avg", self.exp_avg[b.index]),
+                    ("exp_avg_sq", self.exp_avg_sq[b.index]),
+                ]
+                if self._separate_master(b):
+                    kinds.append(("master", self.masters[b.index]))
+                for kind, chunk in kinds:
+                    full = bt.empty(b.padded, dtype=chunk.dtype, device=b.device)
+                    seq = self.g.next_seq()
+                    what = f"all_gather #{seq} (ZeroOptimizer state, bucket {b.index})"
+                    _backend_for(full, self.g).all_gather(full, chunk, what, seq).wait()
+                    arr = full.cpu().numpy()
+                    for name, p, off in zip(b.names, b.params, b.offsets, strict=True):
+                        tensors[f"{kind}/{name}"] = np.array(
+                            arr[off : off + p.numel()].reshape(tuple(p.shape)), copy=True
+                        )
+                for name in b.names:
+                    steps[name] = self.step_count
+        return {
+            "meta": {"hyperparameters": self.opt.hyperparameters(), "steps": steps},
+            "tensors": tensors,
+        }
+
+    @bt.no_grad()
+    def load_full_state_dict(self, state: Any) -> None:
+        """Restore full_state_dict()'s (or AdamW.state_dict()'s) result: this rank keeps its
+        chunks.  Everything is checked first; errors name the parameter."""
+        try:
+            meta, tensors = state["meta"], state["tensors"]
+            hp, steps = meta["hyperparameters"], meta["steps"]
+        except (KeyError, TypeError):
+            raise ValueError(
+                "[ZeroOptimizer] load_full_state_dict: not an optimizer state (needs 'meta' with "
+                "'hyperparameters' and 'steps', and 'tensors')"
+            ) from None
+        own = {n: p for b in self.buckets for n, p in zip(b.names, b.params, strict=True)}
+        unknown = sorted(set(steps) - set(own))
+        if unknown:
+            raise ValueError(f"[ZeroOptimizer] state for unknown parameter(s) {unknown[:5]}")
+        counts = {int(v) for v in steps.values()}
+        if len(counts) > 1:
+            raise ValueError(
+                f"[ZeroOptimizer] parameters at different step counts {sorted(counts)}"
+            )
+        if steps and set(steps) != set(own):
+            raise ValueError(f"[ZeroOptimizer] no state for {sorted(set(own) - set(steps))[:5]}")
+        for name in steps:
+            for kind in ("exp_avg", "exp_avg_sq"):
+                a = tensors.get(f"{kind}/{name}")
+                if a is None:
+                    raise ValueError(f"[ZeroOptimizer] missing tensor {kind}/{name}")
+                if tuple(np.shape(a)) != tuple(own[name].shape):
+                    raise ValueError(
+                        f"[ZeroOptimizer] {kind}/{name} has shape {tuple(np.shape(a))}, the "
+                        f"parameter has {tuple(own[name].shape)}"
+                    )
+        for b, pcs in zip(self.buckets, self.pieces, strict=True):
+            dsts = [("exp_avg", self.exp_avg[b.index]), ("exp_avg_sq", self.exp_avg_sq[b.index])]
+            if self._separate_master(b):
+                dsts.append(("master", self.masters[b.index]))
+            for pc in pcs:
+                s0, e0 = pc.start, pc.start + pc.hi - pc.lo
+                for kind, dst in dsts:
+                    key = f"{kind}/{pc.name}"
+                    if key in tensors:
+                        src = np.asarray(tensors[key]).reshape(-1)[pc.lo : pc.hi]
+                    elif kind == "master":  # from the (already loaded) parameter itself
+                        src = (
+                            pc.param.detach()
+                            .reshape(-1)[pc.lo : pc.hi]
+                            .to(bt.float32)
+                            .cpu()
+                            .numpy()
+                        )
+                    elif not steps:
+                        src = np.zeros(pc.hi - pc.lo, np.float32)
+                    else:  # pragma: no cover - checked above
+                        raise ValueError(f"[ZeroOptimizer] missing tensor {key}")
+                    dst[s0:e0].copy_(
+                        bt.tensor(np.ascontiguousarray(src)).to(dst.dtype).to(b.device)
+                    )
+        self.step_count = counts.pop() if counts else 0
+        self.opt.lr = float(hp["lr"])
+        self.opt.betas = (float(hp["betas"][0]), float(hp["betas"][1]))
+        self.opt.eps = float(hp["eps"])
+        self.opt.weight_decay = float(hp["weight_decay"])
+        for pcs in self.pieces:
+            for pc in pcs:
+                decays = self.opt.decay.get(pc.name, pc.param.ndim >= 2)
+                pc.wd = self.opt.weight_decay if decays else 0.0
+
     # -- state (sharded: checkpoint.py reassembles any world size) -----------------------------
     def shard_state(self) -> dict[str, Any]:
         """This rank's pieces: {"meta": ..., "tensors": {"exp_avg/<name>@<lo>": np, ...}}."""

@@ -122,8 +122,9 @@ class TrainConfig:
     )
     step: str = _opt(
         "eager",
-        "how a step is taken: eager, or cuda-graph (on a GPU: 3 eager steps, then the whole step "
-        "captured once as a CUDA graph and replayed)",
+        "how a step is taken: eager, cuda-graph (on a GPU: 3 eager steps, then the whole step "
+        "captured once as a CUDA graph and replayed), or distributed over the ranks of an MPI "
+        "launch (mpiexec -n N blutrain train ...): ddp, zero1, zero2 (blutrain-dist)",
         check=_step,
     )
     gemm_autotune: bool = _opt(

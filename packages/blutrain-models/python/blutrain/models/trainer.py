@@ -116,7 +116,7 @@ class Trainer:
         # -- checks: nothing is built or written before all of these pass
         step_cls = step_class(cfg.step)
         self.group = group if group is not None else step_cls.process_group(cfg)
-        self.device = resolve_device(cfg.device)
+        self.device = self.group.device(resolve_device(cfg.device))
         self.precision = resolve_precision(cfg.precision, self.device)
         step_cls.check(cfg, self.device)
         self.model_config = run_model_config(cfg)
