@@ -108,9 +108,9 @@ def init(
 
 
 def is_initialized() -> bool:
-    from . import _group as g
+    import sys
 
-    return g._GROUP is not None
+    return sys.modules[f"{__name__}._group"]._GROUP is not None  # `_group` here is group()
 
 
 def rank() -> int:
