@@ -60,7 +60,8 @@ def test_set_data_moves_a_parameter_into_a_flat_buffer(rng: np.random.Generator)
 
 def test_set_data_errors_name_both_sides() -> None:
     p = bt.nn.Parameter(bt.zeros(3, 4))
-    with pytest.raises(ValueError, match=r"^\[set_data\] the new memory is \(12,\) float32 on cpu; the tensor is \(3, 4\)"):
+    want = r"^\[set_data\] the new memory is \(12,\) float32 on cpu; the tensor is \(3, 4\)"
+    with pytest.raises(ValueError, match=want):
         C._set_data(p, bt.zeros(12))
     with pytest.raises(ValueError, match=r"^\[set_data\].*float64"):
         C._set_data(p, bt.zeros(3, 4, dtype=bt.float64))

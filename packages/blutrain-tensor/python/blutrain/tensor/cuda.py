@@ -246,7 +246,8 @@ class Stream:
                 _C._cuda_stream_destroy(h)
 
     def __repr__(self) -> str:
-        return f"bt.cuda.Stream(cuda:{self.device}, priority={self.priority}, 0x{self.cuda_stream:x})"
+        where = f"cuda:{self.device}, priority={self.priority}"
+        return f"bt.cuda.Stream({where}, 0x{self.cuda_stream:x})"
 
 
 # ---- events --------------------------------------------------------------------------------------
