@@ -273,7 +273,8 @@ class Graph(_C.Graph):
         if set_grads:
             pos = {vid: i for i, vid in enumerate(self.inputs)}
             for (leaf, _), g in zip(self.grads, grads):
-                bound[pos[leaf]].grad = g
+                if leaf in pos:  # a leaf made inside the program has no tensor outside it
+                    bound[pos[leaf]].grad = g
         return list(outs)
 
 
