@@ -54,7 +54,7 @@ def test_prepare_files_with_options(tmp_path, rng, capsys):
 
 
 def test_errors_are_one_clear_line(tmp_path, capsys):
-    assert cli.main(["prepare", str(tmp_path / "missing.txt"), "-o", str(tmp_path)]) == 1
+    assert cli.main(["prepare", str(tmp_path / "missing.txt"), "-o", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("blutrain prepare: error: [prepare]") and "missing.txt" in err
     assert "Traceback" not in err

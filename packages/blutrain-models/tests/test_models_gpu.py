@@ -10,12 +10,14 @@ import math
 import numpy as np
 import pytest
 
-bt = pytest.importorskip("blutrain.tensor")
-
-from blutrain.models import GPT2Config, prepare  # noqa: E402
-from blutrain.models.gpt2 import GPT2  # noqa: E402
-from blutrain.models.tokenizer import SHAKESPEARE_FILE  # noqa: E402
-from blutrain.models.trainer import TrainConfig, Trainer, bench, resolve_device  # noqa: E402
+import blutrain.tensor as bt
+from blutrain.models import GPT2Config, prepare
+from blutrain.models.bench import bench
+from blutrain.models.device import resolve_device
+from blutrain.models.gpt2 import GPT2
+from blutrain.models.tokenizer import SHAKESPEARE_FILE
+from blutrain.models.train_config import TrainConfig
+from blutrain.models.trainer import Trainer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -244,7 +246,7 @@ def _ln_recompute_memory(rng, precision):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_trainer_cuda_graph_matches_eager(tmp_path, precision):
-    """cuda_graph=True: 3 eager steps, then the step captured once and replayed. With two
+    """step="cuda-graph": 3 eager steps, then the step captured once and replayed. With two
     micro-batches, the warm-up lr changing every step, evaluation, text samples (eager forward
     passes between replays) and a checkpoint mid-run, its losses, validation losses, samples,
     parameters and step counts are bitwise the eager run's when that
@@ -278,19 +280,19 @@ def test_trainer_cuda_graph_matches_eager(tmp_path, precision):
                 out_dir=str(out),
                 progress=False,
                 plot=False,
-                cuda_graph=graph,
+                step="cuda-graph" if graph else "eager",
             )
         )
         if not graph:
-            t.optimizer.use_device_scalars(True)
+            t.stepper.optimizer.use_device_scalars(True)
         t.fit()
         recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         losses = [r["loss"] for r in recs if "loss" in r]
         vals = [r["val_loss"] for r in recs if "val_loss" in r]
         samples = [(r["step"], r["sample"]) for r in recs if "sample" in r]
-        steps = {int(st["step"]) for st in t.optimizer.state.values()}
+        steps = {int(st["step"]) for st in t.stepper.optimizer.state.values()}
         params = {n: p.detach().float().cpu().numpy() for n, p in t.model.named_parameters()}
-        runs[graph] = (losses, vals, steps, params, t._graph is not None, samples)
+        runs[graph] = (losses, vals, steps, params, graph and t.stepper.captured, samples)
     (le, ve, se, pe, ge, xe), (lg, vg, sg, pg, gg, xg) = runs[False], runs[True]
     assert not ge and gg, "the graph run captured no graph"
     # samples at steps 4 and 8 (after replays 1 and 5) and at the last step, as in eager mode

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import blutrain.tensor as bt
+import blutrain.tensor.optim as bto
 
 # ops a CPU capture cannot record: capture casts plainly (no cast cache), and transfers need a
 # GPU (test_tensor_cuda_capture.py)
@@ -306,12 +307,8 @@ def attention(x: Inputs):
     po, plse = bt._tensor.flash_attention_packed(p, 2, True)
     xa = x.f(2, 5, 8, grad=True)
     wa, ba = x.f(24, 8, grad=True), x.f(24, grad=True)
-    flash = bt._tensor._flash_attention_cpu()
-    bt._tensor._set_flash_attention_cpu(True)  # qkv_attention's fused node on the CPU
-    try:
+    with bt.backends.use_flash_attention_cpu(True):  # qkv_attention's fused node on the CPU
         qa = bt.qkv_attention(xa, wa, ba, 2, is_causal=True)
-    finally:
-        bt._tensor._set_flash_attention_cpu(flash)
     _loss(o, lse, po, qa).backward()
     return [o, lse, po, plse, qa] + [t.grad for t in (q, k, v, p, xa, wa, ba)]
 
@@ -322,12 +319,13 @@ def optimizer(x: Inputs):
     gs = [x.f(3, 4), x.f(5)]
     ms = [x.f(3, 4), x.f(5)]
     vs = [x.f(3, 4, lo=0.0, hi=1.0), x.f(5, lo=0.0, hi=1.0)]
-    norm = bt._tensor._grad_norm(gs)
-    coef = bt._tensor._clip_coef(norm, 0.5)
+    norm = bto.grad_norm(gs)
+    coef = bto.clip_coef(norm, 0.5)
     lr, step = bt.tensor(1e-3), bt.tensor(3.0)
-    bt._tensor._adamw_(ps, gs, ms, vs, lr, 0.9, 0.95, 1e-8, [0.1, 0.0], step, coef)
-    bt._tensor._adamw_(ps, gs, ms, vs, 2e-3, 0.8, 0.99, 1e-6, 0.01, 4.0)  # host scalars
-    bt._tensor._scale_(gs, coef)
+    bto.adamw_(ps, gs, ms, vs, lr=lr, step=step, betas=(0.9, 0.95), eps=1e-8,
+               weight_decay=[0.1, 0.0], grad_scale=coef)  # fmt: skip
+    bto.adamw_(ps, gs, ms, vs, lr=2e-3, step=4.0, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)
+    bto.scale_(gs, coef)
     return [norm, coef] + ps + ms + vs + gs
 
 

@@ -70,6 +70,7 @@ from ._tensor import (
     where,
     zeros,
 )
+from ._version import API_LEVEL, __version__
 
 # ---- dtypes ------------------------------------------------------------------------------------
 bool_ = dtype.bool
@@ -814,10 +815,13 @@ def clip_grad_norm_(parameters: Any, max_norm: builtins.float) -> Tensor:
     """
     if isinstance(parameters, Tensor):
         parameters = [parameters]
-    return _C.clip_grad_norm_(list(parameters), _number(max_norm, "clip_grad_norm_", "max_norm"))
+    max_norm = _number(max_norm, "clip_grad_norm_", "max_norm")
+    if not max_norm >= 0:  # a negative or NaN bound would flip or poison every gradient
+        raise ValueError(f"[clip_grad_norm_] max_norm must be >= 0, got {max_norm}")
+    return _C.clip_grad_norm_(list(parameters), max_norm)
 
 
-from . import nn  # noqa: E402  (nn uses the names above)
+from . import backends, nn, optim  # noqa: E402  (nn uses the names above)
 from .amp import (  # noqa: E402  (bt.amp: precision policies, autocast, checkpoint)
     autocast,
     checkpoint,
@@ -835,6 +839,8 @@ bool = bool_  # noqa: A001
 
 __all__ = [
     "ABI_VERSION",
+    "API_LEVEL",
+    "__version__",
     "add_layer_norm",
     "Callable",
     "Function",
@@ -858,6 +864,7 @@ __all__ = [
     "as_tensor",
     "astype",
     "autocast",
+    "backends",
     "backward",
     "bfloat16",
     "bmm",
@@ -943,6 +950,7 @@ __all__ = [
     "no_grad",
     "ones",
     "ones_like",
+    "optim",
     "permute",
     "pow",
     "promote_types",
