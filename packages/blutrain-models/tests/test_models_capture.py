@@ -31,6 +31,50 @@ def _state(model, opt) -> list[bytes]:
     return out
 
 
+def _train(make_model, batches, sched, replayed: bool, seed: int):
+    """Per step, the state bytes of one model trained eagerly or (after one eager step that
+    creates the optimizer's state) by replaying one captured step; and the graph."""
+    bt.manual_seed(seed)
+    model = make_model()
+    opt = AdamW(model.named_parameters(), lr=sched(0), weight_decay=0.1)
+    params = list(model.parameters())
+    x_buf = bt.zeros((2, 16), dtype=bt.int64)
+    y_buf = bt.zeros((2, 16), dtype=bt.int64)
+
+    def step():
+        loss = model(x_buf, y_buf, return_logits=False)[1]
+        loss.backward()
+        norm, coef = grad_norm_and_clip_coef(params, 1.0)
+        opt.step(grad_scale=coef)
+        opt.zero_grad()
+        return loss, norm
+
+    graph = None
+    states = []
+    for s, (x, y) in enumerate(batches):
+        x_buf.copy_(bt.tensor(x))
+        y_buf.copy_(bt.tensor(y))
+        if s == 0:  # the first step creates the optimizer's state, eagerly
+            opt.set_lr(sched(s))
+            loss, norm = step()
+            opt.use_device_scalars()
+        elif not replayed:
+            opt.set_lr(sched(s))
+            loss, norm = step()
+        else:
+            opt.write_device_scalars(sched(s), opt.common_step() + 1)
+            if graph is None:
+                with bt.capture() as graph:
+                    loss, norm = step()  # counts this step on the host
+                    graph.mark_output(loss)
+                    graph.mark_output(norm)
+            else:
+                opt.advance_steps()
+            loss, norm = graph.replay()
+        states.append(_state(model, opt) + [_bits(loss), _bits(norm)])
+    return states, graph
+
+
 def train_eager_and_replayed(make_model, vocab: int, steps: int = 4, seed: int = 0):
     """(eager states, replayed states, graph): per step, the model + optimizer state bytes and
     the loss and norm."""
@@ -39,48 +83,8 @@ def train_eager_and_replayed(make_model, vocab: int, steps: int = 4, seed: int =
         (rng.integers(0, vocab, (2, 16)), rng.integers(0, vocab, (2, 16))) for _ in range(steps)
     ]
     sched = CosineSchedule(max_lr=3e-3, warmup_steps=2, max_steps=steps)
-    runs = []
-    for replayed in (False, True):
-        bt.manual_seed(seed)
-        model = make_model()
-        opt = AdamW(model.named_parameters(), lr=sched(0), weight_decay=0.1)
-        params = list(model.parameters())
-        x_buf = bt.zeros((2, 16), dtype=bt.int64)
-        y_buf = bt.zeros((2, 16), dtype=bt.int64)
-
-        def step():
-            loss = model(x_buf, y_buf, return_logits=False)[1]
-            loss.backward()
-            norm, coef = grad_norm_and_clip_coef(params, 1.0)
-            opt.step(grad_scale=coef)
-            opt.zero_grad()
-            return loss, norm
-
-        graph = None
-        states = []
-        for s, (x, y) in enumerate(batches):
-            x_buf.copy_(bt.tensor(x))
-            y_buf.copy_(bt.tensor(y))
-            if s == 0:  # the first step creates the optimizer's state, eagerly
-                opt.set_lr(sched(s))
-                loss, norm = step()
-                opt.use_device_scalars()
-            elif not replayed:
-                opt.set_lr(sched(s))
-                loss, norm = step()
-            else:
-                opt.write_device_scalars(sched(s), opt.common_step() + 1)
-                if graph is None:
-                    with bt.capture() as graph:
-                        loss, norm = step()  # counts this step on the host
-                        graph.mark_output(loss)
-                        graph.mark_output(norm)
-                else:
-                    opt.advance_steps()
-                loss, norm = graph.replay()
-            states.append(_state(model, opt) + [_bits(loss), _bits(norm)])
-        runs.append((states, graph))
-    (eager, _), (replay, graph) = runs
+    eager, _ = _train(make_model, batches, sched, False, seed)
+    replay, graph = _train(make_model, batches, sched, True, seed)
     return eager, replay, graph
 
 

@@ -228,4 +228,3 @@ def test_golden_hash():
         loss.backward()
         g.mark_output(loss)
     assert g.hash() == GOLDEN_HASH, g.to_json(indent=1)
-
