@@ -9,6 +9,7 @@ Same weights, same tokens: logits, loss and every parameter's gradient agree to 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -223,3 +224,88 @@ def test_llama_training_step_replays_bitwise():
     ops = {n["op"] for n in graph.nodes}
     assert {"rsqrt", "sigmoid", "cat", "adamw_"} <= ops  # RMSNorm, SwiGLU, rotary, the update
     assert not ops & {"layer_norm", "linear_gelu_linear", "add_layer_norm"}
+
+
+# -- training: the trainer, the CLI, checkpoints ---------------------------------------------------
+
+SMALL = LlamaConfig(
+    block_size=32, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, intermediate_size=48
+)  # fmt: skip  (GPT-2's vocabulary: the data's)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from blutrain.models import prepare
+    from blutrain.models.tokenizer import SHAKESPEARE_FILE
+
+    d = tmp_path_factory.mktemp("shards")
+    text = d / "shakespeare.txt"
+    text.write_text(SHAKESPEARE_FILE.read_text()[:60_000])
+    prepare([text], d / "shards", val_fraction=0.1, doc_split="paragraph")
+    return d / "shards"
+
+
+def _train_flags(model: str, data_dir, out, steps: int) -> list[str]:
+    return [
+        "train", "--model", model, "--data", str(data_dir), "--batch-size", "2",
+        "--seq-len", "16", "--max-steps", str(steps), "--warmup-steps", "1",
+        "--eval-interval", "0", "--sample-interval", "0", "--out-dir", str(out),
+        "--no-progress", "--no-plot", "--threads", "0",
+    ]  # fmt: skip
+
+
+def test_train_resume_sample_and_eval_a_llama(tmp_path, data_dir, capsys):
+    """`blutrain train --model <llama json>`: 2 steps, resumed to 4, equal bit for bit to 4
+    straight; sample and eval load the checkpoint as a Llama."""
+    from blutrain.models import cli, load_checkpoint
+    from blutrain.models.zoo import model_from_checkpoint
+
+    model = tmp_path / "llama.json"
+    SMALL.to_json(model)
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert cli.main(_train_flags(str(model), data_dir, a, 4)) == 0
+    from blutrain.models.train_config import TrainConfig
+    from blutrain.models.trainer import Trainer
+
+    cfg = TrainConfig(model=str(model), data=str(data_dir), batch_size=2, seq_len=16,
+                      max_steps=4, warmup_steps=1, eval_interval=0, sample_interval=0,
+                      out_dir=str(b), progress=False, plot=False, log_interval=0)  # fmt: skip
+    Trainer(cfg).fit(until=2)
+    assert Trainer(dataclasses.replace(cfg, resume=True)).fit()["steps"] == 4
+    ca, cb = load_checkpoint(a / "checkpoint"), load_checkpoint(b / "checkpoint")
+    assert ca.trainer["model_config"]["model_type"] == "llama" and ca.trainer["step"] == 4
+    for part in ("weights", "optimizer"):
+        ta, tb = getattr(ca, part), getattr(cb, part)
+        assert ta.keys() == tb.keys() and all(np.array_equal(ta[k], tb[k]) for k in ta), part
+    assert set(ca.weights) == set(SMALL.param_shapes())
+    m = model_from_checkpoint(a)
+    assert isinstance(m, Llama) and m.config.vocab_multiple == 128
+    capsys.readouterr()
+    argv = ["sample", "--checkpoint", str(a), "--prompt", "ROMEO:", "-n", "4", "--seed", "1"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.startswith("ROMEO:")
+    argv = ["eval", "--checkpoint", str(a), "--data", str(data_dir), "--batch-size", "2",
+            "--seq-len", "16", "--batches", "2"]  # fmt: skip
+    assert cli.main(argv) == 0
+
+
+def test_llama_run_errors(tmp_path, data_dir, capsys):
+    from blutrain.models import cli
+
+    flags = _train_flags("llama-tiny", data_dir, tmp_path / "x", 2)
+    assert cli.main(flags + ["--recompute", "ln"]) == 2
+    assert "a LLaMA model takes auto, none, attn, block" in capsys.readouterr().err
+    assert cli.main(flags + ["--init-from", str(tmp_path)]) == 2
+    assert "starts from scratch" in capsys.readouterr().err
+    # a GPT-2 run cannot resume from a LLaMA checkpoint
+    model = tmp_path / "llama.json"
+    SMALL.to_json(model)
+    assert cli.main(_train_flags(str(model), data_dir, tmp_path / "r", 1)) == 0
+    capsys.readouterr()
+    gpt = tmp_path / "gpt.json"
+    from blutrain.models import GPT2Config
+
+    GPT2Config(block_size=32, n_layer=1, n_head=2, n_embd=16).to_json(gpt)
+    assert cli.main(_train_flags(str(gpt), data_dir, tmp_path / "r", 2) + ["--resume"]) == 2
+    assert "holds a LlamaConfig model" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

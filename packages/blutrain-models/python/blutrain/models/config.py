@@ -293,6 +293,11 @@ _LLAMA_PRESETS: dict[str, tuple[int, int, int, int, int]] = {
 }
 
 
+# Recomputation a LLaMA block supports (Llama.recompute): "attn" (the attention sublayer keeps
+# its input only) and "block" (the block keeps its input only), both through bt.checkpoint.
+LLAMA_RECOMPUTE = ("none", "attn", "block")
+
+
 def is_llama_name(name: str) -> bool:
     return name.strip().lower().startswith("llama")
 

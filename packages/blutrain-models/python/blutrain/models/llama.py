@@ -30,14 +30,10 @@ import numpy as np
 
 from ._tensor import bt
 from .checkpoint import CheckpointError, check_tensors, to_numpy
-from .config import LlamaConfig, parse_recompute, recompute_name
+from .config import LLAMA_RECOMPUTE, LlamaConfig, parse_recompute, recompute_name
 from .gpt2 import GPT2, IGNORE_INDEX, _cast, _normal, _Precision, set_matmul_precision
 
 nn = bt.nn
-
-# Recomputation a LLaMA block supports: "attn" (the attention sublayer keeps its input only)
-# and "block" (the block keeps its input only), both through bt.checkpoint.
-LLAMA_RECOMPUTE = ("none", "attn", "block")
 
 
 def _silu(x: bt.Tensor) -> bt.Tensor:
