@@ -21,7 +21,7 @@ from blutrain.models.optim import AdamW, CosineSchedule, grad_norm_and_clip_coef
 
 
 def _bits(t) -> bytes:
-    return t.detach().contiguous().numpy().tobytes()
+    return t.detach().contiguous().cpu().numpy().tobytes()
 
 
 def _state(model, opt) -> list[bytes]:
@@ -31,15 +31,15 @@ def _state(model, opt) -> list[bytes]:
     return out
 
 
-def _train(make_model, batches, sched, replayed: bool, seed: int):
+def _train(make_model, batches, sched, replayed: bool, seed: int, device: str = "cpu"):
     """Per step, the state bytes of one model trained eagerly or (after one eager step that
     creates the optimizer's state) by replaying one captured step; and the graph."""
     bt.manual_seed(seed)
     model = make_model()
     opt = AdamW(model.named_parameters(), lr=sched(0), weight_decay=0.1)
     params = list(model.parameters())
-    x_buf = bt.zeros((2, 16), dtype=bt.int64)
-    y_buf = bt.zeros((2, 16), dtype=bt.int64)
+    x_buf = bt.zeros((2, 16), dtype=bt.int64, device=device)
+    y_buf = bt.zeros((2, 16), dtype=bt.int64, device=device)
 
     def step():
         loss = model(x_buf, y_buf, return_logits=False)[1]
@@ -52,8 +52,8 @@ def _train(make_model, batches, sched, replayed: bool, seed: int):
     graph = None
     states = []
     for s, (x, y) in enumerate(batches):
-        x_buf.copy_(bt.tensor(x))
-        y_buf.copy_(bt.tensor(y))
+        x_buf.copy_(bt.tensor(x, device=device))
+        y_buf.copy_(bt.tensor(y, device=device))
         if s == 0:  # the first step creates the optimizer's state, eagerly
             opt.set_lr(sched(s))
             loss, norm = step()
@@ -75,7 +75,9 @@ def _train(make_model, batches, sched, replayed: bool, seed: int):
     return states, graph
 
 
-def train_eager_and_replayed(make_model, vocab: int, steps: int = 4, seed: int = 0):
+def train_eager_and_replayed(
+    make_model, vocab: int, steps: int = 4, seed: int = 0, device: str = "cpu"
+):
     """(eager states, replayed states, graph): per step, the model + optimizer state bytes and
     the loss and norm."""
     rng = np.random.default_rng(seed)
@@ -83,8 +85,8 @@ def train_eager_and_replayed(make_model, vocab: int, steps: int = 4, seed: int =
         (rng.integers(0, vocab, (2, 16)), rng.integers(0, vocab, (2, 16))) for _ in range(steps)
     ]
     sched = CosineSchedule(max_lr=3e-3, warmup_steps=2, max_steps=steps)
-    eager, _ = _train(make_model, batches, sched, False, seed)
-    replay, graph = _train(make_model, batches, sched, True, seed)
+    eager, _ = _train(make_model, batches, sched, False, seed, device)
+    replay, graph = _train(make_model, batches, sched, True, seed, device)
     return eager, replay, graph
 
 
@@ -125,3 +127,30 @@ def test_capturing_a_step_needs_device_scalars():
     with pytest.raises(RuntimeError, match=r"\[AdamW\] capturing a step: call use_device_scalars"):
         with bt.capture():
             opt.step()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not bt.cuda_built() or bt.cuda_device_count() == 0, reason="no CUDA device")
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_training_step_replays_bitwise_on_cuda(kind):
+    """The same on a GPU, in deterministic mode (no float atomics in any backward)."""
+    from blutrain.models import Llama, LlamaConfig
+
+    def make():
+        if kind == "llama":
+            cfg = LlamaConfig.from_name("llama-tiny", vocab_size=300, n_layer=2, n_kv_head=2)
+            return Llama(cfg, device="cuda")
+        return GPT2(
+            GPT2Config.from_name("tiny", n_layer=2, vocab_size=300), device="cuda", fused=False
+        )
+
+    prev = bt.are_deterministic_algorithms_enabled()
+    bt.use_deterministic_algorithms(True)
+    try:
+        eager, replay, graph = train_eager_and_replayed(make, vocab=300, device="cuda")
+    finally:
+        bt.use_deterministic_algorithms(prev)
+    for s, (e, r) in enumerate(zip(eager, replay)):
+        diff = [i for i, (a, b) in enumerate(zip(e, r)) if a != b]
+        assert not diff, f"step {s}: {len(diff)} of {len(e)} tensors differ"
+    assert any(v["device"] == "cuda:0" for v in graph.values)

@@ -37,16 +37,17 @@ class Inputs:
     The eager pass logs what was asked; the capture pass is served tensors made beforehand
     (outside the capture), so they are the graph's inputs, as parameters and batches are."""
 
-    def __init__(self, seed: int, made: list[bt.Tensor] | None = None) -> None:
+    def __init__(self, seed: int, made: list[bt.Tensor] | None = None, device: str = "cpu") -> None:
         self.rng = np.random.default_rng(seed)
         self.log: list[tuple[np.ndarray, bool]] = []
         self.made = made
+        self.device = device
 
     def _make(self, a: np.ndarray, grad: bool) -> bt.Tensor:
         if self.made is not None:
             return self.made.pop(0)
         self.log.append((a, grad))
-        return bt.tensor(a, requires_grad=grad)
+        return bt.tensor(a, requires_grad=grad, device=self.device)
 
     def f(self, *shape: int, grad: bool = False, dtype=np.float32, lo=-2.0, hi=2.0) -> bt.Tensor:
         return self._make(self.rng.uniform(lo, hi, shape).astype(dtype), grad)
@@ -56,21 +57,22 @@ class Inputs:
 
     def again(self) -> Inputs:
         """An Inputs serving fresh copies of everything this one made, made now."""
-        return Inputs(0, [bt.tensor(a, requires_grad=g) for a, g in self.log])
+        made = [bt.tensor(a, requires_grad=g, device=self.device) for a, g in self.log]
+        return Inputs(0, made, self.device)
 
 
 Case = Callable[[Inputs], list[bt.Tensor]]
 
 
 def _bytes(t: bt.Tensor) -> tuple:
-    a = t.detach().contiguous().numpy()
+    a = t.detach().contiguous().cpu().numpy()
     return (a.dtype.str, a.shape, a.tobytes())
 
 
-def run(case: Case, seed: int = 0) -> bt.Graph:
-    """Eager vs replay of `case`; returns the graph."""
+def run(case: Case, seed: int = 0, device: str = "cpu") -> bt.Graph:
+    """Eager vs replay of `case` on `device`; returns the graph."""
     bt.manual_seed(1234)
-    first = Inputs(seed)
+    first = Inputs(seed, device=device)
     eager = [_bytes(t) for t in case(first)]
     served = first.again()
     bt.manual_seed(1234)
@@ -92,7 +94,8 @@ def _loss(*ts: bt.Tensor) -> bt.Tensor:
     """A scalar that sends a different gradient to every element (not a plain sum)."""
     total = None
     for k, t in enumerate(ts):
-        w = bt.arange(t.numel(), dtype=t.dtype).reshape(tuple(t.shape)) * (0.01 * (k + 1)) + 0.5
+        w = bt.arange(t.numel(), dtype=t.dtype, device=str(t.device)).reshape(tuple(t.shape))
+        w = w * (0.01 * (k + 1)) + 0.5
         s = (t * w).sum()
         total = s if total is None else total + s
     return total
@@ -104,13 +107,13 @@ def _loss(*ts: bt.Tensor) -> bt.Tensor:
 @case
 def creation(x: Inputs):
     return [
-        bt.full((2, 3), 0.1),
-        bt.arange(5),
-        bt.arange(0.5, 3.0, 0.25, dtype=bt.float64),
-        bt.rand(3, 4),
-        bt.randn(5, dtype=bt.float64),
-        bt.randint(0, 7, (4,)),
-        bt.zeros(3) + bt.ones(3),
+        bt.full((2, 3), 0.1, device=x.device),
+        bt.arange(5, device=x.device),
+        bt.arange(0.5, 3.0, 0.25, dtype=bt.float64, device=x.device),
+        bt.rand(3, 4, device=x.device),
+        bt.randn(5, dtype=bt.float64, device=x.device),
+        bt.randint(0, 7, (4,), device=x.device),
+        bt.zeros(3, device=x.device) + bt.ones(3, device=x.device),
     ]
 
 
@@ -321,7 +324,7 @@ def optimizer(x: Inputs):
     vs = [x.f(3, 4, lo=0.0, hi=1.0), x.f(5, lo=0.0, hi=1.0)]
     norm = bto.grad_norm(gs)
     coef = bto.clip_coef(norm, 0.5)
-    lr, step = bt.tensor(1e-3), bt.tensor(3.0)
+    lr, step = bt.tensor(1e-3, device=x.device), bt.tensor(3.0, device=x.device)
     bto.adamw_(ps, gs, ms, vs, lr=lr, step=step, betas=(0.9, 0.95), eps=1e-8,
                weight_decay=[0.1, 0.0], grad_scale=coef)  # fmt: skip
     bto.adamw_(ps, gs, ms, vs, lr=2e-3, step=4.0, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)
