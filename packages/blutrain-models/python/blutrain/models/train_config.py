@@ -81,8 +81,9 @@ class TrainConfig:
     # model
     model: str = _opt(
         "tiny",
-        "GPT2Config preset (tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a JSON file of "
-        "GPT2Config fields",
+        "a GPT-2 preset (tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl), a LLaMA-style one "
+        "(llama-tiny, llama-small, llama-medium), or a JSON file of GPT2Config / LlamaConfig "
+        "fields",
         check=_nonempty,
         metavar="NAME|FILE",
     )
