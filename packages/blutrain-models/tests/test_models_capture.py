@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-bt = pytest.importorskip("blutrain.tensor")
+import blutrain.tensor as bt
 
 from blutrain.models import GPT2Config  # noqa: E402
 from blutrain.models.gpt2 import GPT2  # noqa: E402
