@@ -65,6 +65,11 @@ PRECISIONS = {
 _PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "tensorfloat32": "tf32"}
 
 
+def _capturing() -> bool:
+    """Whether bt.capture() records on this thread (captured ids have no values to check)."""
+    return bool(bt._tensor._capturing())
+
+
 def precision_name(mode: str) -> str:
     """The canonical name (fp32, tf32, bf16) of a precision mode; raises on others."""
     key = _PRECISION_ALIASES.get(str(mode).lower(), str(mode).lower())
@@ -481,8 +486,8 @@ class GPT2(_Precision, nn.Module):
                 raise ValueError(
                     f"[GPT2] {what} must be (B, T) or (T,), got shape {tuple(x.shape)}"
                 )
-            if t.numel() and not t.is_symbolic and str(t.device) == "cpu":
-                # captured ids have no values to check; ids on a GPU are not read back (that
+            if t.numel() and not _capturing() and str(t.device) == "cpu":
+                # ids read under a capture have no values to check; ids on a GPU are not read back (that
                 # would be a host sync every step): the embedding kernel bounds-checks them
                 lo, hi = int(t.amin().item()), int(t.amax().item())
             else:

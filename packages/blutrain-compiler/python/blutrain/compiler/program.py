@@ -1,0 +1,231 @@
+"""A compiled program: fused kernels, library calls and eager steps in order, over buffers.
+
+`build(graph, target)` partitions the graph (fusion.py), lowers every group into one MLIR module
+(lower.py), runs the pipelines stage by stage (dumping each when asked) and loads the code;
+`Program.run(inputs)` executes the steps. Errors from MLIR become CompileError naming the graph
+hash and the stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import blutrain.tensor as bt
+
+from . import backend_cpu, eager, fusion, pipelines
+from .graph import Graph, Node
+
+log = logging.getLogger("blutrain.compiler")
+
+
+class CompileError(RuntimeError):
+    """MLIR failed: names the graph hash, the stage and where the dump is."""
+
+
+@dataclass
+class Stats:
+    nodes: int = 0
+    groups: int = 0
+    fused_nodes: int = 0
+    library_calls: int = 0
+    eager_steps: int = 0
+    fallbacks: int = 0
+    compile_s: float = 0.0
+    cache: str = "miss"
+    stage_s: dict[str, float] = field(default_factory=dict)
+
+
+def _contig_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    st, acc = [], 1
+    for s in reversed(shape):
+        st.append(acc)
+        acc *= s
+    return tuple(st[::-1])
+
+
+class Program:
+    def __init__(self, graph: Graph, part: fusion.Partition, target: str, ghash: str) -> None:
+        self.graph, self.part, self.target, self.hash = graph, part, target, ghash
+        self.kernels: dict[int, Any] = {}
+        self.stats = Stats()
+        self.prod = graph.producer()
+        self.keep: Any = None
+        # the last step that reads each value (for freeing buffers as the program runs)
+        self.last_use: dict[int, int] = {}
+        for k, st in enumerate(part.steps):
+            nodes = st.nodes if isinstance(st, fusion.Group) else [st.node]
+            for n in nodes:
+                for i in n.inputs:
+                    if i >= 0:
+                        self.last_use[self.base(i)] = k
+
+    def base(self, v: int) -> int:
+        while v in self.prod and self.prod[v].op in eager.VIEW_OPS:
+            v = self.prod[v].inputs[0]
+        return v
+
+    def value(self, env: dict[int, Any], v: int) -> Any:
+        """The tensor of value v: a base from env, views applied eagerly."""
+        t = env.get(v)
+        if t is not None:
+            return t
+        n = self.prod.get(v)
+        if n is None or n.op not in eager.VIEW_OPS:
+            raise RuntimeError(f"[compile] internal: value %{v} was not computed")
+        (t,) = eager.run(n, [self.value(env, n.inputs[0])])
+        env[v] = t
+        return t
+
+    def run(self, inputs: list[Any]) -> dict[int, Any]:
+        g = self.graph
+        env: dict[int, Any] = {}
+        for vid, t in zip(g.inputs, inputs):
+            env[vid] = t
+        for k, st in enumerate(self.part.steps):
+            if isinstance(st, fusion.Group):
+                ins = []
+                for i in st.inputs:
+                    t = self.value(env, i)
+                    if not t.is_contiguous():
+                        t = t.contiguous()
+                    ins.append(t)
+                outs = [
+                    bt.empty(g.values[o].shape, dtype=getattr(bt, g.values[o].dtype),
+                             device=g.values[o].device)
+                    for o in st.outputs
+                ]
+                self.kernels[st.id]([t.data_ptr() for t in ins] + [t.data_ptr() for t in outs])
+                for o, t in zip(st.outputs, outs):
+                    env[o] = t
+            else:
+                n = st.node
+                res = eager.run(n, [self.value(env, i) if i >= 0 else None for i in n.inputs])
+                for o, t in zip(n.outputs, res):
+                    env[o] = t
+        return env
+
+    # ---- building ---------------------------------------------------------------------------
+    def lower_all(self) -> Any:
+        """One MLIR module with a function per group (the 'lowered' stage)."""
+        from mlir import ir
+
+        from .lower import Emitter
+
+        module = ir.Module.create()
+        for G in self.part.groups:
+            Emitter(self.graph, G.nodes, G.inputs, G.outputs, G.name).build(module)
+        return module
+
+
+def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
+    from mlir import ir
+    from mlir.passmanager import PassManager
+
+    from .lower import Emitter, LoweringError
+
+    t0 = time.perf_counter()
+    ghash = graph.hash()
+    bad: set[int] = set()
+    # probe each lowerable node alone once is too slow; lower groups and retry on failure
+    for _attempt in range(8):
+        part = fusion.partition(graph, bad)
+        prog = Program(graph, part, target, ghash)
+        ctx = ir.Context()
+        with ctx, ir.Location.unknown():
+            module = ir.Module.create()
+            failed = None
+            for G in part.groups:
+                em = Emitter(graph, G.nodes, G.inputs, G.outputs, G.name)
+                try:
+                    em.build(module)
+                except LoweringError as e:
+                    failed = (G, e, em)
+                    break
+            if failed is None:
+                break
+            G, e, em = failed
+            node = _failing_node(graph, G, em)
+            log.warning("[compile] %s (node %d) cannot be lowered (%s): it runs eagerly",
+                        node.op, node.index, e)
+            bad.add(node.index)
+    else:
+        raise CompileError(f"[compile] graph {ghash}: too many unlowerable nodes")
+    st = prog.stats
+    st.nodes = len(graph.nodes)
+    st.groups = len(part.groups)
+    st.fused_nodes = sum(len(G.compute_nodes()) for G in part.groups)
+    st.library_calls = sum(1 for s in part.steps if isinstance(s, fusion.EagerStep)
+                           and s.kind == "library")
+    st.eager_steps = sum(1 for s in part.steps if isinstance(s, fusion.EagerStep))
+    st.fallbacks = len(part.fallbacks)
+    for n in part.fallbacks:
+        log.warning("[compile] eager fallback for %s (node %d) in graph %s", n.op, n.index, ghash)
+    with ctx, ir.Location.unknown():
+        if dump:
+            dump.write("graph.json", graph.to_json())
+            dump.write("graph.txt", str(graph))
+            dump.write("groups.txt", describe(graph, part))
+        if not module.operation.verify():
+            raise CompileError(f"[compile] graph {ghash}: stage lowered: the module does not verify")
+        stages = [("fused", pipelines.FUSE), ("bufferized", pipelines.BUFFERIZE)]
+        stages += [("loops", pipelines.CPU_LOOPS), ("llvm", pipelines.CPU_LLVM)]
+        if dump:
+            dump.write("00-lowered.mlir", str(module))
+        for k, (name, pipe) in enumerate(stages, 1):
+            ts = time.perf_counter()
+            try:
+                PassManager.parse(pipe).run(module.operation)
+            except Exception as e:  # MLIR diagnostics arrive as a RuntimeError / MLIRError
+                where = dump.dir if dump else "set BLUTRAIN_COMPILE_DUMP=dir to keep the IR"
+                raise CompileError(
+                    f"[compile] graph {ghash}: stage {name} failed ({where}): {e}"
+                ) from e
+            st.stage_s[name] = time.perf_counter() - ts
+            if dump:
+                dump.write(f"{k:02d}-{name}.mlir", str(module))
+        ts = time.perf_counter()
+        engine = backend_cpu.jit(module)
+        st.stage_s["jit"] = time.perf_counter() - ts
+        prog.keep = (ctx, engine)
+        for G in part.groups:
+            shapes = [graph.values[i].shape for i in G.inputs] + [
+                graph.values[o].shape for o in G.outputs
+            ]
+            strides = [_contig_strides(s) for s in shapes]
+            prog.kernels[G.id] = backend_cpu.PackedKernel(
+                backend_cpu.lookup(engine, G.name), shapes, strides, engine
+            )
+    st.compile_s = time.perf_counter() - t0
+    return prog
+
+
+def _failing_node(graph: Graph, G: fusion.Group, em: Any) -> Node:
+    """The first compute node of G whose outputs the emitter did not produce."""
+    for n in G.compute_nodes():
+        if any(o not in em.env for o in n.outputs):
+            return n
+    return G.compute_nodes()[-1]
+
+
+def describe(graph: Graph, part: fusion.Partition) -> str:
+    """Fusion groups with their nodes and the reason each ends (for the dump and the log)."""
+    lines = []
+    for s in part.steps:
+        if isinstance(s, fusion.Group):
+            ops = [n.op for n in s.compute_nodes()]
+            lines.append(
+                f"group {s.name} ({s.device}): {len(ops)} ops [{', '.join(ops)}]"
+                + (f" (merged {s.merged})" if s.merged else "")
+            )
+            lines.append(f"  inputs  {['%' + str(i) for i in s.inputs]}")
+            lines.append(f"  outputs {['%' + str(o) for o in s.outputs]}")
+            lines.append(f"  boundary: {s.closed_by}")
+        else:
+            n = s.node
+            lines.append(f"{s.kind} {n.op} (node {n.index}): {n}")
+    return "\n".join(lines) + "\n"
