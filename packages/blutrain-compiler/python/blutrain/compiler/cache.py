@@ -1,9 +1,24 @@
-"""The disk cache of compiled programs (filled in below)."""
+"""The disk cache of compiled programs.
+
+Key: SHA-256 of the graph's canonical hash, this package's version, the MLIR bindings' version,
+the target and the pass pipelines. An entry is a folder holding the artifact (CPU: a shared
+library linked from ExecutionEngine's object file; GPU: the PTX of every module and the launch
+plan) and `meta.json`, written last, with the artifact's SHA-256: an entry without a matching
+meta is incomplete or corrupt and is rebuilt (and overwritten), never trusted. Every file is
+written to a temporary name, fsync'ed and renamed, so concurrent processes see whole files only.
+BLUTRAIN_COMPILE_CACHE sets the folder (default ~/.cache/blutrain/compiler); "0" turns it off.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import tempfile
+from typing import Any
+
+log = logging.getLogger("blutrain.compiler")
 
 
 def atomic_write(path: str, data: bytes) -> None:
@@ -23,3 +38,70 @@ def atomic_write(path: str, data: bytes) -> None:
         except OSError:
             pass
         raise
+
+
+def versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for pkg in ("blutrain-compiler", "xtc-mlir-python-bindings"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "unknown"
+    return out
+
+
+def folder() -> str | None:
+    d = os.environ.get("BLUTRAIN_COMPILE_CACHE")
+    if d == "0":
+        return None
+    return d or os.path.join(os.path.expanduser("~"), ".cache", "blutrain", "compiler")
+
+
+def key(graph_hash: str, target: str, extra: str) -> str:
+    from . import backend_gpu, pipelines
+
+    h = hashlib.sha256()
+    h.update(json.dumps({"graph": graph_hash, "target": target, "versions": versions(),
+                         "extra": extra}, sort_keys=True).encode())
+    for p in (pipelines.FUSE, pipelines.BUFFERIZE, pipelines.CPU_LOOPS, pipelines.CPU_LLVM,
+              backend_gpu.OUTLINE, backend_gpu.CHIP, backend_gpu.FEATURES, str(backend_gpu.THREADS)):
+        h.update(p.encode())
+    return h.hexdigest()[:32]
+
+
+class Entry:
+    def __init__(self, k: str) -> None:
+        root = folder()
+        self.path = os.path.join(root, k) if root else None
+
+    def load(self, artifact: str) -> tuple[str, dict[str, Any]] | None:
+        """(artifact path, meta) when the entry is complete and its checksum matches."""
+        if self.path is None:
+            return None
+        meta_p, art = os.path.join(self.path, "meta.json"), os.path.join(self.path, artifact)
+        if not os.path.exists(meta_p):
+            return None
+        try:
+            with open(meta_p, "rb") as f:
+                meta = json.loads(f.read())
+            with open(art, "rb") as f:
+                data = f.read()
+        except (OSError, ValueError) as e:
+            log.warning("[compile] cache entry %s unreadable (%s): rebuilding", self.path, e)
+            return None
+        if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+            log.warning("[compile] cache entry %s is corrupt (checksum): rebuilding", self.path)
+            return None
+        return art, meta
+
+    def store(self, artifact: str, data: bytes, meta: dict[str, Any]) -> None:
+        if self.path is None:
+            return
+        try:
+            atomic_write(os.path.join(self.path, artifact), data)
+            meta = dict(meta, sha256=hashlib.sha256(data).hexdigest(), versions=versions())
+            atomic_write(os.path.join(self.path, "meta.json"), json.dumps(meta).encode())
+        except OSError as e:  # a read-only or full disk costs a recompile later, nothing else
+            log.warning("[compile] could not write cache entry %s: %s", self.path, e)

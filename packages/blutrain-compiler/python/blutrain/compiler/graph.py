@@ -153,10 +153,14 @@ class Graph:
         g.reindex()
         return g
 
-    def hash(self) -> str:
-        """SHA-256 (hex, 16 chars) of the canonical form without names."""
+    def hash_full(self) -> str:
+        """SHA-256 (hex) of the canonical form without names."""
         text = json.dumps(self.to_dict(names=False), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def hash(self) -> str:
+        """The first 16 hex digits of hash_full() (names in logs, dumps)."""
+        return self.hash_full()[:16]
 
     def __str__(self) -> str:
         def vs(i: int) -> str:

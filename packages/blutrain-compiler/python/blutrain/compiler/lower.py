@@ -64,11 +64,12 @@ class Ref:
     const: float | int | None = None
     iota: tuple[float | int, float | int] | None = None  # (start, step) over storage dim 0
     identity: bool = True  # index is the identity on a tensor of this shape
+    flat_src: bool = False  # tensor is the 1-D (flat) form of a value of this shape
 
     def view(self, shape: Sequence[int], fn: IndexFn) -> Ref:
         inner = self.index
         return Ref(self.dtype, tuple(shape), self.tensor, lambda e: inner(fn(e)), self.const,
-                   self.iota, False)
+                   self.iota, False, False)
 
 
 def _c(v: int) -> Expr:
@@ -118,10 +119,14 @@ class Emitter:
 
     def __init__(self, graph: Graph, nodes: Sequence[Node], inputs: Sequence[int],
                  outputs: Sequence[int], name: str, input_shapes: dict[int, tuple[int, ...]]
-                 | None = None):
+                 | None = None, flat: bool = False):
         self.g, self.nodes, self.inputs, self.outputs, self.name = graph, nodes, inputs, outputs, name
         self.input_shapes = input_shapes or {}
         self.env: dict[int, Ref] = {}
+        # flat: every elementwise generic iterates one linear index and every reduction (kept,
+        # reduced) — the GPU mapping then needs one tile shape (coalesced: consecutive threads,
+        # consecutive elements) for every loop
+        self.flat = flat
 
     # ---- module -----------------------------------------------------------------------------
     def build(self, module: ir.Module) -> func.FuncOp:
@@ -155,7 +160,21 @@ class Emitter:
         """A tensor of r's logical shape (a copy generic unless r is already one)."""
         if r.tensor is not None and r.identity:
             return r.tensor
-        return self.ew(r.shape, r.dtype, [r], lambda x: x).tensor
+        if r.tensor is None or not r.flat_src:
+            r = self.ew(r.shape, r.dtype, [r], lambda x: x)
+        if r.flat_src:
+            return self._unflatten(r)
+        return r.tensor
+
+    def _unflatten(self, r: Ref) -> ir.Value:
+        t = ir.RankedTensorType.get(list(r.shape), S.storage_type(r.dtype))
+        if len(r.shape) == 1:
+            return r.tensor
+        if len(r.shape) == 0:
+            return tensor.CollapseShapeOp(t, r.tensor, ir.ArrayAttr.get([])).result
+        reassoc = ir.ArrayAttr.get([ir.ArrayAttr.get([
+            ir.IntegerAttr.get(ir.IntegerType.get_signless(64), i) for i in range(len(r.shape))])])
+        return tensor.ExpandShapeOp(t, r.tensor, reassoc, [], list(r.shape)).result
 
     def _operand(self, r: Ref, iter_exprs: list[Expr], nd: int) -> tuple[Any, Any] | None:
         if r.tensor is None:
@@ -235,6 +254,18 @@ class Emitter:
         """An elementwise value of `shape`: fn(*scalars) (refs broadcast to shape, numpy-style)."""
         shape = tuple(shape)
         refs = [self.bcast(r, shape) for r in refs]
+        if self.flat and len(shape) != 1:
+            n = math.prod(shape)
+            refs = [r.view((n,), lambda e, sh=shape: _delinear(e[0], sh)) for r in refs]
+            if with_index:
+                body = lambda idx, *a: [fn(_delin_vals(idx[0], shape), *a[: len(refs)])]  # noqa: E731
+            else:
+                body = lambda *a: [fn(*a[: len(refs)])]  # noqa: E731
+            (t,) = self.generic((n,), (), refs, [(dtype, self.empty((n,), dtype))], body,
+                                with_index)
+            r = Ref(dtype, shape, t, lambda e, sh=shape: [_linear(e, sh)], identity=False)
+            r.flat_src = True
+            return r
         if with_index:
             body = lambda idx, *a: [fn(idx, *a[: len(refs)])]  # noqa: E731
         else:
@@ -250,6 +281,29 @@ class Emitter:
         shape = tuple(shape)
         refs = [self.bcast(r, shape) for r in refs]
         kept = tuple(s for i, s in enumerate(shape) if i not in set(dims))
+        if self.flat and (len(kept) != 1 or len(dims) != 1 or list(dims) != [len(shape) - 1]):
+            K, Rn = math.prod(kept), math.prod(shape[d] for d in dims)
+            kd_, rd_ = [i for i in range(len(shape)) if i not in set(dims)], list(dims)
+            ksh, rsh = tuple(shape[i] for i in kd_), tuple(shape[i] for i in rd_)
+
+            def full(e: list[Expr]) -> list[Expr]:
+                ke, re_ = _delinear(e[0], ksh), _delinear(e[1], rsh)
+                out: list[Expr] = [_c(0)] * len(shape)
+                for i, x in zip(kd_, ke):
+                    out[i] = x
+                for i, x in zip(rd_, re_):
+                    out[i] = x
+                return out
+
+            refs = [r.view((K, Rn), full) for r in refs]
+            n = len(refs)
+            if with_index:
+                raise LoweringError("indexed reduction in flat mode")
+            body = lambda *a: [combine(elem(*a[:n]), a[n])]  # noqa: E731
+            (t,) = self.generic((K, Rn), [1], refs, [(acc, self.filled((K,), acc, init))], body)
+            r = Ref(acc, kept, t, lambda e, sh=kept: [_linear(e, sh)], identity=False)
+            r.flat_src = True
+            return r
         init_t = self.filled(kept, acc, init)
         n = len(refs)
         if with_index:
@@ -820,6 +874,15 @@ def _exp64(x: ir.Value) -> ir.Value:
     from mlir.dialects import math as m
 
     return m.exp(x)
+
+
+def _delin_vals(lin: ir.Value, shape: Sequence[int]) -> list[ir.Value]:
+    """Index values of a linear index (for bodies that read their position)."""
+    out = []
+    for st, sz in zip(_strides(shape), shape):
+        q = arith.divui(lin, arith.constant(ir.IndexType.get(), st)) if st != 1 else lin
+        out.append(arith.remui(q, arith.constant(ir.IndexType.get(), sz)))
+    return out
 
 
 def _index(i: int) -> ir.Value:

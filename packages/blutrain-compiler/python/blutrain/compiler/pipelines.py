@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-FUSE = "builtin.module(linalg-fuse-elementwise-ops, canonicalize, cse)"
+# No cse here: it would merge the identical linalg.fill inits of two reductions into one tensor,
+# which bufferization then copies (a host-side memref.copy on the GPU path).
+FUSE = "builtin.module(linalg-fuse-elementwise-ops, canonicalize)"
 
 BUFFERIZE = (
     "builtin.module(one-shot-bufferize{bufferize-function-boundaries "

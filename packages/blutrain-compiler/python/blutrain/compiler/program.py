@@ -165,6 +165,28 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
     st.fallbacks = len(part.fallbacks)
     for n in part.fallbacks:
         log.warning("[compile] eager fallback for %s (node %d) in graph %s", n.op, n.index, ghash)
+    from . import cache
+
+    centry = cache.Entry(cache.key(graph.hash_full(), target, ",".join(map(str, sorted(bad)))))
+    if not target.startswith("cuda"):
+        hit = centry.load("kernels.so")
+        if hit is not None:
+            try:
+                lib = backend_cpu.SharedLib(hit[0])
+                for G in part.groups:
+                    prog.kernels[G.id] = backend_cpu.CpuKernel(
+                        lib.address(G.name), *_sig(graph, G), lib)
+                prog.keep = lib
+                st.cache = "hit"
+                st.compile_s = time.perf_counter() - t0
+                if dump:
+                    dump.write("graph.json", graph.to_json())
+                    dump.write("groups.txt", describe(graph, part))
+                return prog
+            except (OSError, AttributeError) as e:
+                log.warning("[compile] cache entry %s cannot be loaded (%s): rebuilding",
+                            centry.path, e)
+                prog.kernels.clear()
     with ctx, ir.Location.unknown():
         if dump:
             dump.write("graph.json", graph.to_json())
@@ -173,7 +195,9 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
         if not module.operation.verify():
             raise CompileError(f"[compile] graph {ghash}: stage lowered: the module does not verify")
         stages = [("fused", pipelines.FUSE), ("bufferized", pipelines.BUFFERIZE)]
-        stages += [("loops", pipelines.CPU_LOOPS), ("llvm", pipelines.CPU_LLVM)]
+        gpu = target.startswith("cuda")
+        if not gpu:
+            stages += [("loops", pipelines.CPU_LOOPS), ("llvm", pipelines.CPU_LLVM)]
         if dump:
             dump.write("00-lowered.mlir", str(module))
         for k, (name, pipe) in enumerate(stages, 1):
@@ -188,20 +212,77 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
             st.stage_s[name] = time.perf_counter() - ts
             if dump:
                 dump.write(f"{k:02d}-{name}.mlir", str(module))
+        if gpu:
+            from . import backend_gpu
+
+            try:
+                code = backend_gpu.compile_module(module, dump, st.stage_s)
+            except Exception as e:
+                where = dump.dir if dump else "set BLUTRAIN_COMPILE_DUMP=dir to keep the IR"
+                raise CompileError(f"[compile] graph {ghash}: stage ptx failed ({where}): {e}"
+                                   ) from e
+            prog.gpu_code = code
+            if code.unsupported:
+                raise CompileError(
+                    f"[compile] graph {ghash}: stage gpu-host: "
+                    + "; ".join(f"{k}: {v}" for k, v in code.unsupported.items()))
+            from . import _runtime
+
+            mods = {name: _runtime.Module(text.encode(), _device_index(target))
+                    for name, text in code.ptx.items()}
+            prog.keep = (ctx, mods)
+            for G in part.groups:
+                prog.kernels[G.id] = backend_gpu.GpuKernel(code.functions[G.name], mods, target)
+            st.compile_s = time.perf_counter() - t0
+            return prog
         ts = time.perf_counter()
         engine = backend_cpu.jit(module)
         st.stage_s["jit"] = time.perf_counter() - ts
         prog.keep = (ctx, engine)
         for G in part.groups:
-            shapes = [graph.values[i].shape for i in G.inputs] + [
-                graph.values[o].shape for o in G.outputs
-            ]
-            strides = [_contig_strides(s) for s in shapes]
             prog.kernels[G.id] = backend_cpu.PackedKernel(
-                backend_cpu.lookup(engine, G.name), shapes, strides, engine
+                backend_cpu.lookup(engine, G.name), *_sig(graph, G), engine
             )
+        if centry.path is not None:
+            ts = time.perf_counter()
+            import tempfile
+
+            obj = backend_cpu.object_code(engine)
+            with tempfile.TemporaryDirectory() as d:
+                so = os.path.join(d, "kernels.so")
+                if backend_cpu.link_shared(obj, so):
+                    with open(so, "rb") as f:
+                        centry.store("kernels.so", f.read(), {"graph": ghash, "target": target})
+            st.stage_s["cache_write"] = time.perf_counter() - ts
     st.compile_s = time.perf_counter() - t0
     return prog
+
+
+def _sig(graph: Graph, G: fusion.Group) -> tuple[list, list]:
+    shapes = [graph.values[i].shape for i in G.inputs] + [graph.values[o].shape for o in G.outputs]
+    return shapes, [_contig_strides(s) for s in shapes]
+
+
+def _device_index(target: str) -> int:
+    return int(target.split(":")[1]) if ":" in target else 0
+
+
+def ptx_for(graph: Graph, dump: Any = None) -> Any:
+    """PTX for sm_90 of every fused group of a graph (no GPU needed): backend_gpu.GpuCode."""
+    from mlir import ir
+    from mlir.passmanager import PassManager
+
+    from . import backend_gpu
+    from .lower import Emitter
+
+    part = fusion.partition(graph)
+    with ir.Context(), ir.Location.unknown():
+        module = ir.Module.create()
+        for G in part.groups:
+            Emitter(graph, G.nodes, G.inputs, G.outputs, G.name).build(module)
+        PassManager.parse(pipelines.FUSE).run(module.operation)
+        PassManager.parse(pipelines.BUFFERIZE).run(module.operation)
+        return part, backend_gpu.compile_module(module, dump)
 
 
 def _failing_node(graph: Graph, G: fusion.Group, em: Any) -> Node:
