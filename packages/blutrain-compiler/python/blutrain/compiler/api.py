@@ -46,11 +46,18 @@ def _describe(x: Any) -> Any:
 
 
 def _guard_diff(old: tuple, new: tuple, names: Sequence[str]) -> str:
+    """The first guard that changed, readably: `x: shape (4, 8) -> (3, 8)`."""
+    fields = ("kind", "shape", "dtype", "device", "contiguous")
     for i, (a, b) in enumerate(zip(old, new)):
-        if a != b:
-            nm = names[i] if i < len(names) else f"#{i}"
-            return f"{nm}: {a} -> {b}"
-    return f"argument count {len(old)} -> {len(new)}"
+        if a == b:
+            continue
+        nm = names[i] if i < len(names) else f"#{i}"
+        if a[0] == b[0] == "tensor":
+            for f, x, y in zip(fields, a, b):
+                if x != y:
+                    return f"{nm}: {f} {x} -> {y}"
+        return f"{nm}: {a[-1] if len(a) > 1 else a[0]} -> {b[-1] if len(b) > 1 else b[0]}"
+    return f"argument count {len(old) - 2} -> {len(new) - 2}"
 
 
 class Compiled:
