@@ -219,7 +219,16 @@ def read_host(module: Any) -> dict[str, GpuFunction]:
                                 raise RuntimeError(f"[compile] kernel operand {n} of unknown origin")
                             operands.append(("int", c))
                 gf.launches.append(Launch(ker, mod, grid, block, operands))  # type: ignore[arg-type]
-            elif nm in ("memref.dealloc", "arith.constant", "func.return", "memref.cast"):
+            elif nm in ("memref.collapse_shape", "memref.expand_shape", "memref.cast"):
+                src = o.operation.operands[0].get_name()
+                res = o.operation.results[0].get_name()
+                if src in args:
+                    args[res] = args[src]
+                elif src in temps:
+                    temps[res] = temps[src]
+                else:
+                    raise RuntimeError(f"[compile] view {nm} of unknown origin")
+            elif nm in ("memref.dealloc", "arith.constant", "func.return"):
                 continue
             elif nm.startswith("arith.") or nm.startswith("affine."):
                 continue
@@ -251,6 +260,7 @@ class GpuCode:
     functions: dict[str, GpuFunction]
     ptx: dict[str, str]
     unsupported: dict[str, str]  # function -> why its host side cannot be replayed
+    row_kernels: dict[str, int] = field(default_factory=dict)  # function -> threads (rowgen)
 
 
 def compile_module(module: Any, dump: Any = None, stage_s: dict | None = None) -> GpuCode:
@@ -259,11 +269,23 @@ def compile_module(module: Any, dump: Any = None, stage_s: dict | None = None) -
 
     from mlir.passmanager import PassManager
 
+    from mlir.dialects import func as _func
+
+    from . import rowgen
+
     t = time.perf_counter()
+    row_threads: dict[str, int] = {}
+    for op in list(module.body.operations):
+        if isinstance(op.opview, _func.FuncOp):
+            T = rowgen.apply(op.opview)
+            if T is not None:
+                row_threads[op.opview.name.value] = T
+    if dump:
+        dump.write("03-gpu-rows.mlir", str(module))
     map_to_gpu(module)
     PassManager.parse(OUTLINE).run(module.operation)
     if dump:
-        dump.write("03-gpu-mapped.mlir", str(module))
+        dump.write("04-gpu-mapped.mlir", str(module))
     fns: dict[str, GpuFunction] = {}
     unsupported: dict[str, str] = {}
     from mlir.dialects import func
@@ -278,11 +300,12 @@ def compile_module(module: Any, dump: Any = None, stage_s: dict | None = None) -
     PassManager.parse(device_pipeline()).run(module.operation)
     ptx = binaries(module)
     if dump:
+        dump.write("05-gpu-binary.mlir", str(module)[:200000])
         for k, v in ptx.items():
             dump.write(f"ptx/{k}.ptx", v)
     if stage_s is not None:
         stage_s["ptx"] = time.perf_counter() - t
-    return GpuCode(fns, ptx, unsupported)
+    return GpuCode(fns, ptx, unsupported, row_threads)
 
 
 def read_host_one(f: Any) -> dict[str, GpuFunction]:

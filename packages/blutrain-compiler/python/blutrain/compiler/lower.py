@@ -110,6 +110,60 @@ def _delinear(lin: Expr, shape: Sequence[int]) -> list[Expr]:
     return out
 
 
+def _reshape_groups(dst: tuple[int, ...], src: tuple[int, ...]
+                    ) -> list[tuple[list[int], list[int]]] | None:
+    """Pairs (dst dims, src dims) whose products match, in order: a reshape that only merges
+    or splits neighbouring dims maps each group alone (no div / mod across groups)."""
+    groups = []
+    i = j = 0
+    while i < len(dst) or j < len(src):
+        gd, gs = [], []
+        pd = ps = 1
+        if i < len(dst):
+            gd.append(i)
+            pd *= dst[i]
+            i += 1
+        if j < len(src):
+            gs.append(j)
+            ps *= src[j]
+            j += 1
+        while pd != ps:
+            if pd < ps and i < len(dst):
+                gd.append(i)
+                pd *= dst[i]
+                i += 1
+            elif ps < pd and j < len(src):
+                gs.append(j)
+                ps *= src[j]
+                j += 1
+            else:
+                return None
+        # trailing unit dims join the current group
+        while i < len(dst) and dst[i] == 1 and (j >= len(src) or src[j] != 1):
+            gd.append(i)
+            i += 1
+        while j < len(src) and src[j] == 1 and (i >= len(dst) or dst[i] != 1):
+            gs.append(j)
+            j += 1
+        groups.append((gd, gs))
+    return groups
+
+
+def _reshape_index(e: list[Expr], dst: tuple[int, ...], src: tuple[int, ...]) -> list[Expr]:
+    groups = _reshape_groups(dst, src)
+    if groups is None:
+        return _delinear(_linear(e, dst), src)
+    out: list[Expr] = [_c(0)] * len(src)
+    for gd, gs in groups:
+        if len(gd) == 1 and len(gs) == 1:
+            out[gs[0]] = e[gd[0]]
+            continue
+        lin = _linear([e[k] for k in gd], [dst[k] for k in gd])
+        for k, x in zip(gs, _delinear(lin, [src[k] for k in gs])):
+            out[k] = x
+    return out
+
+
 def norm_dim(d: int, rank: int) -> int:
     return d + rank if d < 0 else d
 
@@ -438,15 +492,43 @@ class Emitter:
         shape, _ = self.out(n)
         x = self.val(n.inputs[0])
         src = x.shape
+        if x.tensor is not None and x.identity and tuple(shape) != tuple(src):
+            # a contiguous tensor: tensor.collapse_shape / expand_shape (free after
+            # bufferization; upstream fusion propagates them), so loop bounds stay plain dims
+            return Ref(x.dtype, tuple(shape), self._reshape_tensor(x.tensor, src, tuple(shape),
+                                                                 x.dtype))
         if tuple(s for s in src if s != 1) == tuple(s for s in shape if s != 1):
             # only unit dims change: a direct map (no div / mod)
             nz = [i for i, s in enumerate(shape) if s != 1]
             return x.view(shape, lambda e: _regroup(e, nz, src))
-        return x.view(shape, lambda e: _delinear(_linear(e, shape), src))
+        return x.view(shape, lambda e: _reshape_index(e, tuple(shape), tuple(src)))
 
     op_view = op_reshape
     op_squeeze = op_reshape
     op_unsqueeze = op_reshape
+
+    def _reshape_tensor(self, t: ir.Value, src: tuple[int, ...], dst: tuple[int, ...],
+                        dtype: str) -> ir.Value:
+        et = S.storage_type(dtype)
+
+        def reassoc(n: int) -> ir.ArrayAttr:
+            i64 = ir.IntegerType.get_signless(64)
+            return ir.ArrayAttr.get([ir.ArrayAttr.get([ir.IntegerAttr.get(i64, i)
+                                                       for i in range(n)])] if n else [])
+
+        flat = t
+        n = math.prod(src)
+        if len(src) != 1:
+            ft = ir.RankedTensorType.get([n] if src else [], et)
+            flat = tensor.CollapseShapeOp(ft, t, reassoc(len(src))).result if src else \
+                tensor.ExpandShapeOp(ir.RankedTensorType.get([1], et), t, ir.ArrayAttr.get([]),
+                                     [], [1]).result
+        if len(dst) == 1:
+            return flat
+        out_t = ir.RankedTensorType.get(list(dst), et)
+        if not dst:
+            return tensor.CollapseShapeOp(out_t, flat, ir.ArrayAttr.get([])).result
+        return tensor.ExpandShapeOp(out_t, flat, reassoc(len(dst)), [], list(dst)).result
 
     def op_permute(self, n: Node) -> Ref:
         shape, _ = self.out(n)

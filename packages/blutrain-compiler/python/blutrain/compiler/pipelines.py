@@ -14,9 +14,10 @@ BUFFERIZE = (
 )
 
 # Small temporaries (a row's statistics) on the stack: no malloc in a kernel call.
+# Larger temporaries (a full-size value read by a gather) are freed by the deallocation pipeline.
 CPU_LOOPS = (
     "builtin.module(func.func(promote-buffers-to-stack{max-alloc-size-in-bytes=65536}), "
-    "convert-linalg-to-loops, canonicalize)"
+    "buffer-deallocation-pipeline, convert-linalg-to-loops, canonicalize)"
 )
 
 CPU_LLVM = (

@@ -17,7 +17,7 @@ from typing import Any
 
 import blutrain.tensor as bt
 
-from . import backend_cpu, eager, fusion, pipelines
+from . import backend_cpu, eager, fusion, pipelines, recompute
 from .graph import Graph, Node
 
 log = logging.getLogger("blutrain.compiler")
@@ -37,6 +37,7 @@ class Stats:
     fallbacks: int = 0
     compile_s: float = 0.0
     cache: str = "miss"
+    recomputed: int = 0
     stage_s: dict[str, float] = field(default_factory=dict)
 
 
@@ -203,6 +204,8 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
         for k, (name, pipe) in enumerate(stages, 1):
             ts = time.perf_counter()
             try:
+                if name == "fused":
+                    st.recomputed = recompute.duplicate(module)
                 PassManager.parse(pipe).run(module.operation)
             except Exception as e:  # MLIR diagnostics arrive as a RuntimeError / MLIRError
                 where = dump.dir if dump else "set BLUTRAIN_COMPILE_DUMP=dir to keep the IR"
@@ -280,6 +283,7 @@ def ptx_for(graph: Graph, dump: Any = None) -> Any:
         module = ir.Module.create()
         for G in part.groups:
             Emitter(graph, G.nodes, G.inputs, G.outputs, G.name).build(module)
+        recompute.duplicate(module)
         PassManager.parse(pipelines.FUSE).run(module.operation)
         PassManager.parse(pipelines.BUFFERIZE).run(module.operation)
         return part, backend_gpu.compile_module(module, dump)
