@@ -8,6 +8,8 @@ See the package README for the pipeline, the dump, the cache and the memory plan
 
 from __future__ import annotations
 
+__version__ = "0.1.0"
+
 from .api import CompiledFunction, RecompileLimitError, compile
 from .graph import Graph, from_capture
 from .program import CompileError, build

@@ -69,6 +69,8 @@ class Compiled:
         self.prog, self.graph, self.bind = prog, graph, bind
         self.outputs, self.out_struct = outputs, out_struct
         self.grads, self.mutations = grads, mutations
+        # values the caller keeps are not planned into the arena (it is reused every call)
+        prog.prepare(set(outputs) | {v for _, v in grads} | {v for _, v in mutations})
 
     def __call__(self, args: Sequence[Any]) -> Any:
         ins = []

@@ -262,6 +262,32 @@ class GpuCode:
     unsupported: dict[str, str]  # function -> why its host side cannot be replayed
     row_kernels: dict[str, int] = field(default_factory=dict)  # function -> threads (rowgen)
 
+    def to_json(self) -> str:
+        import json
+
+        return json.dumps({
+            "functions": {k: {"launches": [[ln.kernel, ln.module, list(ln.grid), list(ln.block),
+                                            [list(o) for o in ln.operands]]
+                                           for ln in f.launches],
+                              "temps": [[list(sh), el, nb] for sh, el, nb in f.temps]}
+                          for k, f in self.functions.items()},
+            "ptx": self.ptx, "row_kernels": self.row_kernels,
+        })
+
+    @staticmethod
+    def from_json(text: str) -> GpuCode:
+        import json
+
+        d = json.loads(text)
+        fns = {}
+        for k, f in d["functions"].items():
+            gf = GpuFunction(k)
+            gf.launches = [Launch(a, b, tuple(c), tuple(e), [(o[0], o[1]) for o in ops])
+                           for a, b, c, e, ops in f["launches"]]
+            gf.temps = [(tuple(sh), el, nb) for sh, el, nb in f["temps"]]
+            fns[k] = gf
+        return GpuCode(fns, d["ptx"], {}, d.get("row_kernels", {}))
+
 
 def compile_module(module: Any, dump: Any = None, stage_s: dict | None = None) -> GpuCode:
     """Bufferized module (one function per group) -> launches + PTX for sm_90."""

@@ -40,16 +40,21 @@ def atomic_write(path: str, data: bytes) -> None:
         raise
 
 
+MLIR_PIN = "22.1.8.4"  # xtc-mlir-python-bindings, pinned in pyproject.toml
+
+
 def versions() -> dict[str, str]:
+    """This package's version and the MLIR bindings' (the pin where they are not installed as
+    a distribution: a GPU machine with the bundled bindings or none, reading cached code)."""
     from importlib import metadata
 
-    out = {}
-    for pkg in ("blutrain-compiler", "xtc-mlir-python-bindings"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            out[pkg] = "unknown"
-    return out
+    from . import __version__
+
+    try:
+        mlir = metadata.version("xtc-mlir-python-bindings")
+    except metadata.PackageNotFoundError:
+        mlir = MLIR_PIN
+    return {"blutrain-compiler": __version__, "mlir": mlir}
 
 
 def folder() -> str | None:
