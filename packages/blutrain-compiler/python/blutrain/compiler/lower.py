@@ -360,11 +360,24 @@ class Emitter:
             return r
         init_t = self.filled(kept, acc, init)
         n = len(refs)
+        # loops in the order (kept dims, reduced dims): every reduction is over trailing loops,
+        # which the loop mappings (parallel outside, reduction inside) rely on
+        dset = set(dims)
+        order = [i for i in range(len(shape)) if i not in dset] + sorted(dset)
+        if order != list(range(len(shape))):
+            pos = {d: k for k, d in enumerate(order)}
+            refs = [r.view(tuple(shape[d] for d in order),
+                           lambda e, pos=pos: [e[pos[i]] for i in range(len(shape))])
+                    for r in refs]
+        pshape = tuple(shape[d] for d in order)
+        pdims = list(range(len(kept), len(shape)))
         if with_index:
-            body = lambda idx, *a: [combine(elem(idx, *a[:n]), a[n])]  # noqa: E731
+            inv = [order.index(i) for i in range(len(shape))]
+            body = lambda idx, *a: [combine(elem([idx[inv[i]] for i in range(len(idx))], *a[:n]),  # noqa: E731
+                                            a[n])]
         else:
             body = lambda *a: [combine(elem(*a[:n]), a[n])]  # noqa: E731
-        (t,) = self.generic(shape, dims, refs, [(acc, init_t)], body, with_index)
+        (t,) = self.generic(pshape, pdims, refs, [(acc, init_t)], body, with_index)
         return Ref(acc, kept, t)
 
     def bcast(self, r: Ref, shape: tuple[int, ...]) -> Ref:

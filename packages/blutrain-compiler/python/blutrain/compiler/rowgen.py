@@ -81,20 +81,29 @@ def _loop_ranges(op: Any, n: int) -> list[int]:
     return ranges
 
 
-def _kind(o: Any, S: list[int] | None) -> tuple[str, list[int]]:
-    """('red' | 'ew' | 'row' | 'other', iteration space) of a linalg.generic."""
+def _kind(o: Any, S: tuple | None) -> tuple[str, tuple]:
+    """('red' | 'ew' | 'row' | 'other', space) of a linalg.generic; a space is (rows shape,
+    reduced shape): a block per row, its threads over the reduced (or last) elements."""
     it = _iters(o)
     n = len(it)
     rng = _loop_ranges(o, n)
     if "reduction" in it:
-        if it[-1] == "reduction" and it[:-1] == ["parallel"] * (n - 1):
-            return "red", rng
-        return "other", rng
-    if S is not None and n == len(S) - 1 and rng == S[:-1]:
+        k = it.index("reduction")
+        if it[k:] != ["reduction"] * (n - k) or it[:k] != ["parallel"] * k:
+            return "other", ((), ())
+        # threads over the reduced elements: contiguous in memory for the first input, or the
+        # row kernel's reads would be strided (column sums keep the thread-per-column loops)
+        maps = _maps(o)
+        if k > 0 and list(o.inputs):
+            last = maps[0].results[-1] if maps[0].results else None
+            if last is None or _dim_pos(last) != n - 1:
+                return "other", ((), ())
+        return "red", (tuple(rng[:k]), tuple(rng[k:]))
+    if S is not None and n == len(S[0]) and tuple(rng) == S[0]:
         return "row", S
     if n == 0:
-        return "row", [1]
-    return "ew", rng
+        return "row", ((), (1,))
+    return "ew", (tuple(rng[:-1]), (rng[-1],))
 
 
 def segments(f: Any) -> list[tuple[str, list[int], list[Any]]]:
@@ -116,10 +125,10 @@ def segments(f: Any) -> list[tuple[str, list[int], list[Any]]]:
         kind, space = _kind(o, S)
         if kind == "other":
             if cur is None or cur[0] != "loops":
-                cur = ("loops", [], [])
+                cur = ("loops", ((), ()), [])
                 segs.append(cur)
         elif cur is None or cur[0] != "rows" or cur[1] != space:
-            if kind == "row" and space != [1]:
+            if kind == "row" and space != ((), (1,)):
                 raise NotARowGroup("per-row op outside its rows")
             cur = ("rows", space, [])
             segs.append(cur)
@@ -180,8 +189,9 @@ def _c(v: int) -> Any:
     return arith.constant(ir.IndexType.get(), v)
 
 
-def _emit(f: Any, S: list[int], ops: list[Any], needed: set[Any]) -> int:
-    rows_shape, C = S[:-1], S[-1]
+def _emit(f: Any, S: tuple, ops: list[Any], needed: set[Any]) -> int:
+    rows_shape, red_shape = list(S[0]), list(S[1])
+    C = math.prod(red_shape)
     R = math.prod(rows_shape)
     T = threads_for(C) if any(_iters(o) and "reduction" in _iters(o) for o in ops
                               if o.operation.name == "linalg.generic") or C > 1 else 1
@@ -201,6 +211,15 @@ def _emit(f: Any, S: list[int], ops: list[Any], needed: set[Any]) -> int:
             ridx.append(arith.remui(q, _c(s)) if k > 0 else q)
         is0 = arith.cmpi(arith.CmpIPredicate.eq, tx, _c(0))
         row_val: dict[Any, Any] = {}
+
+        def cidx(c: Any) -> list[Any]:
+            """Indices of the reduced (or last) dims of linear position c."""
+            out = []
+            for k, s in enumerate(red_shape):
+                st = math.prod(red_shape[k + 1:])
+                q = arith.divui(c, _c(st)) if st != 1 else c
+                out.append(arith.remui(q, _c(s)) if k > 0 else q)
+            return out
 
         def load(v: Any, m: Any, idx: list[Any]) -> Any:
             if v in row_val:
@@ -251,7 +270,7 @@ def _emit(f: Any, S: list[int], ops: list[Any], needed: set[Any]) -> int:
                     init = load(out, maps[-1], ridx)
                 loop = scf.ForOp(tx, _c(C), _c(T), [init])
                 with ir.InsertionPoint(loop.body):
-                    idx = list(ridx) + [loop.induction_variable]
+                    idx = list(ridx) + cidx(loop.induction_variable)
                     args = [load(v, m, idx) for v, m in zip(ins, maps[:n_in])]
                     (res,) = clone_body(o, args + [loop.inner_iter_args[0]], idx)
                     scf.YieldOp([res])
@@ -261,12 +280,13 @@ def _emit(f: Any, S: list[int], ops: list[Any], needed: set[Any]) -> int:
                         f"#gpu<all_reduce_op {REDUCE_KIND[_combiner(o)]}>"), uniform=True)
                 row_val[out] = total
                 store_row(out, total)
-            elif len(it) == len(S) and S != [1]:  # elementwise over the row, written out
+            elif len(it) == len(rows_shape) + len(red_shape) and S != ((), (1,)):
+                # elementwise over the row, written out
                 if out not in keep:
                     raise RuntimeError("[compile] row group: an unread full-size value")
                 loop = scf.ForOp(tx, _c(C), _c(T))
                 with ir.InsertionPoint(loop.body):
-                    idx = list(ridx) + [loop.induction_variable]
+                    idx = list(ridx) + cidx(loop.induction_variable)
                     args = [load(v, m, idx) for v, m in zip(ins, maps[:n_in])]
                     (res,) = clone_body(o, args + [_undef_like(out)], idx)
                     oi = [affine.apply(ir.AffineMap.get(maps[-1].n_dims, 0, [e]), idx)
