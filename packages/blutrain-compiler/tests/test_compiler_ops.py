@@ -139,3 +139,15 @@ def test_fusion_counts_softmax_one_group() -> None:
     (prog,) = [p.prog for p in c.programs.values()]
     assert prog.stats.groups == 1
     assert prog.stats.eager_steps == 0
+
+
+def test_cat_and_rotary() -> None:
+    x = rand(2, 3, 5, 8)
+    c, s = rand(5, 8), rand(5, 8)
+
+    def rope(t, cs, sn):
+        t1, t2 = t[..., :4], t[..., 4:]
+        return t * cs + bt.cat([-t2, t1], -1) * sn
+
+    check(rope, x, c, s)
+    check(lambda a, b: bt.cat([a, b * 2], 1).exp(), rand(3, 4), rand(3, 6))

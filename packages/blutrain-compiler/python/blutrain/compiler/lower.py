@@ -45,7 +45,7 @@ COMPOSITES = {
     "softmax", "log_softmax", "softmax_backward", "log_softmax_backward", "layer_norm",
     "layer_norm_backward", "cross_entropy", "cross_entropy_backward", "add_layer_norm",
 }
-OTHER = {"full", "arange", "astype", "where", "masked_fill", "copy_", "contiguous", "clone"}
+OTHER = {"full", "arange", "astype", "where", "masked_fill", "copy_", "contiguous", "clone", "cat"}
 LOWERABLE = UNARY | BINARY | VIEWS | REDUCTIONS | COMPOSITES | OTHER
 
 
@@ -500,6 +500,39 @@ class Emitter:
         src = self.val(n.inputs[1])
         return self.cast_ref(self.bcast(src, shape), dt)
 
+    def op_cat(self, n: Node) -> Ref:
+        """Each element picks its input by its index along `dim` (gathers from the inputs,
+        materialised once): a cat fuses with what follows it."""
+        shape, dt = self.out(n)
+        d = norm_dim(n.attrs["dim"], len(shape))
+        parts = [self.val(i) for i in n.inputs]
+        tens = [self.materialize(r) for r in parts]
+        sizes = [r.shape[d] for r in parts]
+        idx_t = ir.IndexType.get()
+
+        def f(idx: list) -> ir.Value:
+            pos = idx[d]
+            val = None
+            start = sum(sizes)
+            for k in range(len(parts) - 1, -1, -1):
+                start -= sizes[k]
+                local = arith.subi(pos, arith.constant(idx_t, start)) if start else pos
+                hi = arith.constant(idx_t, sizes[k] - 1)
+                lo = arith.constant(idx_t, 0)
+                clamped = arith.maxsi(lo, arith.minsi(local, hi))  # never out of bounds
+                ii = list(idx)
+                ii[d] = clamped
+                v = S.cast(_ld(tensor.extract(tens[k], ii), parts[k].dtype), parts[k].dtype, dt)
+                if val is None:
+                    val = v
+                else:
+                    inside = arith.cmpi(arith.CmpIPredicate.slt, pos,
+                                        arith.constant(idx_t, start + sizes[k]))
+                    val = arith.select(inside, v, val)
+            return val
+
+        return self.ew(shape, dt, [], f, with_index=True)
+
     # ---- views ------------------------------------------------------------------------------
     def op_reshape(self, n: Node) -> Ref:
         shape, _ = self.out(n)
@@ -556,12 +589,23 @@ class Emitter:
         return self.bcast(self.val(n.inputs[0]), tuple(shape))
 
     def op_slice(self, n: Node) -> Ref:
+        """tensor.extract_slice (a subview after bufferization, no copy): an index map d + start
+        would let linalg take the sliced dim's size from the unsliced operand."""
         shape, _ = self.out(n)
         x = self.val(n.inputs[0])
         d = norm_dim(n.attrs["dim"], len(shape))
         start, step = n.attrs["start"], n.attrs.get("step", 1)
-        return x.view(shape, lambda e: [e[i] * step + start if i == d else e[i]
-                                         for i in range(len(e))])
+        if tuple(shape) == tuple(x.shape):
+            return x
+        t = x.tensor if x.tensor is not None and x.identity else self.materialize(x)
+        rank = len(x.shape)
+        offs = [start if i == d else 0 for i in range(rank)]
+        strides = [step if i == d else 1 for i in range(rank)]
+        rt = ir.RankedTensorType.get(list(shape), S.storage_type(x.dtype))
+        dense = ir.DenseI64ArrayAttr.get
+        sl = tensor.ExtractSliceOp(rt, t, [], [], [], dense(offs), dense(list(shape)),
+                                   dense(strides)).result
+        return Ref(x.dtype, tuple(shape), sl)
 
     def op_select(self, n: Node) -> Ref:
         shape, _ = self.out(n)
@@ -978,6 +1022,10 @@ def _delin_vals(lin: ir.Value, shape: Sequence[int]) -> list[ir.Value]:
         q = arith.divui(lin, arith.constant(ir.IndexType.get(), st)) if st != 1 else lin
         out.append(arith.remui(q, arith.constant(ir.IndexType.get(), sz)))
     return out
+
+
+def _ld(v: ir.Value, dtype: str) -> ir.Value:
+    return S.load_bool(v) if dtype == "bool" else v
 
 
 def _index(i: int) -> ir.Value:

@@ -123,12 +123,20 @@ def segments(f: Any) -> list[tuple[str, list[int], list[Any]]]:
             raise NotARowGroup(f"op {nm}")
         S = cur[1] if cur is not None and cur[0] == "rows" else None
         kind, space = _kind(o, S)
+        # a body that gathers (tensor.extract -> memref.load) from a value this segment writes
+        # may read another block's elements: it starts a new launch (a grid-wide barrier)
+        if cur is not None and cur[0] == "rows":
+            gathered: set[Any] = set()
+            _body_reads(o, gathered)
+            written = {list(p.outputs)[0] for p in cur[2] if p.operation.name == "linalg.generic"}
+            if gathered & written:
+                cur = None
         if kind == "other":
             if cur is None or cur[0] != "loops":
                 cur = ("loops", ((), ()), [])
                 segs.append(cur)
         elif cur is None or cur[0] != "rows" or cur[1] != space:
-            if kind == "row" and space != ((), (1,)):
+            if kind == "row" and space != ((), (1,)) and S is None:
                 raise NotARowGroup("per-row op outside its rows")
             cur = ("rows", space, [])
             segs.append(cur)
