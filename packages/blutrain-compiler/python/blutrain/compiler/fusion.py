@@ -19,6 +19,8 @@ from .graph import Graph, Node
 from .lower import LOWERABLE
 
 MAX_GROUP_NODES = 256  # nodes (views included) per group: bounds MLIR compile time per kernel
+# Old captures (before the graph contract) record accumulate_grad without an output: a side
+# effect the caller applies. Newer ones give it an output value (the leaf's new .grad): lowered.
 SIDE_EFFECTS = {"accumulate_grad"}
 
 
@@ -87,7 +89,7 @@ def partition(g: Graph, unlowerable: set[int] | None = None) -> Partition:
     for n in g.nodes:
         if n.op in eager.VIEW_OPS:
             continue
-        if n.op in SIDE_EFFECTS:
+        if n.op in SIDE_EFFECTS and not n.outputs:
             for i in n.inputs:
                 b, _ = chain(i)
                 G = group_of.get(b)

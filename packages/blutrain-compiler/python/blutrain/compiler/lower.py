@@ -45,7 +45,8 @@ COMPOSITES = {
     "softmax", "log_softmax", "softmax_backward", "log_softmax_backward", "layer_norm",
     "layer_norm_backward", "cross_entropy", "cross_entropy_backward", "add_layer_norm",
 }
-OTHER = {"full", "arange", "astype", "where", "masked_fill", "copy_", "contiguous", "clone", "cat"}
+OTHER = {"full", "arange", "astype", "where", "masked_fill", "copy_", "contiguous", "clone", "cat",
+         "accumulate_grad", "adamw_", "grad_norm", "clip_coef", "scale_"}
 LOWERABLE = UNARY | BINARY | VIEWS | REDUCTIONS | COMPOSITES | OTHER
 
 
@@ -532,6 +533,140 @@ class Emitter:
             return val
 
         return self.ew(shape, dt, [], f, with_index=True)
+
+    # ---- gradients and the optimizer (capture's mutating ops, as pure functions) -------------
+    def op_accumulate_grad(self, n: Node) -> Ref:
+        """inputs leaf, grad[, prev]: the leaf's new .grad (prev + grad, or grad)."""
+        shape, dt = self.out(n)
+        g = self.val(n.inputs[1])
+        if len(n.inputs) > 2 and n.inputs[2] >= 0:
+            prev = self.val(n.inputs[2])
+            cd = S.compute_dtype(dt)
+            return self.ew(shape, dt, [prev, g], lambda a, b: S.cast(S.add(
+                S.cast(a, prev.dtype, cd), S.cast(b, g.dtype, cd), cd), cd, dt))
+        return self.cast_ref(self.bcast(g, tuple(shape)), dt)
+
+    def op_adamw_(self, n: Node) -> list[Ref]:
+        """cpu/optim.cpp's AdamW, operation for operation: scalars in double from (lr, step),
+        rounded to the math type; the update in float (double for float64 parameters)."""
+        a = n.attrs
+        k = int(a["n"])
+        copies = bool(a.get("has_copies"))
+        ins = list(n.inputs)
+        P, G, M, V = ins[:k], ins[k:2 * k], ins[2 * k:3 * k], ins[3 * k:4 * k]
+        j = 5 * k if copies else 4 * k
+        lr_i = ins[j] if a.get("has_lr") else -1
+        j += 1 if a.get("has_lr") else 0
+        st_i = ins[j] if a.get("has_step") else -1
+        j += 1 if a.get("has_step") else 0
+        sc_i = ins[j] if a.get("has_scale") else -1
+        D = "float64"
+        b1, b2, eps = float(a["beta1"]), float(a["beta2"]), float(a["eps"])
+        wds = list(a["weight_decays"])
+
+        def scalar_in(i: int, default: float) -> Ref:
+            if i < 0:
+                return Ref(D, (), const=float(default), identity=False)
+            r = self.val(i)
+            return r.view((), lambda e: [_c(0)] * len(r.shape)) if r.shape else r
+
+        lr, step = scalar_in(lr_i, a.get("lr", 0.0)), scalar_in(st_i, a.get("step", 0))
+        scale = scalar_in(sc_i, 1.0) if sc_i >= 0 else None
+        outs_p, outs_m, outs_v, outs_c = [], [], [], []
+        for t in range(k):
+            p, g, m, v = (self.val(x) for x in (P[t], G[t], M[t], V[t]))
+            T_, Mt = p.dtype, S.compute_dtype(p.dtype)
+            Sd = m.dtype
+            wd = float(wds[t])
+            refs = [p, g, m, v, self.bcast(lr, p.shape), self.bcast(step, p.shape)]
+            if scale is not None:
+                refs.append(self.bcast(scale, p.shape))
+
+            def scal(lrv: ir.Value, stv: ir.Value, wd: float = wd, Mt: str = Mt) -> tuple:
+                from mlir.dialects import math as m_
+
+                lr64 = S.cast(lrv, lr.dtype, D)
+                st64 = S.cast(stv, step.dtype, D)
+                bias1 = arith.subf(S.const(D, 1.0), m_.powf(S.const(D, b1), st64))
+                b2s = m_.sqrt(arith.subf(S.const(D, 1.0), m_.powf(S.const(D, b2), st64)))
+                step_size = S.cast(arith.divf(lr64, bias1), D, Mt)
+                dfac = S.cast(arith.subf(S.const(D, 1.0), arith.mulf(lr64, S.const(D, wd))),
+                              D, Mt)
+                return step_size, S.cast(b2s, D, Mt), dfac
+
+            def upd(pv, gv, mv, vv, lrv, stv, *sc, T_=T_, Mt=Mt, Sd=Sd, wd=wd, which=0):
+                step_size, b2s, dfac = scal(lrv, stv, wd, Mt)
+                pj, gj = S.cast(pv, T_, Mt), S.cast(gv, g.dtype, Mt)
+                if sc:
+                    gj = arith.mulf(gj, S.cast(sc[0], scale.dtype, Mt))
+                if wd != 0:
+                    pj = arith.mulf(pj, dfac)
+                mj, vj = S.cast(mv, Sd, Mt), S.cast(vv, Sd, Mt)
+                mj = arith.addf(mj, arith.mulf(arith.subf(gj, mj), S.const(Mt, 1.0 - b1)))
+                vj = arith.addf(arith.mulf(vj, S.const(Mt, b2)),
+                                arith.mulf(arith.mulf(gj, gj), S.const(Mt, 1.0 - b2)))
+                if which == 1:
+                    return S.cast(mj, Mt, Sd)
+                if which == 2:
+                    return S.cast(vj, Mt, Sd)
+                from mlir.dialects import math as m_
+
+                denom = arith.addf(arith.divf(m_.sqrt(vj), b2s), S.const(Mt, eps))
+                pj = arith.subf(pj, arith.mulf(arith.divf(mj, denom), step_size))
+                return S.cast(pj, Mt, T_)
+
+            outs_p.append(self.ew(p.shape, T_, refs, upd))
+            outs_m.append(self.ew(p.shape, Sd, refs, lambda *q, u=upd: u(*q, which=1)))
+            outs_v.append(self.ew(p.shape, Sd, refs, lambda *q, u=upd: u(*q, which=2)))
+        if copies:
+            for t in range(k):
+                cdt = self.g.values[ins[4 * k + t]].dtype
+                outs_c.append(self.cast_ref(outs_p[t], cdt))
+        return outs_p + outs_m + outs_v + outs_c
+
+    def op_grad_norm(self, n: Node) -> Ref:
+        """sqrt of the sum of squares of every input (float64 sums), float32 or float64."""
+        shape, dt = self.out(n)
+        D = "float64"
+        tot = None
+        for i in n.inputs:
+            x = self.val(i)
+            cd = S.compute_dtype(x.dtype)
+            r = self.reduce(x.shape, list(range(len(x.shape))), D, 0.0, [x], lambda a, x=x, cd=cd:
+                            S.cast(arith.mulf(S.cast(a, x.dtype, cd), S.cast(a, x.dtype, cd)),
+                                   cd, D), lambda p_, q: arith.addf(p_, q))
+            tot = r if tot is None else self.ew((), D, [tot, r], lambda p_, q: arith.addf(p_, q))
+        from mlir.dialects import math as m_
+
+        return self.ew((), dt, [tot], lambda t_: S.cast(m_.sqrt(t_), D, dt))
+
+    def op_clip_coef(self, n: Node) -> Ref:
+        shape, dt = self.out(n)
+        x = self.val(n.inputs[0])
+        mx, eps = float(n.attrs["max_norm"]), float(n.attrs.get("eps", 1e-6))
+        F = "float32"
+
+        def f(v: ir.Value) -> ir.Value:
+            nrm = S.cast(v, x.dtype, F)
+            c = arith.divf(S.const(F, mx), arith.addf(nrm, S.const(F, eps)))
+            keep = arith.ori(S.cmp("lt", c, S.const(F, 1.0), F),
+                             arith.cmpf(arith.CmpFPredicate.UNO, c, c))
+            return S.cast(arith.select(keep, c, S.const(F, 1.0)), F, dt)
+
+        return self.ew(shape, dt, [x], f)
+
+    def op_scale_(self, n: Node) -> list[Ref]:
+        ins = list(n.inputs)
+        coef = self.val(ins[-1])
+        out = []
+        for i in ins[:-1]:
+            x = self.val(i)
+            cd = S.compute_dtype(x.dtype)
+            c0 = coef.view((), lambda e: [_c(0)] * len(coef.shape)) if coef.shape else coef
+            out.append(self.ew(x.shape, x.dtype, [x, self.bcast(c0, x.shape)], lambda a, c, x=x,
+                               cd=cd: S.cast(arith.mulf(S.cast(a, x.dtype, cd),
+                                                        S.cast(c, coef.dtype, cd)), cd, x.dtype)))
+        return out
 
     # ---- views ------------------------------------------------------------------------------
     def op_reshape(self, n: Node) -> Ref:
