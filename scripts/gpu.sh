@@ -52,6 +52,12 @@ if [ ${#wheels[@]} -gt 0 ]; then
     --target /tmp/site "${wheels[@]}" >"$OUT/install.log" 2>&1 || tail -20 "$OUT/install.log"
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
+# blutrain-compiler's MLIR bindings: the bundle packed by shared/tools/mlir-device-bundle.sh
+# (this machine reaches no registry), carried in .mlir/ (git-ignored).
+if [ -f .mlir/mlir-bundle.tar.xz ]; then
+  mkdir -p /tmp/mlir && tar xJf .mlir/mlir-bundle.tar.xz -C /tmp/mlir \
+    && export PYTHONPATH=/tmp/mlir${PYTHONPATH:+:$PYTHONPATH}
+fi
 # blutrain-models is pure Python: run it from the source tree.
 export PYTHONPATH=$ROOT/packages/blutrain-models/python${PYTHONPATH:+:$PYTHONPATH}
 
