@@ -59,19 +59,44 @@ def kernels(a: argparse.Namespace) -> list[dict]:
     del big
     N, C, V = 16384, 768, 32000
     cases = [
-        ("layer_norm (16384, 768)", lambda x, w, b: bt.layer_norm(x, (C,), w, b),
-         [t(N, C), t(C), t(C)], 2 * N * C * 4),
-        ("residual + rms_norm (16384, 768)",
-         lambda x, r, w: (x + r) * bt.rsqrt(((x + r) * (x + r)).mean(-1, keepdim=True) + 1e-5) * w,
-         [t(N, C), t(N, C), t(C)], 3 * N * C * 4),
-        ("softmax (12*1024, 1024) scaled", lambda x: bt.softmax(x * 0.125, -1),
-         [t(12 * 1024, 1024)], 2 * 12 * 1024 * 1024 * 4),
-        ("swiglu (16384, 2048)", lambda g, u: g * bt.sigmoid(g) * u,
-         [t(N, 2048), t(N, 2048)], 3 * N * 2048 * 4),
-        ("gelu_tanh (16384, 3072)", lambda x: bt.gelu(x, approximate="tanh"),
-         [t(N, 3072)], 2 * N * 3072 * 4),
-        ("cross_entropy (4096, 32000)", lambda x, y: bt.cross_entropy(x, y),
-         [t(4096, V), bt.tensor(rng.integers(0, V, 4096)).to(dev)], 4096 * V * 4),
+        (
+            "layer_norm (16384, 768)",
+            lambda x, w, b: bt.layer_norm(x, (C,), w, b),
+            [t(N, C), t(C), t(C)],
+            2 * N * C * 4,
+        ),
+        (
+            "residual + rms_norm (16384, 768)",
+            lambda x, r, w: (
+                (x + r) * bt.rsqrt(((x + r) * (x + r)).mean(-1, keepdim=True) + 1e-5) * w
+            ),
+            [t(N, C), t(N, C), t(C)],
+            3 * N * C * 4,
+        ),
+        (
+            "softmax (12*1024, 1024) scaled",
+            lambda x: bt.softmax(x * 0.125, -1),
+            [t(12 * 1024, 1024)],
+            2 * 12 * 1024 * 1024 * 4,
+        ),
+        (
+            "swiglu (16384, 2048)",
+            lambda g, u: g * bt.sigmoid(g) * u,
+            [t(N, 2048), t(N, 2048)],
+            3 * N * 2048 * 4,
+        ),
+        (
+            "gelu_tanh (16384, 3072)",
+            lambda x: bt.gelu(x, approximate="tanh"),
+            [t(N, 3072)],
+            2 * N * 3072 * 4,
+        ),
+        (
+            "cross_entropy (4096, 32000)",
+            lambda x, y: bt.cross_entropy(x, y),
+            [t(4096, V), bt.tensor(rng.integers(0, V, 4096)).to(dev)],
+            4096 * V * 4,
+        ),
     ]
     rows = []
     for name, fn, args, nbytes in cases:
@@ -80,8 +105,9 @@ def kernels(a: argparse.Namespace) -> list[dict]:
             c = btc.compile(fn)
             c(*args)
             s = timed(c, *args)
-            row.update(compiled_s=s, compiled_GBps=nbytes / s / 1e9,
-                       share_of_copy=nbytes / s / copy_bw)
+            row.update(
+                compiled_s=s, compiled_GBps=nbytes / s / 1e9, share_of_copy=nbytes / s / copy_bw
+            )
             (p,) = [v.prog for v in c.programs.values()]
             row["launches"] = sum(len(f.launches) for f in p.gpu_code.functions.values())
         except Exception as e:  # noqa: BLE001
@@ -98,24 +124,27 @@ def kernels(a: argparse.Namespace) -> list[dict]:
         if "error" in r:
             print(f"{r['kernel']:36s} ERROR {r['error']}")
             continue
-        print(f"{r['kernel']:36s} {r['launches']:6d} {r['compiled_GBps']:10.0f} "
-              f"{100 * r['share_of_copy']:6.1f}% {r.get('eager_GBps', float('nan')):10.0f}")
+        print(
+            f"{r['kernel']:36s} {r['launches']:6d} {r['compiled_GBps']:10.0f} "
+            f"{100 * r['share_of_copy']:6.1f}% {r.get('eager_GBps', float('nan')):10.0f}"
+        )
     return [dict(r, copy_GBps=copy_bw / 1e9) for r in rows]
 
 
 # ---- 2. the LLaMA-style step (one subprocess per row) ----------------------------------------
 def worker(a: argparse.Namespace) -> dict:
-    import numpy as np
-
     import llama_ref as L
+    import numpy as np
 
     cfg = L.Config.preset(a.model)
     if a.seq:
         cfg.seq = a.seq
     w = L.init_weights(cfg)
     rng = np.random.default_rng(1)
-    batches = [(rng.integers(0, cfg.vocab, (a.B, cfg.seq)), rng.integers(0, cfg.vocab, (a.B, cfg.seq)))
-               for _ in range(a.warmup + a.steps)]
+    batches = [
+        (rng.integers(0, cfg.vocab, (a.B, cfg.seq)), rng.integers(0, cfg.vocab, (a.B, cfg.seq)))
+        for _ in range(a.warmup + a.steps)
+    ]
     dev = a.device
     if a.framework == "ours":
         import blutrain.tensor as bt
@@ -123,8 +152,10 @@ def worker(a: argparse.Namespace) -> dict:
         if a.precision == "tf32":
             bt.set_float32_matmul_precision("high")
         params = {k: bt.tensor(v).to(dev).requires_grad_(True) for k, v in w.items()}
-        state = {k: (bt.zeros(p.shape, device=dev), bt.zeros(p.shape, device=dev))
-                 for k, p in params.items()}
+        state = {
+            k: (bt.zeros(p.shape, device=dev), bt.zeros(p.shape, device=dev))
+            for k, p in params.items()
+        }
         cos, sin = (bt.tensor(x).to(dev) for x in L.rope_tables(cfg))
 
         def step(idx, tgt, lr, t):
@@ -146,8 +177,12 @@ def worker(a: argparse.Namespace) -> dict:
             lr = 1e-3
             if a.compiled:
                 return run(bt.tensor(x).to(dev), bt.tensor(y).to(dev), lr, i + 1)
-            return run(bt.tensor(x).to(dev), bt.tensor(y).to(dev), bt.full((), lr, device=dev),
-                       bt.full((), float(i + 1), device=dev))
+            return run(
+                bt.tensor(x).to(dev),
+                bt.tensor(y).to(dev),
+                bt.full((), lr, device=dev),
+                bt.full((), float(i + 1), device=dev),
+            )
 
         def sync() -> None:
             if dev.startswith("cuda"):
@@ -164,8 +199,14 @@ def worker(a: argparse.Namespace) -> dict:
 
         torch.backends.cuda.matmul.allow_tf32 = a.precision == "tf32"
         model = L.torch_model(torch, cfg, w, dev)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
-                                weight_decay=0.1, foreach=False)
+        opt = torch.optim.AdamW(
+            model.parameters(),
+            lr=1e-3,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            weight_decay=0.1,
+            foreach=False,
+        )
 
         def step(idx, tgt):
             loss = model(idx, tgt)
@@ -198,8 +239,13 @@ def worker(a: argparse.Namespace) -> dict:
     sync()
     dt = time.perf_counter() - t0
     lv = float(loss.item()) if hasattr(loss, "item") else float("nan")
-    return {"tok_s": a.B * cfg.seq * a.steps / dt, "step_ms": 1e3 * dt / a.steps,
-            "warmup_s": warm, "peak_GiB": peak(), "loss": lv}
+    return {
+        "tok_s": a.B * cfg.seq * a.steps / dt,
+        "step_ms": 1e3 * dt / a.steps,
+        "warmup_s": warm,
+        "peak_GiB": peak(),
+        "loss": lv,
+    }
 
 
 def steps(a: argparse.Namespace) -> list[dict]:
@@ -210,10 +256,29 @@ def steps(a: argparse.Namespace) -> list[dict]:
         if not a.no_torch_compile and a.device.startswith("cuda"):
             plan.append(("torch", True))
     for fw, comp in plan:
-        cmd = [sys.executable, __file__, "--worker", "--framework", fw, "--device", a.device,
-               "--model", a.model, "-B", str(a.B), "--steps", str(a.steps), "--warmup",
-               str(a.warmup), "--precision", a.precision] + (["--compiled"] if comp else []) + (
-               ["--seq", str(a.seq)] if a.seq else [])
+        cmd = (
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                "--framework",
+                fw,
+                "--device",
+                a.device,
+                "--model",
+                a.model,
+                "-B",
+                str(a.B),
+                "--steps",
+                str(a.steps),
+                "--warmup",
+                str(a.warmup),
+                "--precision",
+                a.precision,
+            ]
+            + (["--compiled"] if comp else [])
+            + (["--seq", str(a.seq)] if a.seq else [])
+        )
         name = f"{fw} {'compiled' if comp else 'eager'}"
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
         try:
@@ -224,15 +289,19 @@ def steps(a: argparse.Namespace) -> list[dict]:
         rows.append(row)
     base = next((r for r in rows if r["row"] == "ours eager" and "tok_s" in r), None)
     print(f"\nLLaMA-style step, model {a.model}, B={a.B}, {a.device}, {a.precision}")
-    print(f"{'row':18s} {'tok/s':>10s} {'ms/step':>8s} {'peak GiB':>9s} {'vs ours eager':>13s} "
-          f"{'warmup s':>8s} {'loss':>8s}")
+    print(
+        f"{'row':18s} {'tok/s':>10s} {'ms/step':>8s} {'peak GiB':>9s} {'vs ours eager':>13s} "
+        f"{'warmup s':>8s} {'loss':>8s}"
+    )
     for r in rows:
         if "tok_s" not in r:
             print(f"{r['row']:18s} ERROR {r.get('error', '')[-300:]}")
             continue
         ratio = r["tok_s"] / base["tok_s"] if base else float("nan")
-        print(f"{r['row']:18s} {r['tok_s']:10.0f} {r['step_ms']:8.1f} {r['peak_GiB']:9.3f} "
-              f"{ratio:13.2f} {r['warmup_s']:8.1f} {r['loss']:8.4f}")
+        print(
+            f"{r['row']:18s} {r['tok_s']:10.0f} {r['step_ms']:8.1f} {r['peak_GiB']:9.3f} "
+            f"{ratio:13.2f} {r['warmup_s']:8.1f} {r['loss']:8.4f}"
+        )
     return rows
 
 

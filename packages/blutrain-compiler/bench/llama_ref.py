@@ -69,7 +69,7 @@ def bt_forward(bt, cfg: Config, w: dict, cos, sin, idx, tgt):
         return x * bt.rsqrt((x * x).mean(-1, keepdim=True) + cfg.eps) * g
 
     def rot(x):  # (B, H, T, D): x * cos + rotate_half(x) * sin
-        x1, x2 = x[..., : D // 2], x[..., D // 2:]
+        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
         return x * cos + bt.cat([-x2, x1], -1) * sin
 
     x = bt.embedding(idx, w["tok"])
@@ -120,8 +120,9 @@ def torch_model(torch, cfg: Config, w: dict, device: str):
     class Llama(nn.Module):
         def __init__(self):
             super().__init__()
-            self.p = nn.ParameterDict({k.replace(".", "_"): nn.Parameter(torch.tensor(v))
-                                       for k, v in w.items()})
+            self.p = nn.ParameterDict(
+                {k.replace(".", "_"): nn.Parameter(torch.tensor(v)) for k, v in w.items()}
+            )
             cos, sin = rope_tables(cfg)
             self.register_buffer("cos", torch.tensor(cos))
             self.register_buffer("sin", torch.tensor(sin))
@@ -136,7 +137,7 @@ def torch_model(torch, cfg: Config, w: dict, device: str):
                 return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + cfg.eps) * g
 
             def rot(x):
-                x1, x2 = x[..., : D // 2], x[..., D // 2:]
+                x1, x2 = x[..., : D // 2], x[..., D // 2 :]
                 return x * cos + torch.cat([-x2, x1], -1) * sin
 
             x = F.embedding(idx, P["tok"])
@@ -149,8 +150,9 @@ def torch_model(torch, cfg: Config, w: dict, device: str):
                 a = F.scaled_dot_product_attention(rot(q), rot(k), v, is_causal=True)
                 x = x + F.linear(a.transpose(1, 2).reshape(B, T, cfg.dim), P[p + "wo"])
                 h = rms(x, P[p + "mlp_norm"])
-                x = x + F.linear(F.silu(F.linear(h, P[p + "w1"])) * F.linear(h, P[p + "w3"]),
-                                 P[p + "w2"])
+                x = x + F.linear(
+                    F.silu(F.linear(h, P[p + "w1"])) * F.linear(h, P[p + "w3"]), P[p + "w2"]
+                )
             logits = F.linear(rms(x, P["norm"]), P["head"])
             return F.cross_entropy(logits.view(B * T, -1), tgt.view(B * T))
 

@@ -40,14 +40,20 @@ CASES = {
     "full_mean": (lambda x: (x.abs() + 1).mean(), lambda: [u(128, 129)]),
     "softmax": (lambda x: bt.softmax(x * 0.125, -1), lambda: [u(4, 12, 64, 64, lo=-8, hi=8)]),
     "log_softmax": (lambda x: bt.log_softmax(x, -1), lambda: [u(512, 1000, lo=-8, hi=8)]),
-    "layer_norm": (lambda x, w, b: bt.layer_norm(x, (768,), w, b), lambda: [u(8, 128, 768),
-                                                                            u(768), u(768)]),
-    "residual_layer_norm": (lambda x, r, w, b: bt.layer_norm(x + r, (768,), w, b),
-                            lambda: [u(1024, 768), u(1024, 768), u(768), u(768)]),
-    "cross_entropy": (lambda x, t: bt.cross_entropy(x, t),
-                      lambda: [u(256, 50257, lo=-6, hi=6),
-                               RNG.integers(0, 50257, 256).astype(np.int64)]),
-    "masked_softmax": (lambda x: bt.softmax(x.masked_fill(_causal(64, str(x.device)),
-                                                          float("-inf")), -1),
-                       lambda: [u(8, 64, 64)]),
+    "layer_norm": (
+        lambda x, w, b: bt.layer_norm(x, (768,), w, b),
+        lambda: [u(8, 128, 768), u(768), u(768)],
+    ),
+    "residual_layer_norm": (
+        lambda x, r, w, b: bt.layer_norm(x + r, (768,), w, b),
+        lambda: [u(1024, 768), u(1024, 768), u(768), u(768)],
+    ),
+    "cross_entropy": (
+        lambda x, t: bt.cross_entropy(x, t),
+        lambda: [u(256, 50257, lo=-6, hi=6), RNG.integers(0, 50257, 256).astype(np.int64)],
+    ),
+    "masked_softmax": (
+        lambda x: bt.softmax(x.masked_fill(_causal(64, str(x.device)), float("-inf")), -1),
+        lambda: [u(8, 64, 64)],
+    ),
 }

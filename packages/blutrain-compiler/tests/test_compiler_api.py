@@ -1,4 +1,5 @@
-"""compile(): guards, recompiles and their limit, runtime scalars, fallbacks, errors, dump, cache."""
+"""compile(): guards, recompiles and their limit, runtime scalars, fallbacks, errors, dump,
+cache."""
 
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ def test_guards_reuse_and_recompile(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="blutrain.compiler"):
         f(bt.randn(3, 8))
     assert len(f.programs) == 2
-    assert any("recompiling" in r.message and "(4, 8)" in r.message and "(3, 8)" in r.message
-               for r in caplog.records)
+    assert any(
+        "recompiling" in r.message and "(4, 8)" in r.message and "(3, 8)" in r.message
+        for r in caplog.records
+    )
     f(bt.randn(4, 8).double())  # a dtype change recompiles too
     assert len(f.programs) == 3
 
@@ -58,10 +61,10 @@ def test_cosine_schedule_compiles_once() -> None:
 
 
 def test_int_scalars_named_are_runtime() -> None:
-    f = btc.compile(lambda x, step: x * (0.9 ** step), scalars=("step",))
+    f = btc.compile(lambda x, step: x * (0.9**step), scalars=("step",))
     x = bt.ones(3)
     for s in range(1, 5):
-        np.testing.assert_allclose(f(x, s).numpy(), 0.9 ** s, rtol=1e-6)
+        np.testing.assert_allclose(f(x, s).numpy(), 0.9**s, rtol=1e-6)
     assert len(f.programs) == 1
 
 
@@ -88,8 +91,9 @@ def test_unlowerable_op_falls_back_with_one_log_line(caplog: pytest.LogCaptureFi
     np.testing.assert_allclose(c(x, idx).numpy(), f(x, idx).numpy(), rtol=1e-6)
 
 
-def test_lowering_failure_becomes_eager_fallback(caplog: pytest.LogCaptureFixture,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lowering_failure_becomes_eager_fallback(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from blutrain.compiler import lower
 
     def broken(self, n):  # a lowering that fails: the node runs eagerly, logged once
@@ -127,8 +131,15 @@ def test_dump_reparses_with_the_bindings(tmp_path, monkeypatch: pytest.MonkeyPat
     c(bt.randn(4, 8))
     (d,) = list(tmp_path.iterdir())
     names = sorted(p.name for p in d.iterdir())
-    for want in ("graph.json", "groups.txt", "00-lowered.mlir", "01-fused.mlir",
-                 "02-bufferized.mlir", "03-loops.mlir", "04-llvm.mlir"):
+    for want in (
+        "graph.json",
+        "groups.txt",
+        "00-lowered.mlir",
+        "01-fused.mlir",
+        "02-bufferized.mlir",
+        "03-loops.mlir",
+        "04-llvm.mlir",
+    ):
         assert want in names, names
     from mlir import ir
 
@@ -159,8 +170,9 @@ def _run(cache: str) -> dict:
 
     env = dict(os.environ, BLUTRAIN_COMPILE_CACHE=cache)
     env.pop("BLUTRAIN_COMPILE_DUMP", None)
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 

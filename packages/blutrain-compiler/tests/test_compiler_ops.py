@@ -90,7 +90,9 @@ def test_views_fused() -> None:
     check(lambda t: t.transpose(1, 3).sum(dim=(1,)) + t[:, 1].sum(-1).unsqueeze(-1), x)
 
 
-@pytest.mark.parametrize("dims,keep", [((-1,), False), ((0,), True), ((0, 2), False), (None, False)])
+@pytest.mark.parametrize(
+    "dims,keep", [((-1,), False), ((0,), True), ((0, 2), False), (None, False)]
+)
 def test_reductions(dims, keep) -> None:
     x = rand(6, 7, 8)
     if dims is None:

@@ -42,22 +42,40 @@ def test_adamw_matches_eager_kernel() -> None:
     M = [RNG.standard_normal(s).astype(np.float32) * 0.1 for s in shapes]
     V = [np.abs(RNG.standard_normal(s)).astype(np.float32) * 0.01 for s in shapes]
     lr, step, scale = 3e-4, 7.0, 0.5
-    attrs = {"lr": 0.0, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "step": 0, "n": k,
-             "weight_decays": tuple(wds), "has_lr": True, "has_step": True, "has_scale": True,
-             "has_copies": False}
+    attrs = {
+        "lr": 0.0,
+        "beta1": 0.9,
+        "beta2": 0.95,
+        "eps": 1e-8,
+        "step": 0,
+        "n": k,
+        "weight_decays": tuple(wds),
+        "has_lr": True,
+        "has_step": True,
+        "has_scale": True,
+        "has_copies": False,
+    }
     ins = list(range(4 * k + 3))
     outs = [(s, "float32") for s in shapes] * 3
-    g = _graph(shapes * 4 + [(), (), ()], ["float32"] * (4 * k + 3),
-               [("adamw_", attrs, ins, outs)], lambda g: g.nodes[0].outputs)
+    g = _graph(
+        shapes * 4 + [(), (), ()],
+        ["float32"] * (4 * k + 3),
+        [("adamw_", attrs, ins, outs)],
+        lambda g: g.nodes[0].outputs,
+    )
     prog = program.build(g, "cpu")
     tens = [bt.tensor(a.copy()) for a in P + Gr + M + V] + [
-        bt.full((), lr), bt.full((), step), bt.full((), scale)]
+        bt.full((), lr),
+        bt.full((), step),
+        bt.full((), scale),
+    ]
     env = prog.run(tens)
     got = [prog.value(env, o).numpy() for o in g.outputs]
     # eager: the multi-tensor kernel in place
     p, gr, m, v = ([bt.tensor(a.copy()) for a in arrs] for arrs in (P, Gr, M, V))
-    bt._tensor._adamw_(p, gr, m, v, bt.full((), lr), 0.9, 0.95, 1e-8, wds, bt.full((), step),
-                       bt.full((), scale))
+    bt._tensor._adamw_(
+        p, gr, m, v, bt.full((), lr), 0.9, 0.95, 1e-8, wds, bt.full((), step), bt.full((), scale)
+    )
     for a, b in zip(got, [t.numpy() for t in p + m + v]):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
@@ -65,11 +83,16 @@ def test_adamw_matches_eager_kernel() -> None:
 def test_grad_norm_clip_scale() -> None:
     shapes = [(40, 3), (17,)]
     xs = [RNG.standard_normal(s).astype(np.float32) for s in shapes]
-    g = _graph(shapes, ["float32"] * 2, [
-        ("grad_norm", {}, [0, 1], [((), "float32")]),
-        ("clip_coef", {"max_norm": 1.0, "eps": 1e-6}, [2], [((), "float32")]),
-        ("scale_", {}, [0, 1, 3], [(s, "float32") for s in shapes]),
-    ], lambda g: [2, 3, 4, 5])
+    g = _graph(
+        shapes,
+        ["float32"] * 2,
+        [
+            ("grad_norm", {}, [0, 1], [((), "float32")]),
+            ("clip_coef", {"max_norm": 1.0, "eps": 1e-6}, [2], [((), "float32")]),
+            ("scale_", {}, [0, 1, 3], [(s, "float32") for s in shapes]),
+        ],
+        lambda g: [2, 3, 4, 5],
+    )
     prog = program.build(g, "cpu")
     env = prog.run([bt.tensor(a) for a in xs])
     norm = np.sqrt(sum(float((a.astype(np.float64) ** 2).sum()) for a in xs))
@@ -82,12 +105,19 @@ def test_grad_norm_clip_scale() -> None:
 
 
 def test_accumulate_grad_with_and_without_prev() -> None:
-    a, b = RNG.standard_normal((4, 3)).astype(np.float32), RNG.standard_normal((4, 3)).astype(
-        np.float32)
-    g = _graph([(4, 3)] * 3, ["float32"] * 3, [
-        ("accumulate_grad", {}, [0, 1], [((4, 3), "float32")]),
-        ("accumulate_grad", {}, [0, 1, 2], [((4, 3), "float32")]),
-    ], lambda g: [3, 4])
+    a, b = (
+        RNG.standard_normal((4, 3)).astype(np.float32),
+        RNG.standard_normal((4, 3)).astype(np.float32),
+    )
+    g = _graph(
+        [(4, 3)] * 3,
+        ["float32"] * 3,
+        [
+            ("accumulate_grad", {}, [0, 1], [((4, 3), "float32")]),
+            ("accumulate_grad", {}, [0, 1, 2], [((4, 3), "float32")]),
+        ],
+        lambda g: [3, 4],
+    )
     prog = program.build(g, "cpu")
     env = prog.run([bt.zeros((4, 3)), bt.tensor(a), bt.tensor(b)])
     np.testing.assert_array_equal(prog.value(env, 3).numpy(), a)

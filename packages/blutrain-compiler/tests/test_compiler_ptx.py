@@ -4,12 +4,11 @@ for whole model steps: every group becomes kernels whose launches the runtime ca
 from __future__ import annotations
 
 import pytest
+from compiler_cases import CASES
 
 import blutrain.compiler as btc
 import blutrain.tensor as bt
 from blutrain.compiler import program
-
-from compiler_cases import CASES
 
 
 def _graph(fn, args) -> btc.Graph:
@@ -31,8 +30,12 @@ def test_ptx_every_pattern(name: str) -> None:
         for ln in f.launches:
             assert all(g >= 1 for g in ln.grid) and 1 <= ln.block[0] * ln.block[1] <= 1024
     for text in code.ptx.values():
-        assert ".target sm_90" in text and ".entry" in text and "__nv_" not in text.split(
-            ".entry")[0].replace(".extern", "") or True
+        assert (
+            ".target sm_90" in text
+            and ".entry" in text
+            and "__nv_" not in text.split(".entry")[0].replace(".extern", "")
+            or True
+        )
 
 
 def test_row_group_is_one_kernel() -> None:
@@ -51,6 +54,8 @@ def test_row_group_is_one_kernel() -> None:
             cg.mark_output(o)
     part, code = program.ptx_for(btc.from_capture(cg))
     (fn,) = code.functions.values()
-    assert [(ln.grid, ln.block) for ln in fn.launches] == [((32, 1, 1), (64, 1, 1)),
-                                                           ((1, 1, 1), (32, 1, 1))]
+    assert [(ln.grid, ln.block) for ln in fn.launches] == [
+        ((32, 1, 1), (64, 1, 1)),
+        ((1, 1, 1), (32, 1, 1)),
+    ]
     assert code.row_kernels

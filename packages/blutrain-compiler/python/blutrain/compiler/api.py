@@ -63,9 +63,16 @@ def _guard_diff(old: tuple, new: tuple, names: Sequence[str]) -> str:
 class Compiled:
     """One compiled program plus how to bind a call's arguments to its inputs."""
 
-    def __init__(self, prog: P.Program, graph: Graph, bind: list[tuple[str, Any]],
-                 outputs: list[int], out_struct: Any, grads: list[tuple[Any, int]],
-                 mutations: list[tuple[Any, int]]) -> None:
+    def __init__(
+        self,
+        prog: P.Program,
+        graph: Graph,
+        bind: list[tuple[str, Any]],
+        outputs: list[int],
+        out_struct: Any,
+        grads: list[tuple[Any, int]],
+        mutations: list[tuple[Any, int]],
+    ) -> None:
         self.prog, self.graph, self.bind = prog, graph, bind
         self.outputs, self.out_struct = outputs, out_struct
         self.grads, self.mutations = grads, mutations
@@ -102,8 +109,13 @@ class Compiled:
 
 
 class CompiledFunction:
-    def __init__(self, fn: Callable[..., Any], target: str | None, max_recompiles: int,
-                 scalars: Sequence[str | int]) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        target: str | None,
+        max_recompiles: int,
+        scalars: Sequence[str | int],
+    ) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.target = target
@@ -123,8 +135,11 @@ class CompiledFunction:
         if isinstance(x, float):
             return True
         nm = self.argnames[i] if i < len(self.argnames) else None
-        return isinstance(x, int) and not isinstance(x, bool) and (
-            i in self.scalars or (nm is not None and nm in self.scalars))
+        return (
+            isinstance(x, int)
+            and not isinstance(x, bool)
+            and (i in self.scalars or (nm is not None and nm in self.scalars))
+        )
 
     def key(self, args: Sequence[Any]) -> tuple:
         k = []
@@ -201,14 +216,22 @@ class CompiledFunction:
         grads, muts = self._effects(cg, g, bind)
         target = self.target or ("cuda" if dev.startswith("cuda") else "cpu")
         prog = P.build(g, target, dump=_dump_for(g))
-        log.info("[compile] %s: graph %s, %d nodes -> %d fused kernels, %d library calls, "
-                 "%d eager, %.2fs", self.__name__, g.hash(), prog.stats.nodes,
-                 prog.stats.groups, prog.stats.library_calls, prog.stats.eager_steps,
-                 prog.stats.compile_s)
+        log.info(
+            "[compile] %s: graph %s, %d nodes -> %d fused kernels, %d library calls, "
+            "%d eager, %.2fs",
+            self.__name__,
+            g.hash(),
+            prog.stats.nodes,
+            prog.stats.groups,
+            prog.stats.library_calls,
+            prog.stats.eager_steps,
+            prog.stats.compile_s,
+        )
         return Compiled(prog, g, bind, list(g.outputs), struct, grads, muts)
 
-    def _bind(self, cg: Any, g: Graph, args: Sequence[Any], call_args: list[Any],
-              scalar_t: dict[int, Any]) -> list[tuple[str, Any]]:
+    def _bind(
+        self, cg: Any, g: Graph, args: Sequence[Any], call_args: list[Any], scalar_t: dict[int, Any]
+    ) -> list[tuple[str, Any]]:
         """For each graph input: an argument position, a runtime scalar, or a fixed tensor."""
         tensors = cg.input_tensors() if hasattr(cg, "input_tensors") else None
         bind: list[tuple[str, Any]] = []
@@ -216,13 +239,19 @@ class CompiledFunction:
             found = None
             if tensors is not None:
                 t = tensors[k]
-                found = next((i for i, a in enumerate(call_args)
-                              if isinstance(a, bt.Tensor) and _same(a, t)), None)
+                found = next(
+                    (
+                        i
+                        for i, a in enumerate(call_args)
+                        if isinstance(a, bt.Tensor) and _same(a, t)
+                    ),
+                    None,
+                )
             else:  # a capture that cannot name its inputs: arguments were tagged by name
                 t = None
                 nm = g.values[vid].name
                 if nm.startswith("__btc_arg"):
-                    found = int(nm[len("__btc_arg"):])
+                    found = int(nm[len("__btc_arg") :])
                 else:
                     v = g.values[vid]
                     raise RuntimeError(
@@ -231,14 +260,16 @@ class CompiledFunction:
                         "it: pass it as an argument"
                     )
             if found is not None:
-                bind.append(("scalar", (found, scalar_t[found])) if found in scalar_t
-                            else ("arg", found))
+                bind.append(
+                    ("scalar", (found, scalar_t[found])) if found in scalar_t else ("arg", found)
+                )
             else:
                 bind.append(("tensor", t))
         return bind
 
-    def _effects(self, cg: Any, g: Graph, bind: list[tuple[str, Any]]
-                 ) -> tuple[list[tuple[Any, int]], list[tuple[Any, int]]]:
+    def _effects(
+        self, cg: Any, g: Graph, bind: list[tuple[str, Any]]
+    ) -> tuple[list[tuple[Any, int]], list[tuple[Any, int]]]:
         by_vid = {vid: b for vid, b in zip(g.inputs, bind)}
 
         def tensor_of(vid: int) -> Any:
@@ -267,8 +298,11 @@ class CompiledFunction:
 
 
 def _same(a: Any, b: Any) -> bool:
-    return a.data_ptr() == b.data_ptr() and tuple(a.shape) == tuple(b.shape) and (
-        tuple(a.stride()) == tuple(b.stride()))
+    return (
+        a.data_ptr() == b.data_ptr()
+        and tuple(a.shape) == tuple(b.shape)
+        and (tuple(a.stride()) == tuple(b.stride()))
+    )
 
 
 def _dump_for(g: Graph) -> Any:
@@ -280,8 +314,13 @@ def _dump_for(g: Graph) -> Any:
     return Dump(os.path.join(d, g.hash()))
 
 
-def compile(fn: Any = None, *, target: str | None = None, max_recompiles: int = 8,
-            scalars: Sequence[str | int] = ()) -> Any:
+def compile(
+    fn: Any = None,
+    *,
+    target: str | None = None,
+    max_recompiles: int = 8,
+    scalars: Sequence[str | int] = (),
+) -> Any:
     """Compile `fn` (or a Module's forward) with guards; usable as a decorator."""
     if fn is None:
         return lambda f: compile(f, target=target, max_recompiles=max_recompiles, scalars=scalars)

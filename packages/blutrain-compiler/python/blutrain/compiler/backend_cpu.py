@@ -52,8 +52,13 @@ def make_desc(ptr: int, shape: Sequence[int], strides: Sequence[int]) -> Any:
 class CpuKernel:
     """One compiled function: call(ptrs) with one data pointer per argument."""
 
-    def __init__(self, fnptr: int, shapes: Sequence[Sequence[int]],
-                 strides: Sequence[Sequence[int]], keep: Any) -> None:
+    def __init__(
+        self,
+        fnptr: int,
+        shapes: Sequence[Sequence[int]],
+        strides: Sequence[Sequence[int]],
+        keep: Any,
+    ) -> None:
         self.keep = keep  # the engine or the library that owns the code
         self.descs = [make_desc(0, sh, st) for sh, st in zip(shapes, strides)]
         n = len(self.descs)
@@ -85,8 +90,13 @@ def lookup(engine: Any, name: str) -> int:
 class PackedKernel(CpuKernel):
     """A kernel reached through ExecutionEngine's packed wrapper (void** of argument slots)."""
 
-    def __init__(self, fnptr: int, shapes: Sequence[Sequence[int]],
-                 strides: Sequence[Sequence[int]], keep: Any) -> None:
+    def __init__(
+        self,
+        fnptr: int,
+        shapes: Sequence[Sequence[int]],
+        strides: Sequence[Sequence[int]],
+        keep: Any,
+    ) -> None:
         self.keep = keep
         self.descs = [make_desc(0, sh, st) for sh, st in zip(shapes, strides)]
         n = len(self.descs)
@@ -117,8 +127,9 @@ def link_shared(obj: bytes, out_path: str) -> bool:
         o = os.path.join(d, "k.o")
         with open(o, "wb") as f:
             f.write(obj)
-        r = subprocess.run([cc, "-shared", "-o", out_path, o, "-lm"], capture_output=True,
-                           text=True)
+        r = subprocess.run(
+            [cc, "-shared", "-o", out_path, o, "-lm"], capture_output=True, text=True
+        )
         if r.returncode != 0:
             raise RuntimeError(f"[compile] linking the kernel library failed: {r.stderr[-2000:]}")
     return True

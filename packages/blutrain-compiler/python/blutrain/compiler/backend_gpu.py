@@ -55,7 +55,9 @@ class Launch:
 class GpuFunction:
     name: str
     launches: list[Launch] = field(default_factory=list)
-    temps: list[tuple[tuple[int, ...], str, int]] = field(default_factory=list)  # shape, type, bytes
+    temps: list[tuple[tuple[int, ...], str, int]] = field(
+        default_factory=list
+    )  # shape, type, bytes
 
 
 def tile_sizes(shape: list[int]) -> list[int]:
@@ -77,7 +79,9 @@ def _par_shapes(func_op: Any) -> list[list[int]]:
     for op in func_op.regions[0].blocks[0].operations:
         if op.operation.name == "scf.parallel":
             ub = []
-            for v in op.operation.operands[len(op.operation.operands) // 3:][: len(op.operation.operands) // 3]:
+            for v in op.operation.operands[len(op.operation.operands) // 3 :][
+                : len(op.operation.operands) // 3
+            ]:
                 ub.append(_const_int(v))
             out.append(ub)
     return out
@@ -110,12 +114,18 @@ def map_to_gpu(module: Any) -> None:
         if not isinstance(op.opview, func.FuncOp):
             continue
         PassManager.parse("func.func(convert-linalg-to-parallel-loops, canonicalize)").run(
-            op.operation)
+            op.operation
+        )
         shapes = _par_shapes(op.opview)
-        biggest = max(shapes, key=lambda s: (len(s), math.prod(max(x, 1) for x in s))) if shapes else []
+        biggest = (
+            max(shapes, key=lambda s: (len(s), math.prod(max(x, 1) for x in s))) if shapes else []
+        )
         tiles = tile_sizes(biggest)
-        tiling = (f"scf-parallel-loop-tiling{{parallel-loop-tile-sizes={','.join(map(str, tiles))}}},"
-                  if tiles else "")
+        tiling = (
+            f"scf-parallel-loop-tiling{{parallel-loop-tile-sizes={','.join(map(str, tiles))}}},"
+            if tiles
+            else ""
+        )
         PassManager.parse(f"func.func({tiling} gpu-map-parallel-loops)").run(op.operation)
         _innermost_on_x(op.operation, ir)
 
@@ -135,11 +145,16 @@ def _innermost_on_x(root: Any, ir: Any) -> None:
                             procs = [_proc(x) for x in items]
                             kind = procs[0][:-1]  # block_ / thread_
                             if all(p[:-1] == kind for p in procs):
-                                new = [x.replace(f"processor = {procs[i]}",
-                                                 f"processor = {kind}{'xyz'[n - 1 - i]}")
-                                       for i, x in enumerate(items)]
+                                new = [
+                                    x.replace(
+                                        f"processor = {procs[i]}",
+                                        f"processor = {kind}{'xyz'[n - 1 - i]}",
+                                    )
+                                    for i, x in enumerate(items)
+                                ]
                                 c.operation.attributes["mapping"] = ir.ArrayAttr.get(
-                                    [ir.Attribute.parse(x) for x in new])
+                                    [ir.Attribute.parse(x) for x in new]
+                                )
                     walk(c.operation)
 
     walk(root)
@@ -184,8 +199,16 @@ def read_host(module: Any) -> dict[str, GpuFunction]:
                 mt = ir.MemRefType(t)
                 shape = tuple(mt.shape)
                 el = str(mt.element_type)
-                bits = {"f32": 32, "f64": 64, "i64": 64, "i32": 32, "i8": 8, "f16": 16,
-                        "bf16": 16, "i1": 8}[el]
+                bits = {
+                    "f32": 32,
+                    "f64": 64,
+                    "i64": 64,
+                    "i32": 32,
+                    "i8": 8,
+                    "f16": 16,
+                    "bf16": 16,
+                    "i1": 8,
+                }[el]
                 temps[o.operation.results[0].get_name()] = len(gf.temps)
                 gf.temps.append((shape, el, max(1, math.prod(shape)) * bits // 8))
             elif nm == "gpu.launch_func":
@@ -194,14 +217,25 @@ def read_host(module: Any) -> dict[str, GpuFunction]:
                 mod, ker = [s.strip("@") for s in kref.split("::")]
                 ops = list(o.operation.operands)
                 # operands: [async deps], gridX..Z, blockX..Z, [cluster], [dyn shmem], kernel args
-                seg = [int(x) for x in str(a["operandSegmentSizes"]).split(":")[1].strip(
-                    " >").replace("array<i32", "").strip().split(",")] if "operandSegmentSizes" in a else None
+                seg = (
+                    [
+                        int(x)
+                        for x in str(a["operandSegmentSizes"])
+                        .split(":")[1]
+                        .strip(" >")
+                        .replace("array<i32", "")
+                        .strip()
+                        .split(",")
+                    ]
+                    if "operandSegmentSizes" in a
+                    else None
+                )
                 if seg is None:
                     raise RuntimeError("[compile] gpu.launch_func without operand segments")
                 k = seg[0]
-                grid = tuple(_const_int(v) for v in ops[k:k + 3])
-                block = tuple(_const_int(v) for v in ops[k + 3:k + 6])
-                kargs = ops[sum(seg[:-1]):]
+                grid = tuple(_const_int(v) for v in ops[k : k + 3])
+                block = tuple(_const_int(v) for v in ops[k + 3 : k + 6])
+                kargs = ops[sum(seg[:-1]) :]
                 operands: list[tuple[str, int]] = []
                 for v in kargs:
                     n = v.get_name()
@@ -216,7 +250,9 @@ def read_host(module: Any) -> dict[str, GpuFunction]:
                         else:
                             c = _const_int(v)
                             if v.owner.name != "arith.constant":
-                                raise RuntimeError(f"[compile] kernel operand {n} of unknown origin")
+                                raise RuntimeError(
+                                    f"[compile] kernel operand {n} of unknown origin"
+                                )
                             operands.append(("int", c))
                 gf.launches.append(Launch(ker, mod, grid, block, operands))  # type: ignore[arg-type]
             elif nm in ("memref.collapse_shape", "memref.expand_shape", "memref.cast"):
@@ -265,14 +301,28 @@ class GpuCode:
     def to_json(self) -> str:
         import json
 
-        return json.dumps({
-            "functions": {k: {"launches": [[ln.kernel, ln.module, list(ln.grid), list(ln.block),
-                                            [list(o) for o in ln.operands]]
-                                           for ln in f.launches],
-                              "temps": [[list(sh), el, nb] for sh, el, nb in f.temps]}
-                          for k, f in self.functions.items()},
-            "ptx": self.ptx, "row_kernels": self.row_kernels,
-        })
+        return json.dumps(
+            {
+                "functions": {
+                    k: {
+                        "launches": [
+                            [
+                                ln.kernel,
+                                ln.module,
+                                list(ln.grid),
+                                list(ln.block),
+                                [list(o) for o in ln.operands],
+                            ]
+                            for ln in f.launches
+                        ],
+                        "temps": [[list(sh), el, nb] for sh, el, nb in f.temps],
+                    }
+                    for k, f in self.functions.items()
+                },
+                "ptx": self.ptx,
+                "row_kernels": self.row_kernels,
+            }
+        )
 
     @staticmethod
     def from_json(text: str) -> GpuCode:
@@ -282,8 +332,10 @@ class GpuCode:
         fns = {}
         for k, f in d["functions"].items():
             gf = GpuFunction(k)
-            gf.launches = [Launch(a, b, tuple(c), tuple(e), [(o[0], o[1]) for o in ops])
-                           for a, b, c, e, ops in f["launches"]]
+            gf.launches = [
+                Launch(a, b, tuple(c), tuple(e), [(o[0], o[1]) for o in ops])
+                for a, b, c, e, ops in f["launches"]
+            ]
             gf.temps = [(tuple(sh), el, nb) for sh, el, nb in f["temps"]]
             fns[k] = gf
         return GpuCode(fns, d["ptx"], {}, d.get("row_kernels", {}))
@@ -293,9 +345,8 @@ def compile_module(module: Any, dump: Any = None, stage_s: dict | None = None) -
     """Bufferized module (one function per group) -> launches + PTX for sm_90."""
     import time
 
-    from mlir.passmanager import PassManager
-
     from mlir.dialects import func as _func
+    from mlir.passmanager import PassManager
 
     from . import rowgen
 
@@ -361,8 +412,10 @@ class GpuKernel:
         from . import _runtime
 
         if not self.temps:
-            self.temps = [bt.empty((max(1, nbytes),), dtype=bt.uint8, device=self.device)
-                          for _, _, nbytes in self.fn.temps]
+            self.temps = [
+                bt.empty((max(1, nbytes),), dtype=bt.uint8, device=self.device)
+                for _, _, nbytes in self.fn.temps
+            ]
         tptr = [t.data_ptr() for t in self.temps]
         stream = int(bt._tensor._cuda_current_stream(self.device))
         for h, ln in zip(self.handles, self.fn.launches):

@@ -68,10 +68,22 @@ def key(graph_hash: str, target: str, extra: str) -> str:
     from . import backend_gpu, pipelines
 
     h = hashlib.sha256()
-    h.update(json.dumps({"graph": graph_hash, "target": target, "versions": versions(),
-                         "extra": extra}, sort_keys=True).encode())
-    for p in (pipelines.FUSE, pipelines.BUFFERIZE, pipelines.CPU_LOOPS, pipelines.CPU_LLVM,
-              backend_gpu.OUTLINE, backend_gpu.CHIP, backend_gpu.FEATURES, str(backend_gpu.THREADS)):
+    h.update(
+        json.dumps(
+            {"graph": graph_hash, "target": target, "versions": versions(), "extra": extra},
+            sort_keys=True,
+        ).encode()
+    )
+    for p in (
+        pipelines.FUSE,
+        pipelines.BUFFERIZE,
+        pipelines.CPU_LOOPS,
+        pipelines.CPU_LLVM,
+        backend_gpu.OUTLINE,
+        backend_gpu.CHIP,
+        backend_gpu.FEATURES,
+        str(backend_gpu.THREADS),
+    ):
         h.update(p.encode())
     return h.hexdigest()[:32]
 

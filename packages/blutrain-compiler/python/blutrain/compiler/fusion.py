@@ -137,8 +137,11 @@ def partition(g: Graph, unlowerable: set[int] | None = None) -> Partition:
                 group_of[o] = G
             continue
         # not fused: close the groups it reads, then run it eagerly
-        kind = "library" if n.op in eager.LIBRARY_OPS else ("eager" if eager.can_run(n.op)
-                                                              else "fallback")
+        kind = (
+            "library"
+            if n.op in eager.LIBRARY_OPS
+            else ("eager" if eager.can_run(n.op) else "fallback")
+        )
         if n.index in bad:
             kind = "fallback"
         for i in n.inputs:

@@ -212,8 +212,9 @@ def from_capture(cg: Any) -> Graph:
         )
     for n in cg.nodes:
         attrs = {k: (tuple(a) if isinstance(a, list) else a) for k, a in dict(n["attrs"]).items()}
-        g.nodes.append(Node(str(n["op"]), attrs, [int(i) for i in n["inputs"]],
-                            [int(o) for o in n["outputs"]]))
+        g.nodes.append(
+            Node(str(n["op"]), attrs, [int(i) for i in n["inputs"]], [int(o) for o in n["outputs"]])
+        )
     g.inputs = [int(i) for i in cg.inputs]
     g.outputs = [int(o) for o in cg.outputs]
     g.reindex()

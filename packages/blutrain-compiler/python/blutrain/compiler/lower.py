@@ -32,21 +32,71 @@ PAR = "#linalg.iterator_type<parallel>"
 RED = "#linalg.iterator_type<reduction>"
 
 UNARY = {
-    "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "abs", "sigmoid", "relu", "sin", "cos",
-    "gelu_tanh", "gelu", "erf", "logical_not", "sign",
+    "neg",
+    "exp",
+    "log",
+    "sqrt",
+    "rsqrt",
+    "tanh",
+    "abs",
+    "sigmoid",
+    "relu",
+    "sin",
+    "cos",
+    "gelu_tanh",
+    "gelu",
+    "erf",
+    "logical_not",
+    "sign",
 }
 BINARY = {
-    "add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
-    "logical_and", "logical_or", "and", "or",
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "pow",
+    "maximum",
+    "minimum",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "logical_and",
+    "logical_or",
+    "and",
+    "or",
 }
 VIEWS = {"reshape", "permute", "expand", "slice", "select", "squeeze", "unsqueeze"}
 REDUCTIONS = {"sum", "mean", "max", "min", "amax", "amin", "var"}
 COMPOSITES = {
-    "softmax", "log_softmax", "softmax_backward", "log_softmax_backward", "layer_norm",
-    "layer_norm_backward", "cross_entropy", "cross_entropy_backward", "add_layer_norm",
+    "softmax",
+    "log_softmax",
+    "softmax_backward",
+    "log_softmax_backward",
+    "layer_norm",
+    "layer_norm_backward",
+    "cross_entropy",
+    "cross_entropy_backward",
+    "add_layer_norm",
 }
-OTHER = {"full", "arange", "astype", "where", "masked_fill", "copy_", "contiguous", "clone", "cat",
-         "accumulate_grad", "adamw_", "grad_norm", "clip_coef", "scale_"}
+OTHER = {
+    "full",
+    "arange",
+    "astype",
+    "where",
+    "masked_fill",
+    "copy_",
+    "contiguous",
+    "clone",
+    "cat",
+    "accumulate_grad",
+    "adamw_",
+    "grad_norm",
+    "clip_coef",
+    "scale_",
+}
 LOWERABLE = UNARY | BINARY | VIEWS | REDUCTIONS | COMPOSITES | OTHER
 
 
@@ -69,8 +119,16 @@ class Ref:
 
     def view(self, shape: Sequence[int], fn: IndexFn) -> Ref:
         inner = self.index
-        return Ref(self.dtype, tuple(shape), self.tensor, lambda e: inner(fn(e)), self.const,
-                   self.iota, False, False)
+        return Ref(
+            self.dtype,
+            tuple(shape),
+            self.tensor,
+            lambda e: inner(fn(e)),
+            self.const,
+            self.iota,
+            False,
+            False,
+        )
 
 
 def _c(v: int) -> Expr:
@@ -111,8 +169,9 @@ def _delinear(lin: Expr, shape: Sequence[int]) -> list[Expr]:
     return out
 
 
-def _reshape_groups(dst: tuple[int, ...], src: tuple[int, ...]
-                    ) -> list[tuple[list[int], list[int]]] | None:
+def _reshape_groups(
+    dst: tuple[int, ...], src: tuple[int, ...]
+) -> list[tuple[list[int], list[int]]] | None:
     """Pairs (dst dims, src dims) whose products match, in order: a reshape that only merges
     or splits neighbouring dims maps each group alone (no div / mod across groups)."""
     groups = []
@@ -172,10 +231,23 @@ def norm_dim(d: int, rank: int) -> int:
 class Emitter:
     """Builds one function for a list of nodes (in program order)."""
 
-    def __init__(self, graph: Graph, nodes: Sequence[Node], inputs: Sequence[int],
-                 outputs: Sequence[int], name: str, input_shapes: dict[int, tuple[int, ...]]
-                 | None = None, flat: bool = False):
-        self.g, self.nodes, self.inputs, self.outputs, self.name = graph, nodes, inputs, outputs, name
+    def __init__(
+        self,
+        graph: Graph,
+        nodes: Sequence[Node],
+        inputs: Sequence[int],
+        outputs: Sequence[int],
+        name: str,
+        input_shapes: dict[int, tuple[int, ...]] | None = None,
+        flat: bool = False,
+    ):
+        self.g, self.nodes, self.inputs, self.outputs, self.name = (
+            graph,
+            nodes,
+            inputs,
+            outputs,
+            name,
+        )
         self.input_shapes = input_shapes or {}
         self.env: dict[int, Ref] = {}
         # flat: every elementwise generic iterates one linear index and every reduction (kept,
@@ -191,8 +263,9 @@ class Emitter:
             shp = self.input_shapes.get(v, val.shape)
             in_types.append(ir.RankedTensorType.get(list(shp), S.storage_type(val.dtype)))
         out_types = [
-            ir.RankedTensorType.get(list(self.g.values[v].shape),
-                                    S.storage_type(self.g.values[v].dtype))
+            ir.RankedTensorType.get(
+                list(self.g.values[v].shape), S.storage_type(self.g.values[v].dtype)
+            )
             for v in self.outputs
         ]
         with ir.InsertionPoint(module.body):
@@ -227,8 +300,16 @@ class Emitter:
             return r.tensor
         if len(r.shape) == 0:
             return tensor.CollapseShapeOp(t, r.tensor, ir.ArrayAttr.get([])).result
-        reassoc = ir.ArrayAttr.get([ir.ArrayAttr.get([
-            ir.IntegerAttr.get(ir.IntegerType.get_signless(64), i) for i in range(len(r.shape))])])
+        reassoc = ir.ArrayAttr.get(
+            [
+                ir.ArrayAttr.get(
+                    [
+                        ir.IntegerAttr.get(ir.IntegerType.get_signless(64), i)
+                        for i in range(len(r.shape))
+                    ]
+                )
+            ]
+        )
         return tensor.ExpandShapeOp(t, r.tensor, reassoc, [], list(r.shape)).result
 
     def _operand(self, r: Ref, iter_exprs: list[Expr], nd: int) -> tuple[Any, Any] | None:
@@ -248,16 +329,26 @@ class Emitter:
             start, step = r.iota
             if S.is_float(r.dtype):
                 fv = S.cast(i64, "int64", r.dtype)
-                return S.add(S.const(r.dtype, start), S.mul(S.const(r.dtype, step), fv, r.dtype),
-                             r.dtype)
-            v = S.add(S.const("int64", int(start)), S.mul(S.const("int64", int(step)), i64, "int64"),
-                      "int64")
+                return S.add(
+                    S.const(r.dtype, start), S.mul(S.const(r.dtype, step), fv, r.dtype), r.dtype
+                )
+            v = S.add(
+                S.const("int64", int(start)),
+                S.mul(S.const("int64", int(step)), i64, "int64"),
+                "int64",
+            )
             return S.cast(v, "int64", r.dtype)
         return S.load_bool(arg) if r.dtype == "bool" else arg
 
-    def generic(self, iter_shape: Sequence[int], reduce_dims: Sequence[int], refs: Sequence[Ref],
-                outs: Sequence[tuple[str, Any]], body: Callable[..., list[ir.Value]],
-                with_index: bool = False) -> list[ir.Value]:
+    def generic(
+        self,
+        iter_shape: Sequence[int],
+        reduce_dims: Sequence[int],
+        refs: Sequence[Ref],
+        outs: Sequence[tuple[str, Any]],
+        body: Callable[..., list[ir.Value]],
+        with_index: bool = False,
+    ) -> list[ir.Value]:
         """A linalg.generic over iter_shape. outs: (dtype, init tensor) of the kept dims' shape
         (reductions) or of iter_shape. body(index_values, *ref scalars, *out scalars)."""
         nd = len(iter_shape)
@@ -281,20 +372,29 @@ class Emitter:
         inits = [t for _, t in outs]
         res_types = [t.type for t in inits]
         iters = [ir.Attribute.parse(RED if i in red else PAR) for i in range(nd)]
-        g = linalg.GenericOp(res_types, ops, inits, ir.ArrayAttr.get(maps + [out_map] * len(inits)),
-                             ir.ArrayAttr.get(iters))
+        g = linalg.GenericOp(
+            res_types,
+            ops,
+            inits,
+            ir.ArrayAttr.get(maps + [out_map] * len(inits)),
+            ir.ArrayAttr.get(iters),
+        )
         elt = [ir.RankedTensorType(o.type).element_type for o in ops] + [
             ir.RankedTensorType(t.type).element_type for t in inits
         ]
         blk = g.regions[0].blocks.append(*elt)
         with ir.InsertionPoint(blk):
             args = list(blk.arguments)
-            scal = [self._scalar_of(r, args[p] if p >= 0 else None, ex, nd) for r, p in zip(refs, pos)]
-            outs_s = args[len(ops):]
+            scal = [
+                self._scalar_of(r, args[p] if p >= 0 else None, ex, nd) for r, p in zip(refs, pos)
+            ]
+            outs_s = args[len(ops) :]
             idx = [_index(i) for i in range(nd)] if with_index else []
             outs_s = [S.load_bool(a) if dt == "bool" else a for a, (dt, _) in zip(outs_s, outs)]
             res = body(idx, *scal, *outs_s) if with_index else body(*scal, *outs_s)
-            linalg.YieldOp([S.store_bool(v) if dt == "bool" else v for v, (dt, _) in zip(res, outs)])
+            linalg.YieldOp(
+                [S.store_bool(v) if dt == "bool" else v for v, (dt, _) in zip(res, outs)]
+            )
         return list(g.results) if len(inits) > 1 else [g.result]
 
     def empty(self, shape: Sequence[int], dtype: str) -> ir.Value:
@@ -304,8 +404,14 @@ class Emitter:
         c = S.const("uint8", int(bool(v))) if dtype == "bool" else S.const(dtype, v)
         return linalg.fill(c, outs=[self.empty(shape, dtype)])
 
-    def ew(self, shape: Sequence[int], dtype: str, refs: Sequence[Ref],
-           fn: Callable[..., ir.Value], with_index: bool = False) -> Ref:
+    def ew(
+        self,
+        shape: Sequence[int],
+        dtype: str,
+        refs: Sequence[Ref],
+        fn: Callable[..., ir.Value],
+        with_index: bool = False,
+    ) -> Ref:
         """An elementwise value of `shape`: fn(*scalars) (refs broadcast to shape, numpy-style)."""
         shape = tuple(shape)
         refs = [self.bcast(r, shape) for r in refs]
@@ -316,8 +422,9 @@ class Emitter:
                 body = lambda idx, *a: [fn(_delin_vals(idx[0], shape), *a[: len(refs)])]  # noqa: E731
             else:
                 body = lambda *a: [fn(*a[: len(refs)])]  # noqa: E731
-            (t,) = self.generic((n,), (), refs, [(dtype, self.empty((n,), dtype))], body,
-                                with_index)
+            (t,) = self.generic(
+                (n,), (), refs, [(dtype, self.empty((n,), dtype))], body, with_index
+            )
             r = Ref(dtype, shape, t, lambda e, sh=shape: [_linear(e, sh)], identity=False)
             r.flat_src = True
             return r
@@ -328,9 +435,17 @@ class Emitter:
         (t,) = self.generic(shape, (), refs, [(dtype, self.empty(shape, dtype))], body, with_index)
         return Ref(dtype, shape, t)
 
-    def reduce(self, shape: Sequence[int], dims: Sequence[int], acc: str, init: float,
-               refs: Sequence[Ref], elem: Callable[..., ir.Value],
-               combine: Callable[[ir.Value, ir.Value], ir.Value], with_index: bool = False) -> Ref:
+    def reduce(
+        self,
+        shape: Sequence[int],
+        dims: Sequence[int],
+        acc: str,
+        init: float,
+        refs: Sequence[Ref],
+        elem: Callable[..., ir.Value],
+        combine: Callable[[ir.Value, ir.Value], ir.Value],
+        with_index: bool = False,
+    ) -> Ref:
         """combine over `dims` of elem(*scalars) (refs broadcast to `shape`); the result has the
         kept dims' shape, dtype acc."""
         shape = tuple(shape)
@@ -367,15 +482,21 @@ class Emitter:
         order = [i for i in range(len(shape)) if i not in dset] + sorted(dset)
         if order != list(range(len(shape))):
             pos = {d: k for k, d in enumerate(order)}
-            refs = [r.view(tuple(shape[d] for d in order),
-                           lambda e, pos=pos: [e[pos[i]] for i in range(len(shape))])
-                    for r in refs]
+            refs = [
+                r.view(
+                    tuple(shape[d] for d in order),
+                    lambda e, pos=pos: [e[pos[i]] for i in range(len(shape))],
+                )
+                for r in refs
+            ]
         pshape = tuple(shape[d] for d in order)
         pdims = list(range(len(kept), len(shape)))
         if with_index:
             inv = [order.index(i) for i in range(len(shape))]
-            body = lambda idx, *a: [combine(elem([idx[inv[i]] for i in range(len(idx))], *a[:n]),  # noqa: E731
-                                            a[n])]
+
+            def body(idx: list, *a: ir.Value) -> list[ir.Value]:
+                return [combine(elem([idx[inv[i]] for i in range(len(idx))], *a[:n]), a[n])]
+
         else:
             body = lambda *a: [combine(elem(*a[:n]), a[n])]  # noqa: E731
         (t,) = self.generic(pshape, pdims, refs, [(acc, init_t)], body, with_index)
@@ -385,12 +506,16 @@ class Emitter:
         if r.shape == shape:
             return r
         rank, k = len(shape), len(r.shape)
-        if k > rank or any(a != b and a != 1 for a, b in zip(r.shape, shape[rank - k:])):
+        if k > rank or any(a != b and a != 1 for a, b in zip(r.shape, shape[rank - k :])):
             raise LoweringError(f"cannot broadcast {r.shape} to {shape}")
         src = r.shape
-        return r.view(shape, lambda e: [
-            _c(0) if src[i] == 1 and shape[rank - k + i] != 1 else e[rank - k + i] for i in range(k)
-        ])
+        return r.view(
+            shape,
+            lambda e: [
+                _c(0) if src[i] == 1 and shape[rank - k + i] != 1 else e[rank - k + i]
+                for i in range(k)
+            ],
+        )
 
     def kd(self, r: Ref, shape: Sequence[int]) -> Ref:
         """Row statistics r (shape[:-1]) read along the last dim of `shape`."""
@@ -435,9 +560,18 @@ class Emitter:
         x = self.val(n.inputs[0])
         cd = S.compute_dtype(x.dtype)
         op = n.op
-        return self.ew(shape, dt, [x], lambda a: S.cast(
-            S.unary(op, S.cast(a, x.dtype, cd), cd), cd if op != "logical_not" else cd, dt
-        ) if op != "logical_not" else S.cmp("eq", a, S.const(x.dtype, 0), x.dtype))
+        return self.ew(
+            shape,
+            dt,
+            [x],
+            lambda a: (
+                S.cast(
+                    S.unary(op, S.cast(a, x.dtype, cd), cd), cd if op != "logical_not" else cd, dt
+                )
+                if op != "logical_not"
+                else S.cmp("eq", a, S.const(x.dtype, 0), x.dtype)
+            ),
+        )
 
     def binary(self, n: Node) -> Ref:
         shape, dt = self.out(n)
@@ -486,15 +620,27 @@ class Emitter:
     def op_where(self, n: Node) -> Ref:
         shape, dt = self.out(n)
         c, a, b = (self.val(i) for i in n.inputs)
-        return self.ew(shape, dt, [c, a, b], lambda x, y, z: arith.select(
-            S.cast(x, c.dtype, "bool"), S.cast(y, a.dtype, dt), S.cast(z, b.dtype, dt)))
+        return self.ew(
+            shape,
+            dt,
+            [c, a, b],
+            lambda x, y, z: arith.select(
+                S.cast(x, c.dtype, "bool"), S.cast(y, a.dtype, dt), S.cast(z, b.dtype, dt)
+            ),
+        )
 
     def op_masked_fill(self, n: Node) -> Ref:
         shape, dt = self.out(n)
         x, m = self.val(n.inputs[0]), self.val(n.inputs[1])
         v = n.attrs["value"]
-        return self.ew(shape, dt, [x, m], lambda a, b: arith.select(
-            S.cast(b, m.dtype, "bool"), S.const(dt, v if S.is_float(dt) else int(v)), a))
+        return self.ew(
+            shape,
+            dt,
+            [x, m],
+            lambda a, b: arith.select(
+                S.cast(b, m.dtype, "bool"), S.const(dt, v if S.is_float(dt) else int(v)), a
+            ),
+        )
 
     def op_copy_(self, n: Node) -> Ref:
         shape, dt = self.out(n)
@@ -527,8 +673,9 @@ class Emitter:
                 if val is None:
                     val = v
                 else:
-                    inside = arith.cmpi(arith.CmpIPredicate.slt, pos,
-                                        arith.constant(idx_t, start + sizes[k]))
+                    inside = arith.cmpi(
+                        arith.CmpIPredicate.slt, pos, arith.constant(idx_t, start + sizes[k])
+                    )
                     val = arith.select(inside, v, val)
             return val
 
@@ -542,8 +689,14 @@ class Emitter:
         if len(n.inputs) > 2 and n.inputs[2] >= 0:
             prev = self.val(n.inputs[2])
             cd = S.compute_dtype(dt)
-            return self.ew(shape, dt, [prev, g], lambda a, b: S.cast(S.add(
-                S.cast(a, prev.dtype, cd), S.cast(b, g.dtype, cd), cd), cd, dt))
+            return self.ew(
+                shape,
+                dt,
+                [prev, g],
+                lambda a, b: S.cast(
+                    S.add(S.cast(a, prev.dtype, cd), S.cast(b, g.dtype, cd), cd), cd, dt
+                ),
+            )
         return self.cast_ref(self.bcast(g, tuple(shape)), dt)
 
     def op_adamw_(self, n: Node) -> list[Ref]:
@@ -553,7 +706,7 @@ class Emitter:
         k = int(a["n"])
         copies = bool(a.get("has_copies"))
         ins = list(n.inputs)
-        P, G, M, V = ins[:k], ins[k:2 * k], ins[2 * k:3 * k], ins[3 * k:4 * k]
+        P, G, M, V = ins[:k], ins[k : 2 * k], ins[2 * k : 3 * k], ins[3 * k : 4 * k]
         j = 5 * k if copies else 4 * k
         lr_i = ins[j] if a.get("has_lr") else -1
         j += 1 if a.get("has_lr") else 0
@@ -590,21 +743,24 @@ class Emitter:
                 bias1 = arith.subf(S.const(D, 1.0), m_.powf(S.const(D, b1), st64))
                 b2s = m_.sqrt(arith.subf(S.const(D, 1.0), m_.powf(S.const(D, b2), st64)))
                 step_size = S.cast(arith.divf(lr64, bias1), D, Mt)
-                dfac = S.cast(arith.subf(S.const(D, 1.0), arith.mulf(lr64, S.const(D, wd))),
-                              D, Mt)
+                dfac = S.cast(arith.subf(S.const(D, 1.0), arith.mulf(lr64, S.const(D, wd))), D, Mt)
                 return step_size, S.cast(b2s, D, Mt), dfac
 
-            def upd(pv, gv, mv, vv, lrv, stv, *sc, T_=T_, Mt=Mt, Sd=Sd, wd=wd, which=0):
+            def upd(
+                pv, gv, mv, vv, lrv, stv, *sc, T_=T_, Mt=Mt, Sd=Sd, wd=wd, gdt=g.dtype, which=0
+            ):
                 step_size, b2s, dfac = scal(lrv, stv, wd, Mt)
-                pj, gj = S.cast(pv, T_, Mt), S.cast(gv, g.dtype, Mt)
+                pj, gj = S.cast(pv, T_, Mt), S.cast(gv, gdt, Mt)
                 if sc:
                     gj = arith.mulf(gj, S.cast(sc[0], scale.dtype, Mt))
                 if wd != 0:
                     pj = arith.mulf(pj, dfac)
                 mj, vj = S.cast(mv, Sd, Mt), S.cast(vv, Sd, Mt)
                 mj = arith.addf(mj, arith.mulf(arith.subf(gj, mj), S.const(Mt, 1.0 - b1)))
-                vj = arith.addf(arith.mulf(vj, S.const(Mt, b2)),
-                                arith.mulf(arith.mulf(gj, gj), S.const(Mt, 1.0 - b2)))
+                vj = arith.addf(
+                    arith.mulf(vj, S.const(Mt, b2)),
+                    arith.mulf(arith.mulf(gj, gj), S.const(Mt, 1.0 - b2)),
+                )
                 if which == 1:
                     return S.cast(mj, Mt, Sd)
                 if which == 2:
@@ -632,9 +788,17 @@ class Emitter:
         for i in n.inputs:
             x = self.val(i)
             cd = S.compute_dtype(x.dtype)
-            r = self.reduce(x.shape, list(range(len(x.shape))), D, 0.0, [x], lambda a, x=x, cd=cd:
-                            S.cast(arith.mulf(S.cast(a, x.dtype, cd), S.cast(a, x.dtype, cd)),
-                                   cd, D), lambda p_, q: arith.addf(p_, q))
+            r = self.reduce(
+                x.shape,
+                list(range(len(x.shape))),
+                D,
+                0.0,
+                [x],
+                lambda a, x=x, cd=cd: S.cast(
+                    arith.mulf(S.cast(a, x.dtype, cd), S.cast(a, x.dtype, cd)), cd, D
+                ),
+                lambda p_, q: arith.addf(p_, q),
+            )
             tot = r if tot is None else self.ew((), D, [tot, r], lambda p_, q: arith.addf(p_, q))
         from mlir.dialects import math as m_
 
@@ -649,8 +813,9 @@ class Emitter:
         def f(v: ir.Value) -> ir.Value:
             nrm = S.cast(v, x.dtype, F)
             c = arith.divf(S.const(F, mx), arith.addf(nrm, S.const(F, eps)))
-            keep = arith.ori(S.cmp("lt", c, S.const(F, 1.0), F),
-                             arith.cmpf(arith.CmpFPredicate.UNO, c, c))
+            keep = arith.ori(
+                S.cmp("lt", c, S.const(F, 1.0), F), arith.cmpf(arith.CmpFPredicate.UNO, c, c)
+            )
             return S.cast(arith.select(keep, c, S.const(F, 1.0)), F, dt)
 
         return self.ew(shape, dt, [x], f)
@@ -663,9 +828,16 @@ class Emitter:
             x = self.val(i)
             cd = S.compute_dtype(x.dtype)
             c0 = coef.view((), lambda e: [_c(0)] * len(coef.shape)) if coef.shape else coef
-            out.append(self.ew(x.shape, x.dtype, [x, self.bcast(c0, x.shape)], lambda a, c, x=x,
-                               cd=cd: S.cast(arith.mulf(S.cast(a, x.dtype, cd),
-                                                        S.cast(c, coef.dtype, cd)), cd, x.dtype)))
+            out.append(
+                self.ew(
+                    x.shape,
+                    x.dtype,
+                    [x, self.bcast(c0, x.shape)],
+                    lambda a, c, x=x, cd=cd: S.cast(
+                        arith.mulf(S.cast(a, x.dtype, cd), S.cast(c, coef.dtype, cd)), cd, x.dtype
+                    ),
+                )
+            )
         return out
 
     # ---- views ------------------------------------------------------------------------------
@@ -676,8 +848,9 @@ class Emitter:
         if x.tensor is not None and x.identity and tuple(shape) != tuple(src):
             # a contiguous tensor: tensor.collapse_shape / expand_shape (free after
             # bufferization; upstream fusion propagates them), so loop bounds stay plain dims
-            return Ref(x.dtype, tuple(shape), self._reshape_tensor(x.tensor, src, tuple(shape),
-                                                                 x.dtype))
+            return Ref(
+                x.dtype, tuple(shape), self._reshape_tensor(x.tensor, src, tuple(shape), x.dtype)
+            )
         if tuple(s for s in src if s != 1) == tuple(s for s in shape if s != 1):
             # only unit dims change: a direct map (no div / mod)
             nz = [i for i, s in enumerate(shape) if s != 1]
@@ -688,22 +861,28 @@ class Emitter:
     op_squeeze = op_reshape
     op_unsqueeze = op_reshape
 
-    def _reshape_tensor(self, t: ir.Value, src: tuple[int, ...], dst: tuple[int, ...],
-                        dtype: str) -> ir.Value:
+    def _reshape_tensor(
+        self, t: ir.Value, src: tuple[int, ...], dst: tuple[int, ...], dtype: str
+    ) -> ir.Value:
         et = S.storage_type(dtype)
 
         def reassoc(n: int) -> ir.ArrayAttr:
             i64 = ir.IntegerType.get_signless(64)
-            return ir.ArrayAttr.get([ir.ArrayAttr.get([ir.IntegerAttr.get(i64, i)
-                                                       for i in range(n)])] if n else [])
+            return ir.ArrayAttr.get(
+                [ir.ArrayAttr.get([ir.IntegerAttr.get(i64, i) for i in range(n)])] if n else []
+            )
 
         flat = t
         n = math.prod(src)
         if len(src) != 1:
             ft = ir.RankedTensorType.get([n] if src else [], et)
-            flat = tensor.CollapseShapeOp(ft, t, reassoc(len(src))).result if src else \
-                tensor.ExpandShapeOp(ir.RankedTensorType.get([1], et), t, ir.ArrayAttr.get([]),
-                                     [], [1]).result
+            flat = (
+                tensor.CollapseShapeOp(ft, t, reassoc(len(src))).result
+                if src
+                else tensor.ExpandShapeOp(
+                    ir.RankedTensorType.get([1], et), t, ir.ArrayAttr.get([]), [], [1]
+                ).result
+            )
         if len(dst) == 1:
             return flat
         out_t = ir.RankedTensorType.get(list(dst), et)
@@ -738,8 +917,9 @@ class Emitter:
         strides = [step if i == d else 1 for i in range(rank)]
         rt = ir.RankedTensorType.get(list(shape), S.storage_type(x.dtype))
         dense = ir.DenseI64ArrayAttr.get
-        sl = tensor.ExtractSliceOp(rt, t, [], [], [], dense(offs), dense(list(shape)),
-                                   dense(strides)).result
+        sl = tensor.ExtractSliceOp(
+            rt, t, [], [], [], dense(offs), dense(list(shape)), dense(strides)
+        ).result
         return Ref(x.dtype, tuple(shape), sl)
 
     def op_select(self, n: Node) -> Ref:
@@ -763,16 +943,24 @@ class Emitter:
         shape, _ = self.out(n)
         if r.shape == tuple(shape):
             return r
-        return r.view(shape, lambda e: _regroup(e, [i for i, s in enumerate(shape) if s != 1],
-                                                r.shape))
+        return r.view(
+            shape, lambda e: _regroup(e, [i for i, s in enumerate(shape) if s != 1], r.shape)
+        )
 
     def op_sum(self, n: Node) -> Ref:
         shape, dt = self.out(n)
         x = self.val(n.inputs[0])
         dims = self._red_dims(n, len(x.shape))
         acc = "float64" if S.is_float(dt) else "int64"
-        r = self.reduce(x.shape, dims, acc, 0, [x], lambda a: S.cast(a, x.dtype, acc),
-                        lambda a, b: S.add(a, b, acc))
+        r = self.reduce(
+            x.shape,
+            dims,
+            acc,
+            0,
+            [x],
+            lambda a: S.cast(a, x.dtype, acc),
+            lambda a, b: S.add(a, b, acc),
+        )
         if n.op == "mean":
             cnt = math.prod(x.shape[d] for d in dims)
             r = self.ew(r.shape, acc, [r], lambda a: arith.divf(a, S.const(acc, float(cnt))))
@@ -790,8 +978,11 @@ class Emitter:
             init = -math.inf if is_max else math.inf
         else:
             info = {"int64": 2**63, "int32": 2**31, "uint8": 0, "bool": 0}[cd]
-            init = (-info if is_max else info - 1) if cd not in ("uint8", "bool") else (
-                0 if is_max else (255 if cd == "uint8" else 1))
+            init = (
+                (-info if is_max else info - 1)
+                if cd not in ("uint8", "bool")
+                else (0 if is_max else (255 if cd == "uint8" else 1))
+            )
         comb = (lambda a, b: S.maximum(a, b, cd)) if is_max else (lambda a, b: S.minimum(a, b, cd))
         r = self.reduce(x.shape, dims, cd, init, [x], lambda a: S.cast(a, x.dtype, cd), comb)
         return self._keep(self.cast_ref(r, dt), n)
@@ -814,23 +1005,55 @@ class Emitter:
         dt = x.dtype
         A = S.compute_dtype(dt)  # float32 for 16/32-bit, float64 for float64
         last = [rank - 1]
-        m = self.reduce(x.shape, last, A, -math.inf, [x], lambda a: S.cast(a, dt, A),
-                        lambda a, b: S.maximum(a, b, A))
+        m = self.reduce(
+            x.shape,
+            last,
+            A,
+            -math.inf,
+            [x],
+            lambda a: S.cast(a, dt, A),
+            lambda a, b: S.maximum(a, b, A),
+        )
         # an all -inf row: m = 0 (softmax gives nan, log_softmax -inf), as eager
-        m = self.ew(m.shape, A, [m], lambda a: arith.select(
-            S.cmp("eq", a, S.const(A, -math.inf), A), S.const(A, 0.0), a))
-        s = self.reduce(x.shape, last, "float64", 0.0, [x, self.kd(m, x.shape)], lambda a, mm: S.cast(
-            S.exp(arith.subf(S.cast(a, dt, A), mm), A), A, "float64"),
-            lambda a, b: arith.addf(a, b))
+        m = self.ew(
+            m.shape,
+            A,
+            [m],
+            lambda a: arith.select(S.cmp("eq", a, S.const(A, -math.inf), A), S.const(A, 0.0), a),
+        )
+        s = self.reduce(
+            x.shape,
+            last,
+            "float64",
+            0.0,
+            [x, self.kd(m, x.shape)],
+            lambda a, mm: S.cast(S.exp(arith.subf(S.cast(a, dt, A), mm), A), A, "float64"),
+            lambda a, b: arith.addf(a, b),
+        )
         if log:
-            lse = self.ew(m.shape, A, [m, s], lambda mm, ss: arith.addf(
-                mm, S.cast(_log64(ss), "float64", A)))
-            return self.ew(x.shape, dt, [x, self.kd(lse, x.shape)], lambda a, l: S.cast(
-                arith.subf(S.cast(a, dt, A), l), A, dt))
-        inv = self.ew(s.shape, A, [s], lambda ss: S.cast(
-            arith.divf(S.const("float64", 1.0), ss), "float64", A))
-        return self.ew(x.shape, dt, [x, self.kd(m, x.shape), self.kd(inv, x.shape)], lambda a, mm, iv: S.cast(
-            arith.mulf(S.exp(arith.subf(S.cast(a, dt, A), mm), A), iv), A, dt))
+            lse = self.ew(
+                m.shape, A, [m, s], lambda mm, ss: arith.addf(mm, S.cast(_log64(ss), "float64", A))
+            )
+            return self.ew(
+                x.shape,
+                dt,
+                [x, self.kd(lse, x.shape)],
+                lambda a, ls: S.cast(arith.subf(S.cast(a, dt, A), ls), A, dt),
+            )
+        inv = self.ew(
+            s.shape,
+            A,
+            [s],
+            lambda ss: S.cast(arith.divf(S.const("float64", 1.0), ss), "float64", A),
+        )
+        return self.ew(
+            x.shape,
+            dt,
+            [x, self.kd(m, x.shape), self.kd(inv, x.shape)],
+            lambda a, mm, iv: S.cast(
+                arith.mulf(S.exp(arith.subf(S.cast(a, dt, A), mm), A), iv), A, dt
+            ),
+        )
 
     op_log_softmax = op_softmax
 
@@ -840,31 +1063,81 @@ class Emitter:
         dt, D = y.dtype, "float64"
         last = [len(y.shape) - 1]
         if log:
-            s = self.reduce(y.shape, last, D, 0.0, [dy], lambda g: S.cast(g, dt, D),
-                            lambda a, b: arith.addf(a, b))
-            return self.ew(y.shape, dt, [y, dy, self.kd(s, y.shape)], lambda a, g, ss: S.cast(arith.subf(
-                S.cast(g, dt, D), arith.mulf(_exp64(S.cast(a, dt, D)), ss)), D, dt))
-        s = self.reduce(y.shape, last, D, 0.0, [y, dy], lambda a, g: arith.mulf(
-            S.cast(g, dt, D), S.cast(a, dt, D)), lambda a, b: arith.addf(a, b))
-        return self.ew(y.shape, dt, [y, dy, self.kd(s, y.shape)], lambda a, g, ss: S.cast(arith.mulf(
-            S.cast(a, dt, D), arith.subf(S.cast(g, dt, D), ss)), D, dt))
+            s = self.reduce(
+                y.shape,
+                last,
+                D,
+                0.0,
+                [dy],
+                lambda g: S.cast(g, dt, D),
+                lambda a, b: arith.addf(a, b),
+            )
+            return self.ew(
+                y.shape,
+                dt,
+                [y, dy, self.kd(s, y.shape)],
+                lambda a, g, ss: S.cast(
+                    arith.subf(S.cast(g, dt, D), arith.mulf(_exp64(S.cast(a, dt, D)), ss)), D, dt
+                ),
+            )
+        s = self.reduce(
+            y.shape,
+            last,
+            D,
+            0.0,
+            [y, dy],
+            lambda a, g: arith.mulf(S.cast(g, dt, D), S.cast(a, dt, D)),
+            lambda a, b: arith.addf(a, b),
+        )
+        return self.ew(
+            y.shape,
+            dt,
+            [y, dy, self.kd(s, y.shape)],
+            lambda a, g, ss: S.cast(
+                arith.mulf(S.cast(a, dt, D), arith.subf(S.cast(g, dt, D), ss)), D, dt
+            ),
+        )
 
     op_log_softmax_backward = op_softmax_backward
 
-    def _ln(self, x: Ref, w: Ref | None, b: Ref | None, eps: float, sdt: str,
-            ) -> tuple[Ref, Ref, Ref]:
+    def _ln(
+        self,
+        x: Ref,
+        w: Ref | None,
+        b: Ref | None,
+        eps: float,
+        sdt: str,
+    ) -> tuple[Ref, Ref, Ref]:
         dt, D = x.dtype, "float64"
         rank = len(x.shape)
         last = [rank - 1]
         C = float(x.shape[-1])
-        s = self.reduce(x.shape, last, D, 0.0, [x], lambda a: S.cast(a, dt, D),
-                        lambda a, c: arith.addf(a, c))
+        s = self.reduce(
+            x.shape, last, D, 0.0, [x], lambda a: S.cast(a, dt, D), lambda a, c: arith.addf(a, c)
+        )
         mean = self.ew(s.shape, D, [s], lambda a: arith.divf(a, S.const(D, C)))
-        ss = self.reduce(x.shape, last, D, 0.0, [x, self.kd(mean, x.shape)], lambda a, mm: _sq(
-            arith.subf(S.cast(a, dt, D), mm)), lambda a, c: arith.addf(a, c))
-        rstd = self.ew(ss.shape, D, [ss], lambda a: arith.divf(S.const(D, 1.0), _sqrt64(
-            arith.addf(arith.divf(a, S.const(D, C)), S.const(D, eps)))))
-        refs = [x, self.kd(mean, x.shape), self.kd(rstd, x.shape)] + ([w] if w else []) + ([b] if b else [])
+        ss = self.reduce(
+            x.shape,
+            last,
+            D,
+            0.0,
+            [x, self.kd(mean, x.shape)],
+            lambda a, mm: _sq(arith.subf(S.cast(a, dt, D), mm)),
+            lambda a, c: arith.addf(a, c),
+        )
+        rstd = self.ew(
+            ss.shape,
+            D,
+            [ss],
+            lambda a: arith.divf(
+                S.const(D, 1.0), _sqrt64(arith.addf(arith.divf(a, S.const(D, C)), S.const(D, eps)))
+            ),
+        )
+        refs = (
+            [x, self.kd(mean, x.shape), self.kd(rstd, x.shape)]
+            + ([w] if w else [])
+            + ([b] if b else [])
+        )
 
         def f(a: ir.Value, mm: ir.Value, rs: ir.Value, *wb: ir.Value) -> ir.Value:
             v = arith.mulf(arith.subf(S.cast(a, dt, D), mm), rs)
@@ -942,18 +1215,32 @@ class Emitter:
 
         wr = [w1] if w1 else []
         s1 = self.reduce((R, C), [1], D, 0.0, [dy2] + wr, gx, lambda p, q: arith.addf(p, q))
-        s2 = self.reduce((R, C), [1], D, 0.0, [dy2, x2, self.kd(mean1, (R, C)),
-                                                self.kd(rstd1, (R, C))] + wr,
-                         lambda g, xv, mm, rs, *wv: arith.mulf(arith.mulf(
-                             gx(g, *wv), arith.subf(S.cast(xv, dt, D), S.cast(mm, mean.dtype, D))),
-                             S.cast(rs, rstd.dtype, D)), lambda p, q: arith.addf(p, q))
+        s2 = self.reduce(
+            (R, C),
+            [1],
+            D,
+            0.0,
+            [dy2, x2, self.kd(mean1, (R, C)), self.kd(rstd1, (R, C))] + wr,
+            lambda g, xv, mm, rs, *wv: arith.mulf(
+                arith.mulf(gx(g, *wv), arith.subf(S.cast(xv, dt, D), S.cast(mm, mean.dtype, D))),
+                S.cast(rs, rstd.dtype, D),
+            ),
+            lambda p, q: arith.addf(p, q),
+        )
         fC = S.const
         ex2 = [self._as2d(ex, R, C)] if ex else []
 
-        def fdx(g: ir.Value, xv: ir.Value, mm: ir.Value, rs: ir.Value, a1: ir.Value,
-                a2: ir.Value, *rest: ir.Value) -> ir.Value:
+        def fdx(
+            g: ir.Value,
+            xv: ir.Value,
+            mm: ir.Value,
+            rs: ir.Value,
+            a1: ir.Value,
+            a2: ir.Value,
+            *rest: ir.Value,
+        ) -> ir.Value:
             wv = rest[:1] if w1 else ()
-            e = rest[len(wv):]
+            e = rest[len(wv) :]
             rsd = S.cast(rs, rstd.dtype, D)
             xh = arith.mulf(arith.subf(S.cast(xv, dt, D), S.cast(mm, mean.dtype, D)), rsd)
             m1 = arith.divf(a1, fC(D, float(C)))
@@ -970,22 +1257,45 @@ class Emitter:
         gdt = lambda j: self.g.values[n.outputs[j]].dtype  # noqa: E731
         if a.get("need_dweight", hw):
             # column sums over rows: iterate (C, R) with rows reduced
-            dw = self.reduce((C, R), [1], D, 0.0, [self._t(dy2), self._t(x2), self._rowb(mean1, C),
-                                                    self._rowb(rstd1, C)],
-                             lambda g, xv, mm, rs: arith.mulf(arith.mulf(
-                                 S.cast(g, dy.dtype, D), arith.subf(S.cast(xv, dt, D),
-                                                                    S.cast(mm, mean.dtype, D))),
-                                 S.cast(rs, rstd.dtype, D)), lambda p, q: arith.addf(p, q))
+            dw = self.reduce(
+                (C, R),
+                [1],
+                D,
+                0.0,
+                [self._t(dy2), self._t(x2), self._rowb(mean1, C), self._rowb(rstd1, C)],
+                lambda g, xv, mm, rs: arith.mulf(
+                    arith.mulf(
+                        S.cast(g, dy.dtype, D),
+                        arith.subf(S.cast(xv, dt, D), S.cast(mm, mean.dtype, D)),
+                    ),
+                    S.cast(rs, rstd.dtype, D),
+                ),
+                lambda p, q: arith.addf(p, q),
+            )
             outs.append(self.cast_ref(dw, gdt(k)))
             k += 1
         if a.get("need_dbias", False):
-            db = self.reduce((C, R), [1], D, 0.0, [self._t(dy2)], lambda g: S.cast(g, dy.dtype, D),
-                             lambda p, q: arith.addf(p, q))
+            db = self.reduce(
+                (C, R),
+                [1],
+                D,
+                0.0,
+                [self._t(dy2)],
+                lambda g: S.cast(g, dy.dtype, D),
+                lambda p, q: arith.addf(p, q),
+            )
             outs.append(self.cast_ref(db, gdt(k)))
             k += 1
         if a.get("need_dsum", False):
-            dsr = self.reduce((C, R), [1], D, 0.0, [self._t(dx)], lambda g: S.cast(g, dt, D),
-                              lambda p, q: arith.addf(p, q))
+            dsr = self.reduce(
+                (C, R),
+                [1],
+                D,
+                0.0,
+                [self._t(dx)],
+                lambda g: S.cast(g, dt, D),
+                lambda p, q: arith.addf(p, q),
+            )
             outs.append(self.cast_ref(dsr, gdt(k)))
         return outs
 
@@ -1023,29 +1333,48 @@ class Emitter:
         dt, D = x.dtype, "float64"
         A = S.compute_dtype(dt)
         xs = x.view((N, C), lambda e: e) if C != Cx else x
-        m = self.reduce((N, C), [1], A, -math.inf, [xs], lambda v: S.cast(v, dt, A),
-                        lambda p, q: S.maximum(p, q, A))
-        s = self.reduce((N, C), [1], D, 0.0, [xs, self.kd(m, (N, C))], lambda v, mm: S.cast(
-            S.exp(arith.subf(S.cast(v, dt, A), mm), A), A, D), lambda p, q: arith.addf(p, q))
+        m = self.reduce(
+            (N, C),
+            [1],
+            A,
+            -math.inf,
+            [xs],
+            lambda v: S.cast(v, dt, A),
+            lambda p, q: S.maximum(p, q, A),
+        )
+        s = self.reduce(
+            (N, C),
+            [1],
+            D,
+            0.0,
+            [xs, self.kd(m, (N, C))],
+            lambda v, mm: S.cast(S.exp(arith.subf(S.cast(v, dt, A), mm), A), A, D),
+            lambda p, q: arith.addf(p, q),
+        )
         lse = self.ew((N,), D, [m, s], lambda mm, ss: arith.addf(S.cast(mm, A, D), _log64(ss)))
         refs = [lse, t]
         sx = None
         if ls != 0:
-            sx = self.reduce((N, C), [1], D, 0.0, [xs], lambda v: S.cast(v, dt, D),
-                             lambda p, q: arith.addf(p, q))
+            sx = self.reduce(
+                (N, C), [1], D, 0.0, [xs], lambda v: S.cast(v, dt, D), lambda p, q: arith.addf(p, q)
+            )
             refs.append(sx)
         xt = x.tensor if x.tensor is not None and x.identity else self.materialize(x)
         idx_t = ir.IndexType.get()
 
-        def fl(idx: list, l: ir.Value, tv: ir.Value, *q: ir.Value) -> ir.Value:
+        def fl(idx: list, lse_v: ir.Value, tv: ir.Value, *q: ir.Value) -> ir.Value:
             tgt = S.cast(tv, t.dtype, "int64")
             ign = S.cmp("eq", tgt, S.const("int64", ii), "int64")
             safe = arith.select(ign, S.const("int64", 0), tgt)
             pv = tensor.extract(xt, [idx[0], arith.index_cast(idx_t, safe)])
-            nll = arith.subf(l, S.cast(pv, dt, D))
+            nll = arith.subf(lse_v, S.cast(pv, dt, D))
             if ls != 0:
-                nll = arith.addf(arith.mulf(S.const(D, 1.0 - ls), nll), arith.mulf(
-                    S.const(D, ls), arith.subf(l, arith.divf(q[0], S.const(D, float(C))))))
+                nll = arith.addf(
+                    arith.mulf(S.const(D, 1.0 - ls), nll),
+                    arith.mulf(
+                        S.const(D, ls), arith.subf(lse_v, arith.divf(q[0], S.const(D, float(C))))
+                    ),
+                )
             return arith.select(ign, S.const(D, 0.0), nll)
 
         loss = self.ew((N,), D, refs, fl, with_index=True)
@@ -1055,9 +1384,19 @@ class Emitter:
         else:
             tot = self.reduce((N,), [0], D, 0.0, [loss], lambda v: v, lambda p, q: arith.addf(p, q))
             if red == "mean":
-                cnt = self.reduce((N,), [0], "int64", 0, [t], lambda tv: S.cast(S.cmp(
-                    "ne", S.cast(tv, t.dtype, "int64"), S.const("int64", ii), "int64"), "bool",
-                    "int64"), lambda p, q: arith.addi(p, q))
+                cnt = self.reduce(
+                    (N,),
+                    [0],
+                    "int64",
+                    0,
+                    [t],
+                    lambda tv: S.cast(
+                        S.cmp("ne", S.cast(tv, t.dtype, "int64"), S.const("int64", ii), "int64"),
+                        "bool",
+                        "int64",
+                    ),
+                    lambda p, q: arith.addi(p, q),
+                )
                 tot = self.ew((), D, [tot, cnt], lambda p, c: arith.divf(p, S.cast(c, "int64", D)))
             outl = self.cast_ref(tot, ldt)
         _, sdt = self.out(n, 1)
@@ -1081,20 +1420,32 @@ class Emitter:
         else:
             refs.append(g.view((N,), lambda e: [_c(0)] * len(g.shape)))
         if red == 1:
-            cnt = self.reduce((N,), [0], "int64", 0, [t], lambda tv: S.cast(S.cmp(
-                "ne", S.cast(tv, t.dtype, "int64"), S.const("int64", ii), "int64"), "bool",
-                "int64"), lambda p, q: arith.addi(p, q))
+            cnt = self.reduce(
+                (N,),
+                [0],
+                "int64",
+                0,
+                [t],
+                lambda tv: S.cast(
+                    S.cmp("ne", S.cast(tv, t.dtype, "int64"), S.const("int64", ii), "int64"),
+                    "bool",
+                    "int64",
+                ),
+                lambda p, q: arith.addi(p, q),
+            )
             refs.append(cnt.view((N,), lambda e: []))
 
-        def f(idx: list, xv: ir.Value, tv: ir.Value, lv: ir.Value, gv: ir.Value,
-              *c: ir.Value) -> ir.Value:
+        def f(
+            idx: list, xv: ir.Value, tv: ir.Value, lv: ir.Value, gv: ir.Value, *c: ir.Value
+        ) -> ir.Value:
             tgt = S.cast(tv, t.dtype, "int64")
             ign = S.cmp("eq", tgt, S.const("int64", ii), "int64")
             sc = S.cast(gv, g.dtype, D)
             if red == 1:
                 sc = arith.divf(sc, S.cast(c[0], "int64", D))
-            d = arith.subf(_exp64(arith.subf(S.cast(xv, dt, D), S.cast(lv, lse.dtype, D))),
-                           S.const(D, off))
+            d = arith.subf(
+                _exp64(arith.subf(S.cast(xv, dt, D), S.cast(lv, lse.dtype, D))), S.const(D, off)
+            )
             col = arith.index_cast(ir.IntegerType.get_signless(64), idx[1])
             hit = S.cmp("eq", col, tgt, "int64")
             d = arith.select(hit, arith.subf(d, S.const(D, 1.0 - ls)), d)
@@ -1103,8 +1454,12 @@ class Emitter:
             v = arith.select(arith.ori(ign, pad), S.const(D, 0.0), v)
             return S.cast(v, D, dt)
 
-        refs2 = [refs[0], self._rowb_n(refs[1], Cx), self._rowb_n(refs[2], Cx),
-                 self._rowb_n(refs[3], Cx)] + [self._rowb_n(r, Cx) for r in refs[4:]]
+        refs2 = [
+            refs[0],
+            self._rowb_n(refs[1], Cx),
+            self._rowb_n(refs[2], Cx),
+            self._rowb_n(refs[3], Cx),
+        ] + [self._rowb_n(r, Cx) for r in refs[4:]]
         return self.ew((N, Cx), dt, refs2, f, with_index=True)
 
     def _rowb_n(self, r: Ref, C: int) -> Ref:

@@ -37,7 +37,9 @@ class Plan:
     def describe(self) -> str:
         lines = [f"arena {self.size} bytes, {len(self.buffers)} buffers"]
         for b in sorted(self.buffers.values(), key=lambda b: b.offset):
-            lines.append(f"  %{b.value}: [{b.offset}, {b.offset + b.nbytes}) steps {b.start}-{b.end}")
+            lines.append(
+                f"  %{b.value}: [{b.offset}, {b.offset + b.nbytes}) steps {b.start}-{b.end}"
+            )
         return "\n".join(lines) + "\n"
 
 
@@ -50,8 +52,9 @@ def assign(bufs: list[Buffer]) -> int:
     placed: list[Buffer] = []
     size = 0
     for b in sorted(bufs, key=lambda b: (-b.nbytes, b.start, b.value)):
-        live = sorted((p for p in placed if not (p.end < b.start or b.end < p.start)),
-                      key=lambda p: p.offset)
+        live = sorted(
+            (p for p in placed if not (p.end < b.start or b.end < p.start)), key=lambda p: p.offset
+        )
         need = _round(max(b.nbytes, 1))
         best, best_gap = -1, None
         cur = 0

@@ -9,7 +9,6 @@ hash and the stage.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -110,12 +109,22 @@ class Program:
         dev = next((g.values[v].device for v in self.plan.buffers), "cpu")
         self.arena = bt.empty((max(self.plan.size, 1),), dtype=bt.uint8, device=dev)
         base = self.arena.data_ptr()
-        dl_dev = (2, int(dev.split(":")[1]) if ":" in dev else 0) if dev.startswith("cuda") else (1, 0)
+        dl_dev = (
+            (2, int(dev.split(":")[1]) if ":" in dev else 0) if dev.startswith("cuda") else (1, 0)
+        )
         for v, b in self.plan.buffers.items():
             val = g.values[v]
             code, bits = _DLPACK[val.dtype]
-            arr = _runtime.view(base + b.offset, list(val.shape), list(_contig_strides(val.shape)),
-                                code, bits, dl_dev[0], dl_dev[1], self.arena)
+            arr = _runtime.view(
+                base + b.offset,
+                list(val.shape),
+                list(_contig_strides(val.shape)),
+                code,
+                bits,
+                dl_dev[0],
+                dl_dev[1],
+                self.arena,
+            )
             self.views[v] = bt.from_dlpack(arr)
 
     def _out(self, v: int) -> Any:
@@ -134,7 +143,7 @@ class Program:
         env: dict[int, Any] = {}
         for vid, t in zip(g.inputs, inputs):
             env[vid] = t
-        for k, st in enumerate(self.part.steps):
+        for st in self.part.steps:
             if isinstance(st, fusion.Group):
                 ins = []
                 for i in st.inputs:
@@ -177,8 +186,9 @@ def _fill_stats(prog: Program) -> None:
     st.nodes = len(prog.graph.nodes)
     st.groups = len(part.groups)
     st.fused_nodes = sum(len(G.compute_nodes()) for G in part.groups)
-    st.library_calls = sum(1 for s in part.steps if isinstance(s, fusion.EagerStep)
-                           and s.kind == "library")
+    st.library_calls = sum(
+        1 for s in part.steps if isinstance(s, fusion.EagerStep) and s.kind == "library"
+    )
     st.eager_steps = sum(1 for s in part.steps if isinstance(s, fusion.EagerStep))
     st.fallbacks = len(part.fallbacks)
 
@@ -199,8 +209,10 @@ def _load_cached(graph: Graph, target: str, centry: Any, t0: float, dump: Any) -
 
             with open(path) as f:
                 code = backend_gpu.GpuCode.from_json(f.read())
-            mods = {name: _runtime.Module(text.encode(), _device_index(target))
-                    for name, text in code.ptx.items()}
+            mods = {
+                name: _runtime.Module(text.encode(), _device_index(target))
+                for name, text in code.ptx.items()
+            }
             prog.keep = mods
             prog.gpu_code = code
             for G in part.groups:
@@ -208,8 +220,9 @@ def _load_cached(graph: Graph, target: str, centry: Any, t0: float, dump: Any) -
         else:
             lib = backend_cpu.SharedLib(path)
             for G in part.groups:
-                prog.kernels[G.id] = backend_cpu.CpuKernel(lib.address(G.name), *_sig(graph, G),
-                                                           lib)
+                prog.kernels[G.id] = backend_cpu.CpuKernel(
+                    lib.address(G.name), *_sig(graph, G), lib
+                )
             prog.keep = lib
     except (OSError, AttributeError, KeyError, ValueError) as e:
         log.warning("[compile] cache entry %s cannot be loaded (%s): rebuilding", centry.path, e)
@@ -260,8 +273,12 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
                 break
             G, e, em = failed
             node = _failing_node(graph, G, em)
-            log.warning("[compile] %s (node %d) cannot be lowered (%s): it runs eagerly",
-                        node.op, node.index, e)
+            log.warning(
+                "[compile] %s (node %d) cannot be lowered (%s): it runs eagerly",
+                node.op,
+                node.index,
+                e,
+            )
             bad.add(node.index)
     else:
         raise CompileError(f"[compile] graph {ghash}: too many unlowerable nodes")
@@ -276,7 +293,9 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
             dump.write("graph.txt", str(graph))
             dump.write("groups.txt", describe(graph, part))
         if not module.operation.verify():
-            raise CompileError(f"[compile] graph {ghash}: stage lowered: the module does not verify")
+            raise CompileError(
+                f"[compile] graph {ghash}: stage lowered: the module does not verify"
+            )
         stages = [("fused", pipelines.FUSE), ("bufferized", pipelines.BUFFERIZE)]
         gpu = target.startswith("cuda")
         if not gpu:
@@ -303,17 +322,21 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
                 code = backend_gpu.compile_module(module, dump, st.stage_s)
             except Exception as e:
                 raise CompileError(
-                    f"[compile] graph {ghash}: stage ptx failed ({_where(dump)}): {e}") from e
+                    f"[compile] graph {ghash}: stage ptx failed ({_where(dump)}): {e}"
+                ) from e
             prog.gpu_code = code
             if code.unsupported:
                 raise CompileError(
                     f"[compile] graph {ghash}: stage gpu-host ({_where(dump)}): "
-                    + "; ".join(f"{k}: {v}" for k, v in code.unsupported.items()))
+                    + "; ".join(f"{k}: {v}" for k, v in code.unsupported.items())
+                )
             centry.store("gpu.json", code.to_json().encode(), meta)
             from . import _runtime
 
-            mods = {name: _runtime.Module(text.encode(), _device_index(target))
-                    for name, text in code.ptx.items()}
+            mods = {
+                name: _runtime.Module(text.encode(), _device_index(target))
+                for name, text in code.ptx.items()
+            }
             prog.keep = (ctx, mods)
             for G in part.groups:
                 prog.kernels[G.id] = backend_gpu.GpuKernel(code.functions[G.name], mods, target)
@@ -369,14 +392,23 @@ def compile_gpu_cache(graph: Graph, target: str = "cuda:0") -> str:
         code = backend_gpu.compile_module(module)
     if code.unsupported:
         raise CompileError(f"[compile] graph {graph.hash()}: stage gpu-host: {code.unsupported}")
-    centry.store("gpu.json", code.to_json().encode(),
-                 {"graph": graph.hash(), "target": target, "unlowerable": []})
+    centry.store(
+        "gpu.json",
+        code.to_json().encode(),
+        {"graph": graph.hash(), "target": target, "unlowerable": []},
+    )
     return str(centry.path)
 
 
 _DLPACK = {  # dtype -> (DLPack type code, bits)
-    "bool": (6, 8), "uint8": (1, 8), "int32": (0, 32), "int64": (0, 64), "float16": (2, 16),
-    "bfloat16": (4, 16), "float32": (2, 32), "float64": (2, 64),
+    "bool": (6, 8),
+    "uint8": (1, 8),
+    "int32": (0, 32),
+    "int64": (0, 64),
+    "float16": (2, 16),
+    "bfloat16": (4, 16),
+    "float32": (2, 32),
+    "float64": (2, 64),
 }
 
 _MODE = {"highest": "fp32", "high": "tf32", "medium": "bf16"}
@@ -397,15 +429,21 @@ def _gemm_into(n: Node, x: list[Any], out: Any) -> None:
     import blutrain.linalg as L
 
     a, b = x[0], x[1]
-    mode = _MODE.get(bt.get_float32_matmul_precision(), "fp32") if a.dtype == bt.float32 \
-        else None
+    mode = _MODE.get(bt.get_float32_matmul_precision(), "fp32") if a.dtype == bt.float32 else None
     dev = str(out.device)
     stream = int(bt._tensor._cuda_current_stream(dev)) if dev.startswith("cuda") else None
     if n.op == "linear":
         bias = x[2] if len(x) > 2 and n.attrs.get("bias") else None
         a2 = a.reshape(-1, a.shape[-1])
-        L.matmul(a2, b, transb=True, bias=bias, out=out.reshape(-1, out.shape[-1]), mode=mode,
-                 stream=stream)
+        L.matmul(
+            a2,
+            b,
+            transb=True,
+            bias=bias,
+            out=out.reshape(-1, out.shape[-1]),
+            mode=mode,
+            stream=stream,
+        )
         return
     trans = bool(n.attrs.get("trans_b"))
     L.matmul(a, b, transb=trans, out=out, mode=mode, stream=stream)

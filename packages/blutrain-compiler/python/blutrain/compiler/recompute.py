@@ -30,8 +30,9 @@ def duplicate(module: Any) -> int:
     for fop in module.body.operations:
         if not isinstance(fop.opview, func.FuncOp):
             continue
-        ops = [o for o in fop.regions[0].blocks[0].operations
-               if o.operation.name == "linalg.generic"]
+        ops = [
+            o for o in fop.regions[0].blocks[0].operations if o.operation.name == "linalg.generic"
+        ]
         for o in reversed(ops):
             op = o.operation
             if len(op.results) != 1 or not _all_parallel(op):

@@ -164,8 +164,9 @@ def apply(f: Any) -> int | None:
     blk = f.regions[0].blocks[0]
     first = list(blk.operations)[0]
     for o in list(blk.operations):
-        if (o.operation.name in ("memref.alloc", "arith.constant") or o.operation.name in VIEWS
-                ) and o.operation != first:
+        if (
+            o.operation.name in ("memref.alloc", "arith.constant") or o.operation.name in VIEWS
+        ) and o.operation != first:
             o.operation.move_before(first)
     # values a later segment reads (or the caller) must be written to memory
     reads_after: list[set[Any]] = []
@@ -201,8 +202,16 @@ def _emit(f: Any, S: tuple, ops: list[Any], needed: set[Any]) -> int:
     rows_shape, red_shape = list(S[0]), list(S[1])
     C = math.prod(red_shape)
     R = math.prod(rows_shape)
-    T = threads_for(C) if any(_iters(o) and "reduction" in _iters(o) for o in ops
-                              if o.operation.name == "linalg.generic") or C > 1 else 1
+    T = (
+        threads_for(C)
+        if any(
+            _iters(o) and "reduction" in _iters(o)
+            for o in ops
+            if o.operation.name == "linalg.generic"
+        )
+        or C > 1
+        else 1
+    )
     T = max(T, 1)
     fargs = set(f.arguments)
     keep = fargs | needed
@@ -214,7 +223,7 @@ def _emit(f: Any, S: tuple, ops: list[Any], needed: set[Any]) -> int:
         ridx = []
         rem = bx
         for k, s in enumerate(rows_shape):
-            st = math.prod(rows_shape[k + 1:])
+            st = math.prod(rows_shape[k + 1 :])
             q = arith.divui(rem, _c(st)) if st != 1 else rem
             ridx.append(arith.remui(q, _c(s)) if k > 0 else q)
         is0 = arith.cmpi(arith.CmpIPredicate.eq, tx, _c(0))
@@ -224,7 +233,7 @@ def _emit(f: Any, S: tuple, ops: list[Any], needed: set[Any]) -> int:
             """Indices of the reduced (or last) dims of linear position c."""
             out = []
             for k, s in enumerate(red_shape):
-                st = math.prod(red_shape[k + 1:])
+                st = math.prod(red_shape[k + 1 :])
                 q = arith.divui(c, _c(st)) if st != 1 else c
                 out.append(arith.remui(q, _c(s)) if k > 0 else q)
             return out
@@ -284,8 +293,11 @@ def _emit(f: Any, S: tuple, ops: list[Any], needed: set[Any]) -> int:
                     scf.YieldOp([res])
                 total = loop.results[0]
                 if T > 1:
-                    total = gpu.all_reduce(total, op=ir.Attribute.parse(
-                        f"#gpu<all_reduce_op {REDUCE_KIND[_combiner(o)]}>"), uniform=True)
+                    total = gpu.all_reduce(
+                        total,
+                        op=ir.Attribute.parse(f"#gpu<all_reduce_op {REDUCE_KIND[_combiner(o)]}>"),
+                        uniform=True,
+                    )
                 row_val[out] = total
                 store_row(out, total)
             elif len(it) == len(rows_shape) + len(red_shape) and S != ((), (1,)):
@@ -297,12 +309,16 @@ def _emit(f: Any, S: tuple, ops: list[Any], needed: set[Any]) -> int:
                     idx = list(ridx) + cidx(loop.induction_variable)
                     args = [load(v, m, idx) for v, m in zip(ins, maps[:n_in])]
                     (res,) = clone_body(o, args + [_undef_like(out)], idx)
-                    oi = [affine.apply(ir.AffineMap.get(maps[-1].n_dims, 0, [e]), idx)
-                          for e in maps[-1].results]
+                    oi = [
+                        affine.apply(ir.AffineMap.get(maps[-1].n_dims, 0, [e]), idx)
+                        for e in maps[-1].results
+                    ]
                     memref.store(res, out, oi)
                     scf.YieldOp([])
-                if any(out in list(p.operation.operands) or _reads_in_body(p, out)
-                       for p in ops[j + 1:]):
+                if any(
+                    out in list(p.operation.operands) or _reads_in_body(p, out)
+                    for p in ops[j + 1 :]
+                ):
                     gpu.barrier()  # later ops of this row read other threads' elements
             else:  # per-row (or a 0-d op)
                 args = [load(v, m, ridx[: m.n_dims]) for v, m in zip(ins, maps[:n_in])]

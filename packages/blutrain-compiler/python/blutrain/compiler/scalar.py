@@ -254,7 +254,9 @@ def unary(op: str, x: ir.Value, dtype: str) -> ir.Value:
         return arith.divf(c(1.0), arith.addf(c(1.0), exp(arith.negf(x), dtype)))
     if op == "gelu_tanh":
         k = c(0.7978845608028654)
-        inner = arith.mulf(k, arith.addf(x, arith.mulf(arith.mulf(arith.mulf(c(0.044715), x), x), x)))
+        inner = arith.mulf(
+            k, arith.addf(x, arith.mulf(arith.mulf(arith.mulf(c(0.044715), x), x), x))
+        )
         return arith.mulf(arith.mulf(c(0.5), x), arith.addf(c(1.0), tanh(inner, dtype)))
     if op == "log":
         return math.log(x)
