@@ -70,7 +70,13 @@ def key(graph_hash: str, target: str, extra: str) -> str:
     h = hashlib.sha256()
     h.update(
         json.dumps(
-            {"graph": graph_hash, "target": target, "versions": versions(), "extra": extra},
+            {
+                "graph": graph_hash,
+                "target": target,
+                "versions": versions(),
+                "extra": extra,
+                "opt": os.environ.get("BLUTRAIN_COMPILE_OPT", "2"),
+            },
             sort_keys=True,
         ).encode()
     )
