@@ -65,11 +65,6 @@ PRECISIONS = {
 _PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "tensorfloat32": "tf32"}
 
 
-def _capturing() -> bool:
-    """Whether bt.capture() records on this thread (captured ids have no values to check)."""
-    return bool(bt._tensor._capturing())
-
-
 def precision_name(mode: str) -> str:
     """The canonical name (fp32, tf32, bf16) of a precision mode; raises on others."""
     key = _PRECISION_ALIASES.get(str(mode).lower(), str(mode).lower())
@@ -416,6 +411,9 @@ class GPT2(_Precision, nn.Module):
         self.fused = fused
         # rows per chunk of the fused classifier (None: bt.linear_cross_entropy's default)
         self.classifier_chunk_size: int | None = None
+        # float32 CPU loss in numpy (_HeadCrossEntropyCPU, faster there); False: bt.cross_entropy,
+        # the op a bt.capture() records (so eager and a captured step run the same kernels)
+        self.numpy_loss = True
         self.transformer = _Transformer(config)
         self.set_recompute(recompute)
         if init:
@@ -486,8 +484,8 @@ class GPT2(_Precision, nn.Module):
                 raise ValueError(
                     f"[GPT2] {what} must be (B, T) or (T,), got shape {tuple(x.shape)}"
                 )
-            if t.numel() and not _capturing() and str(t.device) == "cpu":
-                # ids read under a capture have no values to check; ids on a GPU are not read back (that
+            if t.numel() and not bt.is_capturing() and str(t.device) == "cpu":
+                # captured ids have no values to check; ids on a GPU are not read back (that
                 # would be a host sync every step): the embedding kernel bounds-checks them
                 lo, hi = int(t.amin().item()), int(t.amax().item())
             else:
@@ -669,7 +667,8 @@ class GPT2(_Precision, nn.Module):
         if tgt is not None:
             B, T = idx.shape
             V, Vp = self.config.vocab_size, full.shape[-1]
-            if full.device == "cpu" and full.dtype == bt.float32 and not full.is_symbolic:
+            numpy_ok = self.numpy_loss and not full.is_symbolic
+            if numpy_ok and full.device == "cpu" and full.dtype == bt.float32:
                 loss = _HeadCrossEntropyCPU.apply(full.reshape(B * T, Vp), tgt.reshape(B * T), V)
             else:
                 # (B*T, Vp) is a view; its first V columns a strided view (row stride Vp) that
