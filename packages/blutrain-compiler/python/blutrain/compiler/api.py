@@ -76,8 +76,13 @@ class Compiled:
         self.prog, self.graph, self.bind = prog, graph, bind
         self.outputs, self.out_struct = outputs, out_struct
         self.grads, self.mutations = grads, mutations
+        # which leaves had a .grad when captured: accumulate_grad reads it (or not)
+        self.grad_state = self.current_grad_state()
         # values the caller keeps are not planned into the arena (it is reused every call)
         prog.prepare(set(outputs) | {v for _, v in grads} | {v for _, v in mutations})
+
+    def current_grad_state(self) -> tuple[bool, ...]:
+        return tuple(leaf.grad is not None for leaf, _ in self.grads)
 
     def __call__(self, args: Sequence[Any]) -> Any:
         ins = []
@@ -92,14 +97,12 @@ class Compiled:
                 ins.append(ref)
         env = self.prog.run(ins)
         with bt.no_grad():
-            for leaf, v in self.grads:
-                g = self.prog.value(env, v)
-                if leaf.grad is None:
-                    leaf.grad = g if g is not None else None
-                else:
-                    leaf.grad.add_(g)
-            for t, v in self.mutations:
-                t.copy_(self.prog.value(env, v))
+            for leaf, v in self.grads:  # each leaf's .grad as the program leaves it
+                leaf.grad = None if v < 0 else self.prog.value(env, v)
+            for t, v in self.mutations:  # parameters, optimizer moments: written in place
+                new = self.prog.value(env, v)
+                if not _same(new, t):
+                    t.copy_(new)
         outs = [self.prog.value(env, o) for o in self.outputs]
         if self.out_struct == "single":
             return outs[0]
@@ -150,13 +153,21 @@ class CompiledFunction:
         return tuple(k)
 
     def __call__(self, *args: Any) -> Any:
-        key = self.key(args)
-        c = self.programs.get(key)
+        base = self.key(args)
+        c = None
+        why = ""
+        for (k, gs), cand in self.programs.items():
+            if k != base:
+                continue
+            if cand.current_grad_state() == gs:
+                c = cand
+                break
+            why = "a leaf's .grad changed between None and a tensor (accumulation differs)"
         if c is None:
             if self.programs:
                 names = self.argnames + ["matmul precision", "grad mode"]
-                prev = self.last_key or next(iter(self.programs))
-                why = _guard_diff(prev, key, names)
+                prev = self.last_key or next(iter(self.programs))[0]
+                why = why or _guard_diff(prev, base, names)
                 self.recompiles.append(why)
                 if len(self.programs) >= self.max_recompiles:
                     raise RecompileLimitError(
@@ -167,7 +178,8 @@ class CompiledFunction:
                     )
                 log.warning("[compile] recompiling %s: %s", self.__name__, why)
             c = self._compile(args)
-            self.programs[key] = c
+            self.programs[(base, c.grad_state)] = c
+        key = base
         self.last_key = key
         return c(args)
 
@@ -233,7 +245,11 @@ class CompiledFunction:
         self, cg: Any, g: Graph, args: Sequence[Any], call_args: list[Any], scalar_t: dict[int, Any]
     ) -> list[tuple[str, Any]]:
         """For each graph input: an argument position, a runtime scalar, or a fixed tensor."""
-        tensors = cg.input_tensors() if hasattr(cg, "input_tensors") else None
+        tensors = getattr(cg, "input_tensors", None)
+        if callable(tensors):
+            tensors = tensors()
+        if tensors is not None and len(tensors) != len(g.inputs):
+            tensors = None
         bind: list[tuple[str, Any]] = []
         for k, vid in enumerate(g.inputs):
             found = None
@@ -282,8 +298,8 @@ class CompiledFunction:
         muts: list[tuple[Any, int]] = []
         for leaf_v, gv in getattr(cg, "grads", []) or []:
             t = tensor_of(leaf_v)
-            if t is not None and gv >= 0:
-                grads.append((t, gv))
+            if t is not None:
+                grads.append((t, int(gv)))
         for src_v, final_v in getattr(cg, "mutations", []) or []:
             t = tensor_of(src_v)
             if t is not None:

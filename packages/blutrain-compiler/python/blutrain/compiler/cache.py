@@ -43,6 +43,23 @@ def atomic_write(path: str, data: bytes) -> None:
 MLIR_PIN = "22.1.8.4"  # xtc-mlir-python-bindings, pinned in pyproject.toml
 
 
+_SOURCE_DIGEST: str | None = None
+
+
+def source_digest() -> str:
+    """SHA-256 of this package's Python sources: an edited compiler never reads old entries."""
+    global _SOURCE_DIGEST
+    if _SOURCE_DIGEST is None:
+        h = hashlib.sha256()
+        here = os.path.dirname(os.path.abspath(__file__))
+        for name in sorted(os.listdir(here)):
+            if name.endswith(".py"):
+                with open(os.path.join(here, name), "rb") as f:
+                    h.update(name.encode() + b"\0" + f.read())
+        _SOURCE_DIGEST = h.hexdigest()[:16]
+    return _SOURCE_DIGEST
+
+
 def versions() -> dict[str, str]:
     """This package's version and the MLIR bindings' (the pin where they are not installed as
     a distribution: a GPU machine with the bundled bindings or none, reading cached code)."""
@@ -54,7 +71,7 @@ def versions() -> dict[str, str]:
         mlir = metadata.version("xtc-mlir-python-bindings")
     except metadata.PackageNotFoundError:
         mlir = MLIR_PIN
-    return {"blutrain-compiler": __version__, "mlir": mlir}
+    return {"blutrain-compiler": __version__, "sources": source_digest(), "mlir": mlir}
 
 
 def folder() -> str | None:

@@ -171,7 +171,7 @@ def partition(g: Graph, unlowerable: set[int] | None = None) -> Partition:
     for n in side:
         for i in n.inputs:
             used_outside[chain(i)[0]] = True
-    for o in g.outputs:
+    for o in g.live_out():
         used_outside[chain(o)[0]] = True
     for G in groups:
         G.nodes.sort(key=lambda m: m.index)

@@ -78,6 +78,14 @@ class Graph:
     nodes: list[Node] = field(default_factory=list)
     inputs: list[int] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
+    # values the caller reads besides `outputs`: the final value of every input the program
+    # writes (parameters, optimizer moments) and every leaf's final .grad (capture's tables)
+    mutations: list[tuple[int, int]] = field(default_factory=list)
+    grads: list[tuple[int, int]] = field(default_factory=list)
+
+    def live_out(self) -> list[int]:
+        return list(self.outputs) + [v for _, v in self.mutations] + [
+            v for _, v in self.grads if v >= 0]
 
     def producer(self) -> dict[int, Node]:
         return {o: n for n in self.nodes for o in n.outputs}
@@ -122,6 +130,8 @@ class Graph:
             ],
             "inputs": self.inputs,
             "outputs": self.outputs,
+            "mutations": [list(m) for m in self.mutations],
+            "grads": [list(x) for x in self.grads],
         }
 
     def to_json(self) -> str:
@@ -150,6 +160,8 @@ class Graph:
             attrs = {k: _uncanon(a) for k, a in n["attrs"].items()}
             g.nodes.append(Node(n["op"], attrs, list(n["inputs"]), list(n["outputs"])))
         g.inputs, g.outputs = list(d["inputs"]), list(d["outputs"])
+        g.mutations = [(int(a), int(b)) for a, b in d.get("mutations", [])]
+        g.grads = [(int(a), int(b)) for a, b in d.get("grads", [])]
         g.reindex()
         return g
 
@@ -217,5 +229,7 @@ def from_capture(cg: Any) -> Graph:
         )
     g.inputs = [int(i) for i in cg.inputs]
     g.outputs = [int(o) for o in cg.outputs]
+    g.mutations = [(int(a), int(b)) for a, b in getattr(cg, "mutations", []) or []]
+    g.grads = [(int(a), int(b)) for a, b in getattr(cg, "grads", []) or []]
     g.reindex()
     return g

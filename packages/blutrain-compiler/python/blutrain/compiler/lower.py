@@ -780,26 +780,60 @@ class Emitter:
                 outs_c.append(self.cast_ref(outs_p[t], cdt))
         return outs_p + outs_m + outs_v + outs_c
 
+    OPTIM_CHUNK = 4096  # blutrain-tensor's kOptimChunk (src/optim.h): elements per partial sum
+
     def op_grad_norm(self, n: Node) -> Ref:
-        """sqrt of the sum of squares of every input (float64 sums), float32 or float64."""
+        """cpu/optim.cpp's GradNorm: each tensor in chunks of OPTIM_CHUNK elements, a partial
+        sum of squares per chunk in the compute type (in order), the partials summed in float64
+        in order, then the square root. The full chunks are a (chunks, OPTIM_CHUNK) view of the
+        flat tensor and the tail a slice of it (no copies)."""
         shape, dt = self.out(n)
         D = "float64"
+        K = self.OPTIM_CHUNK
         tot = None
+
+        def add(r: Ref) -> None:
+            nonlocal tot
+            tot = r if tot is None else self.ew((), D, [tot, r], lambda p_, q: arith.addf(p_, q))
+
         for i in n.inputs:
             x = self.val(i)
             cd = S.compute_dtype(x.dtype)
-            r = self.reduce(
-                x.shape,
-                list(range(len(x.shape))),
-                D,
-                0.0,
-                [x],
-                lambda a, x=x, cd=cd: S.cast(
-                    arith.mulf(S.cast(a, x.dtype, cd), S.cast(a, x.dtype, cd)), cd, D
-                ),
-                lambda p_, q: arith.addf(p_, q),
-            )
-            tot = r if tot is None else self.ew((), D, [tot, r], lambda p_, q: arith.addf(p_, q))
+            numel = math.prod(x.shape)
+            if numel == 0:
+                continue
+            xt = self.materialize(x)
+            flat = (self._reshape_tensor(xt, x.shape, (numel,), x.dtype)
+                    if tuple(x.shape) != (numel,) else xt)
+            nfull, rem = divmod(numel, K)
+
+            def sq(v: ir.Value, x=x, cd=cd) -> ir.Value:
+                w = S.cast(v, x.dtype, cd)
+                return arith.mulf(w, w)
+
+            def part(t: ir.Value, rows: int, cols: int, x=x, cd=cd) -> Ref:
+                r = Ref(x.dtype, (rows, cols), t) if rows else Ref(x.dtype, (cols,), t)
+                dims = [1] if rows else [0]
+                return self.reduce(r.shape, dims, cd, 0.0, [r], sq, lambda p_, q: arith.addf(q, p_))
+
+            et = S.storage_type(x.dtype)
+            dense = ir.DenseI64ArrayAttr.get
+            if nfull:
+                body = flat if rem == 0 else tensor.ExtractSliceOp(
+                    ir.RankedTensorType.get([nfull * K], et), flat, [], [], [], dense([0]),
+                    dense([nfull * K]), dense([1])).result
+                full = self._reshape_tensor(body, (nfull * K,), (nfull, K), x.dtype)
+                ps = part(full, nfull, K)
+                add(self.reduce((nfull,), [0], D, 0.0, [ps], lambda v, cd=cd: S.cast(v, cd, D),
+                                lambda p_, q: arith.addf(q, p_)))
+            if rem:
+                tail = tensor.ExtractSliceOp(
+                    ir.RankedTensorType.get([rem], et), flat, [], [], [], dense([nfull * K]),
+                    dense([rem]), dense([1])).result
+                pt = part(tail, 0, rem)
+                add(self.ew((), D, [pt], lambda v, cd=cd: S.cast(v, cd, D)))
+        if tot is None:
+            tot = Ref(D, (), const=0.0, identity=False)
         from mlir.dialects import math as m_
 
         return self.ew((), dt, [tot], lambda t_: S.cast(m_.sqrt(t_), D, dt))

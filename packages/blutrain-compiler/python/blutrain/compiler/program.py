@@ -137,7 +137,7 @@ class Program:
     def run(self, inputs: list[Any]) -> dict[int, Any]:
         g = self.graph
         if self.plan is None:
-            self.prepare(set(g.outputs))
+            self.prepare(set(g.live_out()))
         if self.arena is None and self.plan.buffers:
             self._arena_views()
         env: dict[int, Any] = {}
