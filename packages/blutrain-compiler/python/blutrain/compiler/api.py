@@ -76,15 +76,15 @@ class Compiled:
         self.prog, self.graph, self.bind = prog, graph, bind
         self.outputs, self.out_struct = outputs, out_struct
         self.grads, self.mutations = grads, mutations
-        # which leaves had a .grad when captured: accumulate_grad reads it (or not)
-        self.grad_state = self.current_grad_state()
+        self.grad_state: tuple[bool, ...] = ()  # set by the caller: leaves with a .grad
         # values the caller keeps are not planned into the arena (it is reused every call)
         prog.prepare(set(outputs) | {v for _, v in grads} | {v for _, v in mutations})
 
-    def current_grad_state(self) -> tuple[bool, ...]:
-        return tuple(leaf.grad is not None for leaf, _ in self.grads)
+    def current_grad_state(self, args: Sequence[Any]) -> tuple[bool, ...]:
+        ins = self.inputs(args)
+        return tuple(ins[k].grad is not None for k, _ in self.grads)
 
-    def __call__(self, args: Sequence[Any]) -> Any:
+    def inputs(self, args: Sequence[Any]) -> list[Any]:
         ins = []
         for kind, ref in self.bind:
             if kind == "arg":
@@ -95,14 +95,18 @@ class Compiled:
                 ins.append(t)
             else:  # a tensor the function reads from outside (a parameter)
                 ins.append(ref)
+        return ins
+
+    def __call__(self, args: Sequence[Any]) -> Any:
+        ins = self.inputs(args)
         env = self.prog.run(ins)
         with bt.no_grad():
-            for leaf, v in self.grads:  # each leaf's .grad as the program leaves it
-                leaf.grad = None if v < 0 else self.prog.value(env, v)
-            for t, v in self.mutations:  # parameters, optimizer moments: written in place
+            for k, v in self.grads:  # each leaf's .grad as the program leaves it
+                ins[k].grad = None if v < 0 else self.prog.value(env, v)
+            for k, v in self.mutations:  # parameters, optimizer moments: written in place
                 new = self.prog.value(env, v)
-                if not _same(new, t):
-                    t.copy_(new)
+                if not _same(new, ins[k]):
+                    ins[k].copy_(new)
         outs = [self.prog.value(env, o) for o in self.outputs]
         if self.out_struct == "single":
             return outs[0]
@@ -159,7 +163,7 @@ class CompiledFunction:
         for (k, gs), cand in self.programs.items():
             if k != base:
                 continue
-            if cand.current_grad_state() == gs:
+            if cand.current_grad_state(args) == gs:
                 c = cand
                 break
             why = "a leaf's .grad changed between None and a tensor (accumulation differs)"
@@ -178,6 +182,7 @@ class CompiledFunction:
                     )
                 log.warning("[compile] recompiling %s: %s", self.__name__, why)
             c = self._compile(args)
+            c.grad_state = c.current_grad_state(args)  # as at the capture's start
             self.programs[(base, c.grad_state)] = c
         key = base
         self.last_key = key
@@ -225,7 +230,7 @@ class CompiledFunction:
             cap.__exit__(None, None, None)
         g = from_capture(cg)
         bind = self._bind(cg, g, args, call_args, scalar_t)
-        grads, muts = self._effects(cg, g, bind)
+        grads, muts = self._effects(cg, g)
         target = self.target or ("cuda" if dev.startswith("cuda") else "cpu")
         prog = P.build(g, target, dump=_dump_for(g))
         log.info(
@@ -283,33 +288,14 @@ class CompiledFunction:
                 bind.append(("tensor", t))
         return bind
 
-    def _effects(
-        self, cg: Any, g: Graph, bind: list[tuple[str, Any]]
-    ) -> tuple[list[tuple[Any, int]], list[tuple[Any, int]]]:
-        by_vid = {vid: b for vid, b in zip(g.inputs, bind)}
-
-        def tensor_of(vid: int) -> Any:
-            b = by_vid.get(vid)
-            if b is None or b[0] != "tensor":
-                return None
-            return b[1]
-
-        grads: list[tuple[Any, int]] = []
-        muts: list[tuple[Any, int]] = []
-        for leaf_v, gv in getattr(cg, "grads", []) or []:
-            t = tensor_of(leaf_v)
-            if t is not None:
-                grads.append((t, int(gv)))
-        for src_v, final_v in getattr(cg, "mutations", []) or []:
-            t = tensor_of(src_v)
-            if t is not None:
-                muts.append((t, final_v))
-        if not hasattr(cg, "grads"):  # older capture: accumulate_grad nodes, copy_ nodes
-            for n in g.nodes:
-                if n.op == "accumulate_grad":
-                    t = tensor_of(n.inputs[0])
-                    if t is not None:
-                        grads.append((t, n.inputs[1]))
+    def _effects(self, cg: Any, g: Graph) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(input position, value) of every leaf's final .grad and every written input."""
+        pos = {vid: k for k, vid in enumerate(g.inputs)}
+        grads = [(pos[a], int(b)) for a, b in g.grads if a in pos]
+        muts = [(pos[a], int(b)) for a, b in g.mutations if a in pos]
+        if not hasattr(cg, "grads"):  # older capture: accumulate_grad nodes without outputs
+            grads += [(pos[n.inputs[0]], n.inputs[1]) for n in g.nodes
+                      if n.op == "accumulate_grad" and n.inputs[0] in pos]
         return grads, muts
 
 

@@ -162,6 +162,29 @@ def _bits(x: ir.Value) -> ir.Value:
     return arith.bitcast(ir.IntegerType.get_signless(32), x)
 
 
+def _host_has_fma() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return " fma " in line + " "
+    except OSError:
+        pass
+    return False
+
+
+# Note [FMA like eager]: blutrain.tensor builds its elementwise and softmax loops as GCC target
+# clones (x86-64-v3 / v4 where the CPU has them), and GCC contracts a * b + c into one fused
+# multiply-add there (-ffp-contract=fast). fast_exp / fast_tanh / gelu_tanh below contract the
+# same products, so compiled float32 results are eager's bit for bit on such a CPU.
+FMA = _host_has_fma()
+
+
+def _madd(a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+    """a * b + c, fused where eager's compiler fuses it (Note [FMA like eager])."""
+    return math.fma(a, b, c) if FMA else arith.addf(arith.mulf(a, b), c)
+
+
 def fast_exp(x: ir.Value) -> ir.Value:
     """cpu/fastmath.h's fast_exp, operation for operation (float32)."""
     f = ir.F32Type.get()
@@ -178,13 +201,14 @@ def fast_exp(x: ir.Value) -> ir.Value:
     fn = arith.subf(arith.addf(t, big), big)
     i32 = ir.IntegerType.get_signless(32)
     n = arith.fptosi(i32, fn)
-    r = arith.subf(xc, arith.mulf(fn, c(0.693359375)))
-    r = arith.subf(r, arith.mulf(fn, c(-2.12194440e-4)))
+    nfn = arith.negf(fn)
+    r = _madd(nfn, c(0.693359375), xc)
+    r = _madd(nfn, c(-2.12194440e-4), r)
     z = arith.mulf(r, r)
     y = c(1.9875691500e-4)
     for k in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
-        y = arith.addf(arith.mulf(y, r), c(k))
-    y = arith.addf(arith.addf(arith.mulf(y, z), r), c(1.0))
+        y = _madd(y, r, c(k))
+    y = arith.addf(_madd(y, z, r), c(1.0))
     bits = arith.shli(arith.addi(n, arith.constant(i32, 126)), arith.constant(i32, 23))
     p2 = arith.bitcast(f, bits)
     res = arith.mulf(arith.mulf(y, p2), c(2.0))
@@ -206,8 +230,8 @@ def fast_tanh(x: ir.Value) -> ir.Value:
     z = arith.mulf(x, x)
     p = c(-5.70498872745e-3)
     for k in (2.06390887954e-2, -5.37397155531e-2, 1.33314422036e-1, -3.33332819422e-1):
-        p = arith.addf(arith.mulf(p, z), c(k))
-    small = arith.addf(arith.mulf(arith.mulf(p, z), x), x)
+        p = _madd(p, z, c(k))
+    small = _madd(arith.mulf(p, z), x, x)
     axc = arith.select(arith.cmpf(arith.CmpFPredicate.OGT, ax, c(20.0)), c(20.0), ax)
     e = fast_exp(arith.mulf(c(2.0), axc))
     big = arith.subf(c(1.0), arith.divf(c(2.0), arith.addf(e, c(1.0))))
@@ -254,9 +278,9 @@ def unary(op: str, x: ir.Value, dtype: str) -> ir.Value:
         return arith.divf(c(1.0), arith.addf(c(1.0), exp(arith.negf(x), dtype)))
     if op == "gelu_tanh":
         k = c(0.7978845608028654)
-        inner = arith.mulf(
-            k, arith.addf(x, arith.mulf(arith.mulf(arith.mulf(c(0.044715), x), x), x))
-        )
+        cube = arith.mulf(arith.mulf(c(0.044715), x), x)
+        inner = arith.mulf(k, _madd(cube, x, x) if dtype == "float32" else arith.addf(
+            x, arith.mulf(cube, x)))
         return arith.mulf(arith.mulf(c(0.5), x), arith.addf(c(1.0), tanh(inner, dtype)))
     if op == "log":
         return math.log(x)
