@@ -53,8 +53,10 @@ def _step(loss_fn, opt: AdamW):
 
 def _run_both(make, vocab: int, B: int, T: int) -> None:
     rng = np.random.default_rng()
-    data = [(bt.tensor(rng.integers(0, vocab, (B, T))), bt.tensor(rng.integers(0, vocab, (B, T))))
-            for _ in range(STEPS)]
+    data = [
+        (bt.tensor(rng.integers(0, vocab, (B, T))), bt.tensor(rng.integers(0, vocab, (B, T))))
+        for _ in range(STEPS)
+    ]
     lrs = [1e-3 * 0.5 * (1 + math.cos(math.pi * i / STEPS)) for i in range(STEPS)]
     (fe, oe, pe), (fc, oc, pc) = make(), make()
     eager, compiled = _step(fe, oe), btc.compile(_step(fc, oc))

@@ -294,8 +294,11 @@ class CompiledFunction:
         grads = [(pos[a], int(b)) for a, b in g.grads if a in pos]
         muts = [(pos[a], int(b)) for a, b in g.mutations if a in pos]
         if not hasattr(cg, "grads"):  # older capture: accumulate_grad nodes without outputs
-            grads += [(pos[n.inputs[0]], n.inputs[1]) for n in g.nodes
-                      if n.op == "accumulate_grad" and n.inputs[0] in pos]
+            grads += [
+                (pos[n.inputs[0]], n.inputs[1])
+                for n in g.nodes
+                if n.op == "accumulate_grad" and n.inputs[0] in pos
+            ]
         return grads, muts
 
 

@@ -92,7 +92,7 @@ def key(graph_hash: str, target: str, extra: str) -> str:
                 "target": target,
                 "versions": versions(),
                 "extra": extra,
-                "opt": os.environ.get("BLUTRAIN_COMPILE_OPT", "2"),
+                "opt": os.environ.get("BLUTRAIN_COMPILE_OPT", "1"),
             },
             sort_keys=True,
         ).encode()

@@ -22,6 +22,7 @@ MAX_GROUP_NODES = 256  # nodes (views included) per group: bounds MLIR compile t
 # Old captures (before the graph contract) record accumulate_grad without an output: a side
 # effect the caller applies. Newer ones give it an output value (the leaf's new .grad): lowered.
 SIDE_EFFECTS = {"accumulate_grad"}
+CONSTANTS = {"full", "arange"}  # free inside any kernel: never a reason for a boundary
 
 
 @dataclass
@@ -56,6 +57,12 @@ class Partition:
     groups: list[Group]
     fallbacks: list[Node]
     side_effects: list[Node]
+
+
+def _scalar_group(G: Group, g: Graph) -> bool:
+    """A group whose outputs are all scalars (0-d or one element)."""
+    outs = [o for m in G.compute_nodes() for o in m.outputs]
+    return bool(outs) and all(g.values[o].numel <= 1 for o in outs)
 
 
 def lowerable(n: Node) -> bool:
@@ -111,6 +118,17 @@ def partition(g: Graph, unlowerable: set[int] | None = None) -> Partition:
                     continue
                 if G.device != dev:
                     close(G, f"%{b} moves from {G.device} to {dev}")
+                elif (
+                    g.values[b].numel <= 1
+                    and not all(m.op in CONSTANTS for m in G.compute_nodes())
+                    and not (
+                        _scalar_group(G, g) and all(g.values[o].numel <= 1 for o in n.outputs)
+                    )
+                ):
+                    # a scalar edge (a clip coefficient, AdamW's step size, one tensor's sum
+                    # of squares) does not tie two kernels into one: the scalar is computed
+                    # once, not recomputed per element, and the groups stay small
+                    close(G, f"%{b} is a scalar read by {n.op} (node {n.index})")
                 elif len(G.nodes) + len(vs) + 1 > MAX_GROUP_NODES:
                     close(G, f"size cap of {MAX_GROUP_NODES} nodes reached before {n.op}")
                 else:

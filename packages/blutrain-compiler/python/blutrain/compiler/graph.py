@@ -84,8 +84,11 @@ class Graph:
     grads: list[tuple[int, int]] = field(default_factory=list)
 
     def live_out(self) -> list[int]:
-        return list(self.outputs) + [v for _, v in self.mutations] + [
-            v for _, v in self.grads if v >= 0]
+        return (
+            list(self.outputs)
+            + [v for _, v in self.mutations]
+            + [v for _, v in self.grads if v >= 0]
+        )
 
     def producer(self) -> dict[int, Node]:
         return {o: n for n in self.nodes for o in n.outputs}

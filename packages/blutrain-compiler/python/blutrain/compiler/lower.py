@@ -82,6 +82,10 @@ COMPOSITES = {
     "add_layer_norm",
 }
 OTHER = {
+    "adamw_scalars",
+    "adamw_update",
+    "sumsq",
+    "sqrt_sum",
     "full",
     "arange",
     "astype",
@@ -782,61 +786,198 @@ class Emitter:
 
     OPTIM_CHUNK = 4096  # blutrain-tensor's kOptimChunk (src/optim.h): elements per partial sum
 
-    def op_grad_norm(self, n: Node) -> Ref:
-        """cpu/optim.cpp's GradNorm: each tensor in chunks of OPTIM_CHUNK elements, a partial
-        sum of squares per chunk in the compute type (in order), the partials summed in float64
-        in order, then the square root. The full chunks are a (chunks, OPTIM_CHUNK) view of the
-        flat tensor and the tail a slice of it (no copies)."""
-        shape, dt = self.out(n)
-        D = "float64"
-        K = self.OPTIM_CHUNK
-        tot = None
-
-        def add(r: Ref) -> None:
-            nonlocal tot
-            tot = r if tot is None else self.ew((), D, [tot, r], lambda p_, q: arith.addf(p_, q))
-
-        for i in n.inputs:
-            x = self.val(i)
-            cd = S.compute_dtype(x.dtype)
-            numel = math.prod(x.shape)
-            if numel == 0:
-                continue
-            xt = self.materialize(x)
-            flat = (self._reshape_tensor(xt, x.shape, (numel,), x.dtype)
-                    if tuple(x.shape) != (numel,) else xt)
-            nfull, rem = divmod(numel, K)
-
-            def sq(v: ir.Value, x=x, cd=cd) -> ir.Value:
-                w = S.cast(v, x.dtype, cd)
-                return arith.mulf(w, w)
-
-            def part(t: ir.Value, rows: int, cols: int, x=x, cd=cd) -> Ref:
-                r = Ref(x.dtype, (rows, cols), t) if rows else Ref(x.dtype, (cols,), t)
-                dims = [1] if rows else [0]
-                return self.reduce(r.shape, dims, cd, 0.0, [r], sq, lambda p_, q: arith.addf(q, p_))
-
-            et = S.storage_type(x.dtype)
-            dense = ir.DenseI64ArrayAttr.get
-            if nfull:
-                body = flat if rem == 0 else tensor.ExtractSliceOp(
-                    ir.RankedTensorType.get([nfull * K], et), flat, [], [], [], dense([0]),
-                    dense([nfull * K]), dense([1])).result
-                full = self._reshape_tensor(body, (nfull * K,), (nfull, K), x.dtype)
-                ps = part(full, nfull, K)
-                add(self.reduce((nfull,), [0], D, 0.0, [ps], lambda v, cd=cd: S.cast(v, cd, D),
-                                lambda p_, q: arith.addf(q, p_)))
-            if rem:
-                tail = tensor.ExtractSliceOp(
-                    ir.RankedTensorType.get([rem], et), flat, [], [], [], dense([nfull * K]),
-                    dense([rem]), dense([1])).result
-                pt = part(tail, 0, rem)
-                add(self.ew((), D, [pt], lambda v, cd=cd: S.cast(v, cd, D)))
-        if tot is None:
-            tot = Ref(D, (), const=0.0, identity=False)
+    def op_adamw_scalars(self, n: Node) -> list[Ref]:
+        """(lr / bias1, sqrt(bias2), lr) in float64 from the device scalars, once per step."""
         from mlir.dialects import math as m_
 
+        D = "float64"
+        a = n.attrs
+
+        def scalar_in(i: int, default: float) -> Ref:
+            if i < 0:
+                return Ref(D, (), const=float(default), identity=False)
+            r = self.val(i)
+            return r.view((), lambda e: [_c(0)] * len(r.shape)) if r.shape else r
+
+        lr = scalar_in(n.inputs[0], a["lr"])
+        st = scalar_in(n.inputs[1], a["step"])
+        b1, b2 = float(a["beta1"]), float(a["beta2"])
+
+        def step_size(lv: ir.Value, sv: ir.Value) -> ir.Value:
+            bias1 = arith.subf(S.const(D, 1.0), m_.powf(S.const(D, b1), S.cast(sv, st.dtype, D)))
+            return arith.divf(S.cast(lv, lr.dtype, D), bias1)
+
+        def b2s(sv: ir.Value) -> ir.Value:
+            return m_.sqrt(
+                arith.subf(S.const(D, 1.0), m_.powf(S.const(D, b2), S.cast(sv, st.dtype, D)))
+            )
+
+        return [
+            self.ew((), D, [lr, st], step_size),
+            self.ew((), D, [st], b2s),
+            self.ew((), D, [lr], lambda lv: S.cast(lv, lr.dtype, D)),
+        ]
+
+    def op_adamw_update(self, n: Node) -> list[Ref]:
+        """One tensor of cpu/optim.cpp's AdamW: p, g, m, v, (lr / bias1, sqrt(bias2), lr),
+        [grad scale], [16-bit copy] -> p', m', v', [copy']."""
+        a = n.attrs
+        p, g, m, v, s1, s2, s3 = (self.val(i) for i in n.inputs[:7])
+        sc_i = n.inputs[7]
+        scale = self.val(sc_i) if sc_i >= 0 else None
+        D = "float64"
+        T_, Mt, Sd = p.dtype, S.compute_dtype(p.dtype), m.dtype
+        b1, b2, eps, wd = (float(a[k]) for k in ("beta1", "beta2", "eps", "weight_decay"))
+
+        def zero_d(r: Ref) -> Ref:
+            r0 = r.view((), lambda e: [_c(0)] * len(r.shape)) if r.shape else r
+            return self.bcast(r0, p.shape)
+
+        refs = [p, g, m, v, zero_d(s1), zero_d(s2), zero_d(s3)]
+        if scale is not None:
+            refs.append(zero_d(scale))
+
+        def upd(pv, gv, mv, vv, ss, bs, lv, *sc, which=0):
+            step_size, b2s = S.cast(ss, D, Mt), S.cast(bs, D, Mt)
+            pj, gj = S.cast(pv, T_, Mt), S.cast(gv, g.dtype, Mt)
+            if sc:
+                gj = arith.mulf(gj, S.cast(sc[0], scale.dtype, Mt))
+            if wd != 0:
+                dfac = S.cast(arith.subf(S.const(D, 1.0), arith.mulf(lv, S.const(D, wd))), D, Mt)
+                pj = arith.mulf(pj, dfac)
+            mj, vj = S.cast(mv, Sd, Mt), S.cast(vv, Sd, Mt)
+            mj = arith.addf(mj, arith.mulf(arith.subf(gj, mj), S.const(Mt, 1.0 - b1)))
+            vj = arith.addf(
+                arith.mulf(vj, S.const(Mt, b2)),
+                arith.mulf(arith.mulf(gj, gj), S.const(Mt, 1.0 - b2)),
+            )
+            if which == 1:
+                return S.cast(mj, Mt, Sd)
+            if which == 2:
+                return S.cast(vj, Mt, Sd)
+            from mlir.dialects import math as m_
+
+            denom = arith.addf(arith.divf(m_.sqrt(vj), b2s), S.const(Mt, eps))
+            pj = arith.subf(pj, arith.mulf(arith.divf(mj, denom), step_size))
+            return S.cast(pj, Mt, T_)
+
+        outs = [
+            self.ew(p.shape, T_, refs, upd),
+            self.ew(p.shape, Sd, refs, lambda *q: upd(*q, which=1)),
+            self.ew(p.shape, Sd, refs, lambda *q: upd(*q, which=2)),
+        ]
+        if a.get("has_copy"):
+            cdt = self.g.values[n.outputs[3]].dtype
+            outs.append(self.cast_ref(outs[0], cdt))
+        return outs
+
+    def op_sumsq(self, n: Node) -> Ref:
+        """One tensor's part of grad_norm: chunk partials in the compute type, summed in
+        float64 in order (eager's GradNorm)."""
+        return self._sumsq(self.val(n.inputs[0]))
+
+    def op_sqrt_sum(self, n: Node) -> Ref:
+        from mlir.dialects import math as m_
+
+        shape, dt = self.out(n)
+        D = "float64"
+        tot = None
+        for i in n.inputs:
+            r = self.val(i)
+            tot = r if tot is None else self.ew((), D, [tot, r], lambda p_, q: arith.addf(p_, q))
+        if tot is None:
+            tot = Ref(D, (), const=0.0, identity=False)
         return self.ew((), dt, [tot], lambda t_: S.cast(m_.sqrt(t_), D, dt))
+
+    def op_grad_norm(self, n: Node) -> Ref:
+        """cpu/optim.cpp's GradNorm (a single tensor, or before decomposition)."""
+        from mlir.dialects import math as m_
+
+        shape, dt = self.out(n)
+        D = "float64"
+        tot = None
+        for i in n.inputs:
+            r = self._sumsq(self.val(i))
+            tot = r if tot is None else self.ew((), D, [tot, r], lambda p_, q: arith.addf(p_, q))
+        if tot is None:
+            tot = Ref(D, (), const=0.0, identity=False)
+        return self.ew((), dt, [tot], lambda t_: S.cast(m_.sqrt(t_), D, dt))
+
+    def _sumsq(self, x: Ref) -> Ref:
+        """Sum of squares in eager's order: partials over chunks of OPTIM_CHUNK elements in the
+        compute type, summed in float64 in order. The full chunks are a (chunks, OPTIM_CHUNK)
+        view of the flat tensor and the tail a slice of it (no copies)."""
+        D = "float64"
+        K = self.OPTIM_CHUNK
+        cd = S.compute_dtype(x.dtype)
+        numel = math.prod(x.shape)
+        if numel == 0:
+            return Ref(D, (), const=0.0, identity=False)
+        xt = self.materialize(x)
+        flat = (
+            self._reshape_tensor(xt, x.shape, (numel,), x.dtype)
+            if tuple(x.shape) != (numel,)
+            else xt
+        )
+        nfull, rem = divmod(numel, K)
+
+        def sq(v: ir.Value) -> ir.Value:
+            w = S.cast(v, x.dtype, cd)
+            return arith.mulf(w, w)
+
+        def part(t: ir.Value, shape: tuple[int, ...]) -> Ref:
+            return self.reduce(
+                shape,
+                [len(shape) - 1],
+                cd,
+                0.0,
+                [Ref(x.dtype, shape, t)],
+                sq,
+                lambda p_, q: arith.addf(q, p_),
+            )
+
+        et = S.storage_type(x.dtype)
+        dense = ir.DenseI64ArrayAttr.get
+        tot = None
+        if nfull:
+            body = (
+                flat
+                if rem == 0
+                else tensor.ExtractSliceOp(
+                    ir.RankedTensorType.get([nfull * K], et),
+                    flat,
+                    [],
+                    [],
+                    [],
+                    dense([0]),
+                    dense([nfull * K]),
+                    dense([1]),
+                ).result
+            )
+            ps = part(self._reshape_tensor(body, (nfull * K,), (nfull, K), x.dtype), (nfull, K))
+            tot = self.reduce(
+                (nfull,),
+                [0],
+                D,
+                0.0,
+                [ps],
+                lambda v: S.cast(v, cd, D),
+                lambda p_, q: arith.addf(q, p_),
+            )
+        if rem:
+            tail = tensor.ExtractSliceOp(
+                ir.RankedTensorType.get([rem], et),
+                flat,
+                [],
+                [],
+                [],
+                dense([nfull * K]),
+                dense([rem]),
+                dense([1]),
+            ).result
+            pt = self.ew((), D, [part(tail, (rem,))], lambda v: S.cast(v, cd, D))
+            tot = pt if tot is None else self.ew((), D, [tot, pt], lambda p_, q: arith.addf(p_, q))
+        return tot
 
     def op_clip_coef(self, n: Node) -> Ref:
         shape, dt = self.out(n)

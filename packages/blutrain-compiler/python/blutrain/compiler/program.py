@@ -244,6 +244,9 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
     t0 = time.perf_counter()
     ghash = graph.hash()
     centry = cache.Entry(cache.key(graph.hash_full(), target, ""))
+    from .decompose import decompose
+
+    graph = decompose(graph)
     prog0 = _load_cached(graph, target, centry, t0, dump)
     if prog0 is not None:
         return prog0
@@ -381,7 +384,9 @@ def compile_gpu_cache(graph: Graph, target: str = "cuda:0") -> str:
     centry = cache.Entry(cache.key(graph.hash_full(), target, ""))
     if centry.load("gpu.json") is not None:
         return str(centry.path)
-    part = fusion.partition(graph)
+    from .decompose import decompose
+
+    part = fusion.partition(decompose(graph))
     with ir.Context(), ir.Location.unknown():
         module = ir.Module.create()
         for G in part.groups:
@@ -464,8 +469,10 @@ def ptx_for(graph: Graph, dump: Any = None) -> Any:
     from mlir.passmanager import PassManager
 
     from . import backend_gpu
+    from .decompose import decompose
     from .lower import Emitter
 
+    graph = decompose(graph)
     part = fusion.partition(graph)
     with ir.Context(), ir.Location.unknown():
         module = ir.Module.create()

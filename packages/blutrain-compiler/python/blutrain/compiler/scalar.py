@@ -279,8 +279,9 @@ def unary(op: str, x: ir.Value, dtype: str) -> ir.Value:
     if op == "gelu_tanh":
         k = c(0.7978845608028654)
         cube = arith.mulf(arith.mulf(c(0.044715), x), x)
-        inner = arith.mulf(k, _madd(cube, x, x) if dtype == "float32" else arith.addf(
-            x, arith.mulf(cube, x)))
+        inner = arith.mulf(
+            k, _madd(cube, x, x) if dtype == "float32" else arith.addf(x, arith.mulf(cube, x))
+        )
         return arith.mulf(arith.mulf(c(0.5), x), arith.addf(c(1.0), tanh(inner, dtype)))
     if op == "log":
         return math.log(x)
