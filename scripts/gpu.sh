@@ -131,7 +131,7 @@ if [ "$BENCH" = 1 ]; then
     [ -f "$b" ] || continue
     base=$(basename "$b" .py)
     [ "$base" = bench_ops ] && continue  # the CPU kernels' bench: not for this machine's minutes
-    limit=75; [ "$base" = bench_gpt2 ] && limit=170
+    limit=75; [ "$base" = bench_gpt2 ] && limit=170; [ "$base" = bench_compiler ] && limit=240
     if [ "$(left)" -lt $(( limit / 2 )) ]; then STATUS[$base]="skipped (time budget)"; continue; fi
     [ "$(left)" -lt "$limit" ] && limit=$(left)
     t0=$(date +%s)

@@ -417,7 +417,7 @@ class GpuKernel:
                 for _, _, nbytes in self.fn.temps
             ]
         tptr = [t.data_ptr() for t in self.temps]
-        stream = int(bt._tensor._cuda_current_stream(self.device))
+        stream = int(bt._tensor._cuda_current_stream(_dev_index(self.device)))
         for h, ln in zip(self.handles, self.fn.launches):
             kinds, vals = [], []
             for kind, v in ln.operands:
@@ -437,3 +437,7 @@ class GpuKernel:
                     kinds.append("q")
                     vals.append(int(v))
             _runtime.launch(h, list(ln.grid), list(ln.block), 0, stream, "".join(kinds), vals)
+
+
+def _dev_index(device: str) -> int:
+    return int(device.split(":")[1]) if ":" in device else 0

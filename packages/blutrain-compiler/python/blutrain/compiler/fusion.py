@@ -121,9 +121,7 @@ def partition(g: Graph, unlowerable: set[int] | None = None) -> Partition:
                 elif (
                     g.values[b].numel <= 1
                     and not all(m.op in CONSTANTS for m in G.compute_nodes())
-                    and not (
-                        _scalar_group(G, g) and all(g.values[o].numel <= 1 for o in n.outputs)
-                    )
+                    and not (_scalar_group(G, g) and all(g.values[o].numel <= 1 for o in n.outputs))
                 ):
                     # a scalar edge (a clip coefficient, AdamW's step size, one tensor's sum
                     # of squares) does not tie two kernels into one: the scalar is computed

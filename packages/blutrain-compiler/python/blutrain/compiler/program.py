@@ -436,7 +436,9 @@ def _gemm_into(n: Node, x: list[Any], out: Any) -> None:
     a, b = x[0], x[1]
     mode = _MODE.get(bt.get_float32_matmul_precision(), "fp32") if a.dtype == bt.float32 else None
     dev = str(out.device)
-    stream = int(bt._tensor._cuda_current_stream(dev)) if dev.startswith("cuda") else None
+    stream = (
+        int(bt._tensor._cuda_current_stream(_device_index(dev))) if dev.startswith("cuda") else None
+    )
     if n.op == "linear":
         bias = x[2] if len(x) > 2 and n.attrs.get("bias") else None
         a2 = a.reshape(-1, a.shape[-1])

@@ -122,9 +122,14 @@ class TrainConfig:
     )
     step: str = _opt(
         "eager",
-        "how a step is taken: eager, or cuda-graph (on a GPU: 3 eager steps, then the whole step "
-        "captured once as a CUDA graph and replayed)",
+        "how a step is taken: eager, cuda-graph (on a GPU: 3 eager steps, then the whole step "
+        "captured once as a CUDA graph and replayed), or compiled (blutrain-compiler)",
         check=_step,
+    )
+    compile: bool = _opt(
+        False,
+        "compile the training step with blutrain-compiler (fused kernels, a static memory "
+        "plan): the same as --step compiled",
     )
     gemm_autotune: bool = _opt(
         True,

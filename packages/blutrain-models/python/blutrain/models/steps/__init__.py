@@ -7,6 +7,7 @@ loop: see "Writing a step" in the package README.
     eager       EagerStep: forward, backward, clipping and AdamW as eager ops (eager.py)
     cuda-graph  CudaGraphStep: the same step captured once as a CUDA graph and replayed
                 (cuda_graph.py)
+    compiled    CompiledStep: the same step compiled by blutrain-compiler (compiled.py)
 
 Each entry names its module and class; the module is imported only when the step is chosen,
 so a step that needs another package (blutrain-dist, blutrain-compiler) costs nothing to the
@@ -25,6 +26,7 @@ __all__ = ["Batch", "Step", "StepOutput", "register_step", "step_class", "step_n
 _STEPS: dict[str, str] = {
     "eager": ".eager:EagerStep",
     "cuda-graph": ".cuda_graph:CudaGraphStep",
+    "compiled": ".compiled:CompiledStep",
 }
 
 

@@ -23,10 +23,14 @@ import blutrain.tensor as bt
 from blutrain.models import GPT2, GPT2Config
 from blutrain.models.optim import AdamW, grad_norm_and_clip_coef
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(__file__), "..", "packages", "blutrain-compiler", "bench")
+)
 import llama_ref as L  # noqa: E402
 
 STEPS = 10
+# LLVM -O0 (the same numbers at every level) unless the caller chose: compile time dominates
+os.environ.setdefault("BLUTRAIN_COMPILE_OPT", "0")
 
 
 def _opt(named: list) -> AdamW:
@@ -109,3 +113,60 @@ def test_llama_tiny_training_step_matches_eager() -> None:
         return loss, opt, list(params.values())
 
     _run_both(make, cfg.vocab, 4, cfg.seq)
+
+
+def test_trainer_compiled_step_matches_eager(tmp_path) -> None:
+    """`blutrain train --step compiled` (and --compile) through the trainer's step seam: one
+    eager warm-up step, then the compiled program; the same losses, evaluations and parameters
+    as the eager step reading the same device scalars."""
+    import json
+
+    from blutrain.models import GPT2Config, prepare
+    from blutrain.models.train_config import TrainConfig
+    from blutrain.models.trainer import Trainer
+
+    from blutrain.models.tokenizer import SHAKESPEARE_FILE
+
+    text = tmp_path / "s.txt"
+    text.write_text(SHAKESPEARE_FILE.read_text()[:40_000])
+    prepare([text], tmp_path / "shards", val_fraction=0.1, doc_split="paragraph")
+    cfg_json = tmp_path / "m.json"
+    GPT2Config(block_size=32, n_layer=2, n_head=2, n_embd=32).to_json(cfg_json)
+    runs = {}
+    for compiled in (False, True):
+        out = tmp_path / f"run{int(compiled)}"
+        t = Trainer(
+            TrainConfig(
+                model=str(cfg_json),
+                data=str(tmp_path / "shards"),
+                device="cpu",
+                batch_size=2,
+                seq_len=32,
+                grad_accum=2,
+                max_steps=6,
+                lr=3e-3,
+                warmup_steps=3,
+                eval_interval=3,
+                eval_batches=1,
+                sample_interval=0,
+                ckpt_interval=0,
+                log_interval=1,
+                out_dir=str(out),
+                progress=False,
+                plot=False,
+                compile=compiled,
+            )
+        )
+        if not compiled:
+            t.stepper.optimizer.use_device_scalars(True)
+            t.model.numpy_loss = False
+        t.fit()
+        recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        losses = [r["loss"] for r in recs if "loss" in r]
+        params = {n: p.detach().numpy().copy() for n, p in t.model.named_parameters()}
+        runs[compiled] = (losses, params, t.stepper)
+    (le, pe, _), (lc, pc, stepper) = runs[False], runs[True]
+    assert type(stepper).__name__ == "CompiledStep" and len(stepper._compiled.programs) == 1
+    assert len(le) == 6 and lc == le, list(zip(le, lc))
+    for n in pe:
+        np.testing.assert_array_equal(pc[n], pe[n], err_msg=n)
