@@ -212,3 +212,31 @@ def test_ptx_for_sm90_without_a_gpu() -> None:
     part, code = program.ptx_for(btc.from_capture(cg))
     assert code.ptx and all(".target sm_90" in p and ".entry" in p for p in code.ptx.values())
     assert set(code.functions) == {G.name for G in part.groups}
+
+
+def test_any_op_falls_back_through_replay_and_random_ops_draw_as_eager(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """argmax has no lowering: blutrain.tensor's replay runs it (one log line); dropout runs
+    eagerly by design and draws the same mask as eager, and the generator ends where eager's
+    does (the capture's own advance is undone)."""
+    x = bt.randn(6, 10)
+
+    def f(t):
+        return (t.exp() * 2).argmax(-1), bt.dropout(t * 3, 0.5, True).sum()
+
+    c = btc.compile(f)
+    with caplog.at_level(logging.WARNING, logger="blutrain.compiler"):
+        bt.manual_seed(5)
+        got = c(x)
+    after_compiled = bt._tensor._get_rng_state()
+    bt.manual_seed(5)
+    ref = f(x)
+    assert after_compiled == bt._tensor._get_rng_state()
+    for a, b in zip(got, ref):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert sum("argmax" in r.message for r in caplog.records) == 1
+    bt.manual_seed(6)
+    got2 = c(x)  # a second call: fresh draws, as eager's second call
+    bt.manual_seed(6)
+    np.testing.assert_array_equal(got2[1].numpy(), f(x)[1].numpy())

@@ -204,6 +204,9 @@ class CompiledFunction:
                 if isinstance(a, bt.Tensor):
                     tagged.append((a, a.name))
                     a.name = f"__btc_arg{i}"
+        # the capture advances the random generator as a run would: put it back, so the first
+        # run draws where eager would have
+        rng_state = bt._tensor._get_rng_state()
         try:
             cap = bt.capture()
             cg = cap.__enter__()
@@ -228,6 +231,7 @@ class CompiledFunction:
                 cg.mark_output(o)
         finally:
             cap.__exit__(None, None, None)
+            bt._tensor._set_rng_state(*rng_state)
         g = from_capture(cg)
         bind = self._bind(cg, g, args, call_args, scalar_t)
         grads, muts = self._effects(cg, g)

@@ -118,14 +118,107 @@ def _select(n: Node, x: list[Any]) -> list[Any]:
 
 VIEW_OPS = {"reshape", "view", "squeeze", "unsqueeze", "permute", "expand", "slice", "select"}
 LIBRARY_OPS = {"matmul", "linear", "bmm"}  # GEMMs: blutrain.linalg's kernels by design
+# gathers, scatters, random numbers: eager kernels by design (data-dependent addressing)
+EAGER_BY_DESIGN = {
+    "index_select",
+    "index_add",
+    "gather",
+    "scatter_add",
+    "slice_scatter",
+    "random",
+    "dropout",
+    "embedding",
+    "to_device",
+}
+# attention and the GEMM-fused ops: blutrain.tensor's kernels by design (through replay)
+ATTENTION_OPS = {
+    "flash_attention",
+    "flash_attention_backward",
+    "flash_attention_packed",
+    "flash_attention_packed_backward",
+    "qkv_attention",
+    "linear_gelu",
+    "linear_gelu_linear",
+    "linear_weight_grad",
+    "linear_dgelu",
+    "linear_cross_entropy",
+}
 
 
 def can_run(op: str) -> bool:
     return op in _TABLE
 
 
-def run(n: Node, inputs: Sequence[Any]) -> list[Any]:
+def replayable(n: Node) -> bool:
+    return n.raw is not None
+
+
+def _replay_graph(n: Node, raw: dict[str, Any], seed: int | None = None) -> Any:
+    """A one-node bt.Graph of n (blutrain.tensor's replay: any op, eager's bits); value ids
+    renumbered 0.. as the loader wants them."""
+    vals = {v["id"]: v for v in raw["values"]}
+    ins: list[int] = []
+    for i in n.inputs:
+        if i >= 0 and i not in ins:
+            ins.append(i)
+    new = {old: k for k, old in enumerate(ins + list(n.outputs))}
+    values = [
+        dict(vals[i], id=new[i], input=True, storage=k, requires_grad=False)
+        for k, i in enumerate(ins)
+    ]
+    values += [
+        dict(vals[o], id=new[o], input=False, storage=-1, requires_grad=False) for o in n.outputs
+    ]
+    node = dict(n.raw or {})
+    random = n.op in ("random", "dropout") and "offset" in n.attrs
+    if random and seed is not None:  # draw from the generator as it is now (its seed too)
+        node["attrs"] = dict(node["attrs"], seed=int(seed))
+    node["inputs"] = [new[i] if i >= 0 else -1 for i in n.inputs]
+    node["outputs"] = [new[o] for o in n.outputs]
+    mutates = list(node.get("mutates", []))
+    fresh = len(n.outputs) - len(mutates)
+    muts = [[new[n.inputs[p]], new[n.outputs[fresh + j]]] for j, p in enumerate(mutates)]
+    # the generator: only a random op draws, ceil(n / 4) Philox counters from its offset, so a
+    # replay of it draws where the generator stands and advances it by that much (as eager)
+    rng = dict(raw["rng"])
+    if random and seed is not None:
+        rng["seed"] = int(seed)
+    if random:
+        count = 1
+        for d in vals[n.outputs[0]]["shape"]:
+            count *= int(d)
+        rng["offset_begin"] = int(n.attrs["offset"])
+        rng["offset_end"] = int(n.attrs["offset"]) + (count + 3) // 4
+    else:
+        rng["offset_end"] = rng["offset_begin"]
+    doc = {
+        "format": raw["format"],
+        "schema_version": raw["schema_version"],
+        "numerics": raw["numerics"],
+        "rng": rng,
+        "inputs": [new[i] for i in ins],
+        "outputs": [new[o] for o in n.outputs],
+        "mutations": muts,
+        "grads": [],
+        "values": values,
+        "nodes": [node],
+    }
+    return bt.load_graph(doc), ins
+
+
+def run(n: Node, inputs: Sequence[Any], raw: dict[str, Any] | None = None) -> list[Any]:
+    """Runs node n eagerly on `inputs` (one per n.inputs, None where absent)."""
     f = _TABLE.get(n.op)
+    if f is None and n.raw is not None and raw is not None:
+        seed = int(bt._tensor._get_rng_state()[0]) if n.op in ("random", "dropout") else None
+        cached = getattr(n, "_replay", None)
+        if cached is None or cached[0] != seed:
+            cached = (seed, *_replay_graph(n, raw, seed))
+            n._replay = cached  # type: ignore[attr-defined]
+        _, g, ins = cached
+        by_id = {i: t for i, t in zip(n.inputs, inputs) if i >= 0}
+        with bt.no_grad():
+            return list(g.replay([by_id[i] for i in ins], set_grads=False, check=False))
     if f is None:
         raise NotImplementedError(f"[compile] no eager replay for op {n.op!r}")
     with bt.no_grad():

@@ -153,11 +153,12 @@ def partition(g: Graph, unlowerable: set[int] | None = None) -> Partition:
                 group_of[o] = G
             continue
         # not fused: close the groups it reads, then run it eagerly
-        kind = (
-            "library"
-            if n.op in eager.LIBRARY_OPS
-            else ("eager" if eager.can_run(n.op) else "fallback")
-        )
+        if n.op in eager.LIBRARY_OPS or n.op in eager.ATTENTION_OPS:
+            kind = "library"
+        elif n.op in eager.EAGER_BY_DESIGN:
+            kind = "eager"
+        else:  # an op the compiler does not lower: blutrain.tensor's replay runs it
+            kind = "fallback"
         if n.index in bad:
             kind = "fallback"
         for i in n.inputs:

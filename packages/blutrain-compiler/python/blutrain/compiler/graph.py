@@ -64,6 +64,7 @@ class Node:
     inputs: list[int]  # value ids; -1 for an absent optional input
     outputs: list[int]
     index: int = -1  # position in Graph.nodes
+    raw: dict[str, Any] | None = None  # the capture's own node (bt.Graph.to_dict()), if any
 
     def __str__(self) -> str:
         outs = ", ".join(f"%{o}" for o in self.outputs)
@@ -82,6 +83,9 @@ class Graph:
     # writes (parameters, optimizer moments) and every leaf's final .grad (capture's tables)
     mutations: list[tuple[int, int]] = field(default_factory=list)
     grads: list[tuple[int, int]] = field(default_factory=list)
+    # the capture's document (bt.Graph.to_dict()): values' strides and storage, numerics, rng;
+    # what eager.run needs to replay a node through blutrain.tensor's own interpreter
+    raw: dict[str, Any] | None = None
 
     def live_out(self) -> list[int]:
         return (
@@ -225,11 +229,12 @@ def from_capture(cg: Any) -> Graph:
             bool(v["is_input"]),
             bool(v.get("requires_grad", False)),
         )
-    for n in cg.nodes:
-        attrs = {k: (tuple(a) if isinstance(a, list) else a) for k, a in dict(n["attrs"]).items()}
-        g.nodes.append(
-            Node(str(n["op"]), attrs, [int(i) for i in n["inputs"]], [int(o) for o in n["outputs"]])
-        )
+    raw = cg.to_dict() if hasattr(cg, "to_dict") else None
+    g.raw = raw
+    for k, n in enumerate(cg.nodes):
+        attrs = {a: (tuple(v) if isinstance(v, list) else v) for a, v in dict(n["attrs"]).items()}
+        ins, outs = [int(i) for i in n["inputs"]], [int(o) for o in n["outputs"]]
+        g.nodes.append(Node(str(n["op"]), attrs, ins, outs, -1, raw["nodes"][k] if raw else None))
     g.inputs = [int(i) for i in cg.inputs]
     g.outputs = [int(o) for o in cg.outputs]
     g.mutations = [(int(a), int(b)) for a, b in getattr(cg, "mutations", []) or []]

@@ -163,7 +163,7 @@ class Program:
                     _gemm_into(n, args, self.views[o])
                     env[o] = self.views[o]
                     continue
-                res = eager.run(n, args)
+                res = eager.run(n, args, g.raw)
                 for o, t in zip(n.outputs, res):
                     env[o] = t
         return env
