@@ -122,10 +122,9 @@ def test_trainer_compiled_step_matches_eager(tmp_path) -> None:
     import json
 
     from blutrain.models import GPT2Config, prepare
+    from blutrain.models.tokenizer import SHAKESPEARE_FILE
     from blutrain.models.train_config import TrainConfig
     from blutrain.models.trainer import Trainer
-
-    from blutrain.models.tokenizer import SHAKESPEARE_FILE
 
     text = tmp_path / "s.txt"
     text.write_text(SHAKESPEARE_FILE.read_text()[:40_000])
@@ -170,3 +169,48 @@ def test_trainer_compiled_step_matches_eager(tmp_path) -> None:
     assert len(le) == 6 and lc == le, list(zip(le, lc))
     for n in pe:
         np.testing.assert_array_equal(pc[n], pe[n], err_msg=n)
+
+
+def _captured_step(loss_fn, opt: AdamW, x, y) -> btc.Graph:
+    params = [p for _, p in opt.params]
+    with bt.capture() as cg:
+        loss = loss_fn(x, y)
+        loss.backward()
+        _, coef = grad_norm_and_clip_coef(params, 1.0)
+        opt.step(grad_scale=coef)
+        opt.zero_grad(set_to_none=True)
+        cg.mark_output(loss)
+    return btc.from_capture(cg)
+
+
+def test_ptx_for_every_fused_kernel_of_both_training_steps() -> None:
+    """sm_90 PTX, without a GPU, for every fused group of the GPT-2 tiny and LLaMA-style tiny
+    training steps (forward, backward, clipping, AdamW), with launches the runtime replays."""
+    from blutrain.compiler import program
+
+    bt.manual_seed(1)
+    m = GPT2(GPT2Config.from_name("tiny"))
+    m.numpy_loss = False
+    opt = _opt(list(m.named_parameters()))
+    x = bt.tensor(np.random.default_rng().integers(0, 50257, (2, 16)))
+    graphs = [_captured_step(lambda a, b: m(a, b, return_logits=False)[1], opt, x, x)]
+    cfg = L.Config.preset("tiny")
+    params = {k: bt.tensor(v).requires_grad_(True) for k, v in L.init_weights(cfg).items()}
+    cos, sin = (bt.tensor(t) for t in L.rope_tables(cfg))
+    xl = bt.tensor(np.random.default_rng().integers(0, cfg.vocab, (2, cfg.seq)))
+    graphs.append(
+        _captured_step(
+            lambda a, b: L.bt_forward(bt, cfg, params, cos, sin, a, b),
+            _opt(list(params.items())),
+            xl,
+            xl,
+        )
+    )
+    for g in graphs:
+        part, code = program.ptx_for(g)
+        assert not code.unsupported, code.unsupported
+        assert set(code.functions) == {G.name for G in part.groups}
+        assert len(part.groups) > 20
+        for f in code.functions.values():
+            assert f.launches
+        assert all(".target sm_90" in t for t in code.ptx.values())

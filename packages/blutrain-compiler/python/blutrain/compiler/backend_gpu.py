@@ -176,6 +176,77 @@ def device_pipeline() -> str:
 
 
 OUTLINE = "builtin.module(convert-parallel-loops-to-gpu, gpu-kernel-outlining, canonicalize, cse)"
+TO_GPU = "builtin.module(convert-parallel-loops-to-gpu)"
+OUTLINE_ONLY = "builtin.module(gpu-kernel-outlining, canonicalize, cse)"
+VIEW_OPS = (
+    "memref.subview",
+    "memref.expand_shape",
+    "memref.collapse_shape",
+    "memref.cast",
+    "memref.reinterpret_cast",
+)
+
+
+def sink_views(module: Any) -> int:
+    """Clones the view ops (subviews of slices, reshapes) a gpu.launch reads into its body, so
+    the kernel takes the underlying buffers (identity layouts: one bare pointer each) and
+    computes the view itself. Returns how many were sunk."""
+    from mlir import ir
+    from mlir.dialects import func
+
+    count = 0
+
+    def inside(op: Any, launch: Any) -> bool:
+        p = getattr(op, "operation", op)
+        while p is not None:
+            if p == launch:
+                return True
+            p = getattr(p, "parent", None)
+            p = getattr(p, "operation", p) if p is not None else None
+        return False
+
+    for fop in module.body.operations:
+        if not isinstance(fop.opview, func.FuncOp):
+            continue
+        for o in list(fop.regions[0].blocks[0].operations):
+            if o.operation.name != "gpu.launch":
+                continue
+            launch = o.operation
+            body = launch.regions[0].blocks[0]
+            changed = True
+            while changed:
+                changed = False
+                for inner in _walk(launch):
+                    for v in inner.operands:
+                        d = v.owner
+                        if isinstance(d, ir.Block):
+                            continue
+                        d = getattr(d, "operation", d)
+                        if d.name not in VIEW_OPS:
+                            continue
+                        if inside(d, launch):
+                            continue
+                        first = list(body.operations)[0]
+                        c = d.clone(ip=ir.InsertionPoint(first))
+                        for u in list(v.uses):
+                            if inside(u.owner, launch):
+                                u.owner.operands[u.operand_number] = c.results[0]
+                        count += 1
+                        changed = True
+                        break
+                    if changed:
+                        break
+    return count
+
+
+def _walk(op: Any) -> list[Any]:
+    out = []
+    for r in op.regions:
+        for b in r.blocks:
+            for c in b.operations:
+                out.append(c.operation)
+                out.extend(_walk(c.operation))
+    return out
 
 
 def read_host(module: Any) -> dict[str, GpuFunction]:
@@ -215,27 +286,18 @@ def read_host(module: Any) -> dict[str, GpuFunction]:
                 a = o.operation.attributes
                 kref = str(a["kernel"])  # @module::@kernel
                 mod, ker = [s.strip("@") for s in kref.split("::")]
-                ops = list(o.operation.operands)
-                # operands: [async deps], gridX..Z, blockX..Z, [cluster], [dyn shmem], kernel args
-                seg = (
-                    [
-                        int(x)
-                        for x in str(a["operandSegmentSizes"])
-                        .split(":")[1]
-                        .strip(" >")
-                        .replace("array<i32", "")
-                        .strip()
-                        .split(",")
-                    ]
-                    if "operandSegmentSizes" in a
-                    else None
+                lf = o.opview
+                grid = (
+                    _const_int(lf.gridSizeX),
+                    _const_int(lf.gridSizeY),
+                    _const_int(lf.gridSizeZ),
                 )
-                if seg is None:
-                    raise RuntimeError("[compile] gpu.launch_func without operand segments")
-                k = seg[0]
-                grid = tuple(_const_int(v) for v in ops[k : k + 3])
-                block = tuple(_const_int(v) for v in ops[k + 3 : k + 6])
-                kargs = ops[sum(seg[:-1]) :]
+                block = (
+                    _const_int(lf.blockSizeX),
+                    _const_int(lf.blockSizeY),
+                    _const_int(lf.blockSizeZ),
+                )
+                kargs = list(lf.kernelOperands)
                 operands: list[tuple[str, int]] = []
                 for v in kargs:
                     n = v.get_name()
@@ -255,6 +317,8 @@ def read_host(module: Any) -> dict[str, GpuFunction]:
                                 )
                             operands.append(("int", c))
                 gf.launches.append(Launch(ker, mod, grid, block, operands))  # type: ignore[arg-type]
+            elif nm in VIEW_OPS and not list(o.operation.results[0].uses):
+                continue  # sunk into the kernels that read it
             elif nm in ("memref.collapse_shape", "memref.expand_shape", "memref.cast"):
                 src = o.operation.operands[0].get_name()
                 res = o.operation.results[0].get_name()
@@ -360,7 +424,9 @@ def compile_module(module: Any, dump: Any = None, stage_s: dict | None = None) -
     if dump:
         dump.write("03-gpu-rows.mlir", str(module))
     map_to_gpu(module)
-    PassManager.parse(OUTLINE).run(module.operation)
+    PassManager.parse(TO_GPU).run(module.operation)
+    sink_views(module)
+    PassManager.parse(OUTLINE_ONLY).run(module.operation)
     if dump:
         dump.write("04-gpu-mapped.mlir", str(module))
     fns: dict[str, GpuFunction] = {}

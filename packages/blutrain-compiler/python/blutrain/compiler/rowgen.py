@@ -38,7 +38,7 @@ REDUCE_KIND = {
 }
 
 
-VIEWS = ("memref.collapse_shape", "memref.expand_shape", "memref.cast")
+VIEWS = ("memref.collapse_shape", "memref.expand_shape", "memref.cast", "memref.subview")
 
 
 class NotARowGroup(Exception):
@@ -119,6 +119,11 @@ def segments(f: Any) -> list[tuple[str, list[int], list[Any]]]:
         if nm == "linalg.fill":
             pending.append(o)
             continue
+        if nm == "memref.copy":  # an output that is an input (a .grad equal to its gradient)
+            cur = ("copy", ((), ()), [o])
+            segs.append(cur)
+            cur = None
+            continue
         if nm != "linalg.generic":
             raise NotARowGroup(f"op {nm}")
         S = cur[1] if cur is not None and cur[0] == "rows" else None
@@ -158,16 +163,17 @@ def apply(f: Any) -> int | None:
         segs = segments(f)
     except NotARowGroup:
         return None
-    if not any(k == "rows" for k, _, _ in segs):
+    if not segs:
         return None
     # temporaries first: a launch may store into one allocated further down
     blk = f.regions[0].blocks[0]
-    first = list(blk.operations)[0]
-    for o in list(blk.operations):
-        if (
-            o.operation.name in ("memref.alloc", "arith.constant") or o.operation.name in VIEWS
-        ) and o.operation != first:
-            o.operation.move_before(first)
+    hoist = ("memref.alloc", "arith.constant") + VIEWS
+    ops_now = list(blk.operations)
+    anchor = next((o for o in ops_now if o.operation.name not in hoist), None)
+    if anchor is not None:
+        for o in ops_now:
+            if o.operation.name in hoist:
+                o.operation.move_before(anchor.operation)
     # values a later segment reads (or the caller) must be written to memory
     reads_after: list[set[Any]] = []
     later: set[Any] = set()
@@ -182,7 +188,140 @@ def apply(f: Any) -> int | None:
     for (kind, S, ops), needed in zip(segs, reads_after):
         if kind == "rows":
             best = max(best, _emit(f, S, ops, needed))
+        elif kind == "copy":
+            best = max(best, _emit_copy(ops[0]))
+        else:
+            fills: list[Any] = []
+            for o in ops:
+                if o.operation.name == "linalg.fill":
+                    fills.append(o)
+                    continue
+                best = max(best, _emit_columns(f, o, fills))
+                fills = []
+    for o in list(f.regions[0].blocks[0].operations):
+        if o.operation.name == "memref.alloc" and not list(o.operation.results[0].uses):
+            o.operation.erase()
     return best
+
+
+COLUMN_THREADS = 256
+
+
+def _emit_copy(o: Any) -> int:
+    """memref.copy as a kernel: 256-thread blocks over the flat (contiguous) elements."""
+    src, dst = o.operation.operands[0], o.operation.operands[1]
+    shape = _shape(dst)
+    n = max(1, math.prod(shape))
+    T = COLUMN_THREADS
+    with ir.InsertionPoint(o):
+        launch = gpu.LaunchOp((max(1, (n + T - 1) // T), 1, 1), (T, 1, 1))
+    body = launch.regions[0].blocks[0]
+    with ir.InsertionPoint(body):
+        bx, tx = body.arguments[0], body.arguments[3]
+        lin = arith.addi(arith.muli(bx, _c(T)), tx)
+        ifop = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, lin, _c(n)))
+        with ir.InsertionPoint(ifop.then_block):
+            idx = _delin(lin, list(shape)) if shape else []
+            memref.store(memref.load(src, idx), dst, idx)
+            scf.YieldOp([])
+        gpu.TerminatorOp()
+    o.operation.erase()
+    return T
+
+
+def _emit_columns(f: Any, o: Any, fills: list[Any]) -> int:
+    """A reduction whose reduced elements are strided in memory (column sums: a bias
+    gradient): a thread per kept element, serial over the reduced ones, so neighbouring threads
+    read neighbouring addresses (coalesced); 256-thread blocks."""
+    it = _iters(o)
+    if "reduction" not in it:
+        raise RuntimeError("[compile] column kernel for a non-reduction")
+    k = it.index("reduction")
+    rng = _loop_ranges(o, len(it))
+    kept, red = rng[:k], rng[k:]
+    K, R = math.prod(kept), math.prod(red)
+    T = COLUMN_THREADS
+    maps = _maps(o)
+    ins = list(o.inputs)
+    (out,) = list(o.outputs)
+    init_val = None
+    for fl in fills:
+        if fl.operation.operands[1] == out:
+            init_val = fl.operation.operands[0]
+    first = fills[0] if fills else o
+    with ir.InsertionPoint(first):
+        launch = gpu.LaunchOp((max(1, (K + T - 1) // T), 1, 1), (T, 1, 1))
+    body = launch.regions[0].blocks[0]
+    with ir.InsertionPoint(body):
+        bx, tx = body.arguments[0], body.arguments[3]
+        lin = arith.addi(arith.muli(bx, _c(T)), tx)
+        ok = arith.cmpi(arith.CmpIPredicate.ult, lin, _c(K))
+        ifop = scf.IfOp(ok)
+        with ir.InsertionPoint(ifop.then_block):
+            kidx = _delin(lin, kept)
+            init = init_val
+            if init is None:
+                oi = [
+                    affine.apply(ir.AffineMap.get(len(kept), 0, [e]), kidx)
+                    for e in _out_exprs(maps[-1], len(kept))
+                ]
+                init = memref.load(out, oi)
+            loop = scf.ForOp(_c(0), _c(R), _c(1), [init])
+            with ir.InsertionPoint(loop.body):
+                idx = kidx + _delin(loop.induction_variable, red)
+                args = [
+                    memref.load(
+                        v,
+                        [affine.apply(ir.AffineMap.get(m.n_dims, 0, [e]), idx) for e in m.results],
+                    )
+                    for v, m in zip(ins, maps[: len(ins)])
+                ]
+                (res,) = _clone_body(o, args + [loop.inner_iter_args[0]], idx)
+                scf.YieldOp([res])
+            oi = [
+                affine.apply(ir.AffineMap.get(len(kept), 0, [e]), kidx)
+                for e in _out_exprs(maps[-1], len(kept))
+            ]
+            memref.store(loop.results[0], out, oi)
+            scf.YieldOp([])
+        gpu.TerminatorOp()
+    for fl in fills:
+        fl.operation.erase()
+    o.operation.erase()
+    return T
+
+
+def _out_exprs(m: Any, nkept: int) -> list[Any]:
+    """The output map's results over the kept dims only (the map has all loop dims)."""
+    return [e for e in m.results]
+
+
+def _delin(lin: Any, shape: list[int]) -> list[Any]:
+    out = []
+    for k, s in enumerate(shape):
+        st = math.prod(shape[k + 1 :])
+        q = arith.divui(lin, _c(st)) if st != 1 else lin
+        out.append(arith.remui(q, _c(s)) if k > 0 else q)
+    return out
+
+
+def _clone_body(o: Any, args: list[Any], idx: list[Any]) -> list[Any]:
+    rb = o.regions[0].blocks[0]
+    mapping = {a: v for a, v in zip(rb.arguments, args)}
+    for inner in rb.operations:
+        if inner.operation.name == "linalg.yield":
+            return [mapping.get(x, x) for x in inner.operation.operands]
+        if inner.operation.name == "linalg.index":
+            d = ir.IntegerAttr(inner.operation.attributes["dim"]).value
+            mapping[inner.operation.results[0]] = idx[d]
+            continue
+        c = inner.operation.clone(ip=ir.InsertionPoint.current)
+        for i, x in enumerate(c.operands):
+            if x in mapping:
+                c.operands[i] = mapping[x]
+        for r_old, r_new in zip(inner.operation.results, c.results):
+            mapping[r_old] = r_new
+    return []
 
 
 def _body_reads(o: Any, acc: set[Any]) -> None:
@@ -302,8 +441,12 @@ def _emit(f: Any, S: tuple, ops: list[Any], needed: set[Any]) -> int:
                 store_row(out, total)
             elif len(it) == len(rows_shape) + len(red_shape) and S != ((), (1,)):
                 # elementwise over the row, written out
-                if out not in keep:
-                    raise RuntimeError("[compile] row group: an unread full-size value")
+                read_here = any(
+                    out in list(p.operation.operands) or _reads_in_body(p, out)
+                    for p in ops[j + 1 :]
+                )
+                if out not in keep and not read_here:
+                    continue  # nothing reads it: dead (erased with the other linalg ops)
                 loop = scf.ForOp(tx, _c(C), _c(T))
                 with ir.InsertionPoint(loop.body):
                     idx = list(ridx) + cidx(loop.induction_variable)
