@@ -168,6 +168,11 @@ def _ordered_sum_cpu(chunks: list[bt.Tensor]) -> bt.Tensor:
     return stack[0][0]
 
 
+def _same_memory(a: bt.Tensor, b: bt.Tensor) -> bool:
+    """Whether a and b are the same bytes (one rank's in-place collective: nothing to move)."""
+    return a.numel() == b.numel() and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
+
+
 def _pad_to(n: int, size: int) -> int:
     return -(-n // size) * size
 
@@ -588,11 +593,13 @@ class SelfBackend:
         return self._done(what, seq)  # sum, avg (/ 1), max, min of one rank: itself
 
     def reduce_scatter(self, out: bt.Tensor, inp: bt.Tensor, op: int, what: str, seq: int) -> Work:
-        out.reshape(-1).copy_(inp.reshape(-1))
+        if not _same_memory(out, inp):  # ZeRO-1's in-place chunk is the whole bucket here
+            out.reshape(-1).copy_(inp.reshape(-1))
         return self._done(what, seq)
 
     def all_gather(self, out: bt.Tensor, inp: bt.Tensor, what: str, seq: int) -> Work:
-        out.reshape(-1).copy_(inp.reshape(-1))
+        if not _same_memory(out, inp):  # ZeRO's parameter chunk is the whole bucket here
+            out.reshape(-1).copy_(inp.reshape(-1))
         return self._done(what, seq)
 
     def all_gather_v(self, outs: list[bt.Tensor], inp: bt.Tensor, what: str, seq: int) -> Work:

@@ -26,8 +26,15 @@ Policy.
   ranks with the same global batch give the same bits.  It costs log2(accumulation) extra
   buffers; with one micro-batch per step, none.
 - ZeRO-2 (``keep_full_grads=False``): a bucket's buffer exists from its first gradient until its
-  reduce-scatter has been issued (then ``.grad`` is dropped): with one micro-batch per step the
-  full gradient never exists at once.
+  reduce-scatter has been issued; then ``.grad`` is dropped and the buffer goes back to the
+  allocator at once (record_stream keeps it from reuse until the collective has read it), so
+  with one micro-batch per step the full gradient never exists at once: backward's peak holds
+  the buckets in flight only.  Under ``no_sync()`` the buckets accumulate whole until the
+  synchronising backward.
+- Cost per step (the hot path): no zero fill and no copy beyond the one each gradient needs to
+  land in its view; the views of a persistent buffer (DDP, ZeRO-1) are made once; per parameter
+  one pre-hook and one post-hook call of a few attribute reads; per bucket one collective
+  launch (two event records and a stream wait, no host sync with NCCL).
 
 Locking rule: hooks run on the thread that calls backward; nothing here is shared with the
 watchdog thread.
@@ -65,6 +72,7 @@ class Bucket:
         self.chunk = 0  # elements a rank owns
         self.padded = 0  # world_size x chunk
         self.buffer: bt.Tensor | None = None
+        self.buffer_views: list[bt.Tensor] | None = None  # of a persistent buffer, made once
         self.stack: list[tuple[bt.Tensor, int]] = []  # Note [deterministic accumulation]
         self.pending = 0
         self.seen_this_micro = False
@@ -218,6 +226,7 @@ class Reducer:
         if keep_full_grads:
             for b in self.buckets:
                 b.buffer = bt.zeros(b.padded, dtype=b.dtype, device=b.device)
+                b.buffer_views = b.views(b.buffer)
                 self._attach(b, b.buffer)
         for _, p in self.named:
             self._handles.append(p.register_hook(self._make_pre_hook(p)))
@@ -233,7 +242,8 @@ class Reducer:
             self._sync = prev
 
     def _attach(self, b: Bucket, buf: bt.Tensor) -> None:
-        for p, v in zip(b.params, b.views(buf), strict=True):
+        views = b.buffer_views if buf is b.buffer and b.buffer_views else b.views(buf)
+        for p, v in zip(b.params, views, strict=True):
             p.grad = v
         bt._tensor._set_grad_overwrite(b.params, True)
 
@@ -332,8 +342,8 @@ class Reducer:
         b, i = self._where[pid]
         p = b.params[i]
         self._arrived.add(pid)
-        top = b.stack[-1][0]
-        if p.grad is None or p.grad.data_ptr() != top.data_ptr() + b.offsets[i] * b.dtype.itemsize:
+        g = p.grad
+        if g is None or g.data_ptr() != b.stack[-1][0].data_ptr() + b.offsets[i] * b.dtype.itemsize:
             self._reattach(p, b, i)
         b.pending -= 1
         if self._sync and b.pending == 0:
@@ -374,7 +384,8 @@ class Reducer:
         if self._deterministic() and len(b.stack) > 1:
             self._merge_equal(b)
             self._fold(b)
-            for p, v in zip(b.params, b.views(b.buffer), strict=True):
+            views = b.buffer_views or b.views(b.buffer)
+            for p, v in zip(b.params, views, strict=True):
                 p.grad = v  # back to the bucket itself (the folded sum)
         buf = b.buffer
         seq = self.g.next_seq()
@@ -398,6 +409,18 @@ class Reducer:
         b.work = w
         b.launched = True
         self.reductions += 1
+        if not self.keep_full_grads:
+            self._release(b)
+
+    def _release(self, b: Bucket) -> None:
+        """ZeRO-2: the bucket's full gradient is no longer needed once its reduce-scatter has
+        been issued.  NCCL's inputs are record_stream'ed on the comm stream (so the allocator
+        hands the memory out again only after the collective has read it); MPI works keep
+        their inputs alive until they complete; the staged path is synchronous."""
+        for p in b.params:
+            p.grad = None
+        b.buffer = None
+        b.stack = []
 
     def _cast_reduce(self, be: Any, buf: bt.Tensor, rd: Any, what: str, seq: int) -> Work:
         """All-reduce in reduce_dtype: cast in, SUM, then cast back divided by the world size
@@ -439,13 +462,6 @@ class Reducer:
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
-            if not self.keep_full_grads:  # ZeRO-2: keep the shard only
-                if b.buffer is not None:
-                    if b.buffer.is_cuda:
-                        b.buffer.record_stream(self._backend(b.buffer).cs)
-                    for p in b.params:
-                        p.grad = None
-                    b.buffer = None
             b.stack = []
         self.window_open = False
         self.windows += 1
@@ -459,7 +475,7 @@ class Reducer:
         if self._deterministic():
             self._merge_equal(b)
             self._fold(b)
-        views = b.views(b.buffer)
+        views = b.buffer_views or b.views(b.buffer)
         for p, v in zip(b.params, views, strict=True):
             if p._grad_overwrite:  # no gradient reached it in the whole window
                 with bt.no_grad():

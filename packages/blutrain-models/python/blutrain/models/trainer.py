@@ -114,7 +114,7 @@ class Trainer:
         cfg = self.cfg = config
         set_threads(cfg.threads)  # before blutrain.tensor is imported (if it is not yet)
         # -- checks: nothing is built or written before all of these pass
-        step_cls = step_class(cfg.step)
+        step_cls = step_class(cfg.step_name)
         self.group = group if group is not None else step_cls.process_group(cfg)
         self.device = self.group.device(resolve_device(cfg.device))
         self.precision = resolve_precision(cfg.precision, self.device)
@@ -145,6 +145,8 @@ class Trainer:
         self.console = console
         self.on_step = on_step
         self.enc = get_encoding()
+        if cfg.deterministic:  # before anything runs: kernels and (with --dist) reductions
+            bt.use_deterministic_algorithms(True)
         bt.manual_seed(cfg.seed)
         if cfg.init_from and saved is None:
             self.model = GPT2.from_pretrained(
@@ -192,6 +194,7 @@ class Trainer:
                 vocab_size=V,
                 rank=g.rank,
                 world_size=g.world_size,
+                step_rows=g.world_size * cfg.grad_accum * cfg.batch_size,  # one global batch
             )
         except (OSError, ValueError) as e:
             raise type(e)(f"[train] --data {data}: {e} {hint}") from None
@@ -433,7 +436,7 @@ class Trainer:
             f"GPT-2 L={c.n_layer} H={c.n_head} C={c.n_embd} T={cfg.seq_len} "
             f"({c.n_params() / 1e6:.2f}M params) on {self.device} ({self.precision}"
             + (f", recompute {self.model.recompute}" if self.model.recompute != "none" else "")
-            + f", {cfg.step} step"
+            + f", {cfg.step_name} step"
             + (f", {self.group.world_size} processes" if self.group.world_size > 1 else "")
             + f"); {cfg.batch_size} x {cfg.seq_len} x {cfg.grad_accum}"
             + (f" x {self.group.world_size}" if self.group.world_size > 1 else "")

@@ -7,8 +7,11 @@ loop: see "Writing a step" in the package README.
     eager       EagerStep: forward, backward, clipping and AdamW as eager ops (eager.py)
     cuda-graph  CudaGraphStep: the same step captured once as a CUDA graph and replayed
                 (cuda_graph.py)
-    ddp         DDPStep: data parallel over blutrain.dist (launch with mpiexec / mpirun / srun)
+    ddp         DDPStep: data parallel over blutrain.dist (dist.py)
     zero1/2     Zero1Step / Zero2Step: blutrain.dist's ZeroOptimizer, stage 1 or 2 (dist.py)
+
+The distributed ones are picked by TrainConfig.dist (`blutrain train --dist ddp`, launched by
+mpirun / mpiexec / srun), which wins over TrainConfig.step (TrainConfig.step_name).
 
 Each entry names its module and class; the module is imported only when the step is chosen,
 so a step that needs another package (blutrain-dist, blutrain-compiler) costs nothing to the
