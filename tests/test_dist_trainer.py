@@ -57,7 +57,9 @@ def blutrain() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "blutrain.models"]
 
 
-def command(setup: Path, out: str, n: int, *flags: str, launcher: tuple[str, ...] = ()) -> list:
+def command(
+    setup: Path, out: str, n: int, *flags: str, launcher: tuple[str, ...] = (), shell: bool = False
+) -> list:
     args = [
         "train",
         "--model", str(setup / "small.json"),
@@ -76,7 +78,12 @@ def command(setup: Path, out: str, n: int, *flags: str, launcher: tuple[str, ...
     ]  # fmt: skip
     if n == 1:
         return [*blutrain(), *args]
-    return [mpiexec(), *launcher, "-n", str(n), *blutrain(), *args]
+    # shell: each rank is `sh -c 'blutrain ...; exit $?'`, so a rank killed by a signal reaches
+    # MPICH's launcher as an exit status: told of a child killed by a signal, hydra sometimes
+    # kills every process at once even with -disable-auto-cleanup (about half the time here),
+    # before the survivors can report; with an exit status it lets them run and report
+    wrap = ["sh", "-c", '"$0" "$@"; exit $?'] if shell else []
+    return [mpiexec(), *launcher, "-n", str(n), *wrap, *blutrain(), *args]
 
 
 def env(timeout: float = 120) -> dict[str, str]:
@@ -207,7 +214,7 @@ def test_killed_rank_ends_the_job_then_the_run_resumes_on_1_rank(setup, referenc
     out = setup / "fault"
     cmd = command(
         setup, "fault", 4, *LONG, "--dist", "zero2", "--deterministic", "--ckpt-interval", "10",
-        launcher=("-disable-auto-cleanup",),
+        launcher=("-disable-auto-cleanup",), shell=True,
     )  # fmt: skip
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env(20))
     try:

@@ -404,6 +404,9 @@ def bench_gpt2(a: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for prec, mode in _configs(a):
         key = f"{prec}:{mode}"
+        k = 2
+        while key in out:  # a config given twice (plain, ddp, plain, ddp: the order's effect)
+            key, k = f"{prec}:{mode}#{k}", k + 1
         need = 90.0 if mode.endswith("compile") else 20.0
         go = time.time() + need < a.deadline if a.deadline else True
         if not dist.allgather_object(go)[0]:  # rank 0 decides for everyone
@@ -432,9 +435,15 @@ def bench_gpt2(a: argparse.Namespace) -> dict[str, Any]:
                 flush=True,
             )
     for prec in {p for p, _ in _configs(a)}:
-        plain, ddp = out.get(f"{prec}:plain", {}), out.get(f"{prec}:ddp", {})
-        if "tokens_per_s" in plain and "tokens_per_s" in ddp:
-            cost = plain["tokens_per_s"] / ddp["tokens_per_s"] - 1
+
+        def best(mode: str, prec: str = prec) -> float | None:  # the fastest of its repeats
+            runs = [v["tokens_per_s"] for k, v in out.items() if k.split("#")[0] == f"{prec}:{mode}"
+                    and isinstance(v, dict) and "tokens_per_s" in v]  # fmt: skip
+            return max(runs) if runs else None
+
+        plain, ddp = best("plain"), best("ddp")
+        if plain and ddp:
+            cost = plain / ddp - 1
             out[f"{prec}:ddp_cost_vs_plain"] = cost
             if dist.rank() == 0:
                 print(f"{prec}: DDP at world size {dist.world_size()} costs {100 * cost:+.2f}% "

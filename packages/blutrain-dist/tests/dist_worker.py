@@ -104,7 +104,9 @@ def tol(name: str, op: str, n: int) -> float:
 
 
 def dev() -> str:
-    return os.environ.get("BLUTRAIN_TEST_DEVICE", "cpu")
+    """BLUTRAIN_TEST_DEVICE: cpu (default) or cuda (this rank's GPU: dist.device())."""
+    d = os.environ.get("BLUTRAIN_TEST_DEVICE", "cpu")
+    return dist.device() if d == "cuda" else d
 
 
 @case
@@ -302,7 +304,8 @@ def fingerprint_mismatch() -> None:
 
 
 # ---- training: tiny GPT-2 ------------------------------------------------------------------
-K, B, T, STEPS = 4, 2, 16, 2  # global micro-batches a step, rows a micro-batch, tokens
+K = int(os.environ.get("BLUTRAIN_TEST_MICRO", "4"))  # global micro-batches a step (8 for 8 ranks)
+B, T, STEPS = 2, 16, 2  # rows a micro-batch, tokens, steps
 K_CKPT = 12  # checkpoint cases: divisible by 1, 2, 3 and 4 ranks
 
 
@@ -489,6 +492,57 @@ def zero_memory_vs_formula() -> None:
             f"formula {mem['formula_bytes']:.0f} ({mem['formula']}): ratio {ratio:.3f}",
         )
         del opt, model
+
+
+@case
+def zero2_gradient_peak() -> None:
+    """ZeRO-2 frees each bucket's full gradient once its reduce-scatter is issued: in a step of
+    one micro-batch the gradient buckets alive at once stay far below the whole gradient
+    (ZeRO-1 keeps all of it), and so does the step's peak (blutrain.alloc's statistics)."""
+    import blutrain.alloc as alloc
+    from blutrain.models import GPT2Config
+    from blutrain.models.gpt2 import GPT2
+    from blutrain.models.optim import AdamW
+
+    # a small vocabulary: the tied embedding (whose gradient is final only at the end of
+    # backward) must not be most of the model, as it is in the tiny preset
+    cfg = GPT2Config(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=128)
+    peaks, held = {}, {}
+    for stage in (2, 1):
+        bt.manual_seed(0)
+        model = GPT2(cfg, device=dev())
+        opt = dist.ZeroOptimizer(
+            AdamW(model.named_parameters(), lr=1e-3),
+            stage=stage,
+            bucket_cap_mb=0.25,
+            first_bucket_mb=0.05,
+        )
+        data = batches(cfg.vocab_size)
+        for step in range(2):  # the second step is measured
+            mb = data[step, dist.rank()]
+            x, y = bt.tensor(mb[:, :-1]).to(dev()), bt.tensor(mb[:, 1:]).to(dev())
+            if step == 1:
+                gc.collect()
+                alloc.reset_peak_stats("cpu")
+                at_start = alloc.stats("cpu")["allocated_bytes"]
+            model(x, y, return_logits=False)[1].backward()
+            opt.step()
+        st = alloc.stats("cpu")
+        peaks[stage] = st["allocated_bytes_peak"] - at_start  # above what the step started with
+        mem = opt.memory()
+        held[stage] = mem["grad_peak_bytes"]
+        total = sum(b.nbytes() for b in opt.buckets)
+        FIGURES[f"zero{stage} gradient buckets alive at once, bytes"] = held[stage]
+        FIGURES[f"zero{stage} step peak above its start, bytes"] = peaks[stage]
+        FIGURES[f"zero{stage} model state bytes"] = mem["total_bytes"]
+        del opt, model, x, y, mb
+        gc.collect()
+    FIGURES["gradient bytes (padded buckets)"] = total
+    check(held[1] == total, f"ZeRO-1 holds {held[1]} gradient bytes, not all {total}")
+    check(
+        held[2] <= 0.5 * total,
+        f"ZeRO-2 held {held[2]} of {total} gradient bytes at once in a one-micro-batch step",
+    )
 
 
 @case

@@ -222,12 +222,16 @@ class Reducer:
         self._next_launch = 0
         self.reductions = 0  # bucket collectives launched (tests count them)
         self.windows = 0  # synchronising backwards reduced (one per optimizer step)
+        # bytes of gradient buffers alive now, and the most at once in the current window
+        self.live_grad_bytes = 0
+        self.peak_grad_bytes = 0
         self._handles: list[Any] = []
         if keep_full_grads:
             for b in self.buckets:
                 b.buffer = bt.zeros(b.padded, dtype=b.dtype, device=b.device)
                 b.buffer_views = b.views(b.buffer)
                 self._attach(b, b.buffer)
+                self._grad_bytes(b.nbytes())
         for _, p in self.named:
             self._handles.append(p.register_hook(self._make_pre_hook(p)))
             self._handles.append(p.register_post_accumulate_grad_hook(self._make_post_hook(p)))
@@ -246,6 +250,10 @@ class Reducer:
         for p, v in zip(b.params, views, strict=True):
             p.grad = v
         bt._tensor._set_grad_overwrite(b.params, True)
+
+    def _grad_bytes(self, delta: int) -> None:
+        self.live_grad_bytes += delta
+        self.peak_grad_bytes = max(self.peak_grad_bytes, self.live_grad_bytes)
 
     def _deterministic(self) -> bool:
         return self.g.deterministic
@@ -274,6 +282,7 @@ class Reducer:
     def _start_micro(self) -> None:
         if not self.window_open:
             self.window_open = True
+            self.peak_grad_bytes = self.live_grad_bytes
             self.micro = -1
             self._next_launch = 0
             for b in self.buckets:
@@ -295,6 +304,7 @@ class Reducer:
                 b.buffer = bt.empty(b.padded, dtype=b.dtype, device=b.device)
                 if b.padded > b.numel:
                     b.buffer[b.numel :].zero_()
+                self._grad_bytes(b.nbytes())
             b.stack = [(b.buffer, 1)]
             self._attach(b, b.buffer)
             return
@@ -309,6 +319,7 @@ class Reducer:
             buf[b.numel :].zero_()
         b.stack.append((buf, 1))
         self._attach(b, buf)
+        self._grad_bytes(b.nbytes())
 
     def _merge_equal(self, b: Bucket) -> None:
         while len(b.stack) >= 2 and b.stack[-1][1] == b.stack[-2][1]:
@@ -316,6 +327,7 @@ class Reducer:
             with bt.no_grad():
                 lo.add_(hi)
             b.stack[-2:] = [(lo, 2 * n)]
+            self._grad_bytes(-b.nbytes())
 
     def _fold(self, b: Bucket) -> None:
         while len(b.stack) >= 2:
@@ -323,6 +335,7 @@ class Reducer:
             with bt.no_grad():
                 lo.add_(hi)
             b.stack[-2:] = [(lo, n + m)]
+            self._grad_bytes(-b.nbytes())
         if b.stack and b.stack[0][0] is not b.buffer:  # pragma: no cover - stack[0] is the buffer
             raise RuntimeError("[reducer] internal: the stack lost its bucket buffer")
 
@@ -415,12 +428,19 @@ class Reducer:
     def _release(self, b: Bucket) -> None:
         """ZeRO-2: the bucket's full gradient is no longer needed once its reduce-scatter has
         been issued.  NCCL's inputs are record_stream'ed on the comm stream (so the allocator
-        hands the memory out again only after the collective has read it); MPI works keep
-        their inputs alive until they complete; the staged path is synchronous."""
+        hands the memory out again only after the collective has read it); the staged path is
+        synchronous; an MPI work keeps its input until it completes, so the earlier buckets'
+        works are polled here (MPI progresses, and the finished ones let their buffers go)."""
         for p in b.params:
             p.grad = None
+        if b.buffer is not None:
+            self._grad_bytes(-b.nbytes())
         b.buffer = None
         b.stack = []
+        for q in self.buckets[: b.index]:
+            w = q.work
+            if isinstance(w, _backend._MpiWork) and not w._done:
+                w.is_completed()
 
     def _cast_reduce(self, be: Any, buf: bt.Tensor, rd: Any, what: str, seq: int) -> Work:
         """All-reduce in reduce_dtype: cast in, SUM, then cast back divided by the world size
@@ -472,6 +492,7 @@ class Reducer:
         if b.buffer is None:
             b.buffer = bt.zeros(b.padded, dtype=b.dtype, device=b.device)
             b.stack = [(b.buffer, 1)]
+            self._grad_bytes(b.nbytes())
         if self._deterministic():
             self._merge_equal(b)
             self._fold(b)

@@ -384,6 +384,9 @@ class ZeroOptimizer:
             "state_bytes": states,
             "total_bytes": pbytes + gbytes + master + states,
             "formula_bytes": formula,
+            # the most full-gradient bucket bytes alive at once in the last step's backward
+            # (stage 2: the buckets between their first gradient and their reduce-scatter)
+            "grad_peak_bytes": self.reducer.peak_grad_bytes,
             "formula": f"{pe} + {grads_f:g} + ({me} + {2 * se}) / {n} bytes/param",
         }
 
