@@ -239,7 +239,7 @@ def part_gpt2(a: argparse.Namespace, L: Launcher, out: Path, R: dict[str, Any]) 
     # one GPU: every config (the N-GPU ones at world size 1, and the single-process references)
     # as N jobs side by side, one per GPU (one by one on the CPU)
     singles = [c for c in many if not res["many"].get(c, {}).get("skipped")] + refs
-    lanes = 1 if a.cpu else a.n
+    lanes = 1 if a.cpu else max(1, min(a.n, a.gpus))
     jobs = [singles[i::lanes] for i in range(lanes)]
     deadline_one = time.time() + max(30.0, left() * 0.5 - 30)
     procs = []
@@ -318,55 +318,17 @@ def weights_differ(a: Path, b: Path) -> list[str] | None:
 
 
 def train_flags(a: argparse.Namespace, steps: int) -> list[str]:
-    common = [
-        "--data",
-        str(a.data),
-        "--max-steps",
-        str(steps),
-        "--sample-interval",
-        "0",
-        "--no-progress",
-        "--no-plot",
-        "--eval-batches",
-        "2",
-        "--eval-interval",
-        "100",
-    ]
+    """`blutrain train` flags of the parity and fault runs (the global batch: --grad-accum)."""
+    warmup = str(min(20, steps // 2))
+    common = ["--data", str(a.data), "--max-steps", str(steps), "--warmup-steps", warmup,
+              "--sample-interval", "0", "--no-progress", "--no-plot", "--eval-batches", "2",
+              "--eval-interval", "100"]  # fmt: skip
     if a.cpu:
-        return [
-            *common,
-            "--model",
-            str(a.small),
-            "--batch-size",
-            "2",
-            "--seq-len",
-            "16",
-            "--lr",
-            "3e-3",
-            "--warmup-steps",
-            "10",
-            "--device",
-            "cpu",
-            "--log-interval",
-            "0",
-        ]
-    return [
-        *common,
-        "--model",
-        "gpt2",
-        "--batch-size",
-        str(a.parity_batch),
-        "--seq-len",
-        str(a.parity_seq),
-        "--lr",
-        "6e-4",
-        "--warmup-steps",
-        "20",
-        "--precision",
-        "bf16",
-        "--log-interval",
-        "20",
-    ]
+        return [*common, "--model", str(a.small), "--batch-size", "2", "--seq-len", "16",
+                "--lr", "3e-3", "--device", "cpu", "--log-interval", "0"]  # fmt: skip
+    return [*common, "--model", a.train_model, "--batch-size", str(a.parity_batch),
+            "--seq-len", str(a.parity_seq), "--lr", "6e-4", "--precision", a.train_precision,
+            "--log-interval", "20"]  # fmt: skip
 
 
 def train_run(
@@ -592,10 +554,7 @@ def part_fault(a: argparse.Namespace, L: Launcher, out: Path, R: dict[str, Any])
 
 # ---- the summary -----------------------------------------------------------------------------
 def summarize(a: argparse.Namespace, R: dict[str, Any]) -> tuple[str, bool]:
-    lines = [
-        f"blutrain.dist on {R['machine']}: {a.n} {'rank' if a.cpu else 'GPU'}(s), "
-        f"{time.time() - START:.0f} s"
-    ]
+    lines = [f"blutrain.dist on {R['machine']}: {a.n} ranks, {time.time() - START:.0f} s"]
     ok = True
     for part, why in R.get("skipped", {}).items():
         lines.append(f"  {part}: SKIPPED ({why})")
@@ -655,10 +614,15 @@ def summarize(a: argparse.Namespace, R: dict[str, Any]) -> tuple[str, bool]:
                     f"{r['peak_bytes'] / 2**30:6.2f} GiB"
                 )
         for prec in ("bf16", "fp32", "tf32"):
-            ours = g["many"].get(f"{prec}:ddp", {}).get("tokens_per_s")
-            theirs = g["many"].get(f"{prec}:torch_ddp", {}).get("tokens_per_s")
-            if ours and theirs:
-                lines.append(f"  {prec}: ours DDP / torch DDP = {ours / theirs:.3f}")
+            theirs = g["many"].get(f"{prec}:torch_ddp", {})
+            for mode in ("ddp", "zero1", "zero2"):
+                ours = g["many"].get(f"{prec}:{mode}", {})
+                if "tokens_per_s" in ours and "tokens_per_s" in theirs:
+                    lines.append(
+                        f"  {prec}: ours {mode} / torch DDP: tok/s x"
+                        f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.3f}, per-GPU peak memory"
+                        f" x{ours['peak_bytes'] / theirs['peak_bytes']:.3f}"
+                    )
             one_ddp, one_plain = (
                 g["one"].get(f"{prec}:{m}", {}).get("tokens_per_s") for m in ("ddp", "plain")
             )
@@ -716,6 +680,12 @@ def main() -> int:
         default=None,
         help=f"of {', '.join(PLANS)} (default: bf16-ddp,det-zero2; CPU: fp32-ddp,det-zero2)",
     )
+    p.add_argument(
+        "--train-model",
+        default="gpt2",
+        help="GPT2Config preset or JSON of the parity and fault runs (GPU)",
+    )
+    p.add_argument("--train-precision", default="bf16", help="of the parity and fault runs (GPU)")
     p.add_argument("--fault-steps", type=int, default=40)
     p.add_argument(
         "--fault-every", type=int, default=10, help="checkpoint interval of the fault run"
@@ -771,7 +741,7 @@ def main() -> int:
         "skipped": {},
     }
     # (the least time each part needs to be worth starting, in seconds)
-    need = {"check": 30, "collectives": 40, "gpt2": 120, "parity": 90, "fault": 60}
+    need = {"check": 30, "collectives": 40, "gpt2": 120, "parity": 90, "fault": 45}
     multi = {"parity", "fault"}  # need two ranks at least
     parts = {
         "check": part_check,
