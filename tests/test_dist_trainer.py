@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -234,7 +235,10 @@ def test_killed_rank_ends_the_job_then_the_run_resumes_on_1_rank(setup, referenc
             p.kill()
     assert p.returncode != 0, text[-3000:]
     assert dt < 60, f"the job took {dt:.0f} s to end after the kill (timeout 20 s)"
-    assert "rank(s) 2 did not answer" in text, text[-3000:]
+    # the ranks that did not answer the survivors within the grace: the dead one (and, on a
+    # loaded machine, maybe a live one that was slow to answer)
+    silent = re.findall(r"rank\(s\) ([\d, ]+) did not answer", text)
+    assert any("2" in m.split(", ") for m in silent), text[-3000:]
     time.sleep(1)
     assert not [q for q in pids.values() if _alive(q)], "processes left behind"
     saved = json.loads(trainer_json.read_text())["step"]

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -523,7 +524,8 @@ def part_fault(a: argparse.Namespace, L: Launcher, out: Path, R: dict[str, Any])
     time.sleep(1.0)
     res["left_behind"] = [q for q in pids.values() if _alive(q)]
     text = (out / "fault-n.log").read_text(errors="replace")
-    ours = f"rank(s) {victim} did not answer" in text
+    silent = re.findall(r"rank\(s\) ([\d, ]+) did not answer", text)
+    ours = any(str(victim) in m.split(", ") for m in silent)
     launcher = any(
         f"rank {victim} " in line and ("signal" in line or "exit" in line.lower())
         for line in text.splitlines()
