@@ -7,6 +7,7 @@
 #include <string>
 
 #include "autograd.h"
+#include "capture.h"
 #include "ops.h"
 
 namespace bt {
@@ -40,7 +41,7 @@ void check_scalar_tensor(const Tensor& t, const char* op, const char* what, Devi
     throw ValueError(std::string("[") + op + "] " + what + " is on " + t.device().str() +
                      " but the tensors are on " + dev.str());
   }
-  if (t.is_symbolic()) {
+  if (t.is_symbolic() && !active_graph()) {
     throw RuntimeError(std::string("[") + op + "] " + what + " is a symbolic (captured) tensor");
   }
 }

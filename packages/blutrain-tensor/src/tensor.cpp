@@ -267,7 +267,14 @@ Tensor make_view(const Tensor& base, const Shape& shape, const Strides& strides,
   return Tensor(std::move(impl));
 }
 
-Tensor detach(const Tensor& t) { return make_view(t, t.shape(), t.strides(), t.offset()); }
+static SymbolicAliasHook g_symbolic_alias_hook = nullptr;
+void set_symbolic_alias_hook(SymbolicAliasHook hook) { g_symbolic_alias_hook = hook; }
+
+Tensor detach(const Tensor& t) {
+  Tensor r = make_view(t, t.shape(), t.strides(), t.offset());
+  if (!t.storage() && g_symbolic_alias_hook) g_symbolic_alias_hook(t, r);  // capture only
+  return r;
+}
 
 void record_stream(const Tensor& t, void* stream) {
   if (!t.defined() || t.is_symbolic())

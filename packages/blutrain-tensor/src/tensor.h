@@ -270,6 +270,10 @@ Tensor symbolic_tensor(const Shape& shape, DType dtype, Device device);
 Tensor make_view(const Tensor& base, const Shape& shape, const Strides& strides, int64_t offset);
 // The same data without autograd history (shares storage and version counter).
 Tensor detach(const Tensor& t);
+// Called by detach() of a symbolic tensor with (t, result): capture mode (capture.cpp) makes
+// them one value.  Real tensors never reach it.
+using SymbolicAliasHook = void (*)(const Tensor&, const Tensor&);
+void set_symbolic_alias_hook(SymbolicAliasHook hook);
 // Whether every reference to t's storage is t's impl, or t's view base that only t keeps alive
 // (*via_base says which): nothing but t can reach the memory through another tensor handle.
 bool storage_only_via(const Tensor& t, bool* via_base = nullptr);

@@ -568,17 +568,6 @@ std::vector<Tensor> tensor_list(nb::handle seq, const char* op, const char* what
   return r;
 }
 
-nb::object attr_to_py(const AttrValue& v) {
-  if (auto p = std::get_if<int64_t>(&v)) return nb::int_(*p);
-  if (auto p = std::get_if<double>(&v)) return nb::float_(*p);
-  if (auto p = std::get_if<bool>(&v)) return nb::bool_(*p);
-  if (auto p = std::get_if<std::string>(&v)) return nb::str(p->c_str());
-  const auto& vec = std::get<std::vector<int64_t>>(v);
-  nb::list l;
-  for (auto x : vec) l.append(x);
-  return nb::tuple(l);
-}
-
 nb::tuple shape_tuple(const Shape& s) {
   nb::list l;
   for (auto v : s) l.append(v);
@@ -802,6 +791,7 @@ NB_MODULE(_tensor, m) {
                           " on " + g->device().str() + "; expected a floating tensor on " +
                           t.device().str());
         }
+        if (Graph* graph = active_graph()) graph->note_grad_change(t);  // put back at its end
         t.impl()->grad = g ? g->impl_ptr() : nullptr;
       },
       nb::arg("value").none(), "The accumulated gradient (leaves, or after retain_grad()).");
@@ -1513,54 +1503,7 @@ NB_MODULE(_tensor, m) {
       "name"_a, "backward"_a, "inputs"_a, "outputs"_a,
       "Makes outputs depend on inputs through backward(list of output grads) -> input grads.");
 
-  // capture
-  nb::class_<Graph>(m, "Graph", "A captured graph: ops with dtypes, shapes, attributes, inputs.")
-      .def(nb::init<>())
-      .def("__str__", &Graph::str)
-      .def("mark_output", &Graph::mark_output, "tensor"_a, "Marks a value as a graph output.")
-      .def_prop_ro(
-          "inputs", [](const Graph& g) { return g.inputs; }, "Ids of input values.")
-      .def_prop_ro(
-          "outputs", [](const Graph& g) { return g.outputs; }, "Ids of output values.")
-      .def_prop_ro(
-          "values",
-          [](const Graph& g) {
-            nb::list l;
-            for (auto& v : g.values) {
-              nb::dict d;
-              d["id"] = v.id;
-              d["shape"] = shape_tuple(v.shape);
-              d["dtype"] = v.dtype;
-              d["device"] = v.device.str();
-              d["name"] = v.name;
-              d["is_input"] = v.is_input;
-              d["requires_grad"] = v.requires_grad;
-              l.append(d);
-            }
-            return l;
-          },
-          "Every value: id, shape, dtype, device, name, is_input.")
-      .def_prop_ro(
-          "nodes",
-          [](const Graph& g) {
-            nb::list l;
-            for (auto& n : g.nodes) {
-              nb::dict d, a;
-              d["op"] = n.op;
-              for (auto& [k, v] : n.attrs) a[k.c_str()] = attr_to_py(v);
-              d["attrs"] = a;
-              d["inputs"] = n.inputs;
-              d["outputs"] = n.outputs;
-              l.append(d);
-            }
-            return l;
-          },
-          "Every node: op, attrs, inputs (value ids, -1 for none), outputs.");
-  m.def(
-      "_set_capture", [](Graph* g) { set_active_graph(g); }, "graph"_a.none(),
-      "Starts (or with None ends) capture on this thread.");
-  m.def("_capturing", []() { return active_graph() != nullptr; }, "Whether capture is active.");
-
+  bt::python::init_capture(m);
   bt::python::init_cuda(m);
   bt::python::init_nn_fused(m);
   bt::python::init_attention(m);

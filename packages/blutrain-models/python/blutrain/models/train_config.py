@@ -82,8 +82,9 @@ class TrainConfig:
     # model
     model: str = _opt(
         "tiny",
-        "GPT2Config preset (tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a JSON file of "
-        "GPT2Config fields",
+        "a GPT-2 preset (tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl), a LLaMA-style one "
+        "(llama-tiny, llama-small, llama-medium), or a JSON file of GPT2Config / LlamaConfig "
+        "fields",
         check=_nonempty,
         metavar="NAME|FILE",
     )
@@ -123,9 +124,15 @@ class TrainConfig:
     )
     step: str = _opt(
         "eager",
-        "how a step is taken: eager, or cuda-graph (on a GPU: 3 eager steps, then the whole step "
-        "captured once as a CUDA graph and replayed); distributed steps: see --dist",
+        "how a step is taken: eager, cuda-graph (on a GPU: 3 eager steps, then the whole step "
+        "captured once as a CUDA graph and replayed), or compiled (blutrain-compiler); "
+        "distributed steps: see --dist",
         check=_step,
+    )
+    compile: bool = _opt(
+        False,
+        "compile the training step with blutrain-compiler (fused kernels, a static memory "
+        "plan): the same as --step compiled",
     )
     dist: str = _opt(
         "none",
@@ -185,11 +192,12 @@ class TrainConfig:
                 f"[TrainConfig] min_lr (--min-lr) = {self.min_lr:g}: must be at most lr "
                 f"({self.lr:g})"
             )
-        if self.dist != "none" and self.step not in ("eager", self.dist):
+        if self.dist != "none" and (self.step not in ("eager", self.dist) or self.compile):
+            other = "compile (--compile)" if self.compile else f"step (--step) = {self.step!r}"
             raise ConfigError(
-                f"[TrainConfig] dist (--dist) = {self.dist!r} cannot be combined with step "
-                f"(--step) = {self.step!r}: --dist picks the step, which runs eagerly (a "
-                "captured or compiled distributed step is not supported yet); drop --step"
+                f"[TrainConfig] dist (--dist) = {self.dist!r} cannot be combined with {other}: "
+                "--dist picks the step, which runs eagerly (a captured or compiled distributed "
+                "step is not supported yet); drop it"
             )
         if self.warmup_steps > self.max_steps:
             raise ConfigError(
@@ -199,8 +207,11 @@ class TrainConfig:
 
     @property
     def step_name(self) -> str:
-        """The Step class the run uses (steps.step_class): --dist's mode, else --step."""
-        return self.dist if self.dist != "none" else self.step
+        """The Step class the run uses (steps.step_class): --dist's mode, else "compiled" with
+        --compile, else --step."""
+        if self.dist != "none":
+            return self.dist
+        return "compiled" if self.compile else self.step
 
     @property
     def final_lr(self) -> float:

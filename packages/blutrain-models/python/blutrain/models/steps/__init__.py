@@ -1,6 +1,6 @@
 """Ways of taking one optimizer step, behind one interface (`Step`, in base.py).
 
-The training loop (trainer.py) picks a class by `TrainConfig.step` and never asks which one
+The training loop (trainer.py) picks a class by `TrainConfig.step_name` and never asks which one
 runs. A new way of stepping is a new class here plus one line in `_STEPS`, not a branch in the
 loop: see "Writing a step" in the package README.
 
@@ -9,6 +9,7 @@ loop: see "Writing a step" in the package README.
                 (cuda_graph.py)
     ddp         DDPStep: data parallel over blutrain.dist (dist.py)
     zero1/2     Zero1Step / Zero2Step: blutrain.dist's ZeroOptimizer, stage 1 or 2 (dist.py)
+    compiled    CompiledStep: the same step compiled by blutrain-compiler (compiled.py)
 
 The distributed ones are picked by TrainConfig.dist (`blutrain train --dist ddp`, launched by
 mpirun / mpiexec / srun), which wins over TrainConfig.step (TrainConfig.step_name).
@@ -33,6 +34,7 @@ _STEPS: dict[str, str] = {
     "ddp": ".dist:DDPStep",
     "zero1": ".dist:Zero1Step",
     "zero2": ".dist:Zero2Step",
+    "compiled": ".compiled:CompiledStep",
 }
 
 
