@@ -228,9 +228,11 @@ if [ "$DIST" = 1 ]; then
   if [ "$(left)" -lt 120 ]; then STATUS[dist-gpu]="skipped (time budget)"
   else
     t0=$(date +%s)
-    OUT=$OUT timeout "$(left)" bash packages/blutrain-dist/bench/gpu_dist.sh >"$OUT/dist-gpu.txt" 2>&1
+    OUT=$OUT BUDGET=$(( $(left) - 10 )) timeout "$(left)" bash packages/blutrain-dist/bench/gpu_dist.sh \
+      >"$OUT/dist-gpu.txt" 2>&1
     STATUS[dist-gpu]="rc=$? [$(( $(date +%s) - t0 )) s] $(grep -c . "$OUT/dist-gpu.txt") lines"
-    tail -25 "$OUT/dist-gpu.txt"
+    grep -E "^ZeRO-|costs" "$OUT/dist-gpu.txt"  # memory vs formula, the DDP step's cost
+    sed -n '/blutrain-dist on one GPU/,$p' "$OUT/dist-gpu.txt"
   fi
 fi
 
