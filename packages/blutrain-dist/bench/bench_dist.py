@@ -24,6 +24,7 @@ import contextlib
 import gc
 import json
 import math
+import os
 import socket
 import sys
 import time
@@ -34,6 +35,15 @@ import numpy as np
 
 import blutrain.dist as dist
 import blutrain.tensor as bt
+
+# NVLink multicast stays off (NCCL, torch, NVSHMEM) even when started by hand: a program using
+# it can take a shared machine's GPUs out of service.
+for _k, _v in (
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+):
+    os.environ.setdefault(_k, _v)
 
 
 def sizes(lo: int, hi: int) -> list[int]:

@@ -24,7 +24,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PYTHONPATH=$PWD/packages/blutrain-models/python${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
@@ -41,8 +42,8 @@ export BLUTRAIN_TEST_DEVICE=cuda BLUTRAIN_TEST_TIMEOUT=120  # for part 2's ranks
 MPIRUN=(mpirun -n 2)
 if mpirun --version 2>&1 | grep -q "Open MPI"; then  # no core binding; the variables we set
   MPIRUN=(mpirun -n 2 --oversubscribe --bind-to none)
-  for v in PYTHONPATH NCCL_NVLS_ENABLE OMP_NUM_THREADS BLUTRAIN_TEST_DEVICE BLUTRAIN_TEST_TIMEOUT \
-           LD_LIBRARY_PATH; do
+  for v in PYTHONPATH NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS \
+           OMP_NUM_THREADS BLUTRAIN_TEST_DEVICE BLUTRAIN_TEST_TIMEOUT LD_LIBRARY_PATH; do
     [ -n "${!v:-}" ] && MPIRUN+=(-x "$v")
   done
 fi

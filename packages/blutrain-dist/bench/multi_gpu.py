@@ -29,8 +29,9 @@ share of the budget:
                message naming rank 1 and no process left; the run then resumes on 1 GPU
                (--grad-accum N) and must match an uninterrupted 1-GPU run bit for bit
 
-NCCL_NVLS_ENABLE=0 is set for every job.  Writes OUT/multi_gpu.json (every figure) and
-OUT/summary.txt (the table, also printed); each job's log is OUT/<part>-*.log.  Exit status 1
+NVLink multicast is kept off for every job (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
+NVSHMEM_DISABLE_NVLS=1).  Writes OUT/multi_gpu.json (every figure) and OUT/summary.txt (the
+table, also printed); each job's log is OUT/<part>-*.log.  Exit status 1
 when a check fails (a collective, parity, the fault run), 0 otherwise: slowness never fails.
 """
 
@@ -62,6 +63,8 @@ class Launcher:
     FORWARD = (
         "PYTHONPATH",
         "NCCL_NVLS_ENABLE",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+        "NVSHMEM_DISABLE_NVLS",
         "OMP_NUM_THREADS",
         "LD_LIBRARY_PATH",
         "PYTHONUNBUFFERED",
@@ -105,7 +108,9 @@ class Launcher:
 def base_env(a: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
-        NCCL_NVLS_ENABLE="0",
+        NCCL_NVLS_ENABLE="0",  # NVLink multicast stays off (NCCL, torch, NVSHMEM): the machines'
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",  # rule, it can take shared GPUs out of service
+        NVSHMEM_DISABLE_NVLS="1",
         PYTHONUNBUFFERED="1",
         OMPI_ALLOW_RUN_AS_ROOT="1",
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",

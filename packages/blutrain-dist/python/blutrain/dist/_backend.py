@@ -61,12 +61,16 @@ class Work:
         self._done = False
 
     def wait(self) -> None:
+        """Order the result before what comes next: the current CUDA stream waits for it
+        (CUDA tensors, no host sync) or the host waits (CPU tensors).  Idempotent."""
         self._done = True
 
     def is_completed(self) -> bool:
+        """True when the data is in place; never blocks."""
         return True
 
     def synchronize(self) -> None:
+        """Block the host until the data is in place (wait() plus, on the GPU, an event sync)."""
         self.wait()
 
     def __repr__(self) -> str:

@@ -433,6 +433,7 @@ class ProcessGroup:
 
     # -- small collectives used by setup checks ----------------------------------------------
     def next_seq(self) -> int:
+        """Number the next collective (the sequence named in fault reports and fingerprints)."""
         self.seq += 1
         return self.seq
 
@@ -458,6 +459,7 @@ class ProcessGroup:
         ]
 
     def barrier(self) -> None:
+        """Every rank reaches this point, within the group's timeout."""
         if self.size == 1 or self.comm is None:
             return
         seq = self.next_seq()
@@ -466,6 +468,8 @@ class ProcessGroup:
 
     # -- shutdown --------------------------------------------------------------------------------
     def close(self) -> None:
+        """Stop the watchdog, destroy (after a fault: abort) the NCCL communicator, cancel pending
+        sends and free the MPI communicators; idempotent."""
         if self._closed:
             return
         self._closed = True

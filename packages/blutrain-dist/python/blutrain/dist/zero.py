@@ -232,6 +232,7 @@ class ZeroOptimizer:
         return float(self.opt.lr)
 
     def set_lr(self, lr: float) -> None:
+        """Set the wrapped AdamW's learning rate (schedulers call this every step)."""
         self.opt.set_lr(lr)
 
     @contextmanager
@@ -242,6 +243,8 @@ class ZeroOptimizer:
             yield
 
     def finish_gradient_sync(self) -> None:
+        """Reduce-scatter buckets a backward left open (parameters without a gradient); a no-op
+        when every parameter got one."""
         self.reducer.finish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
