@@ -693,6 +693,11 @@ def main() -> int:
         help="GPT2Config preset or JSON of the parity and fault runs (GPU)",
     )
     p.add_argument("--train-precision", default="bf16", help="of the parity and fault runs (GPU)")
+    p.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep the training runs' checkpoints (GPT-2 124M: ~2 GB each) under --out",
+    )
     p.add_argument("--fault-steps", type=int, default=40)
     p.add_argument(
         "--fault-every", type=int, default=10, help="checkpoint interval of the fault run"
@@ -776,6 +781,9 @@ def main() -> int:
             R[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         R.setdefault("seconds", {})[name] = round(time.time() - t0, 1)
         (out / "multi_gpu.json").write_text(json.dumps(R, indent=1, default=str))
+    if not a.keep_checkpoints:  # compared already; too large to come back from a device call
+        for f in out.rglob("*.safetensors"):
+            f.unlink()
     text, ok = summarize(a, R)
     (out / "summary.txt").write_text(text + "\n")
     (out / "multi_gpu.json").write_text(json.dumps(R, indent=1, default=str))
