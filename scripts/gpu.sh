@@ -3,7 +3,7 @@
 # the GPU tests and the benchmarks, and print a short table last. Runs without nox (that machine
 # has none):
 #   bash scripts/gpu.sh [--prebuilt] [--only alloc,linalg] [--tests a,b] [--bench a,b]
-#                       [--no-bench] [--sanitize] [--budget SECONDS] [--dist]
+#                       [--no-bench] [--sanitize] [--budget SECONDS] [--dist] [--multi-gpu]
 #   --prebuilt   install .whl/bt/*.whl (CUDA wheels built elsewhere by scripts/build_wheels.sh)
 #                instead of building from source here: saves the GPU machine minutes
 #   --tests      packages whose GPU tests run ('root' = the repo's tests/); default all
@@ -13,6 +13,9 @@
 #   --dist       after the tests and benchmarks, blutrain-dist's GPU script (two ranks on one GPU
 #                over mpirun, GPT-2 DDP / ZeRO next to PyTorch DDP): packages/blutrain-dist/bench/
 #                gpu_dist.sh
+#   --multi-gpu  last, issue 35 on every GPU of the machine (an x2 / x4 / x8 kind): blutrain-dist
+#                against PyTorch DDP, scaling, parity, a killed rank (packages/blutrain-dist/bench/
+#                multi_gpu.py, given what is left of the budget)
 # Test files run in parallel (one pytest per file: the GPU has room and the CPU references
 # dominate); benchmarks run one at a time, alone on the GPU.
 # Logs and JSON go to $OUT (default ./out), packed into logs.tar.gz (8 files come back at most).
@@ -25,7 +28,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 PY=${PYTHON:-python3}
 START=$(date +%s)
-BENCH=1 PREBUILT=0 SANITIZE=0 BUDGET=540 DIST=0
+BENCH=1 PREBUILT=0 SANITIZE=0 BUDGET=540 DIST=0 MULTI=0
 ONLY="" BENCH_ONLY="" TESTS_ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -37,6 +40,7 @@ while [ $# -gt 0 ]; do
     --sanitize) SANITIZE=1 ;;
     --budget) BUDGET=$2; shift ;;
     --dist) DIST=1 ;;
+    --multi-gpu) MULTI=1 ;;
   esac
   shift
 done
@@ -228,9 +232,22 @@ if [ "$DIST" = 1 ]; then
   if [ "$(left)" -lt 120 ]; then STATUS[dist-gpu]="skipped (time budget)"
   else
     t0=$(date +%s)
-    OUT=$OUT timeout "$(left)" bash packages/blutrain-dist/bench/gpu_dist.sh >"$OUT/dist-gpu.txt" 2>&1
+    OUT=$OUT BUDGET=$(( $(left) - 10 )) timeout "$(left)" bash packages/blutrain-dist/bench/gpu_dist.sh \
+      >"$OUT/dist-gpu.txt" 2>&1
     STATUS[dist-gpu]="rc=$? [$(( $(date +%s) - t0 )) s] $(grep -c . "$OUT/dist-gpu.txt") lines"
-    tail -25 "$OUT/dist-gpu.txt"
+    grep -E "^ZeRO-|costs" "$OUT/dist-gpu.txt"  # memory vs formula, the DDP step's cost
+    sed -n '/blutrain-dist on one GPU/,$p' "$OUT/dist-gpu.txt"
+  fi
+fi
+
+if [ "$MULTI" = 1 ]; then
+  if [ "$(left)" -lt 120 ]; then STATUS[multi-gpu]="skipped (time budget)"
+  else
+    t0=$(date +%s)
+    timeout "$(left)" $PY packages/blutrain-dist/bench/multi_gpu.py --out "$OUT" \
+      --budget-s $(( $(left) - 15 )) >"$OUT/multi-gpu.txt" 2>&1
+    STATUS[multi-gpu]="rc=$? [$(( $(date +%s) - t0 )) s] (table: multi-gpu.txt, summary.txt)"
+    tail -60 "$OUT/multi-gpu.txt"
   fi
 fi
 

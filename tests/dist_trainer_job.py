@@ -1,5 +1,7 @@
 """One training job for test_dist_trainer.py, run under mpiexec (or alone):
-python dist_trainer_job.py OUT_DIR DATA MODEL_JSON STEP GRAD_ACCUM UNTIL RESUME"""
+python dist_trainer_job.py OUT_DIR DATA MODEL_JSON DIST GRAD_ACCUM UNTIL RESUME
+
+(fit(until=N) stops a run part-way through its schedule, which the command line cannot.)"""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import sys
 from blutrain.models.train_config import TrainConfig
 from blutrain.models.trainer import Trainer
 
-out, data, model, step, accum, until, resume = sys.argv[1:8]
+out, data, model, mode, accum, until, resume = sys.argv[1:8]
 cfg = TrainConfig(
     model=model,
     data=data,
@@ -26,7 +28,7 @@ cfg = TrainConfig(
     plot=False,
     log_interval=0,
     device="cpu",
-    step=step,
+    dist=mode,
     resume=resume == "1",
 )
 Trainer(cfg).fit(until=int(until) if int(until) else None)

@@ -2,9 +2,17 @@
 //
 // A Comm is one ncclComm_t bound to one device.  Collectives run on the stream the caller
 // passes (blutrain.dist passes the device's communication stream, ordered after the compute
-// stream by an event: streams.cpp, Note [stream order]).  AVG is NCCL's SUM followed by our
-// divide kernel on the same stream (x / n rounded once: exact for any n, where ncclAvg
-// premultiplies by a rounded 1/n).  bool travels as uint8 with SUM as logical or (MAX).
+// stream by an event: streams.cpp, Note [stream order]).  AVG is exact for any world size
+// (Note [fused average]).  bool travels as uint8 with SUM as logical or (MAX).
+//
+// Note [fused average]: the mean over n ranks must be the sum rounded once and divided by n,
+// rounded once.  NCCL's ncclAvg on floating types multiplies every rank's input by 1/n (rounded
+// to the dtype) before summing.  When n is a power of two, 1/n is exact and scaling by it
+// commutes with every rounding of the sum (an exponent shift), so ncclAvg gives the same bits
+// as SUM then / n, minus one pass over the buffer; we use it then for float32, float64 and
+// bfloat16 (whose exponent range is float32's).  Not for float16: its small range makes
+// x * 2^-k lose bits to subnormals where a gradient still has them.  Any other n: ncclSum, then
+// our divide kernel on the same stream (rounded once through double).
 #include <cstring>
 #include <string>
 
@@ -43,8 +51,16 @@ ncclDataType_t nccl_dtype(int dtype, const char* op) {
   }
 }
 
-// The NCCL reduction for (op, dtype); AVG maps to SUM (the division follows).
-ncclRedOp_t nccl_op(int op, int dtype, const char* name) {
+// Whether AVG over nranks runs as NCCL's ncclAvg (Note [fused average]): float32 (6),
+// float64 (7), bfloat16 (5) and a power-of-two world size above 1.
+bool fused_average(int dtype, int nranks) {
+  const bool pow2 = nranks > 1 && (nranks & (nranks - 1)) == 0;
+  return pow2 && (dtype == 5 || dtype == 6 || dtype == 7);
+}
+
+// The NCCL reduction for (op, dtype); AVG maps to ncclAvg where exact (Note [fused average]),
+// else to SUM (our division follows).
+ncclRedOp_t nccl_op(int op, int dtype, int nranks, const char* name) {
   const bool is_bool = dtype == 0;
   switch (op) {
     case BT_DIST_SUM:
@@ -53,7 +69,7 @@ ncclRedOp_t nccl_op(int op, int dtype, const char* name) {
       if (!dtype_is_floating(dtype))
         fail(BT_DIST_EINVAL, std::string("[") + name + "] op 'avg' needs a floating dtype, got " +
                                  dtype_name(dtype));
-      return ncclSum;
+      return fused_average(dtype, nranks) ? ncclAvg : ncclSum;
     case BT_DIST_MAX:
       return ncclMax;
     case BT_DIST_MIN:
@@ -140,12 +156,13 @@ void all_reduce(Comm* c, const void* send, void* recv, size_t count, int dtype, 
   const char* name = "all_reduce";
   check_comm(c, name);
   const ncclDataType_t dt = nccl_dtype(dtype, name);
-  const ncclRedOp_t rop = nccl_op(op, dtype, name);
+  const ncclRedOp_t rop = nccl_op(op, dtype, c->nranks, name);
   if (count == 0) return;
   set_device(c->device, name);
   auto s = static_cast<cudaStream_t>(stream);
   BT_NCCL_CHECK(name, nccl::lib(name).ncclAllReduce(send, recv, count, dt, rop, c->comm, s));
-  if (op == BT_DIST_AVG && c->nranks > 1) divide(recv, count, dtype, c->nranks, c->device, stream);
+  if (op == BT_DIST_AVG && c->nranks > 1 && !fused_average(dtype, c->nranks))
+    divide(recv, count, dtype, c->nranks, c->device, stream);
 }
 
 void reduce_scatter(Comm* c, const void* send, void* recv, size_t recv_count, int dtype, int op,
@@ -153,13 +170,13 @@ void reduce_scatter(Comm* c, const void* send, void* recv, size_t recv_count, in
   const char* name = "reduce_scatter";
   check_comm(c, name);
   const ncclDataType_t dt = nccl_dtype(dtype, name);
-  const ncclRedOp_t rop = nccl_op(op, dtype, name);
+  const ncclRedOp_t rop = nccl_op(op, dtype, c->nranks, name);
   if (recv_count == 0) return;
   set_device(c->device, name);
   auto s = static_cast<cudaStream_t>(stream);
   BT_NCCL_CHECK(name,
                 nccl::lib(name).ncclReduceScatter(send, recv, recv_count, dt, rop, c->comm, s));
-  if (op == BT_DIST_AVG && c->nranks > 1)
+  if (op == BT_DIST_AVG && c->nranks > 1 && !fused_average(dtype, c->nranks))
     divide(recv, recv_count, dtype, c->nranks, c->device, stream);
 }
 

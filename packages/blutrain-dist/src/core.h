@@ -69,6 +69,9 @@ void group_end();
 
 // ---- streams and events (cuda/streams.cpp) --------------------------------------------------
 int device_count();
+// The device's PCI bus id ("0000:1B:00.0"): two processes see the same GPU iff these match,
+// whatever CUDA_VISIBLE_DEVICES renumbered.
+std::string device_pci_bus_id(int device);
 // The device's communication stream: created on first use, non-blocking, highest priority.
 void* comm_stream(int device);
 // An event (from a per-device pool, timing off) recorded on `stream` now.

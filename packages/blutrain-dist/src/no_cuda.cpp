@@ -42,6 +42,7 @@ void group_start() { no_cuda("group_start"); }
 void group_end() { no_cuda("group_end"); }
 
 int device_count() { return 0; }
+std::string device_pci_bus_id(int) { no_cuda("device_pci_bus_id"); }
 void* comm_stream(int) { no_cuda("comm_stream"); }
 uintptr_t event_record(int, void*) { no_cuda("event_record"); }
 void stream_wait_event(void*, uintptr_t) { no_cuda("wait"); }

@@ -40,8 +40,13 @@ def launch(
     timeout: float,
     extra_env: dict[str, str] | None = None,
     launcher_args: list[str] | None = None,
+    shell: bool = False,
 ) -> tuple[int, str, str, float]:
-    cmd = [mpiexec(), *(launcher_args or []), "-n", str(n), sys.executable, *args]
+    # shell: each rank runs as `sh -c 'python ...; exit $?'`, so a rank killed by a signal
+    # reaches MPICH's launcher as an exit status: told of a signal instead, hydra sometimes
+    # kills every rank at once even under -disable-auto-cleanup, before the survivors report
+    wrap = ["sh", "-c", '"$0" "$@"; exit $?'] if shell else []
+    cmd = [mpiexec(), *(launcher_args or []), "-n", str(n), *wrap, sys.executable, *args]
     t0 = time.monotonic()
     p = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, env=env(**(extra_env or {})), cwd=HERE

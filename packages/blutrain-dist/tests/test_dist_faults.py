@@ -4,6 +4,7 @@ rank and the collective, and no process left behind (fault_worker.py under mpiex
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -29,7 +30,7 @@ def _alive(pid: int) -> bool:
 
 
 def _run(
-    kind: str, tmp_path: Path, launcher_args: list[str] | None = None
+    kind: str, tmp_path: Path, launcher_args: list[str] | None = None, shell: bool = False
 ) -> tuple[int, str, float, list[int]]:
     rc, so, se, dt = launch(
         3,
@@ -37,6 +38,7 @@ def _run(
         timeout=120,
         extra_env={"BLUTRAIN_DIST_TIMEOUT": "4"},
         launcher_args=launcher_args,
+        shell=shell,
     )
     pids = [int(p.read_text()) for p in sorted(tmp_path.glob("*.pid"))]
     deadline = time.monotonic() + 10
@@ -67,13 +69,20 @@ def test_killed_rank_ends_the_job(tmp_path: Path) -> None:
 
 def test_killed_rank_is_named_when_the_launcher_lets_the_others_run(tmp_path: Path) -> None:
     # -disable-auto-cleanup: the survivors are told (SIGUSR1) or time out, and name the dead rank
-    rc, out, dt, pids = _run("kill", tmp_path, ["-disable-auto-cleanup"])
-    if "[blutrain.dist]" not in out:  # once seen on a heavily oversubscribed machine: try again
+    # the survivors name the ranks that did not answer within the grace (1 s at this timeout):
+    # the dead one, and on a loaded machine maybe a live one that was slow to answer too
+    silent = re.compile(r"rank\(s\) ([\d, ]+) did not answer")
+
+    def named(out: str) -> bool:
+        return any("2" in m.split(", ") for m in silent.findall(out))
+
+    rc, out, dt, pids = _run("kill", tmp_path, ["-disable-auto-cleanup"], shell=True)
+    if not named(out):  # once seen on a heavily oversubscribed machine: try again
         for f in tmp_path.glob("*.pid"):
             f.unlink()
-        rc, out, dt, pids = _run("kill", tmp_path, ["-disable-auto-cleanup"])
+        rc, out, dt, pids = _run("kill", tmp_path, ["-disable-auto-cleanup"], shell=True)
     assert rc != 0, out
     assert dt < 60, f"the job took {dt:.0f} s"
     assert "all_reduce #3" in out, out
-    assert "rank(s) 2 did not answer" in out, out
+    assert named(out), out
     assert not [p for p in pids if _alive(p)], "processes left behind"

@@ -19,6 +19,7 @@ GROUP_CASES = [
     "training_matches_one_rank",
     "deterministic_bitwise",
     "zero_memory_vs_formula",
+    "zero2_gradient_peak",
     "disagreeing_models",
 ]
 # the first test starts every job of the module (its fixture): more than pytest.ini's 300 s

@@ -297,6 +297,17 @@ CASES = [
     Case("recompute", [*TRAIN_NEW, "--recompute", "all"], ["recompute", "'all'", "ln+gelu"]),
     Case("device", [*TRAIN_NEW, "--device", "gpu"], ["device", "'gpu'", "cuda:N"]),
     Case("step", [*TRAIN_NEW, "--step", "warp"], ["step (--step) = 'warp'", "eager"]),
+    Case("dist", [*TRAIN_NEW, "--dist", "fsdp"], ["dist (--dist) = 'fsdp'", "ddp, zero1, zero2"]),
+    Case(
+        "dist-and-cuda-graph",
+        [*TRAIN_NEW, "--dist", "ddp", "--step", "cuda-graph"],
+        ["dist (--dist) = 'ddp'", "step (--step) = 'cuda-graph'", "not supported yet"],
+    ),
+    Case(
+        "dist-and-compile",
+        [*TRAIN_NEW, "--dist", "zero2", "--compile"],
+        ["dist (--dist) = 'zero2'", "compile (--compile)"],
+    ),
     Case("eval-batches-0", [*TRAIN_NEW, "--eval-batches", "0"], ["eval_batches", "= 0"]),
     Case("threads-neg", [*TRAIN_NEW, "--threads", "-1"], ["threads", "= -1"]),
     Case("seed-neg", [*TRAIN_NEW, "--seed", "-1"], ["seed", "= -1"]),

@@ -54,6 +54,13 @@ int device_count() {
   return n;
 }
 
+std::string device_pci_bus_id(int device) {
+  check_device(device, "device_pci_bus_id");
+  char id[32] = {};  // "domain:bus:device.function", 13 characters
+  BT_DIST_CUDA_CHECK("device_pci_bus_id", cudaDeviceGetPCIBusId(id, sizeof(id), device));
+  return std::string(id);
+}
+
 void* comm_stream(int device) {
   check_device(device, "comm_stream");
   std::lock_guard<std::mutex> lock(g_mutex);

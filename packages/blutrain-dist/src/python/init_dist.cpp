@@ -126,6 +126,8 @@ NB_MODULE(_dist, m) {
   m.def("built_with_cuda", &built_with_cuda, "Whether this build has the CUDA paths.");
   m.def("built_with_nccl", &built_with_nccl, "Whether this build can load NCCL.");
   m.def("device_count", &device_count, "CUDA devices visible (0 without CUDA).");
+  m.def("device_pci_bus_id", &device_pci_bus_id, "device"_a,
+        "The CUDA device's PCI bus id: equal in two processes iff they use the same GPU.");
   m.def("nccl_set_candidates", &nccl_set_candidates, "paths"_a,
         "Library files to try before the soname libnccl.so.2 ($BLUTRAIN_NCCL_LIBRARY first).");
   m.def("nccl_version", &nccl_version, "NCCL_VERSION_CODE of libnccl (loads it).");

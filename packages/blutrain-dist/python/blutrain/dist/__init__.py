@@ -108,6 +108,7 @@ def init(
 
 
 def is_initialized() -> bool:
+    """True between init() and shutdown()."""
     import sys
 
     return sys.modules[f"{__name__}._group"]._GROUP is not None  # `_group` here is group()

@@ -61,12 +61,16 @@ class Work:
         self._done = False
 
     def wait(self) -> None:
+        """Order the result before what comes next: the current CUDA stream waits for it
+        (CUDA tensors, no host sync) or the host waits (CPU tensors).  Idempotent."""
         self._done = True
 
     def is_completed(self) -> bool:
+        """True when the data is in place; never blocks."""
         return True
 
     def synchronize(self) -> None:
+        """Block the host until the data is in place (wait() plus, on the GPU, an event sync)."""
         self.wait()
 
     def __repr__(self) -> str:
@@ -166,6 +170,11 @@ def _ordered_sum_cpu(chunks: list[bt.Tensor]) -> bt.Tensor:
         (a, n), (b, m) = stack[-2], stack[-1]
         stack[-2:] = [(a + b, n + m)]
     return stack[0][0]
+
+
+def _same_memory(a: bt.Tensor, b: bt.Tensor) -> bool:
+    """Whether a and b are the same bytes (one rank's in-place collective: nothing to move)."""
+    return a.numel() == b.numel() and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
 
 
 def _pad_to(n: int, size: int) -> int:
@@ -588,11 +597,13 @@ class SelfBackend:
         return self._done(what, seq)  # sum, avg (/ 1), max, min of one rank: itself
 
     def reduce_scatter(self, out: bt.Tensor, inp: bt.Tensor, op: int, what: str, seq: int) -> Work:
-        out.reshape(-1).copy_(inp.reshape(-1))
+        if not _same_memory(out, inp):  # ZeRO-1's in-place chunk is the whole bucket here
+            out.reshape(-1).copy_(inp.reshape(-1))
         return self._done(what, seq)
 
     def all_gather(self, out: bt.Tensor, inp: bt.Tensor, what: str, seq: int) -> Work:
-        out.reshape(-1).copy_(inp.reshape(-1))
+        if not _same_memory(out, inp):  # ZeRO's parameter chunk is the whole bucket here
+            out.reshape(-1).copy_(inp.reshape(-1))
         return self._done(what, seq)
 
     def all_gather_v(self, outs: list[bt.Tensor], inp: bt.Tensor, what: str, seq: int) -> Work:

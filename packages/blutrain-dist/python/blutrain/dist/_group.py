@@ -181,12 +181,14 @@ class ProcessGroup:
 
         dev = int(self.device.split(":")[1])
         ndev = bt.cuda.device_count()
-        shared = self.local_size > ndev  # two ranks of this node on one GPU
+        sharing = self._ranks_sharing_my_gpu(dev)  # NCCL refuses two ranks on one GPU
+        shared = bool(sharing)
         if backend == "nccl" and shared:
             raise RuntimeError(
-                f"[init] backend='nccl' with {self.local_size} ranks on this node but {ndev} "
-                f"GPU(s): rank {self.rank} would share cuda:{dev} with another rank, which NCCL "
-                "refuses; use backend='mpi' (staged through pinned host memory) or fewer ranks"
+                f"[init] backend='nccl' with {self.local_size} ranks on this node and {ndev} "
+                f"visible GPU(s): rank {self.rank} shares its GPU (cuda:{dev}) with rank(s) "
+                f"{', '.join(map(str, sharing))}, which NCCL refuses; use backend='mpi' (staged "
+                "through pinned host memory) or one rank per GPU"
             )
         reason = None
         if backend in ("auto", "nccl") and not shared:
@@ -213,11 +215,28 @@ class ProcessGroup:
                 uid = bytes(buf)
             self.nccl = _dist.NcclComm(uid, self.size, self.rank, dev)
         elif self.cuda_backend == "mpi" and self.rank == 0 and backend == "auto":
-            reason = reason or f"{self.local_size} ranks share {ndev} GPU(s) on a node"
+            reason = reason or f"ranks share a GPU ({self.local_size} ranks, {ndev} GPU(s) here)"
             print(
                 f"[blutrain.dist] CUDA tensors go over MPI through pinned host memory: {reason}",
                 file=sys.stderr,
             )
+
+    def _ranks_sharing_my_gpu(self, dev: int) -> list[int]:
+        """World ranks of this node whose GPU is this rank's (compared by PCI bus id, so it
+        holds whatever CUDA_VISIBLE_DEVICES each process sees: Slurm's per-task GPU binding
+        gives every rank one device numbered 0).  A collective over the world."""
+        if self.size == 1 or self.comm is None:
+            return []
+        mine = (self._node_key(), _dist.device_pci_bus_id(dev))
+        rows = self.allgather_object(mine, "init (GPU of each rank)")
+        return [q for q, row in enumerate(rows) if q != self.rank and row == mine]
+
+    def _node_key(self) -> int:
+        """The world rank of this node's local rank 0 (every rank of a node agrees on it)."""
+        buf = np.array([self.rank if self.local_rank == 0 else -1], dtype=np.int64)
+        out = np.empty(1, dtype=np.int64)
+        self.wait_requests([self.local.Iallreduce(buf, out, op=self.MPI.MAX)], "init (node)")
+        return int(out[0])
 
     def _install_failure_signal(self) -> None:
         # MPICH signals survivors of a failed process with SIGUSR1 (mpiexec -disable-auto-cleanup)
@@ -414,6 +433,7 @@ class ProcessGroup:
 
     # -- small collectives used by setup checks ----------------------------------------------
     def next_seq(self) -> int:
+        """Number the next collective (the sequence named in fault reports and fingerprints)."""
         self.seq += 1
         return self.seq
 
@@ -439,6 +459,7 @@ class ProcessGroup:
         ]
 
     def barrier(self) -> None:
+        """Every rank reaches this point, within the group's timeout."""
         if self.size == 1 or self.comm is None:
             return
         seq = self.next_seq()
@@ -447,6 +468,8 @@ class ProcessGroup:
 
     # -- shutdown --------------------------------------------------------------------------------
     def close(self) -> None:
+        """Stop the watchdog, destroy (after a fault: abort) the NCCL communicator, cancel pending
+        sends and free the MPI communicators; idempotent."""
         if self._closed:
             return
         self._closed = True

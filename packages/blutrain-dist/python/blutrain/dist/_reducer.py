@@ -26,8 +26,15 @@ Policy.
   ranks with the same global batch give the same bits.  It costs log2(accumulation) extra
   buffers; with one micro-batch per step, none.
 - ZeRO-2 (``keep_full_grads=False``): a bucket's buffer exists from its first gradient until its
-  reduce-scatter has been issued (then ``.grad`` is dropped): with one micro-batch per step the
-  full gradient never exists at once.
+  reduce-scatter has been issued; then ``.grad`` is dropped and the buffer goes back to the
+  allocator at once (record_stream keeps it from reuse until the collective has read it), so
+  with one micro-batch per step the full gradient never exists at once: backward's peak holds
+  the buckets in flight only.  Under ``no_sync()`` the buckets accumulate whole until the
+  synchronising backward.
+- Cost per step (the hot path): no zero fill and no copy beyond the one each gradient needs to
+  land in its view; the views of a persistent buffer (DDP, ZeRO-1) are made once; per parameter
+  one pre-hook and one post-hook call of a few attribute reads; per bucket one collective
+  launch (two event records and a stream wait, no host sync with NCCL).
 
 Locking rule: hooks run on the thread that calls backward; nothing here is shared with the
 watchdog thread.
@@ -65,6 +72,7 @@ class Bucket:
         self.chunk = 0  # elements a rank owns
         self.padded = 0  # world_size x chunk
         self.buffer: bt.Tensor | None = None
+        self.buffer_views: list[bt.Tensor] | None = None  # of a persistent buffer, made once
         self.stack: list[tuple[bt.Tensor, int]] = []  # Note [deterministic accumulation]
         self.pending = 0
         self.seen_this_micro = False
@@ -214,11 +222,16 @@ class Reducer:
         self._next_launch = 0
         self.reductions = 0  # bucket collectives launched (tests count them)
         self.windows = 0  # synchronising backwards reduced (one per optimizer step)
+        # bytes of gradient buffers alive now, and the most at once in the current window
+        self.live_grad_bytes = 0
+        self.peak_grad_bytes = 0
         self._handles: list[Any] = []
         if keep_full_grads:
             for b in self.buckets:
                 b.buffer = bt.zeros(b.padded, dtype=b.dtype, device=b.device)
+                b.buffer_views = b.views(b.buffer)
                 self._attach(b, b.buffer)
+                self._grad_bytes(b.nbytes())
         for _, p in self.named:
             self._handles.append(p.register_hook(self._make_pre_hook(p)))
             self._handles.append(p.register_post_accumulate_grad_hook(self._make_post_hook(p)))
@@ -233,9 +246,14 @@ class Reducer:
             self._sync = prev
 
     def _attach(self, b: Bucket, buf: bt.Tensor) -> None:
-        for p, v in zip(b.params, b.views(buf), strict=True):
+        views = b.buffer_views if buf is b.buffer and b.buffer_views else b.views(buf)
+        for p, v in zip(b.params, views, strict=True):
             p.grad = v
         bt._tensor._set_grad_overwrite(b.params, True)
+
+    def _grad_bytes(self, delta: int) -> None:
+        self.live_grad_bytes += delta
+        self.peak_grad_bytes = max(self.peak_grad_bytes, self.live_grad_bytes)
 
     def _deterministic(self) -> bool:
         return self.g.deterministic
@@ -264,6 +282,7 @@ class Reducer:
     def _start_micro(self) -> None:
         if not self.window_open:
             self.window_open = True
+            self.peak_grad_bytes = self.live_grad_bytes
             self.micro = -1
             self._next_launch = 0
             for b in self.buckets:
@@ -285,6 +304,7 @@ class Reducer:
                 b.buffer = bt.empty(b.padded, dtype=b.dtype, device=b.device)
                 if b.padded > b.numel:
                     b.buffer[b.numel :].zero_()
+                self._grad_bytes(b.nbytes())
             b.stack = [(b.buffer, 1)]
             self._attach(b, b.buffer)
             return
@@ -299,6 +319,7 @@ class Reducer:
             buf[b.numel :].zero_()
         b.stack.append((buf, 1))
         self._attach(b, buf)
+        self._grad_bytes(b.nbytes())
 
     def _merge_equal(self, b: Bucket) -> None:
         while len(b.stack) >= 2 and b.stack[-1][1] == b.stack[-2][1]:
@@ -306,6 +327,7 @@ class Reducer:
             with bt.no_grad():
                 lo.add_(hi)
             b.stack[-2:] = [(lo, 2 * n)]
+            self._grad_bytes(-b.nbytes())
 
     def _fold(self, b: Bucket) -> None:
         while len(b.stack) >= 2:
@@ -313,6 +335,7 @@ class Reducer:
             with bt.no_grad():
                 lo.add_(hi)
             b.stack[-2:] = [(lo, n + m)]
+            self._grad_bytes(-b.nbytes())
         if b.stack and b.stack[0][0] is not b.buffer:  # pragma: no cover - stack[0] is the buffer
             raise RuntimeError("[reducer] internal: the stack lost its bucket buffer")
 
@@ -332,8 +355,8 @@ class Reducer:
         b, i = self._where[pid]
         p = b.params[i]
         self._arrived.add(pid)
-        top = b.stack[-1][0]
-        if p.grad is None or p.grad.data_ptr() != top.data_ptr() + b.offsets[i] * b.dtype.itemsize:
+        g = p.grad
+        if g is None or g.data_ptr() != b.stack[-1][0].data_ptr() + b.offsets[i] * b.dtype.itemsize:
             self._reattach(p, b, i)
         b.pending -= 1
         if self._sync and b.pending == 0:
@@ -374,7 +397,8 @@ class Reducer:
         if self._deterministic() and len(b.stack) > 1:
             self._merge_equal(b)
             self._fold(b)
-            for p, v in zip(b.params, b.views(b.buffer), strict=True):
+            views = b.buffer_views or b.views(b.buffer)
+            for p, v in zip(b.params, views, strict=True):
                 p.grad = v  # back to the bucket itself (the folded sum)
         buf = b.buffer
         seq = self.g.next_seq()
@@ -398,6 +422,25 @@ class Reducer:
         b.work = w
         b.launched = True
         self.reductions += 1
+        if not self.keep_full_grads:
+            self._release(b)
+
+    def _release(self, b: Bucket) -> None:
+        """ZeRO-2: the bucket's full gradient is no longer needed once its reduce-scatter has
+        been issued.  NCCL's inputs are record_stream'ed on the comm stream (so the allocator
+        hands the memory out again only after the collective has read it); the staged path is
+        synchronous; an MPI work keeps its input until it completes, so the earlier buckets'
+        works are polled here (MPI progresses, and the finished ones let their buffers go)."""
+        for p in b.params:
+            p.grad = None
+        if b.buffer is not None:
+            self._grad_bytes(-b.nbytes())
+        b.buffer = None
+        b.stack = []
+        for q in self.buckets[: b.index]:
+            w = q.work
+            if isinstance(w, _backend._MpiWork) and not w._done:
+                w.is_completed()
 
     def _cast_reduce(self, be: Any, buf: bt.Tensor, rd: Any, what: str, seq: int) -> Work:
         """All-reduce in reduce_dtype: cast in, SUM, then cast back divided by the world size
@@ -439,13 +482,6 @@ class Reducer:
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
-            if not self.keep_full_grads:  # ZeRO-2: keep the shard only
-                if b.buffer is not None:
-                    if b.buffer.is_cuda:
-                        b.buffer.record_stream(self._backend(b.buffer).cs)
-                    for p in b.params:
-                        p.grad = None
-                    b.buffer = None
             b.stack = []
         self.window_open = False
         self.windows += 1
@@ -456,10 +492,11 @@ class Reducer:
         if b.buffer is None:
             b.buffer = bt.zeros(b.padded, dtype=b.dtype, device=b.device)
             b.stack = [(b.buffer, 1)]
+            self._grad_bytes(b.nbytes())
         if self._deterministic():
             self._merge_equal(b)
             self._fold(b)
-        views = b.views(b.buffer)
+        views = b.buffer_views or b.views(b.buffer)
         for p, v in zip(b.params, views, strict=True):
             if p._grad_overwrite:  # no gradient reached it in the whole window
                 with bt.no_grad():

@@ -86,6 +86,7 @@ class DistributedDataParallel:
 
     # -- the module's face ---------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's forward (checks the previous step's reductions were waited for)."""
         self.reducer.check_window_closed()
         return self.module(*args, **kwargs)
 
@@ -95,9 +96,11 @@ class DistributedDataParallel:
         return getattr(self.__dict__["module"], name)
 
     def parameters(self) -> Iterator[bt.Tensor]:
+        """The wrapped module's parameters (their .grad are views into the buckets)."""
         return self.module.parameters()
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, bt.Tensor]]:
+        """The wrapped module's (name, parameter) pairs, names as in its state_dict."""
         return self.module.named_parameters(prefix)
 
     # -- gradient synchronisation -------------------------------------------------------------

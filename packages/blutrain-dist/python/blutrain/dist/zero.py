@@ -16,7 +16,11 @@ world_size equal chunks; rank r owns chunk r of every bucket.  Its AdamW state (
 exp_avg_sq, float32) covers its chunks only, and so does its float32 master copy when the
 parameters are 16-bit (float32 parameters are their own masters).  Backward reduce-scatters each
 bucket as soon as its gradients are complete (the average over ranks, rounded once); step()
-updates the owned chunks and all-gathers the parameters back.
+updates the owned chunks and all-gathers the parameters back, bucket by bucket: the update of
+one bucket (compute stream) overlaps the all-gather of the one before (communication stream),
+in forward order (the bucket holding the first layers goes first), and the compute stream
+waits for the gathers on the GPU (no host sync).  Note: the gathers do not yet overlap the next
+forward itself (that needs per-layer waits inside the model's forward).
 
 Stage 1 keeps every bucket's gradient buffer (``.grad`` stay views of it); stage 2 frees a bucket
 once it is reduced and keeps only the owned chunk (``.grad`` is None after backward).  Bytes per
@@ -27,6 +31,11 @@ parameter of model state on each rank, for bf16 parameters with float32 masters 
 
 :meth:`memory` reports the bytes held and this formula.  Under ZeRO ``.grad`` (stage 1) holds
 the reduced gradient only in the owned chunks: clip with :meth:`grad_norm_and_clip_coef`.
+
+Deterministic mode: the gradient norm is computed from the gathered whole gradient, tensor by
+tensor in model order, exactly as DistributedDataParallel's (bt.optim.grad_norm), so clipping
+keeps results bitwise equal across world sizes and modes; it costs one all-gather of the
+gradients per step (and, at stage 2, the whole gradient for that moment).
 """
 
 from __future__ import annotations
@@ -149,6 +158,32 @@ class ZeroOptimizer:
                 self.exp_avg_sq.append(bt.zeros(b.chunk, dtype=sd, device=b.device))
                 self.pieces.append(self._pieces_of(b, r))
         self._names = {n for n, _ in named}
+        self._model_order = [p for _, p in named]
+        self._update_lists: list[Any] = []
+        self._build_update_lists()
+        self._gc_window = -1  # reducer window the cached gradient chunks belong to
+        self._gc: list[bt.Tensor] = []
+        self._gs: list[list[bt.Tensor]] = []
+
+    def _build_update_lists(self) -> None:
+        """Per bucket, this rank's pieces of master / exp_avg / exp_avg_sq and their weight
+        decays: views of persistent buffers, made once (step() only adds the gradients')."""
+        self._update_lists = []
+        for b, pcs in zip(self.buckets, self.pieces, strict=True):
+            if not pcs:
+                self._update_lists.append(None)
+                continue
+            master, m, v = self.masters[b.index], self.exp_avg[b.index], self.exp_avg_sq[b.index]
+            sl = [(pc.start, pc.start + pc.hi - pc.lo) for pc in pcs]
+            self._update_lists.append(
+                (
+                    [master[a:e] for a, e in sl],
+                    [m[a:e] for a, e in sl],
+                    [v[a:e] for a, e in sl],
+                    [pc.wd for pc in pcs],
+                    sl,
+                )
+            )
 
     # -- layout ----------------------------------------------------------------------------------
     def _pieces_of(self, b: Bucket, r: int) -> list[_Piece]:
@@ -178,12 +213,26 @@ class ZeroOptimizer:
         g = self._shard_out(b)
         return g if g.dtype == self.masters[b.index].dtype else g.to(self.masters[b.index].dtype)
 
+    def _grad_slices(self) -> list[list[bt.Tensor]]:
+        """Per bucket, the reduced gradient of this rank's pieces in the master dtype: made once
+        per optimizer step (norm and update share them)."""
+        if self._gc_window == self.reducer.windows and self._gc:
+            return self._gs
+        self._gc, self._gs = [], []
+        for b, u in zip(self.buckets, self._update_lists, strict=True):
+            gc = self._grad_chunk(b) if u is not None else None
+            self._gc.append(gc)
+            self._gs.append([gc[a:e] for a, e in u[4]] if u is not None else [])
+        self._gc_window = self.reducer.windows
+        return self._gs
+
     # -- the optimizer's face ------------------------------------------------------------------
     @property
     def lr(self) -> float:
         return float(self.opt.lr)
 
     def set_lr(self, lr: float) -> None:
+        """Set the wrapped AdamW's learning rate (schedulers call this every step)."""
         self.opt.set_lr(lr)
 
     @contextmanager
@@ -194,6 +243,8 @@ class ZeroOptimizer:
             yield
 
     def finish_gradient_sync(self) -> None:
+        """Reduce-scatter buckets a backward left open (parameters without a gradient); a no-op
+        when every parameter got one."""
         self.reducer.finish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -203,83 +254,107 @@ class ZeroOptimizer:
         self, max_norm: float | None, eps: float = 1e-6
     ) -> tuple[bt.Tensor, bt.Tensor | None]:
         """(global gradient norm, clip coefficient) as 0-d tensors on the device, from every
-        rank's chunks (no host sync with NCCL): pass the coefficient to step(grad_scale=)."""
-        self.reducer.finish()
-        grads = []
-        for b, pcs in zip(self.buckets, self.pieces, strict=True):
-            if pcs:
-                gchunk = self._grad_chunk(b)
-                grads += [gchunk[pc.start : pc.start + pc.hi - pc.lo] for pc in pcs]
-        dev = self.buckets[0].device
-        if grads:
-            local = bt._tensor._grad_norm(grads).to(bt.float64)
-            sq = (local * local).reshape(1)
-        else:
-            sq = bt.zeros(1, dtype=bt.float64, device=dev)
-        from .collectives import _backend_for
-
-        seq = self.g.next_seq()
-        _backend_for(sq, self.g).all_reduce(sq, 0, f"all_reduce #{seq} (gradient norm)", seq).wait()
-        norm = sq.sqrt().reshape(()).to(bt.float32)
+        rank's chunks (no host sync with NCCL): pass the coefficient to step(grad_scale=).
+        In deterministic mode the norm is DistributedDataParallel's, bit for bit (see the
+        module docstring)."""
         import math
 
+        self.reducer.finish()
+        if self.g.deterministic:
+            norm = self._gathered_norm()
+        else:
+            grads = [g for gs in self._grad_slices() for g in gs]
+            dev = self.buckets[0].device
+            if grads:
+                local = bt._tensor._grad_norm(grads).to(bt.float64)
+                sq = (local * local).reshape(1)
+            else:
+                sq = bt.zeros(1, dtype=bt.float64, device=dev)
+            if self.g.size > 1:
+                from .collectives import _backend_for
+
+                seq = self.g.next_seq()
+                what = f"all_reduce #{seq} (gradient norm)"
+                _backend_for(sq, self.g).all_reduce(sq, 0, what, seq).wait()
+            norm = sq.sqrt().reshape(()).to(bt.float32)
         if max_norm is None or not math.isfinite(max_norm) or max_norm <= 0:
             return norm, None
         return norm, bt._tensor._clip_coef(norm, float(max_norm), eps)
 
+    def _gathered_norm(self) -> bt.Tensor:
+        """The norm of the whole reduced gradient, each tensor in model order (as DDP's)."""
+        from .collectives import _backend_for
+
+        views: dict[int, bt.Tensor] = {}
+        works = []
+        for b in self.buckets:
+            gc = self._shard_out(b)
+            if self.g.size == 1:  # the chunk is the whole bucket
+                full = gc
+            else:
+                full = bt.empty(b.padded, dtype=gc.dtype, device=b.device)
+                seq = self.g.next_seq()
+                what = f"all_gather #{seq} (ZeroOptimizer bucket {b.index} gradient, its norm)"
+                works.append(_backend_for(full, self.g).all_gather(full, gc, what, seq))
+            for p, v in zip(b.params, b.views(full), strict=True):
+                views[id(p)] = v
+        for w in works:
+            w.wait()
+        grads = [views[id(p)] for p in self._model_order if id(p) in views]
+        return bt._tensor._grad_norm(grads).to(bt.float32)
+
     @bt.no_grad()
     def step(self, grad_scale: bt.Tensor | None = None) -> None:
-        """Update this rank's chunks from the reduced gradients, then all-gather the parameters."""
+        """Update this rank's chunks from the reduced gradients and all-gather the parameters,
+        bucket by bucket in forward order (each gather overlaps the next bucket's update)."""
         self.reducer.finish()
         self.step_count += 1
         b1, b2 = self.opt.betas
-        groups: dict[Any, list[Any]] = {}
-        for b, pcs in zip(self.buckets, self.pieces, strict=True):
-            if not pcs:
-                continue
-            master, m, v = self.masters[b.index], self.exp_avg[b.index], self.exp_avg_sq[b.index]
-            gchunk = self._grad_chunk(b)
-            lists = groups.setdefault(master.dtype, [[], [], [], [], []])
-            for pc in pcs:
-                s, e = pc.start, pc.start + pc.hi - pc.lo
-                lists[0].append(master[s:e])
-                lists[1].append(gchunk[s:e])
-                lists[2].append(m[s:e])
-                lists[3].append(v[s:e])
-                lists[4].append(pc.wd)
-        for ps, gs, ms, vs, wds in groups.values():
-            bt._tensor._adamw_(
-                ps,
-                gs,
-                ms,
-                vs,
-                self.opt.lr,
-                b1,
-                b2,
-                self.opt.eps,
-                wds,
-                float(self.step_count),
-                grad_scale,
-            )
-        self._gather_parameters()
+        gs = self._grad_slices()
+        works = []
+        for b in reversed(self.buckets):  # the first layers' bucket: the next forward's first
+            u = self._update_lists[b.index]
+            if u is not None:
+                bt._tensor._adamw_(
+                    u[0],
+                    gs[b.index],
+                    u[1],
+                    u[2],
+                    self.opt.lr,
+                    b1,
+                    b2,
+                    self.opt.eps,
+                    u[3],
+                    float(self.step_count),
+                    grad_scale,
+                )
+            works.append((b, self._gather_bucket(b)))
+        self._gc, self._gs, self._gc_window = [], [], -1  # the next backward makes new ones
+        self._finish_gathers(works)
 
-    def _gather_parameters(self) -> None:
+    def _gather_bucket(self, b: Bucket) -> Any:
+        """Start the all-gather of bucket b's parameters from this rank's updated chunk."""
         from .collectives import _backend_for
 
         r = self.g.rank
-        works = []
-        for b in self.buckets:
-            buf = self.param_buffers[b.index]
-            own = buf[r * b.chunk : (r + 1) * b.chunk]
-            master = self.masters[b.index]
-            if master is not own and not master._shares_storage(own):
-                own.copy_(master)  # rounds the float32 master into the 16-bit parameter
-            seq = self.g.next_seq()
-            what = f"all_gather #{seq} (ZeroOptimizer bucket {b.index} parameters)"
-            works.append(_backend_for(buf, self.g).all_gather(buf, own, what, seq))
-        for b, w in zip(self.buckets, works, strict=True):
+        buf = self.param_buffers[b.index]
+        own = buf[r * b.chunk : (r + 1) * b.chunk]
+        master = self.masters[b.index]
+        if master is not own and not master._shares_storage(own):
+            own.copy_(master)  # rounds the float32 master into the 16-bit parameter
+        seq = self.g.next_seq()
+        what = f"all_gather #{seq} (ZeroOptimizer bucket {b.index} parameters)"
+        return _backend_for(buf, self.g).all_gather(buf, own, what, seq)
+
+    def _finish_gathers(self, works: list[tuple[Bucket, Any]]) -> None:
+        """The compute stream waits for the gathers (NCCL: on the GPU), and the parameters'
+        version moves on (casts cached from the old values are dropped)."""
+        for b, w in works:
             w.wait()
             _dist.bump_version(b.params[0])  # the bucket's version group (Note [...] in tensor.h)
+
+    def _gather_parameters(self) -> None:
+        self._finish_gathers([(b, self._gather_bucket(b)) for b in reversed(self.buckets)])
 
     # -- memory ----------------------------------------------------------------------------------
     def memory(self) -> dict[str, Any]:
@@ -312,6 +387,9 @@ class ZeroOptimizer:
             "state_bytes": states,
             "total_bytes": pbytes + gbytes + master + states,
             "formula_bytes": formula,
+            # the most full-gradient bucket bytes alive at once in the last step's backward
+            # (stage 2: the buckets between their first gradient and their reduce-scatter)
+            "grad_peak_bytes": self.reducer.peak_grad_bytes,
             "formula": f"{pe} + {grads_f:g} + ({me} + {2 * se}) / {n} bytes/param",
         }
 
@@ -420,6 +498,7 @@ class ZeroOptimizer:
             for pc in pcs:
                 decays = self.opt.decay.get(pc.name, pc.param.ndim >= 2)
                 pc.wd = self.opt.weight_decay if decays else 0.0
+        self._build_update_lists()
 
     # -- state (sharded: checkpoint.py reassembles any world size) -----------------------------
     def shard_state(self) -> dict[str, Any]:

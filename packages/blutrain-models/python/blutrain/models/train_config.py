@@ -27,6 +27,7 @@ DEFAULT_DATA = "data/shakespeare"
 DEFAULT_OUT = "runs/shakespeare"
 
 PRECISIONS = ("auto", "fp32", "float32", "tf32", "bf16", "bfloat16")
+DIST_MODES = ("none", "ddp", "zero1", "zero2")
 RESUME_VALUES = (False, True, "auto")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -124,15 +125,29 @@ class TrainConfig:
     step: str = _opt(
         "eager",
         "how a step is taken: eager, cuda-graph (on a GPU: 3 eager steps, then the whole step "
-        "captured once as a CUDA graph and replayed), compiled (blutrain-compiler), or "
-        "distributed over the ranks of an MPI launch (mpiexec -n N blutrain train ...): ddp, "
-        "zero1, zero2 (blutrain-dist)",
+        "captured once as a CUDA graph and replayed), or compiled (blutrain-compiler); "
+        "distributed steps: see --dist",
         check=_step,
     )
     compile: bool = _opt(
         False,
         "compile the training step with blutrain-compiler (fused kernels, a static memory "
         "plan): the same as --step compiled",
+    )
+    dist: str = _opt(
+        "none",
+        "data parallel over the ranks of an MPI launch (mpirun -n 4 blutrain train --dist ddp; "
+        "mpiexec, srun): ddp (gradients averaged while backward runs), zero1 (AdamW state "
+        "sharded over ranks), zero2 (gradients sharded too); needs blutrain-dist. Without a "
+        "launcher it runs as one rank",
+        choices=DIST_MODES,
+        metavar="none|ddp|zero1|zero2",
+    )
+    deterministic: bool = _opt(
+        False,
+        "bitwise-reproducible kernels; with --dist, fixed-order reductions too: the same bits "
+        "for 1, 2 or 4 ranks at the same global batch (world size x grad-accum x batch-size; "
+        "--grad-accum 1 on the ranks of the larger run)",
     )
     gemm_autotune: bool = _opt(
         True,
@@ -177,11 +192,26 @@ class TrainConfig:
                 f"[TrainConfig] min_lr (--min-lr) = {self.min_lr:g}: must be at most lr "
                 f"({self.lr:g})"
             )
+        if self.dist != "none" and (self.step not in ("eager", self.dist) or self.compile):
+            other = "compile (--compile)" if self.compile else f"step (--step) = {self.step!r}"
+            raise ConfigError(
+                f"[TrainConfig] dist (--dist) = {self.dist!r} cannot be combined with {other}: "
+                "--dist picks the step, which runs eagerly (a captured or compiled distributed "
+                "step is not supported yet); drop it"
+            )
         if self.warmup_steps > self.max_steps:
             raise ConfigError(
                 f"[TrainConfig] warmup_steps (--warmup-steps) = {self.warmup_steps}: must be at "
                 f"most max_steps ({self.max_steps}); the warmup cannot be longer than the run"
             )
+
+    @property
+    def step_name(self) -> str:
+        """The Step class the run uses (steps.step_class): --dist's mode, else "compiled" with
+        --compile, else --step."""
+        if self.dist != "none":
+            return self.dist
+        return "compiled" if self.compile else self.step
 
     @property
     def final_lr(self) -> float:

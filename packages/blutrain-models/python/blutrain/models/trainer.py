@@ -143,7 +143,7 @@ class Trainer:
                 f"[TrainConfig] compile (--compile) compiles the eager step; it cannot be combined "
                 f"with step (--step) = {cfg.step!r}"
             )
-        step_cls = step_class("compiled" if cfg.compile else cfg.step)
+        step_cls = step_class(cfg.step_name)
         self.group = group if group is not None else step_cls.process_group(cfg)
         self.device = self.group.device(resolve_device(cfg.device))
         self.precision = resolve_precision(cfg.precision, self.device)
@@ -175,6 +175,8 @@ class Trainer:
         self.console = console
         self.on_step = on_step
         self.enc = get_encoding()
+        if cfg.deterministic:  # before anything runs: kernels and (with --dist) reductions
+            bt.use_deterministic_algorithms(True)
         bt.manual_seed(cfg.seed)
         if cfg.init_from and saved is None:
             self.model = GPT2.from_pretrained(
@@ -225,6 +227,7 @@ class Trainer:
                 vocab_size=V,
                 rank=g.rank,
                 world_size=g.world_size,
+                step_rows=g.world_size * cfg.grad_accum * cfg.batch_size,  # one global batch
             )
         except (OSError, ValueError) as e:
             raise type(e)(f"[train] --data {data}: {e} {hint}") from None
@@ -466,7 +469,7 @@ class Trainer:
             f"{_kind(c)} L={c.n_layer} H={c.n_head} C={c.n_embd} T={cfg.seq_len} "
             f"({c.n_params() / 1e6:.2f}M params) on {self.device} ({self.precision}"
             + (f", recompute {self.model.recompute}" if self.model.recompute != "none" else "")
-            + f", {'compiled' if cfg.compile else cfg.step} step"
+            + f", {cfg.step_name} step"
             + (f", {self.group.world_size} processes" if self.group.world_size > 1 else "")
             + f"); {cfg.batch_size} x {cfg.seq_len} x {cfg.grad_accum}"
             + (f" x {self.group.world_size}" if self.group.world_size > 1 else "")

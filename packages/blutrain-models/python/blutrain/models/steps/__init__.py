@@ -1,15 +1,18 @@
 """Ways of taking one optimizer step, behind one interface (`Step`, in base.py).
 
-The training loop (trainer.py) picks a class by `TrainConfig.step` and never asks which one
+The training loop (trainer.py) picks a class by `TrainConfig.step_name` and never asks which one
 runs. A new way of stepping is a new class here plus one line in `_STEPS`, not a branch in the
 loop: see "Writing a step" in the package README.
 
     eager       EagerStep: forward, backward, clipping and AdamW as eager ops (eager.py)
     cuda-graph  CudaGraphStep: the same step captured once as a CUDA graph and replayed
                 (cuda_graph.py)
-    ddp         DDPStep: data parallel over blutrain.dist (launch with mpiexec / mpirun / srun)
+    ddp         DDPStep: data parallel over blutrain.dist (dist.py)
     zero1/2     Zero1Step / Zero2Step: blutrain.dist's ZeroOptimizer, stage 1 or 2 (dist.py)
     compiled    CompiledStep: the same step compiled by blutrain-compiler (compiled.py)
+
+The distributed ones are picked by TrainConfig.dist (`blutrain train --dist ddp`, launched by
+mpirun / mpiexec / srun), which wins over TrainConfig.step (TrainConfig.step_name).
 
 Each entry names its module and class; the module is imported only when the step is chosen,
 so a step that needs another package (blutrain-dist, blutrain-compiler) costs nothing to the

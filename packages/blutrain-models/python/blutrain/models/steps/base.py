@@ -22,7 +22,7 @@ Contract (what the loop relies on; each implementation documents how it meets it
   outputs back at its log points.
 - It returns a StepOutput whose tensors stay valid until the loop reads them (copy them out
   of buffers that the next call overwrites). `losses` are this rank's unscaled micro-batch
-  losses (a distributed step may return them already averaged over ranks).
+  losses (a distributed step may return every rank's: the loop averages them all).
 - `state_dict()` returns {"meta": JSON-able, "tensors": {name: numpy array}}: the optimizer's
   whole state. Every rank calls it (it may be collective); rank 0's result is written.
 - `load_state_dict(state)` takes what `state_dict()` returned (possibly in another run, with

@@ -1,13 +1,18 @@
 """Distributed steps over blutrain.dist: DDP (DDPStep) and ZeRO stage 1 / 2 (Zero1Step,
-Zero2Step).  Launch ``mpiexec -n 4 blutrain train --step ddp ...`` (or mpirun, or srun); without
-a launcher they run as one rank.
+Zero2Step), chosen by ``--dist ddp|zero1|zero2``.  Launch ``mpirun -n 4 blutrain train --dist
+ddp ...`` (or mpiexec, or srun); without a launcher they run as one rank.
 
 Each rank trains on its own rows of every global batch (the loop's loaders slice by rank), so a
 step consumes world_size x grad_accum x batch_size rows.  Gradients are averaged over ranks
-while backward runs; losses are averaged over ranks before they are returned (every rank sees
-the same numbers and stops together on a non-finite one).  The optimizer state is returned whole
-by ``state_dict()`` (ZeRO gathers its shards on every rank) in AdamW's own format, so a run
-resumes at another world size, or with another step, and bit-exactly at the same one.
+while backward runs.  The step returns every rank's micro-batch losses (one small all-gather, no
+host sync), so the loop's mean is the global batch's mean, computed as a one-rank run with the
+same global batch computes it (every rank sees the same numbers and stops together on a
+non-finite one).  The optimizer state is returned whole by ``state_dict()`` (ZeRO gathers its
+shards on every rank) in AdamW's own format, so a run resumes at another world size, or with
+another step, and bit-exactly at the same one.
+
+Hot path: no zero fill between steps (the next window's first gradient replaces each bucket's
+values: blutrain.dist's Note on buckets), no host sync, the clip coefficient read on the device.
 """
 
 from __future__ import annotations
@@ -92,8 +97,12 @@ class _DistStep(Step):
         from .._tensor import bt
 
         stacked = bt.stack(losses)
-        self.dist.all_reduce(stacked, "avg")  # no host sync: the loop reads it later
-        return [stacked[i] for i in range(n)]
+        world = self.dist.world_size()
+        if world == 1:
+            return [stacked[i] for i in range(n)]
+        every = bt.empty(world * n, dtype=stacked.dtype, device=stacked.device)
+        self.dist.all_gather(every, stacked)  # no host sync: the loop reads it later
+        return [every[i] for i in range(world * n)]
 
     def close(self) -> None:
         pass
@@ -121,7 +130,7 @@ class DDPStep(_DistStep):
         losses = self._micro_batches(batches, self.ddp, self.ddp.no_sync)
         norm, coef = grad_norm_and_clip_coef(self.params, self.config.grad_clip)
         self.optimizer.step(grad_scale=coef)
-        self.optimizer.zero_grad(set_to_none=False)  # .grad stays a view of its bucket
+        # no zero_grad: .grad stays a view of its bucket, overwritten by the next backward
         return StepOutput(losses, norm)
 
     def state_dict(self) -> dict[str, Any]:
