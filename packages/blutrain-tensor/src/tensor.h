@@ -43,6 +43,30 @@ struct ZeroDivisionError : std::domain_error {  // integer // or % by zero
 
 std::string shape_str(const Shape& s);  // "(2, 3)"
 
+// Note [the op the user called]
+// Ops are built from ops: embedding from index_select and reshape, linear from as_rows and a GEMM.
+// An error raised inside names the inner op ("[index_select] index 5 ..."), which the user never
+// called.  A composite front opens an OpScope with its own name; when an error leaves the
+// outermost open scope, that scope records its name, and the Python binding's exception
+// translator rewrites the message's "[inner]" prefix to it (take_error_op()).  Cost on the normal
+// path: a thread-local increment and decrement.
+class OpScope {
+ public:
+  explicit OpScope(const char* op);
+  ~OpScope();
+  OpScope(const OpScope&) = delete;
+  OpScope& operator=(const OpScope&) = delete;
+
+ private:
+  const char* op_;
+  int uncaught_;
+};
+// The op of the outermost OpScope the last error left (then cleared); nullptr when none.
+const char* take_error_op();
+// msg with its leading "[name]" replaced by "[op]" (unchanged when op is null or msg has no
+// bracketed prefix).
+std::string with_op_prefix(const std::string& msg, const char* op);
+
 // ---- device ------------------------------------------------------------------------------
 struct Device {
   enum Type : uint8_t { CPU = 0, CUDA = 1 } type = CPU;
@@ -79,6 +103,12 @@ class Storage {
 
   void* data() const { return data_; }
   size_t nbytes() const { return nbytes_; }
+  // Memory we may not write: a read-only numpy array, bytes, a read-only memmap (a write would
+  // fault or change what the owner promised not to).  In-place ops check it (check_writable).
+  bool read_only() const { return read_only_; }
+  void set_read_only(bool ro) { read_only_ = ro; }
+  // Adopted from a foreign owner (numpy, DLPack): never reused as a kernel's output memory.
+  bool foreign() const { return static_cast<bool>(deleter_); }
   Device device() const { return device_; }
   uint64_t version() const { return version_.load(std::memory_order_relaxed); }
   void bump_version() { version_.fetch_add(1, std::memory_order_relaxed); }
@@ -93,6 +123,7 @@ class Storage {
   size_t nbytes_ = 0;
   Device device_;
   bool from_alloc_ = false;
+  bool read_only_ = false;
   std::function<void()> deleter_;
   std::atomic<uint64_t> version_{0};
 };
@@ -202,6 +233,9 @@ Tensor detach(const Tensor& t);
 // Whether every reference to t's storage is t's impl, or t's view base that only t keeps alive
 // (*via_base says which): nothing but t can reach the memory through another tensor handle.
 bool storage_only_via(const Tensor& t, bool* via_base = nullptr);
+
+// A ValueError naming op when t's memory is read-only (Storage::read_only).
+void check_writable(const Tensor& t, const char* op);
 
 std::string tensor_repr(const Tensor& t);
 

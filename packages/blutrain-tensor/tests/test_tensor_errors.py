@@ -37,7 +37,7 @@ import blutrain.tensor as bt
         (
             lambda: bt.embedding(bt.tensor([7]), bt.ones(5, 2)),
             IndexError,
-            r"^\[index_select\] index 7",
+            r"^\[embedding\] index 7",  # (the op called, not its index_select)
         ),
         (lambda: bt.gather(bt.ones(3, 2), 1, bt.tensor([[2]])), IndexError, r"^\[gather\] index 2"),
         (

@@ -13,6 +13,7 @@ void init_nn_fused(nanobind::module_& m);   // init_nn_fused.cpp: fused norm / l
 void init_attention(nanobind::module_& m);  // init_attention.cpp: flash attention
 void init_optim(nanobind::module_& m);      // init_optim.cpp: multi-tensor AdamW, grad norms
 void init_autocast(nanobind::module_& m);   // init_autocast.cpp: precision policy, recompute
+void init_errors(nanobind::module_& m);     // init_errors.cpp: Note [argument errors]
 
 DType parse_dtype(nanobind::handle h, const char* op);
 Device parse_device(nanobind::handle h, const char* op);

@@ -117,12 +117,12 @@ std::vector<int64_t> parse_dims(nb::handle h, const char* op) {
   return int_list(h, op, "dims");
 }
 
-Tensor import_array(nb::ndarray<> a, const char* op, nb::handle owner);
+Tensor import_array(nb::handle obj, const char* op, nb::handle owner);
 
 // A Python operand: a Tensor, or a scalar with its category (for weak promotion).
 struct Operand {
   Tensor t;
-  Scalar s{0, 0};
+  Scalar s;
   bool is_t = false;
 };
 Operand operand(nb::handle h, const char* op) {
@@ -131,7 +131,7 @@ Operand operand(nb::handle h, const char* op) {
     o.t = nb::cast<Tensor>(h);
     o.is_t = true;
   } else if (PyBool_Check(h.ptr())) {
-    o.s = {h.is(Py_True) ? 1.0 : 0.0, 0};
+    o.s = Scalar::boolean(h.is(Py_True));
   } else if (PyLong_Check(h.ptr())) {
     int overflow = 0;
     const long long v = PyLong_AsLongLongAndOverflow(h.ptr(), &overflow);
@@ -140,16 +140,16 @@ Operand operand(nb::handle h, const char* op) {
                        nb::cast<std::string>(nb::repr(h)) +
                        " does not fit int64; pass it as a float");
     }
-    o.s = {static_cast<double>(v), 1};
+    o.s = Scalar::integer(v);  // exact: no rounding through double
   } else if (PyFloat_Check(h.ptr())) {
-    o.s = {nb::cast<double>(h), 2};
+    o.s = Scalar::floating(PyFloat_AsDouble(h.ptr()));
   } else if (nb::hasattr(h, "dtype") && nb::hasattr(h, "ndim") &&
              nb::cast<int64_t>(h.attr("ndim")) == 0) {  // numpy scalar
     return operand(h.attr("item")(), op);
   } else if (nb::hasattr(h, "__array_interface__")) {  // numpy array: a copy, its dtype kept
     nb::object np = nb::module_::import_("numpy");
     nb::object arr = np.attr("asarray")(h, "order"_a = "C");
-    o.t = clone(import_array(nb::cast<nb::ndarray<>>(arr), op, arr));
+    o.t = clone(import_array(arr, op, arr));
     o.is_t = true;
   } else {
     throw TypeError(std::string("[") + op + "] unsupported operand " +
@@ -164,10 +164,72 @@ Tensor binop(BinaryOp op, const Tensor& a, nb::handle other, bool reflected) {
   return reflected ? binary(op, o.s, a) : binary(op, a, o.s);
 }
 
+// A value written into `like` (copy_, setitem): a tensor, or a scalar that like's dtype must
+// hold (NaN or 300 into an integer / uint8 tensor is a ValueError, not a silent wrap).
 Tensor as_tensor_like(nb::handle h, const Tensor& like, const char* op) {
   Operand o = operand(h, op);
   if (o.is_t) return o.t;
-  return full({}, o.s.v, promote_with_scalar(like.dtype(), o.s.category), like.device());
+  if (!scalar_fits(o.s, like.dtype())) {
+    throw ValueError(std::string("[") + op + "] value " + scalar_str(o.s) + " does not fit " +
+                     dtype_name(like.dtype()));
+  }
+  return full({}, o.s, promote_with_scalar(like.dtype(), o.s.category), like.device(), op);
+}
+
+// A Python number argument (int, float, bool, a numpy scalar, a one-element tensor's item()),
+// exact for ints; anything else is a TypeError naming op and what.
+Scalar number_arg(nb::handle h, const char* op, const char* what) {
+  if (is_tensor(h)) {
+    const Tensor& t = nb::cast<const Tensor&>(h);
+    if (t.numel() != 1) {
+      throw TypeError(std::string("[") + op + "] " + what + " must be a number, got a Tensor of " +
+                      "shape " + shape_str(t.shape()));
+    }
+    return number_arg(nb::cast(t).attr("item")(), op, what);
+  }
+  Operand o;
+  try {
+    o = operand(h, op);
+  } catch (const TypeError&) {
+    throw TypeError(std::string("[") + op + "] " + what + " must be a number, got " +
+                    nb::cast<std::string>(nb::repr(h)) + " (" +
+                    nb::type_name(h.type()).c_str() + ")");
+  }
+  if (o.is_t) {
+    throw TypeError(std::string("[") + op + "] " + what + " must be a number, got an array");
+  }
+  return o.s;
+}
+
+// fill_'s value: a number self's dtype holds, or a one-element tensor (PyTorch's 0-d form).
+Tensor fill_value(nb::handle v, const Tensor& self, const char* op) {
+  if (is_tensor(v)) {
+    const Tensor& t = nb::cast<const Tensor&>(v);
+    if (t.ndim() != 0) {
+      throw ValueError(std::string("[") + op + "] value must be a number or a 0-d tensor, got a " +
+                       "tensor of shape " + shape_str(t.shape()));
+    }
+    return t;
+  }
+  return full({}, number_arg(v, op, "value"), self.dtype(), self.device(), op);
+}
+
+// masked_fill's value: a number x's dtype holds, or a 0-d tensor (differentiable: a where).
+Tensor masked_fill_value(const Tensor& x, const Tensor& mask, nb::handle v, const char* op) {
+  if (!is_tensor(v)) return masked_fill(x, mask, number_arg(v, op, "value"));
+  const Tensor& t = nb::cast<const Tensor&>(v);
+  if (t.ndim() != 0) {
+    throw ValueError(std::string("[") + op + "] value must be a number or a 0-d tensor, got a " +
+                     "tensor of shape " + shape_str(t.shape()));
+  }
+  if (mask.dtype() != DType::Bool) {
+    throw TypeError(std::string("[") + op + "] mask must be bool, got " + dtype_name(mask.dtype()));
+  }
+  if (broadcast_shapes(x.shape(), mask.shape(), op) != x.shape()) {
+    throw ValueError(std::string("[") + op + "] mask of shape " + shape_str(mask.shape()) +
+                     " does not broadcast to the input's shape " + shape_str(x.shape()));
+  }
+  return where(mask, astype(t, x.dtype()), x);
 }
 
 // ---- numpy / DLPack ------------------------------------------------------------------------
@@ -226,12 +288,38 @@ nb::object export_array(const Tensor& t, const char* op) {
     throw RuntimeError(std::string("[") + op + "] tensor is symbolic (captured): it has no data");
   std::vector<size_t> shape(t.shape().begin(), t.shape().end());
   const int dev_type = t.device().is_cuda() ? nb::device::cuda::value : nb::device::cpu::value;
+  if (t.storage()->read_only()) {  // what could not be written here cannot be written there
+    nb::ndarray<Framework, nb::ro> arr(t.data_ptr(op), shape.size(), shape.data(),
+                                       storage_owner(t), t.strides().data(), to_dl(t.dtype()),
+                                       dev_type, t.device().index);
+    return arr.cast();
+  }
   nb::ndarray<Framework> arr(t.data_ptr(op), shape.size(), shape.data(), storage_owner(t),
                              t.strides().data(), to_dl(t.dtype()), dev_type, t.device().index);
   return arr.cast();
 }
 
-Tensor import_array(nb::ndarray<> a, const char* op, nb::handle owner) {
+// obj (a numpy array, a DLPack producer, a buffer such as bytes) as a tensor sharing its memory;
+// a read-only source gives a read-only tensor (Storage::read_only).  Not an array, or an element
+// type we lack: a TypeError naming op (not nanobind's bare std::bad_cast).
+Tensor import_array(nb::handle obj, const char* op, nb::handle owner) {
+  nb::ndarray<> a;
+  bool read_only = false;
+  if (!nb::try_cast(obj, a, false)) {
+    nb::ndarray<nb::ro> r;
+    if (!nb::try_cast(obj, r, false)) {
+      std::string what = nb::type_name(obj.type()).c_str();
+      if (nb::hasattr(obj, "dtype")) {
+        nb::object dt = obj.attr("dtype");
+        what += " of dtype " + nb::cast<std::string>(nb::str(nb::handle(dt)));  // (str(), no cast)
+      }
+      throw TypeError(std::string("[") + op + "] cannot import a " + what +
+                      ": expected an array with __dlpack__ or the buffer protocol, of dtype bool, "
+                      "uint8, int32, int64, float16, bfloat16, float32 or float64");
+    }
+    a = nb::ndarray<>(r.handle());
+    read_only = true;
+  }
   const DType dt = from_dl(a.dtype(), op);
   Device dev;
   if (a.device_type() == nb::device::cuda::value) {
@@ -262,6 +350,7 @@ Tensor import_array(nb::ndarray<> a, const char* op, nb::handle owner) {
     nb::gil_scoped_acquire gil;
     delete holder;
   });
+  storage->set_read_only(read_only);
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = storage;
   impl->shape = shape;
@@ -284,6 +373,7 @@ Tensor index_tensor_from(nb::handle h, Device dev) {
                      ")");
   }
   std::string kind = nb::cast<std::string>(arr.attr("dtype").attr("kind"));
+  if (nb::cast<int64_t>(arr.attr("size")) == 0 && kind != "b") kind = "i";  // [] selects nothing
   if (kind == "b") {
     arr = arr.attr("astype")("bool");
   } else if (kind == "i" || kind == "u") {
@@ -292,7 +382,7 @@ Tensor index_tensor_from(nb::handle h, Device dev) {
     throw IndexError("[getitem] index lists must hold ints or bools");
   }
   arr = np.attr("asarray")(arr, "order"_a = "C");
-  Tensor t = import_array(nb::cast<nb::ndarray<>>(arr), "getitem", arr);
+  Tensor t = import_array(arr, "getitem", arr);
   return dev.is_cuda() ? to_device(t, dev) : clone(t);
 }
 
@@ -300,7 +390,14 @@ Tensor index_tensor_from(nb::handle h, Device dev) {
 // (dim of t, int64 index) pairs.  The index tensors broadcast together to shape S; the result
 // has S in place of the indexed dims when they are adjacent, else S first.  One index_select over
 // the indexed dims flattened (a linear index) does the gather, so autograd needs nothing new.
-Tensor advanced_index(const Tensor& t, const std::vector<std::pair<int64_t, Tensor>>& adv) {
+Tensor advanced_index(const Tensor& t_in, const std::vector<std::pair<int64_t, Tensor>>& adv) {
+  // An indexed dim that is expanded (stride 0) holds one value: after the range check below its
+  // index may as well be 0 into a size-1 dim.  Otherwise flattening the indexed dims of a huge
+  // expanded view (ones(1, 1).expand(3, 2**40)[i, j]) would copy the whole view.
+  Tensor t = t_in;
+  for (const auto& [dim, ix] : adv) {
+    if (t.strides()[dim] == 0 && t.shape()[dim] > 1) t = narrow(t, dim, 0, 1);
+  }
   Shape bs;
   for (const auto& [dim, ix] : adv) bs = broadcast_shapes(bs, ix.shape(), "getitem");
   std::vector<int64_t> perm;
@@ -309,8 +406,9 @@ Tensor advanced_index(const Tensor& t, const std::vector<std::pair<int64_t, Tens
   Tensor lin;
   for (const auto& [dim, ix] : adv) {
     perm.push_back(dim);
-    const int64_t n = t.shape()[dim];
-    total *= n;
+    const int64_t n = t_in.shape()[dim];  // (the range the index is checked against)
+    const bool squeezed = t.shape()[dim] != n;
+    total *= t.shape()[dim];
     Tensor ik = astype(ix, DType::Int64);
     ik = where(binary(BinaryOp::Lt, ik, Scalar{0, 1}),
                binary(BinaryOp::Add, ik, Scalar{double(n), 1}), ik);
@@ -329,9 +427,12 @@ Tensor advanced_index(const Tensor& t, const std::vector<std::pair<int64_t, Tens
       // device-side check raises IndexError at the next synchronisation instead of aliasing
       Tensor bad = binary(BinaryOp::Or, binary(BinaryOp::Lt, ik, Scalar{0, 1}),
                           binary(BinaryOp::Ge, ik, Scalar{double(n), 1}));
+      if (squeezed) ik = binary(BinaryOp::Mul, ik, Scalar{0, 1});
       ik = where(unary(UnaryOp::LogicalNot, bad), ik, Scalar{double(int64_t{1} << 62), 1});
     }
-    lin = lin.defined() ? add(binary(BinaryOp::Mul, lin, Scalar{double(n), 1}), ik) : ik;
+    if (squeezed && !ik.device().is_cuda()) ik = binary(BinaryOp::Mul, ik, Scalar{0, 1});
+    const int64_t m = t.shape()[dim];
+    lin = lin.defined() ? add(binary(BinaryOp::Mul, lin, Scalar{double(m), 1}), ik) : ik;
   }
   for (int64_t d = 0; d < t.ndim(); ++d) {
     if (std::find(perm.begin(), perm.end(), d) == perm.end()) {
@@ -364,10 +465,15 @@ Tensor getitem(const Tensor& self, nb::handle idx) {
   } else {
     items.push_back(nb::borrow(idx));
   }
-  // Boolean mask over the whole tensor.
+  // A boolean mask (a tensor, a list or numpy array of bools) alone: x[mask].
   if (items.size() == 1 && is_tensor(items[0]) &&
       nb::cast<Tensor>(items[0]).dtype() == DType::Bool) {
     return masked_select_bool(self, nb::cast<Tensor>(items[0]));
+  }
+  if (items.size() == 1 && !is_tensor(items[0]) &&
+      (PyList_Check(items[0].ptr()) || nb::hasattr(items[0], "__array_interface__"))) {
+    Tensor ix = index_tensor_from(items[0], self.device());
+    if (ix.dtype() == DType::Bool) return masked_select_bool(self, ix);
   }
   int64_t consuming = 0;
   bool ellipsis = false, any_advanced = false;
@@ -466,6 +572,7 @@ Tensor getitem(const Tensor& self, nb::handle idx) {
 // index_add and pick it with where, so gradients reach both value and the untouched part of
 // self, and a capture sees self renamed.  Repeated positions add up (PyTorch keeps one).
 void setitem(Tensor& self, nb::handle idx, nb::handle value) {
+  OpScope scope("setitem");  // (errors of the copy_ and getitem it runs name setitem)
   Tensor src = as_tensor_like(value, self, "setitem");
   const bool track = grad_enabled() && (self.requires_grad() || src.requires_grad());
   Tensor v;
@@ -669,19 +776,26 @@ NB_MODULE(_tensor, m) {
   m.def("cuda_built", &backend::cuda_built, "Whether this build has the CUDA backend.");
   m.def("cuda_device_count", &backend::cuda_device_count, "Number of usable CUDA devices.");
 
+  // Messages name the op the user called (Note [the op the user called], tensor.h).
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    const char* op = take_error_op();
+    auto set = [op](PyObject* type, const char* what) {
+      PyErr_SetString(type, with_op_prefix(what, op).c_str());
+    };
     try {
       std::rethrow_exception(p);
     } catch (const bt::TypeError& e) {
-      PyErr_SetString(PyExc_TypeError, e.what());
+      set(PyExc_TypeError, e.what());
     } catch (const bt::IndexError& e) {
-      PyErr_SetString(PyExc_IndexError, e.what());
+      set(PyExc_IndexError, e.what());
     } catch (const bt::NotImplementedError& e) {
-      PyErr_SetString(PyExc_NotImplementedError, e.what());
+      set(PyExc_NotImplementedError, e.what());
     } catch (const bt::ValueError& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
+      set(PyExc_ValueError, e.what());
     } catch (const bt::ZeroDivisionError& e) {
-      PyErr_SetString(PyExc_ZeroDivisionError, e.what());
+      set(PyExc_ZeroDivisionError, e.what());
+    } catch (const bt::RuntimeError& e) {
+      set(PyExc_RuntimeError, e.what());
     }
   });
 
@@ -799,6 +913,7 @@ NB_MODULE(_tensor, m) {
                           " on " + g->device().str() + "; expected a floating tensor on " +
                           t.device().str());
         }
+        if (g) check_writable(*g, "grad");  // backward accumulates into it in place
         t.impl()->grad = g ? g->impl_ptr() : nullptr;
       },
       nb::arg("value").none(), "The accumulated gradient (leaves, or after retain_grad()).");
@@ -849,6 +964,11 @@ NB_MODULE(_tensor, m) {
         // A no-framework ndarray casts to a DLPack capsule ("dltensor"); consumers that ask for a
         // versioned capsule (max_version) accept the legacy one.
         (void)kw;
+        if (t.storage() && t.storage()->read_only()) {  // (as numpy: the legacy capsule has no flag)
+          throw nb::buffer_error(
+              "[__dlpack__] the tensor is read-only (it shares a read-only buffer) and a DLPack "
+              "consumer could write it; clone() it first");
+        }
         return export_array<nb::no_framework>(t, "__dlpack__");
       },
       "kw"_a, "DLPack export (zero-copy).");
@@ -882,10 +1002,13 @@ NB_MODULE(_tensor, m) {
       "The value of a one-element tensor as a Python number.");
 
   // indexing
-  T.def("__getitem__", [](const Tensor& t, nb::handle idx) { return getitem(t, idx); }, "index"_a);
+  // (.none(): t[None] is a valid index, which nanobind would otherwise refuse)
   T.def(
-      "__setitem__", [](Tensor& t, nb::handle idx, nb::handle v) { setitem(t, idx, v); }, "index"_a,
-      "value"_a);
+      "__getitem__", [](const Tensor& t, nb::handle idx) { return getitem(t, idx); },
+      nb::arg("index").none());
+  T.def(
+      "__setitem__", [](Tensor& t, nb::handle idx, nb::handle v) { setitem(t, idx, v); },
+      nb::arg("index").none(), "value"_a);
 
   // operators
 #define BT_BINOP(py, op, refl)                                                           \
@@ -912,8 +1035,6 @@ NB_MODULE(_tensor, m) {
   BT_BINOP("__le__", Le, false)
   BT_BINOP("__gt__", Gt, false)
   BT_BINOP("__ge__", Ge, false)
-  BT_BINOP("__and__", And, false)
-  BT_BINOP("__or__", Or, false)
   BT_BINOP("add", Add, false)
   BT_BINOP("sub", Sub, false)
   BT_BINOP("mul", Mul, false)
@@ -932,6 +1053,37 @@ NB_MODULE(_tensor, m) {
   BT_BINOP("logical_and", And, false)
   BT_BINOP("logical_or", Or, false)
 #undef BT_BINOP
+  // & and | on bool tensors only: PyTorch's are bitwise on integers, which bt does not have, so
+  // an integer operand raises rather than silently meaning logical and / or.
+  auto bool_binop = [&T](const char* py, BinaryOp op, bool reflected) {
+    T.def(
+        py,
+        [op, reflected](const Tensor& a, nb::handle b) {
+          const char* nm = op == BinaryOp::And ? "and" : "or";
+          const bool b_bool = PyBool_Check(b.ptr()) ||
+                              (is_tensor(b) && nb::cast<const Tensor&>(b).dtype() == DType::Bool);
+          if (!is_tensor(b) && !PyBool_Check(b.ptr()) && !PyLong_Check(b.ptr())) {
+            throw TypeError(std::string("[") + nm + "] unsupported operand " +
+                            nb::cast<std::string>(nb::repr(b)) +
+                            " (expected a bool Tensor or bool)");
+          }
+          if (a.dtype() != DType::Bool || !b_bool) {
+            throw TypeError(std::string("[") + nm + "] " + (op == BinaryOp::And ? "&" : "|") +
+                            " needs bool operands, got " + dtype_name(a.dtype()) + " and " +
+                            (is_tensor(b) ? dtype_name(nb::cast<const Tensor&>(b).dtype())
+                                          : nb::type_name(b.type()).c_str()) +
+                            " (PyTorch's is bitwise on integers, which bt does not have; use "
+                            "logical_and / logical_or, or compare first)");
+          }
+          return binop(op, a, b, reflected);
+        },
+        "other"_a,
+        nb::sig((std::string("def ") + py + "(self, other: Tensor | bool) -> Tensor").c_str()));
+  };
+  bool_binop("__and__", BinaryOp::And, false);
+  bool_binop("__rand__", BinaryOp::And, true);
+  bool_binop("__or__", BinaryOp::Or, false);
+  bool_binop("__ror__", BinaryOp::Or, true);
   T.def("__hash__", [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.impl()); });
   T.def("__matmul__", [](const Tensor& a, const Tensor& b) { return matmul(a, b); }, "other"_a);
   T.def("__neg__", [](const Tensor& a) { return neg(a); });
@@ -1002,11 +1154,11 @@ NB_MODULE(_tensor, m) {
   });
   T.def(
       "fill_",
-      [](Tensor& a, double v) -> Tensor {
-        inplace(a, full({}, v, a.dtype(), a.device()), "fill_");
+      [](Tensor& a, nb::handle v) -> Tensor {
+        inplace(a, fill_value(v, a, "fill_"), "fill_");
         return a;
       },
-      "value"_a);
+      "value"_a, nb::sig("def fill_(self, value: Tensor | float | int | bool) -> Tensor"));
   T.def(
       "copy_",
       [](Tensor& a, nb::handle src) -> Tensor {
@@ -1016,15 +1168,23 @@ NB_MODULE(_tensor, m) {
       "src"_a, "Copies src (broadcast, cast) into this tensor.");
   T.def(
       "masked_fill",
-      [](const Tensor& a, const Tensor& m, double v) { return masked_fill(a, m, v); }, "mask"_a,
-      "value"_a);
+      [](const Tensor& a, const Tensor& m, nb::handle v) {
+        return masked_fill_value(a, m, v, "masked_fill");
+      },
+      "mask"_a, "value"_a,
+      nb::sig("def masked_fill(self, mask: Tensor, value: Tensor | float | int | bool) -> Tensor"),
+      "self with value where mask (bool, broadcast to self's shape) is True.  value: a number "
+      "the dtype holds, or a 0-d tensor (differentiable).");
   T.def(
       "masked_fill_",
-      [](Tensor& a, const Tensor& m, double v) -> Tensor {
-        inplace(a, masked_fill(inplace_self(a, nb::handle()), m, v), "masked_fill_");
+      [](Tensor& a, const Tensor& m, nb::handle v) -> Tensor {
+        inplace(a, masked_fill_value(inplace_self(a, nb::handle()), m, v, "masked_fill_"),
+                "masked_fill_");
         return a;
       },
-      "mask"_a, "value"_a);
+      "mask"_a, "value"_a,
+      nb::sig("def masked_fill_(self, mask: Tensor, value: Tensor | float | int | bool) -> "
+              "Tensor"));
 
   // reductions
 #define BT_RED(py, op)                                                \
@@ -1223,7 +1383,11 @@ NB_MODULE(_tensor, m) {
                              .value_or(o.s.category == 2   ? DType::Float32
                                        : o.s.category == 1 ? DType::Int64
                                                            : DType::Bool);
-        Tensor t = full(parse_shape(nb::make_tuple(shape), "full"), o.s.v, dt,
+        if (o.is_t) {
+          throw TypeError("[full] fill_value must be a number, got a Tensor (use .item(), or "
+                          "full_like / expand)");
+        }
+        Tensor t = full(parse_shape(nb::make_tuple(shape), "full"), o.s, dt,
                         parse_device(device, "full"));
         if (rg) set_requires_grad(t, true);
         return t;
@@ -1233,12 +1397,16 @@ NB_MODULE(_tensor, m) {
       "A tensor filled with fill_value (dtype from the value when not given).");
   m.def(
       "_arange",
-      [](double start, double end, double step, nb::handle dtype, nb::handle device) {
-        return arange(start, end, step, parse_dtype(dtype, "arange"),
-                      parse_device(device, "arange"));
+      [](nb::handle start, nb::handle end, nb::handle step, nb::handle dtype, nb::handle device) {
+        const Scalar a = number_arg(start, "arange", "start"), b = number_arg(end, "arange", "end"),
+                     c = number_arg(step, "arange", "step");
+        const bool ints = a.integral() && b.integral() && c.integral();
+        const DType dt =
+            opt_dtype(dtype, "arange").value_or(ints ? DType::Int64 : DType::Float32);
+        return arange(a, b, c, dt, parse_device(device, "arange"));
       },
-      "start"_a, "end"_a, "step"_a, "dtype"_a, "device"_a = nb::none(),
-      "arange with an explicit dtype.");
+      "start"_a, "end"_a, "step"_a, "dtype"_a = nb::none(), "device"_a = nb::none(),
+      "arange from Python numbers (ints stay exact); int64 when all are ints, else float32.");
   m.def(
       "rand",
       [](nb::args shape, nb::handle dtype, nb::handle device, bool rg) {
@@ -1286,17 +1454,12 @@ NB_MODULE(_tensor, m) {
 
   m.def(
       "_from_numpy",
-      [](nb::ndarray<nb::ro> a, nb::handle owner) {
-        return import_array(nb::ndarray<>(a.handle()), "from_numpy", owner);
-      },
+      [](nb::handle a, nb::handle owner) { return import_array(a, "from_numpy", owner); },
       "array"_a, "owner"_a = nb::none(),
       "Zero-copy view of a numpy array (or anything with DLPack).");
   m.def(
       "from_dlpack",
-      [](nb::handle obj) {
-        nb::ndarray<> a = nb::cast<nb::ndarray<>>(obj);
-        return import_array(a, "from_dlpack", obj);
-      },
+      [](nb::handle obj) { return import_array(obj, "from_dlpack", obj); },
       "obj"_a, "Zero-copy import of an object with __dlpack__ (or the buffer protocol).");
 
   m.def("astype", &astype, "x"_a, "dtype"_a);
@@ -1346,12 +1509,16 @@ NB_MODULE(_tensor, m) {
         Operand oa = operand(a, "where"), ob = operand(b, "where");
         if (oa.is_t && ob.is_t) return where(c, oa.t, ob.t);
         if (oa.is_t) return where(c, oa.t, ob.s);
-        if (ob.is_t)
-          return where(
-              c, full({}, oa.s.v, promote_with_scalar(ob.t.dtype(), oa.s.category), c.device()),
-              ob.t);
-        const DType dt = (oa.s.category == 2 || ob.s.category == 2) ? DType::Float32 : DType::Int64;
-        return where(c, full({}, oa.s.v, dt, c.device()), full({}, ob.s.v, dt, c.device()));
+        if (ob.is_t) {
+          return where(c,
+                       full({}, oa.s, promote_with_scalar(ob.t.dtype(), oa.s.category),
+                            c.device(), "where"),
+                       ob.t);
+        }
+        const int cat = std::max(oa.s.category, ob.s.category);
+        const DType dt = cat == 2 ? DType::Float32 : cat == 1 ? DType::Int64 : DType::Bool;
+        return where(c, full({}, oa.s, dt, c.device(), "where"),
+                     full({}, ob.s, dt, c.device(), "where"));
       },
       "condition"_a, "input"_a, "other"_a,
       "Elementwise select: input where condition, else other.");
@@ -1526,4 +1693,5 @@ NB_MODULE(_tensor, m) {
   bt::python::init_attention(m);
   bt::python::init_optim(m);
   bt::python::init_autocast(m);
+  bt::python::init_errors(m);
 }

@@ -23,7 +23,13 @@ from typing import Any
 import numpy as np
 
 from . import _tensor as _C
-from ._tensor import (
+
+# A refused call raises "[op] argument 'x' must be ..." (Note [argument errors], init_errors.cpp).
+# First of all: chaining an overload replaces each function object, so names are bound after.
+for _scope in (_C, _C.Tensor, _C.Graph, _C.Node):
+    _C._install_argument_errors(_scope)
+
+from ._tensor import (  # noqa: E402
     ABI_VERSION,
     Graph,
     Node,
@@ -176,13 +182,15 @@ def arange(
     device: str | None = None,
     requires_grad: bool = False,
 ) -> Tensor:
-    """Values from start (inclusive) to end (exclusive); int64 when all arguments are ints."""
+    """Values from start (inclusive) to end (exclusive); int64 when all arguments are ints.
+
+    Integer arguments are exact at any size (no rounding through double); every value must fit
+    the dtype (an int32 or uint8 range that would wrap is a ValueError), and start, end and step
+    must be finite.
+    """
     if end is None:
         start, end = 0, start
-    if dtype is None:
-        ints = all(isinstance(v, builtins.int) for v in (start, end, step))
-        dtype = int64 if ints else float32
-    t = _C._arange(builtins.float(start), builtins.float(end), builtins.float(step), dtype, device)
+    t = _C._arange(start, end, step, dtype, device)
     if requires_grad:
         t.requires_grad_(True)
     return t
