@@ -98,6 +98,7 @@ static void check_scalar_fits(const Scalar& s, DType dt, const char* op, const c
 }
 
 Tensor full(const Shape& shape, Scalar value, DType dtype, Device device, const char* op) {
+  OpScope scope(op);  // Note [the op the user called]
   check_device(device, op);
   checked_numel(shape, op, itemsize(dtype));
   check_scalar_fits(value, dtype, op, "value");
@@ -121,6 +122,7 @@ Tensor empty(const Shape& shape, DType dtype, Device device) {
 // is not rounded through double); otherwise the values are start + i * step in double.  Every
 // value must fit the dtype (no silent wrap-around into int32 / uint8).
 Tensor arange(Scalar start, Scalar stop, Scalar step, DType dtype, Device device) {
+  OpScope scope("arange");
   const char* op = "arange";
   check_device(device, op);
   if (dtype == DType::Bool) throw TypeError("[arange] dtype bool is not supported");
@@ -241,16 +243,19 @@ static Tensor random_op(RandKind k, const Shape& shape, DType dtype, Device devi
 }
 
 Tensor rand(const Shape& shape, DType dtype, Device device) {
+  OpScope scope("rand");
   if (!is_floating(dtype))
     throw TypeError("[rand] dtype must be floating, got " + std::string(dtype_name(dtype)));
   return random_op(RandKind::Uniform, shape, dtype, device, 0, 1, "rand");
 }
 Tensor randn(const Shape& shape, DType dtype, Device device) {
+  OpScope scope("randn");
   if (!is_floating(dtype))
     throw TypeError("[randn] dtype must be floating, got " + std::string(dtype_name(dtype)));
   return random_op(RandKind::Normal, shape, dtype, device, 0, 1, "randn");
 }
 Tensor randint(int64_t low, int64_t high, const Shape& shape, DType dtype, Device device) {
+  OpScope scope("randint");
   if (high <= low) {
     throw ValueError("[randint] high (" + std::to_string(high) + ") must be greater than low (" +
                      std::to_string(low) + ")");
@@ -321,6 +326,7 @@ void set_cast_cache_enabled(bool enabled) { g_cast_cache_enabled.store(enabled);
 bool cast_cache_enabled() { return g_cast_cache_enabled.load(); }
 
 Tensor cached_astype(const Tensor& x, DType dtype) {
+  OpScope scope("cached_astype");
   check_defined(x, "cached_astype");
   if (x.dtype() == dtype) return x;
   if (!cast_cache_enabled() || !is_floating(x.dtype()) || !is_floating(dtype) || x.is_symbolic() ||
@@ -368,6 +374,7 @@ int64_t cast_cache_bytes(const Tensor& x) {
 }
 
 Tensor to_device(const Tensor& x, Device device) {
+  OpScope scope("to");
   if (x.device() == device) return x;
   check_device(device, "to");
   check_device(x.device(), "to");
@@ -438,6 +445,7 @@ Tensor as_rows(const Tensor& x) {
 }
 
 Tensor reshape(const Tensor& x, Shape shape) {
+  OpScope scope("reshape");
   check_defined(x, "reshape");
   shape = infer_shape(std::move(shape), x.numel(), x.shape(), "reshape");
   if (shape == x.shape()) return x;
@@ -446,6 +454,7 @@ Tensor reshape(const Tensor& x, Shape shape) {
 }
 
 Tensor view(const Tensor& x, Shape shape) {
+  OpScope scope("view");
   shape = infer_shape(std::move(shape), x.numel(), x.shape(), "view");
   if (!view_strides(x.shape(), x.strides(), shape)) {
     throw RuntimeError("[view] a tensor of shape " + shape_str(x.shape()) + " and strides " +
@@ -456,6 +465,7 @@ Tensor view(const Tensor& x, Shape shape) {
 }
 
 Tensor flatten(const Tensor& x, int64_t start, int64_t end) {
+  OpScope scope("flatten");
   if (x.ndim() == 0) {  // dims -1 and 0 name a 0-d tensor's one "dim" (as PyTorch)
     wrap_dim(start, 0, "flatten");
     wrap_dim(end, 0, "flatten");
@@ -463,7 +473,10 @@ Tensor flatten(const Tensor& x, int64_t start, int64_t end) {
   }
   start = wrap_dim(start, x.ndim(), "flatten");
   end = wrap_dim(end, x.ndim(), "flatten");
-  if (start > end) throw ValueError("[flatten] start_dim must not be after end_dim");
+  if (start > end) {
+    throw ValueError("[flatten] start_dim " + std::to_string(start) + " is after end_dim " +
+                     std::to_string(end) + " (of " + std::to_string(x.ndim()) + " dims)");
+  }
   Shape s(x.shape().begin(), x.shape().begin() + start);
   int64_t m = 1;
   for (int64_t d = start; d <= end; ++d) m *= x.shape()[d];
@@ -473,6 +486,7 @@ Tensor flatten(const Tensor& x, int64_t start, int64_t end) {
 }
 
 Tensor permute(const Tensor& x, std::vector<int64_t> perm) {
+  OpScope scope("permute");
   if (static_cast<int64_t>(perm.size()) != x.ndim()) {
     throw ValueError("[permute] got " + std::to_string(perm.size()) + " dims for a tensor of " +
                      std::to_string(x.ndim()) + " dims");
@@ -489,6 +503,7 @@ Tensor permute(const Tensor& x, std::vector<int64_t> perm) {
 }
 
 Tensor transpose(const Tensor& x, int64_t d0, int64_t d1) {
+  OpScope scope("transpose");
   d0 = wrap_dim(d0, x.ndim(), "transpose");
   d1 = wrap_dim(d1, x.ndim(), "transpose");
   if (d0 == d1) return x;  // also a 0-d tensor's (0, -1)
@@ -499,6 +514,7 @@ Tensor transpose(const Tensor& x, int64_t d0, int64_t d1) {
 }
 
 Tensor expand(const Tensor& x, const Shape& shape_in) {
+  OpScope scope("expand");
   if (static_cast<int64_t>(shape_in.size()) < x.ndim()) {
     throw ValueError("[expand] cannot expand a tensor of shape " + shape_str(x.shape()) + " to " +
                      shape_str(shape_in) + " (fewer dims)");
@@ -540,6 +556,7 @@ Tensor slice(const Tensor& x, int64_t dim, std::optional<int64_t> start_o,
 }
 
 Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
+  OpScope scope("narrow");
   dim = wrap_shape_dim(dim, x.ndim(), "narrow");
   const int64_t n = x.shape()[dim];
   const int64_t given = start;
@@ -554,6 +571,7 @@ Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
 }
 
 Tensor select(const Tensor& x, int64_t dim, int64_t index) {
+  OpScope scope("select");
   if (x.ndim() == 0) throw IndexError("[select] cannot index a 0-d tensor");
   dim = wrap_dim(dim, x.ndim(), "select");
   const int64_t n = x.shape()[dim];
@@ -568,6 +586,7 @@ Tensor select(const Tensor& x, int64_t dim, int64_t index) {
 }
 
 std::vector<Tensor> split_sizes(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim) {
+  OpScope scope("split");
   dim = wrap_shape_dim(dim, x.ndim(), "split");
   int64_t total = 0;
   bool over = false;
@@ -593,7 +612,10 @@ std::vector<Tensor> split_sizes(const Tensor& x, const std::vector<int64_t>& siz
 }
 
 std::vector<Tensor> split(const Tensor& x, int64_t size, int64_t dim) {
-  if (size <= 0) throw ValueError("[split] split_size must be positive");
+  OpScope scope("split");
+  if (size <= 0) {
+    throw ValueError("[split] split_size must be positive, got " + std::to_string(size));
+  }
   dim = wrap_shape_dim(dim, x.ndim(), "split");
   std::vector<int64_t> sizes;
   for (int64_t at = 0; at < x.shape()[dim]; at += size) {
@@ -604,6 +626,7 @@ std::vector<Tensor> split(const Tensor& x, int64_t size, int64_t dim) {
 }
 
 std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {
+  OpScope scope("chunk");
   if (chunks <= 0) throw ValueError("[chunk] chunks must be positive");
   dim = wrap_shape_dim(dim, x.ndim(), "chunk");
   const int64_t n = x.shape()[dim];
@@ -611,6 +634,7 @@ std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {
 }
 
 Tensor squeeze(const Tensor& x, std::optional<int64_t> dim) {
+  OpScope scope("squeeze");
   Shape s;
   if (dim) {
     const int64_t d = wrap_dim(*dim, x.ndim(), "squeeze");
@@ -627,6 +651,7 @@ Tensor squeeze(const Tensor& x, std::optional<int64_t> dim) {
 }
 
 Tensor unsqueeze(const Tensor& x, int64_t dim) {
+  OpScope scope("unsqueeze");
   const int64_t d = wrap_dim(dim, x.ndim() + 1, "unsqueeze");
   Shape s = x.shape();
   s.insert(s.begin() + d, 1);
@@ -766,6 +791,7 @@ const char* reduce_name(ReduceOp op) {
 }
 
 Tensor unary(UnaryOp op, const Tensor& x) {
+  OpScope scope(unary_name(op));
   check_defined(x, unary_name(op));
   DType dt = x.dtype();
   switch (op) {
@@ -775,6 +801,10 @@ Tensor unary(UnaryOp op, const Tensor& x) {
       break;
     case UnaryOp::Abs:
     case UnaryOp::Relu:
+      if (dt == DType::Bool) {  // (as PyTorch)
+        throw TypeError(std::string("[") + unary_name(op) + "] is not defined for bool tensors");
+      }
+      break;
     case UnaryOp::Sign:
       break;
     case UnaryOp::LogicalNot:
@@ -794,12 +824,14 @@ Tensor unary(UnaryOp op, const Tensor& x) {
 }
 
 Tensor gelu(const Tensor& x, bool tanh_approx) {
+  OpScope scope("gelu");
   return unary(tanh_approx ? UnaryOp::GeluTanh : UnaryOp::GeluErf, x);
 }
 
 static bool is_compare(BinaryOp op) { return op >= BinaryOp::Eq && op <= BinaryOp::Ge; }
 
 Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
+  OpScope scope(binary_name(op));
   const char* nm = binary_name(op);
   check_defined(a, nm);
   check_defined(b, nm);
@@ -826,18 +858,31 @@ static DType scalar_dtype(BinaryOp, DType t, int cat) {
   return dt;
 }
 
+// The dtype a Python number becomes for op with a tensor: div computes in floating point; a
+// comparison (or logical and / or) with an int the tensor's dtype cannot hold (int32 < 2**40,
+// uint8 == -1) runs in int64: the true answer, not the wrapped value's.  Arithmetic with one
+// raises (full's check).
+static DType compare_dtype(BinaryOp op, DType dt, const Scalar& s) {
+  if (op == BinaryOp::Div) return to_floating(dt);
+  const bool logical = is_compare(op) || op == BinaryOp::And || op == BinaryOp::Or;
+  return logical && s.integral() && !scalar_fits(s, dt) ? DType::Int64 : dt;
+}
+
 Tensor binary(BinaryOp op, const Tensor& a, Scalar b) {
+  OpScope scope(binary_name(op));
   check_defined(a, binary_name(op));
-  DType dt = scalar_dtype(op, a.dtype(), b.category);
+  DType dt = compare_dtype(op, scalar_dtype(op, a.dtype(), b.category), b);
   return binary(op, a, full({}, b, dt, a.device(), binary_name(op)));
 }
 Tensor binary(BinaryOp op, Scalar a, const Tensor& b) {
+  OpScope scope(binary_name(op));
   check_defined(b, binary_name(op));
-  DType dt = scalar_dtype(op, b.dtype(), a.category);
+  DType dt = compare_dtype(op, scalar_dtype(op, b.dtype(), a.category), a);
   return binary(op, full({}, a, dt, b.device(), binary_name(op)), b);
 }
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
+  OpScope scope("where");
   if (cond.dtype() != DType::Bool) {
     throw TypeError(std::string("[where] condition must be bool, got ") + dtype_name(cond.dtype()));
   }
@@ -850,11 +895,13 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
                 s, dt, a.device());
 }
 Tensor where(const Tensor& cond, const Tensor& a, Scalar b) {
+  OpScope scope("where");
   return where(cond, a,
                full({}, b, promote_with_scalar(a.dtype(), b.category), a.device(), "where"));
 }
 
 Tensor masked_fill(const Tensor& x, const Tensor& mask, Scalar value) {
+  OpScope scope("masked_fill");
   check_scalar_fits(value, x.dtype(), "masked_fill", "value");
   if (mask.dtype() != DType::Bool) {
     throw TypeError(std::string("[masked_fill] mask must be bool, got ") +
@@ -955,10 +1002,11 @@ static Tensor& inplace_view(Tensor& x, const Tensor& result, const char* op) {
 }
 
 Tensor& inplace(Tensor& x, const Tensor& result, const char* op) {
+  OpScope scope(op);
   check_defined(x, op);
   check_writable(x, op);
-  for (int64_t d = 0; d < x.ndim(); ++d) {  // an expand()ed view: one element per several places
-    if (x.strides()[d] == 0 && x.shape()[d] > 1) {
+  for (int64_t d = 0; d < x.ndim() && x.numel() > 0; ++d) {  // an expand()ed view: one element
+    if (x.strides()[d] == 0 && x.shape()[d] > 1) {                // per several places
       throw RuntimeError(std::string("[") + op + "] the tensor of shape " + shape_str(x.shape()) +
                          " has elements that share memory (dim " + std::to_string(d) +
                          " has stride 0, as after expand()); clone() it " +
@@ -1016,6 +1064,7 @@ Tensor& inplace(Tensor& x, const Tensor& result, const char* op) {
 }
 
 Tensor& copy_(Tensor& dst, const Tensor& src) {
+  OpScope scope("copy_");
   // Across devices too (as PyTorch): the source moves first, then casts on the destination.
   Tensor s = src.device() == dst.device() ? src : to_device(src, dst.device());
   return inplace(dst, astype(s, dst.dtype()), "copy_");
@@ -1024,6 +1073,7 @@ Tensor& copy_(Tensor& dst, const Tensor& src) {
 // ---- reductions ----------------------------------------------------------------------------
 Tensor reduce(ReduceOp op, const Tensor& x, std::vector<int64_t> dims, bool keepdim,
               double correction) {
+  OpScope scope(reduce_name(op));
   const char* nm = reduce_name(op);
   check_defined(x, nm);
   if (dims.empty()) {
@@ -1042,7 +1092,8 @@ Tensor reduce(ReduceOp op, const Tensor& x, std::vector<int64_t> dims, bool keep
     if (red) {
       ++j;
       if ((op == ReduceOp::Max || op == ReduceOp::Min) && x.shape()[d] == 0) {
-        throw ValueError(std::string("[") + nm + "] cannot reduce over a zero-size dim");
+        throw ValueError(std::string("[") + nm + "] cannot reduce over dim " + std::to_string(d) +
+                         " of size 0 (shape " + shape_str(x.shape()) + ")");
       }
       if (keepdim) out.push_back(1);
     } else {
@@ -1060,17 +1111,27 @@ Tensor reduce(ReduceOp op, const Tensor& x, std::vector<int64_t> dims, bool keep
 }
 
 Tensor argreduce(bool is_max, const Tensor& x, std::optional<int64_t> dim, bool keepdim) {
+  OpScope scope(is_max ? "argmax" : "argmin");
   const char* nm = is_max ? "argmax" : "argmin";
+  check_defined(x, nm);
+  if (x.dtype() == DType::Bool) {  // (as PyTorch)
+    throw TypeError(std::string("[") + nm + "] is not defined for bool tensors; cast it first");
+  }
   if (!dim) {
-    if (x.numel() == 0) throw ValueError(std::string("[") + nm + "] got an empty tensor");
+    if (x.numel() == 0) {
+      throw ValueError(std::string("[") + nm + "] got an empty tensor (shape " +
+                       shape_str(x.shape()) + "): give a dim of nonzero size");
+    }
     Tensor f = reshape(x, {-1});
     Tensor r = argreduce(is_max, f, 0, false);
     return keepdim ? reshape(r, Shape(x.ndim(), 1)) : r;
   }
   const int64_t d = wrap_dim(*dim, x.ndim(), nm);  // a 0-d tensor takes -1 or 0
   if (x.ndim() == 0) return zeros({}, DType::Int64, x.device());
-  if (x.shape()[d] == 0)
-    throw ValueError(std::string("[") + nm + "] cannot reduce a zero-size dim");
+  if (x.shape()[d] == 0) {
+    throw ValueError(std::string("[") + nm + "] cannot reduce over dim " + std::to_string(d) +
+                     " of size 0 (shape " + shape_str(x.shape()) + ")");
+  }
   Shape s = x.shape();
   if (keepdim) {
     s[d] = 1;
@@ -1089,6 +1150,7 @@ static void check_index_tensor(const Tensor& idx, const char* op) {
 }
 
 static Tensor index_select_op(const Tensor& x, int64_t dim, const Tensor& index, bool embedding) {
+  OpScope scope(embedding ? "embedding" : "index_select");
   const char* op = embedding ? "embedding" : "index_select";
   check_defined(x, op);
   check_defined(index, op);
@@ -1110,6 +1172,7 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
 
 Tensor index_add(const Tensor& base, int64_t dim, const Tensor& index, const Tensor& src,
                  bool over_base) {
+  OpScope scope("index_add");
   check_index_tensor(index, "index_add");
   dim = wrap_shape_dim(dim, base.ndim(), "index_add");
   Shape s = base.shape();
@@ -1124,6 +1187,7 @@ Tensor index_add(const Tensor& base, int64_t dim, const Tensor& index, const Ten
 }
 
 Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
+  OpScope scope("gather");
   check_index_tensor(index, "gather");
   check_same_device(x, index, "gather");
   dim = wrap_shape_dim(dim, x.ndim(), "gather");
@@ -1142,6 +1206,7 @@ Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
 }
 
 Tensor scatter_add(const Tensor& base, int64_t dim, const Tensor& index, const Tensor& src) {
+  OpScope scope("scatter_add");
   check_index_tensor(index, "scatter_add");
   dim = wrap_shape_dim(dim, base.ndim(), "scatter_add");
   if (src.shape() != index.shape()) {
@@ -1165,6 +1230,7 @@ Tensor scatter_add(const Tensor& base, int64_t dim, const Tensor& index, const T
 }
 
 Tensor cat(const std::vector<Tensor>& xs, int64_t dim) {
+  OpScope scope("cat");
   if (xs.empty()) throw ValueError("[cat] expected a non-empty list of tensors");
   const Tensor& f = xs[0];
   if (f.ndim() == 0) throw ValueError("[cat] zero-dimensional tensors cannot be concatenated");
@@ -1195,6 +1261,7 @@ Tensor cat(const std::vector<Tensor>& xs, int64_t dim) {
 }
 
 Tensor stack(const std::vector<Tensor>& xs, int64_t dim) {
+  OpScope scope("stack");
   if (xs.empty()) throw ValueError("[stack] expected a non-empty list of tensors");
   dim = wrap_dim(dim, xs[0].ndim() + 1, "stack");
   std::vector<Tensor> u;
@@ -1209,6 +1276,7 @@ Tensor stack(const std::vector<Tensor>& xs, int64_t dim) {
 }
 
 Tensor embedding(const Tensor& weight, const Tensor& index) {
+  OpScope scope("embedding");
   if (weight.ndim() != 2) {
     throw ValueError("[embedding] weight must be 2-D (num_embeddings, dim), got " +
                      shape_str(weight.shape()));
@@ -1224,6 +1292,7 @@ Tensor embedding(const Tensor& weight, const Tensor& index) {
 // selected positions of those dims, in order, followed by x's remaining dims.  A 0-d mask adds a
 // dim of size 1 (True) or 0 (False).  No broadcasting: a mismatched mask is an IndexError.
 Tensor masked_select_bool(const Tensor& x_in, const Tensor& mask_in) {
+  OpScope scope("getitem");
   if (mask_in.dtype() != DType::Bool) throw TypeError("[getitem] a mask index must be bool");
   if (active_graph()) {
     throw NotImplementedError(
@@ -1263,6 +1332,7 @@ Tensor masked_select_bool(const Tensor& x_in, const Tensor& mask_in) {
 
 // ---- neural-network ops --------------------------------------------------------------------
 Tensor softmax(const Tensor& x_in, int64_t dim, bool log) {
+  OpScope scope(log ? "log_softmax" : "softmax");
   const char* nm = log ? "log_softmax" : "softmax";
   if (!is_floating(x_in.dtype())) {  // (as PyTorch: no silent float32 for an integer input)
     throw TypeError(std::string("[") + nm + "] expects a floating input, got " +
@@ -1282,6 +1352,7 @@ Tensor softmax(const Tensor& x_in, int64_t dim, bool log) {
 
 Tensor layer_norm(const Tensor& x, const Shape& ns, const Tensor& weight, const Tensor& bias,
                   double eps, bool recompute) {
+  OpScope scope("layer_norm");
   if (!is_floating(x.dtype()))
     throw TypeError(std::string("[layer_norm] expects a floating input, got ") +
                     dtype_name(x.dtype()));
@@ -1343,6 +1414,7 @@ static Tensor cross_entropy_padded_base(const Tensor& logits) {
 Tensor cross_entropy(const Tensor& logits, const Tensor& target_in, int64_t ignore_index,
                      const std::string& reduction, double label_smoothing,
                      std::optional<DType> loss_dtype) {
+  OpScope scope("cross_entropy");
   if (!is_floating(logits.dtype())) {
     throw TypeError(std::string("[cross_entropy] logits must be floating, got ") +
                     dtype_name(logits.dtype()));
@@ -1413,6 +1485,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target_in, int64_t igno
 }
 
 Tensor dropout(const Tensor& x, double p, bool training) {
+  OpScope scope("dropout");
   if (!(p >= 0 && p <= 1))  // NaN too
     throw ValueError("[dropout] p must be in [0, 1], got " + std::to_string(p));
   if (!is_floating(x.dtype()))
@@ -1449,6 +1522,7 @@ static DType matmul_dtype(const Tensor& a, const Tensor& b, const char* op) {
 }
 
 Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
+  OpScope scope("matmul");
   check_defined(a_in, "matmul");
   check_defined(b_in, "matmul");
   if (a_in.ndim() == 0 || b_in.ndim() == 0) {
@@ -1470,8 +1544,11 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
   // An operand expanded along k (stride 0: constant over k) would be copied whole by the GEMM's
   // layout check (ones(1).expand(2**40) @ v): the product is its k-slice times the other's sum
   // over k instead (K times its slice when that one is expanded too).
+  // (Not under autograd for an operand that needs a gradient: an expanded leaf's elements each
+  // have their own, which the k-slice would give to the first alone.)
   const bool ak0 = a.strides().back() == 0, bk0 = b.strides()[b.ndim() - 2] == 0;
-  if (k > 1 && (ak0 || bk0)) {
+  const bool tracked = grad_enabled() && (a.requires_grad() || b.requires_grad());
+  if (k > 1 && (ak0 || bk0) && !tracked) {
     Tensor r;
     if (ak0) {
       Tensor bs = bk0 ? mul(narrow(b, -2, 0, 1), static_cast<double>(k)) : sum(b, {-2}, true);
@@ -1520,6 +1597,7 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
 }
 
 Tensor bmm(const Tensor& a, const Tensor& b) {
+  OpScope scope("bmm");
   if (a.ndim() != 3 || b.ndim() != 3) {
     throw ValueError("[bmm] expects 3-D tensors, got shapes " + shape_str(a.shape()) + " and " +
                      shape_str(b.shape()));
@@ -1537,6 +1615,7 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
 }
 
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
+  OpScope scope("linear");
   check_defined(x, "linear");
   if (w.ndim() != 2)
     throw ValueError("[linear] weight must be 2-D (out, in), got " + shape_str(w.shape()));
@@ -1574,8 +1653,15 @@ static bool fused_attention_applies(DType dt, int64_t hd, Device dev, double sc)
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& attn_mask, double dropout_p, bool is_causal,
                                     std::optional<double> scale) {
+  OpScope scope("scaled_dot_product_attention");
   if (q.ndim() < 2 || k.ndim() < 2 || v.ndim() < 2) {
     throw ValueError("[scaled_dot_product_attention] q, k, v need at least 2 dims");
+  }
+  if (q.dtype() != k.dtype() || q.dtype() != v.dtype()) {  // (as PyTorch)
+    throw TypeError(std::string("[scaled_dot_product_attention] query, key and value must have "
+                                "one dtype, got ") +
+                    dtype_name(q.dtype()) + ", " + dtype_name(k.dtype()) + " and " +
+                    dtype_name(v.dtype()));
   }
   if (q.shape().back() != k.shape().back()) {
     throw ValueError("[scaled_dot_product_attention] q and k head dims differ: " +
@@ -1613,7 +1699,7 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
       s = masked_fill(s, unary(UnaryOp::LogicalNot, attn_mask),
                       Scalar::floating(-INFINITY));
     } else {
-      s = add(s, attn_mask);
+      s = add(s, astype(attn_mask, s.dtype()));  // (the output keeps q's dtype)
     }
   }
   Tensor p = softmax(s, -1, false);
@@ -1623,6 +1709,7 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
 
 Tensor qkv_attention(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t heads,
                      bool causal, std::optional<double> scale) {
+  OpScope scope("qkv_attention");
   const char* op = "qkv_attention";
   check_defined(x, op);
   check_defined(weight, op);
@@ -1659,6 +1746,7 @@ Tensor qkv_attention(const Tensor& x, const Tensor& weight, const Tensor& bias, 
 }
 
 Tensor clip_grad_norm_(const std::vector<Tensor>& grads, double max_norm, double eps) {
+  OpScope scope("clip_grad_norm_");
   GradModeGuard no_grad(false);
   // CUDA: multi-tensor kernels (deterministic norm, coefficient and scaling on the device, no
   // host sync; see optim.h).  The CPU keeps the composed reference below.

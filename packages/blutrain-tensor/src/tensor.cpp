@@ -5,7 +5,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <exception>
 #include <sstream>
 #include <type_traits>
 #include <vector>
@@ -61,19 +60,23 @@ DType promote_with_scalar(DType t, int scalar_category) {
 // ---- Note [the op the user called] ---------------------------------------------------------
 namespace {
 thread_local int g_scope_depth = 0;
-thread_local const char* g_error_op = nullptr;
+thread_local const char* g_outer_op = nullptr;
 }  // namespace
 
-OpScope::OpScope(const char* op) : op_(op), uncaught_(std::uncaught_exceptions()) {
-  if (g_scope_depth++ == 0) g_error_op = nullptr;
+const char* detail::outer_op() { return g_outer_op; }
+OpScope::OpScope(const char* op) {
+  if (g_scope_depth++ == 0) g_outer_op = op;
 }
 OpScope::~OpScope() {
-  if (--g_scope_depth == 0 && std::uncaught_exceptions() > uncaught_) g_error_op = op_;
+  if (--g_scope_depth == 0) g_outer_op = nullptr;
 }
-const char* take_error_op() {
-  const char* op = g_error_op;
-  g_error_op = nullptr;
-  return op;
+OpScopeReset::OpScopeReset() : depth_(g_scope_depth), op_(g_outer_op) {
+  g_scope_depth = 0;
+  g_outer_op = nullptr;
+}
+OpScopeReset::~OpScopeReset() {
+  g_scope_depth = depth_;
+  g_outer_op = op_;
 }
 std::string with_op_prefix(const std::string& msg, const char* op) {
   if (!op || msg.empty() || msg[0] != '[') return msg;

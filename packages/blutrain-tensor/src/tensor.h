@@ -22,50 +22,64 @@ using Strides = std::vector<int64_t>;
 
 // ---- errors ------------------------------------------------------------------------------
 // Every error message starts with "[op] ".  The Python binding maps these to exceptions.
-struct ValueError : std::invalid_argument {
-  using std::invalid_argument::invalid_argument;
-};
-struct TypeError : std::invalid_argument {
-  using std::invalid_argument::invalid_argument;
-};
-struct IndexError : std::out_of_range {
-  using std::out_of_range::out_of_range;
-};
-struct RuntimeError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-struct NotImplementedError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-struct ZeroDivisionError : std::domain_error {  // integer // or % by zero
-  using std::domain_error::domain_error;
-};
-
-std::string shape_str(const Shape& s);  // "(2, 3)"
-
+//
 // Note [the op the user called]
 // Ops are built from ops: embedding from index_select and reshape, linear from as_rows and a GEMM.
 // An error raised inside names the inner op ("[index_select] index 5 ..."), which the user never
-// called.  A composite front opens an OpScope with its own name; when an error leaves the
-// outermost open scope, that scope records its name, and the Python binding's exception
-// translator rewrites the message's "[inner]" prefix to it (take_error_op()).  Cost on the normal
-// path: a thread-local increment and decrement.
+// called.  Each public front opens an OpScope with its own name; an error constructed while a
+// scope is open records the outermost one (Error::op), and the Python binding's exception
+// translator rewrites the message's "[inner]" prefix to it.  A call back into Python (a hook, a
+// custom Function's backward) runs with no scope open (OpScopeReset): the ops it calls are the
+// user's.  Cost on the normal path: a thread-local increment and decrement per op.
+namespace detail {
+const char* outer_op();  // the outermost open OpScope's op, or nullptr
+}
+struct ErrorOp {
+  const char* op = detail::outer_op();
+};
+struct ValueError : std::invalid_argument, ErrorOp {
+  using std::invalid_argument::invalid_argument;
+};
+struct TypeError : std::invalid_argument, ErrorOp {
+  using std::invalid_argument::invalid_argument;
+};
+struct IndexError : std::out_of_range, ErrorOp {
+  using std::out_of_range::out_of_range;
+};
+struct RuntimeError : std::runtime_error, ErrorOp {
+  using std::runtime_error::runtime_error;
+};
+struct NotImplementedError : std::runtime_error, ErrorOp {
+  using std::runtime_error::runtime_error;
+};
+struct ZeroDivisionError : std::domain_error, ErrorOp {  // integer // or % by zero
+  using std::domain_error::domain_error;
+};
+
 class OpScope {
  public:
   explicit OpScope(const char* op);
   ~OpScope();
   OpScope(const OpScope&) = delete;
   OpScope& operator=(const OpScope&) = delete;
+};
+// No scope open while it lives (restored after): around calls back into Python.
+class OpScopeReset {
+ public:
+  OpScopeReset();
+  ~OpScopeReset();
+  OpScopeReset(const OpScopeReset&) = delete;
+  OpScopeReset& operator=(const OpScopeReset&) = delete;
 
  private:
+  int depth_;
   const char* op_;
-  int uncaught_;
 };
-// The op of the outermost OpScope the last error left (then cleared); nullptr when none.
-const char* take_error_op();
 // msg with its leading "[name]" replaced by "[op]" (unchanged when op is null or msg has no
 // bracketed prefix).
 std::string with_op_prefix(const std::string& msg, const char* op);
+
+std::string shape_str(const Shape& s);  // "(2, 3)"
 
 // ---- device ------------------------------------------------------------------------------
 struct Device {

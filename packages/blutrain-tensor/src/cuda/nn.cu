@@ -50,10 +50,11 @@ __global__ void softmax_forward_v1(const T* __restrict__ x, T* __restrict__ y, i
   A s = 0;
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) s += exp(load_math(p + i) - m);
   s = block_sum(s, scratch);
-  const A lse = m + log(s), inv = A(1) / s;
+  // log_softmax as (v - m) - log(s): m + log(s) first would round log(s) away for a large m
+  const A ls = log(s), inv = A(1) / s;
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
     const A v = load_math(p + i);
-    q[i] = convert<T>(lg ? v - lse : exp(v - m) * inv);
+    q[i] = convert<T>(lg ? (v - m) - ls : exp(v - m) * inv);
   }
 }
 
@@ -73,13 +74,13 @@ __global__ void softmax_forward_v2(const T* __restrict__ x, T* __restrict__ y, i
   });
   block_ms(m, s, scratch);
   if (m == -INFINITY) m = 0;
-  const A lse = m + log(s), inv = A(1) / s;
+  const A ls = log(s), inv = A(1) / s;
   row_chunks<V>(p, C, [&](int64_t i, auto n) {
     constexpr int N = decltype(n)::value;
     A v[N];
     load_n<N>(p + i, v);
 #pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = lg ? v[k] - lse : exp(v[k] - m) * inv;
+    for (int k = 0; k < N; ++k) v[k] = lg ? (v[k] - m) - ls : exp(v[k] - m) * inv;
     store_n<N>(q + i, v);
   });
 }
@@ -120,13 +121,13 @@ __global__ void softmax_forward_v3(const T* __restrict__ x, T* __restrict__ y, i
     }
   }
   s = warp_sum(s);
-  const A lse = m + log(s), inv = A(1) / s;
+  const A ls = log(s), inv = A(1) / s;
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int64_t c = v3_col<V>(j, lane);
     if (c < C) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) v[j][k] = lg ? v[j][k] - lse : v[j][k] * inv;
+      for (int k = 0; k < V; ++k) v[j][k] = lg ? (v[j][k] - m) - ls : v[j][k] * inv;
       store_n<V>(y + row * C + c, v[j]);
     }
   }

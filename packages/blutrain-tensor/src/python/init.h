@@ -6,6 +6,23 @@
 
 #include "../tensor.h"
 
+// Note [argument errors] (init_errors.cpp): a bool is not an int argument (PyTorch's rule:
+// softmax(x, True) is a TypeError), which nanobind's converting pass would take as 1.  Every
+// binding file includes this header before its bindings, so they all see this caster.
+namespace nanobind::detail {
+template <>
+struct type_caster<int64_t> {
+  NB_TYPE_CASTER(int64_t, const_name("int"))
+  bool from_python(handle src, uint32_t flags, cleanup_list* cleanup) noexcept {
+    if (PyBool_Check(src.ptr())) return false;
+    return NB_CALL(load_i64)(NB_CTX_C(cleanup), src.ptr(), flags, &value);
+  }
+  static handle from_cpp(int64_t src, rv_policy, cleanup_list*) noexcept {
+    return PyLong_FromLongLong(static_cast<long long>(src));
+  }
+};
+}  // namespace nanobind::detail
+
 namespace bt::python {
 
 void init_cuda(nanobind::module_& m);       // init_cuda.cpp: streams, sync, determinism, graphs

@@ -18,6 +18,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <algorithm>
+#include <iterator>
 #include <string>
 
 #include "init.h"
@@ -33,8 +35,8 @@ namespace nanobind::detail {
 template <>
 struct type_caster<bt::python::SecondPass> {
   NB_TYPE_CASTER(bt::python::SecondPass, const_name("object"))
-  bool from_python(handle, uint8_t flags, cleanup_list*) noexcept {
-    return (flags & static_cast<uint8_t>(cast_flags::convert)) != 0;
+  bool from_python(handle, uint32_t flags, cleanup_list*) noexcept {
+    return (flags & static_cast<uint32_t>(cast_flags::convert)) != 0;
   }
   static handle from_cpp(bt::python::SecondPass, rv_policy, cleanup_list*) noexcept {
     return none().release();
@@ -47,12 +49,12 @@ namespace bt::python {
 namespace {
 
 // Raises the TypeError of blutrain.tensor._argerrors for a refused call of scope.name.
-[[noreturn]] void raise_argument_error(nb::handle scope, const std::string& name, nb::handle self,
-                                       nb::args args, nb::kwargs kwargs) {
+[[noreturn]] void raise_argument_error(nb::handle scope, const std::string& name,
+                                       const std::string& op, nb::handle self, nb::args args,
+                                       nb::kwargs kwargs) {
   nb::object fn = nb::getattr(scope, name.c_str());
-  nb::module_::import_("blutrain.tensor._argerrors")
-      .attr("raise_for")(name, fn, self, args, kwargs);
-  throw TypeError("[" + name + "] invalid arguments");  // (raise_for always raises)
+  nb::module_::import_("blutrain.tensor._argerrors").attr("raise_for")(op, fn, self, args, kwargs);
+  throw TypeError("[" + op + "] invalid arguments");  // (raise_for always raises)
 }
 
 bool is_nb_function(nb::handle h, bool* method) {
@@ -72,7 +74,16 @@ void init_errors(nb::module_& m) {
         nb::object names = nb::steal(PyObject_Dir(scope.ptr()));
         for (nb::handle n : names) {
           const std::string name = nb::cast<std::string>(n);
-          if (name.empty() || name[0] == '_') continue;  // private helpers, dunders
+          // private helpers and Python's protocols are skipped, but for the dunders a user may
+          // call by hand (binary operators stay as they are: NotImplemented lets Python go on)
+          static const char* const kDunders[] = {"__dlpack__", "__dlpack_device__", "__len__",
+                                                 "__bool__", "__getitem__", "__setitem__",
+                                                 "__neg__", "__invert__", "__repr__"};
+          const bool dunder = std::find(std::begin(kDunders), std::end(kDunders), name) !=
+                              std::end(kDunders);
+          if (name.empty() || (name[0] == '_' && !dunder)) continue;
+          // "[getitem] ...": the op a dunder implements
+          const std::string op = dunder ? name.substr(2, name.size() - 4) : name;
           // (only this scope's own functions: a method inherited from a base is not re-chained)
           nb::object own = nb::steal(PyObject_GetAttr(scope.ptr(), n.ptr()));
           bool method = false;
@@ -86,16 +97,16 @@ void init_errors(nb::module_& m) {
           const char* doc = "Any other call: a TypeError naming the argument that is wrong.";
           if (method) {
             nb::cpp_function_def(
-                [scope, name](nb::handle self, nb::args args, SecondPass, nb::kwargs kwargs) {
-                  raise_argument_error(scope, name, self, args, kwargs);
+                [scope, name, op](nb::handle self, nb::args args, SecondPass, nb::kwargs kwargs) {
+                  raise_argument_error(scope, name, op, self, args, kwargs);
                 },
                 nb::scope(scope), nb::name(name.c_str()), nb::is_method(), nb::arg("args"),
                 nb::arg("_second_pass") = nb::none(), nb::arg("kwargs"), nb::sig(sig.c_str()),
                 doc);
           } else {
             nb::cpp_function_def(
-                [scope, name](nb::args args, SecondPass, nb::kwargs kwargs) {
-                  raise_argument_error(scope, name, nb::none(), args, kwargs);
+                [scope, name, op](nb::args args, SecondPass, nb::kwargs kwargs) {
+                  raise_argument_error(scope, name, op, nb::none(), args, kwargs);
                 },
                 nb::scope(scope), nb::name(name.c_str()), nb::arg("args"),
                 nb::arg("_second_pass") = nb::none(), nb::arg("kwargs"), nb::sig(sig.c_str()),

@@ -31,7 +31,13 @@ namespace {
 // ---- argument conversion -------------------------------------------------------------------
 DType parse_dtype(nb::handle h, const char* op) {
   if (nb::isinstance<DType>(h)) return nb::cast<DType>(h);
-  if (nb::isinstance<nb::str>(h)) return dtype_from_name(nb::cast<std::string>(h));
+  if (nb::isinstance<nb::str>(h)) {
+    try {
+      return dtype_from_name(nb::cast<std::string>(h));
+    } catch (const TypeError& e) {  // "[dtype] unknown dtype ...", as the op's
+      throw TypeError(with_op_prefix(e.what(), op));
+    }
+  }
   if (h.is(reinterpret_cast<PyObject*>(&PyFloat_Type))) return DType::Float32;
   if (h.is(reinterpret_cast<PyObject*>(&PyLong_Type))) return DType::Int64;
   if (h.is(reinterpret_cast<PyObject*>(&PyBool_Type))) return DType::Bool;
@@ -40,7 +46,11 @@ DType parse_dtype(nb::handle h, const char* op) {
     try {
       nb::object np = nb::module_::import_("numpy");
       std::string n = nb::cast<std::string>(np.attr("dtype")(h).attr("name"));
-      return dtype_from_name(n);
+      try {
+        return dtype_from_name(n);
+      } catch (const TypeError& e) {
+        throw TypeError(with_op_prefix(e.what(), op));
+      }
     } catch (nb::python_error&) {
     }
   }
@@ -88,6 +98,17 @@ int64_t int_arg(nb::handle v, const char* op, const char* what) {
   const long long r = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
   if (overflow != 0) return fail(" (out of the int64 range)");
   return r;
+}
+
+// A bool argument: True or False (or a numpy bool), not 1 or a str.
+bool bool_arg(nb::handle v, const char* op, const char* what) {
+  if (PyBool_Check(v.ptr())) return v.is(Py_True);
+  if (nb::hasattr(v, "dtype") && nb::hasattr(v, "ndim") && nb::cast<int64_t>(v.attr("ndim")) == 0 &&
+      PyBool_Check(v.attr("item")().ptr())) {
+    return v.attr("item")().is(Py_True);
+  }
+  throw TypeError(std::string("[") + op + "] " + what + " must be a bool, got " +
+                  nb::cast<std::string>(nb::repr(v)));
 }
 
 // The ints of an iterable (a tuple, list, ...); anything else is a TypeError naming the op.
@@ -394,9 +415,11 @@ Tensor advanced_index(const Tensor& t_in, const std::vector<std::pair<int64_t, T
   // An indexed dim that is expanded (stride 0) holds one value: after the range check below its
   // index may as well be 0 into a size-1 dim.  Otherwise flattening the indexed dims of a huge
   // expanded view (ones(1, 1).expand(3, 2**40)[i, j]) would copy the whole view.
+  // (Not for a tensor that needs a gradient: an expanded leaf's elements each have their own.)
   Tensor t = t_in;
+  const bool tracked = grad_enabled() && t_in.requires_grad();
   for (const auto& [dim, ix] : adv) {
-    if (t.strides()[dim] == 0 && t.shape()[dim] > 1) t = narrow(t, dim, 0, 1);
+    if (t.strides()[dim] == 0 && t.shape()[dim] > 1 && !tracked) t = narrow(t, dim, 0, 1);
   }
   Shape bs;
   for (const auto& [dim, ix] : adv) bs = broadcast_shapes(bs, ix.shape(), "getitem");
@@ -459,6 +482,7 @@ Tensor advanced_index(const Tensor& t_in, const std::vector<std::pair<int64_t, T
 }
 
 Tensor getitem(const Tensor& self, nb::handle idx) {
+  OpScope scope("getitem");  // (the views and gathers it runs: Note [the op the user called])
   std::vector<nb::object> items;
   if (nb::isinstance<nb::tuple>(idx)) {
     for (nb::handle h : idx) items.push_back(nb::borrow(h));
@@ -570,7 +594,7 @@ Tensor getitem(const Tensor& self, nb::handle idx) {
 // Otherwise (a tensor index or mask, a value or self that needs grad, or capture) it is a
 // functional update: the flat positions idx selects (indexing an arange) place value with
 // index_add and pick it with where, so gradients reach both value and the untouched part of
-// self, and a capture sees self renamed.  Repeated positions add up (PyTorch keeps one).
+// self, and a capture sees self renamed.  A repeated position takes its values' mean.
 void setitem(Tensor& self, nb::handle idx, nb::handle value) {
   OpScope scope("setitem");  // (errors of the copy_ and getitem it runs name setitem)
   Tensor src = as_tensor_like(value, self, "setitem");
@@ -598,6 +622,16 @@ void setitem(Tensor& self, nb::handle idx, nb::handle value) {
   Tensor placed = index_add(zeros({n}, self.dtype(), dev), 0, posf, srcf);
   Tensor hits = index_add(zeros({n}, DType::Int64, dev), 0, posf, ones_like(posf));
   Tensor mask = binary(BinaryOp::Gt, hits, Scalar{0, 1});
+  // A position an index names twice (t[[0, 0]] = v) gets its values' mean, not their sum: the
+  // value itself when they agree (PyTorch keeps one of them, which one unspecified).
+  Tensor count = where(mask, hits, Scalar{1, 1});
+  if (self.dtype() == DType::Bool) {
+    placed = binary(BinaryOp::Gt, placed, Scalar{0, 1});
+  } else if (is_floating(self.dtype())) {
+    placed = binary(BinaryOp::Div, placed, astype(count, self.dtype()));
+  } else {
+    placed = astype(binary(BinaryOp::FloorDiv, astype(placed, DType::Int64), count), self.dtype());
+  }
   // where() saves its inputs; the write below must not change the `self` it saved.
   Tensor base = track ? clone(self) : self;
   Tensor r = where(reshape(mask, self.shape()), reshape(placed, self.shape()), base);
@@ -633,6 +667,7 @@ Tensor& arith_inplace(Tensor& a, const Tensor& r, const char* op) {
 GradHook py_hook(nb::callable fn) {
   return [fn](const Tensor& g) -> Tensor {
     nb::gil_scoped_acquire gil;
+    OpScopeReset user_code;  // (the ops the hook calls are the user's)
     nb::object r = fn(g);
     if (r.is_none()) return Tensor();
     Tensor* out = nullptr;
@@ -778,24 +813,23 @@ NB_MODULE(_tensor, m) {
 
   // Messages name the op the user called (Note [the op the user called], tensor.h).
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
-    const char* op = take_error_op();
-    auto set = [op](PyObject* type, const char* what) {
-      PyErr_SetString(type, with_op_prefix(what, op).c_str());
+    auto set = [](PyObject* type, const auto& e) {
+      PyErr_SetString(type, with_op_prefix(e.what(), e.op).c_str());
     };
     try {
       std::rethrow_exception(p);
     } catch (const bt::TypeError& e) {
-      set(PyExc_TypeError, e.what());
+      set(PyExc_TypeError, e);
     } catch (const bt::IndexError& e) {
-      set(PyExc_IndexError, e.what());
+      set(PyExc_IndexError, e);
     } catch (const bt::NotImplementedError& e) {
-      set(PyExc_NotImplementedError, e.what());
+      set(PyExc_NotImplementedError, e);
     } catch (const bt::ValueError& e) {
-      set(PyExc_ValueError, e.what());
+      set(PyExc_ValueError, e);
     } catch (const bt::ZeroDivisionError& e) {
-      set(PyExc_ZeroDivisionError, e.what());
+      set(PyExc_ZeroDivisionError, e);
     } catch (const bt::RuntimeError& e) {
-      set(PyExc_RuntimeError, e.what());
+      set(PyExc_RuntimeError, e);
     }
   });
 
@@ -836,8 +870,27 @@ NB_MODULE(_tensor, m) {
            [](Node& n) { return "<" + n.name() + (n.is_accumulator() ? "" : "Backward") + ">"; });
 
   nb::class_<Tensor> T(m, "Tensor", "An n-dimensional array with reverse-mode autograd.");
-  T.def(nb::init<const Tensor&>(), "other"_a,
-        "A new handle to the same tensor (used by Parameter).");
+  T.def(
+      "__init__",
+      [](Tensor* self, nb::args args, nb::kwargs kwargs) {
+        // (by hand, so a bad call gets our message: Note [argument errors])
+        nb::handle other;
+        if (nb::len(args) == 1 && nb::len(kwargs) == 0) {
+          other = args[0];
+        } else if (nb::len(args) == 0 && nb::len(kwargs) == 1 && kwargs.contains("other")) {
+          other = kwargs["other"];
+        } else {
+          throw TypeError("[Tensor] takes one argument, other: a Tensor (use bt.tensor(data) to "
+                          "make a tensor from data)");
+        }
+        if (!is_tensor(other)) {
+          throw TypeError("[Tensor] argument 'other' must be a Tensor, got " +
+                          nb::cast<std::string>(nb::repr(other)) +
+                          " (use bt.tensor(data) to make a tensor from data)");
+        }
+        new (self) Tensor(nb::cast<const Tensor&>(other));
+      },
+      "A new handle to the same tensor (used by Parameter).");
   T.def_prop_ro(
       "shape", [](const Tensor& t) { return shape_tuple(t.shape()); }, "The shape, a tuple.");
   T.def(
@@ -882,13 +935,20 @@ NB_MODULE(_tensor, m) {
   T.def("__repr__", &tensor_repr);
   T.def_prop_rw(
       "name", [](const Tensor& t) { return t.impl()->name; },
-      [](Tensor& t, const std::string& n) { t.impl()->name = n; },
-      "A name (shown by capture graphs).");
+      [](Tensor& t, nb::handle n) {
+        if (!nb::isinstance<nb::str>(n)) {
+          throw TypeError("[name] a tensor's name must be a str, got " +
+                          nb::cast<std::string>(nb::repr(n)));
+        }
+        t.impl()->name = nb::cast<std::string>(n);
+      },
+      nb::arg("value").none(), "A name (shown by capture graphs).");
 
   // autograd
   T.def_prop_rw(
-      "requires_grad", &Tensor::requires_grad, [](Tensor& t, bool v) { set_requires_grad(t, v); },
-      "Whether gradients flow to it.");
+      "requires_grad", &Tensor::requires_grad,
+      [](Tensor& t, nb::handle v) { set_requires_grad(t, bool_arg(v, "requires_grad", "value")); },
+      nb::arg("value").none(), "Whether gradients flow to it.");
   T.def(
       "requires_grad_",
       [](Tensor& t, bool v) {
@@ -902,7 +962,13 @@ NB_MODULE(_tensor, m) {
         if (!t.impl()->grad) return std::nullopt;
         return Tensor(t.impl()->grad);
       },
-      [](Tensor& t, std::optional<Tensor> g) {
+      [](Tensor& t, nb::handle value) {
+        if (!value.is_none() && !is_tensor(value)) {
+          throw TypeError("[grad] a gradient must be a Tensor or None, got " +
+                          nb::cast<std::string>(nb::repr(value)));
+        }
+        std::optional<Tensor> g;
+        if (!value.is_none()) g = nb::cast<Tensor>(value);
         if (g && g->shape() != t.shape()) {
           throw ValueError("[grad] assigned gradient has shape " + shape_str(g->shape()) +
                            ", expected " + shape_str(t.shape()));
@@ -936,6 +1002,7 @@ NB_MODULE(_tensor, m) {
       [](const Tensor& t, nb::callable fn) {
         register_post_accumulate_hook(t, [fn](const Tensor& leaf) {
           nb::gil_scoped_acquire gil;
+          OpScopeReset user_code;
           fn(leaf);
         });
       },
@@ -964,9 +1031,10 @@ NB_MODULE(_tensor, m) {
         // A no-framework ndarray casts to a DLPack capsule ("dltensor"); consumers that ask for a
         // versioned capsule (max_version) accept the legacy one.
         (void)kw;
-        if (t.storage() && t.storage()->read_only()) {  // (as numpy: the legacy capsule has no flag)
+        // (as numpy's: the legacy capsule has no read-only flag)
+        if (t.storage() && t.storage()->read_only()) {
           throw nb::buffer_error(
-              "[__dlpack__] the tensor is read-only (it shares a read-only buffer) and a DLPack "
+              "[dlpack] the tensor is read-only (it shares a read-only buffer) and a DLPack "
               "consumer could write it; clone() it first");
         }
         return export_array<nb::no_framework>(t, "__dlpack__");
@@ -1008,13 +1076,15 @@ NB_MODULE(_tensor, m) {
       nb::arg("index").none());
   T.def(
       "__setitem__", [](Tensor& t, nb::handle idx, nb::handle v) { setitem(t, idx, v); },
-      nb::arg("index").none(), "value"_a);
+      nb::arg("index").none(), nb::arg("value").none());
 
   // operators
+// (.none(): t + None reaches operand(), which names the op, instead of nanobind's message)
 #define BT_BINOP(py, op, refl)                                                           \
   T.def(                                                                                 \
       py, [](const Tensor& a, nb::handle b) { return binop(BinaryOp::op, a, b, refl); }, \
-      "other"_a, nb::sig("def " py "(self, other: Tensor | float | int | bool) -> Tensor"));
+      nb::arg("other").none(),                                                           \
+      nb::sig("def " py "(self, other: Tensor | float | int | bool) -> Tensor"));
   BT_BINOP("__add__", Add, false)
   BT_BINOP("__radd__", Add, true)
   BT_BINOP("__sub__", Sub, false)
@@ -1059,7 +1129,7 @@ NB_MODULE(_tensor, m) {
     T.def(
         py,
         [op, reflected](const Tensor& a, nb::handle b) {
-          const char* nm = op == BinaryOp::And ? "and" : "or";
+          const char* nm = binary_name(op);  // logical_and / logical_or
           const bool b_bool = PyBool_Check(b.ptr()) ||
                               (is_tensor(b) && nb::cast<const Tensor&>(b).dtype() == DType::Bool);
           if (!is_tensor(b) && !PyBool_Check(b.ptr()) && !PyLong_Check(b.ptr())) {
@@ -1077,7 +1147,7 @@ NB_MODULE(_tensor, m) {
           }
           return binop(op, a, b, reflected);
         },
-        "other"_a,
+        nb::arg("other").none(),
         nb::sig((std::string("def ") + py + "(self, other: Tensor | bool) -> Tensor").c_str()));
   };
   bool_binop("__and__", BinaryOp::And, false);
@@ -1085,7 +1155,16 @@ NB_MODULE(_tensor, m) {
   bool_binop("__or__", BinaryOp::Or, false);
   bool_binop("__ror__", BinaryOp::Or, true);
   T.def("__hash__", [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.impl()); });
-  T.def("__matmul__", [](const Tensor& a, const Tensor& b) { return matmul(a, b); }, "other"_a);
+  T.def(
+      "__matmul__",
+      [](const Tensor& a, nb::handle b) {
+        if (!is_tensor(b)) {
+          throw TypeError("[matmul] unsupported operand " + nb::cast<std::string>(nb::repr(b)) +
+                          " (expected a Tensor)");
+        }
+        return matmul(a, nb::cast<const Tensor&>(b));
+      },
+      nb::arg("other").none(), nb::sig("def __matmul__(self, other: Tensor) -> Tensor"));
   T.def("__neg__", [](const Tensor& a) { return neg(a); });
   T.def("__invert__", [](const Tensor& a) {
     if (a.dtype() != DType::Bool) throw TypeError("[invert] ~ is only supported for bool tensors");
@@ -1102,34 +1181,38 @@ NB_MODULE(_tensor, m) {
     if (truth < 0) throw nb::python_error();
     return truth == 1;
   });
-#define BT_IOP(py, op)                                                \
+// (t += x names add_, as t.add_(x) does)
+#define BT_IOP(py, op, nm)                                            \
   T.def(                                                              \
       py,                                                             \
       [](Tensor& a, nb::handle b) -> Tensor {                         \
+        OpScope scope(nm);                                            \
         Tensor r = binop(BinaryOp::op, inplace_self(a, b), b, false); \
-        arith_inplace(a, r, py);                                      \
+        arith_inplace(a, r, nm);                                      \
         return a;                                                     \
       },                                                              \
-      "other"_a, nb::sig("def " py "(self, other: Tensor | float | int | bool) -> Tensor"));
-  BT_IOP("__iadd__", Add)
-  BT_IOP("__isub__", Sub)
-  BT_IOP("__imul__", Mul)
-  BT_IOP("__itruediv__", Div)
-  BT_IOP("__ifloordiv__", FloorDiv)
-  BT_IOP("__imod__", Mod)
-  BT_IOP("add_", Add)
-  BT_IOP("sub_", Sub)
-  BT_IOP("mul_", Mul)
-  BT_IOP("div_", Div)
-  BT_IOP("floor_divide_", FloorDiv)
-  BT_IOP("remainder_", Mod)
-  BT_IOP("pow_", Pow)
+      nb::arg("other").none(),                                        \
+      nb::sig("def " py "(self, other: Tensor | float | int | bool) -> Tensor"));
+  BT_IOP("__iadd__", Add, "add_")
+  BT_IOP("__isub__", Sub, "sub_")
+  BT_IOP("__imul__", Mul, "mul_")
+  BT_IOP("__itruediv__", Div, "div_")
+  BT_IOP("__ifloordiv__", FloorDiv, "floor_divide_")
+  BT_IOP("__imod__", Mod, "remainder_")
+  BT_IOP("add_", Add, "add_")
+  BT_IOP("sub_", Sub, "sub_")
+  BT_IOP("mul_", Mul, "mul_")
+  BT_IOP("div_", Div, "div_")
+  BT_IOP("floor_divide_", FloorDiv, "floor_divide_")
+  BT_IOP("remainder_", Mod, "remainder_")
+  BT_IOP("pow_", Pow, "pow_")
 #undef BT_IOP
 
   // unary methods (and their in-place forms)
 #define BT_UN(py, op)                                                            \
   T.def(py, [](const Tensor& a) { return unary(UnaryOp::op, a); });              \
   T.def(py "_", [](Tensor& a) -> Tensor {                                        \
+    OpScope scope(py "_");                                                       \
     arith_inplace(a, unary(UnaryOp::op, inplace_self(a, nb::handle())), py "_"); \
     return a;                                                                    \
   });
@@ -1149,12 +1232,14 @@ NB_MODULE(_tensor, m) {
 #undef BT_UN
   T.def("logical_not", [](const Tensor& a) { return unary(UnaryOp::LogicalNot, a); });
   T.def("zero_", [](Tensor& a) -> Tensor {
+    OpScope scope("zero_");
     inplace(a, zeros({}, a.dtype(), a.device()), "zero_");
     return a;
   });
   T.def(
       "fill_",
       [](Tensor& a, nb::handle v) -> Tensor {
+        OpScope scope("fill_");
         inplace(a, fill_value(v, a, "fill_"), "fill_");
         return a;
       },
@@ -1178,6 +1263,7 @@ NB_MODULE(_tensor, m) {
   T.def(
       "masked_fill_",
       [](Tensor& a, const Tensor& m, nb::handle v) -> Tensor {
+        OpScope scope("masked_fill_");
         inplace(a, masked_fill_value(inplace_self(a, nb::handle()), m, v, "masked_fill_"),
                 "masked_fill_");
         return a;
@@ -1187,20 +1273,24 @@ NB_MODULE(_tensor, m) {
               "Tensor"));
 
   // reductions
-#define BT_RED(py, op)                                                \
+#define BT_RED(py, op, doc)                                           \
   T.def(                                                              \
       py,                                                             \
       [](const Tensor& a, nb::handle dim, bool keepdim) {             \
+        OpScope scope(py);                                            \
         return reduce(ReduceOp::op, a, parse_dims(dim, py), keepdim); \
       },                                                              \
       "dim"_a = nb::none(), "keepdim"_a = false,                      \
-      nb::sig(                                                        \
-          "def " py                                                   \
-          "(self, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> Tensor"));
-  BT_RED("sum", Sum)
-  BT_RED("mean", Mean)
-  BT_RED("amax", Max)
-  BT_RED("amin", Min)
+      nb::sig("def " py                                               \
+              "(self, dim: int | tuple[int, ...] | None = None, "     \
+              "keepdim: bool = False) -> Tensor"),                    \
+      doc);
+  BT_RED("sum", Sum, "The sum over dim (all dims when None); integers and bools sum in int64.")
+  BT_RED("mean", Mean,
+         "The mean over dim (all dims when None).  Integer and bool inputs are averaged in "
+         "float32 (numpy's answer; PyTorch raises for them).")
+  BT_RED("amax", Max, "The maximum over dim (all dims when None); NaN propagates.")
+  BT_RED("amin", Min, "The minimum over dim (all dims when None); NaN propagates.")
 #undef BT_RED
   T.def(
       "var",
@@ -1208,7 +1298,8 @@ NB_MODULE(_tensor, m) {
         return reduce(ReduceOp::Var, a, parse_dims(dim, "var"), keepdim, correction);
       },
       "dim"_a = nb::none(), "correction"_a = 1.0, "keepdim"_a = false,
-      "Variance (Bessel-corrected by default).");
+      "Variance (Bessel-corrected by default).  Integer and bool inputs compute in float32 "
+      "(PyTorch raises for them).");
   T.def(
       "argmax",
       [](const Tensor& a, std::optional<int64_t> dim, bool keepdim) {
@@ -1290,14 +1381,21 @@ NB_MODULE(_tensor, m) {
   T.def(
       "index_add_",
       [](Tensor& a, int64_t dim, const Tensor& index, const Tensor& source) -> Tensor {
+        OpScope scope("index_add_");
         inplace(a, index_add(inplace_self(a, nb::cast(source)), dim, index, source), "index_add_");
         return a;
       },
       "dim"_a, "index"_a, "source"_a, "index_add in place; returns self.");
   T.def("scatter_add", &scatter_add, "dim"_a, "index"_a, "src"_a,
         "A copy of self with src[i][j]... added at self[..index[i][j]..] along dim.");
-  T.def("contiguous", [](const Tensor& a) { return contiguous(a); });
-  T.def("clone", [](const Tensor& a) { return clone(a); });
+  T.def("contiguous", [](const Tensor& a) {
+    OpScope scope("contiguous");
+    return contiguous(a);
+  });
+  T.def("clone", [](const Tensor& a) {
+    OpScope scope("clone");
+    return clone(a);
+  });
   T.def(
       "expand_as", [](const Tensor& a, const Tensor& b) { return expand(a, b.shape()); },
       "other"_a);
@@ -1310,6 +1408,7 @@ NB_MODULE(_tensor, m) {
   T.def(
       "to",
       [](const Tensor& a, nb::handle x, nb::handle dtype) {
+        OpScope scope("to");
         Tensor r = a;
         nb::handle dev_h, dt_h = dtype;
         if (x.is_valid() && !x.is_none()) {
@@ -1333,13 +1432,19 @@ NB_MODULE(_tensor, m) {
   T.def(
       "cuda", [](const Tensor& a, int i) { return to_device(a, Device{Device::CUDA, i}); },
       "device"_a = 0);
-  T.def("float", [](const Tensor& a) { return astype(a, DType::Float32); });
-  T.def("double", [](const Tensor& a) { return astype(a, DType::Float64); });
-  T.def("half", [](const Tensor& a) { return astype(a, DType::Float16); });
-  T.def("bfloat16", [](const Tensor& a) { return astype(a, DType::BFloat16); });
-  T.def("long", [](const Tensor& a) { return astype(a, DType::Int64); });
-  T.def("int", [](const Tensor& a) { return astype(a, DType::Int32); });
-  T.def("bool", [](const Tensor& a) { return astype(a, DType::Bool); });
+#define BT_CAST(py, dt)                  \
+  T.def(py, [](const Tensor& a) {        \
+    OpScope scope(py);                   \
+    return astype(a, DType::dt);         \
+  });
+  BT_CAST("float", Float32)
+  BT_CAST("double", Float64)
+  BT_CAST("half", Float16)
+  BT_CAST("bfloat16", BFloat16)
+  BT_CAST("long", Int64)
+  BT_CAST("int", Int32)
+  BT_CAST("bool", Bool)
+#undef BT_CAST
   T.def("is_floating_point", [](const Tensor& a) { return is_floating(a.dtype()); });
 
   // ---- functions -----------------------------------------------------------------------------
@@ -1405,7 +1510,8 @@ NB_MODULE(_tensor, m) {
             opt_dtype(dtype, "arange").value_or(ints ? DType::Int64 : DType::Float32);
         return arange(a, b, c, dt, parse_device(device, "arange"));
       },
-      "start"_a, "end"_a, "step"_a, "dtype"_a = nb::none(), "device"_a = nb::none(),
+      nb::arg("start").none(), nb::arg("end").none(), nb::arg("step").none(),
+      "dtype"_a = nb::none(), "device"_a = nb::none(),
       "arange from Python numbers (ints stay exact); int64 when all are ints, else float32.");
   m.def(
       "rand",
@@ -1462,8 +1568,20 @@ NB_MODULE(_tensor, m) {
       [](nb::handle obj) { return import_array(obj, "from_dlpack", obj); },
       "obj"_a, "Zero-copy import of an object with __dlpack__ (or the buffer protocol).");
 
-  m.def("astype", &astype, "x"_a, "dtype"_a);
-  m.def("cached_astype", &cached_astype, "x"_a, "dtype"_a,
+  m.def(
+      "astype",
+      [](const Tensor& x, nb::handle dtype) {
+        OpScope scope("astype");
+        return astype(x, parse_dtype(dtype, "astype"));
+      },
+      "x"_a, "dtype"_a, nb::sig("def astype(x: Tensor, dtype: dtype | str) -> Tensor"),
+      "x as dtype (a copy only when the dtype changes).");
+  m.def(
+      "cached_astype",
+      [](const Tensor& x, nb::handle dtype) {
+        return cached_astype(x, parse_dtype(dtype, "cached_astype"));
+      },
+      "x"_a, "dtype"_a, nb::sig("def cached_astype(x: Tensor, dtype: dtype | str) -> Tensor"),
         "x cast to dtype, kept with x's storage and reused while x is unchanged: the compute\n"
         "copy of a master weight (bt.amp's policies use it for parameters).  Differentiable;\n"
         "the gradient reaches x in x's dtype.  AdamW rewrites a float32 parameter's kept 16-bit\n"
@@ -1629,6 +1747,7 @@ NB_MODULE(_tensor, m) {
             name,
             [backward, name](const std::vector<Tensor>& grads) {
               nb::gil_scoped_acquire gil;
+              OpScopeReset user_code;  // (the Function's backward is the user's code)
               nb::list gl;
               for (auto& g : grads) gl.append(g.defined() ? nb::cast(g) : nb::none());
               nb::object r = backward(gl);

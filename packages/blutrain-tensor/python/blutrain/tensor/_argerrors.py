@@ -65,12 +65,27 @@ def _describe(v: Any) -> str:
     return f"{text} ({type(v).__name__})"
 
 
+describe = _describe
+
+
+def bind_problem(op: str, fn: Any, args: tuple, kwargs: dict, err: BaseException) -> str:
+    """The message for a call of the Python function fn whose arguments do not bind."""
+    import inspect
+
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as e:
+        return f"[{op}] {e} (arguments: {', '.join(inspect.signature(fn).parameters)})"
+    return f"[{op}] {err}"
+
+
 def _is_int(v: Any) -> bool:
-    if isinstance(v, float) or isinstance(v, str):
+    """An int argument: an int or anything with __index__, not a bool (PyTorch's rule)."""
+    if isinstance(v, bool | float | str) or type(v).__name__ == "bool_":
         return False
     try:
         operator.index(v)
-    except TypeError:
+    except Exception:  # noqa: BLE001 (a Tensor's __index__ raises for non-scalars)
         return False
     return True
 
@@ -105,6 +120,8 @@ def _matches(v: Any, ann: ast.expr | None) -> bool:
     if name == "int":
         return _is_int(v) and _INT64[0] <= operator.index(v) <= _INT64[1]
     if name == "float":
+        if isinstance(v, int) and not -(2**1024) < v < 2**1024:
+            return False  # (past a double's range)
         return isinstance(v, int | float) or hasattr(v, "__float__") or hasattr(v, "__index__")
     if name == "bool":
         return isinstance(v, bool) or type(v).__name__ == "bool_"
@@ -151,6 +168,8 @@ def _problem(op: str, params: list[_Param], args: tuple, kwargs: dict) -> str | 
             v = bound[p.name]
             if _type_name(p.ann) == "int" and _is_int(v):
                 return f"[{op}] argument '{p.name}' = {operator.index(v)} does not fit int64"
+            if _type_name(p.ann) in ("float", "float | None") and isinstance(v, int):
+                return f"[{op}] argument '{p.name}' = {v} does not fit a float (double)"
             return f"[{op}] argument '{p.name}' must be {_type_name(p.ann)}, got {_describe(v)}"
     return None
 
