@@ -1565,8 +1565,8 @@ def _scatter_add(g: Gen, name: str = "") -> Call:
         m = t.shape[dd]
         need(np.all((index.a >= -m) & (index.a < m)), "range")
         out = t.a.astype(np.float64 if t.dt in FLOATS else np.int64).copy()
-        if s.dt in FLOATS and t.dt not in FLOATS and not np.all(np.isfinite(s.a)):
-            raise Skip("NaN / inf into an int: unspecified")
+        if s.dt in FLOATS and t.dt not in FLOATS and t.dt != "bool":
+            _check_int_cast(s.a, t.dt)
         sv = as_dtype(s, t.dt)
         for pos in np.ndindex(*index.shape):
             tgt = list(pos)
@@ -1600,8 +1600,8 @@ def _index_add(g: Gen, name: str = "") -> Call:
         m = t.shape[dd]
         need(np.all((index.a >= -m) & (index.a < m)), "range")
         out = t.a.astype(np.float64 if t.dt in FLOATS else np.int64).copy()
-        if s.dt in FLOATS and t.dt not in FLOATS and not np.all(np.isfinite(s.a)):
-            raise Skip("NaN / inf into an int: unspecified")
+        if s.dt in FLOATS and t.dt not in FLOATS and t.dt != "bool":
+            _check_int_cast(s.a, t.dt)
         sv = as_dtype(s, t.dt)
         for j, i in enumerate(index.a.reshape(-1)):
             sl = [slice(None)] * t.ndim
@@ -1783,11 +1783,19 @@ def _fills(g: Gen, name: str = "") -> Call:
     return Call("method:copy_", [x, src], ref=ref_copy, inplace=True)
 
 
+def _check_int_cast(v: np.ndarray, dt: str) -> None:
+    """A float to int cast of NaN, inf or a value out of dt's range is unspecified (C's and
+    PyTorch's): Skip."""
+    lo, hi = {"uint8": (0, 255), "int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}[dt]
+    with np.errstate(all="ignore"):
+        if not np.all(np.isfinite(v)) or np.any(np.trunc(v) < lo) or np.any(np.trunc(v) > hi):
+            raise Skip("a float to int cast out of range: unspecified")
+
+
 def _cast(t: A, dt: str) -> A:
     """t cast to dt as astype does (floats to ints truncate; NaN to an int is not compared)."""
     if t.dt in FLOATS and dt not in FLOATS and dt != "bool":
-        if not np.all(np.isfinite(t.a)):
-            raise Skip("NaN / inf into an int: unspecified")
+        _check_int_cast(t.a, dt)
         return A(round_to(np.trunc(t.a), dt), dt)
     if dt == "bool":
         return A(np.asarray(t.a).astype(bool), dt)
@@ -2188,8 +2196,7 @@ def _to(g: Gen, name: str = "") -> Call:
         def ref(t: A, *given: Any) -> A:
             dt = dtype_name(given[0]) if given else dt0
             if t.dt in FLOATS and dt not in FLOATS and dt != "bool":
-                if np.any(~np.isfinite(t.a)):
-                    raise Skip("NaN to int is unspecified")
+                _check_int_cast(t.a, dt)
             v = t.a
             if t.dt in FLOATS and dt not in FLOATS and dt != "bool":
                 v = np.trunc(v)
