@@ -890,6 +890,7 @@ NB_MODULE(_tensor, m) {
         }
         new (self) Tensor(nb::cast<const Tensor&>(other));
       },
+      nb::sig("def __init__(self, other: Tensor) -> None"),
       "A new handle to the same tensor (used by Parameter).");
   T.def_prop_ro(
       "shape", [](const Tensor& t) { return shape_tuple(t.shape()); }, "The shape, a tuple.");

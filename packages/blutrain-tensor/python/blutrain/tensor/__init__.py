@@ -16,6 +16,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
+import sys
 import types
 from collections import namedtuple
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -1114,6 +1115,9 @@ for _name in __all__:
     _obj = globals().get(_name)
     if isinstance(_obj, types.FunctionType):
         globals()[_name] = _public_op(_obj, _name)
+        _home = sys.modules.get(_obj.__module__)
+        if _home is not None and getattr(_home, _name, None) is _obj:  # bt.cuda.x is bt.x
+            setattr(_home, _name, globals()[_name])
 for _name, _op_name in {
     "max": "max",
     "min": "min",
