@@ -1207,6 +1207,7 @@ def main(argv: list[str]) -> int:
     r.add_argument("--cases", type=int, default=int(os.environ.get("BT_FUZZ_CASES", "3000")))
     r.add_argument("--device", default="cpu")
     r.add_argument("--workers", type=int, default=2)
+    r.add_argument("--chunk", type=int, default=400, help="cases per worker process")
     a = ap.parse_args(argv)
     if a.cmd == "worker":
         worker(a.seed, a.start, a.count, a.device)
@@ -1222,7 +1223,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps(run_case(a.seed, a.index, a.device), indent=1))
         return 0
     seed = a.seed if a.seed is not None else random.randrange(1 << 31)
-    rep = run(seed, a.cases, a.device, a.workers)
+    print(f"fuzz: seed {seed}, {a.cases} cases on {a.device}", flush=True)
+    rep = run(seed, a.cases, a.device, a.workers, a.chunk)
     for f in rep.failures:
         print(format_failure(f))
     print(rep.summary())
