@@ -1007,7 +1007,9 @@ def worker(seed: int, start: int, count: int, device: str) -> None:
     if device == "cpu":
         import resource
 
-        limit = 6 << 30  # bytes: a huge allocation fails as an error instead of swapping
+        # bytes of address space (a worker peaks near 0.4 GiB): a huge allocation fails at once
+        # as an error, instead of swapping or filling 2**31 elements past the hang timeout
+        limit = 2 << 30
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     sys.path.insert(0, str(HERE))
     import blutrain.tensor as bt
