@@ -247,7 +247,7 @@ def T(
     base_shape, view = _layout_base(shape, layout)
     vals = _values(base_shape, dtype, fill, rng)
     if src != "own" and dtype != "bfloat16":
-        arr = np.ascontiguousarray(vals.astype(NP_OF[dtype]))
+        arr = np.asarray(vals).astype(NP_OF[dtype], order="C")  # (ascontiguousarray: 0-d -> 1-d)
         if src == "ro":
             arr.flags.writeable = False
         t = bt.from_dlpack(arr) if src == "dl" else bt.from_numpy(arr)
