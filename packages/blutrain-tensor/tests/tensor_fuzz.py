@@ -61,6 +61,8 @@ CASE_TIMEOUT_S = float(os.environ.get("BT_FUZZ_CASE_TIMEOUT", "30"))  # silent t
 #   BT_FUZZ_WORKER_PREFIX="compute-sanitizer --tool memcheck --error-exitcode 86"
 # A sanitizer report ("=========" lines) fails the case it was printed during.
 WORKER_PREFIX = os.environ.get("BT_FUZZ_WORKER_PREFIX", "").split()
+# What compute-sanitizer prints in every process, errors or not (its first and last lines).
+SANITIZER_BANNERS = ("========= COMPUTE-SANITIZER", "========= ERROR SUMMARY: 0 errors")
 DEVICE = "cpu"  # the worker's device (set by the worker)
 
 
@@ -1138,6 +1140,8 @@ def _drive_range(
                     start = end
                 break
             if line.startswith("========="):  # a sanitizer's report: fails the case it ran in
+                if line.strip() == "=========" or line.startswith(SANITIZER_BANNERS):
+                    continue
                 with lock:
                     at = current if current is not None else last
                     rep.failures.append(_failure(seed, at, device, "sanitizer", line.strip()))
