@@ -26,10 +26,10 @@ __global__ void softmax_forward_v1(const T* __restrict__ x, T* __restrict__ y, i
   A s = 0;
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) s += exp(load_math(p + i) - m);
   s = block_sum(s, scratch);
-  const A lse = m + log(s), inv = A(1) / s;
+  const A ls = log(s), inv = A(1) / s;
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
     const A v = load_math(p + i);
-    q[i] = convert<T>(lg ? v - lse : exp(v - m) * inv);
+    q[i] = convert<T>(lg ? (v - m) - ls : exp(v - m) * inv);
   }
 }
 

@@ -227,10 +227,18 @@ void set_requires_grad(const Tensor& t, bool value) {
 void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads_in,
                   bool retain_graph) {
   GradModeGuard no_grad(false);  // gradients are computed without building a graph
+  OpScope scope("backward");      // (a vjp's error names the call: Note [the op the user called])
   std::vector<Edge> root_edges;
   std::vector<Tensor> root_grads;
+  if (grads_in.size() > roots.size()) {
+    throw ValueError("[backward] got " + std::to_string(grads_in.size()) + " gradients for " +
+                     std::to_string(roots.size()) + " tensors");
+  }
   for (size_t i = 0; i < roots.size(); ++i) {
     const Tensor& r = roots[i];
+    if (!r.defined()) {
+      throw TypeError("[backward] tensors[" + std::to_string(i) + "] is None, not a Tensor");
+    }
     if (!r.requires_grad()) {
       throw RuntimeError("[backward] element " + std::to_string(i) +
                          " of tensors does not require grad and has no grad_fn");
@@ -247,6 +255,14 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
     } else if (g.shape() != r.shape()) {
       throw RuntimeError("[backward] gradient has shape " + shape_str(g.shape()) +
                          " but the output has shape " + shape_str(r.shape()));
+    } else if (g.device() != r.device()) {
+      throw ValueError("[backward] gradient is on " + g.device().str() + " but the output is on " +
+                       r.device().str());
+    } else if (!is_floating(g.dtype())) {
+      throw TypeError(std::string("[backward] gradient must be floating, got ") +
+                      dtype_name(g.dtype()));
+    } else if (g.dtype() != r.dtype()) {
+      g = astype(g, r.dtype());  // (as PyTorch: a root gradient takes its output's dtype)
     }
     root_edges.push_back(gradient_edge(r));
     root_grads.push_back(g);

@@ -20,6 +20,7 @@ void check_device_match(const Tensor& a, const Tensor& b, const char* op) {
 std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual,
                                          const Tensor& weight, const Tensor& bias, double eps,
                                          bool recompute, const Tensor& residual_bias) {
+  OpScope scope("add_layer_norm");  // Note [the op the user called]
   const char* op = "add_layer_norm";
   if (!x.defined() || !residual.defined()) throw ValueError("[add_layer_norm] undefined input");
   if (!is_floating(x.dtype())) {

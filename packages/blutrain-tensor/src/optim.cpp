@@ -64,6 +64,7 @@ void check_list_tensor(const Tensor& t, const char* op, const char* list, size_t
     throw ValueError(std::string("[") + op + "] " + at(list, i) +
                      " is not contiguous (the multi-tensor kernels need dense tensors)");
   }
+  check_writable(t, op);
 }
 
 void bump(const Tensor& t) {

@@ -170,8 +170,9 @@ void mark_recompute(const Tensor& out, const char* op, std::vector<Tensor> input
 }
 
 bool donatable(const Tensor& saved) {
+  // (never foreign memory: a numpy array or DLPack producer still owns and may read it)
   return saved.defined() && !saved.is_symbolic() && saved.impl_ptr().use_count() == 1 &&
-         storage_only_via(saved);
+         !saved.storage()->foreign() && storage_only_via(saved);
 }
 
 // Output 0 of a primitive that overwrites input k: input k's memory, as a fresh contiguous
@@ -188,8 +189,18 @@ static Tensor donated_output(const Primitive& prim, const Tensor& in, const Shap
   return make_view(in, shape, in.strides(), in.offset());
 }
 
-std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Tensor>& inputs,
+std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Tensor>& inputs_in,
                           const std::vector<std::pair<Shape, DType>>& out_meta, Device device) {
+  // Note [dense side inputs]: a copy only for a declared input that is not contiguous.
+  std::vector<Tensor> dense;
+  for (size_t i = 0; i < inputs_in.size(); ++i) {
+    const Tensor& t = inputs_in[i];
+    if (t.defined() && prim->contiguous_input(i) && !t.is_contiguous()) {
+      if (dense.empty()) dense = inputs_in;
+      dense[i] = contiguous(t);
+    }
+  }
+  const std::vector<Tensor>& inputs = dense.empty() ? inputs_in : dense;
   for (size_t i = 0; i < inputs.size(); ++i) {
     const Tensor& t = inputs[i];
     if (t.defined() && t.device() != device) {
@@ -478,7 +489,7 @@ std::vector<Tensor> Where::vjp(const VjpArgs& a) {
   return {Tensor(), a.needs[1] ? where(c, g, z) : Tensor(), a.needs[2] ? where(c, z, g) : Tensor()};
 }
 std::vector<Tensor> MaskedFill::vjp(const VjpArgs& a) {
-  return {masked_fill(a.cotangents[0], a.inputs[1], 0.0), Tensor()};
+  return {masked_fill(a.cotangents[0], a.inputs[1], Scalar::floating(0.0)), Tensor()};
 }
 
 // Reductions ----------------------------------------------------------------------------------

@@ -65,6 +65,15 @@ struct VjpArgs {
 // The kernels read each element before the same thread writes it.
 bool donatable(const Tensor& saved);
 
+// Note [dense side inputs]
+// A fused op's side tensors (a linear's bias in the GEMM epilogue, a qkv bias, a target vector)
+// are read by the CPU and CUDA kernels alike as plain vectors: element j at ptr[j].  A strided or
+// expanded one (bias[::2], ones(1).expand(C)) would be read wrong, or past its memory.  Rather
+// than each kernel checking, the primitive says which inputs must be dense (contiguous_input) and
+// apply() copies those, once for every backend, only when they are not contiguous: the common
+// call pays one is_contiguous() per side input.  The copy is an op (recorded, differentiable), so
+// gradients reach the caller's tensor.
+
 // Note [recomputed activations]
 // A cheap op's output that the next op saves for its backward (a layer norm's output, which the
 // following linear keeps for its weight gradient: B*T*C elements per norm and layer) can instead
@@ -163,6 +172,9 @@ class Primitive {
   // A cast: its vjp only converts the cotangent to input 0's dtype, so it may be given one in that
   // dtype already (Note [cached casts]).
   virtual bool is_cast() const { return false; }
+  // Whether every backend's kernel reads input i as a dense contiguous buffer (Note [dense side
+  // inputs]): apply() then hands it a contiguous copy when it is not.
+  virtual bool contiguous_input(size_t i) const { return false; }
   virtual void attrs(Attrs& a) const {}
 };
 
@@ -174,22 +186,31 @@ class Primitive {
   std::vector<Tensor> vjp(const VjpArgs& a) override;
 
 // ---- creation ------------------------------------------------------------------------------
+// A scalar attribute for capture: an int or bool keeps its exact int64, a float its double.
+inline AttrValue scalar_attr(const Scalar& s) {
+  return s.integral() ? AttrValue(s.i) : AttrValue(s.v);
+}
 class Full : public Primitive {
   BT_PRIM_BODY(Full, "full")
-  explicit Full(double v) : value(v) {}
+  explicit Full(double v) : value(Scalar::floating(v)) {}
+  explicit Full(Scalar v) : value(v) {}
   bool differentiable() const override { return false; }
-  void attrs(Attrs& a) const override { a["value"] = value; }
-  double value;
+  void attrs(Attrs& a) const override { a["value"] = scalar_attr(value); }
+  Scalar value;  // exact for integers (Scalar::as)
 };
+// out[i] = start + i * step.  Integral start and step (exact()) run in int64 (the front checked
+// every value fits), else in double.
 class Arange : public Primitive {
   BT_PRIM_BODY(Arange, "arange")
-  Arange(double s, double st) : start(s), step(st) {}
+  Arange(double s, double st) : start(Scalar::floating(s)), step(Scalar::floating(st)) {}
+  Arange(Scalar s, Scalar st) : start(s), step(st) {}
   bool differentiable() const override { return false; }
   void attrs(Attrs& a) const override {
-    a["start"] = start;
-    a["step"] = step;
+    a["start"] = scalar_attr(start);
+    a["step"] = scalar_attr(step);
   }
-  double start, step;
+  bool exact() const { return start.integral() && step.integral(); }
+  Scalar start, step;
 };
 // Random numbers: Philox4x32-10 keyed by `seed`; element i of the output uses counter
 // (offset + i / 4, 0, 0, 0) and takes word i % 4 (see random.h), so any backend gives the same
@@ -206,12 +227,18 @@ class Random : public Primitive {
                                                         : "int");
     at["seed"] = static_cast<int64_t>(seed);
     at["offset"] = static_cast<int64_t>(offset);
-    at["a"] = a;
+    at["a"] = a;  // every kind records every attribute: one schema entry (schema.cpp)
     at["b"] = b;
+    at["low"] = int_low;  // Int's exact bounds (a and b are their doubles)
+    at["high"] = static_cast<int64_t>(static_cast<uint64_t>(int_low) + int_range);
   }
   RandKind kind;
   uint64_t seed, offset;
-  double a, b;  // uniform [a, b); normal mean a, std b; int [a, b)
+  double a, b;  // uniform [a, b); normal mean a, std b
+  // Int: low + bits % range, in int64 (exact for any low: the front checked 1 <= range <= 2^32
+  // and that every value fits the dtype).
+  int64_t int_low = 0;
+  uint64_t int_range = 1;
 };
 
 // ---- copies --------------------------------------------------------------------------------
@@ -379,9 +406,9 @@ class Where : public Primitive {  // inputs: cond (bool), a, b, all broadcast
 };
 class MaskedFill : public Primitive {  // inputs: x, mask (bool, broadcast to x)
   BT_PRIM_BODY(MaskedFill, "masked_fill")
-  explicit MaskedFill(double v) : value(v) {}
-  void attrs(Attrs& a) const override { a["value"] = value; }
-  double value;
+  explicit MaskedFill(Scalar v) : value(v) {}
+  void attrs(Attrs& a) const override { a["value"] = scalar_attr(value); }
+  Scalar value;  // the front checked it fits x's dtype
 };
 
 // ---- reductions ----------------------------------------------------------------------------
@@ -421,12 +448,18 @@ class ArgReduce : public Primitive {  // argmax / argmin over one dim
 };
 
 // ---- indexing, joining ---------------------------------------------------------------------
+// embedding: the indices must be in [0, size) (negative ones are errors, as PyTorch's
+// embedding; index_select counts them from the end), and errors name embedding.
 class IndexSelect : public Primitive {  // inputs: x, index (int, 1-D)
   BT_PRIM_BODY(IndexSelect, "index_select")
-  explicit IndexSelect(int64_t d) : dim(d) {}
+  explicit IndexSelect(int64_t d, bool emb = false) : dim(d), embedding(emb) {}
   bool takes_pending_gradient(size_t i) const override { return i == 0; }
-  void attrs(Attrs& a) const override { a["dim"] = dim; }
+  void attrs(Attrs& a) const override {
+    a["dim"] = dim;
+    a["embedding"] = embedding;
+  }
   int64_t dim;
+  bool embedding;
 };
 // out = base; out.index_add_(dim, index, src).  over_base: out is written over base's memory
 // (a fresh zero base no one else holds: IndexSelect's vjp; Note [donating a saved input]).
@@ -534,6 +567,7 @@ class Dropout : public Primitive {
 class Matmul : public Primitive {
   BT_PRIM_BODY(Matmul, has_bias ? "linear" : "matmul")
   explicit Matmul(bool tb = false, bool bias = false) : trans_b(tb), has_bias(bias) {}
+  bool contiguous_input(size_t i) const override { return i == 2; }  // the bias
   void attrs(Attrs& a) const override {
     a["trans_b"] = trans_b;
     a["bias"] = has_bias;

@@ -26,6 +26,8 @@ const char* attr_type_name(AttrType t) {
       return "ints";
     case AttrType::Floats:
       return "floats";
+    case AttrType::Scalar:
+      return "scalar";
   }
   return "?";
 }
@@ -44,6 +46,10 @@ using Make = std::function<std::shared_ptr<Primitive>(const Attrs&)>;
 
 int64_t I(const Attrs& a, const char* k) { return std::get<int64_t>(a.at(k)); }
 double F(const Attrs& a, const char* k) { return std::get<double>(a.at(k)); }
+Scalar SC(const Attrs& a, const char* k) {  // an AT::Scalar: exact int64, or a double
+  const AttrValue& v = a.at(k);
+  return v.index() == 0 ? Scalar::integer(std::get<int64_t>(v)) : Scalar::floating(std::get<double>(v));
+}
 bool B(const Attrs& a, const char* k) { return std::get<bool>(a.at(k)); }
 const std::string& S(const Attrs& a, const char* k) { return std::get<std::string>(a.at(k)); }
 const std::vector<int64_t>& Is(const Attrs& a, const char* k) {
@@ -81,12 +87,12 @@ std::vector<OpSchema> build() {
   };
 
   // ---- creation
-  add("full", "Full", {{"value", AT::Float}}, [](const Attrs& a) { return mk<Full>(F(a, "value")); });
-  add("arange", "Arange", {{"start", AT::Float}, {"step", AT::Float}},
-      [](const Attrs& a) { return mk<Arange>(F(a, "start"), F(a, "step")); });
+  add("full", "Full", {{"value", AT::Scalar}}, [](const Attrs& a) { return mk<Full>(SC(a, "value")); });
+  add("arange", "Arange", {{"start", AT::Scalar}, {"step", AT::Scalar}},
+      [](const Attrs& a) { return mk<Arange>(SC(a, "start"), SC(a, "step")); });
   add("random", "Random",
       {{"kind", AT::String}, {"seed", AT::Int}, {"offset", AT::Int}, {"a", AT::Float},
-       {"b", AT::Float}},
+       {"b", AT::Float}, {"low", AT::Int}, {"high", AT::Int}},
       [](const Attrs& a) {
         const std::string& k = S(a, "kind");
         RandKind kind = k == "uniform" ? RandKind::Uniform
@@ -94,8 +100,12 @@ std::vector<OpSchema> build() {
                         : k == "int"    ? RandKind::Int
                                         : throw ValueError("[replay] random: unknown kind '" + k +
                                                            "'");
-        return mk<Random>(kind, static_cast<uint64_t>(I(a, "seed")),
-                          static_cast<uint64_t>(I(a, "offset")), F(a, "a"), F(a, "b"));
+        auto p = std::make_shared<Random>(kind, static_cast<uint64_t>(I(a, "seed")),
+                                          static_cast<uint64_t>(I(a, "offset")), F(a, "a"),
+                                          F(a, "b"));
+        p->int_low = I(a, "low");
+        p->int_range = static_cast<uint64_t>(I(a, "high")) - static_cast<uint64_t>(p->int_low);
+        return std::shared_ptr<Primitive>(p);
       });
 
   // ---- copies (to_device's transfer is run by Graph::replay through the to_device front)
@@ -136,8 +146,8 @@ std::vector<OpSchema> build() {
     add(binary_name(op), "Binary", {}, [op](const Attrs&) { return mk<Binary>(op); });
   }
   add("where", "Where", {}, [](const Attrs&) { return mk<Where>(); });
-  add("masked_fill", "MaskedFill", {{"value", AT::Float}},
-      [](const Attrs& a) { return mk<MaskedFill>(F(a, "value")); });
+  add("masked_fill", "MaskedFill", {{"value", AT::Scalar}},
+      [](const Attrs& a) { return mk<MaskedFill>(SC(a, "value")); });
 
   // ---- reductions
   for (int i = 0; i < 64; ++i) {
@@ -156,8 +166,8 @@ std::vector<OpSchema> build() {
   }
 
   // ---- indexing, joining
-  add("index_select", "IndexSelect", {{"dim", AT::Int}},
-      [](const Attrs& a) { return mk<IndexSelect>(I(a, "dim")); });
+  add("index_select", "IndexSelect", {{"dim", AT::Int}, {"embedding", AT::Bool}},
+      [](const Attrs& a) { return mk<IndexSelect>(I(a, "dim"), B(a, "embedding")); });
   add("index_add", "IndexAdd", {{"dim", AT::Int}, {"over_base", AT::Bool}},
       [](const Attrs& a) { return mk<IndexAdd>(I(a, "dim"), B(a, "over_base")); },
       kDeterministic);
@@ -380,7 +390,8 @@ void check_attrs(const OpSchema& s, const Attrs& attrs, const char* who) {
       throw RuntimeError(pre + "attribute '" + name + "' (" + attr_type_name(type) +
                          ") is missing from the node (schema.cpp lists it)");
     }
-    if (attr_type_of(it->second) != type) {
+    const AttrType got = attr_type_of(it->second);
+    if (got != type && !(type == AttrType::Scalar && (got == AttrType::Int || got == AttrType::Float))) {
       throw RuntimeError(pre + "attribute '" + name + "' is " +
                          attr_type_name(attr_type_of(it->second)) + ", the schema says " +
                          attr_type_name(type));

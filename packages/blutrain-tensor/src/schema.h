@@ -20,7 +20,8 @@
 
 namespace bt {
 
-enum class AttrType { Int, Float, Bool, String, Ints, Floats };
+// Scalar: an int (exact int64) or a float, as the value was given (fill values, arange bounds).
+enum class AttrType { Int, Float, Bool, String, Ints, Floats, Scalar };
 const char* attr_type_name(AttrType t);
 // The AttrType of a value's variant alternative.
 AttrType attr_type_of(const AttrValue& v);

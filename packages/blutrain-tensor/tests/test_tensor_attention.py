@@ -561,7 +561,7 @@ def test_qkv_attention_composes_where_the_kernels_do_not_run(rng):
         bt.qkv_attention(x, bt.zeros((20, 8)), None, 2)
     with pytest.raises(ValueError, match=r"\[qkv_attention\] input must be \(B, T, C\)"):
         bt.qkv_attention(bt.zeros((5, 8)), w, None, 2)
-    with pytest.raises(ValueError, match=r"\[linear\] input of shape"):
+    with pytest.raises(ValueError, match=r"\[qkv_attention\] input of shape"):  # (its linear's)
         bt.qkv_attention(bt.zeros((2, 5, 7)), w, None, 2)
-    with pytest.raises(ValueError, match=r"\[linear\] bias has shape"):
+    with pytest.raises(ValueError, match=r"\[qkv_attention\] bias has shape"):
         bt.qkv_attention(x, w, bt.zeros((5,)), 2)

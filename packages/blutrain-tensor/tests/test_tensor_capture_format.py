@@ -48,7 +48,7 @@ def test_every_enum_kind_of_op_has_a_schema_entry():
 
 def test_schema_entries_are_well_formed():
     ops = bt.op_schemas()
-    kinds = {"int", "float", "bool", "str", "ints", "floats"}
+    kinds = {"int", "float", "bool", "str", "ints", "floats", "scalar"}
     for op, s in ops.items():
         assert set(s["attrs"].values()) <= kinds, op
         assert set(s["numerics"]) <= {"matmul_precision", "deterministic"}, op

@@ -457,7 +457,7 @@ def test_replay_checks_its_inputs():
 
 
 def test_stale_view_after_an_inplace_write_raises():
-    with pytest.raises(RuntimeError, match=r"\[capture\] .*written in place after it was made"):
+    with pytest.raises(RuntimeError, match=r"\[mul\] .*written in place after it was made"):
         with bt.capture():
             a = bt.ones(4) * 2
             v = a[1:3]
@@ -468,7 +468,7 @@ def test_stale_view_after_an_inplace_write_raises():
 def test_symbolic_tensor_of_an_ended_capture_raises():
     with bt.capture():
         s = bt.ones(2) * 2
-    with pytest.raises(RuntimeError, match=r"\[capture\] a symbolic tensor"):
+    with pytest.raises(RuntimeError, match=r"\[add\] a symbolic tensor"):
         with bt.capture():
             s + 1
 

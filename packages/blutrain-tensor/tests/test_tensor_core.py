@@ -158,7 +158,9 @@ def test_arange_and_item():
     assert bt.arange(3, dtype=bt.float64).dtype == bt.float64
     assert bt.arange(5, 0, 1).tolist() == []  # an empty range, as numpy's
     with pytest.raises(ValueError, match=r"\[arange\] the range .* more than int64 can count"):
-        bt.arange(2**70)  # (was an empty tensor: an out-of-range double -> int64 cast)
+        bt.arange(2.0**70)  # (was an empty tensor: an out-of-range double -> int64 cast)
+    with pytest.raises(ValueError, match=r"\[arange\] the integer operand .* does not fit int64"):
+        bt.arange(2**70)
     with pytest.raises(RuntimeError, match=r"\[item\] a tensor with 3 elements"):
         bt.ones(3).item()
 

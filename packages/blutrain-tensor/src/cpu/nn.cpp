@@ -63,11 +63,12 @@ BT_CPU_CLONES double row_exp_sum(const T* p, int64_t C, A m, double* sum_x = nul
   return r;
 }
 
-// q = exp(p - m) * inv (softmax) or p - lse (log_softmax), one row.
+// q = exp(p - m) * inv (softmax) or (p - m) - log(s) (log_softmax: m + log(s) first would round
+// log(s) away for a large m), one row.
 template <typename A, typename T>
-BT_CPU_CLONES void softmax_row_out(const T* p, T* q, int64_t C, A m, A inv, A lse, bool lg) {
+BT_CPU_CLONES void softmax_row_out(const T* p, T* q, int64_t C, A m, A inv, A log_s, bool lg) {
   if (lg) {
-    for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>(static_cast<A>(p[i]) - lse);
+    for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>((static_cast<A>(p[i]) - m) - log_s);
   } else {
     for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>(exp_c(static_cast<A>(p[i]) - m) * inv);
   }
@@ -89,7 +90,7 @@ void Softmax::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) 
       A m = row_max<A>(p, C);
       if (std::isinf(m) && m < 0) m = 0;  // an all -inf row gives nan (softmax), -inf (log)
       const double s = row_exp_sum<A>(p, C, m);
-      softmax_row_out<A>(p, q, C, m, static_cast<A>(1.0 / s), m + static_cast<A>(std::log(s)), lg);
+      softmax_row_out<A>(p, q, C, m, static_cast<A>(1.0 / s), static_cast<A>(std::log(s)), lg);
     });
   });
 }

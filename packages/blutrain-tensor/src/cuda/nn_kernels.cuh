@@ -33,13 +33,14 @@ __global__ void softmax_forward_v2(const T* __restrict__ x, T* __restrict__ y, i
   });
   block_ms(m, s, scratch);
   if (m == -INFINITY) m = 0;
-  const A lse = m + log(s), inv = A(1) / s;
+  // log_softmax as (v - m) - log(s): m + log(s) first would round log(s) away for a large m
+  const A ls = log(s), inv = A(1) / s;
   row_chunks<V>(p, C, [&](int64_t i, auto n) {
     constexpr int N = decltype(n)::value;
     A v[N];
     load_n<N>(p + i, v);
 #pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = lg ? v[k] - lse : exp(v[k] - m) * inv;
+    for (int k = 0; k < N; ++k) v[k] = lg ? (v[k] - m) - ls : exp(v[k] - m) * inv;
     store_n<N>(q + i, v);
   });
 }
@@ -80,13 +81,13 @@ __global__ void softmax_forward_v3(const T* __restrict__ x, T* __restrict__ y, i
     }
   }
   s = warp_sum(s);
-  const A lse = m + log(s), inv = A(1) / s;
+  const A ls = log(s), inv = A(1) / s;
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int64_t c = v3_col<V>(j, lane);
     if (c < C) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) v[j][k] = lg ? v[j][k] - lse : v[j][k] * inv;
+      for (int k = 0; k < V; ++k) v[j][k] = lg ? (v[j][k] - m) - ls : v[j][k] * inv;
       store_n<V>(y + row * C + c, v[j]);
     }
   }

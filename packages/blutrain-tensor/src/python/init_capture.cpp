@@ -72,6 +72,11 @@ AttrValue py_to_attr(nb::handle h, AttrType t, const std::string& where) {
       }
       return r;
     }
+    case AttrType::Scalar:  // an int stays an exact int64, a float a double
+      if (is_bool) return bad();
+      if (nb::isinstance<nb::int_>(h)) return nb::cast<int64_t>(h);
+      if (nb::isinstance<nb::float_>(h)) return nb::cast<double>(h);
+      return bad();
     case AttrType::Floats: {
       if (!(nb::isinstance<nb::list>(h) || nb::isinstance<nb::tuple>(h))) return bad();
       std::vector<double> r;

@@ -80,7 +80,7 @@ def _dec_attrs(op: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in attrs.items():
         t = types.get(k)
-        if t == "float":
+        if t == "float" or (t == "scalar" and not isinstance(v, int)):
             v = _dec_float(v, f"{op}.{k}")
         elif t == "floats" and isinstance(v, list):
             v = [_dec_float(x, f"{op}.{k}") for x in v]
