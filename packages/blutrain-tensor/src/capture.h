@@ -42,7 +42,7 @@
 namespace bt {
 
 // Version of the serialized form (docs/graph_format.md); bump on any change to its meaning.
-constexpr int kGraphSchemaVersion = 1;
+constexpr int kGraphSchemaVersion = 2;
 
 struct CaptureValue {
   int64_t id;

@@ -67,6 +67,11 @@ EXEMPT = {
     "RemovableHandle": "returned by register_hook; its remove() takes no arguments",
     "FunctionCtx": "handed to Function.forward; exercised by the Function scenarios",
     "Graph": "made by capture(); exercised by the capture scenarios",
+    "is_capturing": "no arguments; a bool",
+    "op_schemas": "no arguments; the schema table (test_tensor_capture_format.py checks it)",
+    "load_graph": "documents, not tensors: malformed ones (every key missing, mistyped, "
+    "truncated, unknown ops) are test_tensor_capture_format.py's bad-document cases",
+    "Tensor.record_stream": "CUDA streams only; test_tensor_flat_buffers.py's GPU tests",
     "Node": "an autograd node (grad_fn); exercised by the autograd scenarios",
     "dtype": "the dtype enum (dtype arguments are fuzzed everywhere)",
     "no_grad": "a context manager without arguments (used by the autograd scenarios)",

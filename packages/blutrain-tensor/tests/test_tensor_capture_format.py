@@ -215,7 +215,7 @@ def test_hash_ignores_names_and_the_generators_position_but_not_the_program():
 # The hash of a small fixed program, written down: a change here means the same program hashes
 # differently on other machines or versions. Update it only with a schema_version bump (or a
 # deliberate change of the hash, noted in docs/graph_format.md).
-GOLDEN_HASH = "9b1523dd643c14b403d84f8e478b88550e754329d09204861495752e93bcbafe"
+GOLDEN_HASH = "9c3a22fac2df012deeb53efde22e9ec18d1cdaaffa0c2ac70e2bd92d526adf92"  # schema v2
 
 
 def test_golden_hash():
