@@ -574,6 +574,9 @@ class GPT2(_Precision, nn.Module):
             raise ValueError("[GPT2] idx is empty (T = 0)")
         tr = self.transformer
         dt = self._compute
+        exp = getattr(self, "residual_experiment", None)
+        if exp and dt is not None:
+            return self._hidden_states_exp(idx, exp)
         if wte is None:
             wte = _cast(tr.wte.weight, dt)
         x = bt.embedding(idx, wte) + bt.embedding(self._positions(T), _cast(tr.wpe.weight, dt))
@@ -615,6 +618,32 @@ class GPT2(_Precision, nn.Module):
             rln = last is not None and "ln" in last.recompute
             h = _ln(_cast(x, dt), tr.ln_f, dt, rln)
         return _cast(h, dt) if dt is not None else h
+
+    def _hidden_states_exp(self, idx: bt.Tensor, mode: str) -> bt.Tensor:
+        """EXPERIMENT (issue 38). mode "float32": autocast's dtypes (float32 embeddings and
+        residual stream, float32 layer norms with float32 parameters, their outputs cast to the
+        compute dtype); "ln32": the residual stream in the compute dtype, layer norms as
+        "float32"."""
+        tr = self.transformer
+        B, T = idx.shape
+        dt = self._compute
+        rdt = bt.float32 if mode == "float32" else dt
+        x = bt.embedding(idx, _cast(tr.wte.weight, rdt)) + bt.embedding(
+            self._positions(T), _cast(tr.wpe.weight, rdt)
+        )
+        fused = self._wants_fused(x)
+
+        def ln(v: bt.Tensor, m: nn.LayerNorm, d: Any) -> bt.Tensor:
+            v = _cast(v, bt.float32)
+            return _cast(bt.layer_norm(v, m.normalized_shape, m.weight, m.bias, m.eps), d)
+
+        for b in tr.h:
+            bdt = b._compute
+            b.attn.fused = fused and hasattr(bt, "qkv_attention")
+            b.mlp.fused = fused and hasattr(bt, "linear_gelu_linear")
+            x = x + _cast(b.attend(ln(x, b.ln_1, bdt)), rdt)
+            x = x + _cast(b.mlp(ln(x, b.ln_2, bdt)), rdt)
+        return ln(x, tr.ln_f, dt)
 
     def head(self, x: bt.Tensor) -> bt.Tensor:
         """Logits (..., vocab_size) of hidden states x (..., C): the tied head, padding dropped."""
