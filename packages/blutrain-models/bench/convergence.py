@@ -9,9 +9,10 @@ scripts/gpu.sh runs).
     python bench/convergence.py --device cpu --model 2x4x64 -B 2 -T 64 --steps 20 \
         --runs torch:fp32,ours:fp32,torch:bf16,ours:bf16 --compact-vocab  # a CPU smoke run
 
-Runs are framework:precision (ours|torch, fp32|tf32|bf16), optionally ours:bf16/VARIANT with an
-experimental model variant (issue 38; GPT2._hidden_states_exp): res32 = autocast's dtypes (float32
-embeddings, residual stream and layer norms), ln32 = float32 layer norms on a bf16 residual.
+Runs are framework:precision (ours|torch, fp32|tf32|bf16), optionally ours:PREC/VARIANT[+...]
+with experimental variants (issue 38): res32 = autocast's dtypes (float32 embeddings, residual
+stream and layer norms; GPT2._hidden_states_exp), ln32 = float32 layer norms on a bf16 residual,
+unfused = fused=False (no add_layer_norm, linear_gelu_linear, qkv_attention, linear_cross_entropy).
 
 Per run: the training loss and the gradient norm of every step, the validation loss (the whole
 val split) every --eval-every steps, tokens/s, and at each --checkpoints step the norms of every
@@ -144,11 +145,15 @@ class Ours:
         from blutrain.models.trainer import make_adamw
 
         self.bt, self.device, self.precision = bt, a.device, precision
+        flags = set(variant.split("+")) - {""}
         fused = {"auto": None, "on": True, "off": False}[a.ours_fused]
+        if "unfused" in flags:
+            fused = False
         self.model = GPT2(cfg, device=a.device, init=False, precision=precision, fused=fused)
         self.model.load_state_dict(state)
-        if variant:  # EXPERIMENT (issue 38): see GPT2._hidden_states_exp
-            self.model.residual_experiment = {"res32": "float32", "ln32": "ln32"}[variant]
+        for f, mode in (("res32", "float32"), ("ln32", "ln32")):
+            if f in flags:  # EXPERIMENT (issue 38): see GPT2._hidden_states_exp
+                self.model.residual_experiment = mode
         set_matmul_precision(precision)
         self.named = list(self.model.named_parameters())
         self.params = [p for _, p in self.named]
@@ -291,7 +296,7 @@ class Torch:
 
 
 FRAMEWORKS = {"ours": Ours, "torch": Torch}
-VARIANTS = {"ours": ("", "res32", "ln32"), "torch": ("",)}
+VARIANTS = {"ours": ("res32", "ln32", "unfused"), "torch": ()}
 
 
 def split_name(name: str) -> tuple[str, str, str]:
@@ -309,8 +314,15 @@ def make_run(name: str, cfg: Any, state: dict, a: argparse.Namespace) -> Any:
 # -- one run -----------------------------------------------------------------------------------
 
 
+def sumsq(v: np.ndarray) -> float:
+    """sum(v * v) of a float32 array: BLAS's dot (float32 sums: ample for these ratios; a
+    float64 copy of GPT-2's wte would cost 1.2 GB and seconds per call)."""
+    f = np.ascontiguousarray(v, dtype=np.float32).ravel()
+    return float(np.dot(f, f))
+
+
 def norms(d: dict[str, np.ndarray]) -> dict[str, float]:
-    return {n: float(np.linalg.norm(v.astype(np.float64).ravel())) for n, v in d.items()}
+    return {n: math.sqrt(sumsq(v)) for n, v in d.items()}
 
 
 def sync(dev: str) -> None:
@@ -327,6 +339,27 @@ def sync(dev: str) -> None:
             torch.cuda.synchronize()
         except (ImportError, RuntimeError):
             pass
+
+
+def release(dev: str) -> None:
+    """Gives the cached device memory of a finished run back (both allocators)."""
+    import gc
+
+    gc.collect()
+    if not dev.startswith("cuda"):
+        return
+    try:
+        import blutrain.tensor as bt
+
+        bt.cuda.empty_cache()
+    except (AttributeError, RuntimeError):
+        pass
+    try:
+        import torch
+
+        torch.cuda.empty_cache()
+    except (ImportError, RuntimeError):
+        pass
 
 
 def train(name: str, cfg: Any, state: dict, data: Data, a: argparse.Namespace) -> dict:
@@ -435,6 +468,7 @@ def probe(cfg: Any, snaps: dict, data: Data, names: list[str], a: argparse.Names
             hidden[name] = run.hidden(pb[0])
             res[name] = {"loss": loss, "val": run.val_loss(val)}
             del run
+            release(a.device)
         ref = reference(names)
         for name in names:
             res[name]["grad_rel"] = rel_diffs(grads[name], grads[ref])
@@ -459,8 +493,8 @@ def rel_diffs(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, f
     for n, bv in b.items():
         if n not in a:
             continue
-        d = float(np.sum((a[n].astype(np.float64) - bv) ** 2))
-        s = float(np.sum(bv.astype(np.float64) ** 2))
+        d = sumsq(a[n] - bv)
+        s = sumsq(bv)
         out[n] = math.sqrt(d / s) if s > 0 else (0.0 if d == 0 else math.inf)
         num, den = num + d, den + s
     out["*"] = math.sqrt(num / den) if den > 0 else 0.0
@@ -520,13 +554,13 @@ def print_summary(summary: dict, a: argparse.Namespace, ref: str) -> None:
         f"its mean there (bias), |d val| final / mean over evals, signed final"
     )
     hdr = (
-        f"{'run':<16} {'tok/s':>9} {'train(tail)':>11} {'val':>7} {'val min':>7} "
+        f"{'run':<24} {'tok/s':>9} {'train(tail)':>11} {'val':>7} {'val min':>7} "
         f"{'|dtr| all':>9} {'tail':>7} {'bias':>7} {'|dval|':>7} {'mean':>7} {'signed':>7}"
     )
     print(hdr)
     for name, s in summary.items():
         print(
-            f"{name:<16} {s['tokens_per_s']:9.0f} {s['train_tail']:11.4f} {s['val_final']:7.4f} "
+            f"{name:<24} {s['tokens_per_s']:9.0f} {s['train_tail']:11.4f} {s['val_final']:7.4f} "
             f"{s['val_min']:7.4f} {s['d_train_all']:9.4f} {s['d_train_tail']:7.4f} "
             f"{s['bias_train_tail']:+7.4f} {s['d_val_final']:7.4f} {s['d_val_mean']:7.4f} "
             f"{s['bias_val_final']:+7.4f}"
@@ -623,7 +657,7 @@ def print_probe(pr: dict, top: int) -> None:
             worst = sorted(((v, n) for n, v in g.items() if n != "*"), reverse=True)[:top]
             w = ", ".join(f"{short(n)} {v:.1e}" for v, n in worst)
             print(
-                f"  {name:<16} loss {r['loss']:.5f} val {r['val']:.5f} final LN out "
+                f"  {name:<24} loss {r['loss']:.5f} val {r['val']:.5f} final LN out "
                 f"{r['hidden_rel']:.2e} grad {g['*']:.2e}  worst: {w}"
             )
 
@@ -679,8 +713,12 @@ def main() -> int:
                 f"--runs: framework:precision[/variant] with ours|torch and fp32|tf32|bf16, "
                 f"got {n!r}"
             )
-        if variant not in VARIANTS[fw]:
-            raise SystemExit(f"--runs: {n!r}: {fw}'s variants are {VARIANTS[fw][1:]}")
+        bad = set(variant.split("+")) - {""} - set(VARIANTS[fw])
+        if bad or ("res32" in variant and "ln32" in variant):
+            raise SystemExit(
+                f"--runs: {n!r}: {fw}'s variants are {VARIANTS[fw]} ('+' joins them; res32 and "
+                "ln32 exclude each other)"
+            )
     if len(set(names)) != len(names):
         raise SystemExit(f"--runs lists a run twice: {a.runs!r}")
     if a.device == "cpu":  # before blutrain.tensor's first import (OpenMP reads it once)
@@ -725,9 +763,10 @@ def main() -> int:
     for name in order:
         t = time.perf_counter()
         results[name] = train(name, cfg, state, data, a)
+        release(a.device)
         r = results[name]
         print(
-            f"{name:<16} {time.perf_counter() - t:6.1f} s, {r['tokens_per_s']:8.0f} tok/s, "
+            f"{name:<24} {time.perf_counter() - t:6.1f} s, {r['tokens_per_s']:8.0f} tok/s, "
             f"train {np.mean(r['loss'][-max(1, a.steps // 10) :]):.4f}, val "
             f"{r['val'][-1][1] if r['val'] else math.nan:.4f}",
             flush=True,
