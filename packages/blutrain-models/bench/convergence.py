@@ -662,6 +662,18 @@ def print_probe(pr: dict, top: int) -> None:
             )
 
 
+def strip(results: dict[str, dict]) -> dict[str, dict]:
+    return {n: {k: v for k, v in r.items() if k != "_snap"} for n, r in results.items()}
+
+
+def write_json(path: str | None, out: dict) -> None:
+    if path:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f)
+        os.replace(tmp, path)
+
+
 # -- main ----------------------------------------------------------------------------------------
 
 
@@ -775,6 +787,8 @@ def main() -> int:
             compare_run(name, results, cmp)
             if name not in (ref, "torch:bf16"):
                 r["_snap"] = {}
+        partial = {"args": vars(a), "reference": ref, "partial": True, "compare": cmp}
+        write_json(a.json, {**partial, "runs": strip(results)})  # kept if a later run is cut
     results = {n: results[n] for n in names}  # the order asked for
     summary = summarize(results, a)
     print_curves(results, a)
@@ -784,7 +798,7 @@ def main() -> int:
         "args": {k: v for k, v in vars(a).items()},
         "reference": ref,
         "summary": summary,
-        "runs": {n: {k: v for k, v in r.items() if k != "_snap"} for n, r in results.items()},
+        "runs": strip(results),
     }
     if cmp:
         out["compare"] = cmp
@@ -796,10 +810,7 @@ def main() -> int:
         out["probe"] = probe(cfg, snaps, data, names, a)
         print_probe(out["probe"], a.top)
     if a.json:
-        tmp = a.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(out, f)
-        os.replace(tmp, a.json)
+        write_json(a.json, out)
         print(f"\nwrote {a.json}")
     return 0
 
