@@ -7,20 +7,18 @@ unpadded), the same tokens (some targets ignored):
 - bf16 (our precision policy: bfloat16 compute, float32 master weights) against torch autocast
   bf16: loss within 2e-2, bf16 logits, float32 loss;
 - recomputation (gelu, attn, block) and the fused ops change no number beyond rounding.
-Skips without a CUDA device for blutrain.tensor or for torch.
+Skipped where there is no CUDA device (for blutrain.tensor or for torch).
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import numpy as np
 import pytest
+import torch
 
-bt = pytest.importorskip("blutrain.tensor")
-torch = pytest.importorskip("torch")
-
+import blutrain.tensor as bt
 from blutrain.models import GPT2Config  # noqa: E402
 from blutrain.models.gpt2 import GPT2  # noqa: E402
 from blutrain.models.optim import AdamW, CosineSchedule  # noqa: E402
@@ -146,8 +144,7 @@ def both(cfg: GPT2Config, weights, **kw):
 def tf32(on: bool) -> None:
     torch.backends.cuda.matmul.allow_tf32 = on
     torch.backends.cudnn.allow_tf32 = on
-    if hasattr(bt, "set_float32_matmul_precision"):
-        bt.set_float32_matmul_precision("high" if on else "highest")
+    bt.set_float32_matmul_precision("high" if on else "highest")
 
 
 def batch(cfg: GPT2Config, seed: int, Bn: int = B, Tn: int = T):
@@ -195,8 +192,9 @@ def test_fp32_ten_adamw_steps_match_torch(weights124m):
     ours, ref = both(CFG, weights124m, precision="fp32")
     lr, wd, steps = 6e-4, 0.1, 10
     sched = CosineSchedule(lr, warmup_steps=3, max_steps=steps, min_lr=lr / 10)
-    kw = {"fused": True} if "fused" in inspect.signature(AdamW).parameters else {}
-    opt = AdamW(ours.named_parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd, **kw)
+    opt = AdamW(
+        ours.named_parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd, fused=True
+    )
     named = ref.canonical()
     ropt = torch.optim.AdamW(
         [

@@ -20,6 +20,9 @@ void set_grad_enabled(bool on) { g_grad_enabled = on; }
 
 // ---- the leaf accumulator ------------------------------------------------------------------
 namespace {
+std::atomic<uint64_t> g_hook_calls{0};
+void count_hook_call() { g_hook_calls.fetch_add(1, std::memory_order_relaxed); }
+
 struct AccumulateGrad : Node {
   explicit AccumulateGrad(std::shared_ptr<TensorImpl> l) : leaf(std::move(l)) {
     next = {};
@@ -32,10 +35,11 @@ struct AccumulateGrad : Node {
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
     Tensor g = grads[0];
     Tensor leaf_t(leaf);
-    for (auto& h : leaf->hooks) {
+    leaf->hooks.for_each([&](const GradHook& h) {
+      count_hook_call();
       Tensor r = h(g);
       if (r.defined()) g = r;
-    }
+    });
     if (Graph* graph = active_graph()) {
       graph->record_grad(leaf_t, g);
       return {};
@@ -60,7 +64,10 @@ struct AccumulateGrad : Node {
       Tensor acc(leaf->grad);
       inplace(acc, add(acc, g), "accumulate_grad");
     }
-    for (auto& h : leaf->post_acc_hooks) h(leaf_t);
+    leaf->post_acc_hooks.for_each([&](const PostAccHook& h) {
+      count_hook_call();
+      h(leaf_t);
+    });
     return {};
   }
   std::shared_ptr<TensorImpl> leaf;
@@ -127,27 +134,50 @@ std::shared_ptr<Node> make_custom_node(const std::string& name, BackwardFn fn,
 }
 
 // ---- hooks ---------------------------------------------------------------------------------
-void register_hook(const Tensor& t, GradHook hook) {
+HookHandle register_hook(const Tensor& t, GradHook hook) {
   if (!t.requires_grad()) {
     throw RuntimeError(
         "[register_hook] cannot register a hook on a tensor that does not require "
         "grad");
   }
   if (t.grad_fn()) {
-    t.grad_fn()->pre_hooks[t.impl()->output_nr].push_back(std::move(hook));
-  } else {
-    t.impl()->hooks.push_back(std::move(hook));
+    const size_t k = static_cast<size_t>(t.impl()->output_nr);
+    const uint64_t id = t.grad_fn()->pre_hooks[k].add(std::move(hook));
+    std::weak_ptr<Node> node = t.grad_fn();
+    return HookHandle([node, k, id] {
+      auto n = node.lock();
+      return n && n->pre_hooks[k].remove(id);
+    });
   }
+  const uint64_t id = t.impl()->hooks.add(std::move(hook));
+  std::weak_ptr<TensorImpl> leaf = t.impl_ptr();
+  return HookHandle([leaf, id] {
+    auto l = leaf.lock();
+    return l && l->hooks.remove(id);
+  });
 }
 
-void register_post_accumulate_hook(const Tensor& leaf, PostAccHook hook) {
+HookHandle register_post_accumulate_hook(const Tensor& leaf, PostAccHook hook) {
   if (!leaf.requires_grad() || leaf.grad_fn()) {
     throw RuntimeError(
         "[register_post_accumulate_grad_hook] only leaf tensors that require grad "
         "accumulate a gradient");
   }
-  leaf.impl()->post_acc_hooks.push_back(std::move(hook));
+  const uint64_t id = leaf.impl()->post_acc_hooks.add(std::move(hook));
+  std::weak_ptr<TensorImpl> weak = leaf.impl_ptr();
+  return HookHandle([weak, id] {
+    auto l = weak.lock();
+    return l && l->post_acc_hooks.remove(id);
+  });
 }
+
+std::pair<size_t, size_t> hook_counts(const Tensor& t) {
+  if (!t.defined()) return {0, 0};
+  if (t.grad_fn()) return {t.grad_fn()->pre_hooks[t.impl()->output_nr].size(), 0};
+  return {t.impl()->hooks.size(), t.impl()->post_acc_hooks.size()};
+}
+
+uint64_t hook_calls() { return g_hook_calls.load(std::memory_order_relaxed); }
 
 void retain_grad(const Tensor& t) {
   if (!t.requires_grad()) {
@@ -304,10 +334,11 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
         const auto& m = node->out_meta[i];
         grads[i] = zeros(m.shape, m.dtype, m.device);
       }
-      for (auto& h : node->pre_hooks[i]) {
+      node->pre_hooks[i].for_each([&](const GradHook& h) {
+        count_hook_call();
         Tensor r = h(grads[i]);
         if (r.defined()) grads[i] = r;
-      }
+      });
       // retain_grad() sees the gradient after every user hook, as in PyTorch.
       if (i < node->retain_hooks.size()) {
         for (auto& h : node->retain_hooks[i]) h(grads[i]);

@@ -104,6 +104,53 @@ struct Recompute;  // primitives.h, Note [recomputed activations]
 using GradHook = std::function<Tensor(const Tensor&)>;   // returns an undefined Tensor to keep
 using PostAccHook = std::function<void(const Tensor&)>;  // fired once a leaf's .grad is final
 
+// Note [removable hooks]
+// Each hook is kept with an id, and removing it erases it from its list: a removed hook costs
+// nothing (the engine no longer calls it, i.e. no call into Python), and the fast paths that a
+// hooked tensor turns off (a cast's gradient taken wide, packed attention sources, skipped zero
+// gradients: they test empty()) are on again.  A hook may remove hooks, itself included, while
+// it runs: for_each() walks a snapshot of the list and skips entries removed since it began.
+template <class F>
+class HookList {
+ public:
+  // Adds fn; returns its id (unique in the process).
+  uint64_t add(F fn) {
+    static std::atomic<uint64_t> next_id{1};
+    const uint64_t id = next_id.fetch_add(1, std::memory_order_relaxed);
+    entries_.push_back(std::make_shared<Entry>(Entry{id, std::move(fn), false}));
+    return id;
+  }
+  // Erases the hook with this id; false when it is not (or no longer) here.
+  bool remove(uint64_t id) {
+    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+      if ((*it)->id == id) {
+        (*it)->removed = true;
+        entries_.erase(it);
+        return true;
+      }
+    }
+    return false;
+  }
+  bool empty() const { return entries_.empty(); }
+  size_t size() const { return entries_.size(); }
+  template <class Fn>
+  void for_each(Fn&& f) const {
+    if (entries_.empty()) return;
+    const auto snapshot = entries_;
+    for (const auto& e : snapshot) {
+      if (!e->removed) f(e->fn);
+    }
+  }
+
+ private:
+  struct Entry {
+    uint64_t id;
+    F fn;
+    bool removed;
+  };
+  std::vector<std::shared_ptr<Entry>> entries_;
+};
+
 struct TensorImpl {
   std::shared_ptr<Storage> storage;  // null: symbolic (captured) tensor
   Shape shape;
@@ -119,8 +166,8 @@ struct TensorImpl {
   int output_nr = 0;
   std::shared_ptr<TensorImpl> grad;
   std::weak_ptr<Node> grad_accumulator;  // leaves only; created on first use
-  std::vector<GradHook> hooks;           // leaves (non-leaves keep theirs on the node)
-  std::vector<PostAccHook> post_acc_hooks;
+  HookList<GradHook> hooks;              // leaves (non-leaves keep theirs on the node)
+  HookList<PostAccHook> post_acc_hooks;
   std::string name;           // optional, used by capture and repr of parameters
   bool view_of_grad = false;  // a view of a tensor that requires grad
   // The tensor a view was made from (the root of a chain of views, sharing its storage): an

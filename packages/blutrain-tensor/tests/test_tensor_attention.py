@@ -305,6 +305,17 @@ def test_packed_source_detection(rng):
     assert packed_source(qt, kt, vt) is None
 
 
+def test_a_removed_hook_gives_the_packed_path_back(rng):
+    # a hook on q turns packing off; removing it erases it in the C++ core, so packing is back
+    B, T, H, D = 2, 5, 2, 4
+    x = bt.tensor(rng.standard_normal((B, T, 3 * H * D)), requires_grad=True)
+    q, k, v = _qkv_views(x, B, T, H, D)
+    h = q.register_hook(lambda g: g)
+    assert packed_source(q, k, v) is None
+    h.remove()
+    assert packed_source(q, k, v) is not None
+
+
 def test_packed_row_stride_and_fallback_gradients(rng):
     """q, k, v from wider rows (packed, row stride 4C) and from a non-contiguous X (unpacked):
     X's gradient matches the composed float64 path either way."""

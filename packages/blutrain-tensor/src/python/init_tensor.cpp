@@ -17,10 +17,13 @@
 #include "../backend.h"
 #include "../capture.h"
 #include "../ops.h"
-#include "blutrain/alloc_import.h"
-#include "blutrain/linalg_import.h"
 #include "blutrain/tensor.h"
 #include "init.h"
+
+// Names this module in the errors of the capsule importer (blutrain/capi_import.h).
+#define BT_CAPI_IMPORTER "blutrain.tensor"
+#include "blutrain/alloc_import.h"
+#include "blutrain/linalg_import.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -647,14 +650,7 @@ NB_MODULE(_tensor, m) {
     if (la) {
       lh.api = la;
     } else {
-      nb::object t, v, tb;
-      PyObject *pt, *pv, *ptb;
-      PyErr_Fetch(&pt, &pv, &ptb);
-      PyErr_NormalizeException(&pt, &pv, &ptb);
-      lh.unavailable_reason = pv ? nb::cast<std::string>(nb::str(pv)) : "import failed";
-      Py_XDECREF(pt);
-      Py_XDECREF(pv);
-      Py_XDECREF(ptb);
+      lh.unavailable_reason = nb::cast<std::string>(nb::steal(bt_capi_take_error_message()));
     }
     set_linalg_hooks(lh);
   }
@@ -720,6 +716,13 @@ NB_MODULE(_tensor, m) {
           "(node, input_nr) for each forward input.")
       .def("__repr__",
            [](Node& n) { return "<" + n.name() + (n.is_accumulator() ? "" : "Backward") + ">"; });
+
+  nb::class_<HookHandle>(m, "_HookHandle",
+                         "A registered hook's C++ entry (bt.RemovableHandle wraps it).")
+      .def("remove", &HookHandle::remove,
+           "Erases the hook from the C++ core; False when it was gone already.");
+  m.def("_hook_calls", &hook_calls,
+        "Hook calls the autograd engine has made in this process (for tests).");
 
   nb::class_<Tensor> T(m, "Tensor", "An n-dimensional array with reverse-mode autograd.");
   T.def(nb::init<const Tensor&>(), "other"_a,
@@ -814,17 +817,23 @@ NB_MODULE(_tensor, m) {
       "gradient"_a = nb::none(), "retain_graph"_a = false,
       "Accumulates d(self)/d(leaf) into every leaf's .grad.");
   T.def(
-      "_register_hook", [](const Tensor& t, nb::callable fn) { register_hook(t, py_hook(fn)); },
-      "hook"_a, "hook(grad) -> Tensor | None runs when the gradient of this tensor is computed.");
+      "_register_hook",
+      [](const Tensor& t, nb::callable fn) { return register_hook(t, py_hook(fn)); }, "hook"_a,
+      "hook(grad) -> Tensor | None runs when the gradient of this tensor is computed; returns "
+      "the C++ handle whose remove() erases it.");
   T.def(
       "_register_post_accumulate_grad_hook",
       [](const Tensor& t, nb::callable fn) {
-        register_post_accumulate_hook(t, [fn](const Tensor& leaf) {
+        return register_post_accumulate_hook(t, [fn](const Tensor& leaf) {
           nb::gil_scoped_acquire gil;
           fn(leaf);
         });
       },
-      "hook"_a, "hook(tensor) runs once the leaf's .grad is final for this backward.");
+      "hook"_a,
+      "hook(tensor) runs once the leaf's .grad is final for this backward; returns the C++ "
+      "handle whose remove() erases it.");
+  T.def("_hook_counts", &hook_counts,
+        "(gradient hooks, post-accumulate hooks) the engine would call for this tensor.");
 
   // data out
   T.def(

@@ -39,7 +39,7 @@ _LAZY = {
     "GPT2": ".gpt2",
     "AdamW": ".optim",
     "CosineSchedule": ".optim",
-    "TrainConfig": ".trainer",
+    "TrainConfig": ".train_config",
     "Trainer": ".trainer",
     "train": ".trainer",
 }

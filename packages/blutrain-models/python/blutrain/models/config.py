@@ -278,6 +278,18 @@ class GPT2Config:
             raise ValueError(f"{e} (in {path})") from None
 
 
+def model_config(name: str, vocab_multiple: int = 1) -> GPT2Config:
+    """A GPT2Config from a preset name (see GPT2Config.from_name) or a JSON file of its fields;
+    `vocab_multiple` pads the vocabulary unless the file sets its own."""
+    p = Path(name)
+    if name.endswith(".json") or p.is_file():
+        cfg = GPT2Config.from_json(p)
+        if vocab_multiple != 1 and cfg.vocab_multiple == 1:
+            cfg = dataclasses.replace(cfg, vocab_multiple=vocab_multiple)
+        return cfg
+    return GPT2Config.from_name(name, vocab_multiple=vocab_multiple)
+
+
 def _read_text_or_path(source: str | os.PathLike, op: str) -> str:
     if isinstance(source, os.PathLike) or (
         isinstance(source, str) and not source.lstrip().startswith("{")

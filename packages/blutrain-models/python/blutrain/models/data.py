@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -493,20 +494,24 @@ class DataLoader:
             "shards": self._fingerprint(),
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from `state`; shards, seed, shuffle and T must be those it was saved with."""
+    def check_state_dict(self, state: Any) -> tuple[int, int]:
+        """The (epoch, rows consumed) of `state` if this loader can continue from it; raises
+        ValueError naming what differs (shards, seed, shuffle, T) or is malformed."""
         try:
-            epoch, rows = int(state["epoch"]), int(state["rows_consumed"])
+            epoch, rows = state["epoch"], state["rows_consumed"]
             saved = {k: state[k] for k in ("seed", "shuffle", "seq_len", "shards")}
+            saved["shards"] = [list(x) for x in saved["shards"]]
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"[DataLoader] not a DataLoader state: missing or bad {e}") from None
+        for name, v in (("epoch", epoch), ("rows_consumed", rows)):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"[DataLoader] not a DataLoader state: {name} is {v!r}")
         mine = {
             "seed": self.seed,
             "shuffle": self.shuffle,
             "seq_len": self.T,
             "shards": self._fingerprint(),
         }
-        saved["shards"] = [list(x) for x in saved["shards"]]
         for key in mine:
             if saved[key] != mine[key]:
                 raise ValueError(
@@ -515,4 +520,8 @@ class DataLoader:
                 )
         if epoch < 0 or not 0 <= rows <= self.rows_per_epoch:
             raise ValueError(f"[DataLoader] bad position epoch={epoch} rows_consumed={rows}")
-        self.epoch, self.rows_consumed = epoch, rows
+        return epoch, rows
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state`; shards, seed, shuffle and T must be those it was saved with."""
+        self.epoch, self.rows_consumed = self.check_state_dict(state)

@@ -22,7 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from . import _tensor as _C
+try:
+    from . import _tensor as _C
+except ImportError as _e:  # nanobind wraps an error of the module's init: raise the cause itself
+    if isinstance(_e.__cause__, ImportError):  # (a refused C ABI capsule names both sides)
+        raise _e.__cause__ from None
+    raise
 from ._tensor import (
     ABI_VERSION,
     Graph,
@@ -71,6 +76,7 @@ from ._tensor import (
     where,
     zeros,
 )
+from ._version import API_LEVEL, __version__
 
 # ---- dtypes ------------------------------------------------------------------------------------
 bool_ = dtype.bool
@@ -494,33 +500,42 @@ def _format(self: Tensor, spec: str) -> str:
 
 
 class RemovableHandle:
-    """Returned by register_hook: remove() disables the hook and drops the callable."""
+    """Returned by register_hook and register_post_accumulate_grad_hook: ``remove()`` erases the
+    hook from the C++ autograd core, so backward no longer calls into Python for it and the fast
+    paths a hooked tensor turns off are on again. Also a context manager (removes on exit)."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn: Callable[..., Any] | None = fn
-
-    def __call__(self, arg: Any) -> Any:
-        return self.fn(arg) if self.fn is not None else None
+    def __init__(self, handle: _C._HookHandle) -> None:
+        self._handle: _C._HookHandle | None = handle
 
     def remove(self) -> None:
-        self.fn = None
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def __enter__(self) -> RemovableHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
 
 
 def _register_hook(self: Tensor, hook: Callable[[Tensor], Tensor | None]) -> RemovableHandle:
     """hook(grad) -> Tensor | None runs when this tensor's gradient is computed; a returned tensor
     replaces the gradient."""
-    h = RemovableHandle(hook)
-    self._register_hook(h)
-    return h
+    if not callable(hook):
+        raise TypeError(f"[register_hook] hook must be callable, got {type(hook).__name__}")
+    return RemovableHandle(self._register_hook(hook))
 
 
 def _register_post_accumulate_grad_hook(
     self: Tensor, hook: Callable[[Tensor], None]
 ) -> RemovableHandle:
     """hook(tensor) runs once this leaf's .grad is final for the current backward."""
-    h = RemovableHandle(hook)
-    self._register_post_accumulate_grad_hook(h)
-    return h
+    if not callable(hook):
+        raise TypeError(
+            f"[register_post_accumulate_grad_hook] hook must be callable, got {type(hook).__name__}"
+        )
+    return RemovableHandle(self._register_post_accumulate_grad_hook(hook))
 
 
 Tensor.register_hook = _register_hook  # type: ignore[attr-defined]
@@ -802,10 +817,13 @@ def clip_grad_norm_(parameters: Any, max_norm: builtins.float) -> Tensor:
     """
     if isinstance(parameters, Tensor):
         parameters = [parameters]
-    return _C.clip_grad_norm_(list(parameters), _number(max_norm, "clip_grad_norm_", "max_norm"))
+    max_norm = _number(max_norm, "clip_grad_norm_", "max_norm")
+    if not max_norm >= 0:  # a negative or NaN bound would flip or poison every gradient
+        raise ValueError(f"[clip_grad_norm_] max_norm must be >= 0, got {max_norm}")
+    return _C.clip_grad_norm_(list(parameters), max_norm)
 
 
-from . import nn  # noqa: E402  (nn uses the names above)
+from . import backends, nn, optim  # noqa: E402  (nn uses the names above)
 from .amp import (  # noqa: E402  (bt.amp: precision policies, autocast, checkpoint)
     autocast,
     checkpoint,
@@ -823,6 +841,8 @@ bool = bool_  # noqa: A001
 
 __all__ = [
     "ABI_VERSION",
+    "API_LEVEL",
+    "__version__",
     "add_layer_norm",
     "Callable",
     "Function",
@@ -846,6 +866,7 @@ __all__ = [
     "as_tensor",
     "astype",
     "autocast",
+    "backends",
     "backward",
     "bfloat16",
     "bmm",
@@ -928,6 +949,7 @@ __all__ = [
     "no_grad",
     "ones",
     "ones_like",
+    "optim",
     "permute",
     "pow",
     "promote_types",
