@@ -290,6 +290,122 @@ __global__ void layernorm_forward_v3(const T* __restrict__ x, const T* __restric
   }
 }
 
+// ---- mixed rows (Note [float32 residual stream], nn_fused.h) ----------------------------------
+// float32 x (and sum), 16-bit T residual and y, float32 weight / bias / residual bias: the sum
+// x + res (+ rb) in float32 (the CPU's order), the statistics of the float32 row, y rounded once.
+// v3's layout (one warp per row, the row in registers) with chunks of V = 8 columns: one 16-byte
+// word of T, two of float.  Without kAdd it is layer_norm(x float32) -> y T (the same statistics
+// in the same order, so a recomputed y is bitwise add_layer_norm's).  Bytes per element: 12 with
+// the add (x 4, res 2, sum 4, y 2), 6 without.
+template <typename T, int NV, bool kAdd>
+__global__ void layernorm_forward_mixed_v3(const float* __restrict__ x, const T* __restrict__ res,
+                                           const float* __restrict__ w,
+                                           const float* __restrict__ b,
+                                           const float* __restrict__ rb, float* __restrict__ sum_o,
+                                           T* __restrict__ y, float* __restrict__ mean_o,
+                                           float* __restrict__ rstd_o, int64_t R, int64_t C,
+                                           double eps) {
+  constexpr int V = 8;
+  static_assert(sizeof(T) == 2, "mixed rows: 16-bit T");
+  const int lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * kV3Warps + threadIdx.x / 32;
+  if (row >= R) return;  // whole warps only: no block barriers below
+  const int64_t off = row * C;
+  float v[NV][V];
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = v3_col<V>(j, lane);
+    if (c < C) {
+      load8f(x + off + c, v[j]);
+      if constexpr (kAdd) {
+        float r[V];
+        unpack16<T>(*reinterpret_cast<const uint4*>(res + off + c), r);
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[j][k] += r[k];
+        if (rb) {
+          float bv[V];
+          load8f(rb + c, bv);
+#pragma unroll
+          for (int k = 0; k < V; ++k) v[j][k] += bv[k];
+        }
+        store8f(sum_o + off + c, v[j]);
+      }
+#pragma unroll
+      for (int k = 0; k < V; ++k) s += v[j][k];
+    }
+  }
+  const float mean = warp_sum(s) / float(C);
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    if (v3_col<V>(j, lane) < C) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        v[j][k] -= mean;
+        ss += v[j][k] * v[j][k];
+      }
+    }
+  }
+  const float rstd = 1.f / sqrtf(warp_sum(ss) / float(C) + float(eps));
+  if (lane == 0) mean_o[row] = mean, rstd_o[row] = rstd;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = v3_col<V>(j, lane);
+    if (c < C) {
+      float wv[V], bv[V];
+      if (w) load8f(w + c, wv);
+      if (b) load8f(b + c, bv);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        v[j][k] *= rstd;
+        if (w) v[j][k] *= wv[k];
+        if (b) v[j][k] += bv[k];
+      }
+      *reinterpret_cast<uint4*>(y + off + c) = pack16<T>(v[j]);
+    }
+  }
+}
+
+// The reference for mixed rows v3 does not take (C % 8 != 0, misaligned, rows over 3072, or
+// BT_CUDA_NN_VERSION=1): one block per row, scalar, three passes (the later ones re-read the
+// thread's own sums).
+template <typename T, bool kAdd>
+__global__ void layernorm_forward_mixed_v1(const float* __restrict__ x, const T* __restrict__ res,
+                                           const float* __restrict__ w,
+                                           const float* __restrict__ b,
+                                           const float* __restrict__ rb, float* __restrict__ sum_o,
+                                           T* __restrict__ y, float* __restrict__ mean_o,
+                                           float* __restrict__ rstd_o, int64_t C, double eps) {
+  __shared__ float scratch[32];
+  const int64_t off = int64_t(blockIdx.x) * C;
+  const float* src = kAdd ? sum_o + off : x + off;  // what passes 2 and 3 read
+  float s = 0.f;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    float v = x[off + i];
+    if constexpr (kAdd) {
+      v += convert<float>(res[off + i]);
+      if (rb) v += rb[i];
+      sum_o[off + i] = v;
+    }
+    s += v;
+  }
+  const float mean = block_sum(s, scratch) / float(C);
+  float ss = 0.f;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    const float d = src[i] - mean;
+    ss += d * d;
+  }
+  const float rstd = 1.f / sqrtf(block_sum(ss, scratch) / float(C) + float(eps));
+  if (threadIdx.x == 0) mean_o[blockIdx.x] = mean, rstd_o[blockIdx.x] = rstd;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    float v = (src[i] - mean) * rstd;
+    if (w) v *= w[i];
+    if (b) v += b[i];
+    y[off + i] = convert<T>(v);
+  }
+}
+
 // v4: a group of WPR warps per row, kV4Warps / WPR rows per block (nn_common.cuh), at most
 // kV4MaxPerLane elements per lane: 3072-wide rows stay in registers without starving the SM of
 // warps.  x (and residual) read once, y (and sum) written once; exact two-pass statistics.
@@ -969,6 +1085,59 @@ bool add_layernorm_forward_bias(const Tensor& x, const Tensor& res, const Tensor
   return done;
 }
 
+// layer_norm / add_layer_norm on mixed rows (Note [float32 residual stream]): x float32, y of a
+// 16-bit dtype; with res (y's dtype), sum_o (float32) and optionally rb (float32) the add.
+void layernorm_forward_mixed(const Tensor& x, const Tensor& res, const Tensor& w, const Tensor& b,
+                             const Tensor& rb, Tensor* sum_o, Tensor& y, Tensor& mean,
+                             Tensor& rstd, double eps, const char* op) {
+  const int64_t C = x.shape().back();
+  const int64_t R = C ? x.numel() / C : 0;
+  if (R == 0) return;
+  cudaStream_t st = stream(y.device(), op);
+  Tensor xc = contiguous_on(x, op, st), rc = contiguous_on(res, op, st);
+  Tensor wc = contiguous_on(w, op, st), bc = contiguous_on(b, op, st);
+  Tensor rbc = contiguous_on(rb, op, st);
+  const bool add = res.defined();
+  dispatch_cuda_half(y.dtype(), op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    auto fptr = [&](const Tensor& t) {
+      return t.defined() ? static_cast<const float*>(t.data_ptr(op)) : nullptr;
+    };
+    const float *xp = fptr(xc), *wp = fptr(wc), *bp = fptr(bc), *rbp = fptr(rbc);
+    const T* rp = add ? static_cast<const T*>(rc.data_ptr(op)) : nullptr;
+    float* sp = add ? static_cast<float*>(sum_o->data_ptr(op)) : nullptr;
+    T* yp = static_cast<T*>(y.data_ptr(op));
+    float* mp = static_cast<float*>(mean.data_ptr(op));
+    float* rsp = static_cast<float*>(rstd.data_ptr(op));
+    // v3's checks with T's 16-byte words: C % 8 == 0, every pointer 16-byte aligned (the float32
+    // rows then start on 32-byte multiples), at most 96 columns a lane (C <= 3072)
+    if (!use_v1() && dispatch_v3<T>(C, {xp, rp, wp, bp, rbp, sp, yp}, [&](auto, auto nvtag) {
+          constexpr int NV = decltype(nvtag)::value;
+          const unsigned grid = static_cast<unsigned>(ceil_div(R, kV3Warps));
+          if (add) {
+            layernorm_forward_mixed_v3<T, NV, true><<<grid, kV3Warps * 32, 0, st>>>(
+                xp, rp, wp, bp, rbp, sp, yp, mp, rsp, R, C, eps);
+          } else {
+            layernorm_forward_mixed_v3<T, NV, false><<<grid, kV3Warps * 32, 0, st>>>(
+                xp, rp, wp, bp, rbp, sp, yp, mp, rsp, R, C, eps);
+          }
+          BT_CUDA_LAUNCH_CHECK(op);
+        })) {
+      return;
+    }
+    const unsigned grid = static_cast<unsigned>(R);
+    const int threads = row_threads(C, 1, 256);
+    if (add) {
+      layernorm_forward_mixed_v1<T, true>
+          <<<grid, threads, 0, st>>>(xp, rp, wp, bp, rbp, sp, yp, mp, rsp, C, eps);
+    } else {
+      layernorm_forward_mixed_v1<T, false>
+          <<<grid, threads, 0, st>>>(xp, rp, wp, bp, rbp, sp, yp, mp, rsp, C, eps);
+    }
+    BT_CUDA_LAUNCH_CHECK(op);
+  });
+}
+
 }  // namespace cuda::nn
 
 using namespace cuda;
@@ -1011,11 +1180,23 @@ void Softmax::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) 
 }
 
 void LayerNorm::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  if (out[0].dtype() != in[0].dtype()) {  // mixed (Note [float32 residual stream])
+    layernorm_forward_mixed(in[0], Tensor(), has_weight ? in[1] : Tensor(),
+                            has_bias ? in[2] : Tensor(), Tensor(), nullptr, out[0], out[1], out[2],
+                            eps, name());
+    return;
+  }
   layernorm_forward(in[0], Tensor(), has_weight ? in[1] : Tensor(), has_bias ? in[2] : Tensor(),
                     nullptr, out[0], out[1], out[2], eps, name());
 }
 
 void AddLayerNorm::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  if (mixed) {  // Note [float32 residual stream]
+    layernorm_forward_mixed(in[0], in[1], has_weight ? in[2] : Tensor(),
+                            has_bias ? in[3] : Tensor(), has_residual_bias ? in[4] : Tensor(),
+                            &out[0], out[1], out[2], out[3], eps, name());
+    return;
+  }
   Tensor res = in[1];
   if (has_residual_bias) {
     if (add_layernorm_forward_bias(in[0], in[1], has_weight ? in[2] : Tensor(),

@@ -124,12 +124,14 @@ struct LnGrads {
 };
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ extra), g = dy * w, xhat = (x-mean)*rstd.
-template <typename T, typename S>
-__global__ void layernorm_backward_dx_v1(const T* __restrict__ dy, const T* __restrict__ x,
-                                         const T* __restrict__ w, const S* __restrict__ mean,
-                                         const S* __restrict__ rstd, const T* __restrict__ extra,
-                                         T* __restrict__ dx, int64_t C) {
-  using A = math_t<T>;
+// dy of T; x and w of X, extra and dx of O: T, or mixed rows (Note [float32 residual stream]):
+// T 16-bit, X float, O T or float.
+template <typename T, typename S, typename X = T, typename O = T>
+__global__ void layernorm_backward_dx_v1(const T* __restrict__ dy, const X* __restrict__ x,
+                                         const X* __restrict__ w, const S* __restrict__ mean,
+                                         const S* __restrict__ rstd, const O* __restrict__ extra,
+                                         O* __restrict__ dx, int64_t C) {
+  using A = math_t<X>;
   __shared__ A scratch[32];
   const int64_t row = blockIdx.x, off = row * C;
   const A m = mean[row], rs = rstd[row];
@@ -146,15 +148,15 @@ __global__ void layernorm_backward_dx_v1(const T* __restrict__ dy, const T* __re
     const A xh = (load_math(x + off + i) - m) * rs;
     A v = rs * (g - s1 - xh * s2);
     if (extra) v += load_math(extra + off + i);
-    dx[off + i] = convert<T>(v);
+    dx[off + i] = convert<O>(v);
   }
 }
-// One thread per column, rows in order.
-template <typename T, typename S>
-__global__ void layernorm_backward_dwdb_v1(const T* __restrict__ dy, const T* __restrict__ x,
+// One thread per column, rows in order (x of X as above).
+template <typename T, typename S, typename X = T>
+__global__ void layernorm_backward_dwdb_v1(const T* __restrict__ dy, const X* __restrict__ x,
                                            const S* __restrict__ mean, const S* __restrict__ rstd,
                                            LnGrads<T> grads, int64_t R, int64_t C) {
-  using A = math_t<T>;
+  using A = math_t<X>;
   const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (c >= C) return;
   A sw = 0, sb = 0;
@@ -806,16 +808,27 @@ void launch_ln_bwd_reduce_v6(const float* partial, int P, int64_t C, LnGrads<T> 
                                        reinterpret_cast<const float4*>(partial), P, n4, C, grads));
 }
 
-template <typename T, typename S, int NV, int WPR, int NW, int K, int CL>
+// Mixed rows (Note [float32 residual stream], nn_fused.h): X = float (x and the weight) under a
+// 16-bit T (dy), O (extra and dx) T or float.  A lane's V = 8 columns are then one 16-byte word of
+// dy and two of x (and of a float O): the ring's rows are C * sizeof of their own type; the float
+// weight is read per use (__ldg, L1-resident) instead of kept in registers.  X = O = T is the
+// kernel as it was.
+template <typename T, typename S, int NV, int WPR, int NW, int K, int CL, typename X = T,
+          typename O = T>
 __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 registers
-    layernorm_backward_v6(const T* __restrict__ dy, const T* __restrict__ x,
-                          const T* __restrict__ w, const S* __restrict__ mean,
-                          const S* __restrict__ rstd, const T* __restrict__ extra,
-                          T* __restrict__ dx, float* __restrict__ partial, LnGrads<T> grads,
+    layernorm_backward_v6(const T* __restrict__ dy, const X* __restrict__ x,
+                          const X* __restrict__ w, const S* __restrict__ mean,
+                          const S* __restrict__ rstd, const O* __restrict__ extra,
+                          O* __restrict__ dx, float* __restrict__ partial, LnGrads<T> grads,
                           int64_t R, int64_t C, bool need_acc, bool final_here) {
   constexpr int V = static_cast<int>(16 / sizeof(T)), RG = NW / WPR;
+  constexpr bool kSameW = std::is_same_v<X, T>;  // the weight's words kept in registers
+  constexpr int XW = static_cast<int>(sizeof(X) / sizeof(T));  // 16-byte words of x a chunk
+  constexpr int OW = static_cast<int>(sizeof(O) / sizeof(T));  // of extra / dx
   static_assert(V % 4 == 0 && sizeof(S) == 4, "v6: 16-bit / fp32 rows, float statistics");
   static_assert(K >= 2 && CL >= 1 && CL <= kV6MaxCluster, "v6 configuration");
+  static_assert((XW == 1 || std::is_same_v<X, float>) && (OW == 1 || std::is_same_v<O, float>),
+                "v6: x / dx float or T");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // cp.async: sm_80+ (the host launches v6 only there)
 #else
@@ -825,8 +838,9 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
   const int gl = (warp % WPR) * 32 + lane;
   // Ring of this group: K slots of [dy | x (| extra)] rows (C * sizeof(T) % 16 == 0, C % V);
   // stats: this warp's (mean, rstd) per slot.  Byte offsets in shared memory.
-  const unsigned row_bytes = static_cast<unsigned>(C * sizeof(T));
-  const unsigned slot_bytes = (extra ? 3u : 2u) * row_bytes;
+  const unsigned row_bytes = static_cast<unsigned>(C * sizeof(T));  // dy's; x's and extra's
+  const unsigned xrow_bytes = XW * row_bytes, erow_bytes = OW * row_bytes;  // rows follow it
+  const unsigned slot_bytes = row_bytes + xrow_bytes + (extra ? erow_bytes : 0u);
   const unsigned ring = smem_addr(smem_raw) + unsigned(grp) * K * slot_bytes;
   const unsigned stats = smem_addr(smem_raw) + unsigned(RG) * K * slot_bytes + warp * K * 8;
   // Note [residual bias]: with grads.ds, this group's column sums of dx (as stored) accumulate in
@@ -850,7 +864,7 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
     }
   }
 
-  uint4 wr[NV];  // the weight's raw words (1 without a weight)
+  uint4 wr[kSameW ? NV : 1];  // the weight's raw words (1 without a weight; T weights only)
   float aw[NV][V], ab[NV][V];
   {
     float one[V];
@@ -859,11 +873,35 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int64_t c = v4_col<V, WPR>(j, gl);
-      wr[j] = w && c < C ? __ldg(reinterpret_cast<const uint4*>(w + c)) : pack16<T>(one);
+      if constexpr (kSameW) {
+        wr[j] = w && c < C ? __ldg(reinterpret_cast<const uint4*>(w + c)) : pack16<T>(one);
+      }
 #pragma unroll
       for (int k = 0; k < V; ++k) aw[j][k] = 0.f, ab[j][k] = 0.f;
     }
   }
+  // the weight of chunk j (column c) as V floats
+  auto weight = [&](int j, int64_t c, float* wv) {
+    if constexpr (kSameW) {
+      unpack16<T>(wr[j], wv);
+    } else if (w) {
+      unpack16<float>(__ldg(reinterpret_cast<const uint4*>(w + c)), wv);
+      unpack16<float>(__ldg(reinterpret_cast<const uint4*>(w + c + 4)), wv + 4);
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) wv[k] = 1.f;
+    }
+  };
+  // V values of a row of type U (1 or 2 words) at shared byte offset a
+  auto row_words = [&](auto utag, unsigned a, float* out) {
+    using U = typename decltype(utag)::type;
+    if constexpr (sizeof(U) == sizeof(T)) {
+      unpack16<T>(lds16(a), out);
+    } else {
+      unpack16<float>(lds16(a), out);
+      unpack16<float>(lds16(a + 16), out + 4);
+    }
+  };
 
   const int64_t step = int64_t(gridDim.x) * RG;
   const int64_t row0 = int64_t(blockIdx.x) * RG + grp;  // the group's rows: row0 + i * step
@@ -871,7 +909,32 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
   // every thread's group count stays in step with the loop).
   auto issue = [&](int64_t r, int slot) {
     if (r < R) {
-      ring_copy_row<V, NV, WPR>(ring + slot * slot_bytes, row_bytes, r * C, C, gl, dy, x, extra);
+      if constexpr (XW == 1 && OW == 1) {
+        ring_copy_row<V, NV, WPR>(ring + slot * slot_bytes, row_bytes, r * C, C, gl, dy, x, extra);
+      } else {  // this lane's chunks: dy's word, x's XW words, extra's OW words
+        const unsigned sl = ring + slot * slot_bytes;
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+          const int64_t c = v4_col<V, WPR>(j, gl);
+          if (c < C) {
+            const int64_t e = r * C + c;
+            async_copy16(sl + static_cast<unsigned>(c * sizeof(T)), dy + e);
+#pragma unroll
+            for (int q = 0; q < XW; ++q) {
+              async_copy16(sl + row_bytes + static_cast<unsigned>(c * sizeof(X)) + 16u * q,
+                           reinterpret_cast<const char*>(x + e) + 16 * q);
+            }
+            if (extra) {
+#pragma unroll
+              for (int q = 0; q < OW; ++q) {
+                async_copy16(
+                    sl + row_bytes + xrow_bytes + static_cast<unsigned>(c * sizeof(O)) + 16u * q,
+                    reinterpret_cast<const char*>(extra + e) + 16 * q);
+              }
+            }
+          }
+        }
+      }
       if (lane == 0) {
         async_copy4(stats + slot * 8, mean + r);
         async_copy4(stats + slot * 8 + 4, rstd + r);
@@ -904,8 +967,8 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
         const unsigned cb = static_cast<unsigned>(c * sizeof(T));
         float g[V], xh[V], wv[V];
         unpack16<T>(lds16(sl + cb), g);
-        unpack16<T>(lds16(sl + row_bytes + cb), xh);
-        unpack16<T>(wr[j], wv);
+        row_words(type_tag<X>{}, sl + row_bytes + XW * cb, xh);
+        weight(j, c, wv);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           xh[k] = (xh[k] - m) * rs;
@@ -933,19 +996,25 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
         const unsigned cb = static_cast<unsigned>(c * sizeof(T));
         float g[V], xh[V], wv[V], ev[V], o[V];
         unpack16<T>(lds16(sl + cb), g);
-        unpack16<T>(lds16(sl + row_bytes + cb), xh);
-        unpack16<T>(wr[j], wv);
-        if (extra) unpack16<T>(lds16(sl + 2 * row_bytes + cb), ev);
+        row_words(type_tag<X>{}, sl + row_bytes + XW * cb, xh);
+        weight(j, c, wv);
+        if (extra) row_words(type_tag<O>{}, sl + row_bytes + xrow_bytes + OW * cb, ev);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           o[k] = rs * (g[k] * wv[k] - s1 - (xh[k] - m) * rs * s2);
           if (extra) o[k] += ev[k];
         }
-        const uint4 packed = pack16<T>(o);
-        *reinterpret_cast<uint4*>(dx + off + c) = packed;
-        if (dsa) {  // the stored (rounded) values, as column sums of dx would read them
-          float q[V];
-          unpack16<T>(packed, q);
+        float q[V];  // the stored (rounded) values, as column sums of dx would read them
+        if constexpr (OW == 1) {
+          const uint4 packed = pack16<T>(o);
+          *reinterpret_cast<uint4*>(dx + off + c) = packed;
+          if (dsa) unpack16<T>(packed, q);
+        } else {
+          store8f(reinterpret_cast<float*>(dx + off + c), o);
+#pragma unroll
+          for (int k = 0; k < V; ++k) q[k] = o[k];
+        }
+        if (dsa) {
 #pragma unroll
           for (int k = 0; k < V; k += 4) {
             float4* a = reinterpret_cast<float4*>(dsa + c + k);
@@ -1053,12 +1122,15 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
 // cudaOccupancyMaxActiveClusters allows), no more than the row groups need (rounded up to whole
 // clusters); 0 where it cannot launch (compute capability below 8, or 9 for clusters, or more
 // shared memory than smem_optin).
-template <typename T, typename S, int NV, int WPR, int NW, int K, int CL>
+// X, O: the types of x and of extra / dx (mixed rows, see the kernel).
+template <typename T, typename S, int NV, int WPR, int NW, int K, int CL, typename X = T,
+          typename O = T>
 struct LnBwdV6 {
   static constexpr int kThreads = NW * 32, kRG = NW / WPR, kCluster = CL;
-  static auto kernel() { return layernorm_backward_v6<T, S, NV, WPR, NW, K, CL>; }
+  static auto kernel() { return layernorm_backward_v6<T, S, NV, WPR, NW, K, CL, X, O>; }
   static size_t smem(int64_t C, bool extra, bool ds = false) {
-    const size_t ring = size_t(kRG) * K * (extra ? 3 : 2) * size_t(C) * sizeof(T);
+    const size_t row = sizeof(T) + sizeof(X) + (extra ? sizeof(O) : 0);  // bytes a column
+    const size_t ring = size_t(kRG) * K * row * size_t(C);
     const size_t stats = size_t(NW) * K * 2 * sizeof(float);
     const size_t nseg = ds ? 3 : 2;
     // the groups' [dw | db (| ds)] slices, then the block partial (slice 0) and the final slice
@@ -1113,8 +1185,8 @@ struct LnBwdV6 {
   }
   // final_here (CL > 1): dweight / dbias written by the kernel; else G / CL (CL > 1) or G
   // partials are left for layernorm_backward_reduce_v4.
-  static void launch(int G, cudaStream_t st, const T* dy, const T* x, const T* w, const S* mean,
-                     const S* rstd, const T* extra, T* dx, float* partial, LnGrads<T> grads,
+  static void launch(int G, cudaStream_t st, const T* dy, const X* x, const X* w, const S* mean,
+                     const S* rstd, const O* extra, O* dx, float* partial, LnGrads<T> grads,
                      int64_t R, int64_t C, bool need_acc, bool final_here, const char* op) {
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute at;
@@ -1291,6 +1363,99 @@ __global__ void __launch_bounds__(kCeMaxThreads)
 
 #ifndef BT_NN_FUSED_KERNELS_ONLY  // (bench/ln_bwd_check.cu includes the kernels only)
 // ================================ launchers =====================================================
+namespace cuda::nn {
+// LayerNormBackward on mixed rows (Note [float32 residual stream]): dy 16-bit T, x and the weight
+// float32, extra and dx O = T or float32; dweight / dbias / dsum float32.  v6 (16-bit rows of
+// whole words on sm_80+, the library's default kernel for 16-bit rows), else the v1 kernels
+// (and a column-sum pass for dsum).  Bytes per element with extra and O = T: 10 (dy 2, x 4,
+// extra 2, dx 2).
+void layernorm_backward_mixed(const LayerNormBackward& p, const std::vector<Tensor>& in,
+                              std::vector<Tensor>& out) {
+  const char* op = p.name();
+  const int64_t R = in[1].shape()[0], C = in[1].shape()[1];
+  cudaStream_t st = stream(out[0].device(), op);
+  const Device dev = out[0].device();
+  Tensor dy = contiguous_on(in[0], op, st), x = contiguous_on(in[1], op, st);
+  Tensor w = p.has_weight ? contiguous_on(in[2], op, st) : Tensor();
+  Tensor mean = contiguous_on(in[3], op, st), rstd = contiguous_on(in[4], op, st);
+  Tensor ex = p.has_extra ? contiguous_on(in[5], op, st) : Tensor();
+  size_t k = 1;
+  void* dw_out = p.need_dweight ? out[k++].data_ptr(op) : nullptr;
+  void* db_out = p.need_dbias ? out[k++].data_ptr(op) : nullptr;
+  void* ds_out = p.need_dsum ? out[k].data_ptr(op) : nullptr;
+  if (C == 0) return;
+  if (R == 0) {  // empty batch: the parameter gradients are zeros
+    for (void* q : {dw_out, db_out, ds_out}) {
+      if (q) BT_CUDA_CHECK(op, cudaMemsetAsync(q, 0, C * sizeof(float), st));
+    }
+    return;
+  }
+  bool ds_done = false;
+  dispatch_cuda_half(dy.dtype(), op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    auto body = [&](auto otag) {
+      using O = typename decltype(otag)::type;
+      const T* dyp = static_cast<const T*>(dy.data_ptr(op));
+      const float* xp = static_cast<const float*>(x.data_ptr(op));
+      const float* wp = w.defined() ? static_cast<const float*>(w.data_ptr(op)) : nullptr;
+      const float* mp = static_cast<const float*>(mean.data_ptr(op));
+      const float* rp = static_cast<const float*>(rstd.data_ptr(op));
+      const O* ep = ex.defined() ? static_cast<const O*>(ex.data_ptr(op)) : nullptr;
+      O* dxp = static_cast<O*>(out[0].data_ptr(op));
+      LnGrads<T> grads;  // float32 (the weight is a float32 tensor)
+      grads.f32 = true;
+      grads.dw = dw_out;
+      grads.db = db_out;
+      const int env = nn_version_env();
+      const DeviceInfo& di = device_info(dev.index);
+      if (env != 1 && di.major >= 8 &&
+          dispatch_v5<T>(C, {dyp, xp, wp, ep, dxp}, [&](auto nvt, auto wt) {
+            constexpr int NV = decltype(nvt)::value, WPR = decltype(wt)::value;
+            using K1 = LnBwdV6<T, float, NV, WPR, kV6Warps, kV6Stages, 1, float, O>;
+            LnGrads<T> g6 = grads;
+            g6.ds = ds_out;
+            const bool acc6 = g6.any();
+            const int G = K1::grid(R, C, ep != nullptr, di.sm_count, di.smem_per_block_optin,
+                                   di.major, op, g6.ds != nullptr);
+            if (G == 0) return false;
+            Tensor partial;
+            float* pp = nullptr;
+            if (acc6) {
+              partial = empty_tensor({int64_t(G) * (g6.ds ? 3 : 2) * C}, DType::Float32, dev, op);
+              pp = static_cast<float*>(partial.data_ptr(op));
+            }
+            K1::launch(G, st, dyp, xp, wp, mp, rp, ep, dxp, pp, g6, R, C, acc6, true, op);
+            if (acc6) {
+              launch_ln_bwd_reduce_v6<T>(pp, G, C, g6, st, kV6ReducePdl && di.major >= 9, op);
+            }
+            ds_done = g6.ds != nullptr;
+            return true;
+          })) {
+        return;
+      }
+      layernorm_backward_dx_v1<T, float, float, O>
+          <<<static_cast<unsigned>(R), row_threads(C, 1, 256), 0, st>>>(dyp, xp, wp, mp, rp, ep,
+                                                                        dxp, C);
+      BT_CUDA_LAUNCH_CHECK(op);
+      if (grads.any()) {
+        layernorm_backward_dwdb_v1<T, float, float>
+            <<<static_cast<unsigned>(ceil_div(C, 256)), 256, 0, st>>>(dyp, xp, mp, rp, grads, R, C);
+        BT_CUDA_LAUNCH_CHECK(op);
+      }
+    };
+    if (out[0].dtype() == DType::Float32) {
+      body(type_tag<float>{});
+    } else {
+      body(type_tag<T>{});
+    }
+  });
+  // dsum: the column sums of dx as stored (Note [residual bias]) where v6 did not sum them
+  if (p.need_dsum && !ds_done) {
+    cuda::column_sums_any(out[0], out[1 + size_t(p.need_dweight) + size_t(p.need_dbias)], op);
+  }
+}
+}  // namespace cuda::nn
+
 using namespace cuda;
 using namespace cuda::nn;
 
@@ -1321,6 +1486,10 @@ void SoftmaxBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor
 }
 
 void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  if (in[0].dtype() != in[1].dtype()) {  // mixed rows (Note [float32 residual stream])
+    layernorm_backward_mixed(*this, in, out);
+    return;
+  }
   const int64_t R = in[1].shape()[0], C = in[1].shape()[1];
   cudaStream_t st = stream(out[0].device(), name());
   const Device dev = out[0].device();
