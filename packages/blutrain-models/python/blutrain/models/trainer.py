@@ -153,6 +153,7 @@ class Trainer:
         else:
             self.model = GPT2(self.model_config, device=self.device, init=saved is None)
         self.model.recompute = resolve_recompute(cfg.recompute, self.device, self.precision)
+        self.model.residual_dtype = cfg.residual_dtype
         self.model.set_precision(self.precision)
         set_matmul_precision(self.precision)
         self.stepper = step_cls(self.model, cfg, self.device, self.group)
