@@ -22,6 +22,13 @@ beside the fp32 reference (torch:fp32 when it ran, else ours:fp32): the mean |tr
 difference| over all steps and over the last tenth (same batches, so the batch-to-batch noise
 cancels), its signed mean there (a bias), the final and mean |val loss difference|.
 
+--baseline JSON: runs of an earlier call with the same settings (a JSON this script wrote, e.g.
+bench/baselines/*.json: PyTorch's runs on an H200, torch 2.11) join the tables as they were
+(losses, val, norms; their tok/s are that call's), so a later call reruns only what changed:
+
+    python bench/convergence.py --runs ours:fp32,ours:tf32,ours:bf16 \
+        --baseline bench/baselines/conv_b_torch.json
+
 Diagnostics (--quick turns both on):
 - --compare: at each checkpoint, every run's weights, gradients and AdamW moments against the
   reference's, per tensor (||a - b|| / ||b||), and each ours:bf16 run against torch:bf16; then,
@@ -483,6 +490,43 @@ def probe(cfg: Any, snaps: dict, data: Data, names: list[str], a: argparse.Names
     return out
 
 
+# -- baselines -----------------------------------------------------------------------------------
+
+# settings a baseline's runs must share with this call (what its losses depend on)
+SAME = (
+    "data",
+    "model",
+    "B",
+    "T",
+    "steps",
+    "lr",
+    "min_lr",
+    "warmup",
+    "weight_decay",
+    "clip",
+    "seed",
+    "init_seed",
+    "eval_every",
+    "eval_B",
+    "eval_batches",
+    "compact_vocab",
+)
+
+
+def load_baseline(path: str, a: argparse.Namespace, names: list[str]) -> dict[str, dict]:
+    """The runs of an earlier call's JSON that this call does not run, as finished runs (no
+    snapshots: per-tensor comparisons and probes skip them).  Settings that differ: SystemExit."""
+    with open(path) as f:
+        old = json.load(f)
+    diff = [k for k in SAME if old["args"].get(k) != getattr(a, k)]
+    if diff:
+        raise SystemExit(
+            f"--baseline {path}: its runs used other settings: "
+            + ", ".join(f"{k} {old['args'].get(k)!r} (here {getattr(a, k)!r})" for k in diff)
+        )
+    return {n: {**r, "_snap": {}} for n, r in old["runs"].items() if n not in names}
+
+
 # -- comparisons ---------------------------------------------------------------------------------
 
 
@@ -717,6 +761,7 @@ def main() -> int:
     ap.add_argument("--compact-vocab", action="store_true", help="dense ids (small CPU models)")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: the trainer's rule)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--baseline", help="an earlier call's JSON: its other runs join the tables")
     a = ap.parse_args()
     if a.quick:
         a.steps, a.compare, a.probe = min(a.steps, 100), True, True
@@ -767,13 +812,18 @@ def main() -> int:
         f"warmup {a.warmup} cosine to {a.min_lr}, wd {a.weight_decay}, clip {a.clip}",
         flush=True,
     )
+    base = load_baseline(a.baseline, a, names) if a.baseline else {}
+    if base:
+        print(f"baseline runs (not rerun; tok/s of that call): {', '.join(base)} from {a.baseline}")
     state = make_state(cfg, a.init_seed)
-    ref = reference(names)
+    ref = reference(list(base) + names)
+    if ref in base and a.probe:
+        raise SystemExit(f"--probe needs the reference {ref} run here, not from --baseline")
     # the reference first, then torch:bf16: later runs are compared with them as they end and
     # their host snapshots dropped (GPT-2 124M: 2.5 GB a checkpoint)
     order = [ref] + [n for n in names if n == "torch:bf16" != ref]
-    order += [n for n in names if n not in order]
-    results: dict[str, dict] = {}
+    order = [n for n in order if n not in base] + [n for n in names if n not in order]
+    results: dict[str, dict] = dict(base)
     cmp: dict[str, dict] = {}
     for name in order:
         t = time.perf_counter()
@@ -792,7 +842,7 @@ def main() -> int:
                 r["_snap"] = {}
         partial = {"args": vars(a), "reference": ref, "partial": True, "compare": cmp}
         write_json(a.json, {**partial, "runs": strip(results)})  # kept if a later run is cut
-    results = {n: results[n] for n in names}  # the order asked for
+    results = {n: results[n] for n in list(base) + names}  # baselines, then the order asked for
     summary = summarize(results, a)
     print_curves(results, a)
     print_checkpoints(results)
@@ -810,7 +860,7 @@ def main() -> int:
         snaps = results[ref]["_snap"]
         for r in results.values():
             r["_snap"] = {}  # the host copies: free before the probes
-        out["probe"] = probe(cfg, snaps, data, names, a)
+        out["probe"] = probe(cfg, snaps, data, names, a)  # (the reference ran here)
         print_probe(out["probe"], a.top)
     if a.json:
         write_json(a.json, out)
