@@ -58,6 +58,10 @@ def extra_deps(session: nox.Session) -> None:
         session.install("scipy-openblas32")
     if (ROOT / "packages" / "blutrain-models").exists():
         session.install("tiktoken", "safetensors", "rich", "matplotlib")
+    if (ROOT / "packages" / "blutrain-dist").exists():
+        # mpi4py starts the ranks and carries CPU tensors; the mpich wheel is the MPI (its
+        # mpiexec works as root); safetensors holds the sharded checkpoints.
+        session.install("mpi4py", "mpich", "safetensors")
 
 
 def install_packages(session: nox.Session, cuda: str, archs: str | None = None) -> None:
@@ -97,6 +101,10 @@ def cuda_wheels(session: nox.Session, cuda: str) -> None:
     nvcc = shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc")
     if (cuda == "ON" or (cuda == "AUTO" and nvcc)) and (ROOT / "packages/blutrain-linalg").exists():
         session.install("nvidia-cublas", "nvidia-cuda-runtime")
+    # NCCL is opened at run time by blutrain-dist; its header comes from the wheel where the
+    # toolkit lacks it.
+    if (cuda == "ON" or (cuda == "AUTO" and nvcc)) and (ROOT / "packages/blutrain-dist").exists():
+        session.install("nvidia-nccl-cu13")
 
 
 @nox.session(python="3.11")
@@ -164,6 +172,14 @@ def cuda_build(session: nox.Session) -> None:
     cuda_tested = ("blutrain-alloc", "blutrain-linalg", "blutrain-tensor")
     dirs = [f"packages/{p}/tests" for p in present() if p in cuda_tested]
     session.run("pytest", "-q", "-p", "no:cacheprovider", *dirs)
+    if "blutrain-dist" in present():  # the CUDA build imports and runs its CPU path without a GPU
+        session.run(
+            "python",
+            "-c",
+            "import blutrain.dist as d, blutrain.tensor as bt; d.init(device='cpu'); "
+            "x = bt.ones(5); d.all_reduce(x, 'avg'); assert x.tolist() == [1.0] * 5; "
+            "print('blutrain.dist CUDA build:', d.backend(), d._dist.built_with_nccl())",
+        )
 
 
 @nox.session(python=False)

@@ -3,13 +3,16 @@
 # the GPU tests and the benchmarks, and print a short table last. Runs without nox (that machine
 # has none):
 #   bash scripts/gpu.sh [--prebuilt] [--only alloc,linalg] [--tests a,b] [--bench a,b]
-#                       [--no-bench] [--sanitize] [--budget SECONDS]
+#                       [--no-bench] [--sanitize] [--budget SECONDS] [--dist]
 #   --prebuilt   install .whl/bt/*.whl (CUDA wheels built elsewhere by scripts/build_wheels.sh)
 #                instead of building from source here: saves the GPU machine minutes
 #   --tests      packages whose GPU tests run ('root' = the repo's tests/); default all
 #   --bench      packages whose bench/bench_*.py run; default all
 #   --budget     seconds this script may take: later steps are skipped (and say so) when the
 #                remaining time is short; default 540
+#   --dist       after the tests and benchmarks, blutrain-dist's GPU script (two ranks on one GPU
+#                over mpirun, GPT-2 DDP / ZeRO next to PyTorch DDP): packages/blutrain-dist/bench/
+#                gpu_dist.sh
 # Test files run in parallel (one pytest per file: the GPU has room and the CPU references
 # dominate); benchmarks run one at a time, alone on the GPU.
 # Logs and JSON go to $OUT (default ./out), packed into logs.tar.gz (8 files come back at most).
@@ -22,7 +25,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 PY=${PYTHON:-python3}
 START=$(date +%s)
-BENCH=1 PREBUILT=0 SANITIZE=0 BUDGET=540
+BENCH=1 PREBUILT=0 SANITIZE=0 BUDGET=540 DIST=0
 ONLY="" BENCH_ONLY="" TESTS_ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -33,6 +36,7 @@ while [ $# -gt 0 ]; do
     --tests) TESTS_ONLY=$2; shift ;;
     --sanitize) SANITIZE=1 ;;
     --budget) BUDGET=$2; shift ;;
+    --dist) DIST=1 ;;
   esac
   shift
 done
@@ -212,6 +216,16 @@ if [ "$SANITIZE" = 1 ]; then
     done
     STATUS[sanitize-$tool-wall]="$(( $(date +%s) - t0 )) s"
   done
+fi
+
+if [ "$DIST" = 1 ]; then
+  if [ "$(left)" -lt 120 ]; then STATUS[dist-gpu]="skipped (time budget)"
+  else
+    t0=$(date +%s)
+    OUT=$OUT timeout "$(left)" bash packages/blutrain-dist/bench/gpu_dist.sh >"$OUT/dist-gpu.txt" 2>&1
+    STATUS[dist-gpu]="rc=$? [$(( $(date +%s) - t0 )) s] $(grep -c . "$OUT/dist-gpu.txt") lines"
+    tail -25 "$OUT/dist-gpu.txt"
+  fi
 fi
 
 for f in "$OUT"/bench_*.txt; do

@@ -113,19 +113,13 @@ def test_fused_ops_give_the_same_numbers(rng):
 def test_fused_qkv_attention_gives_the_same_numbers(rng):
     # with the CPU's flash kernels on, the fused model's attention sublayers run bt.qkv_attention
     # (one node; the qkv bias gradient from the packed backward) against linear + sdpa
-    from blutrain.tensor import _tensor
-
-    old = _tensor._flash_attention_cpu()
-    _tensor._set_flash_attention_cpu(True)
-    try:
+    with bt.backends.use_flash_attention_cpu(True):
         a, b = twin(rng, fused=True)
         a.fused = False
         x = rng.integers(0, CFG.vocab_size, (2, CFG.block_size))
         assert_same_numbers(a, b, x)
         assert all(blk.attn.fused for blk in b.transformer.h)
         assert not any(blk.attn.fused for blk in a.transformer.h)
-    finally:
-        _tensor._set_flash_attention_cpu(old)
 
 
 def test_fused_classifier_gives_the_same_numbers(rng):

@@ -142,6 +142,8 @@ class LinearCrossEntropy : public Primitive {
     a["ignore_index"] = ignore_index;
     a["num_classes"] = num_classes;
     a["chunk_rows"] = chunk_rows;
+    a["need_dx"] = need_dx;
+    a["need_dw"] = need_dw;
     a["mean"] = mean;
   }
   int64_t ignore_index, num_classes, chunk_rows;

@@ -40,11 +40,11 @@ struct AccumulateGrad : Node {
       Tensor r = h(g);
       if (r.defined()) g = r;
     });
-    if (Graph* graph = active_graph()) {
-      graph->record_grad(leaf_t, g);
+    if (g.dtype() != leaf->dtype) g = astype(g, leaf->dtype);
+    if (Graph* graph = active_graph()) {  // the .grad becomes the recorded value (capture.h)
+      graph->accumulate_grad(leaf_t, g);
       return {};
     }
-    if (g.dtype() != leaf->dtype) g = astype(g, leaf->dtype);
     if (!leaf->grad) {
       // Keep the gradient itself only when nothing else holds it (a user-given gradient or a
       // cotangent passed through unchanged must not be aliased by .grad).  A view of a tensor
@@ -60,10 +60,14 @@ struct AccumulateGrad : Node {
       const bool own = g.impl_ptr().use_count() <= 2 && g.is_contiguous() && !g.impl()->grad_fn &&
                        sole && base_ok;
       leaf->grad = !own ? clone(g).impl_ptr() : via_base ? detach(g).impl_ptr() : g.impl_ptr();
+    } else if (leaf->grad_overwrite) {
+      Tensor acc(leaf->grad);
+      copy_(acc, g);  // the first gradient of a bucket's window: no zero fill, no add
     } else {
       Tensor acc(leaf->grad);
       inplace(acc, add(acc, g), "accumulate_grad");
     }
+    leaf->grad_overwrite = false;
     leaf->post_acc_hooks.for_each([&](const PostAccHook& h) {
       count_hook_call();
       h(leaf_t);
@@ -277,7 +281,6 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
   auto offer_pending = [&](Node& node) {
     node.pending.clear();
     node.pending_taken.clear();
-    if (active_graph()) return;
     for (size_t i = 0; i < node.next.size(); ++i) {
       const Edge& e = node.next[i];
       if (!e.node || !node.takes_pending_gradient(i)) continue;
@@ -329,8 +332,8 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
       const bool hooked = !node->pre_hooks[i].empty() ||
                           (i < node->retain_hooks.size() && !node->retain_hooks[i].empty());
       if (!grads[i].defined()) {
-        // hooks see zeros, and a capture records them (its nodes take no undefined values)
-        if (!hooked && !active_graph() && node->takes_no_gradient(i)) continue;
+        // hooks see zeros
+        if (!hooked && node->takes_no_gradient(i)) continue;
         const auto& m = node->out_meta[i];
         grads[i] = zeros(m.shape, m.dtype, m.device);
       }

@@ -95,9 +95,10 @@ class CrossEntropyBackward : public Primitive {
   int overwrites_input() const override { return in_place ? 0 : -1; }
   void attrs(Attrs& a) const override {
     a["ignore_index"] = ignore_index;
-    a["reduction"] = static_cast<int64_t>(reduction);
+    a["reduction"] = std::string(reduction == 0 ? "none" : reduction == 1 ? "mean" : "sum");
     a["label_smoothing"] = label_smoothing;
-    if (num_classes >= 0) a["num_classes"] = num_classes;
+    a["num_classes"] = num_classes;  // -1: every column is a class
+    a["in_place"] = in_place;
   }
   int64_t classes(const Tensor& x) const { return num_classes < 0 ? x.shape()[1] : num_classes; }
   int64_t ignore_index;
@@ -135,6 +136,8 @@ class AddLayerNorm : public Primitive {
   bool saves_input(size_t i, const std::vector<bool>&) const override { return i == 2; }
   void attrs(Attrs& a) const override {
     a["eps"] = eps;
+    a["has_weight"] = has_weight;
+    a["has_bias"] = has_bias;
     a["has_residual_bias"] = has_residual_bias;
   }
   double eps;

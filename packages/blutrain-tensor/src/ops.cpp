@@ -225,7 +225,7 @@ Tensor cached_astype(const Tensor& x, DType dtype) {
       e = &cache->entries.back();
     } else if (!e->current(x)) {
       raw_copy_into(e->copy, x, "cached_astype");
-      e->copy.storage()->bump_version();  // a view of the old copy saved for backward is stale
+      e->copy.bump_version();  // a view of the old copy saved for backward is stale
     }
     e->from_version = x.version();
     e->copy_version = e->copy.version();
@@ -859,7 +859,7 @@ Tensor& inplace(Tensor& x, const Tensor& result, const char* op) {
   } else {
     raw_copy_into(x, r, op);
   }
-  if (x.storage()) x.storage()->bump_version();
+  x.bump_version();
   if (grad_enabled()) {
     if (r.requires_grad()) {
       // x now holds r's value: it takes over r's history (an alias node if r is a leaf).

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "autograd.h"
+#include "capture.h"
 #include "ops.h"
 
 namespace bt {
@@ -40,7 +41,7 @@ void check_scalar_tensor(const Tensor& t, const char* op, const char* what, Devi
     throw ValueError(std::string("[") + op + "] " + what + " is on " + t.device().str() +
                      " but the tensors are on " + dev.str());
   }
-  if (t.is_symbolic()) {
+  if (t.is_symbolic() && !active_graph()) {
     throw RuntimeError(std::string("[") + op + "] " + what + " is a symbolic (captured) tensor");
   }
 }
@@ -66,7 +67,7 @@ void check_list_tensor(const Tensor& t, const char* op, const char* list, size_t
 }
 
 void bump(const Tensor& t) {
-  if (t.storage()) t.storage()->bump_version();
+  t.bump_version();
 }
 
 int g_kernel_version = 2;
@@ -94,7 +95,7 @@ void mark_casts_current(const std::vector<Tensor>& params, const std::vector<Ten
   std::lock_guard<std::mutex> lock(cast_cache_mutex());
   for (size_t i = 0; i < params.size(); ++i) {
     if (!copies[i].defined()) continue;
-    copies[i].storage()->bump_version();  // views of the old values saved for backward are stale
+    copies[i].bump_version();  // views of the old values saved for backward are stale
     const auto& cache = params[i].storage()->cast_cache;
     CastCache::Entry* e = cache ? cache->find(params[i], copies[i].dtype()) : nullptr;
     if (e && e->copy.storage() == copies[i].storage()) {

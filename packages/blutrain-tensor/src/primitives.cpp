@@ -114,11 +114,9 @@ struct PrimNode : Node {
       }
     }
     std::vector<DType> grad_dtypes(in_meta.size());
-    const bool capturing = active_graph() != nullptr;  // captured graphs keep one dtype per edge
     for (size_t i = 0; i < in_meta.size(); ++i) {
       const Edge& e = next[i];
-      grad_dtypes[i] = !capturing && needs[i] && e.node ? e.node->grad_dtype_taken(e.input_nr)
-                                                        : in_meta[i].dtype;
+      grad_dtypes[i] = needs[i] && e.node ? e.node->grad_dtype_taken(e.input_nr) : in_meta[i].dtype;
     }
     VjpArgs args{recomputed_in.empty() ? saved_in : rebuilt,
                  saved_out,
@@ -205,14 +203,18 @@ std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Ten
   }
   Graph* graph = active_graph();
   std::vector<Tensor> outs;
+  // Elementwise results take a dense input 0's layout (so captured values carry eager's strides)
+  const bool like0 = prim->preserves_layout() && out_meta.size() == 1 && !inputs.empty() &&
+                     inputs[0].shape() == out_meta[0].first && !inputs[0].is_contiguous() &&
+                     is_dense(inputs[0]);
   if (prim->is_view()) {
     outs.push_back(prim->eval_view(inputs));
   } else if (graph) {
-    for (auto& m : out_meta) outs.push_back(symbolic_tensor(m.first, m.second, device));
+    for (auto& m : out_meta) {
+      outs.push_back(symbolic_tensor(m.first, m.second, device));
+      if (like0) outs.back().impl()->strides = inputs[0].strides();
+    }
   } else {
-    const bool like0 = prim->preserves_layout() && out_meta.size() == 1 && !inputs.empty() &&
-                       inputs[0].shape() == out_meta[0].first && !inputs[0].is_contiguous() &&
-                       is_dense(inputs[0]);
     const int over = prim->overwrites_input();
     for (auto& m : out_meta) {
       outs.push_back(
@@ -232,7 +234,7 @@ std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Ten
     } else {
       prim->eval_cpu(inputs, outs);
     }
-    if (over >= 0) outs[0].storage()->bump_version();  // the input's old values are gone
+    if (over >= 0) outs[0].bump_version();  // the input's old values are gone
   }
   if (graph) {
     Attrs a;

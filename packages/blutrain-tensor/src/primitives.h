@@ -28,7 +28,10 @@
 
 namespace bt {
 
-using AttrValue = std::variant<int64_t, double, bool, std::string, std::vector<int64_t>>;
+// Capture attributes (capture.h, schema.h): every value a primitive's constructor takes, so a
+// recorded node rebuilds the same primitive (make_primitive) and replays it bit for bit.
+using AttrValue =
+    std::variant<int64_t, double, bool, std::string, std::vector<int64_t>, std::vector<double>>;
 using Attrs = std::map<std::string, AttrValue>;
 
 struct VjpArgs {
@@ -481,7 +484,11 @@ class LayerNorm : public Primitive {
   bool saves_outputs() const override { return true; }
   bool saves_output(size_t i) const override { return i > 0; }        // mean, rstd (not y)
   bool takes_no_cotangent(size_t i) const override { return i > 0; }  // mean, rstd
-  void attrs(Attrs& a) const override { a["eps"] = eps; }
+  void attrs(Attrs& a) const override {
+    a["eps"] = eps;
+    a["has_weight"] = has_weight;
+    a["has_bias"] = has_bias;
+  }
   double eps;
   bool has_weight, has_bias;
 };
@@ -504,7 +511,8 @@ class CrossEntropy : public Primitive {
   void attrs(Attrs& a) const override {
     a["ignore_index"] = ignore_index;
     a["reduction"] = std::string(reduction == 0 ? "none" : reduction == 1 ? "mean" : "sum");
-    if (num_classes >= 0) a["num_classes"] = num_classes;
+    a["label_smoothing"] = label_smoothing;
+    a["num_classes"] = num_classes;  // -1: every column is a class
   }
   // Classes of logits `x` (N, Cx): num_classes, or Cx when -1.
   int64_t classes(const Tensor& x) const { return num_classes < 0 ? x.shape()[1] : num_classes; }

@@ -263,10 +263,61 @@ Tensor make_view(const Tensor& base, const Shape& shape, const Strides& strides,
   impl->offset = offset;
   impl->dtype = base.dtype();
   impl->device = base.device();
+  impl->version_counter = base.impl()->version_counter;  // views stay in their base's group
   return Tensor(std::move(impl));
 }
 
-Tensor detach(const Tensor& t) { return make_view(t, t.shape(), t.strides(), t.offset()); }
+static SymbolicAliasHook g_symbolic_alias_hook = nullptr;
+void set_symbolic_alias_hook(SymbolicAliasHook hook) { g_symbolic_alias_hook = hook; }
+
+Tensor detach(const Tensor& t) {
+  Tensor r = make_view(t, t.shape(), t.strides(), t.offset());
+  if (!t.storage() && g_symbolic_alias_hook) g_symbolic_alias_hook(t, r);  // capture only
+  return r;
+}
+
+void record_stream(const Tensor& t, void* stream) {
+  if (!t.defined() || t.is_symbolic())
+    throw ValueError("[record_stream] the tensor is undefined or symbolic (no memory)");
+  if (!t.device().is_cuda())
+    throw ValueError("[record_stream] the tensor is on " + t.device().str() +
+                     ": only CUDA memory is ordered by streams");
+  // Memory adopted from elsewhere (DLPack) is its owner's to order; ours goes to the allocator.
+  if (!t.storage()->from_alloc() || !g_alloc.record_stream || !t.storage()->data()) return;
+  if (g_alloc.record_stream(t.storage()->data(), stream) != 0)
+    throw RuntimeError(std::string("[record_stream] ") +
+                       (g_alloc.last_error ? g_alloc.last_error() : "blutrain.alloc refused"));
+}
+
+void set_data(const Tensor& dst, const Tensor& src) {
+  if (!dst.defined() || !src.defined() || dst.is_symbolic() || src.is_symbolic())
+    throw ValueError("[set_data] both tensors need memory (not undefined or symbolic)");
+  if (!dst.is_leaf())
+    throw RuntimeError("[set_data] only a leaf tensor's memory can be replaced (it has a grad_fn)");
+  if (dst.shape() != src.shape() || dst.dtype() != src.dtype() || dst.device() != src.device())
+    throw ValueError("[set_data] the new memory is " + shape_str(src.shape()) + " " +
+                     dtype_name(src.dtype()) + " on " + src.device().str() + "; the tensor is " +
+                     shape_str(dst.shape()) + " " + dtype_name(dst.dtype()) + " on " +
+                     dst.device().str());
+  TensorImpl* d = dst.impl();
+  d->storage = src.storage();
+  d->strides = src.strides();
+  d->offset = src.offset();
+  d->version_counter = src.impl()->version_counter;
+  d->view_base = nullptr;
+  d->views.clear();
+}
+
+void share_version_counter(const std::vector<Tensor>& ts) {
+  uint64_t start = 0;
+  for (const auto& t : ts) {
+    if (!t.defined() || t.is_symbolic())
+      throw ValueError("[share_version_counter] every tensor needs memory");
+    start = std::max(start, t.version() + 1);
+  }
+  auto counter = std::make_shared<std::atomic<uint64_t>>(start);
+  for (const auto& t : ts) t.impl()->version_counter = counter;
+}
 
 bool storage_only_via(const Tensor& t, bool* via_base) {
   const auto& base = t.impl()->view_base;

@@ -62,6 +62,8 @@ struct AllocHooks {
   int (*malloc)(int device, size_t size, void* stream, void** out) = nullptr;
   int (*free)(void* ptr) = nullptr;
   const char* (*last_error)(void) = nullptr;
+  // ptr (a block from malloc) is used on `stream` too: not reused before that work finishes
+  int (*record_stream)(void* ptr, void* stream) = nullptr;
 };
 void set_alloc_hooks(const AllocHooks& hooks);
 bool have_alloc_hooks();
@@ -80,6 +82,7 @@ class Storage {
   void* data() const { return data_; }
   size_t nbytes() const { return nbytes_; }
   Device device() const { return device_; }
+  bool from_alloc() const { return from_alloc_; }  // a block of blutrain-alloc's
   uint64_t version() const { return version_.load(std::memory_order_relaxed); }
   void bump_version() { version_.fetch_add(1, std::memory_order_relaxed); }
 
@@ -177,6 +180,18 @@ struct TensorImpl {
   // Set on an output its op can rebuild in backward (a layer norm's with recompute=True): nodes
   // that save it, or a view of it, keep this recipe instead (Note [recomputed activations]).
   std::shared_ptr<Recompute> recompute;
+  // Note [version counter groups]: null means the storage's counter.  A group (set with
+  // share_version_counter) gives some views of a storage a counter of their own, e.g. the
+  // parameters of one bucket of a flat buffer: a write through a member bumps the group and the
+  // storage, a write through any other view bumps the storage only, so saved copies of the
+  // other buckets' parameters stay valid.  Views of a member join its group.  Whoever writes
+  // the memory through a view outside the group (an all-gather into the flat buffer) bumps the
+  // members it overwrote.
+  std::shared_ptr<std::atomic<uint64_t>> version_counter;
+  // The next gradient accumulated into this leaf's existing .grad replaces its values instead
+  // of adding to them (then the flag clears): gradient buckets start an accumulation window
+  // without a zero fill.  Set by blutrain-dist through _set_grad_overwrite.
+  bool grad_overwrite = false;
 };
 
 class Tensor {
@@ -199,7 +214,16 @@ class Tensor {
   bool is_symbolic() const { return !impl_->storage; }
   bool is_contiguous() const;
   const std::shared_ptr<Storage>& storage() const { return impl_->storage; }
-  uint64_t version() const { return impl_->storage ? impl_->storage->version() : 0; }
+  // The version autograd checks: the tensor's group counter, else its storage's (Note [version
+  // counter groups]).  bump_version() marks a write through this tensor.
+  uint64_t version() const {
+    if (impl_->version_counter) return impl_->version_counter->load(std::memory_order_relaxed);
+    return impl_->storage ? impl_->storage->version() : 0;
+  }
+  void bump_version() const {
+    if (impl_->version_counter) impl_->version_counter->fetch_add(1, std::memory_order_relaxed);
+    if (impl_->storage) impl_->storage->bump_version();
+  }
 
   // Typed pointer to element [0] of the view (offset applied).  Throws for symbolic tensors.
   void* data_ptr(const char* op) const;
@@ -246,11 +270,25 @@ Tensor symbolic_tensor(const Shape& shape, DType dtype, Device device);
 Tensor make_view(const Tensor& base, const Shape& shape, const Strides& strides, int64_t offset);
 // The same data without autograd history (shares storage and version counter).
 Tensor detach(const Tensor& t);
+// Called by detach() of a symbolic tensor with (t, result): capture mode (capture.cpp) makes
+// them one value.  Real tensors never reach it.
+using SymbolicAliasHook = void (*)(const Tensor&, const Tensor&);
+void set_symbolic_alias_hook(SymbolicAliasHook hook);
 // Whether every reference to t's storage is t's impl, or t's view base that only t keeps alive
 // (*via_base says which): nothing but t can reach the memory through another tensor handle.
 bool storage_only_via(const Tensor& t, bool* via_base = nullptr);
 
 std::string tensor_repr(const Tensor& t);
+
+// ---- what blutrain-dist needs for flat buffers (Note [version counter groups]) --------------
+// Marks t's memory as used by work on `stream` (a cudaStream_t) too: blutrain-alloc does not
+// hand it out again, once t is freed, before that stream's work queued so far has finished.
+void record_stream(const Tensor& t, void* stream);
+// dst (a leaf) now views src's memory (same shape, dtype, device): PyTorch's `p.data = src`.
+// Used to move parameters into a flat buffer; dst keeps its autograd identity (.grad, hooks).
+void set_data(const Tensor& dst, const Tensor& src);
+// Gives every tensor of `ts` one new shared version counter (starting above their current ones).
+void share_version_counter(const std::vector<Tensor>& ts);
 
 // Determinism mode: when on, every kernel gives bitwise-identical results run to run on the same
 // device (no float atomics; fixed reduction orders; GEMM algorithms pinned).  Off by default.

@@ -8,6 +8,7 @@
 
 namespace bt::python {
 
+void init_capture(nanobind::module_& m);    // init_capture.cpp: Graph, op schemas, replay
 void init_cuda(nanobind::module_& m);       // init_cuda.cpp: streams, sync, determinism, graphs
 void init_nn_fused(nanobind::module_& m);   // init_nn_fused.cpp: fused norm / loss ops
 void init_attention(nanobind::module_& m);  // init_attention.cpp: flash attention

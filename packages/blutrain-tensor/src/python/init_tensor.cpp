@@ -568,17 +568,6 @@ std::vector<Tensor> tensor_list(nb::handle seq, const char* op, const char* what
   return r;
 }
 
-nb::object attr_to_py(const AttrValue& v) {
-  if (auto p = std::get_if<int64_t>(&v)) return nb::int_(*p);
-  if (auto p = std::get_if<double>(&v)) return nb::float_(*p);
-  if (auto p = std::get_if<bool>(&v)) return nb::bool_(*p);
-  if (auto p = std::get_if<std::string>(&v)) return nb::str(p->c_str());
-  const auto& vec = std::get<std::vector<int64_t>>(v);
-  nb::list l;
-  for (auto x : vec) l.append(x);
-  return nb::tuple(l);
-}
-
 nb::tuple shape_tuple(const Shape& s) {
   nb::list l;
   for (auto v : s) l.append(v);
@@ -619,7 +608,7 @@ int c_from_pyobject(void* pyobj, void** handle) {
 }
 int c_bump_version(void* handle) {
   const Tensor& t = *static_cast<const Tensor*>(handle);
-  if (t.storage()) t.storage()->bump_version();
+  t.bump_version();
   return BT_TENSOR_OK;
 }
 const bt_tensor_api g_api = {
@@ -643,7 +632,7 @@ NB_MODULE(_tensor, m) {
   // clear error naming the reason when it is missing).
   const bt_alloc_api* alloc = bt_alloc_import();
   if (!alloc) throw nb::python_error();
-  set_alloc_hooks({alloc->malloc, alloc->free, alloc->last_error});
+  set_alloc_hooks({alloc->malloc, alloc->free, alloc->last_error, alloc->record_stream});
   {
     LinalgHooks lh;
     const bt_linalg_api* la = bt_linalg_import();
@@ -802,6 +791,7 @@ NB_MODULE(_tensor, m) {
                           " on " + g->device().str() + "; expected a floating tensor on " +
                           t.device().str());
         }
+        if (Graph* graph = active_graph()) graph->note_grad_change(t);  // put back at its end
         t.impl()->grad = g ? g->impl_ptr() : nullptr;
       },
       nb::arg("value").none(), "The accumulated gradient (leaves, or after retain_grad()).");
@@ -834,6 +824,20 @@ NB_MODULE(_tensor, m) {
       "handle whose remove() erases it.");
   T.def("_hook_counts", &hook_counts,
         "(gradient hooks, post-accumulate hooks) the engine would call for this tensor.");
+  T.def(
+      "record_stream",
+      [](const Tensor& t, nb::handle stream) {
+        nb::handle h = nb::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream") : stream;
+        record_stream(t, reinterpret_cast<void*>(nb::cast<uintptr_t>(h)));
+      },
+      "stream"_a,
+      "Marks this CUDA tensor's memory as used by `stream` (a bt.cuda.Stream, a torch stream or "
+      "a cudaStream_t int): once freed it is not reused before the work queued on that stream "
+      "so far has finished (blutrain.alloc's record_stream).");
+  T.def_prop_ro(
+      "_grad_overwrite", [](const Tensor& t) { return t.impl()->grad_overwrite; },
+      "Whether the next accumulated gradient replaces .grad instead of adding (see "
+      "_set_grad_overwrite).");
 
   // data out
   T.def(
@@ -1452,6 +1456,23 @@ NB_MODULE(_tensor, m) {
   // autograd
   m.def("is_grad_enabled", &grad_enabled, "Whether ops record autograd history.");
   m.def("set_grad_enabled", &set_grad_enabled, "mode"_a, "Turns autograd recording on or off.");
+  // ---- flat buffers (blutrain-dist): Note [version counter groups] in tensor.h ---------------
+  m.def(
+      "_set_data", [](const Tensor& dst, const Tensor& src) { set_data(dst, src); }, "tensor"_a,
+      "source"_a,
+      "tensor (a leaf) now views source's memory (same shape, dtype, device), keeping its "
+      "autograd identity: PyTorch's `p.data = source`.");
+  m.def(
+      "_share_version_counter",
+      [](nb::handle seq) { share_version_counter(tensor_list(seq, "share_version_counter", "tensors")); },
+      "tensors"_a, "Gives the tensors one version counter of their own (Note [version counter groups]).");
+  m.def(
+      "_set_grad_overwrite",
+      [](nb::handle seq, bool on) {
+        for (const Tensor& t : tensor_list(seq, "set_grad_overwrite", "tensors")) t.impl()->grad_overwrite = on;
+      },
+      "tensors"_a, "on"_a,
+      "The next gradient accumulated into each leaf's existing .grad replaces it (no zero fill).");
   m.def(
       "backward",
       [](nb::handle tensors, nb::handle grads, bool retain_graph) {
@@ -1486,54 +1507,7 @@ NB_MODULE(_tensor, m) {
       "name"_a, "backward"_a, "inputs"_a, "outputs"_a,
       "Makes outputs depend on inputs through backward(list of output grads) -> input grads.");
 
-  // capture
-  nb::class_<Graph>(m, "Graph", "A captured graph: ops with dtypes, shapes, attributes, inputs.")
-      .def(nb::init<>())
-      .def("__str__", &Graph::str)
-      .def("mark_output", &Graph::mark_output, "tensor"_a, "Marks a value as a graph output.")
-      .def_prop_ro(
-          "inputs", [](const Graph& g) { return g.inputs; }, "Ids of input values.")
-      .def_prop_ro(
-          "outputs", [](const Graph& g) { return g.outputs; }, "Ids of output values.")
-      .def_prop_ro(
-          "values",
-          [](const Graph& g) {
-            nb::list l;
-            for (auto& v : g.values) {
-              nb::dict d;
-              d["id"] = v.id;
-              d["shape"] = shape_tuple(v.shape);
-              d["dtype"] = v.dtype;
-              d["device"] = v.device.str();
-              d["name"] = v.name;
-              d["is_input"] = v.is_input;
-              d["requires_grad"] = v.requires_grad;
-              l.append(d);
-            }
-            return l;
-          },
-          "Every value: id, shape, dtype, device, name, is_input.")
-      .def_prop_ro(
-          "nodes",
-          [](const Graph& g) {
-            nb::list l;
-            for (auto& n : g.nodes) {
-              nb::dict d, a;
-              d["op"] = n.op;
-              for (auto& [k, v] : n.attrs) a[k.c_str()] = attr_to_py(v);
-              d["attrs"] = a;
-              d["inputs"] = n.inputs;
-              d["outputs"] = n.outputs;
-              l.append(d);
-            }
-            return l;
-          },
-          "Every node: op, attrs, inputs (value ids, -1 for none), outputs.");
-  m.def(
-      "_set_capture", [](Graph* g) { set_active_graph(g); }, "graph"_a.none(),
-      "Starts (or with None ends) capture on this thread.");
-  m.def("_capturing", []() { return active_graph() != nullptr; }, "Whether capture is active.");
-
+  bt::python::init_capture(m);
   bt::python::init_cuda(m);
   bt::python::init_nn_fused(m);
   bt::python::init_attention(m);

@@ -11,8 +11,9 @@ from __future__ import annotations
 import blutrain.tensor as bt
 
 # The blutrain.tensor API level (bt.API_LEVEL) this package needs: 1 = bt.optim (adamw_,
-# grad_norm, clip_coef), bt.backends, bt.__version__.
-REQUIRED_API_LEVEL = 1
+# grad_norm, clip_coef), bt.backends, bt.__version__; 2 = the captured-graph contract
+# (bt.is_capturing, bt.Graph's replay).
+REQUIRED_API_LEVEL = 2
 
 
 class TensorVersionError(ImportError):

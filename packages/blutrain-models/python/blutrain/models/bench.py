@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import model_config
+from .config import LlamaConfig, model_config
 from .device import (
     flops_per_token,
     is_cuda,
@@ -93,6 +93,7 @@ def bench(
     from ._tensor import bt
     from .gpt2 import GPT2, set_matmul_precision
     from .gpt2 import gemm_autotune as tuned_gemms
+    from .llama import Llama
     from .optim import AdamW, grad_norm_and_clip_coef
 
     dev = resolve_device(device)
@@ -107,8 +108,12 @@ def bench(
     bt.manual_seed(seed)
     if is_cuda(dev):
         bt.cuda.reset_peak_memory_stats(dev)
-    recompute = resolve_recompute(recompute, dev, prec)
-    m = GPT2(cfg, device=dev, precision=prec, recompute=recompute)
+    if isinstance(cfg, LlamaConfig):
+        recompute = "none" if recompute == "auto" else recompute
+        m = Llama(cfg, device=dev, precision=prec, recompute=recompute)
+    else:
+        recompute = resolve_recompute(recompute, dev, prec)
+        m = GPT2(cfg, device=dev, precision=prec, recompute=recompute)
     set_matmul_precision(prec)
     opt = AdamW(m.named_parameters(), lr=1e-4)
     rng = np.random.default_rng(seed)

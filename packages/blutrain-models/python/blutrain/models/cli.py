@@ -210,16 +210,18 @@ def load_model(
     device: str = "cpu",
     vocab_multiple: int = 1,
 ):
-    """A GPT2 from a training checkpoint directory (or a run directory holding one), a Hugging
-    Face directory, or a fresh preset (random weights)."""
+    """A model from a training checkpoint directory (or a run directory holding one; GPT-2 or
+    LLaMA, as it was trained), a Hugging Face GPT-2 directory, or a fresh preset (random
+    weights)."""
     from .config import model_config
     from .gpt2 import GPT2
+    from .zoo import build_model, model_from_checkpoint
 
     if checkpoint:
-        return GPT2.from_checkpoint(checkpoint, device=device)
+        return model_from_checkpoint(checkpoint, device=device)
     if hf:
         return GPT2.from_pretrained(hf, vocab_multiple=vocab_multiple, device=device)
-    return GPT2(model_config(model, vocab_multiple), device=device)
+    return build_model(model_config(model, vocab_multiple), device=device)
 
 
 def _model_from_args(args: argparse.Namespace):
@@ -348,7 +350,9 @@ def _eval_run(args: argparse.Namespace) -> int:
 
 
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="a GPT2Config preset or JSON file")
+    p.add_argument(
+        "--model", default="tiny", help="a GPT-2 or LLaMA (llama-*) preset, or a JSON config"
+    )
     p.add_argument("--batch-size", type=bounded(int, lo=1), default=8)
     p.add_argument("--seq-len", type=bounded(int, lo=1), default=128)
     p.add_argument("--steps", type=bounded(int, lo=1), default=10, help="timed steps")

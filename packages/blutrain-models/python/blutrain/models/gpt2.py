@@ -400,6 +400,9 @@ class GPT2(_Precision, bt.nn.Module):
         self.residual_dtype = residual_dtype
         # rows per chunk of the fused classifier (None: bt.linear_cross_entropy's default)
         self.classifier_chunk_size: int | None = None
+        # float32 CPU loss in numpy (_HeadCrossEntropyCPU, faster there); False: bt.cross_entropy,
+        # the op a bt.capture() records (so eager and a captured step run the same kernels)
+        self.numpy_loss = True
         self.transformer = _Transformer(config)
         self.set_recompute(recompute)
         if init:
@@ -470,7 +473,7 @@ class GPT2(_Precision, bt.nn.Module):
                 raise ValueError(
                     f"[GPT2] {what} must be (B, T) or (T,), got shape {tuple(x.shape)}"
                 )
-            if t.numel() and not t.is_symbolic and str(t.device) == "cpu":
+            if t.numel() and not bt.is_capturing() and str(t.device) == "cpu":
                 # captured ids have no values to check; ids on a GPU are not read back (that
                 # would be a host sync every step): the embedding kernel bounds-checks them
                 lo, hi = int(t.amin().item()), int(t.amax().item())
@@ -660,7 +663,8 @@ class GPT2(_Precision, bt.nn.Module):
         if tgt is not None:
             B, T = idx.shape
             V, Vp = self.config.vocab_size, full.shape[-1]
-            if full.device == "cpu" and full.dtype == bt.float32 and not full.is_symbolic:
+            numpy_ok = self.numpy_loss and not full.is_symbolic
+            if numpy_ok and full.device == "cpu" and full.dtype == bt.float32:
                 loss = _HeadCrossEntropyCPU.apply(full.reshape(B * T, Vp), tgt.reshape(B * T), V)
             else:
                 # (B*T, Vp) is a view; its first V columns a strided view (row stride Vp) that

@@ -65,7 +65,10 @@ def _named(params: Any) -> list[tuple[str, bt.Tensor]]:
 
 
 def _capturing(device: str) -> bool:
-    """Whether `device`'s current stream is capturing a CUDA graph."""
+    """Whether a step is being recorded, not run: a bt.capture() (blutrain-compiler's graphs)
+    or `device`'s current stream capturing a CUDA graph."""
+    if bt.is_capturing():
+        return True
     return device.startswith("cuda") and bt.cuda.is_current_stream_capturing(device)
 
 
@@ -182,6 +185,11 @@ class AdamW:
         if self.fused:
             self._step_fused(grad_scale)
             return
+        if bt.is_capturing():
+            raise RuntimeError(
+                "[AdamW] a captured step needs the fused kernel (fused=None or True) with "
+                "device scalars (use_device_scalars()), so lr and the step count are graph inputs"
+            )
         b1, b2 = self.betas
         lr, eps, wd = self.lr, self.eps, self.weight_decay
         for name, p in self.params:
@@ -237,6 +245,11 @@ class AdamW:
             st = [self.state[n] for n, _, _ in items]
             lr_arg: Any = self.lr
             step_arg: Any = float(step)
+            if self._dev_scalars is None and bt.is_capturing():
+                raise RuntimeError(
+                    "[AdamW] capturing a step: call use_device_scalars() before the capture, so "
+                    "lr and the step count are graph inputs, not constants baked into the graph"
+                )
             if self._dev_scalars is not None:  # Note [AdamW in a CUDA graph]
                 if dev not in self._dev_scalars:
                     raise RuntimeError(f"[AdamW] no device scalars on {dev}: parameters moved?")

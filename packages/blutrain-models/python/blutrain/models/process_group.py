@@ -39,6 +39,11 @@ class ProcessGroup(ABC):
     def barrier(self) -> None:
         """Return once every process has called it."""
 
+    def device(self, requested: str) -> str:
+        """The device this process trains on, given the resolved --device ("cpu", "cuda",
+        "cuda:N"): a distributed group gives each process of a node its own GPU."""
+        return requested
+
 
 class SingleProcess(ProcessGroup):
     """One process: rank 0 of 1."""

@@ -4,7 +4,7 @@ checked before anything is loaded.
 trainer.json (written by Trainer.save):
 
     step            optimizer steps taken (int >= 0)
-    model_config    GPT2Config fields
+    model_config    GPT2Config or LlamaConfig fields
     train_config    TrainConfig fields of the run that wrote it
     schedule        the learning-rate schedule (optim.CosineSchedule.state_dict())
     loader          the training DataLoader's position (DataLoader.state_dict())
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import CheckpointError, check_tensors, load_checkpoint
-from .config import GPT2Config
+from .config import ModelConfig, config_from_dict
 from .schedule import CosineSchedule
 
 RESUME_HINT = "resume from an intact checkpoint, or start a new run in another --out-dir"
@@ -44,7 +44,7 @@ class SavedRun:
 
     path: Path
     step: int
-    model_config: GPT2Config
+    model_config: ModelConfig
     train_config: dict[str, Any]
     schedule: CosineSchedule
     loader: dict[str, Any]
@@ -94,7 +94,7 @@ def _history(h: Any, where: str) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def read_saved_run(path: str | Path, model_config: GPT2Config) -> SavedRun:
+def read_saved_run(path: str | Path, model_config: ModelConfig) -> SavedRun:
     """Read and check a trainer checkpoint for a model of `model_config`: the manifest, every
     file's size and hash, every tensor's name, shape and dtype, finite weights, and
     trainer.json's fields. Raises CheckpointError (a ValueError) or FileNotFoundError: one line
@@ -110,7 +110,7 @@ def read_saved_run(path: str | Path, model_config: GPT2Config) -> SavedRun:
         raise type(e)(f"[resume] {msg}") from None
 
 
-def _read(path: Path, model_config: GPT2Config) -> SavedRun:
+def _read(path: Path, model_config: ModelConfig) -> SavedRun:
     expected = {k: (s, np.float32) for k, s in model_config.param_shapes().items()}
     where = f"{path / 'trainer.json'}"
     ck = load_checkpoint(path)
@@ -128,9 +128,14 @@ def _read(path: Path, model_config: GPT2Config) -> SavedRun:
     if step < 0:
         raise CheckpointError(f"{where}: step is {step}, expected an int >= 0")
     try:
-        saved_model = GPT2Config.from_dict(tr["model_config"])
+        saved_model = config_from_dict(tr["model_config"])
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: model_config: {e}") from None
+    if type(saved_model) is not type(model_config):
+        raise CheckpointError(
+            f"{where}: the checkpoint holds a {type(saved_model).__name__} model, this run "
+            f"trains a {type(model_config).__name__} one"
+        )
     if saved_model != model_config:
         diff = [
             f"{k} {getattr(saved_model, k)} (this run: {getattr(model_config, k)})"

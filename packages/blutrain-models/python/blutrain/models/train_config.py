@@ -82,8 +82,9 @@ class TrainConfig:
     # model
     model: str = _opt(
         "tiny",
-        "GPT2Config preset (tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a JSON file of "
-        "GPT2Config fields",
+        "a GPT-2 preset (tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl), a LLaMA-style one "
+        "(llama-tiny, llama-small, llama-medium), or a JSON file of GPT2Config / LlamaConfig "
+        "fields",
         check=_nonempty,
         metavar="NAME|FILE",
     )
@@ -129,8 +130,9 @@ class TrainConfig:
     )
     step: str = _opt(
         "eager",
-        "how a step is taken: eager, or cuda-graph (on a GPU: 3 eager steps, then the whole step "
-        "captured once as a CUDA graph and replayed)",
+        "how a step is taken: eager, cuda-graph (on a GPU: 3 eager steps, then the whole step "
+        "captured once as a CUDA graph and replayed), or distributed over the ranks of an MPI "
+        "launch (mpiexec -n N blutrain train ...): ddp, zero1, zero2 (blutrain-dist)",
         check=_step,
     )
     gemm_autotune: bool = _opt(

@@ -39,7 +39,14 @@ from typing import Any
 
 import numpy as np
 
-from .config import GPT2Config, model_config
+from .config import (
+    LLAMA_RECOMPUTE,
+    GPT2Config,
+    LlamaConfig,
+    ModelConfig,
+    is_llama_name,
+    model_config,
+)
 from .device import (
     fmt_bytes,
     is_cuda,
@@ -65,11 +72,33 @@ class History:
     val: list[tuple[int, float]] = field(default_factory=list)
 
 
-def run_model_config(cfg: TrainConfig) -> GPT2Config:
-    """The model a TrainConfig trains: init_from's Hugging Face config, else `model`."""
+def _kind(c: ModelConfig) -> str:
+    """The model kind's name in logs and plots."""
+    return "LLaMA" if isinstance(c, LlamaConfig) else "GPT-2"
+
+
+def run_model_config(cfg: TrainConfig) -> ModelConfig:
+    """The model a TrainConfig trains: init_from's Hugging Face config, else `model` (a GPT-2
+    or a LLaMA-style preset or JSON file)."""
     if cfg.init_from:
+        if is_llama_name(cfg.model):
+            raise ConfigError(
+                f"[TrainConfig] init_from (--init-from) loads a Hugging Face GPT-2 directory; "
+                f"model {cfg.model!r} starts from scratch (drop one of the two)"
+            )
         return GPT2Config.from_hf_config(cfg.init_from, vocab_multiple=cfg.vocab_multiple)
-    return model_config(cfg.model, cfg.vocab_multiple)
+    mc = model_config(cfg.model, cfg.vocab_multiple)
+    if isinstance(mc, LlamaConfig) and cfg.recompute not in ("auto", *LLAMA_RECOMPUTE):
+        raise ConfigError(
+            f"[TrainConfig] recompute (--recompute) {cfg.recompute!r}: a LLaMA model takes "
+            f"{', '.join(('auto', *LLAMA_RECOMPUTE))}"
+        )
+    if isinstance(mc, LlamaConfig) and cfg.residual_dtype != "float32":
+        raise ConfigError(
+            f"[TrainConfig] residual_dtype (--residual-dtype) {cfg.residual_dtype!r}: GPT-2 "
+            "models only (drop it for a LLaMA model)"
+        )
+    return mc
 
 
 def find_data(
@@ -116,7 +145,7 @@ class Trainer:
         # -- checks: nothing is built or written before all of these pass
         step_cls = step_class(cfg.step)
         self.group = group if group is not None else step_cls.process_group(cfg)
-        self.device = resolve_device(cfg.device)
+        self.device = self.group.device(resolve_device(cfg.device))
         self.precision = resolve_precision(cfg.precision, self.device)
         step_cls.check(cfg, self.device)
         self.model_config = run_model_config(cfg)
@@ -141,6 +170,7 @@ class Trainer:
         from ._tensor import bt
         from .gpt2 import GPT2, set_matmul_precision
         from .tokenizer import get_encoding
+        from .zoo import build_model
 
         self.console = console
         self.on_step = on_step
@@ -151,9 +181,13 @@ class Trainer:
                 cfg.init_from, vocab_multiple=cfg.vocab_multiple, device=self.device
             )
         else:
-            self.model = GPT2(self.model_config, device=self.device, init=saved is None)
-        self.model.recompute = resolve_recompute(cfg.recompute, self.device, self.precision)
-        self.model.residual_dtype = cfg.residual_dtype
+            self.model = build_model(self.model_config, device=self.device, init=saved is None)
+        if isinstance(self.model_config, LlamaConfig) and cfg.recompute == "auto":
+            self.model.recompute = "none"  # "auto"'s "ln" is GPT-2's layer-norm rebuild
+        else:
+            self.model.recompute = resolve_recompute(cfg.recompute, self.device, self.precision)
+        if isinstance(self.model, GPT2):
+            self.model.residual_dtype = cfg.residual_dtype
         self.model.set_precision(self.precision)
         set_matmul_precision(self.precision)
         self.stepper = step_cls(self.model, cfg, self.device, self.group)
@@ -416,7 +450,7 @@ class Trainer:
         from .plot import plot_losses
 
         c = self.model_config
-        title = f"GPT-2 L={c.n_layer} C={c.n_embd}: {self.tokens_per_step:,} tokens/step"
+        title = f"{_kind(c)} L={c.n_layer} C={c.n_embd}: {self.tokens_per_step:,} tokens/step"
         return self.run_dir.plot(
             lambda p: plot_losses(p, self.history.train, self.history.val, title)
         )
@@ -431,7 +465,7 @@ class Trainer:
         self.run_dir.start_metrics(keep_until=self._resumed_at)
         self._resumed_at = self.step  # a second fit() continues the same file
         self.run_dir.print(
-            f"GPT-2 L={c.n_layer} H={c.n_head} C={c.n_embd} T={cfg.seq_len} "
+            f"{_kind(c)} L={c.n_layer} H={c.n_head} C={c.n_embd} T={cfg.seq_len} "
             f"({c.n_params() / 1e6:.2f}M params) on {self.device} ({self.precision}"
             + (f", recompute {self.model.recompute}" if self.model.recompute != "none" else "")
             + f", {cfg.step} step"

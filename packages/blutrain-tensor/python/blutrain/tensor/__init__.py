@@ -30,7 +30,6 @@ except ImportError as _e:  # nanobind wraps an error of the module's init: raise
     raise
 from ._tensor import (
     ABI_VERSION,
-    Graph,
     Node,
     Tensor,
     add_layer_norm,
@@ -716,16 +715,29 @@ class Function:
         return outs[0] if single else outs
 
 
+from .graph import Graph, load_graph, op_schemas  # noqa: E402  (captured graphs as a contract)
+
+
 # ---- capture -------------------------------------------------------------------------------------
+def is_capturing() -> builtins.bool:
+    """Whether ops on this thread are being recorded by bt.capture() (not run)."""
+    return builtins.bool(_C._capturing())
+
+
 @contextlib.contextmanager
 def capture() -> Iterator[Graph]:
-    """Record ops instead of running them, for blutrain-compiler.
+    """Record ops instead of running them: the graph blutrain-compiler builds on.
 
     with bt.capture() as g:
-        y = model(x)          # symbolic tensors: shape and dtype, no data
-        y.sum().backward()    # backward ops are recorded too
+        y = model(x)          # symbolic tensors: shape, strides and dtype, no data
+        y.sum().backward()    # backward ops are recorded too; p.grad is symbolic meanwhile
         g.mark_output(y)
-    print(g)                  # nodes: op, attrs, inputs, outputs (dtype and shape)
+    print(g)                  # nodes: op, attrs, inputs, outputs
+    g.to_json(); g.hash()     # versioned JSON, content hash (docs/graph_format.md)
+    g.replay()                # runs it through the eager kernels (eager's bits)
+
+    Every node is checked against its op schema (``bt.op_schemas()``). When the block ends,
+    every .grad the capture changed is put back (``g.grads`` says what it became).
     """
     if _C._capturing():
         raise RuntimeError("[capture] a capture is already active on this thread")
@@ -875,6 +887,9 @@ __all__ = [
     "bool",
     "bool_",
     "capture",
+    "is_capturing",
+    "load_graph",
+    "op_schemas",
     "cat",
     "chunk",
     "checkpoint",

@@ -12,13 +12,15 @@ blutrain-tensor at import, with a message saying what to install::
 Levels:
   1. ``bt.optim`` (``adamw_``, ``grad_norm``, ``clip_coef``, ``scale_``), ``bt.backends``
      (``flash_attention_cpu``), ``bt.__version__``, ``bt.API_LEVEL``.
+  2. the captured-graph contract (docs/graph_format.md): ``bt.is_capturing``, ``bt.op_schemas``,
+     ``bt.load_graph``, ``bt.Graph`` with ``to_json`` / ``hash`` / ``replay``.
 """
 
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-API_LEVEL: int = 1
+API_LEVEL: int = 2
 
 try:
     __version__: str = version("blutrain-tensor")

@@ -7,6 +7,8 @@ loop: see "Writing a step" in the package README.
     eager       EagerStep: forward, backward, clipping and AdamW as eager ops (eager.py)
     cuda-graph  CudaGraphStep: the same step captured once as a CUDA graph and replayed
                 (cuda_graph.py)
+    ddp         DDPStep: data parallel over blutrain.dist (launch with mpiexec / mpirun / srun)
+    zero1/2     Zero1Step / Zero2Step: blutrain.dist's ZeroOptimizer, stage 1 or 2 (dist.py)
 
 Each entry names its module and class; the module is imported only when the step is chosen,
 so a step that needs another package (blutrain-dist, blutrain-compiler) costs nothing to the
@@ -25,6 +27,9 @@ __all__ = ["Batch", "Step", "StepOutput", "register_step", "step_class", "step_n
 _STEPS: dict[str, str] = {
     "eager": ".eager:EagerStep",
     "cuda-graph": ".cuda_graph:CudaGraphStep",
+    "ddp": ".dist:DDPStep",
+    "zero1": ".dist:Zero1Step",
+    "zero2": ".dist:Zero2Step",
 }
 
 
