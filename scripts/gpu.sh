@@ -56,6 +56,12 @@ if [ ${#wheels[@]} -gt 0 ]; then
     --target /tmp/site "${wheels[@]}" >"$OUT/install.log" 2>&1 || tail -20 "$OUT/install.log"
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
+# blutrain-compiler's MLIR bindings: the bundle packed by shared/tools/mlir-device-bundle.sh
+# (this machine reaches no registry), carried in .mlir/ (git-ignored).
+if [ -f .mlir/mlir-bundle.tar.xz ]; then
+  mkdir -p /tmp/mlir && tar xJf .mlir/mlir-bundle.tar.xz -C /tmp/mlir \
+    && export PYTHONPATH=/tmp/mlir${PYTHONPATH:+:$PYTHONPATH}
+fi
 # blutrain-models is pure Python: run it from the source tree.
 export PYTHONPATH=$ROOT/packages/blutrain-models/python${PYTHONPATH:+:$PYTHONPATH}
 
@@ -129,7 +135,7 @@ if [ "$BENCH" = 1 ]; then
     [ -f "$b" ] || continue
     base=$(basename "$b" .py)
     [ "$base" = bench_ops ] && continue  # the CPU kernels' bench: not for this machine's minutes
-    limit=75; [ "$base" = bench_gpt2 ] && limit=170
+    limit=75; [ "$base" = bench_gpt2 ] && limit=170; [ "$base" = bench_compiler ] && limit=240
     if [ "$(left)" -lt $(( limit / 2 )) ]; then STATUS[$base]="skipped (time budget)"; continue; fi
     [ "$(left)" -lt "$limit" ] && limit=$(left)
     t0=$(date +%s)

@@ -131,9 +131,15 @@ class TrainConfig:
     step: str = _opt(
         "eager",
         "how a step is taken: eager, cuda-graph (on a GPU: 3 eager steps, then the whole step "
-        "captured once as a CUDA graph and replayed), or distributed over the ranks of an MPI "
-        "launch (mpiexec -n N blutrain train ...): ddp, zero1, zero2 (blutrain-dist)",
+        "captured once as a CUDA graph and replayed), compiled (blutrain-compiler), or "
+        "distributed over the ranks of an MPI launch (mpiexec -n N blutrain train ...): ddp, "
+        "zero1, zero2 (blutrain-dist)",
         check=_step,
+    )
+    compile: bool = _opt(
+        False,
+        "compile the training step with blutrain-compiler (fused kernels, a static memory "
+        "plan): the same as --step compiled",
     )
     gemm_autotune: bool = _opt(
         True,

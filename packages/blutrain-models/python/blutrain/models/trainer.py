@@ -143,7 +143,12 @@ class Trainer:
         cfg = self.cfg = config
         set_threads(cfg.threads)  # before blutrain.tensor is imported (if it is not yet)
         # -- checks: nothing is built or written before all of these pass
-        step_cls = step_class(cfg.step)
+        if cfg.compile and cfg.step not in ("eager", "compiled"):
+            raise ConfigError(
+                f"[TrainConfig] compile (--compile) compiles the eager step; it cannot be combined "
+                f"with step (--step) = {cfg.step!r}"
+            )
+        step_cls = step_class("compiled" if cfg.compile else cfg.step)
         self.group = group if group is not None else step_cls.process_group(cfg)
         self.device = self.group.device(resolve_device(cfg.device))
         self.precision = resolve_precision(cfg.precision, self.device)
@@ -468,7 +473,7 @@ class Trainer:
             f"{_kind(c)} L={c.n_layer} H={c.n_head} C={c.n_embd} T={cfg.seq_len} "
             f"({c.n_params() / 1e6:.2f}M params) on {self.device} ({self.precision}"
             + (f", recompute {self.model.recompute}" if self.model.recompute != "none" else "")
-            + f", {cfg.step} step"
+            + f", {'compiled' if cfg.compile else cfg.step} step"
             + (f", {self.group.world_size} processes" if self.group.world_size > 1 else "")
             + f"); {cfg.batch_size} x {cfg.seq_len} x {cfg.grad_accum}"
             + (f" x {self.group.world_size}" if self.group.world_size > 1 else "")

@@ -9,6 +9,7 @@ loop: see "Writing a step" in the package README.
                 (cuda_graph.py)
     ddp         DDPStep: data parallel over blutrain.dist (launch with mpiexec / mpirun / srun)
     zero1/2     Zero1Step / Zero2Step: blutrain.dist's ZeroOptimizer, stage 1 or 2 (dist.py)
+    compiled    CompiledStep: the same step compiled by blutrain-compiler (compiled.py)
 
 Each entry names its module and class; the module is imported only when the step is chosen,
 so a step that needs another package (blutrain-dist, blutrain-compiler) costs nothing to the
@@ -30,6 +31,7 @@ _STEPS: dict[str, str] = {
     "ddp": ".dist:DDPStep",
     "zero1": ".dist:Zero1Step",
     "zero2": ".dist:Zero2Step",
+    "compiled": ".compiled:CompiledStep",
 }
 
 

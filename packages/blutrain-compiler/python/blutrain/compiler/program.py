@@ -1,0 +1,513 @@
+"""A compiled program: fused kernels, library calls and eager steps in order, over buffers.
+
+`build(graph, target)` partitions the graph (fusion.py), lowers every group into one MLIR module
+(lower.py), runs the pipelines stage by stage (dumping each when asked) and loads the code;
+`Program.run(inputs)` executes the steps. Errors from MLIR become CompileError naming the graph
+hash and the stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import blutrain.tensor as bt
+
+from . import backend_cpu, eager, fusion, pipelines, recompute
+from .graph import Graph, Node
+
+log = logging.getLogger("blutrain.compiler")
+
+
+class CompileError(RuntimeError):
+    """MLIR failed: names the graph hash, the stage and where the dump is."""
+
+
+@dataclass
+class Stats:
+    nodes: int = 0
+    groups: int = 0
+    fused_nodes: int = 0
+    library_calls: int = 0
+    eager_steps: int = 0
+    fallbacks: int = 0
+    compile_s: float = 0.0
+    cache: str = "miss"
+    recomputed: int = 0
+    planned_bytes: int = 0
+    stage_s: dict[str, float] = field(default_factory=dict)
+
+
+def _contig_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    st, acc = [], 1
+    for s in reversed(shape):
+        st.append(acc)
+        acc *= s
+    return tuple(st[::-1])
+
+
+class Program:
+    def __init__(self, graph: Graph, part: fusion.Partition, target: str, ghash: str) -> None:
+        self.graph, self.part, self.target, self.hash = graph, part, target, ghash
+        self.kernels: dict[int, Any] = {}
+        self.stats = Stats()
+        self.prod = graph.producer()
+        self.keep: Any = None
+        self.plan: Any = None  # memplan.Plan, made by prepare()
+        self.arena: Any = None
+        self.views: dict[int, Any] = {}
+        self.escaping: set[int] = set()
+        # the last step that reads each value (for freeing buffers as the program runs)
+        self.last_use: dict[int, int] = {}
+        for k, st in enumerate(part.steps):
+            nodes = st.nodes if isinstance(st, fusion.Group) else [st.node]
+            for n in nodes:
+                for i in n.inputs:
+                    if i >= 0:
+                        self.last_use[self.base(i)] = k
+
+    def base(self, v: int) -> int:
+        while v in self.prod and self.prod[v].op in eager.VIEW_OPS:
+            v = self.prod[v].inputs[0]
+        return v
+
+    def value(self, env: dict[int, Any], v: int) -> Any:
+        """The tensor of value v: a base from env, views applied eagerly."""
+        t = env.get(v)
+        if t is not None:
+            return t
+        n = self.prod.get(v)
+        if n is None or n.op not in eager.VIEW_OPS:
+            raise RuntimeError(f"[compile] internal: value %{v} was not computed")
+        (t,) = eager.run(n, [self.value(env, n.inputs[0])])
+        env[v] = t
+        return t
+
+    # ---- the memory plan --------------------------------------------------------------------
+    def prepare(self, escaping: set[int]) -> None:
+        """Plans the arena (once): every non-escaping kernel / GEMM output at a fixed offset."""
+        from . import memplan
+
+        self.escaping = {self.base(v) for v in escaping}
+        plannable: dict[int, int] = {}
+        for k, st in enumerate(self.part.steps):
+            if isinstance(st, fusion.Group):
+                for o in st.outputs:
+                    plannable[o] = k
+            elif st.kind == "library" and _gemm_out_ok(self.graph, st.node):
+                plannable[st.node.outputs[0]] = k
+        self.plan = memplan.make(self, plannable, self.escaping)
+        self.stats.planned_bytes = self.plan.size
+
+    def _arena_views(self) -> None:
+        from . import _runtime
+
+        g = self.graph
+        dev = next((g.values[v].device for v in self.plan.buffers), "cpu")
+        self.arena = bt.empty((max(self.plan.size, 1),), dtype=bt.uint8, device=dev)
+        base = self.arena.data_ptr()
+        dl_dev = (
+            (2, int(dev.split(":")[1]) if ":" in dev else 0) if dev.startswith("cuda") else (1, 0)
+        )
+        for v, b in self.plan.buffers.items():
+            val = g.values[v]
+            code, bits = _DLPACK[val.dtype]
+            arr = _runtime.view(
+                base + b.offset,
+                list(val.shape),
+                list(_contig_strides(val.shape)),
+                code,
+                bits,
+                dl_dev[0],
+                dl_dev[1],
+                self.arena,
+            )
+            self.views[v] = bt.from_dlpack(arr)
+
+    def _out(self, v: int) -> Any:
+        t = self.views.get(v)
+        if t is not None:
+            return t
+        val = self.graph.values[v]
+        return bt.empty(val.shape, dtype=getattr(bt, val.dtype), device=val.device)
+
+    def run(self, inputs: list[Any]) -> dict[int, Any]:
+        g = self.graph
+        if self.plan is None:
+            self.prepare(set(g.live_out()))
+        if self.arena is None and self.plan.buffers:
+            self._arena_views()
+        env: dict[int, Any] = {}
+        for vid, t in zip(g.inputs, inputs):
+            env[vid] = t
+        for st in self.part.steps:
+            if isinstance(st, fusion.Group):
+                ins = []
+                for i in st.inputs:
+                    t = self.value(env, i)
+                    if not t.is_contiguous():
+                        t = t.contiguous()
+                    ins.append(t)
+                outs = [self._out(o) for o in st.outputs]
+                self.kernels[st.id]([t.data_ptr() for t in ins] + [t.data_ptr() for t in outs])
+                for o, t in zip(st.outputs, outs):
+                    env[o] = t
+            else:
+                n = st.node
+                args = [self.value(env, i) if i >= 0 else None for i in n.inputs]
+                o = n.outputs[0] if n.outputs else -1
+                if o in self.views and st.kind == "library":
+                    _gemm_into(n, args, self.views[o])
+                    env[o] = self.views[o]
+                    continue
+                res = eager.run(n, args, g.raw)
+                for o, t in zip(n.outputs, res):
+                    env[o] = t
+        return env
+
+    # ---- building ---------------------------------------------------------------------------
+    def lower_all(self) -> Any:
+        """One MLIR module with a function per group (the 'lowered' stage)."""
+        from mlir import ir
+
+        from .lower import Emitter
+
+        module = ir.Module.create()
+        for G in self.part.groups:
+            Emitter(self.graph, G.nodes, G.inputs, G.outputs, G.name).build(module)
+        return module
+
+
+def _fill_stats(prog: Program) -> None:
+    st, part = prog.stats, prog.part
+    st.nodes = len(prog.graph.nodes)
+    st.groups = len(part.groups)
+    st.fused_nodes = sum(len(G.compute_nodes()) for G in part.groups)
+    st.library_calls = sum(
+        1 for s in part.steps if isinstance(s, fusion.EagerStep) and s.kind == "library"
+    )
+    st.eager_steps = sum(1 for s in part.steps if isinstance(s, fusion.EagerStep))
+    st.fallbacks = len(part.fallbacks)
+
+
+def _load_cached(graph: Graph, target: str, centry: Any, t0: float, dump: Any) -> Program | None:
+    """A program from a cache entry, with no MLIR at all (the bindings need not be installed)."""
+    gpu = target.startswith("cuda")
+    hit = centry.load("gpu.json" if gpu else "kernels.so")
+    if hit is None:
+        return None
+    path, meta = hit
+    bad = set(meta.get("unlowerable", []))
+    part = fusion.partition(graph, bad)
+    prog = Program(graph, part, target, graph.hash())
+    try:
+        if gpu:
+            from . import _runtime, backend_gpu
+
+            with open(path) as f:
+                code = backend_gpu.GpuCode.from_json(f.read())
+            mods = {
+                name: _runtime.Module(text.encode(), _device_index(target))
+                for name, text in code.ptx.items()
+            }
+            prog.keep = mods
+            prog.gpu_code = code
+            for G in part.groups:
+                prog.kernels[G.id] = backend_gpu.GpuKernel(code.functions[G.name], mods, target)
+        else:
+            lib = backend_cpu.SharedLib(path)
+            for G in part.groups:
+                prog.kernels[G.id] = backend_cpu.CpuKernel(
+                    lib.address(G.name), *_sig(graph, G), lib
+                )
+            prog.keep = lib
+    except (OSError, AttributeError, KeyError, ValueError) as e:
+        log.warning("[compile] cache entry %s cannot be loaded (%s): rebuilding", centry.path, e)
+        return None
+    _fill_stats(prog)
+    prog.stats.cache = "hit"
+    prog.stats.compile_s = time.perf_counter() - t0
+    if dump:
+        dump.write("graph.json", graph.to_json())
+        dump.write("groups.txt", describe(graph, part))
+    return prog
+
+
+def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
+    """Partition, lower, fuse and compile `graph` for target ("cpu" or "cuda[:N]"), or load it
+    from the disk cache."""
+    from . import cache
+
+    t0 = time.perf_counter()
+    ghash = graph.hash()
+    centry = cache.Entry(cache.key(graph.hash_full(), target, ""))
+    from .decompose import decompose
+
+    graph = decompose(graph)
+    prog0 = _load_cached(graph, target, centry, t0, dump)
+    if prog0 is not None:
+        return prog0
+
+    from mlir import ir
+    from mlir.passmanager import PassManager
+
+    from .lower import Emitter, LoweringError
+
+    bad: set[int] = set()
+    # lower the groups; a node that fails runs eagerly and the partition is redone
+    for _attempt in range(16):
+        part = fusion.partition(graph, bad)
+        prog = Program(graph, part, target, ghash)
+        ctx = ir.Context()
+        with ctx, ir.Location.unknown():
+            module = ir.Module.create()
+            failed = None
+            for G in part.groups:
+                em = Emitter(graph, G.nodes, G.inputs, G.outputs, G.name)
+                try:
+                    em.build(module)
+                except LoweringError as e:
+                    failed = (G, e, em)
+                    break
+            if failed is None:
+                break
+            G, e, em = failed
+            node = _failing_node(graph, G, em)
+            log.warning(
+                "[compile] %s (node %d) cannot be lowered (%s): it runs eagerly",
+                node.op,
+                node.index,
+                e,
+            )
+            bad.add(node.index)
+    else:
+        raise CompileError(f"[compile] graph {ghash}: too many unlowerable nodes")
+    _fill_stats(prog)
+    st = prog.stats
+    for n in part.fallbacks:
+        log.warning("[compile] eager fallback for %s (node %d) in graph %s", n.op, n.index, ghash)
+    meta = {"graph": ghash, "target": target, "unlowerable": sorted(bad)}
+    with ctx, ir.Location.unknown():
+        if dump:
+            dump.write("graph.json", graph.to_json())
+            dump.write("graph.txt", str(graph))
+            dump.write("groups.txt", describe(graph, part))
+        if not module.operation.verify():
+            raise CompileError(
+                f"[compile] graph {ghash}: stage lowered: the module does not verify"
+            )
+        stages = [("fused", pipelines.FUSE), ("bufferized", pipelines.BUFFERIZE)]
+        gpu = target.startswith("cuda")
+        if not gpu:
+            stages += [("loops", pipelines.CPU_LOOPS), ("llvm", pipelines.CPU_LLVM)]
+        if dump:
+            dump.write("00-lowered.mlir", str(module))
+        for k, (name, pipe) in enumerate(stages, 1):
+            ts = time.perf_counter()
+            try:
+                if name == "fused":
+                    st.recomputed = recompute.duplicate(module)
+                PassManager.parse(pipe).run(module.operation)
+            except Exception as e:  # MLIR diagnostics arrive as a RuntimeError / MLIRError
+                raise CompileError(
+                    f"[compile] graph {ghash}: stage {name} failed ({_where(dump)}): {e}"
+                ) from e
+            st.stage_s[name] = time.perf_counter() - ts
+            if dump:
+                dump.write(f"{k:02d}-{name}.mlir", str(module))
+        if gpu:
+            from . import backend_gpu
+
+            try:
+                code = backend_gpu.compile_module(module, dump, st.stage_s)
+            except Exception as e:
+                raise CompileError(
+                    f"[compile] graph {ghash}: stage ptx failed ({_where(dump)}): {e}"
+                ) from e
+            prog.gpu_code = code
+            if code.unsupported:
+                raise CompileError(
+                    f"[compile] graph {ghash}: stage gpu-host ({_where(dump)}): "
+                    + "; ".join(f"{k}: {v}" for k, v in code.unsupported.items())
+                )
+            centry.store("gpu.json", code.to_json().encode(), meta)
+            from . import _runtime
+
+            mods = {
+                name: _runtime.Module(text.encode(), _device_index(target))
+                for name, text in code.ptx.items()
+            }
+            prog.keep = (ctx, mods)
+            for G in part.groups:
+                prog.kernels[G.id] = backend_gpu.GpuKernel(code.functions[G.name], mods, target)
+            st.compile_s = time.perf_counter() - t0
+            return prog
+        ts = time.perf_counter()
+        engine = backend_cpu.jit(module)
+        st.stage_s["jit"] = time.perf_counter() - ts
+        prog.keep = (ctx, engine)
+        for G in part.groups:
+            prog.kernels[G.id] = backend_cpu.PackedKernel(
+                backend_cpu.lookup(engine, G.name), *_sig(graph, G), engine
+            )
+        if centry.path is not None:
+            ts = time.perf_counter()
+            import tempfile
+
+            obj = backend_cpu.object_code(engine)
+            with tempfile.TemporaryDirectory() as d:
+                so = os.path.join(d, "kernels.so")
+                if backend_cpu.link_shared(obj, so):
+                    with open(so, "rb") as f:
+                        centry.store("kernels.so", f.read(), meta)
+            st.stage_s["cache_write"] = time.perf_counter() - ts
+    st.compile_s = time.perf_counter() - t0
+    return prog
+
+
+def _where(dump: Any) -> str:
+    return f"dump in {dump.dir}" if dump else "set BLUTRAIN_COMPILE_DUMP=dir to keep the IR"
+
+
+def compile_gpu_cache(graph: Graph, target: str = "cuda:0") -> str:
+    """Compiles a graph's PTX into the disk cache without a GPU (for a GPU machine without the
+    MLIR bindings); returns the entry's folder."""
+    from mlir import ir
+    from mlir.passmanager import PassManager
+
+    from . import backend_gpu, cache
+    from .lower import Emitter
+
+    centry = cache.Entry(cache.key(graph.hash_full(), target, ""))
+    if centry.load("gpu.json") is not None:
+        return str(centry.path)
+    from .decompose import decompose
+
+    part = fusion.partition(decompose(graph))
+    with ir.Context(), ir.Location.unknown():
+        module = ir.Module.create()
+        for G in part.groups:
+            Emitter(graph, G.nodes, G.inputs, G.outputs, G.name).build(module)
+        recompute.duplicate(module)
+        PassManager.parse(pipelines.FUSE).run(module.operation)
+        PassManager.parse(pipelines.BUFFERIZE).run(module.operation)
+        code = backend_gpu.compile_module(module)
+    if code.unsupported:
+        raise CompileError(f"[compile] graph {graph.hash()}: stage gpu-host: {code.unsupported}")
+    centry.store(
+        "gpu.json",
+        code.to_json().encode(),
+        {"graph": graph.hash(), "target": target, "unlowerable": []},
+    )
+    return str(centry.path)
+
+
+_DLPACK = {  # dtype -> (DLPack type code, bits)
+    "bool": (6, 8),
+    "uint8": (1, 8),
+    "int32": (0, 32),
+    "int64": (0, 64),
+    "float16": (2, 16),
+    "bfloat16": (4, 16),
+    "float32": (2, 32),
+    "float64": (2, 64),
+}
+
+_MODE = {"highest": "fp32", "high": "tf32", "medium": "bf16"}
+
+
+def _gemm_out_ok(graph: Graph, n: Node) -> bool:
+    """GEMMs whose output blutrain.linalg can write into a planned buffer."""
+    if n.op not in ("linear", "matmul"):
+        return False
+    a, b = graph.values[n.inputs[0]], graph.values[n.inputs[1]]
+    if n.op == "linear":
+        return len(b.shape) == 2 and len(a.shape) >= 2
+    return len(a.shape) in (2, 3) and len(a.shape) == len(b.shape) and not n.attrs.get("bias")
+
+
+def _gemm_into(n: Node, x: list[Any], out: Any) -> None:
+    """A captured GEMM through blutrain.linalg, writing `out` (same precision as eager's)."""
+    import blutrain.linalg as L
+
+    a, b = x[0], x[1]
+    mode = _MODE.get(bt.get_float32_matmul_precision(), "fp32") if a.dtype == bt.float32 else None
+    dev = str(out.device)
+    stream = (
+        int(bt._tensor._cuda_current_stream(_device_index(dev))) if dev.startswith("cuda") else None
+    )
+    if n.op == "linear":
+        bias = x[2] if len(x) > 2 and n.attrs.get("bias") else None
+        a2 = a.reshape(-1, a.shape[-1])
+        L.matmul(
+            a2,
+            b,
+            transb=True,
+            bias=bias,
+            out=out.reshape(-1, out.shape[-1]),
+            mode=mode,
+            stream=stream,
+        )
+        return
+    trans = bool(n.attrs.get("trans_b"))
+    L.matmul(a, b, transb=trans, out=out, mode=mode, stream=stream)
+
+
+def _sig(graph: Graph, G: fusion.Group) -> tuple[list, list]:
+    shapes = [graph.values[i].shape for i in G.inputs] + [graph.values[o].shape for o in G.outputs]
+    return shapes, [_contig_strides(s) for s in shapes]
+
+
+def _device_index(target: str) -> int:
+    return int(target.split(":")[1]) if ":" in target else 0
+
+
+def ptx_for(graph: Graph, dump: Any = None) -> Any:
+    """PTX for sm_90 of every fused group of a graph (no GPU needed): backend_gpu.GpuCode."""
+    from mlir import ir
+    from mlir.passmanager import PassManager
+
+    from . import backend_gpu
+    from .decompose import decompose
+    from .lower import Emitter
+
+    graph = decompose(graph)
+    part = fusion.partition(graph)
+    with ir.Context(), ir.Location.unknown():
+        module = ir.Module.create()
+        for G in part.groups:
+            Emitter(graph, G.nodes, G.inputs, G.outputs, G.name).build(module)
+        recompute.duplicate(module)
+        PassManager.parse(pipelines.FUSE).run(module.operation)
+        PassManager.parse(pipelines.BUFFERIZE).run(module.operation)
+        return part, backend_gpu.compile_module(module, dump)
+
+
+def _failing_node(graph: Graph, G: fusion.Group, em: Any) -> Node:
+    """The first compute node of G whose outputs the emitter did not produce."""
+    for n in G.compute_nodes():
+        if any(o not in em.env for o in n.outputs):
+            return n
+    return G.compute_nodes()[-1]
+
+
+def describe(graph: Graph, part: fusion.Partition) -> str:
+    """Fusion groups with their nodes and the reason each ends (for the dump and the log)."""
+    lines = []
+    for s in part.steps:
+        if isinstance(s, fusion.Group):
+            ops = [n.op for n in s.compute_nodes()]
+            lines.append(
+                f"group {s.name} ({s.device}): {len(ops)} ops [{', '.join(ops)}]"
+                + (f" (merged {s.merged})" if s.merged else "")
+            )
+            lines.append(f"  inputs  {['%' + str(i) for i in s.inputs]}")
+            lines.append(f"  outputs {['%' + str(o) for o in s.outputs]}")
+            lines.append(f"  boundary: {s.closed_by}")
+        else:
+            n = s.node
+            lines.append(f"{s.kind} {n.op} (node {n.index}): {n}")
+    return "\n".join(lines) + "\n"
