@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Issue 38 on one GPU, in one call (about 3-4 min): does the bf16 policy's float32 residual
+# stream (GPT2.residual_dtype "float32", the default) train like fp32?
+#   1. the GPU tests of the mixed kernels (layer_norm / add_layer_norm with a float32 stream in
+#      and a bf16 / fp16 output) and of the bf16 policy against autocast and float64;
+#   2. bench/convergence.py, ours:bf16 only, in issue 38's two settings against the PyTorch runs
+#      of call 1 (bench/baselines/*.json: no PyTorch reruns):
+#        A: B16 x T1024, 300 steps (the issue's setting, which overfits)
+#        B: B2 x T256, 1000 steps (does not overfit)
+#   3. one table: ours bf16 next to torch bf16, both against torch fp32.
+#
+#   bash packages/blutrain-models/bench/gpu_bf16.sh [--budget SECONDS] [--runs LIST]
+#   --budget  seconds this script may take (default 240): a part that cannot finish in what is
+#             left is skipped and says so
+#   --runs    ours runs of convergence.py (default ours:bf16; e.g. ours:bf16,ours:bf16/bf16res
+#             adds the bf16 stream, the policy before issue 38, for a same-call control: +40 s)
+# Needs the CUDA wheels installed (scripts/gpu.sh --prebuilt puts them in /tmp/site; this
+# script installs .whl/bt/*.whl there itself when /tmp/site has no blutrain.tensor).
+# Logs and JSON go to $OUT (default ./out).
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+START=$(date +%s)
+BUDGET=240 RUNS=ours:bf16
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --budget) BUDGET=$2; shift ;;
+    --runs) RUNS=$2; shift ;;
+    *) echo "gpu_bf16.sh: unknown argument $1 (--budget SECONDS, --runs LIST)"; exit 2 ;;
+  esac
+  shift
+done
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+
+if [ ! -d /tmp/site/blutrain/tensor ] && compgen -G ".whl/bt/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl .whl/bt/*.whl >"$OUT/install.log" 2>&1 || tail -20 "$OUT/install.log"
+fi
+export PYTHONPATH=/tmp/site:$ROOT/packages/blutrain-models/python${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+$PY -c "import blutrain.tensor as bt; assert bt.cuda_built() and bt.cuda_device_count(), 'no CUDA'; print('blutrain.tensor', bt.__file__)" \
+  || { echo "gpu_bf16.sh: blutrain.tensor with CUDA is not importable (scripts/gpu.sh --prebuilt first)"; exit 2; }
+
+declare -A STATUS
+# ---- 1. GPU tests, one pytest per file, all at once (limit 120 s) ----------------------------
+T=packages/blutrain-tensor/tests
+tests=(
+  "$T/test_tensor_cuda_nn.py|-k mixed"
+  "$T/test_tensor_recompute.py|-k mixed"
+  "tests/test_models_gpu_fidelity.py|-k bf16"
+)
+pids=() logs=()
+for t in "${tests[@]}"; do
+  IFS='|' read -r f k <<<"$t"
+  log="$OUT/tests-$(basename "$f" .py).log"
+  timeout 120 $PY -m pytest -q "$f" -k "${k#-k }" -o addopts="" -p no:cacheprovider \
+    -p no:randomly >"$log" 2>&1 &
+  pids+=($!) logs+=("$log")
+done
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}"; rc=$?
+  key=$(basename "${logs[$i]}" .log)
+  STATUS[$key]="$( [ $rc = 124 ] && echo 'TIMEOUT (120 s): ')$(tail -1 "${logs[$i]}")"
+  [ $rc = 0 ] || grep -E "^(FAILED|ERROR)" "${logs[$i]}" | head -10
+done
+
+# ---- 2. convergence, ours only, against call 1's PyTorch runs --------------------------------
+BENCH=packages/blutrain-models/bench
+conv() {  # name need_s limit_s args...
+  local name=$1 need=$2 limit=$3; shift 3
+  if [ "$(left)" -lt "$need" ]; then STATUS[conv-$name]="skipped (time budget: $(left) s left)"; return; fi
+  [ "$(left)" -lt "$limit" ] && limit=$(left)
+  local t0; t0=$(date +%s)
+  timeout "$limit" $PY $BENCH/convergence.py --device cuda --runs "$RUNS" \
+    --json "$OUT/conv_$name.json" "$@" >"$OUT/conv_$name.log" 2>&1
+  local rc=$?
+  STATUS[conv-$name]="rc $rc ($(( $(date +%s) - t0 )) s)"
+  [ $rc = 0 ] || tail -15 "$OUT/conv_$name.log"
+}
+conv b 60 120 -B 2 -T 256 --steps 1000 --warmup 50 --eval-batches 16 \
+  --baseline $BENCH/baselines/conv_b_torch.json
+conv a 45 100 -B 16 -T 1024 --steps 300 --warmup 20 --eval-batches 4 \
+  --baseline $BENCH/baselines/conv_a_torch.json
+
+# ---- 3. the table ------------------------------------------------------------------------------
+echo
+for k in $(printf '%s\n' "${!STATUS[@]}" | sort); do printf '%-34s %s\n' "$k" "${STATUS[$k]}"; done
+$PY $BENCH/gpu_bf16_table.py "$OUT/conv_a.json" "$OUT/conv_b.json"
+echo "gpu_bf16.sh: $(( $(date +%s) - START )) s of $BUDGET"
