@@ -7,29 +7,33 @@
 #      of call 1 (bench/baselines/*.json: no PyTorch reruns):
 #        A: B16 x T1024, 300 steps (the issue's setting, which overfits)
 #        B: B2 x T256, 1000 steps (does not overfit)
-#   3. one table: ours bf16 next to torch bf16, both against torch fp32.
+#   3. one table: ours bf16 next to torch bf16, both against torch fp32;
+#   4. with --speed N: the float32 stream's cost, bench/ab_step.sh bf16 ours+graph, N rounds of
+#      --residual-dtype float32 / compute interleaved (about 25 s a worker: N=2 takes ~100 s)
 #
-#   bash packages/blutrain-models/bench/gpu_bf16.sh [--budget SECONDS] [--runs LIST]
+#   bash packages/blutrain-models/bench/gpu_bf16.sh [--budget SECONDS] [--runs LIST] [--speed N]
 #   --budget  seconds this script may take (default 240): a part that cannot finish in what is
 #             left is skipped and says so
 #   --runs    ours runs of convergence.py (default ours:bf16; e.g. ours:bf16,ours:bf16/bf16res
 #             adds the bf16 stream, the policy before issue 38, for a same-call control: +40 s)
+#   --speed   rounds of the A / B of the residual stream's dtype (default 0: none)
 # Needs the CUDA wheels installed (scripts/gpu.sh --prebuilt puts them in /tmp/site; this
 # script installs .whl/bt/*.whl there itself when /tmp/site has no blutrain.tensor).
 # Logs and JSON go to $OUT (default ./out).
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 ROOT=$PWD
-OUT=${OUT:-$ROOT/out}
+export OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 START=$(date +%s)
-BUDGET=240 RUNS=ours:bf16
+BUDGET=240 RUNS=ours:bf16 SPEED=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --budget) BUDGET=$2; shift ;;
     --runs) RUNS=$2; shift ;;
-    *) echo "gpu_bf16.sh: unknown argument $1 (--budget SECONDS, --runs LIST)"; exit 2 ;;
+    --speed) SPEED=$2; shift ;;
+    *) echo "gpu_bf16.sh: unknown argument $1 (--budget SECONDS, --runs LIST, --speed N)"; exit 2 ;;
   esac
   shift
 done
@@ -85,8 +89,25 @@ conv b 60 120 -B 2 -T 256 --steps 1000 --warmup 50 --eval-batches 16 \
 conv a 45 100 -B 16 -T 1024 --steps 300 --warmup 20 --eval-batches 4 \
   --baseline $BENCH/baselines/conv_a_torch.json
 
-# ---- 3. the table ------------------------------------------------------------------------------
+# ---- 4. (--speed N) the float32 stream's cost in the CUDA-graph bf16 step -----------------------
+if [ "$SPEED" -gt 0 ]; then
+  need=$(( SPEED * 2 * 25 ))
+  if [ "$(left)" -lt "$need" ]; then
+    STATUS[speed]="skipped (time budget: $(left) s left, ~$need s needed)"
+  else
+    timeout "$(left)" bash $BENCH/ab_step.sh bf16 ours+graph 10 "$SPEED" \
+      "f32-stream||--residual-dtype float32" "bf16-stream||--residual-dtype compute" \
+      >"$OUT/speed.log" 2>&1
+    STATUS[speed]="rc $? (rows in $OUT/ab_bf16.txt, printed below)"
+  fi
+fi
+
+# ---- 3. the table (last) ---------------------------------------------------------------------------
 echo
 for k in $(printf '%s\n' "${!STATUS[@]}" | sort); do printf '%-34s %s\n' "$k" "${STATUS[$k]}"; done
 $PY $BENCH/gpu_bf16_table.py "$OUT/conv_a.json" "$OUT/conv_b.json"
+if [ -f "$OUT/ab_bf16.txt" ]; then
+  echo; echo "the residual stream's cost (ours+graph bf16, B16 T1024; the lead's bar: <= 2%):"
+  cat "$OUT/ab_bf16.txt"
+fi
 echo "gpu_bf16.sh: $(( $(date +%s) - START )) s of $BUDGET"
