@@ -3,19 +3,22 @@
 # stream (GPT2.residual_dtype "float32", the default) train like fp32?
 #   1. the GPU tests of the mixed kernels (layer_norm / add_layer_norm with a float32 stream in
 #      and a bf16 / fp16 output) and of the bf16 policy against autocast and float64;
-#   2. bench/convergence.py, ours:bf16 only, in issue 38's two settings against the PyTorch runs
-#      of call 1 (bench/baselines/*.json: no PyTorch reruns):
+#   2. bench/convergence.py, ours:bf16 (in A with an unfused control), in issue 38's two
+#      settings against the PyTorch runs of call 1 (bench/baselines/*.json: no PyTorch reruns):
 #        A: B16 x T1024, 300 steps (the issue's setting, which overfits)
 #        B: B2 x T256, 1000 steps (does not overfit)
 #   3. one table: ours bf16 next to torch bf16, both against torch fp32;
 #   4. with --speed N: the float32 stream's cost, bench/ab_step.sh bf16 ours+graph, N rounds of
 #      --residual-dtype float32 / compute interleaved (about 25 s a worker: N=2 takes ~100 s)
 #
-#   bash packages/blutrain-models/bench/gpu_bf16.sh [--budget SECONDS] [--runs LIST] [--speed N]
+#   bash packages/blutrain-models/bench/gpu_bf16.sh [--budget SECONDS] [--runs LIST] [--runs-a LIST]
+#                                                   [--speed N]
 #   --budget  seconds this script may take (default 240): a part that cannot finish in what is
 #             left is skipped and says so
-#   --runs    ours runs of convergence.py (default ours:bf16; e.g. ours:bf16,ours:bf16/bf16res
+#   --runs    ours runs of convergence.py in B (default ours:bf16; e.g. ours:bf16,ours:bf16/bf16res
 #             adds the bf16 stream, the policy before issue 38, for a same-call control: +40 s)
+#   --runs-a  the same in A (default ours:bf16,ours:bf16/unfused: the unfused control carries the
+#             stream's gradient in float32 where the fused kernels carry it in bf16; +35 s)
 #   --speed   rounds of the A / B of the residual stream's dtype (default 0: none)
 # Needs the CUDA wheels installed (scripts/gpu.sh --prebuilt puts them in /tmp/site; this
 # script installs .whl/bt/*.whl there itself when /tmp/site has no blutrain.tensor).
@@ -27,13 +30,14 @@ export OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 START=$(date +%s)
-BUDGET=240 RUNS=ours:bf16 SPEED=0
+BUDGET=240 RUNS=ours:bf16 RUNS_A=ours:bf16,ours:bf16/unfused SPEED=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --budget) BUDGET=$2; shift ;;
     --runs) RUNS=$2; shift ;;
+    --runs-a) RUNS_A=$2; shift ;;
     --speed) SPEED=$2; shift ;;
-    *) echo "gpu_bf16.sh: unknown argument $1 (--budget SECONDS, --runs LIST, --speed N)"; exit 2 ;;
+    *) echo "gpu_bf16.sh: unknown argument $1 (--budget SECONDS, --runs LIST, --runs-a LIST, --speed N)"; exit 2 ;;
   esac
   shift
 done
@@ -76,21 +80,21 @@ wait_tests() {
 
 # ---- 2. convergence, ours only, against call 1's PyTorch runs --------------------------------
 BENCH=packages/blutrain-models/bench
-conv() {  # name need_s limit_s args...
-  local name=$1 need=$2 limit=$3; shift 3
+conv() {  # name runs need_s limit_s args...
+  local name=$1 runs=$2 need=$3 limit=$4; shift 4
   if [ "$(left)" -lt "$need" ]; then STATUS[conv-$name]="skipped (time budget: $(left) s left)"; return; fi
   [ "$(left)" -lt "$limit" ] && limit=$(left)
   local t0; t0=$(date +%s)
-  timeout "$limit" $PY $BENCH/convergence.py --device cuda --runs "$RUNS" \
+  timeout "$limit" $PY $BENCH/convergence.py --device cuda --runs "$runs" \
     --json "$OUT/conv_$name.json" "$@" >"$OUT/conv_$name.log" 2>&1
   local rc=$?
   STATUS[conv-$name]="rc $rc ($(( $(date +%s) - t0 )) s)"
   [ $rc = 0 ] || tail -15 "$OUT/conv_$name.log"
 }
-conv b 60 120 -B 2 -T 256 --steps 1000 --warmup 50 --eval-batches 16 \
+conv b "$RUNS" 60 120 -B 2 -T 256 --steps 1000 --warmup 50 --eval-batches 16 \
   --baseline $BENCH/baselines/conv_b_torch.json
 wait_tests
-conv a 45 100 -B 16 -T 1024 --steps 300 --warmup 20 --eval-batches 4 \
+conv a "$RUNS_A" 45 110 -B 16 -T 1024 --steps 300 --warmup 20 --eval-batches 4 \
   --baseline $BENCH/baselines/conv_a_torch.json
 
 # ---- 4. (--speed N) the float32 stream's cost in the CUDA-graph bf16 step -----------------------
