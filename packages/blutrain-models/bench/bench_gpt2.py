@@ -140,6 +140,7 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
         device="cuda",
         precision=a.mode,
         recompute=resolve_recompute(a.recompute, "cuda", a.mode),
+        residual_dtype=a.residual_dtype,
     )
     model.classifier_chunk_size = a.classifier_chunk or None
     set_matmul_precision(a.mode)
@@ -379,6 +380,13 @@ def main() -> int:
         "every step",
     )
     p.add_argument(
+        "--residual-dtype",
+        default="float32",
+        choices=["float32", "compute"],
+        help="ours: the residual stream's dtype under bf16 (GPT2.residual_dtype): float32 (as "
+        "autocast) or compute (bf16, the faster stream that trains off the fp32 trajectory)",
+    )
+    p.add_argument(
         "--gemm-autotune",
         default="on",
         choices=["on", "off"],
@@ -439,6 +447,8 @@ def main() -> int:
                 a.cast_cache,
                 "--gemm-autotune",
                 a.gemm_autotune,
+                "--residual-dtype",
+                a.residual_dtype,
             ]
             t0 = time.perf_counter()
             try:

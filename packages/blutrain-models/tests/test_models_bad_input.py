@@ -295,6 +295,11 @@ CASES = [
     Case("precision", [*TRAIN_NEW, "--precision", "fp16"], ["precision", "'fp16'", "bf16"]),
     Case("bf16-on-cpu", [*TRAIN_NEW, "--device", "cpu", "--precision", "bf16"], ["bf16 needs"]),
     Case("recompute", [*TRAIN_NEW, "--recompute", "all"], ["recompute", "'all'", "ln+gelu"]),
+    Case(
+        "residual-dtype",
+        [*TRAIN_NEW, "--residual-dtype", "bf16"],
+        ["residual_dtype", "'bf16'", "float32", "compute"],
+    ),
     Case("device", [*TRAIN_NEW, "--device", "gpu"], ["device", "'gpu'", "cuda:N"]),
     Case("step", [*TRAIN_NEW, "--step", "warp"], ["step (--step) = 'warp'", "eager"]),
     Case("dist", [*TRAIN_NEW, "--dist", "fsdp"], ["dist (--dist) = 'fsdp'", "ddp, zero1, zero2"]),

@@ -165,6 +165,36 @@ def test_precision_names_and_policies():
     assert all(getattr(x, "_compute", None) is None for x in m.modules())
 
 
+def test_residual_dtype_option(rng, tmp_path, shards):
+    """GPT2.residual_dtype: float32 by default (autocast's stream), "compute" keeps the bf16
+    stream; anything else is refused naming the option.  It changes nothing in fp32 (the stream
+    is float32 either way), and the trainer sets it from --residual-dtype."""
+    assert GPT2(CFG).residual_dtype == "float32"
+    with pytest.raises(ValueError, match=r"\[GPT2\] residual_dtype .* float32, compute"):
+        GPT2(CFG, residual_dtype="bf16")
+    a, b = twin(rng, precision="fp32", residual_dtype="compute")
+    x = rng.integers(0, CFG.vocab_size, (2, 9))
+    la, sa, ga = run(a, x, x)
+    lb, sb, gb = run(b, x, x)
+    assert np.array_equal(la, lb) and sa == sb
+    assert all(np.array_equal(ga[n], gb[n]) for n in ga)
+    cfg_json = tmp_path / "m.json"
+    GPT2Config(block_size=32, n_layer=1, n_head=2, n_embd=16).to_json(cfg_json)
+    t = Trainer(
+        TrainConfig(
+            model=str(cfg_json),
+            data=str(shards),
+            seq_len=32,
+            max_steps=1,
+            warmup_steps=0,
+            out_dir=str(tmp_path / "run"),
+            device="cpu",
+            residual_dtype="compute",
+        )
+    )
+    assert t.model.residual_dtype == "compute"
+
+
 def test_fp32_mode_is_the_plain_model(rng):
     a, b = twin(rng, precision="fp32")
     x = rng.integers(0, CFG.vocab_size, (2, 9))

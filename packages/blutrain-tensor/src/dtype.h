@@ -327,4 +327,20 @@ decltype(auto) dispatch_float(DType d, const char* op, F&& f) {
                               dtype_name(d));
 }
 
+// f(type_tag<O>) for a dtype d paired with an element type T: O = T when d is T's dtype, or for a
+// float32 T also the 16-bit floats (the mixed layer norms, Note [float32 residual stream] in
+// nn_fused.h).  Other pairs throw.
+template <typename T, typename F>
+decltype(auto) dispatch_same_or_half(DType d, const char* op, F&& f) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (d == DType::BFloat16) return f(type_tag<bfloat16>{});
+    if (d == DType::Float16) return f(type_tag<float16>{});
+  }
+  if (d != dtype_of<T>::value) {
+    throw std::invalid_argument(std::string("[") + op + "] unsupported dtype pair " +
+                                dtype_name(dtype_of<T>::value) + " / " + dtype_name(d));
+  }
+  return f(type_tag<T>{});
+}
+
 }  // namespace bt

@@ -1351,11 +1351,19 @@ Tensor softmax(const Tensor& x_in, int64_t dim, bool log) {
 }
 
 Tensor layer_norm(const Tensor& x, const Shape& ns, const Tensor& weight, const Tensor& bias,
-                  double eps, bool recompute) {
+                  double eps, bool recompute, std::optional<DType> out_dtype) {
   OpScope scope("layer_norm");
   if (!is_floating(x.dtype()))
     throw TypeError(std::string("[layer_norm] expects a floating input, got ") +
                     dtype_name(x.dtype()));
+  if (out_dtype && !is_floating(*out_dtype)) {
+    throw TypeError(std::string("[layer_norm] out_dtype must be a floating dtype, got ") +
+                    dtype_name(*out_dtype));
+  }
+  const DType odt = out_dtype.value_or(x.dtype());
+  if (odt != x.dtype() && !is_mixed_norm(x.dtype(), odt)) {
+    return astype(layer_norm(x, ns, weight, bias, eps, recompute), odt);
+  }
   const int64_t k = static_cast<int64_t>(ns.size());
   if (k == 0 || k > x.ndim() || !std::equal(ns.begin(), ns.end(), x.shape().end() - k)) {
     throw ValueError("[layer_norm] normalized_shape " + shape_str(ns) +
@@ -1376,7 +1384,8 @@ Tensor layer_norm(const Tensor& x, const Shape& ns, const Tensor& weight, const 
   const DType sd = x.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
   std::vector<Tensor> in{x2, weight.defined() ? reshape(astype(weight, x.dtype()), {C}) : Tensor(),
                          bias.defined() ? reshape(astype(bias, x.dtype()), {C}) : Tensor()};
-  const std::vector<std::pair<Shape, DType>> meta{{x2s, x.dtype()}, {rows, sd}, {rows, sd}};
+  // y in odt: x's dtype, or 16-bit over a float32 x (weight and bias float32, as x)
+  const std::vector<std::pair<Shape, DType>> meta{{x2s, odt}, {rows, sd}, {rows, sd}};
   auto prim = std::make_shared<LayerNorm>(eps, weight.defined(), bias.defined());
   auto outs = apply(prim, in, meta, x.device());
   if (recompute && grad_enabled() && outs[0].requires_grad()) {

@@ -122,9 +122,12 @@ Tensor masked_select_bool(const Tensor& x, const Tensor& mask);  // x[mask]
 // ---- neural-network ops --------------------------------------------------------------------
 Tensor softmax(const Tensor& x, int64_t dim, bool log);
 // recompute: the output is rebuilt in backward by whichever op saves it, instead of being kept
-// (Note [recomputed activations], primitives.h).
+// (Note [recomputed activations], primitives.h).  out_dtype: the output's dtype (default x's); a
+// 16-bit output of a float32 x is one kernel (Note [float32 residual stream], nn_fused.h), other
+// pairs normalise in x's dtype and cast.
 Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight,
-                  const Tensor& bias, double eps, bool recompute = false);
+                  const Tensor& bias, double eps, bool recompute = false,
+                  std::optional<DType> out_dtype = std::nullopt);
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index,
                      const std::string& reduction, double label_smoothing,
                      std::optional<DType> loss_dtype = std::nullopt);

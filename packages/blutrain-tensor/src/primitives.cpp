@@ -148,7 +148,10 @@ struct PrimNode : Node {
     const DType own = out_meta[i].dtype;
     const bool hooked =
         !pre_hooks[i].empty() || (i < retain_hooks.size() && !retain_hooks[i].empty());
-    if (!prim->is_cast() || hooked || in_meta.empty()) return own;
+    if (hooked) return own;  // hooks see the output's own dtype
+    // captured graphs keep one dtype per edge (as VjpArgs::grad_dtypes)
+    if (!prim->is_cast()) return active_graph() ? own : prim->cotangent_dtype(i, own);
+    if (in_meta.empty()) return own;
     const DType wide = in_meta[0].dtype;
     return is_floating(wide) && is_floating(own) && itemsize(wide) > itemsize(own) ? wide : own;
   }

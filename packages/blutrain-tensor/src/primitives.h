@@ -175,6 +175,10 @@ class Primitive {
   // Whether every backend's kernel reads input i as a dense contiguous buffer (Note [dense side
   // inputs]): apply() then hands it a contiguous copy when it is not.
   virtual bool contiguous_input(size_t i) const { return false; }
+  // The dtype output i (of dtype `own`) takes its cotangent in: `own`, or a narrower one its vjp
+  // reads as is (add_layer_norm's float32 sum takes bf16, Note [float32 residual stream]); the
+  // engine then passes such cotangents unwidened (cotangents of `own` still arrive too).
+  virtual DType cotangent_dtype(size_t i, DType own) const { return own; }
   virtual void attrs(Attrs& a) const {}
 };
 
@@ -504,8 +508,9 @@ class Softmax : public Primitive {
   int64_t dim;  // the last dim after the front's permute
   bool log;
 };
-// inputs: x (..., C), weight (C) or none, bias (C) or none.  outputs: y, mean, rstd (float32 for
-// 16-bit inputs, the input dtype otherwise), mean/rstd shaped (...).
+// inputs: x (..., C), weight (C) or none, bias (C) or none, all of x's dtype.  outputs: y (x's
+// dtype, or 16-bit over a float32 x: Note [float32 residual stream], nn_fused.h), mean, rstd
+// (float32 for 16-bit inputs, the input dtype otherwise), mean/rstd shaped (...).
 class LayerNorm : public Primitive {
   BT_PRIM_BODY(LayerNorm, "layer_norm")
   LayerNorm(double e, bool w, bool b) : eps(e), has_weight(w), has_bias(b) {}
@@ -520,6 +525,11 @@ class LayerNorm : public Primitive {
   double eps;
   bool has_weight, has_bias;
 };
+// Whether (x, y) dtypes are a layer norm's mixed pair: float32 x, 16-bit y (Note [float32 residual
+// stream], nn_fused.h).
+inline bool is_mixed_norm(DType x, DType y) {
+  return x == DType::Float32 && (y == DType::BFloat16 || y == DType::Float16);
+}
 // Fused log_softmax + nll: inputs logits (N, Cx), target (N) int64.  outputs: loss (() for mean /
 // sum, (N) for none), lse (N) float32/64 (saved for backward).  Only the first num_classes
 // columns are classes (-1: all Cx); the rest are padding (a padded vocabulary), ignored by the

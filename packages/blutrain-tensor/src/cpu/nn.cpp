@@ -103,35 +103,39 @@ void LayerNorm::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out
   const int64_t rows = C ? x.numel() / C : 0;
   dispatch_float(x.dtype(), name(), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    dispatch_float(out[1].dtype(), name(), [&](auto stag) {
-      using S = typename decltype(stag)::type;
-      const T* xp = static_cast<const T*>(x.data_ptr(name()));
-      const T* wp = has_weight ? static_cast<const T*>(w.data_ptr(name())) : nullptr;
-      const T* bp = has_bias ? static_cast<const T*>(b.data_ptr(name())) : nullptr;
-      T* y = static_cast<T*>(out[0].data_ptr(name()));
-      S* mean_o = static_cast<S*>(out[1].data_ptr(name()));
-      S* rstd_o = static_cast<S*>(out[2].data_ptr(name()));
-      const double e = eps;
-      cpu::parallel_for(rows, C, [&](int64_t r) {
-        const T* p = xp + r * C;
-        double s = 0;
-        for (int64_t i = 0; i < C; ++i) s += static_cast<double>(p[i]);
-        const double mean = s / static_cast<double>(C);
-        double ss = 0;
-        for (int64_t i = 0; i < C; ++i) {
-          const double d = static_cast<double>(p[i]) - mean;
-          ss += d * d;
-        }
-        const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(C) + e);
-        mean_o[r] = static_cast<S>(mean);
-        rstd_o[r] = static_cast<S>(rstd);
-        T* q = y + r * C;
-        for (int64_t i = 0; i < C; ++i) {
-          double v = (static_cast<double>(p[i]) - mean) * rstd;
-          if (wp) v *= static_cast<double>(wp[i]);
-          if (bp) v += static_cast<double>(bp[i]);
-          q[i] = static_cast<T>(v);
-        }
+    // y: T, or 16-bit over float32 rows (Note [float32 residual stream], nn_fused.h)
+    dispatch_same_or_half<T>(out[0].dtype(), name(), [&](auto otag) {
+      using O = typename decltype(otag)::type;
+      dispatch_float(out[1].dtype(), name(), [&](auto stag) {
+        using S = typename decltype(stag)::type;
+        const T* xp = static_cast<const T*>(x.data_ptr(name()));
+        const T* wp = has_weight ? static_cast<const T*>(w.data_ptr(name())) : nullptr;
+        const T* bp = has_bias ? static_cast<const T*>(b.data_ptr(name())) : nullptr;
+        O* y = static_cast<O*>(out[0].data_ptr(name()));
+        S* mean_o = static_cast<S*>(out[1].data_ptr(name()));
+        S* rstd_o = static_cast<S*>(out[2].data_ptr(name()));
+        const double e = eps;
+        cpu::parallel_for(rows, C, [&](int64_t r) {
+          const T* p = xp + r * C;
+          double s = 0;
+          for (int64_t i = 0; i < C; ++i) s += static_cast<double>(p[i]);
+          const double mean = s / static_cast<double>(C);
+          double ss = 0;
+          for (int64_t i = 0; i < C; ++i) {
+            const double d = static_cast<double>(p[i]) - mean;
+            ss += d * d;
+          }
+          const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(C) + e);
+          mean_o[r] = static_cast<S>(mean);
+          rstd_o[r] = static_cast<S>(rstd);
+          O* q = y + r * C;
+          for (int64_t i = 0; i < C; ++i) {
+            double v = (static_cast<double>(p[i]) - mean) * rstd;
+            if (wp) v *= static_cast<double>(wp[i]);
+            if (bp) v += static_cast<double>(bp[i]);
+            q[i] = static_cast<O>(v);
+          }
+        });
       });
     });
   });

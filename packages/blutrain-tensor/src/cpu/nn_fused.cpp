@@ -22,64 +22,79 @@ void LayerNormBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<Tens
   const int64_t R = x.shape()[0], C = x.shape()[1];
   dispatch_float(x.dtype(), name(), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    dispatch_float(mean.dtype(), name(), [&](auto stag) {
-      using S = typename decltype(stag)::type;
-      const T* dyp = static_cast<const T*>(dy.data_ptr(name()));
-      const T* xp = static_cast<const T*>(x.data_ptr(name()));
-      const T* wp = has_weight ? static_cast<const T*>(w.data_ptr(name())) : nullptr;
-      const T* ep = has_extra ? static_cast<const T*>(ex.data_ptr(name())) : nullptr;
-      const S* mp = static_cast<const S*>(mean.data_ptr(name()));
-      const S* rp = static_cast<const S*>(rstd.data_ptr(name()));
-      T* dx = static_cast<T*>(out[0].data_ptr(name()));
-      cpu::parallel_for(R, C, [&](int64_t r) {
-        const T* g = dyp + r * C;
-        const T* p = xp + r * C;
-        const double m = static_cast<double>(mp[r]), rs = static_cast<double>(rp[r]);
-        double s1 = 0, s2 = 0;
-        for (int64_t i = 0; i < C; ++i) {
-          const double gx = static_cast<double>(g[i]) * (wp ? static_cast<double>(wp[i]) : 1.0);
-          s1 += gx;
-          s2 += gx * (static_cast<double>(p[i]) - m) * rs;
-        }
-        s1 /= static_cast<double>(C);
-        s2 /= static_cast<double>(C);
-        T* q = dx + r * C;
-        for (int64_t i = 0; i < C; ++i) {
-          const double gx = static_cast<double>(g[i]) * (wp ? static_cast<double>(wp[i]) : 1.0);
-          const double xh = (static_cast<double>(p[i]) - m) * rs;
-          double v = rs * (gx - s1 - xh * s2);
-          if (ep) v += static_cast<double>(ep[r * C + i]);
-          q[i] = static_cast<T>(v);
-        }
-      });
-      size_t k = 1;
-      void* dw = need_dweight ? out[k++].data_ptr(name()) : nullptr;
-      void* db = need_dbias ? out[k++].data_ptr(name()) : nullptr;
-      void* ds = need_dsum ? out[k++].data_ptr(name()) : nullptr;
-      if (!dw && !db && !ds) return;
-      // float32 dweight / dbias / dsum for 16-bit rows where the front asked for them (nn_fused.h)
-      const bool f32 = out[1].dtype() == DType::Float32 && x.dtype() != DType::Float32;
-      auto put = [f32](void* p, int64_t c, double v) {
-        if (!p) return;
-        if (f32) {
-          static_cast<float*>(p)[c] = static_cast<float>(v);
-        } else {
-          static_cast<T*>(p)[c] = static_cast<T>(v);
-        }
+    // dy D and dx / extra O: T, or 16-bit over float32 x (Note [float32 residual stream])
+    dispatch_same_or_half<T>(dy.dtype(), name(), [&](auto dtag) {
+      using D = typename decltype(dtag)::type;
+      auto body = [&](auto otag) {
+        using O = typename decltype(otag)::type;
+        dispatch_float(mean.dtype(), name(), [&](auto stag) {
+          using S = typename decltype(stag)::type;
+          const D* dyp = static_cast<const D*>(dy.data_ptr(name()));
+          const T* xp = static_cast<const T*>(x.data_ptr(name()));
+          const T* wp = has_weight ? static_cast<const T*>(w.data_ptr(name())) : nullptr;
+          const O* ep = has_extra ? static_cast<const O*>(ex.data_ptr(name())) : nullptr;
+          const S* mp = static_cast<const S*>(mean.data_ptr(name()));
+          const S* rp = static_cast<const S*>(rstd.data_ptr(name()));
+          O* dx = static_cast<O*>(out[0].data_ptr(name()));
+          cpu::parallel_for(R, C, [&](int64_t r) {
+            const D* g = dyp + r * C;
+            const T* p = xp + r * C;
+            const double m = static_cast<double>(mp[r]), rs = static_cast<double>(rp[r]);
+            double s1 = 0, s2 = 0;
+            for (int64_t i = 0; i < C; ++i) {
+              const double gx =
+                  static_cast<double>(g[i]) * (wp ? static_cast<double>(wp[i]) : 1.0);
+              s1 += gx;
+              s2 += gx * (static_cast<double>(p[i]) - m) * rs;
+            }
+            s1 /= static_cast<double>(C);
+            s2 /= static_cast<double>(C);
+            O* q = dx + r * C;
+            for (int64_t i = 0; i < C; ++i) {
+              const double gx =
+                  static_cast<double>(g[i]) * (wp ? static_cast<double>(wp[i]) : 1.0);
+              const double xh = (static_cast<double>(p[i]) - m) * rs;
+              double v = rs * (gx - s1 - xh * s2);
+              if (ep) v += static_cast<double>(ep[r * C + i]);
+              q[i] = static_cast<O>(v);
+            }
+          });
+          size_t k = 1;
+          void* dw = need_dweight ? out[k++].data_ptr(name()) : nullptr;
+          void* db = need_dbias ? out[k++].data_ptr(name()) : nullptr;
+          void* ds = need_dsum ? out[k++].data_ptr(name()) : nullptr;
+          if (!dw && !db && !ds) return;
+          // float32 dweight / dbias / dsum for 16-bit rows where the front asked for them
+          // (nn_fused.h); else x's dtype
+          const bool f32 = out[1].dtype() == DType::Float32 && x.dtype() != DType::Float32;
+          auto put = [f32](void* p, int64_t c, double v) {
+            if (!p) return;
+            if (f32) {
+              static_cast<float*>(p)[c] = static_cast<float>(v);
+            } else {
+              static_cast<T*>(p)[c] = static_cast<T>(v);
+            }
+          };
+          cpu::parallel_for(C, R, [&](int64_t c) {  // one column per task: fixed row order
+            double sw = 0, sb = 0, sd = 0;
+            for (int64_t r = 0; r < R; ++r) {
+              const double g = static_cast<double>(dyp[r * C + c]);
+              sw += g * (static_cast<double>(xp[r * C + c]) - static_cast<double>(mp[r])) *
+                    static_cast<double>(rp[r]);
+              sb += g;
+              if (ds) sd += static_cast<double>(dx[r * C + c]);  // dx as stored
+            }
+            put(dw, c, sw);
+            put(db, c, sb);
+            put(ds, c, sd);
+          });
+        });
       };
-      cpu::parallel_for(C, R, [&](int64_t c) {  // one column per task: fixed row order
-        double sw = 0, sb = 0, sd = 0;
-        for (int64_t r = 0; r < R; ++r) {
-          const double g = static_cast<double>(dyp[r * C + c]);
-          sw += g * (static_cast<double>(xp[r * C + c]) - static_cast<double>(mp[r])) *
-                static_cast<double>(rp[r]);
-          sb += g;
-          if (ds) sd += static_cast<double>(dx[r * C + c]);  // dx as stored
-        }
-        put(dw, c, sw);
-        put(db, c, sb);
-        put(ds, c, sd);
-      });
+      if constexpr (std::is_same_v<D, T>) {
+        body(type_tag<T>{});
+      } else {
+        dispatch_same_or_half<T>(out[0].dtype(), name(), body);  // dx: float32 or D
+      }
     });
   });
 }
@@ -171,45 +186,49 @@ void AddLayerNorm::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
   const int64_t rows = C ? x.numel() / C : 0;
   dispatch_float(x.dtype(), name(), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    dispatch_float(out[2].dtype(), name(), [&](auto stag) {
-      using S = typename decltype(stag)::type;
-      const T* xp = static_cast<const T*>(x.data_ptr(name()));
-      const T* rp = static_cast<const T*>(res.data_ptr(name()));
-      const T* wp = has_weight ? static_cast<const T*>(w.data_ptr(name())) : nullptr;
-      const T* bp = has_bias ? static_cast<const T*>(b.data_ptr(name())) : nullptr;
-      const T* rbp = has_residual_bias ? static_cast<const T*>(rb.data_ptr(name())) : nullptr;
-      T* so = static_cast<T*>(out[0].data_ptr(name()));
-      T* y = static_cast<T*>(out[1].data_ptr(name()));
-      S* mean_o = static_cast<S*>(out[2].data_ptr(name()));
-      S* rstd_o = static_cast<S*>(out[3].data_ptr(name()));
-      const double e = eps;
-      cpu::parallel_for(rows, C, [&](int64_t r) {
-        T* sp = so + r * C;
-        double s = 0;
-        for (int64_t i = 0; i < C; ++i) {
-          // The sum rounds to T once (as x + residual would); the norm reads the rounded value.
-          compute_t<T> v =
-              static_cast<compute_t<T>>(xp[r * C + i]) + static_cast<compute_t<T>>(rp[r * C + i]);
-          if (rbp) v += static_cast<compute_t<T>>(rbp[i]);
-          sp[i] = static_cast<T>(v);
-          s += static_cast<double>(sp[i]);
-        }
-        const double mean = s / static_cast<double>(C);
-        double ss = 0;
-        for (int64_t i = 0; i < C; ++i) {
-          const double d = static_cast<double>(sp[i]) - mean;
-          ss += d * d;
-        }
-        const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(C) + e);
-        mean_o[r] = static_cast<S>(mean);
-        rstd_o[r] = static_cast<S>(rstd);
-        T* q = y + r * C;
-        for (int64_t i = 0; i < C; ++i) {
-          double v = (static_cast<double>(sp[i]) - mean) * rstd;
-          if (wp) v *= static_cast<double>(wp[i]);
-          if (bp) v += static_cast<double>(bp[i]);
-          q[i] = static_cast<T>(v);
-        }
+    // residual and y O: T, or 16-bit over float32 x (Note [float32 residual stream])
+    dispatch_same_or_half<T>(out[1].dtype(), name(), [&](auto otag) {
+      using O = typename decltype(otag)::type;
+      dispatch_float(out[2].dtype(), name(), [&](auto stag) {
+        using S = typename decltype(stag)::type;
+        const T* xp = static_cast<const T*>(x.data_ptr(name()));
+        const O* rp = static_cast<const O*>(res.data_ptr(name()));
+        const T* wp = has_weight ? static_cast<const T*>(w.data_ptr(name())) : nullptr;
+        const T* bp = has_bias ? static_cast<const T*>(b.data_ptr(name())) : nullptr;
+        const T* rbp = has_residual_bias ? static_cast<const T*>(rb.data_ptr(name())) : nullptr;
+        T* so = static_cast<T*>(out[0].data_ptr(name()));
+        O* y = static_cast<O*>(out[1].data_ptr(name()));
+        S* mean_o = static_cast<S*>(out[2].data_ptr(name()));
+        S* rstd_o = static_cast<S*>(out[3].data_ptr(name()));
+        const double e = eps;
+        cpu::parallel_for(rows, C, [&](int64_t r) {
+          T* sp = so + r * C;
+          double s = 0;
+          for (int64_t i = 0; i < C; ++i) {
+            // The sum rounds to T once (as x + residual would); the norm reads the rounded value.
+            compute_t<T> v =
+                static_cast<compute_t<T>>(xp[r * C + i]) + static_cast<compute_t<T>>(rp[r * C + i]);
+            if (rbp) v += static_cast<compute_t<T>>(rbp[i]);
+            sp[i] = static_cast<T>(v);
+            s += static_cast<double>(sp[i]);
+          }
+          const double mean = s / static_cast<double>(C);
+          double ss = 0;
+          for (int64_t i = 0; i < C; ++i) {
+            const double d = static_cast<double>(sp[i]) - mean;
+            ss += d * d;
+          }
+          const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(C) + e);
+          mean_o[r] = static_cast<S>(mean);
+          rstd_o[r] = static_cast<S>(rstd);
+          O* q = y + r * C;
+          for (int64_t i = 0; i < C; ++i) {
+            double v = (static_cast<double>(sp[i]) - mean) * rstd;
+            if (wp) v *= static_cast<double>(wp[i]);
+            if (bp) v += static_cast<double>(bp[i]);
+            q[i] = static_cast<O>(v);
+          }
+        });
       });
     });
   });

@@ -8,7 +8,9 @@
 // default for 16-bit rows over 1024).  Which runs: nn_common.cuh (BT_CUDA_NN_VERSION=2..6 forces
 // one where it applies, for tests and benches).  The v1 references (scalar loads, one pass per
 // quantity) moved to bench/nn_v1_kernels.cuh, where bench/nn_check.cu and bench/ln_fwd_check.cu
-// check the library's kernels against them and a float64 reference.
+// check the library's kernels against them and a float64 reference.  Mixed rows (a float32 x with a
+// 16-bit y: Note [float32 residual stream], nn_fused.h) run layernorm_forward_mixed_v3 (v3's layout)
+// or _v2 (every shape).
 //
 // Cross-entropy never materialises float32 logits: it reads the logits in their dtype once
 // (online max / sum of exp / sum of x) and writes only float32 lse and the loss.  Rows may be
@@ -196,6 +198,59 @@ bool add_layernorm_forward_bias(const Tensor& x, const Tensor& res, const Tensor
   return done;
 }
 
+// layer_norm / add_layer_norm on mixed rows (Note [float32 residual stream]): x float32, y of a
+// 16-bit dtype; with res (y's dtype), sum_o (float32) and optionally rb (float32) the add.
+void layernorm_forward_mixed(const Tensor& x, const Tensor& res, const Tensor& w, const Tensor& b,
+                             const Tensor& rb, Tensor* sum_o, Tensor& y, Tensor& mean,
+                             Tensor& rstd, double eps, const char* op) {
+  const int64_t C = x.shape().back();
+  const int64_t R = C ? x.numel() / C : 0;
+  if (R == 0) return;
+  cudaStream_t st = stream(y.device(), op);
+  Tensor xc = contiguous_on(x, op, st), rc = contiguous_on(res, op, st);
+  Tensor wc = contiguous_on(w, op, st), bc = contiguous_on(b, op, st);
+  Tensor rbc = contiguous_on(rb, op, st);
+  const bool add = res.defined();
+  dispatch_cuda_half(y.dtype(), op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    auto fptr = [&](const Tensor& t) {
+      return t.defined() ? static_cast<const float*>(t.data_ptr(op)) : nullptr;
+    };
+    const float *xp = fptr(xc), *wp = fptr(wc), *bp = fptr(bc), *rbp = fptr(rbc);
+    const T* rp = add ? static_cast<const T*>(rc.data_ptr(op)) : nullptr;
+    float* sp = add ? static_cast<float*>(sum_o->data_ptr(op)) : nullptr;
+    T* yp = static_cast<T*>(y.data_ptr(op));
+    float* mp = static_cast<float*>(mean.data_ptr(op));
+    float* rsp = static_cast<float*>(rstd.data_ptr(op));
+    // v3's checks with T's 16-byte words: C % 8 == 0, every pointer 16-byte aligned (the float32
+    // rows then start on 32-byte multiples), at most 96 columns a lane (C <= 3072)
+    if (nn_version() >= 3 && dispatch_v3<T>(C, {xp, rp, wp, bp, rbp, sp, yp}, [&](auto, auto nvt) {
+          constexpr int NV = decltype(nvt)::value;
+          const unsigned grid = static_cast<unsigned>(ceil_div(R, kV3Warps));
+          if (add) {
+            layernorm_forward_mixed_v3<T, NV, true><<<grid, kV3Warps * 32, 0, st>>>(
+                xp, rp, wp, bp, rbp, sp, yp, mp, rsp, R, C, eps);
+          } else {
+            layernorm_forward_mixed_v3<T, NV, false><<<grid, kV3Warps * 32, 0, st>>>(
+                xp, rp, wp, bp, rbp, sp, yp, mp, rsp, R, C, eps);
+          }
+          BT_CUDA_LAUNCH_CHECK(op);
+        })) {
+      return;
+    }
+    const unsigned grid = static_cast<unsigned>(R);
+    const int threads = row_threads(C, 1, 256);
+    if (add) {
+      layernorm_forward_mixed_v2<T, true>
+          <<<grid, threads, 0, st>>>(xp, rp, wp, bp, rbp, sp, yp, mp, rsp, C, eps);
+    } else {
+      layernorm_forward_mixed_v2<T, false>
+          <<<grid, threads, 0, st>>>(xp, rp, wp, bp, rbp, sp, yp, mp, rsp, C, eps);
+    }
+    BT_CUDA_LAUNCH_CHECK(op);
+  });
+}
+
 }  // namespace cuda::nn
 
 using namespace cuda;
@@ -232,11 +287,23 @@ void Softmax::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) 
 }
 
 void LayerNorm::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  if (out[0].dtype() != in[0].dtype()) {  // mixed (Note [float32 residual stream])
+    layernorm_forward_mixed(in[0], Tensor(), has_weight ? in[1] : Tensor(),
+                            has_bias ? in[2] : Tensor(), Tensor(), nullptr, out[0], out[1], out[2],
+                            eps, name());
+    return;
+  }
   layernorm_forward(in[0], Tensor(), has_weight ? in[1] : Tensor(), has_bias ? in[2] : Tensor(),
                     nullptr, out[0], out[1], out[2], eps, name());
 }
 
 void AddLayerNorm::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  if (mixed) {  // Note [float32 residual stream]
+    layernorm_forward_mixed(in[0], in[1], has_weight ? in[2] : Tensor(),
+                            has_bias ? in[3] : Tensor(), has_residual_bias ? in[4] : Tensor(),
+                            &out[0], out[1], out[2], out[3], eps, name());
+    return;
+  }
   Tensor res = in[1];
   if (has_residual_bias) {
     if (add_layernorm_forward_bias(in[0], in[1], has_weight ? in[2] : Tensor(),

@@ -89,6 +89,20 @@ inline bool rows_in_place(const Tensor& t) {
   return t.ndim() == 2 && t.strides()[1] == 1 && t.strides()[0] >= 0;
 }
 
+// f(type_tag<T>) for the 16-bit float dtypes (the 16-bit side of the mixed layer norms, Note
+// [float32 residual stream] in nn_fused.h); a TypeError naming op otherwise.
+template <typename F>
+inline void dispatch_cuda_half(DType d, const char* op, F&& f) {
+  if (d == DType::BFloat16) {
+    f(type_tag<__nv_bfloat16>{});
+  } else if (d == DType::Float16) {
+    f(type_tag<__half>{});
+  } else {
+    throw TypeError(std::string("[") + op + "] expects a 16-bit float dtype here, got " +
+                    dtype_name(d));
+  }
+}
+
 // Statistics type (mean, rstd, lse): double for double inputs, float otherwise.
 template <typename T>
 using stat_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
@@ -469,6 +483,17 @@ __device__ __forceinline__ uint4 pack16(const float* in) {
     }
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// 8 floats at p (32 bytes, 16-byte aligned) and back: the float32 side of a mixed row chunk
+// (Note [float32 residual stream]), whose 16-bit side is one 16-byte word.
+__device__ __forceinline__ void load8f(const float* p, float* out) {
+  unpack16<float>(*reinterpret_cast<const uint4*>(p), out);
+  unpack16<float>(*reinterpret_cast<const uint4*>(p + 4), out + 4);
+}
+__device__ __forceinline__ void store8f(float* p, const float* in) {
+  *reinterpret_cast<uint4*>(p) = pack16<float>(in);
+  *reinterpret_cast<uint4*>(p + 4) = pack16<float>(in + 4);
 }
 
 // Elements of a row starting at `p` before its first 16-byte boundary (at most C).

@@ -20,6 +20,8 @@
 //   5: v5 -> (v4 for C > 1024) -> v3 -> v2.  6: v6 (sm_80+) -> the default without v6.
 // bench/ln_bwd_check.sh checks every variant against float64 and times them next to a D2D copy,
 // with the experiments that lost there (bench/ln_bwd_experiments.cuh, bench/nn_v1_kernels.cuh).
+// Mixed rows (a 16-bit dy over a float32 x: Note [float32 residual stream], nn_fused.h) run v6 with
+// float32 x / weight, else v2 with scalar loads (layernorm_backward_mixed).
 //
 // Cross-entropy backward reads the logits in their dtype and writes dlogits in that dtype in one
 // pass (p = exp(x - lse) from the saved lse; no float32 copy).  Logits rows may be strided; with
@@ -42,6 +44,115 @@
 namespace bt {
 
 // ================================ launchers =====================================================
+namespace cuda::nn {
+// LayerNormBackward on mixed rows (Note [float32 residual stream]): dy 16-bit T, x and the weight
+// float32, extra and dx O = T or float32; dweight / dbias / dsum float32.  v6 (rows of whole
+// 16-byte words on sm_80+, as the library's default for 16-bit rows; BT_CUDA_NN_VERSION 6 or
+// unset), else v2 with scalar loads (every shape) and a column-sum pass for dsum.  Bytes per
+// element with extra and O = T: 10 (dy 2, x 4, extra 2, dx 2).
+void layernorm_backward_mixed(const LayerNormBackward& p, const std::vector<Tensor>& in,
+                              std::vector<Tensor>& out) {
+  const char* op = p.name();
+  const int64_t R = in[1].shape()[0], C = in[1].shape()[1];
+  cudaStream_t st = stream(out[0].device(), op);
+  const Device dev = out[0].device();
+  Tensor dy = contiguous_on(in[0], op, st), x = contiguous_on(in[1], op, st);
+  Tensor w = p.has_weight ? contiguous_on(in[2], op, st) : Tensor();
+  Tensor mean = contiguous_on(in[3], op, st), rstd = contiguous_on(in[4], op, st);
+  Tensor ex = p.has_extra ? contiguous_on(in[5], op, st) : Tensor();
+  size_t k = 1;
+  void* dw_out = p.need_dweight ? out[k++].data_ptr(op) : nullptr;
+  void* db_out = p.need_dbias ? out[k++].data_ptr(op) : nullptr;
+  void* ds_out = p.need_dsum ? out[k].data_ptr(op) : nullptr;
+  if (C == 0) return;
+  if (R == 0) {  // empty batch: the parameter gradients are zeros
+    for (void* q : {dw_out, db_out, ds_out}) {
+      if (q) BT_CUDA_CHECK(op, cudaMemsetAsync(q, 0, C * sizeof(float), st));
+    }
+    return;
+  }
+  bool ds_done = false;
+  dispatch_cuda_half(dy.dtype(), op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    auto body = [&](auto otag) {
+      using O = typename decltype(otag)::type;
+      const T* dyp = static_cast<const T*>(dy.data_ptr(op));
+      const float* xp = static_cast<const float*>(x.data_ptr(op));
+      const float* wp = w.defined() ? static_cast<const float*>(w.data_ptr(op)) : nullptr;
+      const float* mp = static_cast<const float*>(mean.data_ptr(op));
+      const float* rp = static_cast<const float*>(rstd.data_ptr(op));
+      const O* ep = ex.defined() ? static_cast<const O*>(ex.data_ptr(op)) : nullptr;
+      O* dxp = static_cast<O*>(out[0].data_ptr(op));
+      LnGrads<T> grads;  // float32 (the weight is a float32 tensor)
+      grads.f32 = true;
+      grads.dw = dw_out;
+      grads.db = db_out;
+      const int env = nn_version_env();
+      const DeviceInfo& di = device_info(dev.index);
+      if ((env == 0 || env == 6) && di.major >= 8 &&
+          dispatch_v5<T>(C, {dyp, xp, wp, ep, dxp}, [&](auto nvt, auto wt) {
+            constexpr int NV = decltype(nvt)::value, WPR = decltype(wt)::value;
+            using K = LnBwdV6<T, float, NV, WPR, kV6Warps, kV6Stages, float, O>;
+            LnGrads<T> g6 = grads;
+            g6.ds = ds_out;
+            const bool acc6 = g6.any();
+            const int G = K::grid(R, C, ep != nullptr, di.sm_count, di.smem_per_block_optin,
+                                  di.major, op, g6.ds != nullptr);
+            if (G == 0) return false;
+            Tensor partial;
+            float* pp = nullptr;
+            if (acc6) {
+              partial = empty_tensor({int64_t(G) * (g6.ds ? 3 : 2) * C}, DType::Float32, dev, op);
+              pp = static_cast<float*>(partial.data_ptr(op));
+            }
+            K::launch(G, st, dyp, xp, wp, mp, rp, ep, dxp, pp, g6, R, C, acc6, op);
+            if (acc6) {
+              launch_ln_bwd_reduce_v6<T>(pp, G, C, g6, st, kV6ReducePdl && di.major >= 9, op);
+            }
+            ds_done = g6.ds != nullptr;
+            return true;
+          })) {
+        return;
+      }
+      // v2, scalar: a grid of resident blocks, block-local dw / db partials, then the reduce
+      const bool need_acc = grads.any();
+      const int threads = row_threads(C, 1);
+      const int per_sm = std::max(1, std::min(8, 2048 / threads));
+      const int G = static_cast<int>(std::min<int64_t>(R, int64_t(di.sm_count) * per_sm));
+      Tensor partial;
+      float* pp = nullptr;
+      if (need_acc) {
+        partial = empty_tensor({int64_t(G) * 2 * C}, DType::Float32, dev, op);
+        pp = static_cast<float*>(partial.data_ptr(op));
+      }
+      const size_t smem = 2 * C * sizeof(float);
+      if (need_acc && smem <= 40 * 1024) {
+        layernorm_backward_v2<T, float, 1, true, float, O>
+            <<<G, threads, smem, st>>>(dyp, xp, wp, mp, rp, ep, dxp, pp, R, C, true);
+      } else {
+        layernorm_backward_v2<T, float, 1, false, float, O>
+            <<<G, threads, 0, st>>>(dyp, xp, wp, mp, rp, ep, dxp, pp, R, C, need_acc);
+      }
+      BT_CUDA_LAUNCH_CHECK(op);
+      if (need_acc) {
+        layernorm_backward_reduce<T>
+            <<<static_cast<unsigned>(ceil_div(2 * C, 256)), 256, 0, st>>>(pp, G, C, grads);
+        BT_CUDA_LAUNCH_CHECK(op);
+      }
+    };
+    if (out[0].dtype() == DType::Float32) {
+      body(type_tag<float>{});
+    } else {
+      body(type_tag<T>{});
+    }
+  });
+  // dsum: the column sums of dx as stored (Note [residual bias]) where v6 did not sum them
+  if (p.need_dsum && !ds_done) {
+    cuda::column_sums_any(out[0], out[1 + size_t(p.need_dweight) + size_t(p.need_dbias)], op);
+  }
+}
+}  // namespace cuda::nn
+
 using namespace cuda;
 using namespace cuda::nn;
 
@@ -67,6 +178,10 @@ void SoftmaxBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor
 }
 
 void LayerNormBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  if (in[0].dtype() != in[1].dtype()) {  // mixed rows (Note [float32 residual stream])
+    layernorm_backward_mixed(*this, in, out);
+    return;
+  }
   const int64_t R = in[1].shape()[0], C = in[1].shape()[1];
   cudaStream_t st = stream(out[0].device(), name());
   const Device dev = out[0].device();

@@ -81,13 +81,16 @@ struct LnGrads {
 // v2: a grid of G blocks, block b takes rows b, b + G, ...; dx vectorised (16-byte loads), and the
 // block's dweight / dbias partials accumulate in `acc` (shared memory when 2C fit, else the
 // block's slice of `partial`), then go to partial[b * 2C ...] for layernorm_backward_reduce.
-template <typename T, typename S, int V, bool kSmem>
-__global__ void layernorm_backward_v2(const T* __restrict__ dy, const T* __restrict__ x,
-                                      const T* __restrict__ w, const S* __restrict__ mean,
-                                      const S* __restrict__ rstd, const T* __restrict__ extra,
-                                      T* __restrict__ dx, math_t<T>* __restrict__ partial,
+// Mixed rows (Note [float32 residual stream], nn_fused.h): x and the weight of X = float under a
+// 16-bit dy T, extra / dx of O (T or float); the launcher runs them with V = 1 (scalar), the
+// fallback of every mixed shape v6 does not take.
+template <typename T, typename S, int V, bool kSmem, typename X = T, typename O = T>
+__global__ void layernorm_backward_v2(const T* __restrict__ dy, const X* __restrict__ x,
+                                      const X* __restrict__ w, const S* __restrict__ mean,
+                                      const S* __restrict__ rstd, const O* __restrict__ extra,
+                                      O* __restrict__ dx, math_t<X>* __restrict__ partial,
                                       int64_t R, int64_t C, bool need_acc) {
-  using A = math_t<T>;
+  using A = math_t<X>;
   __shared__ A scratch[32];
   extern __shared__ __align__(16) unsigned char smem_raw[];
   A* acc = kSmem ? reinterpret_cast<A*>(smem_raw) : partial + blockIdx.x * 2 * C;
@@ -639,16 +642,26 @@ void launch_ln_bwd_reduce_v6(const float* partial, int P, int64_t C, LnGrads<T> 
                                        reinterpret_cast<const float4*>(partial), P, n4, C, grads));
 }
 
-template <typename T, typename S, int NV, int WPR, int NW, int K>
+// Mixed rows (Note [float32 residual stream], nn_fused.h): X = float (x and the weight) under a
+// 16-bit T (dy), O (extra and dx) T or float.  A lane's V = 8 columns are then one 16-byte word of
+// dy and two of x (and of a float O): the ring's rows are C * sizeof of their own type; the float
+// weight is read per use (__ldg, L1-resident) instead of kept in registers.  X = O = T is the
+// kernel as it was.
+template <typename T, typename S, int NV, int WPR, int NW, int K, typename X = T, typename O = T>
 __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 registers
-    layernorm_backward_v6(const T* __restrict__ dy, const T* __restrict__ x,
-                          const T* __restrict__ w, const S* __restrict__ mean,
-                          const S* __restrict__ rstd, const T* __restrict__ extra,
-                          T* __restrict__ dx, float* __restrict__ partial, LnGrads<T> grads,
+    layernorm_backward_v6(const T* __restrict__ dy, const X* __restrict__ x,
+                          const X* __restrict__ w, const S* __restrict__ mean,
+                          const S* __restrict__ rstd, const O* __restrict__ extra,
+                          O* __restrict__ dx, float* __restrict__ partial, LnGrads<T> grads,
                           int64_t R, int64_t C, bool need_acc) {
   constexpr int V = static_cast<int>(16 / sizeof(T)), RG = NW / WPR;
+  constexpr bool kSameW = std::is_same_v<X, T>;  // the weight's words kept in registers
+  constexpr int XW = static_cast<int>(sizeof(X) / sizeof(T));  // 16-byte words of x a chunk
+  constexpr int OW = static_cast<int>(sizeof(O) / sizeof(T));  // of extra / dx
   static_assert(V % 4 == 0 && sizeof(S) == 4, "v6: 16-bit / fp32 rows, float statistics");
   static_assert(K >= 2, "v6 configuration");
+  static_assert((XW == 1 || std::is_same_v<X, float>) && (OW == 1 || std::is_same_v<O, float>),
+                "v6: x / dx float or T");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // cp.async: sm_80+ (the host launches v6 only there)
 #else
@@ -658,8 +671,9 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
   const int gl = (warp % WPR) * 32 + lane;
   // Ring of this group: K slots of [dy | x (| extra)] rows (C * sizeof(T) % 16 == 0, C % V);
   // stats: this warp's (mean, rstd) per slot.  Byte offsets in shared memory.
-  const unsigned row_bytes = static_cast<unsigned>(C * sizeof(T));
-  const unsigned slot_bytes = (extra ? 3u : 2u) * row_bytes;
+  const unsigned row_bytes = static_cast<unsigned>(C * sizeof(T));  // dy's; x's and extra's
+  const unsigned xrow_bytes = XW * row_bytes, erow_bytes = OW * row_bytes;  // rows follow it
+  const unsigned slot_bytes = row_bytes + xrow_bytes + (extra ? erow_bytes : 0u);
   const unsigned ring = smem_addr(smem_raw) + unsigned(grp) * K * slot_bytes;
   const unsigned stats = smem_addr(smem_raw) + unsigned(RG) * K * slot_bytes + warp * K * 8;
   // Note [residual bias]: with grads.ds, this group's column sums of dx (as stored) accumulate in
@@ -683,7 +697,7 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
     }
   }
 
-  uint4 wr[NV];  // the weight's raw words (1 without a weight)
+  uint4 wr[kSameW ? NV : 1];  // the weight's raw words (1 without a weight; T weights only)
   float aw[NV][V], ab[NV][V];
   {
     float one[V];
@@ -692,11 +706,35 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int64_t c = v4_col<V, WPR>(j, gl);
-      wr[j] = w && c < C ? __ldg(reinterpret_cast<const uint4*>(w + c)) : pack16<T>(one);
+      if constexpr (kSameW) {
+        wr[j] = w && c < C ? __ldg(reinterpret_cast<const uint4*>(w + c)) : pack16<T>(one);
+      }
 #pragma unroll
       for (int k = 0; k < V; ++k) aw[j][k] = 0.f, ab[j][k] = 0.f;
     }
   }
+  // the weight of chunk j (column c) as V floats
+  auto weight = [&](int j, int64_t c, float* wv) {
+    if constexpr (kSameW) {
+      unpack16<T>(wr[j], wv);
+    } else if (w) {
+      unpack16<float>(__ldg(reinterpret_cast<const uint4*>(w + c)), wv);
+      unpack16<float>(__ldg(reinterpret_cast<const uint4*>(w + c + 4)), wv + 4);
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) wv[k] = 1.f;
+    }
+  };
+  // V values of a row of type U (1 or 2 words) at shared byte offset a
+  auto row_words = [&](auto utag, unsigned a, float* out) {
+    using U = typename decltype(utag)::type;
+    if constexpr (sizeof(U) == sizeof(T)) {
+      unpack16<T>(lds16(a), out);
+    } else {
+      unpack16<float>(lds16(a), out);
+      unpack16<float>(lds16(a + 16), out + 4);
+    }
+  };
 
   const int64_t step = int64_t(gridDim.x) * RG;
   const int64_t row0 = int64_t(blockIdx.x) * RG + grp;  // the group's rows: row0 + i * step
@@ -704,7 +742,32 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
   // every thread's group count stays in step with the loop).
   auto issue = [&](int64_t r, int slot) {
     if (r < R) {
-      ring_copy_row<V, NV, WPR>(ring + slot * slot_bytes, row_bytes, r * C, C, gl, dy, x, extra);
+      if constexpr (XW == 1 && OW == 1) {
+        ring_copy_row<V, NV, WPR>(ring + slot * slot_bytes, row_bytes, r * C, C, gl, dy, x, extra);
+      } else {  // this lane's chunks: dy's word, x's XW words, extra's OW words
+        const unsigned sl = ring + slot * slot_bytes;
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+          const int64_t c = v4_col<V, WPR>(j, gl);
+          if (c < C) {
+            const int64_t e = r * C + c;
+            async_copy16(sl + static_cast<unsigned>(c * sizeof(T)), dy + e);
+#pragma unroll
+            for (int q = 0; q < XW; ++q) {
+              async_copy16(sl + row_bytes + static_cast<unsigned>(c * sizeof(X)) + 16u * q,
+                           reinterpret_cast<const char*>(x + e) + 16 * q);
+            }
+            if (extra) {
+#pragma unroll
+              for (int q = 0; q < OW; ++q) {
+                async_copy16(
+                    sl + row_bytes + xrow_bytes + static_cast<unsigned>(c * sizeof(O)) + 16u * q,
+                    reinterpret_cast<const char*>(extra + e) + 16 * q);
+              }
+            }
+          }
+        }
+      }
       if (lane == 0) {
         async_copy4(stats + slot * 8, mean + r);
         async_copy4(stats + slot * 8 + 4, rstd + r);
@@ -737,8 +800,8 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
         const unsigned cb = static_cast<unsigned>(c * sizeof(T));
         float g[V], xh[V], wv[V];
         unpack16<T>(lds16(sl + cb), g);
-        unpack16<T>(lds16(sl + row_bytes + cb), xh);
-        unpack16<T>(wr[j], wv);
+        row_words(type_tag<X>{}, sl + row_bytes + XW * cb, xh);
+        weight(j, c, wv);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           xh[k] = (xh[k] - m) * rs;
@@ -766,19 +829,25 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
         const unsigned cb = static_cast<unsigned>(c * sizeof(T));
         float g[V], xh[V], wv[V], ev[V], o[V];
         unpack16<T>(lds16(sl + cb), g);
-        unpack16<T>(lds16(sl + row_bytes + cb), xh);
-        unpack16<T>(wr[j], wv);
-        if (extra) unpack16<T>(lds16(sl + 2 * row_bytes + cb), ev);
+        row_words(type_tag<X>{}, sl + row_bytes + XW * cb, xh);
+        weight(j, c, wv);
+        if (extra) row_words(type_tag<O>{}, sl + row_bytes + xrow_bytes + OW * cb, ev);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           o[k] = rs * (g[k] * wv[k] - s1 - (xh[k] - m) * rs * s2);
           if (extra) o[k] += ev[k];
         }
-        const uint4 packed = pack16<T>(o);
-        *reinterpret_cast<uint4*>(dx + off + c) = packed;
-        if (dsa) {  // the stored (rounded) values, as column sums of dx would read them
-          float q[V];
-          unpack16<T>(packed, q);
+        float q[V];  // the stored (rounded) values, as column sums of dx would read them
+        if constexpr (OW == 1) {
+          const uint4 packed = pack16<T>(o);
+          *reinterpret_cast<uint4*>(dx + off + c) = packed;
+          if (dsa) unpack16<T>(packed, q);
+        } else {
+          store8f(reinterpret_cast<float*>(dx + off + c), o);
+#pragma unroll
+          for (int k = 0; k < V; ++k) q[k] = o[k];
+        }
+        if (dsa) {
 #pragma unroll
           for (int k = 0; k < V; k += 4) {
             float4* a = reinterpret_cast<float4*>(dsa + c + k);
@@ -845,12 +914,14 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
 // the block partial (slice 0), and a float4 per thread at the end. Grid: the resident blocks (at
 // most kV6MaxBlocksPerSm per SM), no more than the row groups need; 0 where it cannot launch
 // (compute capability below 8, or more shared memory than smem_optin).
-template <typename T, typename S, int NV, int WPR, int NW, int K>
+// X, O: the types of x and of extra / dx (mixed rows, see the kernel).
+template <typename T, typename S, int NV, int WPR, int NW, int K, typename X = T, typename O = T>
 struct LnBwdV6 {
   static constexpr int kThreads = NW * 32, kRG = NW / WPR;
-  static auto kernel() { return layernorm_backward_v6<T, S, NV, WPR, NW, K>; }
+  static auto kernel() { return layernorm_backward_v6<T, S, NV, WPR, NW, K, X, O>; }
   static size_t smem(int64_t C, bool extra, bool ds = false) {
-    const size_t ring = size_t(kRG) * K * (extra ? 3 : 2) * size_t(C) * sizeof(T);
+    const size_t row = sizeof(T) + sizeof(X) + (extra ? sizeof(O) : 0);  // bytes a column
+    const size_t ring = size_t(kRG) * K * row * size_t(C);
     const size_t stats = size_t(NW) * K * 2 * sizeof(float);
     const size_t nseg = ds ? 3 : 2;
     // the groups' [dw | db (| ds)] slices, then the block partial (slice 0) and a float4 per
@@ -879,8 +950,8 @@ struct LnBwdV6 {
     return static_cast<int>(std::min<int64_t>(need, cap));
   }
   // G partials are left for layernorm_backward_reduce_v6 (or _v4).
-  static void launch(int G, cudaStream_t st, const T* dy, const T* x, const T* w, const S* mean,
-                     const S* rstd, const T* extra, T* dx, float* partial, LnGrads<T> grads,
+  static void launch(int G, cudaStream_t st, const T* dy, const X* x, const X* w, const S* mean,
+                     const S* rstd, const O* extra, O* dx, float* partial, LnGrads<T> grads,
                      int64_t R, int64_t C, bool need_acc, const char* op) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(static_cast<unsigned>(G));

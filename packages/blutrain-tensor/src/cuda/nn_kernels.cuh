@@ -223,6 +223,121 @@ __global__ void layernorm_forward_v3(const T* __restrict__ x, const T* __restric
   }
 }
 
+// ---- mixed rows (Note [float32 residual stream], nn_fused.h) ----------------------------------
+// float32 x (and sum), 16-bit T residual and y, float32 weight / bias / residual bias: the sum
+// x + res (+ rb) in float32 (the CPU's order), the statistics of the float32 row, y rounded once.
+// v3's layout (one warp per row, the row in registers) with chunks of V = 8 columns: one 16-byte
+// word of T, two of float.  Without kAdd it is layer_norm(x float32) -> y T (the same statistics
+// in the same order, so a recomputed y is bitwise add_layer_norm's).  Bytes per element: 12 with
+// the add (x 4, res 2, sum 4, y 2), 6 without.
+template <typename T, int NV, bool kAdd>
+__global__ void layernorm_forward_mixed_v3(const float* __restrict__ x, const T* __restrict__ res,
+                                           const float* __restrict__ w,
+                                           const float* __restrict__ b,
+                                           const float* __restrict__ rb, float* __restrict__ sum_o,
+                                           T* __restrict__ y, float* __restrict__ mean_o,
+                                           float* __restrict__ rstd_o, int64_t R, int64_t C,
+                                           double eps) {
+  constexpr int V = 8;
+  static_assert(sizeof(T) == 2, "mixed rows: 16-bit T");
+  const int lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * kV3Warps + threadIdx.x / 32;
+  if (row >= R) return;  // whole warps only: no block barriers below
+  const int64_t off = row * C;
+  float v[NV][V];
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = v3_col<V>(j, lane);
+    if (c < C) {
+      load8f(x + off + c, v[j]);
+      if constexpr (kAdd) {
+        float r[V];
+        unpack16<T>(*reinterpret_cast<const uint4*>(res + off + c), r);
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[j][k] += r[k];
+        if (rb) {
+          float bv[V];
+          load8f(rb + c, bv);
+#pragma unroll
+          for (int k = 0; k < V; ++k) v[j][k] += bv[k];
+        }
+        store8f(sum_o + off + c, v[j]);
+      }
+#pragma unroll
+      for (int k = 0; k < V; ++k) s += v[j][k];
+    }
+  }
+  const float mean = warp_sum(s) / float(C);
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    if (v3_col<V>(j, lane) < C) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        v[j][k] -= mean;
+        ss += v[j][k] * v[j][k];
+      }
+    }
+  }
+  const float rstd = 1.f / sqrtf(warp_sum(ss) / float(C) + float(eps));
+  if (lane == 0) mean_o[row] = mean, rstd_o[row] = rstd;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = v3_col<V>(j, lane);
+    if (c < C) {
+      float wv[V], bv[V];
+      if (w) load8f(w + c, wv);
+      if (b) load8f(b + c, bv);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        v[j][k] *= rstd;
+        if (w) v[j][k] *= wv[k];
+        if (b) v[j][k] += bv[k];
+      }
+      *reinterpret_cast<uint4*>(y + off + c) = pack16<T>(v[j]);
+    }
+  }
+}
+
+// Mixed rows v3 does not take (C % 8 != 0, misaligned, rows over 3072; or BT_CUDA_NN_VERSION=2):
+// one block per row, scalar, three passes (the later ones re-read the thread's own sums).
+template <typename T, bool kAdd>
+__global__ void layernorm_forward_mixed_v2(const float* __restrict__ x, const T* __restrict__ res,
+                                           const float* __restrict__ w,
+                                           const float* __restrict__ b,
+                                           const float* __restrict__ rb, float* __restrict__ sum_o,
+                                           T* __restrict__ y, float* __restrict__ mean_o,
+                                           float* __restrict__ rstd_o, int64_t C, double eps) {
+  __shared__ float scratch[32];
+  const int64_t off = int64_t(blockIdx.x) * C;
+  const float* src = kAdd ? sum_o + off : x + off;  // what passes 2 and 3 read
+  float s = 0.f;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    float v = x[off + i];
+    if constexpr (kAdd) {
+      v += convert<float>(res[off + i]);
+      if (rb) v += rb[i];
+      sum_o[off + i] = v;
+    }
+    s += v;
+  }
+  const float mean = block_sum(s, scratch) / float(C);
+  float ss = 0.f;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    const float d = src[i] - mean;
+    ss += d * d;
+  }
+  const float rstd = 1.f / sqrtf(block_sum(ss, scratch) / float(C) + float(eps));
+  if (threadIdx.x == 0) mean_o[blockIdx.x] = mean, rstd_o[blockIdx.x] = rstd;
+  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    float v = (src[i] - mean) * rstd;
+    if (w) v *= w[i];
+    if (b) v += b[i];
+    y[off + i] = convert<T>(v);
+  }
+}
+
 // v4: a group of WPR warps per row, kV4Warps / WPR rows per block (nn_common.cuh), at most
 // kV4MaxPerLane elements per lane: 3072-wide rows stay in registers without starving the SM of
 // warps.  x (and residual) read once, y (and sum) written once; exact two-pass statistics.

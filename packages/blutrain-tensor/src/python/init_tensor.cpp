@@ -1677,15 +1677,19 @@ NB_MODULE(_tensor, m) {
   m.def(
       "layer_norm",
       [](const Tensor& x, nb::handle ns, std::optional<Tensor> w, std::optional<Tensor> b,
-         double eps, bool recompute) {
+         double eps, bool recompute, nb::handle out_dtype) {
         return layer_norm(x, parse_shape(nb::make_tuple(ns), "layer_norm"), w ? *w : Tensor(),
-                          b ? *b : Tensor(), eps, recompute);
+                          b ? *b : Tensor(), eps, recompute, opt_dtype(out_dtype, "layer_norm"));
       },
       "input"_a, "normalized_shape"_a, "weight"_a = nb::none(), "bias"_a = nb::none(),
-      "eps"_a = 1e-5, nb::kw_only(), "recompute"_a = false,
-      "layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, recompute=False)"
+      "eps"_a = 1e-5, nb::kw_only(), "recompute"_a = false, "out_dtype"_a = nb::none(),
+      "layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, recompute=False, "
+      "out_dtype=None)"
       "\n\nLayer normalisation over the trailing normalized_shape dims (statistics in float32 "
-      "for 16-bit input; the output has the input's dtype). recompute=True: the output is not "
+      "for 16-bit input; the output has out_dtype, default the input's: a float32 input with "
+      "a bfloat16 / float16 out_dtype normalises the float32 row with float32 weight and bias "
+      "and rounds the output once, as autocast's layer norm feeding a bf16 GEMM; its input "
+      "gradient is float32). recompute=True: the output is not "
       "kept for backward by the ops that use it (a following linear's weight gradient); each "
       "rebuilds it in backward from the input the norm keeps anyway, bitwise the same values. "
       "Saves one activation per norm for one extra norm forward in backward.");

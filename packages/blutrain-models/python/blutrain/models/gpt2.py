@@ -61,6 +61,9 @@ PRECISIONS = {
     "bf16": (bt.bfloat16, "high"),
 }
 _PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "tensorfloat32": "tf32"}
+# The residual stream's dtype under a 16-bit compute dtype (GPT2.residual_dtype): float32 (as
+# autocast) or the compute dtype (the bf16 stream: faster, trains off the float32 trajectory).
+RESIDUAL_DTYPES = ("float32", "compute")
 
 
 def precision_name(mode: str) -> str:
@@ -125,11 +128,12 @@ def _cast(p: bt.Tensor | None, dtype: Any) -> bt.Tensor | None:
 
 
 def _ln(x: bt.Tensor, ln: bt.nn.LayerNorm, dtype: Any, recompute: bool = False) -> bt.Tensor:
-    """LayerNorm in `dtype`; recompute: its output is rebuilt in backward, not kept."""
-    w, b = _cast(ln.weight, dtype), _cast(ln.bias, dtype)
-    if recompute:
-        return bt.layer_norm(x, ln.normalized_shape, w, b, ln.eps, recompute=True)
-    return bt.layer_norm(x, ln.normalized_shape, w, b, ln.eps)
+    """LayerNorm of x (in x's dtype, the parameters cast to it) with its output in `dtype` (None:
+    x's): a float32 residual stream's norm feeding bf16 GEMMs is one kernel (Note [float32
+    residual stream] in blutrain.tensor). recompute: the output is rebuilt in backward."""
+    w, b = _cast(ln.weight, x.dtype), _cast(ln.bias, x.dtype)
+    od = dtype if dtype is not None and dtype != x.dtype else None
+    return bt.layer_norm(x, ln.normalized_shape, w, b, ln.eps, recompute=recompute, out_dtype=od)
 
 
 def _add_ln(
@@ -141,16 +145,17 @@ def _add_ln(
     recompute: bool = False,
     residual_bias: Any = None,
 ) -> tuple[bt.Tensor, bt.Tensor]:
-    """(x + r (+ residual_bias), LayerNorm of that): one fused kernel when `fused`.
-    residual_bias: the bias of the linear layer that made r, left out of it (Note [residual
-    bias] in blutrain.tensor: its gradient comes from the layer norm's backward)."""
-    rb = _cast(residual_bias, dtype) if residual_bias is not None else None
+    """(x + r (+ residual_bias), LayerNorm of that): the sum in x's dtype (the residual stream's),
+    the norm's output in `dtype` (None: x's); one fused kernel when `fused`.  residual_bias: the
+    bias of the linear layer that made r, left out of it (Note [residual bias] in
+    blutrain.tensor: its gradient comes from the layer norm's backward)."""
+    rb = _cast(residual_bias, x.dtype) if residual_bias is not None else None
     if fused:
-        w, b = _cast(ln.weight, dtype), _cast(ln.bias, dtype)
-        kw = {"residual_bias": rb} if rb is not None else {}
-        if recompute:
-            return bt.add_layer_norm(x, r, w, b, ln.eps, recompute=True, **kw)
-        return bt.add_layer_norm(x, r, w, b, ln.eps, **kw)
+        od = dtype if dtype is not None and dtype != x.dtype else None
+        w, b = _cast(ln.weight, x.dtype), _cast(ln.bias, x.dtype)
+        return bt.add_layer_norm(
+            x, r, w, b, ln.eps, recompute=recompute, residual_bias=rb, out_dtype=od
+        )
     s = x + r if rb is None else x + r + rb
     return s, _ln(s, ln, dtype, recompute)
 
@@ -271,8 +276,9 @@ class Block(_Precision, bt.nn.Module):
         return self.attn(h, defer_bias)
 
     def forward(self, x: bt.Tensor) -> bt.Tensor:
+        """x: the residual stream, kept in its dtype (float32 under a bf16 policy, as autocast;
+        GPT2.residual_dtype); the sublayers compute in the block's dtype."""
         dt, rln = self._compute, "ln" in self.recompute
-        x = _cast(x, dt)
         a = self.attend(_ln(x, self.ln_1, dt, rln))
         x, h = _add_ln(x, a, self.ln_2, dt, self.fused_add_ln, rln)
         return x + self.mlp(h)
@@ -364,6 +370,13 @@ class GPT2(_Precision, bt.nn.Module):
     - `fused`: None (on CUDA when blutrain.tensor has them), True or False: bt.add_layer_norm
       for every residual add + LayerNorm pair, bt.linear_gelu_linear for the MLP, and
       bt.linear_cross_entropy for the head and loss when the logits are not returned.
+    - `residual_dtype`: the residual stream's dtype under a 16-bit compute dtype: "float32"
+      (the default, autocast's: the embeddings' sum and every x + branch in float32, the layer
+      norms over it with float32 weights, bf16 only into the GEMMs and attention; Note [float32
+      residual stream] in blutrain.tensor) or "compute" (the stream in bf16, rounded at every
+      add: 4 + 2 fewer bytes per element and add + norm, about 2% of GPT-2 124M's bf16 step,
+      but it trains measurably off the float32 trajectory: issue 38).  Either way the fused
+      path carries the stream's gradient in bf16.
     """
 
     def __init__(
@@ -375,6 +388,7 @@ class GPT2(_Precision, bt.nn.Module):
         precision: Any = None,
         recompute: str = "none",
         fused: bool | None = None,
+        residual_dtype: str = "float32",
     ) -> None:
         super().__init__()
         if not isinstance(config, GPT2Config):
@@ -383,6 +397,7 @@ class GPT2(_Precision, bt.nn.Module):
         self.config = config
         self.device = device or "cpu"
         self.fused = fused
+        self.residual_dtype = residual_dtype
         # rows per chunk of the fused classifier (None: bt.linear_cross_entropy's default)
         self.classifier_chunk_size: int | None = None
         # float32 CPU loss in numpy (_HeadCrossEntropyCPU, faster there); False: bt.cross_entropy,
@@ -526,6 +541,19 @@ class GPT2(_Precision, bt.nn.Module):
     def recompute(self, spec: Any) -> None:
         self.set_recompute(spec)
 
+    @property
+    def residual_dtype(self) -> str:
+        """The residual stream's dtype: "float32" or "compute" (see the class docstring)."""
+        return self._residual_dtype
+
+    @residual_dtype.setter
+    def residual_dtype(self, value: str) -> None:
+        if value not in RESIDUAL_DTYPES:
+            raise ValueError(
+                f"[GPT2] residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)}, got {value!r}"
+            )
+        object.__setattr__(self, "_residual_dtype", value)
+
     def _wants_fused(self, x: bt.Tensor) -> bool:
         """Whether fused ops run for activations like x (`fused`, else on CUDA; never symbolic)."""
         want = self.fused if self.fused is not None else str(x.device).startswith("cuda")
@@ -535,7 +563,8 @@ class GPT2(_Precision, bt.nn.Module):
         """The final LayerNorm's output (B, T, C) for checked int64 ids (B, T).
 
         `wte`: the token embedding already in the compute dtype (forward casts it once for
-        both the embedding and the tied head)."""
+        the tied head and, with a compute-dtype residual stream, the embedding; a float32 stream
+        embeds from the float32 table)."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(
@@ -545,9 +574,10 @@ class GPT2(_Precision, bt.nn.Module):
             raise ValueError("[GPT2] idx is empty (T = 0)")
         tr = self.transformer
         dt = self._compute
-        if wte is None:
-            wte = _cast(tr.wte.weight, dt)
-        x = bt.embedding(idx, wte) + bt.embedding(self._positions(T), _cast(tr.wpe.weight, dt))
+        compute_stream = self._residual_dtype == "compute"
+        rdt = dt if compute_stream else None  # the stream's dtype (None: float32, the masters')
+        emb = wte if wte is not None and rdt == dt else _cast(tr.wte.weight, rdt)
+        x = bt.embedding(idx, emb) + bt.embedding(self._positions(T), _cast(tr.wpe.weight, rdt))
         fused = self._wants_fused(x)  # add_layer_norm, linear_gelu_linear, qkv_attention
         blocks = list(tr.h)
         for b in blocks:
@@ -555,14 +585,16 @@ class GPT2(_Precision, bt.nn.Module):
         # The residual stream x and the next LayerNorm's output h travel together, so every
         # "x = x + branch; h = LayerNorm(x)" pair (ln_2, the next block's ln_1, ln_f) can be
         # one fused add + LayerNorm; the math is that of Block.forward.  A block that
-        # recomputes whole ("block") takes x alone and keeps only it.
+        # recomputes whole ("block") takes x alone and keeps only it.  x stays float32 (the
+        # norms write h in the block's compute dtype) unless the stream is in the compute dtype.
         h = None  # the pending LayerNorm output of x for the next block (or ln_f)
         for i, b in enumerate(blocks):
             bdt, rln = b._compute, "ln" in b.recompute
+            if compute_stream:
+                x = _cast(x, bdt)
             if "block" in b.recompute:
-                x, h = bt.checkpoint(b, _cast(x, bdt)), None
+                x, h = bt.checkpoint(b, x), None
                 continue
-            x = _cast(x, bdt)
             h = _ln(x, b.ln_1, bdt, rln) if h is None else _cast(h, bdt)
             # the residual branches' last biases go to the fused add + LayerNorm after them
             pb = b.attn.c_proj.bias if fused else None
@@ -580,7 +612,7 @@ class GPT2(_Precision, bt.nn.Module):
         if h is None:
             last = blocks[-1] if blocks else None
             rln = last is not None and "ln" in last.recompute
-            h = _ln(_cast(x, dt), tr.ln_f, dt, rln)
+            h = _ln(_cast(x, dt) if compute_stream else x, tr.ln_f, dt, rln)
         return _cast(h, dt) if dt is not None else h
 
     def head(self, x: bt.Tensor) -> bt.Tensor:

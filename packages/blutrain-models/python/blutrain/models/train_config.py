@@ -28,6 +28,7 @@ DEFAULT_OUT = "runs/shakespeare"
 
 PRECISIONS = ("auto", "fp32", "float32", "tf32", "bf16", "bfloat16")
 DIST_MODES = ("none", "ddp", "zero1", "zero2")
+RESIDUAL_DTYPES = ("float32", "compute")  # gpt2.RESIDUAL_DTYPES (this module needs no tensors)
 RESUME_VALUES = (False, True, "auto")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -115,6 +116,12 @@ class TrainConfig:
     )
     precision: str = _opt(
         "auto", "auto (bf16 on a GPU, fp32 on the CPU), fp32, tf32 or bf16", choices=PRECISIONS
+    )
+    residual_dtype: str = _opt(
+        "float32",
+        "the residual stream's dtype under bf16: float32 (autocast's; trains like fp32) or "
+        "compute (bf16, rounded at every add: fewer bytes a step, drifts off the fp32 trajectory)",
+        choices=RESIDUAL_DTYPES,
     )
     recompute: str = _opt(
         "auto",

@@ -93,6 +93,11 @@ def run_model_config(cfg: TrainConfig) -> ModelConfig:
             f"[TrainConfig] recompute (--recompute) {cfg.recompute!r}: a LLaMA model takes "
             f"{', '.join(('auto', *LLAMA_RECOMPUTE))}"
         )
+    if isinstance(mc, LlamaConfig) and cfg.residual_dtype != "float32":
+        raise ConfigError(
+            f"[TrainConfig] residual_dtype (--residual-dtype) {cfg.residual_dtype!r}: GPT-2 "
+            "models only (drop it for a LLaMA model)"
+        )
     return mc
 
 
@@ -188,6 +193,8 @@ class Trainer:
             self.model.recompute = "none"  # "auto"'s "ln" is GPT-2's layer-norm rebuild
         else:
             self.model.recompute = resolve_recompute(cfg.recompute, self.device, self.precision)
+        if isinstance(self.model, GPT2):
+            self.model.residual_dtype = cfg.residual_dtype
         self.model.set_precision(self.precision)
         set_matmul_precision(self.precision)
         self.stepper = step_cls(self.model, cfg, self.device, self.group)
