@@ -302,7 +302,8 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
         stages = [("fused", pipelines.FUSE), ("bufferized", pipelines.BUFFERIZE)]
         gpu = target.startswith("cuda")
         if not gpu:
-            stages += [("loops", pipelines.CPU_LOOPS), ("llvm", pipelines.CPU_LLVM)]
+            par = _parallel_groups(graph, part) if backend_cpu.omp_threads() else set()
+            stages += [("loops", lambda m: _cpu_loops(m, par)), ("llvm", pipelines.CPU_LLVM)]
         if dump:
             dump.write("00-lowered.mlir", str(module))
         for k, (name, pipe) in enumerate(stages, 1):
@@ -310,7 +311,10 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
             try:
                 if name == "fused":
                     st.recomputed = recompute.duplicate(module)
-                PassManager.parse(pipe).run(module.operation)
+                if callable(pipe):
+                    pipe(module)
+                else:
+                    PassManager.parse(pipe).run(module.operation)
             except Exception as e:  # MLIR diagnostics arrive as a RuntimeError / MLIRError
                 raise CompileError(
                     f"[compile] graph {ghash}: stage {name} failed ({_where(dump)}): {e}"
@@ -366,6 +370,32 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
             st.stage_s["cache_write"] = time.perf_counter() - ts
     st.compile_s = time.perf_counter() - t0
     return prog
+
+
+def _parallel_groups(graph: Graph, part: fusion.Partition) -> set[str]:
+    """Names of the groups big enough for parallel loops (Note [parallel CPU loops])."""
+    out = set()
+    for G in part.groups:
+        vals = set(G.inputs) | {o for n in G.nodes for o in n.outputs}
+        if max((graph.values[v].numel for v in vals), default=0) >= pipelines.PARALLEL_MIN:
+            out.add(G.name)
+    return out
+
+
+def _cpu_loops(module: Any, parallel: set[str]) -> None:
+    """The CPU loops stage: temporaries placed, then each function's linalg ops as serial loops
+    or, for the groups in `parallel`, OpenMP worksharing loops (Note [parallel CPU loops])."""
+    from mlir.passmanager import PassManager
+
+    PassManager.parse(pipelines.CPU_PREP).run(module.operation)
+    serial = PassManager.parse(pipelines.CPU_SERIAL)
+    par = PassManager.parse(pipelines.CPU_PARALLEL)
+    for op in module.body.operations:
+        if op.operation.name != "func.func":
+            continue
+        name = op.operation.attributes["sym_name"].value
+        (par if name in parallel else serial).run(op.operation)
+    PassManager.parse(pipelines.CPU_OMP).run(module.operation)
 
 
 def _where(dump: Any) -> str:
