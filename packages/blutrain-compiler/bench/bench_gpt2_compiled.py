@@ -99,6 +99,19 @@ def run_ours(a: argparse.Namespace, compiled: bool) -> dict:
     if compiled:
         (prog,) = [c.prog for c in run.programs.values()]
         planned = prog.stats.planned_bytes
+        st = prog.stats
+        shape = {
+            k: getattr(st, k)
+            for k in (
+                "nodes",
+                "groups",
+                "library_calls",
+                "eager_steps",
+                "fallbacks",
+                "compile_s",
+                "cache",
+            )
+        }
     if gpu:
         bt.cuda.reset_peak_memory_stats()
     s0 = alloc_stats()
@@ -115,8 +128,7 @@ def run_ours(a: argparse.Namespace, compiled: bool) -> dict:
         "first_loss": first,
         "last_loss": float(loss.item()),
         "alloc_calls_per_step": {
-            k: (s1[k] - s0[k]) / a.steps
-            for k in ("alloc_count", "system_alloc_count")
+            k: (s1[k] - s0[k]) / a.steps for k in ("alloc_count", "system_alloc_count")
         },
     }
     if gpu:
@@ -126,6 +138,7 @@ def run_ours(a: argparse.Namespace, compiled: bool) -> dict:
     if planned is not None:
         out["planned_bytes"] = int(planned)
         out["recompiles"] = len(run.recompiles)
+        out["program"] = shape
     return out
 
 
@@ -133,8 +146,16 @@ def run_torch(a: argparse.Namespace, compile_: bool) -> dict:
     sys.path.insert(0, MODELS_BENCH)
     import bench_gpt2 as G
 
-    ns = argparse.Namespace(model=a.model, mode=a.mode, B=a.B, T=a.T, steps=a.steps,
-                            warmup=a.warmup, profile=0, trace=None)
+    ns = argparse.Namespace(
+        model=a.model,
+        mode=a.mode,
+        B=a.B,
+        T=a.T,
+        steps=a.steps,
+        warmup=a.warmup,
+        profile=0,
+        trace=None,
+    )
     return G.run_torch(ns, compile_)
 
 
@@ -161,8 +182,11 @@ def main() -> None:
     ap.add_argument("--mode", default="tf32", choices=("fp32", "tf32"))
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rows", default="ours eager,ours compiled,torch eager,torch.compile")
-    ap.add_argument("--timeout", type=int, default=200, help="seconds per row")
+    # the compiled row last: its first call compiles the whole step (minutes for 124M), and
+    # it takes whatever the budget leaves
+    ap.add_argument("--rows", default="ours eager,torch eager,torch.compile,ours compiled")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per row at most")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="seconds for all rows")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -179,47 +203,93 @@ def main() -> None:
         worker(a)
         return
     rows = []
+    start = time.perf_counter()
     for name in a.rows.split(","):
         if name.startswith("torch") and not gpu:
             continue  # torch rows are the GPU model of bench_gpt2.py
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--device", a.device,
-               "--model", a.model, "-B", str(a.B), "-T", str(a.T), "--mode", a.mode,
-               "--steps", str(a.steps), "--warmup", str(a.warmup)]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            name,
+            "--device",
+            a.device,
+            "--model",
+            a.model,
+            "-B",
+            str(a.B),
+            "-T",
+            str(a.T),
+            "--mode",
+            a.mode,
+            "--steps",
+            str(a.steps),
+            "--warmup",
+            str(a.warmup),
+        ]
         t0 = time.perf_counter()
+        limit = min(a.timeout, a.budget_s - (t0 - start))
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+            if limit < 10:
+                raise subprocess.TimeoutExpired(cmd, 0)
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
             res = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
             r = json.loads(res[-1][7:]) if res else {"error": f"exit {p.returncode}"}
             if "error" in r:
                 r["stderr_tail"] = p.stderr.strip()[-1500:]
         except subprocess.TimeoutExpired:
-            r = {"error": f"timed out ({a.timeout} s)"}
+            r = {"error": f"timed out or skipped (budget: {max(limit, 0):.0f} s left for it)"}
         r.update(row=name, wall_s=round(time.perf_counter() - t0, 1))
         rows.append(r)
-        print(f"  {name:14s} {r.get('tokens_per_s', r.get('error'))}  ({r['wall_s']} s)",
-              file=sys.stderr, flush=True)
+        print(
+            f"  {name:14s} {r.get('tokens_per_s', r.get('error'))}  ({r['wall_s']} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     base = {r["row"]: r.get("tokens_per_s") for r in rows}
-    print(f"\nGPT-2 {a.model} step (fwd+bwd+clip+AdamW), {a.device}, {a.mode}, B={a.B} T={a.T}, "
-          f"{a.steps} timed steps after {a.warmup}")
-    print(f"{'row':14s} {'tok/s':>10s} {'ms/step':>8s} {'peak GiB':>9s} {'vs eager':>8s} "
-          f"{'vs t.comp':>9s} {'warmup s':>8s}  loss")
+    print(
+        f"\nGPT-2 {a.model} step (fwd+bwd+clip+AdamW), {a.device}, {a.mode}, B={a.B} T={a.T}, "
+        f"{a.steps} timed steps after {a.warmup}"
+    )
+    print(
+        f"{'row':14s} {'tok/s':>10s} {'ms/step':>8s} {'peak GiB':>9s} {'vs eager':>8s} "
+        f"{'vs t.comp':>9s} {'warmup s':>8s}  loss"
+    )
     for r in rows:
         if "tokens_per_s" not in r:
             print(f"{r['row']:14s} ERROR {r['error']}\n{r.get('stderr_tail', '')[-600:]}")
             continue
-        ratio = [r["tokens_per_s"] / base[k] if base.get(k) else float("nan")
-                 for k in ("ours eager", "torch.compile")]
-        print(f"{r['row']:14s} {r['tokens_per_s']:10,.0f} {r['step_ms']:8.1f} "
-              f"{r['peak_bytes'] / 2**30:9.3f} {ratio[0]:8.2f} {ratio[1]:9.2f} "
-              f"{r.get('warmup_s', float('nan')):8.1f}  {r['first_loss']:.4f} -> "
-              f"{r['last_loss']:.4f}")
+        ratio = [
+            r["tokens_per_s"] / base[k] if base.get(k) else float("nan")
+            for k in ("ours eager", "torch.compile")
+        ]
+        print(
+            f"{r['row']:14s} {r['tokens_per_s']:10,.0f} {r['step_ms']:8.1f} "
+            f"{r['peak_bytes'] / 2**30:9.3f} {ratio[0]:8.2f} {ratio[1]:9.2f} "
+            f"{r.get('warmup_s', float('nan')):8.1f}  {r['first_loss']:.4f} -> "
+            f"{r['last_loss']:.4f}"
+        )
         if "planned_bytes" in r:
-            print(f"{'':14s} planned arena {r['planned_bytes'] / 2**30:.3f} GiB, recompiles "
-                  f"{r['recompiles']}, allocator calls a timed step {r['alloc_calls_per_step']}")
+            print(
+                f"{'':14s} planned arena {r['planned_bytes'] / 2**30:.3f} GiB, recompiles "
+                f"{r['recompiles']}, allocator calls a timed step {r['alloc_calls_per_step']}"
+            )
+            print(f"{'':14s} program {r.get('program')}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"bench": "gpt2_compiled", "device": a.device, "model": a.model, "B": a.B,
-                       "T": a.T, "mode": a.mode, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "bench": "gpt2_compiled",
+                    "device": a.device,
+                    "model": a.model,
+                    "B": a.B,
+                    "T": a.T,
+                    "mode": a.mode,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":
