@@ -23,13 +23,19 @@ def rand(*shape: int) -> bt.Tensor:
 
 
 CASES = {
-    "elementwise": (lambda x, w: (x * w).tanh() + x.exp() * 0.5, lambda: (rand(259, 131), rand(131))),
+    "elementwise": (
+        lambda x, w: (x * w).tanh() + x.exp() * 0.5,
+        lambda: (rand(259, 131), rand(131)),
+    ),
     "softmax": (lambda x, w: bt.softmax(x * 2.0 + w, -1), lambda: (rand(263, 129), rand(129))),
     "layer_norm": (
         lambda x, w: bt.layer_norm(x, (x.shape[-1],), w, w * 0.5) * 3.0,
         lambda: (rand(257, 133), rand(133)),
     ),
-    "column_sum": (lambda x, w: (x * w).sum(0) + (x * x).sum(-1).sum(), lambda: (rand(261, 127), rand(127))),
+    "column_sum": (
+        lambda x, w: (x * w).sum(0) + (x * x).sum(-1).sum(),
+        lambda: (rand(261, 127), rand(127)),
+    ),
 }
 
 
