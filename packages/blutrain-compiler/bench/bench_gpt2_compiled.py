@@ -9,9 +9,10 @@ subprocess (no shared allocator or compile state): ours eager, ours compiled (th
 captures and compiles: counted in warmup_s, not in tok/s), torch eager and torch.compile (the
 nanoGPT-style model of blutrain-models/bench/bench_gpt2.py; GPU only). Peak memory is each
 allocator's own statistic: blutrain.alloc's peak (bt.cuda.max_memory_allocated; on the CPU
-blutrain.alloc's requested-bytes peak) and torch.cuda.max_memory_allocated. The compiled row
-also prints its planned arena (program.stats.planned_bytes) and the bytes blutrain.alloc handed
-out during the timed steps (steady state: only the returned loss and norm). Not a test: prints a
+blutrain.alloc's requested-bytes peak) over the timed steps (the steady state: the compiled
+row's capture and compilation excluded), and torch.cuda.max_memory_allocated. The compiled row
+also prints its planned arena (program.stats.planned_bytes), its program's shape, and the
+allocator calls a timed step makes (the aim: only the returned loss and norm). Not a test: prints a
 table and writes JSON; a row that fails shows its error.
 """
 
@@ -114,6 +115,8 @@ def run_ours(a: argparse.Namespace, compiled: bool) -> dict:
         }
     if gpu:
         bt.cuda.reset_peak_memory_stats()
+    else:
+        A.reset_peak_stats("cpu")
     s0 = alloc_stats()
     t0 = time.perf_counter()
     for _ in range(a.steps):
