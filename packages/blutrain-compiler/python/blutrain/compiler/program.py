@@ -60,6 +60,9 @@ class Program:
         self.arena: Any = None
         self.views: dict[int, Any] = {}
         self.escaping: set[int] = set()
+        self.inplace: dict[int, int] = {}  # value -> the graph input it is written into
+        self.free_after: dict[int, list[int]] = {}  # step -> values dropped after it
+        self.views_of: dict[int, list[int]] = {}
         # the last step that reads each value (for freeing buffers as the program runs)
         self.last_use: dict[int, int] = {}
         for k, st in enumerate(part.steps):
@@ -88,19 +91,88 @@ class Program:
 
     # ---- the memory plan --------------------------------------------------------------------
     def prepare(self, escaping: set[int]) -> None:
-        """Plans the arena (once): every non-escaping kernel / GEMM output at a fixed offset."""
+        """Plans the arena (once): every non-escaping kernel / GEMM output at a fixed offset;
+        optimizer updates written into the tensors they update (Note [in-place updates]); the
+        steps after which each value is dropped (Note [freeing at last use])."""
         from . import memplan
 
         self.escaping = {self.base(v) for v in escaping}
+        self.inplace = self._inplace_updates()
         plannable: dict[int, int] = {}
         for k, st in enumerate(self.part.steps):
             if isinstance(st, fusion.Group):
                 for o in st.outputs:
-                    plannable[o] = k
+                    if o not in self.inplace:
+                        plannable[o] = k
             elif st.kind == "library" and _gemm_out_ok(self.graph, st.node):
                 plannable[st.node.outputs[0]] = k
         self.plan = memplan.make(self, plannable, self.escaping)
         self.stats.planned_bytes = self.plan.size
+        self._free_schedule()
+
+    def _inplace_updates(self) -> dict[int, int]:
+        """value -> graph input it may be written into: the new parameter / moments of an
+        `adamw_update` group, when nothing after that group reads the old tensor.
+
+        Note [in-place updates]: the caller copies each mutation's final value into its input
+        tensor; an optimizer update computed into fresh memory and then copied costs three
+        parameter-sized buffers (p', m', v') at once, which eager's in-place AdamW never holds.
+        Written in place, the copy disappears. Safe only where every read of the old tensor is
+        at the index being written: a group of adamw_update nodes only (elementwise; the
+        kernels read p, g, m, v at element j before writing element j of p', m', v', and m'
+        and v' do not depend on p), no later step reads the old tensor (last use at this
+        group), and no output or gradient is a view of it (it is read after the run)."""
+        g = self.graph
+        ins = set(g.inputs)
+        out_bases = {self.base(v) for v in g.outputs} | {self.base(v) for _, v in g.grads if v >= 0}
+        step_of: dict[int, int] = {}
+        for k, st in enumerate(self.part.steps):
+            if (
+                isinstance(st, fusion.Group)
+                and st.compute_nodes()
+                and all(n.op == "adamw_update" for n in st.compute_nodes())
+            ):
+                for o in st.outputs:
+                    step_of[o] = k
+        res: dict[int, int] = {}
+        taken: set[int] = set()
+        for i, v in g.mutations:
+            k = step_of.get(v)
+            if k is None or i not in ins or i in out_bases or i in taken or v in res:
+                continue
+            if v in g.outputs or any(v == w for _, w in g.grads):
+                continue
+            vi, vv = g.values[i], g.values[v]
+            if (vi.shape, vi.dtype, vi.device) != (vv.shape, vv.dtype, vv.device):
+                continue
+            if self.last_use.get(i, -1) > k:
+                continue
+            res[v] = i
+            taken.add(i)
+        return res
+
+    def _free_schedule(self) -> None:
+        """Note [freeing at last use]: run() drops each value (and the views made of it) from
+        its environment after the last step that reads it, as eager's reference counting
+        frees a temporary: eager steps' outputs and contiguous copies do not pile up until the
+        call ends. Values the caller reads (outputs, gradients, mutations) and graph inputs
+        stay."""
+        g = self.graph
+        keep = set(self.escaping) | set(g.inputs)
+        written: dict[int, int] = {}
+        for k, st in enumerate(self.part.steps):
+            outs = st.outputs if isinstance(st, fusion.Group) else st.node.outputs
+            for o in outs:
+                written[o] = k
+        self.views_of: dict[int, list[int]] = {}
+        for v, n in self.prod.items():
+            if n.op in eager.VIEW_OPS:
+                self.views_of.setdefault(self.base(v), []).append(v)
+        self.free_after: dict[int, list[int]] = {}
+        for v, k in written.items():
+            if v in keep or self.base(v) != v:
+                continue
+            self.free_after.setdefault(max(k, self.last_use.get(v, k)), []).append(v)
 
     def _arena_views(self) -> None:
         from . import _runtime
@@ -127,10 +199,15 @@ class Program:
             )
             self.views[v] = bt.from_dlpack(arr)
 
-    def _out(self, v: int) -> Any:
+    def _out(self, v: int, env: dict[int, Any]) -> Any:
         t = self.views.get(v)
         if t is not None:
             return t
+        i = self.inplace.get(v)
+        if i is not None:  # Note [in-place updates]
+            t = env[i]
+            if t.is_contiguous():
+                return t
         val = self.graph.values[v]
         return bt.empty(val.shape, dtype=getattr(bt, val.dtype), device=val.device)
 
@@ -143,7 +220,7 @@ class Program:
         env: dict[int, Any] = {}
         for vid, t in zip(g.inputs, inputs):
             env[vid] = t
-        for st in self.part.steps:
+        for k, st in enumerate(self.part.steps):
             if isinstance(st, fusion.Group):
                 ins = []
                 for i in st.inputs:
@@ -151,10 +228,11 @@ class Program:
                     if not t.is_contiguous():
                         t = t.contiguous()
                     ins.append(t)
-                outs = [self._out(o) for o in st.outputs]
+                outs = [self._out(o, env) for o in st.outputs]
                 self.kernels[st.id]([t.data_ptr() for t in ins] + [t.data_ptr() for t in outs])
                 for o, t in zip(st.outputs, outs):
                     env[o] = t
+                del ins, outs
             else:
                 n = st.node
                 args = [self.value(env, i) if i >= 0 else None for i in n.inputs]
@@ -162,10 +240,16 @@ class Program:
                 if o in self.views and st.kind == "library":
                     _gemm_into(n, args, self.views[o])
                     env[o] = self.views[o]
-                    continue
-                res = eager.run(n, args, g.raw)
-                for o, t in zip(n.outputs, res):
-                    env[o] = t
+                else:
+                    res = eager.run(n, args, g.raw)
+                    for o, t in zip(n.outputs, res):
+                        env[o] = t
+                    del res
+                del args
+            for v in self.free_after.get(k, ()):
+                env.pop(v, None)
+                for w in self.views_of.get(v, ()):
+                    env.pop(w, None)
         return env
 
     # ---- building ---------------------------------------------------------------------------
