@@ -69,14 +69,17 @@ def assign(bufs: list[Buffer]) -> int:
     return size
 
 
-def make(prog: Any, plannable: dict[int, int], escaping: set[int]) -> Plan:
-    """plannable: value -> step index writing it (values whose memory the program chooses)."""
+def make(
+    prog: Any, plannable: dict[int, int], escaping: set[int], ends: dict[int, int] | None = None
+) -> Plan:
+    """plannable: value -> step index writing it (values whose memory the program chooses);
+    ends: a later last step for buffers other values share (written in place over them)."""
     g = prog.graph
     bufs = []
     for v, k in plannable.items():
         if v in escaping:
             continue
-        end = prog.last_use.get(v, k)
+        end = max(prog.last_use.get(v, k), (ends or {}).get(v, -1))
         bufs.append(Buffer(v, g.values[v].nbytes, k, max(end, k)))
     plan = Plan({b.value: b for b in bufs}, 0, set(escaping))
     plan.size = assign(bufs)

@@ -63,6 +63,8 @@ class Program:
         self.inplace: dict[int, int] = {}  # value -> the graph input it is written into
         self.free_after: dict[int, list[int]] = {}  # step -> values dropped after it
         self.views_of: dict[int, list[int]] = {}
+        self.alias: dict[int, int] = {}  # value -> the value whose buffer it shares
+        self.over: set[int] = set()  # eager nodes run over their first input's memory
         # the last step that reads each value (for freeing buffers as the program runs)
         self.last_use: dict[int, int] = {}
         for k, st in enumerate(part.steps):
@@ -106,7 +108,10 @@ class Program:
                         plannable[o] = k
             elif st.kind == "library" and _gemm_out_ok(self.graph, st.node):
                 plannable[st.node.outputs[0]] = k
-        self.plan = memplan.make(self, plannable, self.escaping)
+        ends = self._shared_buffers(plannable)
+        for v in self.alias:
+            plannable.pop(v, None)
+        self.plan = memplan.make(self, plannable, self.escaping, ends)
         self.stats.planned_bytes = self.plan.size
         self._free_schedule()
 
@@ -150,6 +155,72 @@ class Program:
             res[v] = i
             taken.add(i)
         return res
+
+    def _shared_buffers(self, plannable: dict[int, int]) -> dict[int, int]:
+        """Values that take over the memory of another (self.alias: value -> the value whose
+        buffer it writes); returns, per buffer so shared, the last step any sharer reads.
+
+        Note [shared buffers]: eager frees nothing it can reuse: autograd hands an unused
+        gradient to `.grad` as is, and accumulates an embedding's gradient into the buffer of
+        the other contribution (index_add over its base). Without the same reuse, a compiled
+        step holds two or three vocabulary-sized gradients at once. Two kinds:
+          - identity: accumulate_grad with no previous .grad writes exactly its input's values;
+            written over the input's own buffer, every element keeps its value whatever order
+            the kernel reads and writes in;
+          - over base: index_add and slice_scatter (eager steps) written over their first
+            input, when nothing reads that buffer afterwards (every sharer's last use at this
+            step at the latest) and the caller never sees it (no sharer escapes).
+        A result the caller keeps (it escapes) shares only memory outside the arena."""
+        g = self.graph
+        ins = set(g.inputs)
+        root: dict[int, int] = {}  # value -> the value whose buffer it uses
+        members: dict[int, list[int]] = {}
+        self.alias: dict[int, int] = {}
+        self.over: set[int] = set()  # node indices run by eager.run_over_base
+
+        def rt(v: int) -> int:
+            return root.get(v, v)
+
+        def ok(o: int, src: int) -> bool:
+            vo, vs = g.values[o], g.values[src]
+            if self.base(src) != src or src in ins or o in self.inplace:
+                return False
+            if (vo.shape, vo.dtype, vo.device) != (vs.shape, vs.dtype, vs.device):
+                return False
+            return not (o in self.escaping and rt(src) in plannable)
+
+        def share(o: int, src: int) -> None:
+            r = rt(src)
+            self.alias[o] = src
+            root[o] = r
+            members.setdefault(r, [r]).append(o)
+
+        for k, st in enumerate(self.part.steps):
+            if isinstance(st, fusion.Group):
+                for n in st.compute_nodes():
+                    if n.op != "accumulate_grad" or (len(n.inputs) > 2 and n.inputs[2] >= 0):
+                        continue
+                    o, src = n.outputs[0], n.inputs[1]
+                    if o in st.outputs and src in st.inputs and ok(o, src):
+                        share(o, src)
+                continue
+            n = st.node
+            if n.op not in eager.OVER_BASE or g.raw is None or not n.outputs:
+                continue
+            o, src = n.outputs[0], n.inputs[0]
+            if not ok(o, src):
+                continue
+            group = members.get(rt(src), [rt(src)])
+            if any(m in self.escaping or self.last_use.get(m, -1) > k for m in group):
+                continue
+            if any(self.base(i) in group for i in n.inputs[1:] if i >= 0):
+                continue  # reads the buffer it would overwrite
+            share(o, src)
+            self.over.add(n.index)
+        ends: dict[int, int] = {}
+        for r, ms in members.items():
+            ends[r] = max(self.last_use.get(m, -1) for m in ms)
+        return ends
 
     def _free_schedule(self) -> None:
         """Note [freeing at last use]: run() drops each value (and the views made of it) from
@@ -204,8 +275,10 @@ class Program:
         if t is not None:
             return t
         i = self.inplace.get(v)
+        if i is None:
+            i = self.alias.get(v)  # Note [shared buffers]
         if i is not None:  # Note [in-place updates]
-            t = env[i]
+            t = self.value(env, i)
             if t.is_contiguous():
                 return t
         val = self.graph.values[v]
@@ -240,6 +313,11 @@ class Program:
                 if o in self.views and st.kind == "library":
                     _gemm_into(n, args, self.views[o])
                     env[o] = self.views[o]
+                elif n.index in self.over and args[0].is_contiguous():
+                    res = eager.run_over_base(n, args, g.raw)
+                    for o, t in zip(n.outputs, res):
+                        env[o] = t
+                    del res
                 else:
                     res = eager.run(n, args, g.raw)
                     for o, t in zip(n.outputs, res):
