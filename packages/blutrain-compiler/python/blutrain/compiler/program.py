@@ -270,6 +270,23 @@ class Program:
             )
             self.views[v] = bt.from_dlpack(arr)
 
+    def fresh_values(self) -> list[int]:
+        """The values a steady-state call allocates (prepare() first): what the caller keeps
+        (outputs, gradients, updates not written in place) and the outputs of eager steps
+        blutrain.tensor cannot write into given memory (gathers: no `out=`). Every other value
+        lives in the arena, in memory it shares (Note [shared buffers]) or in the tensor it
+        updates (Note [in-place updates])."""
+        out: list[int] = []
+        for st in self.part.steps:
+            if isinstance(st, fusion.Group):
+                outs = st.outputs
+            elif st.node.op in eager.VIEW_OPS or st.node.index in self.over:
+                continue
+            else:
+                outs = st.node.outputs
+            out += [o for o in outs if o not in self.views and o not in self.inplace]
+        return [o for o in out if o not in self.alias and o not in self.plan.buffers]
+
     def _out(self, v: int, env: dict[int, Any]) -> Any:
         t = self.views.get(v)
         if t is not None:
