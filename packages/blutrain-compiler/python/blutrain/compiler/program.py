@@ -65,6 +65,7 @@ class Program:
         self.views_of: dict[int, list[int]] = {}
         self.alias: dict[int, int] = {}  # value -> the value whose buffer it shares
         self.over: set[int] = set()  # eager nodes run over their first input's memory
+        self._sink_constants()
         # the last step that reads each value (for freeing buffers as the program runs)
         self.last_use: dict[int, int] = {}
         for k, st in enumerate(part.steps):
@@ -73,6 +74,24 @@ class Program:
                 for i in n.inputs:
                     if i >= 0:
                         self.last_use[self.base(i)] = k
+
+    def _sink_constants(self) -> None:
+        """Groups that read nothing (zeros for a gradient's padding, iotas) run just before
+        their first reader rather than where the partition put them: a vocabulary-sized zeros
+        made early stays live beside the logits and their gradient, a third buffer of that
+        size eager never holds. Only the order of steps changes, never what they compute."""
+        steps = list(self.part.steps)
+        for G in [s for s in steps if isinstance(s, fusion.Group) and not s.inputs]:
+            outs = set(G.outputs)
+            steps.remove(G)
+            first = len(steps)
+            for k, st in enumerate(steps):
+                reads = st.inputs if isinstance(st, fusion.Group) else st.node.inputs
+                if any(i >= 0 and self.base(i) in outs for i in reads):
+                    first = k
+                    break
+            steps.insert(first, G)
+        self.part.steps = steps
 
     def base(self, v: int) -> int:
         while v in self.prod and self.prod[v].op in eager.VIEW_OPS:
