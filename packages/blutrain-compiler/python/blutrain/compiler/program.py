@@ -144,8 +144,10 @@ class Program:
         Written in place, the copy disappears. Safe only where every read of the old tensor is
         at the index being written: a group of adamw_update nodes only (elementwise; the
         kernels read p, g, m, v at element j before writing element j of p', m', v', and m'
-        and v' do not depend on p), no later step reads the old tensor (last use at this
-        group), and no output or gradient is a view of it (it is read after the run)."""
+        and v' do not depend on p; not with a 16-bit copy, whose cast of p' fusion may
+        recompute from p, m, v after they were overwritten), no later step reads the old
+        tensor (last use at this group), and no output or gradient is a view of it (it is read
+        after the run)."""
         g = self.graph
         ins = set(g.inputs)
         out_bases = {self.base(v) for v in g.outputs} | {self.base(v) for _, v in g.grads if v >= 0}
@@ -154,7 +156,10 @@ class Program:
             if (
                 isinstance(st, fusion.Group)
                 and st.compute_nodes()
-                and all(n.op == "adamw_update" for n in st.compute_nodes())
+                and all(
+                    n.op == "adamw_update" and not n.attrs.get("has_copy")
+                    for n in st.compute_nodes()
+                )
             ):
                 for o in st.outputs:
                     step_of[o] = k
