@@ -12,8 +12,9 @@ allocator's own statistic: blutrain.alloc's peak (bt.cuda.max_memory_allocated; 
 blutrain.alloc's requested-bytes peak) over the timed steps (the steady state: the compiled
 row's capture and compilation excluded), and torch.cuda.max_memory_allocated. The compiled row
 also prints its planned arena (program.stats.planned_bytes), its program's shape, and the
-allocator calls a timed step makes (the aim: only the returned loss and norm). Not a test: prints a
-table and writes JSON; a row that fails shows its error.
+allocator calls a timed step makes: the program's Program.fresh_values() (the returned loss and
+norm, the two embedding gathers) plus the 2 of AdamW.write_device_scalars outside the program.
+Not a test: prints a table and writes JSON; a row that fails shows its error.
 """
 
 from __future__ import annotations
