@@ -8,6 +8,10 @@ in another order: fused float64 sums, no FMA contraction), but AdamW divides eac
 its own running RMS, so an element whose gradient is ~0 (the k-slice of a qkv bias, vocabulary
 rows absent from the batch) moves by up to lr whatever the size of that rounding noise: no
 reassociation of the float arithmetic keeps those elements within 1e-6.
+
+Memory, from blutrain.alloc's statistics over the same steps: the compiled step's peak (arena
+included) at most the eager step's, and a steady-state call allocating only the values
+Program.fresh_values() names (the returned loss and norm, the embedding gathers).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import sys
 
 import numpy as np
 
+import blutrain.alloc as alloc
 import blutrain.compiler as btc
 import blutrain.tensor as bt
 from blutrain.models import GPT2, GPT2Config
@@ -55,7 +60,7 @@ def _step(loss_fn, opt: AdamW):
     return step
 
 
-def _run_both(make, vocab: int, B: int, T: int) -> None:
+def _run_both(make, vocab: int, B: int, T: int) -> tuple:
     rng = np.random.default_rng()
     data = [
         (bt.tensor(rng.integers(0, vocab, (B, T))), bt.tensor(rng.integers(0, vocab, (B, T))))
@@ -64,11 +69,18 @@ def _run_both(make, vocab: int, B: int, T: int) -> None:
     lrs = [1e-3 * 0.5 * (1 + math.cos(math.pi * i / STEPS)) for i in range(STEPS)]
     (fe, oe, pe), (fc, oc, pc) = make(), make()
     eager, compiled = _step(fe, oe), btc.compile(_step(fc, oc))
+    mem = {"eager": 0, "compiled": 0, "allocs": []}
     for i, (x, y) in enumerate(data):
         oe.write_device_scalars(lrs[i], i + 1)
-        le, ne = eager(x, y)
+        le, ne, peak, _ = _measured(eager, x, y)
+        if i >= 1:
+            mem["eager"] = max(mem["eager"], peak)
         oc.write_device_scalars(lrs[i], i + 1)
-        lc, nc = compiled(x, y)
+        lc, nc, peak, allocs = _measured(compiled, x, y)
+        if i >= 1:  # the steady state: the first call captured and compiled
+            (prog,) = [c.prog for c in compiled.programs.values()]
+            mem["compiled"] = max(mem["compiled"], peak + prog.plan.size)  # + the held arena
+            mem["allocs"].append(allocs)
         for a, b, what in ((lc, le, "loss"), (nc, ne, "grad norm")):
             a, b = float(a.item()), float(b.item())
             assert abs(a - b) <= 1e-6 * abs(b), f"step {i}: {what} {a} vs eager {b}"
@@ -81,6 +93,34 @@ def _run_both(make, vocab: int, B: int, T: int) -> None:
     assert math.sqrt(num / den) <= 1e-5, math.sqrt(num / den)
     (prog,) = [c.prog for c in compiled.programs.values()]
     assert prog.stats.fallbacks == 0
+    return prog, mem
+
+
+def _measured(step, x, y) -> tuple:
+    """(loss, norm, the step's peak bytes above what was allocated before it, allocator calls),
+    from blutrain.alloc's own statistics."""
+    alloc.reset_peak_stats("cpu")
+    s0 = alloc.stats("cpu")
+    loss, norm = step(x, y)
+    s1 = alloc.stats("cpu")
+    peak = s1["requested_bytes_peak"] - s0["requested_bytes"]
+    return loss, norm, peak, s1["alloc_count"] - s0["alloc_count"]
+
+
+def _check_memory(prog, mem: dict, eager_gathers: int) -> None:
+    """The static plan's promise on a whole training step: the compiled step's peak (its arena
+    included) at most eager's, the arena itself no larger, and a steady-state call allocating
+    exactly the values prog.fresh_values() names: the returned loss and norm, and the outputs of
+    the embedding gathers (index_select: blutrain.tensor has no `out=` form to write them into
+    the arena). Everything else (GEMM outputs, fused kernels, the embedding gradient's
+    index_add, slice_scatter, the AdamW updates) allocates nothing."""
+    assert 0 < prog.plan.size <= mem["compiled"] <= mem["eager"], mem | {"arena": prog.plan.size}
+    fresh = prog.fresh_values()
+    g = prog.graph
+    ops = sorted(prog.prod[v].op for v in fresh if v not in g.outputs)
+    assert ops == ["index_select"] * eager_gathers, ops
+    assert len(fresh) == len(g.outputs) + eager_gathers == 2 + eager_gathers
+    assert mem["allocs"] == [len(fresh)] * (STEPS - 1), mem["allocs"]
 
 
 def test_gpt2_tiny_training_step_matches_eager() -> None:
@@ -95,7 +135,8 @@ def test_gpt2_tiny_training_step_matches_eager() -> None:
 
         return loss, opt, [p for _, p in m.named_parameters()]
 
-    _run_both(make, 50257, 2, 16)
+    prog, mem = _run_both(make, 50257, 2, 16)
+    _check_memory(prog, mem, eager_gathers=2)  # token and position embeddings
 
 
 def test_llama_tiny_training_step_matches_eager() -> None:
@@ -112,7 +153,8 @@ def test_llama_tiny_training_step_matches_eager() -> None:
 
         return loss, opt, list(params.values())
 
-    _run_both(make, cfg.vocab, 4, cfg.seq)
+    prog, mem = _run_both(make, cfg.vocab, 4, cfg.seq)
+    _check_memory(prog, mem, eager_gathers=1)  # the token embedding
 
 
 def test_trainer_compiled_step_matches_eager(tmp_path) -> None:

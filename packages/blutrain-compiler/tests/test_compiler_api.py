@@ -116,7 +116,7 @@ def test_lowering_failure_becomes_eager_fallback(
 def test_mlir_failure_names_hash_and_stage(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     from blutrain.compiler import pipelines
 
-    monkeypatch.setattr(pipelines, "CPU_LOOPS", "builtin.module(no-such-pass)")
+    monkeypatch.setattr(pipelines, "CPU_PREP", "builtin.module(no-such-pass)")
     monkeypatch.setenv("BLUTRAIN_COMPILE_CACHE", "0")
     monkeypatch.setenv("BLUTRAIN_COMPILE_DUMP", str(tmp_path))
     with pytest.raises(btc.CompileError, match=r"graph [0-9a-f]{16}: stage loops failed") as e:

@@ -55,3 +55,34 @@ def test_planned_peak_below_eager_and_no_steady_state_allocations() -> None:
     allocs = alloc.stats("cpu")["alloc_count"] - before
     assert allocs == 1  # the returned (64,) tensor; every intermediate lives in the arena
     assert p.stats.planned_bytes == p.plan.size
+
+
+def _index_add_dead(a, idx, src):
+    b = a * 2.0
+    return (bt.index_add(b, 0, idx, src) * 3.0).sum(-1)
+
+
+def _index_add_live(a, idx, src):
+    b = a * 2.0
+    return (bt.index_add(b, 0, idx, src) * 3.0).sum(-1) + b.sum(-1)  # b read afterwards
+
+
+def test_index_add_over_its_base_only_when_nothing_reads_the_base_afterwards() -> None:
+    """Note [shared buffers]: index_add (an eager step) writes over its base when that buffer is
+    dead after it: the same values as eager, no allocation for it; when a later step reads the
+    base, the base keeps its values (a fresh result)."""
+    rng = np.random.default_rng()
+    a = bt.tensor(rng.standard_normal((50, 24)).astype(np.float32))
+    idx = bt.tensor(rng.integers(0, 50, (40,)))  # repeated rows accumulate
+    src = bt.tensor(rng.standard_normal((40, 24)).astype(np.float32))
+    for fn, over in ((_index_add_dead, True), (_index_add_live, False)):
+        c = btc.compile(fn)
+        ref = fn(a, idx, src).numpy()
+        np.testing.assert_array_equal(c(a, idx, src).numpy(), ref)
+        (p,) = [v.prog for v in c.programs.values()]
+        assert bool(p.over) == over, (fn.__name__, p.over)
+        before = alloc.stats("cpu")["alloc_count"]
+        out = c(a, idx, src)
+        allocs = alloc.stats("cpu")["alloc_count"] - before
+        np.testing.assert_array_equal(out.numpy(), ref)  # the arena reused: still right
+        assert allocs == len(p.fresh_values()) == 1 + (not over), (fn.__name__, allocs)

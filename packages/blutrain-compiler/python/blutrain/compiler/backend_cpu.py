@@ -21,6 +21,28 @@ from collections.abc import Sequence
 from typing import Any
 
 _DESC: dict[int, type] = {}
+_OMP: list[Any] = []  # [the loaded libbtc_omp, or None where it is missing]
+
+
+def omp_threads() -> int:
+    """Loads the OpenMP entry points of parallel kernels (src/kmp_gomp.c) with RTLD_GLOBAL, once,
+    so the JIT and cached kernel libraries resolve them; the threads a fork uses now, or 0 where
+    the library is missing (kernels are then compiled serial)."""
+    if not _OMP:
+        lib = None
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libbtc_omp.so")
+        try:
+            from . import _runtime
+
+            path = os.path.join(os.path.dirname(_runtime.__file__), "libbtc_omp.so")
+        except ImportError:
+            pass
+        try:
+            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            lib = None
+        _OMP.append(lib)
+    return int(_OMP[0].btc_omp_max_threads()) if _OMP[0] is not None else 0
 
 
 def desc_type(rank: int) -> type:
@@ -81,6 +103,7 @@ def jit(module: Any, opt_level: int | None = None) -> Any:
 
     if opt_level is None:
         opt_level = int(os.environ.get("BLUTRAIN_COMPILE_OPT", "1"))
+    omp_threads()  # parallel kernels call __kmpc_*: resolved in the process
     return ExecutionEngine(module, opt_level=opt_level)
 
 
@@ -152,6 +175,7 @@ class SharedLib:
     """Compiled kernels loaded from a cached shared library (no compiler in this process)."""
 
     def __init__(self, path: str) -> None:
+        omp_threads()
         self.lib = ctypes.CDLL(path)
         self.path = path
 

@@ -93,6 +93,9 @@ def key(graph_hash: str, target: str, extra: str) -> str:
                 "versions": versions(),
                 "extra": extra,
                 "opt": os.environ.get("BLUTRAIN_COMPILE_OPT", "1"),
+                # CPU code built with parallel loops calls __kmpc_* (libbtc_omp): an entry built
+                # without that library is serial, and one built with it needs it
+                "omp": target == "cpu" and _omp(),
             },
             sort_keys=True,
         ).encode()
@@ -109,6 +112,12 @@ def key(graph_hash: str, target: str, extra: str) -> str:
     ):
         h.update(p.encode())
     return h.hexdigest()[:32]
+
+
+def _omp() -> bool:
+    from . import backend_cpu
+
+    return backend_cpu.omp_threads() > 0
 
 
 class Entry:

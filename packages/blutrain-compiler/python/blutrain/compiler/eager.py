@@ -153,7 +153,9 @@ def replayable(n: Node) -> bool:
     return n.raw is not None
 
 
-def _replay_graph(n: Node, raw: dict[str, Any], seed: int | None = None) -> Any:
+def _replay_graph(
+    n: Node, raw: dict[str, Any], seed: int | None = None, attrs: dict[str, Any] | None = None
+) -> Any:
     """A one-node bt.Graph of n (blutrain.tensor's replay: any op, eager's bits); value ids
     renumbered 0.. as the loader wants them."""
     vals = {v["id"]: v for v in raw["values"]}
@@ -170,6 +172,8 @@ def _replay_graph(n: Node, raw: dict[str, Any], seed: int | None = None) -> Any:
         dict(vals[o], id=new[o], input=False, storage=-1, requires_grad=False) for o in n.outputs
     ]
     node = dict(n.raw or {})
+    if attrs:
+        node["attrs"] = dict(node.get("attrs", {}), **attrs)
     random = n.op in ("random", "dropout") and "offset" in n.attrs
     if random and seed is not None:  # draw from the generator as it is now (its seed too)
         node["attrs"] = dict(node["attrs"], seed=int(seed))
@@ -204,6 +208,33 @@ def _replay_graph(n: Node, raw: dict[str, Any], seed: int | None = None) -> Any:
         "nodes": [node],
     }
     return bt.load_graph(doc), ins
+
+
+# ops program.py may run over their first input's memory (Note [in-place updates] there)
+OVER_BASE = {"index_add", "slice_scatter"}
+
+
+def run_over_base(n: Node, inputs: Sequence[Any], raw: dict[str, Any]) -> list[Any]:
+    """Runs an OVER_BASE node writing its result over inputs[0] (contiguous, of the result's
+    shape and dtype, read by nothing afterwards): the same values as run(), no new memory.
+    index_add through blutrain.tensor's own IndexAdd with over_base (its donation path);
+    slice_scatter as an assignment into the slice."""
+    base = inputs[0]
+    with bt.no_grad():
+        if n.op == "slice_scatter":
+            a = n.attrs
+            d = a["dim"] % base.ndim
+            idx = [slice(None)] * base.ndim
+            idx[d] = slice(a["start"], a["stop"], a.get("step", 1))
+            base[tuple(idx)] = inputs[1]
+            return [base]
+        cached = getattr(n, "_replay_over", None)
+        if cached is None:
+            cached = _replay_graph(n, raw, None, {"over_base": True})
+            n._replay_over = cached  # type: ignore[attr-defined]
+        g, ins = cached
+        by_id = {i: t for i, t in zip(n.inputs, inputs) if i >= 0}
+        return list(g.replay([by_id[i] for i in ins], set_grads=False, check=False))
 
 
 def run(n: Node, inputs: Sequence[Any], raw: dict[str, Any] | None = None) -> list[Any]:

@@ -3,8 +3,10 @@ one arena allocated once from blutrain.alloc.
 
 Buffers are the values the steps write (fused kernels' outputs, GEMM outputs) that do not escape
 the call (graph outputs, gradients handed to `.grad` and values copied into mutated inputs are
-fresh tensors, since the caller keeps them). A buffer lives from the step that writes it to the
-last step that reads it (views included). Offsets come from a greedy best fit over those
+fresh tensors, since the caller keeps them) and that program.py does not write elsewhere
+(optimizer updates into the tensors they update, values sharing another's buffer). A buffer
+lives from the step that writes it to the last step that reads it (views included), or that
+reads any value sharing it (`ends`). Offsets come from a greedy best fit over those
 intervals, largest buffers first: two buffers share bytes only when their lifetimes do not
 overlap; a step's outputs never alias its own inputs (a value read at step k is live at k).
 The arena's size is the planned peak; with the arena in place a steady-state call makes no
@@ -69,14 +71,17 @@ def assign(bufs: list[Buffer]) -> int:
     return size
 
 
-def make(prog: Any, plannable: dict[int, int], escaping: set[int]) -> Plan:
-    """plannable: value -> step index writing it (values whose memory the program chooses)."""
+def make(
+    prog: Any, plannable: dict[int, int], escaping: set[int], ends: dict[int, int] | None = None
+) -> Plan:
+    """plannable: value -> step index writing it (values whose memory the program chooses);
+    ends: a later last step for buffers other values share (written in place over them)."""
     g = prog.graph
     bufs = []
     for v, k in plannable.items():
         if v in escaping:
             continue
-        end = prog.last_use.get(v, k)
+        end = max(prog.last_use.get(v, k), (ends or {}).get(v, -1))
         bufs.append(Buffer(v, g.values[v].nbytes, k, max(end, k)))
     plan = Plan({b.value: b for b in bufs}, 0, set(escaping))
     plan.size = assign(bufs)

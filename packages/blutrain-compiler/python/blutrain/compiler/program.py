@@ -60,6 +60,12 @@ class Program:
         self.arena: Any = None
         self.views: dict[int, Any] = {}
         self.escaping: set[int] = set()
+        self.inplace: dict[int, int] = {}  # value -> the graph input it is written into
+        self.free_after: dict[int, list[int]] = {}  # step -> values dropped after it
+        self.views_of: dict[int, list[int]] = {}
+        self.alias: dict[int, int] = {}  # value -> the value whose buffer it shares
+        self.over: set[int] = set()  # eager nodes run over their first input's memory
+        self._sink_constants()
         # the last step that reads each value (for freeing buffers as the program runs)
         self.last_use: dict[int, int] = {}
         for k, st in enumerate(part.steps):
@@ -68,6 +74,24 @@ class Program:
                 for i in n.inputs:
                     if i >= 0:
                         self.last_use[self.base(i)] = k
+
+    def _sink_constants(self) -> None:
+        """Groups that read nothing (zeros for a gradient's padding, iotas) run just before
+        their first reader rather than where the partition put them: a vocabulary-sized zeros
+        made early stays live beside the logits and their gradient, a third buffer of that
+        size eager never holds. Only the order of steps changes, never what they compute."""
+        steps = list(self.part.steps)
+        for G in [s for s in steps if isinstance(s, fusion.Group) and not s.inputs]:
+            outs = set(G.outputs)
+            steps.remove(G)
+            first = len(steps)
+            for k, st in enumerate(steps):
+                reads = st.inputs if isinstance(st, fusion.Group) else st.node.inputs
+                if any(i >= 0 and self.base(i) in outs for i in reads):
+                    first = k
+                    break
+            steps.insert(first, G)
+        self.part.steps = steps
 
     def base(self, v: int) -> int:
         while v in self.prod and self.prod[v].op in eager.VIEW_OPS:
@@ -88,19 +112,162 @@ class Program:
 
     # ---- the memory plan --------------------------------------------------------------------
     def prepare(self, escaping: set[int]) -> None:
-        """Plans the arena (once): every non-escaping kernel / GEMM output at a fixed offset."""
+        """Plans the arena (once): every non-escaping kernel / GEMM output at a fixed offset;
+        optimizer updates written into the tensors they update (Note [in-place updates]); the
+        steps after which each value is dropped (Note [freeing at last use])."""
         from . import memplan
 
         self.escaping = {self.base(v) for v in escaping}
+        self.inplace = self._inplace_updates()
         plannable: dict[int, int] = {}
         for k, st in enumerate(self.part.steps):
             if isinstance(st, fusion.Group):
                 for o in st.outputs:
-                    plannable[o] = k
+                    if o not in self.inplace:
+                        plannable[o] = k
             elif st.kind == "library" and _gemm_out_ok(self.graph, st.node):
                 plannable[st.node.outputs[0]] = k
-        self.plan = memplan.make(self, plannable, self.escaping)
+        ends = self._shared_buffers(plannable)
+        for v in self.alias:
+            plannable.pop(v, None)
+        self.plan = memplan.make(self, plannable, self.escaping, ends)
         self.stats.planned_bytes = self.plan.size
+        self._free_schedule()
+
+    def _inplace_updates(self) -> dict[int, int]:
+        """value -> graph input it may be written into: the new parameter / moments of an
+        `adamw_update` group, when nothing after that group reads the old tensor.
+
+        Note [in-place updates]: the caller copies each mutation's final value into its input
+        tensor; an optimizer update computed into fresh memory and then copied costs three
+        parameter-sized buffers (p', m', v') at once, which eager's in-place AdamW never holds.
+        Written in place, the copy disappears. Safe only where every read of the old tensor is
+        at the index being written: a group of adamw_update nodes only (elementwise; the
+        kernels read p, g, m, v at element j before writing element j of p', m', v', and m'
+        and v' do not depend on p; not with a 16-bit copy, whose cast of p' fusion may
+        recompute from p, m, v after they were overwritten), no later step reads the old
+        tensor (last use at this group), and no output or gradient is a view of it (it is read
+        after the run)."""
+        g = self.graph
+        ins = set(g.inputs)
+        out_bases = {self.base(v) for v in g.outputs} | {self.base(v) for _, v in g.grads if v >= 0}
+        step_of: dict[int, int] = {}
+        for k, st in enumerate(self.part.steps):
+            if (
+                isinstance(st, fusion.Group)
+                and st.compute_nodes()
+                and all(
+                    n.op == "adamw_update" and not n.attrs.get("has_copy")
+                    for n in st.compute_nodes()
+                )
+            ):
+                for o in st.outputs:
+                    step_of[o] = k
+        res: dict[int, int] = {}
+        taken: set[int] = set()
+        for i, v in g.mutations:
+            k = step_of.get(v)
+            if k is None or i not in ins or i in out_bases or i in taken or v in res:
+                continue
+            if v in g.outputs or any(v == w for _, w in g.grads):
+                continue
+            vi, vv = g.values[i], g.values[v]
+            if (vi.shape, vi.dtype, vi.device) != (vv.shape, vv.dtype, vv.device):
+                continue
+            if self.last_use.get(i, -1) > k:
+                continue
+            res[v] = i
+            taken.add(i)
+        return res
+
+    def _shared_buffers(self, plannable: dict[int, int]) -> dict[int, int]:
+        """Values that take over the memory of another (self.alias: value -> the value whose
+        buffer it writes); returns, per buffer so shared, the last step any sharer reads.
+
+        Note [shared buffers]: eager frees nothing it can reuse: autograd hands an unused
+        gradient to `.grad` as is, and accumulates an embedding's gradient into the buffer of
+        the other contribution (index_add over its base). Without the same reuse, a compiled
+        step holds two or three vocabulary-sized gradients at once. Two kinds:
+          - identity: accumulate_grad with no previous .grad writes exactly its input's values;
+            written over the input's own buffer, every element keeps its value whatever order
+            the kernel reads and writes in;
+          - over base: index_add and slice_scatter (eager steps) written over their first
+            input, when nothing reads that buffer afterwards (every sharer's last use at this
+            step at the latest) and the caller never sees it (no sharer escapes).
+        A result the caller keeps (it escapes) shares only memory outside the arena."""
+        g = self.graph
+        ins = set(g.inputs)
+        root: dict[int, int] = {}  # value -> the value whose buffer it uses
+        members: dict[int, list[int]] = {}
+        self.alias: dict[int, int] = {}
+        self.over: set[int] = set()  # node indices run by eager.run_over_base
+
+        def rt(v: int) -> int:
+            return root.get(v, v)
+
+        def ok(o: int, src: int) -> bool:
+            vo, vs = g.values[o], g.values[src]
+            if self.base(src) != src or src in ins or o in self.inplace:
+                return False
+            if (vo.shape, vo.dtype, vo.device) != (vs.shape, vs.dtype, vs.device):
+                return False
+            return not (o in self.escaping and rt(src) in plannable)
+
+        def share(o: int, src: int) -> None:
+            r = rt(src)
+            self.alias[o] = src
+            root[o] = r
+            members.setdefault(r, [r]).append(o)
+
+        for k, st in enumerate(self.part.steps):
+            if isinstance(st, fusion.Group):
+                for n in st.compute_nodes():
+                    if n.op != "accumulate_grad" or (len(n.inputs) > 2 and n.inputs[2] >= 0):
+                        continue
+                    o, src = n.outputs[0], n.inputs[1]
+                    if o in st.outputs and src in st.inputs and ok(o, src):
+                        share(o, src)
+                continue
+            n = st.node
+            if n.op not in eager.OVER_BASE or g.raw is None or not n.outputs:
+                continue
+            o, src = n.outputs[0], n.inputs[0]
+            if not ok(o, src):
+                continue
+            group = members.get(rt(src), [rt(src)])
+            if any(m in self.escaping or self.last_use.get(m, -1) > k for m in group):
+                continue
+            if any(self.base(i) in group for i in n.inputs[1:] if i >= 0):
+                continue  # reads the buffer it would overwrite
+            share(o, src)
+            self.over.add(n.index)
+        ends: dict[int, int] = {}
+        for r, ms in members.items():
+            ends[r] = max(self.last_use.get(m, -1) for m in ms)
+        return ends
+
+    def _free_schedule(self) -> None:
+        """Note [freeing at last use]: run() drops each value (and the views made of it) from
+        its environment after the last step that reads it, as eager's reference counting
+        frees a temporary: eager steps' outputs and contiguous copies do not pile up until the
+        call ends. Values the caller reads (outputs, gradients, mutations) and graph inputs
+        stay."""
+        g = self.graph
+        keep = set(self.escaping) | set(g.inputs)
+        written: dict[int, int] = {}
+        for k, st in enumerate(self.part.steps):
+            outs = st.outputs if isinstance(st, fusion.Group) else st.node.outputs
+            for o in outs:
+                written[o] = k
+        self.views_of: dict[int, list[int]] = {}
+        for v, n in self.prod.items():
+            if n.op in eager.VIEW_OPS:
+                self.views_of.setdefault(self.base(v), []).append(v)
+        self.free_after: dict[int, list[int]] = {}
+        for v, k in written.items():
+            if v in keep or self.base(v) != v:
+                continue
+            self.free_after.setdefault(max(k, self.last_use.get(v, k)), []).append(v)
 
     def _arena_views(self) -> None:
         from . import _runtime
@@ -127,10 +294,34 @@ class Program:
             )
             self.views[v] = bt.from_dlpack(arr)
 
-    def _out(self, v: int) -> Any:
+    def fresh_values(self) -> list[int]:
+        """The values a steady-state call allocates (prepare() first): what the caller keeps
+        (outputs, gradients, updates not written in place) and the outputs of eager steps
+        blutrain.tensor cannot write into given memory (gathers: no `out=`). Every other value
+        lives in the arena, in memory it shares (Note [shared buffers]) or in the tensor it
+        updates (Note [in-place updates])."""
+        out: list[int] = []
+        for st in self.part.steps:
+            if isinstance(st, fusion.Group):
+                outs = st.outputs
+            elif st.node.op in eager.VIEW_OPS or st.node.index in self.over:
+                continue
+            else:
+                outs = st.node.outputs
+            out += [o for o in outs if o not in self.views and o not in self.inplace]
+        return [o for o in out if o not in self.alias and o not in self.plan.buffers]
+
+    def _out(self, v: int, env: dict[int, Any]) -> Any:
         t = self.views.get(v)
         if t is not None:
             return t
+        i = self.inplace.get(v)
+        if i is None:
+            i = self.alias.get(v)  # Note [shared buffers]
+        if i is not None:  # Note [in-place updates]
+            t = self.value(env, i)
+            if t.is_contiguous():
+                return t
         val = self.graph.values[v]
         return bt.empty(val.shape, dtype=getattr(bt, val.dtype), device=val.device)
 
@@ -143,7 +334,7 @@ class Program:
         env: dict[int, Any] = {}
         for vid, t in zip(g.inputs, inputs):
             env[vid] = t
-        for st in self.part.steps:
+        for k, st in enumerate(self.part.steps):
             if isinstance(st, fusion.Group):
                 ins = []
                 for i in st.inputs:
@@ -151,10 +342,11 @@ class Program:
                     if not t.is_contiguous():
                         t = t.contiguous()
                     ins.append(t)
-                outs = [self._out(o) for o in st.outputs]
+                outs = [self._out(o, env) for o in st.outputs]
                 self.kernels[st.id]([t.data_ptr() for t in ins] + [t.data_ptr() for t in outs])
                 for o, t in zip(st.outputs, outs):
                     env[o] = t
+                del ins, outs
             else:
                 n = st.node
                 args = [self.value(env, i) if i >= 0 else None for i in n.inputs]
@@ -162,10 +354,21 @@ class Program:
                 if o in self.views and st.kind == "library":
                     _gemm_into(n, args, self.views[o])
                     env[o] = self.views[o]
-                    continue
-                res = eager.run(n, args, g.raw)
-                for o, t in zip(n.outputs, res):
-                    env[o] = t
+                elif n.index in self.over and args[0].is_contiguous():
+                    res = eager.run_over_base(n, args, g.raw)
+                    for o, t in zip(n.outputs, res):
+                        env[o] = t
+                    del res
+                else:
+                    res = eager.run(n, args, g.raw)
+                    for o, t in zip(n.outputs, res):
+                        env[o] = t
+                    del res
+                del args
+            for v in self.free_after.get(k, ()):
+                env.pop(v, None)
+                for w in self.views_of.get(v, ()):
+                    env.pop(w, None)
         return env
 
     # ---- building ---------------------------------------------------------------------------
@@ -302,7 +505,8 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
         stages = [("fused", pipelines.FUSE), ("bufferized", pipelines.BUFFERIZE)]
         gpu = target.startswith("cuda")
         if not gpu:
-            stages += [("loops", pipelines.CPU_LOOPS), ("llvm", pipelines.CPU_LLVM)]
+            par = _parallel_groups(graph, part) if backend_cpu.omp_threads() else set()
+            stages += [("loops", lambda m: _cpu_loops(m, par)), ("llvm", pipelines.CPU_LLVM)]
         if dump:
             dump.write("00-lowered.mlir", str(module))
         for k, (name, pipe) in enumerate(stages, 1):
@@ -310,7 +514,10 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
             try:
                 if name == "fused":
                     st.recomputed = recompute.duplicate(module)
-                PassManager.parse(pipe).run(module.operation)
+                if callable(pipe):
+                    pipe(module)
+                else:
+                    PassManager.parse(pipe).run(module.operation)
             except Exception as e:  # MLIR diagnostics arrive as a RuntimeError / MLIRError
                 raise CompileError(
                     f"[compile] graph {ghash}: stage {name} failed ({_where(dump)}): {e}"
@@ -366,6 +573,32 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
             st.stage_s["cache_write"] = time.perf_counter() - ts
     st.compile_s = time.perf_counter() - t0
     return prog
+
+
+def _parallel_groups(graph: Graph, part: fusion.Partition) -> set[str]:
+    """Names of the groups big enough for parallel loops (Note [parallel CPU loops])."""
+    out = set()
+    for G in part.groups:
+        vals = set(G.inputs) | {o for n in G.nodes for o in n.outputs}
+        if max((graph.values[v].numel for v in vals), default=0) >= pipelines.PARALLEL_MIN:
+            out.add(G.name)
+    return out
+
+
+def _cpu_loops(module: Any, parallel: set[str]) -> None:
+    """The CPU loops stage: temporaries placed, then each function's linalg ops as serial loops
+    or, for the groups in `parallel`, OpenMP worksharing loops (Note [parallel CPU loops])."""
+    from mlir.passmanager import PassManager
+
+    PassManager.parse(pipelines.CPU_PREP).run(module.operation)
+    serial = PassManager.parse(pipelines.CPU_SERIAL)
+    par = PassManager.parse(pipelines.CPU_PARALLEL)
+    for op in module.body.operations:
+        if op.operation.name != "func.func":
+            continue
+        name = op.operation.attributes["sym_name"].value
+        (par if name in parallel else serial).run(op.operation)
+    PassManager.parse(pipelines.CPU_OMP).run(module.operation)
 
 
 def _where(dump: Any) -> str:
