@@ -381,7 +381,7 @@ def main() -> int:
     )
     p.add_argument(
         "--residual-dtype",
-        default="float32",
+        default="compute",
         choices=["float32", "compute"],
         help="ours: the residual stream's dtype under bf16 (GPT2.residual_dtype): float32 (as "
         "autocast) or compute (bf16, the faster stream that trains off the fp32 trajectory)",

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import blutrain.tensor as bt
-
 from blutrain.models import GPT2Config  # noqa: E402
 from blutrain.models.gpt2 import GPT2  # noqa: E402
 from blutrain.models.optim import AdamW, CosineSchedule, grad_norm_and_clip_coef  # noqa: E402

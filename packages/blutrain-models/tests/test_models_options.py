@@ -166,10 +166,10 @@ def test_precision_names_and_policies():
 
 
 def test_residual_dtype_option(rng, tmp_path, shards):
-    """GPT2.residual_dtype: float32 by default (autocast's stream), "compute" keeps the bf16
-    stream; anything else is refused naming the option.  It changes nothing in fp32 (the stream
-    is float32 either way), and the trainer sets it from --residual-dtype."""
-    assert GPT2(CFG).residual_dtype == "float32"
+    """GPT2.residual_dtype: "compute" by default (the bf16 stream, the fast step), "float32"
+    autocast's stream; anything else is refused naming the option.  It changes nothing in fp32
+    (the stream is float32 either way), and the trainer sets it from --residual-dtype."""
+    assert GPT2(CFG).residual_dtype == "compute"
     with pytest.raises(ValueError, match=r"\[GPT2\] residual_dtype .* float32, compute"):
         GPT2(CFG, residual_dtype="bf16")
     a, b = twin(rng, precision="fp32", residual_dtype="compute")

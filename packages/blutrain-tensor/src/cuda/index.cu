@@ -527,6 +527,9 @@ void check_index_errors(int device) {
   BT_CUDA_CHECK(op, cudaMemcpyToSymbolAsync(g_index_error, &zero, sizeof(zero), 0,
                                             cudaMemcpyHostToDevice, st));
   BT_CUDA_CHECK(op, cudaStreamSynchronize(st));
+  // The record names the op that launched the kernel: the op syncing now (to, item, ...) must not
+  // rename it (Note [the op the user called]).
+  OpScopeReset named_by_the_record;
   if (rec.flag == kDeviceErrorFloorDiv || rec.flag == kDeviceErrorRemainder) {
     throw ZeroDivisionError(std::string("[") +
                             (rec.flag == kDeviceErrorFloorDiv ? "floor_divide" : "remainder") +

@@ -370,13 +370,14 @@ class GPT2(_Precision, bt.nn.Module):
     - `fused`: None (on CUDA when blutrain.tensor has them), True or False: bt.add_layer_norm
       for every residual add + LayerNorm pair, bt.linear_gelu_linear for the MLP, and
       bt.linear_cross_entropy for the head and loss when the logits are not returned.
-    - `residual_dtype`: the residual stream's dtype under a 16-bit compute dtype: "float32"
-      (the default, autocast's: the embeddings' sum and every x + branch in float32, the layer
-      norms over it with float32 weights, bf16 only into the GEMMs and attention; Note [float32
-      residual stream] in blutrain.tensor) or "compute" (the stream in bf16, rounded at every
-      add: 4 + 2 fewer bytes per element and add + norm, about 2% of GPT-2 124M's bf16 step,
-      but it trains measurably off the float32 trajectory: issue 38).  Either way the fused
-      path carries the stream's gradient in bf16.
+    - `residual_dtype`: the residual stream's dtype under a 16-bit compute dtype: "compute"
+      (the default: the stream in bf16, rounded at every add; fastest, but it trains measurably
+      off the float32 trajectory over hundreds of steps: issue 38) or "float32" (autocast's: the
+      embeddings' sum and every x + branch in float32, the layer norms over it with float32
+      weights, bf16 only into the GEMMs and attention; Note [float32 residual stream] in
+      blutrain.tensor; it tracks fp32 like PyTorch's autocast, and costs GPT-2 124M's bf16 CUDA-
+      graph step about 11% on an H200 today: bench_gpt2.py --residual-dtype).  Either way the
+      fused path carries the stream's gradient in bf16.
     """
 
     def __init__(
@@ -388,7 +389,7 @@ class GPT2(_Precision, bt.nn.Module):
         precision: Any = None,
         recompute: str = "none",
         fused: bool | None = None,
-        residual_dtype: str = "float32",
+        residual_dtype: str = "compute",
     ) -> None:
         super().__init__()
         if not isinstance(config, GPT2Config):

@@ -118,9 +118,10 @@ class TrainConfig:
         "auto", "auto (bf16 on a GPU, fp32 on the CPU), fp32, tf32 or bf16", choices=PRECISIONS
     )
     residual_dtype: str = _opt(
-        "float32",
-        "the residual stream's dtype under bf16: float32 (autocast's; trains like fp32) or "
-        "compute (bf16, rounded at every add: fewer bytes a step, drifts off the fp32 trajectory)",
+        "compute",
+        "the residual stream's dtype under bf16: compute (bf16, rounded at every add: the fastest, "
+        "drifts off the fp32 trajectory over long runs) or float32 (autocast's; trains like fp32, "
+        "a slower step today)",
         choices=RESIDUAL_DTYPES,
     )
     recompute: str = _opt(

@@ -85,7 +85,7 @@ from ._tensor import (  # noqa: E402
     where,
     zeros,
 )
-from ._version import API_LEVEL, __version__
+from ._version import API_LEVEL, __version__  # noqa: E402
 
 # ---- dtypes ------------------------------------------------------------------------------------
 bool_ = dtype.bool
