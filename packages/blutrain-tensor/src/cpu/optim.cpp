@@ -1,4 +1,4 @@
-// cpu/optim.cpp: CPU kernels of the multi-tensor optimizer primitives (optim.h): OpenMP loops
+// cpu/optim.cpp: CPU kernels of the multi-tensor optimizer primitives (optim.h): parallel loops
 // over (tensor, chunk) work items, the same arithmetic (operation for operation, no FMA) as the
 // CUDA kernels, so both backends give the same bits for float32.
 #include "../optim.h"
@@ -8,10 +8,6 @@
 
 #include "../backend.h"
 #include "loops.h"
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 namespace bt {
 
@@ -54,8 +50,7 @@ void AdamW::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>&) {
     const M gscale = static_cast<M>(scale_f);
     const bool use_scale = has_scale;
     const int64_t count = static_cast<int64_t>(items.size());
-#pragma omp parallel for schedule(static) if (count > 1)
-    for (int64_t w = 0; w < count; ++w) {
+    cpu::parallel_for(count, kOptimChunk, [&](int64_t w) {
       const WorkItem it = items[w];
       T* p = in[it.t].data<T>("adamw_");
       const T* g = in[n + it.t].data<T>("adamw_");
@@ -79,7 +74,7 @@ void AdamW::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>&) {
         v[j] = static_cast<S>(vj);
         p[j] = static_cast<T>(pj);
       }
-    }
+    });
   });
   // The kept 16-bit casts (Note [cached casts]): astype's own conversion, so the same bits.
   for (size_t i = 0; has_copies && i < n; ++i) {
@@ -93,8 +88,7 @@ void GradNorm::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out)
   const std::vector<WorkItem> items = work_items(in, in.size());
   std::vector<double> partial(items.size(), 0.0);
   const int64_t count = static_cast<int64_t>(items.size());
-#pragma omp parallel for schedule(static) if (count > 1)
-  for (int64_t w = 0; w < count; ++w) {
+  cpu::parallel_for(count, kOptimChunk, [&](int64_t w) {
     const WorkItem it = items[w];
     dispatch_float(in[it.t].dtype(), "grad_norm", [&](auto tag) {
       using T = typename decltype(tag)::type;
@@ -107,7 +101,7 @@ void GradNorm::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out)
       }
       partial[w] = static_cast<double>(s);
     });
-  }
+  });
   double total = 0;
   for (double s : partial) total += s;
   const double norm = std::sqrt(total);
@@ -137,8 +131,7 @@ void ScaleInplace::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>&)
   const float coef = read_scalar(in[n]);
   const std::vector<WorkItem> items = work_items(in, n);
   const int64_t count = static_cast<int64_t>(items.size());
-#pragma omp parallel for schedule(static) if (count > 1)
-  for (int64_t w = 0; w < count; ++w) {
+  cpu::parallel_for(count, kOptimChunk, [&](int64_t w) {
     const WorkItem it = items[w];
     dispatch_float(in[it.t].dtype(), "scale_", [&](auto tag) {
       using T = typename decltype(tag)::type;
@@ -147,7 +140,7 @@ void ScaleInplace::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>&)
       const M c = static_cast<M>(static_cast<T>(coef));
       for (int64_t j = it.start; j < it.end; ++j) g[j] = static_cast<T>(static_cast<M>(g[j]) * c);
     });
-  }
+  });
 }
 
 #ifndef BT_WITH_CUDA
