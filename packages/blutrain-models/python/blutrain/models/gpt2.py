@@ -314,15 +314,51 @@ class _Transformer(_Precision, nn.Module):
         self.ln_f = nn.LayerNorm(C, eps=config.layer_norm_epsilon)
 
 
+_ROW_BLOCK = 16  # rows a numpy call handles at once (GPT-2's: 3.2 MB, cache-sized passes)
+_row_pool: Any = None  # (threads, ThreadPoolExecutor) of _parallel_rows
+
+
+def _parallel_rows(n_rows: int, fn: Any) -> None:
+    """fn(r0, r1) over blocks of _ROW_BLOCK rows, the blocks split into bt.get_num_threads()
+    contiguous shares run on that many threads (numpy releases the GIL in its loops; blutrain's
+    own pool is idle meanwhile, so the thread budget holds). fn must compute each row alone:
+    results do not depend on the split."""
+    global _row_pool
+    blocks = -(-n_rows // _ROW_BLOCK)
+    threads = max(1, min(bt.get_num_threads(), blocks))
+
+    def run(b0: int, b1: int) -> None:
+        for b in range(b0, b1):
+            fn(b * _ROW_BLOCK, min(n_rows, (b + 1) * _ROW_BLOCK))
+
+    if threads == 1:
+        run(0, blocks)
+        return
+    if _row_pool is None or _row_pool[0] < threads - 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if _row_pool is not None:
+            _row_pool[1].shutdown(wait=False)
+        _row_pool = (threads - 1, ThreadPoolExecutor(threads - 1, thread_name_prefix="bt-rows"))
+    cuts = [blocks * i // threads for i in range(threads + 1)]
+    futures = [_row_pool[1].submit(run, cuts[i], cuts[i + 1]) for i in range(1, threads)]
+    run(cuts[0], cuts[1])
+    for f in futures:
+        f.result()
+
+
 class _HeadCrossEntropyCPU(bt.Function):
     """Mean cross-entropy of (N, Vp) head outputs over their first V columns, on the CPU.
 
     Why not bt.cross_entropy: on GPT-2's 50,257-wide rows its CPU kernel plus its composed
-    backward (about eight full (N, V) passes) take 0.48 s on 2 threads and 0.96 s on 1 for
+    backward (about eight full (N, V) passes) took 0.48 s on 2 threads and 0.96 s on 1 for
     N=1024, this numpy version 0.18 s, and the head's loss is a large part of a small model's
     step. Same math: float32 exp, float32 pairwise sums, the mean in float64; the gradient
     (softmax - onehot) / n_valid is zero in the padding columns and the ignored rows. Other
-    devices and dtypes use bt.cross_entropy.
+    devices and dtypes use bt.cross_entropy. The passes run in blocks of rows on all the
+    budget's threads (_parallel_rows), into buffers from blutrain.alloc's cache (a fresh numpy
+    array of this size is fresh pages from the kernel every step: a fifth of the tiny model's
+    step went to zeroing them); each row's numbers are those of whole-array numpy calls.
     """
 
     @staticmethod
@@ -333,28 +369,45 @@ class _HeadCrossEntropyCPU(bt.Function):
         valid = t != IGNORE_INDEX
         rows = np.arange(N)[valid]
         tv = t[valid]
-        m = x.max(axis=1, keepdims=True)
-        e = np.subtract(x, m)
-        np.exp(e, out=e)
-        s = e.sum(axis=1, keepdims=True)
+        e_t = bt.empty(N, V)
+        e = e_t.numpy()
+        m = np.empty((N, 1), np.float32)
+        s = np.empty((N, 1), np.float32)
+
+        def block(r0: int, r1: int) -> None:
+            np.max(x[r0:r1], axis=1, keepdims=True, out=m[r0:r1])
+            np.subtract(x[r0:r1], m[r0:r1], out=e[r0:r1])
+            np.exp(e[r0:r1], out=e[r0:r1])
+            np.sum(e[r0:r1], axis=1, keepdims=True, out=s[r0:r1])
+
+        _parallel_rows(N, block)
         lse = m[:, 0].astype(np.float64) + np.log(s[:, 0].astype(np.float64))
         n = int(valid.sum())
         loss = float((lse[valid] - x[rows, tv].astype(np.float64)).sum() / n) if n else math.nan
-        ctx.e, ctx.s, ctx.rows, ctx.tv, ctx.n = e, s, rows, tv, n
+        ctx.e_t, ctx.s, ctx.rows, ctx.tv, ctx.n = e_t, s, rows, tv, n
         ctx.shape, ctx.valid = tuple(logits.shape), valid
         return bt.tensor(np.array(loss, dtype=np.float32))
 
     @staticmethod
     def backward(ctx, g):
         scale = float(g.item()) / ctx.n if ctx.n else 0.0
-        e, V = ctx.e, ctx.e.shape[1]
+        e = ctx.e_t.numpy()
+        V = e.shape[1]
+        coef = (scale / ctx.s).astype(np.float32)
         # d = e * scale / s, written once into the (padded) output; e stays intact so a
         # backward with retain_graph=True can run again
-        d = np.zeros(ctx.shape, dtype=np.float32) if V != ctx.shape[1] else np.empty_like(e)
-        np.multiply(e, (scale / ctx.s).astype(np.float32), out=d[:, :V])
+        d_t = bt.empty(*ctx.shape)
+        d = d_t.numpy()
+
+        def block(r0: int, r1: int) -> None:
+            np.multiply(e[r0:r1], coef[r0:r1], out=d[r0:r1, :V])
+            if V != d.shape[1]:
+                d[r0:r1, V:] = 0
+
+        _parallel_rows(d.shape[0], block)
         d[ctx.rows, ctx.tv] -= np.float32(scale)
         d[~ctx.valid] = 0
-        return bt.from_numpy(d), None, None
+        return d_t, None, None
 
 
 class GPT2(_Precision, nn.Module):
