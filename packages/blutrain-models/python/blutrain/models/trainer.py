@@ -89,7 +89,7 @@ class TrainConfig:
     recompute: str = "auto"
     gemm_autotune: bool = True  # CUDA: time cuBLASLt's algorithms per GEMM shape once (cached)
     cuda_graph: bool = False  # CUDA: replay each step as one captured graph after 3 eager steps
-    threads: int = 0  # CPU threads (OpenMP and BLAS); 0: OMP_NUM_THREADS, else all cores but one
+    threads: int = 0  # CPU threads (op loops and BLAS); 0: OMP_NUM_THREADS, else all CPUs
     seed: int = 1337
     # logging, evaluation, checkpoints
     out_dir: str = DEFAULT_OUT
@@ -157,35 +157,32 @@ class TrainConfig:
 
 
 def set_threads(n: int = 0) -> int:
-    """Set the CPU threads of blutrain.tensor's OpenMP loops and of the BLAS under linalg.
+    """Set the process's CPU thread budget (bt.set_num_threads) and return it.
 
-    n = 0 means automatic: OMP_NUM_THREADS when the user set it, else all cores but one. Why
-    not all: blutrain.tensor's OpenMP pool and OpenBLAS's pthread pool (under blutrain-linalg)
-    each start n spinning threads, and every op ends at a barrier, so any oversubscription
-    stalls. Measured on a 2-core machine, default GPT-2 step: 1 + 1 threads 0.78 s; 2 + 2
-    threads 1.1-1.5 s when idle and 2-10 s with one other busy process. OpenMP reads its
-    setting once, when blutrain.tensor is first imported: call this before. Returns the count.
+    One budget for everything: blutrain.tensor's op loops and the BLAS under blutrain-linalg
+    run on one pool of n threads (a GEMM gets all n while the op loops are idle, and the
+    reverse), so adding a thread never oversubscribes the cores. n = 0 means automatic:
+    OMP_NUM_THREADS when the user set it, else every CPU this process may use
+    (bt.available_cpus(): its affinity mask, capped by its cgroup CPU quota). Callable at any
+    time, before or after blutrain.tensor is imported.
     """
-    auto = n <= 0
-    if auto:
-        if os.environ.get("OMP_NUM_THREADS"):
-            return int(os.environ["OMP_NUM_THREADS"])
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
-        n = max(1, cores - 1)
-    if "blutrain.tensor" in sys.modules:
-        if not auto:
-            print(
-                f"[train] threads={n}: blutrain.tensor is already imported, so OpenMP keeps its "
-                "thread count; set OMP_NUM_THREADS before starting Python",
-                file=sys.stderr,
-            )
-        return n
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ[var] = str(n)
+    import blutrain.tensor as bt
+
+    if n <= 0:
+        env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+        n = int(env) if env.isdigit() and int(env) > 0 else bt.available_cpus()
+    bt.set_num_threads(n)
     return n
+
+
+def threads_note(device: str) -> str:
+    """", 2 threads of 2 CPUs" for a CPU run's first log line ("" on a GPU)."""
+    if str(device).startswith("cuda"):
+        return ""
+    import blutrain.tensor as bt
+
+    n, cpus = bt.get_num_threads(), bt.available_cpus()
+    return f", {n} thread{'s' if n != 1 else ''} of {cpus} CPU{'s' if cpus != 1 else ''}"
 
 
 def resolve_device(device: str) -> str:
@@ -873,6 +870,7 @@ class Trainer:
         self._print(
             f"GPT-2 L={c.n_layer} H={c.n_head} C={c.n_embd} T={cfg.seq_len} "
             f"({c.n_params() / 1e6:.2f}M params) on {self.device} ({self.precision}"
+            + threads_note(self.device)
             + (f", recompute {self.model.recompute}" if self.model.recompute != "none" else "")
             + f"); {cfg.batch_size} x "
             f"{cfg.seq_len} x {cfg.grad_accum} = {self.tokens_per_step:,} tokens/step; "
@@ -1077,7 +1075,7 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
             "activation recomputation: auto (ln for fp32 on a GPU, else none), none, gelu, "
             "ln, attn, block or ln+gelu",
         ),
-        ("threads", int, "CPU threads (0: $OMP_NUM_THREADS, else all cores but one)"),
+        ("threads", int, "CPU threads (0: $OMP_NUM_THREADS, else all usable CPUs)"),
         ("seed", int, "random seed (init and data order)"),
         ("out-dir", str, "directory for metrics.jsonl, loss.png and checkpoint/"),
         ("log-interval", int, "steps between log lines without a live bar"),
@@ -1148,7 +1146,7 @@ def _model_source_arguments(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=0,
-        help="CPU threads (0: $OMP_NUM_THREADS, else all cores but one)",
+        help="CPU threads (0: $OMP_NUM_THREADS, else all usable CPUs)",
     )
 
 
@@ -1382,7 +1380,7 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=0,
-        help="CPU threads (0: $OMP_NUM_THREADS, else all cores but one)",
+        help="CPU threads (0: $OMP_NUM_THREADS, else all usable CPUs)",
     )
     _bool_flag(p, "gemm-autotune", True, "on a GPU, time cuBLASLt's algorithms per GEMM shape once")
     _bool_flag(
