@@ -1,6 +1,6 @@
-// cpu/nn.cpp: softmax / log_softmax (last dim), layer_norm and fused cross_entropy on the CPU.
-// Row-wise kernels, OpenMP over rows; statistics in double (float32 inputs) so results match a
-// float64 reference to float32 rounding.
+// cpu/nn.cpp: softmax / log_softmax (last dim) and fused cross_entropy on the CPU (layer_norm:
+// norm.cpp). Row-wise kernels, rows split across the thread pool; statistics in double (float32
+// inputs) so results match a float64 reference to float32 rounding.
 #include <cmath>
 #include <limits>
 
@@ -90,48 +90,6 @@ void Softmax::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) 
       if (std::isinf(m) && m < 0) m = 0;  // an all -inf row gives nan (softmax), -inf (log)
       const double s = row_exp_sum<A>(p, C, m);
       softmax_row_out<A>(p, q, C, m, static_cast<A>(1.0 / s), m + static_cast<A>(std::log(s)), lg);
-    });
-  });
-}
-
-void LayerNorm::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  Tensor x = contiguous_raw(in[0]);
-  Tensor w = has_weight ? contiguous_raw(in[1]) : Tensor();
-  Tensor b = has_bias ? contiguous_raw(in[2]) : Tensor();
-  const int64_t C = x.shape().back();
-  const int64_t rows = C ? x.numel() / C : 0;
-  dispatch_float(x.dtype(), name(), [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    dispatch_float(out[1].dtype(), name(), [&](auto stag) {
-      using S = typename decltype(stag)::type;
-      const T* xp = static_cast<const T*>(x.data_ptr(name()));
-      const T* wp = has_weight ? static_cast<const T*>(w.data_ptr(name())) : nullptr;
-      const T* bp = has_bias ? static_cast<const T*>(b.data_ptr(name())) : nullptr;
-      T* y = static_cast<T*>(out[0].data_ptr(name()));
-      S* mean_o = static_cast<S*>(out[1].data_ptr(name()));
-      S* rstd_o = static_cast<S*>(out[2].data_ptr(name()));
-      const double e = eps;
-      cpu::parallel_for(rows, C, [&](int64_t r) {
-        const T* p = xp + r * C;
-        double s = 0;
-        for (int64_t i = 0; i < C; ++i) s += static_cast<double>(p[i]);
-        const double mean = s / static_cast<double>(C);
-        double ss = 0;
-        for (int64_t i = 0; i < C; ++i) {
-          const double d = static_cast<double>(p[i]) - mean;
-          ss += d * d;
-        }
-        const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(C) + e);
-        mean_o[r] = static_cast<S>(mean);
-        rstd_o[r] = static_cast<S>(rstd);
-        T* q = y + r * C;
-        for (int64_t i = 0; i < C; ++i) {
-          double v = (static_cast<double>(p[i]) - mean) * rstd;
-          if (wp) v *= static_cast<double>(wp[i]);
-          if (bp) v += static_cast<double>(bp[i]);
-          q[i] = static_cast<T>(v);
-        }
-      });
     });
   });
 }
