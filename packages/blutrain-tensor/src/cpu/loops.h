@@ -115,5 +115,9 @@ void parallel_for(int64_t n, int64_t work_per_item, F&& f) {
 // Raw helpers that bypass autograd and capture (kernels only).
 Tensor contiguous_raw(const Tensor& t);               // t itself when already contiguous
 void copy_raw(const Tensor& dst, const Tensor& src);  // same shape; casts; any strides
+// o[i] = tanh(a[i]), the Tanh op's own contiguous loop (so a fused kernel gets its bits);
+// T: float, double, bfloat16, float16.
+template <typename T>
+void tanh_raw(const T* a, T* o, int64_t n);
 
 }  // namespace bt::cpu
