@@ -24,8 +24,11 @@
 #include <string>
 #include <vector>
 
+#include "../src/cpu/gelu_kernels.h"
 #include "../src/cpu/norm_kernels.h"
+#include "../src/cpu/softmax_kernels.h"
 #include "../src/dtype.h"
+#include "cpu_kernels_check.h"
 
 using bt::bfloat16;
 using bt::float16;
@@ -130,57 +133,57 @@ void layer_norm_backward(const T* dyp, const T* xp, const T* wp, const S* mp, co
   }
 }
 
+template <typename T>
+void softmax_backward(const T* yp, const T* gp, T* o, int64_t rows, int64_t C, bool lg) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* a = yp + r * C;
+    const T* g = gp + r * C;
+    T* q = o + r * C;
+    double s = 0;
+    for (int64_t i = 0; i < C; ++i) {
+      s += lg ? static_cast<double>(g[i]) : static_cast<double>(g[i]) * static_cast<double>(a[i]);
+    }
+    for (int64_t i = 0; i < C; ++i) {
+      const double yv = static_cast<double>(a[i]), gv = static_cast<double>(g[i]);
+      q[i] = static_cast<T>(lg ? gv - std::exp(yv) * s : yv * (gv - s));
+    }
+  }
+}
+
+// dy * gelu_tanh'(x) as the composed ops computed it: one op a pass, each rounded to T.
+template <typename T>
+void gelu_tanh_backward(const T* x, const T* g, T* out, int64_t n, void (*tanh_fn)(const T*, T*, int64_t)) {
+  using C = bt::compute_t<T>;
+  auto K = [](double v) { return static_cast<C>(static_cast<T>(static_cast<C>(v))); };
+  auto op = [&](std::vector<T>& o, auto f) {
+    o.resize(n);
+    for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(f(i));
+  };
+  const double k = std::sqrt(2.0 / M_PI), c = 0.044715;
+  std::vector<T> x2, a, b, u1, u, t, l1, left, tt, om, p1, d1, e1, p2, right, s;
+  op(x2, [&](int64_t i) { return C(x[i]) * C(x[i]); });
+  op(a, [&](int64_t i) { return C(x2[i]) * K(c); });
+  op(b, [&](int64_t i) { return C(a[i]) + K(1.0); });
+  op(u1, [&](int64_t i) { return C(x[i]) * C(b[i]); });
+  op(u, [&](int64_t i) { return C(u1[i]) * K(k); });
+  t.resize(n);
+  tanh_fn(u.data(), t.data(), n);
+  op(l1, [&](int64_t i) { return C(t[i]) + K(1.0); });
+  op(left, [&](int64_t i) { return C(l1[i]) * K(0.5); });
+  op(tt, [&](int64_t i) { return C(t[i]) * C(t[i]); });
+  op(om, [&](int64_t i) { return K(1.0) - C(tt[i]); });
+  op(p1, [&](int64_t i) { return C(x[i]) * C(om[i]); });
+  op(d1, [&](int64_t i) { return C(x2[i]) * K(3 * c); });
+  op(e1, [&](int64_t i) { return C(d1[i]) + K(1.0); });
+  op(p2, [&](int64_t i) { return C(p1[i]) * C(e1[i]); });
+  op(right, [&](int64_t i) { return C(p2[i]) * K(0.5 * k); });
+  op(s, [&](int64_t i) { return C(left[i]) + C(right[i]); });
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(C(g[i]) * C(s[i]));
+}
+
 }  // namespace v1
 
 // ---- harness ---------------------------------------------------------------------------------
-
-double cpu_seconds() {
-  timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
-}
-
-double best_ms(int reps, const std::function<void()>& f) {
-  double best = std::numeric_limits<double>::infinity();
-  for (int i = 0; i < reps; ++i) {
-    const double t0 = cpu_seconds();
-    f();
-    best = std::min(best, cpu_seconds() - t0);
-  }
-  return 1e3 * best;
-}
-
-// Equal bits, except that any two NaNs are equal: IEEE leaves a NaN's sign and payload to the
-// hardware and the operand order (x86 gives the first operand's NaN; inf - inf gives -nan), and
-// a compiler may swap the operands of a commutative add.
-template <typename T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (std::memcmp(&a[i], &b[i], sizeof(T)) == 0) continue;
-    const double x = static_cast<double>(a[i]), y = static_cast<double>(b[i]);
-    if (!(std::isnan(x) && std::isnan(y))) return false;
-  }
-  return true;
-}
-
-template <typename T>
-std::vector<T> random_rows(int64_t R, int64_t C, std::mt19937_64& g, bool specials) {
-  std::normal_distribution<double> nd(0.3, 2.0);
-  std::vector<T> v(static_cast<size_t>(R * C));
-  for (auto& x : v) x = static_cast<T>(nd(g));
-  if (specials && R >= 6) {  // rows 0..5: constant, huge, tiny, zeros, NaN, inf
-    for (int64_t i = 0; i < C; ++i) {
-      v[i] = static_cast<T>(1.25);
-      v[C + i] = static_cast<T>(nd(g) * (sizeof(T) == 2 ? 1e4 : 1e30));
-      v[2 * C + i] = static_cast<T>(nd(g) * (sizeof(T) == 2 ? 1e-4 : 1e-30));
-      v[3 * C + i] = static_cast<T>(0.0);
-    }
-    v[4 * C + C / 2] = static_cast<T>(std::numeric_limits<double>::quiet_NaN());
-    v[5 * C] = static_cast<T>(std::numeric_limits<double>::infinity());
-  }
-  return v;
-}
 
 int failures = 0;
 int checks = 0;
@@ -193,6 +196,7 @@ void report(const char* kernel, const char* dt, int64_t R, int64_t C, bool ok, d
               static_cast<long long>(R), static_cast<long long>(C), ok ? "same" : "DIFFERS",
               t_ref, t_new, t_ref / std::max(t_new, 1e-9));
 }
+
 
 template <typename T, typename S>
 void check_layer_norm(const char* dt, int64_t R, int64_t C, int reps, std::mt19937_64& g) {
@@ -264,6 +268,51 @@ void check_layer_norm(const char* dt, int64_t R, int64_t C, int reps, std::mt199
   }
 }
 
+template <typename T>
+void check_softmax_backward(const char* dt, int64_t R, int64_t C, int reps, std::mt19937_64& g) {
+  auto y = random_rows<T>(R, C, g, true);
+  for (auto& v : y) v = static_cast<T>(std::fabs(static_cast<double>(v)) * 0.01);  // like probs
+  const auto dy = random_rows<T>(R, C, g, true);
+  std::vector<T> a(y.size()), b(y.size());
+  for (bool lg : {false, true}) {
+    const double ta = best_ms(reps, [&] { v1::softmax_backward<T>(y.data(), dy.data(), a.data(), R, C, lg); });
+    const double tb = best_ms(reps, [&] {
+      bt::cpu::softmax::backward_rows<T>(y.data(), dy.data(), b.data(), 0, R, C, lg);
+    });
+    report(lg ? "log_softmax backward" : "softmax backward", dt, R, C, same_bits(a, b), ta, tb);
+  }
+}
+
+// The Tanh op's loop, as elementwise.cpp compiles it (its own clone there: FMA contraction on),
+// comes from cpu_kernels_check_fwd.cpp; here only the passes around it are under test.
+template <typename T>
+void check_gelu_backward(const char* dt, int64_t n, int reps, std::mt19937_64& g) {
+  auto x = random_rows<T>(1, n, g, false);
+  for (auto& v : x) v = static_cast<T>(static_cast<double>(v) * 2);
+  if (n > 4) {
+    x[0] = static_cast<T>(0.0);
+    x[1] = static_cast<T>(30.0);
+    x[2] = static_cast<T>(-30.0);
+    x[3] = static_cast<T>(std::numeric_limits<double>::infinity());
+    x[4] = static_cast<T>(std::numeric_limits<double>::quiet_NaN());
+  }
+  const auto dy = random_rows<T>(1, n, g, false);
+  std::vector<T> a(n), b(n);
+  void (*tanh_fn)(const T*, T*, int64_t) = &tanh_loop<T>;
+  const double ta = best_ms(reps, [&] { v1::gelu_tanh_backward<T>(x.data(), dy.data(), a.data(), n, tanh_fn); });
+  const double tb = best_ms(reps, [&] {
+    const bt::cpu::gelu::Consts<T> q;
+    T u[512], t[512];
+    for (int64_t i = 0; i < n; i += 512) {
+      const int64_t m = std::min<int64_t>(512, n - i);
+      bt::cpu::gelu::backward_pre<T>(x.data() + i, u, m, q);
+      tanh_fn(u, t, m);
+      bt::cpu::gelu::backward_post<T>(x.data() + i, t, dy.data() + i, b.data() + i, m, q);
+    }
+  });
+  report("gelu_tanh backward", dt, 1, n, same_bits(a, b), ta, tb);
+}
+
 int main(int argc, char** argv) {
   int reps = 5;
   for (int i = 1; i < argc; ++i) {
@@ -278,6 +327,18 @@ int main(int argc, char** argv) {
     check_layer_norm<bfloat16, float>("bfloat16", s[0], s[1], reps, g);
     check_layer_norm<float16, float>("float16", s[0], s[1], reps, g);
   }
+  for (const auto& s : shapes) {
+    check_softmax_backward<float>("float32", s[0], s[1], reps, g);
+    check_softmax_backward<double>("float64", s[0], s[1], reps, g);
+    check_softmax_backward<bfloat16>("bfloat16", s[0], s[1], reps, g);
+  }
+  for (int64_t n : {1, 5, 600, 1 << 20}) {
+    check_gelu_backward<float>("float32", n, reps, g);
+    check_gelu_backward<double>("float64", n, reps, g);
+    check_gelu_backward<bfloat16>("bfloat16", n, reps, g);
+    check_gelu_backward<float16>("float16", n, reps, g);
+  }
+  check_softmax_forward(reps);
   std::printf("%d checks, %d differ from v1\n", checks, failures);
   return failures ? 1 : 0;
 }

@@ -8,8 +8,12 @@ out=${TMPDIR:-/tmp}/bt_cpu_kernels_check
 mkdir -p "$out"
 status=0
 for arch in x86-64-v4 x86-64-v3 x86-64; do
-  ${CXX:-g++} -O3 -std=gnu++17 -march=$arch -fno-trapping-math -ffp-contract=off \
-    -DBT_CPU_CLONES= cpu_kernels_check.cpp -o "$out/check_$arch"
+  # The two files as CMakeLists.txt compiles their kernels: contraction off (norm, softmax and
+  # GELU backward), and GCC's default (softmax forward, the Tanh op's loop).
+  flags="-O3 -std=gnu++17 -march=$arch -fno-trapping-math -DBT_CPU_CLONES="
+  ${CXX:-g++} $flags -ffp-contract=off -c cpu_kernels_check.cpp -o "$out/check_$arch.o"
+  ${CXX:-g++} $flags -c cpu_kernels_check_fwd.cpp -o "$out/check_fwd_$arch.o"
+  ${CXX:-g++} "$out/check_$arch.o" "$out/check_fwd_$arch.o" -o "$out/check_$arch"
   case $arch in
     x86-64-v4) grep -q avx512f /proc/cpuinfo || { echo "== $arch: not on this CPU, skipped"; continue; } ;;
     x86-64-v3) grep -q avx2 /proc/cpuinfo || { echo "== $arch: not on this CPU, skipped"; continue; } ;;

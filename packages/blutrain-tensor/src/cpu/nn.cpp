@@ -5,73 +5,13 @@
 #include <limits>
 
 #include "../primitives.h"
-#include "fastmath.h"
 #include "loops.h"
+#include "softmax_kernels.h"
 
 namespace bt {
 
 using cpu::contiguous_raw;
-
-// exp in the compute type: the vectorisable float32 version for 16/32-bit inputs.
-inline float exp_c(float x) { return cpu::fast_exp(x); }
-inline double exp_c(double x) { return std::exp(x); }
-
-// Row statistics with kLanes independent accumulators (a fixed order: deterministic) so the
-// compiler vectorises them; a single running max or sum is a dependency chain it must keep
-// scalar.  Max ignores NaN like std::max(m, v); exp sums accumulate in double.
-constexpr int kLanes = 8;
-
-template <typename A, typename T>
-BT_CPU_CLONES A row_max(const T* p, int64_t C) {
-  A m[kLanes];
-  for (int k = 0; k < kLanes; ++k) m[k] = -std::numeric_limits<A>::infinity();
-  int64_t i = 0;
-  for (; i + kLanes <= C; i += kLanes) {
-    for (int k = 0; k < kLanes; ++k) {
-      const A v = static_cast<A>(p[i + k]);
-      m[k] = v > m[k] ? v : m[k];
-    }
-  }
-  for (; i < C; ++i) m[0] = std::max<A>(m[0], static_cast<A>(p[i]));
-  A r = m[0];
-  for (int k = 1; k < kLanes; ++k) r = std::max<A>(r, m[k]);
-  return r;
-}
-
-// sum(exp(p[i] - m)) in double; with `sum_x`, also sum(p[i]) (label smoothing).
-template <typename A, typename T>
-BT_CPU_CLONES double row_exp_sum(const T* p, int64_t C, A m, double* sum_x = nullptr) {
-  double s[kLanes] = {}, sx[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= C; i += kLanes) {
-    for (int k = 0; k < kLanes; ++k) {
-      const A v = static_cast<A>(p[i + k]);
-      s[k] += static_cast<double>(exp_c(v - m));
-      sx[k] += static_cast<double>(v);
-    }
-  }
-  for (; i < C; ++i) {
-    s[0] += static_cast<double>(exp_c(static_cast<A>(p[i]) - m));
-    sx[0] += static_cast<double>(p[i]);
-  }
-  double r = 0, rx = 0;
-  for (int k = 0; k < kLanes; ++k) {
-    r += s[k];
-    rx += sx[k];
-  }
-  if (sum_x) *sum_x = rx;
-  return r;
-}
-
-// q = exp(p - m) * inv (softmax) or p - lse (log_softmax), one row.
-template <typename A, typename T>
-BT_CPU_CLONES void softmax_row_out(const T* p, T* q, int64_t C, A m, A inv, A lse, bool lg) {
-  if (lg) {
-    for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>(static_cast<A>(p[i]) - lse);
-  } else {
-    for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>(exp_c(static_cast<A>(p[i]) - m) * inv);
-  }
-}
+using namespace cpu::softmax;
 
 void Softmax::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   Tensor x = contiguous_raw(in[0]);
@@ -88,6 +28,13 @@ void Softmax::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) 
       T* q = o + r * C;
       A m = row_max<A>(p, C);
       if (std::isinf(m) && m < 0) m = 0;  // an all -inf row gives nan (softmax), -inf (log)
+      if constexpr (std::is_same_v<T, float>) {
+        if (!lg) {  // float32: each exp once, kept in the output (softmax_row_store)
+          const double s = row_exp_sum_store(p, q, C, m);
+          scale_row(q, C, static_cast<float>(1.0 / s));
+          return;
+        }
+      }
       const double s = row_exp_sum<A>(p, C, m);
       softmax_row_out<A>(p, q, C, m, static_cast<A>(1.0 / s), m + static_cast<A>(std::log(s)), lg);
     });

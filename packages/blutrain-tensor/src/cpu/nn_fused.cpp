@@ -9,6 +9,7 @@
 #include "../backend.h"
 #include "fastmath.h"
 #include "loops.h"
+#include "softmax_kernels.h"
 
 namespace bt {
 
@@ -23,20 +24,11 @@ void SoftmaxBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor
     const T* yp = static_cast<const T*>(y.data_ptr(name()));
     const T* gp = static_cast<const T*>(dy.data_ptr(name()));
     T* o = static_cast<T*>(out[0].data_ptr(name()));
-    const bool lg = log;
-    cpu::parallel_for(rows, C, [&](int64_t r) {
-      const T* a = yp + r * C;
-      const T* g = gp + r * C;
-      T* q = o + r * C;
-      double s = 0;
-      for (int64_t i = 0; i < C; ++i) {
-        s += lg ? static_cast<double>(g[i]) : static_cast<double>(g[i]) * static_cast<double>(a[i]);
-      }
-      for (int64_t i = 0; i < C; ++i) {
-        const double yv = static_cast<double>(a[i]), gv = static_cast<double>(g[i]);
-        q[i] = static_cast<T>(lg ? gv - std::exp(yv) * s : yv * (gv - s));
-      }
-    });
+    const int64_t grain = std::max<int64_t>(1, cpu::kChunk / std::max<int64_t>(C, 1));
+    cpu::parallel_ranges(rows, rows * C >= cpu::kParallelMin ? grain : rows,
+                         [&](int64_t r0, int64_t r1) {
+                           cpu::softmax::backward_rows<T>(yp, gp, o, r0, r1, C, log);
+                         });
   });
 }
 
