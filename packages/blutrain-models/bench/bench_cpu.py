@@ -12,8 +12,9 @@ round runs --steps timed steps of each arm in turn (the order rotates every roun
 between turns so the previous arm's threads go idle, so a machine whose speed drifts (other
 users, thermal) charges all arms alike. Reported per arm: the median step's wall time as
 tokens/s, its CPU time (all threads; CPU / wall is how many cores it kept busy), and the first
-arm's speed-up over it: the median over rounds of each round's ratio of median step times. The load average before and after is
-printed: on a shared machine read the ratios, not the absolute figures.
+arm's speed-up over it: the median over rounds of each round's ratio of median step times. The
+load average before and after is printed: on a shared machine read the ratios, not the absolute
+figures.
 Not a test: it never fails for being slow.
 """
 
@@ -43,7 +44,9 @@ def make_ours(a: argparse.Namespace):
     bt.set_num_threads(a.threads)
     bt.manual_seed(0)
     cfg = model_config(a.model, 128)
-    m = GPT2(cfg, device="cpu", precision="fp32", recompute=resolve_recompute("auto", "cpu", "fp32"))
+    m = GPT2(
+        cfg, device="cpu", precision="fp32", recompute=resolve_recompute("auto", "cpu", "fp32")
+    )
     set_matmul_precision("fp32")
     opt = make_adamw(m.named_parameters(), lr=1e-4)
     data = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.B, a.T + 1))
@@ -230,7 +233,12 @@ def bench_threads(a: argparse.Namespace, arms: list[Arm], threads: int) -> dict:
                 "first_speedup_rounds": [round(x, 3) for x in ratios[i]],
             }
         )
-    return {"threads": threads, "rows": rows, "loadavg_before": load0, "loadavg_after": os.getloadavg()}
+    return {
+        "threads": threads,
+        "rows": rows,
+        "loadavg_before": load0,
+        "loadavg_after": os.getloadavg(),
+    }
 
 
 def main() -> int:
@@ -261,8 +269,10 @@ def main() -> int:
         results.append(bench_threads(a, arms, t))
     L, H, C = MODELS[a.model]
     print(f"\nGPT-2 {a.model} (L{L} H{H} C{C}), B={a.B} T={a.T}, CPU step incl. AdamW + clip 1.0")
-    print(f"{'threads':>7s} {'arm':16s} {'tok/s':>8s} {'ms/step':>8s} {'CPU ms':>8s} "
-          f"{'cores':>5s} {arms[0].label + ' speed-up':>14s}  per round")
+    print(
+        f"{'threads':>7s} {'arm':16s} {'tok/s':>8s} {'ms/step':>8s} {'CPU ms':>8s} "
+        f"{'cores':>5s} {arms[0].label + ' speed-up':>14s}  per round"
+    )
     for res in results:
         for r in res["rows"]:
             print(
@@ -272,8 +282,10 @@ def main() -> int:
             )
         lb, la = res["loadavg_before"], res["loadavg_after"]
         print(f"{'':7s} load average (1 min) {lb[0]:.1f} before, {la[0]:.1f} after")
-    print(f"(speed-up: the arm's median step time over {arms[0].label}'s, the median of the "
-          "rounds' ratios)")
+    print(
+        f"(speed-up: the arm's median step time over {arms[0].label}'s, the median of the "
+        "rounds' ratios)"
+    )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "results": results}, f, indent=1)

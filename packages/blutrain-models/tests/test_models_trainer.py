@@ -327,8 +327,9 @@ def test_set_threads_sets_the_one_budget():
     import blutrain.tensor as bt
 
     cpus = bt.available_cpus()
-    assert run(0) == [str(cpus)] * 3 + [repr(f", {cpus} thread{'s' * (cpus > 1)} of {cpus} CPU"
-                                         f"{'s' * (cpus > 1)}")]
+    assert run(0) == [str(cpus)] * 3 + [
+        repr(f", {cpus} thread{'s' * (cpus > 1)} of {cpus} CPU{'s' * (cpus > 1)}")
+    ]
     assert run(0, OMP_NUM_THREADS="3")[:3] == ["3", "3", "3"]
     assert run(2, OMP_NUM_THREADS="3")[:3] == ["2", "2", "2"]
     assert run(1)[3] == repr(f", 1 thread of {cpus} CPU{'s' * (cpus > 1)}")

@@ -58,13 +58,13 @@ def cases(R: int, C: int, rng: np.random.Generator) -> list[tuple[str, object, o
 
             return prepare, call
 
-        out.append((name + " bwd", runner(make_ours), runner(make_theirs) if make_theirs else None, None))
+        out.append(
+            (name + " bwd", runner(make_ours), runner(make_theirs) if make_theirs else None, None)
+        )
 
     T = torch
     if T is not None:
-        ta, tb, tw, tlw, tlb, tg, ttg = (
-            torch.from_numpy(x) for x in (a, b, w, lw, lb, g, tgt)
-        )
+        ta, tb, tw, tlw, tlb, tg, ttg = (torch.from_numpy(x) for x in (a, b, w, lw, lb, g, tgt))
 
     def mk_bt(op, *arrays, grad=bg):
         leaves = [bt.tensor(x, requires_grad=True) for x in arrays]
@@ -76,27 +76,48 @@ def cases(R: int, C: int, rng: np.random.Generator) -> list[tuple[str, object, o
 
     def both(op_bt, op_t, *arrays, scalar=False):
         extra = {"grad": None} if scalar else {}
-        return (lambda: mk_bt(op_bt, *arrays, **extra)), T and (lambda: mk_t(op_t, *arrays, **extra))
+        return (lambda: mk_bt(op_bt, *arrays, **extra)), T and (
+            lambda: mk_t(op_t, *arrays, **extra)
+        )
 
     fwd("add", lambda: ba + bb, T and (lambda: ta + tb), lambda: a + b)
     fwd("add row (broadcast)", lambda: ba + bb[0], T and (lambda: ta + tb[0]), lambda: a + b[0])
     fwd("mul transposed", lambda: ba.T * bb.T, T and (lambda: ta.T * tb.T), lambda: a.T * b.T)
     fwd("exp", lambda: ba.exp(), T and (lambda: ta.exp()), lambda: np.exp(a))
     fwd("gelu tanh", lambda: bt.gelu(ba, "tanh"), T and (lambda: F.gelu(ta, approximate="tanh")))
-    bwd("gelu tanh", *both(lambda x: bt.gelu(x, "tanh"), lambda x: F.gelu(x, approximate="tanh"), a))
+    bwd(
+        "gelu tanh", *both(lambda x: bt.gelu(x, "tanh"), lambda x: F.gelu(x, approximate="tanh"), a)
+    )
     fwd("sum(-1)", lambda: ba.sum(-1), T and (lambda: ta.sum(-1)), lambda: a.sum(-1))
     fwd("sum(0)", lambda: ba.sum(0), T and (lambda: ta.sum(0)), lambda: a.sum(0))
     fwd("softmax(-1)", lambda: bt.softmax(ba, -1), T and (lambda: ta.softmax(-1)))
     bwd("softmax(-1)", *both(lambda x: bt.softmax(x, -1), lambda x: x.softmax(-1), a))
     fwd("log_softmax(-1)", lambda: bt.log_softmax(ba, -1), T and (lambda: ta.log_softmax(-1)))
     bwd("log_softmax(-1)", *both(lambda x: bt.log_softmax(x, -1), lambda x: x.log_softmax(-1), a))
-    fwd("layer_norm (w, b)", lambda: bt.layer_norm(ba, (C,), blw, blb),
-        T and (lambda: F.layer_norm(ta, (C,), tlw, tlb)))
-    bwd("layer_norm (w, b)", *both(lambda x, w_, b_: bt.layer_norm(x, (C,), w_, b_),
-                                   lambda x, w_, b_: F.layer_norm(x, (C,), w_, b_), a, lw, lb))
-    fwd("cross_entropy", lambda: bt.cross_entropy(ba, btg), T and (lambda: F.cross_entropy(ta, ttg)))
-    bwd("cross_entropy", *both(lambda x: bt.cross_entropy(x, btg), lambda x: F.cross_entropy(x, ttg),
-                               a, scalar=True))
+    fwd(
+        "layer_norm (w, b)",
+        lambda: bt.layer_norm(ba, (C,), blw, blb),
+        T and (lambda: F.layer_norm(ta, (C,), tlw, tlb)),
+    )
+    bwd(
+        "layer_norm (w, b)",
+        *both(
+            lambda x, w_, b_: bt.layer_norm(x, (C,), w_, b_),
+            lambda x, w_, b_: F.layer_norm(x, (C,), w_, b_),
+            a,
+            lw,
+            lb,
+        ),
+    )
+    fwd(
+        "cross_entropy", lambda: bt.cross_entropy(ba, btg), T and (lambda: F.cross_entropy(ta, ttg))
+    )
+    bwd(
+        "cross_entropy",
+        *both(
+            lambda x: bt.cross_entropy(x, btg), lambda x: F.cross_entropy(x, ttg), a, scalar=True
+        ),
+    )
     fwd(f"matmul {R}x{C}x{C}", lambda: ba @ bw, T and (lambda: ta @ tw), lambda: a @ w)
     return out
 
@@ -178,8 +199,11 @@ def main() -> int:
             def fmt(v, w=9, p=3):
                 return f"{v:{w}.{p}f}" if v is not None else f"{'-':>{w}s}"
 
-            print(f"{name:28s} {fmt(row['ours_ms'])} {fmt(row['torch_ms'])} "
-                  f"{fmt(row['numpy_ms'])} {fmt(row['torch_over_ours'], 9, 2)}x", flush=True)
+            print(
+                f"{name:28s} {fmt(row['ours_ms'])} {fmt(row['torch_ms'])} "
+                f"{fmt(row['numpy_ms'])} {fmt(row['torch_over_ours'], 9, 2)}x",
+                flush=True,
+            )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

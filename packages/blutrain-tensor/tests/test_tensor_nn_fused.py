@@ -616,8 +616,10 @@ def _gelu_tanh_grad_composed(x: bt.Tensor, g: bt.Tensor) -> bt.Tensor:
 def _same_bits(a: bt.Tensor, b: bt.Tensor) -> bool:
     a64, b64 = a.to(bt.float64).numpy(), b.to(bt.float64).numpy()
     both_nan = np.isnan(a64) & np.isnan(b64)
-    return bool(np.array_equal(a64[~both_nan], b64[~both_nan]) and
-                np.array_equal(np.isnan(a64), np.isnan(b64)))
+    return bool(
+        np.array_equal(a64[~both_nan], b64[~both_nan])
+        and np.array_equal(np.isnan(a64), np.isnan(b64))
+    )
 
 
 @pytest.mark.parametrize("dtype", [bt.float32, bt.float64, bt.bfloat16, bt.float16])

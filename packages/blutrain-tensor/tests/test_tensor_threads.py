@@ -54,14 +54,22 @@ def test_default_budget_follows_affinity_and_omp_num_threads():
         print(bt.available_cpus(), bt.get_num_threads())
     """
     assert _run(code).split() == ["1", "1"]
-    assert _run("import blutrain.tensor as bt; print(bt.get_num_threads())",
-                {"OMP_NUM_THREADS": "3"}).strip() == "3"
+    assert (
+        _run(
+            "import blutrain.tensor as bt; print(bt.get_num_threads())", {"OMP_NUM_THREADS": "3"}
+        ).strip()
+        == "3"
+    )
     # a nested OpenMP list gives its first level; junk is ignored (the affinity count)
-    out = _run("import blutrain.tensor as bt; print(bt.get_num_threads(), bt.available_cpus())",
-               {"OMP_NUM_THREADS": "5,2"}).split()
+    out = _run(
+        "import blutrain.tensor as bt; print(bt.get_num_threads(), bt.available_cpus())",
+        {"OMP_NUM_THREADS": "5,2"},
+    ).split()
     assert out[0] == "5"
-    out = _run("import blutrain.tensor as bt; print(bt.get_num_threads(), bt.available_cpus())",
-               {"OMP_NUM_THREADS": "many"}).split()
+    out = _run(
+        "import blutrain.tensor as bt; print(bt.get_num_threads(), bt.available_cpus())",
+        {"OMP_NUM_THREADS": "many"},
+    ).split()
     assert out[0] == out[1]
 
 
@@ -262,8 +270,15 @@ def test_a_forked_child_rebuilds_the_pool(restore_threads):
     if pid == 0:  # child: the parent's workers are gone; a parallel op must still finish
         try:
             ok = float((x * 2).sum().item()) == ref
-            ok = ok and float((bt.tensor(np.ones((256, 256), np.float32)) @ x[:256].reshape(256, 1))
-                              .sum().item()) == float(x[:256].sum().item()) * 256
+            ok = (
+                ok
+                and float(
+                    (bt.tensor(np.ones((256, 256), np.float32)) @ x[:256].reshape(256, 1))
+                    .sum()
+                    .item()
+                )
+                == float(x[:256].sum().item()) * 256
+            )
             os.write(w, b"1" if ok else b"0")
         finally:
             os._exit(0)

@@ -27,6 +27,7 @@ import contextlib
 import functools
 import math
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -347,6 +348,16 @@ def _parallel_rows(n_rows: int, fn: Any) -> None:
         f.result()
 
 
+_scratch = threading.local()  # per thread: a (_ROW_BLOCK, V) float32 block of exponentials
+
+
+def _exp_block(rows: int, V: int) -> np.ndarray:
+    buf = getattr(_scratch, "e", None)
+    if buf is None or buf.shape[1] != V:
+        buf = _scratch.e = np.empty((_ROW_BLOCK, V), np.float32)
+    return buf[:rows]
+
+
 class _HeadCrossEntropyCPU(bt.Function):
     """Mean cross-entropy of (N, Vp) head outputs over their first V columns, on the CPU.
 
@@ -355,59 +366,77 @@ class _HeadCrossEntropyCPU(bt.Function):
     N=1024, this numpy version 0.18 s, and the head's loss is a large part of a small model's
     step. Same math: float32 exp, float32 pairwise sums, the mean in float64; the gradient
     (softmax - onehot) / n_valid is zero in the padding columns and the ignored rows. Other
-    devices and dtypes use bt.cross_entropy. The passes run in blocks of rows on all the
-    budget's threads (_parallel_rows), into buffers from blutrain.alloc's cache (a fresh numpy
-    array of this size is fresh pages from the kernel every step: a fifth of the tiny model's
-    step went to zeroing them); each row's numbers are those of whole-array numpy calls.
+    devices and dtypes use bt.cross_entropy.
+
+    How it runs: blocks of rows on all the budget's threads (_parallel_rows), each block's
+    exponentials in a cache-sized scratch; each row's numbers are those of whole-array numpy
+    calls. When a gradient will be needed, the forward also writes it for an upstream gradient
+    of 1 (what loss.backward() sends) while the block is in cache, into a buffer from
+    blutrain.alloc's cache (fresh numpy arrays of this size were fresh kernel pages every step);
+    backward hands that over, or recomputes it from the kept logits for any other upstream
+    gradient or a second backward (retain_graph). Memory: the logits and the gradient from
+    forward to backward, as the exponentials and the gradient were before.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, V):
-        x = logits.detach().numpy()[:, :V]
-        t = targets.detach().numpy()
-        N = x.shape[0]
-        valid = t != IGNORE_INDEX
-        rows = np.arange(N)[valid]
-        tv = t[valid]
-        e_t = bt.empty(N, V)
-        e = e_t.numpy()
-        m = np.empty((N, 1), np.float32)
-        s = np.empty((N, 1), np.float32)
+    def _pass(ctx, scale: float, d: np.ndarray | None, need_s: bool) -> None:
+        x, m, s, V = ctx.x, ctx.m, ctx.s, ctx.V
 
         def block(r0: int, r1: int) -> None:
-            np.max(x[r0:r1], axis=1, keepdims=True, out=m[r0:r1])
-            np.subtract(x[r0:r1], m[r0:r1], out=e[r0:r1])
-            np.exp(e[r0:r1], out=e[r0:r1])
-            np.sum(e[r0:r1], axis=1, keepdims=True, out=s[r0:r1])
+            if need_s:
+                np.max(x[r0:r1], axis=1, keepdims=True, out=m[r0:r1])
+            e = _exp_block(r1 - r0, V)
+            np.subtract(x[r0:r1], m[r0:r1], out=e)
+            np.exp(e, out=e)
+            if need_s:
+                np.sum(e, axis=1, keepdims=True, out=s[r0:r1])
+            if d is not None:
+                np.multiply(e, (scale / s[r0:r1]).astype(np.float32), out=d[r0:r1, :V])
+                if V != d.shape[1]:
+                    d[r0:r1, V:] = 0
 
-        _parallel_rows(N, block)
-        lse = m[:, 0].astype(np.float64) + np.log(s[:, 0].astype(np.float64))
-        n = int(valid.sum())
-        loss = float((lse[valid] - x[rows, tv].astype(np.float64)).sum() / n) if n else math.nan
-        ctx.e_t, ctx.s, ctx.rows, ctx.tv, ctx.n = e_t, s, rows, tv, n
-        ctx.shape, ctx.valid = tuple(logits.shape), valid
+        _parallel_rows(x.shape[0], block)
+        if d is not None:
+            d[ctx.rows, ctx.tv] -= np.float32(scale)
+            d[~ctx.valid] = 0
+
+    @staticmethod
+    def forward(ctx, logits, targets, V):
+        ctx.x = x = logits.detach().numpy()[:, :V]
+        t = targets.detach().numpy()
+        N = x.shape[0]
+        ctx.V, ctx.valid = V, t != IGNORE_INDEX
+        ctx.rows, ctx.tv = np.arange(N)[ctx.valid], t[ctx.valid]
+        ctx.n = n = int(ctx.valid.sum())
+        ctx.m, ctx.s = np.empty((N, 1), np.float32), np.empty((N, 1), np.float32)
+        ctx.d = None
+        if ctx.needs_input_grad[0]:
+            ctx.logits = logits  # kept for a backward that cannot use the gradient made here
+            ctx.scale = 1.0 / n if n else 0.0
+            ctx.d = bt.empty(*logits.shape)
+        _HeadCrossEntropyCPU._pass(
+            ctx,
+            ctx.scale if ctx.d is not None else 0.0,
+            ctx.d.numpy() if ctx.d is not None else None,
+            True,
+        )
+        lse = ctx.m[:, 0].astype(np.float64) + np.log(ctx.s[:, 0].astype(np.float64))
+        loss = (
+            float((lse[ctx.valid] - x[ctx.rows, ctx.tv].astype(np.float64)).sum() / n)
+            if n
+            else math.nan
+        )
         return bt.tensor(np.array(loss, dtype=np.float32))
 
     @staticmethod
     def backward(ctx, g):
         scale = float(g.item()) / ctx.n if ctx.n else 0.0
-        e = ctx.e_t.numpy()
-        V = e.shape[1]
-        coef = (scale / ctx.s).astype(np.float32)
-        # d = e * scale / s, written once into the (padded) output; e stays intact so a
-        # backward with retain_graph=True can run again
-        d_t = bt.empty(*ctx.shape)
-        d = d_t.numpy()
-
-        def block(r0: int, r1: int) -> None:
-            np.multiply(e[r0:r1], coef[r0:r1], out=d[r0:r1, :V])
-            if V != d.shape[1]:
-                d[r0:r1, V:] = 0
-
-        _parallel_rows(d.shape[0], block)
-        d[ctx.rows, ctx.tv] -= np.float32(scale)
-        d[~ctx.valid] = 0
-        return d_t, None, None
+        d, ctx.d = ctx.d, None  # the forward's gradient serves one backward at most
+        if d is not None and scale == ctx.scale:
+            return d, None, None
+        d = bt.empty(*ctx.logits.shape)
+        _HeadCrossEntropyCPU._pass(ctx, scale, d.numpy(), False)
+        return d, None, None
 
 
 class GPT2(_Precision, nn.Module):

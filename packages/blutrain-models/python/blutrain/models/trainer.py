@@ -176,7 +176,7 @@ def set_threads(n: int = 0) -> int:
 
 
 def threads_note(device: str) -> str:
-    """", 2 threads of 2 CPUs" for a CPU run's first log line ("" on a GPU)."""
+    """The CPU run's first log line's ", 2 threads of 2 CPUs" ("" on a GPU)."""
     if str(device).startswith("cuda"):
         return ""
     import blutrain.tensor as bt
