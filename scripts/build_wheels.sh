@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Builds CUDA wheels of the C++ packages for the GPU machine, here, so a device call spends its
 # minutes on tests rather than on compiling (scripts/gpu.sh --prebuilt installs them):
-#   bash scripts/build_wheels.sh [alloc,linalg,tensor]
+#   bash scripts/build_wheels.sh [alloc,linalg,tensor,dist,compiler]
 # Needs a CPython 3.12 venv (the GPU machine's python; the modules use the stable ABI, so the
 # wheels are cp312-abi3) with the build tools, created once:
 #   uv venv -p 3.12 .venv-whl312 && VIRTUAL_ENV=.venv-whl312 uv pip install scikit-build-core \
-#     nanobind==3.1.0 numpy cmake ninja hatchling pip nvidia-cublas nvidia-cuda-runtime
+#     nanobind==3.1.0 numpy cmake ninja hatchling pip nvidia-cublas nvidia-cuda-runtime \
+#     nvidia-nccl-cu13
 # Wheels land in .whl/bt/ (git-ignored); build dirs persist in /tmp/bt-whl-NAME (incremental).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +14,7 @@ VENV=${VENV:-$PWD/.venv-whl312}
 export PATH=$VENV/bin:$PATH BLUTRAIN_CUDA=ON BLUTRAIN_CUDA_ARCHS=${BLUTRAIN_CUDA_ARCHS:-90a-real}
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2}
 mkdir -p .whl/bt
-for name in $(echo "${1:-alloc,linalg,tensor}" | tr , ' '); do
+for name in $(echo "${1:-alloc,linalg,tensor,dist,compiler}" | tr , ' '); do
   rm -f .whl/bt/blutrain_"$name"-*.whl
   SKBUILD_BUILD_DIR=/tmp/bt-whl-$name python -m pip wheel -q --no-build-isolation --no-deps \
     -w .whl/bt "packages/blutrain-$name"

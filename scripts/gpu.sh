@@ -3,13 +3,19 @@
 # the GPU tests and the benchmarks, and print a short table last. Runs without nox (that machine
 # has none):
 #   bash scripts/gpu.sh [--prebuilt] [--only alloc,linalg] [--tests a,b] [--bench a,b]
-#                       [--no-bench] [--sanitize] [--budget SECONDS]
+#                       [--no-bench] [--sanitize] [--budget SECONDS] [--dist] [--multi-gpu]
 #   --prebuilt   install .whl/bt/*.whl (CUDA wheels built elsewhere by scripts/build_wheels.sh)
 #                instead of building from source here: saves the GPU machine minutes
 #   --tests      packages whose GPU tests run ('root' = the repo's tests/); default all
 #   --bench      packages whose bench/bench_*.py run; default all
 #   --budget     seconds this script may take: later steps are skipped (and say so) when the
 #                remaining time is short; default 540
+#   --dist       after the tests and benchmarks, blutrain-dist's GPU script (two ranks on one GPU
+#                over mpirun, GPT-2 DDP / ZeRO next to PyTorch DDP): packages/blutrain-dist/bench/
+#                gpu_dist.sh
+#   --multi-gpu  last, issue 35 on every GPU of the machine (an x2 / x4 / x8 kind): blutrain-dist
+#                against PyTorch DDP, scaling, parity, a killed rank (packages/blutrain-dist/bench/
+#                multi_gpu.py, given what is left of the budget)
 # Test files run in parallel (one pytest per file: the GPU has room and the CPU references
 # dominate); benchmarks run one at a time, alone on the GPU.
 # Logs and JSON go to $OUT (default ./out), packed into logs.tar.gz (8 files come back at most).
@@ -22,7 +28,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 PY=${PYTHON:-python3}
 START=$(date +%s)
-BENCH=1 PREBUILT=0 SANITIZE=0 BUDGET=540
+BENCH=1 PREBUILT=0 SANITIZE=0 BUDGET=540 DIST=0 MULTI=0
 ONLY="" BENCH_ONLY="" TESTS_ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -33,6 +39,8 @@ while [ $# -gt 0 ]; do
     --tests) TESTS_ONLY=$2; shift ;;
     --sanitize) SANITIZE=1 ;;
     --budget) BUDGET=$2; shift ;;
+    --dist) DIST=1 ;;
+    --multi-gpu) MULTI=1 ;;
   esac
   shift
 done
@@ -51,6 +59,12 @@ if [ ${#wheels[@]} -gt 0 ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "${wheels[@]}" >"$OUT/install.log" 2>&1 || tail -20 "$OUT/install.log"
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+# blutrain-compiler's MLIR bindings: the bundle packed by shared/tools/mlir-device-bundle.sh
+# (this machine reaches no registry), carried in .mlir/ (git-ignored).
+if [ -f .mlir/mlir-bundle.tar.xz ]; then
+  mkdir -p /tmp/mlir && tar xJf .mlir/mlir-bundle.tar.xz -C /tmp/mlir \
+    && export PYTHONPATH=/tmp/mlir${PYTHONPATH:+:$PYTHONPATH}
 fi
 # blutrain-models is pure Python: run it from the source tree.
 export PYTHONPATH=$ROOT/packages/blutrain-models/python${PYTHONPATH:+:$PYTHONPATH}
@@ -125,7 +139,7 @@ if [ "$BENCH" = 1 ]; then
     [ -f "$b" ] || continue
     base=$(basename "$b" .py)
     [ "$base" = bench_ops ] && continue  # the CPU kernels' bench: not for this machine's minutes
-    limit=75; [ "$base" = bench_gpt2 ] && limit=170
+    limit=75; [ "$base" = bench_gpt2 ] && limit=170; [ "$base" = bench_compiler ] && limit=240
     if [ "$(left)" -lt $(( limit / 2 )) ]; then STATUS[$base]="skipped (time budget)"; continue; fi
     [ "$(left)" -lt "$limit" ] && limit=$(left)
     t0=$(date +%s)
@@ -212,6 +226,29 @@ if [ "$SANITIZE" = 1 ]; then
     done
     STATUS[sanitize-$tool-wall]="$(( $(date +%s) - t0 )) s"
   done
+fi
+
+if [ "$DIST" = 1 ]; then
+  if [ "$(left)" -lt 120 ]; then STATUS[dist-gpu]="skipped (time budget)"
+  else
+    t0=$(date +%s)
+    OUT=$OUT BUDGET=$(( $(left) - 10 )) timeout "$(left)" bash packages/blutrain-dist/bench/gpu_dist.sh \
+      >"$OUT/dist-gpu.txt" 2>&1
+    STATUS[dist-gpu]="rc=$? [$(( $(date +%s) - t0 )) s] $(grep -c . "$OUT/dist-gpu.txt") lines"
+    grep -E "^ZeRO-|costs" "$OUT/dist-gpu.txt"  # memory vs formula, the DDP step's cost
+    sed -n '/blutrain-dist on one GPU/,$p' "$OUT/dist-gpu.txt"
+  fi
+fi
+
+if [ "$MULTI" = 1 ]; then
+  if [ "$(left)" -lt 120 ]; then STATUS[multi-gpu]="skipped (time budget)"
+  else
+    t0=$(date +%s)
+    timeout "$(left)" $PY packages/blutrain-dist/bench/multi_gpu.py --out "$OUT" \
+      --budget-s $(( $(left) - 15 )) >"$OUT/multi-gpu.txt" 2>&1
+    STATUS[multi-gpu]="rc=$? [$(( $(date +%s) - t0 )) s] (table: multi-gpu.txt, summary.txt)"
+    tail -60 "$OUT/multi-gpu.txt"
+  fi
 fi
 
 for f in "$OUT"/bench_*.txt; do

@@ -7,12 +7,14 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "backend.h"
 
@@ -41,20 +43,81 @@ void apply_option(CachingPool& p, const std::string& name, int64_t value) {
                 "[set_option] unknown option '" + name + "'; known: " + kKnownOptions);
 }
 
-// BLUTRAIN_ALLOC_CONF="expandable_segments:1,caching:0": read once,
-// before any pool exists.
+// Edit distance of two short keys (for "did you mean").
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1])});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string trimmed(const std::string& s) {
+  const size_t b = s.find_first_not_of(" \t"), e = s.find_last_not_of(" \t");
+  return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+}
+
+// Note [BLUTRAIN_ALLOC_CONF]
+// "expandable_segments:1,caching:0": the CUDA device pools' defaults, read once, when the first
+// pool is made.  blutrain.alloc's Python module makes the pageable host pool at import, so a bad
+// setting stops `import blutrain.alloc` (and every package that imports it) before a model is
+// built, rather than surfacing at some later allocation; C/C++ code linking the library gets the
+// same error from its first call that makes a pool.  Strict, because a typo silently ignored
+// runs the job without the setting: an unknown key, a value other than 0/1/true/false, an entry
+// without ':' or a key given twice is an EINVAL error naming the entry, the whole setting and
+// the allowed keys, returned by every pool-making call until the variable is fixed (std::call_once
+// retries after a throw).
 void read_env_options() {
   const char* conf = std::getenv("BLUTRAIN_ALLOC_CONF");
   if (!conf) return;
-  const std::string s(conf);
-  auto flag = [&](const std::string& key, bool& out) {
-    const auto pos = s.find(key + ":");
-    if (pos == std::string::npos) return;
-    const size_t at = pos + key.size() + 1;
-    out = at < s.size() && (s[at] == '1' || s[at] == 'T' || s[at] == 't');
+  const std::string all(conf);
+  const std::string where = " in BLUTRAIN_ALLOC_CONF=\"" + all + "\"";
+  const std::string allowed = "; allowed keys: expandable_segments (0 or 1), caching (0 or 1)";
+  auto fail = [&](const std::string& what) {
+    throw Error(BT_ALLOC_EINVAL, "[BLUTRAIN_ALLOC_CONF] " + what + where + allowed);
   };
-  flag("expandable_segments", g_expandable);
-  flag("caching", g_caching);
+  bool expandable = g_expandable, caching = g_caching;  // set only once all of it parsed
+  bool seen_expandable = false, seen_caching = false;
+  size_t start = 0;
+  while (start <= all.size()) {
+    size_t end = all.find(',', start);
+    if (end == std::string::npos) end = all.size();
+    const std::string item = trimmed(all.substr(start, end - start));
+    start = end + 1;
+    if (item.empty()) continue;  // "a:1," and "" are fine
+    const size_t colon = item.find(':');
+    if (colon == std::string::npos) fail("'" + item + "' is not key:value");
+    const std::string key = trimmed(item.substr(0, colon));
+    std::string value = trimmed(item.substr(colon + 1));
+    for (char& c : value) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    const bool is_expandable = key == "expandable_segments", is_caching = key == "caching";
+    bool* out = is_expandable ? &expandable : is_caching ? &caching : nullptr;
+    bool* seen = is_expandable ? &seen_expandable : is_caching ? &seen_caching : nullptr;
+    if (!out) {
+      std::string hint;
+      for (const char* k : {"expandable_segments", "caching"})
+        if (edit_distance(key, k) <= 3) hint = " (did you mean '" + std::string(k) + "'?)";
+      fail("unknown key '" + key + "'" + hint);
+    }
+    if (*seen) fail("key '" + key + "' is given twice");
+    *seen = true;
+    if (value == "1" || value == "true")
+      *out = true;
+    else if (value == "0" || value == "false")
+      *out = false;
+    else
+      fail("'" + key + "' must be 0 or 1 (or true / false), got '" +
+           trimmed(item.substr(colon + 1)) + "'");
+  }
+  g_expandable = expandable;
+  g_caching = caching;
 }
 
 int device_count() {

@@ -1,7 +1,10 @@
-/* A minimal extension module that imports blutrain.alloc's C ABI the way
- * dependent packages do; built by test_c_abi.py. */
+/* A minimal extension module that imports blutrain.alloc's C ABI the way dependent packages
+ * do (blutrain/alloc_import.h, blutrain/capi_import.h); built by test_alloc_c_abi.py. */
 #include <Python.h>
 
+#ifndef BT_CAPI_IMPORTER
+#define BT_CAPI_IMPORTER "alloc_probe"
+#endif
 #include "blutrain/alloc_import.h"
 
 static PyObject* roundtrip(PyObject* self, PyObject* args) {
@@ -17,7 +20,15 @@ static PyObject* roundtrip(PyObject* self, PyObject* args) {
   return addr;
 }
 
-static PyMethodDef methods[] = {{"roundtrip", roundtrip, METH_NOARGS, NULL}, {NULL, NULL, 0, NULL}};
+/* Imports the table again (whatever sys.modules holds now): None, or the ImportError. */
+static PyObject* try_import(PyObject* self, PyObject* args) {
+  if (!bt_alloc_import()) return NULL;
+  Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {{"roundtrip", roundtrip, METH_NOARGS, NULL},
+                                {"try_import", try_import, METH_NOARGS, NULL},
+                                {NULL, NULL, 0, NULL}};
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, MODNAME, NULL, -1, methods};
 
 #define CAT2(a, b) a##b

@@ -11,6 +11,7 @@ import sysconfig
 
 import pytest
 
+import blutrain.alloc as ba
 import blutrain.linalg as bl
 from blutrain.linalg import _linalg
 
@@ -42,8 +43,7 @@ def test_capsule_is_named_and_versioned():
 
 def _build_probe(tmp_path, name: str, extra: list[str]) -> str:
     cc = shutil.which("cc")
-    if cc is None:
-        pytest.skip("needs a C compiler")
+    assert cc is not None, "these tests build a C extension: install a C compiler"
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     out = tmp_path / f"{name}{suffix}"
     cmd = [
@@ -57,6 +57,7 @@ def _build_probe(tmp_path, name: str, extra: list[str]) -> str:
         f"-DMODNAME_ID={name}",
         f"-I{sysconfig.get_paths()['include']}",
         f"-I{bl.get_include()}",
+        f"-I{ba.get_include()}",  # blutrain/capi_import.h, the shared importer
         *extra,
         os.path.join(HERE, "linalg_abi_probe.c"),
         "-o",
@@ -83,8 +84,7 @@ def test_capsule_importer_runs_a_gemm_through_the_table(tmp_path):
 
 def test_capsule_importer_refuses_a_newer_minor(tmp_path):
     # Pretend the dependent was built against ABI 1.99: the installed 1.x must be refused.
-    if shutil.which("cc") is None:
-        pytest.skip("needs a C compiler")
+    assert shutil.which("cc") is not None, "these tests build a C extension: install a C compiler"
     src = tmp_path / "probe_new.c"
     text = open(os.path.join(HERE, "linalg_abi_probe.c")).read()
     text = text.replace(
@@ -106,6 +106,7 @@ def test_capsule_importer_refuses_a_newer_minor(tmp_path):
             "-DMODNAME_ID=bt_linalg_probe_new2",
             f"-I{sysconfig.get_paths()['include']}",
             f"-I{bl.get_include()}",
+            f"-I{ba.get_include()}",  # blutrain/capi_import.h, the shared importer
             str(src),
             "-o",
             str(out),
@@ -116,7 +117,23 @@ def test_capsule_importer_refuses_a_newer_minor(tmp_path):
     v = _linalg.ABI_VERSION
     with pytest.raises(
         ImportError,
-        match=rf"blutrain.linalg C ABI {v >> 16}.{v & 0xFFFF} is installed, but this "
-        r"module was built for 1.99",
+        match=rf"^\[this module\] blutrain.linalg C ABI {v >> 16}.{v & 0xFFFF} is installed, "
+        r"but this module was built for 1.99",
     ):
         _load("bt_linalg_probe_new2", str(out))
+
+
+def test_an_alloc_it_cannot_use_is_named_with_both_sides():
+    # blutrain.alloc's module swapped for one without a capsule: linalg still
+    # imports (alloc is optional on the CPU) and says why it runs without it, naming both sides.
+    code = (
+        "import sys, types\n"
+        "sys.modules['blutrain.alloc._alloc'] = types.ModuleType('blutrain.alloc._alloc')\n"
+        "from blutrain.linalg import _linalg\n"
+        "print(_linalg.alloc_available(), _linalg.alloc_error())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith(
+        "False [blutrain.linalg] blutrain.alloc._alloc has no _C_API capsule, but "
+        "blutrain.linalg needs blutrain.alloc's C ABI 1."
+    ), out.stdout

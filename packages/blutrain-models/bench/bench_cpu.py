@@ -38,8 +38,10 @@ def make_ours(a: argparse.Namespace):
     import numpy as np
 
     import blutrain.tensor as bt
+    from blutrain.models.config import model_config
+    from blutrain.models.device import resolve_recompute
     from blutrain.models.gpt2 import GPT2, set_matmul_precision
-    from blutrain.models.trainer import clip_and_step, make_adamw, model_config, resolve_recompute
+    from blutrain.models.optim import AdamW, grad_norm_and_clip_coef
 
     bt.set_num_threads(a.threads)
     bt.manual_seed(0)
@@ -48,7 +50,7 @@ def make_ours(a: argparse.Namespace):
         cfg, device="cpu", precision="fp32", recompute=resolve_recompute("auto", "cpu", "fp32")
     )
     set_matmul_precision("fp32")
-    opt = make_adamw(m.named_parameters(), lr=1e-4)
+    opt = AdamW(m.named_parameters(), lr=1e-4)
     data = np.random.default_rng(0).integers(0, cfg.vocab_size, (a.B, a.T + 1))
     x, y = bt.tensor(data[:, :-1]), bt.tensor(data[:, 1:])
     params = list(m.parameters())
@@ -56,7 +58,7 @@ def make_ours(a: argparse.Namespace):
     def step() -> float:
         loss = m(x, y, return_logits=False)[1]
         loss.backward()
-        clip_and_step(opt, params, 1.0)
+        opt.step(grad_scale=grad_norm_and_clip_coef(params, 1.0)[1])
         opt.zero_grad()
         return float(loss.item())
 

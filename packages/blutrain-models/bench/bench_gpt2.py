@@ -123,34 +123,28 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
     import numpy as np
 
     import blutrain.tensor as bt
+    from blutrain.models.bench import capture_step
+    from blutrain.models.bench import synchronize as _cuda_sync
     from blutrain.models.config import GPT2Config
+    from blutrain.models.device import peak_memory_bytes, resolve_recompute
     from blutrain.models.gpt2 import GPT2, gemm_autotune, set_matmul_precision
-    from blutrain.models.trainer import (
-        _cuda_sync,
-        capture_step,
-        clip_and_step,
-        make_adamw,
-        peak_memory_bytes,
-        resolve_recompute,
-    )
+    from blutrain.models.optim import AdamW, grad_norm_and_clip_coef
 
-    cuda = getattr(bt, "cuda", None)
-    if hasattr(bt, "set_cast_cache_enabled"):
-        bt.set_cast_cache_enabled(a.cast_cache == "on")
+    bt.set_cast_cache_enabled(a.cast_cache == "on")
     L, H, C = MODELS[a.model]
     cfg = GPT2Config(block_size=max(1024, a.T), n_layer=L, n_head=H, n_embd=C, vocab_multiple=128)
-    if hasattr(cuda, "reset_peak_memory_stats"):
-        cuda.reset_peak_memory_stats()
+    bt.cuda.reset_peak_memory_stats()
     bt.manual_seed(0)
     model = GPT2(
         cfg,
         device="cuda",
         precision=a.mode,
         recompute=resolve_recompute(a.recompute, "cuda", a.mode),
+        residual_dtype=a.residual_dtype,
     )
     model.classifier_chunk_size = a.classifier_chunk or None
     set_matmul_precision(a.mode)
-    opt = make_adamw(model.named_parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = AdamW(model.named_parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     params = list(model.parameters())
     rng = np.random.default_rng(0)
     data = rng.integers(0, V, (a.B, a.T + 1))
@@ -161,7 +155,8 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
         with gemm_autotune(a.gemm_autotune == "on", "cuda"):  # as the trainer: step 1 tunes
             loss = model(x, y, return_logits=False)[1]  # head + loss in chunks: no whole logits
             loss.backward()
-        clip_and_step(opt, params, 1.0)  # no host sync
+        _, coef = grad_norm_and_clip_coef(params, 1.0)  # no host sync
+        opt.step(grad_scale=coef)
         opt.zero_grad()
         return loss
 
@@ -180,19 +175,17 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
         _cuda_sync("cuda")
     # An event after each step: the GPU's time per step, to set beside the host's (a gap
     # between the two is idle GPU time; a rising trend is the clocks dropping under load).
-    events = [bt.cuda.Event() for _ in range(a.steps + 1)] if cuda else []
+    events = [bt.cuda.Event() for _ in range(a.steps + 1)]
     t0 = time.perf_counter()
-    if events:
-        events[0].record()
+    events[0].record()
     for i in range(a.steps):
         loss = run()
-        if events:
-            events[i + 1].record()
+        events[i + 1].record()
     last = float(loss.item())
     _cuda_sync("cuda")
     dt = time.perf_counter() - t0
     peak = peak_memory_bytes("cuda")
-    gpu_ms = [events[i].elapsed_time(events[i + 1]) for i in range(a.steps)] if events else []
+    gpu_ms = [events[i].elapsed_time(events[i + 1]) for i in range(a.steps)]
     out = {
         "tokens_per_s": a.B * a.T * a.steps / dt,
         "peak_bytes": peak,
@@ -201,14 +194,11 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
         "last_loss": last,
         "recompute": model.recompute,
     }
-    if gpu_ms:
-        out["gpu_step_ms"] = step_trend(gpu_ms)
-    try:  # GEMMs cuBLASLt had no fused epilogue for (run as GEMM + our epilogue kernel)
-        import blutrain.linalg as la
+    out["gpu_step_ms"] = step_trend(gpu_ms)
+    # GEMMs cuBLASLt had no fused epilogue for (run as GEMM + our epilogue kernel)
+    import blutrain.linalg as la
 
-        out["gemm_fallbacks"] = int(la.get_option("fallback_epilogues"))
-    except (ImportError, AttributeError, RuntimeError, ValueError):
-        pass
+    out["gemm_fallbacks"] = int(la.get_option("fallback_epilogues"))
     if a.profile:
         out["kernels"], out["idle"] = profile_kernels(run, 2, a.trace)
     return out
@@ -390,6 +380,13 @@ def main() -> int:
         "every step",
     )
     p.add_argument(
+        "--residual-dtype",
+        default="float32",
+        choices=["float32", "compute"],
+        help="ours: the residual stream's dtype under bf16 (GPT2.residual_dtype): float32 (as "
+        "autocast) or compute (bf16, the faster stream that trains off the fp32 trajectory)",
+    )
+    p.add_argument(
         "--gemm-autotune",
         default="on",
         choices=["on", "off"],
@@ -450,6 +447,8 @@ def main() -> int:
                 a.cast_cache,
                 "--gemm-autotune",
                 a.gemm_autotune,
+                "--residual-dtype",
+                a.residual_dtype,
             ]
             t0 = time.perf_counter()
             try:

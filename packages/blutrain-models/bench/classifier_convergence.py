@@ -19,8 +19,7 @@ import blutrain.tensor as bt
 from blutrain.models.config import GPT2Config
 from blutrain.models.data import DataLoader
 from blutrain.models.gpt2 import GPT2, set_matmul_precision
-from blutrain.models.optim import CosineSchedule
-from blutrain.models.trainer import clip_and_step, make_adamw
+from blutrain.models.optim import AdamW, CosineSchedule, grad_norm_and_clip_coef
 
 MODELS = {"gpt2": (12, 12, 768), "tiny": (4, 4, 128)}
 
@@ -31,7 +30,7 @@ def train(a, fused_head: bool, files: dict[str, list[str]]) -> list[tuple[int, f
     bt.manual_seed(0)
     model = GPT2(cfg, device=a.device, precision=a.precision, fused=True)
     set_matmul_precision(a.precision)
-    opt = make_adamw(model.named_parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = AdamW(model.named_parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = CosineSchedule(max_lr=a.lr, warmup_steps=a.steps // 10, max_steps=a.steps)
     params = list(model.parameters())
     train_data = DataLoader(files["train"], a.B, a.T, seed=0)
@@ -60,7 +59,8 @@ def train(a, fused_head: bool, files: dict[str, list[str]]) -> list[tuple[int, f
         opt.set_lr(sched(step - 1))
         loss = loss_of(bt.tensor(x, device=a.device), bt.tensor(y, device=a.device))
         loss.backward()
-        clip_and_step(opt, params, 1.0)
+        _, coef = grad_norm_and_clip_coef(params, 1.0)
+        opt.step(grad_scale=coef)
         opt.zero_grad()
         if step % a.eval_every == 0 or step == a.steps:
             rows.append((step, float(loss.item()), val_loss()))

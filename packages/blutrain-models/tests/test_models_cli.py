@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,7 @@ def test_prepare_files_with_options(tmp_path, rng, capsys):
 
 
 def test_errors_are_one_clear_line(tmp_path, capsys):
-    assert cli.main(["prepare", str(tmp_path / "missing.txt"), "-o", str(tmp_path)]) == 1
+    assert cli.main(["prepare", str(tmp_path / "missing.txt"), "-o", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("blutrain prepare: error: [prepare]") and "missing.txt" in err
     assert "Traceback" not in err
@@ -124,3 +125,23 @@ def test_the_model_is_imported_lazily():
         "    pass\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_threads_flag_sets_the_one_budget(tmp_path):
+    """--threads reaches the one CPU budget that the op loops and the BLAS share, whether or
+    not blutrain.tensor was imported before the verb ran."""
+    code = (
+        "import sys\n"
+        "from blutrain.models import cli\n"
+        "assert 'blutrain.tensor' not in sys.modules\n"
+        "rc = cli.main(['sample', '--model', 'tiny', '-n', '1', '--threads', '3', "
+        "'--device', 'cpu'])\n"
+        "import blutrain.tensor as bt, blutrain.linalg as la\n"
+        "print(rc, bt.get_num_threads(), la.get_option('num_threads'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-3:] == ["0", "3", "3"], r.stdout

@@ -324,6 +324,23 @@ def test_ranks_split_the_global_batch(rng, tmp_path, shuffle):
         assert np.array_equal(y, np.concatenate([p[1] for p in parts]))
 
 
+def test_epochs_end_at_a_whole_step_so_world_sizes_read_the_same_batches(rng, tmp_path):
+    # 4 ranks x 1 micro-batch and 1 rank x 4 micro-batches: the same global batch of 8 rows;
+    # 97 + 130 rows an epoch is not a multiple of 8, so the tail dropped must be a whole step's
+    make_shards(rng, tmp_path, [971, 1301])
+    B, T, W, steps = 2, 10, 4, 70  # 28 steps an epoch: 70 steps cross two epoch ends
+    ranks = [DataLoader(tmp_path, B, T, seed=3, rank=r, world_size=W) for r in range(W)]
+    one = DataLoader(tmp_path, B, T, seed=3, step_rows=W * B)
+    assert one.batches_per_epoch == W * ranks[0].batches_per_epoch == 4 * 28
+    for step in range(steps):
+        many = np.concatenate([ld.next_batch()[0] for ld in ranks])
+        single = np.concatenate([one.next_batch()[0] for _ in range(W)])
+        assert np.array_equal(many, single), f"step {step}"
+    assert one.epoch == ranks[0].epoch == 2
+    with pytest.raises(ValueError, match=r"step_rows=6 must be a positive multiple of .* = 4"):
+        DataLoader(tmp_path, B, T, world_size=2, rank=0, step_rows=6)
+
+
 def test_resume_continues_bit_exactly(rng, tmp_path):
     make_shards(rng, tmp_path, [1000, 2000])
     a = DataLoader(tmp_path, 5, 16, seed=3)

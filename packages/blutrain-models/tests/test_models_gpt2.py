@@ -11,8 +11,7 @@ import math
 import numpy as np
 import pytest
 
-bt = pytest.importorskip("blutrain.tensor")
-
+import blutrain.tensor as bt
 from blutrain.models import GPT2, CheckpointError, GPT2Config, save_hf  # noqa: E402
 from blutrain.models.gpt2 import IGNORE_INDEX  # noqa: E402
 

@@ -10,12 +10,14 @@ import math
 import numpy as np
 import pytest
 
-bt = pytest.importorskip("blutrain.tensor")
-
-from blutrain.models import GPT2Config, prepare  # noqa: E402
-from blutrain.models.gpt2 import GPT2  # noqa: E402
-from blutrain.models.tokenizer import SHAKESPEARE_FILE  # noqa: E402
-from blutrain.models.trainer import TrainConfig, Trainer, bench, resolve_device  # noqa: E402
+import blutrain.tensor as bt
+from blutrain.models import GPT2Config, prepare
+from blutrain.models.bench import bench
+from blutrain.models.device import resolve_device
+from blutrain.models.gpt2 import GPT2
+from blutrain.models.tokenizer import SHAKESPEARE_FILE
+from blutrain.models.train_config import TrainConfig
+from blutrain.models.trainer import Trainer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -244,7 +246,7 @@ def _ln_recompute_memory(rng, precision):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_trainer_cuda_graph_matches_eager(tmp_path, precision):
-    """cuda_graph=True: 3 eager steps, then the step captured once and replayed. With two
+    """step="cuda-graph": 3 eager steps, then the step captured once and replayed. With two
     micro-batches, the warm-up lr changing every step, evaluation, text samples (eager forward
     passes between replays) and a checkpoint mid-run, its losses, validation losses, samples,
     parameters and step counts are bitwise the eager run's when that
@@ -278,19 +280,19 @@ def test_trainer_cuda_graph_matches_eager(tmp_path, precision):
                 out_dir=str(out),
                 progress=False,
                 plot=False,
-                cuda_graph=graph,
+                step="cuda-graph" if graph else "eager",
             )
         )
         if not graph:
-            t.optimizer.use_device_scalars(True)
+            t.stepper.optimizer.use_device_scalars(True)
         t.fit()
         recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         losses = [r["loss"] for r in recs if "loss" in r]
         vals = [r["val_loss"] for r in recs if "val_loss" in r]
         samples = [(r["step"], r["sample"]) for r in recs if "sample" in r]
-        steps = {int(st["step"]) for st in t.optimizer.state.values()}
+        steps = {int(st["step"]) for st in t.stepper.optimizer.state.values()}
         params = {n: p.detach().float().cpu().numpy() for n, p in t.model.named_parameters()}
-        runs[graph] = (losses, vals, steps, params, t._graph is not None, samples)
+        runs[graph] = (losses, vals, steps, params, graph and t.stepper.captured, samples)
     (le, ve, se, pe, ge, xe), (lg, vg, sg, pg, gg, xg) = runs[False], runs[True]
     assert not ge and gg, "the graph run captured no graph"
     # samples at steps 4 and 8 (after replays 1 and 5) and at the last step, as in eager mode
@@ -303,3 +305,57 @@ def test_trainer_cuda_graph_matches_eager(tmp_path, precision):
     assert abs(vg[0] - ve[0]) <= 1e-3 * abs(ve[0]), (ve, vg)
     for n in pe:
         assert np.array_equal(pg[n], pe[n]), n
+
+
+def test_cuda_graph_step_resumes(tmp_path):
+    """A cuda-graph run stopped at step 5 and resumed (the new trainer's step loads the
+    optimizer state, runs its 3 eager warm-up steps on the same device scalars and captures)
+    ends as the run that never stopped: the same losses at every step (1e-5: the two runs'
+    GEMMs may be tuned differently) and the same AdamW step counts."""
+    text = tmp_path / "s.txt"
+    text.write_text(SHAKESPEARE_FILE.read_text()[:60_000])
+    prepare([text], tmp_path / "shards", val_fraction=0.1, doc_split="paragraph")
+    cfg_json = tmp_path / "m.json"
+    GPT2Config(block_size=64, n_layer=2, n_head=2, n_embd=64).to_json(cfg_json)
+
+    def config(out, **kw):
+        return TrainConfig(
+            model=str(cfg_json),
+            data=str(tmp_path / "shards"),
+            batch_size=4,
+            seq_len=64,
+            max_steps=12,
+            lr=3e-3,
+            warmup_steps=2,
+            precision="bf16",
+            step="cuda-graph",
+            eval_interval=0,
+            sample_interval=0,
+            log_interval=3,
+            out_dir=str(tmp_path / out),
+            progress=False,
+            plot=False,
+            **kw,
+        )
+
+    straight = Trainer(config("a"))
+    straight.fit()
+    assert straight.stepper.captured
+    first = Trainer(config("b"))
+    first.fit(until=5)
+    first.close()
+    resumed = Trainer(config("b", resume=True))
+    assert resumed.step == 5
+    resumed.fit()
+    assert resumed.stepper.captured
+
+    def losses(out):
+        recs = [json.loads(x) for x in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+    la, lb = losses("a"), losses("b")
+    assert sorted(la) == sorted(lb) == list(range(1, 13))
+    for s in la:
+        assert abs(la[s] - lb[s]) <= 1e-5 * abs(la[s]), (s, la[s], lb[s])
+    steps = {int(st["step"]) for st in resumed.stepper.optimizer.state.values()}
+    assert steps == {12}

@@ -7,8 +7,7 @@ import math
 import numpy as np
 import pytest
 
-bt = pytest.importorskip("blutrain.tensor")
-
+import blutrain.tensor as bt
 from blutrain.models.optim import AdamW, CosineSchedule, clip_grad_norm_, cosine_lr  # noqa: E402
 
 
@@ -155,6 +154,28 @@ def test_cosine_schedule():
         CosineSchedule(1.0, -1, 10)
 
 
+def test_cosine_schedule_extend():
+    """A resumed run with a new end: from the resume step, the cosine runs from the learning
+    rate reached there to the new min_lr; the learning rate never rises; the warmup is kept."""
+    s = CosineSchedule(1.0, warmup_steps=10, max_steps=110, min_lr=0.1)
+    e = s.extend(60, 210, 0.1)  # half-way, twice as long
+    assert e(60) == s(60) and e(210) == pytest.approx(0.1)
+    lrs = [e(i) for i in range(60, 211)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+    assert e(135) == pytest.approx(0.1 + 0.5 * (s(60) - 0.1))  # half-way down the new cosine
+    w = s.extend(5, 50, 0.1)  # inside the warmup: the same warmup, then the whole cosine
+    assert [w(i) for i in range(11)] == [s(i) for i in range(11)] and w(50) == 0.1
+    done = s.extend(110, 200, 0.1)  # finished: stays at min_lr
+    assert {done(i) for i in range(110, 201)} == {0.1}
+    lower = s.extend(110, 200, 0.01)  # a lower min_lr: decays on from where it is
+    assert lower(110) == 0.1 and lower(200) == pytest.approx(0.01)
+    assert CosineSchedule.from_state(e.state_dict()) == e
+    with pytest.raises(ValueError, match="above the learning rate"):
+        s.extend(110, 200, 0.5)
+    with pytest.raises(ValueError, match="already at step 60"):
+        s.extend(60, 60, 0.1)
+
+
 def test_clip_grad_norm(rng):
     params = make_params(rng)
     grads = {k: rng.standard_normal(p.shape).astype(np.float32) * 3 for k, p in params.items()}
@@ -180,8 +201,6 @@ def test_adamw_device_scalars_give_the_same_bits(rng):
     """Note [AdamW in a CUDA graph]: lr and the step count read from 0-d float32 tensors give
     the host scalars' updates bit for bit when lr is a float32 value; the step counts and the
     errors for misuse are checked too."""
-    if not hasattr(bt._tensor, "_adamw_"):
-        pytest.skip("no fused AdamW in this blutrain.tensor build")
     w0 = rng.standard_normal((8, 5)).astype(np.float32)
     b0 = rng.standard_normal(5).astype(np.float32)
     grads = [
@@ -214,8 +233,10 @@ def test_adamw_device_scalars_give_the_same_bits(rng):
         AdamW({"w": bt.tensor(w0, requires_grad=True)}, fused=False).use_device_scalars(True)
 
 
-def test_cuda_graph_needs_a_gpu(tmp_path):
-    from blutrain.models.trainer import TrainConfig, Trainer
+def test_cuda_graph_needs_a_gpu(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    from blutrain.models.train_config import TrainConfig
+    from blutrain.models.trainer import Trainer
 
-    with pytest.raises(ValueError, match="cuda_graph needs a CUDA device"):
-        Trainer(TrainConfig(device="cpu", cuda_graph=True, out_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match="step cuda-graph needs a CUDA device, not cpu"):
+        Trainer(TrainConfig(device="cpu", step="cuda-graph", out_dir=str(tmp_path)))

@@ -1,6 +1,6 @@
 """GPT-2's GPU-oriented options, checked on the CPU: recomputation, fused ops, precision
-policies, and the trainer's deferred (sync-free) steps. Options whose blutrain.tensor feature
-is missing from this build are skipped; tests/test_models_gpu_fidelity.py checks them on a GPU.
+policies, and the trainer's deferred (sync-free) steps; tests/test_models_gpu_fidelity.py checks
+them on a GPU.
 """
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ import json
 import numpy as np
 import pytest
 
-bt = pytest.importorskip("blutrain.tensor")
-
-from blutrain.models import GPT2Config, load_checkpoint, prepare  # noqa: E402
-from blutrain.models.gpt2 import GPT2, precision_name  # noqa: E402
-from blutrain.models.tokenizer import SHAKESPEARE_FILE  # noqa: E402
-from blutrain.models.trainer import TrainConfig, Trainer, peak_flops  # noqa: E402
+import blutrain.tensor as bt
+from blutrain.models import GPT2Config, load_checkpoint, prepare
+from blutrain.models.device import peak_flops
+from blutrain.models.gpt2 import GPT2, precision_name
+from blutrain.models.tokenizer import SHAKESPEARE_FILE
+from blutrain.models.train_config import TrainConfig
+from blutrain.models.trainer import Trainer
 
 CFG = GPT2Config(block_size=16, vocab_size=97, n_layer=2, n_head=2, n_embd=16, vocab_multiple=32)
 
@@ -50,24 +51,9 @@ def assert_same_numbers(a, b, x):
         np.testing.assert_allclose(gb[n], ga[n], rtol=1e-4, atol=1e-5, err_msg=n)
 
 
-def _needs_recompute_support(mode):
-    parts = set(mode.split("+"))
-    if parts & {"attn", "block"} or ("gelu" in parts and not hasattr(bt, "linear_gelu_linear")):
-        if not hasattr(bt, "checkpoint"):
-            with pytest.raises(RuntimeError, match="bt.checkpoint"):
-                x = np.zeros((1, 4), np.int64)
-                GPT2(CFG, recompute=mode)(x, x)
-            pytest.skip("this blutrain.tensor has no bt.checkpoint")
-    if "ln" in parts and "recompute" not in (bt.layer_norm.__doc__ or ""):
-        pytest.skip("this blutrain.tensor's layer_norm has no recompute option")
-
-
 @pytest.mark.parametrize("fused", [None, True])
 @pytest.mark.parametrize("mode", ["gelu", "ln", "attn", "block", "ln+gelu", "ln+attn"])
 def test_recompute_gives_the_same_numbers(rng, mode, fused):
-    _needs_recompute_support(mode)
-    if fused and not hasattr(bt, "add_layer_norm"):
-        pytest.skip("this blutrain.tensor has no add_layer_norm")
     a, b = twin(rng, recompute=mode, fused=fused)
     assert b.recompute == mode
     x = rng.integers(0, CFG.vocab_size, (2, CFG.block_size))
@@ -77,9 +63,6 @@ def test_recompute_gives_the_same_numbers(rng, mode, fused):
 @pytest.mark.parametrize("fused", [None, True])
 def test_ln_recompute_is_bitwise(rng, fused):
     """The LayerNorm outputs are rebuilt by the same kernels: the same bits as keeping them."""
-    _needs_recompute_support("ln")
-    if fused and not hasattr(bt, "add_layer_norm"):
-        pytest.skip("this blutrain.tensor has no add_layer_norm")
     _, a = twin(rng, fused=fused)
     b = GPT2(CFG, fused=fused, recompute="ln")
     b.load_state_dict(a.state_dict())
@@ -95,9 +78,7 @@ def test_ln_recompute_is_bitwise(rng, fused):
     "layers", [("block", "ln+gelu"), ("ln+gelu", "block"), ("attn", "ln"), ("none", "gelu")]
 )
 def test_recompute_per_layer(rng, layers):
-    for m in layers:
-        _needs_recompute_support(m)
-    a, b = twin(rng, fused=True if hasattr(bt, "add_layer_norm") else None)
+    a, b = twin(rng, fused=True)
     for i, m in enumerate(layers):
         assert b.set_recompute(m, layers=[i]) is b
     assert b.transformer.h[1].recompute == frozenset(layers[1].split("+")) - {"none"}
@@ -124,8 +105,6 @@ def test_recompute_specs():
 
 
 def test_fused_ops_give_the_same_numbers(rng):
-    if not (hasattr(bt, "add_layer_norm") or hasattr(bt, "linear_gelu")):
-        pytest.skip("this blutrain.tensor has neither add_layer_norm nor linear_gelu")
     a, b = twin(rng, fused=True)
     x = rng.integers(0, CFG.vocab_size, (2, CFG.block_size))
     assert_same_numbers(a, b, x)
@@ -134,28 +113,18 @@ def test_fused_ops_give_the_same_numbers(rng):
 def test_fused_qkv_attention_gives_the_same_numbers(rng):
     # with the CPU's flash kernels on, the fused model's attention sublayers run bt.qkv_attention
     # (one node; the qkv bias gradient from the packed backward) against linear + sdpa
-    if not hasattr(bt, "qkv_attention"):
-        pytest.skip("this blutrain.tensor has no qkv_attention")
-    from blutrain.tensor import _tensor
-
-    old = _tensor._flash_attention_cpu()
-    _tensor._set_flash_attention_cpu(True)
-    try:
+    with bt.backends.use_flash_attention_cpu(True):
         a, b = twin(rng, fused=True)
         a.fused = False
         x = rng.integers(0, CFG.vocab_size, (2, CFG.block_size))
         assert_same_numbers(a, b, x)
         assert all(blk.attn.fused for blk in b.transformer.h)
         assert not any(blk.attn.fused for blk in a.transformer.h)
-    finally:
-        _tensor._set_flash_attention_cpu(old)
 
 
 def test_fused_classifier_gives_the_same_numbers(rng):
     # return_logits=False with fused=True: the head and loss as bt.linear_cross_entropy in row
     # chunks (ignored targets, a padded vocabulary), against the plain model's logits path
-    if not hasattr(bt, "linear_cross_entropy"):
-        pytest.skip("this blutrain.tensor has no linear_cross_entropy")
     a, b = twin(rng, fused=True)
     b.classifier_chunk_size = 5
     x = rng.integers(0, CFG.vocab_size, (2, CFG.block_size))
@@ -196,6 +165,36 @@ def test_precision_names_and_policies():
     assert all(getattr(x, "_compute", None) is None for x in m.modules())
 
 
+def test_residual_dtype_option(rng, tmp_path, shards):
+    """GPT2.residual_dtype: float32 by default (autocast's stream), "compute" keeps the bf16
+    stream; anything else is refused naming the option.  It changes nothing in fp32 (the stream
+    is float32 either way), and the trainer sets it from --residual-dtype."""
+    assert GPT2(CFG).residual_dtype == "float32"
+    with pytest.raises(ValueError, match=r"\[GPT2\] residual_dtype .* float32, compute"):
+        GPT2(CFG, residual_dtype="bf16")
+    a, b = twin(rng, precision="fp32", residual_dtype="compute")
+    x = rng.integers(0, CFG.vocab_size, (2, 9))
+    la, sa, ga = run(a, x, x)
+    lb, sb, gb = run(b, x, x)
+    assert np.array_equal(la, lb) and sa == sb
+    assert all(np.array_equal(ga[n], gb[n]) for n in ga)
+    cfg_json = tmp_path / "m.json"
+    GPT2Config(block_size=32, n_layer=1, n_head=2, n_embd=16).to_json(cfg_json)
+    t = Trainer(
+        TrainConfig(
+            model=str(cfg_json),
+            data=str(shards),
+            seq_len=32,
+            max_steps=1,
+            warmup_steps=0,
+            out_dir=str(tmp_path / "run"),
+            device="cpu",
+            residual_dtype="compute",
+        )
+    )
+    assert t.model.residual_dtype == "compute"
+
+
 def test_fp32_mode_is_the_plain_model(rng):
     a, b = twin(rng, precision="fp32")
     x = rng.integers(0, CFG.vocab_size, (2, 9))
@@ -233,6 +232,7 @@ def test_deferred_syncs_log_every_step_identically(tmp_path, shards):
                 batch_size=2,
                 seq_len=32,
                 max_steps=7,
+                warmup_steps=2,
                 eval_interval=0,
                 sample_interval=0,
                 out_dir=str(out),
@@ -265,9 +265,7 @@ def test_deferred_syncs_log_every_step_identically(tmp_path, shards):
 
 def test_cast_cache_trains_to_the_same_bits(rng):
     """bf16: the weights' kept casts (AdamW rewrites them) give the bits of casting every step."""
-    if not hasattr(bt, "cached_astype"):
-        pytest.skip("this blutrain.tensor has no cached_astype")
-    from blutrain.models.trainer import clip_and_step, make_adamw
+    from blutrain.models.optim import AdamW, grad_norm_and_clip_coef
 
     x = rng.integers(0, CFG.vocab_size, (2, CFG.block_size))
     params_after = []
@@ -275,11 +273,12 @@ def test_cast_cache_trains_to_the_same_bits(rng):
         bt.set_cast_cache_enabled(enabled)
         try:
             _, m = twin(np.random.default_rng(0), precision="bf16")
-            opt = make_adamw(m.named_parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+            opt = AdamW(m.named_parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
             params = list(m.parameters())
             for _ in range(3):
                 m(x, x)[1].backward()
-                clip_and_step(opt, params, 1.0)
+                _, coef = grad_norm_and_clip_coef(params, 1.0)
+                opt.step(grad_scale=coef)
                 opt.zero_grad()
             kept = bt.cast_cache_bytes(m.transformer.h[0].mlp.c_fc.weight)
             assert (kept > 0) == enabled
@@ -293,7 +292,7 @@ def test_cast_cache_trains_to_the_same_bits(rng):
 def test_gemm_autotune_is_scoped():
     """gemm_autotune turns blutrain-linalg's autotune on for a CUDA device inside the block only,
     never on the CPU or in deterministic mode, and restores the previous value (also on error)."""
-    la = pytest.importorskip("blutrain.linalg")
+    import blutrain.linalg as la
     from blutrain.models.gpt2 import gemm_autotune
 
     prev = int(la.get_option("autotune"))
@@ -309,13 +308,12 @@ def test_gemm_autotune_is_scoped():
         with pytest.raises(KeyError), gemm_autotune(True, "cuda"):
             raise KeyError("inside")
         assert la.get_option("autotune") == 0
-        if hasattr(bt, "use_deterministic_algorithms"):
-            bt.use_deterministic_algorithms(True)
-            try:
-                with gemm_autotune(True, "cuda") as on:
-                    assert not on and la.get_option("autotune") == 0
-            finally:
-                bt.use_deterministic_algorithms(False)
+        bt.use_deterministic_algorithms(True)
+        try:
+            with gemm_autotune(True, "cuda") as on:
+                assert not on and la.get_option("autotune") == 0
+        finally:
+            bt.use_deterministic_algorithms(False)
     finally:
         la.set_option("autotune", prev)
 
@@ -323,25 +321,23 @@ def test_gemm_autotune_is_scoped():
 def test_gemm_autotune_option_of_the_trainer_and_bench():
     """TrainConfig.gemm_autotune defaults on; `blutrain train` and `blutrain bench` take
     --no-gemm-autotune."""
-    import argparse
-
-    from blutrain.models.trainer import add_commands
+    from blutrain.models.cli import build_parser
 
     assert TrainConfig().gemm_autotune is True
     assert TrainConfig(gemm_autotune=False).gemm_autotune is False
-    p = argparse.ArgumentParser()
-    add_commands(p.add_subparsers(dest="cmd"))
+    p = build_parser()
     assert p.parse_args(["train", "--no-gemm-autotune"]).gemm_autotune is False
     assert p.parse_args(["train"]).gemm_autotune is None  # TrainConfig's default applies
     assert p.parse_args(["bench", "--no-gemm-autotune"]).gemm_autotune is False
-    assert TrainConfig().cuda_graph is False
-    assert p.parse_args(["train", "--cuda-graph"]).cuda_graph is True
+    assert p.parse_args(["bench", "--cuda-graph"]).cuda_graph is True
+    assert TrainConfig().step == "eager"
+    assert p.parse_args(["train", "--step", "cuda-graph"]).step == "cuda-graph"
 
 
 def test_recompute_auto_is_ln_for_fp32_on_a_gpu():
     """recompute="auto" (the trainer's and the benchmarks' default) rebuilds the LayerNorms in
     fp32 on a GPU only; explicit specs pass through; bad ones still fail."""
-    from blutrain.models.trainer import resolve_recompute
+    from blutrain.models.device import resolve_recompute
 
     assert resolve_recompute("auto", "cuda", "fp32") == "ln"
     assert resolve_recompute("AUTO", "cuda:1", "float32") == "ln"
@@ -353,32 +349,22 @@ def test_recompute_auto_is_ln_for_fp32_on_a_gpu():
     assert TrainConfig().recompute == "auto"
     with pytest.raises(ValueError, match="precision"):
         resolve_recompute("auto", "cuda", "fp8")
-    with pytest.raises(ValueError, match="recompute 'all' is not one of"):
+    with pytest.raises(ValueError, match="recompute .* = 'all': must be auto, none"):
         TrainConfig(recompute="all")
 
 
-def test_cuda_graph_rejects_a_batch_of_another_shape(tmp_path, shards):
-    """A captured step replays fixed shapes: a batch of another shape is a clear ValueError
-    naming both shapes, not a silent partial copy (the copy itself is checked on the CPU)."""
-    cfg_json = tmp_path / "m.json"
-    GPT2Config(block_size=32, n_layer=1, n_head=2, n_embd=16).to_json(cfg_json)
-    t = Trainer(
-        TrainConfig(
-            model=str(cfg_json),
-            data=str(shards),
-            batch_size=2,
-            seq_len=32,
-            out_dir=str(tmp_path / "out"),
-            progress=False,
-            plot=False,
-            device="cpu",
-        )
-    )
-    t._graph_inputs = [(bt.zeros((2, 32), dtype=bt.int64), bt.zeros((2, 32), dtype=bt.int64))]
+def test_cuda_graph_rejects_a_batch_of_another_shape():
+    """A captured step replays fixed shapes: a batch of another shape (or count) is a clear
+    ValueError naming both, not a silent partial copy (the copy itself is checked on the CPU)."""
+    from blutrain.models.steps.cuda_graph import copy_batches
+
+    bufs = [(bt.zeros((2, 32), dtype=bt.int64), bt.zeros((2, 32), dtype=bt.int64))]
     bad = np.zeros((2, 16), dtype=np.int64)
     with pytest.raises(ValueError, match=r"shape \(2, 16\) differs from the captured \(2, 32\)"):
-        t._copy_graph_inputs([(bad, bad)])
+        copy_batches(bufs, [(bad, bad)], "cpu")
+    with pytest.raises(ValueError, match="2 micro-batches, the graph was captured with 1"):
+        copy_batches(bufs, [(bad, bad)] * 2, "cpu")
     x = np.arange(64, dtype=np.int64).reshape(2, 32)
-    t._copy_graph_inputs([(x, x + 1)])
-    assert np.array_equal(t._graph_inputs[0][0].numpy(), x)
-    assert np.array_equal(t._graph_inputs[0][1].numpy(), x + 1)
+    copy_batches(bufs, [(x, x + 1)], "cpu")
+    assert np.array_equal(bufs[0][0].numpy(), x)
+    assert np.array_equal(bufs[0][1].numpy(), x + 1)

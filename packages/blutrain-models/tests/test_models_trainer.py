@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
+import shutil
 
 import numpy as np
 import pytest
 
-bt = pytest.importorskip("blutrain.tensor")
-
-from blutrain.models import GPT2Config, load_checkpoint, prepare  # noqa: E402
-from blutrain.models.tokenizer import SHAKESPEARE_FILE  # noqa: E402
-from blutrain.models.trainer import (  # noqa: E402
-    TrainConfig,
-    Trainer,
-    add_commands,
-    bench,
-    commands,
-    load_model,
-    train,
-)
+from blutrain.models import GPT2Config, cli, load_checkpoint, prepare
+from blutrain.models.bench import bench
+from blutrain.models.cli import load_model
+from blutrain.models.tokenizer import SHAKESPEARE_FILE
+from blutrain.models.train_config import TrainConfig
+from blutrain.models.trainer import Trainer, train
 
 SMALL = GPT2Config(block_size=32, n_layer=1, n_head=2, n_embd=16)  # GPT-2's vocabulary
 
@@ -67,36 +60,100 @@ def final_weights(out_dir):
     return load_checkpoint(out_dir / "checkpoint").weights
 
 
+def metrics(run):
+    return [json.loads(line) for line in open(run / "metrics.jsonl")]
+
+
+def per_step(run, key):
+    return {r["step"]: r[key] for r in metrics(run) if key in r and "event" not in r}
+
+
+def assert_same_run(a, b):
+    """Two run directories end with the same weights, optimizer state, step and loader
+    position, and logged the same losses, gradient norms and learning rates at every step."""
+    ca, cb = load_checkpoint(a / "checkpoint"), load_checkpoint(b / "checkpoint")
+    for part in ("weights", "optimizer"):
+        ta, tb = getattr(ca, part), getattr(cb, part)
+        assert ta.keys() == tb.keys()
+        for k in ta:
+            assert np.array_equal(ta[k], tb[k]), f"{part} {k} differs after resume"
+    for key in ("step", "loader", "optimizer", "schedule"):
+        assert ca.trainer[key] == cb.trainer[key], key
+    for key in ("loss", "grad_norm", "lr"):
+        assert per_step(a, key) == per_step(b, key), key
+
+
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_resume_is_bit_exact(tmp_path, data_dir, model_json, grad_accum):
-    full = config(tmp_path / "a", data_dir, model_json, grad_accum=grad_accum)
-    sa = train(full)
-    assert sa["steps"] == 6
+    """Train 3 of 6 steps and resume to 6 == 6 straight: weights, AdamW moments, losses, lr,
+    data order (the loader's position), bit for bit."""
+    train(config(tmp_path / "a", data_dir, model_json, grad_accum=grad_accum))
     split = config(tmp_path / "b", data_dir, model_json, grad_accum=grad_accum)
     Trainer(split).fit(until=3)
     ck = load_checkpoint(tmp_path / "b" / "run" / "checkpoint")
     assert ck.trainer["step"] == 3 and ck.optimizer
-    resumed = Trainer(
-        config(tmp_path / "b", data_dir, model_json, grad_accum=grad_accum, resume=True)
-    )
+    resumed = Trainer(dataclasses.replace(split, resume=True))
     assert resumed.step == 3
-    sb = resumed.fit()
-    assert sb["steps"] == 6
-    wa, wb = final_weights(tmp_path / "a" / "run"), final_weights(tmp_path / "b" / "run")
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert np.array_equal(wa[k], wb[k]), f"{k} differs after resume"
-    oa = load_checkpoint(tmp_path / "a" / "run" / "checkpoint").optimizer
-    ob = load_checkpoint(tmp_path / "b" / "run" / "checkpoint").optimizer
-    for k in oa:
-        assert np.array_equal(oa[k], ob[k]), k
+    assert resumed.fit()["steps"] == 6
+    assert_same_run(tmp_path / "a" / "run", tmp_path / "b" / "run")
+    assert sorted(per_step(tmp_path / "b" / "run", "loss")) == [1, 2, 3, 4, 5, 6]
 
-    def losses(path):
-        recs = [json.loads(line) for line in open(path / "run" / "metrics.jsonl")]
-        return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
-    la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
-    assert la == lb and sorted(la) == [1, 2, 3, 4, 5, 6]
+def test_resume_after_a_crash_drops_the_lost_steps(tmp_path, data_dir, model_json):
+    """A run that went on past its last checkpoint and died: the resumed run redoes those
+    steps (the metrics of the lost ones are dropped, not duplicated) and ends bit for bit as
+    the run that never stopped."""
+    train(config(tmp_path / "a", data_dir, model_json))
+    run = tmp_path / "b" / "run"
+    cfg = config(tmp_path / "b", data_dir, model_json)
+    Trainer(cfg).fit(until=2)
+    shutil.copytree(run / "checkpoint", tmp_path / "at2")
+    Trainer(dataclasses.replace(cfg, resume=True)).fit(until=4)
+    shutil.rmtree(run / "checkpoint")  # the crash: steps 3, 4 logged, the checkpoint at 2
+    shutil.copytree(tmp_path / "at2", run / "checkpoint")
+    Trainer(dataclasses.replace(cfg, resume="auto")).fit()
+    assert [r["step"] for r in metrics(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert_same_run(tmp_path / "a" / "run", run)
+
+
+def test_extending_a_run_continues_its_schedule(tmp_path, data_dir, model_json, capsys):
+    """--resume with a larger --max-steps: the cosine restarts from the learning rate reached,
+    down to min_lr at the new end; it never rises. Through the CLI, which keeps every setting
+    of the run that is not given again."""
+    out = tmp_path / "run"
+    flags = ["--data", str(data_dir), "--model", model_json, "--batch-size", "2"]
+    flags += ["--seq-len", "16", "--eval-interval", "0", "--sample-interval", "0"]
+    flags += ["--warmup-steps", "2", "--no-progress", "--no-plot", "--out-dir", str(out)]
+    assert cli.main(["train", *flags, "--max-steps", "4"]) == 0
+    # an unfinished run stopped at 4 of 10 (its own schedule), extended to 14
+    t = Trainer(config(tmp_path / "u", data_dir, model_json, max_steps=10, warmup_steps=2))
+    t.fit(until=4)
+    lr_at_4 = t.schedule(4)
+    ext = ["--out-dir", str(tmp_path / "u" / "run"), "--resume", "--max-steps", "14"]
+    assert cli.main(["train", *ext, "--no-progress"]) == 0
+    lrs = per_step(tmp_path / "u" / "run", "lr")
+    tail = [lrs[s] for s in range(5, 15)]  # step s ran at schedule(s - 1)
+    assert tail[0] == lr_at_4  # continuous: the first extended step keeps the reached lr
+    assert all(a >= b for a, b in zip(tail, tail[1:])), tail  # never up
+    assert tail[-1] > 3e-4 > tail[-1] * 0.5  # cosine to lr / 10 = 3e-4 at step 14
+    # a finished run extended: its schedule has reached min_lr (lr / 10 = 2e-4) at its end and
+    # stays there (no jump back up) ...
+    assert cli.main(["train", "--out-dir", str(out), "--resume", "--max-steps", "6"]) == 0
+    lrs = per_step(out, "lr")
+    assert lrs[4] > 2e-4 and [lrs[s] for s in (5, 6)] == [2e-4] * 2
+    # ... unless a lower --min-lr asks it to decay further, from where it is
+    assert cli.main(["train", "--out-dir", str(out), "--resume", "--max-steps", "9",
+                     "--min-lr", "1e-4"]) == 0  # fmt: skip
+    lrs = per_step(out, "lr")
+    assert lrs[7] == 2e-4 and 2e-4 > lrs[8] > lrs[9] > 1e-4
+    s = load_checkpoint(out / "checkpoint").trainer["schedule"]
+    assert (s["decay_start"], s["decay_start_lr"], s["max_steps"], s["min_lr"]) == (
+        6,
+        2e-4,
+        9,
+        1e-4,
+    )
+    capsys.readouterr()
 
 
 def test_loss_falls_and_logs_are_written(tmp_path, data_dir, model_json):
@@ -144,20 +201,20 @@ def test_resume_refuses_another_model(tmp_path, data_dir, model_json):
     Trainer(config(tmp_path, data_dir, model_json)).fit(until=1)
     other = tmp_path / "other.json"
     GPT2Config(block_size=32, n_layer=1, n_head=2, n_embd=32).to_json(other)
-    with pytest.raises(ValueError, match="differs from this run"):
+    with pytest.raises(ValueError, match=r"holds another model: n_embd 16 \(this run: 32\)"):
         Trainer(config(tmp_path, data_dir, model_json, model=str(other), resume=True))
 
 
 def test_config_errors(tmp_path, data_dir, model_json):
-    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+    with pytest.raises(ValueError, match=r"batch_size \(--batch-size\) = 0: must be an int >= 1"):
         TrainConfig(batch_size=0)
-    with pytest.raises(ValueError, match="precision 'fp16' is not one of"):
+    with pytest.raises(ValueError, match="precision .* = 'fp16': must be one of auto, fp32"):
         TrainConfig(precision="fp16")
-    with pytest.raises(ValueError, match="recompute 'all' is not one of"):
+    with pytest.raises(ValueError, match="recompute .* = 'all': must be auto, none, gelu"):
         TrainConfig(recompute="all")
     with pytest.raises(ValueError, match="bf16 needs a CUDA device"):
         Trainer(config(tmp_path, data_dir, model_json, precision="bf16", device="cpu"))
-    with pytest.raises(ValueError, match="seq_len 64 is longer than the model's block size 32"):
+    with pytest.raises(ValueError, match="seq_len .* = 64: must be at most the model's block size"):
         Trainer(config(tmp_path, data_dir, model_json, seq_len=64))
     with pytest.raises(FileNotFoundError, match="no such file or directory"):
         Trainer(config(tmp_path, data_dir, model_json, data=str(tmp_path / "nope")))
@@ -168,15 +225,11 @@ def test_config_errors(tmp_path, data_dir, model_json):
 
 
 def run_cli(argv):
-    parser = argparse.ArgumentParser(prog="blutrain")
-    sub = parser.add_subparsers(dest="command")
-    add_commands(sub)
-    args = parser.parse_args(argv)
-    return args._run(args)
+    return cli.main(argv)
 
 
 def test_cli_commands(tmp_path, data_dir, model_json, capsys):
-    assert [c.name for c in commands()] == ["train", "sample", "eval", "bench"]
+    assert [c.name for c in cli.COMMANDS] == ["prepare", "train", "sample", "eval", "bench"]
     out = tmp_path / "cli"
     rc = run_cli(
         [
@@ -191,6 +244,8 @@ def test_cli_commands(tmp_path, data_dir, model_json, capsys):
             "16",
             "--max-steps",
             "3",
+            "--warmup-steps",
+            "1",
             "--eval-interval",
             "0",
             "--sample-interval",
@@ -279,6 +334,7 @@ def test_cli_commands(tmp_path, data_dir, model_json, capsys):
                 "batch_size": 2,
                 "seq_len": 16,
                 "max_steps": 50,
+                "warmup_steps": 1,
                 "eval_interval": 0,
                 "sample_interval": 0,
                 "progress": False,
@@ -307,7 +363,7 @@ def test_set_threads_sets_the_one_budget():
     import sys
 
     code = (
-        "import sys; import blutrain.tensor as bt; from blutrain.models.trainer import "
+        "import sys; import blutrain.tensor as bt; from blutrain.models.device import "
         "set_threads, threads_note; n = set_threads(int(sys.argv[1])); "
         "import blutrain.linalg as la; "
         "print(n, bt.get_num_threads(), la.get_option('num_threads'), repr(threads_note('cpu')))"
@@ -335,14 +391,14 @@ def test_set_threads_sets_the_one_budget():
     assert run(1)[3] == repr(f", 1 thread of {cpus} CPU{'s' * (cpus > 1)}")
 
 
-def test_cli_errors_are_clear(tmp_path, monkeypatch):
+def test_cli_errors_are_clear(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(FileNotFoundError, match="run `blutrain train` first"):
-        run_cli(["sample", "-n", "2"])
-    with pytest.raises(FileNotFoundError, match="no such checkpoint directory"):
-        run_cli(["eval", "--checkpoint", str(tmp_path / "none")])
-    with pytest.raises(ValueError, match="unknown model 'gpt5'"):
-        run_cli(["bench", "--model", "gpt5"])
+    assert run_cli(["sample", "-n", "2"]) == 2
+    assert "run `blutrain train` first" in capsys.readouterr().err
+    assert run_cli(["eval", "--checkpoint", str(tmp_path / "none")]) == 2
+    assert "no such checkpoint directory" in capsys.readouterr().err
+    assert run_cli(["bench", "--model", "gpt5"]) == 2
+    assert "unknown model 'gpt5'" in capsys.readouterr().err
 
 
 def test_init_from_hugging_face(tmp_path, data_dir, model_json):

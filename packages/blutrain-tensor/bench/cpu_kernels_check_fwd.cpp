@@ -29,7 +29,7 @@ template void tanh_loop<float16>(const float16*, float16*, int64_t);
 namespace {
 using namespace bt::cpu::softmax;
 
-// v1: max, exp-sum, then the output pass with its own exp (softmax) or p - lse (log_softmax).
+// v1: max, exp-sum, then the output pass with its own exp (softmax) or (p - m) - log(s) (log_softmax).
 template <typename T>
 void softmax_v1(const T* xp, T* o, int64_t rows, int64_t C, bool lg) {
   using A = bt::compute_t<T>;
@@ -39,7 +39,7 @@ void softmax_v1(const T* xp, T* o, int64_t rows, int64_t C, bool lg) {
     A m = row_max<A>(p, C);
     if (std::isinf(m) && m < 0) m = 0;
     const double s = row_exp_sum<A>(p, C, m);
-    softmax_row_out<A>(p, q, C, m, static_cast<A>(1.0 / s), m + static_cast<A>(std::log(s)), lg);
+    softmax_row_out<A>(p, q, C, m, static_cast<A>(1.0 / s), static_cast<A>(std::log(s)), lg);
   }
 }
 

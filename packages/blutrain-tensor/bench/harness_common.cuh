@@ -6,7 +6,8 @@
 // declares it) to also get the bt::cuda::throw_cuda_error the launchers' BT_CUDA_CHECK calls,
 // printing and exiting 2 instead of raising the library's Python exception.  Included by
 // attn_problem.cuh (attn_tune.cu, attn_sm90_bwd_check.cu), attn_sm90_check.cu, attn_tf32_check.cu,
-// cast_check.cu, ln_fwd_check.cu and ln_bwd_check.cu (the last two also through ln_harness.cuh).
+// cast_check.cu, ln_fwd_check.cu, ln_bwd_check.cu and nn_check.cu (the last three also through
+// ln_harness.cuh).
 #pragma once
 #include <cuda_runtime.h>
 

@@ -1,7 +1,8 @@
 // ln_bwd_check.cu: standalone check + timing of the layer-norm backward kernels of
-// src/cuda/nn_fused.cu (v1, v2, v3 with either dweight / dbias reduce, v4, v5 and v6
-// configurations).  Build and run: bash bench/ln_bwd_check.sh [--check | --bench] (needs an sm_90
-// GPU).  Exit status 1 on any FAIL.
+// src/cuda/nn_fused_kernels.cuh (v2, v3 with either dweight / dbias reduce, v4, v5 and v6
+// configurations), the v1 reference (bench/nn_v1_kernels.cuh) and the experiments that lost
+// here (bench/ln_bwd_experiments.cuh: v5 with a prefetch, v6 with clusters).  Build and run: bash
+// bench/ln_bwd_check.sh [--check | --bench] (needs an sm_90 GPU).  Exit status 1 on any FAIL.
 //
 // Check: bf16 and fp32; R in {1, 7, 300, 16384}; C in {768, 3072, 1000, 100} (each variant where
 // it applies: v3-v6 need rows of whole 16-byte vectors, so C = 100 runs them in fp32 only; the v6
@@ -26,7 +27,6 @@
 // per thread: spills) / smemKB (dynamic, per block) / blk/SM (occupancy) / grid / cl (cluster
 // size) / parts (partial rows of 2C floats written): the row kernel's launch.  The summary at the
 // end gives, per case, the library default's %copy and the best variant's.
-#define BT_NN_FUSED_KERNELS_ONLY 1
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -37,9 +37,12 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
-#include "../src/cuda/nn_fused.cu"
+#include "cuda/nn_fused_kernels.cuh"
+#include "ln_bwd_experiments.cuh"
+#include "nn_v1_kernels.cuh"
 #define BT_HARNESS_THROW_STUB 1  // the library's BT_CUDA_CHECK reports, prints and exits
 #include "harness_common.cuh"
 #include "ln_harness.cuh"
@@ -298,7 +301,8 @@ static bool run_v4(const Prob<T>& p, int mode) {
   });
 }
 
-// v5 with NW warps per block, prefetch and streaming as given (eval_gpu: kV5Warps, no pf, no cs)
+// v5 with NW warps per block, prefetch and streaming as given (eval_gpu: kV5Warps, no pf, no cs:
+// the library's kernel; with either, the experiment's)
 template <typename T, int NW, bool kPf, bool kCs>
 static bool run_v5(const Prob<T>& p, int mode) {
   const bool need_acc = p.need_acc();
@@ -307,15 +311,22 @@ static bool run_v5(const Prob<T>& p, int mode) {
     if constexpr (WPR > NW) {
       return false;
     } else {
-      using K = LnBwdV5<T, float, NV, WPR, NW, kPf, kCs>;
-      auto kern = layernorm_backward_v5<T, float, NV, WPR, NW, kPf, kCs>;
-      const int G =
-          cached_grid(reinterpret_cast<const void*>(kern), p.R, p.C, p.has_extra, need_acc,
-                      [&] { return K::grid(p.R, p.C, need_acc, g_sms, g_optin, "v5"); });
+      constexpr bool kLib = !kPf && !kCs;
+      using K = std::conditional_t<kLib, LnBwdV5<T, float, NV, WPR, NW>,
+                                   experiments::LnBwdV5<T, float, NV, WPR, NW, kPf, kCs>>;
+      const void* kern = [] {
+        if constexpr (kLib) {
+          return reinterpret_cast<const void*>(layernorm_backward_v5<T, float, NV, WPR, NW>);
+        } else {
+          return reinterpret_cast<const void*>(
+              experiments::layernorm_backward_v5<T, float, NV, WPR, NW, kPf, kCs>);
+        }
+      }();
+      const int G = cached_grid(kern, p.R, p.C, p.has_extra, need_acc,
+                                [&] { return K::grid(p.R, p.C, need_acc, g_sms, g_optin, "v5"); });
       if (G == 0 || G > kMaxPartialBlocks) return false;
       if (mode != 2) {
-        note(reinterpret_cast<const void*>(kern), G, NW * 32, K::smem(p.C, need_acc),
-             need_acc ? G : 0);
+        note(kern, G, NW * 32, K::smem(p.C, need_acc), need_acc ? G : 0);
         K::launch(G, 0, p.dy, p.x, p.wp(), p.mean, p.rstd, p.ep(), p.dx, p.partial, p.R, p.C,
                   need_acc);
         CK(cudaGetLastError());
@@ -331,8 +342,9 @@ static bool run_v5(const Prob<T>& p, int mode) {
   });
 }
 
-// v6 with NW warps per block, K ring slots per row group, clusters of CL (1: no cluster) and the
-// dw / db partials reduced in the kernel (kFinal, CL > 1) or by reduce_v4.  kAll: every row shape
+// v6 with NW warps per block, K ring slots per row group, clusters of CL (1: no cluster, the
+// library's kernel; else the experiment's) and the dw / db partials reduced in the kernel (kFinal,
+// CL > 1) or by reduce_v6 / reduce_v4.  kAll: every row shape
 // (the library's configurations); else GPT-2's (NV 3: bf16 WPR 1 / 4, fp32 WPR 2 / 8) only, to
 // keep the sweep's compile time down.
 template <typename T, int NW, int K, int CL, bool kFinal, bool kAll, int kRed = 6>
@@ -345,7 +357,8 @@ static bool run_v6(const Prob<T>& p, int mode) {
     if constexpr (WPR > NW || (!kAll && !gpt2)) {
       return false;
     } else {
-      using L = LnBwdV6<T, float, NV, WPR, NW, K, CL>;
+      using L = std::conditional_t<CL == 1, LnBwdV6<T, float, NV, WPR, NW, K>,
+                                   experiments::LnBwdV6<T, float, NV, WPR, NW, K, CL>>;
       const int G = cached_grid(
           reinterpret_cast<const void*>(L::kernel()), p.R, p.C, p.has_extra, need_acc,
           [&] { return L::grid(p.R, p.C, p.has_extra, g_sms, g_optin, g_major, "v6"); });
@@ -356,8 +369,13 @@ static bool run_v6(const Prob<T>& p, int mode) {
       if (mode != 2) {
         note(reinterpret_cast<const void*>(L::kernel()), G, L::kThreads,
              L::smem(p.C, p.ep() != nullptr), need_acc ? P : 0, CL);
-        L::launch(G, 0, p.dy, p.x, p.wp(), p.mean, p.rstd, p.ep(), p.dx, p.partial, p.grads(), p.R,
-                  p.C, need_acc, fin, "v6");
+        if constexpr (CL == 1) {
+          L::launch(G, 0, p.dy, p.x, p.wp(), p.mean, p.rstd, p.ep(), p.dx, p.partial, p.grads(),
+                    p.R, p.C, need_acc, "v6");
+        } else {
+          L::launch(G, 0, p.dy, p.x, p.wp(), p.mean, p.rstd, p.ep(), p.dx, p.partial, p.grads(),
+                    p.R, p.C, need_acc, fin, "v6");
+        }
         CK(cudaGetLastError());
       }
       if (mode != 1 && need_acc && !fin) {
@@ -376,8 +394,7 @@ static bool run_v6(const Prob<T>& p, int mode) {
   });
 }
 
-static_assert(kV6Warps == 16 && kV6Stages == 2 && kV6Cluster == 1 && kV6ReducePdl,
-              "v6 (lib) variant names");
+static_assert(kV6Warps == 16 && kV6Stages == 2 && kV6ReducePdl, "v6 (lib) variant names");
 
 template <typename T>
 struct Variant {
@@ -398,7 +415,7 @@ static std::vector<Variant<T>> variants() {
       {"v5 nw8 (lib)", run_v5<T, 8, false, false>},
       {"v5 nw16", run_v5<T, 16, false, false>},
       {"v6 nw8 k3 cl8", run_v6<T, 8, 3, 8, true, true>},
-      {"v6 nw16 k2 cl1 + reduce6 (lib)", run_v6<T, kV6Warps, kV6Stages, kV6Cluster, false, true>},
+      {"v6 nw16 k2 cl1 + reduce6 (lib)", run_v6<T, kV6Warps, kV6Stages, 1, false, true>},
       {"v6 nw16 k2 cl1 + reduce4", run_v6<T, 16, 2, 1, false, false, 4>},
       {"v6 nw16 k2 cl1 + reduce6 no pdl", run_v6<T, 16, 2, 1, false, false, 60>},
       {"v6 nw8 k3 cl1 + reduce4 (old lib)", run_v6<T, 8, 3, 1, false, true, 4>},

@@ -1,7 +1,8 @@
-// ln_fwd_check.cu: standalone check + timing of the layer-norm forward kernels of src/cuda/nn.cu
-// (v3, v4 and v6 configurations; with the residual add of add_layer_norm or without).  Build and
-// run: bash bench/ln_fwd_check.sh [--check | --bench] (needs an sm_90 GPU).  Exit status 1 on any
-// FAIL.
+// ln_fwd_check.cu: standalone check + timing of the layer-norm forward kernels of
+// src/cuda/nn_kernels.cuh (v2, v3, v4 and v6 configurations; with the residual add of
+// add_layer_norm or without) and of the v1 reference (bench/nn_v1_kernels.cuh; no residual).  Build
+// and run: bash bench/ln_fwd_check.sh [--check | --bench] (needs an sm_90 GPU).  Exit status 1 on
+// any FAIL.
 //
 // Check: bf16 and fp32; R in {1, 7, 300, 4096}; C in {768, 3072, 1000, 96} (each variant where it
 // applies: rows of whole 16-byte vectors); weight + bias, weight only, neither; with and without
@@ -17,7 +18,6 @@
 // (weight, bias and the statistics not counted).  "copy": cudaMemcpyAsync D2D of bytes / 2 (it
 // reads and writes, so it moves the same bytes); %copy = copy ms / ours ms.  The summary gives,
 // per case, the library default's %copy and the best variant's.
-#define BT_NN_KERNELS_ONLY 1
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -29,7 +29,8 @@
 #include <tuple>
 #include <vector>
 
-#include "../src/cuda/nn.cu"
+#include "cuda/nn_kernels.cuh"
+#include "nn_v1_kernels.cuh"
 #define BT_HARNESS_THROW_STUB 1  // the library's BT_CUDA_CHECK reports, prints and exits
 #include "harness_common.cuh"
 #include "ln_harness.cuh"
@@ -118,6 +119,37 @@ struct Prob {
 template <typename T>
 using Runner = std::function<bool(const Prob<T>&)>;
 
+// the v1 reference (no residual add: the library's v1 path took none)
+template <typename T>
+static bool run_v1(const Prob<T>& p) {
+  if (p.add) return false;
+  const unsigned grid = static_cast<unsigned>(p.R);
+  const int threads = row_threads(p.C, 1, 256);
+  auto kern = layernorm_forward_v1<T, float>;
+  g_note = {reinterpret_cast<const void*>(kern), static_cast<int>(grid), threads, 0};
+  kern<<<grid, threads>>>(p.x, p.wp(), p.bp(), p.y, p.mean, p.rstd, p.C, 1e-5);
+  CK(cudaGetLastError());
+  return true;
+}
+
+// mirrors layernorm_forward's v2 branch (every shape)
+template <typename T>
+static bool run_v2(const Prob<T>& p) {
+  const bool rows_aligned = (p.C * sizeof(T)) % 16 == 0 || (!p.wp() && !p.bp());
+  const int vw = !rows_aligned ? 1 : vec_width<T>({p.x, p.resp(), p.wp(), p.bp(), p.y, p.sum});
+  dispatch_vec(vw, [&](auto vtag) {
+    constexpr int V = decltype(vtag)::value;
+    const int threads = row_threads(p.C, V);
+    const unsigned grid = static_cast<unsigned>(p.R);
+    auto kern =
+        p.add ? layernorm_forward_v2<T, float, V, true> : layernorm_forward_v2<T, float, V, false>;
+    g_note = {reinterpret_cast<const void*>(kern), static_cast<int>(grid), threads, 0};
+    kern<<<grid, threads>>>(p.x, p.resp(), p.wp(), p.bp(), p.sum, p.y, p.mean, p.rstd, p.C, 1e-5);
+    CK(cudaGetLastError());
+  });
+  return true;
+}
+
 // mirrors layernorm_forward's v3 branch
 template <typename T>
 static bool run_v3(const Prob<T>& p) {
@@ -127,8 +159,9 @@ static bool run_v3(const Prob<T>& p) {
     auto kern = p.add ? layernorm_forward_v3<T, float, V, NV, true>
                       : layernorm_forward_v3<T, float, V, NV, false>;
     g_note = {reinterpret_cast<const void*>(kern), static_cast<int>(grid), kV3Warps * 32, 0};
+    // (through a pointer the residual bias has no default: none, as layernorm_forward)
     kern<<<grid, kV3Warps * 32>>>(p.x, p.resp(), p.wp(), p.bp(), p.sum, p.y, p.mean, p.rstd, p.R,
-                                  p.C, 1e-5);
+                                  p.C, 1e-5, nullptr);
     CK(cudaGetLastError());
   });
 }
@@ -193,6 +226,8 @@ static std::vector<Variant<T>> variants() {
   // session 15 also swept nw4 k2 / k4, nw8 k4, nw16 k4 (within 2% of these or slower) and nw32 k2
   // (64 registers: spills, 42-87% of copy)
   return {
+      {"v1 (reference)", run_v1<T>},
+      {"v2", run_v2<T>},
       {"v3", run_v3<T>},
       {"v4", run_v4<T>},
       {"v6 nw4 k3", run_v6<T, 4, 3>},

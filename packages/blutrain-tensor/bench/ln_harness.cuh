@@ -1,7 +1,7 @@
-// ln_harness.cuh: what the layer-norm harnesses (ln_fwd_check.cu, ln_bwd_check.cu) share beyond
-// harness_common.cuh: the device's limits, bf16 / float conversions, fetching outputs as floats,
-// the error and bit-equality helpers of their checks, their timing (median of batched calls), the
-// per-case summary and main.  Included after harness_common.cuh.
+// ln_harness.cuh: what the row-kernel harnesses (ln_fwd_check.cu, ln_bwd_check.cu, nn_check.cu)
+// share beyond harness_common.cuh: the device's limits, bf16 / float conversions, fetching outputs
+// as floats, the error and bit-equality helpers of their checks, their timing (median of batched
+// calls), the per-case summary and main.  Included after harness_common.cuh.
 #pragma once
 #include <cuda_bf16.h>
 

@@ -56,6 +56,7 @@ void check_scale(double scale, const char* op) {
 
 std::pair<Tensor, Tensor> flash_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                           bool causal, double scale) {
+  OpScope scope("flash_attention");  // Note [the op the user called]
   check_scale(scale, "flash_attention");
   if (!flash_attention_supported(q, k, v, causal)) {
     throw ValueError("[flash_attention] unsupported inputs q " + shape_str(q.shape()) + ", k " +

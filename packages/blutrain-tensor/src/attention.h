@@ -126,6 +126,7 @@ class QkvAttention : public Primitive {
   BT_PRIM_BODY(QkvAttention, "qkv_attention")
   QkvAttention(double s, bool c, int64_t h, int64_t t, bool bias)
       : scale(s), causal(c), heads(h), seq(t), has_bias(bias) {}
+  bool contiguous_input(size_t i) const override { return i == 2; }  // the bias
   bool saves_input(size_t i, const std::vector<bool>& needs) const override { return i < 2; }
   bool saves_outputs() const override { return true; }
   bool takes_no_cotangent(size_t i) const override { return i > 0; }  // lse, qkv

@@ -125,6 +125,7 @@ Tensor gelu_tanh_backward(const Tensor& dy_in, const Tensor& pre_in) {
 }
 
 Tensor linear_gelu(const Tensor& x, const Tensor& w, const Tensor& b) {
+  OpScope scope("linear_gelu");  // Note [the op the user called]
   if (!x.defined() || !w.defined()) throw ValueError("[linear_gelu] input and weight are required");
   if (w.ndim() != 2)
     throw ValueError("[linear_gelu] weight must be 2-D (out, in), got " + shape_str(w.shape()));
@@ -199,6 +200,7 @@ static void check_linear_args(const Tensor& x, const Tensor& w, const Tensor& b,
 
 Tensor linear_gelu_linear(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2,
                           const Tensor& b2, bool recompute) {
+  OpScope scope("linear_gelu_linear");
   const char* op = "linear_gelu_linear";
   if (!x.defined() || !w1.defined() || !w2.defined())
     throw ValueError("[linear_gelu_linear] input, w1 and w2 are required");
@@ -280,6 +282,7 @@ constexpr int64_t kChunkBytes = 512LL << 20;  // 512 MiB
 Tensor linear_cross_entropy(const Tensor& x, const Tensor& w, const Tensor& target,
                             int64_t ignore_index, const std::string& reduction,
                             std::optional<int64_t> num_classes, std::optional<int64_t> chunk_size) {
+  OpScope scope("linear_cross_entropy");
   const char* op = "linear_cross_entropy";
   if (!x.defined() || !w.defined() || !target.defined())
     throw ValueError("[linear_cross_entropy] input, weight and target are required");

@@ -39,6 +39,7 @@ void set_rng_state(uint64_t seed, uint64_t offset);
 class LinearGelu : public Primitive {
   BT_PRIM_BODY(LinearGelu, "linear_gelu")
   explicit LinearGelu(bool bias) : has_bias(bias) {}
+  bool contiguous_input(size_t i) const override { return i == 2; }  // the bias
   bool saves_input(size_t i, const std::vector<bool>& needs) const override { return i < 2; }
   bool saves_outputs() const override { return true; }  // pre (y is the next layer's input)
   // pre is never returned by the front: no zero-filled cotangent for it in backward
@@ -66,6 +67,7 @@ class LinearWeightGrad : public Primitive {
 class LinearDgelu : public Primitive {
   BT_PRIM_BODY(LinearDgelu, "linear_dgelu")
   explicit LinearDgelu(bool bg) : bgrad(bg) {}
+  bool contiguous_input(size_t i) const override { return i == 2; }  // pre
   bool differentiable() const override { return false; }
   bool saves_inputs() const override { return false; }
   void attrs(Attrs& a) const override { a["bgrad"] = bgrad; }
@@ -85,6 +87,7 @@ class LinearDgelu : public Primitive {
 class LinearGeluLinear : public Primitive {
   BT_PRIM_BODY(LinearGeluLinear, "linear_gelu_linear")
   LinearGeluLinear(bool b1, bool b2, bool rc = false) : has_b1(b1), has_b2(b2), recompute(rc) {}
+  bool contiguous_input(size_t i) const override { return i >= 3; }  // the biases
   bool saves_input(size_t i, const std::vector<bool>& needs) const override { return i < 3; }
   bool saves_outputs() const override { return true; }  // h and pre (pre only with recompute)
   bool saves_output(size_t i) const override { return i > 0; }  // never y
@@ -134,6 +137,7 @@ class LinearCrossEntropy : public Primitive {
   BT_PRIM_BODY(LinearCrossEntropy, "linear_cross_entropy")
   LinearCrossEntropy(int64_t ii, int64_t nc, int64_t rows, bool ndx, bool ndw, bool m)
       : ignore_index(ii), num_classes(nc), chunk_rows(rows), need_dx(ndx), need_dw(ndw), mean(m) {}
+  bool contiguous_input(size_t i) const override { return i == 2; }  // the target
   bool saves_inputs() const override { return false; }
   bool saves_outputs() const override { return true; }
   bool saves_output(size_t i) const override { return i > 0; }        // dx, dW
@@ -142,6 +146,8 @@ class LinearCrossEntropy : public Primitive {
     a["ignore_index"] = ignore_index;
     a["num_classes"] = num_classes;
     a["chunk_rows"] = chunk_rows;
+    a["need_dx"] = need_dx;
+    a["need_dw"] = need_dw;
     a["mean"] = mean;
   }
   int64_t ignore_index, num_classes, chunk_rows;

@@ -20,6 +20,9 @@ void set_grad_enabled(bool on) { g_grad_enabled = on; }
 
 // ---- the leaf accumulator ------------------------------------------------------------------
 namespace {
+std::atomic<uint64_t> g_hook_calls{0};
+void count_hook_call() { g_hook_calls.fetch_add(1, std::memory_order_relaxed); }
+
 struct AccumulateGrad : Node {
   explicit AccumulateGrad(std::shared_ptr<TensorImpl> l) : leaf(std::move(l)) {
     next = {};
@@ -32,15 +35,16 @@ struct AccumulateGrad : Node {
   std::vector<Tensor> apply(std::vector<Tensor>& grads) override {
     Tensor g = grads[0];
     Tensor leaf_t(leaf);
-    for (auto& h : leaf->hooks) {
+    leaf->hooks.for_each([&](const GradHook& h) {
+      count_hook_call();
       Tensor r = h(g);
       if (r.defined()) g = r;
-    }
-    if (Graph* graph = active_graph()) {
-      graph->record_grad(leaf_t, g);
+    });
+    if (g.dtype() != leaf->dtype) g = astype(g, leaf->dtype);
+    if (Graph* graph = active_graph()) {  // the .grad becomes the recorded value (capture.h)
+      graph->accumulate_grad(leaf_t, g);
       return {};
     }
-    if (g.dtype() != leaf->dtype) g = astype(g, leaf->dtype);
     if (!leaf->grad) {
       // Keep the gradient itself only when nothing else holds it (a user-given gradient or a
       // cotangent passed through unchanged must not be aliased by .grad).  A view of a tensor
@@ -56,11 +60,18 @@ struct AccumulateGrad : Node {
       const bool own = g.impl_ptr().use_count() <= 2 && g.is_contiguous() && !g.impl()->grad_fn &&
                        sole && base_ok;
       leaf->grad = !own ? clone(g).impl_ptr() : via_base ? detach(g).impl_ptr() : g.impl_ptr();
+    } else if (leaf->grad_overwrite) {
+      Tensor acc(leaf->grad);
+      copy_(acc, g);  // the first gradient of a bucket's window: no zero fill, no add
     } else {
       Tensor acc(leaf->grad);
       inplace(acc, add(acc, g), "accumulate_grad");
     }
-    for (auto& h : leaf->post_acc_hooks) h(leaf_t);
+    leaf->grad_overwrite = false;
+    leaf->post_acc_hooks.for_each([&](const PostAccHook& h) {
+      count_hook_call();
+      h(leaf_t);
+    });
     return {};
   }
   std::shared_ptr<TensorImpl> leaf;
@@ -127,27 +138,50 @@ std::shared_ptr<Node> make_custom_node(const std::string& name, BackwardFn fn,
 }
 
 // ---- hooks ---------------------------------------------------------------------------------
-void register_hook(const Tensor& t, GradHook hook) {
+HookHandle register_hook(const Tensor& t, GradHook hook) {
   if (!t.requires_grad()) {
     throw RuntimeError(
         "[register_hook] cannot register a hook on a tensor that does not require "
         "grad");
   }
   if (t.grad_fn()) {
-    t.grad_fn()->pre_hooks[t.impl()->output_nr].push_back(std::move(hook));
-  } else {
-    t.impl()->hooks.push_back(std::move(hook));
+    const size_t k = static_cast<size_t>(t.impl()->output_nr);
+    const uint64_t id = t.grad_fn()->pre_hooks[k].add(std::move(hook));
+    std::weak_ptr<Node> node = t.grad_fn();
+    return HookHandle([node, k, id] {
+      auto n = node.lock();
+      return n && n->pre_hooks[k].remove(id);
+    });
   }
+  const uint64_t id = t.impl()->hooks.add(std::move(hook));
+  std::weak_ptr<TensorImpl> leaf = t.impl_ptr();
+  return HookHandle([leaf, id] {
+    auto l = leaf.lock();
+    return l && l->hooks.remove(id);
+  });
 }
 
-void register_post_accumulate_hook(const Tensor& leaf, PostAccHook hook) {
+HookHandle register_post_accumulate_hook(const Tensor& leaf, PostAccHook hook) {
   if (!leaf.requires_grad() || leaf.grad_fn()) {
     throw RuntimeError(
         "[register_post_accumulate_grad_hook] only leaf tensors that require grad "
         "accumulate a gradient");
   }
-  leaf.impl()->post_acc_hooks.push_back(std::move(hook));
+  const uint64_t id = leaf.impl()->post_acc_hooks.add(std::move(hook));
+  std::weak_ptr<TensorImpl> weak = leaf.impl_ptr();
+  return HookHandle([weak, id] {
+    auto l = weak.lock();
+    return l && l->post_acc_hooks.remove(id);
+  });
 }
+
+std::pair<size_t, size_t> hook_counts(const Tensor& t) {
+  if (!t.defined()) return {0, 0};
+  if (t.grad_fn()) return {t.grad_fn()->pre_hooks[t.impl()->output_nr].size(), 0};
+  return {t.impl()->hooks.size(), t.impl()->post_acc_hooks.size()};
+}
+
+uint64_t hook_calls() { return g_hook_calls.load(std::memory_order_relaxed); }
 
 void retain_grad(const Tensor& t) {
   if (!t.requires_grad()) {
@@ -193,10 +227,18 @@ void set_requires_grad(const Tensor& t, bool value) {
 void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads_in,
                   bool retain_graph) {
   GradModeGuard no_grad(false);  // gradients are computed without building a graph
+  OpScope scope("backward");      // (a vjp's error names the call: Note [the op the user called])
   std::vector<Edge> root_edges;
   std::vector<Tensor> root_grads;
+  if (grads_in.size() > roots.size()) {
+    throw ValueError("[backward] got " + std::to_string(grads_in.size()) + " gradients for " +
+                     std::to_string(roots.size()) + " tensors");
+  }
   for (size_t i = 0; i < roots.size(); ++i) {
     const Tensor& r = roots[i];
+    if (!r.defined()) {
+      throw TypeError("[backward] tensors[" + std::to_string(i) + "] is None, not a Tensor");
+    }
     if (!r.requires_grad()) {
       throw RuntimeError("[backward] element " + std::to_string(i) +
                          " of tensors does not require grad and has no grad_fn");
@@ -213,6 +255,14 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
     } else if (g.shape() != r.shape()) {
       throw RuntimeError("[backward] gradient has shape " + shape_str(g.shape()) +
                          " but the output has shape " + shape_str(r.shape()));
+    } else if (g.device() != r.device()) {
+      throw ValueError("[backward] gradient is on " + g.device().str() + " but the output is on " +
+                       r.device().str());
+    } else if (!is_floating(g.dtype())) {
+      throw TypeError(std::string("[backward] gradient must be floating, got ") +
+                      dtype_name(g.dtype()));
+    } else if (g.dtype() != r.dtype()) {
+      g = astype(g, r.dtype());  // (as PyTorch: a root gradient takes its output's dtype)
     }
     root_edges.push_back(gradient_edge(r));
     root_grads.push_back(g);
@@ -247,7 +297,6 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
   auto offer_pending = [&](Node& node) {
     node.pending.clear();
     node.pending_taken.clear();
-    if (active_graph()) return;
     for (size_t i = 0; i < node.next.size(); ++i) {
       const Edge& e = node.next[i];
       if (!e.node || !node.takes_pending_gradient(i)) continue;
@@ -299,15 +348,16 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
       const bool hooked = !node->pre_hooks[i].empty() ||
                           (i < node->retain_hooks.size() && !node->retain_hooks[i].empty());
       if (!grads[i].defined()) {
-        // hooks see zeros, and a capture records them (its nodes take no undefined values)
-        if (!hooked && !active_graph() && node->takes_no_gradient(i)) continue;
+        // hooks see zeros
+        if (!hooked && node->takes_no_gradient(i)) continue;
         const auto& m = node->out_meta[i];
         grads[i] = zeros(m.shape, m.dtype, m.device);
       }
-      for (auto& h : node->pre_hooks[i]) {
+      node->pre_hooks[i].for_each([&](const GradHook& h) {
+        count_hook_call();
         Tensor r = h(grads[i]);
         if (r.defined()) grads[i] = r;
-      }
+      });
       // retain_grad() sees the gradient after every user hook, as in PyTorch.
       if (i < node->retain_hooks.size()) {
         for (auto& h : node->retain_hooks[i]) h(grads[i]);

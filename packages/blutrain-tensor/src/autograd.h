@@ -53,7 +53,7 @@ struct Node : std::enable_shared_from_this<Node> {
 
   std::vector<Edge> next;
   std::vector<TensorMeta> out_meta;
-  std::vector<std::vector<GradHook>> pre_hooks;     // per forward output: hooks of non-leaf tensors
+  std::vector<HookList<GradHook>> pre_hooks;        // per forward output: hooks of non-leaf tensors
   std::vector<std::vector<GradHook>> retain_hooks;  // retain_grad(): run after pre_hooks
   uint64_t seq;
   bool released = false;
@@ -95,9 +95,29 @@ std::shared_ptr<Node> make_custom_node(const std::string& name, BackwardFn fn,
 void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
                   bool retain_graph);
 
+// What registering a hook returns: remove() erases the hook from the list it went into (Note
+// [removable hooks]); it returns false when it was removed already or its tensor / node is gone.
+class HookHandle {
+ public:
+  explicit HookHandle(std::function<bool()> remover) : remover_(std::move(remover)) {}
+  bool remove() {
+    if (!remover_) return false;
+    const bool r = remover_();
+    remover_ = nullptr;
+    return r;
+  }
+
+ private:
+  std::function<bool()> remover_;  // holds only weak references: a handle keeps nothing alive
+};
+
 // Registers a hook on a tensor's gradient (leaf or not).
-void register_hook(const Tensor& t, GradHook hook);
-void register_post_accumulate_hook(const Tensor& leaf, PostAccHook hook);
+HookHandle register_hook(const Tensor& t, GradHook hook);
+HookHandle register_post_accumulate_hook(const Tensor& leaf, PostAccHook hook);
+// How many hooks the engine would call for t's gradient: (tensor hooks, post-accumulate hooks).
+std::pair<size_t, size_t> hook_counts(const Tensor& t);
+// Hook calls made by the engine in this process (a counter for tests: a removed hook adds none).
+uint64_t hook_calls();
 void retain_grad(const Tensor& t);
 void set_requires_grad(const Tensor& t, bool value);
 

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace bt {
 
@@ -176,6 +177,48 @@ struct compute_type<float16> {
 template <typename T>
 using compute_t = typename compute_type<T>::type;
 
+// A Python number as an op argument.  An int or bool keeps its exact value in `i` (an int above
+// 2**53 reaches an int64 tensor unrounded: full, fill_, comparisons, arithmetic, where, arange);
+// `v` is the value as a double (exact for floats).  category (for weak promotion, rule 3): 0 bool,
+// 1 int, 2 float.
+struct Scalar {
+  double v = 0;
+  int category = 2;
+  int64_t i = 0;
+  Scalar() = default;
+  // An int or bool category from a double is for small internal constants (Scalar{0, 1}).
+  Scalar(double value, int cat)
+      : v(value),
+        category(cat),
+        i(cat < 2 && value >= -0x1p63 && value < 0x1p63 ? static_cast<int64_t>(value) : 0) {}
+  static Scalar integer(int64_t x) {
+    Scalar s(static_cast<double>(x), 1);
+    s.i = x;
+    return s;
+  }
+  static Scalar boolean(bool b) { return Scalar(b ? 1.0 : 0.0, 0); }
+  static Scalar floating(double x) { return Scalar(x, 2); }
+  bool integral() const { return category < 2; }
+  // The value stored as T (a dtype's storage type): integral scalars convert from the exact
+  // int64, floats through compute_t<T> as the kernels always have.
+  template <typename T>
+  T as() const {
+    if constexpr (std::is_same<T, bool>::value) {
+      return category < 2 ? i != 0 : v != 0;
+    } else if constexpr (std::is_integral<T>::value) {
+      return category < 2 ? static_cast<T>(i) : static_cast<T>(v);
+    } else {
+      return static_cast<T>(category < 2 ? static_cast<compute_t<T>>(i)
+                                         : static_cast<compute_t<T>>(v));
+    }
+  }
+};
+// "3", "True", "2.5", "nan" (for messages).
+std::string scalar_str(const Scalar& s);
+// Whether a tensor of dtype d holds s (ints: exactly in range; floats into an integer dtype:
+// finite and in range, then truncated as a cast); floating and bool dtypes hold any value.
+bool scalar_fits(const Scalar& s, DType d);
+
 // Accumulator for reductions: float32 inputs accumulate in double only where the issue asks for
 // "float32/float64 accumulators": 16-bit floats accumulate in float, float in double (cheap on CPU
 // and makes sums of 1e6 elements exact enough to compare against numpy float64).
@@ -282,6 +325,22 @@ decltype(auto) dispatch_float(DType d, const char* op, F&& f) {
   }
   throw std::invalid_argument(std::string("[") + op + "] expects a floating dtype, got " +
                               dtype_name(d));
+}
+
+// f(type_tag<O>) for a dtype d paired with an element type T: O = T when d is T's dtype, or for a
+// float32 T also the 16-bit floats (the mixed layer norms, Note [float32 residual stream] in
+// nn_fused.h).  Other pairs throw.
+template <typename T, typename F>
+decltype(auto) dispatch_same_or_half(DType d, const char* op, F&& f) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (d == DType::BFloat16) return f(type_tag<bfloat16>{});
+    if (d == DType::Float16) return f(type_tag<float16>{});
+  }
+  if (d != dtype_of<T>::value) {
+    throw std::invalid_argument(std::string("[") + op + "] unsupported dtype pair " +
+                                dtype_name(dtype_of<T>::value) + " / " + dtype_name(d));
+  }
+  return f(type_tag<T>{});
 }
 
 }  // namespace bt

@@ -21,12 +21,18 @@ void check_device_match(const Tensor& a, const Tensor& b, const char* op) {
 
 std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual,
                                          const Tensor& weight, const Tensor& bias, double eps,
-                                         bool recompute, const Tensor& residual_bias) {
+                                         bool recompute, const Tensor& residual_bias,
+                                         std::optional<DType> out_dtype) {
+  OpScope scope("add_layer_norm");  // Note [the op the user called]
   const char* op = "add_layer_norm";
   if (!x.defined() || !residual.defined()) throw ValueError("[add_layer_norm] undefined input");
   if (!is_floating(x.dtype())) {
     throw TypeError(std::string("[add_layer_norm] expects a floating input, got ") +
                     dtype_name(x.dtype()));
+  }
+  if (out_dtype && !is_floating(*out_dtype)) {
+    throw TypeError(std::string("[add_layer_norm] out_dtype must be a floating dtype, got ") +
+                    dtype_name(*out_dtype));
   }
   if (x.ndim() < 1) throw ValueError("[add_layer_norm] input must have at least one dim");
   if (residual.shape() != x.shape()) {
@@ -43,19 +49,28 @@ std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual
     check_device_match(x, *p, op);
   }
   const DType dt = x.dtype();
+  const DType odt = out_dtype.value_or(dt);
+  // Note [float32 residual stream]: a float32 x with a 16-bit y is one kernel that reads the
+  // residual in y's dtype; other pairs add and normalise in x's dtype, then cast y.
+  const bool mixed = odt != dt && is_mixed_norm(dt, odt) && residual.dtype() == odt;
+  if (odt != dt && !mixed) {
+    auto r = add_layer_norm(x, residual, weight, bias, eps, recompute, residual_bias);
+    return {r.first, astype(r.second, odt)};
+  }
   Shape rows(x.shape().begin(), x.shape().end() - 1);
   auto cast = [dt](const Tensor& t) { return t.defined() ? astype(t, dt) : Tensor(); };
-  std::vector<Tensor> in{x, astype(residual, dt), cast(weight), cast(bias), cast(residual_bias)};
+  std::vector<Tensor> in{x, mixed ? residual : astype(residual, dt), cast(weight), cast(bias),
+                         cast(residual_bias)};
   auto outs =
       apply(std::make_shared<AddLayerNorm>(eps, weight.defined(), bias.defined(),
-                                           residual_bias.defined()),
-            in, {{x.shape(), dt}, {x.shape(), dt}, {rows, stat_dtype(dt)}, {rows, stat_dtype(dt)}},
+                                           residual_bias.defined(), mixed, odt),
+            in, {{x.shape(), dt}, {x.shape(), odt}, {rows, stat_dtype(dt)}, {rows, stat_dtype(dt)}},
             x.device());
   if (recompute && grad_enabled() && outs[1].requires_grad()) {
     // y again: LayerNorm's kernels on the kept sum do y's very arithmetic (the add kernels
     // normalise the stored, rounded sum)
     const std::vector<std::pair<Shape, DType>> meta{
-        {x.shape(), dt}, {rows, stat_dtype(dt)}, {rows, stat_dtype(dt)}};
+        {x.shape(), odt}, {rows, stat_dtype(dt)}, {rows, stat_dtype(dt)}};
     auto prim = std::make_shared<LayerNorm>(eps, weight.defined(), bias.defined());
     const Device dev = x.device();
     mark_recompute(outs[1], "add_layer_norm", {outs[0], in[2], in[3]},
@@ -69,20 +84,30 @@ std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual
 std::vector<Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                                         const Tensor& mean, const Tensor& rstd, const Tensor& extra,
                                         bool need_dweight, bool need_dbias, bool wide_grads,
-                                        bool need_dsum) {
+                                        bool need_dsum, std::optional<DType> dx_dtype) {
   const int64_t C = x.shape().back();
   const int64_t R = C ? x.numel() / C : 0;
   const DType dt = x.dtype();
-  std::vector<Tensor> in{reshape(astype(dy, dt), {R, C}),
+  // Note [float32 residual stream]: a 16-bit dy over a float32 x is read as is; dx (and extra)
+  // float32 or dy's dtype.  Otherwise everything is in x's dtype and dx is cast if asked.
+  const bool mixed = is_mixed_norm(dt, dy.dtype());
+  const DType odt = dx_dtype.value_or(dt);
+  if (odt != dt && !(mixed && odt == dy.dtype())) {
+    auto r = layer_norm_backward(dy, x, weight, mean, rstd, extra, need_dweight, need_dbias,
+                                 wide_grads, need_dsum);
+    r[0] = astype(r[0], odt);
+    return r;
+  }
+  std::vector<Tensor> in{reshape(mixed ? dy : astype(dy, dt), {R, C}),
                          reshape(x, {R, C}),
                          weight.defined() ? astype(weight, dt) : Tensor(),
                          reshape(mean, {R}),
                          reshape(rstd, {R}),
-                         extra.defined() ? reshape(astype(extra, dt), {R, C}) : Tensor()};
+                         extra.defined() ? reshape(astype(extra, odt), {R, C}) : Tensor()};
   const bool hw = weight.defined();
   const bool wide = wide_grads && (dt == DType::BFloat16 || dt == DType::Float16);
   const DType gdt = wide ? DType::Float32 : dt;
-  std::vector<std::pair<Shape, DType>> meta{{{R, C}, dt}};
+  std::vector<std::pair<Shape, DType>> meta{{{R, C}, odt}};
   if (need_dweight) meta.push_back({{C}, gdt});
   if (need_dbias) meta.push_back({{C}, gdt});
   if (need_dsum) meta.push_back({{C}, gdt});
@@ -147,7 +172,8 @@ std::vector<Tensor> CrossEntropyBackward::vjp(const VjpArgs&) {
 }
 
 std::vector<Tensor> AddLayerNorm::vjp(const VjpArgs& a) {
-  // cotangents: sum, y, mean, rstd (the last two carry nothing: stats are not differentiable).
+  // cotangents: sum (undefined when nothing reads it), y, mean, rstd (the last two carry
+  // nothing: stats are not differentiable).
   const Tensor& gsum = a.cotangents[0];
   const Tensor& gy = a.cotangents[1];
   const bool ndw = has_weight && a.needs[2], ndb = has_bias && a.needs[3];
@@ -157,8 +183,14 @@ std::vector<Tensor> AddLayerNorm::vjp(const VjpArgs& a) {
   const bool wide = (ndw || ndb || nds) &&
                     (!(ndw || ndb) || layer_norm_wide_grads(a, dt, ndw, 2, ndb, 3)) &&
                     (!nds || weight_grad_dtype(a, 4, dt) == DType::Float32);
+  // mixed: one dx in y's dtype serves the residual and (as the cotangent this node's sum takes)
+  // the stream, unless the sum's gradient came float32 (it has another reader): then float32
+  auto dxt = mixed && !(gsum.defined() && gsum.dtype() != y_dtype)
+                 ? std::optional<DType>(y_dtype)
+                 : std::nullopt;
   auto r = layer_norm_backward(gy, a.outputs[0], has_weight ? a.inputs[2] : Tensor(), a.outputs[2],
-                               a.outputs[3], gsum, ndw, ndb, wide, nds);
+                               a.outputs[3], gsum, ndw, ndb, wide, nds, dxt);
+  // (the engine casts dx to the inputs' dtypes where they differ)
   return {r[0], r[0], r[1], r[2], r[3]};
 }
 

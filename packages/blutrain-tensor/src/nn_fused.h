@@ -8,18 +8,42 @@
 //   CrossEntropyBackward  logits, target, lse, grad_loss -> dlogits (logits' dtype), one pass
 //   AddLayerNorm          x, residual, weight?, bias?, residual_bias? -> sum = x + residual
 //                         (+ residual_bias), y = layer_norm(sum), mean, rstd (one kernel reading
-//                         x and residual once)
+//                         x and residual once); y may be 16-bit over a float32 x (Note [float32
+//                         residual stream])
 // They are what the vjps of Softmax / LayerNorm / CrossEntropy / AddLayerNorm run on every
 // backend.  Statistics (mean, rstd, lse) are float32 for 16-bit inputs, the input dtype otherwise.
+//
+// Note [float32 residual stream]
+// Mixed precision as autocast runs a pre-LN transformer: the residual stream x (the embeddings'
+// sum, every x + branch) stays float32 while the branches (GEMMs, attention) run in bf16.  Rounding
+// x to bf16 at every add loses the branches' small increments to a stream 8 bits wide (issue 38:
+// GPT-2 124M's bf16 run ended 0.27 below the float32 train loss and 0.41 above its val loss in
+// 300 overfitting steps, autocast's 0.25 / 0.36; with a float32 stream 0.04 / 0.09).  The ops:
+//   - layer_norm(x float32, ..., out_dtype=bf16): statistics and normalisation of the float32
+//     row with float32 weight and bias, y rounded once to bf16 (the next GEMM's input);
+//   - add_layer_norm(x float32, residual bf16, weight, bias, residual_bias float32,
+//     out_dtype=bf16): sum = x + residual + residual_bias in float32, y as above; one kernel.
+// Backward: LayerNormBackward reads dy (bf16) and x (float32) as they are.  The stream's gradient
+// is carried in bf16: add_layer_norm's node takes the sum's cotangent in y's dtype
+// (Primitive::cotangent_dtype) and writes one bf16 dx that is both the branch's gradient (a
+// GEMM's input) and the stream's, as the bf16 stream did.  Measured (CPU, GPT-2 4 and 6 layers,
+// gradient error against float64): rounding the stream's gradient left the error where autocast's
+// float32 gradient stream has it, rounding the forward stream did not.  Bytes per (R, C) element
+// and call: forward 12 (x 4, residual 2, sum 4, y 2) against the bf16 stream's 8, backward 10
+// (dy 2, sum 4, dsum 2, dx 2) against 8; activation memory: the saved sums are float32.
 #pragma once
+
+#include <optional>
 
 #include "primitives.h"
 
 namespace bt {
 
 // inputs: dy (R, C), x (R, C), weight (C) or undefined, mean (R), rstd (R), extra (R, C) or
-// undefined (added to dx: the residual stream's gradient in add_layer_norm's backward).
-// outputs: dx (R, C) in x's dtype, then dweight (C) if need_dweight, then dbias (C) if
+// undefined (added to dx: the residual stream's gradient in add_layer_norm's backward).  dy and
+// weight have x's dtype, except over a float32 x (Note [float32 residual stream]): dy 16-bit,
+// weight float32, dx and extra either float32 or dy's dtype.
+// outputs: dx (R, C) (x's dtype but as above), then dweight (C) if need_dweight, then dbias (C) if
 // need_dbias, then dsum (C) if need_dsum: the column sums of dx as stored (rounded), the gradient
 // of a bias added to the residual (Note [residual bias]) (all in x's dtype, or float32 with
 // wide_grads for 16-bit x: the kernels' float32 column sums unrounded, for a weight that is a cast
@@ -80,9 +104,10 @@ class CrossEntropyBackward : public Primitive {
   int overwrites_input() const override { return in_place ? 0 : -1; }
   void attrs(Attrs& a) const override {
     a["ignore_index"] = ignore_index;
-    a["reduction"] = static_cast<int64_t>(reduction);
+    a["reduction"] = std::string(reduction == 0 ? "none" : reduction == 1 ? "mean" : "sum");
     a["label_smoothing"] = label_smoothing;
-    if (num_classes >= 0) a["num_classes"] = num_classes;
+    a["num_classes"] = num_classes;  // -1: every column is a class
+    a["in_place"] = in_place;
   }
   int64_t classes(const Tensor& x) const { return num_classes < 0 ? x.shape()[1] : num_classes; }
   int64_t ignore_index;
@@ -100,24 +125,34 @@ class CrossEntropyBackward : public Primitive {
 // (attention's projection, the MLP's second linear).
 //
 // inputs: x (R, C), residual (R, C), weight (C) or undefined, bias (C) or undefined,
-// residual_bias (C) or undefined.
-// outputs: sum (R, C), y (R, C) (x's dtype), mean (R), rstd (R).  y normalises the stored
-// (rounded) sum, so the backward is exactly LayerNorm's on `sum`.
+// residual_bias (C) or undefined, all of x's dtype, or (mixed) x float32, residual of y's
+// 16-bit dtype, the parameters float32 (Note [float32 residual stream]).
+// outputs: sum (R, C) (x's dtype), y (R, C) (x's dtype, or mixed 16-bit), mean (R), rstd (R).
+// y normalises the stored (rounded) sum, so the backward is exactly LayerNorm's on `sum`.
 class AddLayerNorm : public Primitive {
   BT_PRIM_BODY(AddLayerNorm, "add_layer_norm")
-  AddLayerNorm(double e, bool w, bool b, bool rb = false)
-      : eps(e), has_weight(w), has_bias(b), has_residual_bias(rb) {}
+  AddLayerNorm(double e, bool w, bool b, bool rb = false, bool mx = false, DType yd = DType::Float32)
+      : eps(e), has_weight(w), has_bias(b), has_residual_bias(rb), mixed(mx), y_dtype(yd) {}
   bool saves_outputs() const override { return true; }
-  bool saves_output(size_t i) const override { return i != 1; }        // sum, mean, rstd (not y)
-  bool takes_no_cotangent(size_t i) const override { return i >= 2; }  // mean, rstd
+  bool saves_output(size_t i) const override { return i != 1; }  // sum, mean, rstd (not y)
+  // sum: a sum nothing reads (the last layer's) costs no zero fill; mean, rstd
+  bool takes_no_cotangent(size_t i) const override { return i != 1; }
+  // mixed: the float32 sum's gradient is carried in y's dtype (Note [float32 residual stream])
+  DType cotangent_dtype(size_t i, DType own) const override {
+    return mixed && i == 0 ? y_dtype : own;
+  }
   // Only weight is needed by the backward (x and residual are not kept alive).
   bool saves_input(size_t i, const std::vector<bool>&) const override { return i == 2; }
   void attrs(Attrs& a) const override {
     a["eps"] = eps;
+    a["has_weight"] = has_weight;
+    a["has_bias"] = has_bias;
     a["has_residual_bias"] = has_residual_bias;
   }
   double eps;
   bool has_weight, has_bias, has_residual_bias;
+  bool mixed;  // x float32, y 16-bit (Note [float32 residual stream])
+  DType y_dtype;
 };
 
 // Fronts.
@@ -125,17 +160,23 @@ class AddLayerNorm : public Primitive {
 // recompute: y is rebuilt in backward (layer_norm of the kept sum) by whichever op saves it,
 // instead of being kept (Note [recomputed activations], primitives.h).
 // residual_bias (C): added to the sum (Note [residual bias]).
+// out_dtype: y's dtype (default x's); a 16-bit y over a float32 x is one kernel (Note [float32
+// residual stream]), other pairs normalise in x's dtype and cast.  sum always has x's dtype.
 std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual,
                                          const Tensor& weight, const Tensor& bias, double eps,
                                          bool recompute = false,
-                                         const Tensor& residual_bias = Tensor());
+                                         const Tensor& residual_bias = Tensor(),
+                                         std::optional<DType> out_dtype = std::nullopt);
 // The backward ops as functions (used by the vjps in primitives.cpp).  wide_grads: dweight and
-// dbias (and dsum) in float32 for 16-bit x (see LayerNormBackward; ignored otherwise).  Returns
-// {dx, dweight, dbias, dsum} (undefined where not asked for).
+// dbias (and dsum) in float32 for 16-bit x (see LayerNormBackward; ignored otherwise).
+// dx_dtype: dx's dtype (default x's; over a float32 x with a 16-bit dy it may be dy's dtype, read
+// as is, Note [float32 residual stream]; otherwise dx is computed in x's dtype and cast).
+// Returns {dx, dweight, dbias, dsum} (undefined where not asked for).
 std::vector<Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                                         const Tensor& mean, const Tensor& rstd, const Tensor& extra,
                                         bool need_dweight, bool need_dbias, bool wide_grads = false,
-                                        bool need_dsum = false);
+                                        bool need_dsum = false,
+                                        std::optional<DType> dx_dtype = std::nullopt);
 // A layer norm vjp's wide_grads: true when each wanted affine gradient (weight at input iw, bias
 // at ib) goes unnarrowed to a float32 master (weight_grad_dtype, autocast.h).
 bool layer_norm_wide_grads(const VjpArgs& a, DType dt, bool need_dweight, size_t iw,

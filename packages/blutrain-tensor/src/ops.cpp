@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <climits>
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -45,29 +47,65 @@ static void check_defined(const Tensor& t, const char* op) {
 }
 
 // ---- creation ------------------------------------------------------------------------------
-// Whether an integer dtype holds value (a cast of NaN or of an out-of-range double is undefined
-// behaviour in C++); floating and bool dtypes hold any value.
-static bool fits_integer_dtype(double v, DType dt) {
+std::string scalar_str(const Scalar& s) {
+  if (s.category == 0) return s.i ? "True" : "False";
+  if (s.category == 1) return std::to_string(s.i);
+  if (std::isnan(s.v)) return "nan";
+  if (std::isinf(s.v)) return s.v > 0 ? "inf" : "-inf";
+  char buf[40];
+  for (int prec = 1; prec <= 17; ++prec) {  // the shortest text that reads back as v (Python's)
+    std::snprintf(buf, sizeof buf, "%.*g", prec, s.v);
+    if (std::strtod(buf, nullptr) == s.v) break;
+  }
+  std::string r(buf);
+  if (r.find_first_of(".en") == std::string::npos) r += ".0";
+  return r;
+}
+
+static bool int_fits(int64_t v, DType dt) {
+  switch (dt) {
+    case DType::UInt8:
+      return v >= 0 && v <= 255;
+    case DType::Int32:
+      return v >= INT32_MIN && v <= INT32_MAX;
+    default:
+      return true;
+  }
+}
+
+// A cast of NaN or of an out-of-range double to an integer type is undefined behaviour in C++;
+// an integer scalar must fit exactly.  Floating and bool dtypes hold any value.
+bool scalar_fits(const Scalar& s, DType dt) {
   if (is_floating(dt) || dt == DType::Bool) return true;
+  if (s.integral()) return int_fits(s.i, dt);
+  const double v = s.v;
   if (!std::isfinite(v)) return false;
   switch (dt) {
     case DType::UInt8:
-      return v >= 0.0 && v <= 255.0;
+      return v > -1.0 && v < 256.0;  // truncation toward zero lands in range
     case DType::Int32:
-      return v >= -2147483648.0 && v <= 2147483647.0;
+      return v > -2147483649.0 && v < 2147483648.0;
     default:  // Int64: 2^63 itself is out of range
       return v >= -9223372036854775808.0 && v < 9223372036854775808.0;
   }
 }
 
-Tensor full(const Shape& shape, double value, DType dtype, Device device, const char* op) {
+static void check_scalar_fits(const Scalar& s, DType dt, const char* op, const char* what) {
+  if (!scalar_fits(s, dt)) {
+    throw ValueError(std::string("[") + op + "] " + what + " " + scalar_str(s) + " does not fit " +
+                     dtype_name(dt) + (s.integral() ? "" : " (a finite value in range is needed)"));
+  }
+}
+
+Tensor full(const Shape& shape, Scalar value, DType dtype, Device device, const char* op) {
+  OpScope scope(op);  // Note [the op the user called]
   check_device(device, op);
   checked_numel(shape, op, itemsize(dtype));
-  if (!fits_integer_dtype(value, dtype)) {
-    throw ValueError(std::string("[") + op + "] value " + std::to_string(value) + " does not fit " +
-                     dtype_name(dtype));
-  }
+  check_scalar_fits(value, dtype, op, "value");
   return apply1(mk<Full>(value), {}, shape, dtype, device);
+}
+Tensor full(const Shape& shape, double value, DType dtype, Device device, const char* op) {
+  return full(shape, Scalar::floating(value), dtype, device, op);
 }
 Tensor zeros(const Shape& s, DType dt, Device dev) { return full(s, 0.0, dt, dev); }
 Tensor ones(const Shape& s, DType dt, Device dev) { return full(s, 1.0, dt, dev); }
@@ -80,21 +118,79 @@ Tensor empty(const Shape& shape, DType dtype, Device device) {
   return empty_tensor(shape, dtype, device, "empty");
 }
 
-Tensor arange(double start, double stop, double step, DType dtype, Device device) {
-  check_device(device, "arange");
-  if (step == 0) throw ValueError("[arange] step must be nonzero");
-  const double n = std::ceil((stop - start) / step);
-  if (!std::isfinite(n)) throw ValueError("[arange] start, stop and step must be finite");
-  if (n >= 0x1p63) {  // (a cast of a larger double to int64 is undefined: it gave 0 elements)
-    char msg[200];
-    std::snprintf(msg, sizeof msg,
-                  "[arange] the range [%.17g, %.17g) in steps of %.17g has %.17g elements, more "
-                  "than int64 can count",
-                  start, stop, step, n);
-    throw ValueError(msg);
+// Integral start, stop and step count exactly in 128 bits and fill in int64 (an int above 2**53
+// is not rounded through double); otherwise the values are start + i * step in double.  Every
+// value must fit the dtype (no silent wrap-around into int32 / uint8).
+Tensor arange(Scalar start, Scalar stop, Scalar step, DType dtype, Device device) {
+  OpScope scope("arange");
+  const char* op = "arange";
+  check_device(device, op);
+  if (dtype == DType::Bool) throw TypeError("[arange] dtype bool is not supported");
+  for (const Scalar* s : {&start, &stop, &step}) {
+    if (!s->integral() && !std::isfinite(s->v)) {
+      throw ValueError("[arange] start, end and step must be finite, got start " +
+                       scalar_str(start) + ", end " + scalar_str(stop) + ", step " +
+                       scalar_str(step));
+    }
   }
-  return apply1(mk<Arange>(start, step), {}, {std::max<int64_t>(0, static_cast<int64_t>(n))}, dtype,
-                device);
+  if (step.integral() ? step.i == 0 : step.v == 0) {
+    throw ValueError("[arange] step must be nonzero");
+  }
+  const bool exact = start.integral() && stop.integral() && step.integral();
+  int64_t n = 0;
+  Scalar last;
+  if (exact) {
+    const __int128 span = static_cast<__int128>(stop.i) - start.i, st = step.i;
+    __int128 cnt = 0;
+    if ((span > 0 && st > 0) || (span < 0 && st < 0)) {
+      cnt = (span + st + (st > 0 ? -1 : 1)) / st;  // ceil(span / st), both of one sign
+    }
+    if (cnt > INT64_MAX) {
+      throw ValueError("[arange] the range [" + scalar_str(start) + ", " + scalar_str(stop) +
+                       ") in steps of " + scalar_str(step) + " has more elements than int64 "
+                       "can count");
+    }
+    n = static_cast<int64_t>(cnt);
+    if (n > 0) last = Scalar::integer(static_cast<int64_t>(start.i + (cnt - 1) * st));
+  } else {
+    const double c = std::ceil((stop.v - start.v) / step.v);
+    if (!std::isfinite(c)) throw ValueError("[arange] start, end and step must be finite");
+    if (c >= 0x1p63) {  // (a cast of a larger double to int64 is undefined: it gave 0 elements)
+      char msg[200];
+      std::snprintf(msg, sizeof msg,
+                    "[arange] the range [%.17g, %.17g) in steps of %.17g has %.17g elements, "
+                    "more than int64 can count",
+                    start.v, stop.v, step.v, c);
+      throw ValueError(msg);
+    }
+    n = std::max<int64_t>(0, static_cast<int64_t>(c));
+    if (n > 0) last = Scalar::floating(start.v + static_cast<double>(n - 1) * step.v);
+  }
+  if (n > 0) {
+    const Scalar first = start.integral() ? Scalar::integer(start.i) : start;
+    for (const Scalar* v : {&first, static_cast<const Scalar*>(&last)}) {
+      if (!scalar_fits(*v, dtype)) {
+        throw ValueError("[arange] the value " + scalar_str(*v) + " of the range [" +
+                         scalar_str(start) + ", " + scalar_str(stop) + ") in steps of " +
+                         scalar_str(step) + " does not fit " + dtype_name(dtype));
+      }
+    }
+  }
+  if (!exact) {  // the kernel's double path
+    start = Scalar::floating(start.v);
+    step = Scalar::floating(step.v);
+  }
+  return apply1(mk<Arange>(start, step), {}, {n}, dtype, device);
+}
+
+Tensor arange(double start, double stop, double step, DType dtype, Device device) {
+  const auto sc = [dtype](double v) {
+    // Internal callers pass whole numbers for integer dtypes: keep the exact path.
+    return !is_floating(dtype) && v == std::floor(v) && std::fabs(v) < 0x1p62
+               ? Scalar::integer(static_cast<int64_t>(v))
+               : Scalar::floating(v);
+  };
+  return arange(sc(start), sc(stop), sc(step), dtype, device);
 }
 
 namespace {
@@ -147,24 +243,48 @@ static Tensor random_op(RandKind k, const Shape& shape, DType dtype, Device devi
 }
 
 Tensor rand(const Shape& shape, DType dtype, Device device) {
+  OpScope scope("rand");
   if (!is_floating(dtype))
     throw TypeError("[rand] dtype must be floating, got " + std::string(dtype_name(dtype)));
   return random_op(RandKind::Uniform, shape, dtype, device, 0, 1, "rand");
 }
 Tensor randn(const Shape& shape, DType dtype, Device device) {
+  OpScope scope("randn");
   if (!is_floating(dtype))
     throw TypeError("[randn] dtype must be floating, got " + std::string(dtype_name(dtype)));
   return random_op(RandKind::Normal, shape, dtype, device, 0, 1, "randn");
 }
 Tensor randint(int64_t low, int64_t high, const Shape& shape, DType dtype, Device device) {
+  OpScope scope("randint");
   if (high <= low) {
     throw ValueError("[randint] high (" + std::to_string(high) + ") must be greater than low (" +
                      std::to_string(low) + ")");
   }
-  if (high - low > (int64_t{1} << 32))
-    throw ValueError("[randint] ranges above 2^32 are not supported");
-  return random_op(RandKind::Int, shape, dtype, device, static_cast<double>(low),
-                   static_cast<double>(high), "randint");
+  // (high - low overflows int64 for a range wider than 2^63: compare in 128 bits)
+  const __int128 range = static_cast<__int128>(high) - low;
+  if (range > (__int128{1} << 32)) {
+    throw ValueError("[randint] the range [" + std::to_string(low) + ", " + std::to_string(high) +
+                     ") has more than 2^32 values; ranges up to 2^32 are supported");
+  }
+  if (dtype != DType::Bool) {
+    for (int64_t v : {low, high - 1}) {
+      if (!scalar_fits(Scalar::integer(v), dtype)) {
+        throw ValueError("[randint] the range [" + std::to_string(low) + ", " +
+                         std::to_string(high) + ") does not fit " + dtype_name(dtype));
+      }
+    }
+  } else if (low < 0 || high > 2) {
+    throw ValueError("[randint] the range [" + std::to_string(low) + ", " + std::to_string(high) +
+                     ") does not fit bool (use [0, 2))");
+  }
+  check_device(device, "randint");
+  const uint64_t n = static_cast<uint64_t>(checked_numel(shape, "randint", itemsize(dtype)));
+  auto [seed, off] = next_philox(philox::counters_needed(n, false));
+  auto prim = std::make_shared<Random>(RandKind::Int, seed, off, static_cast<double>(low),
+                                       static_cast<double>(high));
+  prim->int_low = low;
+  prim->int_range = static_cast<uint64_t>(range);
+  return apply1(prim, {}, shape, dtype, device);
 }
 
 // ---- copies --------------------------------------------------------------------------------
@@ -206,6 +326,7 @@ void set_cast_cache_enabled(bool enabled) { g_cast_cache_enabled.store(enabled);
 bool cast_cache_enabled() { return g_cast_cache_enabled.load(); }
 
 Tensor cached_astype(const Tensor& x, DType dtype) {
+  OpScope scope("cached_astype");
   check_defined(x, "cached_astype");
   if (x.dtype() == dtype) return x;
   if (!cast_cache_enabled() || !is_floating(x.dtype()) || !is_floating(dtype) || x.is_symbolic() ||
@@ -225,7 +346,7 @@ Tensor cached_astype(const Tensor& x, DType dtype) {
       e = &cache->entries.back();
     } else if (!e->current(x)) {
       raw_copy_into(e->copy, x, "cached_astype");
-      e->copy.storage()->bump_version();  // a view of the old copy saved for backward is stale
+      e->copy.bump_version();  // a view of the old copy saved for backward is stale
     }
     e->from_version = x.version();
     e->copy_version = e->copy.version();
@@ -253,6 +374,7 @@ int64_t cast_cache_bytes(const Tensor& x) {
 }
 
 Tensor to_device(const Tensor& x, Device device) {
+  OpScope scope("to");
   if (x.device() == device) return x;
   check_device(device, "to");
   check_device(x.device(), "to");
@@ -323,6 +445,7 @@ Tensor as_rows(const Tensor& x) {
 }
 
 Tensor reshape(const Tensor& x, Shape shape) {
+  OpScope scope("reshape");
   check_defined(x, "reshape");
   shape = infer_shape(std::move(shape), x.numel(), x.shape(), "reshape");
   if (shape == x.shape()) return x;
@@ -331,6 +454,7 @@ Tensor reshape(const Tensor& x, Shape shape) {
 }
 
 Tensor view(const Tensor& x, Shape shape) {
+  OpScope scope("view");
   shape = infer_shape(std::move(shape), x.numel(), x.shape(), "view");
   if (!view_strides(x.shape(), x.strides(), shape)) {
     throw RuntimeError("[view] a tensor of shape " + shape_str(x.shape()) + " and strides " +
@@ -341,10 +465,18 @@ Tensor view(const Tensor& x, Shape shape) {
 }
 
 Tensor flatten(const Tensor& x, int64_t start, int64_t end) {
-  if (x.ndim() == 0) return reshape(x, {1});
+  OpScope scope("flatten");
+  if (x.ndim() == 0) {  // dims -1 and 0 name a 0-d tensor's one "dim" (as PyTorch)
+    wrap_dim(start, 0, "flatten");
+    wrap_dim(end, 0, "flatten");
+    return reshape(x, {1});
+  }
   start = wrap_dim(start, x.ndim(), "flatten");
   end = wrap_dim(end, x.ndim(), "flatten");
-  if (start > end) throw ValueError("[flatten] start_dim must not be after end_dim");
+  if (start > end) {
+    throw ValueError("[flatten] start_dim " + std::to_string(start) + " is after end_dim " +
+                     std::to_string(end) + " (of " + std::to_string(x.ndim()) + " dims)");
+  }
   Shape s(x.shape().begin(), x.shape().begin() + start);
   int64_t m = 1;
   for (int64_t d = start; d <= end; ++d) m *= x.shape()[d];
@@ -354,6 +486,7 @@ Tensor flatten(const Tensor& x, int64_t start, int64_t end) {
 }
 
 Tensor permute(const Tensor& x, std::vector<int64_t> perm) {
+  OpScope scope("permute");
   if (static_cast<int64_t>(perm.size()) != x.ndim()) {
     throw ValueError("[permute] got " + std::to_string(perm.size()) + " dims for a tensor of " +
                      std::to_string(x.ndim()) + " dims");
@@ -370,6 +503,7 @@ Tensor permute(const Tensor& x, std::vector<int64_t> perm) {
 }
 
 Tensor transpose(const Tensor& x, int64_t d0, int64_t d1) {
+  OpScope scope("transpose");
   d0 = wrap_dim(d0, x.ndim(), "transpose");
   d1 = wrap_dim(d1, x.ndim(), "transpose");
   if (d0 == d1) return x;  // also a 0-d tensor's (0, -1)
@@ -380,6 +514,7 @@ Tensor transpose(const Tensor& x, int64_t d0, int64_t d1) {
 }
 
 Tensor expand(const Tensor& x, const Shape& shape_in) {
+  OpScope scope("expand");
   if (static_cast<int64_t>(shape_in.size()) < x.ndim()) {
     throw ValueError("[expand] cannot expand a tensor of shape " + shape_str(x.shape()) + " to " +
                      shape_str(shape_in) + " (fewer dims)");
@@ -421,11 +556,14 @@ Tensor slice(const Tensor& x, int64_t dim, std::optional<int64_t> start_o,
 }
 
 Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
+  OpScope scope("narrow");
   dim = wrap_shape_dim(dim, x.ndim(), "narrow");
   const int64_t n = x.shape()[dim];
-  if (start < 0) start += n;
-  if (start < 0 || length < 0 || start + length > n) {
-    throw IndexError("[narrow] start " + std::to_string(start) + " and length " +
+  const int64_t given = start;
+  if (start < 0 && start >= -n) start += n;
+  // (length > n - start rather than start + length > n, which overflows for huge values)
+  if (start < 0 || start > n || length < 0 || length > n - start) {
+    throw IndexError("[narrow] start " + std::to_string(given) + " and length " +
                      std::to_string(length) + " are out of range for dim " + std::to_string(dim) +
                      " of size " + std::to_string(n));
   }
@@ -433,6 +571,7 @@ Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
 }
 
 Tensor select(const Tensor& x, int64_t dim, int64_t index) {
+  OpScope scope("select");
   if (x.ndim() == 0) throw IndexError("[select] cannot index a 0-d tensor");
   dim = wrap_dim(dim, x.ndim(), "select");
   const int64_t n = x.shape()[dim];
@@ -447,13 +586,19 @@ Tensor select(const Tensor& x, int64_t dim, int64_t index) {
 }
 
 std::vector<Tensor> split_sizes(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim) {
+  OpScope scope("split");
   dim = wrap_shape_dim(dim, x.ndim(), "split");
   int64_t total = 0;
+  bool over = false;
   for (auto s : sizes) {
-    if (s < 0) throw ValueError("[split] sizes must be non-negative");
-    total += s;
+    if (s < 0) throw ValueError("[split] sizes must be non-negative, got " + std::to_string(s));
+    over = over || __builtin_add_overflow(total, s, &total);
   }
-  if (total != x.shape()[dim]) {
+  if (over || total != x.shape()[dim]) {
+    if (over) {
+      throw ValueError("[split] sizes sum to more than int64 can count but dim " +
+                       std::to_string(dim) + " has size " + std::to_string(x.shape()[dim]));
+    }
     throw ValueError("[split] sizes sum to " + std::to_string(total) + " but dim " +
                      std::to_string(dim) + " has size " + std::to_string(x.shape()[dim]));
   }
@@ -467,7 +612,10 @@ std::vector<Tensor> split_sizes(const Tensor& x, const std::vector<int64_t>& siz
 }
 
 std::vector<Tensor> split(const Tensor& x, int64_t size, int64_t dim) {
-  if (size <= 0) throw ValueError("[split] split_size must be positive");
+  OpScope scope("split");
+  if (size <= 0) {
+    throw ValueError("[split] split_size must be positive, got " + std::to_string(size));
+  }
   dim = wrap_shape_dim(dim, x.ndim(), "split");
   std::vector<int64_t> sizes;
   for (int64_t at = 0; at < x.shape()[dim]; at += size) {
@@ -478,6 +626,7 @@ std::vector<Tensor> split(const Tensor& x, int64_t size, int64_t dim) {
 }
 
 std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {
+  OpScope scope("chunk");
   if (chunks <= 0) throw ValueError("[chunk] chunks must be positive");
   dim = wrap_shape_dim(dim, x.ndim(), "chunk");
   const int64_t n = x.shape()[dim];
@@ -485,6 +634,7 @@ std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {
 }
 
 Tensor squeeze(const Tensor& x, std::optional<int64_t> dim) {
+  OpScope scope("squeeze");
   Shape s;
   if (dim) {
     const int64_t d = wrap_dim(*dim, x.ndim(), "squeeze");
@@ -501,6 +651,7 @@ Tensor squeeze(const Tensor& x, std::optional<int64_t> dim) {
 }
 
 Tensor unsqueeze(const Tensor& x, int64_t dim) {
+  OpScope scope("unsqueeze");
   const int64_t d = wrap_dim(dim, x.ndim() + 1, "unsqueeze");
   Shape s = x.shape();
   s.insert(s.begin() + d, 1);
@@ -640,6 +791,7 @@ const char* reduce_name(ReduceOp op) {
 }
 
 Tensor unary(UnaryOp op, const Tensor& x) {
+  OpScope scope(unary_name(op));
   check_defined(x, unary_name(op));
   DType dt = x.dtype();
   switch (op) {
@@ -649,6 +801,10 @@ Tensor unary(UnaryOp op, const Tensor& x) {
       break;
     case UnaryOp::Abs:
     case UnaryOp::Relu:
+      if (dt == DType::Bool) {  // (as PyTorch)
+        throw TypeError(std::string("[") + unary_name(op) + "] is not defined for bool tensors");
+      }
+      break;
     case UnaryOp::Sign:
       break;
     case UnaryOp::LogicalNot:
@@ -668,12 +824,14 @@ Tensor unary(UnaryOp op, const Tensor& x) {
 }
 
 Tensor gelu(const Tensor& x, bool tanh_approx) {
+  OpScope scope("gelu");
   return unary(tanh_approx ? UnaryOp::GeluTanh : UnaryOp::GeluErf, x);
 }
 
 static bool is_compare(BinaryOp op) { return op >= BinaryOp::Eq && op <= BinaryOp::Ge; }
 
 Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
+  OpScope scope(binary_name(op));
   const char* nm = binary_name(op);
   check_defined(a, nm);
   check_defined(b, nm);
@@ -700,18 +858,31 @@ static DType scalar_dtype(BinaryOp, DType t, int cat) {
   return dt;
 }
 
+// The dtype a Python number becomes for op with a tensor: div computes in floating point; a
+// comparison (or logical and / or) with an int the tensor's dtype cannot hold (int32 < 2**40,
+// uint8 == -1) runs in int64: the true answer, not the wrapped value's.  Arithmetic with one
+// raises (full's check).
+static DType compare_dtype(BinaryOp op, DType dt, const Scalar& s) {
+  if (op == BinaryOp::Div) return to_floating(dt);
+  const bool logical = is_compare(op) || op == BinaryOp::And || op == BinaryOp::Or;
+  return logical && s.integral() && !scalar_fits(s, dt) ? DType::Int64 : dt;
+}
+
 Tensor binary(BinaryOp op, const Tensor& a, Scalar b) {
+  OpScope scope(binary_name(op));
   check_defined(a, binary_name(op));
-  DType dt = scalar_dtype(op, a.dtype(), b.category);
-  return binary(op, a, full({}, b.v, dt, a.device()));
+  DType dt = compare_dtype(op, scalar_dtype(op, a.dtype(), b.category), b);
+  return binary(op, a, full({}, b, dt, a.device(), binary_name(op)));
 }
 Tensor binary(BinaryOp op, Scalar a, const Tensor& b) {
+  OpScope scope(binary_name(op));
   check_defined(b, binary_name(op));
-  DType dt = scalar_dtype(op, b.dtype(), a.category);
-  return binary(op, full({}, a.v, dt, b.device()), b);
+  DType dt = compare_dtype(op, scalar_dtype(op, b.dtype(), a.category), a);
+  return binary(op, full({}, a, dt, b.device(), binary_name(op)), b);
 }
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
+  OpScope scope("where");
   if (cond.dtype() != DType::Bool) {
     throw TypeError(std::string("[where] condition must be bool, got ") + dtype_name(cond.dtype()));
   }
@@ -724,10 +895,14 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
                 s, dt, a.device());
 }
 Tensor where(const Tensor& cond, const Tensor& a, Scalar b) {
-  return where(cond, a, full({}, b.v, promote_with_scalar(a.dtype(), b.category), a.device()));
+  OpScope scope("where");
+  return where(cond, a,
+               full({}, b, promote_with_scalar(a.dtype(), b.category), a.device(), "where"));
 }
 
-Tensor masked_fill(const Tensor& x, const Tensor& mask, double value) {
+Tensor masked_fill(const Tensor& x, const Tensor& mask, Scalar value) {
+  OpScope scope("masked_fill");
+  check_scalar_fits(value, x.dtype(), "masked_fill", "value");
   if (mask.dtype() != DType::Bool) {
     throw TypeError(std::string("[masked_fill] mask must be bool, got ") +
                     dtype_name(mask.dtype()));
@@ -827,9 +1002,11 @@ static Tensor& inplace_view(Tensor& x, const Tensor& result, const char* op) {
 }
 
 Tensor& inplace(Tensor& x, const Tensor& result, const char* op) {
+  OpScope scope(op);
   check_defined(x, op);
-  for (int64_t d = 0; d < x.ndim(); ++d) {  // an expand()ed view: one element per several places
-    if (x.strides()[d] == 0 && x.shape()[d] > 1) {
+  check_writable(x, op);
+  for (int64_t d = 0; d < x.ndim() && x.numel() > 0; ++d) {  // an expand()ed view: one element
+    if (x.strides()[d] == 0 && x.shape()[d] > 1) {                // per several places
       throw RuntimeError(std::string("[") + op + "] the tensor of shape " + shape_str(x.shape()) +
                          " has elements that share memory (dim " + std::to_string(d) +
                          " has stride 0, as after expand()); clone() it " +
@@ -854,12 +1031,18 @@ Tensor& inplace(Tensor& x, const Tensor& result, const char* op) {
                               "capture is not supported; use the out-of-place op");
   }
   Tensor r = astype(expand(result, x.shape()), x.dtype());
+  // A result that views x's memory in another layout (a.copy_(a.T), t[1:] = t[:-1]) is read whole
+  // before the first write, as PyTorch's copy does; the same view is a plain copy onto itself.
+  if (r.storage() && r.storage() == x.storage() &&
+      (r.offset() != x.offset() || r.strides() != x.strides() || r.shape() != x.shape())) {
+    r = clone(r);
+  }
   if (Graph* g = active_graph()) {
     g->record_copy(x, r);
   } else {
     raw_copy_into(x, r, op);
   }
-  if (x.storage()) x.storage()->bump_version();
+  x.bump_version();
   if (grad_enabled()) {
     if (r.requires_grad()) {
       // x now holds r's value: it takes over r's history (an alias node if r is a leaf).
@@ -881,6 +1064,7 @@ Tensor& inplace(Tensor& x, const Tensor& result, const char* op) {
 }
 
 Tensor& copy_(Tensor& dst, const Tensor& src) {
+  OpScope scope("copy_");
   // Across devices too (as PyTorch): the source moves first, then casts on the destination.
   Tensor s = src.device() == dst.device() ? src : to_device(src, dst.device());
   return inplace(dst, astype(s, dst.dtype()), "copy_");
@@ -889,6 +1073,7 @@ Tensor& copy_(Tensor& dst, const Tensor& src) {
 // ---- reductions ----------------------------------------------------------------------------
 Tensor reduce(ReduceOp op, const Tensor& x, std::vector<int64_t> dims, bool keepdim,
               double correction) {
+  OpScope scope(reduce_name(op));
   const char* nm = reduce_name(op);
   check_defined(x, nm);
   if (dims.empty()) {
@@ -907,7 +1092,8 @@ Tensor reduce(ReduceOp op, const Tensor& x, std::vector<int64_t> dims, bool keep
     if (red) {
       ++j;
       if ((op == ReduceOp::Max || op == ReduceOp::Min) && x.shape()[d] == 0) {
-        throw ValueError(std::string("[") + nm + "] cannot reduce over a zero-size dim");
+        throw ValueError(std::string("[") + nm + "] cannot reduce over dim " + std::to_string(d) +
+                         " of size 0 (shape " + shape_str(x.shape()) + ")");
       }
       if (keepdim) out.push_back(1);
     } else {
@@ -925,17 +1111,27 @@ Tensor reduce(ReduceOp op, const Tensor& x, std::vector<int64_t> dims, bool keep
 }
 
 Tensor argreduce(bool is_max, const Tensor& x, std::optional<int64_t> dim, bool keepdim) {
+  OpScope scope(is_max ? "argmax" : "argmin");
   const char* nm = is_max ? "argmax" : "argmin";
+  check_defined(x, nm);
+  if (x.dtype() == DType::Bool) {  // (as PyTorch)
+    throw TypeError(std::string("[") + nm + "] is not defined for bool tensors; cast it first");
+  }
   if (!dim) {
-    if (x.numel() == 0) throw ValueError(std::string("[") + nm + "] got an empty tensor");
+    if (x.numel() == 0) {
+      throw ValueError(std::string("[") + nm + "] got an empty tensor (shape " +
+                       shape_str(x.shape()) + "): give a dim of nonzero size");
+    }
     Tensor f = reshape(x, {-1});
     Tensor r = argreduce(is_max, f, 0, false);
     return keepdim ? reshape(r, Shape(x.ndim(), 1)) : r;
   }
-  const int64_t d = x.ndim() == 0 ? 0 : wrap_dim(*dim, x.ndim(), nm);
+  const int64_t d = wrap_dim(*dim, x.ndim(), nm);  // a 0-d tensor takes -1 or 0
   if (x.ndim() == 0) return zeros({}, DType::Int64, x.device());
-  if (x.shape()[d] == 0)
-    throw ValueError(std::string("[") + nm + "] cannot reduce a zero-size dim");
+  if (x.shape()[d] == 0) {
+    throw ValueError(std::string("[") + nm + "] cannot reduce over dim " + std::to_string(d) +
+                     " of size 0 (shape " + shape_str(x.shape()) + ")");
+  }
   Shape s = x.shape();
   if (keepdim) {
     s[d] = 1;
@@ -953,19 +1149,30 @@ static void check_index_tensor(const Tensor& idx, const char* op) {
   }
 }
 
-Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
-  check_index_tensor(index, "index_select");
-  check_same_device(x, index, "index_select");
+static Tensor index_select_op(const Tensor& x, int64_t dim, const Tensor& index, bool embedding) {
+  OpScope scope(embedding ? "embedding" : "index_select");
+  const char* op = embedding ? "embedding" : "index_select";
+  check_defined(x, op);
+  check_defined(index, op);
+  check_index_tensor(index, op);
+  check_same_device(x, index, op);
   if (index.ndim() > 1)
-    throw ValueError("[index_select] index must be 1-D, got shape " + shape_str(index.shape()));
-  dim = wrap_shape_dim(dim, x.ndim(), "index_select");
+    throw ValueError(std::string("[") + op + "] index must be 1-D, got shape " +
+                     shape_str(index.shape()));
+  dim = wrap_shape_dim(dim, x.ndim(), op);
   Shape s = x.shape();
   s[dim] = index.numel();
-  return apply1(mk<IndexSelect>(dim), {x, reshape(index, {-1})}, s, x.dtype(), x.device());
+  return apply1(mk<IndexSelect>(dim, embedding), {x, reshape(index, {-1})}, s, x.dtype(),
+                x.device());
+}
+
+Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
+  return index_select_op(x, dim, index, false);
 }
 
 Tensor index_add(const Tensor& base, int64_t dim, const Tensor& index, const Tensor& src,
                  bool over_base) {
+  OpScope scope("index_add");
   check_index_tensor(index, "index_add");
   dim = wrap_shape_dim(dim, base.ndim(), "index_add");
   Shape s = base.shape();
@@ -980,6 +1187,7 @@ Tensor index_add(const Tensor& base, int64_t dim, const Tensor& index, const Ten
 }
 
 Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
+  OpScope scope("gather");
   check_index_tensor(index, "gather");
   check_same_device(x, index, "gather");
   dim = wrap_shape_dim(dim, x.ndim(), "gather");
@@ -998,6 +1206,7 @@ Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
 }
 
 Tensor scatter_add(const Tensor& base, int64_t dim, const Tensor& index, const Tensor& src) {
+  OpScope scope("scatter_add");
   check_index_tensor(index, "scatter_add");
   dim = wrap_shape_dim(dim, base.ndim(), "scatter_add");
   if (src.shape() != index.shape()) {
@@ -1021,6 +1230,7 @@ Tensor scatter_add(const Tensor& base, int64_t dim, const Tensor& index, const T
 }
 
 Tensor cat(const std::vector<Tensor>& xs, int64_t dim) {
+  OpScope scope("cat");
   if (xs.empty()) throw ValueError("[cat] expected a non-empty list of tensors");
   const Tensor& f = xs[0];
   if (f.ndim() == 0) throw ValueError("[cat] zero-dimensional tensors cannot be concatenated");
@@ -1051,6 +1261,7 @@ Tensor cat(const std::vector<Tensor>& xs, int64_t dim) {
 }
 
 Tensor stack(const std::vector<Tensor>& xs, int64_t dim) {
+  OpScope scope("stack");
   if (xs.empty()) throw ValueError("[stack] expected a non-empty list of tensors");
   dim = wrap_dim(dim, xs[0].ndim() + 1, "stack");
   std::vector<Tensor> u;
@@ -1065,29 +1276,47 @@ Tensor stack(const std::vector<Tensor>& xs, int64_t dim) {
 }
 
 Tensor embedding(const Tensor& weight, const Tensor& index) {
+  OpScope scope("embedding");
   if (weight.ndim() != 2) {
     throw ValueError("[embedding] weight must be 2-D (num_embeddings, dim), got " +
                      shape_str(weight.shape()));
   }
   check_index_tensor(index, "embedding");
+  check_same_device(weight, index, "embedding");
   Shape s = index.shape();
   s.push_back(weight.shape()[1]);
-  return reshape(index_select(weight, 0, reshape(index, {-1})), s);
+  return reshape(index_select_op(weight, 0, reshape(index, {-1}), true), s);
 }
 
-Tensor masked_select_bool(const Tensor& x, const Tensor& mask) {
-  if (mask.dtype() != DType::Bool) throw TypeError("[getitem] a mask index must be bool");
+// x[mask] (PyTorch's rule): mask's shape must equal x's leading dims; the result holds the
+// selected positions of those dims, in order, followed by x's remaining dims.  A 0-d mask adds a
+// dim of size 1 (True) or 0 (False).  No broadcasting: a mismatched mask is an IndexError.
+Tensor masked_select_bool(const Tensor& x_in, const Tensor& mask_in) {
+  OpScope scope("getitem");
+  if (mask_in.dtype() != DType::Bool) throw TypeError("[getitem] a mask index must be bool");
   if (active_graph()) {
     throw NotImplementedError(
         "[getitem] boolean-mask indexing has a data-dependent shape and "
         "cannot be captured");
   }
-  const Shape s = broadcast_shapes(x.shape(), mask.shape(), "getitem");
-  if (s != x.shape()) {
-    throw IndexError("[getitem] mask of shape " + shape_str(mask.shape()) +
-                     " does not match the indexed tensor's shape " + shape_str(x.shape()));
+  check_same_device(x_in, mask_in, "getitem");
+  const Tensor x = mask_in.ndim() == 0 ? unsqueeze(x_in, 0) : x_in;
+  const Tensor mask = mask_in.ndim() == 0 ? reshape(mask_in, {1}) : mask_in;
+  const int64_t k = mask.ndim();
+  if (k > x.ndim()) {
+    throw IndexError("[getitem] a mask of " + std::to_string(k) + " dims " +
+                     shape_str(mask.shape()) + " indexes a tensor of only " +
+                     std::to_string(x.ndim()) + " dims " + shape_str(x.shape()));
   }
-  Tensor m = contiguous(expand(mask, s));
+  for (int64_t d = 0; d < k; ++d) {
+    if (mask.shape()[d] != x.shape()[d]) {
+      throw IndexError("[getitem] the mask of shape " + shape_str(mask.shape()) +
+                       " does not match the indexed tensor's shape " + shape_str(x.shape()) +
+                       " at dim " + std::to_string(d) + " (" + std::to_string(mask.shape()[d]) +
+                       " vs " + std::to_string(x.shape()[d]) + ")");
+    }
+  }
+  Tensor m = contiguous(mask);
   if (m.device().is_cuda()) m = to_device(m, Device());
   const bool* p = static_cast<const bool*>(m.data_ptr("getitem"));
   std::vector<int64_t> idx;
@@ -1096,14 +1325,24 @@ Tensor masked_select_bool(const Tensor& x, const Tensor& mask) {
   }
   Tensor it = empty_tensor({static_cast<int64_t>(idx.size())}, DType::Int64, Device(), "getitem");
   std::copy(idx.begin(), idx.end(), static_cast<int64_t*>(it.data_ptr("getitem")));
-  return index_select(reshape(x, {-1}), 0, to_device(it, x.device()));
+  Shape rows{m.numel()};
+  rows.insert(rows.end(), x.shape().begin() + k, x.shape().end());
+  return index_select(reshape(x, rows), 0, to_device(it, x.device()));
 }
 
 // ---- neural-network ops --------------------------------------------------------------------
 Tensor softmax(const Tensor& x_in, int64_t dim, bool log) {
+  OpScope scope(log ? "log_softmax" : "softmax");
   const char* nm = log ? "log_softmax" : "softmax";
-  Tensor x = astype(x_in, to_floating(x_in.dtype()));
-  if (x.ndim() == 0) return reshape(softmax(reshape(x, {1}), 0, log), {});
+  if (!is_floating(x_in.dtype())) {  // (as PyTorch: no silent float32 for an integer input)
+    throw TypeError(std::string("[") + nm + "] expects a floating input, got " +
+                    dtype_name(x_in.dtype()) + "; cast it first (e.g. x.float())");
+  }
+  const Tensor& x = x_in;
+  if (x.ndim() == 0) {
+    wrap_dim(dim, 0, nm);  // -1 or 0
+    return reshape(softmax(reshape(x, {1}), 0, log), {});
+  }
   dim = wrap_dim(dim, x.ndim(), nm);
   const int64_t last = x.ndim() - 1;
   Tensor xt = dim == last ? x : transpose(x, dim, last);
@@ -1112,10 +1351,19 @@ Tensor softmax(const Tensor& x_in, int64_t dim, bool log) {
 }
 
 Tensor layer_norm(const Tensor& x, const Shape& ns, const Tensor& weight, const Tensor& bias,
-                  double eps, bool recompute) {
+                  double eps, bool recompute, std::optional<DType> out_dtype) {
+  OpScope scope("layer_norm");
   if (!is_floating(x.dtype()))
     throw TypeError(std::string("[layer_norm] expects a floating input, got ") +
                     dtype_name(x.dtype()));
+  if (out_dtype && !is_floating(*out_dtype)) {
+    throw TypeError(std::string("[layer_norm] out_dtype must be a floating dtype, got ") +
+                    dtype_name(*out_dtype));
+  }
+  const DType odt = out_dtype.value_or(x.dtype());
+  if (odt != x.dtype() && !is_mixed_norm(x.dtype(), odt)) {
+    return astype(layer_norm(x, ns, weight, bias, eps, recompute), odt);
+  }
   const int64_t k = static_cast<int64_t>(ns.size());
   if (k == 0 || k > x.ndim() || !std::equal(ns.begin(), ns.end(), x.shape().end() - k)) {
     throw ValueError("[layer_norm] normalized_shape " + shape_str(ns) +
@@ -1136,7 +1384,8 @@ Tensor layer_norm(const Tensor& x, const Shape& ns, const Tensor& weight, const 
   const DType sd = x.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
   std::vector<Tensor> in{x2, weight.defined() ? reshape(astype(weight, x.dtype()), {C}) : Tensor(),
                          bias.defined() ? reshape(astype(bias, x.dtype()), {C}) : Tensor()};
-  const std::vector<std::pair<Shape, DType>> meta{{x2s, x.dtype()}, {rows, sd}, {rows, sd}};
+  // y in odt: x's dtype, or 16-bit over a float32 x (weight and bias float32, as x)
+  const std::vector<std::pair<Shape, DType>> meta{{x2s, odt}, {rows, sd}, {rows, sd}};
   auto prim = std::make_shared<LayerNorm>(eps, weight.defined(), bias.defined());
   auto outs = apply(prim, in, meta, x.device());
   if (recompute && grad_enabled() && outs[0].requires_grad()) {
@@ -1174,6 +1423,7 @@ static Tensor cross_entropy_padded_base(const Tensor& logits) {
 Tensor cross_entropy(const Tensor& logits, const Tensor& target_in, int64_t ignore_index,
                      const std::string& reduction, double label_smoothing,
                      std::optional<DType> loss_dtype) {
+  OpScope scope("cross_entropy");
   if (!is_floating(logits.dtype())) {
     throw TypeError(std::string("[cross_entropy] logits must be floating, got ") +
                     dtype_name(logits.dtype()));
@@ -1224,8 +1474,9 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target_in, int64_t igno
     throw ValueError("[cross_entropy] reduction must be 'none', 'mean' or 'sum', got '" +
                      reduction + "'");
   }
-  if (label_smoothing < 0 || label_smoothing > 1) {
-    throw ValueError("[cross_entropy] label_smoothing must be in [0, 1]");
+  if (!(label_smoothing >= 0 && label_smoothing <= 1)) {  // NaN too
+    throw ValueError("[cross_entropy] label_smoothing must be in [0, 1], got " +
+                     scalar_str(Scalar::floating(label_smoothing)));
   }
   const DType sd = logits.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
   const DType ld = loss_dtype.value_or(logits.dtype());
@@ -1243,6 +1494,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target_in, int64_t igno
 }
 
 Tensor dropout(const Tensor& x, double p, bool training) {
+  OpScope scope("dropout");
   if (!(p >= 0 && p <= 1))  // NaN too
     throw ValueError("[dropout] p must be in [0, 1], got " + std::to_string(p));
   if (!is_floating(x.dtype()))
@@ -1279,6 +1531,7 @@ static DType matmul_dtype(const Tensor& a, const Tensor& b, const char* op) {
 }
 
 Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
+  OpScope scope("matmul");
   check_defined(a_in, "matmul");
   check_defined(b_in, "matmul");
   if (a_in.ndim() == 0 || b_in.ndim() == 0) {
@@ -1296,6 +1549,25 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
     throw ValueError("[matmul] shapes " + shape_str(a_in.shape()) + " and " +
                      shape_str(b_in.shape()) + " do not align on k (" + std::to_string(k) + " vs " +
                      std::to_string(k2) + ")");
+  }
+  // An operand expanded along k (stride 0: constant over k) would be copied whole by the GEMM's
+  // layout check (ones(1).expand(2**40) @ v): the product is its k-slice times the other's sum
+  // over k instead (K times its slice when that one is expanded too).
+  // (Not under autograd for an operand that needs a gradient: an expanded leaf's elements each
+  // have their own, which the k-slice would give to the first alone.)
+  const bool ak0 = a.strides().back() == 0, bk0 = b.strides()[b.ndim() - 2] == 0;
+  const bool tracked = grad_enabled() && (a.requires_grad() || b.requires_grad());
+  if (k > 1 && (ak0 || bk0) && !tracked) {
+    Tensor r;
+    if (ak0) {
+      Tensor bs = bk0 ? mul(narrow(b, -2, 0, 1), static_cast<double>(k)) : sum(b, {-2}, true);
+      r = matmul(narrow(a, -1, 0, 1), bs);
+    } else {
+      r = matmul(sum(a, {-1}, true), narrow(b, -2, 0, 1));
+    }
+    if (a1) r = squeeze(r, r.ndim() - 2);
+    if (b1) r = squeeze(r, -1);
+    return r;
   }
   Tensor out;
   if (a.ndim() == 2 && b.ndim() == 2) {
@@ -1334,6 +1606,7 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
 }
 
 Tensor bmm(const Tensor& a, const Tensor& b) {
+  OpScope scope("bmm");
   if (a.ndim() != 3 || b.ndim() != 3) {
     throw ValueError("[bmm] expects 3-D tensors, got shapes " + shape_str(a.shape()) + " and " +
                      shape_str(b.shape()));
@@ -1351,6 +1624,7 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
 }
 
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
+  OpScope scope("linear");
   check_defined(x, "linear");
   if (w.ndim() != 2)
     throw ValueError("[linear] weight must be 2-D (out, in), got " + shape_str(w.shape()));
@@ -1388,8 +1662,15 @@ static bool fused_attention_applies(DType dt, int64_t hd, Device dev, double sc)
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& attn_mask, double dropout_p, bool is_causal,
                                     std::optional<double> scale) {
+  OpScope scope("scaled_dot_product_attention");
   if (q.ndim() < 2 || k.ndim() < 2 || v.ndim() < 2) {
     throw ValueError("[scaled_dot_product_attention] q, k, v need at least 2 dims");
+  }
+  if (q.dtype() != k.dtype() || q.dtype() != v.dtype()) {  // (as PyTorch)
+    throw TypeError(std::string("[scaled_dot_product_attention] query, key and value must have "
+                                "one dtype, got ") +
+                    dtype_name(q.dtype()) + ", " + dtype_name(k.dtype()) + " and " +
+                    dtype_name(v.dtype()));
   }
   if (q.shape().back() != k.shape().back()) {
     throw ValueError("[scaled_dot_product_attention] q and k head dims differ: " +
@@ -1420,13 +1701,14 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   if (is_causal) {
     Tensor i = unsqueeze(arange(0, static_cast<double>(L), 1, DType::Int64, q.device()), 1);
     Tensor j = unsqueeze(arange(0, static_cast<double>(S), 1, DType::Int64, q.device()), 0);
-    s = masked_fill(s, binary(BinaryOp::Gt, j, i), -INFINITY);
+    s = masked_fill(s, binary(BinaryOp::Gt, j, i), Scalar::floating(-INFINITY));
   }
   if (attn_mask.defined()) {
     if (attn_mask.dtype() == DType::Bool) {
-      s = masked_fill(s, unary(UnaryOp::LogicalNot, attn_mask), -INFINITY);
+      s = masked_fill(s, unary(UnaryOp::LogicalNot, attn_mask),
+                      Scalar::floating(-INFINITY));
     } else {
-      s = add(s, attn_mask);
+      s = add(s, astype(attn_mask, s.dtype()));  // (the output keeps q's dtype)
     }
   }
   Tensor p = softmax(s, -1, false);
@@ -1436,6 +1718,7 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
 
 Tensor qkv_attention(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t heads,
                      bool causal, std::optional<double> scale) {
+  OpScope scope("qkv_attention");
   const char* op = "qkv_attention";
   check_defined(x, op);
   check_defined(weight, op);
@@ -1472,6 +1755,7 @@ Tensor qkv_attention(const Tensor& x, const Tensor& weight, const Tensor& bias, 
 }
 
 Tensor clip_grad_norm_(const std::vector<Tensor>& grads, double max_norm, double eps) {
+  OpScope scope("clip_grad_norm_");
   GradModeGuard no_grad(false);
   // CUDA: multi-tensor kernels (deterministic norm, coefficient and scaling on the device, no
   // host sync; see optim.h).  The CPU keeps the composed reference below.

@@ -10,20 +10,19 @@
 
 namespace bt {
 
-// A Python scalar operand: keeps its category for the weak-scalar promotion rule.
-struct Scalar {
-  double v;
-  int category;  // 0 bool, 1 int, 2 float
-};
-
 // ---- creation ------------------------------------------------------------------------------
 Tensor full(const Shape& shape, double value, DType dtype, Device device, const char* op = "full");
+// value exact for integers; a value the dtype cannot hold (NaN into int64, 300 into uint8) is a
+// ValueError naming op.
+Tensor full(const Shape& shape, Scalar value, DType dtype, Device device, const char* op = "full");
 Tensor zeros(const Shape& shape, DType dtype, Device device);
 Tensor ones(const Shape& shape, DType dtype, Device device);
 Tensor zeros_like(const Tensor& t);
 Tensor ones_like(const Tensor& t);
 Tensor empty(const Shape& shape, DType dtype, Device device);
 Tensor arange(double start, double stop, double step, DType dtype, Device device);
+// Integral start, stop and step: exact int64 values; every value must fit dtype (no bool).
+Tensor arange(Scalar start, Scalar stop, Scalar step, DType dtype, Device device);
 Tensor rand(const Shape& shape, DType dtype, Device device);
 Tensor randn(const Shape& shape, DType dtype, Device device);
 Tensor randint(int64_t low, int64_t high, const Shape& shape, DType dtype, Device device);
@@ -92,7 +91,7 @@ inline Tensor neg(const Tensor& x) { return unary(UnaryOp::Neg, x); }
 Tensor gelu(const Tensor& x, bool tanh_approx);
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
 Tensor where(const Tensor& cond, const Tensor& a, Scalar b);
-Tensor masked_fill(const Tensor& x, const Tensor& mask, double value);
+Tensor masked_fill(const Tensor& x, const Tensor& mask, Scalar value);
 
 // In place: computes op(x, y) out of place, writes it into x's memory, bumps x's version and
 // moves x's autograd history onto the result.  Returns x.
@@ -123,9 +122,12 @@ Tensor masked_select_bool(const Tensor& x, const Tensor& mask);  // x[mask]
 // ---- neural-network ops --------------------------------------------------------------------
 Tensor softmax(const Tensor& x, int64_t dim, bool log);
 // recompute: the output is rebuilt in backward by whichever op saves it, instead of being kept
-// (Note [recomputed activations], primitives.h).
+// (Note [recomputed activations], primitives.h).  out_dtype: the output's dtype (default x's); a
+// 16-bit output of a float32 x is one kernel (Note [float32 residual stream], nn_fused.h), other
+// pairs normalise in x's dtype and cast.
 Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight,
-                  const Tensor& bias, double eps, bool recompute = false);
+                  const Tensor& bias, double eps, bool recompute = false,
+                  std::optional<DType> out_dtype = std::nullopt);
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index,
                      const std::string& reduction, double label_smoothing,
                      std::optional<DType> loss_dtype = std::nullopt);

@@ -3,9 +3,11 @@
 // kernels write their inputs in place, so autograd must see those tensors as changed).
 #include "optim.h"
 
+#include <sstream>
 #include <string>
 
 #include "autograd.h"
+#include "capture.h"
 #include "ops.h"
 
 namespace bt {
@@ -14,6 +16,13 @@ namespace {
 
 std::string at(const char* list, size_t i) {
   return std::string(list) + "[" + std::to_string(i) + "]";
+}
+
+// A double as a reader wants it in a message (std::to_string prints 1e-08 as 0.000000).
+std::string num(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
 }
 
 bool is_16bit(DType d) { return d == DType::BFloat16 || d == DType::Float16; }
@@ -32,7 +41,7 @@ void check_scalar_tensor(const Tensor& t, const char* op, const char* what, Devi
     throw ValueError(std::string("[") + op + "] " + what + " is on " + t.device().str() +
                      " but the tensors are on " + dev.str());
   }
-  if (t.is_symbolic()) {
+  if (t.is_symbolic() && !active_graph()) {
     throw RuntimeError(std::string("[") + op + "] " + what + " is a symbolic (captured) tensor");
   }
 }
@@ -55,10 +64,11 @@ void check_list_tensor(const Tensor& t, const char* op, const char* list, size_t
     throw ValueError(std::string("[") + op + "] " + at(list, i) +
                      " is not contiguous (the multi-tensor kernels need dense tensors)");
   }
+  check_writable(t, op);
 }
 
 void bump(const Tensor& t) {
-  if (t.storage()) t.storage()->bump_version();
+  t.bump_version();
 }
 
 int g_kernel_version = 2;
@@ -86,7 +96,7 @@ void mark_casts_current(const std::vector<Tensor>& params, const std::vector<Ten
   std::lock_guard<std::mutex> lock(cast_cache_mutex());
   for (size_t i = 0; i < params.size(); ++i) {
     if (!copies[i].defined()) continue;
-    copies[i].storage()->bump_version();  // views of the old values saved for backward are stale
+    copies[i].bump_version();  // views of the old values saved for backward are stale
     const auto& cache = params[i].storage()->cast_cache;
     CastCache::Entry* e = cache ? cache->find(params[i], copies[i].dtype()) : nullptr;
     if (e && e->copy.storage() == copies[i].storage()) {
@@ -122,14 +132,20 @@ void adamw_(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
   len_check(grads.size(), "grads");
   len_check(exp_avgs.size(), "exp_avgs");
   len_check(exp_avg_sqs.size(), "exp_avg_sqs");
-  len_check(weight_decays.size(), "weight_decays");
+  len_check(weight_decays.size(), "weight_decay values");
   if (!(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1)) {
-    throw ValueError(std::string("[") + op + "] betas must lie in [0, 1), got (" +
-                     std::to_string(beta1) + ", " + std::to_string(beta2) + ")");
+    throw ValueError(std::string("[") + op + "] betas must lie in [0, 1), got (" + num(beta1) +
+                     ", " + num(beta2) + ")");
+  }
+  if (!lr.tensor.defined() && !(lr.value >= 0)) {
+    throw ValueError(std::string("[") + op + "] lr must be >= 0, got " + num(lr.value));
+  }
+  if (!(eps >= 0)) {
+    throw ValueError(std::string("[") + op + "] eps must be >= 0, got " + num(eps));
   }
   if (!step.tensor.defined() && !(step.value >= 1)) {
     throw ValueError(std::string("[") + op + "] step must be >= 1 (it counts this update), got " +
-                     std::to_string(step.value));
+                     num(step.value));
   }
   if (n == 0) return;
   if (!params[0].defined()) throw ValueError(std::string("[") + op + "] params[0] is None");
@@ -166,8 +182,8 @@ void adamw_(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
       }
     }
     if (!(weight_decays[i] >= 0)) {
-      throw ValueError(std::string("[") + op + "] weight_decays[" + std::to_string(i) +
-                       "] must be >= 0, got " + std::to_string(weight_decays[i]));
+      throw ValueError(std::string("[") + op + "] weight_decay[" + std::to_string(i) +
+                       "] must be >= 0, got " + num(weight_decays[i]));
     }
   }
   auto prim = std::make_shared<AdamW>();
@@ -239,6 +255,11 @@ Tensor clip_coef(const Tensor& norm, double max_norm, double eps) {
   if (!norm.defined() || norm.numel() != 1 || !is_floating(norm.dtype())) {
     throw ValueError(std::string("[") + op + "] norm must be a 0-d floating tensor");
   }
+  // max_norm = inf never clips; a negative or NaN max_norm would flip or poison every gradient.
+  if (!(max_norm >= 0) || !(eps >= 0)) {
+    throw ValueError(std::string("[") + op + "] max_norm and eps must be >= 0, got max_norm " +
+                     num(max_norm) + ", eps " + num(eps));
+  }
   GradModeGuard no_grad(false);
   return apply1(std::make_shared<ClipCoef>(max_norm, eps), {detach(norm)}, {}, DType::Float32,
                 norm.device());
@@ -251,9 +272,9 @@ void scale_(const std::vector<Tensor>& grads, const Tensor& coef) {
   Device dev = coef.defined() ? coef.device() : Device();
   for (size_t i = 0; i < grads.size(); ++i) {
     if (!grads[i].defined()) continue;
-    check_list_tensor(grads[i], op, "grads", i, dev, Tensor());
+    check_list_tensor(grads[i], op, "tensors", i, dev, Tensor());
     if (!is_floating(grads[i].dtype())) {
-      throw TypeError(std::string("[") + op + "] " + at("grads", i) +
+      throw TypeError(std::string("[") + op + "] " + at("tensors", i) +
                       " must be floating point, got " + dtype_name(grads[i].dtype()));
     }
     in.push_back(detach(grads[i]));

@@ -59,6 +59,12 @@ class AdamW : public Primitive {
     a["beta2"] = beta2;
     a["eps"] = eps;
     a["step"] = step;
+    a["n"] = static_cast<int64_t>(n);
+    a["weight_decays"] = weight_decays;
+    a["has_lr"] = has_lr;
+    a["has_step"] = has_step;
+    a["has_scale"] = has_scale;
+    a["has_copies"] = has_copies;
   }
   size_t n = 0;
   double lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, step = 1;

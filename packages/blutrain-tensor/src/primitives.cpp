@@ -114,11 +114,9 @@ struct PrimNode : Node {
       }
     }
     std::vector<DType> grad_dtypes(in_meta.size());
-    const bool capturing = active_graph() != nullptr;  // captured graphs keep one dtype per edge
     for (size_t i = 0; i < in_meta.size(); ++i) {
       const Edge& e = next[i];
-      grad_dtypes[i] = !capturing && needs[i] && e.node ? e.node->grad_dtype_taken(e.input_nr)
-                                                        : in_meta[i].dtype;
+      grad_dtypes[i] = needs[i] && e.node ? e.node->grad_dtype_taken(e.input_nr) : in_meta[i].dtype;
     }
     VjpArgs args{recomputed_in.empty() ? saved_in : rebuilt,
                  saved_out,
@@ -150,7 +148,10 @@ struct PrimNode : Node {
     const DType own = out_meta[i].dtype;
     const bool hooked =
         !pre_hooks[i].empty() || (i < retain_hooks.size() && !retain_hooks[i].empty());
-    if (!prim->is_cast() || hooked || in_meta.empty()) return own;
+    if (hooked) return own;  // hooks see the output's own dtype
+    // captured graphs keep one dtype per edge (as VjpArgs::grad_dtypes)
+    if (!prim->is_cast()) return active_graph() ? own : prim->cotangent_dtype(i, own);
+    if (in_meta.empty()) return own;
     const DType wide = in_meta[0].dtype;
     return is_floating(wide) && is_floating(own) && itemsize(wide) > itemsize(own) ? wide : own;
   }
@@ -172,8 +173,9 @@ void mark_recompute(const Tensor& out, const char* op, std::vector<Tensor> input
 }
 
 bool donatable(const Tensor& saved) {
+  // (never foreign memory: a numpy array or DLPack producer still owns and may read it)
   return saved.defined() && !saved.is_symbolic() && saved.impl_ptr().use_count() == 1 &&
-         storage_only_via(saved);
+         !saved.storage()->foreign() && storage_only_via(saved);
 }
 
 // Output 0 of a primitive that overwrites input k: input k's memory, as a fresh contiguous
@@ -190,8 +192,18 @@ static Tensor donated_output(const Primitive& prim, const Tensor& in, const Shap
   return make_view(in, shape, in.strides(), in.offset());
 }
 
-std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Tensor>& inputs,
+std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Tensor>& inputs_in,
                           const std::vector<std::pair<Shape, DType>>& out_meta, Device device) {
+  // Note [dense side inputs]: a copy only for a declared input that is not contiguous.
+  std::vector<Tensor> dense;
+  for (size_t i = 0; i < inputs_in.size(); ++i) {
+    const Tensor& t = inputs_in[i];
+    if (t.defined() && prim->contiguous_input(i) && !t.is_contiguous()) {
+      if (dense.empty()) dense = inputs_in;
+      dense[i] = contiguous(t);
+    }
+  }
+  const std::vector<Tensor>& inputs = dense.empty() ? inputs_in : dense;
   for (size_t i = 0; i < inputs.size(); ++i) {
     const Tensor& t = inputs[i];
     if (t.defined() && t.device() != device) {
@@ -202,14 +214,18 @@ std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Ten
   }
   Graph* graph = active_graph();
   std::vector<Tensor> outs;
+  // Elementwise results take a dense input 0's layout (so captured values carry eager's strides)
+  const bool like0 = prim->preserves_layout() && out_meta.size() == 1 && !inputs.empty() &&
+                     inputs[0].shape() == out_meta[0].first && !inputs[0].is_contiguous() &&
+                     is_dense(inputs[0]);
   if (prim->is_view()) {
     outs.push_back(prim->eval_view(inputs));
   } else if (graph) {
-    for (auto& m : out_meta) outs.push_back(symbolic_tensor(m.first, m.second, device));
+    for (auto& m : out_meta) {
+      outs.push_back(symbolic_tensor(m.first, m.second, device));
+      if (like0) outs.back().impl()->strides = inputs[0].strides();
+    }
   } else {
-    const bool like0 = prim->preserves_layout() && out_meta.size() == 1 && !inputs.empty() &&
-                       inputs[0].shape() == out_meta[0].first && !inputs[0].is_contiguous() &&
-                       is_dense(inputs[0]);
     const int over = prim->overwrites_input();
     for (auto& m : out_meta) {
       outs.push_back(
@@ -229,7 +245,7 @@ std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Ten
     } else {
       prim->eval_cpu(inputs, outs);
     }
-    if (over >= 0) outs[0].storage()->bump_version();  // the input's old values are gone
+    if (over >= 0) outs[0].bump_version();  // the input's old values are gone
   }
   if (graph) {
     Attrs a;
@@ -470,7 +486,7 @@ std::vector<Tensor> Where::vjp(const VjpArgs& a) {
   return {Tensor(), a.needs[1] ? where(c, g, z) : Tensor(), a.needs[2] ? where(c, z, g) : Tensor()};
 }
 std::vector<Tensor> MaskedFill::vjp(const VjpArgs& a) {
-  return {masked_fill(a.cotangents[0], a.inputs[1], 0.0), Tensor()};
+  return {masked_fill(a.cotangents[0], a.inputs[1], Scalar::floating(0.0)), Tensor()};
 }
 
 // Reductions ----------------------------------------------------------------------------------

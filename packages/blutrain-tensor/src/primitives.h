@@ -28,7 +28,10 @@
 
 namespace bt {
 
-using AttrValue = std::variant<int64_t, double, bool, std::string, std::vector<int64_t>>;
+// Capture attributes (capture.h, schema.h): every value a primitive's constructor takes, so a
+// recorded node rebuilds the same primitive (make_primitive) and replays it bit for bit.
+using AttrValue =
+    std::variant<int64_t, double, bool, std::string, std::vector<int64_t>, std::vector<double>>;
 using Attrs = std::map<std::string, AttrValue>;
 
 struct VjpArgs {
@@ -61,6 +64,15 @@ struct VjpArgs {
 // (Primitive::overwrites_input); apply() gives the output that memory, and bumps its version.
 // The kernels read each element before the same thread writes it.
 bool donatable(const Tensor& saved);
+
+// Note [dense side inputs]
+// A fused op's side tensors (a linear's bias in the GEMM epilogue, a qkv bias, a target vector)
+// are read by the CPU and CUDA kernels alike as plain vectors: element j at ptr[j].  A strided or
+// expanded one (bias[::2], ones(1).expand(C)) would be read wrong, or past its memory.  Rather
+// than each kernel checking, the primitive says which inputs must be dense (contiguous_input) and
+// apply() copies those, once for every backend, only when they are not contiguous: the common
+// call pays one is_contiguous() per side input.  The copy is an op (recorded, differentiable), so
+// gradients reach the caller's tensor.
 
 // Note [recomputed activations]
 // A cheap op's output that the next op saves for its backward (a layer norm's output, which the
@@ -160,6 +172,13 @@ class Primitive {
   // A cast: its vjp only converts the cotangent to input 0's dtype, so it may be given one in that
   // dtype already (Note [cached casts]).
   virtual bool is_cast() const { return false; }
+  // Whether every backend's kernel reads input i as a dense contiguous buffer (Note [dense side
+  // inputs]): apply() then hands it a contiguous copy when it is not.
+  virtual bool contiguous_input(size_t i) const { return false; }
+  // The dtype output i (of dtype `own`) takes its cotangent in: `own`, or a narrower one its vjp
+  // reads as is (add_layer_norm's float32 sum takes bf16, Note [float32 residual stream]); the
+  // engine then passes such cotangents unwidened (cotangents of `own` still arrive too).
+  virtual DType cotangent_dtype(size_t i, DType own) const { return own; }
   virtual void attrs(Attrs& a) const {}
 };
 
@@ -171,22 +190,31 @@ class Primitive {
   std::vector<Tensor> vjp(const VjpArgs& a) override;
 
 // ---- creation ------------------------------------------------------------------------------
+// A scalar attribute for capture: an int or bool keeps its exact int64, a float its double.
+inline AttrValue scalar_attr(const Scalar& s) {
+  return s.integral() ? AttrValue(s.i) : AttrValue(s.v);
+}
 class Full : public Primitive {
   BT_PRIM_BODY(Full, "full")
-  explicit Full(double v) : value(v) {}
+  explicit Full(double v) : value(Scalar::floating(v)) {}
+  explicit Full(Scalar v) : value(v) {}
   bool differentiable() const override { return false; }
-  void attrs(Attrs& a) const override { a["value"] = value; }
-  double value;
+  void attrs(Attrs& a) const override { a["value"] = scalar_attr(value); }
+  Scalar value;  // exact for integers (Scalar::as)
 };
+// out[i] = start + i * step.  Integral start and step (exact()) run in int64 (the front checked
+// every value fits), else in double.
 class Arange : public Primitive {
   BT_PRIM_BODY(Arange, "arange")
-  Arange(double s, double st) : start(s), step(st) {}
+  Arange(double s, double st) : start(Scalar::floating(s)), step(Scalar::floating(st)) {}
+  Arange(Scalar s, Scalar st) : start(s), step(st) {}
   bool differentiable() const override { return false; }
   void attrs(Attrs& a) const override {
-    a["start"] = start;
-    a["step"] = step;
+    a["start"] = scalar_attr(start);
+    a["step"] = scalar_attr(step);
   }
-  double start, step;
+  bool exact() const { return start.integral() && step.integral(); }
+  Scalar start, step;
 };
 // Random numbers: Philox4x32-10 keyed by `seed`; element i of the output uses counter
 // (offset + i / 4, 0, 0, 0) and takes word i % 4 (see random.h), so any backend gives the same
@@ -203,12 +231,18 @@ class Random : public Primitive {
                                                         : "int");
     at["seed"] = static_cast<int64_t>(seed);
     at["offset"] = static_cast<int64_t>(offset);
-    at["a"] = a;
+    at["a"] = a;  // every kind records every attribute: one schema entry (schema.cpp)
     at["b"] = b;
+    at["low"] = int_low;  // Int's exact bounds (a and b are their doubles)
+    at["high"] = static_cast<int64_t>(static_cast<uint64_t>(int_low) + int_range);
   }
   RandKind kind;
   uint64_t seed, offset;
-  double a, b;  // uniform [a, b); normal mean a, std b; int [a, b)
+  double a, b;  // uniform [a, b); normal mean a, std b
+  // Int: low + bits % range, in int64 (exact for any low: the front checked 1 <= range <= 2^32
+  // and that every value fits the dtype).
+  int64_t int_low = 0;
+  uint64_t int_range = 1;
 };
 
 // ---- copies --------------------------------------------------------------------------------
@@ -376,9 +410,9 @@ class Where : public Primitive {  // inputs: cond (bool), a, b, all broadcast
 };
 class MaskedFill : public Primitive {  // inputs: x, mask (bool, broadcast to x)
   BT_PRIM_BODY(MaskedFill, "masked_fill")
-  explicit MaskedFill(double v) : value(v) {}
-  void attrs(Attrs& a) const override { a["value"] = value; }
-  double value;
+  explicit MaskedFill(Scalar v) : value(v) {}
+  void attrs(Attrs& a) const override { a["value"] = scalar_attr(value); }
+  Scalar value;  // the front checked it fits x's dtype
 };
 
 // ---- reductions ----------------------------------------------------------------------------
@@ -418,12 +452,18 @@ class ArgReduce : public Primitive {  // argmax / argmin over one dim
 };
 
 // ---- indexing, joining ---------------------------------------------------------------------
+// embedding: the indices must be in [0, size) (negative ones are errors, as PyTorch's
+// embedding; index_select counts them from the end), and errors name embedding.
 class IndexSelect : public Primitive {  // inputs: x, index (int, 1-D)
   BT_PRIM_BODY(IndexSelect, "index_select")
-  explicit IndexSelect(int64_t d) : dim(d) {}
+  explicit IndexSelect(int64_t d, bool emb = false) : dim(d), embedding(emb) {}
   bool takes_pending_gradient(size_t i) const override { return i == 0; }
-  void attrs(Attrs& a) const override { a["dim"] = dim; }
+  void attrs(Attrs& a) const override {
+    a["dim"] = dim;
+    a["embedding"] = embedding;
+  }
   int64_t dim;
+  bool embedding;
 };
 // out = base; out.index_add_(dim, index, src).  over_base: out is written over base's memory
 // (a fresh zero base no one else holds: IndexSelect's vjp; Note [donating a saved input]).
@@ -468,18 +508,28 @@ class Softmax : public Primitive {
   int64_t dim;  // the last dim after the front's permute
   bool log;
 };
-// inputs: x (..., C), weight (C) or none, bias (C) or none.  outputs: y, mean, rstd (float32 for
-// 16-bit inputs, the input dtype otherwise), mean/rstd shaped (...).
+// inputs: x (..., C), weight (C) or none, bias (C) or none, all of x's dtype.  outputs: y (x's
+// dtype, or 16-bit over a float32 x: Note [float32 residual stream], nn_fused.h), mean, rstd
+// (float32 for 16-bit inputs, the input dtype otherwise), mean/rstd shaped (...).
 class LayerNorm : public Primitive {
   BT_PRIM_BODY(LayerNorm, "layer_norm")
   LayerNorm(double e, bool w, bool b) : eps(e), has_weight(w), has_bias(b) {}
   bool saves_outputs() const override { return true; }
   bool saves_output(size_t i) const override { return i > 0; }        // mean, rstd (not y)
   bool takes_no_cotangent(size_t i) const override { return i > 0; }  // mean, rstd
-  void attrs(Attrs& a) const override { a["eps"] = eps; }
+  void attrs(Attrs& a) const override {
+    a["eps"] = eps;
+    a["has_weight"] = has_weight;
+    a["has_bias"] = has_bias;
+  }
   double eps;
   bool has_weight, has_bias;
 };
+// Whether (x, y) dtypes are a layer norm's mixed pair: float32 x, 16-bit y (Note [float32 residual
+// stream], nn_fused.h).
+inline bool is_mixed_norm(DType x, DType y) {
+  return x == DType::Float32 && (y == DType::BFloat16 || y == DType::Float16);
+}
 // Fused log_softmax + nll: inputs logits (N, Cx), target (N) int64.  outputs: loss (() for mean /
 // sum, (N) for none), lse (N) float32/64 (saved for backward).  Only the first num_classes
 // columns are classes (-1: all Cx); the rest are padding (a padded vocabulary), ignored by the
@@ -494,7 +544,8 @@ class CrossEntropy : public Primitive {
   void attrs(Attrs& a) const override {
     a["ignore_index"] = ignore_index;
     a["reduction"] = std::string(reduction == 0 ? "none" : reduction == 1 ? "mean" : "sum");
-    if (num_classes >= 0) a["num_classes"] = num_classes;
+    a["label_smoothing"] = label_smoothing;
+    a["num_classes"] = num_classes;  // -1: every column is a class
   }
   // Classes of logits `x` (N, Cx): num_classes, or Cx when -1.
   int64_t classes(const Tensor& x) const { return num_classes < 0 ? x.shape()[1] : num_classes; }
@@ -526,6 +577,7 @@ class Dropout : public Primitive {
 class Matmul : public Primitive {
   BT_PRIM_BODY(Matmul, has_bias ? "linear" : "matmul")
   explicit Matmul(bool tb = false, bool bias = false) : trans_b(tb), has_bias(bias) {}
+  bool contiguous_input(size_t i) const override { return i == 2; }  // the bias
   void attrs(Attrs& a) const override {
     a["trans_b"] = trans_b;
     a["bias"] = has_bias;

@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
+#include <type_traits>
+#include <vector>
 
 #include "autograd.h"
 #include "backend.h"
@@ -53,6 +55,34 @@ DType promote_with_scalar(DType t, int scalar_category) {
   const int ct = category(t);
   if (scalar_category <= ct) return t;
   return scalar_category == 2 ? kDefaultFloat : DType::Int64;
+}
+
+// ---- Note [the op the user called] ---------------------------------------------------------
+namespace {
+thread_local int g_scope_depth = 0;
+thread_local const char* g_outer_op = nullptr;
+}  // namespace
+
+const char* detail::outer_op() { return g_outer_op; }
+OpScope::OpScope(const char* op) {
+  if (g_scope_depth++ == 0) g_outer_op = op;
+}
+OpScope::~OpScope() {
+  if (--g_scope_depth == 0) g_outer_op = nullptr;
+}
+OpScopeReset::OpScopeReset() : depth_(g_scope_depth), op_(g_outer_op) {
+  g_scope_depth = 0;
+  g_outer_op = nullptr;
+}
+OpScopeReset::~OpScopeReset() {
+  g_scope_depth = depth_;
+  g_outer_op = op_;
+}
+std::string with_op_prefix(const std::string& msg, const char* op) {
+  if (!op || msg.empty() || msg[0] != '[') return msg;
+  const size_t close = msg.find(']');
+  if (close == std::string::npos || msg.compare(1, close - 1, op) == 0) return msg;
+  return std::string("[") + op + msg.substr(close);
 }
 
 // ---- device --------------------------------------------------------------------------------
@@ -263,16 +293,75 @@ Tensor make_view(const Tensor& base, const Shape& shape, const Strides& strides,
   impl->offset = offset;
   impl->dtype = base.dtype();
   impl->device = base.device();
+  impl->version_counter = base.impl()->version_counter;  // views stay in their base's group
   return Tensor(std::move(impl));
 }
 
-Tensor detach(const Tensor& t) { return make_view(t, t.shape(), t.strides(), t.offset()); }
+static SymbolicAliasHook g_symbolic_alias_hook = nullptr;
+void set_symbolic_alias_hook(SymbolicAliasHook hook) { g_symbolic_alias_hook = hook; }
+
+Tensor detach(const Tensor& t) {
+  Tensor r = make_view(t, t.shape(), t.strides(), t.offset());
+  if (!t.storage() && g_symbolic_alias_hook) g_symbolic_alias_hook(t, r);  // capture only
+  return r;
+}
+
+void record_stream(const Tensor& t, void* stream) {
+  if (!t.defined() || t.is_symbolic())
+    throw ValueError("[record_stream] the tensor is undefined or symbolic (no memory)");
+  if (!t.device().is_cuda())
+    throw ValueError("[record_stream] the tensor is on " + t.device().str() +
+                     ": only CUDA memory is ordered by streams");
+  // Memory adopted from elsewhere (DLPack) is its owner's to order; ours goes to the allocator.
+  if (!t.storage()->from_alloc() || !g_alloc.record_stream || !t.storage()->data()) return;
+  if (g_alloc.record_stream(t.storage()->data(), stream) != 0)
+    throw RuntimeError(std::string("[record_stream] ") +
+                       (g_alloc.last_error ? g_alloc.last_error() : "blutrain.alloc refused"));
+}
+
+void set_data(const Tensor& dst, const Tensor& src) {
+  if (!dst.defined() || !src.defined() || dst.is_symbolic() || src.is_symbolic())
+    throw ValueError("[set_data] both tensors need memory (not undefined or symbolic)");
+  if (!dst.is_leaf())
+    throw RuntimeError("[set_data] only a leaf tensor's memory can be replaced (it has a grad_fn)");
+  if (dst.shape() != src.shape() || dst.dtype() != src.dtype() || dst.device() != src.device())
+    throw ValueError("[set_data] the new memory is " + shape_str(src.shape()) + " " +
+                     dtype_name(src.dtype()) + " on " + src.device().str() + "; the tensor is " +
+                     shape_str(dst.shape()) + " " + dtype_name(dst.dtype()) + " on " +
+                     dst.device().str());
+  TensorImpl* d = dst.impl();
+  d->storage = src.storage();
+  d->strides = src.strides();
+  d->offset = src.offset();
+  d->version_counter = src.impl()->version_counter;
+  d->view_base = nullptr;
+  d->views.clear();
+}
+
+void share_version_counter(const std::vector<Tensor>& ts) {
+  uint64_t start = 0;
+  for (const auto& t : ts) {
+    if (!t.defined() || t.is_symbolic())
+      throw ValueError("[share_version_counter] every tensor needs memory");
+    start = std::max(start, t.version() + 1);
+  }
+  auto counter = std::make_shared<std::atomic<uint64_t>>(start);
+  for (const auto& t : ts) t.impl()->version_counter = counter;
+}
 
 bool storage_only_via(const Tensor& t, bool* via_base) {
   const auto& base = t.impl()->view_base;
   const bool vb = base && base.use_count() == 1 && base->storage == t.storage();
   if (via_base) *via_base = vb;
   return t.storage().use_count() == (vb ? 2 : 1);
+}
+
+void check_writable(const Tensor& t, const char* op) {
+  if (t.defined() && t.storage() && t.storage()->read_only()) {
+    throw ValueError(std::string("[") + op +
+                     "] the tensor is read-only: it shares memory with a read-only buffer (a "
+                     "read-only numpy array or memmap, bytes); clone() it before writing");
+  }
 }
 
 // ---- repr ----------------------------------------------------------------------------------
@@ -284,7 +373,23 @@ static double read_double(const Tensor& t, int64_t off) {
   });
 }
 
+// Integer elements read exactly (an int64 above 2**53 printed through double would be rounded).
+static int64_t read_int(const Tensor& t, int64_t off) {
+  const char* base = static_cast<const char*>(t.storage()->data());
+  return dispatch_all(t.dtype(), "repr", [&](auto tag) -> int64_t {
+    using T = typename decltype(tag)::type;
+    if constexpr (std::is_integral<T>::value) {
+      return static_cast<int64_t>(reinterpret_cast<const T*>(base)[off]);
+    } else {
+      return 0;
+    }
+  });
+}
+
 namespace {
+constexpr int64_t kReprThreshold = 1000;  // elements: above this, print a summary (PyTorch's)
+constexpr int64_t kReprEdge = 3;          // elements shown at each end of a summarised dim
+
 struct ReprCtx {
   const Tensor& t;
   bool fl;
@@ -292,66 +397,85 @@ struct ReprCtx {
   int width;
   int precision;
   bool sci;
-  std::ostringstream os;
+  bool summarize;
 };
 
-std::string fmt_elem(ReprCtx& c, double v) {
+// The indices of a dim of size n that are printed: all, or the first and last kReprEdge.
+std::vector<int64_t> shown_indices(int64_t n, bool summarize) {
+  std::vector<int64_t> r;
+  if (summarize && n > 2 * kReprEdge) {
+    for (int64_t i = 0; i < kReprEdge; ++i) r.push_back(i);
+    for (int64_t i = n - kReprEdge; i < n; ++i) r.push_back(i);
+  } else {
+    for (int64_t i = 0; i < n; ++i) r.push_back(i);
+  }
+  return r;
+}
+
+// Storage offsets of the printed elements: never more than (2 kReprEdge)^ndim of a summary, so a
+// huge (e.g. expanded) view is not walked element by element.
+void shown_offsets(const Tensor& t, int64_t dim, int64_t off, bool summarize,
+                   std::vector<int64_t>& out) {
+  if (dim == t.ndim()) {
+    out.push_back(off);
+    return;
+  }
+  for (int64_t i : shown_indices(t.shape()[dim], summarize)) {
+    shown_offsets(t, dim + 1, off + i * t.strides()[dim], summarize, out);
+  }
+}
+
+std::string fmt_elem(const ReprCtx& c, int64_t off) {
   char buf[64];
   if (!c.fl) {
+    const int64_t v = read_int(c.t, off);
     if (c.t.dtype() == DType::Bool) {
       std::snprintf(buf, sizeof(buf), "%s", v != 0 ? "True" : "False");
     } else {
       std::snprintf(buf, sizeof(buf), "%lld", static_cast<long long>(v));
     }
-  } else if (std::isnan(v)) {
-    std::snprintf(buf, sizeof(buf), "nan");
-  } else if (std::isinf(v)) {
-    std::snprintf(buf, sizeof(buf), v > 0 ? "inf" : "-inf");
-  } else if (c.sci) {
-    std::snprintf(buf, sizeof(buf), "%.*e", c.precision, v);
-  } else if (c.int_valued) {
-    std::snprintf(buf, sizeof(buf), "%.0f.", v);
   } else {
-    std::snprintf(buf, sizeof(buf), "%.*f", c.precision, v);
+    const double v = read_double(c.t, off);
+    if (std::isnan(v)) {
+      std::snprintf(buf, sizeof(buf), "nan");
+    } else if (std::isinf(v)) {
+      std::snprintf(buf, sizeof(buf), v > 0 ? "inf" : "-inf");
+    } else if (c.sci) {
+      std::snprintf(buf, sizeof(buf), "%.*e", c.precision, v);
+    } else if (c.int_valued) {
+      std::snprintf(buf, sizeof(buf), "%.0f.", v);
+    } else {
+      std::snprintf(buf, sizeof(buf), "%.*f", c.precision, v);
+    }
   }
   std::string s(buf);
   if (static_cast<int>(s.size()) < c.width) s = std::string(c.width - s.size(), ' ') + s;
   return s;
 }
 
-void repr_rec(ReprCtx& c, int64_t dim, int64_t off, int indent, bool summarize) {
+// PyTorch's layout: elements joined by ", ", rows by ",\n" plus indentation; a summarised dim
+// shows " ..." (innermost) or "..." (outer) in place of the skipped part.
+std::string repr_rec(const ReprCtx& c, int64_t dim, int64_t off, int indent) {
   const Tensor& t = c.t;
   const int64_t n = t.shape()[dim];
-  const int64_t edge = 3;
-  auto skip = [&](int64_t i) { return summarize && n > 2 * edge && i >= edge && i < n - edge; };
-  c.os << "[";
-  if (dim == t.ndim() - 1) {
-    for (int64_t i = 0; i < n; ++i) {
-      if (skip(i)) {
-        if (i == edge) c.os << " ...,";
-        continue;
-      }
-      if (i) c.os << ", ";
-      c.os << fmt_elem(c, read_double(t, off + i * t.strides()[dim]));
-    }
-  } else {
-    for (int64_t i = 0; i < n; ++i) {
-      if (skip(i)) {
-        if (i == edge) c.os << "\n" << std::string(indent + 1, ' ') << "...,";
-        continue;
-      }
-      if (i) {
-        c.os << "," << std::string(t.ndim() - dim - 1, '\n') << std::string(indent + 1, ' ');
-      }
-      repr_rec(c, dim + 1, off + i * t.strides()[dim], indent + 1, summarize);
-    }
+  const bool cut = c.summarize && n > 2 * kReprEdge;
+  std::vector<std::string> parts;
+  for (int64_t i : shown_indices(n, c.summarize)) {
+    if (cut && i == n - kReprEdge) parts.push_back(dim == t.ndim() - 1 ? " ..." : "...");
+    const int64_t o = off + i * t.strides()[dim];
+    parts.push_back(dim == t.ndim() - 1 ? fmt_elem(c, o) : repr_rec(c, dim + 1, o, indent + 1));
   }
-  c.os << "]";
+  const std::string sep = dim == t.ndim() - 1
+                              ? std::string(", ")
+                              : "," + std::string(t.ndim() - dim - 1, '\n') +
+                                    std::string(indent + 1, ' ');
+  std::string r = "[";
+  for (size_t k = 0; k < parts.size(); ++k) r += (k ? sep : "") + parts[k];
+  return r + "]";
 }
 }  // namespace
 
 std::string tensor_repr(const Tensor& t) {
-  std::ostringstream head;
   std::string suffix;
   const bool fl = is_floating(t.dtype());
   if (t.dtype() != DType::Float32 && t.dtype() != DType::Int64 && t.dtype() != DType::Bool) {
@@ -372,47 +496,39 @@ std::string tensor_repr(const Tensor& t) {
   }
   const int64_t n = t.numel();
   if (n == 0) return "tensor([], size=" + shape_str(t.shape()) + suffix + ")";
-  const bool summarize = n > 1000;
-  // Choose a common format the way PyTorch does: integer-valued floats print as "1.", large or
-  // tiny magnitudes switch to scientific notation.
+  const bool summarize = n > kReprThreshold;
+  // One format for every printed element, chosen from those elements (as PyTorch does):
+  // integer-valued floats print as "1.", large or tiny magnitudes switch to scientific notation.
+  std::vector<int64_t> offs;
+  shown_offsets(t, 0, t.offset(), summarize, offs);
   bool int_valued = true;
   double amax = 0, amin = INFINITY;
-  for (int64_t i = 0; i < n && i < 100000; ++i) {
-    int64_t off = t.offset(), rem = i;
-    for (int64_t d = t.ndim() - 1; d >= 0; --d) {
-      off += (rem % t.shape()[d]) * t.strides()[d];
-      rem /= t.shape()[d];
+  if (fl) {
+    for (int64_t off : offs) {
+      const double v = read_double(t, off);
+      if (!std::isfinite(v)) continue;
+      if (v != std::floor(v)) int_valued = false;
+      amax = std::max(amax, std::fabs(v));
+      if (v != 0) amin = std::min(amin, std::fabs(v));
     }
-    const double v = read_double(t, off);
-    if (!std::isfinite(v)) continue;
-    if (v != std::floor(v)) int_valued = false;
-    amax = std::max(amax, std::fabs(v));
-    if (v != 0) amin = std::min(amin, std::fabs(v));
   }
-  ReprCtx c{t, fl, int_valued, 0, 4, false, {}};
+  ReprCtx c{t, fl, int_valued, 0, 4, false, summarize};
   if (fl && !int_valued && (amax >= 1e8 || (amin < 1e-4 && amin > 0))) c.sci = true;
   if (fl && int_valued && amax >= 1e8) {
     c.sci = true;
     c.int_valued = false;
   }
-  // width: widest formatted element
-  for (int64_t i = 0; i < n && i < 100000; ++i) {
-    int64_t off = t.offset(), rem = i;
-    for (int64_t d = t.ndim() - 1; d >= 0; --d) {
-      off += (rem % t.shape()[d]) * t.strides()[d];
-      rem /= t.shape()[d];
-    }
-    c.width = std::max<int>(c.width, static_cast<int>(fmt_elem(c, read_double(t, off)).size()));
+  for (int64_t off : offs) {
+    c.width = std::max<int>(c.width, static_cast<int>(fmt_elem(c, off).size()));
   }
-  c.os << "tensor(";
+  std::string body;
   if (t.ndim() == 0) {
     c.width = 0;
-    c.os << fmt_elem(c, read_double(t, t.offset()));
+    body = fmt_elem(c, t.offset());
   } else {
-    repr_rec(c, 0, t.offset(), 7, summarize);
+    body = repr_rec(c, 0, t.offset(), 7);
   }
-  c.os << suffix << ")";
-  return c.os.str();
+  return "tensor(" + body + suffix + ")";
 }
 
 static std::atomic<bool> g_deterministic{false};

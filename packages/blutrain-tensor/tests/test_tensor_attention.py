@@ -305,6 +305,17 @@ def test_packed_source_detection(rng):
     assert packed_source(qt, kt, vt) is None
 
 
+def test_a_removed_hook_gives_the_packed_path_back(rng):
+    # a hook on q turns packing off; removing it erases it in the C++ core, so packing is back
+    B, T, H, D = 2, 5, 2, 4
+    x = bt.tensor(rng.standard_normal((B, T, 3 * H * D)), requires_grad=True)
+    q, k, v = _qkv_views(x, B, T, H, D)
+    h = q.register_hook(lambda g: g)
+    assert packed_source(q, k, v) is None
+    h.remove()
+    assert packed_source(q, k, v) is not None
+
+
 def test_packed_row_stride_and_fallback_gradients(rng):
     """q, k, v from wider rows (packed, row stride 4C) and from a non-contiguous X (unpacked):
     X's gradient matches the composed float64 path either way."""
@@ -550,7 +561,7 @@ def test_qkv_attention_composes_where_the_kernels_do_not_run(rng):
         bt.qkv_attention(x, bt.zeros((20, 8)), None, 2)
     with pytest.raises(ValueError, match=r"\[qkv_attention\] input must be \(B, T, C\)"):
         bt.qkv_attention(bt.zeros((5, 8)), w, None, 2)
-    with pytest.raises(ValueError, match=r"\[linear\] input of shape"):
+    with pytest.raises(ValueError, match=r"\[qkv_attention\] input of shape"):  # (its linear's)
         bt.qkv_attention(bt.zeros((2, 5, 7)), w, None, 2)
-    with pytest.raises(ValueError, match=r"\[linear\] bias has shape"):
+    with pytest.raises(ValueError, match=r"\[qkv_attention\] bias has shape"):
         bt.qkv_attention(x, w, bt.zeros((5,)), 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -267,6 +268,90 @@ def test_hook_handles_remove():
     (x * 2).sum().backward()
     assert calls == [1, 2]
     np.testing.assert_array_equal(x.grad.numpy(), [4.0, 4.0])
+
+
+def _calls_during(fn):
+    """How many hook calls the C++ engine made while fn ran."""
+    before = bt._tensor._hook_calls()
+    fn()
+    return bt._tensor._hook_calls() - before
+
+
+def test_removed_hooks_leave_the_cpp_core():
+    """remove() erases the C++ entry (Note [removable hooks]): backward calls nothing, not even a
+    disabled Python stub, and the callable is released. Leaf hooks, post-accumulate hooks and a
+    non-leaf's hooks (kept on its grad_fn)."""
+    x = bt.ones(3, requires_grad=True)
+    y = x * 3
+    calls = []
+
+    def leaf_hook(g):
+        calls.append("leaf")
+
+    def post_hook(t):
+        calls.append("post")
+
+    def mid_hook(g):
+        calls.append("mid")
+
+    refs = [weakref.ref(f) for f in (leaf_hook, post_hook, mid_hook)]
+    handles = [
+        x.register_hook(leaf_hook),
+        x.register_post_accumulate_grad_hook(post_hook),
+        y.register_hook(mid_hook),
+    ]
+    assert x._hook_counts() == (1, 1) and y._hook_counts() == (1, 0)
+    assert _calls_during(lambda: y.sum().backward(retain_graph=True)) == 3
+    assert calls == ["mid", "leaf", "post"]
+    for h in handles:
+        h.remove()
+    assert x._hook_counts() == (0, 0) and y._hook_counts() == (0, 0)
+    assert _calls_during(lambda: y.sum().backward()) == 0
+    assert calls == ["mid", "leaf", "post"]
+    np.testing.assert_array_equal(x.grad.numpy(), [6.0, 6.0, 6.0])
+    del leaf_hook, post_hook, mid_hook
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None], "the C++ core still holds a removed hook"
+
+
+def test_hook_handle_edge_cases():
+    x = bt.ones(2, requires_grad=True)
+    calls = []
+    a = x.register_hook(lambda g: calls.append("a"))
+    b = x.register_hook(lambda g: calls.append("b"))
+    a.remove()
+    a.remove()  # twice: harmless, and b stays
+    assert x._hook_counts() == (1, 0)
+    with x.register_post_accumulate_grad_hook(lambda t: calls.append("p")):
+        x.sum().backward()
+    assert calls == ["b", "p"] and x._hook_counts() == (1, 0)  # the with block removed p
+    b.remove()
+    # a handle that outlives its tensor (or its node) removes nothing and does not crash
+    z = bt.ones(2, requires_grad=True)
+    h1, h2 = z.register_hook(lambda g: g), (z * 2).register_hook(lambda g: g)
+    del z
+    gc.collect()
+    h1.remove()
+    h2.remove()
+    with pytest.raises(TypeError, match=r"\[register_hook\] hook must be callable, got int"):
+        x.register_hook(3)  # type: ignore[arg-type]
+
+
+def test_a_hook_may_remove_itself_while_backward_runs():
+    x = bt.ones(2, requires_grad=True)
+    calls = []
+    handles = {}
+
+    def once(g):
+        calls.append("once")
+        handles["once"].remove()
+
+    handles["once"] = x.register_hook(once)
+    x.register_hook(lambda g: calls.append("after"))  # still runs in the same backward
+    for _ in range(2):
+        (x * 2).sum().backward()
+    assert calls == ["once", "after", "after"]
+    assert x._hook_counts() == (1, 0)
 
 
 def test_leaf_keeps_a_gradient_reached_through_views_without_a_copy():

@@ -177,6 +177,23 @@ def test_hooks_on_the_cast_see_its_dtype(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_removed_hook_gives_the_float32_gradient_back(device):
+    # a hook on the cast makes its node take a bf16 gradient (the master's is then bf16-rounded);
+    # once removed, the C++ core has no hook there and dW is written in float32 again
+    def hook_then_remove(w16):
+        w16.register_hook(lambda g: g).remove()
+
+    plain, _, _, _, _ = _linear_grads(device, CASTS["cached"])
+    removed, _, _, _, _ = _linear_grads(device, CASTS["cached"], hook=hook_then_remove)
+    hooked, _, _, _, _ = _linear_grads(
+        device, CASTS["cached"], hook=lambda w: w.register_hook(lambda g: None)
+    )
+    assert _same_bits(removed.grad, plain.grad)
+    assert not _same_bits(hooked.grad, plain.grad)  # what a left-over C++ entry would give
+    assert _same_bits(hooked.grad, hooked.grad.to(bt.bfloat16).float())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_shared_weight_gradients_add_up(device):
     """One cast used twice (a tied embedding): both gradients reach the master."""
     rng = np.random.default_rng(5)
@@ -376,7 +393,7 @@ def test_layer_norm_affine_gradients_are_float32(device, kind, cast, R, C, dtype
 
 @pytest.mark.gpu
 @NO_CUDA
-@pytest.mark.parametrize("ver", ["1", "2", "3", "4", "5", "6"])
+@pytest.mark.parametrize("ver", ["2", "3", "4", "5", "6"])
 @pytest.mark.parametrize("dtype", [bt.bfloat16, bt.float16])
 @pytest.mark.parametrize("R,C", [*NORM_SHAPES, (2048, 3072)])
 def test_layer_norm_float32_gradients_every_kernel(monkeypatch, ver, dtype, R, C):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -155,7 +158,9 @@ def test_arange_and_item():
     assert bt.arange(3, dtype=bt.float64).dtype == bt.float64
     assert bt.arange(5, 0, 1).tolist() == []  # an empty range, as numpy's
     with pytest.raises(ValueError, match=r"\[arange\] the range .* more than int64 can count"):
-        bt.arange(2**70)  # (was an empty tensor: an out-of-range double -> int64 cast)
+        bt.arange(2.0**70)  # (was an empty tensor: an out-of-range double -> int64 cast)
+    with pytest.raises(ValueError, match=r"\[arange\] the integer operand .* does not fit int64"):
+        bt.arange(2**70)
     with pytest.raises(RuntimeError, match=r"\[item\] a tensor with 3 elements"):
         bt.ones(3).item()
 
@@ -235,6 +240,70 @@ def test_c_abi_capsule():
     ptr = ctypes.pythonapi.PyCapsule_GetPointer(cap, name)
     version, size = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint32))[0:2]
     assert version == bt.ABI_VERSION and size >= 8 + 4 * 8
+
+
+def _import_with(swap: str) -> subprocess.CompletedProcess:
+    """`import blutrain.tensor` in a fresh interpreter after `swap` (code) replaced a module."""
+    code = (
+        "import ctypes, sys, types\n"
+        "new = ctypes.pythonapi.PyCapsule_New\n"
+        "new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, "
+        "ctypes.c_void_p]\n" + swap + "\nimport blutrain.tensor as bt\n"
+        "print('linalg:', bt._C._linalg_unavailable_reason())\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+
+def test_an_alloc_capsule_of_another_version_is_an_import_error_naming_both_sides():
+    # blutrain.alloc's table claims ABI 9.0: blutrain.tensor (built for 1.x) must refuse it
+    r = _import_with(
+        "hdr = (ctypes.c_uint32 * 2)(9 << 16, 4096)\n"
+        "m = types.ModuleType('blutrain.alloc._alloc')\n"
+        "m.hdr, m._C_API = hdr, new(ctypes.addressof(hdr), b'blutrain.alloc._C_API', None)\n"
+        "sys.modules['blutrain.alloc._alloc'] = m\n"
+    )
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "ImportError: [blutrain.tensor] blutrain.alloc C ABI 9.0 is installed, but "
+        "blutrain.tensor was built for 1."
+    ), r.stderr
+
+
+def test_a_wrong_linalg_capsule_leaves_matmul_off_with_both_sides_named():
+    # linalg's module holds alloc's capsule: tensor imports (linalg is optional) and matmul says
+    # which capsule it found where
+    r = _import_with(
+        "import blutrain.alloc._alloc as a\n"
+        "m = types.ModuleType('blutrain.linalg._linalg')\n"
+        "m._C_API = a._C_API\n"
+        "sys.modules['blutrain.linalg._linalg'] = m\n"
+    )
+    assert r.returncode == 0, r.stderr
+    from blutrain.linalg import _linalg
+
+    v = _linalg.ABI_VERSION  # the headers tensor was built with (this checkout's linalg)
+    assert r.stdout.strip() == (
+        "linalg: [blutrain.tensor] blutrain.linalg._linalg._C_API is the capsule "
+        "'blutrain.alloc._C_API', not 'blutrain.linalg._C_API' with blutrain.linalg's C ABI "
+        f"table (blutrain.tensor needs {v >> 16}.{v & 0xFFFF})"
+    )
+
+
+def test_a_bad_alloc_conf_stops_the_import_naming_the_key():
+    # blutrain.alloc refuses the setting at import; tensor's capsule import passes it on
+    env = dict(os.environ, BLUTRAIN_ALLOC_CONF="expandable_segment:1")
+    r = subprocess.run(
+        [sys.executable, "-c", "import blutrain.tensor"], capture_output=True, text=True, env=env
+    )
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "ImportError: [blutrain.tensor] needs blutrain.alloc's C ABI 1."
+    ), r.stderr
+    assert (
+        "importing blutrain.alloc._alloc failed: [BLUTRAIN_ALLOC_CONF] unknown key "
+        "'expandable_segment' (did you mean 'expandable_segments'?)" in r.stderr
+    ), r.stderr
 
 
 def test_c_abi_describe_and_bump_version():

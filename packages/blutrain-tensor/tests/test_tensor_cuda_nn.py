@@ -1,8 +1,10 @@
 """GPU tests of softmax / log_softmax, layer_norm, add_layer_norm and cross_entropy, forward and
 backward (the fused backward primitives), CUDA against the CPU backend on the same inputs, in
 float32 / bfloat16 / float16 (and float64), odd row sizes (1, 7, 1025, 50257), ignore_index rows,
-label smoothing and non-contiguous inputs; plus the fast (v2) kernels against the reference (v1)
-ones (BT_CUDA_NN_V1=1) and determinism of layer norm's dweight / dbias."""
+label smoothing and non-contiguous inputs; plus the block-per-row (v2) kernels forced with
+BT_CUDA_NN_VERSION=2 against the CPU (the v1 references left the library for
+bench/nn_v1_kernels.cuh: BT_CUDA_NN_V1 and other bad versions are errors) and determinism of layer
+norm's dweight / dbias."""
 
 from __future__ import annotations
 
@@ -273,7 +275,7 @@ def test_cross_entropy_all_ignored_and_grad_dtype():
     assert np.isnan(_np(lm))
 
 
-# ---- fast kernels (v2) against the reference ones (v1) -------------------------------------------
+# ---- the block-per-row kernels (v2: every shape's fallback) against the CPU ----------------------
 CASES_V = {
     "softmax": (lambda x: bt.softmax(x, -1), [(17, 1030)], []),
     "log_softmax": (lambda x: bt.log_softmax(x, -1), [(17, 1030)], []),
@@ -293,18 +295,32 @@ CASES_V = {
 
 @pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
 @pytest.mark.parametrize("name", sorted(CASES_V))
-def test_v2_matches_v1(rng, monkeypatch, dtype, name):
+def test_v2_matches_the_cpu(rng, monkeypatch, dtype, name):
     fn, shapes, tshapes = CASES_V[name]
     arrays = [rng.standard_normal(s) for s in shapes]
     ints = [_targets(rng, s[0], s[1]) for s in tshapes]
-    idx = list(range(len(arrays)))
-    o2, g2 = _run(fn, arrays, dtype, "cuda", idx, int_arrays=ints)
-    monkeypatch.setenv("BT_CUDA_NN_V1", "1")
-    o1, g1 = _run(fn, arrays, dtype, "cuda", idx, int_arrays=ints)
-    for i, (a, b) in enumerate(zip(o2, o1)):
-        _close(a, b, dtype, f"{name} v2 vs v1 output {i}")
-    for i, (a, b) in enumerate(zip(g2, g1)):
-        _close(a, b, dtype, f"{name} v2 vs v1 grad {i}", 4)
+    monkeypatch.setenv("BT_CUDA_NN_VERSION", "2")
+    _compare(fn, arrays, dtype, list(range(len(arrays))), f"{name} v2", int_arrays=ints)
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "message"),
+    [
+        ("BT_CUDA_NN_V1", "1", r"\[BT_CUDA_NN_V1\] the v1 reference kernels left the library"),
+        ("BT_CUDA_NN_VERSION", "1", r"\[BT_CUDA_NN_VERSION\] must be 2, 3, 4, 5 or 6 \(or unset\), "
+         r"got '1'; the v1 reference kernels are in .*bench/nn_v1_kernels.cuh"),
+        ("BT_CUDA_NN_VERSION", "7", r"\[BT_CUDA_NN_VERSION\] must be 2, 3, 4, 5 or 6 \(or unset\), "
+         r"got '7'$"),
+        ("BT_CUDA_NN_VERSION", "v3", r"got 'v3'"),
+    ],
+)  # fmt: skip
+def test_a_bad_kernel_version_is_an_error_naming_it(monkeypatch, var, value, message):
+    x = bt.ones(4, 8).to("cuda")
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=message):
+        bt.softmax(x, -1)
+    with pytest.raises(ValueError, match=message):
+        bt.layer_norm(x, 8)
 
 
 # ---- cross-entropy on a padded vocabulary, read in place ----------------------------------------
@@ -322,7 +338,7 @@ def _poisoned(rng, N, C, Cp):
     return x
 
 
-def _ce_padded_run(x, t, C, dtype, device, reduction="mean", ls=0.0, v1=False, hook=False):
+def _ce_padded_run(x, t, C, dtype, device, reduction="mean", ls=0.0, hook=False):
     X = bt.tensor(x, dtype=dtype).to(device).requires_grad_(True)
     ld = bt.float32 if dtype in (bt.bfloat16, bt.float16) else None
     full = X * 1.0  # non-leaf, as GPT-2's head output
@@ -375,9 +391,10 @@ def test_cross_entropy_padded(rng, dtype, reduction, NCCp):
 
 
 @pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
-def test_cross_entropy_padded_v1_and_plain_path(rng, monkeypatch, dtype):
-    """v2 vs v1 on the padded path, and the plain path (hook on the logits: dense (N, V) gradient
-    from a strided input, scalar-aligned rows, then the narrow's scatter) against the padded one."""
+def test_cross_entropy_padded_v2_and_plain_path(rng, monkeypatch, dtype):
+    """v3 (the default) vs v2 on the padded path, and the plain path (hook on the logits: dense
+    (N, V) gradient from a strided input, scalar-aligned rows, then the narrow's scatter) against
+    the padded one."""
     N, C, Cp = 6, V_GPT, VP_GPT
     x = _poisoned(rng, N, C, Cp)
     t = rng.integers(0, C, N)
@@ -389,10 +406,10 @@ def test_cross_entropy_padded_v1_and_plain_path(rng, monkeypatch, dtype):
     _close(l2, lp, dtype, "ce padded vs plain loss", 0.25)
     _close(g2, gp, dtype, "ce padded vs plain grad", 0.25)
     assert np.all(_np(gp)[:, C:] == 0)
-    monkeypatch.setenv("BT_CUDA_NN_V1", "1")
+    monkeypatch.setenv("BT_CUDA_NN_VERSION", "2")
     l1, g1, _ = _ce_padded_run(x, t, C, dtype, "cuda")
-    _close(l2, l1, dtype, "ce padded v2 vs v1 loss")
-    _close(g2, g1, dtype, "ce padded v2 vs v1 grad", 4)
+    _close(l2, l1, dtype, "ce padded v3 vs v2 loss")
+    _close(g2, g1, dtype, "ce padded v3 vs v2 grad", 4)
     assert np.all(_np(g1)[:, C:] == 0)
 
 
@@ -767,3 +784,117 @@ def test_layer_norm_bwd_version_partial_grads(rng, monkeypatch, ver, dtype, grad
     _close(o5[0], oc[0], dtype, f"v{ver} {grads} output")
     for i, (a, c) in enumerate(zip(g5, gc)):
         _close(a, c, dtype, f"v{ver} {grads} grad {i}", 8)
+
+
+# ---- mixed rows: float32 x, 16-bit y (Note [float32 residual stream]) -------------------------
+# CUDA against the CPU backend (itself checked against float64 in test_tensor_nn_fused.py) on the
+# same inputs: forward layernorm_forward_mixed_v3 (C % 8 == 0, aligned, C <= 3072) or _v2 (the
+# rest, or BT_CUDA_NN_VERSION=2), backward layernorm_backward_v6 on mixed rows (sm_80+, rows of
+# whole words) or v2 with scalar loads.  Shapes: GPT-2's 768 and 3072 rows, rows v3 / v6 decline (7,
+# 1001, 4096 for v3), more rows than the backward's persistent grid (2053).
+MIXED_SHAPES = [(37, 768), (9, 3072), (5, 7), (6, 1001), (3, 4096), (2053, 768)]
+
+
+def _mixed_leaves(arrays, dtypes, device):
+    out = []
+    for a, d in zip(arrays, dtypes):
+        t = bt.tensor(a, dtype=d).to(device)
+        out.append(t.requires_grad_(True))
+    return out
+
+
+def _mixed_chain(arrays, half, device, sum_grad):
+    """x (float32) -> add_layer_norm(x, r1, w1, b1, rb) -> add_layer_norm(s1, r2, w2) with
+    16-bit outputs; loss = <y1, g1> + <y2, g2> (+ <s2, gs>: the float32-gradient path)."""
+    x, r1, r2, w1, b1, rb, w2, g1, g2, gs = arrays
+    dts = [bt.float32, half, half, bt.float32, bt.float32, bt.float32, bt.float32]
+    leaves = _mixed_leaves([x, r1, r2, w1, b1, rb, w2], dts, device)
+    xt, r1t, r2t, w1t, b1t, rbt, w2t = leaves
+    s1, y1 = bt.add_layer_norm(xt, r1t, w1t, b1t, residual_bias=rbt, out_dtype=half)
+    s2, y2 = bt.add_layer_norm(s1, r2t, w2t, None, out_dtype=half)
+    loss = (y1 * bt.tensor(g1, dtype=half).to(device)).float().sum()
+    loss = loss + (y2 * bt.tensor(g2, dtype=half).to(device)).float().sum()
+    if sum_grad:
+        loss = loss + (s2 * bt.tensor(gs, dtype=bt.float32).to(device)).sum()
+    loss.backward()
+    return [s1, y1, s2, y2], [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("half", [bt.bfloat16, bt.float16])
+@pytest.mark.parametrize("RC", MIXED_SHAPES, ids=lambda rc: f"{rc[0]}x{rc[1]}")
+@pytest.mark.parametrize("version", ["default", "2"])
+def test_mixed_layer_norm(rng, monkeypatch, half, RC, version):
+    """layer_norm(x float32, out_dtype=16-bit): y within a 16-bit rounding of the CPU's, dx / dw
+    / db (float32) to float32 accuracy."""
+    if version != "default":
+        monkeypatch.setenv("BT_CUDA_NN_VERSION", version)
+    R, C = RC
+    x, w, b = rng.standard_normal((R, C)) * 3 + 1, rng.standard_normal(C), rng.standard_normal(C)
+    g = rng.standard_normal((R, C))
+    res = {}
+    for dev in ("cuda", "cpu"):
+        xt, wt, bt_ = _mixed_leaves([x, w, b], [bt.float32] * 3, dev)
+        y = bt.layer_norm(xt, C, wt, bt_, out_dtype=half)
+        y.backward(bt.tensor(g, dtype=half).to(dev))
+        res[dev] = [y, xt.grad, wt.grad, bt_.grad]
+    assert res["cuda"][0].dtype == half and res["cuda"][1].dtype == bt.float32
+    _close(res["cuda"][0], res["cpu"][0], half, f"mixed layer_norm {RC} y")
+    for i, name in ((1, "dx"), (2, "dw"), (3, "db")):
+        _close(res["cuda"][i], res["cpu"][i], bt.float32, f"mixed layer_norm {RC} {name}", 5)
+
+
+@pytest.mark.parametrize("half", [bt.bfloat16, bt.float16])
+@pytest.mark.parametrize("RC", MIXED_SHAPES, ids=lambda rc: f"{rc[0]}x{rc[1]}")
+@pytest.mark.parametrize("sum_grad", [False, True], ids=["16-bit-stream-grad", "float32-grad"])
+@pytest.mark.parametrize("version", ["default", "2"])
+def test_mixed_add_layer_norm(rng, monkeypatch, half, RC, sum_grad, version):
+    """Two chained mixed add_layer_norms (residual bias on the first): the float32 sums bitwise
+    the CPU's (the same float32 additions in the same order), y within a 16-bit rounding, and
+    every gradient (the stream's in 16 bits between the two, or float32 when the last sum has a
+    float32 cotangent) within the 16-bit tolerance, the float32 parameters' too."""
+    if version != "default":
+        monkeypatch.setenv("BT_CUDA_NN_VERSION", version)
+    R, C = RC
+    arrays = [rng.standard_normal((R, C)) * 4]
+    arrays += [rng.standard_normal((R, C)) for _ in range(2)]
+    arrays += [rng.standard_normal(C) for _ in range(4)]
+    arrays += [rng.standard_normal((R, C)) for _ in range(3)]
+    go, gg = _mixed_chain(arrays, half, "cuda", sum_grad)
+    co, cg = _mixed_chain(arrays, half, "cpu", sum_grad)
+    assert go[0].dtype == bt.float32 and go[1].dtype == half
+    for i in (0, 2):
+        assert np.array_equal(_np(go[i]), _np(co[i])), f"mixed add_layer_norm {RC} sum {i}"
+    for i in (1, 3):
+        _close(go[i], co[i], half, f"mixed add_layer_norm {RC} y {i}")
+    names = ["x", "r1", "r2", "w1", "b1", "rb", "w2"]
+    for name, a, b in zip(names, gg, cg):
+        # 16-bit dx (rounded once per chain link); float32 x with a float32 stream gradient
+        tol_dtype = bt.float32 if (sum_grad and name == "x") else half
+        _close(a, b, tol_dtype, f"mixed add_layer_norm {RC} grad {name}", 8)
+
+
+def test_mixed_add_layer_norm_misaligned_and_deterministic(rng):
+    """A float32 x at an odd element offset is not 16-byte aligned: the v2 kernels run; GPT-2's
+    shape twice gives bitwise the same parameter gradients (fixed-order reductions)."""
+    R, C = 6, 768
+    flat = rng.standard_normal(R * C + 1)
+    r = rng.standard_normal((R, C))
+    outs = {}
+    for dev in ("cuda", "cpu"):
+        x = bt.tensor(flat, dtype=bt.float32).to(dev).narrow(0, 1, R * C).reshape(R, C)
+        rt = bt.tensor(r, dtype=bt.bfloat16).to(dev)
+        outs[dev] = bt.add_layer_norm(x, rt, out_dtype=bt.bfloat16)
+    assert np.array_equal(_np(outs["cuda"][0]), _np(outs["cpu"][0]))
+    _close(outs["cuda"][1], outs["cpu"][1], bt.bfloat16, "misaligned mixed add_layer_norm")
+    R = 4099
+    x, r, g = (rng.standard_normal((R, C)) for _ in range(3))
+    w, b, rb = (rng.standard_normal(C) for _ in range(3))
+    res = []
+    for _ in range(2):
+        xt, wt, bt_, rbt = _mixed_leaves([x, w, b, rb], [bt.float32] * 4, "cuda")
+        rt = bt.tensor(r, dtype=bt.bfloat16).to("cuda").requires_grad_(True)
+        _, y = bt.add_layer_norm(xt, rt, wt, bt_, residual_bias=rbt, out_dtype=bt.bfloat16)
+        y.backward(bt.tensor(g, dtype=bt.bfloat16).to("cuda"))
+        res.append([_np(t.grad) for t in (xt, rt, wt, bt_, rbt)])
+    for a, b2 in zip(res[0], res[1]):
+        assert np.array_equal(a, b2), "mixed layer-norm backward is not deterministic"

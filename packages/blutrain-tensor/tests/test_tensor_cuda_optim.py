@@ -10,7 +10,8 @@ import pytest
 
 import blutrain.tensor as bt
 
-C = bt._tensor
+C = bt._tensor  # private knobs only (_set_optim_kernel_version)
+bto = bt.optim
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(bt.cuda_device_count() == 0, reason="no CUDA device"),
@@ -50,7 +51,18 @@ def run_both(rng, shapes, steps=3, decays=None, device_scalars=False, scale=None
             lr_a = bt.tensor(lr, dtype=bt.float32, device=dev) if device_scalars else lr
             st_a = bt.tensor(float(t), dtype=bt.float32, device=dev) if device_scalars else t
             sc = None if scale is None else bt.tensor(scale, dtype=bt.float32, device=dev)
-            C._adamw_(ps, gs, ms, vs, lr_a, B1, B2, EPS, decays, st_a, sc)
+            bto.adamw_(
+                ps,
+                gs,
+                ms,
+                vs,
+                lr=lr_a,
+                betas=(B1, B2),
+                eps=EPS,
+                weight_decay=decays,
+                step=st_a,
+                grad_scale=sc,
+            )
         out.append([[t.cpu().float().numpy() for t in lst] for lst in (ps, ms, vs)])
     return out
 
@@ -83,17 +95,16 @@ def test_adamw_cuda_v1_reference_matches_v2(rng):
             ps = [bt.tensor(p, device="cuda") for p in p0]
             ms = [bt.zeros(*s, device="cuda") for s in shapes]
             vs = [bt.zeros(*s, device="cuda") for s in shapes]
-            C._adamw_(
+            bto.adamw_(
                 ps,
                 [bt.tensor(x, device="cuda") for x in g],
                 ms,
                 vs,
-                1e-3,
-                B1,
-                B2,
-                EPS,
-                [0.1, 0.0, 0.0],
-                1,
+                lr=1e-3,
+                betas=(B1, B2),
+                eps=EPS,
+                weight_decay=[0.1, 0.0, 0.0],
+                step=1,
             )
             res.append([p.cpu().numpy() for p in ps])
         finally:
@@ -110,8 +121,8 @@ def test_adamw_cuda_unaligned_views_use_the_scalar_path(rng):
     sl = [(1, 500), (503, 510)]
     gpu = [[d[a:b] for a, b in sl] for d in dev]  # gpu[operand][slice]
     cpu = [[bt.tensor(h[a:b].copy()) for a, b in sl] for h in host]
-    C._adamw_(*gpu, 1e-3, B1, B2, EPS, [0.1, 0.0], 2)
-    C._adamw_(*cpu, 1e-3, B1, B2, EPS, [0.1, 0.0], 2)
+    bto.adamw_(*gpu, lr=1e-3, betas=(B1, B2), eps=EPS, weight_decay=[0.1, 0.0], step=2)
+    bto.adamw_(*cpu, lr=1e-3, betas=(B1, B2), eps=EPS, weight_decay=[0.1, 0.0], step=2)
     for k in (0, 2, 3):
         for j in range(2):
             np.testing.assert_allclose(gpu[k][j].cpu().numpy(), cpu[k][j].numpy(), rtol=1e-6)
@@ -153,24 +164,36 @@ def test_adamw_cuda_device_lr_changes_between_calls(rng):
     rm, rv = [bt.zeros(10, 10)], [bt.zeros(10, 10)]
     for t, factor in [(1, 1.0), (2, 5.0), (3, 4.0)]:
         # new values written in place (same device memory, as a CUDA-graph replay would see)
-        C._scale_([lr_t], bt.tensor(factor, dtype=bt.float32, device="cuda"))
-        C._scale_(
+        bto.scale_([lr_t], bt.tensor(factor, dtype=bt.float32, device="cuda"))
+        bto.scale_(
             [step_t], bt.tensor(t / (t - 1) if t > 1 else 1.0, dtype=bt.float32, device="cuda")
         )
         lr = float(lr_t.cpu().numpy())
         assert float(step_t.cpu().numpy()) == t
-        C._adamw_(ps, [bt.tensor(g[0], device="cuda")], ms, vs, lr_t, B1, B2, EPS, 0.1, step_t)
-        C._adamw_(ref, [bt.tensor(g[0])], rm, rv, lr, B1, B2, EPS, 0.1, t)
+        bto.adamw_(
+            ps,
+            [bt.tensor(g[0], device="cuda")],
+            ms,
+            vs,
+            lr=lr_t,
+            betas=(B1, B2),
+            eps=EPS,
+            weight_decay=0.1,
+            step=step_t,
+        )
+        bto.adamw_(
+            ref, [bt.tensor(g[0])], rm, rv, lr=lr, betas=(B1, B2), eps=EPS, weight_decay=0.1, step=t
+        )
     np.testing.assert_allclose(ps[0].cpu().numpy(), ref[0].numpy(), rtol=1e-6)
 
 
 def test_grad_norm_cuda_matches_cpu_and_is_deterministic(rng):
     shapes = gpt2_shapes(n_layer=2, vocab=1000) + [(1,), (0,), (4097,)]
     gs = make(rng, shapes)
-    cpu = float(C._grad_norm([bt.tensor(g) for g in gs]).item())
+    cpu = float(bto.grad_norm([bt.tensor(g) for g in gs]).item())
     dg = [bt.tensor(g, device="cuda") for g in gs]
-    a = C._grad_norm(dg)
-    b = C._grad_norm(dg)
+    a = bto.grad_norm(dg)
+    b = bto.grad_norm(dg)
     assert a.device == bt.device("cuda:0") if hasattr(bt, "device") else True
     assert a.shape == () and a.dtype == bt.float32
     assert a.cpu().numpy().tobytes() == b.cpu().numpy().tobytes()
@@ -181,21 +204,21 @@ def test_grad_norm_cuda_matches_cpu_and_is_deterministic(rng):
 
 def test_grad_norm_cuda_gpt2_deterministic(rng):
     gs = [bt.tensor(g, device="cuda") for g in make(rng, gpt2_shapes())]
-    bits = {C._grad_norm(gs).cpu().numpy().tobytes() for _ in range(3)}
+    bits = {bto.grad_norm(gs).cpu().numpy().tobytes() for _ in range(3)}
     assert len(bits) == 1
 
 
 def test_grad_norm_cuda_dtypes(rng):
     gs = make(rng, [(100, 7), (33,)])
     g64 = [bt.tensor(g.astype(np.float64), device="cuda") for g in gs]
-    n = C._grad_norm(g64)
+    n = bto.grad_norm(g64)
     assert n.dtype == bt.float64
     want = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in gs))
     assert float(n.item()) == pytest.approx(want, rel=1e-12)
     mixed = [bt.tensor(gs[0], device="cuda"), bt.tensor(gs[1], device="cuda", dtype=bt.bfloat16)]
-    cpu = C._grad_norm([t.cpu() for t in mixed])
-    assert float(C._grad_norm(mixed).item()) == pytest.approx(float(cpu.item()), rel=1e-6)
-    assert float(C._grad_norm([]).item()) == 0.0
+    cpu = bto.grad_norm([t.cpu() for t in mixed])
+    assert float(bto.grad_norm(mixed).item()) == pytest.approx(float(cpu.item()), rel=1e-6)
+    assert float(bto.grad_norm([]).item()) == 0.0
 
 
 def test_clip_grad_norm_cuda_front(rng):
@@ -211,10 +234,10 @@ def test_clip_grad_norm_cuda_front(rng):
         np.testing.assert_allclose(
             p.grad.cpu().numpy(), g * np.float32(1.0 / (total + 1e-6)), rtol=1e-5
         )
-    coef = C._clip_coef(norm, 1.0)
-    ccpu = C._clip_coef(norm.cpu(), 1.0)
+    coef = bto.clip_coef(norm, 1.0)
+    ccpu = bto.clip_coef(norm.cpu(), 1.0)
     assert coef.cpu().numpy().tobytes() == ccpu.numpy().tobytes()
-    nan = C._clip_coef(bt.tensor(float("nan"), device="cuda"), 1.0)
+    nan = bto.clip_coef(bt.tensor(float("nan"), device="cuda"), 1.0)
     assert math.isnan(float(nan.item()))
 
 
@@ -222,8 +245,8 @@ def test_scale_cuda_matches_cpu(rng):
     gs = make(rng, [(1025,), (3, 3)])
     coef = bt.tensor(0.3, dtype=bt.float32, device="cuda")
     dg = [bt.tensor(g, device="cuda") for g in gs]
-    C._scale_(dg, coef)
+    bto.scale_(dg, coef)
     cg = [bt.tensor(g) for g in gs]
-    C._scale_(cg, coef.cpu())
+    bto.scale_(cg, coef.cpu())
     for a, b in zip(cg, dg, strict=True):
         np.testing.assert_array_equal(b.cpu().numpy(), a.numpy())

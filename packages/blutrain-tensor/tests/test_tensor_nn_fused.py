@@ -645,3 +645,146 @@ def test_gelu_tanh_backward_is_the_composition_bit_for_bit(rng, dtype, n):
     got = xt.grad.to(bt.float64).numpy()[ok]
     tol = {bt.float64: 1e-12, bt.float32: 1e-5, bt.bfloat16: 8e-2, bt.float16: 1e-2}[dtype]
     assert np.allclose(got, ref, rtol=tol, atol=tol)
+
+
+# ---- mixed rows: float32 x, 16-bit y (Note [float32 residual stream]) -------------------------
+HALF = [bt.bfloat16, bt.float16]
+ULP = {bt.bfloat16: 2.0**-8, bt.float16: 2.0**-11}  # a 16-bit rounding, relative
+
+
+def rounded(a, dtype):
+    """float64 values of `a` rounded to dtype (what a 16-bit tensor holds)."""
+    return f64(bt.tensor(a, dtype=dtype))
+
+
+def np_ln_backward_stats(dy, s, w, mean, rstd):
+    """dx, dw, db of a layer norm at the given (saved float32) statistics, in float64."""
+    xh = (s - mean[:, None]) * rstd[:, None]
+    g = dy * w
+    dx = rstd[:, None] * (g - g.mean(-1, keepdims=True) - xh * (g * xh).mean(-1, keepdims=True))
+    return dx, (dy * xh).sum(0), dy.sum(0)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("C", [1, 7, 64, 1025])
+def test_mixed_layer_norm_vs_numpy(rng, dtype, C):
+    """layer_norm(x float32, out_dtype=16-bit): the float32 row normalised with float32 weight
+    and bias, y rounded once; backward reads the 16-bit dy and gives float32 dx, dw, db."""
+    R = 5
+    x = rng.standard_normal((R, C)).astype(np.float32) * 3 + 1
+    w, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
+    xt = bt.tensor(x, requires_grad=True)
+    wt, bt_ = bt.tensor(w, requires_grad=True), bt.tensor(b, requires_grad=True)
+    y = bt.layer_norm(xt, C, wt, bt_, out_dtype=dtype)
+    assert y.dtype == dtype and y.shape == (R, C)
+    ref, mean, rstd = np_layer_norm(x.astype(np.float64), w, b, 1e-5)
+    # one rounding of the float64 value (the CPU's statistics are double)
+    np.testing.assert_array_equal(f64(y), rounded(ref, dtype))
+    dy = rounded(rng.standard_normal((R, C)), dtype)
+    y.backward(bt.tensor(dy, dtype=dtype))
+    assert xt.grad.dtype == bt.float32 and wt.grad.dtype == bt.float32
+    dx, dw, db = np_ln_backward_stats(dy, x.astype(np.float64), w, mean, rstd)
+    scale = 1 if C > 1 else 0  # C == 1: dx is exactly 0
+    np.testing.assert_allclose(f64(xt.grad), dx * scale, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f64(wt.grad), dw, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f64(bt_.grad), db, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("C", [3, 64, 1025])
+@pytest.mark.parametrize("rbias", [True, False])
+def test_mixed_add_layer_norm_vs_numpy(rng, dtype, C, rbias):
+    """add_layer_norm(x float32, residual 16-bit, out_dtype=16-bit): sum = (x + residual) +
+    residual_bias in float32 exactly as float32 arithmetic gives it, y the float64 norm of that
+    sum rounded once; parameters float32."""
+    R = 4
+    x = rng.standard_normal((R, C)).astype(np.float32) * 10
+    r = rounded(rng.standard_normal((R, C)), dtype).astype(np.float32)
+    w, b = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
+    rb = rng.standard_normal(C).astype(np.float32)
+    s, y = bt.add_layer_norm(
+        bt.tensor(x),
+        bt.tensor(r, dtype=dtype),
+        bt.tensor(w),
+        bt.tensor(b),
+        residual_bias=bt.tensor(rb) if rbias else None,
+        out_dtype=dtype,
+    )
+    assert s.dtype == bt.float32 and y.dtype == dtype
+    ref_s = (x + r) + rb if rbias else x + r  # float32 arithmetic
+    np.testing.assert_array_equal(s.numpy(), ref_s)
+    ref_y, _, _ = np_layer_norm(ref_s.astype(np.float64), w, b, 1e-5)
+    np.testing.assert_array_equal(f64(y), rounded(ref_y, dtype))
+
+
+def _mixed_chain(rng, dtype, C, sum_cotangent):
+    """x (float32 leaf) -> (s1, y1) = add_layer_norm(x, r1) -> (s2, y2) = add_layer_norm(s1, r2),
+    loss = <y1, g1> + <y2, g2> (+ <s2, gs> with sum_cotangent), all mixed; returns the leaves'
+    gradients and the float64 reference of x's."""
+    R = 6
+    x = rng.standard_normal((R, C)).astype(np.float32) * 4
+    r1, r2, g1, g2 = (rounded(rng.standard_normal((R, C)), dtype) for _ in range(4))
+    gs = rng.standard_normal((R, C)).astype(np.float32)
+    w1, w2, rb1 = (rng.standard_normal(C).astype(np.float32) for _ in range(3))
+    leaves = [bt.tensor(x, requires_grad=True), bt.tensor(r1, dtype=dtype, requires_grad=True)]
+    leaves += [bt.tensor(r2, dtype=dtype, requires_grad=True), bt.tensor(rb1, requires_grad=True)]
+    xt, r1t, r2t, rb1t = leaves
+    s1, y1 = bt.add_layer_norm(xt, r1t, bt.tensor(w1), None, residual_bias=rb1t, out_dtype=dtype)
+    s2, y2 = bt.add_layer_norm(s1, r2t, bt.tensor(w2), None, out_dtype=dtype)
+    loss = (y1 * bt.tensor(g1, dtype=dtype)).float().sum()
+    loss = loss + (y2 * bt.tensor(g2, dtype=dtype)).float().sum()
+    if sum_cotangent:
+        loss = loss + (s2 * bt.tensor(gs)).sum()
+    loss.backward()
+    # float64 reference (the forward's float32 sums and statistics as the op stored them)
+    S1 = f64(s1)
+    S2 = f64(s2)
+    _, m1, q1 = np_layer_norm(S1, None, None, 1e-5)
+    _, m2, q2 = np_layer_norm(S2, None, None, 1e-5)
+    d2 = np_ln_backward_stats(g2, S2, w2, m2, q2)[0] + (gs if sum_cotangent else 0)
+    d1 = np_ln_backward_stats(g1, S1, w1, m1, q1)[0] + d2
+    return xt.grad, r1t.grad, r2t.grad, rb1t.grad, d1, d2
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_mixed_add_layer_norm_stream_gradient_is_16_bit(rng, dtype):
+    """The float32 sum's gradient travels in y's dtype between two add_layer_norms: x's gradient
+    is then exactly the residual's (one 16-bit dx for both), and each within a 16-bit rounding
+    per add of the float64 chain; the residual bias's gradient the column sums of that dx."""
+    C = 48
+    gx, gr1, gr2, grb, d1, d2 = _mixed_chain(rng, dtype, C, sum_cotangent=False)
+    assert gx.dtype == bt.float32 and gr1.dtype == dtype and grb.dtype == bt.float32
+    np.testing.assert_array_equal(f64(gx), f64(gr1))
+    tol = 4 * ULP[dtype]
+    np.testing.assert_allclose(f64(gr2), d2, rtol=tol, atol=tol * np.abs(d2).max())
+    np.testing.assert_allclose(f64(gx), d1, rtol=tol, atol=tol * np.abs(d1).max())
+    err = np.abs(f64(grb) - f64(gr1).sum(0)) / np.abs(f64(gr1)).sum(0)
+    assert err.max() < 1e-6, err.max()
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_mixed_add_layer_norm_float32_sum_gradient_stays_float32(rng, dtype):
+    """When the sum's gradient comes float32 (its reader is not an add_layer_norm), dx is float32:
+    x's gradient matches float64 to float32 accuracy; the residual gets it rounded to 16 bits."""
+    C = 40
+    gx, gr1, _, _, d1, _ = _mixed_chain(rng, dtype, C, sum_cotangent=True)
+    np.testing.assert_allclose(f64(gx), d1, rtol=1e-5, atol=1e-5 * np.abs(d1).max())
+    np.testing.assert_array_equal(f64(gr1), rounded(f64(gx), dtype))
+
+
+def test_mixed_norm_dtype_pairs_and_errors(rng):
+    """Pairs other than float32 -> 16-bit normalise in x's dtype and cast; bad out_dtype names
+    the op."""
+    x = rng.standard_normal((3, 8))
+    xb = bt.tensor(x, dtype=bt.bfloat16)
+    y = bt.layer_norm(xb, 8, out_dtype=bt.float32)
+    assert y.dtype == bt.float32
+    np.testing.assert_array_equal(f64(y), f64(bt.layer_norm(xb, 8).float()))
+    x32 = bt.tensor(x, dtype=bt.float32)
+    s, y = bt.add_layer_norm(x32, bt.tensor(x, dtype=bt.float32), out_dtype=bt.bfloat16)
+    assert s.dtype == bt.float32 and y.dtype == bt.bfloat16  # a float32 residual: add, then cast
+    np.testing.assert_array_equal(f64(y), f64(bt.add_layer_norm(x32, x32)[1].to(bt.bfloat16)))
+    with pytest.raises(TypeError, match=r"\[layer_norm\] out_dtype"):
+        bt.layer_norm(x32, 8, out_dtype=bt.int64)
+    with pytest.raises(TypeError, match=r"\[add_layer_norm\] out_dtype"):
+        bt.add_layer_norm(x32, x32, out_dtype=bt.int32)

@@ -89,6 +89,39 @@ def test_same_values_and_gradients_bitwise(rng, device, dtype, fused_add):
         _assert_same_bits(a, b, f"grad of leaf {k}")
 
 
+def _mixed_grads(rng_state, device, recompute, fused_add):
+    """A float32 residual stream with a bf16 branch (Note [float32 residual stream]): the norm's
+    bf16 output feeds bf16 linears; float32 parameters."""
+    rng = np.random.default_rng(rng_state)
+    C = 64
+    x = _leaf(rng, (3, 5, C), bt.float32, device)
+    r = _leaf(rng, (3, 5, C), bt.bfloat16, device)
+    w, b = _leaf(rng, (C,), bt.float32, device, 0.5), _leaf(rng, (C,), bt.float32, device, 0.5)
+    W1 = _leaf(rng, (2 * C, C), bt.bfloat16, device, 0.2)
+    leaves = [x, r, w, b, W1]
+    if fused_add:
+        s, h = bt.add_layer_norm(x, r, w, b, 1e-5, recompute=recompute, out_dtype=bt.bfloat16)
+    else:
+        s = x + r.float()
+        h = bt.layer_norm(s, (C,), w, b, 1e-5, recompute=recompute, out_dtype=bt.bfloat16)
+    s2, h2 = bt.add_layer_norm(s, bt.linear(h, W1)[..., :C], w, b, out_dtype=bt.bfloat16)
+    z = bt.linear(h2, W1)
+    (z.float() * z.float()).sum().backward()
+    return h, [p.grad for p in leaves]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fused_add", [False, True])
+def test_mixed_norms_same_values_and_gradients_bitwise(rng, device, fused_add):
+    seed = int(rng.integers(2**31))
+    h0, g0 = _mixed_grads(seed, device, False, fused_add)
+    h1, g1 = _mixed_grads(seed, device, True, fused_add)
+    assert h0.dtype == bt.bfloat16
+    _assert_same_bits(h0, h1, "output")
+    for k, (a, b) in enumerate(zip(g0, g1, strict=True)):
+        _assert_same_bits(a, b, f"grad of leaf {k}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_rebuilt_output_matches_the_add_kernels_bitwise(rng, device):
     # add_layer_norm's rebuild is layer_norm of the kept sum: the same values as the fused kernel
@@ -100,6 +133,14 @@ def test_rebuilt_output_matches_the_add_kernels_bitwise(rng, device):
             b = bt.tensor(rng.standard_normal(C), dtype=dtype, device=device)
             s, y = bt.add_layer_norm(x, r, w, b, 1e-5)
             _assert_same_bits(y, bt.layer_norm(s, (C,), w, b, 1e-5), f"{dtype} C={C}")
+    for C in (96, 768, 3072, 100, 4096):  # mixed rows (v3 up to 3072 wide, v1 past it on CUDA)
+        x = bt.tensor(rng.standard_normal((64, C)) * 4, dtype=bt.float32, device=device)
+        r = bt.tensor(rng.standard_normal((64, C)), dtype=bt.bfloat16, device=device)
+        w = bt.tensor(rng.standard_normal(C), dtype=bt.float32, device=device)
+        b = bt.tensor(rng.standard_normal(C), dtype=bt.float32, device=device)
+        s, y = bt.add_layer_norm(x, r, w, b, 1e-5, out_dtype=bt.bfloat16)
+        y2 = bt.layer_norm(s, (C,), w, b, 1e-5, out_dtype=bt.bfloat16)
+        _assert_same_bits(y, y2, f"mixed C={C}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -113,6 +113,18 @@ def test_every_public_name_of_bt_is_typed():
     assert not untyped, f"public names with no typed definition: {untyped}"
 
 
+def test_python_submodules_are_typed_and_documented():
+    for mod in ("optim", "backends", "cuda"):
+        tree = ast.parse((PKG / f"{mod}.py").read_text())
+        defs = _names(tree.body)
+        for name in getattr(bt, mod).__all__:
+            node = defs.get(name)
+            assert node is not None, f"bt.{mod}.{name} is not defined in {mod}.py"
+            if isinstance(node, ast.FunctionDef):
+                assert _fully_annotated(node), f"bt.{mod}.{name} lacks annotations"
+                assert ast.get_docstring(node), f"bt.{mod}.{name} has no docstring"
+
+
 def test_mypy_reads_the_stubs(tmp_path):
     pytest.importorskip("mypy")
     good = tmp_path / "good.py"
@@ -130,16 +142,25 @@ def test_mypy_reads_the_stubs(tmp_path):
             f: float = float(x.sum())
             w = bt.cross_entropy(bt.randn(2, 5, 3), bt.zeros(2, 3, dtype=bt.int64))
             bt.clip_grad_norm_([x], 1.0)
+            m, v = [bt.zeros_like(x)], [bt.zeros_like(x)]
+            coef = bt.optim.clip_coef(bt.optim.grad_norm([x.grad]), 1.0)
+            bt.optim.adamw_([x], [x], m, v, lr=1e-3, step=bt.tensor(1.0), grad_scale=coef)
+            level: int = bt.API_LEVEL
+            version: str = bt.__version__
             for row in x:
                 row.new_zeros(2, 2).type_as(y).matmul(y.where(y > 0, 0.0))
             """
         )
     )
     bad = tmp_path / "bad.py"
-    bad.write_text("import blutrain.tensor as bt\nbt.randn(2).softmax('a')\nbt.gradcheck(1)\n")
+    bad.write_text(
+        "import blutrain.tensor as bt\nbt.randn(2).softmax('a')\nbt.gradcheck(1)\n"
+        "bt.optim.adamw_([], [], [], [], lr=1e-3)\n"  # step is required
+    )
     env = dict(os.environ, MYPYPATH="")
     cmd = [sys.executable, "-m", "mypy", "--no-incremental", "--python-version", "3.11"]
     r = subprocess.run([*cmd, str(good)], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     r = subprocess.run([*cmd, str(bad)], capture_output=True, text=True, env=env)
     assert r.returncode == 1 and "softmax" in r.stdout and "gradcheck" in r.stdout, r.stdout
+    assert '"step"' in r.stdout and "adamw_" in r.stdout, r.stdout

@@ -110,6 +110,12 @@ NB_MODULE(_alloc, m) {
   m.attr("ABI_VERSION") = BT_ALLOC_ABI_VERSION;
   m.attr("_C_API") = nb::steal(
       PyCapsule_New(const_cast<bt_alloc_api*>(bt_alloc_get_api()), BT_ALLOC_CAPSULE_NAME, nullptr));
+  // Making the first pool reads BLUTRAIN_ALLOC_CONF: a bad setting fails this import, naming the
+  // key (Note [BLUTRAIN_ALLOC_CONF] in src/c_api.cpp).
+  {
+    bt_alloc_stats s{};
+    check(bt_alloc_get_stats(BT_ALLOC_HOST_PAGEABLE, &s));
+  }
 
   m.def(
       "malloc",

@@ -1,40 +1,23 @@
-/* blutrain/linalg_import.h: header-only importer of blutrain-linalg's C ABI for
- * Python extension modules (the numpy `_C_API` pattern).
+/* blutrain/linalg_import.h: blutrain-linalg's C ABI table for Python extension modules.
  *
+ *   #define BT_CAPI_IMPORTER "blutrain.mypkg"          // names the importer in errors
+ *   #include "blutrain/linalg_import.h"
  *   const bt_linalg_api* api = bt_linalg_import();   // once, at module init
  *   if (!api) return NULL;                           // ImportError is set
  *
- * The table is refused, with an ImportError naming both versions, when its
- * major version differs from the one this code was compiled against or its
- * minor version is older.
+ * The checks and their messages are blutrain/capi_import.h's, shipped with blutrain-alloc (a
+ * dependency of blutrain-linalg): put `python -m blutrain.alloc --include` on the include path.
  */
 #ifndef BLUTRAIN_LINALG_IMPORT_H
 #define BLUTRAIN_LINALG_IMPORT_H
 
-#include <Python.h>
-
+#include "blutrain/capi_import.h"
 #include "blutrain/linalg.h"
 
 static inline const bt_linalg_api* bt_linalg_import(void) {
-  PyObject* mod = PyImport_ImportModule("blutrain.linalg._linalg");
-  if (!mod) return NULL;
-  PyObject* cap = PyObject_GetAttrString(mod, "_C_API");
-  Py_DECREF(mod);
-  if (!cap) return NULL;
-  const bt_linalg_api* api =
-      (const bt_linalg_api*)PyCapsule_GetPointer(cap, BT_LINALG_CAPSULE_NAME);
-  Py_DECREF(cap);
-  if (!api) return NULL;
-  const uint32_t have = api->abi_version, want = BT_LINALG_ABI_VERSION;
-  if ((have >> 16) != (want >> 16) || (have & 0xffffu) < (want & 0xffffu) ||
-      api->struct_size < sizeof(bt_linalg_api)) {
-    PyErr_Format(PyExc_ImportError,
-                 "blutrain.linalg C ABI %u.%u is installed, but this module was built for %u.%u: "
-                 "rebuild it against the installed blutrain-linalg, or install a matching one",
-                 have >> 16, have & 0xffffu, want >> 16, want & 0xffffu);
-    return NULL;
-  }
-  return api;
+  return (const bt_linalg_api*)bt_capi_import(BT_CAPI_IMPORTER, "blutrain.linalg",
+                                              "blutrain.linalg._linalg", BT_LINALG_CAPSULE_NAME,
+                                              BT_LINALG_ABI_VERSION, sizeof(bt_linalg_api));
 }
 
 #endif /* BLUTRAIN_LINALG_IMPORT_H */

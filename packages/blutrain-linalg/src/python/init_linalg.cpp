@@ -14,8 +14,11 @@
 #include <tuple>
 #include <vector>
 
-#include "blutrain/alloc_import.h"
 #include "blutrain/linalg.h"
+
+// Names this module in the errors of the capsule importer (blutrain/capi_import.h).
+#define BT_CAPI_IMPORTER "blutrain.linalg"
+#include "blutrain/alloc_import.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -130,12 +133,7 @@ NB_MODULE(_linalg, m) {
   // cudaMallocAsync for workspaces and refuse to allocate outputs (see `empty`).
   g_alloc = bt_alloc_import();
   if (!g_alloc) {
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    nb::object v = nb::steal(value);
-    g_alloc_error = v.is_valid() ? nb::cast<std::string>(nb::str(v)) : "unknown error";
-    Py_XDECREF(type);
-    Py_XDECREF(tb);
+    g_alloc_error = nb::cast<std::string>(nb::steal(bt_capi_take_error_message()));
   }
   g_api->set_alloc_api(g_alloc);
 

@@ -58,7 +58,7 @@ Tensor cpu::contiguous_raw(const Tensor& t) {
 void Full::eval_cpu(const std::vector<Tensor>&, std::vector<Tensor>& out) {
   dispatch_all(out[0].dtype(), name(), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const T v = static_cast<T>(static_cast<compute_t<T>>(value));
+    const T v = value.as<T>();
     T* o = base_ptr<T>(out[0]);
     const int64_t n = out[0].numel();
     cpu::parallel_for((n + cpu::kChunk - 1) / cpu::kChunk, cpu::kChunk, [&](int64_t c) {
@@ -73,8 +73,15 @@ void Arange::eval_cpu(const std::vector<Tensor>&, std::vector<Tensor>& out) {
     using T = typename decltype(tag)::type;
     T* o = base_ptr<T>(out[0]);
     const int64_t n = out[0].numel();
+    if (exact()) {  // unsigned: wraps mod 2^64 to the exact value, which fits int64
+      const uint64_t s0 = static_cast<uint64_t>(start.i), st = static_cast<uint64_t>(step.i);
+      for (int64_t i = 0; i < n; ++i) {
+        o[i] = Scalar::integer(static_cast<int64_t>(s0 + static_cast<uint64_t>(i) * st)).as<T>();
+      }
+      return;
+    }
     for (int64_t i = 0; i < n; ++i) {
-      o[i] = static_cast<T>(static_cast<compute_t<T>>(start + static_cast<double>(i) * step));
+      o[i] = static_cast<T>(static_cast<compute_t<T>>(start.v + static_cast<double>(i) * step.v));
     }
   });
 }
@@ -95,8 +102,9 @@ void Random::eval_cpu(const std::vector<Tensor>&, std::vector<Tensor>& out) {
       } else if (kind == RandKind::Normal) {
         v = a + b * philox::normal(seed, offset, i);
       } else {
-        const uint64_t range = static_cast<uint64_t>(b - a);
-        v = a + static_cast<double>(philox::bits(seed, offset, i) % range);
+        const uint64_t r = philox::bits(seed, offset, i) % int_range;
+        o[i] = Scalar::integer(static_cast<int64_t>(static_cast<uint64_t>(int_low) + r)).as<T>();
+        return;
       }
       o[i] = static_cast<T>(static_cast<C>(v));
     });
@@ -157,7 +165,7 @@ static inline C unary_fn(C x) {
     if constexpr (OP == UnaryOp::Tanh) return std::tanh(x);
     if constexpr (OP == UnaryOp::Abs) return x < C(0) ? -x : x;
     if constexpr (OP == UnaryOp::Sigmoid) return C(1) / (C(1) + std::exp(-x));
-    if constexpr (OP == UnaryOp::Relu) return x > C(0) ? x : C(0);
+    if constexpr (OP == UnaryOp::Relu) return x < C(0) ? C(0) : x;  // NaN stays NaN (as numpy)
     if constexpr (OP == UnaryOp::Sin) return std::sin(x);
     if constexpr (OP == UnaryOp::Cos) return std::cos(x);
     if constexpr (OP == UnaryOp::Erf) return std::erf(x);
@@ -375,7 +383,7 @@ void Where::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
 void MaskedFill::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   dispatch_all(out[0].dtype(), name(), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const T v = static_cast<T>(static_cast<compute_t<T>>(value));
+    const T v = value.as<T>();
     const T* a = base_ptr<T>(in[0]);
     const bool* m = base_ptr<bool>(in[1]);
     T* o = base_ptr<T>(out[0]);

@@ -12,7 +12,7 @@ using cpu::contiguous_raw;
 
 // Reads an int32/int64 index tensor as int64 values, checking the range [-size, size).
 static std::vector<int64_t> read_indices(const Tensor& idx_in, int64_t size, const char* op,
-                                         int64_t dim) {
+                                         int64_t dim, bool negative = true) {
   Tensor idx = contiguous_raw(idx_in);
   const int64_t n = idx.numel();
   std::vector<int64_t> r(n);
@@ -26,7 +26,7 @@ static std::vector<int64_t> read_indices(const Tensor& idx_in, int64_t size, con
                     dtype_name(idx.dtype()));
   }
   for (auto& v : r) {
-    if (v < -size || v >= size) {
+    if (v < (negative ? -size : 0) || v >= size) {
       throw IndexError(std::string("[") + op + "] index " + std::to_string(v) +
                        " is out of range for dim " + std::to_string(dim) + " of size " +
                        std::to_string(size));
@@ -44,11 +44,60 @@ static void split3(const Shape& s, int64_t dim, int64_t& outer, int64_t& mid, in
   for (int64_t d = dim + 1; d < static_cast<int64_t>(s.size()); ++d) inner *= s[d];
 }
 
+// Whether t has an expanded dim (stride 0, size > 1): a contiguous copy of such a view can be far
+// larger than its memory (ones(1).expand(2**40)), so kernels read it in place.
+static bool has_expanded_dim(const Tensor& t) {
+  for (int64_t d = 0; d < t.ndim(); ++d) {
+    if (t.strides()[d] == 0 && t.shape()[d] > 1) return true;
+  }
+  return false;
+}
+
+// Element offsets (in x's strides) of every row-major position of x's dims [d0, d1).
+static std::vector<int64_t> dim_offsets(const Tensor& x, int64_t d0, int64_t d1) {
+  std::vector<int64_t> offs{0};
+  for (int64_t d = d0; d < d1; ++d) {
+    std::vector<int64_t> next;
+    next.reserve(offs.size() * static_cast<size_t>(x.shape()[d]));
+    for (int64_t o : offs) {
+      for (int64_t i = 0; i < x.shape()[d]; ++i) next.push_back(o + i * x.strides()[d]);
+    }
+    offs.swap(next);
+  }
+  return offs;
+}
+
+// index_select reading a strided x in place (x with expanded dims): out (outer, J, inner).
+static void index_select_strided(const Tensor& x, int64_t dim, const std::vector<int64_t>& idx,
+                                 const Tensor& out, const char* op) {
+  const auto outer = dim_offsets(x, 0, dim), inner = dim_offsets(x, dim + 1, x.ndim());
+  const int64_t J = static_cast<int64_t>(idx.size()), sd = x.strides()[dim];
+  const int64_t n_in = static_cast<int64_t>(inner.size());
+  dispatch_all(x.dtype(), op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* src = static_cast<const T*>(x.data_ptr(op));
+    T* dst = static_cast<T*>(out.data_ptr(op));
+    cpu::parallel_for(static_cast<int64_t>(outer.size()) * J, n_in, [&](int64_t r) {
+      const int64_t o = r / J, j = r % J;
+      const T* row = src + outer[o] + idx[j] * sd;
+      T* orow = dst + r * n_in;
+      for (int64_t i = 0; i < n_in; ++i) orow[i] = row[inner[i]];
+    });
+  });
+}
+
 void IndexSelect::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+  if (has_expanded_dim(in[0]) && out[0].numel() > 0) {
+    index_select_strided(
+        in[0], dim,
+        read_indices(in[1], in[0].shape()[dim], embedding ? "embedding" : name(), dim, !embedding),
+        out[0], name());
+    return;
+  }
   Tensor x = contiguous_raw(in[0]);
   int64_t outer, D, inner;
   split3(x.shape(), dim, outer, D, inner);
-  const auto idx = read_indices(in[1], D, name(), dim);
+  const auto idx = read_indices(in[1], D, embedding ? "embedding" : name(), dim, !embedding);
   const int64_t J = static_cast<int64_t>(idx.size());
   const size_t es = itemsize(x.dtype());
   const char* src = static_cast<const char*>(x.data_ptr(name()));
@@ -87,10 +136,11 @@ void IndexAdd::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out)
 // Offsets of a contiguous tensor of `shape` for every element of `ishape` (row-major), with the
 // coordinate along `dim` replaced by the index value.
 void Gather::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  Tensor x = contiguous_raw(in[0]);
+  // x is read through its own strides: an expanded view is not copied (see has_expanded_dim)
+  const Tensor& x = in[0];
   const Shape& is = in[1].shape();
   const auto idx = read_indices(in[1], x.shape()[dim], name(), dim);
-  const Strides xs = contiguous_strides(x.shape());
+  const Strides xs = x.strides();
   const int64_t n = static_cast<int64_t>(idx.size()), nd = static_cast<int64_t>(is.size());
   dispatch_all(x.dtype(), name(), [&](auto tag) {
     using T = typename decltype(tag)::type;

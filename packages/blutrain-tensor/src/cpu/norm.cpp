@@ -2,6 +2,7 @@
 // across the thread pool, the kernels in norm_kernels.h (Note [same bits, faster rows]).
 // Compiled with -ffp-contract=off (CMakeLists.txt): the kernels' results are those of the first,
 // scalar versions on every instruction set.
+#include <type_traits>
 #include <vector>
 
 #include "../backend.h"
@@ -33,16 +34,20 @@ void LayerNorm::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out
   const int64_t rows = C ? x.numel() / C : 0;
   dispatch_float(x.dtype(), name(), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    dispatch_float(out[1].dtype(), name(), [&](auto stag) {
-      using S = typename decltype(stag)::type;
-      const T* xp = static_cast<const T*>(x.data_ptr(name()));
-      const T* wp = has_weight ? static_cast<const T*>(w.data_ptr(name())) : nullptr;
-      const T* bp = has_bias ? static_cast<const T*>(b.data_ptr(name())) : nullptr;
-      T* y = static_cast<T*>(out[0].data_ptr(name()));
-      S* mean_o = static_cast<S*>(out[1].data_ptr(name()));
-      S* rstd_o = static_cast<S*>(out[2].data_ptr(name()));
-      for_rows(rows, C, [&](int64_t r0, int64_t r1) {
-        cpu::norm::layer_norm_rows<T, S>(xp, wp, bp, y, mean_o, rstd_o, r0, r1, C, eps);
+    // y: T, or 16-bit over float32 rows (Note [float32 residual stream], nn_fused.h)
+    dispatch_same_or_half<T>(out[0].dtype(), name(), [&](auto otag) {
+      using O = typename decltype(otag)::type;
+      dispatch_float(out[1].dtype(), name(), [&](auto stag) {
+        using S = typename decltype(stag)::type;
+        const T* xp = static_cast<const T*>(x.data_ptr(name()));
+        const T* wp = has_weight ? static_cast<const T*>(w.data_ptr(name())) : nullptr;
+        const T* bp = has_bias ? static_cast<const T*>(b.data_ptr(name())) : nullptr;
+        O* y = static_cast<O*>(out[0].data_ptr(name()));
+        S* mean_o = static_cast<S*>(out[1].data_ptr(name()));
+        S* rstd_o = static_cast<S*>(out[2].data_ptr(name()));
+        for_rows(rows, C, [&](int64_t r0, int64_t r1) {
+          cpu::norm::layer_norm_rows<T, S>(xp, wp, bp, y, mean_o, rstd_o, r0, r1, C, eps);
+        });
       });
     });
   });
@@ -57,20 +62,24 @@ void AddLayerNorm::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
   const int64_t rows = C ? x.numel() / C : 0;
   dispatch_float(x.dtype(), name(), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    dispatch_float(out[2].dtype(), name(), [&](auto stag) {
-      using S = typename decltype(stag)::type;
-      const T* xp = static_cast<const T*>(x.data_ptr(name()));
-      const T* rp = static_cast<const T*>(res.data_ptr(name()));
-      const T* wp = has_weight ? static_cast<const T*>(w.data_ptr(name())) : nullptr;
-      const T* bp = has_bias ? static_cast<const T*>(b.data_ptr(name())) : nullptr;
-      const T* rbp = has_residual_bias ? static_cast<const T*>(rb.data_ptr(name())) : nullptr;
-      T* so = static_cast<T*>(out[0].data_ptr(name()));
-      T* y = static_cast<T*>(out[1].data_ptr(name()));
-      S* mean_o = static_cast<S*>(out[2].data_ptr(name()));
-      S* rstd_o = static_cast<S*>(out[3].data_ptr(name()));
-      for_rows(rows, C, [&](int64_t r0, int64_t r1) {
-        cpu::norm::add_layer_norm_rows<T, compute_t<T>, S>(xp, rp, rbp, wp, bp, so, y, mean_o,
-                                                           rstd_o, r0, r1, C, eps);
+    // residual and y O: T, or 16-bit over float32 x (Note [float32 residual stream])
+    dispatch_same_or_half<T>(out[1].dtype(), name(), [&](auto otag) {
+      using O = typename decltype(otag)::type;
+      dispatch_float(out[2].dtype(), name(), [&](auto stag) {
+        using S = typename decltype(stag)::type;
+        const T* xp = static_cast<const T*>(x.data_ptr(name()));
+        const O* rp = static_cast<const O*>(res.data_ptr(name()));
+        const T* wp = has_weight ? static_cast<const T*>(w.data_ptr(name())) : nullptr;
+        const T* bp = has_bias ? static_cast<const T*>(b.data_ptr(name())) : nullptr;
+        const T* rbp = has_residual_bias ? static_cast<const T*>(rb.data_ptr(name())) : nullptr;
+        T* so = static_cast<T*>(out[0].data_ptr(name()));
+        O* y = static_cast<O*>(out[1].data_ptr(name()));
+        S* mean_o = static_cast<S*>(out[2].data_ptr(name()));
+        S* rstd_o = static_cast<S*>(out[3].data_ptr(name()));
+        for_rows(rows, C, [&](int64_t r0, int64_t r1) {
+          cpu::norm::add_layer_norm_rows<T, compute_t<T>, S>(xp, rp, rbp, wp, bp, so, y, mean_o,
+                                                             rstd_o, r0, r1, C, eps);
+        });
       });
     });
   });
@@ -84,53 +93,68 @@ void LayerNormBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<Tens
   const int64_t R = x.shape()[0], C = x.shape()[1];
   dispatch_float(x.dtype(), name(), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    dispatch_float(mean.dtype(), name(), [&](auto stag) {
-      using S = typename decltype(stag)::type;
-      const T* dyp = static_cast<const T*>(dy.data_ptr(name()));
-      const T* xp = static_cast<const T*>(x.data_ptr(name()));
-      const T* wp = has_weight ? static_cast<const T*>(w.data_ptr(name())) : nullptr;
-      const T* ep = has_extra ? static_cast<const T*>(ex.data_ptr(name())) : nullptr;
-      const S* mp = static_cast<const S*>(mean.data_ptr(name()));
-      const S* rp = static_cast<const S*>(rstd.data_ptr(name()));
-      T* dx = static_cast<T*>(out[0].data_ptr(name()));
-      for_rows(R, C, [&](int64_t r0, int64_t r1) {
-        cpu::norm::layer_norm_backward_rows<T, S>(dyp, xp, wp, mp, rp, ep, dx, r0, r1, C);
-      });
-      size_t k = 1;
-      void* dw = need_dweight ? out[k++].data_ptr(name()) : nullptr;
-      void* db = need_dbias ? out[k++].data_ptr(name()) : nullptr;
-      void* ds = need_dsum ? out[k++].data_ptr(name()) : nullptr;
-      if (!dw && !db && !ds) return;
-      // float32 dweight / dbias / dsum for 16-bit rows where the front asked for them (nn_fused.h)
-      const bool f32 = out[1].dtype() == DType::Float32 && x.dtype() != DType::Float32;
-      auto put = [f32](void* p, int64_t c, double v) {
-        if (!p) return;
-        if (f32) {
-          static_cast<float*>(p)[c] = static_cast<float>(v);
-        } else {
-          static_cast<T*>(p)[c] = static_cast<T>(v);
-        }
+    // dy D and dx / extra O: T, or 16-bit over float32 x (Note [float32 residual stream])
+    dispatch_same_or_half<T>(dy.dtype(), name(), [&](auto dtag) {
+      using D = typename decltype(dtag)::type;
+      auto body = [&](auto otag) {
+        using O = typename decltype(otag)::type;
+        dispatch_float(mean.dtype(), name(), [&](auto stag) {
+          using S = typename decltype(stag)::type;
+          const D* dyp = static_cast<const D*>(dy.data_ptr(name()));
+          const T* xp = static_cast<const T*>(x.data_ptr(name()));
+          const T* wp = has_weight ? static_cast<const T*>(w.data_ptr(name())) : nullptr;
+          const O* ep = has_extra ? static_cast<const O*>(ex.data_ptr(name())) : nullptr;
+          const S* mp = static_cast<const S*>(mean.data_ptr(name()));
+          const S* rp = static_cast<const S*>(rstd.data_ptr(name()));
+          O* dx = static_cast<O*>(out[0].data_ptr(name()));
+          for_rows(R, C, [&](int64_t r0, int64_t r1) {
+            cpu::norm::layer_norm_backward_rows<T, S>(dyp, xp, wp, mp, rp, ep, dx, r0, r1, C);
+          });
+          size_t k = 1;
+          void* dw = need_dweight ? out[k++].data_ptr(name()) : nullptr;
+          void* db = need_dbias ? out[k++].data_ptr(name()) : nullptr;
+          void* ds = need_dsum ? out[k++].data_ptr(name()) : nullptr;
+          if (!dw && !db && !ds) return;
+          // float32 dweight / dbias / dsum for 16-bit rows where the front asked for them
+          // (nn_fused.h); else x's dtype
+          const bool f32 = out[1].dtype() == DType::Float32 && x.dtype() != DType::Float32;
+          auto put = [f32](void* p, int64_t c, double v) {
+            if (!p) return;
+            if (f32) {
+              static_cast<float*>(p)[c] = static_cast<float>(v);
+            } else {
+              static_cast<T*>(p)[c] = static_cast<T>(v);
+            }
+          };
+          // Blocks of columns, each summed down all rows in order; at least two blocks per
+          // thread when the columns allow (a block is never under 16 columns: one 64-byte row
+          // segment).
+          const int64_t threads = cpu::num_threads();
+          const int64_t cb = std::clamp<int64_t>((C + 2 * threads - 1) / (2 * threads), 16,
+                                                 cpu::norm::kColBlock);
+          const int64_t nblk = (C + cb - 1) / cb;
+          cpu::parallel_ranges(nblk, R * C >= cpu::kParallelMin ? 1 : nblk,
+                               [&](int64_t b0, int64_t b1) {
+            std::vector<double> acc(3 * static_cast<size_t>(cb));
+            for (int64_t blk = b0; blk < b1; ++blk) {
+              const int64_t c0 = blk * cb, n = std::min(C, c0 + cb) - c0;
+              double *sw = acc.data(), *sb = sw + cb, *sd = sb + cb;
+              cpu::norm::layer_norm_column_sums<T, S>(dyp, xp, mp, rp, dx, R, C, c0, n, dw, db,
+                                                      ds, sw, sb, sd);
+              for (int64_t j = 0; j < n; ++j) {
+                put(dw, c0 + j, sw[j]);
+                put(db, c0 + j, sb[j]);
+                put(ds, c0 + j, sd[j]);
+              }
+            }
+          });
+        });
       };
-      // Blocks of columns, each summed down all rows in order; at least two blocks per thread
-      // when the columns allow (a block is never under 16 columns: one 64-byte row segment).
-      const int64_t threads = cpu::num_threads();
-      const int64_t cb = std::clamp<int64_t>((C + 2 * threads - 1) / (2 * threads), 16,
-                                             cpu::norm::kColBlock);
-      const int64_t nblk = (C + cb - 1) / cb;
-      cpu::parallel_ranges(nblk, R * C >= cpu::kParallelMin ? 1 : nblk, [&](int64_t b0, int64_t b1) {
-        std::vector<double> acc(3 * static_cast<size_t>(cb));
-        for (int64_t blk = b0; blk < b1; ++blk) {
-          const int64_t c0 = blk * cb, n = std::min(C, c0 + cb) - c0;
-          double *sw = acc.data(), *sb = sw + cb, *sd = sb + cb;
-          cpu::norm::layer_norm_column_sums<T, S>(dyp, xp, mp, rp, dx, R, C, c0, n, dw, db, ds,
-                                                  sw, sb, sd);
-          for (int64_t j = 0; j < n; ++j) {
-            put(dw, c0 + j, sw[j]);
-            put(db, c0 + j, sb[j]);
-            put(ds, c0 + j, sd[j]);
-          }
-        }
-      });
+      if constexpr (std::is_same_v<D, T>) {
+        body(type_tag<T>{});
+      } else {
+        dispatch_same_or_half<T>(out[0].dtype(), name(), body);  // dx: float32 or D
+      }
     });
   });
 }

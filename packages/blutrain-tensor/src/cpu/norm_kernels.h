@@ -9,6 +9,9 @@
 // chains are independent and overlap, each one in its own order. Column sums (dweight, dbias)
 // walk the rows in order for a block of columns at once (contiguous, so vectorised), instead
 // of one column down the rows. The element-wise passes are vectorised by BT_CPU_CLONES.
+// Mixed dtypes (Note [float32 residual stream], nn_fused.h): x, weight, bias and the residual
+// sum are T; y, the residual, dy, dx and extra may be 16-bit (O, D) over float32 T rows. Every
+// value is widened to double as it is read, so the same code gives the same bits for both.
 // Including files must be compiled with -ffp-contract=off: a fused multiply-add rounds once
 // where the reference (baseline x86-64, which has no FMA) rounded twice.
 #pragma once
@@ -49,20 +52,20 @@ inline void row_stats(const T* const* p, int64_t C, double eps, double* mean, do
   for (int k = 0; k < K; ++k) rstd[k] = 1.0 / std::sqrt(ss[k] / static_cast<double>(C) + eps);
 }
 
-// y = (x - mean) * rstd [* w] [+ b], in double, rounded once to T.
-template <bool W, bool B, typename T>
-BT_CPU_CLONES void normalize_row(const T* p, const T* w, const T* b, T* q, int64_t C, double mean,
+// y = (x - mean) * rstd [* w] [+ b], in double, rounded once to O.
+template <bool W, bool B, typename T, typename O>
+BT_CPU_CLONES void normalize_row(const T* p, const T* w, const T* b, O* q, int64_t C, double mean,
                                  double rstd) {
   for (int64_t i = 0; i < C; ++i) {
     double v = (static_cast<double>(p[i]) - mean) * rstd;
     if constexpr (W) v *= static_cast<double>(w[i]);
     if constexpr (B) v += static_cast<double>(b[i]);
-    q[i] = static_cast<T>(v);
+    q[i] = static_cast<O>(v);
   }
 }
 
-template <typename T>
-inline void normalize(const T* p, const T* w, const T* b, T* q, int64_t C, double mean,
+template <typename T, typename O>
+inline void normalize(const T* p, const T* w, const T* b, O* q, int64_t C, double mean,
                       double rstd) {
   if (w && b) {
     normalize_row<true, true>(p, w, b, q, C, mean, rstd);
@@ -75,9 +78,9 @@ inline void normalize(const T* p, const T* w, const T* b, T* q, int64_t C, doubl
   }
 }
 
-// Rows [r0, r1) of x (R, C) contiguous: y, mean, rstd.
-template <typename T, typename S>
-void layer_norm_rows(const T* x, const T* w, const T* b, T* y, S* mean_o, S* rstd_o, int64_t r0,
+// Rows [r0, r1) of x (R, C) contiguous: y (O: T, or 16-bit over float32 x), mean, rstd.
+template <typename T, typename S, typename O>
+void layer_norm_rows(const T* x, const T* w, const T* b, O* y, S* mean_o, S* rstd_o, int64_t r0,
                      int64_t r1, int64_t C, double eps) {
   auto finish = [&](int64_t r, double mean, double rstd) {
     mean_o[r] = static_cast<S>(mean);
@@ -101,9 +104,10 @@ void layer_norm_rows(const T* x, const T* w, const T* b, T* y, S* mean_o, S* rst
 }
 
 // ---- add + layer_norm forward ------------------------------------------------------------------
-// s = x + residual [+ residual_bias] in the compute type C, rounded to T once; the norm of s.
-template <typename T, typename Cm>
-BT_CPU_CLONES void add_rows(const T* x, const T* res, const T* rb, T* s, int64_t C) {
+// s = x + residual [+ residual_bias] in the compute type Cm, rounded to T once; the norm of s.
+// The residual (and y) are O: T, or 16-bit over float32 x.
+template <typename T, typename Cm, typename O>
+BT_CPU_CLONES void add_rows(const T* x, const O* res, const T* rb, T* s, int64_t C) {
   if (rb) {
     for (int64_t i = 0; i < C; ++i) {
       Cm v = static_cast<Cm>(x[i]) + static_cast<Cm>(res[i]);
@@ -115,9 +119,9 @@ BT_CPU_CLONES void add_rows(const T* x, const T* res, const T* rb, T* s, int64_t
   }
 }
 
-template <typename T, typename Cm, typename S>
-void add_layer_norm_rows(const T* x, const T* res, const T* rb, const T* w, const T* b, T* sum,
-                         T* y, S* mean_o, S* rstd_o, int64_t r0, int64_t r1, int64_t C,
+template <typename T, typename Cm, typename S, typename O>
+void add_layer_norm_rows(const T* x, const O* res, const T* rb, const T* w, const T* b, T* sum,
+                         O* y, S* mean_o, S* rstd_o, int64_t r0, int64_t r1, int64_t C,
                          double eps) {
   for (int64_t r = r0; r < r1; ++r) add_rows<T, Cm>(x + r * C, res + r * C, rb, sum + r * C, C);
   layer_norm_rows<T, S>(sum, w, b, y, mean_o, rstd_o, r0, r1, C, eps);
@@ -125,9 +129,10 @@ void add_layer_norm_rows(const T* x, const T* res, const T* rb, const T* w, cons
 
 // ---- layer_norm backward: dx rows --------------------------------------------------------------
 // gx = dy [* w]; s1 = mean(gx); s2 = mean(gx * (x - mean) * rstd);
-// dx = rstd * (gx - s1 - xhat * s2) [+ extra], all in double.
-template <int K, bool W, typename T, typename S>
-inline void backward_sums(const T* const* g, const T* const* p, const T* w, const S* mp,
+// dx = rstd * (gx - s1 - xhat * s2) [+ extra], all in double. dy D and dx / extra O: T, or
+// 16-bit over float32 x.
+template <int K, bool W, typename D, typename T, typename S>
+inline void backward_sums(const D* const* g, const T* const* p, const T* w, const S* mp,
                           const S* rp, int64_t C, double* s1, double* s2) {
   double a[K], c[K], m[K], rs[K];
   for (int k = 0; k < K; ++k) {
@@ -149,21 +154,21 @@ inline void backward_sums(const T* const* g, const T* const* p, const T* w, cons
   }
 }
 
-template <bool W, bool E, typename T>
-BT_CPU_CLONES void dx_row(const T* g, const T* p, const T* w, const T* e, T* q, int64_t C,
+template <bool W, bool E, typename D, typename T, typename O>
+BT_CPU_CLONES void dx_row(const D* g, const T* p, const T* w, const O* e, O* q, int64_t C,
                           double m, double rs, double s1, double s2) {
   for (int64_t i = 0; i < C; ++i) {
     const double gx = static_cast<double>(g[i]) * (W ? static_cast<double>(w[i]) : 1.0);
     const double xh = (static_cast<double>(p[i]) - m) * rs;
     double v = rs * (gx - s1 - xh * s2);
     if constexpr (E) v += static_cast<double>(e[i]);
-    q[i] = static_cast<T>(v);
+    q[i] = static_cast<O>(v);
   }
 }
 
-template <bool W, typename T, typename S>
-void backward_rows_w(const T* dy, const T* x, const T* w, const S* mp, const S* rp, const T* ex,
-                     T* dx, int64_t r0, int64_t r1, int64_t C) {
+template <bool W, typename D, typename T, typename S, typename O>
+void backward_rows_w(const D* dy, const T* x, const T* w, const S* mp, const S* rp, const O* ex,
+                     O* dx, int64_t r0, int64_t r1, int64_t C) {
   auto finish = [&](int64_t r, double s1, double s2) {
     const double m = static_cast<double>(mp[r]), rs = static_cast<double>(rp[r]);
     const int64_t o = r * C;
@@ -175,7 +180,8 @@ void backward_rows_w(const T* dy, const T* x, const T* w, const S* mp, const S* 
   };
   int64_t r = r0;
   for (; r + kRowsInFlightBackward <= r1; r += kRowsInFlightBackward) {
-    const T *g[kRowsInFlightBackward], *p[kRowsInFlightBackward];
+    const D* g[kRowsInFlightBackward];
+    const T* p[kRowsInFlightBackward];
     double s1[kRowsInFlightBackward], s2[kRowsInFlightBackward];
     for (int k = 0; k < kRowsInFlightBackward; ++k) {
       g[k] = dy + (r + k) * C;
@@ -185,7 +191,7 @@ void backward_rows_w(const T* dy, const T* x, const T* w, const S* mp, const S* 
     for (int k = 0; k < kRowsInFlightBackward; ++k) finish(r + k, s1[k], s2[k]);
   }
   for (; r < r1; ++r) {
-    const T* g[1] = {dy + r * C};
+    const D* g[1] = {dy + r * C};
     const T* p[1] = {x + r * C};
     double s1[1], s2[1];
     backward_sums<1, W>(g, p, w, mp + r, rp + r, C, s1, s2);
@@ -194,9 +200,9 @@ void backward_rows_w(const T* dy, const T* x, const T* w, const S* mp, const S* 
 }
 
 // Rows [r0, r1) of dx (R, C); ex (optional): a gradient added to dx (add_layer_norm's residual).
-template <typename T, typename S>
-void layer_norm_backward_rows(const T* dy, const T* x, const T* w, const S* mp, const S* rp,
-                              const T* ex, T* dx, int64_t r0, int64_t r1, int64_t C) {
+template <typename T, typename S, typename D, typename O>
+void layer_norm_backward_rows(const D* dy, const T* x, const T* w, const S* mp, const S* rp,
+                              const O* ex, O* dx, int64_t r0, int64_t r1, int64_t C) {
   if (w) {
     backward_rows_w<true>(dy, x, w, mp, rp, ex, dx, r0, r1, C);
   } else {
@@ -207,9 +213,9 @@ void layer_norm_backward_rows(const T* dy, const T* x, const T* w, const S* mp, 
 // ---- layer_norm backward: column sums ----------------------------------------------------------
 // Over all R rows, in row order, for columns [c0, c1) (at most kColBlock):
 //   sw[c] = sum dy * (x - mean) * rstd,  sb[c] = sum dy,  sd[c] = sum dx (as stored).
-template <bool DW, bool DB, bool DS, typename T, typename S>
-BT_CPU_CLONES void column_sums_block(const T* dy, const T* x, const S* mp, const S* rp,
-                                     const T* dx, int64_t R, int64_t C, int64_t c0, int64_t n,
+template <bool DW, bool DB, bool DS, typename D, typename T, typename S, typename O>
+BT_CPU_CLONES void column_sums_block(const D* dy, const T* x, const S* mp, const S* rp,
+                                     const O* dx, int64_t R, int64_t C, int64_t c0, int64_t n,
                                      double* sw, double* sb, double* sd) {
   for (int64_t j = 0; j < n; ++j) {
     sw[j] = 0;
@@ -217,9 +223,9 @@ BT_CPU_CLONES void column_sums_block(const T* dy, const T* x, const S* mp, const
     sd[j] = 0;
   }
   for (int64_t r = 0; r < R; ++r) {
-    const T* g = dy + r * C + c0;
+    const D* g = dy + r * C + c0;
     const T* p = x + r * C + c0;
-    const T* d = dx + r * C + c0;
+    const O* d = dx + r * C + c0;
     const double m = static_cast<double>(mp[r]), rs = static_cast<double>(rp[r]);
     for (int64_t j = 0; j < n; ++j) {
       const double gv = static_cast<double>(g[j]);
@@ -230,8 +236,8 @@ BT_CPU_CLONES void column_sums_block(const T* dy, const T* x, const S* mp, const
   }
 }
 
-template <typename T, typename S>
-void layer_norm_column_sums(const T* dy, const T* x, const S* mp, const S* rp, const T* dx,
+template <typename T, typename S, typename D, typename O>
+void layer_norm_column_sums(const D* dy, const T* x, const S* mp, const S* rp, const O* dx,
                             int64_t R, int64_t C, int64_t c0, int64_t n, bool dw, bool db,
                             bool ds, double* sw, double* sb, double* sd) {
 #define BT_COLS(A, B, D) \

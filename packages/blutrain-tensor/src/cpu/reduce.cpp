@@ -195,8 +195,10 @@ void Reduce::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
             const double d = static_cast<double>(static_cast<C>(v)) - mean;
             ss += d * d;
           });
-          const double denom = static_cast<double>(g.R) - corr;
-          o[i] = static_cast<O>(denom > 0 ? ss / denom : std::numeric_limits<double>::quiet_NaN());
+          // (PyTorch's: the degrees of freedom clamp at 0 (fmax: a NaN correction too), so inf
+          // or 0 / 0; no elements: NaN)
+          const double denom = std::fmax(static_cast<double>(g.R) - corr, 0.0);
+          o[i] = static_cast<O>(g.R == 0 ? std::numeric_limits<double>::quiet_NaN() : ss / denom);
         }
       });
     });

@@ -64,11 +64,12 @@ BT_CPU_CLONES double row_exp_sum(const T* p, int64_t C, A m, double* sum_x = nul
   return r;
 }
 
-// q = exp(p - m) * inv (softmax) or p - lse (log_softmax), one row.
+// q = exp(p - m) * inv (softmax) or (p - m) - log(s) (log_softmax: m + log(s) first would round
+// log(s) away for a large m), one row.
 template <typename A, typename T>
-BT_CPU_CLONES void softmax_row_out(const T* p, T* q, int64_t C, A m, A inv, A lse, bool lg) {
+BT_CPU_CLONES void softmax_row_out(const T* p, T* q, int64_t C, A m, A inv, A log_s, bool lg) {
   if (lg) {
-    for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>(static_cast<A>(p[i]) - lse);
+    for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>((static_cast<A>(p[i]) - m) - log_s);
   } else {
     for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>(exp_c(static_cast<A>(p[i]) - m) * inv);
   }

@@ -269,7 +269,7 @@ __device__ __forceinline__ C unary_fn(C x) {
     if constexpr (OP == UnaryOp::Tanh) return tanh(x);
     if constexpr (OP == UnaryOp::Abs) return x < C(0) ? -x : x;
     if constexpr (OP == UnaryOp::Sigmoid) return C(1) / (C(1) + exp(-x));
-    if constexpr (OP == UnaryOp::Relu) return x > C(0) ? x : C(0);
+    if constexpr (OP == UnaryOp::Relu) return x < C(0) ? C(0) : x;  // NaN stays NaN (as numpy)
     if constexpr (OP == UnaryOp::Sin) return sin(x);
     if constexpr (OP == UnaryOp::Cos) return cos(x);
     if constexpr (OP == UnaryOp::Erf) return erf(x);
@@ -426,6 +426,22 @@ __global__ void __launch_bounds__(kThreads) arange_v1(I n, double start, double 
   }
 }
 
+// arange with integral start and step: start + i * step in int64 (unsigned, so the wrap-around
+// of i * step for a negative start still lands on the exact value, which the front checked fits).
+template <typename I, typename T>
+__global__ void __launch_bounds__(kThreads)
+    arange_int_v1(I n, uint64_t start, uint64_t step, T* out) {
+  const I stride = static_cast<I>(gridDim.x) * blockDim.x;
+  for (I i = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const int64_t v = static_cast<int64_t>(start + static_cast<uint64_t>(i) * step);
+    if constexpr (std::is_integral<T>::value) {
+      out[i] = static_cast<T>(v);
+    } else {
+      out[i] = convert<T>(static_cast<math_t<T>>(v));
+    }
+  }
+}
+
 // Element i's value before the cast, exactly as Random::eval_cpu computes it.
 template <RandKind K, bool F64>
 __device__ __forceinline__ double random_value(uint64_t seed, uint64_t offset, uint64_t i, double a,
@@ -437,8 +453,7 @@ __device__ __forceinline__ double random_value(uint64_t seed, uint64_t offset, u
   } else if constexpr (K == RandKind::Normal) {
     return __dadd_rn(a, __dmul_rn(b, philox::normal(seed, offset, i)));
   } else {
-    const uint64_t range = static_cast<uint64_t>(b - a);
-    return __dadd_rn(a, static_cast<double>(philox::bits(seed, offset, i) % range));
+    return 0;  // randint_v1
   }
 }
 
@@ -450,6 +465,22 @@ __global__ void __launch_bounds__(kThreads)
   for (I i = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     const double v = random_value<K, F64>(seed, offset, static_cast<uint64_t>(i), a, b);
     out[i] = convert<T>(convert<math_t<T>>(v));
+  }
+}
+
+// randint: low + bits % range in int64, as Random::eval_cpu.
+template <typename I, typename T>
+__global__ void __launch_bounds__(kThreads)
+    randint_v1(I n, uint64_t seed, uint64_t offset, uint64_t low, uint64_t range, T* out) {
+  const I stride = static_cast<I>(gridDim.x) * blockDim.x;
+  for (I i = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const uint64_t r = philox::bits(seed, offset, static_cast<uint64_t>(i)) % range;
+    const int64_t v = static_cast<int64_t>(low + r);
+    if constexpr (std::is_integral<T>::value) {
+      out[i] = static_cast<T>(v);
+    } else {
+      out[i] = convert<T>(static_cast<math_t<T>>(v));
+    }
   }
 }
 
@@ -760,10 +791,10 @@ void copy_cast_impl(const Tensor& dst, const Tensor& src, const char* nm) {
   });
 }
 
-// The CPU's host-side value cast: static_cast<T>(static_cast<compute_t<T>>(v)), as CUDA bits.
+// The CPU's host-side value cast (Scalar::as: exact for integers), as CUDA bits.
 template <typename B>
-cuda_t<B> host_value(double v) {
-  const B hv = static_cast<B>(static_cast<compute_t<B>>(v));
+cuda_t<B> host_value(const Scalar& v) {
+  const B hv = v.template as<B>();
   cuda_t<B> r;
   std::memcpy(static_cast<void*>(&r), &hv, sizeof(B));
   return r;
@@ -923,7 +954,13 @@ void Arange::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>& out) {
     T* o = static_cast<T*>(out[0].data_ptr(name()));
     cuda::with_index(n, [&](auto itag) {
       using I = typename decltype(itag)::type;
-      cuda::arange_v1<I, T><<<blocks, cuda::kThreads, 0, st>>>(static_cast<I>(n), start, step, o);
+      if (exact()) {
+        cuda::arange_int_v1<I, T><<<blocks, cuda::kThreads, 0, st>>>(
+            static_cast<I>(n), static_cast<uint64_t>(start.i), static_cast<uint64_t>(step.i), o);
+      } else {
+        cuda::arange_v1<I, T>
+            <<<blocks, cuda::kThreads, 0, st>>>(static_cast<I>(n), start.v, step.v, o);
+      }
     });
   });
   BT_CUDA_LAUNCH_CHECK(name());
@@ -953,8 +990,8 @@ void Random::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>& out) {
         cuda::random_v1<RandKind::Normal, false, I, T>
             <<<blocks, cuda::kThreads, 0, st>>>(ni, seed, offset, a, b, o);
       } else {
-        cuda::random_v1<RandKind::Int, false, I, T>
-            <<<blocks, cuda::kThreads, 0, st>>>(ni, seed, offset, a, b, o);
+        cuda::randint_v1<I, T><<<blocks, cuda::kThreads, 0, st>>>(
+            ni, seed, offset, static_cast<uint64_t>(int_low), int_range, o);
       }
     });
   });

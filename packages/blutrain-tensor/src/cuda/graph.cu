@@ -267,6 +267,51 @@ float event_elapsed_ms(uintptr_t start, uintptr_t end) {
   return ms;
 }
 
+uintptr_t stream_create(int device, int priority) {
+  set_device(device, "Stream");
+  cudaStream_t s = nullptr;
+  BT_CUDA_CHECK("Stream", cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, priority));
+  return reinterpret_cast<uintptr_t>(s);
+}
+
+void stream_destroy(uintptr_t stream) noexcept {
+  if (stream) cudaStreamDestroy(reinterpret_cast<cudaStream_t>(stream));
+}
+
+void stream_synchronize(uintptr_t stream) {
+  BT_CUDA_CHECK("Stream.synchronize",
+                cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream)));
+}
+
+bool stream_query(uintptr_t stream) {
+  const cudaError_t err = cudaStreamQuery(reinterpret_cast<cudaStream_t>(stream));
+  if (err == cudaErrorNotReady) {
+    cudaGetLastError();
+    return false;
+  }
+  BT_CUDA_CHECK("Stream.query", err);
+  return true;
+}
+
+void stream_wait_event(uintptr_t stream, uintptr_t event) {
+  check_event(event, "Stream.wait_event");
+  BT_CUDA_CHECK("Stream.wait_event",
+                cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), as_event(event), 0));
+}
+
+void event_record_on(uintptr_t event, uintptr_t stream) {
+  check_event(event, "Event.record");
+  BT_CUDA_CHECK("Event.record",
+                cudaEventRecord(as_event(event), reinterpret_cast<cudaStream_t>(stream)));
+}
+
+std::pair<int, int> stream_priority_range(int device) {
+  set_device(device, "Stream");
+  int least = 0, greatest = 0;
+  BT_CUDA_CHECK("Stream", cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  return {greatest, least};
+}
+
 std::string device_name(int device) {
   cudaDeviceProp p{};
   BT_CUDA_CHECK("get_device_name", cudaGetDeviceProperties(&p, device));

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "../tensor.h"
 
@@ -77,6 +78,18 @@ bool event_query(uintptr_t event);
 // Milliseconds from `start` to `end` (both recorded with timing enabled, and complete).
 float event_elapsed_ms(uintptr_t start, uintptr_t end);
 
+// Streams of bt.cuda.Stream, as integer handles (cudaStream_t): non-blocking, with a priority
+// (lower is more urgent; stream_priority_range gives the device's [greatest, least]).
+uintptr_t stream_create(int device, int priority);
+void stream_destroy(uintptr_t stream) noexcept;
+void stream_synchronize(uintptr_t stream);
+bool stream_query(uintptr_t stream);
+// `stream` waits (on the device, not the host) until `event`'s recorded work is done.
+void stream_wait_event(uintptr_t stream, uintptr_t event);
+// Records `event` on `stream` (rather than on the device's current stream).
+void event_record_on(uintptr_t event, uintptr_t stream);
+std::pair<int, int> stream_priority_range(int device);
+
 std::string device_name(int device);
 // Whether the current stream of `device` is being captured (false without CUDA).
 bool stream_capturing(int device);
@@ -104,6 +117,13 @@ inline void event_synchronize(uintptr_t) { no_cuda_graph("Event.synchronize"); }
 inline bool event_query(uintptr_t) { no_cuda_graph("Event.query"); }
 inline float event_elapsed_ms(uintptr_t, uintptr_t) { no_cuda_graph("Event.elapsed_time"); }
 inline std::string device_name(int) { no_cuda_graph("get_device_name"); }
+inline uintptr_t stream_create(int, int) { no_cuda_graph("Stream"); }
+inline void stream_destroy(uintptr_t) noexcept {}
+inline void stream_synchronize(uintptr_t) { no_cuda_graph("Stream.synchronize"); }
+inline bool stream_query(uintptr_t) { no_cuda_graph("Stream.query"); }
+inline void stream_wait_event(uintptr_t, uintptr_t) { no_cuda_graph("Stream.wait_event"); }
+inline void event_record_on(uintptr_t, uintptr_t) { no_cuda_graph("Event.record"); }
+inline std::pair<int, int> stream_priority_range(int) { no_cuda_graph("Stream"); }
 inline bool stream_capturing(int) { return false; }
 #endif
 

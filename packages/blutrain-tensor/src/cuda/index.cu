@@ -71,10 +71,11 @@ __device__ __forceinline__ int64_t off_of(const StridedOffset& so, int64_t r) {
 }
 
 // The index at p, wrapped into [0, size); -1 (and the error record set) when out of range.
+// embedding's indices (code kIndexErrorEmbedding) must be in [0, size).
 template <typename I>
 __device__ __forceinline__ int64_t load_index(const I* p, int64_t size, int code) {
   const int64_t v = static_cast<int64_t>(*p);
-  if (v < -size || v >= size) {
+  if (v < (code == cuda::kIndexErrorEmbedding ? 0 : -size) || v >= size) {
     if (atomicCAS(&g_index_error.flag, 0, code) == 0) {
       g_index_error.value = v;
       g_index_error.size = size;
@@ -101,11 +102,11 @@ struct alignas(sizeof(T) * VEC) Vec {
 template <typename E, typename I>
 __global__ void index_select_kernel(const E* __restrict__ x, const I* __restrict__ idx,
                                     int64_t istride, E* __restrict__ out, int64_t n, int64_t J,
-                                    int64_t D, int64_t inner, StridedOffset xoff) {
+                                    int64_t D, int64_t inner, StridedOffset xoff, int code) {
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t i = e % inner, t = e / inner, j = t % J, o = t / J;
-    const int64_t v = load_index(idx + j * istride, D, kIndexSelect);
+    const int64_t v = load_index(idx + j * istride, D, code);
     E r{};
     if (v >= 0) {
       r = x[off_of(xoff, (o * D + v) * inner + i)];
@@ -119,10 +120,11 @@ __global__ void index_select_kernel(const E* __restrict__ x, const I* __restrict
 template <typename E, typename I>
 __global__ void index_select_rows_kernel(const E* __restrict__ x, const I* __restrict__ idx,
                                          int64_t istride, E* __restrict__ out, int64_t rows,
-                                         int64_t J, int64_t D, int64_t inner, StridedOffset xoff) {
+                                         int64_t J, int64_t D, int64_t inner, StridedOffset xoff,
+                                         int code) {
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t j = row % J, o = row / J;
-    const int64_t v = load_index(idx + j * istride, D, kIndexSelect);
+    const int64_t v = load_index(idx + j * istride, D, code);
     E* dst = out + row * inner;
     if (v < 0) {
       for (int64_t i = threadIdx.x; i < inner; i += blockDim.x) dst[i] = E{};
@@ -531,9 +533,9 @@ void check_index_errors(int device) {
                             "] integer division by zero (detected on the GPU; those elements "
                             "are 0)");
   }
-  const char* names[] = {"?",      "index_select", "index_add",
-                         "gather", "scatter_add",  "cross_entropy"};
-  const char* nm = (rec.flag >= 1 && rec.flag <= 5) ? names[rec.flag] : names[0];
+  const char* names[] = {"?",           "index_select", "index_add", "gather",   "scatter_add",
+                         "cross_entropy", "?",           "?",         "embedding"};
+  const char* nm = (rec.flag >= 1 && rec.flag <= 8) ? names[rec.flag] : names[0];
   throw IndexError(std::string("[") + nm + "] index " + std::to_string(rec.value) +
                    " is out of range for a dim of size " + std::to_string(rec.size) +
                    (rec.flag == kIndexErrorCrossEntropy
@@ -556,6 +558,7 @@ void IndexSelect::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& o
   const void* xp = x.data_ptr(nm);
   void* outp = out[0].data_ptr(nm);
   const int64_t istride = idx.ndim() == 0 ? 0 : idx.strides()[0];
+  const int code = embedding ? cuda::kIndexErrorEmbedding : kIndexSelect;
   arm(out[0]);
   dispatch_index(idx, nm, [&](auto itag) {
     using I = typename decltype(itag)::type;
@@ -570,7 +573,7 @@ void IndexSelect::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& o
       index_select_rows_kernel<E, I>
           <<<static_cast<unsigned>(std::min<int64_t>(rows, 1 << 20)), threads, 0, st>>>(
               static_cast<const E*>(xs), ip, istride, static_cast<E*>(os), rows, J, D, in_units,
-              xo);
+              xo, code);
       BT_CUDA_LAUNCH_CHECK(nm);
     };
     if (!v1 && x.is_contiguous() && (inner * es) % 16 == 0 && aligned16(xp) && aligned16(outp)) {
@@ -586,7 +589,8 @@ void IndexSelect::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& o
         return;
       }
       index_select_kernel<E, I><<<grid_for(n, x), kThreads, 0, st>>>(
-          static_cast<const E*>(xp), ip, istride, static_cast<E*>(outp), n, J, D, inner, xoff);
+          static_cast<const E*>(xp), ip, istride, static_cast<E*>(outp), n, J, D, inner, xoff,
+          code);
       BT_CUDA_LAUNCH_CHECK(nm);
     });
   });

@@ -1,37 +1,50 @@
-// cuda/nn_common.cuh: device helpers shared by nn.cu and nn_fused.cu (row kernels): strided ->
-// contiguous staging, per-thread chunks of a row with 16-byte vector loads, online max/sum
-// merging, and the v1/v2 kernel switch.  Include only from those two files.
+// cuda/nn_common.cuh: device helpers shared by the row kernels of nn_kernels.cuh and
+// nn_fused_kernels.cuh (and the bench programs that include them): strided -> contiguous staging,
+// per-thread chunks of a row with 16-byte vector loads, online max/sum merging, and the kernel
+// version switch.
 #pragma once
 
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <utility>
 
 #include "common.cuh"
 
 namespace bt::cuda::nn {
 
-// Kernel version, read per call so tests and benches can flip it: BT_CUDA_NN_VERSION=1..6
-// (BT_CUDA_NN_V1=1 also means 1).  1: the simple reference kernels; 2: block-per-row kernels with
-// 16-byte loads; 3 (layer norm fwd / bwd, add_layer_norm, softmax fwd): one warp per row with the
-// row in registers, used where it applies (16-bit / fp32, aligned rows up to kV3MaxPerLane * 32
-// elements), else 2; 4 (layer norm fwd / bwd, add_layer_norm; elsewhere as 3): 1-8 warps per row,
-// at most kV4MaxPerLane elements per lane in registers, persistent single-pass backward.  Each
-// falls back to the next lower version that applies.  Unset, the default is 4 for layer-norm
-// rows longer than kV4MinDefaultC and 3 otherwise (measured on the H200 at GPT-2's shapes: v4 wins
-// at C = 3072, v3 at C = 768), except the layer-norm backward, which picks per dtype / C / extra
-// (ln_bwd_default in nn_fused.cu: v5 or v6 where they measured best), and the layer-norm forward
-// of 16-bit rows longer than kV4MinDefaultC, which runs v6 (ln_fwd_v6_default in nn.cu).  5 and
-// 6: layer norm backward v5 / v6 (nn_fused.cu) where they apply, 6 also the forward v6 (nn.cu),
-// every other kernel (and these where they do not apply) as with the version unset.
+// Kernel version, read per call so tests and benches can flip it: BT_CUDA_NN_VERSION=2..6.  2:
+// block-per-row kernels with 16-byte loads (they take every shape); 3 (layer norm fwd / bwd,
+// add_layer_norm, softmax fwd, cross-entropy fwd / bwd): one warp (cross-entropy: one block) per
+// row with the row in registers, used where it applies (16-bit / fp32, aligned rows up to
+// kV3MaxPerLane * 32 elements), else 2; 4 (layer norm fwd / bwd, add_layer_norm; elsewhere as 3):
+// 1-8 warps per row, at most kV4MaxPerLane elements per lane in registers, persistent single-pass
+// backward.  Each falls back to the next lower version that applies.  Unset, the default is 4 for
+// layer-norm rows longer than kV4MinDefaultC and 3 otherwise (measured on the H200 at GPT-2's
+// shapes: v4 wins at C = 3072, v3 at C = 768), except the layer-norm backward, which picks per
+// dtype / C / extra (ln_bwd_default in nn_fused_kernels.cuh: v5 or v6 where they measured best),
+// and the layer-norm forward of 16-bit rows longer than kV4MinDefaultC, which runs v6
+// (ln_fwd_v6_default in nn_kernels.cuh).  5 and 6: layer norm backward v5 / v6 where they apply,
+// 6 also the forward v6, every other kernel (and these where they do not apply) as with the
+// version unset.  The v1 references left the library for bench/nn_v1_kernels.cuh: 1 (and
+// BT_CUDA_NN_V1) are errors, as is any other value, so a typo never runs the default unnoticed.
 constexpr int kDefaultNnVersion = 4;
 constexpr int64_t kV4MinDefaultC = 1024;
 inline int nn_version_env() {  // 0 when unset
   const char* v1 = std::getenv("BT_CUDA_NN_V1");
-  if (v1 && v1[0] && std::strcmp(v1, "0") != 0) return 1;
+  if (v1 && v1[0] && std::strcmp(v1, "0") != 0) {
+    throw ValueError(std::string("[BT_CUDA_NN_V1] the v1 reference kernels left the library ") +
+                     "(packages/blutrain-tensor/bench/nn_v1_kernels.cuh): unset BT_CUDA_NN_V1");
+  }
   const char* e = std::getenv("BT_CUDA_NN_VERSION");
-  if (e && e[0] >= '1' && e[0] <= '6' && !e[1]) return e[0] - '0';
-  return 0;
+  if (!e || !e[0]) return 0;
+  if (e[0] >= '2' && e[0] <= '6' && !e[1]) return e[0] - '0';
+  throw ValueError(std::string("[BT_CUDA_NN_VERSION] must be 2, 3, 4, 5 or 6 (or unset), got '") +
+                   e + "'" +
+                   (std::strcmp(e, "1") == 0
+                        ? "; the v1 reference kernels are in packages/blutrain-tensor/bench/"
+                          "nn_v1_kernels.cuh"
+                        : ""));
 }
 inline int nn_version() {
   const int v = nn_version_env();
@@ -43,7 +56,6 @@ inline bool layernorm_v4(int64_t C) {
   const int v = nn_version_env();
   return v == 4 || ((v == 0 || v == 5 || v == 6) && C > kV4MinDefaultC);
 }
-inline bool use_v1() { return nn_version() == 1; }
 
 template <typename T>
 __global__ void gather_contiguous(const T* __restrict__ src, StridedOffset off, T* __restrict__ dst,
@@ -75,6 +87,20 @@ inline Tensor contiguous_on(const Tensor& t, const char* op, cudaStream_t s) {
 // kernels then take the row stride; a narrow of a padded (N, Vp) tensor needs no copy).
 inline bool rows_in_place(const Tensor& t) {
   return t.ndim() == 2 && t.strides()[1] == 1 && t.strides()[0] >= 0;
+}
+
+// f(type_tag<T>) for the 16-bit float dtypes (the 16-bit side of the mixed layer norms, Note
+// [float32 residual stream] in nn_fused.h); a TypeError naming op otherwise.
+template <typename F>
+inline void dispatch_cuda_half(DType d, const char* op, F&& f) {
+  if (d == DType::BFloat16) {
+    f(type_tag<__nv_bfloat16>{});
+  } else if (d == DType::Float16) {
+    f(type_tag<__half>{});
+  } else {
+    throw TypeError(std::string("[") + op + "] expects a 16-bit float dtype here, got " +
+                    dtype_name(d));
+  }
 }
 
 // Statistics type (mean, rstd, lse): double for double inputs, float otherwise.
@@ -457,6 +483,17 @@ __device__ __forceinline__ uint4 pack16(const float* in) {
     }
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// 8 floats at p (32 bytes, 16-byte aligned) and back: the float32 side of a mixed row chunk
+// (Note [float32 residual stream]), whose 16-bit side is one 16-byte word.
+__device__ __forceinline__ void load8f(const float* p, float* out) {
+  unpack16<float>(*reinterpret_cast<const uint4*>(p), out);
+  unpack16<float>(*reinterpret_cast<const uint4*>(p + 4), out + 4);
+}
+__device__ __forceinline__ void store8f(float* p, const float* in) {
+  *reinterpret_cast<uint4*>(p) = pack16<float>(in);
+  *reinterpret_cast<uint4*>(p + 4) = pack16<float>(in + 4);
 }
 
 // Elements of a row starting at `p` before its first 16-byte boundary (at most C).

@@ -1,7 +1,7 @@
 // cuda/reduce.cu: reductions (sum, mean, max, min, var) and argmax/argmin on CUDA.
 //
 // Semantics are the CPU's (src/cpu/reduce.cpp): sum of ints/bool -> int64 (accumulated in int64),
-// mean/var get floating inputs from the front, var divides by R - correction (NaN when <= 0),
+// mean/var get floating inputs from the front, var divides by max(R - correction, 0),
 // max/min propagate NaN, argmax/argmin return the first index of the extreme value, or of the
 // first NaN.  Accumulators: float for 16-bit and float32 sums (tree order, so results differ from
 // the CPU's float64 accumulation within rounding), double for float64, double (Welford/Chan) for
@@ -143,8 +143,8 @@ struct VarOp {
     return {shfl_xor(a.n, o), shfl_xor(a.mean, o), shfl_xor(a.m2, o)};
   }
   __device__ T finish(A a) const {
-    const double denom = a.n - correction;
-    return convert<T>(denom > 0 ? a.m2 / denom : static_cast<double>(NAN));
+    const double denom = fmax(a.n - correction, 0.0);  // (as the CPU: inf or 0 / 0)
+    return convert<T>(a.n == 0 ? static_cast<double>(NAN) : a.m2 / denom);
   }
 };
 

@@ -72,6 +72,8 @@ constexpr int kIndexErrorCrossEntropy = 5;
 // integer floor_divide / remainder by zero (elementwise.cu): raised as ZeroDivisionError
 constexpr int kDeviceErrorFloorDiv = 6;
 constexpr int kDeviceErrorRemainder = 7;
+// embedding's index_select: a negative index is out of range too (as PyTorch)
+constexpr int kIndexErrorEmbedding = 8;
 IndexErrorRecord* index_error_record(int device);
 
 // Grid size for a grid-stride elementwise loop: enough blocks to fill the device a few times over.

@@ -83,6 +83,29 @@ void init_cuda(nb::module_& m) {
   m.def("_cuda_event_elapsed_time", &cuda::event_elapsed_ms, "start"_a, "end"_a,
         "Milliseconds between two completed timing events.");
   m.def("_cuda_device_name", &cuda::device_name, "device"_a, "The device's name.");
+  m.def("_cuda_stream_create", &cuda::stream_create, "device"_a, "priority"_a,
+        "Creates a non-blocking stream on `device`; returns its handle.");
+  m.def("_cuda_stream_destroy", &cuda::stream_destroy, "stream"_a, "Destroys a stream handle.");
+  m.def(
+      "_cuda_stream_synchronize",
+      [](uintptr_t s) {
+        nb::gil_scoped_release release;
+        cuda::stream_synchronize(s);
+      },
+      "stream"_a, "Waits until the stream's queued work is done.");
+  m.def("_cuda_stream_query", &cuda::stream_query, "stream"_a,
+        "Whether the stream's queued work is done (never blocks).");
+  m.def("_cuda_stream_wait_event", &cuda::stream_wait_event, "stream"_a, "event"_a,
+        "The stream waits (on the device) for the event's work.");
+  m.def("_cuda_event_record_on", &cuda::event_record_on, "event"_a, "stream"_a,
+        "Records the event on a given stream.");
+  m.def(
+      "_cuda_stream_priority_range",
+      [](int device) {
+        auto [g, l] = cuda::stream_priority_range(device);
+        return nb::make_tuple(g, l);
+      },
+      "device"_a, "(greatest, least) stream priority of the device (lower is more urgent).");
   m.def("_cuda_is_capturing", &cuda::stream_capturing, "device"_a = 0,
         "Whether the device's current stream is being captured into a CUDA graph.");
 }

@@ -16,18 +16,27 @@ void init_nn_fused(nanobind::module_& m) {
   m.def(
       "add_layer_norm",
       [](const Tensor& x, const Tensor& residual, std::optional<Tensor> w, std::optional<Tensor> b,
-         double eps, bool recompute, std::optional<Tensor> rb) {
+         double eps, bool recompute, std::optional<Tensor> rb, nb::handle out_dtype) {
+        std::optional<DType> odt;
+        if (out_dtype.is_valid() && !out_dtype.is_none()) {
+          odt = parse_dtype(out_dtype, "add_layer_norm");
+        }
         return add_layer_norm(x, residual, w ? *w : Tensor(), b ? *b : Tensor(), eps, recompute,
-                              rb ? *rb : Tensor());
+                              rb ? *rb : Tensor(), odt);
       },
       "x"_a, "residual"_a, "weight"_a = nb::none(), "bias"_a = nb::none(), "eps"_a = 1e-5,
       nb::kw_only(), "recompute"_a = false, "residual_bias"_a = nb::none(),
+      "out_dtype"_a = nb::none(),
       "add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, *, recompute=False, "
-      "residual_bias=None) -> (sum, y)\n\n"
+      "residual_bias=None, out_dtype=None) -> (sum, y)\n\n"
       "Fused residual add + layer norm over the last dim: sum = x + residual (+ residual_bias,\n"
       "a (C,) vector: a linear layer's bias moved here, rounded once with the sum, its gradient\n"
       "the column sums of dsum) and y = layer_norm(sum, (C,), weight, bias, eps), in one kernel\n"
-      "reading x and residual once.\n"
+      "reading x and residual once.  sum has x's dtype; y has out_dtype (default x's).\n"
+      "A float32 x with a bfloat16 (or float16) residual and out_dtype is autocast's residual\n"
+      "stream in one kernel: the sum in float32 with float32 weight, bias and residual_bias, y\n"
+      "rounded once to out_dtype; in backward the sum's gradient is carried in out_dtype (one\n"
+      "gradient for the residual and the stream).\n"
       "Differentiable in x, residual, weight, bias and residual_bias (through sum and y).\n"
       "recompute=True: y is not kept for backward by the ops that use it; each rebuilds it in\n"
       "backward from sum (kept anyway), bitwise the same values.");

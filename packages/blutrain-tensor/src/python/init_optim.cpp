@@ -1,5 +1,5 @@
 // python/init_optim.cpp: bindings of src/optim.h (see init.h): _adamw_, _grad_norm, _clip_coef,
-// _scale_ (private names: blutrain.models.optim is the public face).
+// _scale_ (private names: python/blutrain/tensor/optim.py is the public, typed face).
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -86,7 +86,7 @@ void init_optim(nb::module_& m) {
   m.def(
       "_scale_",
       [](nb::handle tensors, const Tensor& coef) {
-        scale_(tensor_list(tensors, "scale_", "grads"), coef);
+        scale_(tensor_list(tensors, "scale_", "tensors"), coef);
       },
       "tensors"_a, "coef"_a,
       "Multiplies every tensor in place by coef (a 0-d float32 tensor on their device).");

@@ -18,10 +18,13 @@
 #include "../capture.h"
 #include "../cpu/parallel.h"
 #include "../ops.h"
-#include "blutrain/alloc_import.h"
-#include "blutrain/linalg_import.h"
 #include "blutrain/tensor.h"
 #include "init.h"
+
+// Names this module in the errors of the capsule importer (blutrain/capi_import.h).
+#define BT_CAPI_IMPORTER "blutrain.tensor"
+#include "blutrain/alloc_import.h"
+#include "blutrain/linalg_import.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -32,7 +35,13 @@ namespace {
 // ---- argument conversion -------------------------------------------------------------------
 DType parse_dtype(nb::handle h, const char* op) {
   if (nb::isinstance<DType>(h)) return nb::cast<DType>(h);
-  if (nb::isinstance<nb::str>(h)) return dtype_from_name(nb::cast<std::string>(h));
+  if (nb::isinstance<nb::str>(h)) {
+    try {
+      return dtype_from_name(nb::cast<std::string>(h));
+    } catch (const TypeError& e) {  // "[dtype] unknown dtype ...", as the op's
+      throw TypeError(with_op_prefix(e.what(), op));
+    }
+  }
   if (h.is(reinterpret_cast<PyObject*>(&PyFloat_Type))) return DType::Float32;
   if (h.is(reinterpret_cast<PyObject*>(&PyLong_Type))) return DType::Int64;
   if (h.is(reinterpret_cast<PyObject*>(&PyBool_Type))) return DType::Bool;
@@ -41,7 +50,11 @@ DType parse_dtype(nb::handle h, const char* op) {
     try {
       nb::object np = nb::module_::import_("numpy");
       std::string n = nb::cast<std::string>(np.attr("dtype")(h).attr("name"));
-      return dtype_from_name(n);
+      try {
+        return dtype_from_name(n);
+      } catch (const TypeError& e) {
+        throw TypeError(with_op_prefix(e.what(), op));
+      }
     } catch (nb::python_error&) {
     }
   }
@@ -91,6 +104,17 @@ int64_t int_arg(nb::handle v, const char* op, const char* what) {
   return r;
 }
 
+// A bool argument: True or False (or a numpy bool), not 1 or a str.
+bool bool_arg(nb::handle v, const char* op, const char* what) {
+  if (PyBool_Check(v.ptr())) return v.is(Py_True);
+  if (nb::hasattr(v, "dtype") && nb::hasattr(v, "ndim") && nb::cast<int64_t>(v.attr("ndim")) == 0 &&
+      PyBool_Check(v.attr("item")().ptr())) {
+    return v.attr("item")().is(Py_True);
+  }
+  throw TypeError(std::string("[") + op + "] " + what + " must be a bool, got " +
+                  nb::cast<std::string>(nb::repr(v)));
+}
+
 // The ints of an iterable (a tuple, list, ...); anything else is a TypeError naming the op.
 std::vector<int64_t> int_list(nb::handle seq, const char* op, const char* what) {
   if (!PySequence_Check(seq.ptr()) || is_tensor(seq)) {
@@ -118,12 +142,12 @@ std::vector<int64_t> parse_dims(nb::handle h, const char* op) {
   return int_list(h, op, "dims");
 }
 
-Tensor import_array(nb::ndarray<> a, const char* op, nb::handle owner);
+Tensor import_array(nb::handle obj, const char* op, nb::handle owner);
 
 // A Python operand: a Tensor, or a scalar with its category (for weak promotion).
 struct Operand {
   Tensor t;
-  Scalar s{0, 0};
+  Scalar s;
   bool is_t = false;
 };
 Operand operand(nb::handle h, const char* op) {
@@ -132,7 +156,7 @@ Operand operand(nb::handle h, const char* op) {
     o.t = nb::cast<Tensor>(h);
     o.is_t = true;
   } else if (PyBool_Check(h.ptr())) {
-    o.s = {h.is(Py_True) ? 1.0 : 0.0, 0};
+    o.s = Scalar::boolean(h.is(Py_True));
   } else if (PyLong_Check(h.ptr())) {
     int overflow = 0;
     const long long v = PyLong_AsLongLongAndOverflow(h.ptr(), &overflow);
@@ -141,16 +165,16 @@ Operand operand(nb::handle h, const char* op) {
                        nb::cast<std::string>(nb::repr(h)) +
                        " does not fit int64; pass it as a float");
     }
-    o.s = {static_cast<double>(v), 1};
+    o.s = Scalar::integer(v);  // exact: no rounding through double
   } else if (PyFloat_Check(h.ptr())) {
-    o.s = {nb::cast<double>(h), 2};
+    o.s = Scalar::floating(PyFloat_AsDouble(h.ptr()));
   } else if (nb::hasattr(h, "dtype") && nb::hasattr(h, "ndim") &&
              nb::cast<int64_t>(h.attr("ndim")) == 0) {  // numpy scalar
     return operand(h.attr("item")(), op);
   } else if (nb::hasattr(h, "__array_interface__")) {  // numpy array: a copy, its dtype kept
     nb::object np = nb::module_::import_("numpy");
     nb::object arr = np.attr("asarray")(h, "order"_a = "C");
-    o.t = clone(import_array(nb::cast<nb::ndarray<>>(arr), op, arr));
+    o.t = clone(import_array(arr, op, arr));
     o.is_t = true;
   } else {
     throw TypeError(std::string("[") + op + "] unsupported operand " +
@@ -165,10 +189,72 @@ Tensor binop(BinaryOp op, const Tensor& a, nb::handle other, bool reflected) {
   return reflected ? binary(op, o.s, a) : binary(op, a, o.s);
 }
 
+// A value written into `like` (copy_, setitem): a tensor, or a scalar that like's dtype must
+// hold (NaN or 300 into an integer / uint8 tensor is a ValueError, not a silent wrap).
 Tensor as_tensor_like(nb::handle h, const Tensor& like, const char* op) {
   Operand o = operand(h, op);
   if (o.is_t) return o.t;
-  return full({}, o.s.v, promote_with_scalar(like.dtype(), o.s.category), like.device());
+  if (!scalar_fits(o.s, like.dtype())) {
+    throw ValueError(std::string("[") + op + "] value " + scalar_str(o.s) + " does not fit " +
+                     dtype_name(like.dtype()));
+  }
+  return full({}, o.s, promote_with_scalar(like.dtype(), o.s.category), like.device(), op);
+}
+
+// A Python number argument (int, float, bool, a numpy scalar, a one-element tensor's item()),
+// exact for ints; anything else is a TypeError naming op and what.
+Scalar number_arg(nb::handle h, const char* op, const char* what) {
+  if (is_tensor(h)) {
+    const Tensor& t = nb::cast<const Tensor&>(h);
+    if (t.numel() != 1) {
+      throw TypeError(std::string("[") + op + "] " + what + " must be a number, got a Tensor of " +
+                      "shape " + shape_str(t.shape()));
+    }
+    return number_arg(nb::cast(t).attr("item")(), op, what);
+  }
+  Operand o;
+  try {
+    o = operand(h, op);
+  } catch (const TypeError&) {
+    throw TypeError(std::string("[") + op + "] " + what + " must be a number, got " +
+                    nb::cast<std::string>(nb::repr(h)) + " (" +
+                    nb::type_name(h.type()).c_str() + ")");
+  }
+  if (o.is_t) {
+    throw TypeError(std::string("[") + op + "] " + what + " must be a number, got an array");
+  }
+  return o.s;
+}
+
+// fill_'s value: a number self's dtype holds, or a one-element tensor (PyTorch's 0-d form).
+Tensor fill_value(nb::handle v, const Tensor& self, const char* op) {
+  if (is_tensor(v)) {
+    const Tensor& t = nb::cast<const Tensor&>(v);
+    if (t.ndim() != 0) {
+      throw ValueError(std::string("[") + op + "] value must be a number or a 0-d tensor, got a " +
+                       "tensor of shape " + shape_str(t.shape()));
+    }
+    return t;
+  }
+  return full({}, number_arg(v, op, "value"), self.dtype(), self.device(), op);
+}
+
+// masked_fill's value: a number x's dtype holds, or a 0-d tensor (differentiable: a where).
+Tensor masked_fill_value(const Tensor& x, const Tensor& mask, nb::handle v, const char* op) {
+  if (!is_tensor(v)) return masked_fill(x, mask, number_arg(v, op, "value"));
+  const Tensor& t = nb::cast<const Tensor&>(v);
+  if (t.ndim() != 0) {
+    throw ValueError(std::string("[") + op + "] value must be a number or a 0-d tensor, got a " +
+                     "tensor of shape " + shape_str(t.shape()));
+  }
+  if (mask.dtype() != DType::Bool) {
+    throw TypeError(std::string("[") + op + "] mask must be bool, got " + dtype_name(mask.dtype()));
+  }
+  if (broadcast_shapes(x.shape(), mask.shape(), op) != x.shape()) {
+    throw ValueError(std::string("[") + op + "] mask of shape " + shape_str(mask.shape()) +
+                     " does not broadcast to the input's shape " + shape_str(x.shape()));
+  }
+  return where(mask, astype(t, x.dtype()), x);
 }
 
 // ---- numpy / DLPack ------------------------------------------------------------------------
@@ -227,12 +313,38 @@ nb::object export_array(const Tensor& t, const char* op) {
     throw RuntimeError(std::string("[") + op + "] tensor is symbolic (captured): it has no data");
   std::vector<size_t> shape(t.shape().begin(), t.shape().end());
   const int dev_type = t.device().is_cuda() ? nb::device::cuda::value : nb::device::cpu::value;
+  if (t.storage()->read_only()) {  // what could not be written here cannot be written there
+    nb::ndarray<Framework, nb::ro> arr(t.data_ptr(op), shape.size(), shape.data(),
+                                       storage_owner(t), t.strides().data(), to_dl(t.dtype()),
+                                       dev_type, t.device().index);
+    return arr.cast();
+  }
   nb::ndarray<Framework> arr(t.data_ptr(op), shape.size(), shape.data(), storage_owner(t),
                              t.strides().data(), to_dl(t.dtype()), dev_type, t.device().index);
   return arr.cast();
 }
 
-Tensor import_array(nb::ndarray<> a, const char* op, nb::handle owner) {
+// obj (a numpy array, a DLPack producer, a buffer such as bytes) as a tensor sharing its memory;
+// a read-only source gives a read-only tensor (Storage::read_only).  Not an array, or an element
+// type we lack: a TypeError naming op (not nanobind's bare std::bad_cast).
+Tensor import_array(nb::handle obj, const char* op, nb::handle owner) {
+  nb::ndarray<> a;
+  bool read_only = false;
+  if (!nb::try_cast(obj, a, false)) {
+    nb::ndarray<nb::ro> r;
+    if (!nb::try_cast(obj, r, false)) {
+      std::string what = nb::type_name(obj.type()).c_str();
+      if (nb::hasattr(obj, "dtype")) {
+        nb::object dt = obj.attr("dtype");
+        what += " of dtype " + nb::cast<std::string>(nb::str(nb::handle(dt)));  // (str(), no cast)
+      }
+      throw TypeError(std::string("[") + op + "] cannot import a " + what +
+                      ": expected an array with __dlpack__ or the buffer protocol, of dtype bool, "
+                      "uint8, int32, int64, float16, bfloat16, float32 or float64");
+    }
+    a = nb::ndarray<>(r.handle());
+    read_only = true;
+  }
   const DType dt = from_dl(a.dtype(), op);
   Device dev;
   if (a.device_type() == nb::device::cuda::value) {
@@ -263,6 +375,7 @@ Tensor import_array(nb::ndarray<> a, const char* op, nb::handle owner) {
     nb::gil_scoped_acquire gil;
     delete holder;
   });
+  storage->set_read_only(read_only);
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = storage;
   impl->shape = shape;
@@ -285,6 +398,7 @@ Tensor index_tensor_from(nb::handle h, Device dev) {
                      ")");
   }
   std::string kind = nb::cast<std::string>(arr.attr("dtype").attr("kind"));
+  if (nb::cast<int64_t>(arr.attr("size")) == 0 && kind != "b") kind = "i";  // [] selects nothing
   if (kind == "b") {
     arr = arr.attr("astype")("bool");
   } else if (kind == "i" || kind == "u") {
@@ -293,7 +407,7 @@ Tensor index_tensor_from(nb::handle h, Device dev) {
     throw IndexError("[getitem] index lists must hold ints or bools");
   }
   arr = np.attr("asarray")(arr, "order"_a = "C");
-  Tensor t = import_array(nb::cast<nb::ndarray<>>(arr), "getitem", arr);
+  Tensor t = import_array(arr, "getitem", arr);
   return dev.is_cuda() ? to_device(t, dev) : clone(t);
 }
 
@@ -301,7 +415,16 @@ Tensor index_tensor_from(nb::handle h, Device dev) {
 // (dim of t, int64 index) pairs.  The index tensors broadcast together to shape S; the result
 // has S in place of the indexed dims when they are adjacent, else S first.  One index_select over
 // the indexed dims flattened (a linear index) does the gather, so autograd needs nothing new.
-Tensor advanced_index(const Tensor& t, const std::vector<std::pair<int64_t, Tensor>>& adv) {
+Tensor advanced_index(const Tensor& t_in, const std::vector<std::pair<int64_t, Tensor>>& adv) {
+  // An indexed dim that is expanded (stride 0) holds one value: after the range check below its
+  // index may as well be 0 into a size-1 dim.  Otherwise flattening the indexed dims of a huge
+  // expanded view (ones(1, 1).expand(3, 2**40)[i, j]) would copy the whole view.
+  // (Not for a tensor that needs a gradient: an expanded leaf's elements each have their own.)
+  Tensor t = t_in;
+  const bool tracked = grad_enabled() && t_in.requires_grad();
+  for (const auto& [dim, ix] : adv) {
+    if (t.strides()[dim] == 0 && t.shape()[dim] > 1 && !tracked) t = narrow(t, dim, 0, 1);
+  }
   Shape bs;
   for (const auto& [dim, ix] : adv) bs = broadcast_shapes(bs, ix.shape(), "getitem");
   std::vector<int64_t> perm;
@@ -310,8 +433,9 @@ Tensor advanced_index(const Tensor& t, const std::vector<std::pair<int64_t, Tens
   Tensor lin;
   for (const auto& [dim, ix] : adv) {
     perm.push_back(dim);
-    const int64_t n = t.shape()[dim];
-    total *= n;
+    const int64_t n = t_in.shape()[dim];  // (the range the index is checked against)
+    const bool squeezed = t.shape()[dim] != n;
+    total *= t.shape()[dim];
     Tensor ik = astype(ix, DType::Int64);
     ik = where(binary(BinaryOp::Lt, ik, Scalar{0, 1}),
                binary(BinaryOp::Add, ik, Scalar{double(n), 1}), ik);
@@ -330,9 +454,12 @@ Tensor advanced_index(const Tensor& t, const std::vector<std::pair<int64_t, Tens
       // device-side check raises IndexError at the next synchronisation instead of aliasing
       Tensor bad = binary(BinaryOp::Or, binary(BinaryOp::Lt, ik, Scalar{0, 1}),
                           binary(BinaryOp::Ge, ik, Scalar{double(n), 1}));
+      if (squeezed) ik = binary(BinaryOp::Mul, ik, Scalar{0, 1});
       ik = where(unary(UnaryOp::LogicalNot, bad), ik, Scalar{double(int64_t{1} << 62), 1});
     }
-    lin = lin.defined() ? add(binary(BinaryOp::Mul, lin, Scalar{double(n), 1}), ik) : ik;
+    if (squeezed && !ik.device().is_cuda()) ik = binary(BinaryOp::Mul, ik, Scalar{0, 1});
+    const int64_t m = t.shape()[dim];
+    lin = lin.defined() ? add(binary(BinaryOp::Mul, lin, Scalar{double(m), 1}), ik) : ik;
   }
   for (int64_t d = 0; d < t.ndim(); ++d) {
     if (std::find(perm.begin(), perm.end(), d) == perm.end()) {
@@ -359,16 +486,22 @@ Tensor advanced_index(const Tensor& t, const std::vector<std::pair<int64_t, Tens
 }
 
 Tensor getitem(const Tensor& self, nb::handle idx) {
+  OpScope scope("getitem");  // (the views and gathers it runs: Note [the op the user called])
   std::vector<nb::object> items;
   if (nb::isinstance<nb::tuple>(idx)) {
     for (nb::handle h : idx) items.push_back(nb::borrow(h));
   } else {
     items.push_back(nb::borrow(idx));
   }
-  // Boolean mask over the whole tensor.
+  // A boolean mask (a tensor, a list or numpy array of bools) alone: x[mask].
   if (items.size() == 1 && is_tensor(items[0]) &&
       nb::cast<Tensor>(items[0]).dtype() == DType::Bool) {
     return masked_select_bool(self, nb::cast<Tensor>(items[0]));
+  }
+  if (items.size() == 1 && !is_tensor(items[0]) &&
+      (PyList_Check(items[0].ptr()) || nb::hasattr(items[0], "__array_interface__"))) {
+    Tensor ix = index_tensor_from(items[0], self.device());
+    if (ix.dtype() == DType::Bool) return masked_select_bool(self, ix);
   }
   int64_t consuming = 0;
   bool ellipsis = false, any_advanced = false;
@@ -465,8 +598,9 @@ Tensor getitem(const Tensor& self, nb::handle idx) {
 // Otherwise (a tensor index or mask, a value or self that needs grad, or capture) it is a
 // functional update: the flat positions idx selects (indexing an arange) place value with
 // index_add and pick it with where, so gradients reach both value and the untouched part of
-// self, and a capture sees self renamed.  Repeated positions add up (PyTorch keeps one).
+// self, and a capture sees self renamed.  A repeated position takes its values' mean.
 void setitem(Tensor& self, nb::handle idx, nb::handle value) {
+  OpScope scope("setitem");  // (errors of the copy_ and getitem it runs name setitem)
   Tensor src = as_tensor_like(value, self, "setitem");
   const bool track = grad_enabled() && (self.requires_grad() || src.requires_grad());
   Tensor v;
@@ -492,6 +626,16 @@ void setitem(Tensor& self, nb::handle idx, nb::handle value) {
   Tensor placed = index_add(zeros({n}, self.dtype(), dev), 0, posf, srcf);
   Tensor hits = index_add(zeros({n}, DType::Int64, dev), 0, posf, ones_like(posf));
   Tensor mask = binary(BinaryOp::Gt, hits, Scalar{0, 1});
+  // A position an index names twice (t[[0, 0]] = v) gets its values' mean, not their sum: the
+  // value itself when they agree (PyTorch keeps one of them, which one unspecified).
+  Tensor count = where(mask, hits, Scalar{1, 1});
+  if (self.dtype() == DType::Bool) {
+    placed = binary(BinaryOp::Gt, placed, Scalar{0, 1});
+  } else if (is_floating(self.dtype())) {
+    placed = binary(BinaryOp::Div, placed, astype(count, self.dtype()));
+  } else {
+    placed = astype(binary(BinaryOp::FloorDiv, astype(placed, DType::Int64), count), self.dtype());
+  }
   // where() saves its inputs; the write below must not change the `self` it saved.
   Tensor base = track ? clone(self) : self;
   Tensor r = where(reshape(mask, self.shape()), reshape(placed, self.shape()), base);
@@ -527,6 +671,7 @@ Tensor& arith_inplace(Tensor& a, const Tensor& r, const char* op) {
 GradHook py_hook(nb::callable fn) {
   return [fn](const Tensor& g) -> Tensor {
     nb::gil_scoped_acquire gil;
+    OpScopeReset user_code;  // (the ops the hook calls are the user's)
     nb::object r = fn(g);
     if (r.is_none()) return Tensor();
     Tensor* out = nullptr;
@@ -564,17 +709,6 @@ std::vector<Tensor> tensor_list(nb::handle seq, const char* op, const char* what
     ++i;
   }
   return r;
-}
-
-nb::object attr_to_py(const AttrValue& v) {
-  if (auto p = std::get_if<int64_t>(&v)) return nb::int_(*p);
-  if (auto p = std::get_if<double>(&v)) return nb::float_(*p);
-  if (auto p = std::get_if<bool>(&v)) return nb::bool_(*p);
-  if (auto p = std::get_if<std::string>(&v)) return nb::str(p->c_str());
-  const auto& vec = std::get<std::vector<int64_t>>(v);
-  nb::list l;
-  for (auto x : vec) l.append(x);
-  return nb::tuple(l);
 }
 
 nb::tuple shape_tuple(const Shape& s) {
@@ -617,7 +751,7 @@ int c_from_pyobject(void* pyobj, void** handle) {
 }
 int c_bump_version(void* handle) {
   const Tensor& t = *static_cast<const Tensor*>(handle);
-  if (t.storage()) t.storage()->bump_version();
+  t.bump_version();
   return BT_TENSOR_OK;
 }
 const bt_tensor_api g_api = {
@@ -641,21 +775,14 @@ NB_MODULE(_tensor, m) {
   // clear error naming the reason when it is missing).
   const bt_alloc_api* alloc = bt_alloc_import();
   if (!alloc) throw nb::python_error();
-  set_alloc_hooks({alloc->malloc, alloc->free, alloc->last_error});
+  set_alloc_hooks({alloc->malloc, alloc->free, alloc->last_error, alloc->record_stream});
   {
     LinalgHooks lh;
     const bt_linalg_api* la = bt_linalg_import();
     if (la) {
       lh.api = la;
     } else {
-      nb::object t, v, tb;
-      PyObject *pt, *pv, *ptb;
-      PyErr_Fetch(&pt, &pv, &ptb);
-      PyErr_NormalizeException(&pt, &pv, &ptb);
-      lh.unavailable_reason = pv ? nb::cast<std::string>(nb::str(pv)) : "import failed";
-      Py_XDECREF(pt);
-      Py_XDECREF(pv);
-      Py_XDECREF(ptb);
+      lh.unavailable_reason = nb::cast<std::string>(nb::steal(bt_capi_take_error_message()));
     }
     set_linalg_hooks(lh);
     cpu::attach_blas();  // one thread budget: OpenBLAS's jobs run on our pool
@@ -691,19 +818,25 @@ NB_MODULE(_tensor, m) {
   m.def("cuda_built", &backend::cuda_built, "Whether this build has the CUDA backend.");
   m.def("cuda_device_count", &backend::cuda_device_count, "Number of usable CUDA devices.");
 
+  // Messages name the op the user called (Note [the op the user called], tensor.h).
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    auto set = [](PyObject* type, const auto& e) {
+      PyErr_SetString(type, with_op_prefix(e.what(), e.op).c_str());
+    };
     try {
       std::rethrow_exception(p);
     } catch (const bt::TypeError& e) {
-      PyErr_SetString(PyExc_TypeError, e.what());
+      set(PyExc_TypeError, e);
     } catch (const bt::IndexError& e) {
-      PyErr_SetString(PyExc_IndexError, e.what());
+      set(PyExc_IndexError, e);
     } catch (const bt::NotImplementedError& e) {
-      PyErr_SetString(PyExc_NotImplementedError, e.what());
+      set(PyExc_NotImplementedError, e);
     } catch (const bt::ValueError& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
+      set(PyExc_ValueError, e);
     } catch (const bt::ZeroDivisionError& e) {
-      PyErr_SetString(PyExc_ZeroDivisionError, e.what());
+      set(PyExc_ZeroDivisionError, e);
+    } catch (const bt::RuntimeError& e) {
+      set(PyExc_RuntimeError, e);
     }
   });
 
@@ -743,9 +876,36 @@ NB_MODULE(_tensor, m) {
       .def("__repr__",
            [](Node& n) { return "<" + n.name() + (n.is_accumulator() ? "" : "Backward") + ">"; });
 
+  nb::class_<HookHandle>(m, "_HookHandle",
+                         "A registered hook's C++ entry (bt.RemovableHandle wraps it).")
+      .def("remove", &HookHandle::remove,
+           "Erases the hook from the C++ core; False when it was gone already.");
+  m.def("_hook_calls", &hook_calls,
+        "Hook calls the autograd engine has made in this process (for tests).");
+
   nb::class_<Tensor> T(m, "Tensor", "An n-dimensional array with reverse-mode autograd.");
-  T.def(nb::init<const Tensor&>(), "other"_a,
-        "A new handle to the same tensor (used by Parameter).");
+  T.def(
+      "__init__",
+      [](Tensor* self, nb::args args, nb::kwargs kwargs) {
+        // (by hand, so a bad call gets our message: Note [argument errors])
+        nb::handle other;
+        if (nb::len(args) == 1 && nb::len(kwargs) == 0) {
+          other = args[0];
+        } else if (nb::len(args) == 0 && nb::len(kwargs) == 1 && kwargs.contains("other")) {
+          other = kwargs["other"];
+        } else {
+          throw TypeError("[Tensor] takes one argument, other: a Tensor (use bt.tensor(data) to "
+                          "make a tensor from data)");
+        }
+        if (!is_tensor(other)) {
+          throw TypeError("[Tensor] argument 'other' must be a Tensor, got " +
+                          nb::cast<std::string>(nb::repr(other)) +
+                          " (use bt.tensor(data) to make a tensor from data)");
+        }
+        new (self) Tensor(nb::cast<const Tensor&>(other));
+      },
+      nb::sig("def __init__(self, other: Tensor) -> None"),
+      "A new handle to the same tensor (used by Parameter).");
   T.def_prop_ro(
       "shape", [](const Tensor& t) { return shape_tuple(t.shape()); }, "The shape, a tuple.");
   T.def(
@@ -790,13 +950,20 @@ NB_MODULE(_tensor, m) {
   T.def("__repr__", &tensor_repr);
   T.def_prop_rw(
       "name", [](const Tensor& t) { return t.impl()->name; },
-      [](Tensor& t, const std::string& n) { t.impl()->name = n; },
-      "A name (shown by capture graphs).");
+      [](Tensor& t, nb::handle n) {
+        if (!nb::isinstance<nb::str>(n)) {
+          throw TypeError("[name] a tensor's name must be a str, got " +
+                          nb::cast<std::string>(nb::repr(n)));
+        }
+        t.impl()->name = nb::cast<std::string>(n);
+      },
+      nb::arg("value").none(), "A name (shown by capture graphs).");
 
   // autograd
   T.def_prop_rw(
-      "requires_grad", &Tensor::requires_grad, [](Tensor& t, bool v) { set_requires_grad(t, v); },
-      "Whether gradients flow to it.");
+      "requires_grad", &Tensor::requires_grad,
+      [](Tensor& t, nb::handle v) { set_requires_grad(t, bool_arg(v, "requires_grad", "value")); },
+      nb::arg("value").none(), "Whether gradients flow to it.");
   T.def(
       "requires_grad_",
       [](Tensor& t, bool v) {
@@ -810,7 +977,13 @@ NB_MODULE(_tensor, m) {
         if (!t.impl()->grad) return std::nullopt;
         return Tensor(t.impl()->grad);
       },
-      [](Tensor& t, std::optional<Tensor> g) {
+      [](Tensor& t, nb::handle value) {
+        if (!value.is_none() && !is_tensor(value)) {
+          throw TypeError("[grad] a gradient must be a Tensor or None, got " +
+                          nb::cast<std::string>(nb::repr(value)));
+        }
+        std::optional<Tensor> g;
+        if (!value.is_none()) g = nb::cast<Tensor>(value);
         if (g && g->shape() != t.shape()) {
           throw ValueError("[grad] assigned gradient has shape " + shape_str(g->shape()) +
                            ", expected " + shape_str(t.shape()));
@@ -821,6 +994,8 @@ NB_MODULE(_tensor, m) {
                           " on " + g->device().str() + "; expected a floating tensor on " +
                           t.device().str());
         }
+        if (g) check_writable(*g, "grad");  // backward accumulates into it in place
+        if (Graph* graph = active_graph()) graph->note_grad_change(t);  // put back at its end
         t.impl()->grad = g ? g->impl_ptr() : nullptr;
       },
       nb::arg("value").none(), "The accumulated gradient (leaves, or after retain_grad()).");
@@ -836,17 +1011,38 @@ NB_MODULE(_tensor, m) {
       "gradient"_a = nb::none(), "retain_graph"_a = false,
       "Accumulates d(self)/d(leaf) into every leaf's .grad.");
   T.def(
-      "_register_hook", [](const Tensor& t, nb::callable fn) { register_hook(t, py_hook(fn)); },
-      "hook"_a, "hook(grad) -> Tensor | None runs when the gradient of this tensor is computed.");
+      "_register_hook",
+      [](const Tensor& t, nb::callable fn) { return register_hook(t, py_hook(fn)); }, "hook"_a,
+      "hook(grad) -> Tensor | None runs when the gradient of this tensor is computed; returns "
+      "the C++ handle whose remove() erases it.");
   T.def(
       "_register_post_accumulate_grad_hook",
       [](const Tensor& t, nb::callable fn) {
-        register_post_accumulate_hook(t, [fn](const Tensor& leaf) {
+        return register_post_accumulate_hook(t, [fn](const Tensor& leaf) {
           nb::gil_scoped_acquire gil;
+          OpScopeReset user_code;
           fn(leaf);
         });
       },
-      "hook"_a, "hook(tensor) runs once the leaf's .grad is final for this backward.");
+      "hook"_a,
+      "hook(tensor) runs once the leaf's .grad is final for this backward; returns the C++ "
+      "handle whose remove() erases it.");
+  T.def("_hook_counts", &hook_counts,
+        "(gradient hooks, post-accumulate hooks) the engine would call for this tensor.");
+  T.def(
+      "record_stream",
+      [](const Tensor& t, nb::handle stream) {
+        nb::handle h = nb::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream") : stream;
+        record_stream(t, reinterpret_cast<void*>(nb::cast<uintptr_t>(h)));
+      },
+      "stream"_a,
+      "Marks this CUDA tensor's memory as used by `stream` (a bt.cuda.Stream, a torch stream or "
+      "a cudaStream_t int): once freed it is not reused before the work queued on that stream "
+      "so far has finished (blutrain.alloc's record_stream).");
+  T.def_prop_ro(
+      "_grad_overwrite", [](const Tensor& t) { return t.impl()->grad_overwrite; },
+      "Whether the next accumulated gradient replaces .grad instead of adding (see "
+      "_set_grad_overwrite).");
 
   // data out
   T.def(
@@ -871,6 +1067,12 @@ NB_MODULE(_tensor, m) {
         // A no-framework ndarray casts to a DLPack capsule ("dltensor"); consumers that ask for a
         // versioned capsule (max_version) accept the legacy one.
         (void)kw;
+        // (as numpy's: the legacy capsule has no read-only flag)
+        if (t.storage() && t.storage()->read_only()) {
+          throw nb::buffer_error(
+              "[dlpack] the tensor is read-only (it shares a read-only buffer) and a DLPack "
+              "consumer could write it; clone() it first");
+        }
         return export_array<nb::no_framework>(t, "__dlpack__");
       },
       "kw"_a, "DLPack export (zero-copy).");
@@ -904,16 +1106,21 @@ NB_MODULE(_tensor, m) {
       "The value of a one-element tensor as a Python number.");
 
   // indexing
-  T.def("__getitem__", [](const Tensor& t, nb::handle idx) { return getitem(t, idx); }, "index"_a);
+  // (.none(): t[None] is a valid index, which nanobind would otherwise refuse)
   T.def(
-      "__setitem__", [](Tensor& t, nb::handle idx, nb::handle v) { setitem(t, idx, v); }, "index"_a,
-      "value"_a);
+      "__getitem__", [](const Tensor& t, nb::handle idx) { return getitem(t, idx); },
+      nb::arg("index").none());
+  T.def(
+      "__setitem__", [](Tensor& t, nb::handle idx, nb::handle v) { setitem(t, idx, v); },
+      nb::arg("index").none(), nb::arg("value").none());
 
   // operators
+// (.none(): t + None reaches operand(), which names the op, instead of nanobind's message)
 #define BT_BINOP(py, op, refl)                                                           \
   T.def(                                                                                 \
       py, [](const Tensor& a, nb::handle b) { return binop(BinaryOp::op, a, b, refl); }, \
-      "other"_a, nb::sig("def " py "(self, other: Tensor | float | int | bool) -> Tensor"));
+      nb::arg("other").none(),                                                           \
+      nb::sig("def " py "(self, other: Tensor | float | int | bool) -> Tensor"));
   BT_BINOP("__add__", Add, false)
   BT_BINOP("__radd__", Add, true)
   BT_BINOP("__sub__", Sub, false)
@@ -934,8 +1141,6 @@ NB_MODULE(_tensor, m) {
   BT_BINOP("__le__", Le, false)
   BT_BINOP("__gt__", Gt, false)
   BT_BINOP("__ge__", Ge, false)
-  BT_BINOP("__and__", And, false)
-  BT_BINOP("__or__", Or, false)
   BT_BINOP("add", Add, false)
   BT_BINOP("sub", Sub, false)
   BT_BINOP("mul", Mul, false)
@@ -954,8 +1159,48 @@ NB_MODULE(_tensor, m) {
   BT_BINOP("logical_and", And, false)
   BT_BINOP("logical_or", Or, false)
 #undef BT_BINOP
+  // & and | on bool tensors only: PyTorch's are bitwise on integers, which bt does not have, so
+  // an integer operand raises rather than silently meaning logical and / or.
+  auto bool_binop = [&T](const char* py, BinaryOp op, bool reflected) {
+    T.def(
+        py,
+        [op, reflected](const Tensor& a, nb::handle b) {
+          const char* nm = binary_name(op);  // logical_and / logical_or
+          const bool b_bool = PyBool_Check(b.ptr()) ||
+                              (is_tensor(b) && nb::cast<const Tensor&>(b).dtype() == DType::Bool);
+          if (!is_tensor(b) && !PyBool_Check(b.ptr()) && !PyLong_Check(b.ptr())) {
+            throw TypeError(std::string("[") + nm + "] unsupported operand " +
+                            nb::cast<std::string>(nb::repr(b)) +
+                            " (expected a bool Tensor or bool)");
+          }
+          if (a.dtype() != DType::Bool || !b_bool) {
+            throw TypeError(std::string("[") + nm + "] " + (op == BinaryOp::And ? "&" : "|") +
+                            " needs bool operands, got " + dtype_name(a.dtype()) + " and " +
+                            (is_tensor(b) ? dtype_name(nb::cast<const Tensor&>(b).dtype())
+                                          : nb::type_name(b.type()).c_str()) +
+                            " (PyTorch's is bitwise on integers, which bt does not have; use "
+                            "logical_and / logical_or, or compare first)");
+          }
+          return binop(op, a, b, reflected);
+        },
+        nb::arg("other").none(),
+        nb::sig((std::string("def ") + py + "(self, other: Tensor | bool) -> Tensor").c_str()));
+  };
+  bool_binop("__and__", BinaryOp::And, false);
+  bool_binop("__rand__", BinaryOp::And, true);
+  bool_binop("__or__", BinaryOp::Or, false);
+  bool_binop("__ror__", BinaryOp::Or, true);
   T.def("__hash__", [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.impl()); });
-  T.def("__matmul__", [](const Tensor& a, const Tensor& b) { return matmul(a, b); }, "other"_a);
+  T.def(
+      "__matmul__",
+      [](const Tensor& a, nb::handle b) {
+        if (!is_tensor(b)) {
+          throw TypeError("[matmul] unsupported operand " + nb::cast<std::string>(nb::repr(b)) +
+                          " (expected a Tensor)");
+        }
+        return matmul(a, nb::cast<const Tensor&>(b));
+      },
+      nb::arg("other").none(), nb::sig("def __matmul__(self, other: Tensor) -> Tensor"));
   T.def("__neg__", [](const Tensor& a) { return neg(a); });
   T.def("__invert__", [](const Tensor& a) {
     if (a.dtype() != DType::Bool) throw TypeError("[invert] ~ is only supported for bool tensors");
@@ -972,34 +1217,38 @@ NB_MODULE(_tensor, m) {
     if (truth < 0) throw nb::python_error();
     return truth == 1;
   });
-#define BT_IOP(py, op)                                                \
+// (t += x names add_, as t.add_(x) does)
+#define BT_IOP(py, op, nm)                                            \
   T.def(                                                              \
       py,                                                             \
       [](Tensor& a, nb::handle b) -> Tensor {                         \
+        OpScope scope(nm);                                            \
         Tensor r = binop(BinaryOp::op, inplace_self(a, b), b, false); \
-        arith_inplace(a, r, py);                                      \
+        arith_inplace(a, r, nm);                                      \
         return a;                                                     \
       },                                                              \
-      "other"_a, nb::sig("def " py "(self, other: Tensor | float | int | bool) -> Tensor"));
-  BT_IOP("__iadd__", Add)
-  BT_IOP("__isub__", Sub)
-  BT_IOP("__imul__", Mul)
-  BT_IOP("__itruediv__", Div)
-  BT_IOP("__ifloordiv__", FloorDiv)
-  BT_IOP("__imod__", Mod)
-  BT_IOP("add_", Add)
-  BT_IOP("sub_", Sub)
-  BT_IOP("mul_", Mul)
-  BT_IOP("div_", Div)
-  BT_IOP("floor_divide_", FloorDiv)
-  BT_IOP("remainder_", Mod)
-  BT_IOP("pow_", Pow)
+      nb::arg("other").none(),                                        \
+      nb::sig("def " py "(self, other: Tensor | float | int | bool) -> Tensor"));
+  BT_IOP("__iadd__", Add, "add_")
+  BT_IOP("__isub__", Sub, "sub_")
+  BT_IOP("__imul__", Mul, "mul_")
+  BT_IOP("__itruediv__", Div, "div_")
+  BT_IOP("__ifloordiv__", FloorDiv, "floor_divide_")
+  BT_IOP("__imod__", Mod, "remainder_")
+  BT_IOP("add_", Add, "add_")
+  BT_IOP("sub_", Sub, "sub_")
+  BT_IOP("mul_", Mul, "mul_")
+  BT_IOP("div_", Div, "div_")
+  BT_IOP("floor_divide_", FloorDiv, "floor_divide_")
+  BT_IOP("remainder_", Mod, "remainder_")
+  BT_IOP("pow_", Pow, "pow_")
 #undef BT_IOP
 
   // unary methods (and their in-place forms)
 #define BT_UN(py, op)                                                            \
   T.def(py, [](const Tensor& a) { return unary(UnaryOp::op, a); });              \
   T.def(py "_", [](Tensor& a) -> Tensor {                                        \
+    OpScope scope(py "_");                                                       \
     arith_inplace(a, unary(UnaryOp::op, inplace_self(a, nb::handle())), py "_"); \
     return a;                                                                    \
   });
@@ -1019,16 +1268,18 @@ NB_MODULE(_tensor, m) {
 #undef BT_UN
   T.def("logical_not", [](const Tensor& a) { return unary(UnaryOp::LogicalNot, a); });
   T.def("zero_", [](Tensor& a) -> Tensor {
+    OpScope scope("zero_");
     inplace(a, zeros({}, a.dtype(), a.device()), "zero_");
     return a;
   });
   T.def(
       "fill_",
-      [](Tensor& a, double v) -> Tensor {
-        inplace(a, full({}, v, a.dtype(), a.device()), "fill_");
+      [](Tensor& a, nb::handle v) -> Tensor {
+        OpScope scope("fill_");
+        inplace(a, fill_value(v, a, "fill_"), "fill_");
         return a;
       },
-      "value"_a);
+      "value"_a, nb::sig("def fill_(self, value: Tensor | float | int | bool) -> Tensor"));
   T.def(
       "copy_",
       [](Tensor& a, nb::handle src) -> Tensor {
@@ -1038,31 +1289,44 @@ NB_MODULE(_tensor, m) {
       "src"_a, "Copies src (broadcast, cast) into this tensor.");
   T.def(
       "masked_fill",
-      [](const Tensor& a, const Tensor& m, double v) { return masked_fill(a, m, v); }, "mask"_a,
-      "value"_a);
+      [](const Tensor& a, const Tensor& m, nb::handle v) {
+        return masked_fill_value(a, m, v, "masked_fill");
+      },
+      "mask"_a, "value"_a,
+      nb::sig("def masked_fill(self, mask: Tensor, value: Tensor | float | int | bool) -> Tensor"),
+      "self with value where mask (bool, broadcast to self's shape) is True.  value: a number "
+      "the dtype holds, or a 0-d tensor (differentiable).");
   T.def(
       "masked_fill_",
-      [](Tensor& a, const Tensor& m, double v) -> Tensor {
-        inplace(a, masked_fill(inplace_self(a, nb::handle()), m, v), "masked_fill_");
+      [](Tensor& a, const Tensor& m, nb::handle v) -> Tensor {
+        OpScope scope("masked_fill_");
+        inplace(a, masked_fill_value(inplace_self(a, nb::handle()), m, v, "masked_fill_"),
+                "masked_fill_");
         return a;
       },
-      "mask"_a, "value"_a);
+      "mask"_a, "value"_a,
+      nb::sig("def masked_fill_(self, mask: Tensor, value: Tensor | float | int | bool) -> "
+              "Tensor"));
 
   // reductions
-#define BT_RED(py, op)                                                \
+#define BT_RED(py, op, doc)                                           \
   T.def(                                                              \
       py,                                                             \
       [](const Tensor& a, nb::handle dim, bool keepdim) {             \
+        OpScope scope(py);                                            \
         return reduce(ReduceOp::op, a, parse_dims(dim, py), keepdim); \
       },                                                              \
       "dim"_a = nb::none(), "keepdim"_a = false,                      \
-      nb::sig(                                                        \
-          "def " py                                                   \
-          "(self, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> Tensor"));
-  BT_RED("sum", Sum)
-  BT_RED("mean", Mean)
-  BT_RED("amax", Max)
-  BT_RED("amin", Min)
+      nb::sig("def " py                                               \
+              "(self, dim: int | tuple[int, ...] | None = None, "     \
+              "keepdim: bool = False) -> Tensor"),                    \
+      doc);
+  BT_RED("sum", Sum, "The sum over dim (all dims when None); integers and bools sum in int64.")
+  BT_RED("mean", Mean,
+         "The mean over dim (all dims when None).  Integer and bool inputs are averaged in "
+         "float32 (numpy's answer; PyTorch raises for them).")
+  BT_RED("amax", Max, "The maximum over dim (all dims when None); NaN propagates.")
+  BT_RED("amin", Min, "The minimum over dim (all dims when None); NaN propagates.")
 #undef BT_RED
   T.def(
       "var",
@@ -1070,7 +1334,8 @@ NB_MODULE(_tensor, m) {
         return reduce(ReduceOp::Var, a, parse_dims(dim, "var"), keepdim, correction);
       },
       "dim"_a = nb::none(), "correction"_a = 1.0, "keepdim"_a = false,
-      "Variance (Bessel-corrected by default).");
+      "Variance (Bessel-corrected by default).  Integer and bool inputs compute in float32 "
+      "(PyTorch raises for them).");
   T.def(
       "argmax",
       [](const Tensor& a, std::optional<int64_t> dim, bool keepdim) {
@@ -1152,14 +1417,21 @@ NB_MODULE(_tensor, m) {
   T.def(
       "index_add_",
       [](Tensor& a, int64_t dim, const Tensor& index, const Tensor& source) -> Tensor {
+        OpScope scope("index_add_");
         inplace(a, index_add(inplace_self(a, nb::cast(source)), dim, index, source), "index_add_");
         return a;
       },
       "dim"_a, "index"_a, "source"_a, "index_add in place; returns self.");
   T.def("scatter_add", &scatter_add, "dim"_a, "index"_a, "src"_a,
         "A copy of self with src[i][j]... added at self[..index[i][j]..] along dim.");
-  T.def("contiguous", [](const Tensor& a) { return contiguous(a); });
-  T.def("clone", [](const Tensor& a) { return clone(a); });
+  T.def("contiguous", [](const Tensor& a) {
+    OpScope scope("contiguous");
+    return contiguous(a);
+  });
+  T.def("clone", [](const Tensor& a) {
+    OpScope scope("clone");
+    return clone(a);
+  });
   T.def(
       "expand_as", [](const Tensor& a, const Tensor& b) { return expand(a, b.shape()); },
       "other"_a);
@@ -1172,6 +1444,7 @@ NB_MODULE(_tensor, m) {
   T.def(
       "to",
       [](const Tensor& a, nb::handle x, nb::handle dtype) {
+        OpScope scope("to");
         Tensor r = a;
         nb::handle dev_h, dt_h = dtype;
         if (x.is_valid() && !x.is_none()) {
@@ -1195,13 +1468,19 @@ NB_MODULE(_tensor, m) {
   T.def(
       "cuda", [](const Tensor& a, int i) { return to_device(a, Device{Device::CUDA, i}); },
       "device"_a = 0);
-  T.def("float", [](const Tensor& a) { return astype(a, DType::Float32); });
-  T.def("double", [](const Tensor& a) { return astype(a, DType::Float64); });
-  T.def("half", [](const Tensor& a) { return astype(a, DType::Float16); });
-  T.def("bfloat16", [](const Tensor& a) { return astype(a, DType::BFloat16); });
-  T.def("long", [](const Tensor& a) { return astype(a, DType::Int64); });
-  T.def("int", [](const Tensor& a) { return astype(a, DType::Int32); });
-  T.def("bool", [](const Tensor& a) { return astype(a, DType::Bool); });
+#define BT_CAST(py, dt)                  \
+  T.def(py, [](const Tensor& a) {        \
+    OpScope scope(py);                   \
+    return astype(a, DType::dt);         \
+  });
+  BT_CAST("float", Float32)
+  BT_CAST("double", Float64)
+  BT_CAST("half", Float16)
+  BT_CAST("bfloat16", BFloat16)
+  BT_CAST("long", Int64)
+  BT_CAST("int", Int32)
+  BT_CAST("bool", Bool)
+#undef BT_CAST
   T.def("is_floating_point", [](const Tensor& a) { return is_floating(a.dtype()); });
 
   // ---- functions -----------------------------------------------------------------------------
@@ -1245,7 +1524,11 @@ NB_MODULE(_tensor, m) {
                              .value_or(o.s.category == 2   ? DType::Float32
                                        : o.s.category == 1 ? DType::Int64
                                                            : DType::Bool);
-        Tensor t = full(parse_shape(nb::make_tuple(shape), "full"), o.s.v, dt,
+        if (o.is_t) {
+          throw TypeError("[full] fill_value must be a number, got a Tensor (use .item(), or "
+                          "full_like / expand)");
+        }
+        Tensor t = full(parse_shape(nb::make_tuple(shape), "full"), o.s, dt,
                         parse_device(device, "full"));
         if (rg) set_requires_grad(t, true);
         return t;
@@ -1255,12 +1538,17 @@ NB_MODULE(_tensor, m) {
       "A tensor filled with fill_value (dtype from the value when not given).");
   m.def(
       "_arange",
-      [](double start, double end, double step, nb::handle dtype, nb::handle device) {
-        return arange(start, end, step, parse_dtype(dtype, "arange"),
-                      parse_device(device, "arange"));
+      [](nb::handle start, nb::handle end, nb::handle step, nb::handle dtype, nb::handle device) {
+        const Scalar a = number_arg(start, "arange", "start"), b = number_arg(end, "arange", "end"),
+                     c = number_arg(step, "arange", "step");
+        const bool ints = a.integral() && b.integral() && c.integral();
+        const DType dt =
+            opt_dtype(dtype, "arange").value_or(ints ? DType::Int64 : DType::Float32);
+        return arange(a, b, c, dt, parse_device(device, "arange"));
       },
-      "start"_a, "end"_a, "step"_a, "dtype"_a, "device"_a = nb::none(),
-      "arange with an explicit dtype.");
+      nb::arg("start").none(), nb::arg("end").none(), nb::arg("step").none(),
+      "dtype"_a = nb::none(), "device"_a = nb::none(),
+      "arange from Python numbers (ints stay exact); int64 when all are ints, else float32.");
   m.def(
       "rand",
       [](nb::args shape, nb::handle dtype, nb::handle device, bool rg) {
@@ -1308,21 +1596,28 @@ NB_MODULE(_tensor, m) {
 
   m.def(
       "_from_numpy",
-      [](nb::ndarray<nb::ro> a, nb::handle owner) {
-        return import_array(nb::ndarray<>(a.handle()), "from_numpy", owner);
-      },
+      [](nb::handle a, nb::handle owner) { return import_array(a, "from_numpy", owner); },
       "array"_a, "owner"_a = nb::none(),
       "Zero-copy view of a numpy array (or anything with DLPack).");
   m.def(
       "from_dlpack",
-      [](nb::handle obj) {
-        nb::ndarray<> a = nb::cast<nb::ndarray<>>(obj);
-        return import_array(a, "from_dlpack", obj);
-      },
+      [](nb::handle obj) { return import_array(obj, "from_dlpack", obj); },
       "obj"_a, "Zero-copy import of an object with __dlpack__ (or the buffer protocol).");
 
-  m.def("astype", &astype, "x"_a, "dtype"_a);
-  m.def("cached_astype", &cached_astype, "x"_a, "dtype"_a,
+  m.def(
+      "astype",
+      [](const Tensor& x, nb::handle dtype) {
+        OpScope scope("astype");
+        return astype(x, parse_dtype(dtype, "astype"));
+      },
+      "x"_a, "dtype"_a, nb::sig("def astype(x: Tensor, dtype: dtype | str) -> Tensor"),
+      "x as dtype (a copy only when the dtype changes).");
+  m.def(
+      "cached_astype",
+      [](const Tensor& x, nb::handle dtype) {
+        return cached_astype(x, parse_dtype(dtype, "cached_astype"));
+      },
+      "x"_a, "dtype"_a, nb::sig("def cached_astype(x: Tensor, dtype: dtype | str) -> Tensor"),
         "x cast to dtype, kept with x's storage and reused while x is unchanged: the compute\n"
         "copy of a master weight (bt.amp's policies use it for parameters).  Differentiable;\n"
         "the gradient reaches x in x's dtype.  AdamW rewrites a float32 parameter's kept 16-bit\n"
@@ -1368,12 +1663,16 @@ NB_MODULE(_tensor, m) {
         Operand oa = operand(a, "where"), ob = operand(b, "where");
         if (oa.is_t && ob.is_t) return where(c, oa.t, ob.t);
         if (oa.is_t) return where(c, oa.t, ob.s);
-        if (ob.is_t)
-          return where(
-              c, full({}, oa.s.v, promote_with_scalar(ob.t.dtype(), oa.s.category), c.device()),
-              ob.t);
-        const DType dt = (oa.s.category == 2 || ob.s.category == 2) ? DType::Float32 : DType::Int64;
-        return where(c, full({}, oa.s.v, dt, c.device()), full({}, ob.s.v, dt, c.device()));
+        if (ob.is_t) {
+          return where(c,
+                       full({}, oa.s, promote_with_scalar(ob.t.dtype(), oa.s.category),
+                            c.device(), "where"),
+                       ob.t);
+        }
+        const int cat = std::max(oa.s.category, ob.s.category);
+        const DType dt = cat == 2 ? DType::Float32 : cat == 1 ? DType::Int64 : DType::Bool;
+        return where(c, full({}, oa.s, dt, c.device(), "where"),
+                     full({}, ob.s, dt, c.device(), "where"));
       },
       "condition"_a, "input"_a, "other"_a,
       "Elementwise select: input where condition, else other.");
@@ -1400,15 +1699,19 @@ NB_MODULE(_tensor, m) {
   m.def(
       "layer_norm",
       [](const Tensor& x, nb::handle ns, std::optional<Tensor> w, std::optional<Tensor> b,
-         double eps, bool recompute) {
+         double eps, bool recompute, nb::handle out_dtype) {
         return layer_norm(x, parse_shape(nb::make_tuple(ns), "layer_norm"), w ? *w : Tensor(),
-                          b ? *b : Tensor(), eps, recompute);
+                          b ? *b : Tensor(), eps, recompute, opt_dtype(out_dtype, "layer_norm"));
       },
       "input"_a, "normalized_shape"_a, "weight"_a = nb::none(), "bias"_a = nb::none(),
-      "eps"_a = 1e-5, nb::kw_only(), "recompute"_a = false,
-      "layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, recompute=False)"
+      "eps"_a = 1e-5, nb::kw_only(), "recompute"_a = false, "out_dtype"_a = nb::none(),
+      "layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, recompute=False, "
+      "out_dtype=None)"
       "\n\nLayer normalisation over the trailing normalized_shape dims (statistics in float32 "
-      "for 16-bit input; the output has the input's dtype). recompute=True: the output is not "
+      "for 16-bit input; the output has out_dtype, default the input's: a float32 input with "
+      "a bfloat16 / float16 out_dtype normalises the float32 row with float32 weight and bias "
+      "and rounds the output once, as autocast's layer norm feeding a bf16 GEMM; its input "
+      "gradient is float32). recompute=True: the output is not "
       "kept for backward by the ops that use it (a following linear's weight gradient); each "
       "rebuilds it in backward from the input the norm keeps anyway, bitwise the same values. "
       "Saves one activation per norm for one extra norm forward in backward.");
@@ -1461,6 +1764,23 @@ NB_MODULE(_tensor, m) {
   // autograd
   m.def("is_grad_enabled", &grad_enabled, "Whether ops record autograd history.");
   m.def("set_grad_enabled", &set_grad_enabled, "mode"_a, "Turns autograd recording on or off.");
+  // ---- flat buffers (blutrain-dist): Note [version counter groups] in tensor.h ---------------
+  m.def(
+      "_set_data", [](const Tensor& dst, const Tensor& src) { set_data(dst, src); }, "tensor"_a,
+      "source"_a,
+      "tensor (a leaf) now views source's memory (same shape, dtype, device), keeping its "
+      "autograd identity: PyTorch's `p.data = source`.");
+  m.def(
+      "_share_version_counter",
+      [](nb::handle seq) { share_version_counter(tensor_list(seq, "share_version_counter", "tensors")); },
+      "tensors"_a, "Gives the tensors one version counter of their own (Note [version counter groups]).");
+  m.def(
+      "_set_grad_overwrite",
+      [](nb::handle seq, bool on) {
+        for (const Tensor& t : tensor_list(seq, "set_grad_overwrite", "tensors")) t.impl()->grad_overwrite = on;
+      },
+      "tensors"_a, "on"_a,
+      "The next gradient accumulated into each leaf's existing .grad replaces it (no zero fill).");
   m.def(
       "backward",
       [](nb::handle tensors, nb::handle grads, bool retain_graph) {
@@ -1484,6 +1804,7 @@ NB_MODULE(_tensor, m) {
             name,
             [backward, name](const std::vector<Tensor>& grads) {
               nb::gil_scoped_acquire gil;
+              OpScopeReset user_code;  // (the Function's backward is the user's code)
               nb::list gl;
               for (auto& g : grads) gl.append(g.defined() ? nb::cast(g) : nb::none());
               nb::object r = backward(gl);
@@ -1495,57 +1816,11 @@ NB_MODULE(_tensor, m) {
       "name"_a, "backward"_a, "inputs"_a, "outputs"_a,
       "Makes outputs depend on inputs through backward(list of output grads) -> input grads.");
 
-  // capture
-  nb::class_<Graph>(m, "Graph", "A captured graph: ops with dtypes, shapes, attributes, inputs.")
-      .def(nb::init<>())
-      .def("__str__", &Graph::str)
-      .def("mark_output", &Graph::mark_output, "tensor"_a, "Marks a value as a graph output.")
-      .def_prop_ro(
-          "inputs", [](const Graph& g) { return g.inputs; }, "Ids of input values.")
-      .def_prop_ro(
-          "outputs", [](const Graph& g) { return g.outputs; }, "Ids of output values.")
-      .def_prop_ro(
-          "values",
-          [](const Graph& g) {
-            nb::list l;
-            for (auto& v : g.values) {
-              nb::dict d;
-              d["id"] = v.id;
-              d["shape"] = shape_tuple(v.shape);
-              d["dtype"] = v.dtype;
-              d["device"] = v.device.str();
-              d["name"] = v.name;
-              d["is_input"] = v.is_input;
-              d["requires_grad"] = v.requires_grad;
-              l.append(d);
-            }
-            return l;
-          },
-          "Every value: id, shape, dtype, device, name, is_input.")
-      .def_prop_ro(
-          "nodes",
-          [](const Graph& g) {
-            nb::list l;
-            for (auto& n : g.nodes) {
-              nb::dict d, a;
-              d["op"] = n.op;
-              for (auto& [k, v] : n.attrs) a[k.c_str()] = attr_to_py(v);
-              d["attrs"] = a;
-              d["inputs"] = n.inputs;
-              d["outputs"] = n.outputs;
-              l.append(d);
-            }
-            return l;
-          },
-          "Every node: op, attrs, inputs (value ids, -1 for none), outputs.");
-  m.def(
-      "_set_capture", [](Graph* g) { set_active_graph(g); }, "graph"_a.none(),
-      "Starts (or with None ends) capture on this thread.");
-  m.def("_capturing", []() { return active_graph() != nullptr; }, "Whether capture is active.");
-
+  bt::python::init_capture(m);
   bt::python::init_cuda(m);
   bt::python::init_nn_fused(m);
   bt::python::init_attention(m);
   bt::python::init_optim(m);
   bt::python::init_autocast(m);
+  bt::python::init_errors(m);
 }

@@ -1,4 +1,4 @@
-"""blutrain.models: GPT-2 for BluTrain -- config, tokenizer, data, checkpoints, conversions, CLI.
+"""blutrain.models: GPT-2 and a LLaMA-style model -- config, tokenizer, data, checkpoints, CLI.
 
 This part needs only numpy, tiktoken, safetensors and rich; the model, optimizers and trainer
 (over blutrain.tensor) come in their own modules and are imported only when used.
@@ -7,7 +7,7 @@ This part needs only numpy, tiktoken, safetensors and rich; the model, optimizer
 import importlib
 
 from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
-from .config import EOT_TOKEN, GPT2_VOCAB_SIZE, GPT2Config
+from .config import EOT_TOKEN, GPT2_VOCAB_SIZE, GPT2Config, LlamaConfig
 from .convert import load_hf, read_llmc, save_hf, write_llmc
 from .data import DataLoader, PrepareResult, ShardError, load_shard, prepare, write_shard
 from .tokenizer import get_encoding
@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointError",
     "DataLoader",
     "GPT2Config",
+    "LlamaConfig",
     "PrepareResult",
     "ShardError",
     "get_encoding",
@@ -37,9 +38,10 @@ __all__ = [
 # `import blutrain.models` (tokenizer, data, checkpoints, CLI) works without the tensor library.
 _LAZY = {
     "GPT2": ".gpt2",
+    "Llama": ".llama",
     "AdamW": ".optim",
     "CosineSchedule": ".optim",
-    "TrainConfig": ".trainer",
+    "TrainConfig": ".train_config",
     "Trainer": ".trainer",
     "train": ".trainer",
 }

@@ -25,12 +25,14 @@ from typing import Any
 
 import numpy as np
 
+from ._bf16 import bf16_bits_to_fp32
 from ._io import atomic_write_dir
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 TRAINER_FILE = "trainer.json"
 MANIFEST_FILE = "manifest.json"
+KNOWN_FILES = (MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE)
 FORMAT = "blutrain-checkpoint"
 FORMAT_VERSION = 1
 
@@ -159,7 +161,27 @@ def _read_manifest(path: Path) -> dict:
             f"[load_checkpoint] {mpath}: version {manifest.get('version')!r}, "
             f"expected {FORMAT_VERSION}"
         )
-    if MODEL_FILE not in manifest.get("files", {}):
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError(f"[load_checkpoint] {mpath}: 'files' is not a JSON object")
+    for name, entry in files.items():
+        if name not in KNOWN_FILES:
+            raise CheckpointError(
+                f"[load_checkpoint] {mpath}: lists {name!r}, not one of {', '.join(KNOWN_FILES)}"
+            )
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("bytes"), int)
+            and not isinstance(entry.get("bytes"), bool)
+            and entry["bytes"] >= 0
+            and isinstance(entry.get("sha256"), str)
+            and len(entry["sha256"]) == 64
+        ):
+            raise CheckpointError(
+                f"[load_checkpoint] {mpath}: the entry of {name} is {entry!r:.120}, expected "
+                '{"bytes": int, "sha256": 64 hex digits}'
+            )
+    if MODEL_FILE not in files:
         raise CheckpointError(f"[load_checkpoint] {mpath}: lists no {MODEL_FILE}")
     return manifest
 
@@ -252,8 +274,6 @@ def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
             lo, hi = (base + int(o) for o in info["data_offsets"])
             shape = tuple(info["shape"])
             if info["dtype"] == "BF16":
-                from .convert import bf16_bits_to_fp32
-
                 bits = np.frombuffer(raw[lo:hi].tobytes(), dtype="<u2")
                 out[name] = bf16_bits_to_fp32(bits).reshape(shape)
             elif info["dtype"] in _ST_DTYPES:
@@ -348,6 +368,8 @@ def load_checkpoint(
             raise CheckpointError(
                 f"[load_checkpoint] {path / TRAINER_FILE}: corrupt ({e})"
             ) from None
+        if not isinstance(trainer, dict):
+            raise CheckpointError(f"[load_checkpoint] {path / TRAINER_FILE}: not a JSON object")
     return Checkpoint(
         path=path, weights=weights, optimizer=optimizer, trainer=trainer, manifest=manifest
     )

@@ -1,9 +1,11 @@
-"""GPT2Config: the shape of a GPT-2 model, its presets, and its JSON and Hugging Face forms."""
+"""Model shapes: GPT2Config (GPT-2: its presets, its JSON and Hugging Face forms) and LlamaConfig
+(the LLaMA-style model of llama.py: its presets and JSON form)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -276,6 +278,198 @@ class GPT2Config:
             return cls.from_hf_dict(d, vocab_multiple=vocab_multiple)
         except ValueError as e:
             raise ValueError(f"{e} (in {path})") from None
+
+
+# ---- LLaMA ---------------------------------------------------------------------------------
+
+# name -> (n_layer, n_head, n_embd, intermediate_size, block_size). "llama-tiny" trains on a CPU;
+# "llama-small" has GPT-2 124M's depth and width (12 x 768; 85M parameters besides the untied
+# embedding and head), "llama-medium" GPT-2 medium's (24 x 1024). The MLP's hidden size is
+# LLaMA's rule: 2/3 of 4 C, rounded up to a multiple of 256 (32 for the tiny one).
+_LLAMA_PRESETS: dict[str, tuple[int, int, int, int, int]] = {
+    "llama-tiny": (4, 4, 128, 352, 256),
+    "llama-small": (12, 12, 768, 2048, 1024),
+    "llama-medium": (24, 16, 1024, 2816, 1024),
+}
+
+
+# Recomputation a LLaMA block supports (Llama.recompute): "attn" (the attention sublayer keeps
+# its input only) and "block" (the block keeps its input only), both through bt.checkpoint.
+LLAMA_RECOMPUTE = ("none", "attn", "block")
+
+
+def is_llama_name(name: str) -> bool:
+    return name.strip().lower().startswith("llama")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """LLaMA-style hyperparameters (llama.py): RMSNorm, SwiGLU MLP, rotary position embedding,
+    no biases, an untied output head; n_kv_head < n_head shares key / value heads (grouped
+    queries). `vocab_multiple` pads the embedding and the head as GPT2Config's does."""
+
+    block_size: int = 1024
+    vocab_size: int = GPT2_VOCAB_SIZE
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int = 12
+    n_embd: int = 768
+    intermediate_size: int = 2048
+    vocab_multiple: int = 1
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        ints = ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
+                "intermediate_size", "vocab_multiple")  # fmt: skip
+        for name in ints:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"[LlamaConfig] {name} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"[LlamaConfig] n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"[LlamaConfig] the head size {self.head_dim} must be even (rotary)")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(
+                f"[LlamaConfig] n_head ({self.n_head}) must be a multiple of n_kv_head "
+                f"({self.n_kv_head})"
+            )
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"[LlamaConfig] {name} must be > 0, got {value!r}")
+
+    @classmethod
+    def preset_names(cls) -> list[str]:
+        return list(_LLAMA_PRESETS)
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> LlamaConfig:
+        """A preset (llama-tiny, llama-small, llama-medium); keyword overrides change any field.
+        n_kv_head defaults to n_head."""
+        key = name.strip().lower()
+        if key not in _LLAMA_PRESETS:
+            raise ValueError(
+                f"[LlamaConfig] unknown model {name!r}; known: {', '.join(_LLAMA_PRESETS)}"
+            )
+        n_layer, n_head, n_embd, ffn, block_size = _LLAMA_PRESETS[key]
+        fields: dict[str, Any] = dict(
+            n_layer=n_layer, n_head=n_head, n_kv_head=n_head, n_embd=n_embd,
+            intermediate_size=ffn, block_size=block_size,
+        )  # fmt: skip
+        fields.update(overrides)
+        if "n_head" in overrides and "n_kv_head" not in overrides:
+            fields["n_kv_head"] = fields["n_head"]
+        return cls(**fields)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return round_up(self.vocab_size, self.vocab_multiple)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def param_shapes(self, padded: bool = True) -> dict[str, tuple[int, ...]]:
+        """Parameter names (Hugging Face's LlamaForCausalLM names) and shapes."""
+        V = self.padded_vocab_size if padded else self.vocab_size
+        C, F, KV = self.n_embd, self.intermediate_size, self.n_kv_head * self.head_dim
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, C)}
+        per_layer = [
+            ("input_layernorm.weight", (C,)),
+            ("self_attn.q_proj.weight", (C, C)),
+            ("self_attn.k_proj.weight", (KV, C)),
+            ("self_attn.v_proj.weight", (KV, C)),
+            ("self_attn.o_proj.weight", (C, C)),
+            ("post_attention_layernorm.weight", (C,)),
+            ("mlp.gate_proj.weight", (F, C)),
+            ("mlp.up_proj.weight", (F, C)),
+            ("mlp.down_proj.weight", (C, F)),
+        ]
+        for i in range(self.n_layer):
+            for suffix, shape in per_layer:
+                shapes[f"model.layers.{i}.{suffix}"] = shape
+        shapes["model.norm.weight"] = (C,)
+        shapes["lm_head.weight"] = (V, C)
+        return shapes
+
+    def n_params(self, non_embedding: bool = False, padded: bool = False) -> int:
+        """Number of parameters; `non_embedding` leaves out the embedding (not the head)."""
+        n = sum(math.prod(s) for s in self.param_shapes(padded).values())
+        if non_embedding:
+            V = self.padded_vocab_size if padded else self.vocab_size
+            n -= V * self.n_embd
+        return n
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model_type": "llama", **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
+        d = dict(d)
+        kind = d.pop("model_type", "llama")
+        if kind != "llama":
+            raise ValueError(f"[LlamaConfig] model_type is {kind!r}, expected 'llama'")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(
+                f"[LlamaConfig] unknown field(s) {unknown}; known fields: {sorted(known)}"
+            )
+        return cls(**d)
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+        if path is not None:
+            from ._io import atomic_write_bytes
+
+            atomic_write_bytes(path, text.encode())
+        return text
+
+    @classmethod
+    def from_json(cls, source: str | os.PathLike) -> LlamaConfig:
+        text = _read_text_or_path(source, "LlamaConfig")
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"[LlamaConfig] {source!s:.200}: not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"[LlamaConfig] {source!s:.200}: expected a JSON object")
+        return cls.from_dict(d)
+
+
+ModelConfig = GPT2Config | LlamaConfig
+
+
+def config_from_dict(d: dict[str, Any]) -> ModelConfig:
+    """A GPT2Config, or a LlamaConfig when d says "model_type": "llama"."""
+    return LlamaConfig.from_dict(d) if d.get("model_type") == "llama" else GPT2Config.from_dict(d)
+
+
+def model_config(name: str, vocab_multiple: int = 1) -> ModelConfig:
+    """A model's config from a preset name (GPT2Config.from_name, or LlamaConfig.from_name for
+    llama-*) or a JSON file of its fields (a LlamaConfig's has "model_type": "llama");
+    `vocab_multiple` pads the vocabulary unless the file sets its own."""
+    p = Path(name)
+    if name.endswith(".json") or p.is_file():
+        text = _read_text_or_path(p, "model_config")
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"[model_config] {p}: not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"[model_config] {p}: expected a JSON object")
+        cfg = config_from_dict(d)
+        if vocab_multiple != 1 and cfg.vocab_multiple == 1:
+            cfg = dataclasses.replace(cfg, vocab_multiple=vocab_multiple)
+        return cfg
+    if is_llama_name(name):
+        return LlamaConfig.from_name(name, vocab_multiple=vocab_multiple)
+    return GPT2Config.from_name(name, vocab_multiple=vocab_multiple)
 
 
 def _read_text_or_path(source: str | os.PathLike, op: str) -> str:

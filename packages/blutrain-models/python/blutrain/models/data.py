@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -335,11 +336,14 @@ class DataLoader:
     stream (shards in order, or in a seeded random order with their rows permuted when
     `shuffle`); consecutive groups of ``world_size * B`` rows make the global batches, of which
     rank r takes rows [rB, rB + B). Every rank computes the same permutation from (seed, epoch),
-    so the ranks read disjoint rows with no communication; an incomplete last group is dropped.
+    so the ranks read disjoint rows with no communication. An epoch ends at a whole number of
+    `step_rows` (default ``world_size * B``; the trainer passes the rows of one optimizer step,
+    world_size x grad_accum x B): the tail is dropped, so two runs with the same global batch
+    read the same batches, epoch after epoch, whatever their world sizes.
 
     The position is resumable: ``state_dict()`` gives (epoch, rows consumed) and
     ``load_state_dict()`` continues from there, bit for bit; with another B or world size it
-    continues the same row stream (only the dropped tail of an epoch depends on the group size).
+    continues the same row stream (only the dropped tail of an epoch depends on `step_rows`).
     Token ids are checked against `vocab_size` in every batch (cheap), so a shard of another
     tokenizer is an error naming the file and position, never an out-of-range gather.
     """
@@ -357,6 +361,7 @@ class DataLoader:
         seed: int = 1337,
         vocab_size: int | None = GPT2_VOCAB_SIZE,
         dtype: np.dtype | type = np.int64,
+        step_rows: int | None = None,
     ) -> None:
         if batch_size < 1 or seq_len < 1:
             raise ValueError(
@@ -372,13 +377,22 @@ class DataLoader:
         self.vocab_size = vocab_size
         self.dtype = np.dtype(dtype)
         self._rows = np.array([max(0, (s.num_tokens - 1) // self.T) for s in self.shards])
-        need = self.world_size * self.B
+        group = self.world_size * self.B
+        self.step_rows = group if step_rows is None else int(step_rows)
+        if self.step_rows < group or self.step_rows % group:
+            raise ValueError(
+                f"[DataLoader] step_rows={step_rows} must be a positive multiple of world_size x "
+                f"batch_size = {group}"
+            )
+        need = self.step_rows
         if self._rows.sum() < need:
             shown = [str(f) for f in self.files][:4]
             raise ValueError(
                 f"[DataLoader] {len(self.files)} shard(s) with {self.num_tokens} tokens hold "
                 f"{int(self._rows.sum())} rows of T={self.T}; one batch of B={self.B} on "
-                f"{self.world_size} rank(s) needs {need} (files: {shown})"
+                f"{self.world_size} rank(s)"
+                + (f" x {need // group} micro-batches a step" if need > group else "")
+                + f" needs {need} (files: {shown})"
             )
         self._maps: dict[int, np.memmap] = {}
         self.epoch = 0
@@ -396,7 +410,9 @@ class DataLoader:
 
     @property
     def batches_per_epoch(self) -> int:
-        return self.rows_per_epoch // (self.world_size * self.B)
+        """Batches each rank reads in an epoch (a whole number of steps)."""
+        used = self.rows_per_epoch // self.step_rows * self.step_rows
+        return used // (self.world_size * self.B)
 
     # -- order ---------------------------------------------------------------------------------
     def _shard_order(self) -> tuple[np.ndarray, np.ndarray]:
@@ -449,7 +465,7 @@ class DataLoader:
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         """This rank's next (inputs, targets), each (B, T) of `dtype`; wraps to a new epoch."""
         group = self.world_size * self.B
-        if self.rows_consumed + group > self.rows_per_epoch:
+        if self.rows_consumed + group > self.rows_per_epoch // self.step_rows * self.step_rows:
             self.epoch += 1
             self.rows_consumed = 0
         lo = self.rows_consumed + self.rank * self.B
@@ -493,20 +509,24 @@ class DataLoader:
             "shards": self._fingerprint(),
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from `state`; shards, seed, shuffle and T must be those it was saved with."""
+    def check_state_dict(self, state: Any) -> tuple[int, int]:
+        """The (epoch, rows consumed) of `state` if this loader can continue from it; raises
+        ValueError naming what differs (shards, seed, shuffle, T) or is malformed."""
         try:
-            epoch, rows = int(state["epoch"]), int(state["rows_consumed"])
+            epoch, rows = state["epoch"], state["rows_consumed"]
             saved = {k: state[k] for k in ("seed", "shuffle", "seq_len", "shards")}
+            saved["shards"] = [list(x) for x in saved["shards"]]
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"[DataLoader] not a DataLoader state: missing or bad {e}") from None
+        for name, v in (("epoch", epoch), ("rows_consumed", rows)):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"[DataLoader] not a DataLoader state: {name} is {v!r}")
         mine = {
             "seed": self.seed,
             "shuffle": self.shuffle,
             "seq_len": self.T,
             "shards": self._fingerprint(),
         }
-        saved["shards"] = [list(x) for x in saved["shards"]]
         for key in mine:
             if saved[key] != mine[key]:
                 raise ValueError(
@@ -515,4 +535,8 @@ class DataLoader:
                 )
         if epoch < 0 or not 0 <= rows <= self.rows_per_epoch:
             raise ValueError(f"[DataLoader] bad position epoch={epoch} rows_consumed={rows}")
-        self.epoch, self.rows_consumed = epoch, rows
+        return epoch, rows
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state`; shards, seed, shuffle and T must be those it was saved with."""
+        self.epoch, self.rows_consumed = self.check_state_dict(state)

@@ -34,10 +34,8 @@ from typing import Any
 
 import numpy as np
 
-import blutrain.tensor as bt
-from blutrain.tensor import nn
-
-from .checkpoint import CheckpointError, check_tensors, to_numpy
+from ._tensor import bt
+from .checkpoint import CheckpointError, check_tensors, load_checkpoint, to_numpy
 from .config import (  # RECOMPUTE, RECOMPUTE_PARTS: re-exported
     RECOMPUTE,  # noqa: F401
     RECOMPUTE_PARTS,  # noqa: F401
@@ -61,9 +59,12 @@ def _normal(shape: tuple[int, ...], std: float, device: str | None) -> bt.Tensor
 PRECISIONS = {
     "fp32": (None, "highest"),
     "tf32": (None, "high"),
-    "bf16": ("bfloat16", "high"),
+    "bf16": (bt.bfloat16, "high"),
 }
 _PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "tensorfloat32": "tf32"}
+# The residual stream's dtype under a 16-bit compute dtype (GPT2.residual_dtype): float32 (as
+# autocast) or the compute dtype (the bf16 stream: faster, trains off the float32 trajectory).
+RESIDUAL_DTYPES = ("float32", "compute")
 
 
 def precision_name(mode: str) -> str:
@@ -75,10 +76,8 @@ def precision_name(mode: str) -> str:
 
 
 def set_matmul_precision(mode: str) -> None:
-    """TF32 on or off for float32 matmuls (a global setting of blutrain.tensor, when it has it)."""
-    fn = getattr(bt, "set_float32_matmul_precision", None)
-    if fn is not None:
-        fn(PRECISIONS[precision_name(mode)][1])
+    """TF32 on or off for float32 matmuls (a process-wide setting of blutrain.tensor)."""
+    bt.set_float32_matmul_precision(PRECISIONS[precision_name(mode)][1])
 
 
 @contextlib.contextmanager
@@ -94,16 +93,11 @@ def gemm_autotune(on: bool, device: str) -> Iterator[bool]:
     1-2% faster (packages/blutrain-tensor/bench/RESULTS.md, session 25). The trainer wraps its
     steps only: sampling's growing shapes would each pay the timing. Deterministic mode
     (bt.cuda.use_deterministic_algorithms) keeps it off. Yields whether it is on."""
-    la = None
-    deterministic = getattr(bt, "are_deterministic_algorithms_enabled", lambda: False)()
-    if on and str(device).startswith("cuda") and not deterministic:
-        try:
-            import blutrain.linalg as la
-        except ImportError:
-            la = None
-    if la is None:
+    if not on or not str(device).startswith("cuda") or bt.are_deterministic_algorithms_enabled():
         yield False
         return
+    import blutrain.linalg as la  # blutrain-tensor's own dependency: always there
+
     prev = int(la.get_option("autotune"))
     la.set_option("autotune", 1)
     try:
@@ -117,11 +111,8 @@ def _policy_dtypes(policy: Any) -> tuple[Any, Any]:
     if policy is None:
         return None, None
     if isinstance(policy, str):
-        name = PRECISIONS[precision_name(policy)][0]
-        return (getattr(bt, name) if name else None), None
-    compute = getattr(policy, "compute", getattr(policy, "compute_dtype", None))
-    param = getattr(policy, "param", getattr(policy, "param_dtype", None))
-    return compute, param
+        return PRECISIONS[precision_name(policy)][0], None
+    return policy.compute, policy.param
 
 
 def _cast(p: bt.Tensor | None, dtype: Any) -> bt.Tensor | None:
@@ -132,54 +123,42 @@ def _cast(p: bt.Tensor | None, dtype: Any) -> bt.Tensor | None:
     """
     if p is None or dtype is None or p.dtype == dtype:
         return p
-    if p.is_leaf and p.requires_grad and hasattr(bt, "cached_astype"):
+    if p.is_leaf and p.requires_grad:
         return bt.cached_astype(p, dtype)
     return p.to(dtype)
 
 
-def _ln(x: bt.Tensor, ln: nn.LayerNorm, dtype: Any, recompute: bool = False) -> bt.Tensor:
-    """LayerNorm in `dtype`; recompute: its output is rebuilt in backward, not kept."""
-    w, b = _cast(ln.weight, dtype), _cast(ln.bias, dtype)
-    if recompute:
-        return bt.layer_norm(x, ln.normalized_shape, w, b, ln.eps, recompute=True)
-    return bt.layer_norm(x, ln.normalized_shape, w, b, ln.eps)
+def _ln(x: bt.Tensor, ln: bt.nn.LayerNorm, dtype: Any, recompute: bool = False) -> bt.Tensor:
+    """LayerNorm of x (in x's dtype, the parameters cast to it) with its output in `dtype` (None:
+    x's): a float32 residual stream's norm feeding bf16 GEMMs is one kernel (Note [float32
+    residual stream] in blutrain.tensor). recompute: the output is rebuilt in backward."""
+    w, b = _cast(ln.weight, x.dtype), _cast(ln.bias, x.dtype)
+    od = dtype if dtype is not None and dtype != x.dtype else None
+    return bt.layer_norm(x, ln.normalized_shape, w, b, ln.eps, recompute=recompute, out_dtype=od)
 
 
 def _add_ln(
     x: bt.Tensor,
     r: bt.Tensor,
-    ln: nn.LayerNorm,
+    ln: bt.nn.LayerNorm,
     dtype: Any,
     fused: bool,
     recompute: bool = False,
     residual_bias: Any = None,
 ) -> tuple[bt.Tensor, bt.Tensor]:
-    """(x + r (+ residual_bias), LayerNorm of that): one fused kernel when blutrain.tensor has
-    it. residual_bias: the bias of the linear layer that made r, left out of it (Note [residual
-    bias] in blutrain.tensor: its gradient comes from the layer norm's backward)."""
-    rb = _cast(residual_bias, dtype) if residual_bias is not None else None
+    """(x + r (+ residual_bias), LayerNorm of that): the sum in x's dtype (the residual stream's),
+    the norm's output in `dtype` (None: x's); one fused kernel when `fused`.  residual_bias: the
+    bias of the linear layer that made r, left out of it (Note [residual bias] in
+    blutrain.tensor: its gradient comes from the layer norm's backward)."""
+    rb = _cast(residual_bias, x.dtype) if residual_bias is not None else None
     if fused:
-        w, b = _cast(ln.weight, dtype), _cast(ln.bias, dtype)
-        kw = {"residual_bias": rb} if rb is not None else {}
-        if recompute:
-            return bt.add_layer_norm(x, r, w, b, ln.eps, recompute=True, **kw)
-        return bt.add_layer_norm(x, r, w, b, ln.eps, **kw)
+        od = dtype if dtype is not None and dtype != x.dtype else None
+        w, b = _cast(ln.weight, x.dtype), _cast(ln.bias, x.dtype)
+        return bt.add_layer_norm(
+            x, r, w, b, ln.eps, recompute=recompute, residual_bias=rb, out_dtype=od
+        )
     s = x + r if rb is None else x + r + rb
     return s, _ln(s, ln, dtype, recompute)
-
-
-def _has_residual_bias() -> bool:
-    """Whether bt.add_layer_norm takes residual_bias (blutrain.tensor builds before it did not)."""
-    return "residual_bias" in (getattr(bt, "add_layer_norm", None).__doc__ or "")
-
-
-def _checkpoint(fn: Any, *args: bt.Tensor) -> bt.Tensor:
-    ck = getattr(bt, "checkpoint", None)
-    if ck is None:
-        raise RuntimeError(
-            "[GPT2] recompute needs bt.checkpoint, which this blutrain.tensor build lacks"
-        )
-    return ck(fn, *args)
 
 
 class _Precision:
@@ -202,14 +181,14 @@ class _Precision:
         return self
 
 
-class CausalSelfAttention(_Precision, nn.Module):
+class CausalSelfAttention(_Precision, bt.nn.Module):
     def __init__(self, config: GPT2Config) -> None:
         super().__init__()
         C = config.n_embd
         self.n_head = config.n_head
         self.n_embd = C
-        self.c_attn = nn.Linear(C, 3 * C)
-        self.c_proj = nn.Linear(C, C)
+        self.c_attn = bt.nn.Linear(C, 3 * C)
+        self.c_proj = bt.nn.Linear(C, C)
         self.fused = False  # bt.qkv_attention for c_attn + attention (GPT2 sets it)
 
     def forward(self, x: bt.Tensor, defer_bias: bool = False) -> bt.Tensor:
@@ -232,12 +211,12 @@ class CausalSelfAttention(_Precision, nn.Module):
         return bt.linear(y, _cast(self.c_proj.weight, dt), bias)
 
 
-class MLP(_Precision, nn.Module):
+class MLP(_Precision, bt.nn.Module):
     def __init__(self, config: GPT2Config) -> None:
         super().__init__()
         C = config.n_embd
-        self.c_fc = nn.Linear(C, 4 * C)
-        self.c_proj = nn.Linear(4 * C, C)
+        self.c_fc = bt.nn.Linear(C, 4 * C)
+        self.c_proj = bt.nn.Linear(4 * C, C)
         self.fused = False  # bt.linear_gelu_linear for the whole MLP (GPT2 sets it)
         self.recompute_gelu = False
 
@@ -269,17 +248,17 @@ class MLP(_Precision, nn.Module):
         if defer_bias:
             raise ValueError("[MLP] defer_bias needs the fused MLP (mlp.fused)")
         if self.recompute_gelu:  # keep the pre-activation only; GELU is redone in backward
-            return _checkpoint(self._gelu_proj, self._fc(x))
+            return bt.checkpoint(self._gelu_proj, self._fc(x))
         return self._gelu_proj(self._fc(x))
 
 
-class Block(_Precision, nn.Module):
+class Block(_Precision, bt.nn.Module):
     def __init__(self, config: GPT2Config) -> None:
         super().__init__()
         C, eps = config.n_embd, config.layer_norm_epsilon
-        self.ln_1 = nn.LayerNorm(C, eps=eps)
+        self.ln_1 = bt.nn.LayerNorm(C, eps=eps)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(C, eps=eps)
+        self.ln_2 = bt.nn.LayerNorm(C, eps=eps)
         self.mlp = MLP(config)
         self.fused_add_ln = False  # GPT2 sets it
         self.recompute: frozenset[str] = frozenset()
@@ -294,25 +273,26 @@ class Block(_Precision, nn.Module):
     def attend(self, h: bt.Tensor, defer_bias: bool = False) -> bt.Tensor:
         """The attention sublayer on LayerNorm output h (through bt.checkpoint with "attn")."""
         if "attn" in self.recompute:
-            return _checkpoint(functools.partial(self.attn, defer_bias=defer_bias), h)
+            return bt.checkpoint(functools.partial(self.attn, defer_bias=defer_bias), h)
         return self.attn(h, defer_bias)
 
     def forward(self, x: bt.Tensor) -> bt.Tensor:
+        """x: the residual stream, kept in its dtype (float32 under a bf16 policy, as autocast;
+        GPT2.residual_dtype); the sublayers compute in the block's dtype."""
         dt, rln = self._compute, "ln" in self.recompute
-        x = _cast(x, dt)
         a = self.attend(_ln(x, self.ln_1, dt, rln))
         x, h = _add_ln(x, a, self.ln_2, dt, self.fused_add_ln, rln)
         return x + self.mlp(h)
 
 
-class _Transformer(_Precision, nn.Module):
+class _Transformer(_Precision, bt.nn.Module):
     def __init__(self, config: GPT2Config) -> None:
         super().__init__()
         C = config.n_embd
-        self.wte = nn.Embedding(config.padded_vocab_size, C)
-        self.wpe = nn.Embedding(config.block_size, C)
-        self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
-        self.ln_f = nn.LayerNorm(C, eps=config.layer_norm_epsilon)
+        self.wte = bt.nn.Embedding(config.padded_vocab_size, C)
+        self.wpe = bt.nn.Embedding(config.block_size, C)
+        self.h = bt.nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.ln_f = bt.nn.LayerNorm(C, eps=config.layer_norm_epsilon)
 
 
 _ROW_BLOCK = 16  # rows a numpy call handles at once (GPT-2's: 3.2 MB, cache-sized passes)
@@ -439,7 +419,7 @@ class _HeadCrossEntropyCPU(bt.Function):
         return d, None, None
 
 
-class GPT2(_Precision, nn.Module):
+class GPT2(_Precision, bt.nn.Module):
     """GPT-2 language model. ``logits, loss = model(idx, targets=None)``.
 
     idx: (B, T) or (T,) integer token ids (a bt tensor or a numpy array), T <= block_size.
@@ -472,6 +452,13 @@ class GPT2(_Precision, nn.Module):
     - `fused`: None (on CUDA when blutrain.tensor has them), True or False: bt.add_layer_norm
       for every residual add + LayerNorm pair, bt.linear_gelu_linear for the MLP, and
       bt.linear_cross_entropy for the head and loss when the logits are not returned.
+    - `residual_dtype`: the residual stream's dtype under a 16-bit compute dtype: "float32"
+      (the default, autocast's: the embeddings' sum and every x + branch in float32, the layer
+      norms over it with float32 weights, bf16 only into the GEMMs and attention; Note [float32
+      residual stream] in blutrain.tensor) or "compute" (the stream in bf16, rounded at every
+      add: 4 + 2 fewer bytes per element and add + norm, about 2% of GPT-2 124M's bf16 step,
+      but it trains measurably off the float32 trajectory: issue 38).  Either way the fused
+      path carries the stream's gradient in bf16.
     """
 
     def __init__(
@@ -483,6 +470,7 @@ class GPT2(_Precision, nn.Module):
         precision: Any = None,
         recompute: str = "none",
         fused: bool | None = None,
+        residual_dtype: str = "float32",
     ) -> None:
         super().__init__()
         if not isinstance(config, GPT2Config):
@@ -491,8 +479,12 @@ class GPT2(_Precision, nn.Module):
         self.config = config
         self.device = device or "cpu"
         self.fused = fused
+        self.residual_dtype = residual_dtype
         # rows per chunk of the fused classifier (None: bt.linear_cross_entropy's default)
         self.classifier_chunk_size: int | None = None
+        # float32 CPU loss in numpy (_HeadCrossEntropyCPU, faster there); False: bt.cross_entropy,
+        # the op a bt.capture() records (so eager and a captured step run the same kernels)
+        self.numpy_loss = True
         self.transformer = _Transformer(config)
         self.set_recompute(recompute)
         if init:
@@ -537,7 +529,7 @@ class GPT2(_Precision, nn.Module):
                 for name, p in list(m._parameters.items()):
                     if p is None or str(p.device) == str(device):
                         continue
-                    q = nn.Parameter(p.to(device), requires_grad=p.requires_grad)
+                    q = bt.nn.Parameter(p.to(device), requires_grad=p.requires_grad)
                     # in place in the registry: setattr would move the name to the end
                     m._parameters[name] = q
                     object.__setattr__(m, name, q)
@@ -563,7 +555,7 @@ class GPT2(_Precision, nn.Module):
                 raise ValueError(
                     f"[GPT2] {what} must be (B, T) or (T,), got shape {tuple(x.shape)}"
                 )
-            if t.numel() and not t.is_symbolic and str(t.device) == "cpu":
+            if t.numel() and not bt.is_capturing() and str(t.device) == "cpu":
                 # captured ids have no values to check; ids on a GPU are not read back (that
                 # would be a host sync every step): the embedding kernel bounds-checks them
                 lo, hi = int(t.amin().item()), int(t.amax().item())
@@ -631,22 +623,30 @@ class GPT2(_Precision, nn.Module):
     def recompute(self, spec: Any) -> None:
         self.set_recompute(spec)
 
+    @property
+    def residual_dtype(self) -> str:
+        """The residual stream's dtype: "float32" or "compute" (see the class docstring)."""
+        return self._residual_dtype
+
+    @residual_dtype.setter
+    def residual_dtype(self, value: str) -> None:
+        if value not in RESIDUAL_DTYPES:
+            raise ValueError(
+                f"[GPT2] residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)}, got {value!r}"
+            )
+        object.__setattr__(self, "_residual_dtype", value)
+
     def _wants_fused(self, x: bt.Tensor) -> bool:
         """Whether fused ops run for activations like x (`fused`, else on CUDA; never symbolic)."""
         want = self.fused if self.fused is not None else str(x.device).startswith("cuda")
         return bool(want) and not x.is_symbolic
 
-    def _fused_ops(self, x: bt.Tensor) -> tuple[bool, bool]:
-        """(add_layer_norm, linear_gelu_linear) fused ops to use for activations like x."""
-        if not self._wants_fused(x):
-            return False, False
-        return hasattr(bt, "add_layer_norm"), hasattr(bt, "linear_gelu_linear")
-
     def hidden_states(self, idx: bt.Tensor, wte: bt.Tensor | None = None) -> bt.Tensor:
         """The final LayerNorm's output (B, T, C) for checked int64 ids (B, T).
 
         `wte`: the token embedding already in the compute dtype (forward casts it once for
-        both the embedding and the tied head)."""
+        the tied head and, with a compute-dtype residual stream, the embedding; a float32 stream
+        embeds from the float32 table)."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(
@@ -656,34 +656,33 @@ class GPT2(_Precision, nn.Module):
             raise ValueError("[GPT2] idx is empty (T = 0)")
         tr = self.transformer
         dt = self._compute
-        if wte is None:
-            wte = _cast(tr.wte.weight, dt)
-        x = bt.embedding(idx, wte) + bt.embedding(self._positions(T), _cast(tr.wpe.weight, dt))
-        add_ln, lin_gelu = self._fused_ops(x)
-        rb_ok = add_ln and _has_residual_bias()
-        qkv_fused = self._wants_fused(x) and hasattr(bt, "qkv_attention")
+        compute_stream = self._residual_dtype == "compute"
+        rdt = dt if compute_stream else None  # the stream's dtype (None: float32, the masters')
+        emb = wte if wte is not None and rdt == dt else _cast(tr.wte.weight, rdt)
+        x = bt.embedding(idx, emb) + bt.embedding(self._positions(T), _cast(tr.wpe.weight, rdt))
+        fused = self._wants_fused(x)  # add_layer_norm, linear_gelu_linear, qkv_attention
         blocks = list(tr.h)
         for b in blocks:
-            b.fused_add_ln = add_ln
-            b.mlp.fused = lin_gelu
-            b.attn.fused = qkv_fused
+            b.fused_add_ln = b.mlp.fused = b.attn.fused = fused
         # The residual stream x and the next LayerNorm's output h travel together, so every
         # "x = x + branch; h = LayerNorm(x)" pair (ln_2, the next block's ln_1, ln_f) can be
         # one fused add + LayerNorm; the math is that of Block.forward.  A block that
-        # recomputes whole ("block") takes x alone and keeps only it.
+        # recomputes whole ("block") takes x alone and keeps only it.  x stays float32 (the
+        # norms write h in the block's compute dtype) unless the stream is in the compute dtype.
         h = None  # the pending LayerNorm output of x for the next block (or ln_f)
         for i, b in enumerate(blocks):
             bdt, rln = b._compute, "ln" in b.recompute
+            if compute_stream:
+                x = _cast(x, bdt)
             if "block" in b.recompute:
-                x, h = _checkpoint(b, _cast(x, bdt)), None
+                x, h = bt.checkpoint(b, x), None
                 continue
-            x = _cast(x, bdt)
             h = _ln(x, b.ln_1, bdt, rln) if h is None else _cast(h, bdt)
             # the residual branches' last biases go to the fused add + LayerNorm after them
-            pb = b.attn.c_proj.bias if rb_ok else None
-            x, h = _add_ln(x, b.attend(h, rb_ok), b.ln_2, bdt, add_ln, rln, pb)
+            pb = b.attn.c_proj.bias if fused else None
+            x, h = _add_ln(x, b.attend(h, fused), b.ln_2, bdt, fused, rln, pb)
             plain_next = i + 1 < len(blocks) and "block" in blocks[i + 1].recompute
-            defer = rb_ok and lin_gelu and not plain_next
+            defer = fused and not plain_next
             m = b.mlp(h, defer)
             if plain_next:
                 x, h = x + m, None
@@ -691,11 +690,11 @@ class GPT2(_Precision, nn.Module):
             nxt = blocks[i + 1] if i + 1 < len(blocks) else b
             nln = blocks[i + 1].ln_1 if i + 1 < len(blocks) else tr.ln_f
             mb = b.mlp.c_proj.bias if defer else None
-            x, h = _add_ln(x, m, nln, bdt, add_ln, "ln" in nxt.recompute, mb)
+            x, h = _add_ln(x, m, nln, bdt, fused, "ln" in nxt.recompute, mb)
         if h is None:
             last = blocks[-1] if blocks else None
             rln = last is not None and "ln" in last.recompute
-            h = _ln(_cast(x, dt), tr.ln_f, dt, rln)
+            h = _ln(_cast(x, dt) if compute_stream else x, tr.ln_f, dt, rln)
         return _cast(h, dt) if dt is not None else h
 
     def head(self, x: bt.Tensor) -> bt.Tensor:
@@ -728,7 +727,7 @@ class GPT2(_Precision, nn.Module):
             raise ValueError("[GPT2] return_logits=False needs targets (there is nothing else)")
         wte = _cast(self.transformer.wte.weight, self._compute)  # one cast, two uses
         h = self.hidden_states(idx, wte)
-        fused_head = self._wants_fused(h) and hasattr(bt, "linear_cross_entropy")
+        fused_head = self._wants_fused(h)
         if tgt is not None and not return_logits and fused_head:
             # the head and the loss in row chunks: the logits never exist whole
             loss = bt.linear_cross_entropy(
@@ -746,7 +745,8 @@ class GPT2(_Precision, nn.Module):
         if tgt is not None:
             B, T = idx.shape
             V, Vp = self.config.vocab_size, full.shape[-1]
-            if full.device == "cpu" and full.dtype == bt.float32 and not full.is_symbolic:
+            numpy_ok = self.numpy_loss and not full.is_symbolic
+            if numpy_ok and full.device == "cpu" and full.dtype == bt.float32:
                 loss = _HeadCrossEntropyCPU.apply(full.reshape(B * T, Vp), tgt.reshape(B * T), V)
             else:
                 # (B*T, Vp) is a view; its first V columns a strided view (row stride Vp) that
@@ -838,6 +838,35 @@ class GPT2(_Precision, nn.Module):
         config, weights = load_hf(path, vocab_multiple=vocab_multiple)
         model = cls(config, device=device, init=False)
         model.load_state_dict(weights, source=str(path))
+        return model
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, *, device: str | None = None) -> GPT2:
+        """The model of a training checkpoint directory (or of the run directory holding one in
+        checkpoint/): its config from trainer.json, its weights checked and loaded."""
+        from pathlib import Path
+
+        p = Path(path)
+        if (p / "checkpoint").is_dir() and not (p / "manifest.json").exists():
+            p = p / "checkpoint"
+        try:
+            ck = load_checkpoint(p)
+        except (CheckpointError, FileNotFoundError) as e:
+            raise type(e)(
+                f"{e} (give a run directory of `blutrain train` or its checkpoint/)"
+            ) from None
+        mc = (ck.trainer or {}).get("model_config")
+        if not isinstance(mc, dict):
+            raise CheckpointError(
+                f"[GPT2] {p}: the checkpoint has no model_config in trainer.json (not written "
+                "by the trainer)"
+            )
+        try:
+            config = GPT2Config.from_dict(mc)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"[GPT2] {p}/trainer.json: model_config: {e}") from None
+        model = cls(config, device=device, init=False)
+        model.load_state_dict(ck.weights, source=str(p / "model.safetensors"))
         return model
 
     def save_pretrained(self, path: str | os.PathLike) -> None:

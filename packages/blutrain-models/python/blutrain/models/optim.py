@@ -18,7 +18,7 @@ rounding. Weight decay applies only to tensors with dim >= 2 (matmul weights and
 never to biases and LayerNorm weights, as in GPT-2/nanoGPT/llm.c.
 
 By default (``fused=None``) the step runs blutrain-tensor's multi-tensor kernel
-(``bt._tensor._adamw_``: one CUDA launch for every parameter, OpenMP loops on the CPU; the same
+(``bt.optim.adamw_``: one CUDA launch for every parameter, OpenMP loops on the CPU; the same
 arithmetic, operation for operation); ``fused=False`` keeps the per-tensor Python path below as
 the reference. Clipping without a host sync: ``norm, coef = grad_norm_and_clip_coef(params,
 max_norm)`` then ``opt.step(grad_scale=coef)`` (the coefficient multiplies every gradient inside
@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-import blutrain.tensor as bt
+from ._tensor import bt
+from .schedule import CosineSchedule, cosine_lr  # noqa: F401 - re-exported
 
 
 def _named(params: Any) -> list[tuple[str, bt.Tensor]]:
@@ -64,11 +65,11 @@ def _named(params: Any) -> list[tuple[str, bt.Tensor]]:
 
 
 def _capturing(device: str) -> bool:
-    """Whether `device`'s current stream is capturing a CUDA graph."""
-    cuda = getattr(bt, "cuda", None)
-    if not device.startswith("cuda") or cuda is None:
-        return False
-    return bool(cuda.is_current_stream_capturing(device))
+    """Whether a step is being recorded, not run: a bt.capture() (blutrain-compiler's graphs)
+    or `device`'s current stream capturing a CUDA graph."""
+    if bt.is_capturing():
+        return True
+    return device.startswith("cuda") and bt.cuda.is_current_stream_capturing(device)
 
 
 def _state_dtype(p: bt.Tensor) -> Any:
@@ -184,6 +185,11 @@ class AdamW:
         if self.fused:
             self._step_fused(grad_scale)
             return
+        if bt.is_capturing():
+            raise RuntimeError(
+                "[AdamW] a captured step needs the fused kernel (fused=None or True) with "
+                "device scalars (use_device_scalars()), so lr and the step count are graph inputs"
+            )
         b1, b2 = self.betas
         lr, eps, wd = self.lr, self.eps, self.weight_decay
         for name, p in self.params:
@@ -239,6 +245,11 @@ class AdamW:
             st = [self.state[n] for n, _, _ in items]
             lr_arg: Any = self.lr
             step_arg: Any = float(step)
+            if self._dev_scalars is None and bt.is_capturing():
+                raise RuntimeError(
+                    "[AdamW] capturing a step: call use_device_scalars() before the capture, so "
+                    "lr and the step count are graph inputs, not constants baked into the graph"
+                )
             if self._dev_scalars is not None:  # Note [AdamW in a CUDA graph]
                 if dev not in self._dev_scalars:
                     raise RuntimeError(f"[AdamW] no device scalars on {dev}: parameters moved?")
@@ -251,18 +262,17 @@ class AdamW:
                         "before the capture"
                     )
                 lr_arg, step_arg = self._dev_scalars[dev]
-            bt._tensor._adamw_(
+            bt.optim.adamw_(
                 [p for _, p, _ in items],
                 [g for _, _, g in items],
                 [s["exp_avg"] for s in st],
                 [s["exp_avg_sq"] for s in st],
-                lr_arg,
-                self.betas[0],
-                self.betas[1],
-                self.eps,
-                [self.weight_decay if self.decay[n] else 0.0 for n, _, _ in items],
-                step_arg,
-                grad_scale,
+                lr=lr_arg,
+                step=step_arg,
+                betas=self.betas,
+                eps=self.eps,
+                weight_decay=[self.weight_decay if self.decay[n] else 0.0 for n, _, _ in items],
+                grad_scale=grad_scale,
             )
 
     def _step_one_reference(
@@ -309,94 +319,87 @@ class AdamW:
             "tensors": tensors,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from `state_dict()`'s form (tensors may come back from a safetensors file).
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Raise ValueError naming what in `state` does not fit these parameters (unknown names,
+        missing moments, shapes, bad hyperparameters); changes nothing."""
+        self._parse_state(state)
 
-        Errors name the parameter: unknown names, missing moments, shape mismatches.
-        """
+    def _parse_state(
+        self, state: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, tuple[int, np.ndarray, np.ndarray]]]:
+        """(hyperparameters, name -> (step, exp_avg, exp_avg_sq)), all checked."""
+        where = "[AdamW] load_state_dict"
         try:
             meta, tensors = state["meta"], state["tensors"]
             hp, steps = meta["hyperparameters"], meta["steps"]
-        except (KeyError, TypeError):
+            parsed_hp = {
+                "lr": float(hp["lr"]),
+                "betas": (float(hp["betas"][0]), float(hp["betas"][1])),
+                "eps": float(hp["eps"]),
+                "weight_decay": float(hp["weight_decay"]),
+                "no_decay": {str(n) for n in hp.get("no_decay", [])},
+            }
+            steps = {str(n): s for n, s in dict(steps).items()}
+            tensors = dict(tensors)
+        except (KeyError, TypeError, ValueError, IndexError):
             raise ValueError(
-                "[AdamW] load_state_dict: not an AdamW state dict (needs 'meta' "
-                "with 'hyperparameters' and 'steps', and 'tensors')"
+                f"{where}: not an AdamW state dict (needs 'meta' with 'hyperparameters' (lr, "
+                "betas, eps, weight_decay) and 'steps', and 'tensors')"
             ) from None
         own = dict(self.params)
         unknown = sorted(set(steps) - set(own))
         if unknown:
-            raise ValueError(
-                f"[AdamW] load_state_dict: state for unknown parameter(s) {unknown[:5]}"
-            )
+            raise ValueError(f"{where}: state for unknown parameter(s) {unknown[:5]}")
         expected = {f"{k}/{n}" for n in steps for k in ("exp_avg", "exp_avg_sq")}
         missing = sorted(expected - set(tensors))
         extra = sorted(set(tensors) - expected)
         if missing or extra:
-            raise ValueError(
-                f"[AdamW] load_state_dict: missing tensor(s) {missing[:5]}, unexpected {extra[:5]}"
-            )
-        new_state: dict[str, dict[str, Any]] = {}
+            raise ValueError(f"{where}: missing tensor(s) {missing[:5]}, unexpected {extra[:5]}")
+        out: dict[str, tuple[int, np.ndarray, np.ndarray]] = {}
         for name, step in steps.items():
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise ValueError(f"{where}: step of {name} is {step!r}, not an int >= 0")
             p = own[name]
-            st: dict[str, Any] = {"step": int(step)}
+            moments = []
             for key in ("exp_avg", "exp_avg_sq"):
                 a = np.asarray(tensors[f"{key}/{name}"])
                 if tuple(a.shape) != tuple(p.shape):
                     raise ValueError(
-                        f"[AdamW] load_state_dict: {key}/{name} has shape {tuple(a.shape)}, "
+                        f"{where}: {key}/{name} has shape {tuple(a.shape)}, "
                         f"the parameter has {tuple(p.shape)}"
                     )
-                sd = _state_dtype(p) if self.fused else p.dtype
-                st[key] = bt.tensor(np.ascontiguousarray(a), dtype=sd, device=str(p.device))
-            new_state[name] = st
-        self.lr = float(hp["lr"])
-        self.betas = (float(hp["betas"][0]), float(hp["betas"][1]))
-        self.eps = float(hp["eps"])
-        self.weight_decay = float(hp["weight_decay"])
-        nd = set(hp.get("no_decay", []))
-        self.decay = {n: n not in nd for n, _ in self.params}
+                if a.dtype.kind != "f":
+                    raise ValueError(f"{where}: {key}/{name} has dtype {a.dtype}, not floating")
+                moments.append(a)
+            out[name] = (step, moments[0], moments[1])
+        return parsed_hp, out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from `state_dict()`'s form (tensors may come back from a safetensors file).
+
+        Everything is checked first (see check_state_dict): on an error nothing changes.
+        """
+        hp, parsed = self._parse_state(state)
+        own = dict(self.params)
+        new_state: dict[str, dict[str, Any]] = {}
+        for name, (step, m, v) in parsed.items():
+            p = own[name]
+            sd = _state_dtype(p) if self.fused else p.dtype
+            new_state[name] = {
+                "step": step,
+                "exp_avg": bt.tensor(np.ascontiguousarray(m), dtype=sd, device=str(p.device)),
+                "exp_avg_sq": bt.tensor(np.ascontiguousarray(v), dtype=sd, device=str(p.device)),
+            }
+        self.lr = hp["lr"]
+        self.betas = hp["betas"]
+        self.eps = hp["eps"]
+        self.weight_decay = hp["weight_decay"]
+        self.decay = {n: n not in hp["no_decay"] for n, _ in self.params}
         self.state = new_state
 
 
 # ---------------------------------------------------------------------------------------------
 # learning rate and clipping
-
-
-class CosineSchedule:
-    """Linear warmup to max_lr over warmup_steps, then cosine decay to min_lr at max_steps.
-
-    ``sched(step)`` for step = 0, 1, ...: (step + 1) / warmup * max_lr during warmup (so the
-    first step is not wasted at lr 0, as nanoGPT and llm.c do), min_lr from max_steps on.
-    """
-
-    def __init__(
-        self, max_lr: float, warmup_steps: int, max_steps: int, min_lr: float | None = None
-    ) -> None:
-        if warmup_steps < 0 or max_steps < 1:
-            raise ValueError(
-                f"[CosineSchedule] need warmup_steps >= 0 and max_steps >= 1, got "
-                f"{warmup_steps}, {max_steps}"
-            )
-        self.max_lr = float(max_lr)
-        self.min_lr = float(max_lr * 0.1 if min_lr is None else min_lr)
-        self.warmup_steps = int(warmup_steps)
-        self.max_steps = int(max_steps)
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return self.max_lr * (step + 1) / self.warmup_steps
-        if step >= self.max_steps:
-            return self.min_lr
-        span = max(1, self.max_steps - self.warmup_steps)
-        ratio = (step - self.warmup_steps) / span
-        coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
-
-
-def cosine_lr(
-    step: int, max_lr: float, warmup_steps: int, max_steps: int, min_lr: float | None = None
-) -> float:
-    return CosineSchedule(max_lr, warmup_steps, max_steps, min_lr)(step)
 
 
 def clip_grad_norm_(
@@ -411,7 +414,7 @@ def clip_grad_norm_(
         return 0.0 if sync else bt.tensor(0.0)
     if max_norm is None or not math.isfinite(max_norm) or max_norm <= 0:
         if not sync:
-            return bt._tensor._grad_norm([p.grad for p in params])
+            return bt.optim.grad_norm([p.grad for p in params])
         with bt.no_grad():
             total = None
             for p in params:
@@ -432,7 +435,7 @@ def grad_norm_and_clip_coef(
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return None, None
-    norm = bt._tensor._grad_norm(grads)
+    norm = bt.optim.grad_norm(grads)
     if max_norm is None or not math.isfinite(max_norm) or max_norm <= 0:
         return norm, None
-    return norm, bt._tensor._clip_coef(norm, float(max_norm), eps)
+    return norm, bt.optim.clip_coef(norm, float(max_norm), eps)

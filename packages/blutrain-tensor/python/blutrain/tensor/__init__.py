@@ -16,16 +16,30 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
+import sys
+import types
 from collections import namedtuple
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from . import _tensor as _C
-from ._tensor import (
+from . import _argerrors
+
+try:
+    from . import _tensor as _C
+except ImportError as _e:  # nanobind wraps an error of the module's init: raise the cause itself
+    if isinstance(_e.__cause__, ImportError):  # (a refused C ABI capsule names both sides)
+        raise _e.__cause__ from None
+    raise
+
+# A refused call raises "[op] argument 'x' must be ..." (Note [argument errors], init_errors.cpp).
+# First of all: chaining an overload replaces each function object, so names are bound after.
+for _scope in (_C, _C.Tensor, _C.Graph, _C.Node):
+    _C._install_argument_errors(_scope)
+
+from ._tensor import (  # noqa: E402
     ABI_VERSION,
-    Graph,
     Node,
     Tensor,
     add_layer_norm,
@@ -74,6 +88,7 @@ from ._tensor import (
     where,
     zeros,
 )
+from ._version import API_LEVEL, __version__
 
 # ---- dtypes ------------------------------------------------------------------------------------
 bool_ = dtype.bool
@@ -133,7 +148,10 @@ def tensor(
             elif arr.dtype.kind == "f":
                 arr = arr.astype(np.float32)
             else:
-                raise TypeError(f"[tensor] cannot make a tensor from numpy dtype {arr.dtype}")
+                raise TypeError(
+                    f"[tensor] cannot make a tensor from {_argerrors.describe(data)} (numpy "
+                    f"makes it an array of dtype {arr.dtype}; expected numbers or bools)"
+                )
         t = _C._from_numpy(np.asarray(arr, order="C")).clone()
     if dtype is not None:
         t = t.to(dtype)
@@ -179,48 +197,56 @@ def arange(
     device: str | None = None,
     requires_grad: bool = False,
 ) -> Tensor:
-    """Values from start (inclusive) to end (exclusive); int64 when all arguments are ints."""
+    """Values from start (inclusive) to end (exclusive); int64 when all arguments are ints.
+
+    Integer arguments are exact at any size (no rounding through double); every value must fit
+    the dtype (an int32 or uint8 range that would wrap is a ValueError), and start, end and step
+    must be finite.
+    """
     if end is None:
         start, end = 0, start
-    if dtype is None:
-        ints = all(isinstance(v, builtins.int) for v in (start, end, step))
-        dtype = int64 if ints else float32
-    t = _C._arange(builtins.float(start), builtins.float(end), builtins.float(step), dtype, device)
+    t = _C._arange(start, end, step, dtype, device)
     if requires_grad:
         t.requires_grad_(True)
     return t
 
 
 def zeros_like(t: Tensor, dtype: dtype | None = None) -> Tensor:
+    t = _as_input(t, "zeros_like")
     return zeros(*t.shape, dtype=dtype or t.dtype, device=t.device)
 
 
 def ones_like(t: Tensor, dtype: dtype | None = None) -> Tensor:
+    t = _as_input(t, "ones_like")
     return ones(*t.shape, dtype=dtype or t.dtype, device=t.device)
 
 
 def full_like(t: Tensor, value: builtins.float, dtype: dtype | None = None) -> Tensor:
+    t = _as_input(t, "full_like")
     return full(t.shape, value, dtype=dtype or t.dtype, device=t.device)
 
 
 def empty_like(t: Tensor, dtype: dtype | None = None) -> Tensor:
+    t = _as_input(t, "empty_like")
     return empty(*t.shape, dtype=dtype or t.dtype, device=t.device)
 
 
 def rand_like(t: Tensor, dtype: dtype | None = None) -> Tensor:
+    t = _as_input(t, "rand_like")
     return rand(*t.shape, dtype=dtype or t.dtype, device=t.device)
 
 
 def randn_like(t: Tensor, dtype: dtype | None = None) -> Tensor:
+    t = _as_input(t, "randn_like")
     return randn(*t.shape, dtype=dtype or t.dtype, device=t.device)
 
 
 # ---- functional forms of the methods ----------------------------------------------------------
-def _as_input(x: Any, op: str) -> Tensor:
+def _as_input(x: Any, op: str, what: str = "input") -> Tensor:
     """x, which a functional form calls a method of: a non-tensor is a TypeError naming the op
-    (not Python's "'float' object has no attribute ...")."""
+    and the argument (not Python's "'float' object has no attribute ...")."""
     if not isinstance(x, Tensor):
-        raise TypeError(f"[{op}] expected a Tensor, got {type(x).__name__}")
+        raise TypeError(f"[{op}] argument '{what}' must be a Tensor, got {_argerrors.describe(x)}")
     return x
 
 
@@ -236,7 +262,8 @@ def _other(a: Any, b: Any, op: str) -> Any:
     """The tensor of a binary functional form called with a scalar first (bt.add(2, t))."""
     if not isinstance(b, Tensor):
         raise TypeError(
-            f"[{op}] expected a Tensor operand, got {type(a).__name__} and {type(b).__name__}"
+            f"[{op}] expected a Tensor operand, got {_argerrors.describe(a)} and "
+            f"{_argerrors.describe(b)}"
         )
     return b
 
@@ -294,6 +321,9 @@ def remainder(a: Tensor, b: Any) -> Tensor:
 
 
 def pow(a: Tensor, b: Any) -> Tensor:  # noqa: A001
+    """a ** b elementwise.  An integer tensor to a negative integer power gives C's integer
+    answer: 1 for a base of 1, 1 or -1 for -1, else 0 (PyTorch raises for an integer tensor
+    exponent, and gives the same for a Python int one)."""
     return a**b if isinstance(a, Tensor) else _other(a, b, "pow").__rpow__(a)
 
 
@@ -338,12 +368,16 @@ def sum(input: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:  # noq
 
 
 def mean(input: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    """The mean over dim (all dims when None).  Integer and bool inputs are averaged in float32
+    (numpy's answer; PyTorch raises for them)."""
     return _as_input(input, "mean").mean(dim, keepdim)
 
 
 def var(
     input: Tensor, dim: Any = None, correction: builtins.float = 1, keepdim: bool = False
 ) -> Tensor:
+    """The variance over dim, divided by (count - correction).  Integer and bool inputs compute
+    in float32 (PyTorch raises for them)."""
     return _as_input(input, "var").var(dim, correction, keepdim)
 
 
@@ -371,7 +405,7 @@ def _max(self: Tensor, dim: Any = None, keepdim: bool = False) -> Any:
     if isinstance(dim, Tensor):
         return self.maximum(dim)
     if dim is None:
-        return self.amax()
+        return self.amax(None, keepdim)
     return MaxResult(self.amax(dim, keepdim), self.argmax(dim, keepdim))
 
 
@@ -379,7 +413,7 @@ def _min(self: Tensor, dim: Any = None, keepdim: bool = False) -> Any:
     if isinstance(dim, Tensor):
         return self.minimum(dim)
     if dim is None:
-        return self.amin()
+        return self.amin(None, keepdim)
     return MaxResult(self.amin(dim, keepdim), self.argmin(dim, keepdim))
 
 
@@ -395,7 +429,7 @@ def clamp(
     input: Tensor, min: builtins.float | None = None, max: builtins.float | None = None
 ) -> Tensor:  # noqa: A002
     """Limits values to [min, max]; the gradient is 1 inside (and on) the bounds, else 0."""
-    r = input
+    r = _as_input(input, "clamp")
     if min is not None:
         r = where(r < min, min, r)
     if max is not None:
@@ -404,6 +438,11 @@ def clamp(
 
 
 def reshape(input: Tensor, shape: Sequence[builtins.int]) -> Tensor:
+    if not isinstance(shape, Sequence) or isinstance(shape, str):
+        raise TypeError(
+            f"[reshape] argument 'shape' must be a sequence of ints, got "
+            f"{_argerrors.describe(shape)}"
+        )
     return _as_input(input, "reshape").reshape(*shape)
 
 
@@ -412,6 +451,10 @@ def transpose(input: Tensor, dim0: builtins.int, dim1: builtins.int) -> Tensor:
 
 
 def permute(input: Tensor, dims: Sequence[builtins.int]) -> Tensor:
+    if not isinstance(dims, Sequence) or isinstance(dims, str):
+        raise TypeError(
+            f"[permute] argument 'dims' must be a sequence of ints, got {_argerrors.describe(dims)}"
+        )
     return _as_input(input, "permute").permute(*dims)
 
 
@@ -487,6 +530,19 @@ def _float(self: Tensor) -> builtins.float:
 
 
 def _int(self: Tensor) -> builtins.int:
+    v = self.item()
+    if isinstance(v, builtins.float) and not np.isfinite(v):
+        raise ValueError(f"[int] cannot convert {v} to an int")
+    return builtins.int(v)
+
+
+def _index(self: Tensor) -> builtins.int:
+    """An integer one-element tensor as an index (lists[t], range(t)); PyTorch's rule."""
+    if self.numel() != 1 or self.is_floating_point() or self.dtype == bool_:
+        raise TypeError(
+            "[index] only an integer tensor of one element can be an index, got a "
+            f"{self.dtype} tensor of shape {tuple(self.shape)}"
+        )
     return builtins.int(self.item())
 
 
@@ -497,33 +553,42 @@ def _format(self: Tensor, spec: str) -> str:
 
 
 class RemovableHandle:
-    """Returned by register_hook: remove() disables the hook and drops the callable."""
+    """Returned by register_hook and register_post_accumulate_grad_hook: ``remove()`` erases the
+    hook from the C++ autograd core, so backward no longer calls into Python for it and the fast
+    paths a hooked tensor turns off are on again. Also a context manager (removes on exit)."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn: Callable[..., Any] | None = fn
-
-    def __call__(self, arg: Any) -> Any:
-        return self.fn(arg) if self.fn is not None else None
+    def __init__(self, handle: _C._HookHandle) -> None:
+        self._handle: _C._HookHandle | None = handle
 
     def remove(self) -> None:
-        self.fn = None
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def __enter__(self) -> RemovableHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
 
 
 def _register_hook(self: Tensor, hook: Callable[[Tensor], Tensor | None]) -> RemovableHandle:
     """hook(grad) -> Tensor | None runs when this tensor's gradient is computed; a returned tensor
     replaces the gradient."""
-    h = RemovableHandle(hook)
-    self._register_hook(h)
-    return h
+    if not callable(hook):
+        raise TypeError(f"[register_hook] hook must be callable, got {type(hook).__name__}")
+    return RemovableHandle(self._register_hook(hook))
 
 
 def _register_post_accumulate_grad_hook(
     self: Tensor, hook: Callable[[Tensor], None]
 ) -> RemovableHandle:
     """hook(tensor) runs once this leaf's .grad is final for the current backward."""
-    h = RemovableHandle(hook)
-    self._register_post_accumulate_grad_hook(h)
-    return h
+    if not callable(hook):
+        raise TypeError(
+            f"[register_post_accumulate_grad_hook] hook must be callable, got {type(hook).__name__}"
+        )
+    return RemovableHandle(self._register_post_accumulate_grad_hook(hook))
 
 
 Tensor.register_hook = _register_hook  # type: ignore[attr-defined]
@@ -536,17 +601,59 @@ Tensor.__array_ufunc__ = None  # numpy defers to our reflected operators
 Tensor.__iter__ = _iter  # type: ignore[method-assign]
 Tensor.__float__ = _float  # type: ignore[attr-defined]
 Tensor.__int__ = _int  # type: ignore[attr-defined]
-Tensor.__index__ = _int  # type: ignore[attr-defined]
+Tensor.__index__ = _index  # type: ignore[attr-defined]
 Tensor.__format__ = _format  # type: ignore[method-assign]
-Tensor.softmax = lambda self, dim: softmax(self, dim)  # type: ignore[attr-defined]
-Tensor.log_softmax = lambda self, dim: log_softmax(self, dim)  # type: ignore[attr-defined]
-Tensor.matmul = lambda self, other: matmul(self, other)  # type: ignore[attr-defined]
-Tensor.type_as = lambda self, other: self.to(other.dtype)  # type: ignore[attr-defined]
-Tensor.new_zeros = lambda self, *shape: zeros(*shape, dtype=self.dtype, device=self.device)  # type: ignore[attr-defined]
-Tensor.new_ones = lambda self, *shape: ones(*shape, dtype=self.dtype, device=self.device)  # type: ignore[attr-defined]
-Tensor.gelu = lambda self, approximate="none": gelu(self, approximate)  # type: ignore[attr-defined]
-Tensor.clamp = lambda self, min=None, max=None: clamp(self, min, max)  # type: ignore[attr-defined]
-Tensor.where = lambda self, condition, other: where(condition, self, other)  # type: ignore[attr-defined]
+
+
+def _t_softmax(self: Tensor, dim: builtins.int) -> Tensor:
+    return softmax(self, dim)
+
+
+def _t_log_softmax(self: Tensor, dim: builtins.int) -> Tensor:
+    return log_softmax(self, dim)
+
+
+def _t_matmul(self: Tensor, other: Tensor) -> Tensor:
+    return matmul(self, other)
+
+
+def _t_type_as(self: Tensor, other: Tensor) -> Tensor:
+    return self.to(_as_input(other, "type_as", "other").dtype)
+
+
+def _t_new_zeros(self: Tensor, *shape: builtins.int) -> Tensor:
+    return zeros(*shape, dtype=self.dtype, device=self.device)
+
+
+def _t_new_ones(self: Tensor, *shape: builtins.int) -> Tensor:
+    return ones(*shape, dtype=self.dtype, device=self.device)
+
+
+def _t_gelu(self: Tensor, approximate: str = "none") -> Tensor:
+    return gelu(self, approximate)
+
+
+def _t_clamp(self: Tensor, min: Any = None, max: Any = None) -> Tensor:  # noqa: A002
+    return clamp(self, min, max)
+
+
+def _t_where(self: Tensor, condition: Tensor, other: Any) -> Tensor:
+    return where(condition, self, other)
+
+
+for _name, _fn in {
+    "softmax": _t_softmax,
+    "log_softmax": _t_log_softmax,
+    "matmul": _t_matmul,
+    "type_as": _t_type_as,
+    "new_zeros": _t_new_zeros,
+    "new_ones": _t_new_ones,
+    "gelu": _t_gelu,
+    "clamp": _t_clamp,
+    "where": _t_where,
+}.items():
+    _fn.__name__ = _fn.__qualname__ = _name
+    setattr(Tensor, _name, _fn)
 
 
 def _returning_self(method: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -681,6 +788,11 @@ class Function:
         with no_grad():
             out = cls.forward(ctx, *args)
         single = isinstance(out, Tensor)
+        if not single and not (isinstance(out, tuple | list) and out):
+            raise TypeError(
+                f"[{cls.__name__}] forward must return a Tensor or a tuple of tensors, got "
+                f"{_argerrors.describe(out)}"
+            )
         outs = (out,) if single else tuple(out)
         # Fresh handles: an output that is an input must not get the input's history overwritten.
         outs = tuple(o.detach() if isinstance(o, Tensor) else o for o in outs)
@@ -704,16 +816,29 @@ class Function:
         return outs[0] if single else outs
 
 
+from .graph import Graph, load_graph, op_schemas  # noqa: E402  (captured graphs as a contract)
+
+
 # ---- capture -------------------------------------------------------------------------------------
+def is_capturing() -> builtins.bool:
+    """Whether ops on this thread are being recorded by bt.capture() (not run)."""
+    return builtins.bool(_C._capturing())
+
+
 @contextlib.contextmanager
 def capture() -> Iterator[Graph]:
-    """Record ops instead of running them, for blutrain-compiler.
+    """Record ops instead of running them: the graph blutrain-compiler builds on.
 
     with bt.capture() as g:
-        y = model(x)          # symbolic tensors: shape and dtype, no data
-        y.sum().backward()    # backward ops are recorded too
+        y = model(x)          # symbolic tensors: shape, strides and dtype, no data
+        y.sum().backward()    # backward ops are recorded too; p.grad is symbolic meanwhile
         g.mark_output(y)
-    print(g)                  # nodes: op, attrs, inputs, outputs (dtype and shape)
+    print(g)                  # nodes: op, attrs, inputs, outputs
+    g.to_json(); g.hash()     # versioned JSON, content hash (docs/graph_format.md)
+    g.replay()                # runs it through the eager kernels (eager's bits)
+
+    Every node is checked against its op schema (``bt.op_schemas()``). When the block ends,
+    every .grad the capture changed is put back (``g.grads`` says what it became).
     """
     if _C._capturing():
         raise RuntimeError("[capture] a capture is already active on this thread")
@@ -740,6 +865,15 @@ def gradcheck(
     random cotangent (so non-scalar outputs are checked in every entry). Raises AssertionError
     naming the input and the worst entry on a mismatch; returns True otherwise.
     """
+    if not callable(fn):
+        raise TypeError(
+            f"[gradcheck] argument 'fn' must be callable, got {_argerrors.describe(fn)}"
+        )
+    if isinstance(inputs, Tensor) or not isinstance(inputs, Sequence):
+        raise TypeError(
+            "[gradcheck] argument 'inputs' must be a sequence of tensors, got "
+            + _argerrors.describe(inputs)
+        )
     inputs = list(inputs)
     out = fn(*inputs)
     outs = (out,) if isinstance(out, Tensor) else tuple(out)
@@ -805,10 +939,18 @@ def clip_grad_norm_(parameters: Any, max_norm: builtins.float) -> Tensor:
     """
     if isinstance(parameters, Tensor):
         parameters = [parameters]
-    return _C.clip_grad_norm_(list(parameters), _number(max_norm, "clip_grad_norm_", "max_norm"))
+    if not isinstance(parameters, Iterable) or isinstance(parameters, str | bytes):
+        raise TypeError(
+            "[clip_grad_norm_] argument 'parameters' must be a Tensor or an iterable of tensors, "
+            f"got {_argerrors.describe(parameters)}"
+        )
+    max_norm = _number(max_norm, "clip_grad_norm_", "max_norm")
+    if not max_norm >= 0:  # a negative or NaN bound would flip or poison every gradient
+        raise ValueError(f"[clip_grad_norm_] max_norm must be >= 0, got {max_norm}")
+    return _C.clip_grad_norm_(list(parameters), max_norm)
 
 
-from . import nn  # noqa: E402  (nn uses the names above)
+from . import backends, nn, optim  # noqa: E402  (nn uses the names above)
 from .amp import (  # noqa: E402  (bt.amp: precision policies, autocast, checkpoint)
     autocast,
     checkpoint,
@@ -819,6 +961,37 @@ from .amp import (  # noqa: E402  (bt.amp: precision policies, autocast, checkpo
 )
 from .cuda import are_deterministic_algorithms_enabled, use_deterministic_algorithms  # noqa: E402
 
+# ---- public ops written in Python: errors name them (Note [argument errors], init_errors.cpp) ----
+_ERRORS = (TypeError, ValueError, IndexError, RuntimeError, NotImplementedError, ZeroDivisionError)
+# Ops that run the caller's code (hooks, fn): their errors keep the names they carry.
+_RUNS_USER_CODE = {"backward", "gradcheck", "checkpoint", "autocast", "capture"}
+
+
+def _public_op(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
+    """fn, whose errors start with "[op]": a call whose arguments do not bind to fn's signature
+    (Python's own "f() takes 2 positional arguments ..."), and an error of an op fn is built from
+    ("[where] ..." from clamp).  Costs a call frame; nothing more unless something raised."""
+    rename = op not in _RUNS_USER_CODE
+
+    @functools.wraps(fn)
+    def f(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except _ERRORS as e:
+            tb = e.__traceback__
+            if isinstance(e, TypeError) and tb is not None and tb.tb_next is None:
+                raise TypeError(_argerrors.bind_problem(op, fn, args, kwargs, e)) from None
+            if not rename or type(e) not in _ERRORS:
+                raise
+            msg = str(e)
+            close = msg.find("]")
+            if not msg.startswith("[") or close < 0 or msg[1:close] == op:
+                raise
+            raise type(e)(f"[{op}]{msg[close + 1 :]}").with_traceback(tb) from None
+
+    return f
+
+
 # PyTorch spells these with builtin names; bound last so the functions above see the builtins.
 float = float32  # noqa: A001
 int = int32  # noqa: A001
@@ -826,6 +999,8 @@ bool = bool_  # noqa: A001
 
 __all__ = [
     "ABI_VERSION",
+    "API_LEVEL",
+    "__version__",
     "add_layer_norm",
     "Callable",
     "Function",
@@ -850,6 +1025,7 @@ __all__ = [
     "astype",
     "autocast",
     "available_cpus",
+    "backends",
     "backward",
     "bfloat16",
     "bmm",
@@ -858,6 +1034,9 @@ __all__ = [
     "bool",
     "bool_",
     "capture",
+    "is_capturing",
+    "load_graph",
+    "op_schemas",
     "cat",
     "chunk",
     "checkpoint",
@@ -933,6 +1112,7 @@ __all__ = [
     "no_grad",
     "ones",
     "ones_like",
+    "optim",
     "permute",
     "pow",
     "promote_types",
@@ -973,3 +1153,39 @@ __all__ = [
     "zeros",
     "zeros_like",
 ]
+
+# Bound last: every public name is defined by now.
+for _name in __all__:
+    _obj = globals().get(_name)
+    if isinstance(_obj, types.FunctionType):
+        globals()[_name] = _public_op(_obj, _name)
+        _home = sys.modules.get(_obj.__module__)
+        if _home is not None and getattr(_home, _name, None) is _obj:  # bt.cuda.x is bt.x
+            setattr(_home, _name, globals()[_name])
+for _name, _op_name in {
+    "max": "max",
+    "min": "min",
+    "tolist": "tolist",
+    "__array__": "array",
+    "__iter__": "iter",
+    "__float__": "float",
+    "__int__": "int",
+    "__index__": "index",
+    "__format__": "format",
+    "softmax": "softmax",
+    "log_softmax": "log_softmax",
+    "matmul": "matmul",
+    "type_as": "type_as",
+    "new_zeros": "new_zeros",
+    "new_ones": "new_ones",
+    "gelu": "gelu",
+    "clamp": "clamp",
+    "where": "where",
+    "register_hook": "register_hook",
+    "register_post_accumulate_grad_hook": "register_post_accumulate_grad_hook",
+}.items():
+    setattr(Tensor, _name, _public_op(getattr(Tensor, _name), _op_name))
+set_grad_enabled.__init__ = _public_op(set_grad_enabled.__init__, "set_grad_enabled")  # type: ignore[method-assign]
+for _name in [n for n in vars(nn.functional) if not n.startswith("_")]:
+    if isinstance(globals().get(_name), types.FunctionType):  # the wrapped op, not the original
+        setattr(nn.functional, _name, staticmethod(globals()[_name]))

@@ -72,9 +72,13 @@ def _floating_dtype(dt: Any, what: str) -> Any:
     """None, or dt (a dtype or its name) as a floating bt dtype; else a named error."""
     if dt is None:
         return None
-    if isinstance(dt, str):
-        dt = bt.empty(0, dtype=dt).dtype  # the names bt's factories take ("bfloat16", ...)
-    if not isinstance(dt, bt.dtype) or not bt.empty(0, dtype=dt).is_floating_point():
+    try:
+        if isinstance(dt, str):
+            dt = bt.empty(0, dtype=dt).dtype  # the names bt's factories take ("bfloat16", ...)
+        ok = isinstance(dt, bt.dtype) and bt.empty(0, dtype=dt).is_floating_point()
+    except (TypeError, ValueError):  # (bt.empty's message would name empty)
+        ok = False
+    if not ok:
         raise TypeError(f"[{what}] expected a floating dtype, got {dt!r}")
     return dt
 
@@ -235,6 +239,8 @@ def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     the parameters ``fn`` uses accumulate theirs in ``.grad``. ``fn`` returns a tensor or a tuple
     of tensors. Without grad mode it simply calls ``fn``.
     """
+    if not callable(fn):
+        raise TypeError(f"[checkpoint] argument 'fn' must be callable, got {fn!r:.60}")
     if kwargs:
         return checkpoint(lambda *a: fn(*a, **kwargs), *args)
     if not bt.is_grad_enabled():

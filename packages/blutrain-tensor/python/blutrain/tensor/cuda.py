@@ -8,7 +8,16 @@
 
 Streams: every op of a device runs on that device's *current stream* (blutrain's own
 non-blocking stream unless :func:`set_stream` swapped it). ``with bt.cuda.stream(h):`` runs a
-block on another stream, e.g. PyTorch's ``torch.cuda.current_stream().cuda_stream``.
+block on another stream (a :class:`Stream`, or e.g. PyTorch's ``torch.cuda.current_stream()``).
+Order work across streams with events, never with a host sync::
+
+    side = bt.cuda.Stream()                       # non-blocking; priority=-1: more urgent
+    side.wait_stream(bt.cuda.current_stream())    # side starts after what is queued so far
+    with bt.cuda.stream(side):
+        y = f(x)
+    x.record_stream(side)                         # x's memory is not reused before side is done
+    ev = side.record_event()
+    ev.wait()                                     # the current stream waits for side
 
 CUDA graphs capture a whole training step (forward, backward, optimizer update) once and replay
 it with one launch::
@@ -52,6 +61,7 @@ from . import _tensor as _C
 __all__ = [
     "CUDAGraph",
     "Event",
+    "Stream",
     "are_deterministic_algorithms_enabled",
     "current_stream",
     "device_count",
@@ -176,6 +186,70 @@ def is_current_stream_capturing(device: Device = None) -> bool:
     return bool(_C._cuda_is_capturing(_index(device, "is_current_stream_capturing")))
 
 
+class Stream:
+    """A CUDA stream blutrain creates (non-blocking: it never waits for the legacy default
+    stream).  ``priority``: 0 is the default; negative values are more urgent, down to the
+    device's greatest (see :meth:`priority_range`).  ``cuda_stream`` is the ``cudaStream_t`` as
+    an int, so it works wherever a stream handle is taken (``bt.cuda.stream(s)``,
+    ``tensor.record_stream(s)``, other libraries)."""
+
+    def __init__(self, device: Device = None, priority: int = 0) -> None:
+        self.device = _index(device, "Stream")
+        self.priority = int(priority)
+        greatest, least = self.priority_range(self.device)
+        if not greatest <= self.priority <= least:
+            raise ValueError(
+                f"[cuda.Stream] priority {priority} is outside the device's range "
+                f"[{greatest}, {least}] (lower is more urgent)"
+            )
+        self.cuda_stream = int(_C._cuda_stream_create(self.device, self.priority))
+
+    @staticmethod
+    def priority_range(device: Device = None) -> tuple[int, int]:
+        """(greatest, least) priority of the device's streams; lower is more urgent."""
+        g, lo = _C._cuda_stream_priority_range(_index(device, "Stream.priority_range"))
+        return int(g), int(lo)
+
+    def wait_event(self, event: Event) -> None:
+        """Work queued on this stream from now on waits for `event` (on the device)."""
+        event._check("wait")
+        _C._cuda_stream_wait_event(self.cuda_stream, event._handle)
+
+    def wait_stream(self, other: Any) -> None:
+        """Work queued on this stream from now on waits for what `other` (a Stream or a
+        cudaStream_t int) has queued so far."""
+        ev = Event(enable_timing=False)
+        ev.record(other, device=self.device)
+        self.wait_event(ev)
+
+    def record_event(self, event: Event | None = None) -> Event:
+        """Record `event` (a new one by default) on this stream; returns it."""
+        event = event or Event(enable_timing=False)
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        """Block the host until this stream's queued work is done."""
+        _C._cuda_stream_synchronize(self.cuda_stream)
+
+    def query(self) -> bool:
+        """Whether this stream's queued work is done (never blocks)."""
+        return bool(_C._cuda_stream_query(self.cuda_stream))
+
+    def __int__(self) -> int:
+        return self.cuda_stream
+
+    def __del__(self) -> None:
+        h, self.cuda_stream = getattr(self, "cuda_stream", 0), 0
+        if h:
+            with contextlib.suppress(Exception):
+                _C._cuda_stream_destroy(h)
+
+    def __repr__(self) -> str:
+        where = f"cuda:{self.device}, priority={self.priority}"
+        return f"bt.cuda.Stream({where}, 0x{self.cuda_stream:x})"
+
+
 # ---- events --------------------------------------------------------------------------------------
 class Event:
     """A CUDA event: marks a point in a stream's work, for timing and waiting.
@@ -187,8 +261,13 @@ class Event:
         self._handle = 0
         self._device = -1
 
-    def record(self, device: Device = None) -> None:
-        """Enqueue the event on the device's current stream."""
+    def record(self, stream: Any = None, device: Device = None) -> None:
+        """Enqueue the event on `stream` (a Stream, a cudaStream_t int, an object with
+        ``cuda_stream``), by default the device's current stream."""
+        if device is None and (isinstance(stream, str) or (type(stream) is int and stream < 64)):
+            stream, device = None, stream  # record("cuda:1") / record(1): a device, as before
+        if isinstance(stream, Stream) and device is None:
+            device = stream.device
         dev = _index(device, "Event.record")
         if self._handle and dev != self._device:
             raise ValueError(
@@ -197,7 +276,20 @@ class Event:
         if not self._handle:
             self._handle = int(_C._cuda_event_create(dev, self.enable_timing))
             self._device = dev
-        _C._cuda_event_record(self._handle, dev)
+        if stream is None:
+            _C._cuda_event_record(self._handle, dev)
+        else:
+            h = stream.cuda_stream if hasattr(stream, "cuda_stream") else stream
+            _C._cuda_event_record_on(self._handle, int(h))
+
+    def wait(self, stream: Any = None) -> None:
+        """Make `stream` (default: the event's device's current stream) wait for the event's
+        work, on the device: no host sync."""
+        self._check("wait")
+        if stream is None:
+            stream = current_stream(self._device)
+        h = stream.cuda_stream if hasattr(stream, "cuda_stream") else stream
+        _C._cuda_stream_wait_event(int(h), self._handle)
 
     def _check(self, op: str) -> None:
         if not self._handle:

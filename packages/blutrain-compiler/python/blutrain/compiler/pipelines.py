@@ -1,0 +1,41 @@
+"""The pass pipelines, by stage name (what BLUTRAIN_COMPILE_DUMP writes after each)."""
+
+from __future__ import annotations
+
+# No cse here: it would merge the identical linalg.fill inits of two reductions into one tensor,
+# which bufferization then copies (a host-side memref.copy on the GPU path).
+FUSE = "builtin.module(linalg-fuse-elementwise-ops, canonicalize)"
+
+BUFFERIZE = (
+    "builtin.module(one-shot-bufferize{bufferize-function-boundaries "
+    "function-boundary-type-conversion=identity-layout-map}, "
+    "buffer-results-to-out-params{hoist-static-allocs=true modify-public-functions=true}, "
+    "canonicalize, cse)"
+)
+
+# Small temporaries (a row's statistics) on the stack: no malloc in a kernel call.
+# Larger temporaries (a full-size value read by a gather) are freed by the deallocation pipeline.
+CPU_PREP = (
+    "builtin.module(func.func(promote-buffers-to-stack{max-alloc-size-in-bytes=65536}), "
+    "buffer-deallocation-pipeline)"
+)
+
+# Note [parallel CPU loops]: a kernel that touches at least PARALLEL_MIN elements runs its
+# outermost parallel loops on the OpenMP threads: its linalg ops become affine loops, upstream's
+# affine-parallelize (dependence analysis) turns the outermost parallel loop of each nest into a
+# parallel loop (reductions stay serial, so every sum adds in the serial order), and
+# convert-scf-to-openmp makes it an omp.parallel worksharing loop, statically scheduled in
+# contiguous blocks (the runtime: src/kmp_gomp.c on libgomp, eager's thread pool). Smaller kernels
+# stay serial loops: a fork costs more than they do. Both are per function (one fused group).
+PARALLEL_MIN = 32768  # elements; blutrain.tensor's eager kernels go parallel at the same size
+CPU_SERIAL = "func.func(convert-linalg-to-loops)"
+CPU_PARALLEL = (
+    "func.func(convert-linalg-to-affine-loops, affine-parallelize{max-nested=1}, lower-affine)"
+)
+CPU_OMP = "builtin.module(convert-scf-to-openmp, canonicalize)"
+CPU_LOOPS = " ; ".join((CPU_PREP, CPU_SERIAL, CPU_PARALLEL, CPU_OMP))  # for the cache key
+
+CPU_LLVM = (
+    "builtin.module(expand-strided-metadata, lower-affine, convert-scf-to-cf, "
+    "convert-math-to-llvm, convert-math-to-libm, convert-to-llvm, reconcile-unrealized-casts)"
+)

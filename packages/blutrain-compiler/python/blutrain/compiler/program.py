@@ -1,0 +1,746 @@
+"""A compiled program: fused kernels, library calls and eager steps in order, over buffers.
+
+`build(graph, target)` partitions the graph (fusion.py), lowers every group into one MLIR module
+(lower.py), runs the pipelines stage by stage (dumping each when asked) and loads the code;
+`Program.run(inputs)` executes the steps. Errors from MLIR become CompileError naming the graph
+hash and the stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import blutrain.tensor as bt
+
+from . import backend_cpu, eager, fusion, pipelines, recompute
+from .graph import Graph, Node
+
+log = logging.getLogger("blutrain.compiler")
+
+
+class CompileError(RuntimeError):
+    """MLIR failed: names the graph hash, the stage and where the dump is."""
+
+
+@dataclass
+class Stats:
+    nodes: int = 0
+    groups: int = 0
+    fused_nodes: int = 0
+    library_calls: int = 0
+    eager_steps: int = 0
+    fallbacks: int = 0
+    compile_s: float = 0.0
+    cache: str = "miss"
+    recomputed: int = 0
+    planned_bytes: int = 0
+    stage_s: dict[str, float] = field(default_factory=dict)
+
+
+def _contig_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    st, acc = [], 1
+    for s in reversed(shape):
+        st.append(acc)
+        acc *= s
+    return tuple(st[::-1])
+
+
+class Program:
+    def __init__(self, graph: Graph, part: fusion.Partition, target: str, ghash: str) -> None:
+        self.graph, self.part, self.target, self.hash = graph, part, target, ghash
+        self.kernels: dict[int, Any] = {}
+        self.stats = Stats()
+        self.prod = graph.producer()
+        self.keep: Any = None
+        self.plan: Any = None  # memplan.Plan, made by prepare()
+        self.arena: Any = None
+        self.views: dict[int, Any] = {}
+        self.escaping: set[int] = set()
+        self.inplace: dict[int, int] = {}  # value -> the graph input it is written into
+        self.free_after: dict[int, list[int]] = {}  # step -> values dropped after it
+        self.views_of: dict[int, list[int]] = {}
+        self.alias: dict[int, int] = {}  # value -> the value whose buffer it shares
+        self.over: set[int] = set()  # eager nodes run over their first input's memory
+        self._sink_constants()
+        # the last step that reads each value (for freeing buffers as the program runs)
+        self.last_use: dict[int, int] = {}
+        for k, st in enumerate(part.steps):
+            nodes = st.nodes if isinstance(st, fusion.Group) else [st.node]
+            for n in nodes:
+                for i in n.inputs:
+                    if i >= 0:
+                        self.last_use[self.base(i)] = k
+
+    def _sink_constants(self) -> None:
+        """Groups that read nothing (zeros for a gradient's padding, iotas) run just before
+        their first reader rather than where the partition put them: a vocabulary-sized zeros
+        made early stays live beside the logits and their gradient, a third buffer of that
+        size eager never holds. Only the order of steps changes, never what they compute."""
+        steps = list(self.part.steps)
+        for G in [s for s in steps if isinstance(s, fusion.Group) and not s.inputs]:
+            outs = set(G.outputs)
+            steps.remove(G)
+            first = len(steps)
+            for k, st in enumerate(steps):
+                reads = st.inputs if isinstance(st, fusion.Group) else st.node.inputs
+                if any(i >= 0 and self.base(i) in outs for i in reads):
+                    first = k
+                    break
+            steps.insert(first, G)
+        self.part.steps = steps
+
+    def base(self, v: int) -> int:
+        while v in self.prod and self.prod[v].op in eager.VIEW_OPS:
+            v = self.prod[v].inputs[0]
+        return v
+
+    def value(self, env: dict[int, Any], v: int) -> Any:
+        """The tensor of value v: a base from env, views applied eagerly."""
+        t = env.get(v)
+        if t is not None:
+            return t
+        n = self.prod.get(v)
+        if n is None or n.op not in eager.VIEW_OPS:
+            raise RuntimeError(f"[compile] internal: value %{v} was not computed")
+        (t,) = eager.run(n, [self.value(env, n.inputs[0])])
+        env[v] = t
+        return t
+
+    # ---- the memory plan --------------------------------------------------------------------
+    def prepare(self, escaping: set[int]) -> None:
+        """Plans the arena (once): every non-escaping kernel / GEMM output at a fixed offset;
+        optimizer updates written into the tensors they update (Note [in-place updates]); the
+        steps after which each value is dropped (Note [freeing at last use])."""
+        from . import memplan
+
+        self.escaping = {self.base(v) for v in escaping}
+        self.inplace = self._inplace_updates()
+        plannable: dict[int, int] = {}
+        for k, st in enumerate(self.part.steps):
+            if isinstance(st, fusion.Group):
+                for o in st.outputs:
+                    if o not in self.inplace:
+                        plannable[o] = k
+            elif st.kind == "library" and _gemm_out_ok(self.graph, st.node):
+                plannable[st.node.outputs[0]] = k
+        ends = self._shared_buffers(plannable)
+        for v in self.alias:
+            plannable.pop(v, None)
+        self.plan = memplan.make(self, plannable, self.escaping, ends)
+        self.stats.planned_bytes = self.plan.size
+        self._free_schedule()
+
+    def _inplace_updates(self) -> dict[int, int]:
+        """value -> graph input it may be written into: the new parameter / moments of an
+        `adamw_update` group, when nothing after that group reads the old tensor.
+
+        Note [in-place updates]: the caller copies each mutation's final value into its input
+        tensor; an optimizer update computed into fresh memory and then copied costs three
+        parameter-sized buffers (p', m', v') at once, which eager's in-place AdamW never holds.
+        Written in place, the copy disappears. Safe only where every read of the old tensor is
+        at the index being written: a group of adamw_update nodes only (elementwise; the
+        kernels read p, g, m, v at element j before writing element j of p', m', v', and m'
+        and v' do not depend on p; not with a 16-bit copy, whose cast of p' fusion may
+        recompute from p, m, v after they were overwritten), no later step reads the old
+        tensor (last use at this group), and no output or gradient is a view of it (it is read
+        after the run)."""
+        g = self.graph
+        ins = set(g.inputs)
+        out_bases = {self.base(v) for v in g.outputs} | {self.base(v) for _, v in g.grads if v >= 0}
+        step_of: dict[int, int] = {}
+        for k, st in enumerate(self.part.steps):
+            if (
+                isinstance(st, fusion.Group)
+                and st.compute_nodes()
+                and all(
+                    n.op == "adamw_update" and not n.attrs.get("has_copy")
+                    for n in st.compute_nodes()
+                )
+            ):
+                for o in st.outputs:
+                    step_of[o] = k
+        res: dict[int, int] = {}
+        taken: set[int] = set()
+        for i, v in g.mutations:
+            k = step_of.get(v)
+            if k is None or i not in ins or i in out_bases or i in taken or v in res:
+                continue
+            if v in g.outputs or any(v == w for _, w in g.grads):
+                continue
+            vi, vv = g.values[i], g.values[v]
+            if (vi.shape, vi.dtype, vi.device) != (vv.shape, vv.dtype, vv.device):
+                continue
+            if self.last_use.get(i, -1) > k:
+                continue
+            res[v] = i
+            taken.add(i)
+        return res
+
+    def _shared_buffers(self, plannable: dict[int, int]) -> dict[int, int]:
+        """Values that take over the memory of another (self.alias: value -> the value whose
+        buffer it writes); returns, per buffer so shared, the last step any sharer reads.
+
+        Note [shared buffers]: eager frees nothing it can reuse: autograd hands an unused
+        gradient to `.grad` as is, and accumulates an embedding's gradient into the buffer of
+        the other contribution (index_add over its base). Without the same reuse, a compiled
+        step holds two or three vocabulary-sized gradients at once. Two kinds:
+          - identity: accumulate_grad with no previous .grad writes exactly its input's values;
+            written over the input's own buffer, every element keeps its value whatever order
+            the kernel reads and writes in;
+          - over base: index_add and slice_scatter (eager steps) written over their first
+            input, when nothing reads that buffer afterwards (every sharer's last use at this
+            step at the latest) and the caller never sees it (no sharer escapes).
+        A result the caller keeps (it escapes) shares only memory outside the arena."""
+        g = self.graph
+        ins = set(g.inputs)
+        root: dict[int, int] = {}  # value -> the value whose buffer it uses
+        members: dict[int, list[int]] = {}
+        self.alias: dict[int, int] = {}
+        self.over: set[int] = set()  # node indices run by eager.run_over_base
+
+        def rt(v: int) -> int:
+            return root.get(v, v)
+
+        def ok(o: int, src: int) -> bool:
+            vo, vs = g.values[o], g.values[src]
+            if self.base(src) != src or src in ins or o in self.inplace:
+                return False
+            if (vo.shape, vo.dtype, vo.device) != (vs.shape, vs.dtype, vs.device):
+                return False
+            return not (o in self.escaping and rt(src) in plannable)
+
+        def share(o: int, src: int) -> None:
+            r = rt(src)
+            self.alias[o] = src
+            root[o] = r
+            members.setdefault(r, [r]).append(o)
+
+        for k, st in enumerate(self.part.steps):
+            if isinstance(st, fusion.Group):
+                for n in st.compute_nodes():
+                    if n.op != "accumulate_grad" or (len(n.inputs) > 2 and n.inputs[2] >= 0):
+                        continue
+                    o, src = n.outputs[0], n.inputs[1]
+                    if o in st.outputs and src in st.inputs and ok(o, src):
+                        share(o, src)
+                continue
+            n = st.node
+            if n.op not in eager.OVER_BASE or g.raw is None or not n.outputs:
+                continue
+            o, src = n.outputs[0], n.inputs[0]
+            if not ok(o, src):
+                continue
+            group = members.get(rt(src), [rt(src)])
+            if any(m in self.escaping or self.last_use.get(m, -1) > k for m in group):
+                continue
+            if any(self.base(i) in group for i in n.inputs[1:] if i >= 0):
+                continue  # reads the buffer it would overwrite
+            share(o, src)
+            self.over.add(n.index)
+        ends: dict[int, int] = {}
+        for r, ms in members.items():
+            ends[r] = max(self.last_use.get(m, -1) for m in ms)
+        return ends
+
+    def _free_schedule(self) -> None:
+        """Note [freeing at last use]: run() drops each value (and the views made of it) from
+        its environment after the last step that reads it, as eager's reference counting
+        frees a temporary: eager steps' outputs and contiguous copies do not pile up until the
+        call ends. Values the caller reads (outputs, gradients, mutations) and graph inputs
+        stay."""
+        g = self.graph
+        keep = set(self.escaping) | set(g.inputs)
+        written: dict[int, int] = {}
+        for k, st in enumerate(self.part.steps):
+            outs = st.outputs if isinstance(st, fusion.Group) else st.node.outputs
+            for o in outs:
+                written[o] = k
+        self.views_of: dict[int, list[int]] = {}
+        for v, n in self.prod.items():
+            if n.op in eager.VIEW_OPS:
+                self.views_of.setdefault(self.base(v), []).append(v)
+        self.free_after: dict[int, list[int]] = {}
+        for v, k in written.items():
+            if v in keep or self.base(v) != v:
+                continue
+            self.free_after.setdefault(max(k, self.last_use.get(v, k)), []).append(v)
+
+    def _arena_views(self) -> None:
+        from . import _runtime
+
+        g = self.graph
+        dev = next((g.values[v].device for v in self.plan.buffers), "cpu")
+        self.arena = bt.empty((max(self.plan.size, 1),), dtype=bt.uint8, device=dev)
+        base = self.arena.data_ptr()
+        dl_dev = (
+            (2, int(dev.split(":")[1]) if ":" in dev else 0) if dev.startswith("cuda") else (1, 0)
+        )
+        for v, b in self.plan.buffers.items():
+            val = g.values[v]
+            code, bits = _DLPACK[val.dtype]
+            arr = _runtime.view(
+                base + b.offset,
+                list(val.shape),
+                list(_contig_strides(val.shape)),
+                code,
+                bits,
+                dl_dev[0],
+                dl_dev[1],
+                self.arena,
+            )
+            self.views[v] = bt.from_dlpack(arr)
+
+    def fresh_values(self) -> list[int]:
+        """The values a steady-state call allocates (prepare() first): what the caller keeps
+        (outputs, gradients, updates not written in place) and the outputs of eager steps
+        blutrain.tensor cannot write into given memory (gathers: no `out=`). Every other value
+        lives in the arena, in memory it shares (Note [shared buffers]) or in the tensor it
+        updates (Note [in-place updates])."""
+        out: list[int] = []
+        for st in self.part.steps:
+            if isinstance(st, fusion.Group):
+                outs = st.outputs
+            elif st.node.op in eager.VIEW_OPS or st.node.index in self.over:
+                continue
+            else:
+                outs = st.node.outputs
+            out += [o for o in outs if o not in self.views and o not in self.inplace]
+        return [o for o in out if o not in self.alias and o not in self.plan.buffers]
+
+    def _out(self, v: int, env: dict[int, Any]) -> Any:
+        t = self.views.get(v)
+        if t is not None:
+            return t
+        i = self.inplace.get(v)
+        if i is None:
+            i = self.alias.get(v)  # Note [shared buffers]
+        if i is not None:  # Note [in-place updates]
+            t = self.value(env, i)
+            if t.is_contiguous():
+                return t
+        val = self.graph.values[v]
+        return bt.empty(val.shape, dtype=getattr(bt, val.dtype), device=val.device)
+
+    def run(self, inputs: list[Any]) -> dict[int, Any]:
+        g = self.graph
+        if self.plan is None:
+            self.prepare(set(g.live_out()))
+        if self.arena is None and self.plan.buffers:
+            self._arena_views()
+        env: dict[int, Any] = {}
+        for vid, t in zip(g.inputs, inputs):
+            env[vid] = t
+        for k, st in enumerate(self.part.steps):
+            if isinstance(st, fusion.Group):
+                ins = []
+                for i in st.inputs:
+                    t = self.value(env, i)
+                    if not t.is_contiguous():
+                        t = t.contiguous()
+                    ins.append(t)
+                outs = [self._out(o, env) for o in st.outputs]
+                self.kernels[st.id]([t.data_ptr() for t in ins] + [t.data_ptr() for t in outs])
+                for o, t in zip(st.outputs, outs):
+                    env[o] = t
+                del ins, outs
+            else:
+                n = st.node
+                args = [self.value(env, i) if i >= 0 else None for i in n.inputs]
+                o = n.outputs[0] if n.outputs else -1
+                if o in self.views and st.kind == "library":
+                    _gemm_into(n, args, self.views[o])
+                    env[o] = self.views[o]
+                elif n.index in self.over and args[0].is_contiguous():
+                    res = eager.run_over_base(n, args, g.raw)
+                    for o, t in zip(n.outputs, res):
+                        env[o] = t
+                    del res
+                else:
+                    res = eager.run(n, args, g.raw)
+                    for o, t in zip(n.outputs, res):
+                        env[o] = t
+                    del res
+                del args
+            for v in self.free_after.get(k, ()):
+                env.pop(v, None)
+                for w in self.views_of.get(v, ()):
+                    env.pop(w, None)
+        return env
+
+    # ---- building ---------------------------------------------------------------------------
+    def lower_all(self) -> Any:
+        """One MLIR module with a function per group (the 'lowered' stage)."""
+        from mlir import ir
+
+        from .lower import Emitter
+
+        module = ir.Module.create()
+        for G in self.part.groups:
+            Emitter(self.graph, G.nodes, G.inputs, G.outputs, G.name).build(module)
+        return module
+
+
+def _fill_stats(prog: Program) -> None:
+    st, part = prog.stats, prog.part
+    st.nodes = len(prog.graph.nodes)
+    st.groups = len(part.groups)
+    st.fused_nodes = sum(len(G.compute_nodes()) for G in part.groups)
+    st.library_calls = sum(
+        1 for s in part.steps if isinstance(s, fusion.EagerStep) and s.kind == "library"
+    )
+    st.eager_steps = sum(1 for s in part.steps if isinstance(s, fusion.EagerStep))
+    st.fallbacks = len(part.fallbacks)
+
+
+def _load_cached(graph: Graph, target: str, centry: Any, t0: float, dump: Any) -> Program | None:
+    """A program from a cache entry, with no MLIR at all (the bindings need not be installed)."""
+    gpu = target.startswith("cuda")
+    hit = centry.load("gpu.json" if gpu else "kernels.so")
+    if hit is None:
+        return None
+    path, meta = hit
+    bad = set(meta.get("unlowerable", []))
+    part = fusion.partition(graph, bad)
+    prog = Program(graph, part, target, graph.hash())
+    try:
+        if gpu:
+            from . import _runtime, backend_gpu
+
+            with open(path) as f:
+                code = backend_gpu.GpuCode.from_json(f.read())
+            mods = {
+                name: _runtime.Module(text.encode(), _device_index(target))
+                for name, text in code.ptx.items()
+            }
+            prog.keep = mods
+            prog.gpu_code = code
+            for G in part.groups:
+                prog.kernels[G.id] = backend_gpu.GpuKernel(code.functions[G.name], mods, target)
+        else:
+            lib = backend_cpu.SharedLib(path)
+            for G in part.groups:
+                prog.kernels[G.id] = backend_cpu.CpuKernel(
+                    lib.address(G.name), *_sig(graph, G), lib
+                )
+            prog.keep = lib
+    except (OSError, AttributeError, KeyError, ValueError) as e:
+        log.warning("[compile] cache entry %s cannot be loaded (%s): rebuilding", centry.path, e)
+        return None
+    _fill_stats(prog)
+    prog.stats.cache = "hit"
+    prog.stats.compile_s = time.perf_counter() - t0
+    if dump:
+        dump.write("graph.json", graph.to_json())
+        dump.write("groups.txt", describe(graph, part))
+    return prog
+
+
+def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
+    """Partition, lower, fuse and compile `graph` for target ("cpu" or "cuda[:N]"), or load it
+    from the disk cache."""
+    from . import cache
+
+    t0 = time.perf_counter()
+    ghash = graph.hash()
+    centry = cache.Entry(cache.key(graph.hash_full(), target, ""))
+    from .decompose import decompose
+
+    graph = decompose(graph)
+    prog0 = _load_cached(graph, target, centry, t0, dump)
+    if prog0 is not None:
+        return prog0
+
+    from mlir import ir
+    from mlir.passmanager import PassManager
+
+    from .lower import Emitter, LoweringError
+
+    bad: set[int] = set()
+    # lower the groups; a node that fails runs eagerly and the partition is redone
+    for _attempt in range(16):
+        part = fusion.partition(graph, bad)
+        prog = Program(graph, part, target, ghash)
+        ctx = ir.Context()
+        with ctx, ir.Location.unknown():
+            module = ir.Module.create()
+            failed = None
+            for G in part.groups:
+                em = Emitter(graph, G.nodes, G.inputs, G.outputs, G.name)
+                try:
+                    em.build(module)
+                except LoweringError as e:
+                    failed = (G, e, em)
+                    break
+            if failed is None:
+                break
+            G, e, em = failed
+            node = _failing_node(graph, G, em)
+            log.warning(
+                "[compile] %s (node %d) cannot be lowered (%s): it runs eagerly",
+                node.op,
+                node.index,
+                e,
+            )
+            bad.add(node.index)
+    else:
+        raise CompileError(f"[compile] graph {ghash}: too many unlowerable nodes")
+    _fill_stats(prog)
+    st = prog.stats
+    for n in part.fallbacks:
+        log.warning("[compile] eager fallback for %s (node %d) in graph %s", n.op, n.index, ghash)
+    meta = {"graph": ghash, "target": target, "unlowerable": sorted(bad)}
+    with ctx, ir.Location.unknown():
+        if dump:
+            dump.write("graph.json", graph.to_json())
+            dump.write("graph.txt", str(graph))
+            dump.write("groups.txt", describe(graph, part))
+        if not module.operation.verify():
+            raise CompileError(
+                f"[compile] graph {ghash}: stage lowered: the module does not verify"
+            )
+        stages = [("fused", pipelines.FUSE), ("bufferized", pipelines.BUFFERIZE)]
+        gpu = target.startswith("cuda")
+        if not gpu:
+            par = _parallel_groups(graph, part) if backend_cpu.omp_threads() else set()
+            stages += [("loops", lambda m: _cpu_loops(m, par)), ("llvm", pipelines.CPU_LLVM)]
+        if dump:
+            dump.write("00-lowered.mlir", str(module))
+        for k, (name, pipe) in enumerate(stages, 1):
+            ts = time.perf_counter()
+            try:
+                if name == "fused":
+                    st.recomputed = recompute.duplicate(module)
+                if callable(pipe):
+                    pipe(module)
+                else:
+                    PassManager.parse(pipe).run(module.operation)
+            except Exception as e:  # MLIR diagnostics arrive as a RuntimeError / MLIRError
+                raise CompileError(
+                    f"[compile] graph {ghash}: stage {name} failed ({_where(dump)}): {e}"
+                ) from e
+            st.stage_s[name] = time.perf_counter() - ts
+            if dump:
+                dump.write(f"{k:02d}-{name}.mlir", str(module))
+        if gpu:
+            from . import backend_gpu
+
+            try:
+                code = backend_gpu.compile_module(module, dump, st.stage_s)
+            except Exception as e:
+                raise CompileError(
+                    f"[compile] graph {ghash}: stage ptx failed ({_where(dump)}): {e}"
+                ) from e
+            prog.gpu_code = code
+            if code.unsupported:
+                raise CompileError(
+                    f"[compile] graph {ghash}: stage gpu-host ({_where(dump)}): "
+                    + "; ".join(f"{k}: {v}" for k, v in code.unsupported.items())
+                )
+            centry.store("gpu.json", code.to_json().encode(), meta)
+            from . import _runtime
+
+            mods = {
+                name: _runtime.Module(text.encode(), _device_index(target))
+                for name, text in code.ptx.items()
+            }
+            prog.keep = (ctx, mods)
+            for G in part.groups:
+                prog.kernels[G.id] = backend_gpu.GpuKernel(code.functions[G.name], mods, target)
+            st.compile_s = time.perf_counter() - t0
+            return prog
+        ts = time.perf_counter()
+        engine = backend_cpu.jit(module)
+        st.stage_s["jit"] = time.perf_counter() - ts
+        prog.keep = (ctx, engine)
+        for G in part.groups:
+            prog.kernels[G.id] = backend_cpu.PackedKernel(
+                backend_cpu.lookup(engine, G.name), *_sig(graph, G), engine
+            )
+        if centry.path is not None:
+            ts = time.perf_counter()
+            import tempfile
+
+            obj = backend_cpu.object_code(engine)
+            with tempfile.TemporaryDirectory() as d:
+                so = os.path.join(d, "kernels.so")
+                if backend_cpu.link_shared(obj, so):
+                    with open(so, "rb") as f:
+                        centry.store("kernels.so", f.read(), meta)
+            st.stage_s["cache_write"] = time.perf_counter() - ts
+    st.compile_s = time.perf_counter() - t0
+    return prog
+
+
+def _parallel_groups(graph: Graph, part: fusion.Partition) -> set[str]:
+    """Names of the groups big enough for parallel loops (Note [parallel CPU loops])."""
+    out = set()
+    for G in part.groups:
+        vals = set(G.inputs) | {o for n in G.nodes for o in n.outputs}
+        if max((graph.values[v].numel for v in vals), default=0) >= pipelines.PARALLEL_MIN:
+            out.add(G.name)
+    return out
+
+
+def _cpu_loops(module: Any, parallel: set[str]) -> None:
+    """The CPU loops stage: temporaries placed, then each function's linalg ops as serial loops
+    or, for the groups in `parallel`, OpenMP worksharing loops (Note [parallel CPU loops])."""
+    from mlir.passmanager import PassManager
+
+    PassManager.parse(pipelines.CPU_PREP).run(module.operation)
+    serial = PassManager.parse(pipelines.CPU_SERIAL)
+    par = PassManager.parse(pipelines.CPU_PARALLEL)
+    for op in module.body.operations:
+        if op.operation.name != "func.func":
+            continue
+        name = op.operation.attributes["sym_name"].value
+        (par if name in parallel else serial).run(op.operation)
+    PassManager.parse(pipelines.CPU_OMP).run(module.operation)
+
+
+def _where(dump: Any) -> str:
+    return f"dump in {dump.dir}" if dump else "set BLUTRAIN_COMPILE_DUMP=dir to keep the IR"
+
+
+def compile_gpu_cache(graph: Graph, target: str = "cuda:0") -> str:
+    """Compiles a graph's PTX into the disk cache without a GPU (for a GPU machine without the
+    MLIR bindings); returns the entry's folder."""
+    from mlir import ir
+    from mlir.passmanager import PassManager
+
+    from . import backend_gpu, cache
+    from .lower import Emitter
+
+    centry = cache.Entry(cache.key(graph.hash_full(), target, ""))
+    if centry.load("gpu.json") is not None:
+        return str(centry.path)
+    from .decompose import decompose
+
+    part = fusion.partition(decompose(graph))
+    with ir.Context(), ir.Location.unknown():
+        module = ir.Module.create()
+        for G in part.groups:
+            Emitter(graph, G.nodes, G.inputs, G.outputs, G.name).build(module)
+        recompute.duplicate(module)
+        PassManager.parse(pipelines.FUSE).run(module.operation)
+        PassManager.parse(pipelines.BUFFERIZE).run(module.operation)
+        code = backend_gpu.compile_module(module)
+    if code.unsupported:
+        raise CompileError(f"[compile] graph {graph.hash()}: stage gpu-host: {code.unsupported}")
+    centry.store(
+        "gpu.json",
+        code.to_json().encode(),
+        {"graph": graph.hash(), "target": target, "unlowerable": []},
+    )
+    return str(centry.path)
+
+
+_DLPACK = {  # dtype -> (DLPack type code, bits)
+    "bool": (6, 8),
+    "uint8": (1, 8),
+    "int32": (0, 32),
+    "int64": (0, 64),
+    "float16": (2, 16),
+    "bfloat16": (4, 16),
+    "float32": (2, 32),
+    "float64": (2, 64),
+}
+
+_MODE = {"highest": "fp32", "high": "tf32", "medium": "bf16"}
+
+
+def _gemm_out_ok(graph: Graph, n: Node) -> bool:
+    """GEMMs whose output blutrain.linalg can write into a planned buffer."""
+    if n.op not in ("linear", "matmul"):
+        return False
+    a, b = graph.values[n.inputs[0]], graph.values[n.inputs[1]]
+    if n.op == "linear":
+        return len(b.shape) == 2 and len(a.shape) >= 2
+    return len(a.shape) in (2, 3) and len(a.shape) == len(b.shape) and not n.attrs.get("bias")
+
+
+def _gemm_into(n: Node, x: list[Any], out: Any) -> None:
+    """A captured GEMM through blutrain.linalg, writing `out` (same precision as eager's)."""
+    import blutrain.linalg as L
+
+    a, b = x[0], x[1]
+    mode = _MODE.get(bt.get_float32_matmul_precision(), "fp32") if a.dtype == bt.float32 else None
+    dev = str(out.device)
+    stream = (
+        int(bt._tensor._cuda_current_stream(_device_index(dev))) if dev.startswith("cuda") else None
+    )
+    if n.op == "linear":
+        bias = x[2] if len(x) > 2 and n.attrs.get("bias") else None
+        a2 = a.reshape(-1, a.shape[-1])
+        L.matmul(
+            a2,
+            b,
+            transb=True,
+            bias=bias,
+            out=out.reshape(-1, out.shape[-1]),
+            mode=mode,
+            stream=stream,
+        )
+        return
+    trans = bool(n.attrs.get("trans_b"))
+    L.matmul(a, b, transb=trans, out=out, mode=mode, stream=stream)
+
+
+def _sig(graph: Graph, G: fusion.Group) -> tuple[list, list]:
+    shapes = [graph.values[i].shape for i in G.inputs] + [graph.values[o].shape for o in G.outputs]
+    return shapes, [_contig_strides(s) for s in shapes]
+
+
+def _device_index(target: str) -> int:
+    return int(target.split(":")[1]) if ":" in target else 0
+
+
+def ptx_for(graph: Graph, dump: Any = None) -> Any:
+    """PTX for sm_90 of every fused group of a graph (no GPU needed): backend_gpu.GpuCode."""
+    from mlir import ir
+    from mlir.passmanager import PassManager
+
+    from . import backend_gpu
+    from .decompose import decompose
+    from .lower import Emitter
+
+    graph = decompose(graph)
+    part = fusion.partition(graph)
+    with ir.Context(), ir.Location.unknown():
+        module = ir.Module.create()
+        for G in part.groups:
+            Emitter(graph, G.nodes, G.inputs, G.outputs, G.name).build(module)
+        recompute.duplicate(module)
+        PassManager.parse(pipelines.FUSE).run(module.operation)
+        PassManager.parse(pipelines.BUFFERIZE).run(module.operation)
+        return part, backend_gpu.compile_module(module, dump)
+
+
+def _failing_node(graph: Graph, G: fusion.Group, em: Any) -> Node:
+    """The first compute node of G whose outputs the emitter did not produce."""
+    for n in G.compute_nodes():
+        if any(o not in em.env for o in n.outputs):
+            return n
+    return G.compute_nodes()[-1]
+
+
+def describe(graph: Graph, part: fusion.Partition) -> str:
+    """Fusion groups with their nodes and the reason each ends (for the dump and the log)."""
+    lines = []
+    for s in part.steps:
+        if isinstance(s, fusion.Group):
+            ops = [n.op for n in s.compute_nodes()]
+            lines.append(
+                f"group {s.name} ({s.device}): {len(ops)} ops [{', '.join(ops)}]"
+                + (f" (merged {s.merged})" if s.merged else "")
+            )
+            lines.append(f"  inputs  {['%' + str(i) for i in s.inputs]}")
+            lines.append(f"  outputs {['%' + str(o) for o in s.outputs]}")
+            lines.append(f"  boundary: {s.closed_by}")
+        else:
+            n = s.node
+            lines.append(f"{s.kind} {n.op} (node {n.index}): {n}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,67 @@
+"""Parallel CPU kernels (Note [parallel CPU loops] in pipelines.py; runtime src/kmp_gomp.c).
+
+Kernels over at least PARALLEL_MIN elements run their outermost parallel loop on the OpenMP
+threads; reductions stay serial per row, so the parallel kernels must equal the serial ones bit
+for bit (tolerance 0), and eager to 1e-6 of the largest magnitude. Shapes are odd so the static
+blocks split unevenly across threads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import blutrain.compiler as btc
+import blutrain.tensor as bt
+from blutrain.compiler import backend_cpu, pipelines
+
+RNG = np.random.default_rng()
+
+
+def rand(*shape: int) -> bt.Tensor:
+    return bt.tensor(RNG.uniform(-2.0, 2.0, shape).astype(np.float32))
+
+
+CASES = {
+    "elementwise": (
+        lambda x, w: (x * w).tanh() + x.exp() * 0.5,
+        lambda: (rand(259, 131), rand(131)),
+    ),
+    "softmax": (lambda x, w: bt.softmax(x * 2.0 + w, -1), lambda: (rand(263, 129), rand(129))),
+    "layer_norm": (
+        lambda x, w: bt.layer_norm(x, (x.shape[-1],), w, w * 0.5) * 3.0,
+        lambda: (rand(257, 133), rand(133)),
+    ),
+    "column_sum": (
+        lambda x, w: (x * w).sum(0) + (x * x).sum(-1).sum(),
+        lambda: (rand(261, 127), rand(127)),
+    ),
+}
+
+
+def test_runtime_is_loaded() -> None:
+    """libbtc_omp is built and installed with the package (else kernels silently go serial)."""
+    assert backend_cpu.omp_threads() >= 1
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_parallel_kernels_equal_serial_bitwise(
+    name: str, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    fn, make = CASES[name]
+    args = make()
+    assert args[0].numel() >= pipelines.PARALLEL_MIN
+    monkeypatch.setenv("BLUTRAIN_COMPILE_CACHE", "0")
+    monkeypatch.setenv("BLUTRAIN_COMPILE_DUMP", str(tmp_path / "par"))
+    par = btc.compile(fn)(*args).numpy()
+    loops = "".join(p.read_text() for p in (tmp_path / "par").glob("*/03-loops.mlir"))
+    assert "omp.parallel" in loops and "omp.wsloop" in loops
+    monkeypatch.setattr(pipelines, "PARALLEL_MIN", 1 << 62)
+    monkeypatch.setenv("BLUTRAIN_COMPILE_DUMP", str(tmp_path / "ser"))
+    ser = btc.compile(fn)(*args).numpy()
+    loops = "".join(p.read_text() for p in (tmp_path / "ser").glob("*/03-loops.mlir"))
+    assert "omp.parallel" not in loops
+    np.testing.assert_array_equal(par, ser)
+    ref = np.asarray(fn(*args).numpy(), np.float64)
+    err = np.abs(par - ref).max() / max(np.abs(ref).max(), 1e-30)
+    assert err <= 1e-6, err

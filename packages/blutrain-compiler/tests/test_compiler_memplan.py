@@ -1,0 +1,88 @@
+"""The static memory plan: intervals never overlap in bytes while live, the planned peak is at
+most eager's peak on the same call, and a steady-state call allocates only what it returns."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import blutrain.alloc as alloc
+import blutrain.compiler as btc
+import blutrain.tensor as bt
+from blutrain.compiler import memplan
+
+
+def test_assign_no_overlap_of_live_buffers() -> None:
+    rng = np.random.default_rng()
+    bufs = []
+    for v in range(60):
+        s = int(rng.integers(0, 20))
+        bufs.append(memplan.Buffer(v, int(rng.integers(1, 5000)), s, s + int(rng.integers(0, 6))))
+    size = memplan.assign(bufs)
+    for a in bufs:
+        assert a.offset % memplan.ALIGN == 0 and a.offset + a.nbytes <= size
+        for b in bufs:
+            if a is b or a.end < b.start or b.end < a.start:
+                continue
+            assert a.offset + a.nbytes <= b.offset or b.offset + b.nbytes <= a.offset
+    assert size <= sum((b.nbytes + 255) // 256 * 256 for b in bufs)
+
+
+def mlp(x, w1, w2, w3, g):
+    h = bt.layer_norm(x, (x.shape[-1],), g, None)
+    h = bt.gelu(bt.linear(h, w1)) * 0.5
+    h = bt.softmax(bt.linear(h, w2), -1) + h.sum(-1, keepdim=True) * 1e-3
+    return (bt.linear(h, w3).tanh() * 2).sum(-1)
+
+
+def test_planned_peak_below_eager_and_no_steady_state_allocations() -> None:
+    x = bt.randn(64, 96)
+    w1, w2, w3 = bt.randn(256, 96) * 0.1, bt.randn(256, 256) * 0.1, bt.randn(32, 256) * 0.1
+    g = bt.randn(96)
+    c = btc.compile(mlp)
+    out = c(x, w1, w2, w3, g)
+    ref = mlp(x, w1, w2, w3, g)
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-5, atol=1e-5)
+    (p,) = [v.prog for v in c.programs.values()]
+
+    alloc.reset_peak_stats("cpu")
+    base = alloc.stats("cpu")["requested_bytes"]
+    mlp(x, w1, w2, w3, g)
+    eager_peak = alloc.stats("cpu")["requested_bytes_peak"] - base
+    assert 0 < p.plan.size <= eager_peak, (p.plan.size, eager_peak)
+
+    before = alloc.stats("cpu")["alloc_count"]
+    c(x, w1, w2, w3, g)
+    allocs = alloc.stats("cpu")["alloc_count"] - before
+    assert allocs == 1  # the returned (64,) tensor; every intermediate lives in the arena
+    assert p.stats.planned_bytes == p.plan.size
+
+
+def _index_add_dead(a, idx, src):
+    b = a * 2.0
+    return (bt.index_add(b, 0, idx, src) * 3.0).sum(-1)
+
+
+def _index_add_live(a, idx, src):
+    b = a * 2.0
+    return (bt.index_add(b, 0, idx, src) * 3.0).sum(-1) + b.sum(-1)  # b read afterwards
+
+
+def test_index_add_over_its_base_only_when_nothing_reads_the_base_afterwards() -> None:
+    """Note [shared buffers]: index_add (an eager step) writes over its base when that buffer is
+    dead after it: the same values as eager, no allocation for it; when a later step reads the
+    base, the base keeps its values (a fresh result)."""
+    rng = np.random.default_rng()
+    a = bt.tensor(rng.standard_normal((50, 24)).astype(np.float32))
+    idx = bt.tensor(rng.integers(0, 50, (40,)))  # repeated rows accumulate
+    src = bt.tensor(rng.standard_normal((40, 24)).astype(np.float32))
+    for fn, over in ((_index_add_dead, True), (_index_add_live, False)):
+        c = btc.compile(fn)
+        ref = fn(a, idx, src).numpy()
+        np.testing.assert_array_equal(c(a, idx, src).numpy(), ref)
+        (p,) = [v.prog for v in c.programs.values()]
+        assert bool(p.over) == over, (fn.__name__, p.over)
+        before = alloc.stats("cpu")["alloc_count"]
+        out = c(a, idx, src)
+        allocs = alloc.stats("cpu")["alloc_count"] - before
+        np.testing.assert_array_equal(out.numpy(), ref)  # the arena reused: still right
+        assert allocs == len(p.fresh_values()) == 1 + (not over), (fn.__name__, allocs)

@@ -1,0 +1,798 @@
+"""Issue 35's multi-GPU runs in one call: blutrain.dist on every GPU of one machine next to
+PyTorch's DistributedDataParallel, with the one-GPU figure of each from the same run.
+
+    python packages/blutrain-dist/bench/multi_gpu.py --out $OUT            # every GPU here
+    python packages/blutrain-dist/bench/multi_gpu.py --cpu --ranks 4 --out /tmp/mg  # the same
+        parts on the CPU (MPICH), with a tiny GPT-2: what can be checked without GPUs
+
+Parts (run in the order check, collectives, parity, fault, gpt2: the pass/fail ones first, the
+throughput with what is left); each is skipped, with a message, when the budget (--budget-s,
+default 540 s) does not leave it the time it needs, and gpt2 stops starting configs at its
+share of the budget:
+
+  check        blutrain.dist's collectives against numpy on every rank (NCCL: the fused average
+               of power-of-two world sizes included), DDP / ZeRO-1 / ZeRO-2 gradients and losses
+               against one rank (tests/dist_worker.py)
+  collectives  all_reduce, reduce_scatter, all_gather bus bandwidth, 1 KiB .. 1 GiB, ours next
+               to torch.distributed's NCCL on the same GPUs (bench_dist.py)
+  gpt2         GPT-2 124M, B16 x T1024 per GPU, AdamW, clip 1.0, random tokens: tokens/s and
+               per-GPU peak memory of ours (DDP, ZeRO-1, ZeRO-2) and PyTorch DDP (eager;
+               torch.compile in bf16) in bf16, fp32 and tf32 on N GPUs, then every config on one
+               GPU (the N one-GPU jobs run side by side, one per GPU), and
+               scaling = N-GPU tok/s / (N x one-GPU tok/s)
+  parity       `blutrain train --dist` for 200 steps on N GPUs against 1 GPU with the same global
+               batch (--grad-accum N) on the shipped Tiny Shakespeare: DDP in bf16 (the curves
+               must overlap) and ZeRO-2 in deterministic mode (losses, gradient norms and final
+               weights bitwise equal)
+  fault        a deterministic ZeRO-2 run on N GPUs checkpointing every 10 steps; rank 1 is
+               killed after the first checkpoint: the job must end within the timeout with a
+               message naming rank 1 and no process left; the run then resumes on 1 GPU
+               (--grad-accum N) and must match an uninterrupted 1-GPU run bit for bit
+
+NVLink multicast is kept off for every job (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
+NVSHMEM_DISABLE_NVLS=1).  Writes OUT/multi_gpu.json (every figure) and OUT/summary.txt (the
+table, also printed); each job's log is OUT/<part>-*.log.  Exit status 1
+when a check fails (a collective, parity, the fault run), 0 otherwise: slowness never fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+WORKER = HERE.parent / "tests" / "dist_worker.py"
+BENCH = HERE / "bench_dist.py"
+START = time.time()
+
+
+# ---- launching -------------------------------------------------------------------------------
+class Launcher:
+    """mpirun (Open MPI, the GPU machine) or the mpich wheel's mpiexec (CPU machines)."""
+
+    FORWARD = (
+        "PYTHONPATH",
+        "NCCL_NVLS_ENABLE",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+        "NVSHMEM_DISABLE_NVLS",
+        "OMP_NUM_THREADS",
+        "LD_LIBRARY_PATH",
+        "PYTHONUNBUFFERED",
+        "BLUTRAIN_DIST_TIMEOUT",
+        "BLUTRAIN_TEST_DEVICE",
+        "BLUTRAIN_TEST_MICRO",
+        "BLUTRAIN_TEST_TIMEOUT",
+        "CUDA_VISIBLE_DEVICES",
+    )
+
+    def __init__(self) -> None:
+        local = Path(sys.executable).parent / "mpiexec"
+        exe = shutil.which("mpirun") or (str(local) if local.exists() else shutil.which("mpiexec"))
+        if not exe:
+            raise SystemExit("[multi_gpu] no mpirun / mpiexec found")
+        version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+        self.openmpi = "Open MPI" in version or "OpenRTE" in version
+        if not self.openmpi and local.exists():
+            exe = str(local)
+        self.exe = exe
+
+    def cmd(
+        self, n: int, args: list[str], env: dict[str, str], let_survivors_run: bool = False
+    ) -> list[str]:
+        """The launch of `args` on n ranks.  Open MPI: the variables of FORWARD that are set
+        (mpirun's environment reaches local ranks anyway; -x makes it explicit), no binding
+        (a rank's Python, OpenMP and NCCL threads need more than one core).  MPICH:
+        -disable-auto-cleanup when the survivors of a dead rank must report it themselves."""
+        if self.openmpi:
+            fwd = [x for v in self.FORWARD if v in env for x in ("-x", v)]
+            return [self.exe, "-n", str(n), "--oversubscribe", "--bind-to", "none", *fwd, *args]
+        if not let_survivors_run:
+            return [self.exe, "-n", str(n), *args]
+        # each rank as `sh -c '...; exit $?'`: a rank killed by a signal then reaches hydra as
+        # an exit status; told of a signal, it sometimes kills every rank at once, before the
+        # survivors can report (tests/test_dist_trainer.py has the measurements)
+        wrap = ["sh", "-c", '"$0" "$@"; exit $?']
+        return [self.exe, "-disable-auto-cleanup", "-n", str(n), *wrap, *args]
+
+
+def base_env(a: argparse.Namespace) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        NCCL_NVLS_ENABLE="0",  # NVLink multicast stays off (NCCL, torch, NVSHMEM): the machines'
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",  # rule, it can take shared GPUs out of service
+        NVSHMEM_DISABLE_NVLS="1",
+        PYTHONUNBUFFERED="1",
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1" if a.cpu else "4"),
+    )
+    models = str(ROOT / "packages" / "blutrain-models" / "python")
+    env["PYTHONPATH"] = models + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if not a.cpu:
+        env.setdefault("BLUTRAIN_DIST_TIMEOUT", "120")
+    return env
+
+
+def left() -> float:
+    return DEADLINE - time.time()
+
+
+def run(cmd: list[str], log: Path, env: dict[str, str], timeout: float) -> tuple[int, float]:
+    """Run to completion (or kill at timeout, rc 124); stdout and stderr into log."""
+    t0 = time.time()
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        p = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )
+        try:
+            rc = p.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            rc = 124
+            f.write(f"\n[multi_gpu] killed after {timeout:.0f} s\n")
+    return rc, time.time() - t0
+
+
+def tail(log: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def blutrain_cmd() -> list[str]:
+    script = Path(sys.executable).parent / "blutrain"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "blutrain.models"]
+
+
+# ---- the parts -------------------------------------------------------------------------------
+def part_check(a: argparse.Namespace, L: Launcher, out: Path, R: dict[str, Any]) -> None:
+    env = base_env(a)
+    env["BLUTRAIN_TEST_TIMEOUT"] = "120"
+    env["BLUTRAIN_TEST_MICRO"] = str(a.n * max(1, 4 // a.n))  # a multiple of N, 4 at least
+    if not a.cpu:
+        env["BLUTRAIN_TEST_DEVICE"] = "cuda"
+    cases = [
+        "collectives_vs_numpy",
+        "uneven_chunks_and_async",
+        "training_matches_one_rank",
+        "deterministic_bitwise",
+    ]
+    figures: dict[int, Any] = {}
+    ok = True
+    for n in (a.n, 1):
+        d = out / f"check-{n}"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        names = cases if n > 1 else ["deterministic_bitwise"]
+        cmd = L.cmd(n, [sys.executable, str(WORKER), str(d), *names], env)
+        rc, dt = run(cmd, out / f"check-{n}.log", env, min(240, left()))
+        ranks = [json.loads(p.read_text()) for p in sorted(d.glob("rank*.json"))]
+        bad = [(i, k) for i, r in enumerate(ranks) for k, v in r["results"].items() if v != "ok"]
+        if rc != 0 or len(ranks) != n or bad:
+            ok = False
+            print(
+                f"check at {n} rank(s): rc {rc}, {len(ranks)} result files, failed {bad}\n"
+                + tail(out / f"check-{n}.log")
+            )
+        figures[n] = ranks[0]["figures"] if ranks else {}
+    same = {
+        m: figures[1].get(f"deterministic {m} digest")
+        == figures[a.n].get(f"deterministic {m} digest")
+        for m in ("ddp", "zero1", "zero2")
+    }
+    ok = ok and all(same.values())
+    R["check"] = {"ok": ok, "deterministic_equal_1_vs_n": same, "figures": figures[a.n]}
+
+
+def part_collectives(a: argparse.Namespace, L: Launcher, out: Path, R: dict[str, Any]) -> None:
+    js = out / "collectives.json"
+    max_bytes = (16 << 20) if a.cpu else (1 << 30)
+    env = base_env(a)
+    args = [sys.executable, str(BENCH), "--json", str(js), "--max-bytes", str(max_bytes)]
+    rc, dt = run(L.cmd(a.n, args, env), out / "collectives.log", env, min(150, left()))
+    rows = json.loads(js.read_text())["collectives"] if js.exists() else []
+    R["collectives"] = {"rc": rc, "seconds": dt, "rows": rows}
+
+
+def _gpt2_args(a: argparse.Namespace) -> list[str]:
+    if a.cpu:
+        return ["--model", "tiny", "-B", "2", "-T", "64", "--seconds", "0.5", "--min-steps", "2"]
+    return ["--model", "gpt2", "-B", "16", "-T", "1024", "--seconds", "2.0"]
+
+
+def gpt2_configs(a: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(N-GPU configs, extra one-GPU references), most important first (the budget may stop)."""
+    precisions = ["fp32"] if a.cpu else ["bf16", "fp32", "tf32"]
+    many, refs = [], []
+    for p in precisions:
+        many += [f"{p}:{m}" for m in ("ddp", "zero1", "zero2", "torch_ddp")]
+        if p == "bf16" and not a.cpu:
+            many.append(f"{p}:torch_ddp_compile")
+        refs += [f"{p}:plain", f"{p}:torch"] + ([f"{p}:torch_compile"] if p == "bf16" else [])
+    if a.cpu:
+        refs = [r for r in refs if not r.endswith("compile")]
+    return many, refs
+
+
+def part_gpt2(a: argparse.Namespace, L: Launcher, out: Path, R: dict[str, Any]) -> None:
+    many, refs = gpt2_configs(a)
+    res: dict[str, Any] = {"n": a.n, "settings": _gpt2_args(a)}
+    # the one-GPU phase needs about a third of what is left: the N-GPU job stops starting
+    # configs at its deadline
+    deadline_many = time.time() + 0.55 * (left() - 60)
+    js = out / "gpt2-n.json"
+    env = base_env(a)
+    args = [sys.executable, str(BENCH), "--gpt2", *_gpt2_args(a), "--configs", ",".join(many),
+            "--deadline", f"{deadline_many:.0f}", "--json", str(js)]  # fmt: skip
+    rc, dt = run(L.cmd(a.n, args, env), out / "gpt2-n.log", env,
+                 max(30, deadline_many - time.time() + 150))  # fmt: skip
+    res["many"] = json.loads(js.read_text())["gpt2"] if js.exists() else {}
+    res["many_rc"] = rc
+    # one GPU: every config (the N-GPU ones at world size 1, and the single-process references)
+    # as N jobs side by side, one per GPU (one by one on the CPU)
+    singles = [c for c in many if not res["many"].get(c, {}).get("skipped")] + refs
+    lanes = 1 if a.cpu else max(1, min(a.n, a.gpus))
+    jobs = [singles[i::lanes] for i in range(lanes)]
+    deadline_one = time.time() + max(30.0, left() * 0.5 - 30)
+    procs = []
+    for i, configs in enumerate(jobs):
+        if not configs:
+            continue
+        env = base_env(a)
+        if not a.cpu:
+            env["CUDA_VISIBLE_DEVICES"] = str(i)
+        jf = out / f"gpt2-1-gpu{i}.json"
+        cmd = [
+            sys.executable,
+            str(BENCH),
+            "--gpt2",
+            *_gpt2_args(a),
+            "--configs",
+            ",".join(configs),
+            "--deadline",
+            f"{deadline_one:.0f}",
+            "--json",
+            str(jf),
+        ]
+        log = open(out / f"gpt2-1-gpu{i}.log", "w")
+        procs.append(
+            (
+                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT),
+                jf,
+                log,
+            )
+        )
+    one: dict[str, Any] = {}
+    for p, jf, log in procs:
+        try:
+            p.wait(timeout=max(10.0, deadline_one - time.time() + 200))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        log.close()
+        if jf.exists():
+            one.update(json.loads(jf.read_text())["gpt2"])
+    res["one"] = one
+    R["gpt2"] = res
+
+
+def metrics(run_dir: Path, key: str = "loss") -> dict[int, float]:
+    out = {}
+    p = run_dir / "metrics.jsonl"
+    if not p.exists():
+        return out
+    for line in p.read_text().splitlines():
+        r = json.loads(line)
+        if key in r and "event" not in r and "step" in r:
+            out[int(r["step"])] = float(r[key])
+    return out
+
+
+def moving_average(d: dict[int, float], steps: list[int], w: int = 10) -> list[float]:
+    """The loss curve as w-step averages (the noise of single steps smoothed out)."""
+    return [sum(d[s] for s in steps[i : i + w]) / w for i in range(len(steps) - w + 1)]
+
+
+def weights_differ(a: Path, b: Path) -> list[str] | None:
+    """Tensor names whose final weights differ (None: a checkpoint is missing)."""
+    import numpy as np
+
+    from blutrain.models import load_checkpoint
+
+    try:
+        wa, wb = (
+            load_checkpoint(a / "checkpoint").weights,
+            load_checkpoint(b / "checkpoint").weights,
+        )
+    except Exception:
+        return None
+    return [k for k in wa if k not in wb or not np.array_equal(wa[k], wb[k])]
+
+
+def train_flags(a: argparse.Namespace, steps: int) -> list[str]:
+    """`blutrain train` flags of the parity and fault runs (the global batch: --grad-accum)."""
+    warmup = str(min(20, steps // 2))
+    common = ["--data", str(a.data), "--max-steps", str(steps), "--warmup-steps", warmup,
+              "--sample-interval", "0", "--no-progress", "--no-plot", "--eval-batches", "2",
+              "--eval-interval", "100"]  # fmt: skip
+    if a.cpu:
+        return [*common, "--model", str(a.small), "--batch-size", "2", "--seq-len", "16",
+                "--lr", "3e-3", "--device", "cpu", "--log-interval", "0"]  # fmt: skip
+    return [*common, "--model", a.train_model, "--batch-size", str(a.parity_batch),
+            "--seq-len", str(a.parity_seq), "--lr", "6e-4", "--precision", a.train_precision,
+            "--log-interval", "20"]  # fmt: skip
+
+
+def train_run(
+    a,
+    L,
+    out: Path,
+    name: str,
+    n: int,
+    flags: list[str],
+    timeout: float,
+    background: bool = False,
+    gpu: int | None = None,
+    env_extra: dict[str, str] | None = None,
+    log_name: str | None = None,
+) -> Any:
+    """`blutrain train` on n ranks (n = 1: no launcher; on a GPU machine, on GPU `gpu`).
+    Returns (rc, seconds), or the Popen of a background run."""
+    env = {**base_env(a), **(env_extra or {})}
+    if n == 1 and gpu is not None and not a.cpu:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    args = [*blutrain_cmd(), "train", "--out-dir", str(out / name), *flags]
+    cmd = L.cmd(n, args, env, let_survivors_run=background) if n > 1 else args
+    if "--resume" not in flags:
+        shutil.rmtree(out / name, ignore_errors=True)
+    log_path = out / f"{log_name or name}.log"
+    if background:
+        log = open(log_path, "ab")
+        return subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )
+    return run(cmd, log_path, env, timeout)
+
+
+PLANS = {  # label -> (dist mode, extra flags, the one-rank reference it is compared with)
+    "bf16-ddp": ("ddp", [], "ddp"),
+    "fp32-ddp": ("ddp", [], "ddp"),
+    "det-ddp": ("ddp", ["--deterministic"], "det"),
+    "det-zero1": ("zero1", ["--deterministic"], "det"),
+    "det-zero2": ("zero2", ["--deterministic"], "det"),
+}
+# the references: the one-rank run with the same global batch (--grad-accum N); in
+# deterministic mode DDP, ZeRO-1 and ZeRO-2 give the same bits, so one serves them all
+REFERENCES = {"ddp": ("ddp", []), "det": ("ddp", ["--deterministic"])}
+
+
+def part_parity(a: argparse.Namespace, L: Launcher, out: Path, R: dict[str, Any]) -> None:
+    steps = a.parity_steps
+    res: dict[str, Any] = {"steps": steps}
+    plans = a.parity_plans.split(",")
+    for label in plans:
+        if label not in PLANS:
+            raise SystemExit(f"[multi_gpu] unknown parity plan {label!r} (of {', '.join(PLANS)})")
+    refs = sorted({PLANS[label][2] for label in plans})
+    # the one-rank references side by side (one per GPU), then the N-rank runs one by one
+    procs = []
+    for i, ref in enumerate(refs):
+        mode, extra = REFERENCES[ref]
+        flags = [*train_flags(a, steps), "--dist", mode, "--grad-accum", str(a.n), *extra]
+        if a.cpu:
+            rc, dt = train_run(a, L, out, f"parity-ref-{ref}", 1, flags, left())
+            res[f"reference {ref}"] = {"rc": rc, "seconds": round(dt, 1)}
+        else:
+            p = train_run(a, L, out, f"parity-ref-{ref}", 1, flags, left(), background=True,
+                          gpu=i % a.gpus)  # fmt: skip
+            procs.append((ref, p))
+    for ref, p in procs:
+        try:
+            rc = p.wait(timeout=max(10.0, left() - 60))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            rc = 124
+        res[f"reference {ref}"] = {"rc": rc}
+    for label in plans:
+        mode, extra, ref = PLANS[label]
+        flags = [*train_flags(a, steps), "--dist", mode, *extra]
+        run_dir, ref_dir = out / f"parity-{label}", out / f"parity-ref-{ref}"
+        rc, dt = train_run(a, L, out, run_dir.name, a.n, flags, max(30.0, left() - 30))
+        one, many = metrics(ref_dir), metrics(run_dir)
+        common = sorted(set(one) & set(many))
+        if rc != 0 or not common:
+            res[label] = {"ok": False, "error": f"rc {rc}, {len(common)} steps to compare",
+                          "log": tail(out / f"{run_dir.name}.log")}  # fmt: skip
+            continue
+        rel = [abs(many[s] - one[s]) / abs(one[s]) for s in common]
+        ma1, man = moving_average(one, common), moving_average(many, common)
+        curve = max((abs(x - y) / abs(y) for x, y in zip(man, ma1, strict=True)), default=0.0)
+        entry: dict[str, Any] = {
+            "seconds": round(dt, 1),
+            "steps_compared": len(common),
+            "max_rel_loss_diff": max(rel),
+            "max_rel_diff_10_step_average": curve,
+            "final_loss_1": one[common[-1]],
+            f"final_loss_{a.n}": many[common[-1]],
+        }
+        if ref == "det":
+            g1, gn = metrics(ref_dir, "grad_norm"), metrics(run_dir, "grad_norm")
+            diff = weights_differ(ref_dir, run_dir)
+            entry["bitwise_losses"] = (
+                all(one[s] == many[s] for s in common) and len(common) == steps
+            )
+            entry["bitwise_grad_norms"] = all(g1.get(s) == gn.get(s) for s in common)
+            entry["weights_differ"] = diff
+            entry["ok"] = entry["bitwise_losses"] and entry["bitwise_grad_norms"] and diff == []
+        else:  # the curves overlap: 10-step averages within 1%
+            entry["ok"] = len(common) == steps and curve < 0.01
+        res[label] = entry
+    R["parity"] = res
+
+
+def _rank_pids(root: int) -> dict[int, int]:
+    """{MPI rank: pid} of the launcher's descendants (MPICH: PMI_RANK; Open MPI:
+    OMPI_COMM_WORLD_RANK; PMIx: PMIX_RANK)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    found, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for kv in env:
+            for key in (b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK=", b"PMIX_RANK="):
+                if kv.startswith(key):
+                    found[int(kv[len(key) :])] = pid
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def part_fault(a: argparse.Namespace, L: Launcher, out: Path, R: dict[str, Any]) -> None:
+    steps, every, timeout = a.fault_steps, a.fault_every, 30
+    res: dict[str, Any] = {"steps": steps, "ckpt_interval": every, "timeout_s": timeout}
+    base = [*train_flags(a, steps), "--dist", "zero2", "--deterministic"]
+    ref = train_run(
+        a,
+        L,
+        out,
+        "fault-ref-1",
+        1,
+        [*base, "--grad-accum", str(a.n)],
+        max(30.0, left() - 60),
+        background=True,
+        gpu=(a.gpus - 1) if a.gpus else None,
+    )
+    p = train_run(
+        a,
+        L,
+        out,
+        "fault-n",
+        a.n,
+        [*base, "--ckpt-interval", str(every)],
+        0,
+        background=True,
+        env_extra={"BLUTRAIN_DIST_TIMEOUT": str(timeout)},
+    )
+    trainer_json = out / "fault-n" / "checkpoint" / "trainer.json"
+    deadline = time.time() + max(30.0, left() - 60)
+    while not trainer_json.exists() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    if p.poll() is not None or not trainer_json.exists():
+        res["error"] = f"no checkpoint before the run ended (rc {p.poll()})"
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        R["fault"] = res
+        ref.wait()
+        return
+    pids = _rank_pids(p.pid)
+    victim = 1 if a.n > 1 else 0
+    os.kill(pids[victim], signal.SIGKILL)
+    t_kill = time.time()
+    try:
+        rc = p.wait(timeout=timeout + 90)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        rc = "hung"
+    res["exit_seconds_after_kill"] = round(time.time() - t_kill, 1)
+    res["rc"] = rc
+    time.sleep(1.0)
+    res["left_behind"] = [q for q in pids.values() if _alive(q)]
+    text = (out / "fault-n.log").read_text(errors="replace")
+    silent = re.findall(r"rank\(s\) ([\d, ]+) did not answer", text)
+    ours = any(str(victim) in m.split(", ") for m in silent)
+    launcher = any(
+        f"rank {victim} " in line and ("signal" in line or "exit" in line.lower())
+        for line in text.splitlines()
+    )
+    res["named_by"] = "blutrain.dist" if ours else ("the launcher" if launcher else None)
+    res["saved_step"] = json.loads(trainer_json.read_text())["step"]
+    rc_ref = ref.wait()
+    flags = [*base, "--grad-accum", str(a.n), "--resume"]
+    rc2, dt2 = train_run(
+        a, L, out, "fault-n", 1, flags, max(30.0, left()), gpu=0, log_name="fault-resume"
+    )
+    got, want = metrics(out / "fault-n"), metrics(out / "fault-ref-1")
+    after = range(res["saved_step"] + 1, steps + 1)
+    res["resume_rc"], res["reference_rc"] = rc2, rc_ref
+    res["resumed_bitwise"] = bool(want) and all(got.get(s) == want.get(s) for s in after)
+    res["weights_differ"] = weights_differ(out / "fault-n", out / "fault-ref-1")
+    res["ok"] = (
+        rc not in (0, "hung")
+        and res["exit_seconds_after_kill"] < timeout + 30
+        and res["named_by"] is not None
+        and not res["left_behind"]
+        and rc2 == 0
+        and res["resumed_bitwise"]
+        and res["weights_differ"] == []
+    )
+    R["fault"] = res
+
+
+# ---- the summary -----------------------------------------------------------------------------
+def summarize(a: argparse.Namespace, R: dict[str, Any]) -> tuple[str, bool]:
+    lines = [f"blutrain.dist on {R['machine']}: {a.n} ranks, {time.time() - START:.0f} s"]
+    ok = True
+    for part, why in R.get("skipped", {}).items():
+        lines.append(f"  {part}: SKIPPED ({why})")
+    c = R.get("check")
+    if c:
+        ok &= c["ok"]
+        lines.append(
+            f"check: {'ok' if c['ok'] else 'FAILED'}; deterministic digests 1 vs "
+            f"{a.n} ranks equal: {c['deterministic_equal_1_vs_n']}"
+        )
+    col = R.get("collectives")
+    if col and col["rows"]:
+        lines.append("collectives (busbw GB/s, ours / torch):")
+        for op in ("all_reduce", "reduce_scatter", "all_gather"):
+            rows = [r for r in col["rows"] if r["op"] == op]
+            big = [r for r in rows if r["bytes"] >= 16 << 20]
+            ratio = min(
+                (
+                    r["ours_busbw_GBs"] / r["torch_busbw_GBs"]
+                    for r in big
+                    if r["torch_busbw_GBs"] > 0
+                ),
+                default=float("nan"),
+            )
+            top = rows[-1] if rows else None
+            if top:
+                lines.append(
+                    f"  {op:15s} at {top['bytes'] / 2**20:8.0f} MiB: ours "
+                    f"{top['ours_busbw_GBs']:7.1f}, torch {top['torch_busbw_GBs']:7.1f};"
+                    f" lowest ours/torch at >= 16 MiB: {ratio:.3f} (aim >= 0.95)"
+                )
+    elif col:
+        lines.append(f"collectives: no figures (rc {col['rc']})")
+    g = R.get("gpt2")
+    if g:
+        lines.append(
+            f"GPT-2 ({' '.join(g['settings'])}): tok/s over all GPUs | per-GPU peak "
+            "GiB | one GPU tok/s | scaling"
+        )
+        for key, r in g["many"].items():
+            if ":" not in key or not isinstance(r, dict):
+                continue
+            if "tokens_per_s" not in r:
+                lines.append(f"  {key:24s} {r.get('skipped') or r.get('error')}")
+                continue
+            one = g["one"].get(key, {})
+            t1 = one.get("tokens_per_s")
+            scale = r["tokens_per_s"] / (a.n * t1) if t1 else float("nan")
+            lines.append(
+                f"  {key:24s} {r['tokens_per_s']:12,.0f} | {r['peak_bytes'] / 2**30:6.2f}"
+                f" | {t1 or float('nan'):10,.0f} | {scale:6.3f}"
+            )
+        for key, r in g["one"].items():
+            if key not in g["many"] and isinstance(r, dict) and "tokens_per_s" in r:
+                lines.append(
+                    f"  {key:24s} one GPU {r['tokens_per_s']:12,.0f} tok/s | peak "
+                    f"{r['peak_bytes'] / 2**30:6.2f} GiB"
+                )
+        for prec in ("bf16", "fp32", "tf32"):
+            theirs = g["many"].get(f"{prec}:torch_ddp", {})
+            for mode in ("ddp", "zero1", "zero2"):
+                ours = g["many"].get(f"{prec}:{mode}", {})
+                if "tokens_per_s" in ours and "tokens_per_s" in theirs:
+                    lines.append(
+                        f"  {prec}: ours {mode} / torch DDP: tok/s x"
+                        f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.3f}, per-GPU peak memory"
+                        f" x{ours['peak_bytes'] / theirs['peak_bytes']:.3f}"
+                    )
+            one_ddp, one_plain = (
+                g["one"].get(f"{prec}:{m}", {}).get("tokens_per_s") for m in ("ddp", "plain")
+            )
+            if one_ddp and one_plain:
+                lines.append(
+                    f"  {prec}: DDP at world size 1 costs "
+                    f"{100 * (one_plain / one_ddp - 1):+.2f}% of the plain step (aim <= 2%)"
+                )
+    par = R.get("parity")
+    if par:
+        for label in PLANS:
+            e = par.get(label)
+            if e is None:
+                continue
+            ok &= bool(e.get("ok"))
+            if "error" in e:
+                lines.append(f"parity {label}: FAILED: {e['error']}")
+                continue
+            extra = ""
+            if "bitwise_losses" in e:
+                extra = (
+                    f"; bitwise losses {e['bitwise_losses']}, grad norms "
+                    f"{e['bitwise_grad_norms']}, weights differ {e['weights_differ']}"
+                )
+            lines.append(
+                f"parity {label} ({e['steps_compared']} steps, {a.n} ranks vs 1): max rel "
+                f"loss diff {e['max_rel_loss_diff']:.3g}, 10-step averages "
+                f"{e['max_rel_diff_10_step_average']:.3g}{extra}: "
+                f"{'ok' if e['ok'] else 'FAILED'}"
+            )
+    f = R.get("fault")
+    if f:
+        ok &= bool(f.get("ok"))
+        lines.append(f"fault: {f}")
+    return "\n".join(lines), ok
+
+
+def main() -> int:
+    global DEADLINE
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    p.add_argument("--budget-s", type=float, default=540.0)
+    p.add_argument(
+        "--parts",
+        default="check,collectives,parity,fault,gpt2",
+        help="in this order: the pass/fail parts first, throughput with what is left",
+    )
+    p.add_argument("--cpu", action="store_true", help="CPU ranks and a tiny GPT-2 (no GPU)")
+    p.add_argument("--ranks", type=int, default=0, help="default: every GPU (CPU: 4)")
+    p.add_argument("--parity-steps", type=int, default=200)
+    p.add_argument("--parity-batch", type=int, default=8, help="rows per GPU (T = --parity-seq)")
+    p.add_argument("--parity-seq", type=int, default=1024)
+    p.add_argument(
+        "--parity-plans",
+        default=None,
+        help=f"of {', '.join(PLANS)} (default: bf16-ddp,det-zero2; CPU: fp32-ddp,det-zero2)",
+    )
+    p.add_argument(
+        "--train-model",
+        default="gpt2",
+        help="GPT2Config preset or JSON of the parity and fault runs (GPU)",
+    )
+    p.add_argument("--train-precision", default="bf16", help="of the parity and fault runs (GPU)")
+    p.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep the training runs' checkpoints (GPT-2 124M: ~2 GB each) under --out",
+    )
+    p.add_argument("--fault-steps", type=int, default=40)
+    p.add_argument(
+        "--fault-every", type=int, default=10, help="checkpoint interval of the fault run"
+    )
+    a = p.parse_args()
+    DEADLINE = START + a.budget_s
+    if a.parity_plans is None:
+        a.parity_plans = "fp32-ddp,det-zero2" if a.cpu else "bf16-ddp,det-zero2"
+    a.gpus = 0
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    L = Launcher()
+    if a.cpu:
+        a.n, machine = a.ranks or 4, f"CPU ({os.cpu_count()} cores)"
+    else:
+        q = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        )
+        gpus = [x.strip() for x in q.stdout.splitlines() if x.strip()]
+        if not gpus:
+            raise SystemExit("[multi_gpu] no GPU found (nvidia-smi); use --cpu for the CPU parts")
+        a.gpus = len(gpus)
+        a.n, machine = a.ranks or len(gpus), f"{len(gpus)} x {gpus[0]}"
+        if a.n > a.gpus:
+            print(
+                f"[multi_gpu] {a.n} ranks on {a.gpus} GPU(s): ranks share GPUs, so CUDA "
+                "tensors go over MPI through pinned host memory (the test path, not NCCL)"
+            )
+        if a.n < 2:
+            print(
+                "[multi_gpu] one GPU: the N-GPU parts run at world size 1 (see gpu_dist.sh for "
+                "the two-ranks-on-one-GPU path)"
+            )
+    # the shipped corpus for the training runs, prepared once (and a tiny model on the CPU)
+    a.data = out / "data"
+    if not (a.data / "data_train_000001.bin").exists() and not list(a.data.glob("*train*.bin")):
+        subprocess.run(
+            [*blutrain_cmd(), "prepare", "-o", str(a.data), "-q"],
+            check=True,
+            cwd=ROOT,
+            env=base_env(a),
+        )
+    a.small = out / "small.json"
+    if a.cpu:
+        a.small.write_text(json.dumps({"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 16}))
+    R: dict[str, Any] = {
+        "machine": machine,
+        "world_size": a.n,
+        "budget_s": a.budget_s,
+        "launcher": L.exe,
+        "skipped": {},
+    }
+    # (the least time each part needs to be worth starting, in seconds)
+    need = {"check": 30, "collectives": 40, "gpt2": 120, "parity": 90, "fault": 45}
+    multi = {"parity", "fault"}  # need two ranks at least
+    parts = {
+        "check": part_check,
+        "collectives": part_collectives,
+        "gpt2": part_gpt2,
+        "parity": part_parity,
+        "fault": part_fault,
+    }
+    for name in a.parts.split(","):
+        if name not in parts:
+            raise SystemExit(f"[multi_gpu] unknown part {name!r} (of {', '.join(parts)})")
+        if name in multi and a.n < 2:
+            R["skipped"][name] = "needs 2 ranks at least"
+            print(f"[multi_gpu] {name}: skipped ({R['skipped'][name]})", flush=True)
+            continue
+        if left() < need[name]:
+            R["skipped"][name] = f"{left():.0f} s left, it needs ~{need[name]} s"
+            print(f"[multi_gpu] {name}: skipped ({R['skipped'][name]})", flush=True)
+            continue
+        t0 = time.time()
+        print(f"[multi_gpu] {name} ({left():.0f} s left) ...", flush=True)
+        try:
+            parts[name](a, L, out, R)
+        except Exception as e:  # a broken part must not lose the others' figures
+            R[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        R.setdefault("seconds", {})[name] = round(time.time() - t0, 1)
+        (out / "multi_gpu.json").write_text(json.dumps(R, indent=1, default=str))
+    if not a.keep_checkpoints:  # compared already; too large to come back from a device call
+        for f in out.rglob("*.safetensors"):
+            f.unlink()
+    text, ok = summarize(a, R)
+    (out / "summary.txt").write_text(text + "\n")
+    (out / "multi_gpu.json").write_text(json.dumps(R, indent=1, default=str))
+    print("=" * 30 + " multi_gpu summary " + "=" * 30)
+    print(text)
+    return 0 if ok else 1
+
+
+DEADLINE = START + 540.0
+
+if __name__ == "__main__":
+    sys.exit(main())

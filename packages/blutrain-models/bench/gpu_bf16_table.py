@@ -1,0 +1,81 @@
+"""The table of bench/gpu_bf16.sh: each convergence JSON's runs against its fp32 reference
+(torch:fp32 of call 1), ours bf16 beside torch bf16, and issue 38's aim checked on each:
+ours bf16's |train loss - fp32's| over the last tenth and final |val loss - fp32's| no larger
+than torch bf16's, and ours' final val loss at or below torch bf16's.
+
+    python bench/gpu_bf16_table.py out/conv_a.json out/conv_b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SETTINGS = {(16, 1024, 300): "A (B16 T1024, 300 steps)", (2, 256, 1000): "B (B2 T256, 1000 steps)"}
+
+
+def table(path: str) -> bool:
+    """Prints one JSON's table; True when ours:bf16 meets the aim (variants
+    such as ours:bf16/bf16res are controls)."""
+    if not os.path.exists(path):
+        print(f"\n{path}: missing (the run was skipped or cut)")
+        return False
+    with open(path) as f:
+        d = json.load(f)
+    a = d["args"]
+    if "summary" not in d:  # a call cut by its time limit: the runs that finished
+        from convergence import reference, summarize
+
+        print(f"\n{path}: cut before the end; the finished runs: {', '.join(d['runs'])}")
+        d["summary"] = summarize(d["runs"], argparse.Namespace(**a))
+        d["reference"] = reference(list(d["runs"]))
+    name = SETTINGS.get((a["B"], a["T"], a["steps"]), f"B{a['B']} T{a['T']}, {a['steps']} steps")
+    print(f"\nsetting {name}; reference {d['reference']}; tail = the last {a['steps'] // 10} steps")
+    print(
+        f"{'run':<22} {'tok/s':>9} {'train':>8} {'val':>8} {'|dtrain| tail':>13} "
+        f"{'|dval|':>8} {'signed dval':>11}  aim"
+    )
+    s = d["summary"]
+    torch_bf16 = s.get("torch:bf16")
+    ok_all = "ours:bf16" in s and torch_bf16 is not None  # nothing to judge: not met
+    for run, r in s.items():
+        verdict = ""
+        if run.startswith("ours:bf16/"):
+            verdict = "(control)"
+        elif run == "ours:bf16" and torch_bf16 is not None:
+            checks = {
+                "dtrain": r["d_train_tail"] <= torch_bf16["d_train_tail"],
+                "dval": r["d_val_final"] <= torch_bf16["d_val_final"],
+                "val": r["val_final"] <= torch_bf16["val_final"],
+            }
+            ok = all(checks.values())
+            ok_all &= ok
+            verdict = "ok" if ok else "NOT MET: " + ", ".join(k for k, v in checks.items() if not v)
+        print(
+            f"{run:<22} {r['tokens_per_s']:9.0f} {r['train_tail']:8.4f} {r['val_final']:8.4f} "
+            f"{r['d_train_tail']:13.4f} {r['d_val_final']:8.4f} {r['bias_val_final']:+11.4f}  "
+            f"{verdict}"
+        )
+    return ok_all
+
+
+def main() -> int:
+    paths = sys.argv[1:]
+    if not paths:
+        print(__doc__)
+        return 2
+    results = [table(p) for p in paths]
+    print(
+        "\naim (issue 38): ours bf16 no farther from fp32 than torch bf16 (train tail, final val) "
+        f"and final val <= torch bf16's: {'met' if all(results) else 'NOT met'} in "
+        f"{sum(results)} of {len(results)} settings"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

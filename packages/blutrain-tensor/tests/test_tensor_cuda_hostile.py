@@ -1,0 +1,138 @@
+"""GPU tests of issue 37's fixes where the CUDA backend has its own code: side tensors (bias,
+weight, residual, target) that are strided or expanded, exact integer scalars and ranges,
+relu / log_softmax / var values, embedding's negative indices (a device-side error), huge
+expanded views, read-only memory; each against the CPU backend or numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import blutrain.tensor as bt
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(bt.cuda_device_count() == 0, reason="no CUDA device"),
+]
+
+DTYPES = [bt.float32, bt.bfloat16, bt.float16]
+TOL = {bt.float32: 2e-5, bt.bfloat16: 2e-2, bt.float16: 4e-3}
+
+
+def _np(t: bt.Tensor) -> np.ndarray:
+    return t.detach().cpu().to(bt.float64).numpy()
+
+
+def _close(got: bt.Tensor, want: bt.Tensor, dtype, k: float = 1) -> None:
+    g, w = _np(got), _np(want)
+    assert g.shape == w.shape
+    scale = np.abs(w).max(initial=0) or 1.0
+    assert np.abs(g - w).max(initial=0) / scale <= TOL[dtype] * k
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_strided_and_expanded_bias(rng, dtype):
+    x = bt.tensor(rng.standard_normal((5, 8)), dtype=dtype).cuda()
+    w = bt.tensor(rng.standard_normal((6, 8)), dtype=dtype).cuda()
+    wide = bt.tensor(rng.standard_normal(12), dtype=dtype).cuda()
+    _close(bt.linear(x, w, wide[::2]), bt.linear(x, w, wide[::2].contiguous()), dtype)
+    one = bt.tensor([0.5], dtype=dtype).cuda().expand(6)
+    _close(bt.linear(x, w, one), bt.linear(x, w) + 0.5, dtype, 4)
+    # the same on the CPU: one shared place (Primitive::contiguous_input) for both backends
+    _close(bt.linear(x, w, wide[::2]), bt.linear(x.cpu(), w.cpu(), wide.cpu()[::2]), dtype, 4)
+
+
+@pytest.mark.parametrize("dtype", [bt.bfloat16, bt.float16])
+def test_fused_ops_with_strided_side_tensors(rng, dtype):
+    x = bt.tensor(rng.standard_normal((2, 16, 64)), dtype=dtype).cuda()
+    w = bt.tensor(rng.standard_normal((192, 64)) * 0.1, dtype=dtype).cuda()
+    b = bt.tensor(rng.standard_normal(384), dtype=dtype).cuda()
+    _close(
+        bt.qkv_attention(x, w, b[::2], 1, is_causal=True),
+        bt.qkv_attention(x, w, b[::2].contiguous(), 1, is_causal=True),
+        dtype,
+    )
+    x2 = x.reshape(32, 64)
+    w1 = bt.tensor(rng.standard_normal((48, 64)) * 0.1, dtype=dtype).cuda()
+    w2 = bt.tensor(rng.standard_normal((64, 48)) * 0.1, dtype=dtype).cuda()
+    b1, b2 = (bt.tensor(rng.standard_normal(2 * n), dtype=dtype).cuda()[::2] for n in (48, 64))
+    _close(
+        bt.linear_gelu_linear(x2, w1, b1, w2, b2),
+        bt.linear_gelu_linear(x2, w1, b1.contiguous(), w2, b2.contiguous()),
+        dtype,
+    )
+    _close(bt.linear_gelu(x2, w1, b1), bt.linear_gelu(x2, w1, b1.contiguous()), dtype)
+    r = bt.tensor(rng.standard_normal((64, 32)), dtype=dtype).cuda().T
+    g, bn = (bt.tensor(rng.standard_normal(128), dtype=dtype).cuda()[::2] for _ in range(2))
+    s, y = bt.add_layer_norm(x2, r, g, bn)
+    s2, y2 = bt.add_layer_norm(x2, r.contiguous(), g.contiguous(), bn.contiguous())
+    _close(s, s2, dtype)
+    _close(y, y2, dtype)
+    t = bt.randint(0, 10, (64,)).cuda()[::2]
+    wh = bt.tensor(rng.standard_normal((10, 64)), dtype=dtype).cuda()
+    _close(
+        bt.linear_cross_entropy(x2, wh, t),
+        bt.linear_cross_entropy(x2, wh, t.contiguous()),
+        dtype,
+    )
+
+
+def test_exact_ints_on_the_device():
+    big = 2**53 + 1
+    assert bt.arange(2**62, 2**62 + 5, device="cuda").tolist() == [2**62 + i for i in range(5)]
+    assert bt.full((3,), big, device="cuda").tolist() == [big] * 3
+    t = bt.tensor([big, 2**53]).cuda()
+    assert (t == big).tolist() == [True, False]
+    assert bt.zeros(2, dtype=bt.int64, device="cuda").fill_(big).tolist() == [big, big]
+    m = bt.tensor([True, False]).cuda()
+    assert bt.zeros(2, dtype=bt.int64, device="cuda").masked_fill(m, big).tolist() == [big, 0]
+    v = bt.randint(2**62, 2**62 + 3, (256,), device="cuda").tolist()
+    assert set(v) == {2**62, 2**62 + 1, 2**62 + 2}
+    bt.manual_seed(7)
+    a = bt.randint(-5, 5, (1000,), device="cuda")
+    bt.manual_seed(7)
+    assert a.tolist() == bt.randint(-5, 5, (1000,)).tolist()  # bit for bit with the CPU
+
+
+def test_values_on_the_device(rng):
+    r = bt.tensor([float("nan"), -1.0, 2.0]).cuda().relu()
+    assert np.isnan(r[0].item()) and r[1:].tolist() == [0.0, 2.0]
+    x = bt.tensor([[1e30, 1e30, 1e30], [1.0, 2.0, 3.0]]).cuda()
+    np.testing.assert_allclose(
+        _np(bt.log_softmax(x, -1)), _np(bt.log_softmax(x.cpu(), -1)), rtol=1e-6
+    )
+    assert abs(bt.log_softmax(x, -1)[0, 0].item() + np.log(3)) < 1e-6
+    v = bt.tensor([[1.0, 2.0]]).cuda()
+    assert v.var(dim=(0, 1), correction=2).item() == float("inf")  # (PyTorch's: dof >= 0)
+    assert np.isnan(bt.zeros(3, 0).cuda().var(correction=-1).item())
+    a = bt.arange(4.0).reshape(2, 2).cuda()
+    a.copy_(a.T)
+    assert a.tolist() == [[0.0, 2.0], [1.0, 3.0]]
+
+
+def test_embedding_negative_index_raises_at_the_synchronisation():
+    w = bt.ones(3, 2).cuda()
+    out = bt.embedding(bt.tensor([-1]).cuda(), w)
+    with pytest.raises(IndexError, match=r"^\[embedding\] index -1 is out of range"):
+        out.cpu()
+    assert bt.index_select(w, 0, bt.tensor([-1]).cuda()).cpu().shape == (1, 2)
+
+
+def test_huge_expanded_views_on_the_device():
+    x = bt.arange(3.0, device="cuda").reshape(3, 1).expand(3, 2**40)
+    assert x[bt.tensor([2, 0]).cuda(), 2**39].tolist() == [2.0, 0.0]
+    assert bt.ones(1, device="cuda").expand(2**40)[bt.tensor([5]).cuda()].tolist() == [1.0]
+    v = bt.ones(1, device="cuda").expand(2**40)
+    assert (v @ v).item() == float(2**40)
+    assert repr(v).startswith("tensor(<on cuda:0>, shape=(1099511627776,)")
+
+
+def test_read_only_memory_stays_read_only_on_the_way_to_the_device():
+    a = np.zeros(3, np.float32)
+    a.flags.writeable = False
+    t = bt.from_numpy(a)
+    c = t.cuda()  # a copy: writable
+    c.add_(1)
+    assert c.tolist() == [1.0, 1.0, 1.0] and a.tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match=r"^\[add_\] the tensor is read-only"):
+        t.add_(1)
