@@ -252,6 +252,7 @@ int api_save_cache() { return cuda_save_cache(); }
 int api_clear_cache(int also_file) { return cuda_clear_cache(also_file); }
 int api_set_alloc_api(const void* t) { return cuda_set_alloc_api(t); }
 int api_load_blas(const char* path) { return cpu_load_blas(path); }
+int api_set_cpu_threads_callback(bt_linalg_threads_fn run) { return cpu_set_threads_callback(run); }
 
 const bt_linalg_api g_api = {
     BT_LINALG_ABI_VERSION, (uint32_t)sizeof(bt_linalg_api),
@@ -260,6 +261,7 @@ const bt_linalg_api g_api = {
     api_set_cache_path,    api_get_cache_path,
     api_save_cache,        api_clear_cache,
     api_set_alloc_api,     api_load_blas,
+    api_set_cpu_threads_callback,
 };
 
 }  // namespace

@@ -89,6 +89,7 @@ std::string cache_path();
 int cpu_gemm(const bt_linalg_gemm_desc& d);
 int cpu_load_blas(const char* path);
 int cpu_set_num_threads(int n);
+int cpu_set_threads_callback(bt_linalg_threads_fn run);
 
 int cuda_gemm(const bt_linalg_gemm_desc& d);
 int cuda_available();  // 1 if built with CUDA

@@ -781,7 +781,7 @@ def main() -> int:
             raise SystemExit(f"--runs: {n!r}: {fw}'s variants are {VARIANTS[fw]} ('+' joins them)")
     if len(set(names)) != len(names):
         raise SystemExit(f"--runs lists a run twice: {a.runs!r}")
-    if a.device == "cpu":  # before blutrain.tensor's first import (OpenMP reads it once)
+    if a.device == "cpu":  # the one CPU budget (op loops and BLAS), torch given the same
         from blutrain.models.device import set_threads
 
         n = set_threads(a.threads)

@@ -406,6 +406,28 @@ def test_fused_cpu_head_loss_matches_bt_cross_entropy(rng):
     assert not c.grad.detach().numpy().any()
 
 
+def test_cpu_head_loss_gradient_made_in_forward_is_backwards_own(rng):
+    """The forward writes the gradient for an upstream gradient of 1; a backward that cannot use
+    it (retain_graph's second, or another upstream gradient) recomputes it: the same bits."""
+    from blutrain.models.gpt2 import _HeadCrossEntropyCPU
+
+    N, V, Vp = 70, 301, 384  # 70 rows: several row blocks
+    x = (rng.standard_normal((N, Vp)) * 3).astype(np.float32)
+    t = rng.integers(0, V, N)
+    t[5] = IGNORE_INDEX
+    a = bt.tensor(x, requires_grad=True)
+    _HeadCrossEntropyCPU.apply(a, bt.tensor(t), V).backward()  # the forward's gradient
+    b = bt.tensor(x, requires_grad=True)
+    lb = _HeadCrossEntropyCPU.apply(b, bt.tensor(t), V)
+    lb.backward(retain_graph=True)
+    lb.backward()  # recomputed from the logits, added to the first
+    ga, gb = a.grad.detach().numpy(), b.grad.detach().numpy()
+    assert np.array_equal(gb, 2 * ga)
+    with bt.no_grad():  # no gradient is made without autograd
+        c = bt.tensor(x, requires_grad=True)
+        assert _HeadCrossEntropyCPU.apply(c, bt.tensor(t), V).item() == lb.item()
+
+
 def test_backward_twice_with_retain_graph(rng):
     model = GPT2(CFG)
     randomize(model, rng)

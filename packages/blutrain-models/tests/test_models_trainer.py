@@ -355,16 +355,18 @@ def test_bench_function(model_json):
         bench(model_json, batch_size=2, seq_len=8, steps=1, device="cpu", cuda_graph=True)
 
 
-def test_set_threads_before_import():
-    """Auto threads: all cores but one, unless OMP_NUM_THREADS is set; explicit n wins."""
+def test_set_threads_sets_the_one_budget():
+    """Auto threads: every CPU the process may use, unless OMP_NUM_THREADS is set; explicit n
+    wins, before or after blutrain.tensor is imported; the BLAS follows the budget."""
     import os
     import subprocess
     import sys
 
     code = (
-        "import os, sys; from blutrain.models.device import set_threads; "
-        "n = set_threads(int(sys.argv[1])); "
-        "print(n, os.environ.get('OMP_NUM_THREADS'), os.environ.get('OPENBLAS_NUM_THREADS'))"
+        "import sys; import blutrain.tensor as bt; from blutrain.models.device import "
+        "set_threads, threads_note; n = set_threads(int(sys.argv[1])); "
+        "import blutrain.linalg as la; "
+        "print(n, bt.get_num_threads(), la.get_option('num_threads'), repr(threads_note('cpu')))"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",)}
 
@@ -376,13 +378,17 @@ def test_set_threads_before_import():
             text=True,
             check=True,
         )
-        return out.stdout.split()
+        return out.stdout.strip().split(maxsplit=3)
 
-    cores = len(os.sched_getaffinity(0))
-    auto = str(max(1, cores - 1))
-    assert run(0) == [auto, auto, auto]
-    assert run(0, OMP_NUM_THREADS="3")[:2] == ["3", "3"]
-    assert run(2, OMP_NUM_THREADS="3") == ["2", "2", "2"]
+    import blutrain.tensor as bt
+
+    cpus = bt.available_cpus()
+    assert run(0) == [str(cpus)] * 3 + [
+        repr(f", {cpus} thread{'s' * (cpus > 1)} of {cpus} CPU{'s' * (cpus > 1)}")
+    ]
+    assert run(0, OMP_NUM_THREADS="3")[:3] == ["3", "3", "3"]
+    assert run(2, OMP_NUM_THREADS="3")[:3] == ["2", "2", "2"]
+    assert run(1)[3] == repr(f", 1 thread of {cpus} CPU{'s' * (cpus > 1)}")
 
 
 def test_cli_errors_are_clear(tmp_path, monkeypatch, capsys):

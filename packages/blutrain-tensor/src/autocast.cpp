@@ -9,6 +9,7 @@
 
 #include "autograd.h"
 #include "capture.h"
+#include "nn_fused.h"
 #include "ops.h"
 #include "optim.h"
 
@@ -120,14 +121,7 @@ Tensor gelu_tanh_backward(const Tensor& dy_in, const Tensor& pre_in) {
   // 16-bit: the derivative in float32 (its tanh and cubic lose too much in bf16).
   const DType dt = dy_in.dtype();
   const DType cd = is_16bit(dt) ? DType::Float32 : dt;
-  Tensor g = astype(dy_in, cd), x = astype(pre_in, cd);
-  const double k = std::sqrt(2.0 / M_PI), c = 0.044715;
-  Tensor x2 = mul(x, x);
-  Tensor t = unary(UnaryOp::Tanh, mul(mul(x, add(mul(x2, c), 1.0)), k));
-  Tensor left = mul(add(t, 1.0), 0.5);
-  Tensor one_minus_t2 = binary(BinaryOp::Sub, Scalar{1, 2}, mul(t, t));
-  Tensor right = mul(mul(mul(x, one_minus_t2), add(mul(x2, 3 * c), 1.0)), 0.5 * k);
-  return astype(mul(g, add(left, right)), dt);
+  return astype(gelu_tanh_grad(astype(pre_in, cd), astype(dy_in, cd)), dt);
 }
 
 Tensor linear_gelu(const Tensor& x, const Tensor& w, const Tensor& b) {

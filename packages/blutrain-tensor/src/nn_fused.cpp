@@ -1,6 +1,8 @@
 // nn_fused.cpp: fronts of the fused normalisation / loss ops and their vjps (see nn_fused.h).
 #include "nn_fused.h"
 
+#include <cmath>
+
 #include "autocast.h"
 #include "ops.h"
 
@@ -124,6 +126,24 @@ std::vector<Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const
 Tensor softmax_backward(const Tensor& y, const Tensor& dy, bool log) {
   return apply1(std::make_shared<SoftmaxBackward>(log), {y, astype(dy, y.dtype())}, y.shape(),
                 y.dtype(), y.device());
+}
+
+Tensor gelu_tanh_grad(const Tensor& x, const Tensor& g) {
+  if (!x.device().is_cuda() && !g.device().is_cuda() && !x.is_symbolic() && !g.is_symbolic() &&
+      x.dtype() == g.dtype() && x.shape() == g.shape() && is_floating(x.dtype())) {
+    return apply1(std::make_shared<GeluTanhBackward>(), {x, g}, x.shape(), x.dtype(), x.device());
+  }
+  const double k = std::sqrt(2.0 / M_PI), c = 0.044715;
+  Tensor x2 = mul(x, x);
+  Tensor t = unary(UnaryOp::Tanh, mul(mul(x, add(mul(x2, c), 1.0)), k));
+  Tensor left = mul(add(t, 1.0), 0.5);
+  Tensor one_minus_t2 = binary(BinaryOp::Sub, Scalar{1, 2}, mul(t, t));
+  Tensor right = mul(mul(mul(x, one_minus_t2), add(mul(x2, 3 * c), 1.0)), 0.5 * k);
+  return mul(g, add(left, right));
+}
+
+std::vector<Tensor> GeluTanhBackward::vjp(const VjpArgs&) {
+  throw RuntimeError("[gelu_tanh_backward] is not differentiable");
 }
 
 Tensor cross_entropy_backward(const Tensor& logits, const Tensor& target, const Tensor& lse,

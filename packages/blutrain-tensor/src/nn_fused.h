@@ -80,6 +80,15 @@ class SoftmaxBackward : public Primitive {
   bool log;
 };
 
+// inputs: x, dy (same shape and dtype).  output: dx = dy * gelu_tanh'(x), bit for bit the
+// composition gelu_tanh_grad runs elsewhere (Note [gelu backward], cpu/gelu_kernels.h).  CPU
+// only: other devices run the composition.
+class GeluTanhBackward : public Primitive {
+  BT_PRIM_BODY(GeluTanhBackward, "gelu_tanh_backward")
+  bool differentiable() const override { return false; }
+  bool saves_inputs() const override { return false; }
+};
+
 // inputs: logits (N, Cx) (rows may be strided, unit column stride), target (N) int64, lse (N)
 // (float32, float64 for float64 logits), grad_loss (() for mean / sum, (N) for none; any float
 // dtype; read on the device only).  output: dlogits (N, Cx), contiguous, in logits' dtype.  Only
@@ -173,6 +182,9 @@ std::vector<Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const
 bool layer_norm_wide_grads(const VjpArgs& a, DType dt, bool need_dweight, size_t iw,
                            bool need_dbias, size_t ib);
 Tensor softmax_backward(const Tensor& y, const Tensor& dy, bool log);
+// dy * gelu_tanh'(x), each op rounded to x's dtype: GeluTanhBackward for same-shape, same-dtype
+// concrete CPU tensors, else the composed ops (the same operations, op by op).
+Tensor gelu_tanh_grad(const Tensor& x, const Tensor& dy);
 Tensor cross_entropy_backward(const Tensor& logits, const Tensor& target, const Tensor& lse,
                               const Tensor& grad_loss, int64_t ignore_index, int reduction,
                               double label_smoothing, int64_t num_classes = -1,

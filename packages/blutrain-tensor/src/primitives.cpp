@@ -422,14 +422,8 @@ std::vector<Tensor> Unary::vjp(const VjpArgs& a) {
       Tensor pdf = mul(unary(UnaryOp::Exp, mul(mul(x, x), -0.5)), 0.5 * M_2_SQRTPI * M_SQRT1_2);
       return {mul(g, add(cdf, mul(x, pdf)))};
     }
-    case UnaryOp::GeluTanh: {
-      const double k = std::sqrt(2.0 / M_PI), c = 0.044715;
-      Tensor x2 = mul(x, x);
-      Tensor t = unary(UnaryOp::Tanh, mul(mul(x, add(mul(x2, c), 1.0)), k));
-      Tensor left = mul(add(t, 1.0), 0.5);
-      Tensor right = mul(mul(mul(x, one_minus(mul(t, t))), add(mul(x2, 3 * c), 1.0)), 0.5 * k);
-      return {mul(g, add(left, right))};
-    }
+    case UnaryOp::GeluTanh:
+      return {gelu_tanh_grad(x, g)};
     default:
       break;
   }

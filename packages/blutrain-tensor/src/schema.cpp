@@ -221,6 +221,8 @@ std::vector<OpSchema> build() {
         return mk<LayerNormBackward>(B(a, "has_weight"), B(a, "has_extra"), B(a, "need_dweight"),
                                      B(a, "need_dbias"), B(a, "wide_grads"), B(a, "need_dsum"));
       });
+  add("gelu_tanh_backward", "GeluTanhBackward", {},
+      [](const Attrs&) { return mk<GeluTanhBackward>(); });
   add("cross_entropy_backward", "CrossEntropyBackward",
       {{"ignore_index", AT::Int},
        {"reduction", AT::String},

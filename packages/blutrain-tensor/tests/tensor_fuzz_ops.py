@@ -68,6 +68,8 @@ EXEMPT = {
     "FunctionCtx": "handed to Function.forward; exercised by the Function scenarios",
     "Graph": "made by capture(); exercised by the capture scenarios",
     "is_capturing": "no arguments; a bool",
+    "set_num_threads": "the process-wide thread budget (a fuzzed n would start up to 4096 threads "
+    "for the rest of the run); test_tensor_threads.py checks its bounds and messages",
     "op_schemas": "no arguments; the schema table (test_tensor_capture_format.py checks it)",
     "load_graph": "documents, not tensors: malformed ones (every key missing, mistyped, "
     "truncated, unknown ops) are test_tensor_capture_format.py's bad-document cases",
@@ -2952,6 +2954,8 @@ def _allclose(g: Gen, name: str = "") -> Call:
     "is_grad_enabled",
     "cuda_built",
     "cuda_device_count",
+    "get_num_threads",
+    "available_cpus",
     "promote_types",
 )
 def _globals(g: Gen, name: str = "") -> Call:

@@ -602,6 +602,51 @@ def test_cross_entropy_backward_other_holders_block_the_overwrite(rng):
         np.testing.assert_allclose(f64(X.grad), d, rtol=1e-10, atol=1e-12)
 
 
+def _gelu_tanh_grad_composed(x: bt.Tensor, g: bt.Tensor) -> bt.Tensor:
+    """dy * gelu_tanh'(x) op by op, as Unary's vjp composed it before GeluTanhBackward."""
+    k, c = float(np.sqrt(2.0 / np.pi)), 0.044715
+    with bt.no_grad():
+        x2 = x * x
+        t = (x * (x2 * c + 1.0) * k).tanh()
+        left = (t + 1.0) * 0.5
+        right = x * (1.0 - t * t) * (x2 * (3 * c) + 1.0) * (0.5 * k)
+        return g * (left + right)
+
+
+def _same_bits(a: bt.Tensor, b: bt.Tensor) -> bool:
+    a64, b64 = a.to(bt.float64).numpy(), b.to(bt.float64).numpy()
+    both_nan = np.isnan(a64) & np.isnan(b64)
+    return bool(
+        np.array_equal(a64[~both_nan], b64[~both_nan])
+        and np.array_equal(np.isnan(a64), np.isnan(b64))
+    )
+
+
+@pytest.mark.parametrize("dtype", [bt.float32, bt.float64, bt.bfloat16, bt.float16])
+@pytest.mark.parametrize("n", [1, 7, 513, 70000])
+def test_gelu_tanh_backward_is_the_composition_bit_for_bit(rng, dtype, n):
+    # GeluTanhBackward (the CPU's one pass) must give the composed ops' bits: the same
+    # operations, each rounded to the dtype (Note [gelu backward]); 70000 runs on the pool
+    x = rng.standard_normal(n) * 4
+    x[: min(n, 6)] = [0.0, -0.0, 25.0, -25.0, 1e-30, np.inf][: min(n, 6)]
+    if n > 6:
+        x[6] = np.nan
+    xt = bt.tensor(x).to(dtype).requires_grad_(True)
+    g = bt.tensor(rng.standard_normal(n)).to(dtype)
+    bt.gelu(xt, "tanh").backward(g)
+    assert xt.grad.dtype == dtype
+    assert _same_bits(xt.grad, _gelu_tanh_grad_composed(xt.detach(), g))
+    # and against float64 where the rounding allows (a finite, ordinary input)
+    ok = np.isfinite(x) & (np.abs(x) < 10)
+    x64 = x[ok]
+    t = np.tanh(np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64**3))
+    d = 0.5 * (1 + t) + 0.5 * x64 * (1 - t * t) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * x64**2)
+    ref = g.to(bt.float64).numpy()[ok] * d
+    got = xt.grad.to(bt.float64).numpy()[ok]
+    tol = {bt.float64: 1e-12, bt.float32: 1e-5, bt.bfloat16: 8e-2, bt.float16: 1e-2}[dtype]
+    assert np.allclose(got, ref, rtol=tol, atol=tol)
+
+
 # ---- mixed rows: float32 x, 16-bit y (Note [float32 residual stream]) -------------------------
 HALF = [bt.bfloat16, bt.float16]
 ULP = {bt.bfloat16: 2.0**-8, bt.float16: 2.0**-11}  # a 16-bit rounding, relative

@@ -222,6 +222,51 @@ def test_reduce_strided_and_large(rng):
     np.testing.assert_allclose(f64(t.sum()), ref.sum(), rtol=1e-6, atol=1e-3)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dt", [bt.float32, bt.float64, bt.int64, bt.float16, bt.bfloat16])
+def test_row_sums_are_sequential_float64_sums_at_any_thread_count(rng, threads, dt):
+    # One reduced dim that is not leading takes reduce.cpp's row-sum path (8 outputs' sums side by
+    # side, ranges over the thread pool). Each output is still its values summed in order in
+    # double (int64 for ints), i.e. np.cumsum's last element: bit for bit where the output dtype
+    # holds it, within the dtype's rounding for 16-bit floats. Row counts not a multiple of 8,
+    # strided rows, and sizes above the parallel threshold (32768 elements).
+    prev = bt.get_num_threads()
+    bt.set_num_threads(threads)
+    try:
+        cases = [
+            (lambda t: t, (203, 517), 1),  # contiguous rows, 25 blocks of 8 + 3
+            (lambda t: t.T, (517, 203), 1),  # a transposed view: rows with stride 517
+            (lambda t: t, (3, 77, 129), 1),  # a middle dim: stride 129
+            (lambda t: t, (1029, 40), -1),  # short rows, many of them
+            (lambda t: t, (7, 5), 1),  # serial (below the threshold)
+        ]
+        for view, shape, dim in cases:
+            if dt == bt.int64:
+                base = bt.tensor(rng.integers(-(1 << 40), 1 << 40, size=shape), dtype=dt)
+            else:
+                base = bt.tensor(rng.standard_normal(shape), dtype=dt)
+            t = view(base)
+            vals = f64(t) if dt != bt.int64 else t.numpy()
+            seq = np.cumsum(vals, axis=dim).take(-1, axis=dim)
+            s = t.sum(dim)
+            m = t.mean(dim) if dt != bt.int64 else None
+            if dt == bt.int64:
+                np.testing.assert_array_equal(s.numpy(), seq)
+            elif dt in (bt.float32, bt.float64):
+                npdt = np.float32 if dt == bt.float32 else np.float64
+                assert np.array_equal(s.numpy(), seq.astype(npdt)), (shape, dim)
+                assert np.array_equal(m.numpy(), (seq / vals.shape[dim]).astype(npdt)), (shape, dim)
+            else:
+                close(s, seq, dt)
+                close(m, seq / vals.shape[dim], dt)
+        empty = bt.zeros((5, 0), dtype=dt)
+        np.testing.assert_array_equal(f64(empty.sum(1)), np.zeros(5))
+        if dt != bt.int64:
+            assert np.isnan(f64(empty.mean(1))).all()
+    finally:
+        bt.set_num_threads(prev)
+
+
 @pytest.mark.parametrize("dt", [bt.float32, bt.float64, bt.int64, bt.bfloat16])
 def test_max_argmax(rng, dt):
     a = rng.permutation(60).reshape(3, 4, 5).astype(np.float64)

@@ -45,7 +45,7 @@ extern "C" {
 #endif
 
 /* major << 16 | minor. A dependent built for major M accepts M.x with x >= its minor. */
-#define BT_LINALG_ABI_VERSION ((1u << 16) | 0u)
+#define BT_LINALG_ABI_VERSION ((1u << 16) | 1u)
 #define BT_LINALG_CAPSULE_NAME "blutrain.linalg._C_API"
 
 enum bt_linalg_status {
@@ -159,6 +159,15 @@ static inline void bt_linalg_gemm_desc_init(bt_linalg_gemm_desc* d) {
   d->beta = 0.0;
 }
 
+/* A caller-managed thread pool for the CPU BLAS (ABI 1.1), OpenBLAS's threads callback:
+ * run(sync, dojob, n, job_size, jobs, arg) must call dojob(i, (char*)jobs + i * job_size, arg)
+ * for every i in [0, n), each on its own thread and all at the same time (the jobs of one GEMM
+ * wait on each other), and return when all are done. How many jobs a GEMM splits into is the
+ * "num_threads" option. */
+typedef void (*bt_linalg_dojob_fn)(int thread_index, void* job, int arg);
+typedef void (*bt_linalg_threads_fn)(int sync, bt_linalg_dojob_fn dojob, int n, size_t job_size,
+                                     void* jobs, int arg);
+
 /* Settings for set_option / get_option (int64 values):
  *   "autotune"           0/1: time the top heuristic candidates once per new key (default 0)
  *   "autotune_candidates" how many cuBLASLt candidates to consider (default 32)
@@ -207,6 +216,13 @@ typedef struct bt_linalg_api {
    * needs it. The Python module passes the path at import; C users call this, or set
    * $BLUTRAIN_LINALG_BLAS, or let the first CPU call try "libscipy_openblas.so". */
   int (*load_blas)(const char* path);
+
+  /* ABI 1.1. Runs the CPU BLAS's parallel work on the caller's threads (see
+   * bt_linalg_threads_fn; blutrain-tensor passes its pool, so GEMMs and its own loops share one
+   * thread budget); NULL gives the BLAS its own threads back. Installed now if the BLAS is
+   * loaded, else when it is. BT_LINALG_ENOTSUP: the loaded BLAS has no such hook (OpenBLAS
+   * before 0.3.27), and it keeps its own threads. */
+  int (*set_cpu_threads_callback)(bt_linalg_threads_fn run);
 } bt_linalg_api;
 
 /* Direct entry points (for C/C++ users who link libblutrain_linalg). */

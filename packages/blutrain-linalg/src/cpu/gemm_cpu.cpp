@@ -33,6 +33,7 @@ using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int
 using dgemm_fn = void (*)(int, int, int, int, int, int, double, const double*, int, const double*,
                           int, double, double*, int);
 using set_threads_fn = void (*)(int);
+using set_callback_fn = void (*)(bt_linalg_threads_fn);
 
 struct Blas {
   std::mutex mu;
@@ -40,6 +41,8 @@ struct Blas {
   sgemm_fn sgemm = nullptr;
   dgemm_fn dgemm = nullptr;
   set_threads_fn set_threads = nullptr;
+  set_callback_fn set_callback = nullptr;  // OpenBLAS >= 0.3.27: caller-managed threads
+  bt_linalg_threads_fn callback = nullptr;  // what the caller asked for (installed at load)
   std::string tried;  // what was tried, for the error message
 };
 Blas& blas() {
@@ -65,7 +68,9 @@ int open_blas_locked(Blas& b, const char* path) {
   b.sgemm = s;
   b.dgemm = d;
   b.set_threads = (set_threads_fn)dlsym(h, "scipy_openblas_set_num_threads");
+  b.set_callback = (set_callback_fn)dlsym(h, "scipy_openblas_set_threads_callback_function");
   if (b.set_threads && options().num_threads > 0) b.set_threads((int)options().num_threads);
+  if (b.set_callback && b.callback) b.set_callback(b.callback);
   return BT_LINALG_OK;
 }
 
@@ -293,6 +298,20 @@ int cpu_set_num_threads(int n) {
   Blas& b = blas();
   std::lock_guard<std::mutex> lk(b.mu);
   if (b.set_threads && n > 0) b.set_threads(n);
+  return BT_LINALG_OK;
+}
+
+int cpu_set_threads_callback(bt_linalg_threads_fn run) {
+  Blas& b = blas();
+  std::lock_guard<std::mutex> lk(b.mu);
+  b.callback = run;
+  if (!b.sgemm) return BT_LINALG_OK;  // installed when the BLAS is opened
+  if (!b.set_callback)
+    return fail(BT_LINALG_ENOTSUP,
+                "[set_cpu_threads_callback] the loaded BLAS has no threads callback (OpenBLAS "
+                ">= 0.3.27 has one); it keeps its own threads");
+  // OpenBLAS reads the pointer at each parallel call; set it while no GEMM runs (at import).
+  b.set_callback(run);
   return BT_LINALG_OK;
 }
 

@@ -186,6 +186,15 @@ BT_CPU_CLONES void unary_contiguous(const T* a, O* o, int64_t n) {
   for (int64_t i = 0; i < n; ++i) o[i] = static_cast<O>(unary_fn<OP, C>(C(a[i])));
 }
 
+template <typename T>
+void cpu::tanh_raw(const T* a, T* o, int64_t n) {
+  unary_contiguous<UnaryOp::Tanh, T, T>(a, o, n);
+}
+template void cpu::tanh_raw<float>(const float*, float*, int64_t);
+template void cpu::tanh_raw<double>(const double*, double*, int64_t);
+template void cpu::tanh_raw<bfloat16>(const bfloat16*, bfloat16*, int64_t);
+template void cpu::tanh_raw<float16>(const float16*, float16*, int64_t);
+
 template <UnaryOp OP, typename T, typename O>
 static void unary_loop(const Tensor& x, const Tensor& out) {
   using C = compute_t<T>;

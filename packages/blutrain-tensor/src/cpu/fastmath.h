@@ -11,11 +11,14 @@
 // one wheel runs everywhere yet uses the wide vectors where they exist: float32 exp 4.7x faster
 // with AVX-512 than the SSE2 baseline on one core.  Results may differ in the last bit between
 // machines (FMA contraction), never between runs on one machine.
+// (bench/cpu_kernels_check.sh defines it empty and builds once per instruction set instead.)
+#ifndef BT_CPU_CLONES
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && \
     defined(__linux__)
 #define BT_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define BT_CPU_CLONES
+#endif
 #endif
 
 namespace bt::cpu {

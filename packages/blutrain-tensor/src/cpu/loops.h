@@ -4,8 +4,8 @@
 //   body(offsets, n, inner_strides)
 // for runs of n elements along the innermost (collapsed) dim; offsets and strides are in elements.
 // Dims where every operand is contiguous with its neighbour are merged first, so a contiguous op
-// is one long run (split into chunks for OpenMP).  Bodies test for unit/zero inner strides so the
-// compiler vectorises the common cases.
+// is one long run (split into chunks for the thread pool, parallel.h).  Bodies test for unit/zero
+// inner strides so the compiler vectorises the common cases.
 #pragma once
 
 #include <algorithm>
@@ -15,14 +15,11 @@
 #include <vector>
 
 #include "../tensor.h"
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "parallel.h"
 
 namespace bt::cpu {
 
-constexpr int64_t kChunk = 16384;        // elements per OpenMP work item
+constexpr int64_t kChunk = 16384;        // elements per work item
 constexpr int64_t kParallelMin = 32768;  // below this many elements run serially
 
 template <size_t N, typename Body>
@@ -95,33 +92,32 @@ void for_each_strided(const Shape& shape_in, const std::array<Strides, N>& strid
     body(off, n, instr);
   };
   const int64_t total = rows * inner;
-#ifdef _OPENMP
-  if (total >= kParallelMin && units > 1) {
-#pragma omp parallel for schedule(static)
-    for (int64_t u = 0; u < units; ++u) run(u);
-    return;
-  }
-#endif
-  (void)total;
-  for (int64_t u = 0; u < units; ++u) run(u);
+  // Work items of at least kChunk elements each (whole rows when rows are short).
+  const int64_t grain = total >= kParallelMin ? std::max<int64_t>(1, kChunk / std::min(inner, kChunk))
+                                              : units;
+  parallel_ranges(units, grain, [&](int64_t b, int64_t e) {
+    for (int64_t u = b; u < e; ++u) run(u);
+  });
 }
 
-// Parallel loop over [0, n) for row-wise kernels; `grain` rows per work item at least.
+// Parallel loop over [0, n) for row-wise kernels: f(i) for each item, each about
+// `work_per_item` elements of work; serial below kParallelMin in all, else ranges of at least
+// kChunk / 2 elements of work.
 template <typename F>
 void parallel_for(int64_t n, int64_t work_per_item, F&& f) {
-#ifdef _OPENMP
-  if (n > 1 && n * work_per_item >= kParallelMin) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) f(i);
-    return;
-  }
-#endif
-  (void)work_per_item;
-  for (int64_t i = 0; i < n; ++i) f(i);
+  const int64_t w = std::max<int64_t>(work_per_item, 1);
+  const int64_t grain = n * w >= kParallelMin ? std::max<int64_t>(1, kChunk / 2 / w) : n;
+  parallel_ranges(n, grain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) f(i);
+  });
 }
 
 // Raw helpers that bypass autograd and capture (kernels only).
 Tensor contiguous_raw(const Tensor& t);               // t itself when already contiguous
 void copy_raw(const Tensor& dst, const Tensor& src);  // same shape; casts; any strides
+// o[i] = tanh(a[i]), the Tanh op's own contiguous loop (so a fused kernel gets its bits);
+// T: float, double, bfloat16, float16.
+template <typename T>
+void tanh_raw(const T* a, T* o, int64_t n);
 
 }  // namespace bt::cpu

@@ -1,78 +1,17 @@
-// cpu/nn.cpp: softmax / log_softmax (last dim), layer_norm and fused cross_entropy on the CPU.
-// Row-wise kernels, OpenMP over rows; statistics in double (float32 inputs) so results match a
-// float64 reference to float32 rounding.
+// cpu/nn.cpp: softmax / log_softmax (last dim) and fused cross_entropy on the CPU (layer_norm:
+// norm.cpp). Row-wise kernels, rows split across the thread pool; statistics in double (float32
+// inputs) so results match a float64 reference to float32 rounding.
 #include <cmath>
 #include <limits>
 
 #include "../primitives.h"
-#include "fastmath.h"
 #include "loops.h"
+#include "softmax_kernels.h"
 
 namespace bt {
 
 using cpu::contiguous_raw;
-
-// exp in the compute type: the vectorisable float32 version for 16/32-bit inputs.
-inline float exp_c(float x) { return cpu::fast_exp(x); }
-inline double exp_c(double x) { return std::exp(x); }
-
-// Row statistics with kLanes independent accumulators (a fixed order: deterministic) so the
-// compiler vectorises them; a single running max or sum is a dependency chain it must keep
-// scalar.  Max ignores NaN like std::max(m, v); exp sums accumulate in double.
-constexpr int kLanes = 8;
-
-template <typename A, typename T>
-BT_CPU_CLONES A row_max(const T* p, int64_t C) {
-  A m[kLanes];
-  for (int k = 0; k < kLanes; ++k) m[k] = -std::numeric_limits<A>::infinity();
-  int64_t i = 0;
-  for (; i + kLanes <= C; i += kLanes) {
-    for (int k = 0; k < kLanes; ++k) {
-      const A v = static_cast<A>(p[i + k]);
-      m[k] = v > m[k] ? v : m[k];
-    }
-  }
-  for (; i < C; ++i) m[0] = std::max<A>(m[0], static_cast<A>(p[i]));
-  A r = m[0];
-  for (int k = 1; k < kLanes; ++k) r = std::max<A>(r, m[k]);
-  return r;
-}
-
-// sum(exp(p[i] - m)) in double; with `sum_x`, also sum(p[i]) (label smoothing).
-template <typename A, typename T>
-BT_CPU_CLONES double row_exp_sum(const T* p, int64_t C, A m, double* sum_x = nullptr) {
-  double s[kLanes] = {}, sx[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= C; i += kLanes) {
-    for (int k = 0; k < kLanes; ++k) {
-      const A v = static_cast<A>(p[i + k]);
-      s[k] += static_cast<double>(exp_c(v - m));
-      sx[k] += static_cast<double>(v);
-    }
-  }
-  for (; i < C; ++i) {
-    s[0] += static_cast<double>(exp_c(static_cast<A>(p[i]) - m));
-    sx[0] += static_cast<double>(p[i]);
-  }
-  double r = 0, rx = 0;
-  for (int k = 0; k < kLanes; ++k) {
-    r += s[k];
-    rx += sx[k];
-  }
-  if (sum_x) *sum_x = rx;
-  return r;
-}
-
-// q = exp(p - m) * inv (softmax) or (p - m) - log(s) (log_softmax: m + log(s) first would round
-// log(s) away for a large m), one row.
-template <typename A, typename T>
-BT_CPU_CLONES void softmax_row_out(const T* p, T* q, int64_t C, A m, A inv, A log_s, bool lg) {
-  if (lg) {
-    for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>((static_cast<A>(p[i]) - m) - log_s);
-  } else {
-    for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>(exp_c(static_cast<A>(p[i]) - m) * inv);
-  }
-}
+using namespace cpu::softmax;
 
 void Softmax::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   Tensor x = contiguous_raw(in[0]);
@@ -89,54 +28,15 @@ void Softmax::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) 
       T* q = o + r * C;
       A m = row_max<A>(p, C);
       if (std::isinf(m) && m < 0) m = 0;  // an all -inf row gives nan (softmax), -inf (log)
+      if constexpr (std::is_same_v<T, float>) {
+        if (!lg) {  // float32: each exp once, kept in the output (softmax_row_store)
+          const double s = row_exp_sum_store(p, q, C, m);
+          scale_row(q, C, static_cast<float>(1.0 / s));
+          return;
+        }
+      }
       const double s = row_exp_sum<A>(p, C, m);
       softmax_row_out<A>(p, q, C, m, static_cast<A>(1.0 / s), static_cast<A>(std::log(s)), lg);
-    });
-  });
-}
-
-void LayerNorm::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-  Tensor x = contiguous_raw(in[0]);
-  Tensor w = has_weight ? contiguous_raw(in[1]) : Tensor();
-  Tensor b = has_bias ? contiguous_raw(in[2]) : Tensor();
-  const int64_t C = x.shape().back();
-  const int64_t rows = C ? x.numel() / C : 0;
-  dispatch_float(x.dtype(), name(), [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    // y: T, or 16-bit over float32 rows (Note [float32 residual stream], nn_fused.h)
-    dispatch_same_or_half<T>(out[0].dtype(), name(), [&](auto otag) {
-      using O = typename decltype(otag)::type;
-      dispatch_float(out[1].dtype(), name(), [&](auto stag) {
-        using S = typename decltype(stag)::type;
-        const T* xp = static_cast<const T*>(x.data_ptr(name()));
-        const T* wp = has_weight ? static_cast<const T*>(w.data_ptr(name())) : nullptr;
-        const T* bp = has_bias ? static_cast<const T*>(b.data_ptr(name())) : nullptr;
-        O* y = static_cast<O*>(out[0].data_ptr(name()));
-        S* mean_o = static_cast<S*>(out[1].data_ptr(name()));
-        S* rstd_o = static_cast<S*>(out[2].data_ptr(name()));
-        const double e = eps;
-        cpu::parallel_for(rows, C, [&](int64_t r) {
-          const T* p = xp + r * C;
-          double s = 0;
-          for (int64_t i = 0; i < C; ++i) s += static_cast<double>(p[i]);
-          const double mean = s / static_cast<double>(C);
-          double ss = 0;
-          for (int64_t i = 0; i < C; ++i) {
-            const double d = static_cast<double>(p[i]) - mean;
-            ss += d * d;
-          }
-          const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(C) + e);
-          mean_o[r] = static_cast<S>(mean);
-          rstd_o[r] = static_cast<S>(rstd);
-          O* q = y + r * C;
-          for (int64_t i = 0; i < C; ++i) {
-            double v = (static_cast<double>(p[i]) - mean) * rstd;
-            if (wp) v *= static_cast<double>(wp[i]);
-            if (bp) v += static_cast<double>(bp[i]);
-            q[i] = static_cast<O>(v);
-          }
-        });
-      });
     });
   });
 }

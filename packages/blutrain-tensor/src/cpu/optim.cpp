@@ -1,17 +1,15 @@
-// cpu/optim.cpp: CPU kernels of the multi-tensor optimizer primitives (optim.h): OpenMP loops
-// over (tensor, chunk) work items, the same arithmetic (operation for operation, no FMA) as the
-// CUDA kernels, so both backends give the same bits for float32.
+// cpu/optim.cpp: CPU kernels of the multi-tensor optimizer primitives (optim.h): parallel loops
+// over (tensor, chunk) work items, the same arithmetic (operation for operation, no FMA: this
+// file is compiled with -ffp-contract=off) as the CUDA kernels, so both backends give the same
+// bits for float32.
 #include "../optim.h"
 
 #include <cmath>
 #include <vector>
 
 #include "../backend.h"
+#include "fastmath.h"  // BT_CPU_CLONES
 #include "loops.h"
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 namespace bt {
 
@@ -32,6 +30,45 @@ std::vector<WorkItem> work_items(const std::vector<Tensor>& in, size_t n) {
 }
 
 float read_scalar(const Tensor& t) { return *t.data<float>("optim"); }
+
+// One work item of AdamW, vectorised by BT_CPU_CLONES; this file is compiled with
+// -ffp-contract=off, so every product and sum rounds as in the scalar original (and the CUDA
+// kernel): the same bits.
+template <bool SCALE, bool DECAY, typename T, typename S, typename M>
+BT_CPU_CLONES void adamw_range(T* p, const T* g, S* m, S* v, int64_t j0, int64_t j1, M gscale,
+                               M dfac, M b1c, M b2, M b2c, M b2s, M eps_m, M step_size) {
+  for (int64_t j = j0; j < j1; ++j) {
+    M pj = static_cast<M>(p[j]);
+    M gj = static_cast<M>(g[j]);
+    if constexpr (SCALE) gj = gj * gscale;
+    if constexpr (DECAY) pj = pj * dfac;
+    M mj = static_cast<M>(m[j]);
+    M vj = static_cast<M>(v[j]);
+    mj = mj + (gj - mj) * b1c;
+    vj = vj * b2 + (gj * gj) * b2c;
+    const M denom = std::sqrt(vj) / b2s + eps_m;
+    pj = pj - (mj / denom) * step_size;
+    m[j] = static_cast<S>(mj);
+    v[j] = static_cast<S>(vj);
+    p[j] = static_cast<T>(pj);
+  }
+}
+
+// Sums of squares of K equal-length chunks side by side: each chunk's sum in its own order (one
+// dependent add an element), K chains overlapping.
+template <int K, typename T>
+void sum_squares(const T* const* g, int64_t len, compute_t<T>* out) {
+  using A = compute_t<T>;
+  A s[K];
+  for (int k = 0; k < K; ++k) s[k] = 0;
+  for (int64_t j = 0; j < len; ++j) {
+    for (int k = 0; k < K; ++k) {
+      const A x = static_cast<A>(g[k][j]);
+      s[k] += x * x;
+    }
+  }
+  for (int k = 0; k < K; ++k) out[k] = s[k];
+}
 
 }  // namespace
 
@@ -54,8 +91,7 @@ void AdamW::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>&) {
     const M gscale = static_cast<M>(scale_f);
     const bool use_scale = has_scale;
     const int64_t count = static_cast<int64_t>(items.size());
-#pragma omp parallel for schedule(static) if (count > 1)
-    for (int64_t w = 0; w < count; ++w) {
+    cpu::parallel_for(count, kOptimChunk, [&](int64_t w) {
       const WorkItem it = items[w];
       T* p = in[it.t].data<T>("adamw_");
       const T* g = in[n + it.t].data<T>("adamw_");
@@ -64,22 +100,20 @@ void AdamW::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>&) {
       const double wd = weight_decays[it.t];
       const bool decay = wd != 0;
       const M dfac = static_cast<M>(1.0 - lr_v * wd);
-      for (int64_t j = it.start; j < it.end; ++j) {
-        M pj = static_cast<M>(p[j]);
-        M gj = static_cast<M>(g[j]);
-        if (use_scale) gj = gj * gscale;
-        if (decay) pj = pj * dfac;
-        M mj = static_cast<M>(m[j]);
-        M vj = static_cast<M>(v[j]);
-        mj = mj + (gj - mj) * b1c;
-        vj = vj * b2 + (gj * gj) * b2c;
-        const M denom = std::sqrt(vj) / b2s + eps_m;
-        pj = pj - (mj / denom) * step_size;
-        m[j] = static_cast<S>(mj);
-        v[j] = static_cast<S>(vj);
-        p[j] = static_cast<T>(pj);
+#define BT_ADAMW(SC, DC)                                                                   \
+  adamw_range<SC, DC>(p, g, m, v, it.start, it.end, gscale, dfac, b1c, b2, b2c, b2s, eps_m, \
+                      step_size)
+      if (use_scale && decay) {
+        BT_ADAMW(true, true);
+      } else if (use_scale) {
+        BT_ADAMW(true, false);
+      } else if (decay) {
+        BT_ADAMW(false, true);
+      } else {
+        BT_ADAMW(false, false);
       }
-    }
+#undef BT_ADAMW
+    });
   });
   // The kept 16-bit casts (Note [cached casts]): astype's own conversion, so the same bits.
   for (size_t i = 0; has_copies && i < n; ++i) {
@@ -93,21 +127,45 @@ void GradNorm::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out)
   const std::vector<WorkItem> items = work_items(in, in.size());
   std::vector<double> partial(items.size(), 0.0);
   const int64_t count = static_cast<int64_t>(items.size());
-#pragma omp parallel for schedule(static) if (count > 1)
-  for (int64_t w = 0; w < count; ++w) {
-    const WorkItem it = items[w];
-    dispatch_float(in[it.t].dtype(), "grad_norm", [&](auto tag) {
+  // Groups of kGroup whole chunks of one dtype run their sums side by side (sum_squares).
+  constexpr int kGroup = 8;
+  auto whole_group = [&](int64_t w) {
+    if (w + kGroup > count) return false;
+    for (int64_t k = w; k < w + kGroup; ++k) {
+      if (items[k].end - items[k].start != kOptimChunk ||
+          in[items[k].t].dtype() != in[items[w].t].dtype()) {
+        return false;
+      }
+    }
+    return true;
+  };
+  const int64_t groups = (count + kGroup - 1) / kGroup;
+  cpu::parallel_for(groups, kGroup * kOptimChunk, [&](int64_t grp) {
+    const int64_t w0 = grp * kGroup, w1 = std::min(count, w0 + kGroup);
+    dispatch_float(in[items[w0].t].dtype(), "grad_norm", [&](auto tag) {
       using T = typename decltype(tag)::type;
       using A = compute_t<T>;
-      const T* g = in[it.t].data<T>("grad_norm");
-      A s = 0;
-      for (int64_t j = it.start; j < it.end; ++j) {
-        const A x = static_cast<A>(g[j]);
-        s += x * x;
+      if (whole_group(w0)) {
+        const T* g[kGroup];
+        A s[kGroup];
+        for (int k = 0; k < kGroup; ++k) {
+          g[k] = in[items[w0 + k].t].data<T>("grad_norm") + items[w0 + k].start;
+        }
+        sum_squares<kGroup>(g, kOptimChunk, s);
+        for (int k = 0; k < kGroup; ++k) partial[w0 + k] = static_cast<double>(s[k]);
+        return;
       }
-      partial[w] = static_cast<double>(s);
+      for (int64_t w = w0; w < w1; ++w) {
+        dispatch_float(in[items[w].t].dtype(), "grad_norm", [&](auto tag1) {
+          using T1 = typename decltype(tag1)::type;
+          const T1* g1[1] = {in[items[w].t].data<T1>("grad_norm") + items[w].start};
+          compute_t<T1> s1[1];
+          sum_squares<1>(g1, items[w].end - items[w].start, s1);
+          partial[w] = static_cast<double>(s1[0]);
+        });
+      }
     });
-  }
+  });
   double total = 0;
   for (double s : partial) total += s;
   const double norm = std::sqrt(total);
@@ -137,8 +195,7 @@ void ScaleInplace::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>&)
   const float coef = read_scalar(in[n]);
   const std::vector<WorkItem> items = work_items(in, n);
   const int64_t count = static_cast<int64_t>(items.size());
-#pragma omp parallel for schedule(static) if (count > 1)
-  for (int64_t w = 0; w < count; ++w) {
+  cpu::parallel_for(count, kOptimChunk, [&](int64_t w) {
     const WorkItem it = items[w];
     dispatch_float(in[it.t].dtype(), "scale_", [&](auto tag) {
       using T = typename decltype(tag)::type;
@@ -147,7 +204,7 @@ void ScaleInplace::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>&)
       const M c = static_cast<M>(static_cast<T>(coef));
       for (int64_t j = it.start; j < it.end; ++j) g[j] = static_cast<T>(static_cast<M>(g[j]) * c);
     });
-  }
+  });
 }
 
 #ifndef BT_WITH_CUDA

@@ -1,6 +1,6 @@
 // cpu/reduce.cpp: reductions (sum, mean, max, min, var, argmax, argmin) on the CPU.
-// One output element per work item (OpenMP over outputs); the reduced dims are walked with their
-// own strides, so no copy is made.  Floats accumulate in double, ints in int64.
+// One output element per work item (ranges of outputs on the thread pool); the reduced dims are
+// walked with their own strides, so no copy is made.  Floats accumulate in double, ints in int64.
 #include <cmath>
 #include <limits>
 
@@ -126,6 +126,44 @@ void Reduce::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
       O* o = static_cast<O*>(out[0].data_ptr(name()));
       const ReduceOp rop = op;
       const double corr = correction;
+      auto store_sum = [&](int64_t i, A acc) {
+        if (rop == ReduceOp::Mean) {
+          o[i] = static_cast<O>(static_cast<double>(acc) / static_cast<double>(g.R));
+        } else {
+          o[i] = static_cast<O>(static_cast<compute_t<O>>(acc));
+        }
+      };
+      if ((rop == ReduceOp::Sum || rop == ReduceOp::Mean) && g.rshape.size() == 1) {
+        // One reduced dim (a row sum): kSums outputs' sums side by side, each in its own order
+        // (a single running sum is a chain of dependent adds).
+        constexpr int kSums = 8;
+        const int64_t R = g.R, st = g.rstride[0];
+        const int64_t grain = std::max<int64_t>(1, cpu::kChunk / std::max<int64_t>(R, 1));
+        auto rows = [&](int64_t i0, int64_t i1) {
+          int64_t i = i0;
+          for (; i + kSums <= i1; i += kSums) {
+            const T* p[kSums];
+            A acc[kSums];
+            for (int k = 0; k < kSums; ++k) {
+              p[k] = xb + kept_offset(g, i + k);
+              acc[k] = 0;
+            }
+            for (int64_t j = 0; j < R; ++j) {
+              for (int k = 0; k < kSums; ++k)
+                acc[k] += static_cast<A>(static_cast<C>(p[k][j * st]));
+            }
+            for (int k = 0; k < kSums; ++k) store_sum(i + k, acc[k]);
+          }
+          for (; i < i1; ++i) {  // the last < kSums outputs of the range
+            const T* q = xb + kept_offset(g, i);
+            A acc = 0;
+            for (int64_t j = 0; j < R; ++j) acc += static_cast<A>(static_cast<C>(q[j * st]));
+            store_sum(i, acc);
+          }
+        };
+        cpu::parallel_ranges(g.nout, g.nout * R >= cpu::kParallelMin ? grain : g.nout, rows);
+        return;
+      }
       cpu::parallel_for(g.nout, g.R, [&](int64_t i) {
         const T* base = xb + kept_offset(g, i);
         if (rop == ReduceOp::Sum || rop == ReduceOp::Mean) {

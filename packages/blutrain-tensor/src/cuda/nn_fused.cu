@@ -156,6 +156,11 @@ void layernorm_backward_mixed(const LayerNormBackward& p, const std::vector<Tens
 using namespace cuda;
 using namespace cuda::nn;
 
+// The CPU's one-pass form of the composition (Note [gelu backward]); CUDA runs the composed ops.
+void GeluTanhBackward::eval_gpu(const std::vector<Tensor>&, std::vector<Tensor>&) {
+  throw RuntimeError("[gelu_tanh_backward] internal: a CPU-only primitive reached the GPU");
+}
+
 void SoftmaxBackward::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   const Tensor& y0 = in[0];
   const int64_t C = y0.ndim() ? y0.shape().back() : 1;

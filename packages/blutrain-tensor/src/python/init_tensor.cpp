@@ -16,6 +16,7 @@
 #include "../autograd.h"
 #include "../backend.h"
 #include "../capture.h"
+#include "../cpu/parallel.h"
 #include "../ops.h"
 #include "blutrain/tensor.h"
 #include "init.h"
@@ -784,6 +785,7 @@ NB_MODULE(_tensor, m) {
       lh.unavailable_reason = nb::cast<std::string>(nb::steal(bt_capi_take_error_message()));
     }
     set_linalg_hooks(lh);
+    cpu::attach_blas();  // one thread budget: OpenBLAS's jobs run on our pool
   }
   m.attr("_C_API") = nb::capsule(&g_api, BT_TENSOR_CAPSULE_NAME);
   m.attr("ABI_VERSION") = BT_TENSOR_ABI_VERSION;
@@ -793,6 +795,26 @@ NB_MODULE(_tensor, m) {
   m.def(
       "_linalg_unavailable_reason", []() { return linalg_hooks().unavailable_reason; },
       "Why blutrain-linalg could not be imported ('' when it was).");
+  m.def(
+      "set_num_threads",
+      [](int64_t n) {
+        if (n < 1 || n > 4096) {
+          throw ValueError("[set_num_threads] n must be between 1 and 4096, got " +
+                           std::to_string(n) + " (bt.available_cpus() is " +
+                           std::to_string(cpu::available_cpus()) + ")");
+        }
+        cpu::set_num_threads(static_cast<int>(n));
+      },
+      "n"_a,
+      "Sets the CPU thread budget: the threads that run an op's parallel loops, and a CPU GEMM's\n"
+      "(OpenBLAS runs its jobs on the same pool), the calling thread included. The default is\n"
+      "$OMP_NUM_THREADS when set, else available_cpus(). Results do not depend on it.");
+  m.def("get_num_threads", &cpu::num_threads, "The CPU thread budget (see set_num_threads).");
+  m.def("available_cpus", &cpu::available_cpus,
+        "CPUs this process may use: its affinity mask (os.sched_getaffinity), capped by its\n"
+        "cgroup CPU quota rounded up (a container's --cpus); not the host's count.");
+  m.def("_cgroup_cpus", &cpu::cgroup_cpus, "self_cgroup"_a, "root"_a,
+        "The cgroup CPU quota in CPUs, rounded up (0: none), read from these paths (tests).");
   m.def("cuda_built", &backend::cuda_built, "Whether this build has the CUDA backend.");
   m.def("cuda_device_count", &backend::cuda_device_count, "Number of usable CUDA devices.");
 

@@ -2,8 +2,8 @@
 
 Each subcommand is a `Command` in COMMANDS: a name, a help line, a function that adds its
 arguments to an argparse subparser, and a function that runs it. A verb that runs tensors
-(all but `prepare`) first calls `start(threads)`: the CPU threads are set, then blutrain-tensor
-is imported and checked, before the verb reads a model or writes anything. `train`'s flags are
+(all but `prepare`) first calls `start(threads)`: blutrain-tensor is imported and checked,
+then the CPU threads are set, before the verb reads a model or writes anything. `train`'s flags are
 made from TrainConfig's fields by `add_config_flags` (name, type, default and help written once,
 in train_config.py).
 
@@ -146,13 +146,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def start(threads: int) -> None:
-    """What every verb that runs tensors does first: set the CPU threads (OpenMP reads them
-    once, when blutrain.tensor is imported), then import blutrain.tensor through models._tensor,
-    so a missing, too old or misconfigured one stops the verb here (see main)."""
+    """What every verb that runs tensors does first: import blutrain.tensor through
+    models._tensor, so a missing, too old or misconfigured one stops the verb here (see main),
+    then set the CPU thread budget that the op loops and the BLAS share."""
+    from . import _tensor  # noqa: F401
     from .device import set_threads
 
     set_threads(threads)
-    from . import _tensor  # noqa: F401
 
 
 # -- train ---------------------------------------------------------------------------------------
@@ -199,7 +199,7 @@ def _model_source_arguments(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=bounded(int, lo=0),
         default=0,
-        help="CPU threads (0: $OMP_NUM_THREADS, else all cores but one)",
+        help="CPU threads (0: $OMP_NUM_THREADS, else all usable CPUs)",
     )
 
 
@@ -373,7 +373,7 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=bounded(int, lo=0),
         default=0,
-        help="CPU threads (0: $OMP_NUM_THREADS, else all cores but one)",
+        help="CPU threads (0: $OMP_NUM_THREADS, else all usable CPUs)",
     )
     p.add_argument(
         "--gemm-autotune",

@@ -1,15 +1,14 @@
 """Where a run executes: CPU threads, the device, precision and recomputation defaults, memory
 and the peak FLOP/s that MFU is measured against.
 
-`set_threads` runs before blutrain.tensor is imported (OpenMP reads its setting once); the rest
-load blutrain.tensor when called.
+Every function loads blutrain.tensor when called; `set_threads` sets the one CPU thread budget
+(op loops and BLAS) at any time.
 """
 
 from __future__ import annotations
 
 import os
 import resource
-import sys
 
 # Dense peak FLOP/s for MFU, by device name substring and precision (no sparsity).
 _PEAK_FLOPS = {
@@ -20,35 +19,32 @@ _PEAK_FLOPS = {
 
 
 def set_threads(n: int = 0) -> int:
-    """Set the CPU threads of blutrain.tensor's OpenMP loops and of the BLAS under linalg.
+    """Set the process's CPU thread budget (bt.set_num_threads) and return it.
 
-    n = 0 means automatic: OMP_NUM_THREADS when the user set it, else all cores but one. Why
-    not all: blutrain.tensor's OpenMP pool and OpenBLAS's pthread pool (under blutrain-linalg)
-    each start n spinning threads, and every op ends at a barrier, so any oversubscription
-    stalls. Measured on a 2-core machine, default GPT-2 step: 1 + 1 threads 0.78 s; 2 + 2
-    threads 1.1-1.5 s when idle and 2-10 s with one other busy process. OpenMP reads its
-    setting once, when blutrain.tensor is first imported: call this before. Returns the count.
+    One budget for everything: blutrain.tensor's op loops and the BLAS under blutrain-linalg
+    run on one pool of n threads (a GEMM gets all n while the op loops are idle, and the
+    reverse), so adding a thread never oversubscribes the cores. n = 0 means automatic:
+    OMP_NUM_THREADS when the user set it, else every CPU this process may use
+    (bt.available_cpus(): its affinity mask, capped by its cgroup CPU quota). Callable at any
+    time, before or after blutrain.tensor is imported.
     """
-    auto = n <= 0
-    if auto:
-        if os.environ.get("OMP_NUM_THREADS"):
-            return int(os.environ["OMP_NUM_THREADS"])
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
-        n = max(1, cores - 1)
-    if "blutrain.tensor" in sys.modules:
-        if not auto:
-            print(
-                f"[train] threads={n}: blutrain.tensor is already imported, so OpenMP keeps its "
-                "thread count; set OMP_NUM_THREADS before starting Python",
-                file=sys.stderr,
-            )
-        return n
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ[var] = str(n)
+    from ._tensor import bt
+
+    if n <= 0:
+        env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+        n = int(env) if env.isdigit() and int(env) > 0 else bt.available_cpus()
+    bt.set_num_threads(n)
     return n
+
+
+def threads_note(device: str) -> str:
+    """The CPU run's first log line's ", 2 threads of 2 CPUs" ("" on a GPU)."""
+    if is_cuda(device):
+        return ""
+    from ._tensor import bt
+
+    n, cpus = bt.get_num_threads(), bt.available_cpus()
+    return f", {n} thread{'s' if n != 1 else ''} of {cpus} CPU{'s' if cpus != 1 else ''}"
 
 
 def is_cuda(device: str) -> bool:

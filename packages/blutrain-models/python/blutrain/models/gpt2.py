@@ -27,6 +27,7 @@ import contextlib
 import functools
 import math
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -294,47 +295,128 @@ class _Transformer(_Precision, bt.nn.Module):
         self.ln_f = bt.nn.LayerNorm(C, eps=config.layer_norm_epsilon)
 
 
+_ROW_BLOCK = 16  # rows a numpy call handles at once (GPT-2's: 3.2 MB, cache-sized passes)
+_row_pool: Any = None  # (threads, ThreadPoolExecutor) of _parallel_rows
+
+
+def _parallel_rows(n_rows: int, fn: Any) -> None:
+    """fn(r0, r1) over blocks of _ROW_BLOCK rows, the blocks split into bt.get_num_threads()
+    contiguous shares run on that many threads (numpy releases the GIL in its loops; blutrain's
+    own pool is idle meanwhile, so the thread budget holds). fn must compute each row alone:
+    results do not depend on the split."""
+    global _row_pool
+    blocks = -(-n_rows // _ROW_BLOCK)
+    threads = max(1, min(bt.get_num_threads(), blocks))
+
+    def run(b0: int, b1: int) -> None:
+        for b in range(b0, b1):
+            fn(b * _ROW_BLOCK, min(n_rows, (b + 1) * _ROW_BLOCK))
+
+    if threads == 1:
+        run(0, blocks)
+        return
+    if _row_pool is None or _row_pool[0] < threads - 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if _row_pool is not None:
+            _row_pool[1].shutdown(wait=False)
+        _row_pool = (threads - 1, ThreadPoolExecutor(threads - 1, thread_name_prefix="bt-rows"))
+    cuts = [blocks * i // threads for i in range(threads + 1)]
+    futures = [_row_pool[1].submit(run, cuts[i], cuts[i + 1]) for i in range(1, threads)]
+    run(cuts[0], cuts[1])
+    for f in futures:
+        f.result()
+
+
+_scratch = threading.local()  # per thread: a (_ROW_BLOCK, V) float32 block of exponentials
+
+
+def _exp_block(rows: int, V: int) -> np.ndarray:
+    buf = getattr(_scratch, "e", None)
+    if buf is None or buf.shape[1] != V:
+        buf = _scratch.e = np.empty((_ROW_BLOCK, V), np.float32)
+    return buf[:rows]
+
+
 class _HeadCrossEntropyCPU(bt.Function):
     """Mean cross-entropy of (N, Vp) head outputs over their first V columns, on the CPU.
 
     Why not bt.cross_entropy: on GPT-2's 50,257-wide rows its CPU kernel plus its composed
-    backward (about eight full (N, V) passes) take 0.48 s on 2 threads and 0.96 s on 1 for
+    backward (about eight full (N, V) passes) took 0.48 s on 2 threads and 0.96 s on 1 for
     N=1024, this numpy version 0.18 s, and the head's loss is a large part of a small model's
     step. Same math: float32 exp, float32 pairwise sums, the mean in float64; the gradient
     (softmax - onehot) / n_valid is zero in the padding columns and the ignored rows. Other
     devices and dtypes use bt.cross_entropy.
+
+    How it runs: blocks of rows on all the budget's threads (_parallel_rows), each block's
+    exponentials in a cache-sized scratch; each row's numbers are those of whole-array numpy
+    calls. When a gradient will be needed, the forward also writes it for an upstream gradient
+    of 1 (what loss.backward() sends) while the block is in cache, into a buffer from
+    blutrain.alloc's cache (fresh numpy arrays of this size were fresh kernel pages every step);
+    backward hands that over, or recomputes it from the kept logits for any other upstream
+    gradient or a second backward (retain_graph). Memory: the logits and the gradient from
+    forward to backward, as the exponentials and the gradient were before.
     """
 
     @staticmethod
+    def _pass(ctx, scale: float, d: np.ndarray | None, need_s: bool) -> None:
+        x, m, s, V = ctx.x, ctx.m, ctx.s, ctx.V
+
+        def block(r0: int, r1: int) -> None:
+            if need_s:
+                np.max(x[r0:r1], axis=1, keepdims=True, out=m[r0:r1])
+            e = _exp_block(r1 - r0, V)
+            np.subtract(x[r0:r1], m[r0:r1], out=e)
+            np.exp(e, out=e)
+            if need_s:
+                np.sum(e, axis=1, keepdims=True, out=s[r0:r1])
+            if d is not None:
+                np.multiply(e, (scale / s[r0:r1]).astype(np.float32), out=d[r0:r1, :V])
+                if V != d.shape[1]:
+                    d[r0:r1, V:] = 0
+
+        _parallel_rows(x.shape[0], block)
+        if d is not None:
+            d[ctx.rows, ctx.tv] -= np.float32(scale)
+            d[~ctx.valid] = 0
+
+    @staticmethod
     def forward(ctx, logits, targets, V):
-        x = logits.detach().numpy()[:, :V]
+        ctx.x = x = logits.detach().numpy()[:, :V]
         t = targets.detach().numpy()
         N = x.shape[0]
-        valid = t != IGNORE_INDEX
-        rows = np.arange(N)[valid]
-        tv = t[valid]
-        m = x.max(axis=1, keepdims=True)
-        e = np.subtract(x, m)
-        np.exp(e, out=e)
-        s = e.sum(axis=1, keepdims=True)
-        lse = m[:, 0].astype(np.float64) + np.log(s[:, 0].astype(np.float64))
-        n = int(valid.sum())
-        loss = float((lse[valid] - x[rows, tv].astype(np.float64)).sum() / n) if n else math.nan
-        ctx.e, ctx.s, ctx.rows, ctx.tv, ctx.n = e, s, rows, tv, n
-        ctx.shape, ctx.valid = tuple(logits.shape), valid
+        ctx.V, ctx.valid = V, t != IGNORE_INDEX
+        ctx.rows, ctx.tv = np.arange(N)[ctx.valid], t[ctx.valid]
+        ctx.n = n = int(ctx.valid.sum())
+        ctx.m, ctx.s = np.empty((N, 1), np.float32), np.empty((N, 1), np.float32)
+        ctx.d = None
+        if ctx.needs_input_grad[0]:
+            ctx.logits = logits  # kept for a backward that cannot use the gradient made here
+            ctx.scale = 1.0 / n if n else 0.0
+            ctx.d = bt.empty(*logits.shape)
+        _HeadCrossEntropyCPU._pass(
+            ctx,
+            ctx.scale if ctx.d is not None else 0.0,
+            ctx.d.numpy() if ctx.d is not None else None,
+            True,
+        )
+        lse = ctx.m[:, 0].astype(np.float64) + np.log(ctx.s[:, 0].astype(np.float64))
+        loss = (
+            float((lse[ctx.valid] - x[ctx.rows, ctx.tv].astype(np.float64)).sum() / n)
+            if n
+            else math.nan
+        )
         return bt.tensor(np.array(loss, dtype=np.float32))
 
     @staticmethod
     def backward(ctx, g):
         scale = float(g.item()) / ctx.n if ctx.n else 0.0
-        e, V = ctx.e, ctx.e.shape[1]
-        # d = e * scale / s, written once into the (padded) output; e stays intact so a
-        # backward with retain_graph=True can run again
-        d = np.zeros(ctx.shape, dtype=np.float32) if V != ctx.shape[1] else np.empty_like(e)
-        np.multiply(e, (scale / ctx.s).astype(np.float32), out=d[:, :V])
-        d[ctx.rows, ctx.tv] -= np.float32(scale)
-        d[~ctx.valid] = 0
-        return bt.from_numpy(d), None, None
+        d, ctx.d = ctx.d, None  # the forward's gradient serves one backward at most
+        if d is not None and scale == ctx.scale:
+            return d, None, None
+        d = bt.empty(*ctx.logits.shape)
+        _HeadCrossEntropyCPU._pass(ctx, scale, d.numpy(), False)
+        return d, None, None
 
 
 class GPT2(_Precision, bt.nn.Module):

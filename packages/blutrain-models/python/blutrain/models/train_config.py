@@ -162,7 +162,7 @@ class TrainConfig:
         "on a GPU, time cuBLASLt's algorithms for each GEMM shape once and keep the fastest "
         "(cached in ~/.cache/blutrain)",
     )
-    threads: int = _opt(0, "CPU threads (0: $OMP_NUM_THREADS, else all cores but one)", min=0)
+    threads: int = _opt(0, "CPU threads (0: $OMP_NUM_THREADS, else all usable CPUs)", min=0)
     seed: int = _opt(1337, "random seed (initialization and data order)", min=0)
     # logging, evaluation, checkpoints
     out_dir: str = _opt(

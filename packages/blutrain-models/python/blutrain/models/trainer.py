@@ -57,6 +57,7 @@ from .device import (
     resolve_precision,
     resolve_recompute,
     set_threads,
+    threads_note,
 )
 from .process_group import ProcessGroup
 from .run_dir import RunDir
@@ -141,7 +142,7 @@ class Trainer:
         group: ProcessGroup | None = None,
     ) -> None:
         cfg = self.cfg = config
-        set_threads(cfg.threads)  # before blutrain.tensor is imported (if it is not yet)
+        set_threads(cfg.threads)  # the one CPU budget: op loops and BLAS
         # -- checks: nothing is built or written before all of these pass
         if cfg.compile and cfg.step not in ("eager", "compiled"):
             raise ConfigError(
@@ -475,6 +476,7 @@ class Trainer:
         self.run_dir.print(
             f"{_kind(c)} L={c.n_layer} H={c.n_head} C={c.n_embd} T={cfg.seq_len} "
             f"({c.n_params() / 1e6:.2f}M params) on {self.device} ({self.precision}"
+            + threads_note(self.device)
             + (f", recompute {self.model.recompute}" if self.model.recompute != "none" else "")
             + f", {cfg.step_name} step"
             + (f", {self.group.world_size} processes" if self.group.world_size > 1 else "")

@@ -1,0 +1,68 @@
+// cpu/parallel.h: the process's CPU thread budget and the one pool that spends it.
+//
+// Policy. Every parallel CPU loop of blutrain (the op kernels here, and OpenBLAS's GEMM jobs
+// under blutrain-linalg, handed to run_blas_jobs through OpenBLAS's threads callback) runs on one
+// pool of num_threads() - 1 workers plus the calling thread, so the process never has more
+// runnable threads than its budget, and a GEMM gets the whole budget while the op loops are idle
+// (and the reverse). The budget defaults to OMP_NUM_THREADS when set, else available_cpus(): the
+// CPUs of the process's affinity mask, capped by its cgroup CPU quota (not the host's count).
+// A worker spins about kSpinUs after its last job (the next op usually follows within a few
+// microseconds) and then sleeps on a condition variable, so an idle pool costs no core.
+//
+// Results never depend on the thread count: every caller computes each output element (row,
+// chunk) the same way whichever thread runs it (a contract of the kernels, not of the pool).
+//
+// Note [nested and concurrent regions]
+// One region runs at a time. A parallel_for started inside a region (a kernel calling a helper
+// that is itself parallel), or from a second Python thread while another region runs, runs
+// serially on its caller; OpenBLAS's jobs, which wait on each other and so must run at the same
+// time, get temporary threads in that case (correct, only slower).
+//
+// Note [fork]
+// A child forked while the pool exists has none of its threads: the child drops them (leaked,
+// never joined) and starts fresh workers at its first parallel region.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+namespace bt::cpu {
+
+// CPUs this process may run on: the affinity mask, capped by the cgroup (v1 or v2) CPU quota
+// rounded up; at least 1.
+int available_cpus();
+// The CPU limit of the tightest cgroup quota over this process's cgroup and its parents (v1 or
+// v2), rounded up; 0 when none. Arguments: /proc/self/cgroup and /sys/fs/cgroup (tests pass
+// a fake tree).
+int cgroup_cpus(const std::string& self_cgroup, const std::string& root);
+// The budget: threads that run a parallel region (the caller included).
+int num_threads();
+// Sets the budget (n >= 1; the caller checks) and OpenBLAS's thread count with it.
+void set_num_threads(int n);
+// Whether the calling thread is inside a parallel region (a nested one would run serially).
+bool in_parallel_region();
+
+// Calls fn(ctx, begin, end) over contiguous ranges covering [0, n) exactly once, on up to
+// num_threads() threads; ranges are at least `grain` long. Exceptions thrown by fn reach the
+// caller (the first one; the other ranges still run).
+void parallel_ranges(int64_t n, int64_t grain, void (*fn)(void*, int64_t, int64_t), void* ctx);
+
+// OpenBLAS's threads callback (openblas_threads_callback): runs dojob(i, jobs + i * job_size,
+// arg) for i in [0, n) on n threads at once and returns when all are done.
+extern "C" void bt_cpu_run_blas_jobs(int sync, void (*dojob)(int, void*, int), int n,
+                                     size_t job_size, void* jobs, int arg) noexcept;
+// Hands OpenBLAS's threading to bt_cpu_run_blas_jobs through blutrain-linalg (unless
+// BLUTRAIN_BLAS_THREADS=openblas) and sets its thread count to the budget; at module init.
+void attach_blas();
+
+template <typename F>
+void parallel_ranges(int64_t n, int64_t grain, F&& f) {
+  using Fn = std::remove_reference_t<F>;
+  parallel_ranges(
+      n, grain, [](void* c, int64_t b, int64_t e) { (*static_cast<Fn*>(c))(b, e); },
+      const_cast<void*>(static_cast<const void*>(&f)));
+}
+
+}  // namespace bt::cpu

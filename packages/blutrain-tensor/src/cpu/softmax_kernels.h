@@ -1,0 +1,181 @@
+// cpu/softmax_kernels.h: the CPU softmax row kernels, forward (instantiated in nn.cpp, whose
+// BT_CPU_CLONES code contracts multiply-adds on FMA machines, as it always has) and backward
+// (nn_fused.cpp, -ffp-contract=off: the first, baseline-compiled version had no FMA); plain
+// functions over raw rows so bench/cpu_kernels_check.sh can check them bit for bit on every ISA.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "fastmath.h"
+
+namespace bt::cpu::softmax {
+
+// exp in the compute type: the vectorisable float32 version for 16/32-bit inputs.
+inline float exp_c(float x) { return cpu::fast_exp(x); }
+inline double exp_c(double x) { return std::exp(x); }
+
+// Row statistics with kLanes independent accumulators (a fixed order: deterministic) so the
+// compiler vectorises them; a single running max or sum is a dependency chain it must keep
+// scalar.  Max ignores NaN like std::max(m, v); exp sums accumulate in double.
+constexpr int kLanes = 8;
+
+template <typename A, typename T>
+BT_CPU_CLONES A row_max(const T* p, int64_t C) {
+  A m[kLanes];
+  for (int k = 0; k < kLanes; ++k) m[k] = -std::numeric_limits<A>::infinity();
+  int64_t i = 0;
+  for (; i + kLanes <= C; i += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      const A v = static_cast<A>(p[i + k]);
+      m[k] = v > m[k] ? v : m[k];
+    }
+  }
+  for (; i < C; ++i) m[0] = std::max<A>(m[0], static_cast<A>(p[i]));
+  A r = m[0];
+  for (int k = 1; k < kLanes; ++k) r = std::max<A>(r, m[k]);
+  return r;
+}
+
+// sum(exp(p[i] - m)) in double; with `sum_x`, also sum(p[i]) (label smoothing).
+template <typename A, typename T>
+BT_CPU_CLONES double row_exp_sum(const T* p, int64_t C, A m, double* sum_x = nullptr) {
+  double s[kLanes] = {}, sx[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= C; i += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      const A v = static_cast<A>(p[i + k]);
+      s[k] += static_cast<double>(exp_c(v - m));
+      sx[k] += static_cast<double>(v);
+    }
+  }
+  for (; i < C; ++i) {
+    s[0] += static_cast<double>(exp_c(static_cast<A>(p[i]) - m));
+    sx[0] += static_cast<double>(p[i]);
+  }
+  double r = 0, rx = 0;
+  for (int k = 0; k < kLanes; ++k) {
+    r += s[k];
+    rx += sx[k];
+  }
+  if (sum_x) *sum_x = rx;
+  return r;
+}
+
+// q = exp(p - m) * inv (softmax) or (p - m) - log(s) (log_softmax: m + log(s) first would round
+// log(s) away for a large m), one row.
+template <typename A, typename T>
+BT_CPU_CLONES void softmax_row_out(const T* p, T* q, int64_t C, A m, A inv, A log_s, bool lg) {
+  if (lg) {
+    for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>((static_cast<A>(p[i]) - m) - log_s);
+  } else {
+    for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>(exp_c(static_cast<A>(p[i]) - m) * inv);
+  }
+}
+
+// softmax_row_store: for float32 rows, row_exp_sum's sum with each exp(p[i] - m) also stored in
+// q (the same lanes, the same order, the same inlined exp), so the output pass only scales:
+// exp(p - m) * inv rounds as softmax_row_out's did, with half the exponentials.
+// (Templates, like every kernel here: instantiated only in the file that calls them, so a file
+// compiled with other flags never emits a copy the linker could pick instead.)
+template <typename F>
+BT_CPU_CLONES double row_exp_sum_store(const F* p, F* q, int64_t C, F m) {
+  double s[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= C; i += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      const F e = exp_c(p[i + k] - m);
+      q[i + k] = e;
+      s[k] += static_cast<double>(e);
+    }
+  }
+  for (; i < C; ++i) {
+    const F e = exp_c(p[i] - m);
+    q[i] = e;
+    s[0] += static_cast<double>(e);
+  }
+  double r = 0;
+  for (int k = 0; k < kLanes; ++k) r += s[k];
+  return r;
+}
+
+template <typename F>
+BT_CPU_CLONES void scale_row(F* q, int64_t C, F inv) {
+  for (int64_t i = 0; i < C; ++i) q[i] = q[i] * inv;
+}
+
+// ---- backward: dx = y * (dy - sum(dy * y)) (softmax), dy - exp(y) * sum(dy) (log_softmax) ----
+// The sums in double in index order, kRows rows in flight (Note [same bits, faster rows]).
+constexpr int kRows = 4;
+
+template <int K, bool LOG, typename T>
+inline void backward_sums(const T* const* y, const T* const* g, int64_t C, double* s) {
+  double a[K];
+  for (int k = 0; k < K; ++k) a[k] = 0;
+  for (int64_t i = 0; i < C; ++i) {
+    for (int k = 0; k < K; ++k) {
+      a[k] += LOG ? static_cast<double>(g[k][i])
+                  : static_cast<double>(g[k][i]) * static_cast<double>(y[k][i]);
+    }
+  }
+  for (int k = 0; k < K; ++k) s[k] = a[k];
+}
+
+template <typename T>
+BT_CPU_CLONES void softmax_dx_row(const T* y, const T* g, T* q, int64_t C, double s) {
+  for (int64_t i = 0; i < C; ++i) {
+    const double yv = static_cast<double>(y[i]), gv = static_cast<double>(g[i]);
+    q[i] = static_cast<T>(yv * (gv - s));
+  }
+}
+
+template <typename T>
+void log_softmax_dx_row(const T* y, const T* g, T* q, int64_t C, double s) {
+  for (int64_t i = 0; i < C; ++i) {  // libm's exp: its bits (no vector exp rounds the same)
+    const double yv = static_cast<double>(y[i]), gv = static_cast<double>(g[i]);
+    q[i] = static_cast<T>(gv - std::exp(yv) * s);
+  }
+}
+
+template <bool LOG, typename T>
+void backward_rows_log(const T* y, const T* dy, T* dx, int64_t r0, int64_t r1, int64_t C) {
+  auto finish = [&](int64_t r, double s) {
+    if constexpr (LOG) {
+      log_softmax_dx_row(y + r * C, dy + r * C, dx + r * C, C, s);
+    } else {
+      softmax_dx_row(y + r * C, dy + r * C, dx + r * C, C, s);
+    }
+  };
+  int64_t r = r0;
+  for (; r + kRows <= r1; r += kRows) {
+    const T *yp[kRows], *gp[kRows];
+    double s[kRows];
+    for (int k = 0; k < kRows; ++k) {
+      yp[k] = y + (r + k) * C;
+      gp[k] = dy + (r + k) * C;
+    }
+    backward_sums<kRows, LOG>(yp, gp, C, s);
+    for (int k = 0; k < kRows; ++k) finish(r + k, s[k]);
+  }
+  for (; r < r1; ++r) {
+    const T* yp[1] = {y + r * C};
+    const T* gp[1] = {dy + r * C};
+    double s[1];
+    backward_sums<1, LOG>(yp, gp, C, s);
+    finish(r, s[0]);
+  }
+}
+
+// Rows [r0, r1) of dx for y (the forward's output), dy: (R, C) contiguous.
+template <typename T>
+void backward_rows(const T* y, const T* dy, T* dx, int64_t r0, int64_t r1, int64_t C, bool log) {
+  if (log) {
+    backward_rows_log<true>(y, dy, dx, r0, r1, C);
+  } else {
+    backward_rows_log<false>(y, dy, dx, r0, r1, C);
+  }
+}
+
+}  // namespace bt::cpu::softmax
