@@ -1225,6 +1225,12 @@ Tensor scatter_add(const Tensor& base, int64_t dim, const Tensor& index, const T
                        std::to_string(d));
     }
   }
+  // no position exists along an empty dim: any index is out of range (the kernels, which skip an
+  // empty base, would never look at it)
+  if (base.ndim() && base.shape()[dim] == 0 && index.numel() > 0) {
+    throw IndexError("[scatter_add] index is out of range for a dim of size 0 (dim " +
+                     std::to_string(dim) + ")");
+  }
   return apply1(mk<ScatterAdd>(dim), {base, index, astype(src, base.dtype())}, base.shape(),
                 base.dtype(), base.device());
 }

@@ -297,8 +297,10 @@ def test_a_bad_alloc_conf_stops_the_import_naming_the_key():
         [sys.executable, "-c", "import blutrain.tensor"], capture_output=True, text=True, env=env
     )
     assert r.returncode == 1
-    assert r.stderr.strip().splitlines()[-1].startswith(
-        "ImportError: [blutrain.tensor] needs blutrain.alloc's C ABI 1."
+    assert (
+        r.stderr.strip()
+        .splitlines()[-1]
+        .startswith("ImportError: [blutrain.tensor] needs blutrain.alloc's C ABI 1.")
     ), r.stderr
     assert (
         "importing blutrain.alloc._alloc failed: [BLUTRAIN_ALLOC_CONF] unknown key "

@@ -188,9 +188,16 @@ def test_contiguous_of_row_views(dtype, view, rng):
     same(f(cuda(x)).contiguous(), f(x).contiguous(), what=f"{dname(dtype)} {view}")
 
 
-@pytest.mark.parametrize("src,dst", [(bt.bfloat16, bt.float32), (bt.float32, bt.bfloat16),
-                                     (bt.float16, bt.float32), (bt.int32, bt.float64)],
-                         ids=lambda d: dname(d))
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        (bt.bfloat16, bt.float32),
+        (bt.float32, bt.bfloat16),
+        (bt.float16, bt.float32),
+        (bt.int32, bt.float64),
+    ],
+    ids=lambda d: dname(d),
+)
 @pytest.mark.parametrize("view", ["heads", "slice_cols", "off_grid"])
 def test_astype_of_row_views(src, dst, view, rng):
     f, shape = ROW_VIEWS[view]

@@ -136,3 +136,22 @@ def test_read_only_memory_stays_read_only_on_the_way_to_the_device():
     assert c.tolist() == [1.0, 1.0, 1.0] and a.tolist() == [0.0, 0.0, 0.0]
     with pytest.raises(ValueError, match=r"^\[add_\] the tensor is read-only"):
         t.add_(1)
+
+
+def test_fill_with_a_0d_value_on_the_other_device():
+    """The GPU fuzz run's crash: a CPU tensor filled from a 0-d CUDA value read device memory on
+    the host (SIGSEGV). The value is moved to where the tensor lives, both ways."""
+    c = bt.zeros((3, 3, 5), dtype=bt.bfloat16)
+    c.fill_(bt.tensor(True, device="cuda"))
+    assert c.float().numpy().tolist() == np.ones((3, 3, 5)).tolist()
+    g = bt.zeros(4, device="cuda")
+    g.fill_(bt.tensor(2.5))
+    assert g.tolist() == [2.5] * 4
+
+
+def test_scatter_add_into_an_empty_dim_raises_on_the_device():
+    """The GPU fuzz run accepted it: the kernel skips an empty base and never saw the index."""
+    with pytest.raises(IndexError, match=r"^\[scatter_add\] index is out of range"):
+        bt.zeros(0, device="cuda").scatter_add(
+            0, bt.tensor([3, 1]).cuda(), bt.ones(2, device="cuda")
+        )

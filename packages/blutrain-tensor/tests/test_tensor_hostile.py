@@ -374,3 +374,9 @@ def test_pytorch_errors_we_keep():
         bt.softmax(bt.tensor([1, 2]), 0)
     with pytest.raises(TypeError, match=r"^\[log_softmax\]"):
         bt.tensor([1, 2]).log_softmax(0)
+
+
+def test_scatter_add_into_an_empty_dim_raises():
+    with pytest.raises(IndexError, match=r"^\[scatter_add\] index is out of range for a dim of "):
+        bt.zeros(0).scatter_add(0, bt.tensor([3, 1]), bt.ones(2))
+    bt.zeros(0).scatter_add(0, bt.tensor([], dtype=bt.int64), bt.ones(0))  # no index: fine

@@ -31,6 +31,7 @@ namespace bt::cuda::nn {
 constexpr int kDefaultNnVersion = 4;
 constexpr int64_t kV4MinDefaultC = 1024;
 inline int nn_version_env() {  // 0 when unset
+  OpScopeReset named_by_the_variable;  // the error names the setting, not the op that read it
   const char* v1 = std::getenv("BT_CUDA_NN_V1");
   if (v1 && v1[0] && std::strcmp(v1, "0") != 0) {
     throw ValueError(std::string("[BT_CUDA_NN_V1] the v1 reference kernels left the library ") +

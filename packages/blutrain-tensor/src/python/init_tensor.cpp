@@ -234,7 +234,9 @@ Tensor fill_value(nb::handle v, const Tensor& self, const char* op) {
       throw ValueError(std::string("[") + op + "] value must be a number or a 0-d tensor, got a " +
                        "tensor of shape " + shape_str(t.shape()));
     }
-    return t;
+    // a 0-d value on another device is read where self lives (PyTorch's rule): the kernels
+    // read it in place, and a CPU loop must never dereference device memory
+    return t.device() == self.device() ? t : to_device(t, self.device());
   }
   return full({}, number_arg(v, op, "value"), self.dtype(), self.device(), op);
 }
