@@ -92,8 +92,8 @@ def bt_adamw(bt, params: dict, state: dict, lr, t, b1=0.9, b2=0.95, eps=1e-8, wd
     """AdamW written with ops (lr and the step count t are 0-d tensors: runtime arguments of a
     compiled step), the arithmetic of torch.optim.AdamW's single-tensor path."""
     with bt.no_grad():
-        bc1 = 1 - bt.pow(bt.full((), b1), t)
-        bc2 = 1 - bt.pow(bt.full((), b2), t)
+        bc1 = 1 - bt.pow(bt.full((), b1, device=t.device), t)
+        bc2 = 1 - bt.pow(bt.full((), b2, device=t.device), t)
         for name, p in params.items():
             g = p.grad
             m, v = state[name]
