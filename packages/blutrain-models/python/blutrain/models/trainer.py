@@ -94,7 +94,7 @@ def run_model_config(cfg: TrainConfig) -> ModelConfig:
             f"[TrainConfig] recompute (--recompute) {cfg.recompute!r}: a LLaMA model takes "
             f"{', '.join(('auto', *LLAMA_RECOMPUTE))}"
         )
-    if isinstance(mc, LlamaConfig) and cfg.residual_dtype != "float32":
+    if isinstance(mc, LlamaConfig) and cfg.residual_dtype != TrainConfig.residual_dtype:
         raise ConfigError(
             f"[TrainConfig] residual_dtype (--residual-dtype) {cfg.residual_dtype!r}: GPT-2 "
             "models only (drop it for a LLaMA model)"
