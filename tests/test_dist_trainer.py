@@ -129,6 +129,22 @@ def job(setup: Path, out: str, mode: str, n: int, accum: int, until: int = 0, re
     return setup / out
 
 
+def test_only_rank_0_writes_and_counts_every_rank(setup):
+    """Two ranks, one run: rank 0 alone prints the run's lines and writes metrics.jsonl (one
+    record per step, not one per rank), and the token counts are global (both ranks' batches)."""
+    cmd = command(setup, "rank0", 2, *SHORT, "--dist", "ddp", "--plot")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env())
+    assert p.returncode == 0, f"{' '.join(cmd)}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    assert p.stdout.count("tokens/step") == 1, p.stdout[-3000:]  # the first log line, once
+    train = [r for r in metrics(setup / "rank0") if "loss" in r and "event" not in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    per_step = 2 * 16 * 2  # batch 2 x seq 16 on each of 2 ranks
+    assert [r["tokens"] for r in train] == [per_step * s for s in (1, 2, 3, 4)]
+    vals = [r for r in metrics(setup / "rank0") if "val_loss" in r and "step" in r]
+    assert [r["step"] for r in vals] == [0, 2, 4]  # evaluated across the ranks, logged once
+    assert (setup / "rank0" / "loss.png").exists()
+
+
 def test_zero_resume_is_bit_exact_at_the_same_world_size(setup):
     a = job(setup, "z_straight", "zero2", 2, accum=1)
     job(setup, "z_split", "zero2", 2, accum=1, until=2)
