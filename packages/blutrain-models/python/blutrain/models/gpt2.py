@@ -457,8 +457,9 @@ class GPT2(_Precision, bt.nn.Module):
       off the float32 trajectory over hundreds of steps: issue 38) or "float32" (autocast's: the
       embeddings' sum and every x + branch in float32, the layer norms over it with float32
       weights, bf16 only into the GEMMs and attention; Note [float32 residual stream] in
-      blutrain.tensor; it tracks fp32 like PyTorch's autocast, and costs GPT-2 124M's bf16 CUDA-
-      graph step about 11% on an H200 today: bench_gpt2.py --residual-dtype).  Either way the
+      blutrain.tensor; it costs GPT-2 124M's bf16 CUDA-graph step about 10% on an H200 today
+      (bench_gpt2.py --residual-dtype) and, fused, does not yet track fp32 as autocast does:
+      issue 38).  Either way the
       fused path carries the stream's gradient in bf16.
     """
 
