@@ -48,8 +48,44 @@ def round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+class _JsonConfig:
+    """to_json / from_json and the unknown-field check, shared by the model configs (frozen
+    dataclasses with to_dict / from_dict); errors name the config class."""
+
+    @classmethod
+    def _construct(cls, d: dict[str, Any]) -> Any:
+        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(
+                f"[{cls.__name__}] unknown field(s) {unknown}; known fields: {sorted(known)}"
+            )
+        return cls(**d)
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2) + "\n"  # type: ignore[attr-defined]
+        if path is not None:
+            from ._io import atomic_write_bytes
+
+            atomic_write_bytes(path, text.encode())
+        return text
+
+    @classmethod
+    def from_json(cls, source: str | os.PathLike) -> Any:
+        """From a JSON string or a path to a JSON file."""
+        name = cls.__name__
+        text = _read_text_or_path(source, name)
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"[{name}] {source!s:.200}: not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"[{name}] {source!s:.200}: expected a JSON object")
+        return cls.from_dict(d)  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True)
-class GPT2Config:
+class GPT2Config(_JsonConfig):
     """GPT-2 hyperparameters.
 
     `vocab_multiple` pads the token embedding (and so the logits) to a multiple of it, e.g. 128
@@ -165,33 +201,7 @@ class GPT2Config:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GPT2Config:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(
-                f"[GPT2Config] unknown field(s) {unknown}; known fields: {sorted(known)}"
-            )
-        return cls(**d)
-
-    def to_json(self, path: str | os.PathLike | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=2) + "\n"
-        if path is not None:
-            from ._io import atomic_write_bytes
-
-            atomic_write_bytes(path, text.encode())
-        return text
-
-    @classmethod
-    def from_json(cls, source: str | os.PathLike) -> GPT2Config:
-        """From a JSON string or a path to a JSON file."""
-        text = _read_text_or_path(source, "GPT2Config")
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"[GPT2Config] {source!s:.200}: not valid JSON ({e})") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"[GPT2Config] {source!s:.200}: expected a JSON object")
-        return cls.from_dict(d)
+        return cls._construct(d)
 
     # -- Hugging Face config.json --------------------------------------------------------------
     def to_hf_dict(self) -> dict[str, Any]:
@@ -303,7 +313,7 @@ def is_llama_name(name: str) -> bool:
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(_JsonConfig):
     """LLaMA-style hyperparameters (llama.py): RMSNorm, SwiGLU MLP, rotary position embedding,
     no biases, an untied output head; n_kv_head < n_head shares key / value heads (grouped
     queries). `vocab_multiple` pads the embedding and the head as GPT2Config's does."""
@@ -414,32 +424,7 @@ class LlamaConfig:
         kind = d.pop("model_type", "llama")
         if kind != "llama":
             raise ValueError(f"[LlamaConfig] model_type is {kind!r}, expected 'llama'")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(
-                f"[LlamaConfig] unknown field(s) {unknown}; known fields: {sorted(known)}"
-            )
-        return cls(**d)
-
-    def to_json(self, path: str | os.PathLike | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=2) + "\n"
-        if path is not None:
-            from ._io import atomic_write_bytes
-
-            atomic_write_bytes(path, text.encode())
-        return text
-
-    @classmethod
-    def from_json(cls, source: str | os.PathLike) -> LlamaConfig:
-        text = _read_text_or_path(source, "LlamaConfig")
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"[LlamaConfig] {source!s:.200}: not valid JSON ({e})") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"[LlamaConfig] {source!s:.200}: expected a JSON object")
-        return cls.from_dict(d)
+        return cls._construct(d)
 
 
 ModelConfig = GPT2Config | LlamaConfig
