@@ -43,7 +43,7 @@ leave it the time it needs, and gpt2 stops starting configs at its share of the 
 
 NVLink multicast is kept off for every job (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 NVSHMEM_DISABLE_NVLS=1).  Writes OUT/multi_gpu.json (every figure) and OUT/summary.txt (the
-table, also printed); each job's log is OUT/<part>-*.log (the headline's: OUT/headline/*.log).
+table, also printed); each job's log is OUT/<part>-*.log.
 Exit status 1 when a check fails (a collective, the headline's agreement, parity, the fault
 run), 0 otherwise: slowness never fails.
 """
@@ -646,18 +646,19 @@ def part_headline(a: argparse.Namespace, L: Launcher, out: Path, R: dict[str, An
     # val split holds 33 rows of 1024 tokens, fewer than one global batch of 8 x 16); the whole
     # val split is scored afterwards, the same way for both sides.
     train, val = d / "train", sorted(str(f) for f in a.data.glob("*_val_*.bin"))
+    if not val:
+        raise FileNotFoundError(f"[multi_gpu] headline: no *_val_*.bin shard in {a.data}")
     train.mkdir()
     for f in a.data.glob("*_train_*.bin"):
         (train / f.name).symlink_to(f.resolve())
-    if not val:
-        raise SystemExit(f"[multi_gpu] headline: no *_val_*.bin shard in {a.data}")
     env = base_env(a)
     py, hl = sys.executable, str(HERE / "headline.py")
+    logs = {x: out / f"headline-{x}.log" for x in ("init", "ours", "torch", "eval")}
     init = d / "init"
-    rc, dt = run([py, hl, "init", "--model", model, "--out", str(init)], d / "init.log", env,
+    rc, dt = run([py, hl, "init", "--model", model, "--out", str(init)], logs["init"], env,
                  min(120, left()))  # fmt: skip
     if rc != 0:
-        res["error"] = "initial weights: " + _job_failure(rc, d / "init.log", min(120, left()))
+        res["error"] = "initial weights: " + _job_failure(rc, logs["init"], min(120, left()))
         res["ok"] = False
         R["headline"] = res
         return
@@ -672,11 +673,11 @@ def part_headline(a: argparse.Namespace, L: Launcher, out: Path, R: dict[str, An
              "--out-dir", str(d / "ours")]  # fmt: skip
     t_ours = max(20.0, min(300.0, left() - (20 if a.cpu else 60)))
     cmd = L.cmd(a.n, [*blutrain_cmd(), "train", *flags], env)
-    rc, dt, watch = run_watched(cmd, d / "ours.log", env, t_ours)
+    rc, dt, watch = run_watched(cmd, logs["ours"], env, t_ours)
     ours: dict[str, Any] = {"rc": rc, "seconds": round(dt, 1)}
     recs = [r for r in _jsonl(d / "ours" / "metrics.jsonl") if "loss" in r and "event" not in r]
     if rc != 0 or len(recs) != steps:
-        ours["error"] = _job_failure(rc, d / "ours.log", t_ours, watch) + f"; {len(recs)} steps"
+        ours["error"] = _job_failure(rc, logs["ours"], t_ours, watch) + f"; {len(recs)} steps"
     if recs:
         later = [r for r in recs if r["step"] > 1]
         tok_step = B * T * a.n
@@ -696,11 +697,11 @@ def part_headline(a: argparse.Namespace, L: Launcher, out: Path, R: dict[str, An
     targs = [py, hl, "torch", *common, "--init", str(init), "--steps", str(steps),
              "--device", dev, "--out", str(d / "torch"),
              "--timeout", env.get("BLUTRAIN_DIST_TIMEOUT", "60")]  # fmt: skip
-    rc, dt, watch = run_watched(L.cmd(a.n, targs, env), d / "torch.log", env, t_torch)
+    rc, dt, watch = run_watched(L.cmd(a.n, targs, env), logs["torch"], env, t_torch)
     theirs: dict[str, Any] = {"rc": rc, "seconds": round(dt, 1)}
     tj = d / "torch" / "result.json"
     if rc != 0 or not tj.exists():
-        theirs["error"] = _job_failure(rc, d / "torch.log", t_torch, watch)
+        theirs["error"] = _job_failure(rc, logs["torch"], t_torch, watch)
     if tj.exists():
         theirs.update(json.loads(tj.read_text()))
     res["torch"] = theirs
@@ -717,15 +718,16 @@ def part_headline(a: argparse.Namespace, L: Launcher, out: Path, R: dict[str, An
     if tj.exists():
         eargs += ["--torch", str(d / "torch" / "final")]
     t_eval = max(20.0, min(120.0, left()))
-    rc, dt = run(eargs, d / "eval.log", eenv, t_eval)
+    rc, dt = run(eargs, logs["eval"], eenv, t_eval)
     if rc != 0 or not ej.exists():
-        res["eval_error"] = _job_failure(rc, d / "eval.log", t_eval)
+        res["eval_error"] = _job_failure(rc, logs["eval"], t_eval)
     ev = json.loads(ej.read_text()) if ej.exists() else {}
     res["eval"] = ev
     for side, key in ((ours, "val_ours"), (theirs, "val_torch")):
         if key in ev:
             side["val_loss"] = ev[key]
     res.update(_headline_verdict(ours, theirs, ev))
+    shutil.rmtree(train)  # links: nothing to bring back
     R["headline"] = res
 
 

@@ -71,7 +71,7 @@ def test_headline_both_sides_agree(shards: Path, tmp_path: Path) -> None:
     # PyTorch read each rank's rows of the trainer's stream: the trainer's loader, rebuilt here
     for rank, crc in enumerate(h["torch"]["token_crc_per_rank"]):
         dl = DataLoader(
-            tmp_path / "headline" / "train", 2, 32, split="train", seed=1337, rank=rank,
+            shards, 2, 32, split="train", seed=1337, rank=rank,
             world_size=2, step_rows=4,
         )  # fmt: skip
         want = 0
