@@ -727,7 +727,11 @@ def part_headline(a: argparse.Namespace, L: Launcher, out: Path, R: dict[str, An
         if key in ev:
             side["val_loss"] = ev[key]
     res.update(_headline_verdict(ours, theirs, ev))
-    shutil.rmtree(train)  # links: nothing to bring back
+    # every figure is in res, every log at the top of OUT: the ~2.5 GB of weights (GPT-2 124M)
+    # and the run directories need not come back from a device call
+    shutil.rmtree(train)
+    if not a.keep_checkpoints:
+        shutil.rmtree(d, ignore_errors=True)
     R["headline"] = res
 
 
@@ -966,7 +970,8 @@ def main() -> int:
     p.add_argument(
         "--keep-checkpoints",
         action="store_true",
-        help="keep the training runs' checkpoints (GPT-2 124M: ~2 GB each) under --out",
+        help="keep the training runs' checkpoints (GPT-2 124M: ~2 GB each) under --out, and the"
+        " headline's run directories (OUT/headline)",
     )
     p.add_argument("--fault-steps", type=int, default=40)
     p.add_argument(
