@@ -4,6 +4,7 @@
 # has none):
 #   bash scripts/gpu.sh [--prebuilt] [--only alloc,linalg] [--tests a,b] [--bench a,b]
 #                       [--no-bench] [--sanitize] [--budget SECONDS] [--dist] [--multi-gpu]
+#                       [--multi-gpu-parts check,headline,...]
 #   --prebuilt   install .whl/bt/*.whl (CUDA wheels built elsewhere by scripts/build_wheels.sh)
 #                instead of building from source here: saves the GPU machine minutes
 #   --tests      packages whose GPU tests run ('root' = the repo's tests/); default all
@@ -16,6 +17,8 @@
 #   --multi-gpu  last, issue 35 on every GPU of the machine (an x2 / x4 / x8 kind): blutrain-dist
 #                against PyTorch DDP, scaling, parity, a killed rank (packages/blutrain-dist/bench/
 #                multi_gpu.py, given what is left of the budget)
+#   --multi-gpu-parts  --multi-gpu with only these parts of multi_gpu.py (its --parts), e.g.
+#                headline; default all of them, in multi_gpu.py's order
 # Test files run in parallel (one pytest per file: the GPU has room and the CPU references
 # dominate); benchmarks run one at a time, alone on the GPU.
 # Logs and JSON go to $OUT (default ./out), packed into logs.tar.gz (8 files come back at most).
@@ -29,7 +32,7 @@ export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVE
 PY=${PYTHON:-python3}
 START=$(date +%s)
 BENCH=1 PREBUILT=0 SANITIZE=0 BUDGET=540 DIST=0 MULTI=0
-ONLY="" BENCH_ONLY="" TESTS_ONLY=""
+ONLY="" BENCH_ONLY="" TESTS_ONLY="" MULTI_PARTS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-bench) BENCH=0 ;;
@@ -41,6 +44,7 @@ while [ $# -gt 0 ]; do
     --budget) BUDGET=$2; shift ;;
     --dist) DIST=1 ;;
     --multi-gpu) MULTI=1 ;;
+    --multi-gpu-parts) MULTI=1; MULTI_PARTS=(--parts "$2"); shift ;;
   esac
   shift
 done
@@ -245,7 +249,7 @@ if [ "$MULTI" = 1 ]; then
   else
     t0=$(date +%s)
     timeout "$(left)" $PY packages/blutrain-dist/bench/multi_gpu.py --out "$OUT" \
-      --budget-s $(( $(left) - 15 )) >"$OUT/multi-gpu.txt" 2>&1
+      --budget-s $(( $(left) - 15 )) ${MULTI_PARTS[@]+"${MULTI_PARTS[@]}"} >"$OUT/multi-gpu.txt" 2>&1
     STATUS[multi-gpu]="rc=$? [$(( $(date +%s) - t0 )) s] (table: multi-gpu.txt, summary.txt)"
     tail -60 "$OUT/multi-gpu.txt"
   fi

@@ -5,14 +5,26 @@ PyTorch's DistributedDataParallel, with the one-GPU figure of each from the same
     python packages/blutrain-dist/bench/multi_gpu.py --cpu --ranks 4 --out /tmp/mg  # the same
         parts on the CPU (MPICH), with a tiny GPT-2: what can be checked without GPUs
 
-Parts (run in the order check, collectives, parity, fault, gpt2: the pass/fail ones first, the
-throughput with what is left); each is skipped, with a message, when the budget (--budget-s,
-default 540 s) does not leave it the time it needs, and gpt2 stops starting configs at its
-share of the budget:
+Parts (run in the order check, headline, collectives, parity, fault, gpt2: the pass/fail ones
+first, the headline as soon as the collectives are known to be right, the throughput with what
+is left); each is skipped, with a message, when the budget (--budget-s, default 540 s) does not
+leave it the time it needs, and gpt2 stops starting configs at its share of the budget:
 
   check        blutrain.dist's collectives against numpy on every rank (NCCL: the fused average
                of power-of-two world sizes included), DDP / ZeRO-1 / ZeRO-2 gradients and losses
                against one rank (tests/dist_worker.py)
+  headline     the seed's headline: GPT-2 124M in fp32 on N GPUs, B16 x T1024 per GPU, 50 steps
+               (--headline-steps), lr 6e-4, warmup 10, cosine to 6e-5, AdamW (0.9, 0.95),
+               wd 0.1 on matrices, clip 1.0: `blutrain train --dist ddp --precision fp32`
+               against PyTorch DDP (headline.py: bench/torch_gpt2.py, fused AdamW) from the
+               same initial weights (one Hugging Face directory both load), reading the same
+               rows of the same shards (--data; default the shipped Tiny Shakespeare) through
+               our DataLoader with the trainer's rank slicing; tokens/s, per-GPU peak memory
+               (our allocator's statistics; torch.cuda.max_memory_allocated) and the loss over
+               the whole val split after the last step. Fails when a side fails (the rank that
+               died named, or the timeout), when the first step's losses or the initial
+               weights' val losses differ by more than 1e-5, or the final val losses by more
+               than 1% (relative)
   collectives  all_reduce, reduce_scatter, all_gather bus bandwidth, 1 KiB .. 1 GiB, ours next
                to torch.distributed's NCCL on the same GPUs (bench_dist.py)
   gpt2         GPT-2 124M, B16 x T1024 per GPU, AdamW, clip 1.0, random tokens: tokens/s and
@@ -31,8 +43,9 @@ share of the budget:
 
 NVLink multicast is kept off for every job (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 NVSHMEM_DISABLE_NVLS=1).  Writes OUT/multi_gpu.json (every figure) and OUT/summary.txt (the
-table, also printed); each job's log is OUT/<part>-*.log.  Exit status 1
-when a check fails (a collective, parity, the fault run), 0 otherwise: slowness never fails.
+table, also printed); each job's log is OUT/<part>-*.log.
+Exit status 1 when a check fails (a collective, the headline's agreement, parity, the fault
+run), 0 otherwise: slowness never fails.
 """
 
 from __future__ import annotations
@@ -559,7 +572,249 @@ def part_fault(a: argparse.Namespace, L: Launcher, out: Path, R: dict[str, Any])
     R["fault"] = res
 
 
+def run_watched(
+    cmd: list[str], log: Path, env: dict[str, str], timeout: float
+) -> tuple[int, float, dict[str, Any]]:
+    """run() for a launcher's job, watching its ranks: {rank: pid} as they start and the ranks
+    in the order they ended, so that a failure names the rank that went first (MPICH's launcher
+    names only a PID)."""
+    t0 = time.time()
+    pids: dict[int, int] = {}
+    first: list[int] = []  # the rank(s) found ended at the first poll that found any
+    others_ran = False  # ... while other ranks still ran
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        p = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )
+        while (rc := p.poll()) is None:
+            if time.time() - t0 > timeout:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+                rc = 124
+                f.write(f"\n[multi_gpu] killed after {timeout:.0f} s\n")
+                break
+            for r, pid in _rank_pids(p.pid).items():
+                pids.setdefault(r, pid)
+            if not first:
+                first = [r for r, pid in sorted(pids.items()) if not _alive(pid)]
+                others_ran = bool(first) and len(first) < len(pids)
+            time.sleep(0.25)
+    return rc, time.time() - t0, {"pids": pids, "ended_first": first, "others_ran": others_ran}
+
+
+def _job_failure(rc: Any, log: Path, timeout: float, watch: dict[str, Any] | None = None) -> str:
+    """Why a job failed: the timeout, the rank that ended first while the others ran, and the
+    lines of the log that name ranks (blutrain.dist's "rank(s) N did not answer", Open MPI's
+    "process rank N ... exited on signal", headline.py's "rank N: error", MPICH's "PID N")."""
+    what = [f"killed at its timeout of {timeout:.0f} s" if rc == 124 else f"rc {rc}"]
+    text = log.read_text(errors="replace") if log.exists() else ""
+    by_pid = {pid: r for r, pid in (watch or {}).get("pids", {}).items()}
+    if watch and watch["others_ran"]:
+        ranks = ", ".join(map(str, watch["ended_first"]))
+        what.append(f"rank(s) {ranks} ended first, the others still running")
+    for m in re.finditer(r"\bPID (\d+) RUNNING AT", text):
+        if int(m.group(1)) in by_pid:
+            what.append(f"the launcher reports rank {by_pid[int(m.group(1))]} (PID {m.group(1)})")
+    named = [
+        line.strip()
+        for line in text.splitlines()
+        if re.search(r"(?i)\brank", line)
+        and re.search(r"(?i)did not answer|signal|exit code|exited|killed|terminat|error", line)
+    ]
+    return "; ".join(what + named[:3]) + f" (log {log.name})"
+
+
+def part_headline(a: argparse.Namespace, L: Launcher, out: Path, R: dict[str, Any]) -> None:
+    """The seed's headline: N ranks, fp32, `blutrain train --dist ddp` against PyTorch DDP from
+    the same initial weights on the same rows of the same corpus for the same steps; tokens/s,
+    per-GPU peak memory, the whole val split's loss after the last step (headline.py)."""
+    d = out / "headline"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    steps = a.headline_steps or (20 if a.cpu else 50)
+    warmup = max(1, steps // 5)
+    B, T = (2, 32) if a.cpu else (16, 1024)
+    lr = "3e-3" if a.cpu else "6e-4"  # the tiny CPU model barely moves at 6e-4 in 20 steps
+    model = str(a.small) if a.cpu else a.headline_model
+    dev = "cpu" if a.cpu else "cuda"
+    res: dict[str, Any] = {"ranks": a.n, "steps": steps, "warmup_steps": warmup, "B": B,
+                           "T": T, "lr": float(lr), "model": model,
+                           "precision": "fp32"}  # fmt: skip
+    # The trainer gets the train shards only: it then builds no validation loader (the shipped
+    # val split holds 33 rows of 1024 tokens, fewer than one global batch of 8 x 16); the whole
+    # val split is scored afterwards, the same way for both sides.
+    train, val = d / "train", sorted(str(f) for f in a.data.glob("*_val_*.bin"))
+    if not val:
+        raise FileNotFoundError(f"[multi_gpu] headline: no *_val_*.bin shard in {a.data}")
+    train.mkdir()
+    for f in a.data.glob("*_train_*.bin"):
+        (train / f.name).symlink_to(f.resolve())
+    env = base_env(a)
+    py, hl = sys.executable, str(HERE / "headline.py")
+    logs = {x: out / f"headline-{x}.log" for x in ("init", "ours", "torch", "eval")}
+    init = d / "init"
+    rc, dt = run([py, hl, "init", "--model", model, "--out", str(init)], logs["init"], env,
+                 min(120, left()))  # fmt: skip
+    if rc != 0:
+        res["error"] = "initial weights: " + _job_failure(rc, logs["init"], min(120, left()))
+        res["ok"] = False
+        R["headline"] = res
+        return
+    # ours, then PyTorch, alone on the GPUs one after the other; each may take what is left
+    # but the others' least (torch ~40 s, eval ~20 s on 8 H200s)
+    common = ["--data", str(train), "--batch-size", str(B), "--seq-len", str(T), "--lr", lr,
+              "--warmup-steps", str(warmup), "--seed", "1337", "--weight-decay", "0.1",
+              "--grad-clip", "1.0"]  # fmt: skip
+    flags = [*common, "--init-from", str(init), "--dist", "ddp", "--precision", "fp32",
+             "--max-steps", str(steps), "--device", dev, "--eval-interval", "0",
+             "--sample-interval", "0", "--log-interval", "10", "--no-progress", "--no-plot",
+             "--out-dir", str(d / "ours")]  # fmt: skip
+    t_ours = max(20.0, min(300.0, left() - (20 if a.cpu else 60)))
+    cmd = L.cmd(a.n, [*blutrain_cmd(), "train", *flags], env)
+    rc, dt, watch = run_watched(cmd, logs["ours"], env, t_ours)
+    ours: dict[str, Any] = {"rc": rc, "seconds": round(dt, 1)}
+    recs = [r for r in _jsonl(d / "ours" / "metrics.jsonl") if "loss" in r and "event" not in r]
+    if rc != 0 or len(recs) != steps:
+        ours["error"] = _job_failure(rc, logs["ours"], t_ours, watch) + f"; {len(recs)} steps"
+    if recs:
+        later = [r for r in recs if r["step"] > 1]
+        tok_step = B * T * a.n
+        ours.update(
+            losses=[r["loss"] for r in recs],
+            grad_norms=[r["grad_norm"] for r in recs],
+            tokens_per_s=tok_step * len(later) / (sum(r["dt_ms"] for r in later) / 1e3)
+            if later
+            else None,
+            first_step_s=recs[0]["dt_ms"] / 1e3,
+            peak_bytes=max(r["peak_mem_bytes"] for r in recs),  # rank 0's, the allocator's
+            peak_from="blutrain.alloc statistics (rank 0)" if not a.cpu else "peak RSS (rank 0)",
+        )
+    res["ours"] = ours
+    t_torch = max(20.0, min(300.0, left() - (10 if a.cpu else 25)))
+    # (both sides' min-lr: lr / 10, the trainer's default)
+    targs = [py, hl, "torch", *common, "--init", str(init), "--steps", str(steps),
+             "--device", dev, "--out", str(d / "torch"),
+             "--timeout", env.get("BLUTRAIN_DIST_TIMEOUT", "60")]  # fmt: skip
+    rc, dt, watch = run_watched(L.cmd(a.n, targs, env), logs["torch"], env, t_torch)
+    theirs: dict[str, Any] = {"rc": rc, "seconds": round(dt, 1)}
+    tj = d / "torch" / "result.json"
+    if rc != 0 or not tj.exists():
+        theirs["error"] = _job_failure(rc, logs["torch"], t_torch, watch)
+    if tj.exists():
+        theirs.update(json.loads(tj.read_text()))
+    res["torch"] = theirs
+    # the whole val split, every side's weights, one process on one device
+    eenv = dict(env)
+    if not a.cpu:
+        eenv["CUDA_VISIBLE_DEVICES"] = "0"
+    ej = d / "eval.json"
+    eargs = [py, hl, "eval", "--init", str(init), "--val", *val, "--seq-len", str(T),
+             "--device", dev, "--batch-size", "64" if a.cpu else "8",
+             "--json", str(ej)]  # fmt: skip
+    if recs:
+        eargs += ["--ours", str(d / "ours")]
+    if tj.exists():
+        eargs += ["--torch", str(d / "torch" / "final")]
+    t_eval = max(20.0, min(120.0, left()))
+    rc, dt = run(eargs, logs["eval"], eenv, t_eval)
+    if rc != 0 or not ej.exists():
+        res["eval_error"] = _job_failure(rc, logs["eval"], t_eval)
+    ev = json.loads(ej.read_text()) if ej.exists() else {}
+    res["eval"] = ev
+    for side, key in ((ours, "val_ours"), (theirs, "val_torch")):
+        if key in ev:
+            side["val_loss"] = ev[key]
+    res.update(_headline_verdict(ours, theirs, ev))
+    # every figure is in res, every log at the top of OUT: the ~2.5 GB of weights (GPT-2 124M)
+    # and the run directories need not come back from a device call
+    shutil.rmtree(train)
+    if not a.keep_checkpoints:
+        shutil.rmtree(d, ignore_errors=True)
+    R["headline"] = res
+
+
+def _jsonl(p: Path) -> list[dict[str, Any]]:
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+# the headline's agreement bars: fp32 on both sides, same init and data, so the first step's
+# loss differs by float rounding only and the val losses by the trajectories' slow drift apart
+HEADLINE_FIRST_LOSS_REL = 1e-5
+HEADLINE_VAL_REL = 1e-2
+
+
+def _headline_verdict(ours: dict, theirs: dict, ev: dict) -> dict[str, Any]:
+    v: dict[str, Any] = {}
+    lo, lt = ours.get("losses") or [], theirs.get("losses") or []
+    if lo and lt:
+        v["first_loss_rel_diff"] = abs(lo[0] - lt[0]) / abs(lt[0])
+        n = min(len(lo), len(lt))
+        v["max_train_loss_rel_diff"] = max(abs(x - y) / abs(y) for x, y in zip(lo[:n], lt[:n]))
+    go, gt = ours.get("grad_norms") or [], theirs.get("grad_norms") or []
+    if go and gt:
+        v["first_grad_norm_rel_diff"] = abs(go[0] - gt[0]) / abs(gt[0])
+    if "val_init_ours" in ev and "val_init_torch" in ev:
+        v["val_init_rel_diff"] = abs(ev["val_init_ours"] - ev["val_init_torch"]) / abs(
+            ev["val_init_torch"]
+        )
+    if "val_loss" in ours and "val_loss" in theirs:
+        v["val_rel_diff"] = abs(ours["val_loss"] - theirs["val_loss"]) / abs(theirs["val_loss"])
+    if ours.get("tokens_per_s") and theirs.get("tokens_per_s"):
+        v["tokens_per_s_ratio"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    if ours.get("peak_bytes") and theirs.get("peak_bytes"):
+        v["peak_ratio"] = ours["peak_bytes"] / theirs["peak_bytes"]
+    v["ok"] = (
+        "error" not in ours
+        and "error" not in theirs
+        and v.get("first_loss_rel_diff", 1.0) <= HEADLINE_FIRST_LOSS_REL
+        and v.get("val_init_rel_diff", 1.0) <= HEADLINE_FIRST_LOSS_REL
+        and v.get("val_rel_diff", 1.0) <= HEADLINE_VAL_REL
+    )
+    return v
+
+
 # ---- the summary -----------------------------------------------------------------------------
+def headline_lines(h: dict[str, Any]) -> list[str]:
+    """The headline's table: one row per side, then the agreement."""
+    if "error" in h and "ours" not in h:
+        return [f"headline: FAILED: {h['error']}"]
+
+    def cell(x: Any, fmt: str) -> str:
+        width = int(re.match(r"\d*", fmt).group() or 0)
+        return format(x, fmt) if isinstance(x, (int, float)) else "n/a".rjust(width)
+
+    lines = [
+        f"headline: GPT-2 {h['model']} fp32, {h['ranks']} ranks x B{h['B']} x T{h['T']}, "
+        f"{h['steps']} steps, lr {h['lr']:g} (warmup {h['warmup_steps']}, cosine), same init "
+        f"and shards: {'ok' if h.get('ok') else 'FAILED'}",
+        "  side                   tok/s (all ranks) | peak GiB per rank | val loss (whole split)",
+    ]
+    for name, key in (("ours (--dist ddp)", "ours"), ("PyTorch DDP", "torch")):
+        side = h.get(key, {})
+        peak = side.get("peak_bytes")
+        lines.append(
+            f"  {name:20s} {cell(side.get('tokens_per_s'), '17,.0f')} | "
+            f"{cell(peak / 2**30 if peak else None, '17.2f')} | {cell(side.get('val_loss'), '.5f')}"
+            + (f"  ERROR: {side['error']}" if "error" in side else "")
+        )
+    if "eval_error" in h:
+        lines.append(f"  eval ERROR: {h['eval_error']}")
+    ev = h.get("eval", {})
+    lines.append(
+        f"  ours / torch: tok/s x{cell(h.get('tokens_per_s_ratio'), '.3f')}, peak memory "
+        f"x{cell(h.get('peak_ratio'), '.3f')}; val loss rel diff "
+        f"{cell(h.get('val_rel_diff'), '.2e')} (bar {HEADLINE_VAL_REL:g}); first step's loss "
+        f"{cell(h.get('first_loss_rel_diff'), '.2e')}, initial val loss "
+        f"{cell(ev.get('val_init_ours'), '.5f')} / {cell(ev.get('val_init_torch'), '.5f')} "
+        f"(bar {HEADLINE_FIRST_LOSS_REL:g}); {ev.get('val_tokens', 'n/a')} val tokens"
+    )
+    return lines
+
+
 def summarize(a: argparse.Namespace, R: dict[str, Any]) -> tuple[str, bool]:
     lines = [f"blutrain.dist on {R['machine']}: {a.n} ranks, {time.time() - START:.0f} s"]
     ok = True
@@ -572,6 +827,10 @@ def summarize(a: argparse.Namespace, R: dict[str, Any]) -> tuple[str, bool]:
             f"check: {'ok' if c['ok'] else 'FAILED'}; deterministic digests 1 vs "
             f"{a.n} ranks equal: {c['deterministic_equal_1_vs_n']}"
         )
+    h = R.get("headline")
+    if h:
+        ok &= bool(h.get("ok"))
+        lines += headline_lines(h)
     col = R.get("collectives")
     if col and col["rows"]:
         lines.append("collectives (busbw GB/s, ours / torch):")
@@ -674,8 +933,23 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=540.0)
     p.add_argument(
         "--parts",
-        default="check,collectives,parity,fault,gpt2",
-        help="in this order: the pass/fail parts first, throughput with what is left",
+        default="check,headline,collectives,parity,fault,gpt2",
+        help="in this order: the pass/fail parts first (the headline right after the collectives'"
+        " correctness), throughput with what is left",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        help="token shards (*_train_*.bin, *_val_*.bin) of the headline, parity and fault runs"
+        " (default: the shipped Tiny Shakespeare, prepared under --out)",
+    )
+    p.add_argument(
+        "--headline-steps", type=int, default=0, help="of the headline (default 50; CPU: 20)"
+    )
+    p.add_argument(
+        "--headline-model",
+        default="gpt2",
+        help="GPT2Config preset or JSON of the headline (GPU; CPU: the tiny model)",
     )
     p.add_argument("--cpu", action="store_true", help="CPU ranks and a tiny GPT-2 (no GPU)")
     p.add_argument("--ranks", type=int, default=0, help="default: every GPU (CPU: 4)")
@@ -696,7 +970,8 @@ def main() -> int:
     p.add_argument(
         "--keep-checkpoints",
         action="store_true",
-        help="keep the training runs' checkpoints (GPT-2 124M: ~2 GB each) under --out",
+        help="keep the training runs' checkpoints (GPT-2 124M: ~2 GB each) under --out, and the"
+        " headline's run directories (OUT/headline)",
     )
     p.add_argument("--fault-steps", type=int, default=40)
     p.add_argument(
@@ -734,7 +1009,9 @@ def main() -> int:
                 "the two-ranks-on-one-GPU path)"
             )
     # the shipped corpus for the training runs, prepared once (and a tiny model on the CPU)
-    a.data = out / "data"
+    a.data = Path(a.data).resolve() if a.data else out / "data"
+    if a.data != out / "data" and not list(a.data.glob("*_train_*.bin")):
+        raise SystemExit(f"[multi_gpu] --data {a.data}: no *_train_*.bin shard there")
     if not (a.data / "data_train_000001.bin").exists() and not list(a.data.glob("*train*.bin")):
         subprocess.run(
             [*blutrain_cmd(), "prepare", "-o", str(a.data), "-q"],
@@ -753,10 +1030,12 @@ def main() -> int:
         "skipped": {},
     }
     # (the least time each part needs to be worth starting, in seconds)
-    need = {"check": 30, "collectives": 40, "gpt2": 120, "parity": 90, "fault": 45}
+    need = {"check": 30, "collectives": 40, "gpt2": 120, "parity": 90, "fault": 45,
+            "headline": 60 if a.cpu else 150}  # fmt: skip
     multi = {"parity", "fault"}  # need two ranks at least
     parts = {
         "check": part_check,
+        "headline": part_headline,
         "collectives": part_collectives,
         "gpt2": part_gpt2,
         "parity": part_parity,
