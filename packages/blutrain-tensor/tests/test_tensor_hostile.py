@@ -396,3 +396,14 @@ def test_uint8_index_tensors_are_refused():
     assert x[bt.tensor([1, 0], dtype=bt.int32)].tolist() == [[2.0, 3.0], [0.0, 1.0]]
     assert x[bt.tensor([True, False, True])].tolist() == [[0.0, 1.0], [4.0, 5.0]]
     assert x.tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+
+
+def test_reshape_refuses_a_shape_entry_that_is_a_tuple():
+    """CPU fuzz run (seed 2002, case 238): bt.reshape(t, ((2,),)) was read as the shape (2,)
+    (the tuple unpacked into Tensor.reshape's one-tuple spelling); PyTorch refuses it."""
+    t = bt.ones(1, 2, 1)
+    for bad in (((2,),), [(2,)]):
+        with pytest.raises(TypeError, match=r"^\[reshape\] shape entries must be ints, got \(2,\)"):
+            bt.reshape(t, bad)
+    assert bt.reshape(t, (2,)).shape == (2,) and bt.reshape(t, [1, -1]).shape == (1, 2)
+    assert t.reshape((2,)).shape == (2,) and t.reshape(2, 1).shape == (2, 1)
