@@ -380,3 +380,30 @@ def test_scatter_add_into_an_empty_dim_raises():
     with pytest.raises(IndexError, match=r"^\[scatter_add\] index is out of range for a dim of "):
         bt.zeros(0).scatter_add(0, bt.tensor([3, 1]), bt.ones(2))
     bt.zeros(0).scatter_add(0, bt.tensor([], dtype=bt.int64), bt.ones(0))  # no index: fine
+
+
+def test_uint8_index_tensors_are_refused():
+    """CPU fuzz run (seed 1006, case 5200): x[empty uint8 tensor] was accepted as indices, where
+    PyTorch reads a uint8 index as a (deprecated) boolean mask; refused, saying what to use."""
+    x = bt.arange(6.0).reshape(3, 2)
+    for ix in (bt.tensor([1, 0], dtype=bt.uint8), bt.zeros(5, 0, dtype=bt.uint8)):
+        with pytest.raises(
+            IndexError, match=r"^\[getitem\] .*must be integer .*got uint8; use \.bool\(\)"
+        ):
+            x[ix]
+    with pytest.raises(IndexError, match=r"^\[setitem\] .*got uint8"):
+        x[bt.tensor([1], dtype=bt.uint8)] = 7.0
+    assert x[bt.tensor([1, 0], dtype=bt.int32)].tolist() == [[2.0, 3.0], [0.0, 1.0]]
+    assert x[bt.tensor([True, False, True])].tolist() == [[0.0, 1.0], [4.0, 5.0]]
+    assert x.tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+
+
+def test_reshape_refuses_a_shape_entry_that_is_a_tuple():
+    """CPU fuzz run (seed 2002, case 238): bt.reshape(t, ((2,),)) was read as the shape (2,)
+    (the tuple unpacked into Tensor.reshape's one-tuple spelling); PyTorch refuses it."""
+    t = bt.ones(1, 2, 1)
+    for bad in (((2,),), [(2,)]):
+        with pytest.raises(TypeError, match=r"^\[reshape\] shape entries must be ints, got \(2,\)"):
+            bt.reshape(t, bad)
+    assert bt.reshape(t, (2,)).shape == (2,) and bt.reshape(t, [1, -1]).shape == (1, 2)
+    assert t.reshape((2,)).shape == (2,) and t.reshape(2, 1).shape == (2, 1)

@@ -581,9 +581,14 @@ Tensor getitem(const Tensor& self, nb::handle idx) {
             "[getitem] a bool mask combined with other indices is not "
             "supported; index with the mask alone");
       }
-      if (!is_integral(ix.dtype(), false)) {
-        throw IndexError(std::string("[getitem] tensors used as indices must be integer, got ") +
-                         dtype_name(ix.dtype()));
+      if (!is_integral(ix.dtype(), false) || ix.dtype() == DType::UInt8) {
+        // (uint8: PyTorch reads it as a deprecated boolean mask, not as indices: refused rather
+        // than given another meaning)
+        throw IndexError(std::string("[getitem] tensors used as indices must be integer ") +
+                         "(int32 or int64; or a bool mask), got " + dtype_name(ix.dtype()) +
+                         (ix.dtype() == DType::UInt8
+                              ? "; use .bool() for a mask or .long() for indices"
+                              : ""));
       }
       if (ix.device() != t.device()) {
         throw ValueError("[getitem] index on " + ix.device().str() + ", tensor on " +

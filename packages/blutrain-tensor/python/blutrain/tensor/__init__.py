@@ -443,7 +443,9 @@ def reshape(input: Tensor, shape: Sequence[builtins.int]) -> Tensor:
             f"[reshape] argument 'shape' must be a sequence of ints, got "
             f"{_argerrors.describe(shape)}"
         )
-    return _as_input(input, "reshape").reshape(*shape)
+    # (one argument: shape=((2,),) is a shape entry that is not an int, as in PyTorch, not
+    # Tensor.reshape's one-tuple spelling of (2,))
+    return _as_input(input, "reshape").reshape(tuple(shape))
 
 
 def transpose(input: Tensor, dim0: builtins.int, dim1: builtins.int) -> Tensor:
