@@ -656,7 +656,33 @@ def summarize(results: dict[str, dict], a: argparse.Namespace) -> dict:
             "d_val_final": float(abs(dv[-1])),
             "d_val_mean": float(np.abs(dv[1:]).mean()) if len(dv) > 1 else float(abs(dv[-1])),
             "bias_val_final": float(dv[-1]),
+            "split_step": split_step(d),
+            "spikes": spikes(r["grad_norm"]),
         }
+    return out
+
+
+SPLIT = 0.02  # |train loss difference| at which two runs count as on different trajectories
+
+
+def split_step(d: np.ndarray) -> int | None:
+    """The first step (1-based) where |d| > SPLIT: after it the two runs no longer share a
+    trajectory, and their difference measures how far chaos carried them, not a precision's
+    bias (setting A, H200: every run split from torch:fp32 at step 10, a loss spike whose size
+    each run drew differently, fp32's the largest)."""
+    over = np.flatnonzero(np.abs(d) > SPLIT)
+    return int(over[0]) + 1 if len(over) else None
+
+
+def spikes(gnorm: list[float], factor: float = 3.0, half: int = 10) -> list[list[float]]:
+    """[step, gradient norm] where the norm exceeds `factor` times the median of the 2 * half + 1
+    steps around it: the instabilities that set a run back."""
+    g = np.asarray(gnorm, dtype=np.float64)
+    out = []
+    for i in range(len(g)):
+        med = float(np.median(g[max(0, i - half) : i + half + 1]))
+        if g[i] > factor * med:
+            out.append([i + 1, round(float(g[i]), 2)])
     return out
 
 
@@ -664,19 +690,23 @@ def print_summary(summary: dict, a: argparse.Namespace, ref: str) -> None:
     tail = max(1, a.steps // 10)
     print(
         f"\nvs the reference {ref} (same batches): |d train| over all steps / the last {tail}, "
-        f"its mean there (bias), |d val| final / mean over evals, signed final"
+        f"its mean there (bias), |d val| final / mean over evals, signed final; split: the first "
+        f"step with |d train| > {SPLIT}; spikes: steps whose gradient norm is over 3x its "
+        "neighbours' median (norm)"
     )
     hdr = (
         f"{'run':<24} {'tok/s':>9} {'train(tail)':>11} {'val':>7} {'val min':>7} "
-        f"{'|dtr| all':>9} {'tail':>7} {'bias':>7} {'|dval|':>7} {'mean':>7} {'signed':>7}"
+        f"{'|dtr| all':>9} {'tail':>7} {'bias':>7} {'|dval|':>7} {'mean':>7} {'signed':>7} "
+        f"{'split':>5}  spikes"
     )
     print(hdr)
     for name, s in summary.items():
+        sp = " ".join(f"{int(k)}({g:.1f})" for k, g in s["spikes"][:6])
         print(
             f"{name:<24} {s['tokens_per_s']:9.0f} {s['train_tail']:11.4f} {s['val_final']:7.4f} "
             f"{s['val_min']:7.4f} {s['d_train_all']:9.4f} {s['d_train_tail']:7.4f} "
             f"{s['bias_train_tail']:+7.4f} {s['d_val_final']:7.4f} {s['d_val_mean']:7.4f} "
-            f"{s['bias_val_final']:+7.4f}"
+            f"{s['bias_val_final']:+7.4f} {str(s['split_step'] or '-'):>5}  {sp}"
         )
 
 
