@@ -35,10 +35,16 @@ Diagnostics (--quick turns both on):
   tensor by tensor, ours:bf16's distance from the reference over torch:bf16's, largest first.
   The reference runs first, torch:bf16 second; the others' host copies are compared and dropped
   as each run ends (GPT-2 124M: 2.5 GB a checkpoint a run).
-- --probe: at each checkpoint, every run kind at the reference run's weights on one fixed batch:
-  the loss, the validation loss, the final LayerNorm's output (ours is rounded to bf16 in bf16,
-  PyTorch's is float32) and the gradients against the reference kind's: a gradient error shows
-  apart from the divergence of the trajectories.
+- --probe: at each checkpoint, every run kind at the reference run's weights on --probe-batches
+  fixed batches: the loss and its signed difference from the reference kind's, the validation
+  loss, the final LayerNorm's output, and per tensor the gradient's error against the reference
+  kind's and its scale bias <g - r, r> / ||r||^2, each a mean over the batches with its standard
+  error: a systematic gradient error (a bias, not noise) shows apart from the divergence of the
+  trajectories, which decorrelates every pair of runs (fp32 against fp32 too) within tens of
+  steps in the overfitting setting.
+- --probe-ref RUN: the probes at RUN's weights, against RUN's gradients (e.g. ours:fp32 run here
+  beside a --baseline torch:fp32: a baseline keeps no weights).
+- --train-tokens N: train on the first N tokens only (a CPU-sized overfitting setting).
 
 Defaults: GPT-2 124M on the shipped Tiny Shakespeare (304K train tokens), B=2 x T=256 = 512 tokens
 a step, so 1000 steps see 512K tokens (1.7 epochs): far less memorisation than the issue's B16 x
@@ -83,9 +89,9 @@ class Data:
     """Train / val loaders over llm.c shards; with compact_vocab the ids are renumbered densely
     over the tokens the shards use (a smaller head for small CPU models; not GPT-2's vocab)."""
 
-    def __init__(self, path: str | None, compact_vocab: bool) -> None:
+    def __init__(self, path: str | None, compact_vocab: bool, train_tokens: int = 0) -> None:
         from blutrain.models.config import GPT2_VOCAB_SIZE
-        from blutrain.models.data import load_shard, prepare
+        from blutrain.models.data import load_shard, prepare, write_shard
 
         if path is None:
             path = os.path.join(tempfile.gettempdir(), f"bt-conv-shakespeare-{os.getuid()}")
@@ -97,6 +103,13 @@ class Data:
         }
         if not self.files["train"] or not self.files["val"]:
             raise SystemExit(f"no *_train_*.bin / *_val_*.bin shards in {path}")
+        if train_tokens > 0:  # the first train_tokens tokens only: a CPU-sized overfitting run
+            toks = np.concatenate([np.asarray(load_shard(f)) for f in self.files["train"]])
+            sub = os.path.join(tempfile.gettempdir(), f"bt-conv-sub-{os.getuid()}-{train_tokens}")
+            os.makedirs(sub, exist_ok=True)
+            self.files["train"] = [
+                str(write_shard(os.path.join(sub, "sub_train_000000.bin"), toks[:train_tokens]))
+            ]
         self.lut = None
         self.vocab_size = GPT2_VOCAB_SIZE
         if compact_vocab:
@@ -432,7 +445,7 @@ def train(name: str, cfg: Any, state: dict, data: Data, a: argparse.Namespace) -
             stats[step] = {k: norms(d) for k, d in kinds.items()}
             if a.compare:
                 snaps[step] = kinds
-            elif a.probe and name == reference(a.run_names):
+            elif a.probe and name == a.probe_ref:
                 snaps[step] = {"weight": w}
             del before
             t0 = time.perf_counter()
@@ -464,29 +477,74 @@ def train(name: str, cfg: Any, state: dict, data: Data, a: argparse.Namespace) -
 
 
 def probe(cfg: Any, snaps: dict, data: Data, names: list[str], a: argparse.Namespace) -> dict:
-    """At each checkpoint: the loss, val loss and gradients of one fixed batch for every run kind,
-    all at the reference run's weights; gradients against the reference kind's, per tensor."""
-    pb = data.batches(data.loader("train", a.B, a.T, a.seed + 1), 1)[0]
+    """At each checkpoint, every run kind at the reference run's weights on --probe-batches fixed
+    batches: the loss, the val loss, and per tensor the gradient against the reference kind's:
+    ||g - r|| / ||r|| (error) and <g - r, r> / ||r||^2 (its component along r: a systematic
+    scale bias of that gradient, not noise), each the mean over the batches with the standard
+    error of that mean; the loss's signed difference likewise."""
+    pbs = data.batches(data.loader("train", a.B, a.T, a.seed + 1), a.probe_batches)
     val = data.batches(data.loader("val", a.eval_B, a.T, 0), a.eval_batches)
+    ref = a.probe_ref
     out: dict[str, dict] = {}
     for step, snap in sorted(snaps.items()):
         w = snap["weight"]
         res: dict[str, dict] = {}
-        grads: dict[str, dict] = {}
-        hidden: dict[str, np.ndarray] = {}
-        for name in names:
+        rgrads: list[dict] = []
+        rloss: list[float] = []
+        hidden_ref = None
+        for name in [ref] + [n for n in names if n != ref]:
             run = make_run(name, cfg, w, a)
-            loss = run.scalars([run.forward_backward(*pb)])[0]
-            grads[name] = run.grads()
-            hidden[name] = run.hidden(pb[0])
-            res[name] = {"loss": loss, "val": run.val_loss(val)}
+            losses, rels, scales = [], [], []
+            for i, pb in enumerate(pbs):
+                losses.append(run.scalars([run.forward_backward(*pb)])[0])
+                g = run.grads()
+                run.opt.zero_grad()  # each batch alone
+                if name == ref:
+                    rgrads.append(g)
+                    rloss.append(losses[-1])
+                rels.append(rel_diffs(g, rgrads[i]))
+                scales.append(scale_bias(g, rgrads[i]))
+                if name != ref:
+                    del g
+            hidden = run.hidden(pbs[0][0])
+            if name == ref:
+                hidden_ref = hidden
+            dl = np.array(losses) - np.array(rloss)
+            res[name] = {
+                "loss": float(np.mean(losses)),
+                "loss_bias": float(dl.mean()),
+                "loss_bias_sem": sem(dl),
+                "val": run.val_loss(val) if a.eval_batches else math.nan,
+                "hidden_rel": rel_diffs({"h": hidden}, {"h": hidden_ref})["h"],
+                "grad_rel": {n: float(np.mean([r[n] for r in rels])) for n in rels[0]},
+                "grad_scale": {n: float(np.mean([s[n] for s in scales])) for n in scales[0]},
+                "grad_scale_sem": {n: sem([s[n] for s in scales]) for n in scales[0]},
+            }
             del run
             release(a.device)
-        ref = reference(names)
-        for name in names:
-            res[name]["grad_rel"] = rel_diffs(grads[name], grads[ref])
-            res[name]["hidden_rel"] = rel_diffs({"h": hidden[name]}, {"h": hidden[ref]})["h"]
-        out[str(step)] = res
+        out[str(step)] = {n: res[n] for n in names}
+    return out
+
+
+def sem(v: Any) -> float:
+    """The standard error of the mean of v (0 for one value)."""
+    v = np.asarray(v, dtype=np.float64)
+    return float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else 0.0
+
+
+def scale_bias(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, float]:
+    """Per tensor <a - b, b> / ||b||^2 (a's excess along b: +0.01 = 1% too long), and the
+    model-wide one under '*'."""
+    out, num, den = {}, 0.0, 0.0
+    for n, bv in b.items():
+        if n not in a:
+            continue
+        f = np.ascontiguousarray(bv, dtype=np.float32).ravel()
+        d = np.ascontiguousarray(a[n], dtype=np.float32).ravel() - f
+        x, s = float(np.dot(d, f)), float(np.dot(f, f))
+        out[n] = x / s if s > 0 else 0.0
+        num, den = num + x, den + s
+    out["*"] = num / den if den > 0 else 0.0
     return out
 
 
@@ -510,7 +568,12 @@ SAME = (
     "eval_B",
     "eval_batches",
     "compact_vocab",
+    "train_tokens",
 )
+
+
+# what a SAME setting was before this script had it (older JSONs lack the key)
+OLD_DEFAULTS = {"train_tokens": 0}
 
 
 def load_baseline(path: str, a: argparse.Namespace, names: list[str]) -> dict[str, dict]:
@@ -518,7 +581,7 @@ def load_baseline(path: str, a: argparse.Namespace, names: list[str]) -> dict[st
     snapshots: per-tensor comparisons and probes skip them).  Settings that differ: SystemExit."""
     with open(path) as f:
         old = json.load(f)
-    diff = [k for k in SAME if old["args"].get(k) != getattr(a, k)]
+    diff = [k for k in SAME if old["args"].get(k, OLD_DEFAULTS.get(k)) != getattr(a, k)]
     if diff:
         raise SystemExit(
             f"--baseline {path}: its runs used other settings: "
@@ -593,7 +656,33 @@ def summarize(results: dict[str, dict], a: argparse.Namespace) -> dict:
             "d_val_final": float(abs(dv[-1])),
             "d_val_mean": float(np.abs(dv[1:]).mean()) if len(dv) > 1 else float(abs(dv[-1])),
             "bias_val_final": float(dv[-1]),
+            "split_step": split_step(d),
+            "spikes": spikes(r["grad_norm"]),
         }
+    return out
+
+
+SPLIT = 0.02  # |train loss difference| at which two runs count as on different trajectories
+
+
+def split_step(d: np.ndarray) -> int | None:
+    """The first step (1-based) where |d| > SPLIT: after it the two runs no longer share a
+    trajectory, and their difference measures how far chaos carried them, not a precision's
+    bias (setting A, H200: every run split from torch:fp32 at step 10, a loss spike whose size
+    each run drew differently, fp32's the largest)."""
+    over = np.flatnonzero(np.abs(d) > SPLIT)
+    return int(over[0]) + 1 if len(over) else None
+
+
+def spikes(gnorm: list[float], factor: float = 3.0, half: int = 10) -> list[list[float]]:
+    """[step, gradient norm] where the norm exceeds `factor` times the median of the 2 * half + 1
+    steps around it: the instabilities that set a run back."""
+    g = np.asarray(gnorm, dtype=np.float64)
+    out = []
+    for i in range(len(g)):
+        med = float(np.median(g[max(0, i - half) : i + half + 1]))
+        if g[i] > factor * med:
+            out.append([i + 1, round(float(g[i]), 2)])
     return out
 
 
@@ -601,19 +690,23 @@ def print_summary(summary: dict, a: argparse.Namespace, ref: str) -> None:
     tail = max(1, a.steps // 10)
     print(
         f"\nvs the reference {ref} (same batches): |d train| over all steps / the last {tail}, "
-        f"its mean there (bias), |d val| final / mean over evals, signed final"
+        f"its mean there (bias), |d val| final / mean over evals, signed final; split: the first "
+        f"step with |d train| > {SPLIT}; spikes: steps whose gradient norm is over 3x its "
+        "neighbours' median (norm)"
     )
     hdr = (
         f"{'run':<24} {'tok/s':>9} {'train(tail)':>11} {'val':>7} {'val min':>7} "
-        f"{'|dtr| all':>9} {'tail':>7} {'bias':>7} {'|dval|':>7} {'mean':>7} {'signed':>7}"
+        f"{'|dtr| all':>9} {'tail':>7} {'bias':>7} {'|dval|':>7} {'mean':>7} {'signed':>7} "
+        f"{'split':>5}  spikes"
     )
     print(hdr)
     for name, s in summary.items():
+        sp = " ".join(f"{int(k)}({g:.1f})" for k, g in s["spikes"][:6])
         print(
             f"{name:<24} {s['tokens_per_s']:9.0f} {s['train_tail']:11.4f} {s['val_final']:7.4f} "
             f"{s['val_min']:7.4f} {s['d_train_all']:9.4f} {s['d_train_tail']:7.4f} "
             f"{s['bias_train_tail']:+7.4f} {s['d_val_final']:7.4f} {s['d_val_mean']:7.4f} "
-            f"{s['bias_val_final']:+7.4f}"
+            f"{s['bias_val_final']:+7.4f} {str(s['split_step'] or '-'):>5}  {sp}"
         )
 
 
@@ -699,17 +792,31 @@ def print_bf16_tensors(cmp: dict, top: int) -> None:
 
 
 def print_probe(pr: dict, top: int) -> None:
-    print("\nprobes at the reference run's weights: loss of one batch, val loss, gradient error")
+    print(
+        "\nprobes at the reference run's weights (mean over the probe batches, +- its standard "
+        "error): loss and its signed difference from the reference's, val loss, the final LN "
+        "output's error, the gradient's error ||g - r||/||r|| and scale bias <g - r, r>/||r||^2 "
+        "(model-wide; then the tensors with the largest |bias| / error)"
+    )
     for step, res in pr.items():
         print(f"step {step}")
         for name, r in res.items():
-            g = r["grad_rel"]
-            worst = sorted(((v, n) for n, v in g.items() if n != "*"), reverse=True)[:top]
-            w = ", ".join(f"{short(n)} {v:.1e}" for v, n in worst)
+            g, s, se = r["grad_rel"], r["grad_scale"], r["grad_scale_sem"]
             print(
-                f"  {name:<24} loss {r['loss']:.5f} val {r['val']:.5f} final LN out "
-                f"{r['hidden_rel']:.2e} grad {g['*']:.2e}  worst: {w}"
+                f"  {name:<24} loss {r['loss']:.5f} ({r['loss_bias']:+.2e} +- "
+                f"{r['loss_bias_sem']:.1e}) val {r['val']:.5f} LN out {r['hidden_rel']:.2e} "
+                f"grad err {g['*']:.2e} bias {s['*']:+.2e} +- {se['*']:.1e}"
             )
+            worst = sorted(
+                ((abs(s[n]) / max(se[n], 1e-12), n) for n in s if n != "*"), reverse=True
+            )[:top]
+            if any(t > 3 for t, _ in worst):
+                w = ", ".join(
+                    f"{short(n)} {s[n]:+.1e}+-{se[n]:.0e} (err {g[n]:.1e})"
+                    for t, n in worst
+                    if t > 3
+                )
+                print(f"      biased (|bias| > 3 SE): {w}")
 
 
 def strip(results: dict[str, dict]) -> dict[str, dict]:
@@ -755,11 +862,20 @@ def main() -> int:
     ap.add_argument("--checkpoints", default="1,10,100")
     ap.add_argument("--compare", action="store_true", help="per-tensor comparisons (host RAM)")
     ap.add_argument("--probe", action="store_true", help="every precision at the ref's weights")
+    ap.add_argument("--probe-batches", type=int, default=8, help="batches each probe averages")
     ap.add_argument("--top", type=int, default=8, help="tensors listed per comparison")
     ap.add_argument("--quick", action="store_true", help="100 steps, --compare --probe")
     ap.add_argument("--ours-fused", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--compact-vocab", action="store_true", help="dense ids (small CPU models)")
+    ap.add_argument(
+        "--train-tokens", type=int, default=0, help="train on the first N tokens only (0: all)"
+    )
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: the trainer's rule)")
+    ap.add_argument(
+        "--probe-ref",
+        help="the run whose weights and gradients the probes use (default: the reference); "
+        "e.g. ours:fp32 run here beside a --baseline torch:fp32",
+    )
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--baseline", help="an earlier call's JSON: its other runs join the tables")
     a = ap.parse_args()
@@ -769,6 +885,8 @@ def main() -> int:
     a.checkpoints = sorted({int(s) for s in a.checkpoints.split(",") if s and int(s) <= a.steps})
     names = [r.strip() for r in a.runs.split(",") if r.strip()]
     a.run_names = names
+    if a.probe_ref is not None and a.probe_ref not in names:
+        raise SystemExit(f"--probe-ref {a.probe_ref!r} is not one of --runs ({a.runs!r})")
     for n in names:
         fw, prec, variant = split_name(n)
         if fw not in FRAMEWORKS or prec not in ("fp32", "tf32", "bf16"):
@@ -791,7 +909,7 @@ def main() -> int:
 
     from blutrain.models.config import GPT2Config
 
-    data = Data(a.data, a.compact_vocab)
+    data = Data(a.data, a.compact_vocab, a.train_tokens)
     L, H, C = parse_model(a.model)
     cfg = GPT2Config(
         block_size=max(a.T, 64),
@@ -817,8 +935,12 @@ def main() -> int:
         print(f"baseline runs (not rerun; tok/s of that call): {', '.join(base)} from {a.baseline}")
     state = make_state(cfg, a.init_seed)
     ref = reference(list(base) + names)
-    if ref in base and a.probe:
-        raise SystemExit(f"--probe needs the reference {ref} run here, not from --baseline")
+    a.probe_ref = a.probe_ref or ref
+    if a.probe and a.probe_ref in base:
+        raise SystemExit(
+            f"--probe needs its reference {a.probe_ref} run here, not from --baseline "
+            "(--probe-ref names another run)"
+        )
     # the reference first, then torch:bf16: later runs are compared with them as they end and
     # their host snapshots dropped (GPT-2 124M: 2.5 GB a checkpoint)
     order = [ref] + [n for n in names if n == "torch:bf16" != ref]
@@ -838,7 +960,7 @@ def main() -> int:
         )
         if a.compare:
             compare_run(name, results, cmp)
-            if name not in (ref, "torch:bf16"):
+            if name not in (ref, "torch:bf16", a.probe_ref):
                 r["_snap"] = {}
         partial = {"args": vars(a), "reference": ref, "partial": True, "compare": cmp}
         write_json(a.json, {**partial, "runs": strip(results)})  # kept if a later run is cut
@@ -857,10 +979,10 @@ def main() -> int:
         out["compare"] = cmp
         print_compare(cmp, a.top)
     if a.probe:
-        snaps = results[ref]["_snap"]
+        snaps = results[a.probe_ref]["_snap"]
         for r in results.values():
             r["_snap"] = {}  # the host copies: free before the probes
-        out["probe"] = probe(cfg, snaps, data, names, a)  # (the reference ran here)
+        out["probe"] = probe(cfg, snaps, data, names, a)  # (--probe-ref ran here)
         print_probe(out["probe"], a.top)
     if a.json:
         write_json(a.json, out)

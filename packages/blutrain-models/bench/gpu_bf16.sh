@@ -12,13 +12,21 @@
 #      --residual-dtype float32 / compute interleaved (about 25 s a worker: N=2 takes ~100 s)
 #
 #   bash packages/blutrain-models/bench/gpu_bf16.sh [--budget SECONDS] [--runs LIST] [--runs-a LIST]
-#                                                   [--speed N]
+#        [--limit-a SECONDS] [--extra-a "ARGS"] [--seeds-a "S1 S2"] [--runs-seeds LIST] [--speed N]
 #   --budget  seconds this script may take (default 240): a part that cannot finish in what is
 #             left is skipped and says so
 #   --runs    ours runs of convergence.py in B (default ours:bf16; e.g. ours:bf16,ours:bf16/bf16res
-#             adds the bf16 stream, the policy before issue 38, for a same-call control: +40 s)
+#             adds the bf16 stream, the policy before issue 38, for a same-call control: +40 s;
+#             none: no B)
 #   --runs-a  the same in A (default ours:bf16,ours:bf16/unfused: the unfused control carries the
-#             stream's gradient in float32 where the fused kernels carry it in bf16; +35 s)
+#             stream's gradient in float32 where the fused kernels carry it in bf16; +35 s;
+#             ours:fp32 adds the fp32-against-fp32 floor: +85 s)
+#   --limit-a seconds A may take (default 110)
+#   --extra-a more convergence.py arguments for A, e.g. "--probe --probe-ref ours:fp32
+#             --checkpoints 10,100,300 --probe-batches 4" (gradient error and scale bias of each
+#             kind at ours:fp32's weights: chaos-free)
+#   --seeds-a A again with these train-loader seeds (no PyTorch baseline there: --runs-seeds,
+#             default ours:fp32,torch:bf16,ours:bf16, with ours:fp32 the reference; ~150 s each)
 #   --speed   rounds of the A / B of the residual stream's dtype (default 0: none)
 # Needs the CUDA wheels installed (scripts/gpu.sh --prebuilt puts them in /tmp/site; this
 # script installs .whl/bt/*.whl there itself when /tmp/site has no blutrain.tensor).
@@ -31,13 +39,18 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 START=$(date +%s)
 BUDGET=240 RUNS=ours:bf16 RUNS_A=ours:bf16,ours:bf16/unfused SPEED=0
+LIMIT_A=110 EXTRA_A="" SEEDS_A="" RUNS_SEEDS=ours:fp32,torch:bf16,ours:bf16
 while [ $# -gt 0 ]; do
   case "$1" in
     --budget) BUDGET=$2; shift ;;
     --runs) RUNS=$2; shift ;;
     --runs-a) RUNS_A=$2; shift ;;
     --speed) SPEED=$2; shift ;;
-    *) echo "gpu_bf16.sh: unknown argument $1 (--budget SECONDS, --runs LIST, --runs-a LIST, --speed N)"; exit 2 ;;
+    --limit-a) LIMIT_A=$2; shift ;;
+    --extra-a) EXTRA_A=$2; shift ;;
+    --seeds-a) SEEDS_A=$2; shift ;;
+    --runs-seeds) RUNS_SEEDS=$2; shift ;;
+    *) echo "gpu_bf16.sh: unknown argument $1 (--budget SECONDS, --runs LIST, --runs-a LIST, --limit-a SECONDS, --extra-a ARGS, --seeds-a SEEDS, --runs-seeds LIST, --speed N)"; exit 2 ;;
   esac
   shift
 done
@@ -91,11 +104,21 @@ conv() {  # name runs need_s limit_s args...
   STATUS[conv-$name]="rc $rc ($(( $(date +%s) - t0 )) s)"
   [ $rc = 0 ] || tail -15 "$OUT/conv_$name.log"
 }
-conv b "$RUNS" 60 120 -B 2 -T 256 --steps 1000 --warmup 50 --eval-batches 16 \
-  --baseline $BENCH/baselines/conv_b_torch.json
+if [ "$RUNS" != none ]; then
+  conv b "$RUNS" 60 120 -B 2 -T 256 --steps 1000 --warmup 50 --eval-batches 16 \
+    --baseline $BENCH/baselines/conv_b_torch.json
+fi
 wait_tests
-conv a "$RUNS_A" 45 110 -B 16 -T 1024 --steps 300 --warmup 20 --eval-batches 4 \
-  --baseline $BENCH/baselines/conv_a_torch.json
+# shellcheck disable=SC2086  # EXTRA_A: several arguments
+conv a "$RUNS_A" 45 "$LIMIT_A" -B 16 -T 1024 --steps 300 --warmup 20 --eval-batches 4 \
+  --baseline $BENCH/baselines/conv_a_torch.json $EXTRA_A
+TABLES=("$OUT/conv_a.json")
+[ "$RUNS" != none ] && TABLES+=("$OUT/conv_b.json")
+for seed in $SEEDS_A; do  # A's chaos: the same runs from other batch orders
+  conv "a_seed$seed" "$RUNS_SEEDS" 120 200 -B 16 -T 1024 --steps 300 --warmup 20 \
+    --eval-batches 4 --seed "$seed" --checkpoints ""
+  TABLES+=("$OUT/conv_a_seed$seed.json")
+done
 
 # ---- 4. (--speed N) the float32 stream's cost in the CUDA-graph bf16 step -----------------------
 if [ "$SPEED" -gt 0 ]; then
@@ -113,7 +136,7 @@ fi
 # ---- 3. the table (last) ---------------------------------------------------------------------------
 echo
 for k in $(printf '%s\n' "${!STATUS[@]}" | sort); do printf '%-34s %s\n' "$k" "${STATUS[$k]}"; done
-$PY $BENCH/gpu_bf16_table.py "$OUT/conv_a.json" "$OUT/conv_b.json"
+$PY $BENCH/gpu_bf16_table.py "${TABLES[@]}"
 if [ -f "$OUT/ab_bf16.txt" ]; then
   echo; echo "the residual stream's cost (ours+graph bf16, B16 T1024; the lead's bar: <= 2%):"
   cat "$OUT/ab_bf16.txt"

@@ -27,17 +27,22 @@ def table(path: str) -> bool:
     with open(path) as f:
         d = json.load(f)
     a = d["args"]
-    if "summary" not in d:  # a call cut by its time limit: the runs that finished
-        from convergence import reference, summarize
+    from convergence import reference, summarize
 
+    if "summary" not in d:  # a call cut by its time limit: the runs that finished
         print(f"\n{path}: cut before the end; the finished runs: {', '.join(d['runs'])}")
-        d["summary"] = summarize(d["runs"], argparse.Namespace(**a))
-        d["reference"] = reference(list(d["runs"]))
+    # recomputed from the runs (older JSONs' summaries lack the split step and the spikes)
+    d["summary"] = summarize(d["runs"], argparse.Namespace(**a))
+    d["reference"] = reference(list(d["runs"]))
     name = SETTINGS.get((a["B"], a["T"], a["steps"]), f"B{a['B']} T{a['T']}, {a['steps']} steps")
-    print(f"\nsetting {name}; reference {d['reference']}; tail = the last {a['steps'] // 10} steps")
+    print(
+        f"\nsetting {name}, batch seed {a['seed']}; reference {d['reference']}; tail = the last "
+        f"{a['steps'] // 10} steps; split: the first step with |d train| > 0.02; spikes: steps "
+        "whose gradient norm is over 3x its neighbours' median"
+    )
     print(
         f"{'run':<22} {'tok/s':>9} {'train':>8} {'val':>8} {'|dtrain| tail':>13} "
-        f"{'|dval|':>8} {'signed dval':>11}  aim"
+        f"{'|dval|':>8} {'signed dval':>11} {'split':>5}  aim / spikes"
     )
     s = d["summary"]
     torch_bf16 = s.get("torch:bf16")
@@ -55,10 +60,19 @@ def table(path: str) -> bool:
             ok = all(checks.values())
             ok_all &= ok
             verdict = "ok" if ok else "NOT MET: " + ", ".join(k for k, v in checks.items() if not v)
+        sp = " ".join(f"{int(k)}({g:.1f})" for k, g in r.get("spikes", [])[:5])
+        split = r.get("split_step") or "-"
         print(
             f"{run:<22} {r['tokens_per_s']:9.0f} {r['train_tail']:8.4f} {r['val_final']:8.4f} "
-            f"{r['d_train_tail']:13.4f} {r['d_val_final']:8.4f} {r['bias_val_final']:+11.4f}  "
-            f"{verdict}"
+            f"{r['d_train_tail']:13.4f} {r['d_val_final']:8.4f} {r['bias_val_final']:+11.4f} "
+            f"{split!s:>5}  {verdict}{' / ' if verdict and sp else ''}{sp}"
+        )
+    floor = s.get("ours:fp32") if d["reference"] == "torch:fp32" else None
+    if floor is not None:
+        print(
+            f"fp32 floor: ours:fp32 against torch:fp32 (summation order only) |dtrain| tail "
+            f"{floor['d_train_tail']:.4f}, |dval| {floor['d_val_final']:.4f}: bf16 distances "
+            "under these are chaos, not precision"
         )
     return ok_all
 
