@@ -261,9 +261,7 @@ def test_eager_step_given_another_layout_than_captured() -> None:
 
     def args():
         x = bt.tensor(rng.standard_normal((B, T, H * D)).astype(np.float32))
-        k, v = (
-            bt.tensor(rng.standard_normal((B, H, T, D)).astype(np.float32)) for _ in range(2)
-        )
+        k, v = (bt.tensor(rng.standard_normal((B, H, T, D)).astype(np.float32)) for _ in range(2))
         return x, k, v
 
     with bt.backends.use_flash_attention_cpu(True):
@@ -273,7 +271,9 @@ def test_eager_step_given_another_layout_than_captured() -> None:
             assert float(c(*a).item()) == float(f(*a).item())
         (p,) = [v.prog for v in c.programs.values()]
         (att,) = [
-            s.node for s in p.part.steps if "attention" in getattr(getattr(s, "node", None), "op", "")
+            s.node
+            for s in p.part.steps
+            if "attention" in getattr(getattr(s, "node", None), "op", "")
         ]
         assert len(att._replays) == 1  # one layout, specialized once
         a = args()
