@@ -17,7 +17,15 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(bt.cuda_device_count() == 0, reason="no CUDA device"),
 ]
-from compiler_cases import CASES, RNG, err, llama_steps, u  # noqa: E402
+from compiler_cases import (  # noqa: E402
+    CASES,
+    RNG,
+    check_against_float64,
+    err,
+    llama_steps,
+    normwise,
+    u,
+)
 
 
 def dev(a: np.ndarray) -> bt.Tensor:
@@ -58,15 +66,27 @@ def test_bf16_elementwise_and_norm() -> None:
     assert err(c(x, w), f(x, w)) <= 1e-2
 
 
+# Note [tolerance relative to float64]: the compiled step does not add in eager's CUDA order.
+# Its fused kernels follow the CPU kernels (float64 sums for float32 norms, means and losses,
+# Cephes exp), where eager's CUDA kernels sum in float32 in tree order (reduce.cu, nn.cu) and
+# take exp from MUFU ex2 (cross-entropy). Every RMSNorm mean, the loss's log-sum-exp and the
+# column sums of the backward therefore round differently, and AdamW divides each gradient by its
+# own RMS, so an element whose gradient is ~0 moves by up to lr whatever the size of that
+# rounding: after three steps the two losses differ by ~2e-5 with neither being wrong. The test
+# states what must hold instead: against the same steps in float64, the compiled error is at most
+# twice eager's (two independent float32 roundings are of one size; a factor 2 leaves chance
+# room, an error of its own would be orders larger) plus a floor of a few float32 ulps.
 def test_llama_step_fp32_matches_eager() -> None:
-    le, lc, perr = llama_steps(bt.float32, "cuda")
-    for a, b in zip(lc, le):
-        assert abs(a - b) <= 1e-5 * abs(b), (le, lc)
-    assert perr <= 1e-4, perr
+    runs = llama_steps(bt.float32, "cuda", ref64=True)
+    (le, _), (lc, _) = runs["eager"], runs["compiled"]
+    # step 0's loss is a forward on the same weights: no AdamW amplification yet
+    assert abs(lc[0] - le[0]) <= 1e-5 * abs(le[0]), (le, lc)
+    check_against_float64(runs, floor=4 * 2.0**-24)
 
 
 def test_llama_step_bf16_matches_eager() -> None:
-    le, lc, perr = llama_steps(bt.bfloat16, "cuda")
+    runs = llama_steps(bt.bfloat16, "cuda")
+    (le, pe), (lc, pc) = runs["eager"], runs["compiled"]
     for a, b in zip(lc, le):
         assert abs(a - b) <= 2e-2 * abs(b), (le, lc)
-    assert perr <= 2e-2, perr
+    assert normwise(pc, pe) <= 2e-2
