@@ -51,6 +51,8 @@ def _bmm(n: Node, x: list[Any]) -> list[Any]:
 
 @_reg("index_select")
 def _index_select(n: Node, x: list[Any]) -> list[Any]:
+    if n.attrs.get("embedding") and n.attrs["dim"] == 0 and x[1].ndim == 1:
+        return [bt.embedding(x[1], x[0])]  # its index rules: no negative indices
     return [bt.index_select(x[0], n.attrs["dim"], x[1])]
 
 
