@@ -812,6 +812,15 @@ NB_MODULE(_tensor, m) {
       "(OpenBLAS runs its jobs on the same pool), the calling thread included. The default is\n"
       "$OMP_NUM_THREADS when set, else available_cpus(). Results do not depend on it.");
   m.def("get_num_threads", &cpu::num_threads, "The CPU thread budget (see set_num_threads).");
+  m.def(  // blutrain-compiler's OpenMP entry points run their teams on this pool (kmp_pool.c)
+      "_cpu_pool_entry_points",
+      [] {
+        return std::vector<uintptr_t>{reinterpret_cast<uintptr_t>(&cpu::bt_cpu_run_blas_jobs),
+                                      reinterpret_cast<uintptr_t>(&cpu::num_threads),
+                                      reinterpret_cast<uintptr_t>(&cpu::in_parallel_region)};
+      },
+      "Addresses of (bt_cpu_run_blas_jobs, num_threads, in_parallel_region): the pool's C "
+      "entry points.");
   m.def("available_cpus", &cpu::available_cpus,
         "CPUs this process may use: its affinity mask (os.sched_getaffinity), capped by its\n"
         "cgroup CPU quota rounded up (a container's --cpus); not the host's count.");
