@@ -1,9 +1,13 @@
-"""Fused-kernel patterns shared by the GPU tests and the PTX tests (no GPU needed to build them)."""
+"""Fused-kernel patterns shared by the GPU tests and the PTX tests (no GPU needed to build them),
+and the LLaMA-style training steps the CPU and GPU tests both run."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+import blutrain.compiler as btc
 import blutrain.tensor as bt
 
 RNG = np.random.default_rng()
@@ -57,3 +61,77 @@ CASES = {
         lambda: [u(8, 64, 64)],
     ),
 }
+
+
+def llama_steps(dtype, device: str, ref64: bool = False) -> dict[str, Any]:
+    """3 AdamW steps of the LLaMA-style tiny model on `device`, eager and compiled (device lr and
+    step: runtime inputs), from the same weights and batches. Returns {"eager": run,
+    "compiled": run} and, with ref64, "float64": the eager step in float64 on the CPU (the
+    reference both are measured against); a run is (losses, parameters as float64 arrays)."""
+    import math
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import llama_ref as L
+
+    from blutrain.models.optim import AdamW, grad_norm_and_clip_coef
+
+    cfg = L.Config.preset("tiny")
+    w0 = L.init_weights(cfg, seed=5)
+    rng = np.random.default_rng(7)
+    data = [
+        (rng.integers(0, cfg.vocab, (4, cfg.seq)), rng.integers(0, cfg.vocab, (4, cfg.seq)))
+        for _ in range(3)
+    ]
+
+    def run(dtype, device: str, compiled: bool) -> tuple[list[float], list[np.ndarray]]:
+        cos, sin = (bt.tensor(t).to(device).to(dtype=dtype) for t in L.rope_tables(cfg))
+        params = {
+            k: bt.tensor(v.copy()).to(device).to(dtype=dtype).requires_grad_(True)
+            for k, v in w0.items()
+        }
+        opt = AdamW(list(params.items()), lr=1e-3, weight_decay=0.1)
+        opt.use_device_scalars()
+        for n, p in opt.params:
+            opt._state_for(n, p)
+        plist = list(params.values())
+
+        def step(x, y):
+            loss = L.bt_forward(bt, cfg, params, cos, sin, x, y)
+            loss = loss if loss.dtype == bt.float64 else loss.float()
+            loss.backward()
+            _, coef = grad_norm_and_clip_coef(plist, 1.0)
+            opt.step(grad_scale=coef)
+            opt.zero_grad()
+            return loss
+
+        f = btc.compile(step) if compiled else step
+        losses = []
+        for i, (x, y) in enumerate(data):
+            opt.write_device_scalars(1e-3 * 0.5 * (1 + math.cos(math.pi * i / 3)), i + 1)
+            losses.append(float(f(bt.tensor(x).to(device), bt.tensor(y).to(device)).item()))
+        return losses, [np.asarray(p.detach().double().cpu().numpy()) for p in plist]
+
+    out = {"eager": run(dtype, device, False), "compiled": run(dtype, device, True)}
+    if ref64:
+        out["float64"] = run(bt.float64, "cpu", False)
+    return out
+
+
+def normwise(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    """||a - b|| / ||b|| over all parameters together."""
+    num = sum(float(((x - y) ** 2).sum()) for x, y in zip(a, b))
+    return (num / sum(float((y**2).sum()) for y in b)) ** 0.5
+
+
+def check_against_float64(runs: dict[str, Any], floor: float) -> None:
+    """The compiled step at least as close to float64 as the eager one (Note [tolerance
+    relative to float64] in test_compiler_gpu.py): for every loss and for the parameters,
+    err(compiled) <= 2 * err(eager) + floor, errors measured against the float64 run."""
+    (le, pe), (lc, pc), (lr, pr) = runs["eager"], runs["compiled"], runs["float64"]
+    for i, (e, c, r) in enumerate(zip(le, lc, lr)):
+        ee, ec = abs(e - r) / abs(r), abs(c - r) / abs(r)
+        assert ec <= 2 * ee + floor, f"step {i}: loss error vs float64 {ec:.3g}, eager's {ee:.3g}"
+    ee, ec = normwise(pe, pr), normwise(pc, pr)
+    assert ec <= 2 * ee + floor, f"parameters: error vs float64 {ec:.3g}, eager's {ee:.3g}"

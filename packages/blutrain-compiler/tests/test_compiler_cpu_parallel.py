@@ -1,8 +1,9 @@
-"""Parallel CPU kernels (Note [parallel CPU loops] in pipelines.py; runtime src/kmp_gomp.c).
+"""Parallel CPU kernels (Note [parallel CPU loops] in pipelines.py; runtime src/kmp_pool.c).
 
-Kernels over at least PARALLEL_MIN elements run their outermost parallel loop on the OpenMP
-threads; reductions stay serial per row, so the parallel kernels must equal the serial ones bit
-for bit (tolerance 0), and eager to 1e-6 of the largest magnitude. Shapes are odd so the static
+Kernels over at least PARALLEL_MIN elements run their outermost parallel loop on
+blutrain.tensor's CPU pool, within its budget (bt.set_num_threads); reductions stay serial per
+row, so the parallel kernels must equal the serial ones bit for bit (tolerance 0), and eager to
+1e-6 of the largest magnitude. Shapes are odd so the static
 blocks split unevenly across threads.
 """
 
@@ -65,3 +66,34 @@ def test_parallel_kernels_equal_serial_bitwise(
     ref = np.asarray(fn(*args).numpy(), np.float64)
     err = np.abs(par - ref).max() / max(np.abs(ref).max(), 1e-30)
     assert err <= 1e-6, err
+
+
+def _threads() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_forks_run_on_eager_pool_within_the_budget() -> None:
+    """One pool, one budget (issue 36): a compiled kernel's fork uses bt.get_num_threads()
+    threads of blutrain.tensor's own pool, so compiled kernels start no thread of their own
+    (no second runtime idling on a core), a budget of 1 runs them on the caller, and the
+    results are the same bits at every budget."""
+    fn, make = CASES["layer_norm"]
+    args = make()
+    c = btc.compile(fn)
+    c(*args)  # compiled first (the JIT may start threads of its own)
+    old = bt.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            bt.set_num_threads(n)
+            assert backend_cpu.omp_threads() == n
+            (args[0] * 2.0).exp()  # eager's pool at this budget exists (its workers started)
+            before = _threads()
+            outs.append(c(*args).numpy())
+            assert _threads() == before, (n, before, _threads())
+        np.testing.assert_array_equal(outs[0], outs[1])
+        np.testing.assert_array_equal(outs[0], outs[2])
+    finally:
+        bt.set_num_threads(old)

@@ -17,7 +17,15 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(bt.cuda_device_count() == 0, reason="no CUDA device"),
 ]
-from compiler_cases import CASES, RNG, err, u  # noqa: E402
+from compiler_cases import (  # noqa: E402
+    CASES,
+    RNG,
+    check_against_float64,
+    err,
+    llama_steps,
+    normwise,
+    u,
+)
 
 
 def dev(a: np.ndarray) -> bt.Tensor:
@@ -58,78 +66,27 @@ def test_bf16_elementwise_and_norm() -> None:
     assert err(c(x, w), f(x, w)) <= 1e-2
 
 
-def _llama_step_on_gpu(dtype) -> tuple[list[float], list[float], float]:
-    """3 AdamW steps of the LLaMA-style tiny model on CUDA, eager and compiled (device lr and
-    step: runtime inputs); returns (eager losses, compiled losses, normwise parameter error)."""
-    import math
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-    import llama_ref as L
-
-    from blutrain.models.optim import AdamW, grad_norm_and_clip_coef
-
-    cfg = L.Config.preset("tiny")
-    w0 = L.init_weights(cfg, seed=5)
-    cos, sin = (bt.tensor(t).to("cuda").to(dtype=dtype) for t in L.rope_tables(cfg))
-    rng = np.random.default_rng(7)
-    data = [
-        (
-            bt.tensor(rng.integers(0, cfg.vocab, (4, cfg.seq))).to("cuda"),
-            bt.tensor(rng.integers(0, cfg.vocab, (4, cfg.seq))).to("cuda"),
-        )
-        for _ in range(3)
-    ]
-
-    def make():
-        params = {
-            k: bt.tensor(v.copy()).to("cuda").to(dtype=dtype).requires_grad_(True)
-            for k, v in w0.items()
-        }
-        opt = AdamW(list(params.items()), lr=1e-3, weight_decay=0.1)
-        opt.use_device_scalars()
-        for n, p in opt.params:
-            opt._state_for(n, p)
-        plist = list(params.values())
-
-        def step(x, y):
-            loss = L.bt_forward(bt, cfg, params, cos, sin, x, y).float()
-            loss.backward()
-            _, coef = grad_norm_and_clip_coef(plist, 1.0)
-            opt.step(grad_scale=coef)
-            opt.zero_grad()
-            return loss
-
-        return step, opt, plist
-
-    (se, oe, pe), (sc, oc, pc) = make(), make()
-    sc = btc.compile(sc)
-    le, lc = [], []
-    for i, (x, y) in enumerate(data):
-        lr = 1e-3 * 0.5 * (1 + math.cos(math.pi * i / 3))
-        oe.write_device_scalars(lr, i + 1)
-        le.append(float(se(x, y).item()))
-        oc.write_device_scalars(lr, i + 1)
-        lc.append(float(sc(x, y).item()))
-    num = den = 0.0
-    for a, b in zip(pc, pe):
-        a64 = a.detach().float().cpu().numpy().astype(np.float64)
-        b64 = b.detach().float().cpu().numpy().astype(np.float64)
-        num += float(((a64 - b64) ** 2).sum())
-        den += float((b64**2).sum())
-    return le, lc, (num / den) ** 0.5
-
-
+# Note [tolerance relative to float64]: the compiled step does not add in eager's CUDA order.
+# Its fused kernels follow the CPU kernels (float64 sums for float32 norms, means and losses,
+# Cephes exp), where eager's CUDA kernels sum in float32 in tree order (reduce.cu, nn.cu) and
+# take exp from MUFU ex2 (cross-entropy). Every RMSNorm mean, the loss's log-sum-exp and the
+# column sums of the backward therefore round differently, and AdamW divides each gradient by its
+# own RMS, so an element whose gradient is ~0 moves by up to lr whatever the size of that
+# rounding: after three steps the two losses differ by ~2e-5 with neither being wrong. The test
+# states what must hold instead: against the same steps in float64, the compiled error is at most
+# twice eager's (two independent float32 roundings are of one size; a factor 2 leaves chance
+# room, an error of its own would be orders larger) plus a floor of a few float32 ulps.
 def test_llama_step_fp32_matches_eager() -> None:
-    le, lc, perr = _llama_step_on_gpu(bt.float32)
-    for a, b in zip(lc, le):
-        assert abs(a - b) <= 1e-5 * abs(b), (le, lc)
-    assert perr <= 1e-4, perr
+    runs = llama_steps(bt.float32, "cuda", ref64=True)
+    (le, _), (lc, _) = runs["eager"], runs["compiled"]
+    # step 0's loss is a forward on the same weights: no AdamW amplification yet
+    assert abs(lc[0] - le[0]) <= 1e-5 * abs(le[0]), (le, lc)
+    check_against_float64(runs, floor=4 * 2.0**-24)
 
 
 def test_llama_step_bf16_matches_eager() -> None:
-    le, lc, perr = _llama_step_on_gpu(bt.bfloat16)
+    runs = llama_steps(bt.bfloat16, "cuda")
+    (le, pe), (lc, pc) = runs["eager"], runs["compiled"]
     for a, b in zip(lc, le):
         assert abs(a - b) <= 2e-2 * abs(b), (le, lc)
-    assert perr <= 2e-2, perr
+    assert normwise(pc, pe) <= 2e-2

@@ -1,5 +1,6 @@
 """The static memory plan: intervals never overlap in bytes while live, the planned peak is at
-most eager's peak on the same call, and a steady-state call allocates only what it returns."""
+most eager's peak on the same call, a steady-state call makes no allocator call, and a returned
+buffer is reused only once the caller has let go of it."""
 
 from __future__ import annotations
 
@@ -50,11 +51,43 @@ def test_planned_peak_below_eager_and_no_steady_state_allocations() -> None:
     eager_peak = alloc.stats("cpu")["requested_bytes_peak"] - base
     assert 0 < p.plan.size <= eager_peak, (p.plan.size, eager_peak)
 
-    before = alloc.stats("cpu")["alloc_count"]
-    c(x, w1, w2, w3, g)
-    allocs = alloc.stats("cpu")["alloc_count"] - before
-    assert allocs == 1  # the returned (64,) tensor; every intermediate lives in the arena
+    counts = []
+    for _ in range(3):  # `out` holds the previous call's result during each call
+        before = alloc.stats("cpu")["alloc_count"]
+        out = c(x, w1, w2, w3, g)
+        counts.append(alloc.stats("cpu")["alloc_count"] - before)
+        np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-5, atol=1e-5)
+    # the returned (64,) tensor's second buffer, then nothing: intermediates live in the arena
+    assert counts == [1, 0, 0], counts
     assert p.stats.planned_bytes == p.plan.size
+
+
+def test_returned_buffers_are_never_written_while_the_caller_holds_them() -> None:
+    """Note [returned buffers]: results kept in a list, a detach() or a view of a result keep
+    their values across later calls (each such call gets a fresh buffer); dropped results
+    let the buffers take turns again."""
+    rng = np.random.default_rng()
+    c = btc.compile(lambda x: (x * 2.0).exp().sum(-1))
+    xs = [bt.tensor(rng.standard_normal((8, 16)).astype(np.float32)) for _ in range(6)]
+    refs = [(x * 2.0).exp().sum(-1).numpy() for x in xs]
+    kept = [c(xs[0]), c(xs[1]).detach(), c(xs[2])[1:]]
+    counts = []
+    for x in xs[3:]:
+        before = alloc.stats("cpu")["alloc_count"]
+        c(x)
+        counts.append(alloc.stats("cpu")["alloc_count"] - before)
+    np.testing.assert_array_equal(kept[0].numpy(), refs[0])
+    np.testing.assert_array_equal(kept[1].numpy(), refs[1])
+    np.testing.assert_array_equal(kept[2].numpy(), refs[2][1:])
+    (p,) = [v.prog for v in c.programs.values()]
+    (slots,) = p.returned.values()
+    # both slots are held (the list, the detach): every call allocates; dropped at once
+    assert counts == [1, 1, 1], counts
+    del kept
+    before = alloc.stats("cpu")["alloc_count"]
+    for x, r in zip(xs, refs):
+        np.testing.assert_array_equal(c(x).numpy(), r)
+    assert alloc.stats("cpu")["alloc_count"] == before and len(slots) == 2
 
 
 def _index_add_dead(a, idx, src):
@@ -85,4 +118,5 @@ def test_index_add_over_its_base_only_when_nothing_reads_the_base_afterwards() -
         out = c(a, idx, src)
         allocs = alloc.stats("cpu")["alloc_count"] - before
         np.testing.assert_array_equal(out.numpy(), ref)  # the arena reused: still right
-        assert allocs == len(p.fresh_values()) == 1 + (not over), (fn.__name__, allocs)
+        # the result's own buffer is reused (the first call's result was dropped)
+        assert allocs == len(p.fresh_values()) == (not over), (fn.__name__, allocs)

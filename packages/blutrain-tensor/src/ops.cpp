@@ -1170,6 +1170,52 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   return index_select_op(x, dim, index, false);
 }
 
+// out= form: the same kernel writing given memory (a compiled program's planned buffer), so a
+// steady-state step allocates nothing. No autograd and no capture: the result is plain data.
+Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& out,
+                    bool embedding) {
+  const char* op = embedding ? "embedding" : "index_select";
+  OpScope scope(op);
+  check_defined(x, op);
+  check_defined(index, op);
+  check_defined(out, op);
+  check_index_tensor(index, op);
+  check_same_device(x, index, op);
+  check_same_device(x, out, op);
+  if (index.ndim() > 1)
+    throw ValueError(std::string("[") + op + "] index must be 1-D, got shape " +
+                     shape_str(index.shape()));
+  if (active_graph())
+    throw RuntimeError(std::string("[") + op + "] out= is not recorded by a capture");
+  if (grad_enabled() && x.requires_grad()) {
+    throw RuntimeError(std::string("[") + op +
+                       "] out= records no gradient but the input requires grad: call it under "
+                       "bt.no_grad()");
+  }
+  dim = wrap_shape_dim(dim, x.ndim(), op);
+  Shape s = x.shape();
+  s[dim] = index.numel();
+  if (out.shape() != s || out.dtype() != x.dtype() || !out.is_contiguous()) {
+    throw ValueError(std::string("[") + op + "] out must be a contiguous " + dtype_name(x.dtype()) +
+                     " tensor of shape " + shape_str(s) + ", got " + dtype_name(out.dtype()) + " " +
+                     shape_str(out.shape()) +
+                     (out.is_contiguous() ? std::string() : std::string(" (not contiguous)")));
+  }
+  if (out.storage() == x.storage() || out.storage() == index.storage()) {
+    throw ValueError(std::string("[") + op + "] out shares memory with the input or the index");
+  }
+  check_writable(out, op);
+  if (out.device().is_cuda()) {  // the same launch as without out=, not yet run on a GPU
+    throw NotImplementedError(std::string("[") + op + "] out= is CPU-only for now");
+  }
+  IndexSelect prim(dim, embedding);
+  std::vector<Tensor> in{x, reshape(index, {-1})};
+  std::vector<Tensor> res{out};
+  prim.eval_cpu(in, res);
+  res[0].bump_version();
+  return out;
+}
+
 Tensor index_add(const Tensor& base, int64_t dim, const Tensor& index, const Tensor& src,
                  bool over_base) {
   OpScope scope("index_add");

@@ -109,6 +109,10 @@ Tensor argreduce(bool is_max, const Tensor& x, std::optional<int64_t> dim, bool 
 
 // ---- indexing, joining ---------------------------------------------------------------------
 Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index);
+// writes `out` (contiguous, of the result's shape and dtype); no autograd, not captured;
+// embedding: embedding()'s index rules and messages
+Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& out,
+                    bool embedding = false);
 // over_base: the result is written over base's memory (the caller checked donatable(base)).
 Tensor index_add(const Tensor& base, int64_t dim, const Tensor& index, const Tensor& src,
                  bool over_base = false);

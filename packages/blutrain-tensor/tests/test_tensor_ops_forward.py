@@ -345,6 +345,38 @@ def test_cross_entropy(rng, dt, reduction):
     close(out, _ce_ref(a, tgt, -100, reduction, 0.1), dt, scale=4)
 
 
+def test_index_select_out(rng):
+    """out=: the same values written into the given tensor (any dim, int32 / int64 indices, a
+    strided source), the version bumped, and clear errors for a wrong out or a grad input."""
+    import blutrain.alloc as alloc
+
+    a = rng.standard_normal((5, 6, 3))
+    ta = bt.tensor(a, dtype=bt.float64)
+    for dim, src in ((0, ta), (1, ta), (2, ta), (1, ta.permute(1, 0, 2))):
+        idx = bt.tensor(rng.integers(0, src.shape[dim], 7), dtype=bt.int32)
+        want = bt.index_select(src, dim, idx)
+        out = bt.empty(want.shape, dtype=bt.float64)
+        v, n0 = out._version, alloc.stats("cpu")["alloc_count"]
+        r = bt.index_select(src, dim, idx, out=out)
+        # nothing allocated; a permuted source is first made contiguous, as without out=
+        assert alloc.stats("cpu")["alloc_count"] - n0 == (0 if src.is_contiguous() else 1)
+        assert r.data_ptr() == out.data_ptr() and out._version > v
+        np.testing.assert_array_equal(out.numpy(), want.numpy())
+    idx = bt.tensor([1, 0])
+    with pytest.raises(
+        ValueError, match=r"\[index_select\] out must be a contiguous float64.*\(2, 6, 3\)"
+    ):
+        bt.index_select(ta, 0, idx, out=bt.empty((3, 6, 3), dtype=bt.float64))
+    with pytest.raises(ValueError, match=r"\[index_select\] out must .* float32"):
+        bt.index_select(ta, 0, idx, out=bt.empty((2, 6, 3)))
+    with pytest.raises(ValueError, match=r"\[index_select\] out shares memory"):
+        bt.index_select(ta, 0, idx, out=ta[:2])
+    with pytest.raises(RuntimeError, match=r"\[index_select\] out= records no gradient"):
+        bt.index_select(ta.clone().requires_grad_(True), 0, idx, out=bt.empty_like(ta[:2]))
+    with pytest.raises(IndexError, match=r"\[embedding\]"):  # embedding's index rules
+        bt._tensor._index_select_out(ta, 0, bt.tensor([-1, 0]), bt.empty_like(ta[:2]), True)
+
+
 def test_cat_stack_index(rng):
     a = rng.standard_normal((3, 4))
     b = rng.standard_normal((2, 4))

@@ -817,6 +817,15 @@ NB_MODULE(_tensor, m) {
       "(OpenBLAS runs its jobs on the same pool), the calling thread included. The default is\n"
       "$OMP_NUM_THREADS when set, else available_cpus(). Results do not depend on it.");
   m.def("get_num_threads", &cpu::num_threads, "The CPU thread budget (see set_num_threads).");
+  m.def(  // blutrain-compiler's OpenMP entry points run their teams on this pool (kmp_pool.c)
+      "_cpu_pool_entry_points",
+      [] {
+        return std::vector<uintptr_t>{reinterpret_cast<uintptr_t>(&cpu::bt_cpu_run_blas_jobs),
+                                      reinterpret_cast<uintptr_t>(&cpu::num_threads),
+                                      reinterpret_cast<uintptr_t>(&cpu::in_parallel_region)};
+      },
+      "Addresses of (bt_cpu_run_blas_jobs, num_threads, in_parallel_region): the pool's C "
+      "entry points.");
   m.def("available_cpus", &cpu::available_cpus,
         "CPUs this process may use: its affinity mask (os.sched_getaffinity), capped by its\n"
         "cgroup CPU quota rounded up (a container's --cpus); not the host's count.");
@@ -950,6 +959,10 @@ NB_MODULE(_tensor, m) {
       "_shares_storage",
       [](const Tensor& a, const Tensor& b) { return a.storage() == b.storage(); }, "other"_a,
       "Whether both tensors view the same storage.");
+  T.def(
+      "_sole_owner", [](const Tensor& t) { return donatable(t); },
+      "Whether this handle is the only tensor (C++ side) on its memory: no view, no detached "
+      "copy, no autograd record holds it (Python references are the caller's to count).");
   T.def("__len__", [](const Tensor& t) {
     if (t.ndim() == 0) throw TypeError("[len] len() of a 0-d tensor");
     return t.shape()[0];
@@ -1410,8 +1423,9 @@ NB_MODULE(_tensor, m) {
       "chunk", [](const Tensor& a, int64_t c, int64_t d) { return chunk(a, c, d); }, "chunks"_a,
       "dim"_a = 0);
   // the method forms of bt.index_select / gather / index_add / scatter_add
-  T.def("index_select", &index_select, "dim"_a, "index"_a,
-        "The entries of dim at the (1-D, int32/int64) index positions.");
+  T.def("index_select",
+        static_cast<Tensor (*)(const Tensor&, int64_t, const Tensor&)>(&index_select), "dim"_a,
+        "index"_a, "The entries of dim at the (1-D, int32/int64) index positions.");
   T.def("gather", &gather, "dim"_a, "index"_a,
         "out[i][j]... = self[..index[i][j]..] along dim (index has self's rank).");
   T.def(
@@ -1685,7 +1699,20 @@ NB_MODULE(_tensor, m) {
       "Elementwise select: input where condition, else other.");
   m.def("cat", &cat, "tensors"_a, "dim"_a = 0, "Concatenates along an existing dim.");
   m.def("stack", &stack, "tensors"_a, "dim"_a = 0, "Stacks along a new dim.");
-  m.def("index_select", &index_select, "input"_a, "dim"_a, "index"_a);
+  m.def(
+      "index_select",
+      [](const Tensor& x, int64_t dim, const Tensor& index, std::optional<Tensor> out) {
+        return out ? index_select(x, dim, index, *out) : index_select(x, dim, index);
+      },
+      "input"_a, "dim"_a, "index"_a, nb::kw_only(), "out"_a = nb::none(),
+      "Slices of input along dim at the (1-D, int32/int64) index positions. out: a contiguous "
+      "tensor of the result's shape and dtype to write (no autograd).");
+  m.def(  // blutrain-compiler's gathers into planned buffers (embedding: its index rules)
+      "_index_select_out",
+      [](const Tensor& x, int64_t dim, const Tensor& index, const Tensor& out, bool embedding) {
+        return index_select(x, dim, index, out, embedding);
+      },
+      "input"_a, "dim"_a, "index"_a, "out"_a, "embedding"_a);
   m.def(
       "index_add",
       [](const Tensor& t, int64_t dim, const Tensor& index, const Tensor& source) {

@@ -25,9 +25,10 @@ _OMP: list[Any] = []  # [the loaded libbtc_omp, or None where it is missing]
 
 
 def omp_threads() -> int:
-    """Loads the OpenMP entry points of parallel kernels (src/kmp_gomp.c) with RTLD_GLOBAL, once,
-    so the JIT and cached kernel libraries resolve them; the threads a fork uses now, or 0 where
-    the library is missing (kernels are then compiled serial)."""
+    """Loads the OpenMP entry points of parallel kernels (src/kmp_pool.c) with RTLD_GLOBAL, once,
+    so the JIT and cached kernel libraries resolve them, and attaches them to blutrain.tensor's
+    CPU thread pool (one pool, one budget: bt.set_num_threads); the threads a fork uses now, or 0
+    where the library is missing (kernels are then compiled serial)."""
     if not _OMP:
         lib = None
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libbtc_omp.so")
@@ -41,6 +42,10 @@ def omp_threads() -> int:
             lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             lib = None
+        if lib is not None:
+            import blutrain.tensor as bt
+
+            lib.btc_omp_attach(*(ctypes.c_void_p(a) for a in bt._tensor._cpu_pool_entry_points()))
         _OMP.append(lib)
     return int(_OMP[0].btc_omp_max_threads()) if _OMP[0] is not None else 0
 

@@ -51,6 +51,8 @@ def _bmm(n: Node, x: list[Any]) -> list[Any]:
 
 @_reg("index_select")
 def _index_select(n: Node, x: list[Any]) -> list[Any]:
+    if n.attrs.get("embedding") and n.attrs["dim"] == 0 and x[1].ndim == 1:
+        return [bt.embedding(x[1], x[0])]  # its index rules: no negative indices
     return [bt.index_select(x[0], n.attrs["dim"], x[1])]
 
 
@@ -154,10 +156,15 @@ def replayable(n: Node) -> bool:
 
 
 def _replay_graph(
-    n: Node, raw: dict[str, Any], seed: int | None = None, attrs: dict[str, Any] | None = None
+    n: Node,
+    raw: dict[str, Any],
+    seed: int | None = None,
+    attrs: dict[str, Any] | None = None,
+    layout: tuple[tuple[int, ...], ...] | None = None,
 ) -> Any:
     """A one-node bt.Graph of n (blutrain.tensor's replay: any op, eager's bits); value ids
-    renumbered 0.. as the loader wants them."""
+    renumbered 0.. as the loader wants them. layout: the strides of the inputs as the program
+    holds them, in place of the captured ones (Note [input layouts])."""
     vals = {v["id"]: v for v in raw["values"]}
     ins: list[int] = []
     for i in n.inputs:
@@ -168,6 +175,10 @@ def _replay_graph(
         dict(vals[i], id=new[i], input=True, storage=k, requires_grad=False)
         for k, i in enumerate(ins)
     ]
+    if layout is not None:
+        for v, st in zip(values, layout):
+            v["strides"] = list(st)
+            v["offset"] = 0
     values += [
         dict(vals[o], id=new[o], input=False, storage=-1, requires_grad=False) for o in n.outputs
     ]
@@ -210,6 +221,39 @@ def _replay_graph(
     return bt.load_graph(doc), ins
 
 
+# Note [input layouts]: a replayed node checks its inputs' strides against the capture's. The
+# program does not always hold a value in the layout eager made it in: a fused kernel writes
+# its outputs contiguous, where eager's elementwise ops keep a permuted input's layout (rotary
+# embedding on q.permute(0, 2, 1, 3) gives attention a (B, H, T, D) view of a (B, T, H, D)
+# buffer). blutrain.tensor's eager ops accept any layout, so the guard below specializes the
+# node's one-node graph to the layout it is given (the strides are part of the cache key: a
+# layout seen before reuses its graph) instead of copying the input into the captured one: no
+# copy, no allocation, and the values eager computes on that layout.
+def _layout(n: Node, ins: list[int], by_id: dict[int, Any], raw: dict[str, Any]) -> Any:
+    """None when every input has its captured strides (size-1 dims ignored), else the inputs'
+    strides (the guard's key)."""
+    cap = getattr(n, "_cap_strides", None)
+    if cap is None:
+        vals = {v["id"]: v for v in raw["values"]}
+        cap = [(tuple(vals[i]["shape"]), tuple(vals[i]["strides"])) for i in ins]
+        n._cap_strides = cap  # type: ignore[attr-defined]
+    got = tuple(tuple(by_id[i].stride()) for i in ins)
+    for (shape, want), st in zip(cap, got):
+        if any(d > 1 and a != b for d, a, b in zip(shape, st, want)):
+            return got
+    return None
+
+
+def _cached_graph(n: Node, key: Any, make: Callable[[], Any]) -> Any:
+    cache = n.__dict__.setdefault("_replays", {})
+    g = cache.get(key)
+    if g is None:
+        if len(cache) >= 8:  # a random op's seed changed, or layouts churn: keep it bounded
+            cache.clear()
+        g = cache[key] = make()
+    return g
+
+
 # ops program.py may run over their first input's memory (Note [in-place updates] there)
 OVER_BASE = {"index_add", "slice_scatter"}
 
@@ -228,13 +272,21 @@ def run_over_base(n: Node, inputs: Sequence[Any], raw: dict[str, Any]) -> list[A
             idx[d] = slice(a["start"], a["stop"], a.get("step", 1))
             base[tuple(idx)] = inputs[1]
             return [base]
-        cached = getattr(n, "_replay_over", None)
-        if cached is None:
-            cached = _replay_graph(n, raw, None, {"over_base": True})
-            n._replay_over = cached  # type: ignore[attr-defined]
-        g, ins = cached
         by_id = {i: t for i, t in zip(n.inputs, inputs) if i >= 0}
+        ins = _inputs_of(n)
+        lay = _layout(n, ins, by_id, raw)
+        g, _ = _cached_graph(
+            n, ("over", lay), lambda: _replay_graph(n, raw, None, {"over_base": True}, lay)
+        )
         return list(g.replay([by_id[i] for i in ins], set_grads=False, check=False))
+
+
+def _inputs_of(n: Node) -> list[int]:
+    ins: list[int] = []
+    for i in n.inputs:
+        if i >= 0 and i not in ins:
+            ins.append(i)
+    return ins
 
 
 def run(n: Node, inputs: Sequence[Any], raw: dict[str, Any] | None = None) -> list[Any]:
@@ -242,12 +294,10 @@ def run(n: Node, inputs: Sequence[Any], raw: dict[str, Any] | None = None) -> li
     f = _TABLE.get(n.op)
     if f is None and n.raw is not None and raw is not None:
         seed = int(bt._tensor._get_rng_state()[0]) if n.op in ("random", "dropout") else None
-        cached = getattr(n, "_replay", None)
-        if cached is None or cached[0] != seed:
-            cached = (seed, *_replay_graph(n, raw, seed))
-            n._replay = cached  # type: ignore[attr-defined]
-        _, g, ins = cached
         by_id = {i: t for i, t in zip(n.inputs, inputs) if i >= 0}
+        ins = _inputs_of(n)
+        lay = _layout(n, ins, by_id, raw)  # Note [input layouts]
+        g, _ = _cached_graph(n, (seed, lay), lambda: _replay_graph(n, raw, seed, None, lay))
         with bt.no_grad():
             return list(g.replay([by_id[i] for i in ins], set_grads=False, check=False))
     if f is None:

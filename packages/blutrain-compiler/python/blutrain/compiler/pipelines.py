@@ -21,12 +21,12 @@ CPU_PREP = (
 )
 
 # Note [parallel CPU loops]: a kernel that touches at least PARALLEL_MIN elements runs its
-# outermost parallel loops on the OpenMP threads: its linalg ops become affine loops, upstream's
+# outermost parallel loops on several threads: its linalg ops become affine loops, upstream's
 # affine-parallelize (dependence analysis) turns the outermost parallel loop of each nest into a
 # parallel loop (reductions stay serial, so every sum adds in the serial order), and
 # convert-scf-to-openmp makes it an omp.parallel worksharing loop, statically scheduled in
-# contiguous blocks (the runtime: src/kmp_gomp.c on libgomp, eager's thread pool). Smaller kernels
-# stay serial loops: a fork costs more than they do. Both are per function (one fused group).
+# contiguous blocks (the runtime: src/kmp_pool.c on blutrain.tensor's pool and budget). Smaller
+# kernels stay serial loops: a fork costs more than they do. Both are per function (one group).
 PARALLEL_MIN = 32768  # elements; blutrain.tensor's eager kernels go parallel at the same size
 CPU_SERIAL = "func.func(convert-linalg-to-loops)"
 CPU_PARALLEL = (

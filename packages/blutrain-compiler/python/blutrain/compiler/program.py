@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,9 @@ class Stats:
     stage_s: dict[str, float] = field(default_factory=dict)
 
 
+RETURN_SLOTS = 2  # buffers per returned value (Note [returned buffers])
+
+
 def _contig_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     st, acc = [], 1
     for s in reversed(shape):
@@ -65,6 +69,8 @@ class Program:
         self.views_of: dict[int, list[int]] = {}
         self.alias: dict[int, int] = {}  # value -> the value whose buffer it shares
         self.over: set[int] = set()  # eager nodes run over their first input's memory
+        # values returned to the caller -> their buffers (Note [returned buffers])
+        self.returned: dict[int, list[Any]] = {}
         self._sink_constants()
         # the last step that reads each value (for freeing buffers as the program runs)
         self.last_use: dict[int, int] = {}
@@ -127,10 +133,15 @@ class Program:
                         plannable[o] = k
             elif st.kind == "library" and _gemm_out_ok(self.graph, st.node):
                 plannable[st.node.outputs[0]] = k
+            elif _gather_out_ok(self.graph, st.node):
+                plannable[st.node.outputs[0]] = k
         ends = self._shared_buffers(plannable)
         for v in self.alias:
             plannable.pop(v, None)
         self.plan = memplan.make(self, plannable, self.escaping, ends)
+        g = self.graph
+        grads_muts = {v for _, v in g.grads} | {v for _, v in g.mutations}
+        self.returned = {v: [] for v in g.outputs if v not in grads_muts and self.base(v) == v}
         self.stats.planned_bytes = self.plan.size
         self._free_schedule()
 
@@ -296,14 +307,16 @@ class Program:
 
     def fresh_values(self) -> list[int]:
         """The values a steady-state call allocates (prepare() first): what the caller keeps
-        (outputs, gradients, updates not written in place) and the outputs of eager steps
-        blutrain.tensor cannot write into given memory (gathers: no `out=`). Every other value
-        lives in the arena, in memory it shares (Note [shared buffers]) or in the tensor it
-        updates (Note [in-place updates])."""
+        (gradients, updates not written in place, returned values an eager step computes) and
+        the outputs of eager steps blutrain.tensor cannot write into given memory. Every other
+        value lives in the arena, in memory it shares (Note [shared buffers]), in the tensor it
+        updates (Note [in-place updates]) or, returned by a fused kernel, in a buffer the
+        caller has let go of (Note [returned buffers]: the usual loop, which drops a call's
+        results by the call after next)."""
         out: list[int] = []
         for st in self.part.steps:
             if isinstance(st, fusion.Group):
-                outs = st.outputs
+                outs = [o for o in st.outputs if o not in self.returned]
             elif st.node.op in eager.VIEW_OPS or st.node.index in self.over:
                 continue
             else:
@@ -322,8 +335,30 @@ class Program:
             t = self.value(env, i)
             if t.is_contiguous():
                 return t
+        if v in self.returned:
+            return self._returned_buffer(v)
         val = self.graph.values[v]
         return bt.empty(val.shape, dtype=getattr(bt, val.dtype), device=val.device)
+
+    def _returned_buffer(self, v: int) -> Any:
+        """Note [returned buffers]: a value the call returns (a loss, a gradient norm) is the
+        caller's, so it cannot live in the arena; allocated fresh it is the steady state's
+        last allocator call. Each returned value keeps RETURN_SLOTS buffers and the call
+        writes one the caller no longer holds: no Python reference but ours and no other
+        tensor on its memory (a view, a detach(), an autograd record: `_sole_owner`). In the
+        usual loop (`loss = step(x)` keeps the previous call's loss alive during this call)
+        two slots take turns and nothing is allocated; a caller who keeps every loss gets a
+        fresh tensor each call. A buffer someone still reads is never written."""
+        slots = self.returned.setdefault(v, [])
+        for t in slots:
+            # references: the list, this loop's name, getrefcount's argument
+            if sys.getrefcount(t) <= 3 and t._sole_owner():
+                return t
+        val = self.graph.values[v]
+        t = bt.empty(val.shape, dtype=getattr(bt, val.dtype), device=val.device)
+        if len(slots) < RETURN_SLOTS:
+            slots.append(t)
+        return t
 
     def run(self, inputs: list[Any]) -> dict[int, Any]:
         g = self.graph
@@ -353,6 +388,9 @@ class Program:
                 o = n.outputs[0] if n.outputs else -1
                 if o in self.views and st.kind == "library":
                     _gemm_into(n, args, self.views[o])
+                    env[o] = self.views[o]
+                elif o in self.views and n.op == "index_select":
+                    _gather_into(n, args, self.views[o])
                     env[o] = self.views[o]
                 elif n.index in self.over and args[0].is_contiguous():
                     res = eager.run_over_base(n, args, g.raw)
@@ -660,6 +698,23 @@ def _gemm_out_ok(graph: Graph, n: Node) -> bool:
     if n.op == "linear":
         return len(b.shape) == 2 and len(a.shape) >= 2
     return len(a.shape) in (2, 3) and len(a.shape) == len(b.shape) and not n.attrs.get("bias")
+
+
+def _gather_out_ok(graph: Graph, n: Node) -> bool:
+    """Gathers blutrain.tensor writes into a planned buffer (index_select's out= form): a
+    contiguous table (the embedding weight), a 1-D index, on the CPU (CUDA: [gpu-pending])."""
+    if n.op != "index_select" or len(n.inputs) != 2:
+        return False
+    x, idx = graph.values[n.inputs[0]], graph.values[n.inputs[1]]
+    return x.device == "cpu" and len(idx.shape) == 1
+
+
+def _gather_into(n: Node, x: list[Any], out: Any) -> None:
+    """A captured index_select (or embedding: its index rules) writing `out`."""
+    with bt.no_grad():
+        bt._tensor._index_select_out(
+            x[0], int(n.attrs["dim"]), x[1], out, bool(n.attrs.get("embedding", False))
+        )
 
 
 def _gemm_into(n: Node, x: list[Any], out: Any) -> None:
