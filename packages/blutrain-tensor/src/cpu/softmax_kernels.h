@@ -164,13 +164,19 @@ BT_CPU_CLONES void softmax_dx_row(const T* y, const T* g, T* q, int64_t C, doubl
 }
 
 // exp(y) for 16/32-bit rows is the forward's float exp (fast_exp, vectorised: libm's double exp
-// per element was 90% of this kernel's time); the rest in double as before.
+// per element was 90% of this kernel's time); the rest in double as before. A block's float
+// exps go to a scratch first (Note [exp, then sum]: a loop mixing them with double math runs
+// the exp at half width).
 template <typename T>
 BT_CPU_CLONES void log_softmax_dx_row(const T* y, const T* g, T* q, int64_t C, double s) {
   using A = compute_t<T>;
-  for (int64_t i = 0; i < C; ++i) {
-    const double e = static_cast<double>(exp_c(static_cast<A>(y[i])));
-    q[i] = static_cast<T>(static_cast<double>(g[i]) - e * s);
+  A e[kExpBlock];
+  for (int64_t b = 0; b < C; b += kExpBlock) {
+    const int64_t n = std::min(kExpBlock, C - b);
+    for (int64_t j = 0; j < n; ++j) e[j] = exp_c(static_cast<A>(y[b + j]));
+    for (int64_t j = 0; j < n; ++j) {
+      q[b + j] = static_cast<T>(static_cast<double>(g[b + j]) - static_cast<double>(e[j]) * s);
+    }
   }
 }
 
@@ -206,15 +212,20 @@ template <typename T>
 BT_CPU_CLONES void ce_grad_row(const T* p, T* q, int64_t C, int64_t Cx, double lse, double scale,
                                double off, double ls, int64_t target) {
   using A = compute_t<T>;
-  auto grad = [&](int64_t i) {
-    return static_cast<double>(exp_c(static_cast<A>(static_cast<double>(p[i]) - lse))) - off;
-  };
+  auto arg = [&](int64_t i) { return static_cast<A>(static_cast<double>(p[i]) - lse); };
   double dt = 0;
   if (target >= 0) {  // before the row is written: q may be p (dlogits over the logits)
-    dt = grad(target);
+    dt = static_cast<double>(exp_c(arg(target))) - off;
     dt -= 1.0 - ls;
   }
-  for (int64_t i = 0; i < C; ++i) q[i] = static_cast<T>(grad(i) * scale);
+  A e[kExpBlock];  // Note [exp, then sum]: the float exps first, at full width
+  for (int64_t b = 0; b < C; b += kExpBlock) {
+    const int64_t n = std::min(kExpBlock, C - b);
+    for (int64_t j = 0; j < n; ++j) e[j] = exp_c(arg(b + j));
+    for (int64_t j = 0; j < n; ++j) {
+      q[b + j] = static_cast<T>((static_cast<double>(e[j]) - off) * scale);
+    }
+  }
   for (int64_t i = C; i < Cx; ++i) q[i] = static_cast<T>(0.0);
   if (target >= 0) q[target] = static_cast<T>(dt * scale);
 }
