@@ -155,3 +155,62 @@ def test_scatter_add_into_an_empty_dim_raises_on_the_device():
         bt.zeros(0, device="cuda").scatter_add(
             0, bt.tensor([3, 1]).cuda(), bt.ones(2, device="cuda")
         )
+
+
+# ---- GPU fuzz run of session 2026-12-04 (seed 1966040943) and its memcheck run ---------------
+def test_device_errors_name_the_op_the_user_called():
+    """Case 2199: remainder_ by an integer 0 said [remainder] (the kernel's primitive); the record
+    now carries the op the user called at launch (Note [device errors name the op the user
+    called]), whatever op syncs later."""
+    t = bt.tensor([[5, 7, 9, 11]] * 2, dtype=bt.int32).cuda()[::2]
+    t.remainder_(bt.tensor([[0, 2, 0, 4]], dtype=bt.int32).cuda())
+    with pytest.raises(ZeroDivisionError, match=r"^\[remainder_\] integer division by zero"):
+        t.cpu()
+    assert t.cpu().tolist() == [[0, 1, 0, 3]]  # (the record was cleared; zero elements are 0)
+    u = bt.tensor([5, 6], dtype=bt.int64).cuda()
+    z = bt.tensor([0, 1], dtype=bt.int64).cuda()
+    cases = [
+        (lambda: u % z, "remainder"),
+        (lambda: u // z, "floor_divide"),
+        (lambda: bt.floor_divide(u, z), "floor_divide"),
+        (lambda: u.clone().floor_divide_(z), "floor_divide_"),
+    ]
+    for fn, name in cases:
+        r = fn()
+        with pytest.raises(ZeroDivisionError, match=rf"^\[{name}\] integer division by zero"):
+            (r + 1).sum().item()  # synchronised inside add / sum / item: still the launcher's op
+    w = bt.ones(3, 2).cuda()
+    bt.index_select(w, 0, bt.tensor([0, 3]).cuda())
+    with pytest.raises(IndexError, match=r"^\[index_select\] index 3 is out of range .* size 3"):
+        bt.cuda.synchronize()
+    bt.embedding(bt.tensor([4]).cuda(), w)
+    with pytest.raises(IndexError, match=r"^\[embedding\] index 4 is out of range .* size 3"):
+        bt.cuda.synchronize()
+    bt.zeros(5).cuda().gather(0, bt.tensor([7]).cuda())
+    with pytest.raises(IndexError, match=r"^\[gather\] index 7 "):
+        bt.cuda.synchronize()
+    bt.cuda.synchronize()  # nothing left behind
+
+
+def test_getitem_on_the_device_names_getitem_and_the_index():
+    """Case 2288: t[(None, idx)] on a (0,) CUDA tensor said [index_select] and index
+    4611686018427387904 (2**62, the sentinel that keeps the gather in bounds); the CPU says
+    [getitem] and the index."""
+    t = bt.zeros(0, dtype=bt.int64).cuda()
+    with pytest.raises(IndexError, match=r"^\[getitem\] index 3 is out of range for dim 1 of size"):
+        t.cpu()[(None, bt.tensor([3, 1, 4]))]
+    r = t[(None, bt.tensor([3, 1, 4]).cuda())]
+    with pytest.raises(IndexError, match=r"^\[getitem\] index 3 is out of range .* size 0 "):
+        r.cpu()
+    x = bt.arange(12.0).reshape(3, 4).cuda()
+    r = x[bt.tensor([0, 2]).cuda(), bt.tensor([1, -9]).cuda()]
+    with pytest.raises(IndexError, match=r"^\[getitem\] index -9 is out of range .* size 4 "):
+        bt.cuda.synchronize()
+    x[bt.tensor([5]).cuda()]  # the first component this time
+    with pytest.raises(IndexError, match=r"^\[getitem\] index 5 is out of range .* size 3 "):
+        bt.cuda.synchronize()
+    assert x[bt.tensor([2, -1]).cuda(), bt.tensor([-4, 3]).cuda()].tolist() == [8.0, 11.0]
+    huge = bt.ones(1, device="cuda").expand(2**40)
+    huge[bt.tensor([2**40]).cuda()]
+    with pytest.raises(IndexError, match=rf"^\[getitem\] index {2**40} is out of range"):
+        bt.cuda.synchronize()

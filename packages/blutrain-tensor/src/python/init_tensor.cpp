@@ -452,8 +452,14 @@ Tensor advanced_index(const Tensor& t_in, const std::vector<std::pair<int64_t, T
         }
       }
     } else if (ik.device().is_cuda()) {
-      // out of range in any component: make the linear index out of range too, so the gather's
-      // device-side check raises IndexError at the next synchronisation instead of aliasing
+      // Checked on the device, no sync: a gather from a size-n view of one element (stride 0)
+      // by this component's own index records its first out-of-range value and n, under
+      // getitem's name (Note [device errors name the op the user called], cuda/device_errors.h);
+      // IndexError at the next synchronisation.  Then out of range in any component makes the
+      // linear index out of range too, so the gather below never aliases (and, the record being
+      // taken, does not overwrite it with the linear value).
+      index_select(expand(zeros({1}, DType::Bool, ik.device()), {n}), 0,
+                   reshape(astype(ix, DType::Int64), {-1}));
       Tensor bad = binary(BinaryOp::Or, binary(BinaryOp::Lt, ik, Scalar{0, 1}),
                           binary(BinaryOp::Ge, ik, Scalar{double(n), 1}));
       if (squeezed) ik = binary(BinaryOp::Mul, ik, Scalar{0, 1});
