@@ -214,3 +214,72 @@ def test_getitem_on_the_device_names_getitem_and_the_index():
     huge[bt.tensor([2**40]).cuda()]
     with pytest.raises(IndexError, match=rf"^\[getitem\] index {2**40} is out of range"):
         bt.cuda.synchronize()
+
+
+SPECIAL_ROWS = [
+    [float("inf"), 1.0],
+    [1.0, float("inf"), 2.0],
+    [float("inf"), float("inf")],
+    [float("inf"), float("-inf")],
+    [float("-inf"), float("-inf")],
+    [float("nan"), 1.0],
+    [1.0, float("nan")],
+    [float("-inf"), float("nan")],
+    [float("-inf"), 3.0],
+    [1e30, -1e30],
+]
+
+
+def _special_batch(C: int, rng) -> np.ndarray:
+    """Rows of C values: each SPECIAL_ROWS pattern placed at random columns of a normal row."""
+    rows = []
+    for pat in SPECIAL_ROWS:
+        for _ in range(3):
+            r = rng.standard_normal(C)
+            if all(np.isneginf(pat)):
+                r[:] = -np.inf
+            cols = rng.choice(C, size=min(len(pat), C), replace=False)
+            r[cols] = pat[: len(cols)]
+            rows.append(r)
+    return np.array(rows)
+
+
+def _same_special(got: np.ndarray, want: np.ndarray, rtol: float) -> None:
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("version", ["", "2"])
+@pytest.mark.parametrize("dtype", [bt.float32, bt.float64, bt.bfloat16])
+@pytest.mark.parametrize("C", [1, 2, 3, 64, 1000, 4096])
+def test_softmax_special_values_match_the_cpu(rng, monkeypatch, version, dtype, C):
+    """Case 242 (log_softmax of a column with +inf): CUDA gave 0 / -inf where the CPU, numpy and
+    PyTorch give NaN (the online max/sum's "+1" for a new maximum hid exp(inf - inf); a NaN met
+    while the running max was -inf was dropped by the merge).  Note [online softmax special
+    values]; v2 (BT_CUDA_NN_VERSION=2) and the default kernels."""
+    if version:
+        monkeypatch.setenv("BT_CUDA_NN_VERSION", version)
+    x = bt.tensor(_special_batch(C, rng), dtype=dtype)
+    tol = 1e-12 if dtype == bt.float64 else TOL[dtype]
+    for lg in (False, True):
+        f = bt.log_softmax if lg else bt.softmax
+        _same_special(_np(f(x.cuda(), -1)), _np(f(x, -1)), tol)
+        _same_special(_np(f(x.cuda().T, 0)), _np(f(x.T, 0)), tol)  # (a non-last dim)
+
+
+@pytest.mark.parametrize("version", ["", "2"])
+@pytest.mark.parametrize("dtype", [bt.float32, bt.float64, bt.bfloat16])
+@pytest.mark.parametrize("C", [2, 3, 64, 50257])
+def test_cross_entropy_special_values_match_the_cpu(rng, monkeypatch, version, dtype, C):
+    if version:
+        monkeypatch.setenv("BT_CUDA_NN_VERSION", version)
+    logits = bt.tensor(_special_batch(C, rng), dtype=dtype)
+    tgt = bt.tensor(rng.integers(0, C, logits.shape[0]))
+    tol = 1e-12 if dtype == bt.float64 else TOL[dtype] * 4
+    for ls in (0.0, 0.1):
+        want = bt.cross_entropy(logits, tgt, reduction="none", label_smoothing=ls)
+        got = bt.cross_entropy(logits.cuda(), tgt.cuda(), reduction="none", label_smoothing=ls)
+        _same_special(_np(got), _np(want), tol)

@@ -33,7 +33,7 @@ __global__ void softmax_forward_v2(const T* __restrict__ x, T* __restrict__ y, i
     for (int k = 0; k < N; ++k) ms_add(m, s, v[k]);
   });
   block_ms(m, s, scratch);
-  if (m == -INFINITY) m = 0;
+  ms_finish(m, s);  // Note [online softmax special values]
   // log_softmax as (v - m) - log(s): m + log(s) first would round log(s) away for a large m
   const A ls = log(s), inv = A(1) / s;
   row_chunks<V>(p, C, [&](int64_t i, auto n) {
@@ -608,7 +608,7 @@ __global__ void crossentropy_forward_v2(const T* __restrict__ x, int64_t ld,
   });
   block_ms(m, s, scratch);
   sx = block_sum(sx, scratch);
-  if (m == -INFINITY) m = 0;
+  ms_finish(m, s);  // Note [online softmax special values]
   if (threadIdx.x == 0)
     ce_finish_row<T, S, O>(row, m, s, sx, p, t[row], C, ii, ls, lse_o, loss_o, row_loss, err);
 }
