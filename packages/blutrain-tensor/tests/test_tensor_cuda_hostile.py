@@ -283,3 +283,33 @@ def test_cross_entropy_special_values_match_the_cpu(rng, monkeypatch, version, d
         want = bt.cross_entropy(logits, tgt, reduction="none", label_smoothing=ls)
         got = bt.cross_entropy(logits.cuda(), tgt.cuda(), reduction="none", label_smoothing=ls)
         _same_special(_np(got), _np(want), tol)
+
+
+def test_a_huge_request_fails_without_asking_cuda():
+    """The memcheck run's findings on 2**40-element views: materialising one asked cudaMalloc
+    for 4-8 TiB twice (and flushed the cache in between); compute-sanitizer reports each failed
+    call.  Now the pool refuses a request above the device's memory at once (Note [Beyond
+    capacity], blutrain-alloc), with its statistics; index_select of such a view copies nothing."""
+    import blutrain.alloc as ba
+
+    bt.ones(1000, device="cuda")  # something cached
+    before = ba.stats("cuda:0")
+    huge = bt.ones(1, device="cuda").expand(2**40)
+    huge_index = bt.zeros(1, dtype=bt.int64, device="cuda").expand(2**40)
+    for fn in (
+        huge.clone,
+        lambda: huge + 1,
+        lambda: bt.index_select(bt.ones(3, device="cuda"), 0, huge_index),
+    ):
+        with pytest.raises((RuntimeError, MemoryError), match="out of memory") as info:
+            fn()
+        assert "Capacity" in str(info.value) and "reserved" in str(info.value)
+    after = ba.stats("cuda:0")
+    for k in ("system_alloc_count", "cache_flushes", "reserved_bytes"):
+        assert after[k] == before[k], k
+    assert huge.index_select(0, bt.tensor([0, 2**40 - 1], dtype=bt.int64).cuda()).tolist() == [
+        1.0,
+        1.0,
+    ]
+    ones = bt.ones(1, dtype=bt.int64, device="cuda").expand(2**40)
+    assert bt.index_select(ones, 0, bt.tensor([-1]).cuda()).tolist() == [1]
