@@ -313,3 +313,47 @@ def test_a_huge_request_fails_without_asking_cuda():
     ]
     ones = bt.ones(1, dtype=bt.int64, device="cuda").expand(2**40)
     assert bt.index_select(ones, 0, bt.tensor([-1]).cuda()).tolist() == [1]
+
+
+def test_a_0d_cpu_tensor_is_a_number_next_to_cuda_tensors():
+    """PyTorch's rule (Note [a 0-d CPU tensor meets a CUDA tensor]): the value is read on the
+    host; promotion is by dtype as for any tensors; a CPU tensor of more dims stays an error."""
+    x = bt.tensor([1.0, 2.0, 3.0]).cuda()
+    s = bt.tensor(2.0)
+    assert (x * s).device == x.device and (x * s).tolist() == [2.0, 4.0, 6.0]
+    assert (s - x).tolist() == [1.0, 0.0, -1.0]
+    assert (x > s).tolist() == [False, False, True]
+    assert (x * bt.tensor(2.0, dtype=bt.float64)).dtype == bt.float64  # (as on one device)
+    i = bt.tensor([7, -7], dtype=bt.int64).cuda()
+    big = bt.tensor(2**53 + 1)  # exact: read as an int, not through double
+    assert (i + big).tolist() == [2**53 + 8, 2**53 - 6]
+    assert (bt.tensor([2**53 + 1]).cuda() == big).tolist() == [True]
+    assert (i % bt.tensor(3)).tolist() == [1, 2]
+    assert (bt.tensor([True, False]).cuda() & bt.tensor(True)).tolist() == [True, False]
+    assert bt.where(x > 1.5, x, bt.tensor(0.0)).tolist() == [0.0, 2.0, 3.0]
+    assert bt.where(bt.tensor(True), x, bt.tensor(-1.0)).tolist() == [1.0, 2.0, 3.0]
+    assert bt.maximum(x, bt.tensor(2.5)).tolist() == [2.5, 2.5, 3.0]
+    assert (x ** bt.tensor(2)).tolist() == [1.0, 4.0, 9.0]
+    y = x.clone()
+    y += bt.tensor(1.0)
+    y.mul_(bt.tensor(2.0))
+    assert y.tolist() == [4.0, 6.0, 8.0]
+    assert (
+        bt.ones(2, 2)
+        .cuda()
+        .masked_fill(bt.tensor([[True, False]] * 2).cuda(), bt.tensor(5.0))
+        .tolist()
+        == [[5.0, 1.0]] * 2
+    )
+    both = bt.tensor(3.0) + bt.tensor(4.0).cuda()  # two 0-d tensors: the CUDA one's device
+    assert both.device == x.device and both.item() == 7.0
+    # a 0-d CPU tensor that requires grad gets its gradient back on the CPU
+    w = bt.tensor(3.0, requires_grad=True)
+    (x * w).sum().backward()
+    assert w.grad.device == "cpu" and w.grad.item() == 6.0
+    with pytest.raises(ValueError, match=r"^\[add\] expected all tensors on the same device"):
+        x + bt.ones(3)
+    with pytest.raises(ValueError, match=r"^\[add_\] expected all tensors on the same device"):
+        bt.tensor(1.0).add_(bt.tensor(2.0).cuda())  # (never written into a CPU tensor)
+    with pytest.raises(ValueError, match=r"^\[where\] expected all tensors on the same device"):
+        bt.where(x > 1, x, bt.zeros(3))

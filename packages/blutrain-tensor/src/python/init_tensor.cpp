@@ -670,6 +670,12 @@ Tensor inplace_self(const Tensor& a, nb::handle other) {
 // into an integer tensor, nor a non-bool one into a bool tensor (that would truncate silently).
 // Copies (copy_, fill_, setitem) do cast.
 Tensor& arith_inplace(Tensor& a, const Tensor& r, const char* op) {
+  if (r.device() != a.device()) {  // (a CPU 0-d self with a CUDA operand: as PyTorch, refused)
+    throw ValueError(std::string("[") + op + "] expected all tensors on the same device: the " +
+                     "tensor changed in place is on " + a.device().str() + ", the other on " +
+                     r.device().str() + " (a 0-d CPU tensor counts as a number only next to " +
+                     "CUDA tensors, not as the one written)");
+  }
   const bool lower = (is_floating(r.dtype()) && !is_floating(a.dtype())) ||
                      (a.dtype() == DType::Bool && r.dtype() != DType::Bool);
   if (lower) {
@@ -896,7 +902,11 @@ NB_MODULE(_tensor, m) {
   m.def("_hook_calls", &hook_calls,
         "Hook calls the autograd engine has made in this process (for tests).");
 
-  nb::class_<Tensor> T(m, "Tensor", "An n-dimensional array with reverse-mode autograd.");
+  nb::class_<Tensor> T(m, "Tensor",
+                       "An n-dimensional array with reverse-mode autograd.  The operands of an op "
+                       "share one device, except that a 0-d CPU tensor counts as a number next to "
+                       "CUDA tensors in elementwise ops (arithmetic, comparisons, where), as in "
+                       "PyTorch.");
   T.def(
       "__init__",
       [](Tensor* self, nb::args args, nb::kwargs kwargs) {
@@ -1688,7 +1698,9 @@ NB_MODULE(_tensor, m) {
                      full({}, ob.s, dt, c.device(), "where"));
       },
       "condition"_a, "input"_a, "other"_a,
-      "Elementwise select: input where condition, else other.");
+      "Elementwise select: input where condition, else other.  Tensors share one device, except "
+      "that a 0-d CPU tensor may stand for a number next to CUDA tensors (as PyTorch; the same "
+      "holds for arithmetic and comparisons).");
   m.def("cat", &cat, "tensors"_a, "dim"_a = 0, "Concatenates along an existing dim.");
   m.def("stack", &stack, "tensors"_a, "dim"_a = 0, "Stacks along a new dim.");
   m.def("index_select", &index_select, "input"_a, "dim"_a, "index"_a);
