@@ -242,6 +242,12 @@ void* CachingPool::malloc(size_t size, StreamId stream) {
   // calls the system (cudaMalloc / cudaFree, which synchronises the device).
   const bool exact = uncached(pool_id);
   const size_t rounded = exact ? size : round_size(size);
+  // Note [Beyond capacity]: a request larger than the whole device (a huge expanded view
+  // materialised, a size computed wrongly) fails without asking the system: no cudaMalloc that
+  // must fail (which compute-sanitizer reports as an API error, and which a retry would repeat),
+  // and no flush of the cache for memory that could never be enough.
+  if (source_->capacity_is_hard() && rounded > source_->total_bytes())
+    throw_oom(size, rounded, stream);
   const bool small = rounded <= kSmallRequest;
   Pools& pools = pools_for(pool_id);
   FreeSet& set = small ? pools.small : pools.large;

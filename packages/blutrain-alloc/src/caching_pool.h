@@ -26,7 +26,8 @@
 //   all have completed (see Note [Cross-stream use]).
 // * When the system refuses a segment, every cached segment that is wholly free
 //   is returned and the request retried once; then an OutOfMemory error carries
-//   the statistics.
+//   the statistics.  A request above the capacity of device or pinned memory
+//   fails at once, asking the system nothing (Note [Beyond capacity]).
 // * Optional expandable segments (CUDA virtual memory): one growing segment
 //   per stream for the large pool, so freed space at the end of the mapped
 //   range is always reusable by a bigger request (see Note [Expandable segments]).
@@ -107,6 +108,10 @@ class MemorySource {
   virtual uintptr_t allocate(size_t bytes) = 0;
   virtual void release(uintptr_t base, size_t bytes) = 0;
   virtual uint64_t total_bytes() const = 0;  // capacity, for memory fractions
+  // Whether no single request above total_bytes() can ever succeed (device and pinned memory;
+  // not pageable host memory, which the kernel may overcommit): the pool then refuses such a
+  // request at once (Note [Beyond capacity]).
+  virtual bool capacity_is_hard() const { return false; }
   virtual const char* kind() const = 0;      // "CUDA device 0", "pinned host", ...
 
   // Expandable segments (optional). reserve() returns the base of a range of

@@ -141,6 +141,26 @@ def test_out_of_memory_is_an_exception_and_the_allocator_recovers():
     ba.free(p)
 
 
+def test_request_beyond_the_device_fails_without_asking_cuda():
+    # Note [Beyond capacity]: no cudaMalloc that must fail (compute-sanitizer reports it as an
+    # API error: the memcheck fuzz run's 2**40-element clones) and no cache flush for it.
+    total = cp.cuda.runtime.getDeviceProperties(DEV)["totalGlobalMem"]
+    p = ba.malloc(4 * MIB, DEV)
+    ba.free(p)  # one cached segment, which the refusal must leave alone
+    before = ba.stats(DEV)
+    for size in (total + 2 * MIB, 4 << 40):
+        with pytest.raises(ba.OutOfMemoryError, match="CUDA device 0 out of memory") as info:
+            ba.malloc(size, DEV)
+        assert "Capacity" in str(info.value) and "reserved" in str(info.value)
+    after = ba.stats(DEV)
+    assert after["oom_count"] == before["oom_count"] + 2
+    for k in ("system_alloc_count", "cache_flushes", "reserved_bytes", "segments"):
+        assert after[k] == before[k], k
+    q = ba.malloc(4 * MIB, DEV)  # the cached segment serves the next request
+    assert ba.stats(DEV)["system_alloc_count"] == before["system_alloc_count"]
+    ba.free(q)
+
+
 def test_memory_fraction_caps_the_process():
     ba.set_memory_fraction(0.01, DEV)  # ~1.4 GiB of an H200
     cap = ba.stats(DEV)["limit_bytes"]

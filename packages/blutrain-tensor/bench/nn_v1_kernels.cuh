@@ -65,7 +65,7 @@ template <typename T, typename S, typename O>
 __global__ void crossentropy_forward_v1(const T* __restrict__ x, int64_t ld,
                                         const int64_t* __restrict__ t, S* __restrict__ lse_o,
                                         O* __restrict__ loss_o, math_t<T>* __restrict__ row_loss,
-                                        int64_t C, int64_t ii, double ls, IndexErrorRecord* err) {
+                                        int64_t C, int64_t ii, double ls, DeviceErrorSink err) {
   using A = math_t<T>;
   __shared__ A scratch[32];
   const int64_t row = blockIdx.x;

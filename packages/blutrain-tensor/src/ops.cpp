@@ -42,6 +42,47 @@ static void check_same_device(const Tensor& a, const Tensor& b, const char* op) 
   }
 }
 
+// Note [a 0-d CPU tensor meets a CUDA tensor]
+// As PyTorch: an elementwise op (arithmetic, comparisons, logical and / or, where; fill_ and
+// masked_fill take a 0-d value from either device already) accepts a 0-d CPU tensor next to CUDA
+// tensors, as it accepts a Python number.  Its value is read on the host and becomes a 0-d tensor
+// of its own dtype on their device: a fill kernel, no copy and no synchronisation; promotion is
+// the usual one between tensor dtypes (a float64 0-d tensor makes float64, as on one device).
+// One that needs a gradient, or a symbolic one under capture, moves by to() instead (tracked:
+// its gradient comes back to the CPU).  Any other mix of devices is an error naming both, and
+// an in-place op never writes a CUDA result into a CPU tensor (arith_inplace).
+static Tensor cpu_scalar_on(const Tensor& t, Device dev, const char* op) {
+  if (t.is_symbolic() || (grad_enabled() && t.requires_grad())) return to_device(t, dev);
+  const Scalar v = dispatch_all(t.dtype(), op, [&](auto tag) -> Scalar {
+    using T = typename decltype(tag)::type;
+    const T x = *t.data<T>(op);
+    if constexpr (std::is_same_v<T, bool>) {
+      return Scalar::boolean(x);
+    } else if constexpr (std::is_integral_v<T>) {
+      return Scalar::integer(static_cast<int64_t>(x));
+    } else {
+      return Scalar::floating(static_cast<double>(static_cast<compute_t<T>>(x)));
+    }
+  });
+  return full({}, v, t.dtype(), dev, op);
+}
+
+// Moves each 0-d CPU tensor of ts onto the CUDA device of the others, when there is one.
+static void cpu_scalars_to_device(std::initializer_list<Tensor*> ts, const char* op) {
+  const Tensor* cuda_t = nullptr;
+  for (Tensor* t : ts) {
+    if (t->defined() && t->device().is_cuda()) {
+      cuda_t = t;
+      break;
+    }
+  }
+  if (!cuda_t) return;
+  const Device dev = cuda_t->device();
+  for (Tensor* t : ts) {
+    if (t->defined() && t->ndim() == 0 && !t->device().is_cuda()) *t = cpu_scalar_on(*t, dev, op);
+  }
+}
+
 static void check_defined(const Tensor& t, const char* op) {
   if (!t.defined()) throw ValueError(std::string("[") + op + "] got an undefined tensor");
 }
@@ -830,11 +871,13 @@ Tensor gelu(const Tensor& x, bool tanh_approx) {
 
 static bool is_compare(BinaryOp op) { return op >= BinaryOp::Eq && op <= BinaryOp::Ge; }
 
-Tensor binary(BinaryOp op, const Tensor& a, const Tensor& b) {
+Tensor binary(BinaryOp op, const Tensor& a_in, const Tensor& b_in) {
   OpScope scope(binary_name(op));
   const char* nm = binary_name(op);
-  check_defined(a, nm);
-  check_defined(b, nm);
+  check_defined(a_in, nm);
+  check_defined(b_in, nm);
+  Tensor a = a_in, b = b_in;
+  cpu_scalars_to_device({&a, &b}, nm);  // Note [a 0-d CPU tensor meets a CUDA tensor]
   check_same_device(a, b, nm);
   DType dt = promote_types(a.dtype(), b.dtype());
   if (op == BinaryOp::Div) dt = to_floating(dt);
@@ -881,11 +924,14 @@ Tensor binary(BinaryOp op, Scalar a, const Tensor& b) {
   return binary(op, full({}, a, dt, b.device(), binary_name(op)), b);
 }
 
-Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
+Tensor where(const Tensor& cond_in, const Tensor& a_in, const Tensor& b_in) {
   OpScope scope("where");
-  if (cond.dtype() != DType::Bool) {
-    throw TypeError(std::string("[where] condition must be bool, got ") + dtype_name(cond.dtype()));
+  if (cond_in.dtype() != DType::Bool) {
+    throw TypeError(std::string("[where] condition must be bool, got ") +
+                    dtype_name(cond_in.dtype()));
   }
+  Tensor cond = cond_in, a = a_in, b = b_in;
+  cpu_scalars_to_device({&cond, &a, &b}, "where");  // Note [a 0-d CPU tensor meets a CUDA tensor]
   check_same_device(cond, a, "where");
   check_same_device(a, b, "where");
   const DType dt = promote_types(a.dtype(), b.dtype());

@@ -522,9 +522,12 @@ def mutate(call: Call, g: Gen) -> Call:
     else:
         kwargs[key] = new
     c = _replace(call, args, kwargs, what, arg.name, texts)
-    if what == "tensor on another device":
+    if what == "tensor on another device" and not (
+        tuple(arg.info[0]) == () and ops.takes_cpu_scalar(call.spec, is_self and call.inplace)
+    ):
         # numpy's reference has no devices: a clean error naming the op, or (where an op moves
-        # or reads across devices, e.g. copy_ or a 0-d fill value) the reference's values
+        # or reads across devices, e.g. copy_) the reference's values.  A 0-d CPU tensor next to
+        # CUDA tensors in an elementwise op is a number (ops.CPU_SCALAR_SPECS): judged as valid.
         c.strict = False
     return c
 

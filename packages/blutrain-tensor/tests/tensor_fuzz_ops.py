@@ -808,6 +808,28 @@ for _d, (_n, _expr) in {
     spec(f"Tensor.{_d}")(_mk_bool(_n, _expr, _d))
 
 
+# Note [a 0-d CPU tensor meets a CUDA tensor] (src/ops.cpp): in these ops a 0-d CPU tensor next to
+# CUDA tensors is a number, as in PyTorch (in an in-place op, not as the tensor written).  The GPU
+# run's "tensor on another device" mutation of a 0-d argument of theirs stays judged by the
+# reference (its values, or PyTorch's refusal for other reasons); any other cross-device argument
+# must give a clean error naming the op, or, where an op moves data across (copy_, to), the
+# reference's values (tensor_fuzz.mutate).
+CPU_SCALAR_SPECS = (
+    {n for n in BINARY if n not in ("logical_and", "logical_or")}
+    | {f"Tensor.{n}" for n in BINARY}
+    | {f"Tensor.{n}_" for n in BINARY if n not in COMPARE and n not in ("maximum", "minimum")}
+    | {f"Tensor.{d}" for d in OPS}
+    | {f"Tensor.{d}" for d in ("__iadd__", "__isub__", "__imul__", "__itruediv__")}
+    | {f"Tensor.{d}" for d in ("__ifloordiv__", "__imod__", "__and__", "__rand__", "__or__")}
+    | {"Tensor.__ror__", "where", "Tensor.where", "Tensor.fill_"}
+)
+
+
+def takes_cpu_scalar(spec_name: str, replaced_self_of_inplace: bool) -> bool:
+    """Whether a 0-d CPU tensor argument of this spec is a number next to CUDA tensors."""
+    return spec_name in CPU_SCALAR_SPECS and not replaced_self_of_inplace
+
+
 @spec("Tensor.__neg__")
 def _neg_op(g: Gen, name: str = "") -> Call:
     c = SPECS["neg"].gen(g, "neg")

@@ -155,3 +155,205 @@ def test_scatter_add_into_an_empty_dim_raises_on_the_device():
         bt.zeros(0, device="cuda").scatter_add(
             0, bt.tensor([3, 1]).cuda(), bt.ones(2, device="cuda")
         )
+
+
+# ---- GPU fuzz run of session 2026-12-04 (seed 1966040943) and its memcheck run ---------------
+def test_device_errors_name_the_op_the_user_called():
+    """Case 2199: remainder_ by an integer 0 said [remainder] (the kernel's primitive); the record
+    now carries the op the user called at launch (Note [device errors name the op the user
+    called]), whatever op syncs later."""
+    t = bt.tensor([[5, 7, 9, 11]] * 2, dtype=bt.int32).cuda()[::2]
+    t.remainder_(bt.tensor([[0, 2, 0, 4]], dtype=bt.int32).cuda())
+    with pytest.raises(ZeroDivisionError, match=r"^\[remainder_\] integer division by zero"):
+        t.cpu()
+    assert t.cpu().tolist() == [[0, 1, 0, 3]]  # (the record was cleared; zero elements are 0)
+    u = bt.tensor([5, 6], dtype=bt.int64).cuda()
+    z = bt.tensor([0, 1], dtype=bt.int64).cuda()
+    cases = [
+        (lambda: u % z, "remainder"),
+        (lambda: u // z, "floor_divide"),
+        (lambda: bt.floor_divide(u, z), "floor_divide"),
+        (lambda: u.clone().floor_divide_(z), "floor_divide_"),
+    ]
+    for fn, name in cases:
+        r = fn()
+        with pytest.raises(ZeroDivisionError, match=rf"^\[{name}\] integer division by zero"):
+            (r + 1).sum().item()  # synchronised inside add / sum / item: still the launcher's op
+    w = bt.ones(3, 2).cuda()
+    bt.index_select(w, 0, bt.tensor([0, 3]).cuda())
+    with pytest.raises(IndexError, match=r"^\[index_select\] index 3 is out of range .* size 3"):
+        bt.cuda.synchronize()
+    bt.embedding(bt.tensor([4]).cuda(), w)
+    with pytest.raises(IndexError, match=r"^\[embedding\] index 4 is out of range .* size 3"):
+        bt.cuda.synchronize()
+    bt.zeros(5).cuda().gather(0, bt.tensor([7]).cuda())
+    with pytest.raises(IndexError, match=r"^\[gather\] index 7 "):
+        bt.cuda.synchronize()
+    bt.cuda.synchronize()  # nothing left behind
+
+
+def test_getitem_on_the_device_names_getitem_and_the_index():
+    """Case 2288: t[(None, idx)] on a (0,) CUDA tensor said [index_select] and index
+    4611686018427387904 (2**62, the sentinel that keeps the gather in bounds); the CPU says
+    [getitem] and the index."""
+    t = bt.zeros(0, dtype=bt.int64).cuda()
+    with pytest.raises(IndexError, match=r"^\[getitem\] index 3 is out of range for dim 1 of size"):
+        t.cpu()[(None, bt.tensor([3, 1, 4]))]
+    r = t[(None, bt.tensor([3, 1, 4]).cuda())]
+    with pytest.raises(IndexError, match=r"^\[getitem\] index 3 is out of range .* size 0 "):
+        r.cpu()
+    x = bt.arange(12.0).reshape(3, 4).cuda()
+    r = x[bt.tensor([0, 2]).cuda(), bt.tensor([1, -9]).cuda()]
+    with pytest.raises(IndexError, match=r"^\[getitem\] index -9 is out of range .* size 4 "):
+        bt.cuda.synchronize()
+    x[bt.tensor([5]).cuda()]  # the first component this time
+    with pytest.raises(IndexError, match=r"^\[getitem\] index 5 is out of range .* size 3 "):
+        bt.cuda.synchronize()
+    assert x[bt.tensor([2, -1]).cuda(), bt.tensor([-4, 3]).cuda()].tolist() == [8.0, 11.0]
+    huge = bt.ones(1, device="cuda").expand(2**40)
+    huge[bt.tensor([2**40]).cuda()]
+    with pytest.raises(IndexError, match=rf"^\[getitem\] index {2**40} is out of range"):
+        bt.cuda.synchronize()
+
+
+SPECIAL_ROWS = [
+    [float("inf"), 1.0],
+    [1.0, float("inf"), 2.0],
+    [float("inf"), float("inf")],
+    [float("inf"), float("-inf")],
+    [float("-inf"), float("-inf")],
+    [float("nan"), 1.0],
+    [1.0, float("nan")],
+    [float("-inf"), float("nan")],
+    [float("-inf"), 3.0],
+    [1e30, -1e30],
+]
+
+
+def _special_batch(C: int, rng) -> np.ndarray:
+    """Rows of C values: each SPECIAL_ROWS pattern placed at random columns of a normal row."""
+    rows = []
+    for pat in SPECIAL_ROWS:
+        for _ in range(3):
+            r = rng.standard_normal(C)
+            if all(np.isneginf(pat)):
+                r[:] = -np.inf
+            cols = rng.choice(C, size=min(len(pat), C), replace=False)
+            r[cols] = pat[: len(cols)]
+            rows.append(r)
+    return np.array(rows)
+
+
+def _same_special(got: np.ndarray, want: np.ndarray, rtol: float) -> None:
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("version", ["", "2"])
+@pytest.mark.parametrize("dtype", [bt.float32, bt.float64, bt.bfloat16])
+@pytest.mark.parametrize("C", [1, 2, 3, 64, 1000, 4096])
+def test_softmax_special_values_match_the_cpu(rng, monkeypatch, version, dtype, C):
+    """Case 242 (log_softmax of a column with +inf): CUDA gave 0 / -inf where the CPU, numpy and
+    PyTorch give NaN (the online max/sum's "+1" for a new maximum hid exp(inf - inf); a NaN met
+    while the running max was -inf was dropped by the merge).  Note [online softmax special
+    values]; v2 (BT_CUDA_NN_VERSION=2) and the default kernels."""
+    if version:
+        monkeypatch.setenv("BT_CUDA_NN_VERSION", version)
+    x = bt.tensor(_special_batch(C, rng), dtype=dtype)
+    tol = 1e-12 if dtype == bt.float64 else TOL[dtype]
+    for lg in (False, True):
+        f = bt.log_softmax if lg else bt.softmax
+        _same_special(_np(f(x.cuda(), -1)), _np(f(x, -1)), tol)
+        _same_special(_np(f(x.cuda().T, 0)), _np(f(x.T, 0)), tol)  # (a non-last dim)
+
+
+@pytest.mark.parametrize("version", ["", "2"])
+@pytest.mark.parametrize("dtype", [bt.float32, bt.float64, bt.bfloat16])
+@pytest.mark.parametrize("C", [2, 3, 64, 50257])
+def test_cross_entropy_special_values_match_the_cpu(rng, monkeypatch, version, dtype, C):
+    if version:
+        monkeypatch.setenv("BT_CUDA_NN_VERSION", version)
+    logits = bt.tensor(_special_batch(C, rng), dtype=dtype)
+    tgt = bt.tensor(rng.integers(0, C, logits.shape[0]))
+    tol = 1e-12 if dtype == bt.float64 else TOL[dtype] * 4
+    for ls in (0.0, 0.1):
+        want = bt.cross_entropy(logits, tgt, reduction="none", label_smoothing=ls)
+        got = bt.cross_entropy(logits.cuda(), tgt.cuda(), reduction="none", label_smoothing=ls)
+        _same_special(_np(got), _np(want), tol)
+
+
+def test_a_huge_request_fails_without_asking_cuda():
+    """The memcheck run's findings on 2**40-element views: materialising one asked cudaMalloc
+    for 4-8 TiB twice (and flushed the cache in between); compute-sanitizer reports each failed
+    call.  Now the pool refuses a request above the device's memory at once (Note [Beyond
+    capacity], blutrain-alloc), with its statistics; index_select of such a view copies nothing."""
+    import blutrain.alloc as ba
+
+    bt.ones(1000, device="cuda")  # something cached
+    before = ba.stats("cuda:0")
+    huge = bt.ones(1, device="cuda").expand(2**40)
+    huge_index = bt.zeros(1, dtype=bt.int64, device="cuda").expand(2**40)
+    for fn in (
+        huge.clone,
+        lambda: huge + 1,
+        lambda: bt.index_select(bt.ones(3, device="cuda"), 0, huge_index),
+    ):
+        with pytest.raises((RuntimeError, MemoryError), match="out of memory") as info:
+            fn()
+        assert "Capacity" in str(info.value) and "reserved" in str(info.value)
+    after = ba.stats("cuda:0")
+    for k in ("system_alloc_count", "cache_flushes", "reserved_bytes"):
+        assert after[k] == before[k], k
+    assert huge.index_select(0, bt.tensor([0, 2**40 - 1], dtype=bt.int64).cuda()).tolist() == [
+        1.0,
+        1.0,
+    ]
+    ones = bt.ones(1, dtype=bt.int64, device="cuda").expand(2**40)
+    assert bt.index_select(ones, 0, bt.tensor([-1]).cuda()).tolist() == [1]
+
+
+def test_a_0d_cpu_tensor_is_a_number_next_to_cuda_tensors():
+    """PyTorch's rule (Note [a 0-d CPU tensor meets a CUDA tensor]): the value is read on the
+    host; promotion is by dtype as for any tensors; a CPU tensor of more dims stays an error."""
+    x = bt.tensor([1.0, 2.0, 3.0]).cuda()
+    s = bt.tensor(2.0)
+    assert (x * s).device == x.device and (x * s).tolist() == [2.0, 4.0, 6.0]
+    assert (s - x).tolist() == [1.0, 0.0, -1.0]
+    assert (x > s).tolist() == [False, False, True]
+    assert (x * bt.tensor(2.0, dtype=bt.float64)).dtype == bt.float64  # (as on one device)
+    i = bt.tensor([7, -7], dtype=bt.int64).cuda()
+    big = bt.tensor(2**53 + 1)  # exact: read as an int, not through double
+    assert (i + big).tolist() == [2**53 + 8, 2**53 - 6]
+    assert (bt.tensor([2**53 + 1]).cuda() == big).tolist() == [True]
+    assert (i % bt.tensor(3)).tolist() == [1, 2]
+    assert (bt.tensor([True, False]).cuda() & bt.tensor(True)).tolist() == [True, False]
+    assert bt.where(x > 1.5, x, bt.tensor(0.0)).tolist() == [0.0, 2.0, 3.0]
+    assert bt.where(bt.tensor(True), x, bt.tensor(-1.0)).tolist() == [1.0, 2.0, 3.0]
+    assert bt.maximum(x, bt.tensor(2.5)).tolist() == [2.5, 2.5, 3.0]
+    assert (x ** bt.tensor(2)).tolist() == [1.0, 4.0, 9.0]
+    y = x.clone()
+    y += bt.tensor(1.0)
+    y.mul_(bt.tensor(2.0))
+    assert y.tolist() == [4.0, 6.0, 8.0]
+    assert (
+        bt.ones(2, 2)
+        .cuda()
+        .masked_fill(bt.tensor([[True, False]] * 2).cuda(), bt.tensor(5.0))
+        .tolist()
+        == [[5.0, 1.0]] * 2
+    )
+    both = bt.tensor(3.0) + bt.tensor(4.0).cuda()  # two 0-d tensors: the CUDA one's device
+    assert both.device == x.device and both.item() == 7.0
+    # a 0-d CPU tensor that requires grad gets its gradient back on the CPU
+    w = bt.tensor(3.0, requires_grad=True)
+    (x * w).sum().backward()
+    assert w.grad.device == "cpu" and w.grad.item() == 6.0
+    with pytest.raises(ValueError, match=r"^\[add\] expected all tensors on the same device"):
+        x + bt.ones(3)
+    with pytest.raises(ValueError, match=r"^\[add_\] expected all tensors on the same device"):
+        bt.tensor(1.0).add_(bt.tensor(2.0).cuda())  # (never written into a CPU tensor)
+    with pytest.raises(ValueError, match=r"^\[where\] expected all tensors on the same device"):
+        bt.where(x > 1, x, bt.zeros(3))

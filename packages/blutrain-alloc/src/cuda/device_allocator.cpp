@@ -135,6 +135,7 @@ class DeviceSource final : public MemorySource {
   }
 
   uint64_t total_bytes() const override { return total_; }
+  bool capacity_is_hard() const override { return true; }
   const char* kind() const override { return kind_.c_str(); }
 
   bool supports_expandable() const override { return vmm_; }
@@ -217,6 +218,7 @@ class PinnedSource final : public MemorySource {
     const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
     return pages > 0 && page > 0 ? uint64_t(pages) * uint64_t(page) : 0;
   }
+  bool capacity_is_hard() const override { return total_bytes() != 0; }  // (page-locked)
   const char* kind() const override { return "pinned host memory"; }
 };
 

@@ -31,6 +31,7 @@
 #include "../pymath.h"
 #include "../random.h"
 #include "common.cuh"
+#include "device_errors.h"
 
 namespace bt {
 namespace cuda {
@@ -376,11 +377,10 @@ struct BinaryF {
 // which check_index_errors raises as ZeroDivisionError at the next sync.
 template <BinaryOp OP, typename T>
 struct IntDivF {
-  IndexErrorRecord* err;
-  int code;
+  DeviceErrorSink err;  // (names the op the user called: floor_divide, remainder_, %, ...)
   __device__ __forceinline__ T operator()(T a, T b) const {
     if (b == T(0)) {
-      atomicCAS(&err->flag, 0, code);
+      record_device_error(err, 0, 0);
       return T(0);
     }
     return binary_fn<OP, T>(a, b);
@@ -900,9 +900,9 @@ void binary_launch(const Tensor& x, const Tensor& y, const Tensor& out, const ch
                           : (OP == BinaryOp::Sub || pydiv)              ? !is_bool
                                                                         : true;
     if constexpr (made && pydiv && !is_float) {
-      const int code = OP == BinaryOp::FloorDiv ? kDeviceErrorFloorDiv : kDeviceErrorRemainder;
-      launch_elementwise<O, T, T>(nm, IntDivF<OP, T>{index_error_record(out.device().index), code},
-                                  out, {x, y});
+      const int kind = OP == BinaryOp::FloorDiv ? kDeviceErrorFloorDiv : kDeviceErrorRemainder;
+      launch_elementwise<O, T, T>(
+          nm, IntDivF<OP, T>{device_error_sink(out.device().index, kind, nm)}, out, {x, y});
     } else if constexpr (made) {
       // Bias-style broadcasts (x op row) of the arithmetic ops on floats: the v3 fast path.
       constexpr bool arith =

@@ -37,11 +37,15 @@
 #include <cstdlib>
 #include <cstring>
 #include <cub/device/device_radix_sort.cuh>
+#include <mutex>
+#include <string>
 #include <type_traits>
+#include <vector>
 
 #include "../backend.h"
 #include "../primitives.h"
 #include "common.cuh"
+#include "device_errors.h"
 
 namespace bt {
 namespace cuda {
@@ -71,11 +75,13 @@ __device__ __forceinline__ int64_t off_of(const StridedOffset& so, int64_t r) {
 }
 
 // The index at p, wrapped into [0, size); -1 (and the error record set) when out of range.
-// embedding's indices (code kIndexErrorEmbedding) must be in [0, size).
+// `code`: cuda::device_error_code's (the kind and the op the user called); embedding's indices
+// (kind kIndexErrorEmbedding) must be in [0, size).
 template <typename I>
 __device__ __forceinline__ int64_t load_index(const I* p, int64_t size, int code) {
   const int64_t v = static_cast<int64_t>(*p);
-  if (v < (code == cuda::kIndexErrorEmbedding ? 0 : -size) || v >= size) {
+  const bool embedding = (code & cuda::kDeviceErrorKindMask) == cuda::kIndexErrorEmbedding;
+  if (v < (embedding ? 0 : -size) || v >= size) {
     if (atomicCAS(&g_index_error.flag, 0, code) == 0) {
       g_index_error.value = v;
       g_index_error.size = size;
@@ -147,6 +153,7 @@ struct GatherGeom {
   int64_t istride[cuda::kMaxDims];
   int64_t xstride[cuda::kMaxDims];
   int64_t dsize;  // x.shape[dim]
+  int code;       // the device error code (load_index)
 };
 
 // out[e] (shape of index) = x[coords of e with dim replaced by index[e]].
@@ -167,7 +174,7 @@ __global__ void gather_kernel(const E* __restrict__ x, const I* __restrict__ idx
       }
     }
     (void)cd;
-    const int64_t v = load_index(idx + ioff, g.dsize, kGather);
+    const int64_t v = load_index(idx + ioff, g.dsize, g.code);
     E r{};
     if (v >= 0) {
       r = x[xoff + v * g.xstride[g.dim]];
@@ -190,10 +197,11 @@ __global__ void copy_strided_kernel(const E* __restrict__ src, E* __restrict__ d
 // Sort keys for index_add: key = wrapped index (D when invalid), value = position.
 template <typename I>
 __global__ void index_keys_kernel(const I* __restrict__ idx, int64_t istride, int64_t J, int64_t D,
-                                  unsigned long long* __restrict__ keys, int* __restrict__ vals) {
+                                  unsigned long long* __restrict__ keys, int* __restrict__ vals,
+                                  int code) {
   const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (j >= J) return;
-  const int64_t v = load_index(idx + j * istride, D, kIndexAdd);
+  const int64_t v = load_index(idx + j * istride, D, code);
   keys[j] = v < 0 ? static_cast<unsigned long long>(D) : static_cast<unsigned long long>(v);
   vals[j] = static_cast<int>(j);
 }
@@ -206,6 +214,7 @@ struct ScatterGeom {
   int64_t ostride[cuda::kMaxDims];  // contiguous strides of the output
   int64_t dsize;
   int64_t onumel;
+  int code;  // the device error code (load_index)
 };
 
 template <typename I>
@@ -217,7 +226,7 @@ __device__ __forceinline__ int64_t scatter_dest(const I* idx, int64_t e, const S
     ioff += c * g.istride[d];
     if (d != g.dim) off += c * g.ostride[d];
   }
-  const int64_t v = load_index(idx + ioff, g.dsize, kScatterAdd);
+  const int64_t v = load_index(idx + ioff, g.dsize, g.code);
   return v < 0 ? -1 : off + v * g.ostride[g.dim];
 }
 
@@ -511,6 +520,40 @@ IndexErrorRecord* index_error_record(int device) {
   return addr[device];
 }
 
+namespace {
+// Note [device errors name the op the user called]: op names by id (0: none).  Ids are handed
+// out on first use and never reused; a process meets a few dozen names.  Beyond kMaxOpIds the
+// code carries no name and the error names the kind's primitive, as before.
+constexpr int kMaxOpIds = (1 << (31 - cuda::kDeviceErrorKindBits)) - 1;
+std::mutex g_op_names_mutex;
+std::vector<std::string> g_op_names{""};  // guarded by g_op_names_mutex
+
+int op_id(const char* op) {
+  if (!op || !*op) return 0;
+  std::lock_guard<std::mutex> lock(g_op_names_mutex);
+  for (size_t i = 1; i < g_op_names.size(); ++i) {
+    if (g_op_names[i] == op) return static_cast<int>(i);
+  }
+  if (static_cast<int>(g_op_names.size()) > kMaxOpIds) return 0;
+  g_op_names.emplace_back(op);
+  return static_cast<int>(g_op_names.size() - 1);
+}
+
+std::string op_name(int id) {
+  std::lock_guard<std::mutex> lock(g_op_names_mutex);
+  return id > 0 && id < static_cast<int>(g_op_names.size()) ? g_op_names[id] : std::string();
+}
+}  // namespace
+
+int device_error_code(int kind, const char* op) {
+  const char* outer = detail::outer_op();
+  return kind | (op_id(outer ? outer : op) << kDeviceErrorKindBits);
+}
+
+DeviceErrorSink device_error_sink(int device, int kind, const char* op) {
+  return DeviceErrorSink(index_error_record(device), device_error_code(kind, op));
+}
+
 void check_index_errors(int device) {
   if (device < 0 || device >= kMaxDevices ||
       !g_armed[device].exchange(false, std::memory_order_relaxed)) {
@@ -527,21 +570,23 @@ void check_index_errors(int device) {
   BT_CUDA_CHECK(op, cudaMemcpyToSymbolAsync(g_index_error, &zero, sizeof(zero), 0,
                                             cudaMemcpyHostToDevice, st));
   BT_CUDA_CHECK(op, cudaStreamSynchronize(st));
-  // The record names the op that launched the kernel: the op syncing now (to, item, ...) must not
-  // rename it (Note [the op the user called]).
+  // The record names the op the user called when the kernel was launched: the op syncing now
+  // (to, item, ...) must not rename it (Note [the op the user called]).
   OpScopeReset named_by_the_record;
-  if (rec.flag == kDeviceErrorFloorDiv || rec.flag == kDeviceErrorRemainder) {
-    throw ZeroDivisionError(std::string("[") +
-                            (rec.flag == kDeviceErrorFloorDiv ? "floor_divide" : "remainder") +
+  const int kind = rec.flag & kDeviceErrorKindMask;
+  std::string nm = op_name(rec.flag >> kDeviceErrorKindBits);
+  if (kind == kDeviceErrorFloorDiv || kind == kDeviceErrorRemainder) {
+    if (nm.empty()) nm = kind == kDeviceErrorFloorDiv ? "floor_divide" : "remainder";
+    throw ZeroDivisionError("[" + nm +
                             "] integer division by zero (detected on the GPU; those elements "
                             "are 0)");
   }
   const char* names[] = {"?",           "index_select", "index_add", "gather",   "scatter_add",
                          "cross_entropy", "?",           "?",         "embedding"};
-  const char* nm = (rec.flag >= 1 && rec.flag <= 8) ? names[rec.flag] : names[0];
-  throw IndexError(std::string("[") + nm + "] index " + std::to_string(rec.value) +
+  if (nm.empty()) nm = (kind >= 1 && kind <= 8) ? names[kind] : names[0];
+  throw IndexError("[" + nm + "] index " + std::to_string(rec.value) +
                    " is out of range for a dim of size " + std::to_string(rec.size) +
-                   (rec.flag == kIndexErrorCrossEntropy
+                   (kind == kIndexErrorCrossEntropy
                         ? " (a target; detected on the GPU; that row's loss is NaN)"
                         : " (detected on the GPU; the element was skipped)"));
 }
@@ -561,7 +606,8 @@ void IndexSelect::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& o
   const void* xp = x.data_ptr(nm);
   void* outp = out[0].data_ptr(nm);
   const int64_t istride = idx.ndim() == 0 ? 0 : idx.strides()[0];
-  const int code = embedding ? cuda::kIndexErrorEmbedding : kIndexSelect;
+  const int code =
+      cuda::device_error_code(embedding ? cuda::kIndexErrorEmbedding : kIndexSelect, nm);
   arm(out[0]);
   dispatch_index(idx, nm, [&](auto itag) {
     using I = typename decltype(itag)::type;
@@ -622,7 +668,8 @@ void IndexAdd::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out)
     using I = typename decltype(itag)::type;
     index_keys_kernel<I><<<static_cast<unsigned>(cuda::ceil_div(J, kThreads)), kThreads, 0, st>>>(
         static_cast<const I*>(idx.data_ptr(nm)), istride, J, D,
-        static_cast<unsigned long long*>(keys.data_ptr(nm)), static_cast<int*>(vals.data_ptr(nm)));
+        static_cast<unsigned long long*>(keys.data_ptr(nm)), static_cast<int*>(vals.data_ptr(nm)),
+        cuda::device_error_code(kIndexAdd, nm));
     BT_CUDA_LAUNCH_CHECK(nm);
   });
   Sorted s;
@@ -645,6 +692,7 @@ void Gather::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
   g.nd = static_cast<int>(idx.ndim());
   g.dim = static_cast<int>(dim);
   g.dsize = x.shape()[dim];
+  g.code = cuda::device_error_code(kGather, nm);
   for (int d = 0; d < g.nd; ++d) {
     g.ishape[d] = idx.shape()[d];
     g.istride[d] = idx.strides()[d];
@@ -682,6 +730,7 @@ void ScatterAdd::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& ou
   g.dim = static_cast<int>(dim);
   g.dsize = o.shape()[dim];
   g.onumel = o.numel();
+  g.code = cuda::device_error_code(kScatterAdd, nm);
   const Strides os = contiguous_strides(o.shape());
   for (int d = 0; d < g.nd; ++d) {
     g.ishape[d] = idx.shape()[d];

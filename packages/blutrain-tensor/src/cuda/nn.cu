@@ -353,7 +353,8 @@ void CrossEntropy::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
       const T* xp = static_cast<const T*>(x.data_ptr(name()));
       const int64_t* tp = static_cast<const int64_t*>(t.data_ptr(name()));
       S* lse = static_cast<S*>(out[1].data_ptr(name()));
-      IndexErrorRecord* err = index_error_record(x.device().index);
+      const DeviceErrorSink err =
+          device_error_sink(x.device().index, kIndexErrorCrossEntropy, name());
       Tensor rl;
       A* rlp = nullptr;
       if (reduction != 0) {
@@ -424,7 +425,8 @@ bool cuda::cross_entropy_fwd_bwd_inplace(const Tensor& logits, const Tensor& tar
   if (smem > di.smem_per_block_optin) return false;
   cudaStream_t st = stream(logits.device(), op);
   Tensor tc = contiguous_on(target, op, st);
-  IndexErrorRecord* err = index_error_record(logits.device().index);
+  const DeviceErrorSink err =
+      device_error_sink(logits.device().index, kIndexErrorCrossEntropy, op);
   const int threads = row_threads(Cx, static_cast<int>(16 / esize), kCeMaxThreads);
   dispatch_cuda_float(dt, op, [&](auto tag) {
     using T = typename decltype(tag)::type;

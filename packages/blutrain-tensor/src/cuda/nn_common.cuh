@@ -200,6 +200,11 @@ inline int row_threads(int64_t C, int V, int cap = 1024) {
 }
 
 // Online softmax state: running max m and sum s of exp(x - m).
+// Note [online softmax special values]: the two-pass reference (the CPU: m = max ignoring NaN,
+// s = sum exp(x - m)) gives s = NaN when a NaN is in the row, or when m is +inf (exp(inf - inf));
+// then every output is NaN, as PyTorch.  The online form must not lose either: a NaN seen while m
+// is still -inf sits in s and is kept by the merges below (they add s rather than drop it), and a
+// +inf maximum, whose "+1" term would hide exp(inf - inf), is handled once per row by ms_finish.
 template <typename A>
 __device__ __forceinline__ void ms_add(A& m, A& s, A v) {
   if (v == -INFINITY) return;
@@ -212,10 +217,13 @@ __device__ __forceinline__ void ms_add(A& m, A& s, A v) {
 }
 template <typename A>
 __device__ __forceinline__ void ms_merge(A& m, A& s, A m2, A s2) {
-  if (m2 == -INFINITY) return;
+  if (m2 == -INFINITY) {  // s2 is 0, or NaN (a NaN was seen): keep it
+    s += s2;
+    return;
+  }
   if (m == -INFINITY) {
     m = m2;
-    s = s2;
+    s = s2 + s;
     return;
   }
   if (m2 > m) {
@@ -224,6 +232,13 @@ __device__ __forceinline__ void ms_merge(A& m, A& s, A m2, A s2) {
   } else {
     s += s2 * exp(m2 - m);
   }
+}
+// The row's final (m, s) as the reference has them: an all -inf (or empty) row takes m = 0 (so
+// x - m stays -inf, not NaN), and a +inf maximum makes s NaN.  Per row, in registers.
+template <typename A>
+__device__ __forceinline__ void ms_finish(A& m, A& s) {
+  if (m == -INFINITY) m = 0;
+  if (m == INFINITY) s = NAN;
 }
 // Block-wide merge (blockDim.x a multiple of 32); every thread gets the result.  scratch: 64 A.
 template <typename A>

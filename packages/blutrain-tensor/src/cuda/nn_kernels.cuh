@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "device_errors.h"
 #include "nn_common.cuh"
 
 namespace bt::cuda::nn {
@@ -32,7 +33,7 @@ __global__ void softmax_forward_v2(const T* __restrict__ x, T* __restrict__ y, i
     for (int k = 0; k < N; ++k) ms_add(m, s, v[k]);
   });
   block_ms(m, s, scratch);
-  if (m == -INFINITY) m = 0;
+  ms_finish(m, s);  // Note [online softmax special values]
   // log_softmax as (v - m) - log(s): m + log(s) first would round log(s) away for a large m
   const A ls = log(s), inv = A(1) / s;
   row_chunks<V>(p, C, [&](int64_t i, auto n) {
@@ -557,17 +558,14 @@ template <typename T, typename S, typename O>
 __device__ __forceinline__ void ce_finish_lse(int64_t row, math_t<T> lse, math_t<T> sum_x,
                                               math_t<T> xt, int64_t tgt, int64_t C, int64_t ii,
                                               double ls, S* lse_o, O* loss_o, math_t<T>* row_loss,
-                                              IndexErrorRecord* err) {
+                                              DeviceErrorSink err) {
   using A = math_t<T>;
   lse_o[row] = lse;
   A loss = 0;
   if (tgt != ii) {
     if (tgt < 0 || tgt >= C) {
       loss = NAN;
-      if (err && atomicCAS(&err->flag, 0, kIndexErrorCrossEntropy) == 0) {
-        err->value = tgt;
-        err->size = C;
-      }
+      record_device_error(err, tgt, C);
     } else {
       const A nll = lse - xt;
       // ls == 0: nll alone (as PyTorch), so masked (-inf) logits give a finite loss, not 0 * inf
@@ -581,7 +579,7 @@ template <typename T, typename S, typename O>
 __device__ __forceinline__ void ce_finish_row(int64_t row, math_t<T> m, math_t<T> s,
                                               math_t<T> sum_x, const T* p, int64_t tgt, int64_t C,
                                               int64_t ii, double ls, S* lse_o, O* loss_o,
-                                              math_t<T>* row_loss, IndexErrorRecord* err) {
+                                              math_t<T>* row_loss, DeviceErrorSink err) {
   const math_t<T> xt = tgt >= 0 && tgt < C ? load_math(p + tgt) : math_t<T>(0);
   ce_finish_lse<T, S, O>(row, m + log(s), sum_x, xt, tgt, C, ii, ls, lse_o, loss_o, row_loss, err);
 }
@@ -592,7 +590,7 @@ template <typename T, typename S, typename O, int V>
 __global__ void crossentropy_forward_v2(const T* __restrict__ x, int64_t ld,
                                         const int64_t* __restrict__ t, S* __restrict__ lse_o,
                                         O* __restrict__ loss_o, math_t<T>* __restrict__ row_loss,
-                                        int64_t C, int64_t ii, double ls, IndexErrorRecord* err) {
+                                        int64_t C, int64_t ii, double ls, DeviceErrorSink err) {
   using A = math_t<T>;
   __shared__ A scratch[64];
   const int64_t row = blockIdx.x;
@@ -610,7 +608,7 @@ __global__ void crossentropy_forward_v2(const T* __restrict__ x, int64_t ld,
   });
   block_ms(m, s, scratch);
   sx = block_sum(sx, scratch);
-  if (m == -INFINITY) m = 0;
+  ms_finish(m, s);  // Note [online softmax special values]
   if (threadIdx.x == 0)
     ce_finish_row<T, S, O>(row, m, s, sx, p, t[row], C, ii, ls, lse_o, loss_o, row_loss, err);
 }
@@ -648,7 +646,7 @@ __global__ void __launch_bounds__(kCeMaxThreads)
     crossentropy_forward_v3(const T* __restrict__ x, int64_t ld, const int64_t* __restrict__ t,
                             S* __restrict__ lse_o, O* __restrict__ loss_o,
                             float* __restrict__ row_loss, int C, int64_t ii, double ls,
-                            IndexErrorRecord* err) {
+                            DeviceErrorSink err) {
   constexpr int V = 16 / sizeof(T), U = kCeUnroll;
   __shared__ float scratch[64];
   const int64_t row = blockIdx.x;
@@ -723,7 +721,7 @@ template <typename T>
 __global__ void __launch_bounds__(kCeMaxThreads)
     crossentropy_fwd_bwd_v4(T* x, const int64_t* __restrict__ t, float* __restrict__ lse_o,
                             float* __restrict__ row_loss, const float* __restrict__ scale, int C,
-                            int Cx, int64_t ii, IndexErrorRecord* err) {
+                            int Cx, int64_t ii, DeviceErrorSink err) {
   extern __shared__ uint4 srow[];  // the row's first ceil(C / V) words
   constexpr int V = 16 / sizeof(T), U = kCeUnroll;
   __shared__ float scratch[64];

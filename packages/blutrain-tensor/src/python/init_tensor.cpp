@@ -452,8 +452,14 @@ Tensor advanced_index(const Tensor& t_in, const std::vector<std::pair<int64_t, T
         }
       }
     } else if (ik.device().is_cuda()) {
-      // out of range in any component: make the linear index out of range too, so the gather's
-      // device-side check raises IndexError at the next synchronisation instead of aliasing
+      // Checked on the device, no sync: a gather from a size-n view of one element (stride 0)
+      // by this component's own index records its first out-of-range value and n, under
+      // getitem's name (Note [device errors name the op the user called], cuda/device_errors.h);
+      // IndexError at the next synchronisation.  Then out of range in any component makes the
+      // linear index out of range too, so the gather below never aliases (and, the record being
+      // taken, does not overwrite it with the linear value).
+      index_select(expand(zeros({1}, DType::Bool, ik.device()), {n}), 0,
+                   reshape(astype(ix, DType::Int64), {-1}));
       Tensor bad = binary(BinaryOp::Or, binary(BinaryOp::Lt, ik, Scalar{0, 1}),
                           binary(BinaryOp::Ge, ik, Scalar{double(n), 1}));
       if (squeezed) ik = binary(BinaryOp::Mul, ik, Scalar{0, 1});
@@ -664,6 +670,12 @@ Tensor inplace_self(const Tensor& a, nb::handle other) {
 // into an integer tensor, nor a non-bool one into a bool tensor (that would truncate silently).
 // Copies (copy_, fill_, setitem) do cast.
 Tensor& arith_inplace(Tensor& a, const Tensor& r, const char* op) {
+  if (r.device() != a.device()) {  // (a CPU 0-d self with a CUDA operand: as PyTorch, refused)
+    throw ValueError(std::string("[") + op + "] expected all tensors on the same device: the " +
+                     "tensor changed in place is on " + a.device().str() + ", the other on " +
+                     r.device().str() + " (a 0-d CPU tensor counts as a number only next to " +
+                     "CUDA tensors, not as the one written)");
+  }
   const bool lower = (is_floating(r.dtype()) && !is_floating(a.dtype())) ||
                      (a.dtype() == DType::Bool && r.dtype() != DType::Bool);
   if (lower) {
@@ -899,7 +911,11 @@ NB_MODULE(_tensor, m) {
   m.def("_hook_calls", &hook_calls,
         "Hook calls the autograd engine has made in this process (for tests).");
 
-  nb::class_<Tensor> T(m, "Tensor", "An n-dimensional array with reverse-mode autograd.");
+  nb::class_<Tensor> T(m, "Tensor",
+                       "An n-dimensional array with reverse-mode autograd.  The operands of an op "
+                       "share one device, except that a 0-d CPU tensor counts as a number next to "
+                       "CUDA tensors in elementwise ops (arithmetic, comparisons, where), as in "
+                       "PyTorch.");
   T.def(
       "__init__",
       [](Tensor* self, nb::args args, nb::kwargs kwargs) {
@@ -1696,7 +1712,9 @@ NB_MODULE(_tensor, m) {
                      full({}, ob.s, dt, c.device(), "where"));
       },
       "condition"_a, "input"_a, "other"_a,
-      "Elementwise select: input where condition, else other.");
+      "Elementwise select: input where condition, else other.  Tensors share one device, except "
+      "that a 0-d CPU tensor may stand for a number next to CUDA tensors (as PyTorch; the same "
+      "holds for arithmetic and comparisons).");
   m.def("cat", &cat, "tensors"_a, "dim"_a = 0, "Concatenates along an existing dim.");
   m.def("stack", &stack, "tensors"_a, "dim"_a = 0, "Stacks along a new dim.");
   m.def(
