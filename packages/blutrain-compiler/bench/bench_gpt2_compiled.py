@@ -12,11 +12,10 @@ allocator's own statistic: blutrain.alloc's peak (bt.cuda.max_memory_allocated; 
 blutrain.alloc's requested-bytes peak) over the timed steps (the steady state: the compiled
 row's capture and compilation excluded), and torch.cuda.max_memory_allocated. The compiled row
 also prints its planned arena (program.stats.planned_bytes), its program's shape, and the
-allocator calls a timed step makes: none from the program on the CPU (the embedding gathers
-write planned buffers, the returned loss and norm take turns in two buffers: Note [returned
-buffers] in program.py; on CUDA the gathers still allocate until the [gpu-pending] commit that
-enables index_select's out= there is verified) plus the 2 of AdamW.write_device_scalars
-outside the program (each fill_ with a Python float makes a 0-d tensor).
+allocator calls a timed step makes: none from the program (the embedding gathers write planned
+buffers, the returned loss and norm take turns in two buffers: Note [returned buffers] in
+program.py) plus the 2 of AdamW.write_device_scalars outside the program (each fill_ with a
+Python float makes a 0-d tensor).
 Not a test: prints a table and writes JSON; a row that fails shows its error.
 """
 

@@ -7,6 +7,8 @@ order than eager's kernels), bf16 to 1e-2.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -90,3 +92,48 @@ def test_llama_step_bf16_matches_eager() -> None:
     for a, b in zip(lc, le):
         assert abs(a - b) <= 2e-2 * abs(b), (le, lc)
     assert normwise(pc, pe) <= 2e-2
+
+
+def test_llama_step_on_gpu_steady_state_makes_no_allocator_call() -> None:
+    """On CUDA as on the CPU: from the third call on, a compiled LLaMA-style training step makes
+    no allocator call (planned arena, gathers through index_select's out=, returned loss in two
+    buffers taking turns; Note [returned buffers])."""
+    import os
+    import sys
+
+    import blutrain.alloc as alloc
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import llama_ref as L
+
+    from blutrain.models.optim import AdamW, grad_norm_and_clip_coef
+
+    cfg = L.Config.preset("tiny")
+    cos, sin = (bt.tensor(t).to("cuda") for t in L.rope_tables(cfg))
+    params = {
+        k: bt.tensor(v).to("cuda").requires_grad_(True) for k, v in L.init_weights(cfg).items()
+    }
+    opt = AdamW(list(params.items()), lr=1e-3, weight_decay=0.1)
+    opt.use_device_scalars()
+    for n, p in opt.params:
+        opt._state_for(n, p)
+    plist = list(params.values())
+
+    def step(x, y):
+        loss = L.bt_forward(bt, cfg, params, cos, sin, x, y)
+        loss.backward()
+        _, coef = grad_norm_and_clip_coef(plist, 1.0)
+        opt.step(grad_scale=coef)
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    c = btc.compile(step)
+    x = bt.tensor(RNG.integers(0, cfg.vocab, (4, cfg.seq))).to("cuda")
+    counts = []
+    for i in range(5):
+        opt.write_device_scalars(1e-3, i + 1)
+        before = alloc.stats("cuda:0")["alloc_count"]
+        loss = c(x, x)
+        counts.append(alloc.stats("cuda:0")["alloc_count"] - before)
+    assert math.isfinite(float(loss.item()))
+    assert counts[2:] == [0, 0, 0], counts

@@ -1251,13 +1251,14 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index, const Ten
     throw ValueError(std::string("[") + op + "] out shares memory with the input or the index");
   }
   check_writable(out, op);
-  if (out.device().is_cuda()) {  // the same launch as without out=, not yet run on a GPU
-    throw NotImplementedError(std::string("[") + op + "] out= is CPU-only for now");
-  }
   IndexSelect prim(dim, embedding);
   std::vector<Tensor> in{x, reshape(index, {-1})};
   std::vector<Tensor> res{out};
-  prim.eval_cpu(in, res);
+  if (out.device().is_cuda()) {  // the launch index_select makes, on the current stream
+    prim.eval_gpu(in, res);
+  } else {
+    prim.eval_cpu(in, res);
+  }
   res[0].bump_version();
   return out;
 }

@@ -626,3 +626,20 @@ def test_index_fast_paths_match_v1_bitwise(rng, monkeypatch, dtype):
     # Same summation order per column in both: the bytes must match.
     assert _raw(fast[0]) == _raw(ref[0]), "index_select: 16-byte path differs from v1"
     assert _raw(fast[1]) == _raw(ref[1]), "index_add: vector path differs from v1"
+
+
+def test_index_select_out_on_cuda(rng):
+    """index_select(..., out=) on CUDA: index_select's values in the given tensor, no
+    allocation, on the current stream."""
+    import blutrain.alloc as alloc
+
+    a = rng.standard_normal((300, 70)).astype(np.float32)
+    x = bt.tensor(a).to("cuda")
+    for dim in (0, 1):
+        idx = bt.tensor(rng.integers(0, a.shape[dim], 33)).to("cuda")
+        want = bt.index_select(x, dim, idx)
+        out = bt.empty(want.shape, device="cuda")
+        n0 = alloc.stats("cuda:0")["alloc_count"]
+        bt.index_select(x, dim, idx, out=out)
+        assert alloc.stats("cuda:0")["alloc_count"] == n0
+        np.testing.assert_array_equal(out.cpu().numpy(), want.cpu().numpy())

@@ -702,11 +702,10 @@ def _gemm_out_ok(graph: Graph, n: Node) -> bool:
 
 def _gather_out_ok(graph: Graph, n: Node) -> bool:
     """Gathers blutrain.tensor writes into a planned buffer (index_select's out= form): a
-    contiguous table (the embedding weight), a 1-D index, on the CPU (CUDA: [gpu-pending])."""
+    1-D index, on the CPU or CUDA."""
     if n.op != "index_select" or len(n.inputs) != 2:
         return False
-    x, idx = graph.values[n.inputs[0]], graph.values[n.inputs[1]]
-    return x.device == "cpu" and len(idx.shape) == 1
+    return len(graph.values[n.inputs[1]].shape) == 1
 
 
 def _gather_into(n: Node, x: list[Any], out: Any) -> None:
