@@ -29,6 +29,7 @@ Expr = Any  # ir.AffineExpr
 IndexFn = Callable[[list[Expr]], list[Expr]]
 
 PAR = "#linalg.iterator_type<parallel>"
+LANES = 8  # eager's kLanes (cpu/softmax_kernels.h): partial results of a CPU row reduction
 RED = "#linalg.iterator_type<reduction>"
 
 UNARY = {
@@ -244,6 +245,7 @@ class Emitter:
         name: str,
         input_shapes: dict[int, tuple[int, ...]] | None = None,
         flat: bool = False,
+        cpu: bool = False,
     ):
         self.g, self.nodes, self.inputs, self.outputs, self.name = (
             graph,
@@ -258,6 +260,9 @@ class Emitter:
         # reduced) — the GPU mapping then needs one tile shape (coalesced: consecutive threads,
         # consecutive elements) for every loop
         self.flat = flat
+        # cpu: row reductions marked `lanes` sum in LANES partial results, as eager's CPU kernels
+        # (Note [row reductions in lanes]); the GPU's rowgen maps rows its own way
+        self.cpu = cpu
 
     # ---- module -----------------------------------------------------------------------------
     def build(self, module: ir.Module) -> func.FuncOp:
@@ -449,11 +454,22 @@ class Emitter:
         elem: Callable[..., ir.Value],
         combine: Callable[[ir.Value, ir.Value], ir.Value],
         with_index: bool = False,
+        lanes: bool = False,
     ) -> Ref:
         """combine over `dims` of elem(*scalars) (refs broadcast to `shape`); the result has the
-        kept dims' shape, dtype acc."""
+        kept dims' shape, dtype acc. lanes: a last-dim reduction eager's CPU kernels compute in
+        LANES partial results (Note [row reductions in lanes]): so do CPU kernels."""
         shape = tuple(shape)
         refs = [self.bcast(r, shape) for r in refs]
+        if (
+            lanes
+            and self.cpu
+            and not self.flat
+            and not with_index
+            and list(dims) == [len(shape) - 1]
+            and shape[-1] >= 2 * LANES
+        ):
+            return self._reduce_lanes(shape, acc, init, refs, elem, combine)
         kept = tuple(s for i, s in enumerate(shape) if i not in set(dims))
         if self.flat and (len(kept) != 1 or len(dims) != 1 or list(dims) != [len(shape) - 1]):
             K, Rn = math.prod(kept), math.prod(shape[d] for d in dims)
@@ -504,6 +520,67 @@ class Emitter:
         else:
             body = lambda *a: [combine(elem(*a[:n]), a[n])]  # noqa: E731
         (t,) = self.generic(pshape, pdims, refs, [(acc, init_t)], body, with_index)
+        return Ref(acc, kept, t)
+
+    # Note [row reductions in lanes]: eager's CPU row kernels (cpu/softmax_kernels.h: row_max,
+    # row_exp_sum) keep LANES independent accumulators, lane k taking elements 8j + k, the tail
+    # (C % LANES elements) added to lane 0 in order, then the lanes combined from an initial
+    # value in lane order. A single running sum is a dependency chain LLVM must keep scalar (it
+    # may not reassociate float adds); lanes are independent, so the (rows, C / LANES, LANES)
+    # generic's inner loop over lanes vectorises, exp included. The same order also gives eager's
+    # bits. Three generics: the lanes (rows, LANES), the tail into lane 0, the combination.
+    def _reduce_lanes(
+        self,
+        shape: tuple[int, ...],
+        acc: str,
+        init: float,
+        refs: Sequence[Ref],
+        elem: Callable[..., ir.Value],
+        combine: Callable[[ir.Value, ir.Value], ir.Value],
+    ) -> Ref:
+        kept, C = shape[:-1], shape[-1]
+        r = len(kept)
+        C8, main = C // LANES, (C // LANES) * LANES
+        n = len(refs)
+        body = lambda *a: [combine(elem(*a[:n]), a[-1])]  # noqa: E731 (a[n]: the anchor)
+
+        def part(x: Ref, start: int, size: int, split: bool) -> Ref:
+            """x's columns [start, start + size), split into (C8, LANES) when `split`."""
+            if split:
+                return x.view((*kept, C8, LANES), lambda e: [*e[:r], e[r] * LANES + e[r + 1]])
+            return x.view((*kept, size), lambda e: [*e[:r], e[r] + start])
+
+        def anchor(size: int, nd: int) -> Ref:
+            """An unread byte per step of the reduced loop: linalg takes each loop's bound from
+            an operand whose map names it plainly, and x's map (d1 * 8 + d2) does not. (A slice
+            + expand_shape of x would, but stops elementwise producers fusing into the sum.)"""
+            t = self.empty((size,), "uint8")
+            return Ref("uint8", (0,) * nd, t, lambda e: [e[r]], identity=False)
+
+        mrefs = [part(x, 0, main, True) for x in refs] + [anchor(C8, r + 2)]
+        (lt,) = self.generic(
+            (*kept, C8, LANES), [r], mrefs, [(acc, self.filled((*kept, LANES), acc, init))], body
+        )
+        lanes_ref = Ref(acc, (*kept, LANES), lt)
+        refs_f = [lanes_ref]
+        if C > main:  # the tail continues lane 0, in order
+            l0 = self.materialize(lanes_ref.view(kept, lambda e: [*e, _c(0)]))
+            trefs = [part(x, main, C - main, False) for x in refs] + [anchor(C - main, r + 1)]
+            (t0,) = self.generic((*kept, C - main), [r], trefs, [(acc, l0)], body)
+            refs_f.append(Ref(acc, (*kept, LANES), t0, lambda e: e[:r]))
+
+        # the lanes folded in order from init: a reduction generic (an elementwise one would be
+        # fused into, and recomputed by, every consumer)
+        def fold(idx: list, v: ir.Value, *rest: ir.Value) -> list[ir.Value]:
+            if len(rest) == 2:  # lane 0 is the tail's result
+                z0 = arith.constant(ir.IndexType.get(), 0)
+                z = arith.cmpi(arith.CmpIPredicate.eq, idx[r], z0)
+                v = arith.select(z, rest[0], v)
+            return [combine(v, rest[-1])]
+
+        (t,) = self.generic(
+            (*kept, LANES), [r], refs_f, [(acc, self.filled(kept, acc, init))], fold, True
+        )
         return Ref(acc, kept, t)
 
     def bcast(self, r: Ref, shape: tuple[int, ...]) -> Ref:
@@ -1188,6 +1265,7 @@ class Emitter:
             [x],
             lambda a: S.cast(a, dt, A),
             lambda a, b: S.maximum(a, b, A),
+            lanes=True,
         )
         # an all -inf row: m = 0 (softmax gives nan, log_softmax -inf), as eager
         m = self.ew(
@@ -1204,6 +1282,7 @@ class Emitter:
             [x, self.kd(m, x.shape)],
             lambda a, mm: S.cast(S.exp(arith.subf(S.cast(a, dt, A), mm), A), A, "float64"),
             lambda a, b: arith.addf(a, b),
+            lanes=True,
         )
         if log:
             lse = self.ew(
@@ -1516,6 +1595,7 @@ class Emitter:
             [xs],
             lambda v: S.cast(v, dt, A),
             lambda p, q: S.maximum(p, q, A),
+            lanes=True,
         )
         s = self.reduce(
             (N, C),
@@ -1525,13 +1605,21 @@ class Emitter:
             [xs, self.kd(m, (N, C))],
             lambda v, mm: S.cast(S.exp(arith.subf(S.cast(v, dt, A), mm), A), A, D),
             lambda p, q: arith.addf(p, q),
+            lanes=True,
         )
         lse = self.ew((N,), D, [m, s], lambda mm, ss: arith.addf(S.cast(mm, A, D), _log64(ss)))
         refs = [lse, t]
         sx = None
         if ls != 0:
             sx = self.reduce(
-                (N, C), [1], D, 0.0, [xs], lambda v: S.cast(v, dt, D), lambda p, q: arith.addf(p, q)
+                (N, C),
+                [1],
+                D,
+                0.0,
+                [xs],
+                lambda v: S.cast(v, dt, D),
+                lambda p, q: arith.addf(p, q),
+                lanes=True,
             )
             refs.append(sx)
         xt = x.tensor if x.tensor is not None and x.identity else self.materialize(x)
