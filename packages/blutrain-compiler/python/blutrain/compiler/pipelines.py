@@ -27,13 +27,17 @@ CPU_PREP = (
 # convert-scf-to-openmp makes it an omp.parallel worksharing loop, statically scheduled in
 # contiguous blocks (the runtime: src/kmp_pool.c on blutrain.tensor's pool and budget). Smaller
 # kernels stay serial loops: a fork costs more than they do. Both are per function (one group).
-# Then affine-super-vectorize turns each innermost loop over a contiguous dim into 8-wide vector
+# Then (serial kernels too) affine-super-vectorize turns each innermost loop over a contiguous dim
+# into 8-wide vector
 # ops (loads, the arith / exp polynomial, stores): elementwise loops and the lanes loop of a
 # row reduction (Note [row reductions in lanes] in lower.py); loops that carry a sum stay scalar
 # (it vectorises parallel loops only), so every sum keeps its order. Single-iteration loops are
 # removed first (its dependence test calls them parallel, then fails on their invariant store).
 PARALLEL_MIN = 32768  # elements; blutrain.tensor's eager kernels go parallel at the same size
-CPU_SERIAL = "func.func(convert-linalg-to-loops)"
+CPU_SERIAL = (
+    "func.func(convert-linalg-to-affine-loops, affine-loop-normalize{promote-single-iter=true}, "
+    "affine-super-vectorize{virtual-vector-size=8 test-fastest-varying=0}, lower-affine)"
+)
 CPU_PARALLEL = (
     "func.func(convert-linalg-to-affine-loops, affine-parallelize{max-nested=1}, "
     "affine-loop-normalize{promote-single-iter=true}, "

@@ -637,10 +637,7 @@ def _cpu_loops(module: Any, parallel: set[str]) -> None:
         if op.operation.name != "func.func":
             continue
         name = op.operation.attributes["sym_name"].value
-        if name in parallel:
-            _run_reporting(par, op.operation)
-        else:
-            serial.run(op.operation)
+        _run_reporting(par if name in parallel else serial, op.operation)
     PassManager.parse(pipelines.CPU_OMP).run(module.operation)
 
 
