@@ -467,3 +467,44 @@ def test_capture_forward_and_backward(rng):
     model.zero_grad()
     _, loss = model(x, x)  # no symbolic leftovers (positions cache)
     assert math.isfinite(loss.item())
+
+
+def _step_op_log(residual: str, layers: int) -> list:
+    """The eager op log of one fused bf16 forward + backward (cached casts warmed first)."""
+    import collections
+
+    bt.manual_seed(0)
+    cfg = GPT2Config(block_size=16, vocab_size=96, n_layer=layers, n_head=1, n_embd=64)
+    m = GPT2(cfg, fused=True, residual_dtype=residual, precision="bf16")
+    x = bt.tensor(np.arange(32).reshape(2, 16) % 96, dtype=bt.int64)
+    m(x, x, return_logits=False)[1].backward()
+    m.zero_grad()
+    bt._C._op_log_start()
+    try:
+        m(x, x, return_logits=False)[1].backward()
+    finally:
+        log = bt._C._op_log_stop()
+    return collections.Counter(
+        (op, tuple(d for d, _ in ins), tuple(d for d, _ in outs)) for op, ins, outs in log
+    )
+
+
+def test_float32_stream_adds_no_ops_per_layer():
+    """Issue 38: a layer costs the float32 residual stream the same ops as the bf16 stream's (its
+    add_layer_norm reads a float32 x and writes the float32 sum and a bf16 y in one kernel, its
+    backward takes the stream's gradient in bf16): no cast of the (B, T, C) stream or of its
+    gradient per layer (the eager op log of 1 and 2 layers: bt.capture would not do, a captured
+    backward keeps the float32 dtype on the stream's gradient edges)."""
+    per_layer = {}
+    for res in ("compute", "float32"):
+        one, two = _step_op_log(res, 1), _step_op_log(res, 2)
+        per_layer[res] = two - one
+        assert not (one - two), f"{res}: a second layer removed ops {one - two}"
+    c, f = per_layer["compute"], per_layer["float32"]
+    assert sum(c.values()) == sum(f.values()), f"ops a layer: bf16 stream {c}, float32 stream {f}"
+    assert not [k for k in f if k[0] == "astype"], f"float32 stream casts per layer: {f}"
+    aln = [k for k in f if k[0] == "add_layer_norm"]
+    assert aln and all(k[1][0] == "float32" and k[2][:2] == ("float32", "bfloat16") for k in aln)
+    lnb = [k for k in f if k[0] == "layer_norm_backward"]
+    # the stream's gradient in bf16: dy bf16 over the float32 sum, dx bf16
+    assert lnb and all(k[1][:2] == ("bfloat16", "float32") and k[2][0] == "bfloat16" for k in lnb)

@@ -3,7 +3,8 @@
 //
 //   bash bench/cpu_kernels_check.sh      # builds this once per instruction set and runs each
 //
-// v1 (below) is the scalar code each kernel replaced, kept verbatim in its arithmetic. The
+// v1 (below) is the scalar code each kernel replaced, kept verbatim in its arithmetic but for
+// the changes marked v2 (row sums in 16 lanes, float exp in the log_softmax / CE backward). The
 // production kernels (src/cpu/norm_kernels.h) must give the same bits on every instruction set:
 // this file is built with BT_CPU_CLONES empty and -march=x86-64-v4, -v3 and the baseline in
 // turn (what target_clones picks at load time on such machines), -ffp-contract=off as
@@ -33,21 +34,36 @@
 using bt::bfloat16;
 using bt::float16;
 
-namespace v1 {  // the first CPU kernels (row by row, one chain per sum)
+namespace v1 {  // the first CPU kernels (row by row), their row sums since v2 in lanes
+
+// v2's row sums (Note [lane sums] in norm_kernels.h): sum of f(i), i in [0, C), over 16 lanes
+// (v1: one running sum in index order).
+template <typename F>
+double lane_sum(int64_t C, F f) {
+  constexpr int L = 16;
+  double a[L] = {};
+  const int64_t full = C / L * L;
+  for (int64_t i = 0; i < full; i += L) {
+    for (int k = 0; k < L; ++k) a[k] += f(i + k);
+  }
+  for (int64_t i = full; i < C; ++i) a[0] += f(i);
+  double r = 0;
+  for (int k = 0; k < L; ++k) r += a[k];
+  return r;
+}
+
 
 template <typename T, typename S>
 void layer_norm(const T* xp, const T* wp, const T* bp, T* y, S* mean_o, S* rstd_o, int64_t rows,
                 int64_t C, double e) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* p = xp + r * C;
-    double s = 0;
-    for (int64_t i = 0; i < C; ++i) s += static_cast<double>(p[i]);
+    const double s = lane_sum(C, [&](int64_t i) { return static_cast<double>(p[i]); });
     const double mean = s / static_cast<double>(C);
-    double ss = 0;
-    for (int64_t i = 0; i < C; ++i) {
+    const double ss = lane_sum(C, [&](int64_t i) {
       const double d = static_cast<double>(p[i]) - mean;
-      ss += d * d;
-    }
+      return d * d;
+    });
     const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(C) + e);
     mean_o[r] = static_cast<S>(mean);
     rstd_o[r] = static_cast<S>(rstd);
@@ -66,20 +82,18 @@ void add_layer_norm(const T* xp, const T* rp, const T* rbp, const T* wp, const T
                     S* mean_o, S* rstd_o, int64_t rows, int64_t C, double e) {
   for (int64_t r = 0; r < rows; ++r) {
     T* sp = so + r * C;
-    double s = 0;
     for (int64_t i = 0; i < C; ++i) {
       bt::compute_t<T> v = static_cast<bt::compute_t<T>>(xp[r * C + i]) +
                            static_cast<bt::compute_t<T>>(rp[r * C + i]);
       if (rbp) v += static_cast<bt::compute_t<T>>(rbp[i]);
       sp[i] = static_cast<T>(v);
-      s += static_cast<double>(sp[i]);
     }
+    const double s = lane_sum(C, [&](int64_t i) { return static_cast<double>(sp[i]); });
     const double mean = s / static_cast<double>(C);
-    double ss = 0;
-    for (int64_t i = 0; i < C; ++i) {
+    const double ss = lane_sum(C, [&](int64_t i) {
       const double d = static_cast<double>(sp[i]) - mean;
-      ss += d * d;
-    }
+      return d * d;
+    });
     const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(C) + e);
     mean_o[r] = static_cast<S>(mean);
     rstd_o[r] = static_cast<S>(rstd);
@@ -101,14 +115,13 @@ void layer_norm_backward(const T* dyp, const T* xp, const T* wp, const S* mp, co
     const T* g = dyp + r * C;
     const T* p = xp + r * C;
     const double m = static_cast<double>(mp[r]), rs = static_cast<double>(rp[r]);
-    double s1 = 0, s2 = 0;
-    for (int64_t i = 0; i < C; ++i) {
-      const double gx = static_cast<double>(g[i]) * (wp ? static_cast<double>(wp[i]) : 1.0);
-      s1 += gx;
-      s2 += gx * (static_cast<double>(p[i]) - m) * rs;
-    }
-    s1 /= static_cast<double>(C);
-    s2 /= static_cast<double>(C);
+    auto gx = [&](int64_t i) {
+      return static_cast<double>(g[i]) * (wp ? static_cast<double>(wp[i]) : 1.0);
+    };
+    const double s1 = lane_sum(C, gx) / static_cast<double>(C);
+    const double s2 = lane_sum(C, [&](int64_t i) {
+      return gx(i) * (static_cast<double>(p[i]) - m) * rs;
+    }) / static_cast<double>(C);
     T* q = dx + r * C;
     for (int64_t i = 0; i < C; ++i) {
       const double gx = static_cast<double>(g[i]) * (wp ? static_cast<double>(wp[i]) : 1.0);
@@ -139,13 +152,32 @@ void softmax_backward(const T* yp, const T* gp, T* o, int64_t rows, int64_t C, b
     const T* a = yp + r * C;
     const T* g = gp + r * C;
     T* q = o + r * C;
-    double s = 0;
-    for (int64_t i = 0; i < C; ++i) {
-      s += lg ? static_cast<double>(g[i]) : static_cast<double>(g[i]) * static_cast<double>(a[i]);
-    }
+    const double s = lane_sum(C, [&](int64_t i) {
+      return lg ? static_cast<double>(g[i]) : static_cast<double>(g[i]) * static_cast<double>(a[i]);
+    });
     for (int64_t i = 0; i < C; ++i) {
       const double yv = static_cast<double>(a[i]), gv = static_cast<double>(g[i]);
-      q[i] = static_cast<T>(lg ? gv - std::exp(yv) * s : yv * (gv - s));
+      // v2: exp(y) in the compute type (float's fast_exp for 16/32-bit rows); v1 used libm's
+      // double exp, about 10x slower than the vectorised float one
+      using A = bt::compute_t<T>;
+      const double e = static_cast<double>(bt::cpu::softmax::exp_c(static_cast<A>(a[i])));
+      q[i] = static_cast<T>(lg ? gv - e * s : yv * (gv - s));
+    }
+  }
+}
+
+// cross_entropy's dlogits rows (v2 arithmetic: exp of (x - lse) rounded to the compute type).
+template <typename T>
+void ce_backward(const T* xp, T* o, int64_t rows, int64_t C, const double* lse, const int64_t* tgt,
+                 double scale, double ls) {
+  using A = bt::compute_t<T>;
+  const double off = ls / static_cast<double>(C);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < C; ++i) {
+      const double t = static_cast<double>(xp[r * C + i]) - lse[r];
+      double d = static_cast<double>(bt::cpu::softmax::exp_c(static_cast<A>(t))) - off;
+      if (i == tgt[r]) d -= 1.0 - ls;
+      o[r * C + i] = static_cast<T>(d * scale);
     }
   }
 }
@@ -280,6 +312,36 @@ void check_softmax_backward(const char* dt, int64_t R, int64_t C, int reps, std:
       bt::cpu::softmax::backward_rows<T>(y.data(), dy.data(), b.data(), 0, R, C, lg);
     });
     report(lg ? "log_softmax backward" : "softmax backward", dt, R, C, same_bits(a, b), ta, tb);
+  }
+  // cross_entropy's gradient rows, out of place and over the logits (b starts as a copy of x)
+  auto x = random_rows<T>(R, C, g, true);
+  std::vector<double> lse(R);
+  std::vector<int64_t> tgt(R);
+  for (int64_t r = 0; r < R; ++r) {
+    double m = -INFINITY, s = 0;
+    for (int64_t i = 0; i < C; ++i) m = std::max(m, static_cast<double>(x[r * C + i]));
+    for (int64_t i = 0; i < C; ++i) s += std::exp(static_cast<double>(x[r * C + i]) - m);
+    lse[r] = m + std::log(s);
+    tgt[r] = static_cast<int64_t>(g() % static_cast<uint64_t>(C));
+  }
+  for (double ls : {0.0, 0.1}) {
+    const double ta = best_ms(reps, [&] {
+      v1::ce_backward<T>(x.data(), a.data(), R, C, lse.data(), tgt.data(), 0.5, ls);
+    });
+    const double tb = best_ms(reps, [&] {
+      for (int64_t r = 0; r < R; ++r) {
+        bt::cpu::softmax::ce_grad_row<T>(x.data() + r * C, b.data() + r * C, C, C, lse[r], 0.5,
+                                         ls / static_cast<double>(C), ls, tgt[r]);
+      }
+    });
+    bool ok = same_bits(a, b);
+    b = x;  // in place
+    for (int64_t r = 0; r < R; ++r) {
+      bt::cpu::softmax::ce_grad_row<T>(b.data() + r * C, b.data() + r * C, C, C, lse[r], 0.5,
+                                       ls / static_cast<double>(C), ls, tgt[r]);
+    }
+    ok = ok && same_bits(a, b);
+    report(ls == 0 ? "ce backward" : "ce backward (ls 0.1)", dt, R, C, ok, ta, tb);
   }
 }
 

@@ -1,7 +1,10 @@
 // capture.cpp: recording a graph (see capture.h); replay lives in replay.cpp.
 #include "capture.h"
 
+#include <atomic>
 #include <charconv>
+#include <mutex>
+#include <utility>
 #include <sstream>
 
 #include "autocast.h"
@@ -16,6 +19,32 @@ Graph* active_graph() { return g_active; }
 // learns the alias (tensor.cpp calls this hook only for symbolic tensors).
 static void on_symbolic_detach(const Tensor& from, const Tensor& to) {
   if (g_active) g_active->alias(from, to);
+}
+
+static std::atomic<bool> g_op_log_on{false};
+static std::mutex g_op_log_mu;
+static std::vector<OpLogEntry> g_op_log;  // guarded by g_op_log_mu
+bool op_log_on() { return g_op_log_on.load(std::memory_order_relaxed); }
+void op_log_start() {
+  std::lock_guard<std::mutex> lk(g_op_log_mu);
+  g_op_log.clear();
+  g_op_log_on.store(true);
+}
+std::vector<OpLogEntry> op_log_stop() {
+  std::lock_guard<std::mutex> lk(g_op_log_mu);
+  g_op_log_on.store(false);
+  return std::exchange(g_op_log, {});
+}
+void op_log_note(const char* op, const std::vector<Tensor>& in, const std::vector<Tensor>& out) {
+  OpLogEntry e{op, {}, {}};
+  for (auto& t : in) {
+    if (t.defined()) e.in.emplace_back(t.dtype(), t.shape());
+  }
+  for (auto& t : out) {
+    if (t.defined()) e.out.emplace_back(t.dtype(), t.shape());
+  }
+  std::lock_guard<std::mutex> lk(g_op_log_mu);
+  if (g_op_log_on.load()) g_op_log.push_back(std::move(e));
 }
 
 void set_active_graph(Graph* g) {

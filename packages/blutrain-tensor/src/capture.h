@@ -151,4 +151,18 @@ class Graph {
 Graph* active_graph();
 void set_active_graph(Graph* g);  // nullptr ends capture
 
+// Eager op log (a profiling aid, bench/op_trace.py in blutrain-models): while on, apply() notes
+// every primitive it evaluates eagerly (not views, not inside a capture, which records a graph
+// of its own and keeps one dtype per gradient edge, so its backward can differ from eager's) as
+// the op's name and its inputs' and outputs' (dtype, shape).  One process-wide log under a
+// mutex; off costs one relaxed atomic load per op.
+struct OpLogEntry {
+  std::string op;
+  std::vector<std::pair<DType, Shape>> in, out;
+};
+bool op_log_on();
+void op_log_start();
+std::vector<OpLogEntry> op_log_stop();
+void op_log_note(const char* op, const std::vector<Tensor>& in, const std::vector<Tensor>& out);
+
 }  // namespace bt

@@ -246,6 +246,7 @@ std::vector<Tensor> apply(std::shared_ptr<Primitive> prim, const std::vector<Ten
       prim->eval_cpu(inputs, outs);
     }
     if (over >= 0) outs[0].bump_version();  // the input's old values are gone
+    if (op_log_on()) op_log_note(prim->name(), inputs, outs);
   }
   if (graph) {
     Attrs a;

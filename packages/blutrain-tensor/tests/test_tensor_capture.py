@@ -100,3 +100,33 @@ def test_capture_random_and_creation_ops():
         with bt.capture():
             with bt.capture():
                 pass
+
+
+# ---- the eager op log (bt._C._op_log_start / _op_log_stop) ----------------------------------
+def test_op_log_notes_eager_primitives_with_dtypes_not_views_nor_captures():
+    """Every primitive evaluated eagerly, forward and backward, with its inputs' and outputs'
+    (dtype, shape); views move no data and are left out; a capture records its own graph; the
+    log is empty after a stop and off until the next start."""
+    a = bt.ones((2, 3), requires_grad=True)
+    bt._C._op_log_start()
+    b = (a * 2.0).to(bt.bfloat16).reshape(3, 2)
+    b.float().sum().backward()
+    log = bt._C._op_log_stop()
+    ops = [e[0] for e in log]
+    assert "reshape" not in ops and "view" not in ops
+    # in order: the forward's cast first (the backward of .float() casts to bfloat16 too)
+    cast = next(e for e in log if e[0] == "astype" and e[2][0][0] == "bfloat16")
+    assert (
+        ops.index("mul") < ops.index("astype")
+        and cast[1] == [("float32", (2, 3))]
+        and cast[2] == [("bfloat16", (2, 3))]
+    )
+    # the backward ran too: its casts take the gradient back to float32
+    assert sum(1 for e in log if e[0] == "astype") >= 3
+    assert a.grad is not None and bt._C._op_log_stop() == []
+    (a + 1).sum()  # off: nothing noted
+    assert bt._C._op_log_stop() == []
+    bt._C._op_log_start()
+    with bt.capture():
+        _ = bt.zeros((4,)) + 1
+    assert bt._C._op_log_stop() == []

@@ -257,9 +257,10 @@ def test_layer_norm_backward_vs_numpy(rng, dtype, C):
 
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("log", [False, True])
-def test_softmax_backward_vs_numpy(rng, dtype, log):
-    x = rng.standard_normal((5, 33))
-    dy = rng.standard_normal((5, 33))
+@pytest.mark.parametrize("C", [33, 1000])  # 1000: mostly the vectorised body, 8 rows
+def test_softmax_backward_vs_numpy(rng, dtype, log, C):
+    x = rng.standard_normal((8 if C > 100 else 5, C))
+    dy = rng.standard_normal(x.shape)
     xt = bt.tensor(x, dtype=dtype, requires_grad=True)
     y = (bt.log_softmax if log else bt.softmax)(xt, -1)
     y.backward(bt.tensor(dy, dtype=dtype))
@@ -275,8 +276,9 @@ def test_softmax_backward_vs_numpy(rng, dtype, log):
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("ls", [0.0, 0.1])
-def test_cross_entropy_vs_numpy(rng, dtype, reduction, ls):
-    N, C = 8, 37
+@pytest.mark.parametrize("C", [37, 1000])
+def test_cross_entropy_vs_numpy(rng, dtype, reduction, ls, C):
+    N = 8
     x = rng.standard_normal((N, C)) * 3
     t = rng.integers(0, C, N)
     t[[1, 5]] = -100

@@ -68,7 +68,7 @@ void CrossEntropy::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
         const A mx = row_max<A>(p, C);
         const double m = static_cast<double>(mx);
         double sum_x = 0;
-        const double s = row_exp_sum<A>(p, C, mx, &sum_x);
+        const double s = row_exp_sum<A>(p, C, mx, ls == 0 ? nullptr : &sum_x);
         const double lse = m + std::log(s);
         lse_o[r] = static_cast<S>(lse);
         if (tp[r] == ignore_index) return;

@@ -71,14 +71,8 @@ void CrossEntropyBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<T
           for (int64_t i = 0; i < Cx; ++i) q[i] = static_cast<T>(0.0);
           return;
         }
-        const T* p = xp + r * ld;
-        const double l = static_cast<double>(lp[r]), sc = scale[r];
-        for (int64_t i = 0; i < C; ++i) {
-          double d = std::exp(static_cast<double>(p[i]) - l) - off;
-          if (i == tp[r]) d -= 1.0 - ls;
-          q[i] = static_cast<T>(d * sc);
-        }
-        for (int64_t i = C; i < Cx; ++i) q[i] = static_cast<T>(0.0);
+        cpu::softmax::ce_grad_row(xp + r * ld, q, C, Cx, static_cast<double>(lp[r]), scale[r],
+                                  off, ls, tp[r]);
       });
     });
   });

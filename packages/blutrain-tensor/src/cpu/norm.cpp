@@ -1,7 +1,7 @@
 // cpu/norm.cpp: layer_norm, add_layer_norm and the layer-norm backward on the CPU: rows split
-// across the thread pool, the kernels in norm_kernels.h (Note [same bits, faster rows]).
-// Compiled with -ffp-contract=off (CMakeLists.txt): the kernels' results are those of the first,
-// scalar versions on every instruction set.
+// across the thread pool, the kernels in norm_kernels.h (Note [lane sums]).
+// Compiled with -ffp-contract=off (CMakeLists.txt): the kernels give the bits of their scalar
+// references (bench/cpu_kernels_check.cpp) on every instruction set.
 #include <type_traits>
 #include <vector>
 

@@ -1,14 +1,17 @@
 // cpu/softmax_kernels.h: the CPU softmax row kernels, forward (instantiated in nn.cpp, whose
 // BT_CPU_CLONES code contracts multiply-adds on FMA machines, as it always has) and backward
-// (nn_fused.cpp, -ffp-contract=off: the first, baseline-compiled version had no FMA); plain
-// functions over raw rows so bench/cpu_kernels_check.sh can check them bit for bit on every ISA.
+// and cross_entropy's gradient (nn_fused.cpp, -ffp-contract=off: the first, baseline-compiled
+// version had no FMA); plain functions over raw rows so bench/cpu_kernels_check.sh can check them
+// bit for bit against scalar references on every ISA.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
+#include "../dtype.h"  // compute_t
 #include "fastmath.h"
 
 namespace bt::cpu::softmax {
@@ -19,39 +22,69 @@ inline double exp_c(double x) { return std::exp(x); }
 
 // Row statistics with kLanes independent accumulators (a fixed order: deterministic) so the
 // compiler vectorises them; a single running max or sum is a dependency chain it must keep
-// scalar.  Max ignores NaN like std::max(m, v); exp sums accumulate in double.
+// scalar.  Exp sums accumulate in double, kLanes of them, each in index order.
 constexpr int kLanes = 8;
+// The max keeps kMaxLanes: its result does not depend on the order (NaN is ignored by every
+// lane like std::max(m, v); a -0 / +0 tie changes no later result: x - m and m + log(s) are the
+// same for either zero), so it takes the lanes that hide the compare's latency: four 8-wide
+// chains on AVX2, two 16-wide on AVX-512 (8 lanes made it most of the softmax's time: 2048 x
+// 1024 float32, 2.5 -> 1.3 ms on one core with AVX-512).
+constexpr int kMaxLanes = 32;
 
 template <typename A, typename T>
 BT_CPU_CLONES A row_max(const T* p, int64_t C) {
-  A m[kLanes];
-  for (int k = 0; k < kLanes; ++k) m[k] = -std::numeric_limits<A>::infinity();
+  A m[kMaxLanes];
+  for (int k = 0; k < kMaxLanes; ++k) m[k] = -std::numeric_limits<A>::infinity();
   int64_t i = 0;
-  for (; i + kLanes <= C; i += kLanes) {
-    for (int k = 0; k < kLanes; ++k) {
+  for (; i + kMaxLanes <= C; i += kMaxLanes) {
+    for (int k = 0; k < kMaxLanes; ++k) {
       const A v = static_cast<A>(p[i + k]);
       m[k] = v > m[k] ? v : m[k];
     }
   }
   for (; i < C; ++i) m[0] = std::max<A>(m[0], static_cast<A>(p[i]));
   A r = m[0];
-  for (int k = 1; k < kLanes; ++k) r = std::max<A>(r, m[k]);
+  for (int k = 1; k < kMaxLanes; ++k) r = std::max<A>(r, m[k]);
   return r;
 }
 
 // sum(exp(p[i] - m)) in double; with `sum_x`, also sum(p[i]) (label smoothing).
+// Note [exp, then sum]: for a float compute type the exponentials of a block go to a scratch
+// array first and are summed in a second loop, the same values into the same lanes in the same
+// order (same bits), because one loop that does both vectorises neither well (the float exp
+// at half width, the double sums' chains exposed): 1.6x less time for the pair on one core.
+constexpr int64_t kExpBlock = 512;  // floats of scratch (2 KB, in L1 with its row)
+
 template <typename A, typename T>
 BT_CPU_CLONES double row_exp_sum(const T* p, int64_t C, A m, double* sum_x = nullptr) {
   double s[kLanes] = {}, sx[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= C; i += kLanes) {
-    for (int k = 0; k < kLanes; ++k) {
-      const A v = static_cast<A>(p[i + k]);
-      s[k] += static_cast<double>(exp_c(v - m));
-      sx[k] += static_cast<double>(v);
+  const int64_t full = C / kLanes * kLanes;
+  if constexpr (std::is_same_v<A, float>) {
+    float e[kExpBlock];
+    for (int64_t b = 0; b < full; b += kExpBlock) {
+      const int64_t n = std::min(kExpBlock, full - b);  // a multiple of kLanes
+      for (int64_t j = 0; j < n; ++j) e[j] = exp_c(static_cast<A>(p[b + j]) - m);
+      for (int64_t j = 0; j < n; j += kLanes) {
+        for (int k = 0; k < kLanes; ++k) s[k] += static_cast<double>(e[j + k]);
+      }
+      if (sum_x) {
+        for (int64_t j = 0; j < n; j += kLanes) {
+          for (int k = 0; k < kLanes; ++k) {
+            sx[k] += static_cast<double>(static_cast<A>(p[b + j + k]));
+          }
+        }
+      }
+    }
+  } else {
+    for (int64_t i = 0; i < full; i += kLanes) {
+      for (int k = 0; k < kLanes; ++k) {
+        const A v = static_cast<A>(p[i + k]);
+        s[k] += static_cast<double>(exp_c(v - m));
+        sx[k] += static_cast<double>(v);
+      }
     }
   }
-  for (; i < C; ++i) {
+  for (int64_t i = full; i < C; ++i) {
     s[0] += static_cast<double>(exp_c(static_cast<A>(p[i]) - m));
     sx[0] += static_cast<double>(p[i]);
   }
@@ -82,20 +115,13 @@ BT_CPU_CLONES void softmax_row_out(const T* p, T* q, int64_t C, A m, A inv, A lo
 // compiled with other flags never emits a copy the linker could pick instead.)
 template <typename F>
 BT_CPU_CLONES double row_exp_sum_store(const F* p, F* q, int64_t C, F m) {
+  for (int64_t i = 0; i < C; ++i) q[i] = exp_c(p[i] - m);  // Note [exp, then sum]
   double s[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= C; i += kLanes) {
-    for (int k = 0; k < kLanes; ++k) {
-      const F e = exp_c(p[i + k] - m);
-      q[i + k] = e;
-      s[k] += static_cast<double>(e);
-    }
+    for (int k = 0; k < kLanes; ++k) s[k] += static_cast<double>(q[i + k]);
   }
-  for (; i < C; ++i) {
-    const F e = exp_c(p[i] - m);
-    q[i] = e;
-    s[0] += static_cast<double>(e);
-  }
+  for (; i < C; ++i) s[0] += static_cast<double>(q[i]);
   double r = 0;
   for (int k = 0; k < kLanes; ++k) r += s[k];
   return r;
@@ -107,20 +133,26 @@ BT_CPU_CLONES void scale_row(F* q, int64_t C, F inv) {
 }
 
 // ---- backward: dx = y * (dy - sum(dy * y)) (softmax), dy - exp(y) * sum(dy) (log_softmax) ----
-// The sums in double in index order, kRows rows in flight (Note [same bits, faster rows]).
-constexpr int kRows = 4;
+// The sums in double over kSumLanes lanes (Note [lane sums] in norm_kernels.h: a fixed order,
+// vectorised; one index-order chain a row, even with 4 rows in flight, was more than half the
+// kernel's time: 2048 x 1024 float32, 2.0 -> 0.9 ms on one core).
+constexpr int kSumLanes = 16;
 
-template <int K, bool LOG, typename T>
-inline void backward_sums(const T* const* y, const T* const* g, int64_t C, double* s) {
-  double a[K];
-  for (int k = 0; k < K; ++k) a[k] = 0;
-  for (int64_t i = 0; i < C; ++i) {
-    for (int k = 0; k < K; ++k) {
-      a[k] += LOG ? static_cast<double>(g[k][i])
-                  : static_cast<double>(g[k][i]) * static_cast<double>(y[k][i]);
-    }
+template <bool LOG, typename T>
+BT_CPU_CLONES double backward_sum(const T* y, const T* g, int64_t C) {
+  const int64_t full = C / kSumLanes * kSumLanes;
+  double a[kSumLanes] = {};
+  auto term = [&](int64_t i) {
+    return LOG ? static_cast<double>(g[i])
+               : static_cast<double>(g[i]) * static_cast<double>(y[i]);
+  };
+  for (int64_t i = 0; i < full; i += kSumLanes) {
+    for (int k = 0; k < kSumLanes; ++k) a[k] += term(i + k);
   }
-  for (int k = 0; k < K; ++k) s[k] = a[k];
+  for (int64_t i = full; i < C; ++i) a[0] += term(i);
+  double r = 0;
+  for (int k = 0; k < kSumLanes; ++k) r += a[k];
+  return r;
 }
 
 template <typename T>
@@ -131,40 +163,33 @@ BT_CPU_CLONES void softmax_dx_row(const T* y, const T* g, T* q, int64_t C, doubl
   }
 }
 
+// exp(y) for 16/32-bit rows is the forward's float exp (fast_exp, vectorised: libm's double exp
+// per element was 90% of this kernel's time); the rest in double as before. A block's float
+// exps go to a scratch first (Note [exp, then sum]: a loop mixing them with double math runs
+// the exp at half width).
 template <typename T>
-void log_softmax_dx_row(const T* y, const T* g, T* q, int64_t C, double s) {
-  for (int64_t i = 0; i < C; ++i) {  // libm's exp: its bits (no vector exp rounds the same)
-    const double yv = static_cast<double>(y[i]), gv = static_cast<double>(g[i]);
-    q[i] = static_cast<T>(gv - std::exp(yv) * s);
+BT_CPU_CLONES void log_softmax_dx_row(const T* y, const T* g, T* q, int64_t C, double s) {
+  using A = compute_t<T>;
+  A e[kExpBlock];
+  for (int64_t b = 0; b < C; b += kExpBlock) {
+    const int64_t n = std::min(kExpBlock, C - b);
+    for (int64_t j = 0; j < n; ++j) e[j] = exp_c(static_cast<A>(y[b + j]));
+    for (int64_t j = 0; j < n; ++j) {
+      q[b + j] = static_cast<T>(static_cast<double>(g[b + j]) - static_cast<double>(e[j]) * s);
+    }
   }
 }
 
 template <bool LOG, typename T>
 void backward_rows_log(const T* y, const T* dy, T* dx, int64_t r0, int64_t r1, int64_t C) {
-  auto finish = [&](int64_t r, double s) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t o = r * C;
+    const double s = backward_sum<LOG>(y + o, dy + o, C);
     if constexpr (LOG) {
-      log_softmax_dx_row(y + r * C, dy + r * C, dx + r * C, C, s);
+      log_softmax_dx_row(y + o, dy + o, dx + o, C, s);
     } else {
-      softmax_dx_row(y + r * C, dy + r * C, dx + r * C, C, s);
+      softmax_dx_row(y + o, dy + o, dx + o, C, s);
     }
-  };
-  int64_t r = r0;
-  for (; r + kRows <= r1; r += kRows) {
-    const T *yp[kRows], *gp[kRows];
-    double s[kRows];
-    for (int k = 0; k < kRows; ++k) {
-      yp[k] = y + (r + k) * C;
-      gp[k] = dy + (r + k) * C;
-    }
-    backward_sums<kRows, LOG>(yp, gp, C, s);
-    for (int k = 0; k < kRows; ++k) finish(r + k, s[k]);
-  }
-  for (; r < r1; ++r) {
-    const T* yp[1] = {y + r * C};
-    const T* gp[1] = {dy + r * C};
-    double s[1];
-    backward_sums<1, LOG>(yp, gp, C, s);
-    finish(r, s[0]);
   }
 }
 
@@ -176,6 +201,33 @@ void backward_rows(const T* y, const T* dy, T* dx, int64_t r0, int64_t r1, int64
   } else {
     backward_rows_log<false>(y, dy, dx, r0, r1, C);
   }
+}
+
+// ---- cross_entropy backward: one row of dlogits ------------------------------------------------
+// d[i] = (exp(x[i] - lse) - ls / C - (i == target) * (1 - ls)) * scale over the C classes, the
+// padding columns [C, Cx) zero. The exponent x - lse is taken in double and rounded once to the
+// compute type, whose exp (float's fast_exp, vectorised, for 16/32-bit logits) gives e; the rest
+// in double. `target` < 0: no target term. q may be p (written in place).
+template <typename T>
+BT_CPU_CLONES void ce_grad_row(const T* p, T* q, int64_t C, int64_t Cx, double lse, double scale,
+                               double off, double ls, int64_t target) {
+  using A = compute_t<T>;
+  auto arg = [&](int64_t i) { return static_cast<A>(static_cast<double>(p[i]) - lse); };
+  double dt = 0;
+  if (target >= 0) {  // before the row is written: q may be p (dlogits over the logits)
+    dt = static_cast<double>(exp_c(arg(target))) - off;
+    dt -= 1.0 - ls;
+  }
+  A e[kExpBlock];  // Note [exp, then sum]: the float exps first, at full width
+  for (int64_t b = 0; b < C; b += kExpBlock) {
+    const int64_t n = std::min(kExpBlock, C - b);
+    for (int64_t j = 0; j < n; ++j) e[j] = exp_c(arg(b + j));
+    for (int64_t j = 0; j < n; ++j) {
+      q[b + j] = static_cast<T>((static_cast<double>(e[j]) - off) * scale);
+    }
+  }
+  for (int64_t i = C; i < Cx; ++i) q[i] = static_cast<T>(0.0);
+  if (target >= 0) q[target] = static_cast<T>(dt * scale);
 }
 
 }  // namespace bt::cpu::softmax

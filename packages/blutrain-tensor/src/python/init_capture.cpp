@@ -310,6 +310,23 @@ void init_capture(nb::module_& m) {
         }
       },
       "graph"_a.none(), "Starts (or with None ends) capture on this thread.");
+  m.def("_op_log_start", &op_log_start,
+        "Start the eager op log (cleared): every primitive evaluated eagerly is noted.");
+  m.def(
+      "_op_log_stop",
+      []() {
+        nb::list l;
+        for (auto& e : op_log_stop()) {
+          auto metas = [](const std::vector<std::pair<DType, Shape>>& v) {
+            nb::list r;
+            for (auto& [d, s] : v) r.append(nb::make_tuple(dtype_name(d), ints_tuple(s)));
+            return r;
+          };
+          l.append(nb::make_tuple(e.op, metas(e.in), metas(e.out)));
+        }
+        return l;
+      },
+      "Stop the eager op log; its entries (op, [(dtype, shape) of inputs], [... of outputs]).");
   m.def("_capturing", []() { return active_graph() != nullptr; }, "Whether capture is active.");
 }
 
