@@ -30,6 +30,7 @@ IndexFn = Callable[[list[Expr]], list[Expr]]
 
 PAR = "#linalg.iterator_type<parallel>"
 LANES = 8  # eager's kLanes (cpu/softmax_kernels.h): partial results of a CPU row reduction
+SUM_LANES = 16  # eager's kSumLanes: the softmax / log_softmax backward's row sums
 RED = "#linalg.iterator_type<reduction>"
 
 UNARY = {
@@ -454,11 +455,11 @@ class Emitter:
         elem: Callable[..., ir.Value],
         combine: Callable[[ir.Value, ir.Value], ir.Value],
         with_index: bool = False,
-        lanes: bool = False,
+        lanes: int = 0,
     ) -> Ref:
         """combine over `dims` of elem(*scalars) (refs broadcast to `shape`); the result has the
         kept dims' shape, dtype acc. lanes: a last-dim reduction eager's CPU kernels compute in
-        LANES partial results (Note [row reductions in lanes]): so do CPU kernels."""
+        that many partial results (Note [row reductions in lanes]): so do CPU kernels."""
         shape = tuple(shape)
         refs = [self.bcast(r, shape) for r in refs]
         if (
@@ -467,9 +468,9 @@ class Emitter:
             and not self.flat
             and not with_index
             and list(dims) == [len(shape) - 1]
-            and shape[-1] >= 2 * LANES
+            and shape[-1] >= lanes
         ):
-            return self._reduce_lanes(shape, acc, init, refs, elem, combine)
+            return self._reduce_lanes(shape, acc, init, refs, elem, combine, lanes)
         kept = tuple(s for i, s in enumerate(shape) if i not in set(dims))
         if self.flat and (len(kept) != 1 or len(dims) != 1 or list(dims) != [len(shape) - 1]):
             K, Rn = math.prod(kept), math.prod(shape[d] for d in dims)
@@ -537,17 +538,18 @@ class Emitter:
         refs: Sequence[Ref],
         elem: Callable[..., ir.Value],
         combine: Callable[[ir.Value, ir.Value], ir.Value],
+        L: int,
     ) -> Ref:
         kept, C = shape[:-1], shape[-1]
         r = len(kept)
-        C8, main = C // LANES, (C // LANES) * LANES
+        C8, main = C // L, (C // L) * L
         n = len(refs)
         body = lambda *a: [combine(elem(*a[:n]), a[-1])]  # noqa: E731 (a[n]: the anchor)
 
         def part(x: Ref, start: int, size: int, split: bool) -> Ref:
-            """x's columns [start, start + size), split into (C8, LANES) when `split`."""
+            """x's columns [start, start + size), split into (C8, L) when `split`."""
             if split:
-                return x.view((*kept, C8, LANES), lambda e: [*e[:r], e[r] * LANES + e[r + 1]])
+                return x.view((*kept, C8, L), lambda e: [*e[:r], e[r] * L + e[r + 1]])
             return x.view((*kept, size), lambda e: [*e[:r], e[r] + start])
 
         def anchor(size: int, nd: int) -> Ref:
@@ -559,15 +561,15 @@ class Emitter:
 
         mrefs = [part(x, 0, main, True) for x in refs] + [anchor(C8, r + 2)]
         (lt,) = self.generic(
-            (*kept, C8, LANES), [r], mrefs, [(acc, self.filled((*kept, LANES), acc, init))], body
+            (*kept, C8, L), [r], mrefs, [(acc, self.filled((*kept, L), acc, init))], body
         )
-        lanes_ref = Ref(acc, (*kept, LANES), lt)
+        lanes_ref = Ref(acc, (*kept, L), lt)
         refs_f = [lanes_ref]
         if C > main:  # the tail continues lane 0, in order
             l0 = self.materialize(lanes_ref.view(kept, lambda e: [*e, _c(0)]))
             trefs = [part(x, main, C - main, False) for x in refs] + [anchor(C - main, r + 1)]
             (t0,) = self.generic((*kept, C - main), [r], trefs, [(acc, l0)], body)
-            refs_f.append(Ref(acc, (*kept, LANES), t0, lambda e: e[:r]))
+            refs_f.append(Ref(acc, (*kept, L), t0, lambda e: e[:r]))
 
         # the lanes folded in order from init: a reduction generic (an elementwise one would be
         # fused into, and recomputed by, every consumer)
@@ -579,7 +581,7 @@ class Emitter:
             return [combine(v, rest[-1])]
 
         (t,) = self.generic(
-            (*kept, LANES), [r], refs_f, [(acc, self.filled(kept, acc, init))], fold, True
+            (*kept, L), [r], refs_f, [(acc, self.filled(kept, acc, init))], fold, True
         )
         return Ref(acc, kept, t)
 
@@ -1265,7 +1267,7 @@ class Emitter:
             [x],
             lambda a: S.cast(a, dt, A),
             lambda a, b: S.maximum(a, b, A),
-            lanes=True,
+            lanes=LANES,
         )
         # an all -inf row: m = 0 (softmax gives nan, log_softmax -inf), as eager
         m = self.ew(
@@ -1282,8 +1284,17 @@ class Emitter:
             [x, self.kd(m, x.shape)],
             lambda a, mm: S.cast(S.exp(arith.subf(S.cast(a, dt, A), mm), A), A, "float64"),
             lambda a, b: arith.addf(a, b),
-            lanes=True,
+            lanes=LANES,
         )
+        if log and self.cpu:  # (x - m) - log(s), as eager's softmax_row_out: m + log(s)
+            # first would round log(s) away for a large m
+            lg = self.ew(m.shape, A, [s], lambda ss: S.cast(_log64(ss), "float64", A))
+            return self.ew(
+                x.shape,
+                dt,
+                [x, self.kd(m, x.shape), self.kd(lg, x.shape)],
+                lambda a, mm, ll: S.cast(arith.subf(arith.subf(S.cast(a, dt, A), mm), ll), A, dt),
+            )
         if log:
             lse = self.ew(
                 m.shape, A, [m, s], lambda mm, ss: arith.addf(mm, S.cast(_log64(ss), "float64", A))
@@ -1325,13 +1336,14 @@ class Emitter:
                 [dy],
                 lambda g: S.cast(g, dt, D),
                 lambda a, b: arith.addf(a, b),
+                lanes=SUM_LANES,
             )
             return self.ew(
                 y.shape,
                 dt,
                 [y, dy, self.kd(s, y.shape)],
                 lambda a, g, ss: S.cast(
-                    arith.subf(S.cast(g, dt, D), arith.mulf(_exp64(S.cast(a, dt, D)), ss)), D, dt
+                    arith.subf(S.cast(g, dt, D), arith.mulf(self._exp_bwd(a, dt), ss)), D, dt
                 ),
             )
         s = self.reduce(
@@ -1342,6 +1354,7 @@ class Emitter:
             [y, dy],
             lambda a, g: arith.mulf(S.cast(g, dt, D), S.cast(a, dt, D)),
             lambda a, b: arith.addf(a, b),
+            lanes=SUM_LANES,
         )
         return self.ew(
             y.shape,
@@ -1353,6 +1366,16 @@ class Emitter:
         )
 
     op_log_softmax_backward = op_softmax_backward
+
+    def _exp_bwd(self, a: ir.Value, dt: str) -> ir.Value:
+        """exp(a) (a scalar of dtype dt) as a float64, as the log_softmax / cross-entropy
+        backward take it: on the CPU, eager's exp_c in the compute type (float's fast_exp, built
+        without FMA as nn_fused.cpp is: -ffp-contract=off), then widened; on the GPU, float64's
+        exp."""
+        if not self.cpu:
+            return _exp64(S.cast(a, dt, "float64"))
+        A = S.compute_dtype(dt)
+        return S.cast(S.exp(S.cast(a, dt, A), A, fma=False), A, "float64")
 
     def _ln(
         self,
@@ -1595,7 +1618,7 @@ class Emitter:
             [xs],
             lambda v: S.cast(v, dt, A),
             lambda p, q: S.maximum(p, q, A),
-            lanes=True,
+            lanes=LANES,
         )
         s = self.reduce(
             (N, C),
@@ -1605,7 +1628,7 @@ class Emitter:
             [xs, self.kd(m, (N, C))],
             lambda v, mm: S.cast(S.exp(arith.subf(S.cast(v, dt, A), mm), A), A, D),
             lambda p, q: arith.addf(p, q),
-            lanes=True,
+            lanes=LANES,
         )
         lse = self.ew((N,), D, [m, s], lambda mm, ss: arith.addf(S.cast(mm, A, D), _log64(ss)))
         refs = [lse, t]
@@ -1619,7 +1642,7 @@ class Emitter:
                 [xs],
                 lambda v: S.cast(v, dt, D),
                 lambda p, q: arith.addf(p, q),
-                lanes=True,
+                lanes=LANES,
             )
             refs.append(sx)
         xt = x.tensor if x.tensor is not None and x.identity else self.materialize(x)
@@ -1676,6 +1699,7 @@ class Emitter:
         red = a.get("reduction", 1)
         red = {"none": 0, "mean": 1, "sum": 2}.get(red, red)
         dt, D = x.dtype, "float64"
+        ez = S.compute_dtype(dt) if self.cpu else D  # the type exp's argument is rounded to
         off = ls / C
         refs = [x, t, lse]
         if red == 0:
@@ -1706,9 +1730,9 @@ class Emitter:
             sc = S.cast(gv, g.dtype, D)
             if red == 1:
                 sc = arith.divf(sc, S.cast(c[0], "int64", D))
-            d = arith.subf(
-                _exp64(arith.subf(S.cast(xv, dt, D), S.cast(lv, lse.dtype, D))), S.const(D, off)
-            )
+            # x - lse in double, rounded once to the compute type on the CPU (ce_grad_row)
+            z = arith.subf(S.cast(xv, dt, D), S.cast(lv, lse.dtype, D))
+            d = arith.subf(self._exp_bwd(S.cast(z, D, ez), ez), S.const(D, off))
             col = arith.index_cast(ir.IntegerType.get_signless(64), idx[1])
             hit = S.cmp("eq", col, tgt, "int64")
             d = arith.select(hit, arith.subf(d, S.const(D, 1.0 - ls)), d)
