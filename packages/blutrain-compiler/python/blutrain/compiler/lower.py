@@ -31,6 +31,9 @@ IndexFn = Callable[[list[Expr]], list[Expr]]
 PAR = "#linalg.iterator_type<parallel>"
 LANES = 8  # eager's kLanes (cpu/softmax_kernels.h): partial results of a CPU row reduction
 SUM_LANES = 16  # eager's kSumLanes: the softmax / log_softmax backward's row sums
+# eager's kMaxLanes: a row max does not depend on the order (a -0 / +0 tie changes no later
+# result), so it takes eager's lanes for their speed: four independent 8-wide chains
+MAX_LANES = 32
 RED = "#linalg.iterator_type<reduction>"
 
 UNARY = {
@@ -530,6 +533,8 @@ class Emitter:
     # may not reassociate float adds); lanes are independent, so the (rows, C / LANES, LANES)
     # generic's inner loop over lanes vectorises, exp included. The same order also gives eager's
     # bits. Three generics: the lanes (rows, LANES), the tail into lane 0, the combination.
+    # Eager's lane counts: 8 for the exp sums (LANES), 16 for the softmax / log_softmax
+    # backward's sums (SUM_LANES), 32 for a max (MAX_LANES, order-free, taken for speed).
     def _reduce_lanes(
         self,
         shape: tuple[int, ...],
@@ -1267,7 +1272,7 @@ class Emitter:
             [x],
             lambda a: S.cast(a, dt, A),
             lambda a, b: S.maximum(a, b, A),
-            lanes=LANES,
+            lanes=MAX_LANES,
         )
         # an all -inf row: m = 0 (softmax gives nan, log_softmax -inf), as eager
         m = self.ew(
@@ -1618,7 +1623,7 @@ class Emitter:
             [xs],
             lambda v: S.cast(v, dt, A),
             lambda p, q: S.maximum(p, q, A),
-            lanes=LANES,
+            lanes=MAX_LANES,
         )
         s = self.reduce(
             (N, C),
