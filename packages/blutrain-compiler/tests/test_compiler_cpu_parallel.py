@@ -97,3 +97,41 @@ def test_forks_run_on_eager_pool_within_the_budget() -> None:
         np.testing.assert_array_equal(outs[0], outs[2])
     finally:
         bt.set_num_threads(old)
+
+
+@pytest.mark.parametrize("C", [1000, 1001, 1005, 21, 13, 7])
+@pytest.mark.parametrize("rows", [3, 67])
+def test_row_kernels_keep_eager_bits(C: int, rows: int, tmp_path, monkeypatch) -> None:
+    """Note [row reductions in lanes]: softmax's and cross-entropy's max and exp sum run in
+    eager's 8 lanes, the softmax / log_softmax backward's sums in its 16 (the tail into lane 0,
+    lanes combined in order), and the log_softmax / cross-entropy backward take eager's float
+    exp, so compiled CPU results (softmax, log_softmax, cross-entropy, forward and backward)
+    equal eager's bit for bit: serial (3 rows) and parallel (67 rows) kernels, rows of a
+    multiple of 8 classes, with a tail of 1 and 5, and shorter than the lanes. The parallel
+    kernels' exp-sum loop is 8-wide vector code."""
+    monkeypatch.setenv("BLUTRAIN_COMPILE_CACHE", "0")
+    monkeypatch.setenv("BLUTRAIN_COMPILE_DUMP", str(tmp_path))
+    x = bt.tensor(RNG.normal(0.0, 3.0, (rows, C)).astype(np.float32), requires_grad=True)
+    w = rand(C)
+    t = bt.tensor(RNG.integers(0, C, rows).astype(np.int64))
+
+    def step(x: bt.Tensor, t: bt.Tensor, w: bt.Tensor) -> tuple[bt.Tensor, bt.Tensor]:
+        h = x * w
+        loss = (
+            bt.cross_entropy(h, t)
+            + (bt.softmax(h * 0.5, -1) * w).sum()
+            + (bt.log_softmax(h * 0.25, -1) * w).mean()
+        )
+        loss.backward()
+        return loss, bt.softmax(h, -1)
+
+    outs = []
+    for f in (step, btc.compile(step)):
+        x.grad = None
+        loss, sm = f(x, t, w)
+        outs.append((loss.detach().numpy(), sm.detach().numpy(), x.grad.numpy()))
+    for e, c in zip(*outs):
+        np.testing.assert_array_equal(c, e)
+    if rows * C >= pipelines.PARALLEL_MIN and C >= 16:
+        loops = "".join(p.read_text() for p in tmp_path.glob("*/03-loops.mlir"))
+        assert "omp.parallel" in loops and "vector<8xf64>" in loops

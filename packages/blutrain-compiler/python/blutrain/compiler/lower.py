@@ -29,6 +29,11 @@ Expr = Any  # ir.AffineExpr
 IndexFn = Callable[[list[Expr]], list[Expr]]
 
 PAR = "#linalg.iterator_type<parallel>"
+LANES = 8  # eager's kLanes (cpu/softmax_kernels.h): partial results of a CPU row reduction
+SUM_LANES = 16  # eager's kSumLanes: the softmax / log_softmax backward's row sums
+# eager's kMaxLanes: a row max does not depend on the order (a -0 / +0 tie changes no later
+# result), so it takes eager's lanes for their speed: four independent 8-wide chains
+MAX_LANES = 32
 RED = "#linalg.iterator_type<reduction>"
 
 UNARY = {
@@ -244,6 +249,7 @@ class Emitter:
         name: str,
         input_shapes: dict[int, tuple[int, ...]] | None = None,
         flat: bool = False,
+        cpu: bool = False,
     ):
         self.g, self.nodes, self.inputs, self.outputs, self.name = (
             graph,
@@ -258,6 +264,9 @@ class Emitter:
         # reduced) — the GPU mapping then needs one tile shape (coalesced: consecutive threads,
         # consecutive elements) for every loop
         self.flat = flat
+        # cpu: row reductions marked `lanes` sum in LANES partial results, as eager's CPU kernels
+        # (Note [row reductions in lanes]); the GPU's rowgen maps rows its own way
+        self.cpu = cpu
 
     # ---- module -----------------------------------------------------------------------------
     def build(self, module: ir.Module) -> func.FuncOp:
@@ -449,11 +458,22 @@ class Emitter:
         elem: Callable[..., ir.Value],
         combine: Callable[[ir.Value, ir.Value], ir.Value],
         with_index: bool = False,
+        lanes: int = 0,
     ) -> Ref:
         """combine over `dims` of elem(*scalars) (refs broadcast to `shape`); the result has the
-        kept dims' shape, dtype acc."""
+        kept dims' shape, dtype acc. lanes: a last-dim reduction eager's CPU kernels compute in
+        that many partial results (Note [row reductions in lanes]): so do CPU kernels."""
         shape = tuple(shape)
         refs = [self.bcast(r, shape) for r in refs]
+        if (
+            lanes
+            and self.cpu
+            and not self.flat
+            and not with_index
+            and list(dims) == [len(shape) - 1]
+            and shape[-1] >= lanes
+        ):
+            return self._reduce_lanes(shape, acc, init, refs, elem, combine, lanes)
         kept = tuple(s for i, s in enumerate(shape) if i not in set(dims))
         if self.flat and (len(kept) != 1 or len(dims) != 1 or list(dims) != [len(shape) - 1]):
             K, Rn = math.prod(kept), math.prod(shape[d] for d in dims)
@@ -504,6 +524,70 @@ class Emitter:
         else:
             body = lambda *a: [combine(elem(*a[:n]), a[n])]  # noqa: E731
         (t,) = self.generic(pshape, pdims, refs, [(acc, init_t)], body, with_index)
+        return Ref(acc, kept, t)
+
+    # Note [row reductions in lanes]: eager's CPU row kernels (cpu/softmax_kernels.h: row_max,
+    # row_exp_sum) keep LANES independent accumulators, lane k taking elements 8j + k, the tail
+    # (C % LANES elements) added to lane 0 in order, then the lanes combined from an initial
+    # value in lane order. A single running sum is a dependency chain LLVM must keep scalar (it
+    # may not reassociate float adds); lanes are independent, so the (rows, C / LANES, LANES)
+    # generic's inner loop over lanes vectorises, exp included. The same order also gives eager's
+    # bits. Three generics: the lanes (rows, LANES), the tail into lane 0, the combination.
+    # Eager's lane counts: 8 for the exp sums (LANES), 16 for the softmax / log_softmax
+    # backward's sums (SUM_LANES), 32 for a max (MAX_LANES, order-free, taken for speed).
+    def _reduce_lanes(
+        self,
+        shape: tuple[int, ...],
+        acc: str,
+        init: float,
+        refs: Sequence[Ref],
+        elem: Callable[..., ir.Value],
+        combine: Callable[[ir.Value, ir.Value], ir.Value],
+        L: int,
+    ) -> Ref:
+        kept, C = shape[:-1], shape[-1]
+        r = len(kept)
+        C8, main = C // L, (C // L) * L
+        n = len(refs)
+        body = lambda *a: [combine(elem(*a[:n]), a[-1])]  # noqa: E731 (a[n]: the anchor)
+
+        def part(x: Ref, start: int, size: int, split: bool) -> Ref:
+            """x's columns [start, start + size), split into (C8, L) when `split`."""
+            if split:
+                return x.view((*kept, C8, L), lambda e: [*e[:r], e[r] * L + e[r + 1]])
+            return x.view((*kept, size), lambda e: [*e[:r], e[r] + start])
+
+        def anchor(size: int, nd: int) -> Ref:
+            """An unread byte per step of the reduced loop: linalg takes each loop's bound from
+            an operand whose map names it plainly, and x's map (d1 * 8 + d2) does not. (A slice
+            + expand_shape of x would, but stops elementwise producers fusing into the sum.)"""
+            t = self.empty((size,), "uint8")
+            return Ref("uint8", (0,) * nd, t, lambda e: [e[r]], identity=False)
+
+        mrefs = [part(x, 0, main, True) for x in refs] + [anchor(C8, r + 2)]
+        (lt,) = self.generic(
+            (*kept, C8, L), [r], mrefs, [(acc, self.filled((*kept, L), acc, init))], body
+        )
+        lanes_ref = Ref(acc, (*kept, L), lt)
+        refs_f = [lanes_ref]
+        if C > main:  # the tail continues lane 0, in order
+            l0 = self.materialize(lanes_ref.view(kept, lambda e: [*e, _c(0)]))
+            trefs = [part(x, main, C - main, False) for x in refs] + [anchor(C - main, r + 1)]
+            (t0,) = self.generic((*kept, C - main), [r], trefs, [(acc, l0)], body)
+            refs_f.append(Ref(acc, (*kept, L), t0, lambda e: e[:r]))
+
+        # the lanes folded in order from init: a reduction generic (an elementwise one would be
+        # fused into, and recomputed by, every consumer)
+        def fold(idx: list, v: ir.Value, *rest: ir.Value) -> list[ir.Value]:
+            if len(rest) == 2:  # lane 0 is the tail's result
+                z0 = arith.constant(ir.IndexType.get(), 0)
+                z = arith.cmpi(arith.CmpIPredicate.eq, idx[r], z0)
+                v = arith.select(z, rest[0], v)
+            return [combine(v, rest[-1])]
+
+        (t,) = self.generic(
+            (*kept, L), [r], refs_f, [(acc, self.filled(kept, acc, init))], fold, True
+        )
         return Ref(acc, kept, t)
 
     def bcast(self, r: Ref, shape: tuple[int, ...]) -> Ref:
@@ -1188,6 +1272,7 @@ class Emitter:
             [x],
             lambda a: S.cast(a, dt, A),
             lambda a, b: S.maximum(a, b, A),
+            lanes=MAX_LANES,
         )
         # an all -inf row: m = 0 (softmax gives nan, log_softmax -inf), as eager
         m = self.ew(
@@ -1204,7 +1289,17 @@ class Emitter:
             [x, self.kd(m, x.shape)],
             lambda a, mm: S.cast(S.exp(arith.subf(S.cast(a, dt, A), mm), A), A, "float64"),
             lambda a, b: arith.addf(a, b),
+            lanes=LANES,
         )
+        if log and self.cpu:  # (x - m) - log(s), as eager's softmax_row_out: m + log(s)
+            # first would round log(s) away for a large m
+            lg = self.ew(m.shape, A, [s], lambda ss: S.cast(_log64(ss), "float64", A))
+            return self.ew(
+                x.shape,
+                dt,
+                [x, self.kd(m, x.shape), self.kd(lg, x.shape)],
+                lambda a, mm, ll: S.cast(arith.subf(arith.subf(S.cast(a, dt, A), mm), ll), A, dt),
+            )
         if log:
             lse = self.ew(
                 m.shape, A, [m, s], lambda mm, ss: arith.addf(mm, S.cast(_log64(ss), "float64", A))
@@ -1246,13 +1341,14 @@ class Emitter:
                 [dy],
                 lambda g: S.cast(g, dt, D),
                 lambda a, b: arith.addf(a, b),
+                lanes=SUM_LANES,
             )
             return self.ew(
                 y.shape,
                 dt,
                 [y, dy, self.kd(s, y.shape)],
                 lambda a, g, ss: S.cast(
-                    arith.subf(S.cast(g, dt, D), arith.mulf(_exp64(S.cast(a, dt, D)), ss)), D, dt
+                    arith.subf(S.cast(g, dt, D), arith.mulf(self._exp_bwd(a, dt), ss)), D, dt
                 ),
             )
         s = self.reduce(
@@ -1263,6 +1359,7 @@ class Emitter:
             [y, dy],
             lambda a, g: arith.mulf(S.cast(g, dt, D), S.cast(a, dt, D)),
             lambda a, b: arith.addf(a, b),
+            lanes=SUM_LANES,
         )
         return self.ew(
             y.shape,
@@ -1274,6 +1371,16 @@ class Emitter:
         )
 
     op_log_softmax_backward = op_softmax_backward
+
+    def _exp_bwd(self, a: ir.Value, dt: str) -> ir.Value:
+        """exp(a) (a scalar of dtype dt) as a float64, as the log_softmax / cross-entropy
+        backward take it: on the CPU, eager's exp_c in the compute type (float's fast_exp, built
+        without FMA as nn_fused.cpp is: -ffp-contract=off), then widened; on the GPU, float64's
+        exp."""
+        if not self.cpu:
+            return _exp64(S.cast(a, dt, "float64"))
+        A = S.compute_dtype(dt)
+        return S.cast(S.exp(S.cast(a, dt, A), A, fma=False), A, "float64")
 
     def _ln(
         self,
@@ -1516,6 +1623,7 @@ class Emitter:
             [xs],
             lambda v: S.cast(v, dt, A),
             lambda p, q: S.maximum(p, q, A),
+            lanes=MAX_LANES,
         )
         s = self.reduce(
             (N, C),
@@ -1525,13 +1633,21 @@ class Emitter:
             [xs, self.kd(m, (N, C))],
             lambda v, mm: S.cast(S.exp(arith.subf(S.cast(v, dt, A), mm), A), A, D),
             lambda p, q: arith.addf(p, q),
+            lanes=LANES,
         )
         lse = self.ew((N,), D, [m, s], lambda mm, ss: arith.addf(S.cast(mm, A, D), _log64(ss)))
         refs = [lse, t]
         sx = None
         if ls != 0:
             sx = self.reduce(
-                (N, C), [1], D, 0.0, [xs], lambda v: S.cast(v, dt, D), lambda p, q: arith.addf(p, q)
+                (N, C),
+                [1],
+                D,
+                0.0,
+                [xs],
+                lambda v: S.cast(v, dt, D),
+                lambda p, q: arith.addf(p, q),
+                lanes=LANES,
             )
             refs.append(sx)
         xt = x.tensor if x.tensor is not None and x.identity else self.materialize(x)
@@ -1588,6 +1704,7 @@ class Emitter:
         red = a.get("reduction", 1)
         red = {"none": 0, "mean": 1, "sum": 2}.get(red, red)
         dt, D = x.dtype, "float64"
+        ez = S.compute_dtype(dt) if self.cpu else D  # the type exp's argument is rounded to
         off = ls / C
         refs = [x, t, lse]
         if red == 0:
@@ -1618,9 +1735,9 @@ class Emitter:
             sc = S.cast(gv, g.dtype, D)
             if red == 1:
                 sc = arith.divf(sc, S.cast(c[0], "int64", D))
-            d = arith.subf(
-                _exp64(arith.subf(S.cast(xv, dt, D), S.cast(lv, lse.dtype, D))), S.const(D, off)
-            )
+            # x - lse in double, rounded once to the compute type on the CPU (ce_grad_row)
+            z = arith.subf(S.cast(xv, dt, D), S.cast(lv, lse.dtype, D))
+            d = arith.subf(self._exp_bwd(S.cast(z, D, ez), ez), S.const(D, off))
             col = arith.index_cast(ir.IntegerType.get_signless(64), idx[1])
             hit = S.cmp("eq", col, tgt, "int64")
             d = arith.select(hit, arith.subf(d, S.const(D, 1.0 - ls)), d)

@@ -27,15 +27,33 @@ CPU_PREP = (
 # convert-scf-to-openmp makes it an omp.parallel worksharing loop, statically scheduled in
 # contiguous blocks (the runtime: src/kmp_pool.c on blutrain.tensor's pool and budget). Smaller
 # kernels stay serial loops: a fork costs more than they do. Both are per function (one group).
+# Then (serial kernels too) affine-super-vectorize turns each innermost loop over a contiguous dim
+# into 8-wide vector
+# ops (loads, the arith / exp polynomial, stores): elementwise loops and the lanes loop of a
+# row reduction (Note [row reductions in lanes] in lower.py); loops that carry a sum stay scalar
+# (it vectorises parallel loops only), so every sum keeps its order. Single-iteration loops are
+# removed first (its dependence test calls them parallel, then fails on their invariant store).
+# affine-loop-invariant-code-motion moves a row's own values (the loads of its statistics and
+# what is computed from them alone, a cross-entropy backward's log of the exp sum) out of the
+# loop over its columns: the vectorised loops would otherwise redo them every 8 elements.
+# Moving code changes no arithmetic.
 PARALLEL_MIN = 32768  # elements; blutrain.tensor's eager kernels go parallel at the same size
-CPU_SERIAL = "func.func(convert-linalg-to-loops)"
+CPU_SERIAL = (
+    "func.func(convert-linalg-to-affine-loops, affine-loop-normalize{promote-single-iter=true}, "
+    "affine-loop-invariant-code-motion, "
+    "affine-super-vectorize{virtual-vector-size=8 test-fastest-varying=0}, lower-affine)"
+)
 CPU_PARALLEL = (
-    "func.func(convert-linalg-to-affine-loops, affine-parallelize{max-nested=1}, lower-affine)"
+    "func.func(convert-linalg-to-affine-loops, affine-parallelize{max-nested=1}, "
+    "affine-loop-normalize{promote-single-iter=true}, "
+    "affine-loop-invariant-code-motion, "
+    "affine-super-vectorize{virtual-vector-size=8 test-fastest-varying=0}, lower-affine)"
 )
 CPU_OMP = "builtin.module(convert-scf-to-openmp, canonicalize)"
 CPU_LOOPS = " ; ".join((CPU_PREP, CPU_SERIAL, CPU_PARALLEL, CPU_OMP))  # for the cache key
 
 CPU_LLVM = (
-    "builtin.module(expand-strided-metadata, lower-affine, convert-scf-to-cf, "
+    "builtin.module(func.func(convert-vector-to-scf, lower-vector-mask), expand-strided-metadata, "
+    "lower-affine, convert-scf-to-cf, convert-vector-to-llvm, "
     "convert-math-to-llvm, convert-math-to-libm, convert-to-llvm, reconcile-unrealized-casts)"
 )

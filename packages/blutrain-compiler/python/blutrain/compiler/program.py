@@ -418,7 +418,8 @@ class Program:
 
         module = ir.Module.create()
         for G in self.part.groups:
-            Emitter(self.graph, G.nodes, G.inputs, G.outputs, G.name).build(module)
+            cpu = not self.target.startswith("cuda")
+            Emitter(self.graph, G.nodes, G.inputs, G.outputs, G.name, cpu=cpu).build(module)
         return module
 
 
@@ -497,6 +498,7 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
 
     from .lower import Emitter, LoweringError
 
+    gpu_t = target.startswith("cuda")
     bad: set[int] = set()
     # lower the groups; a node that fails runs eagerly and the partition is redone
     for _attempt in range(16):
@@ -507,7 +509,7 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
             module = ir.Module.create()
             failed = None
             for G in part.groups:
-                em = Emitter(graph, G.nodes, G.inputs, G.outputs, G.name)
+                em = Emitter(graph, G.nodes, G.inputs, G.outputs, G.name, cpu=not gpu_t)
                 try:
                     em.build(module)
                 except LoweringError as e:
@@ -635,8 +637,32 @@ def _cpu_loops(module: Any, parallel: set[str]) -> None:
         if op.operation.name != "func.func":
             continue
         name = op.operation.attributes["sym_name"].value
-        (par if name in parallel else serial).run(op.operation)
+        _run_reporting(par if name in parallel else serial, op.operation)
     PassManager.parse(pipelines.CPU_OMP).run(module.operation)
+
+
+def _run_reporting(pm: Any, op: Any) -> None:
+    """pm.run(op) for pipelines with affine-super-vectorize, which reports each loop it leaves
+    scalar (a strided memref: 'NYI: non-trivial layout map') as an error diagnostic yet succeeds;
+    the bindings then abort (an error captured but never raised). Here diagnostics go to a
+    handler that keeps them, and a real failure raises with them."""
+    ctx = op.context
+    seen: list[str] = []
+
+    def keep(d: Any) -> bool:
+        seen.append(f"{d.location}: {d.message}")
+        return True
+
+    handler = ctx.attach_diagnostic_handler(keep)
+    old = ctx.emit_error_diagnostics
+    ctx.emit_error_diagnostics = True
+    try:
+        pm.run(op)
+    except Exception as e:
+        raise RuntimeError(f"{e}; diagnostics: {'; '.join(seen)[:4000]}") from e
+    finally:
+        ctx.emit_error_diagnostics = old
+        handler.detach()
 
 
 def _where(dump: Any) -> str:

@@ -185,13 +185,16 @@ def _host_has_fma() -> bool:
 FMA = _host_has_fma()
 
 
-def _madd(a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+def _madd(a: ir.Value, b: ir.Value, c: ir.Value, fma: bool | None = None) -> ir.Value:
     """a * b + c, fused where eager's compiler fuses it (Note [FMA like eager])."""
-    return math.fma(a, b, c) if FMA else arith.addf(arith.mulf(a, b), c)
+    fused = FMA if fma is None else fma
+    return math.fma(a, b, c) if fused else arith.addf(arith.mulf(a, b), c)
 
 
-def fast_exp(x: ir.Value) -> ir.Value:
-    """cpu/fastmath.h's fast_exp, operation for operation (float32)."""
+def fast_exp(x: ir.Value, fma: bool | None = None) -> ir.Value:
+    """cpu/fastmath.h's fast_exp, operation for operation (float32). fma=False: as eager's
+    -ffp-contract=off files compile it (the softmax / cross-entropy backwards in nn_fused.cpp);
+    None: as the contracting ones do on this CPU (Note [FMA like eager])."""
     f = ir.F32Type.get()
 
     def c(v: float) -> ir.Value:
@@ -207,13 +210,13 @@ def fast_exp(x: ir.Value) -> ir.Value:
     i32 = ir.IntegerType.get_signless(32)
     n = arith.fptosi(i32, fn)
     nfn = arith.negf(fn)
-    r = _madd(nfn, c(0.693359375), xc)
-    r = _madd(nfn, c(-2.12194440e-4), r)
+    r = _madd(nfn, c(0.693359375), xc, fma)
+    r = _madd(nfn, c(-2.12194440e-4), r, fma)
     z = arith.mulf(r, r)
     y = c(1.9875691500e-4)
     for k in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
-        y = _madd(y, r, c(k))
-    y = arith.addf(_madd(y, z, r), c(1.0))
+        y = _madd(y, r, c(k), fma)
+    y = arith.addf(_madd(y, z, r, fma), c(1.0))
     bits = arith.shli(arith.addi(n, arith.constant(i32, 126)), arith.constant(i32, 23))
     p2 = arith.bitcast(f, bits)
     res = arith.mulf(arith.mulf(y, p2), c(2.0))
@@ -246,8 +249,9 @@ def fast_tanh(x: ir.Value) -> ir.Value:
     return arith.select(nan, x, r)
 
 
-def exp(x: ir.Value, dtype: str) -> ir.Value:
-    return fast_exp(x) if dtype == "float32" else math.exp(x)
+def exp(x: ir.Value, dtype: str, fma: bool | None = None) -> ir.Value:
+    """Eager's exp_c in compute type `dtype` (fma: see fast_exp)."""
+    return fast_exp(x, fma) if dtype == "float32" else math.exp(x)
 
 
 def tanh(x: ir.Value, dtype: str) -> ir.Value:
