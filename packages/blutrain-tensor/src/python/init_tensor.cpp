@@ -243,6 +243,7 @@ Tensor fill_value(nb::handle v, const Tensor& self, const char* op) {
 
 // masked_fill's value: a number x's dtype holds, or a 0-d tensor (differentiable: a where).
 Tensor masked_fill_value(const Tensor& x, const Tensor& mask, nb::handle v, const char* op) {
+  check_mask_device(x, mask, op);  // (where() below would take a 0-d CPU mask as a number)
   if (!is_tensor(v)) return masked_fill(x, mask, number_arg(v, op, "value"));
   const Tensor& t = nb::cast<const Tensor&>(v);
   if (t.ndim() != 0) {
