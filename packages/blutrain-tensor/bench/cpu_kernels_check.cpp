@@ -131,14 +131,24 @@ void layer_norm_backward(const T* dyp, const T* xp, const T* wp, const S* mp, co
       q[i] = static_cast<T>(v);
     }
   }
+  // v3 (Note [column blocks] in norm_kernels.h): each block of block_rows(R) rows sums its rows
+  // in order from 0, the block sums are added in block order from 0; dweight's term is
+  // dy * ((x - mean) * rstd) (v1: one chain per column down all rows, (dy * (x - mean)) * rstd).
+  const int64_t br = std::max<int64_t>(32, (R + 63) / 64);
   for (int64_t c = 0; c < C; ++c) {
     double sw = 0, sb = 0, sd = 0;
-    for (int64_t r = 0; r < R; ++r) {
-      const double g = static_cast<double>(dyp[r * C + c]);
-      sw += g * (static_cast<double>(xp[r * C + c]) - static_cast<double>(mp[r])) *
-            static_cast<double>(rp[r]);
-      sb += g;
-      sd += static_cast<double>(dx[r * C + c]);
+    for (int64_t r0 = 0; r0 < R; r0 += br) {
+      double bw = 0, bb = 0, bd = 0;
+      for (int64_t r = r0; r < std::min(R, r0 + br); ++r) {
+        const double g = static_cast<double>(dyp[r * C + c]);
+        bw += g * ((static_cast<double>(xp[r * C + c]) - static_cast<double>(mp[r])) *
+                   static_cast<double>(rp[r]));
+        bb += g;
+        bd += static_cast<double>(dx[r * C + c]);
+      }
+      sw += bw;
+      sb += bb;
+      sd += bd;
     }
     dw[c] = sw;
     db[c] = sb;
@@ -279,23 +289,22 @@ void check_layer_norm(const char* dt, int64_t R, int64_t C, int reps, std::mt199
                                     a1.data(), a1.data() + C, a1.data() + 2 * C, R, C);
     });
     const double tb = best_ms(reps, [&] {
-      nk::layer_norm_backward_rows<T, S>(dy.data(), x.data(), wp, m1.data(), r1.data(), ep,
-                                         dx2.data(), 0, R, C);
-      std::vector<double> acc(3 * nk::kColBlock);
-      for (int64_t c0 = 0; c0 < C; c0 += nk::kColBlock) {
-        const int64_t n = std::min(C, c0 + nk::kColBlock) - c0;
-        nk::layer_norm_column_sums<T, S>(dy.data(), x.data(), m1.data(), r1.data(), dx2.data(), R,
-                                         C, c0, n, true, true, true, acc.data(),
-                                         acc.data() + nk::kColBlock,
-                                         acc.data() + 2 * nk::kColBlock);
-        for (int64_t j = 0; j < n; ++j) {
-          a2[c0 + j] = acc[j];
-          a2[C + c0 + j] = acc[nk::kColBlock + j];
-          a2[2 * C + c0 + j] = acc[2 * nk::kColBlock + j];
-        }
+      const int64_t br = nk::block_rows(R), nblk = (R + br - 1) / br;
+      std::vector<double> part(static_cast<size_t>(nblk * 3 * C));
+      for (int64_t b = 0; b < nblk; ++b) {
+        double* p = part.data() + b * 3 * C;
+        nk::layer_norm_backward_block<T, S>(dy.data(), x.data(), wp, m1.data(), r1.data(), ep,
+                                            dx2.data(), b * br, std::min(R, (b + 1) * br), C,
+                                            true, true, p, p + C, p + 2 * C);
       }
+      for (int s = 0; s < 3; ++s)
+        nk::add_partials(part.data() + s * C, nblk, 3 * C, 0, C, a2.data() + s * C);
     });
-    const bool ok = same_bits(dx1, dx2) && same_bits(a1, a2);
+    // dx alone (no column sums asked for): the row kernel, the same dx
+    std::vector<T> dx3(x.size());
+    nk::layer_norm_backward_rows<T, S>(dy.data(), x.data(), wp, m1.data(), r1.data(), ep,
+                                       dx3.data(), 0, R, C);
+    const bool ok = same_bits(dx1, dx2) && same_bits(a1, a2) && same_bits(dx1, dx3);
     if (variant == 0 || !ok) report("layer_norm backward", dt, R, C, ok, ta, tb);
   }
 }
