@@ -23,6 +23,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../src/cpu/gelu_kernels.h"
@@ -53,6 +54,32 @@ double lane_sum(int64_t C, F f) {
 }
 
 
+// y of a row: v1 in double for every dtype; v3 (Note [float normalize] in norm_kernels.h) in
+// float for float32 rows, the mean as hi + lo floats.
+template <typename T>
+void normalize_ref(const T* p, const T* wp, const T* bp, T* q, int64_t C, double mean,
+                   double rstd) {
+  if constexpr (!std::is_same_v<T, float>) {
+    for (int64_t i = 0; i < C; ++i) {
+      double v = (static_cast<double>(p[i]) - mean) * rstd;
+      if (wp) v *= static_cast<double>(wp[i]);
+      if (bp) v += static_cast<double>(bp[i]);
+      q[i] = static_cast<T>(v);
+    }
+    return;
+  }
+  const float hi = static_cast<float>(mean), lo = static_cast<float>(mean - hi);
+  const float rs = static_cast<float>(rstd);
+  for (int64_t i = 0; i < C; ++i) {
+    float v = static_cast<float>(p[i]) - hi;
+    v = v - lo;
+    v = v * rs;
+    if (wp) v = v * static_cast<float>(wp[i]);
+    if (bp) v = v + static_cast<float>(bp[i]);
+    q[i] = static_cast<T>(v);
+  }
+}
+
 template <typename T, typename S>
 void layer_norm(const T* xp, const T* wp, const T* bp, T* y, S* mean_o, S* rstd_o, int64_t rows,
                 int64_t C, double e) {
@@ -67,13 +94,7 @@ void layer_norm(const T* xp, const T* wp, const T* bp, T* y, S* mean_o, S* rstd_
     const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(C) + e);
     mean_o[r] = static_cast<S>(mean);
     rstd_o[r] = static_cast<S>(rstd);
-    T* q = y + r * C;
-    for (int64_t i = 0; i < C; ++i) {
-      double v = (static_cast<double>(p[i]) - mean) * rstd;
-      if (wp) v *= static_cast<double>(wp[i]);
-      if (bp) v += static_cast<double>(bp[i]);
-      q[i] = static_cast<T>(v);
-    }
+    normalize_ref(p, wp, bp, y + r * C, C, mean, rstd);
   }
 }
 
@@ -97,13 +118,7 @@ void add_layer_norm(const T* xp, const T* rp, const T* rbp, const T* wp, const T
     const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(C) + e);
     mean_o[r] = static_cast<S>(mean);
     rstd_o[r] = static_cast<S>(rstd);
-    T* q = y + r * C;
-    for (int64_t i = 0; i < C; ++i) {
-      double v = (static_cast<double>(sp[i]) - mean) * rstd;
-      if (wp) v *= static_cast<double>(wp[i]);
-      if (bp) v += static_cast<double>(bp[i]);
-      q[i] = static_cast<T>(v);
-    }
+    normalize_ref(sp, wp, bp, y + r * C, C, mean, rstd);
   }
 }
 
