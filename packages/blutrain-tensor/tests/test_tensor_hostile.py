@@ -407,3 +407,19 @@ def test_reshape_refuses_a_shape_entry_that_is_a_tuple():
             bt.reshape(t, bad)
     assert bt.reshape(t, (2,)).shape == (2,) and bt.reshape(t, [1, -1]).shape == (1, 2)
     assert t.reshape((2,)).shape == (2,) and t.reshape(2, 1).shape == (2, 1)
+
+
+def test_dlpack_names_an_unknown_keyword_even_on_a_read_only_tensor():
+    """CPU fuzz run (seed 20002, case 2393): __dlpack__ ignored every keyword, so a read-only
+    tensor's refusal answered `__dlpack__(bogus_kw=1)` without naming bogus_kw (and a writable one
+    accepted it silently); the protocol's keywords still work."""
+    a = np.arange(4, dtype=np.uint8)
+    a.flags.writeable = False
+    ro, rw = bt.from_numpy(a), bt.arange(4)
+    for t in (ro, rw):
+        with pytest.raises(TypeError, match=r"^\[dlpack\] unexpected keyword argument 'bogus_kw'"):
+            t.__dlpack__(bogus_kw=1)
+    with pytest.raises(BufferError, match=r"^\[dlpack\] the tensor is read-only"):
+        ro.__dlpack__(max_version=(1, 0))
+    rw.__dlpack__(stream=None, max_version=(1, 0), dl_device=(1, 0), copy=None)
+    assert np.from_dlpack(rw).tolist() == [0, 1, 2, 3]

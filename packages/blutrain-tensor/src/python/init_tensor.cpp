@@ -1085,8 +1085,17 @@ NB_MODULE(_tensor, m) {
       "__dlpack__",
       [](const Tensor& t, nb::kwargs kw) {
         // A no-framework ndarray casts to a DLPack capsule ("dltensor"); consumers that ask for a
-        // versioned capsule (max_version) accept the legacy one.
-        (void)kw;
+        // versioned capsule (max_version) accept the legacy one.  The protocol's keywords are
+        // taken (and ignored: same-device export, no copy); any other is an error, checked
+        // before the read-only refusal so that the message names it (CPU fuzz seed 20002
+        // case 2393).
+        for (auto [key, value] : kw) {
+          const std::string k = nb::cast<std::string>(key);
+          if (k != "stream" && k != "max_version" && k != "dl_device" && k != "copy") {
+            throw TypeError("[dlpack] unexpected keyword argument '" + k +
+                            "' (__dlpack__ takes stream, max_version, dl_device and copy)");
+          }
+        }
         // (as numpy's: the legacy capsule has no read-only flag)
         if (t.storage() && t.storage()->read_only()) {
           throw nb::buffer_error(
