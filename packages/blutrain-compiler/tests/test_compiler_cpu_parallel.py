@@ -135,3 +135,40 @@ def test_row_kernels_keep_eager_bits(C: int, rows: int, tmp_path, monkeypatch) -
     if rows * C >= pipelines.PARALLEL_MIN and C >= 16:
         loops = "".join(p.read_text() for p in tmp_path.glob("*/03-loops.mlir"))
         assert "omp.parallel" in loops and "vector<8xf64>" in loops
+
+
+@pytest.mark.parametrize("C", [48, 37, 7])
+@pytest.mark.parametrize("rows", [3, 64, 67, 2113])
+def test_layer_norm_keeps_eager_bits(C: int, rows: int, monkeypatch) -> None:
+    """Compiled CPU layer_norm / add_layer_norm, forward and backward, equal eager bit for bit:
+    the row statistics and the backward's row sums in eager's 16 double lanes, a float32 row
+    normalised in float from the double statistics (Note [float normalize] in blutrain.tensor's
+    cpu/norm_kernels.h), dweight / dbias / dsum summed per block of block_rows(R) rows and the
+    partials added in block order (Note [column blocks in the compiler], lower.py). Rows: one
+    block (3), whole blocks of 32 (64), a ragged last block (67), blocks of 34 rows with a
+    ragged last one (2113); columns: lanes with tails of 0 and 5, and shorter than the lanes."""
+    monkeypatch.setenv("BLUTRAIN_COMPILE_CACHE", "0")
+    x = bt.tensor(RNG.normal(0.5, 2.0, (rows, C)).astype(np.float32), requires_grad=True)
+    r = bt.tensor(RNG.normal(0.0, 1.0, (rows, C)).astype(np.float32), requires_grad=True)
+    w, b, rb = (
+        bt.tensor(RNG.uniform(-2.0, 2.0, C).astype(np.float32), requires_grad=True)
+        for _ in range(3)
+    )
+    g = rand(rows, C)
+
+    def step(x, r, w, b, rb, g):
+        s, y = bt.add_layer_norm(x, r, w, b, 1e-5, residual_bias=rb)
+        h = bt.layer_norm(y * 1.5 + s, (C,), w, None)
+        loss = (h * g).sum() + (s * g).mean()
+        loss.backward()
+        return loss, h
+
+    leaves = (x, r, w, b, rb)
+    outs = []
+    for f in (step, btc.compile(step)):
+        for t in leaves:
+            t.grad = None
+        loss, h = f(x, r, w, b, rb, g)
+        outs.append([loss.detach().numpy(), h.detach().numpy()] + [t.grad.numpy() for t in leaves])
+    for k, (e, c) in enumerate(zip(*outs)):
+        np.testing.assert_array_equal(c, e, err_msg=f"output {k}")

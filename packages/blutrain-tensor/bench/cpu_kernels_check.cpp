@@ -4,7 +4,8 @@
 //   bash bench/cpu_kernels_check.sh      # builds this once per instruction set and runs each
 //
 // v1 (below) is the scalar code each kernel replaced, kept verbatim in its arithmetic but for
-// the changes marked v2 (row sums in 16 lanes, float exp in the log_softmax / CE backward). The
+// the changes marked v2 (row sums in 16 lanes, float exp in the log_softmax / CE backward) and v3
+// (layer norm: float32 y in float, the backward column sums in blocks of rows). The
 // production kernels (src/cpu/norm_kernels.h) must give the same bits on every instruction set:
 // this file is built with BT_CPU_CLONES empty and -march=x86-64-v4, -v3 and the baseline in
 // turn (what target_clones picks at load time on such machines), -ffp-contract=off as
@@ -23,6 +24,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../src/cpu/gelu_kernels.h"
@@ -53,6 +55,32 @@ double lane_sum(int64_t C, F f) {
 }
 
 
+// y of a row: v1 in double for every dtype; v3 (Note [float normalize] in norm_kernels.h) in
+// float for float32 rows, the mean as hi + lo floats.
+template <typename T>
+void normalize_ref(const T* p, const T* wp, const T* bp, T* q, int64_t C, double mean,
+                   double rstd) {
+  if constexpr (!std::is_same_v<T, float>) {
+    for (int64_t i = 0; i < C; ++i) {
+      double v = (static_cast<double>(p[i]) - mean) * rstd;
+      if (wp) v *= static_cast<double>(wp[i]);
+      if (bp) v += static_cast<double>(bp[i]);
+      q[i] = static_cast<T>(v);
+    }
+    return;
+  }
+  const float hi = static_cast<float>(mean), lo = static_cast<float>(mean - hi);
+  const float rs = static_cast<float>(rstd);
+  for (int64_t i = 0; i < C; ++i) {
+    float v = static_cast<float>(p[i]) - hi;
+    v = v - lo;
+    v = v * rs;
+    if (wp) v = v * static_cast<float>(wp[i]);
+    if (bp) v = v + static_cast<float>(bp[i]);
+    q[i] = static_cast<T>(v);
+  }
+}
+
 template <typename T, typename S>
 void layer_norm(const T* xp, const T* wp, const T* bp, T* y, S* mean_o, S* rstd_o, int64_t rows,
                 int64_t C, double e) {
@@ -67,13 +95,7 @@ void layer_norm(const T* xp, const T* wp, const T* bp, T* y, S* mean_o, S* rstd_
     const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(C) + e);
     mean_o[r] = static_cast<S>(mean);
     rstd_o[r] = static_cast<S>(rstd);
-    T* q = y + r * C;
-    for (int64_t i = 0; i < C; ++i) {
-      double v = (static_cast<double>(p[i]) - mean) * rstd;
-      if (wp) v *= static_cast<double>(wp[i]);
-      if (bp) v += static_cast<double>(bp[i]);
-      q[i] = static_cast<T>(v);
-    }
+    normalize_ref(p, wp, bp, y + r * C, C, mean, rstd);
   }
 }
 
@@ -97,13 +119,7 @@ void add_layer_norm(const T* xp, const T* rp, const T* rbp, const T* wp, const T
     const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(C) + e);
     mean_o[r] = static_cast<S>(mean);
     rstd_o[r] = static_cast<S>(rstd);
-    T* q = y + r * C;
-    for (int64_t i = 0; i < C; ++i) {
-      double v = (static_cast<double>(sp[i]) - mean) * rstd;
-      if (wp) v *= static_cast<double>(wp[i]);
-      if (bp) v += static_cast<double>(bp[i]);
-      q[i] = static_cast<T>(v);
-    }
+    normalize_ref(sp, wp, bp, y + r * C, C, mean, rstd);
   }
 }
 
@@ -131,14 +147,24 @@ void layer_norm_backward(const T* dyp, const T* xp, const T* wp, const S* mp, co
       q[i] = static_cast<T>(v);
     }
   }
+  // v3 (Note [column blocks] in norm_kernels.h): each block of block_rows(R) rows sums its rows
+  // in order from 0, the block sums are added in block order from 0; dweight's term is
+  // dy * ((x - mean) * rstd) (v1: one chain per column down all rows, (dy * (x - mean)) * rstd).
+  const int64_t br = std::max<int64_t>(32, (R + 63) / 64);
   for (int64_t c = 0; c < C; ++c) {
     double sw = 0, sb = 0, sd = 0;
-    for (int64_t r = 0; r < R; ++r) {
-      const double g = static_cast<double>(dyp[r * C + c]);
-      sw += g * (static_cast<double>(xp[r * C + c]) - static_cast<double>(mp[r])) *
-            static_cast<double>(rp[r]);
-      sb += g;
-      sd += static_cast<double>(dx[r * C + c]);
+    for (int64_t r0 = 0; r0 < R; r0 += br) {
+      double bw = 0, bb = 0, bd = 0;
+      for (int64_t r = r0; r < std::min(R, r0 + br); ++r) {
+        const double g = static_cast<double>(dyp[r * C + c]);
+        bw += g * ((static_cast<double>(xp[r * C + c]) - static_cast<double>(mp[r])) *
+                   static_cast<double>(rp[r]));
+        bb += g;
+        bd += static_cast<double>(dx[r * C + c]);
+      }
+      sw += bw;
+      sb += bb;
+      sd += bd;
     }
     dw[c] = sw;
     db[c] = sb;
@@ -279,23 +305,22 @@ void check_layer_norm(const char* dt, int64_t R, int64_t C, int reps, std::mt199
                                     a1.data(), a1.data() + C, a1.data() + 2 * C, R, C);
     });
     const double tb = best_ms(reps, [&] {
-      nk::layer_norm_backward_rows<T, S>(dy.data(), x.data(), wp, m1.data(), r1.data(), ep,
-                                         dx2.data(), 0, R, C);
-      std::vector<double> acc(3 * nk::kColBlock);
-      for (int64_t c0 = 0; c0 < C; c0 += nk::kColBlock) {
-        const int64_t n = std::min(C, c0 + nk::kColBlock) - c0;
-        nk::layer_norm_column_sums<T, S>(dy.data(), x.data(), m1.data(), r1.data(), dx2.data(), R,
-                                         C, c0, n, true, true, true, acc.data(),
-                                         acc.data() + nk::kColBlock,
-                                         acc.data() + 2 * nk::kColBlock);
-        for (int64_t j = 0; j < n; ++j) {
-          a2[c0 + j] = acc[j];
-          a2[C + c0 + j] = acc[nk::kColBlock + j];
-          a2[2 * C + c0 + j] = acc[2 * nk::kColBlock + j];
-        }
+      const int64_t br = nk::block_rows(R), nblk = (R + br - 1) / br;
+      std::vector<double> part(static_cast<size_t>(nblk * 3 * C));
+      for (int64_t b = 0; b < nblk; ++b) {
+        double* p = part.data() + b * 3 * C;
+        nk::layer_norm_backward_block<T, S>(dy.data(), x.data(), wp, m1.data(), r1.data(), ep,
+                                            dx2.data(), b * br, std::min(R, (b + 1) * br), C,
+                                            true, true, p, p + C, p + 2 * C);
       }
+      for (int s = 0; s < 3; ++s)
+        nk::add_partials(part.data() + s * C, nblk, 3 * C, 0, C, a2.data() + s * C);
     });
-    const bool ok = same_bits(dx1, dx2) && same_bits(a1, a2);
+    // dx alone (no column sums asked for): the row kernel, the same dx
+    std::vector<T> dx3(x.size());
+    nk::layer_norm_backward_rows<T, S>(dy.data(), x.data(), wp, m1.data(), r1.data(), ep,
+                                       dx3.data(), 0, R, C);
+    const bool ok = same_bits(dx1, dx2) && same_bits(a1, a2) && same_bits(dx1, dx3);
     if (variant == 0 || !ok) report("layer_norm backward", dt, R, C, ok, ta, tb);
   }
 }

@@ -946,6 +946,19 @@ Tensor where(const Tensor& cond, const Tensor& a, Scalar b) {
                full({}, b, promote_with_scalar(a.dtype(), b.category), a.device(), "where"));
 }
 
+// The mask must live on the input's device, a 0-d one too: PyTorch refuses a CPU mask next to a
+// CUDA input ("expected self and mask to be on the same device"), unlike a 0-d CPU *value*, which
+// both take (Note [a 0-d CPU tensor meets a CUDA tensor]).  One check for both value paths (a
+// number here, a 0-d tensor through where() in the bindings, which would otherwise take it).
+void check_mask_device(const Tensor& x, const Tensor& mask, const char* op) {
+  if (x.device() != mask.device()) {
+    throw ValueError(std::string("[") + op + "] mask is on " + mask.device().str() +
+                     " but the input is on " + x.device().str() + ": the mask must be on the " +
+                     "input's device, a 0-d mask too (as in PyTorch); move it with mask.to(" +
+                     "input.device)");
+  }
+}
+
 Tensor masked_fill(const Tensor& x, const Tensor& mask, Scalar value) {
   OpScope scope("masked_fill");
   check_scalar_fits(value, x.dtype(), "masked_fill", "value");
@@ -953,7 +966,7 @@ Tensor masked_fill(const Tensor& x, const Tensor& mask, Scalar value) {
     throw TypeError(std::string("[masked_fill] mask must be bool, got ") +
                     dtype_name(mask.dtype()));
   }
-  check_same_device(x, mask, "masked_fill");
+  check_mask_device(x, mask, "masked_fill");
   const Shape s = broadcast_shapes(x.shape(), mask.shape(), "masked_fill");
   if (s != x.shape()) {
     throw ValueError("[masked_fill] mask of shape " + shape_str(mask.shape()) +

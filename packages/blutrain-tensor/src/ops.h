@@ -92,6 +92,8 @@ Tensor gelu(const Tensor& x, bool tanh_approx);
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
 Tensor where(const Tensor& cond, const Tensor& a, Scalar b);
 Tensor masked_fill(const Tensor& x, const Tensor& mask, Scalar value);
+// "[op] mask is on ... but the input is on ..." unless both share a device (a 0-d mask too).
+void check_mask_device(const Tensor& x, const Tensor& mask, const char* op);
 
 // In place: computes op(x, y) out of place, writes it into x's memory, bumps x's version and
 // moves x's autograd history onto the result.  Returns x.

@@ -56,7 +56,23 @@ EXPECTED = (
     ZeroDivisionError,
     BufferError,
 )
-CASE_TIMEOUT_S = float(os.environ.get("BT_FUZZ_CASE_TIMEOUT", "30"))  # silent this long: a hang
+# Note [hang and crash verdicts]: a case is ~1 ms, but CI runs the suite on a loaded 2-core machine
+# (other tests in the same process tree), where a worker can be starved for many seconds.  So
+# silence only *suspects* a hang: the suspect case is then rerun alone in a fresh worker (a case is
+# a function of (seed, index): run_case seeds the generator and resets globals), and only silence
+# there too is a hang.  A case that finishes alone gets the outcome it has alone (and is listed as
+# slow).  A crash is rerun alone as well: crashing alone or not, it fails (a crash that needs the
+# earlier cases of its worker is heap damage they did), except a SIGKILL that does not repeat
+# alone (the kernel's OOM killer or a person, not the case).  A worker that cannot start is
+# retried, then fails the run: its cases are never skipped silently.
+CASE_TIMEOUT_S = float(os.environ.get("BT_FUZZ_CASE_TIMEOUT", "60"))  # seconds silent: a suspect
+CONFIRM_TIMEOUT_S = 2 * CASE_TIMEOUT_S  # seconds the suspect gets alone before it is a hang
+STARTUP_TIMEOUT_S = 120.0  # seconds for a worker to import blutrain.tensor before its first case
+START_TRIES = 3  # worker starts tried for one range before the run fails
+# Test hook (test_tensor_fuzz.py checks the verdicts above): "KIND:INDEX[,...]", KIND one of
+# hang (the case sleeps for ever), crash (aborts), slow (sleeps 3 timeouts, but not when alone),
+# killed (SIGKILLs itself, but not when alone).  Read by the workers.
+INJECT = os.environ.get("BT_FUZZ_INJECT", "")
 # A command the workers run under (the parent does not use the device), e.g. for the GPU run:
 #   BT_FUZZ_WORKER_PREFIX="compute-sanitizer --tool memcheck --error-exitcode 86"
 # A sanitizer report ("=========" lines) fails the case it was printed during.
@@ -983,6 +999,7 @@ def run_case(seed: int, index: int, device: str) -> dict:
 
     call = make_case(seed, index, device)
     ns = namespace()
+    bt.manual_seed(case_seed(seed, index))  # random ops: the same values alone as in a batch
     try:
         with bt.enable_grad():
             out = _outcome(call, ns)
@@ -997,6 +1014,28 @@ def run_case(seed: int, index: int, device: str) -> dict:
         reset_globals()
     out.update(index=index, spec=call.spec, mutation=call.mutation, code=render(call))
     return out
+
+
+def case_seed(seed: int, index: int) -> int:
+    """The generator's seed for case index (what `case SEED INDEX` uses too)."""
+    return random.Random(f"generator:{seed}:{index}").getrandbits(63)
+
+
+def _injected(index: int) -> None:
+    """The BT_FUZZ_INJECT test hook (Note [hang and crash verdicts])."""
+    alone = os.environ.get("BT_FUZZ_ALONE") == "1"
+    for item in filter(None, INJECT.split(",")):
+        kind, at = item.split(":")
+        if int(at) != index:
+            continue
+        if kind == "hang":
+            time.sleep(1e6)
+        elif kind == "crash":
+            os.abort()
+        elif kind == "slow" and not alone:
+            time.sleep(3 * CASE_TIMEOUT_S)
+        elif kind == "killed" and not alone:
+            os.kill(os.getpid(), 9)
 
 
 def reset_globals() -> None:
@@ -1029,7 +1068,11 @@ def worker(seed: int, start: int, count: int, device: str) -> None:
         out.write(f"CASE {i}\n")
         out.flush()
         bt.set_grad_enabled(True)
+        t0 = time.perf_counter()
+        if INJECT:
+            _injected(i)
         r = run_case(seed, i, device)
+        r["seconds"] = round(time.perf_counter() - t0, 4)
         out.write("RESULT " + json.dumps(r) + "\n")
         out.flush()
     out.write("DONE\n")
@@ -1046,19 +1089,46 @@ class Report:
     crashes: int = 0
     hangs: int = 0
     seconds: float = 0.0
+    cases: int = 0  # asked for
+    notes: list = field(default_factory=list)  # suspects cleared alone (Note [hang and ...])
+    slowest: tuple = (0.0, -1)  # (seconds, index) of the slowest case a worker timed
+    deadline: float = float("inf")  # time.time() past which no case starts (run's budget_s)
 
     def summary(self) -> str:
         k = ", ".join(f"{n} {c}" for n, c in sorted(self.kinds.items()))
-        return (
-            f"fuzz seed {self.seed} on {self.device}: {self.ran} cases in {self.seconds:.0f} s "
-            f"({k}); {len(self.failures)} failed ({self.crashes} crashed, {self.hangs} hung)"
-        )
+        lines = [
+            f"fuzz seed {self.seed} on {self.device}: {self.ran} of {self.cases} cases in "
+            f"{self.seconds:.0f} s ({k}); {len(self.failures)} failed ({self.crashes} crashed, "
+            f"{self.hangs} hung); slowest case {self.slowest[1]} ({self.slowest[0]:.2f} s)",
+            *self.notes,
+        ]
+        if self.failures or self.ran != self.cases:
+            lines.append(f"repeat this run: {run_reproducer(self.seed, self.cases, self.device)}")
+        return "\n".join(lines)
 
 
-def run(seed: int, cases: int, device: str, workers: int = 2, chunk: int = 400) -> Report:
-    """Runs cases [0, cases) in `workers` parallel worker processes of `chunk` cases each."""
-    rep = Report(seed, device)
+def run_reproducer(seed: int, cases: int, device: str) -> str:
+    test = "test_fuzz_cpu" if device == "cpu" else "test_fuzz_cuda"
+    return (
+        f"BT_FUZZ_SEED={seed} BT_FUZZ_CASES={cases} python -m pytest "
+        f"packages/blutrain-tensor/tests/test_tensor_fuzz.py::{test}"
+    )
+
+
+def run(
+    seed: int,
+    cases: int,
+    device: str,
+    workers: int = 2,
+    chunk: int = 400,
+    budget_s: float | None = None,
+) -> Report:
+    """Runs cases [0, cases) in `workers` parallel worker processes of `chunk` cases each.  Past
+    budget_s seconds the cases not yet run fail as out of time, so the report (its seed and
+    reproducers) still comes back before an outer timeout (pytest-timeout) ends the process."""
+    rep = Report(seed, device, cases=cases)
     t0 = time.time()
+    rep.deadline = t0 + budget_s if budget_s is not None else float("inf")
     lock = threading.Lock()
     todo: queue.Queue = queue.Queue()
     for s in range(0, cases, chunk):
@@ -1070,6 +1140,9 @@ def run(seed: int, cases: int, device: str, workers: int = 2, chunk: int = 400) 
                 start, count = todo.get_nowait()
             except queue.Empty:
                 return
+            if time.time() > rep.deadline:
+                _out_of_time(rep, lock, seed, device, start, start + count)
+                continue
             _drive_range(seed, start, count, device, rep, lock)
 
     threads = [threading.Thread(target=drive) for _ in range(max(1, workers))]
@@ -1081,12 +1154,12 @@ def run(seed: int, cases: int, device: str, workers: int = 2, chunk: int = 400) 
     return rep
 
 
-def _drive_range(
-    seed: int, start: int, count: int, device: str, rep: Report, lock: threading.Lock
-) -> None:
-    end = start + count
-    while start < end:
-        p = subprocess.Popen(
+class _Worker:
+    """One worker process over cases [start, end) and the lines it prints."""
+
+    def __init__(self, seed: int, start: int, end: int, device: str, alone: bool = False) -> None:
+        env = dict(os.environ, BT_FUZZ_ALONE="1" if alone else "0")
+        self.p = subprocess.Popen(
             [
                 *WORKER_PREFIX,
                 sys.executable,
@@ -1101,49 +1174,188 @@ def _drive_range(
             stderr=subprocess.PIPE,
             text=True,
             cwd=str(HERE),
+            env=env,
         )
-        lines: queue.Queue = queue.Queue()
-        errs: list[str] = []
-        threading.Thread(target=_pump, args=(p.stdout, lines), daemon=True).start()
-        threading.Thread(target=lambda f=p.stderr, e=errs: e.extend(f), daemon=True).start()
+        self.lines: queue.Queue = queue.Queue()
+        self.errs: list[str] = []
+        threading.Thread(target=_pump, args=(self.p.stdout, self.lines), daemon=True).start()
+        pump_err = threading.Thread(target=lambda: self.errs.extend(self.p.stderr), daemon=True)
+        pump_err.start()
+
+    def next(self, timeout: float) -> str | None:
+        """The next line; None when the worker ended; "" when it stayed silent for timeout s."""
+        try:
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            return ""
+
+    def kill(self) -> None:
+        self.p.kill()
+        self.p.wait()
+
+    def stderr(self) -> str:
+        time.sleep(0.05)  # (the pump thread's last lines)
+        return "".join(self.errs)[-1500:]
+
+
+def _out_of_time(
+    rep: Report, lock: threading.Lock, seed: int, device: str, start: int, end: int
+) -> None:
+    with lock:
+        rep.failures.append(
+            {
+                "status": "out-of-time",
+                "index": start,
+                "spec": "-",
+                "code": f"cases [{start}, {end}) not run",
+                "detail": "the run's time budget ran out (slowest case "
+                f"{rep.slowest[1]}: {rep.slowest[0]:.2f} s)",
+                "repro": run_reproducer(seed, rep.cases, device),
+            }
+        )
+
+
+def _charge(rep: Report, lock: threading.Lock, f: dict) -> None:
+    with lock:
+        rep.ran += 1
+        rep.crashes += f["status"] == "crash"
+        rep.hangs += f["status"] == "hang"
+        rep.failures.append(f)
+
+
+def _record(rep: Report, lock: threading.Lock, r: dict, seed: int, device: str) -> None:
+    with lock:
+        rep.ran += 1
+        key = r.get("kind", r["status"]).split(" (")[0]
+        rep.kinds[key] = rep.kinds.get(key, 0) + 1
+        if r.get("seconds", 0.0) > rep.slowest[0]:
+            rep.slowest = (r["seconds"], r["index"])
+        if r["status"] != "ok":
+            rep.failures.append({**r, "repro": reproducer(seed, r["index"], device)})
+
+
+def _alone(seed: int, index: int, device: str) -> tuple[str, Any]:
+    """Reruns one case in a fresh worker: ("result", its RESULT), ("hang", None), ("crash", rc
+    and stderr) or ("start", why the worker did not start)."""
+    why = ""
+    for _ in range(START_TRIES):
+        w = _Worker(seed, index, index + 1, device, alone=True)
+        line = w.next(STARTUP_TIMEOUT_S)
+        while line and not line.startswith("CASE "):  # (a sanitizer's banner)
+            line = w.next(STARTUP_TIMEOUT_S)
+        if line:
+            break
+        if line == "":
+            w.kill()
+        why = f"exit code {w.p.wait()}; stderr: {w.stderr()}"
+    else:
+        return "start", why
+    while True:
+        line = w.next(CONFIRM_TIMEOUT_S)
+        if line == "":
+            w.kill()
+            return "hang", None
+        if line is None:
+            return "crash", f"exit code {w.p.wait()}; stderr: {w.stderr()}"
+        if line.startswith("RESULT "):
+            w.kill()  # (its DONE and exit do not matter here)
+            return "result", json.loads(line[7:])
+
+
+def _suspect(
+    seed: int, index: int, device: str, rep: Report, lock: threading.Lock, what: str, rc: Any
+) -> None:
+    """Settles a case whose worker went silent (what == "hang") or died (what == "crash", rc its
+    exit code and stderr) by rerunning it alone (Note [hang and crash verdicts])."""
+    if time.time() + STARTUP_TIMEOUT_S / 10 + CONFIRM_TIMEOUT_S > rep.deadline:
+        why = "in its worker; no time left in the run's budget to rerun it alone"
+        _charge(rep, lock, _failure(seed, index, device, what, f"{what} {rc or ''} {why}"))
+        return
+    verdict, alone = _alone(seed, index, device)
+    if what == "hang":
+        first = f"no progress for {CASE_TIMEOUT_S:g} s in its worker"
+    else:
+        first = f"crashed in its worker ({rc})"
+    if verdict == "result" and (what == "hang" or rc.startswith("exit code -9;")):
+        with lock:
+            rep.notes.append(
+                f"case {index}: {first}, then alone in {alone.get('seconds', 0):.2f} s "
+                f"(status {alone['status']}): {'starved' if what == 'hang' else 'killed'} "
+                "by the machine, not the case"
+            )
+        _record(rep, lock, alone, seed, device)
+        return
+    if verdict == "hang":
+        detail = f"{first}, and for {CONFIRM_TIMEOUT_S:g} s alone"
+        status = "hang"
+    elif verdict == "crash":
+        detail = f"{first}; alone too: {alone}"
+        status = "crash"
+    elif verdict == "start":
+        detail = f"{first}; the worker to rerun it alone did not start: {alone}"
+        status = what
+    else:  # a crash that needs the cases before it (or a hang then a crash alone)
+        detail = (
+            f"{first}; alone it did not (status {alone['status']}): an earlier case in the same "
+            "worker may have corrupted memory"
+        )
+        status = what
+    _charge(rep, lock, _failure(seed, index, device, status, detail[:2000]))
+
+
+def _drive_range(
+    seed: int, start: int, count: int, device: str, rep: Report, lock: threading.Lock
+) -> None:
+    end = start + count
+    tries = 0
+    while start < end:
+        w = _Worker(seed, start, end, device)
         current = None
-        last = start
+        last = start - 1
+        started = False
         while True:
-            try:
-                line = lines.get(timeout=CASE_TIMEOUT_S)
-            except queue.Empty:  # silent: the case hangs
-                p.kill()
-                p.wait()
-                with lock:
-                    rep.hangs += 1
-                    rep.ran += 1
-                    rep.failures.append(
-                        _failure(
-                            seed,
-                            current if current is not None else start,
-                            device,
-                            "hang",
-                            f"no progress for {CASE_TIMEOUT_S:.0f} s",
-                        )
-                    )
-                start = (current if current is not None else start) + 1
+            wait = CASE_TIMEOUT_S if started else STARTUP_TIMEOUT_S
+            line = w.next(min(wait, max(0.1, rep.deadline - time.time())))
+            if time.time() > rep.deadline:
+                w.kill()
+                _out_of_time(rep, lock, seed, device, last + 1, end)
+                start = end
+                break
+            if line == "" and not started:  # (import starved for minutes: try again)
+                w.kill()
+                line = None
+            if line == "":  # silent inside a case (or between two): a suspect
+                w.kill()
+                at = current if current is not None else last + 1
+                _suspect(seed, at, device, rep, lock, "hang", None)
+                start = at + 1
                 break
             if line is None:  # the worker ended
-                rc = p.wait()
-                if current is not None:  # it died inside a case
+                rc = w.p.wait()
+                if not started:  # before its first case: retried, then a failure of the run
+                    tries += 1
+                    if tries < START_TRIES:
+                        break
                     with lock:
-                        rep.crashes += 1
-                        rep.ran += 1
                         rep.failures.append(
-                            _failure(
-                                seed,
-                                current,
-                                device,
-                                "crash",
-                                f"exit code {rc}; stderr: {''.join(errs)[-1500:]}",
-                            )
+                            {
+                                "status": "worker-start",
+                                "index": start,
+                                "spec": "-",
+                                "code": f"a worker for cases [{start}, {end})",
+                                "detail": f"did not start {START_TRIES} times; exit code {rc}; "
+                                f"stderr: {w.stderr()}",
+                                "repro": run_reproducer(seed, rep.cases, device),
+                            }
                         )
-                    start = current + 1
+                    start = end
+                    break
+                # (died between two cases, without DONE: charged to the next one)
+                at = current if current is not None else last + 1
+                if at < end:
+                    why = f"exit code {rc}; stderr: {w.stderr()}"
+                    _suspect(seed, at, device, rep, lock, "crash", why)
+                    start = at + 1
                 else:
                     start = end
                 break
@@ -1155,19 +1367,16 @@ def _drive_range(
                     rep.failures.append(_failure(seed, at, device, "sanitizer", line.strip()))
                 continue
             if line.startswith("CASE "):
+                started = True
+                tries = 0
                 current = int(line.split()[1])
             elif line.startswith("RESULT "):
                 r = json.loads(line[7:])
-                with lock:
-                    rep.ran += 1
-                    key = r.get("kind", r["status"]).split(" (")[0]
-                    rep.kinds[key] = rep.kinds.get(key, 0) + 1
-                    if r["status"] != "ok":
-                        rep.failures.append({**r, "repro": reproducer(seed, r["index"], device)})
-                last = current
+                _record(rep, lock, r, seed, device)
+                last = r["index"]
                 current = None
             elif line.startswith("DONE"):
-                rc = p.wait()
+                rc = w.p.wait()
                 if rc != 0:  # (a sanitizer's --error-exitcode: its report is already charged)
                     with lock:
                         rep.failures.append(
@@ -1233,6 +1442,7 @@ def main(argv: list[str]) -> int:
         print(
             f"from tensor_fuzz import T, I, RO, HUGE  # tests/tensor_fuzz.py (DEVICE={a.device!r})"
         )
+        print(f"bt.manual_seed({case_seed(a.seed, a.index)})")
         print(render(call))
         print(json.dumps(run_case(a.seed, a.index, a.device), indent=1))
         return 0

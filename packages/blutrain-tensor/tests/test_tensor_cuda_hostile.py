@@ -357,3 +357,23 @@ def test_a_0d_cpu_tensor_is_a_number_next_to_cuda_tensors():
         bt.tensor(1.0).add_(bt.tensor(2.0).cuda())  # (never written into a CPU tensor)
     with pytest.raises(ValueError, match=r"^\[where\] expected all tensors on the same device"):
         bt.where(x > 1, x, bt.zeros(3))
+
+
+def test_masked_fill_wants_the_mask_on_the_inputs_device_a_0d_one_too():
+    """As PyTorch ("expected self and mask to be on the same device"): a 0-d CPU tensor is a number
+    next to CUDA tensors as a value, not as a mask.  Both value paths refuse it (a 0-d tensor
+    value went through where(), which took the CPU mask silently), naming the mask and both
+    devices; a 0-d CPU value with a CUDA mask works."""
+    x = bt.ones(2, 3).cuda()
+    for value in (5.0, bt.tensor(5.0), bt.tensor(5.0).cuda()):
+        for mask in (bt.tensor(True), bt.tensor([[True, False, True]])):
+            with pytest.raises(ValueError, match=r"^\[masked_fill\] mask is on cpu but the input"):
+                x.masked_fill(mask, value)
+            with pytest.raises(ValueError, match=r"^\[masked_fill_\] mask is on cpu but the inp"):
+                x.clone().masked_fill_(mask, value)
+    with pytest.raises(ValueError, match=r"^\[masked_fill\] mask is on cuda:0 but the input is"):
+        bt.ones(2).masked_fill(bt.tensor(True).cuda(), 1.0)
+    m = bt.tensor([[True, False, True]]).cuda()
+    assert x.masked_fill(m, bt.tensor(5.0)).tolist() == [[5.0, 1.0, 5.0]] * 2
+    assert x.masked_fill(bt.tensor(True).cuda(), 7).tolist() == [[7.0] * 3] * 2
+    assert x.tolist() == [[1.0] * 3] * 2  # (nothing changed by the refusals)

@@ -93,11 +93,81 @@ def _run(device: str, default_cases: int) -> None:
     cases = int(os.environ.get("BT_FUZZ_CASES", default_cases))
     workers = int(os.environ.get("BT_FUZZ_WORKERS", "2"))
     print(f"\nfuzz: seed {seed}, {cases} cases on {device} (BT_FUZZ_SEED={seed} repeats it)")
-    rep = tensor_fuzz.run(seed, cases, device, workers)
+    # (within pytest.ini's 300 s per test, whose timeout would end the run without this report)
+    rep = tensor_fuzz.run(seed, cases, device, workers, budget_s=240.0)
     print(rep.summary())
     shown = "\n".join(tensor_fuzz.format_failure(f) for f in rep.failures[:40])
     assert not rep.failures, f"{rep.summary()}\n{shown}"
-    assert rep.ran == cases
+    assert rep.ran == cases, rep.summary()
+
+
+def test_a_slow_or_killed_case_is_rerun_alone_and_a_real_hang_or_crash_fails(monkeypatch):
+    """Note [hang and crash verdicts] in tensor_fuzz.py: on a loaded machine a worker may be
+    starved past the timeout, or killed from outside; neither fails a case that then runs alone,
+    while a case that hangs or crashes alone still fails with its reproducer."""
+    monkeypatch.setattr(tensor_fuzz, "CASE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(tensor_fuzz, "CONFIRM_TIMEOUT_S", 3.0)
+    monkeypatch.setenv("BT_FUZZ_CASE_TIMEOUT", "2")  # (the workers' "slow" sleeps 3 of them)
+    monkeypatch.setenv("BT_FUZZ_INJECT", "slow:3,hang:7,crash:11,killed:15")
+    rep = tensor_fuzz.run(5, 20, "cpu", workers=1, chunk=20)
+    verdicts = {f["index"]: f["status"] for f in rep.failures}
+    assert verdicts == {7: "hang", 11: "crash"}, rep.summary()
+    assert (rep.ran, rep.hangs, rep.crashes) == (20, 1, 1), rep.summary()
+    text = rep.summary()
+    assert "case 3: no progress for 2 s in its worker, then alone" in text, text
+    assert "case 15: crashed in its worker (exit code -9;" in text, text
+    assert "repeat this run: BT_FUZZ_SEED=5 BT_FUZZ_CASES=20 python -m pytest" in text, text
+    for f in rep.failures:
+        shown = tensor_fuzz.format_failure(f)
+        assert f"tensor_fuzz.py case 5 {f['index']}" in shown, shown
+        assert tensor_fuzz.render(tensor_fuzz.make_case(5, f["index"], "cpu")) in shown, shown
+
+
+def test_the_failure_message_gives_the_seed_and_both_reproducers(monkeypatch):
+    monkeypatch.setenv("BT_FUZZ_SEED", "31337")
+    monkeypatch.setenv("BT_FUZZ_CASES", "12")
+    monkeypatch.setenv("BT_FUZZ_INJECT", "crash:4")
+    with pytest.raises(AssertionError) as e:
+        _run("cpu", 6000)
+    msg = str(e.value)
+    assert "fuzz seed 31337 on cpu: 12 of 12 cases" in msg, msg
+    assert "BT_FUZZ_SEED=31337 BT_FUZZ_CASES=12 python -m pytest " in msg, msg
+    assert "python packages/blutrain-tensor/tests/tensor_fuzz.py case 31337 4" in msg, msg
+
+
+def test_a_worker_that_cannot_start_fails_the_run_instead_of_skipping_cases(monkeypatch):
+    broken = ["sh", "-c", "echo no interpreter >&2; exit 3"]
+    monkeypatch.setattr(tensor_fuzz, "WORKER_PREFIX", broken)
+    rep = tensor_fuzz.run(7, 10, "cpu", workers=1, chunk=10)
+    assert [f["status"] for f in rep.failures] == ["worker-start"], rep.summary()
+    assert "no interpreter" in rep.failures[0]["detail"]
+    assert rep.ran == 0 and "repeat this run: BT_FUZZ_SEED=7 BT_FUZZ_CASES=10" in rep.summary()
+
+
+def test_a_run_past_its_budget_reports_the_cases_it_did_not_run(monkeypatch):
+    monkeypatch.setenv("BT_FUZZ_INJECT", "slow:12")  # (a starved worker: past the budget)
+    monkeypatch.setattr(tensor_fuzz, "CASE_TIMEOUT_S", 1.0)
+    monkeypatch.setenv("BT_FUZZ_CASE_TIMEOUT", "1")
+    rep = tensor_fuzz.run(9, 40, "cpu", workers=1, chunk=20, budget_s=0.5)
+    gaps = [f["code"] for f in rep.failures if f["status"] == "out-of-time"]
+    assert gaps and gaps[-1] == "cases [20, 40) not run", rep.summary()
+    assert rep.ran < 40 and "repeat this run: BT_FUZZ_SEED=9 BT_FUZZ_CASES=40" in rep.summary()
+
+
+def test_each_case_seeds_the_generator_from_seed_and_index():
+    """A reproducer line repeats the dropout mask or randn draw that the batch run saw (the
+    generator's offset would otherwise carry the worker's history)."""
+    assert tensor_fuzz.case_seed(3, 10) == tensor_fuzz.case_seed(3, 10)
+    assert len({tensor_fuzz.case_seed(s, i) for s in (3, 4) for i in range(50)}) == 100
+    seen = set()
+    for i in range(40):
+        bt.randn(7)  # (history a worker would have)
+        spec = tensor_fuzz.make_case(3, i, "cpu").spec
+        tensor_fuzz.run_case(3, i, "cpu")
+        if spec != "manual_seed":
+            assert bt.initial_seed() == tensor_fuzz.case_seed(3, i), spec
+            seen.add(spec)
+    assert len(seen) > 20
 
 
 def test_fuzz_cpu():

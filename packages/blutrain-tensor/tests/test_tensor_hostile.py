@@ -407,3 +407,52 @@ def test_reshape_refuses_a_shape_entry_that_is_a_tuple():
             bt.reshape(t, bad)
     assert bt.reshape(t, (2,)).shape == (2,) and bt.reshape(t, [1, -1]).shape == (1, 2)
     assert t.reshape((2,)).shape == (2,) and t.reshape(2, 1).shape == (2, 1)
+
+
+def test_dlpack_names_an_unknown_keyword_even_on_a_read_only_tensor():
+    """CPU fuzz run (seed 20002, case 2393): __dlpack__ ignored every keyword, so a read-only
+    tensor's refusal answered `__dlpack__(bogus_kw=1)` without naming bogus_kw (and a writable one
+    accepted it silently); the protocol's keywords still work."""
+    a = np.arange(4, dtype=np.uint8)
+    a.flags.writeable = False
+    ro, rw = bt.from_numpy(a), bt.arange(4)
+    for t in (ro, rw):
+        with pytest.raises(TypeError, match=r"^\[dlpack\] unexpected keyword argument 'bogus_kw'"):
+            t.__dlpack__(bogus_kw=1)
+    with pytest.raises(BufferError, match=r"^\[dlpack\] the tensor is read-only"):
+        ro.__dlpack__(max_version=(1, 0))
+    rw.__dlpack__(stream=None, max_version=(1, 0), dl_device=(1, 0), copy=None)
+    assert np.from_dlpack(rw).tolist() == [0, 1, 2, 3]
+
+
+def test_setitem_with_a_repeated_index_keeps_the_value_exactly():
+    """CPU fuzz run (seed 20015, case 5394): a position an index tensor names more than once gets
+    its values' mean, which was summed in the tensor's dtype: int32 t[[0, 0, 0]] = 2**31 - 1 gave
+    715827881 (the sum wrapped), and equal floats came back rounded.  Equal values now come back
+    exactly, at the dtype's limits too; inf and NaN stay; the gradient is still 1 / count."""
+    values = {
+        bt.int32: [2**31 - 1, -(2**31), -7],
+        bt.int64: [2**63 - 1, -(2**63), 3],
+        bt.uint8: [255, 1],
+        bt.float16: [65504.0, 0.1, float("inf")],
+        bt.bfloat16: [3.0e38, 0.1, -float("inf")],
+        bt.float32: [3.4e38, 0.1, 1 / 3],
+        bt.float64: [1.7e308, 0.1, 1 / 3, -float("inf")],
+    }
+    for dt, vals in values.items():
+        for val in vals:
+            x = bt.tensor(val, dtype=dt)
+            t = bt.zeros(3, dtype=dt)
+            t[bt.tensor([0, 0, 0, 2, 2])] = x
+            assert t.tolist() == [x.item(), 0, x.item()], (dt, val, t.tolist())
+    t = bt.zeros(2)
+    t[bt.tensor([1, 1])] = float("nan")
+    assert np.isnan(t.tolist()[1]) and t.tolist()[0] == 0
+    t = bt.zeros(2, dtype=bt.int32)
+    t[bt.tensor([0, 0])] = bt.tensor([2**31 - 1, 2**31 - 3], dtype=bt.int32)
+    assert t.tolist() == [2**31 - 2, 0]  # (different values: their mean, without wrapping)
+    v = bt.tensor([1.0, 2.0, 3.0], dtype=bt.float64, requires_grad=True)
+    c = bt.zeros(3, dtype=bt.float64, requires_grad=True) * 1
+    c[bt.tensor([0, 0, 1])] = v
+    (c * bt.tensor([1.0, 10.0, 100.0], dtype=bt.float64)).sum().backward()
+    assert c.tolist() == [1.5, 3.0, 0.0] and v.grad.tolist() == [0.5, 0.5, 10.0]

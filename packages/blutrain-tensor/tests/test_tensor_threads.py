@@ -132,13 +132,18 @@ def _workload(seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     x = bt.tensor(rng.standard_normal((300, 700)).astype(np.float32), requires_grad=True)
     g = bt.tensor(rng.standard_normal(700).astype(np.float32), requires_grad=True)
+    c = bt.tensor(rng.standard_normal(700).astype(np.float32), requires_grad=True)
     t = bt.tensor(rng.integers(0, 700, 300))
     h = bt.layer_norm(x, (700,), g, None)
-    y = bt.gelu(h, "tanh")
+    # layer-norm backward's column sums (dweight, dbias, and dsum for the residual bias) run
+    # over blocks of rows: Note [column blocks]
+    s, h2 = bt.add_layer_norm(h, x, g, c, residual_bias=c)
+    y = bt.gelu(h + h2, "tanh")
     p = bt.softmax(y, -1)
-    loss = bt.cross_entropy(y, t) + (p * p).sum() + y.T.exp().mean(0).sum()
+    loss = bt.cross_entropy(y, t) + (p * p).sum() + y.T.exp().mean(0).sum() + (s * s).mean()
     loss.backward()
     out = [loss.detach().numpy().copy(), x.grad.numpy().copy(), g.grad.numpy().copy()]
+    out.append(c.grad.numpy().copy())
     params, grads = [x.detach(), g.detach()], [x.grad, g.grad]
     out.append(bt._tensor._grad_norm(grads).numpy().copy())
     moments = [[bt.zeros_like(p) for p in params] for _ in range(2)]

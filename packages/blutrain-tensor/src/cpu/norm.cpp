@@ -2,6 +2,7 @@
 // across the thread pool, the kernels in norm_kernels.h (Note [lane sums]).
 // Compiled with -ffp-contract=off (CMakeLists.txt): the kernels give the bits of their scalar
 // references (bench/cpu_kernels_check.cpp) on every instruction set.
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -107,45 +108,58 @@ void LayerNormBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<Tens
           const S* mp = static_cast<const S*>(mean.data_ptr(name()));
           const S* rp = static_cast<const S*>(rstd.data_ptr(name()));
           O* dx = static_cast<O*>(out[0].data_ptr(name()));
-          for_rows(R, C, [&](int64_t r0, int64_t r1) {
-            cpu::norm::layer_norm_backward_rows<T, S>(dyp, xp, wp, mp, rp, ep, dx, r0, r1, C);
-          });
           size_t k = 1;
           void* dw = need_dweight ? out[k++].data_ptr(name()) : nullptr;
           void* db = need_dbias ? out[k++].data_ptr(name()) : nullptr;
           void* ds = need_dsum ? out[k++].data_ptr(name()) : nullptr;
-          if (!dw && !db && !ds) return;
+          if (!dw && !db && !ds) {
+            for_rows(R, C, [&](int64_t r0, int64_t r1) {
+              cpu::norm::layer_norm_backward_rows<T, S>(dyp, xp, wp, mp, rp, ep, dx, r0, r1, C);
+            });
+            return;
+          }
+          // Note [column blocks]: blocks of rows, each with its partial column sums; then the
+          // partials added in block order (both steps in parallel, neither order depends on
+          // the thread count).
+          const bool wb = dw || db;
+          const int64_t br = cpu::norm::block_rows(R);
+          const int64_t nblk = (R + br - 1) / br;
+          const int64_t stride = 3 * C;  // a block's pw, pb, pd
+          std::unique_ptr<double[]> part(new double[static_cast<size_t>(nblk * stride)]);
+          cpu::parallel_ranges(nblk, R * C >= cpu::kParallelMin ? 1 : nblk,
+                               [&](int64_t b0, int64_t b1) {
+            for (int64_t blk = b0; blk < b1; ++blk) {
+              double* pw = part.get() + blk * stride;
+              cpu::norm::layer_norm_backward_block<T, S>(dyp, xp, wp, mp, rp, ep, dx, blk * br,
+                                                         std::min(R, (blk + 1) * br), C, wb,
+                                                         ds != nullptr, pw, pw + C, pw + 2 * C);
+            }
+          });
           // float32 dweight / dbias / dsum for 16-bit rows where the front asked for them
           // (nn_fused.h); else x's dtype
           const bool f32 = out[1].dtype() == DType::Float32 && x.dtype() != DType::Float32;
-          auto put = [f32](void* p, int64_t c, double v) {
+          auto put = [f32](void* p, const double* v, int64_t c0, int64_t c1) {
             if (!p) return;
-            if (f32) {
-              static_cast<float*>(p)[c] = static_cast<float>(v);
-            } else {
-              static_cast<T*>(p)[c] = static_cast<T>(v);
+            for (int64_t c = c0; c < c1; ++c) {
+              if (f32) {
+                static_cast<float*>(p)[c] = static_cast<float>(v[c]);
+              } else {
+                static_cast<T*>(p)[c] = static_cast<T>(v[c]);
+              }
             }
           };
-          // Blocks of columns, each summed down all rows in order; at least two blocks per
-          // thread when the columns allow (a block is never under 16 columns: one 64-byte row
-          // segment).
-          const int64_t threads = cpu::num_threads();
-          const int64_t cb = std::clamp<int64_t>((C + 2 * threads - 1) / (2 * threads), 16,
-                                                 cpu::norm::kColBlock);
-          const int64_t nblk = (C + cb - 1) / cb;
-          cpu::parallel_ranges(nblk, R * C >= cpu::kParallelMin ? 1 : nblk,
-                               [&](int64_t b0, int64_t b1) {
-            std::vector<double> acc(3 * static_cast<size_t>(cb));
-            for (int64_t blk = b0; blk < b1; ++blk) {
-              const int64_t c0 = blk * cb, n = std::min(C, c0 + cb) - c0;
-              double *sw = acc.data(), *sb = sw + cb, *sd = sb + cb;
-              cpu::norm::layer_norm_column_sums<T, S>(dyp, xp, mp, rp, dx, R, C, c0, n, dw, db,
-                                                      ds, sw, sb, sd);
-              for (int64_t j = 0; j < n; ++j) {
-                put(dw, c0 + j, sw[j]);
-                put(db, c0 + j, sb[j]);
-                put(ds, c0 + j, sd[j]);
-              }
+          std::vector<double> tot(static_cast<size_t>(stride));
+          // columns in pieces of 256 (8 KB of doubles a sum)
+          const int64_t cb = 256, ncb = (C + cb - 1) / cb;
+          cpu::parallel_ranges(ncb, nblk * stride >= cpu::kParallelMin ? 1 : ncb,
+                               [&](int64_t q0, int64_t q1) {
+            const int64_t c0 = q0 * cb, c1 = std::min(C, q1 * cb);
+            for (int s = 0; s < 3; ++s) {
+              void* dst = s == 0 ? dw : (s == 1 ? db : ds);
+              if (!dst) continue;
+              cpu::norm::add_partials(part.get() + s * C, nblk, stride, c0, c1,
+                                      tot.data() + s * C);
+              put(dst, tot.data() + s * C, c0, c1);
             }
           });
         });

@@ -243,6 +243,7 @@ Tensor fill_value(nb::handle v, const Tensor& self, const char* op) {
 
 // masked_fill's value: a number x's dtype holds, or a 0-d tensor (differentiable: a where).
 Tensor masked_fill_value(const Tensor& x, const Tensor& mask, nb::handle v, const char* op) {
+  check_mask_device(x, mask, op);  // (where() below would take a 0-d CPU mask as a number)
   if (!is_tensor(v)) return masked_fill(x, mask, number_arg(v, op, "value"));
   const Tensor& t = nb::cast<const Tensor&>(v);
   if (t.ndim() != 0) {
@@ -636,18 +637,37 @@ void setitem(Tensor& self, nb::handle idx, nb::handle value) {
   }
   Tensor posf = reshape(contiguous(pos), {-1});
   Tensor srcf = reshape(contiguous(expand(astype(src, self.dtype()), pos.shape())), {-1});
-  Tensor placed = index_add(zeros({n}, self.dtype(), dev), 0, posf, srcf);
   Tensor hits = index_add(zeros({n}, DType::Int64, dev), 0, posf, ones_like(posf));
   Tensor mask = binary(BinaryOp::Gt, hits, Scalar{0, 1});
   // A position an index names twice (t[[0, 0]] = v) gets its values' mean, not their sum: the
-  // value itself when they agree (PyTorch keeps one of them, which one unspecified).
+  // value itself when they agree (PyTorch keeps one of them, which one unspecified).  Summing
+  // in self's dtype overflowed (int32 t[[0, 0, 0]] = 2**31 - 1 gave 715827881: CPU fuzz seed
+  // 20015 case 5394) and rounded (three equal float64s came back an ulp off), so: integers as
+  // sum(v // c) + sum(v % c) // c in int64 (exact, no overflow); floats in float64 as
+  // m = sum(v / c) plus one correction sum((v - m) / c) (equal values come back exact; the
+  // gradient is still 1 / c per value).
   Tensor count = where(mask, hits, Scalar{1, 1});
+  const Tensor ck = index_select(count, 0, posf);  // each value's position's count
+  Tensor placed;
   if (self.dtype() == DType::Bool) {
-    placed = binary(BinaryOp::Gt, placed, Scalar{0, 1});
+    placed = binary(BinaryOp::Gt, index_add(zeros({n}, DType::Int64, dev), 0, posf,
+                                            astype(srcf, DType::Int64)),
+                    Scalar{0, 1});
   } else if (is_floating(self.dtype())) {
-    placed = binary(BinaryOp::Div, placed, astype(count, self.dtype()));
+    const Tensor v64 = astype(srcf, DType::Float64), c64 = astype(ck, DType::Float64);
+    const Tensor zero = zeros({n}, DType::Float64, dev);
+    Tensor m = index_add(zero, 0, posf, binary(BinaryOp::Div, v64, c64));
+    const Tensor dev_k = binary(BinaryOp::Sub, v64, index_select(m, 0, posf));
+    const Tensor fix = index_add(zero, 0, posf, binary(BinaryOp::Div, dev_k, c64));
+    // (an inf mean makes inf - inf: NaN there; such a position keeps m, inf or NaN)
+    m = where(binary(BinaryOp::Eq, fix, fix), binary(BinaryOp::Add, m, fix), m);
+    placed = astype(m, self.dtype());
   } else {
-    placed = astype(binary(BinaryOp::FloorDiv, astype(placed, DType::Int64), count), self.dtype());
+    const Tensor v64 = astype(srcf, DType::Int64);
+    const Tensor zero = zeros({n}, DType::Int64, dev);
+    const Tensor q = index_add(zero, 0, posf, binary(BinaryOp::FloorDiv, v64, ck));
+    const Tensor r = index_add(zero, 0, posf, binary(BinaryOp::Mod, v64, ck));
+    placed = astype(binary(BinaryOp::Add, q, binary(BinaryOp::FloorDiv, r, count)), self.dtype());
   }
   // where() saves its inputs; the write below must not change the `self` it saved.
   Tensor base = track ? clone(self) : self;
@@ -1101,8 +1121,17 @@ NB_MODULE(_tensor, m) {
       "__dlpack__",
       [](const Tensor& t, nb::kwargs kw) {
         // A no-framework ndarray casts to a DLPack capsule ("dltensor"); consumers that ask for a
-        // versioned capsule (max_version) accept the legacy one.
-        (void)kw;
+        // versioned capsule (max_version) accept the legacy one.  The protocol's keywords are
+        // taken (and ignored: same-device export, no copy); any other is an error, checked
+        // before the read-only refusal so that the message names it (CPU fuzz seed 20002
+        // case 2393).
+        for (auto [key, value] : kw) {
+          const std::string k = nb::cast<std::string>(key);
+          if (k != "stream" && k != "max_version" && k != "dl_device" && k != "copy") {
+            throw TypeError("[dlpack] unexpected keyword argument '" + k +
+                            "' (__dlpack__ takes stream, max_version, dl_device and copy)");
+          }
+        }
         // (as numpy's: the legacy capsule has no read-only flag)
         if (t.storage() && t.storage()->read_only()) {
           throw nb::buffer_error(

@@ -34,6 +34,10 @@ SUM_LANES = 16  # eager's kSumLanes: the softmax / log_softmax backward's row su
 # eager's kMaxLanes: a row max does not depend on the order (a -0 / +0 tie changes no later
 # result), so it takes eager's lanes for their speed: four independent 8-wide chains
 MAX_LANES = 32
+# eager's layer-norm backward column blocks (cpu/norm_kernels.h: kBlockRows, kMaxBlocks; Note
+# [column blocks]): block_rows(R) = max(32, ceil(R / 64)) rows a partial column sum
+LN_BLOCK_ROWS = 32
+LN_MAX_BLOCKS = 64
 RED = "#linalg.iterator_type<reduction>"
 
 UNARY = {
@@ -1394,8 +1398,16 @@ class Emitter:
         rank = len(x.shape)
         last = [rank - 1]
         C = float(x.shape[-1])
+        # cpu: eager's row_stats sums in SUM_LANES lanes (Note [row reductions in lanes])
         s = self.reduce(
-            x.shape, last, D, 0.0, [x], lambda a: S.cast(a, dt, D), lambda a, c: arith.addf(a, c)
+            x.shape,
+            last,
+            D,
+            0.0,
+            [x],
+            lambda a: S.cast(a, dt, D),
+            lambda a, c: arith.addf(a, c),
+            lanes=SUM_LANES,
         )
         mean = self.ew(s.shape, D, [s], lambda a: arith.divf(a, S.const(D, C)))
         ss = self.reduce(
@@ -1406,6 +1418,7 @@ class Emitter:
             [x, self.kd(mean, x.shape)],
             lambda a, mm: _sq(arith.subf(S.cast(a, dt, D), mm)),
             lambda a, c: arith.addf(a, c),
+            lanes=SUM_LANES,
         )
         rstd = self.ew(
             ss.shape,
@@ -1421,7 +1434,25 @@ class Emitter:
             + ([b] if b else [])
         )
 
+        F = "float32"
+
+        def f32(a: ir.Value, mm: ir.Value, rs: ir.Value, *wb: ir.Value) -> ir.Value:
+            # eager's normalize_row for a float32 row into float32 y (Note [float normalize]):
+            # float ops, the double mean as hi + lo floats: ((x - hi) - lo) * rs [* w] [+ b]
+            hi = S.cast(mm, D, F)
+            lo = S.cast(arith.subf(mm, S.cast(hi, F, D)), D, F)
+            v = arith.mulf(arith.subf(arith.subf(a, hi), lo), S.cast(rs, D, F))
+            k = 0
+            if w:
+                v = arith.mulf(v, S.cast(wb[k], w.dtype, F))
+                k += 1
+            if b:
+                v = arith.addf(v, S.cast(wb[k], b.dtype, F))
+            return v
+
         def f(a: ir.Value, mm: ir.Value, rs: ir.Value, *wb: ir.Value) -> ir.Value:
+            if self.cpu and dt == F:
+                return f32(a, mm, rs, *wb)
             v = arith.mulf(arith.subf(S.cast(a, dt, D), mm), rs)
             k = 0
             if w:
@@ -1496,7 +1527,10 @@ class Emitter:
             return arith.mulf(v, S.cast(wv[0], w1.dtype, D)) if w1 else v
 
         wr = [w1] if w1 else []
-        s1 = self.reduce((R, C), [1], D, 0.0, [dy2] + wr, gx, lambda p, q: arith.addf(p, q))
+        # cpu: eager's backward_sums in SUM_LANES lanes (Note [row reductions in lanes])
+        s1 = self.reduce(
+            (R, C), [1], D, 0.0, [dy2] + wr, gx, lambda p, q: arith.addf(p, q), lanes=SUM_LANES
+        )
         s2 = self.reduce(
             (R, C),
             [1],
@@ -1508,6 +1542,7 @@ class Emitter:
                 S.cast(rs, rstd.dtype, D),
             ),
             lambda p, q: arith.addf(p, q),
+            lanes=SUM_LANES,
         )
         fC = S.const
         ex2 = [self._as2d(ex, R, C)] if ex else []
@@ -1539,47 +1574,67 @@ class Emitter:
         gdt = lambda j: self.g.values[n.outputs[j]].dtype  # noqa: E731
         if a.get("need_dweight", hw):
             # column sums over rows: iterate (C, R) with rows reduced
-            dw = self.reduce(
-                (C, R),
-                [1],
-                D,
-                0.0,
-                [self._t(dy2), self._t(x2), self._rowb(mean1, C), self._rowb(rstd1, C)],
-                lambda g, xv, mm, rs: arith.mulf(
-                    arith.mulf(
-                        S.cast(g, dy.dtype, D),
-                        arith.subf(S.cast(xv, dt, D), S.cast(mm, mean.dtype, D)),
-                    ),
-                    S.cast(rs, rstd.dtype, D),
-                ),
-                lambda p, q: arith.addf(p, q),
+
+            def tw(g: ir.Value, xv: ir.Value, mm: ir.Value, rs: ir.Value) -> ir.Value:
+                gd = S.cast(g, dy.dtype, D)
+                xm = arith.subf(S.cast(xv, dt, D), S.cast(mm, mean.dtype, D))
+                if self.cpu:  # eager's dy * xhat, xhat = (x - mean) * rstd
+                    return arith.mulf(gd, arith.mulf(xm, S.cast(rs, rstd.dtype, D)))
+                return arith.mulf(arith.mulf(gd, xm), S.cast(rs, rstd.dtype, D))
+
+            dw = self._col_sum(
+                R, C, [self._t(dy2), self._t(x2), self._rowb(mean1, C), self._rowb(rstd1, C)], tw
             )
             outs.append(self.cast_ref(dw, gdt(k)))
             k += 1
         if a.get("need_dbias", False):
-            db = self.reduce(
-                (C, R),
-                [1],
-                D,
-                0.0,
-                [self._t(dy2)],
-                lambda g: S.cast(g, dy.dtype, D),
-                lambda p, q: arith.addf(p, q),
-            )
+            db = self._col_sum(R, C, [self._t(dy2)], lambda g: S.cast(g, dy.dtype, D))
             outs.append(self.cast_ref(db, gdt(k)))
             k += 1
         if a.get("need_dsum", False):
-            dsr = self.reduce(
-                (C, R),
-                [1],
-                D,
-                0.0,
-                [self._t(dx)],
-                lambda g: S.cast(g, dt, D),
-                lambda p, q: arith.addf(p, q),
-            )
+            dsr = self._col_sum(R, C, [self._t(dx)], lambda g: S.cast(g, dt, D))
             outs.append(self.cast_ref(dsr, gdt(k)))
         return outs
+
+    # Note [column blocks in the compiler]: eager's CPU layer-norm backward (cpu/norm_kernels.h,
+    # Note [column blocks]) sums dweight / dbias / dsum per block of block_rows(R) rows (rows in
+    # order, from 0), then adds the block partials in block order from 0; so do CPU kernels,
+    # for its bits: a (C, blocks, rows) reduction for the full blocks, one for the ragged last
+    # block, the partials folded in order. The GPU keeps one sum down all rows.
+    def _col_sum(self, R: int, C: int, refs: Sequence[Ref], elem: Callable[..., ir.Value]) -> Ref:
+        """sum over rows of elem(*refs) for refs of shape (C, R), in double: (C,)."""
+        D = "float64"
+        add = lambda p, q: arith.addf(p, q)  # noqa: E731
+        br = max(LN_BLOCK_ROWS, -(-R // LN_MAX_BLOCKS))  # eager's block_rows(R)
+        if not self.cpu or R <= br:
+            return self.reduce((C, R), [1], D, 0.0, refs, elem, add)
+        nf, rem = R // br, R % br
+        n = len(refs)
+
+        def rows(shape: tuple[int, ...], rows_of: IndexFn) -> Ref:
+            """The sum over the last dim of `shape`, row rows_of(e) of refs. An unread byte per
+            step of that loop: linalg takes a loop's bound from an operand whose map names it
+            plainly, and d1 * br + d2 or d1 + o does not (as _reduce_lanes' anchor)."""
+            vs = [r.view(shape, lambda e: [e[0], rows_of(e)]) for r in refs]
+            k = len(shape) - 1
+            anchor = Ref(
+                "uint8",
+                shape,
+                self.empty((shape[k],), "uint8"),
+                lambda e: [e[k]],
+                None,
+                None,
+                False,
+            )
+            return self.reduce(shape, [k], D, 0.0, vs + [anchor], lambda *a: elem(*a[:n]), add)
+
+        parts = rows((C, nf, br), lambda e: e[1] * br + e[2])
+        tot = self.reduce((C, nf), [1], D, 0.0, [parts], lambda v: v, add)
+        if rem:
+            o = nf * br
+            lp = rows((C, rem), lambda e: e[1] + o)
+            tot = self.ew((C,), D, [tot, lp], add)
+        return tot
 
     def _as2d(self, r: Ref, R: int, C: int) -> Ref:
         if r.shape == (R, C):
