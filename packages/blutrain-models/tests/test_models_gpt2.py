@@ -479,11 +479,8 @@ def _step_op_log(residual: str, layers: int) -> list:
     x = bt.tensor(np.arange(32).reshape(2, 16) % 96, dtype=bt.int64)
     m(x, x, return_logits=False)[1].backward()
     m.zero_grad()
-    bt._C._op_log_start()
-    try:
+    with bt.op_log() as log:
         m(x, x, return_logits=False)[1].backward()
-    finally:
-        log = bt._C._op_log_stop()
     return collections.Counter(
         (op, tuple(d for d, _ in ins), tuple(d for d, _ in outs)) for op, ins, outs in log
     )
@@ -493,7 +490,7 @@ def test_float32_stream_adds_no_ops_per_layer():
     """Issue 38: a layer costs the float32 residual stream the same ops as the bf16 stream's (its
     add_layer_norm reads a float32 x and writes the float32 sum and a bf16 y in one kernel, its
     backward takes the stream's gradient in bf16): no cast of the (B, T, C) stream or of its
-    gradient per layer (the eager op log of 1 and 2 layers: bt.capture would not do, a captured
+    gradient per layer (bt.op_log() of 1 and 2 layers: bt.capture would not do, a captured
     backward keeps the float32 dtype on the stream's gradient edges)."""
     per_layer = {}
     for res in ("compute", "float32"):
