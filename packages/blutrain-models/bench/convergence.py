@@ -13,7 +13,10 @@ Runs are framework:precision (ours|torch, fp32|tf32|bf16), optionally ours:PREC/
 with the model's options: bf16res = GPT2.residual_dtype "compute" (the residual stream in bf16,
 rounded at every add: the policy before issue 38; by default it is float32, as autocast's),
 unfused = fused=False (no add_layer_norm, linear_gelu_linear, qkv_attention, linear_cross_entropy:
-plain ops, whose float32 stream also carries a float32 gradient).
+plain ops, whose float32 stream also carries a float32 gradient), flash = on the CPU, the fused
+attention (bt.backends.use_flash_attention_cpu: float32 scores and softmax, as the CUDA kernels
+compute them; the CPU's default composes matmul + softmax in the compute dtype, so its bf16 runs
+round the scores to bf16, which CUDA's do not; nothing changes on CUDA).
 
 Per run: the training loss and the gradient norm of every step, the validation loss (the whole
 val split) every --eval-every steps, tokens/s, and at each --checkpoints step the norms of every
@@ -55,6 +58,7 @@ T1024 (16 epochs in 300 steps). lr 6e-4, 50 warmup steps, cosine to 6e-5, AdamW 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import math
@@ -171,6 +175,7 @@ class Ours:
         if "unfused" in flags:
             fused = False
         residual = "compute" if "bf16res" in flags else "float32"
+        self.flash = "flash" in flags
         self.model = GPT2(
             cfg,
             device=a.device,
@@ -191,9 +196,16 @@ class Ours:
     def _t(self, x: np.ndarray) -> Any:
         return self.bt.tensor(x, device=self.device)
 
+    def _attention(self) -> Any:
+        """The flash variant's CPU attention (a process-wide switch: set around each call)."""
+        if not self.flash:
+            return contextlib.nullcontext()
+        return self.bt.backends.use_flash_attention_cpu(True)
+
     def forward_backward(self, x: np.ndarray, y: np.ndarray) -> Any:
-        loss = self.model(self._t(x), self._t(y), return_logits=False)[1]
-        loss.backward()
+        with self._attention():
+            loss = self.model(self._t(x), self._t(y), return_logits=False)[1]
+            loss.backward()
         return loss.detach()
 
     def step(self, lr: float) -> Any:
@@ -212,7 +224,7 @@ class Ours:
         bt = self.bt
         self.model.eval()
         total: Any = 0.0
-        with bt.no_grad():
+        with bt.no_grad(), self._attention():
             for x, y in batches:
                 total = total + self.model(self._t(x), self._t(y), return_logits=False)[1].float()
         self.model.train()
@@ -223,7 +235,7 @@ class Ours:
 
     def hidden(self, x: np.ndarray) -> np.ndarray:
         """The final LayerNorm's output (B, T, C) as float32 numpy."""
-        with self.bt.no_grad():
+        with self.bt.no_grad(), self._attention():
             return self._np(self.model.hidden_states(self._t(x)))
 
     def weights(self) -> dict[str, np.ndarray]:
@@ -322,7 +334,7 @@ class Torch:
 
 
 FRAMEWORKS = {"ours": Ours, "torch": Torch}
-VARIANTS = {"ours": ("bf16res", "unfused"), "torch": ()}
+VARIANTS = {"ours": ("bf16res", "unfused", "flash"), "torch": ()}
 
 
 def split_name(name: str) -> tuple[str, str, str]:

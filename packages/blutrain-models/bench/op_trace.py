@@ -4,15 +4,15 @@ float32 against compute (bf16): which ops each runs, how often, and the bytes th
     python op_trace.py [--layers 2] [-B 2] [-T 64] [--all] [--json OUT]
 
 Runs on the CPU with the fused path forced (`fused=True`: the ops CUDA runs: add_layer_norm,
-qkv_attention, linear_gelu_linear, linear_cross_entropy) through blutrain.tensor's eager op
-log (every primitive apply() evaluates, with its inputs' and outputs' dtypes and shapes; bt.capture
-would not do: a captured backward keeps one dtype per gradient edge, so the float32 stream's
-gradient would be float32 there, bf16 in eager). Bytes of an op: its inputs' and outputs' sizes
-(views move none). GPT-2's layers are alike, so the per-layer cost is the difference of two runs
-(--layers L and L + 1); the table extrapolates to GPT-2 124M at B16 x T1024 (12 layers) by
-scaling every tensor with a (B, T, ...) or (B*T, ...) leading shape by 16 * 1024 / (B * T).
-The cached weight casts (bt.cached_astype) are warmed by an untimed step first, as a training
-step after the first finds them. Not a test: it prints a table.
+qkv_attention, linear_gelu_linear, linear_cross_entropy) through blutrain.tensor's eager op log
+(bt.op_log(): every primitive apply() evaluates, with its inputs' and outputs' dtypes and shapes;
+bt.capture would not do: a captured backward keeps one dtype per gradient edge, so the float32
+stream's gradient would be float32 there, bf16 in eager). Bytes of an op: its inputs' and outputs'
+sizes (views move none). GPT-2's layers are alike, so the per-layer cost is the difference of two
+runs (--layers L and L + 1); the table extrapolates to GPT-2 124M at B16 x T1024 (12 layers) by
+scaling every tensor with a (B, T, ...) or (B*T, ...) leading shape by 16 * 1024 / (B * T). The
+cached weight casts (bt.cached_astype) are warmed by an untimed step first, as a training step after
+the first finds them. Not a test: it prints a table.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ _SIZE = {
 _TARGET_ROWS = 16 * 1024  # GPT-2 124M's bench: B16 x T1024
 
 
-def step_ops(residual: str, layers: int, B: int, T: int, C: int, V: int) -> list[tuple]:
+def step_ops(residual: str, layers: int, B: int, T: int, C: int, V: int) -> list[bt.OpLogEntry]:
     """The eager op log of one forward + backward (the loss through the fused head)."""
     bt.manual_seed(0)
     cfg = GPT2Config(block_size=T, vocab_size=V, n_layer=layers, n_head=C // 64, n_embd=C)
@@ -63,11 +63,8 @@ def step_ops(residual: str, layers: int, B: int, T: int, C: int, V: int) -> list
     y = bt.tensor([[(5 * i + 3 * j) % V for j in range(T)] for i in range(B)], dtype=bt.int64)
     model(x, y, return_logits=False)[1].backward()  # warm the weights' cached casts
     model.zero_grad()
-    bt._C._op_log_start()
-    try:
+    with bt.op_log() as log:
         model(x, y, return_logits=False)[1].backward()
-    finally:
-        log = bt._C._op_log_stop()
     return log
 
 
@@ -80,7 +77,9 @@ def _bytes(meta: tuple, scale: float, rows: int, B: int, T: int) -> float:
     return n * _SIZE.get(dtype, 4) * (scale if per_token else 1.0)
 
 
-def table(log: list[tuple], B: int, T: int) -> tuple[collections.Counter, collections.Counter]:
+def table(
+    log: list[bt.OpLogEntry], B: int, T: int
+) -> tuple[collections.Counter, collections.Counter]:
     """(count, bytes at B16 x T1024) per op signature "op(inputs)->outputs"."""
     cnt: collections.Counter = collections.Counter()
     byt: collections.Counter = collections.Counter()

@@ -479,11 +479,8 @@ def _step_op_log(residual: str, layers: int) -> list:
     x = bt.tensor(np.arange(32).reshape(2, 16) % 96, dtype=bt.int64)
     m(x, x, return_logits=False)[1].backward()
     m.zero_grad()
-    bt._C._op_log_start()
-    try:
+    with bt.op_log() as log:
         m(x, x, return_logits=False)[1].backward()
-    finally:
-        log = bt._C._op_log_stop()
     return collections.Counter(
         (op, tuple(d for d, _ in ins), tuple(d for d, _ in outs)) for op, ins, outs in log
     )
@@ -493,7 +490,7 @@ def test_float32_stream_adds_no_ops_per_layer():
     """Issue 38: a layer costs the float32 residual stream the same ops as the bf16 stream's (its
     add_layer_norm reads a float32 x and writes the float32 sum and a bf16 y in one kernel, its
     backward takes the stream's gradient in bf16): no cast of the (B, T, C) stream or of its
-    gradient per layer (the eager op log of 1 and 2 layers: bt.capture would not do, a captured
+    gradient per layer (bt.op_log() of 1 and 2 layers: bt.capture would not do, a captured
     backward keeps the float32 dtype on the stream's gradient edges)."""
     per_layer = {}
     for res in ("compute", "float32"):
@@ -508,3 +505,41 @@ def test_float32_stream_adds_no_ops_per_layer():
     lnb = [k for k in f if k[0] == "layer_norm_backward"]
     # the stream's gradient in bf16: dy bf16 over the float32 sum, dx bf16
     assert lnb and all(k[1][:2] == ("bfloat16", "float32") and k[2][0] == "bfloat16" for k in lnb)
+
+
+def test_float32_stream_embedding_grad_adds_into_the_heads():
+    """Issue 38, Note [tied table gradient]: with the float32 stream the embedding's rows are
+    added into the head's float32 dW of the tied table, as with the bf16 stream: the step makes
+    no table of zeros and adds no two tables (618 MB a step at GPT-2 124M), and the gradient is
+    the one the engine's sum of the two tables gives (forward's order before), to float32
+    rounding."""
+    bt.manual_seed(0)
+    cfg = GPT2Config(
+        block_size=16, vocab_size=96, n_layer=1, n_head=1, n_embd=64, vocab_multiple=128
+    )
+    Vp, C = cfg.padded_vocab_size, cfg.n_embd
+    x = bt.tensor(np.arange(32).reshape(2, 16) * 7 % 96, dtype=bt.int64)
+
+    def table_ops(log: list) -> list[str]:  # ops writing a (Vp, C) float32 tensor
+        return [e.op for e in log if ("float32", (Vp, C)) in e.outputs]
+
+    for fused in (True, False):
+        m = GPT2(cfg, fused=fused, residual_dtype="float32", precision="bf16")
+        m(x, x, return_logits=False)[1].backward()  # warm the cached casts
+        m.zero_grad()
+        with bt.op_log() as log:
+            m(x, x, return_logits=False)[1].backward()
+        ops = table_ops(log)
+        assert ops[-1] == "index_add" and "full" not in ops and "add" not in ops, (fused, ops)
+    got = m.transformer.wte.weight.grad.numpy().copy()
+    # the head's cast made before the embedding: the engine sums two tables
+    m.zero_grad()
+    with bt.op_log() as log:
+        wte = bt.cached_astype(m.transformer.wte.weight, bt.bfloat16)
+        h = m.hidden_states(x)
+        logits = bt.linear(h, wte).narrow(-1, 0, 96).float()
+        bt.cross_entropy(logits.reshape(32, 96), x.reshape(32)).backward()
+    assert {"full", "add"} <= set(table_ops(log)), table_ops(log)
+    want = m.transformer.wte.weight.grad.numpy()
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), np.abs(got - want).max()
+    assert np.abs(want[:96]).min(axis=1).max() > 0 and not want[96:].any()

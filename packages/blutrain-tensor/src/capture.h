@@ -151,7 +151,8 @@ class Graph {
 Graph* active_graph();
 void set_active_graph(Graph* g);  // nullptr ends capture
 
-// Eager op log (a profiling aid, bench/op_trace.py in blutrain-models): while on, apply() notes
+// Eager op log (a profiling aid: bt.op_log(), used by blutrain-models' bench/op_trace.py and
+// tests): while on, apply() notes
 // every primitive it evaluates eagerly (not views, not inside a capture, which records a graph
 // of its own and keeps one dtype per gradient edge, so its backward can differ from eager's) as
 // the op's name and its inputs' and outputs' (dtype, shape).  One process-wide log under a

@@ -102,31 +102,55 @@ def test_capture_random_and_creation_ops():
                 pass
 
 
-# ---- the eager op log (bt._C._op_log_start / _op_log_stop) ----------------------------------
+# ---- the eager op log (bt.op_log) ---------------------------------------------------------------
 def test_op_log_notes_eager_primitives_with_dtypes_not_views_nor_captures():
     """Every primitive evaluated eagerly, forward and backward, with its inputs' and outputs'
-    (dtype, shape); views move no data and are left out; a capture records its own graph; the
-    log is empty after a stop and off until the next start."""
+    (dtype, shape); views move no data and are left out; a capture records its own graph."""
     a = bt.ones((2, 3), requires_grad=True)
-    bt._C._op_log_start()
-    b = (a * 2.0).to(bt.bfloat16).reshape(3, 2)
-    b.float().sum().backward()
-    log = bt._C._op_log_stop()
-    ops = [e[0] for e in log]
+    with bt.op_log() as log:
+        b = (a * 2.0).to(bt.bfloat16).reshape(3, 2)
+        b.float().sum().backward()
+    assert all(isinstance(e, bt.OpLogEntry) for e in log)
+    ops = [e.op for e in log]
     assert "reshape" not in ops and "view" not in ops
     # in order: the forward's cast first (the backward of .float() casts to bfloat16 too)
-    cast = next(e for e in log if e[0] == "astype" and e[2][0][0] == "bfloat16")
+    cast = next(e for e in log if e.op == "astype" and e.outputs[0][0] == "bfloat16")
     assert (
         ops.index("mul") < ops.index("astype")
-        and cast[1] == [("float32", (2, 3))]
-        and cast[2] == [("bfloat16", (2, 3))]
+        and cast.inputs == [("float32", (2, 3))]
+        and cast.outputs == [("bfloat16", (2, 3))]
     )
+    mul = log[ops.index("mul")]
+    # (the number 2.0 reaches the kernel as a broadcast view of a's shape)
+    assert mul == ("mul", [("float32", (2, 3))] * 2, [("float32", (2, 3))]), mul
     # the backward ran too: its casts take the gradient back to float32
-    assert sum(1 for e in log if e[0] == "astype") >= 3
-    assert a.grad is not None and bt._C._op_log_stop() == []
-    (a + 1).sum()  # off: nothing noted
-    assert bt._C._op_log_stop() == []
-    bt._C._op_log_start()
-    with bt.capture():
-        _ = bt.zeros((4,)) + 1
-    assert bt._C._op_log_stop() == []
+    assert sum(1 for e in log if e.op == "astype") >= 3
+    assert a.grad is not None
+    with bt.op_log() as log2:
+        with bt.capture():
+            _ = bt.zeros((4,)) + 1
+    assert log2 == []
+
+
+def test_op_log_is_off_outside_its_block_filled_when_it_raises_and_not_nested():
+    x = bt.ones((4,))
+    with bt.op_log() as log:
+        x + x
+    assert [e.op for e in log] == ["add"]
+    x * x  # off: nothing noted, in this list or the next
+    assert [e.op for e in log] == ["add"] and not bt._C._op_log_on()
+    with pytest.raises(ZeroDivisionError):
+        with bt.op_log() as log:
+            x.exp()
+            raise ZeroDivisionError
+    assert [e.op for e in log] == ["exp"] and not bt._C._op_log_on()
+    with bt.op_log() as outer:
+        x.neg()
+        with pytest.raises(RuntimeError, match=r"^\[op_log\] an op log is already recording"):
+            with bt.op_log():
+                pass
+        x.sqrt()
+    assert [e.op for e in outer] == ["neg", "sqrt"]  # the refused inner log cleared nothing
+    with bt.op_log() as empty:
+        pass
+    assert empty == []

@@ -310,8 +310,10 @@ void init_capture(nb::module_& m) {
         }
       },
       "graph"_a.none(), "Starts (or with None ends) capture on this thread.");
+  // The eager op log behind bt.op_log() (python/blutrain/tensor/__init__.py).
   m.def("_op_log_start", &op_log_start,
         "Start the eager op log (cleared): every primitive evaluated eagerly is noted.");
+  m.def("_op_log_on", &op_log_on, "Whether the eager op log is recording.");
   m.def(
       "_op_log_stop",
       []() {
@@ -326,6 +328,8 @@ void init_capture(nb::module_& m) {
         }
         return l;
       },
+      nb::sig("def _op_log_stop() -> list[tuple[str, list[tuple[str, tuple[int, ...]]], "
+              "list[tuple[str, tuple[int, ...]]]]]"),
       "Stop the eager op log; its entries (op, [(dtype, shape) of inputs], [... of outputs]).");
   m.def("_capturing", []() { return active_graph() != nullptr; }, "Whether capture is active.");
 }

@@ -16,6 +16,7 @@
 #include "../autograd.h"
 #include "../backend.h"
 #include "../capture.h"
+#include "../notice.h"
 #include "../cpu/parallel.h"
 #include "../ops.h"
 #include "blutrain/tensor.h"
@@ -930,6 +931,10 @@ NB_MODULE(_tensor, m) {
            "Erases the hook from the C++ core; False when it was gone already.");
   m.def("_hook_calls", &hook_calls,
         "Hook calls the autograd engine has made in this process (for tests).");
+  m.def("_notices", &notices,
+        "The one-time notices written to stderr so far, in order (src/notice.h; for tests).");
+  m.def("_notice_once", &notice_once, "key"_a, "text"_a,
+        "Writes a one-time notice (src/notice.h); True when this call wrote it (for tests).");
 
   nb::class_<Tensor> T(m, "Tensor",
                        "An n-dimensional array with reverse-mode autograd.  The operands of an op "

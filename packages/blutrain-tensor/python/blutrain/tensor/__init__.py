@@ -20,7 +20,7 @@ import sys
 import types
 from collections import namedtuple
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -852,6 +852,40 @@ def capture() -> Iterator[Graph]:
         _C._set_capture(None)
 
 
+# ---- the eager op log ----------------------------------------------------------------------------
+class OpLogEntry(NamedTuple):
+    """A primitive evaluated eagerly: its name, its inputs' and outputs' (dtype name, shape)."""
+
+    op: str
+    inputs: list[tuple[str, tuple[builtins.int, ...]]]
+    outputs: list[tuple[str, tuple[builtins.int, ...]]]
+
+
+@contextlib.contextmanager
+def op_log() -> Iterator[list[OpLogEntry]]:
+    """Note every primitive evaluated eagerly inside the block, forward and backward, in order:
+    which kernels a step runs, and the dtypes and shapes they read and write.
+
+    with bt.op_log() as log:
+        model(x, y)[1].backward()
+    for e in log:             # filled when the block ends (also when it raises)
+        print(e.op, e.inputs, e.outputs)   # "add_layer_norm" [("float32", (2, 64, 768)), ...]
+
+    Views (reshape, transpose, ...) move no data and are left out; so is a bt.capture() inside
+    the block (it records a graph of its own). The log is process-wide: ops of every thread are
+    noted. One op log at a time: a nested bt.op_log() raises. A profiling aid: while on, each op
+    appends an entry under a lock; off, it costs an op one atomic load.
+    """
+    if _C._op_log_on():
+        raise RuntimeError("[op_log] an op log is already recording (one at a time)")
+    entries: list[OpLogEntry] = []
+    _C._op_log_start()
+    try:
+        yield entries
+    finally:
+        entries.extend(OpLogEntry(*e) for e in _C._op_log_stop())
+
+
 # ---- gradient checking ---------------------------------------------------------------------------
 def gradcheck(
     fn: Callable[..., Tensor],
@@ -1112,6 +1146,8 @@ __all__ = [
     "neg",
     "nn",
     "no_grad",
+    "op_log",
+    "OpLogEntry",
     "ones",
     "ones_like",
     "optim",

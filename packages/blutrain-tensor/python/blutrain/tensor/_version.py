@@ -14,13 +14,14 @@ Levels:
      (``flash_attention_cpu``), ``bt.__version__``, ``bt.API_LEVEL``.
   2. the captured-graph contract (docs/graph_format.md): ``bt.is_capturing``, ``bt.op_schemas``,
      ``bt.load_graph``, ``bt.Graph`` with ``to_json`` / ``hash`` / ``replay``.
+  3. ``bt.op_log()`` / ``bt.OpLogEntry``: the eager op log.
 """
 
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-API_LEVEL: int = 2
+API_LEVEL: int = 3
 
 try:
     __version__: str = version("blutrain-tensor")
