@@ -89,10 +89,17 @@ void layernorm_backward_mixed(const LayerNormBackward& p, const std::vector<Tens
       grads.db = db_out;
       const int env = nn_version_env();
       const DeviceInfo& di = device_info(dev.index);
-      if ((env == 0 || env == 6) && di.major >= 8 &&
-          dispatch_v5<T>(C, {dyp, xp, wp, ep, dxp}, [&](auto nvt, auto wt) {
+      // Note [mixed v6 shared memory]: a mixed row holds 8 bytes a column in the ring (dy 2,
+      // x 4, extra 2) against 6 for bf16 rows, so at GPT-2's C = 768 (one warp a row: 16 row
+      // groups a 16-warp block) with dsum (the residual bias) the block wants 246,016 bytes of
+      // shared memory, over an H200's 232,448: G was 0 and every such backward fell to the
+      // scalar v2 and a separate dsum pass (the float32 stream's -10% tok/s).  Then 8 warps a
+      // block (half the ring: 123,008 bytes) keep v6.
+      auto v6 = [&](auto nwt) {
+        constexpr int NW = decltype(nwt)::value;
+        return dispatch_v5<T>(C, {dyp, xp, wp, ep, dxp}, [&](auto nvt, auto wt) {
             constexpr int NV = decltype(nvt)::value, WPR = decltype(wt)::value;
-            using K = LnBwdV6<T, float, NV, WPR, kV6Warps, kV6Stages, float, O>;
+            using K = LnBwdV6<T, float, NV, WPR, NW, kV6Stages, float, O>;
             LnGrads<T> g6 = grads;
             g6.ds = ds_out;
             const bool acc6 = g6.any();
@@ -111,7 +118,9 @@ void layernorm_backward_mixed(const LayerNormBackward& p, const std::vector<Tens
             }
             ds_done = g6.ds != nullptr;
             return true;
-          })) {
+          });
+      };
+      if ((env == 0 || env == 6) && di.major >= 8 && (v6(ic<kV6Warps>{}) || v6(ic<8>{}))) {
         return;
       }
       // v2, scalar: a grid of resident blocks, block-local dw / db partials, then the reduce
