@@ -327,6 +327,33 @@ def test_bf16_gradients_as_close_to_float64_as_autocast(residual):
         assert e_ours > 1.15 * e_torch
 
 
+def test_float32_stream_tied_table_gradient_on_cuda():
+    """Issue 38, Note [tied table gradient] on CUDA: the float32 stream's fused step adds the
+    embedding's rows into the head's float32 dW (CUDA's index_add into the offered table): no
+    (Vp, C) zeros and no add of two tables in the op log; the wte gradient is the CPU's within
+    bf16 noise (the CPU path is checked against the two-table sum by
+    test_float32_stream_embedding_grad_adds_into_the_heads)."""
+    cfg = GPT2Config(block_size=64, vocab_size=1000, n_layer=2, n_head=4, n_embd=128)
+    Vp, C = cfg.padded_vocab_size, cfg.n_embd
+    w = random_weights(cfg, 5)
+    x, y = batch(cfg, 6, 4, 64)
+    grads = {}
+    for dev in ("cuda", "cpu"):
+        m = GPT2(cfg, device=dev, init=False, precision="bf16", residual_dtype="float32",
+                 fused=True)  # fmt: skip
+        m.load_state_dict(w)
+        m(x, y, return_logits=False)[1].backward()  # warm the cached casts
+        m.zero_grad()
+        # (the CPU's fused attention: float32 scores, as CUDA's kernels)
+        with bt.backends.use_flash_attention_cpu(True), bt.op_log() as log:
+            m(x, y, return_logits=False)[1].backward()
+        ops = [e.op for e in log if ("float32", (Vp, C)) in e.outputs]
+        assert ops and ops[-1] == "index_add" and "full" not in ops and "add" not in ops, ops
+        grads[dev] = to_np(m.transformer.wte.weight.grad)
+    err = np.linalg.norm(grads["cuda"] - grads["cpu"]) / np.linalg.norm(grads["cpu"])
+    assert err < 2e-2, err
+
+
 def grad_error(grads: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> float:
     """Model-wide ||g - ref|| / ||ref|| over every parameter."""
     num = sum(float(((grads[k] - v) ** 2).sum()) for k, v in ref.items())

@@ -8,6 +8,8 @@ norm's dweight / dbias."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -818,6 +820,57 @@ def _mixed_chain(arrays, half, device, sum_grad):
         loss = loss + (s2 * bt.tensor(gs, dtype=bt.float32).to(device)).sum()
     loss.backward()
     return [s1, y1, s2, y2], [t.grad for t in leaves]
+
+
+_MIXED_NOTICE_RUN = """
+import numpy as np
+import blutrain.tensor as bt
+rng = np.random.default_rng(0)
+def chain(R, C):  # GPT-2's pair: the first backward has the stream's gradient and a residual bias
+    def leaf(shape, dt):
+        return bt.tensor(rng.standard_normal(shape), dtype=dt).to("cuda").requires_grad_(True)
+    f, h = bt.float32, bt.bfloat16
+    x, r1, r2 = leaf((R, C), f), leaf((R, C), h), leaf((R, C), h)
+    w1, b1, rb1, w2, b2, rb2 = (leaf((C,), f) for _ in range(6))
+    s1, y1 = bt.add_layer_norm(x, r1, w1, b1, residual_bias=rb1, out_dtype=h)
+    s2, y2 = bt.add_layer_norm(s1, r2, w2, b2, residual_bias=rb2, out_dtype=h)
+    g = bt.tensor(rng.standard_normal((R, C)), dtype=h).to("cuda")
+    ((y1 * g).float().sum() + (y2 * g).float().sum()).backward()
+    bt.cuda.synchronize()
+for _ in range(2):
+    chain(300, 768)
+    chain(300, 1001)
+print(bt._C._notices())
+"""
+
+
+def test_mixed_layer_norm_backward_says_its_v2_fallback_once():
+    """Issue 38: the mixed backward's fall to the scalar v2 kernel (about 3x v6's time) is said
+    once a shape on stderr, naming C and why (rows v6 cannot take: C = 1001); GPT-2's C = 768
+    with the stream's gradient and a residual bias runs v6 (8-warp blocks where the 16-warp
+    block's shared memory does not fit: Note [mixed v6 shared memory]) and says nothing.  A
+    fresh process, so that no earlier test has said them already."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "BT_CUDA_NN_VERSION"}
+    r = subprocess.run(
+        [sys.executable, "-c", _MIXED_NOTICE_RUN],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("blutrain.tensor: ")]
+    assert len(lines) == 2, r.stderr  # the two backwards of C = 1001 (with / without extra)
+    for ln in lines:
+        assert "[layer_norm_backward] the float32 residual stream's layer-norm backward" in ln
+        assert "C = 1001" in ln and "runs the slow scalar v2 kernel" in ln, ln
+        assert "v6 takes rows of whole 16-byte vectors" in ln and "C a multiple of 8" in ln, ln
+    assert sum("with the stream's gradient" in ln for ln in lines) == 1, lines
+    assert "C = 768" not in r.stderr, r.stderr
+    assert r.stdout.strip() == str([ln[len("blutrain.tensor: ") :] for ln in lines])
 
 
 @pytest.mark.parametrize("half", [bt.bfloat16, bt.float16])

@@ -21,7 +21,8 @@
 // bench/ln_bwd_check.sh checks every variant against float64 and times them next to a D2D copy,
 // with the experiments that lost there (bench/ln_bwd_experiments.cuh, bench/nn_v1_kernels.cuh).
 // Mixed rows (a 16-bit dy over a float32 x: Note [float32 residual stream], nn_fused.h) run v6 with
-// float32 x / weight, else v2 with scalar loads (layernorm_backward_mixed).
+// float32 x / weight, else v2 with scalar loads (layernorm_backward_mixed; said once on stderr
+// where v6 should have run).
 //
 // Cross-entropy backward reads the logits in their dtype and writes dlogits in that dtype in one
 // pass (p = exp(x - lse) from the saved lse; no float32 copy).  Logits rows may be strided; with
@@ -37,6 +38,7 @@
 #include "../autocast.h"  // cuda::column_sums_any
 #include "../backend.h"
 #include "../nn_fused.h"
+#include "../notice.h"
 #include "common.cuh"
 #include "nn_common.cuh"
 #include "nn_fused_kernels.cuh"
@@ -45,6 +47,36 @@ namespace bt {
 
 // ================================ launchers =====================================================
 namespace cuda::nn {
+// The mixed backward fell to v2 where v6 should run (Note [mixed v6 shared memory]): slower, with a
+// separate dsum pass (the float32 stream's -10% tok/s at GPT-2 124M before the 8-warp blocks).
+// Said once a (dtype, C, extra, dsum, device) on stderr (src/notice.h) with why: the shape, or
+// the shared memory v6's 8-warp block needs against what the device allows a block.
+static void notice_mixed_v2(const char* op, DType dt, int64_t R, int64_t C, bool extra, bool ds,
+                            bool shape_ok, size_t need, size_t optin, int device) {
+  const std::string what = std::string(dtype_name(dt)) + " dy over float32 x, C = " +
+                           std::to_string(C) + (extra ? ", with the stream's gradient" : "") +
+                           (ds ? ", with a residual bias" : "");
+  std::string why;
+  if (!shape_ok) {
+    why = "v6 takes rows of whole 16-byte vectors, 16-byte aligned (C a multiple of " +
+          std::to_string(16 / itemsize(dt)) + "), up to C = 6144";
+  } else if (need > optin) {
+    why = "v6's 8-warp block needs " + std::to_string(need) +
+          " bytes of shared memory, device " + std::to_string(device) + " allows " +
+          std::to_string(optin) + " a block";
+  } else {
+    why = "v6's 8-warp block (" + std::to_string(need) + " bytes of shared memory of the " +
+          std::to_string(optin) + " allowed) fits on no SM";
+  }
+  notice_once("ln_bwd_mixed_v2/" + std::string(dtype_name(dt)) + "/" + std::to_string(C) + "/" +
+                  std::to_string(int(extra)) + std::to_string(int(ds)) + "/" +
+                  std::to_string(device),
+              "[" + std::string(op) + "] the float32 residual stream's layer-norm backward (" +
+                  what + "; first seen at " + std::to_string(R) +
+                  " rows) runs the slow scalar v2 kernel: " + why +
+                  " (BT_CUDA_NN_VERSION=2 picks v2 without this notice)");
+}
+
 // LayerNormBackward on mixed rows (Note [float32 residual stream]): dy 16-bit T, x and the weight
 // float32, extra and dx O = T or float32; dweight / dbias / dsum float32.  v6 (rows of whole
 // 16-byte words on sm_80+, as the library's default for 16-bit rows; BT_CUDA_NN_VERSION 6 or
@@ -72,6 +104,8 @@ void layernorm_backward_mixed(const LayerNormBackward& p, const std::vector<Tens
     return;
   }
   bool ds_done = false;
+  bool v6_shape = false;  // dispatch_v5 took the rows; v6_smem: the last v6 block's bytes
+  size_t v6_smem = 0;
   dispatch_cuda_half(dy.dtype(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
     auto body = [&](auto otag) {
@@ -103,6 +137,8 @@ void layernorm_backward_mixed(const LayerNormBackward& p, const std::vector<Tens
             LnGrads<T> g6 = grads;
             g6.ds = ds_out;
             const bool acc6 = g6.any();
+            v6_shape = true;
+            v6_smem = K::smem(C, ep != nullptr, g6.ds != nullptr);
             const int G = K::grid(R, C, ep != nullptr, di.sm_count, di.smem_per_block_optin,
                                   di.major, op, g6.ds != nullptr);
             if (G == 0) return false;
@@ -120,8 +156,10 @@ void layernorm_backward_mixed(const LayerNormBackward& p, const std::vector<Tens
             return true;
           });
       };
-      if ((env == 0 || env == 6) && di.major >= 8 && (v6(ic<kV6Warps>{}) || v6(ic<8>{}))) {
-        return;
+      if ((env == 0 || env == 6) && di.major >= 8) {
+        if (v6(ic<kV6Warps>{}) || v6(ic<8>{})) return;
+        notice_mixed_v2(op, dy.dtype(), R, C, ep != nullptr, ds_out != nullptr, v6_shape, v6_smem,
+                        di.smem_per_block_optin, dev.index);
       }
       // v2, scalar: a grid of resident blocks, block-local dw / db partials, then the reduce
       const bool need_acc = grads.any();
