@@ -9,6 +9,8 @@ blocks split unevenly across threads.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -172,3 +174,74 @@ def test_layer_norm_keeps_eager_bits(C: int, rows: int, monkeypatch) -> None:
         outs.append([loss.detach().numpy(), h.detach().numpy()] + [t.grad.numpy() for t in leaves])
     for k, (e, c) in enumerate(zip(*outs)):
         np.testing.assert_array_equal(c, e, err_msg=f"output {k}")
+
+
+@pytest.mark.parametrize("C,pad", [(1001, 23), (1000, 24)])
+def test_sliced_logits_vectorize_and_keep_eager_bits(C: int, pad: int, tmp_path, monkeypatch):
+    """GPT-2's logits are the first 50257 of 50304 padded columns: a slice at offset 0 with
+    unit strides, whose strided layout affine-super-vectorize refuses. The loops read it
+    through its base buffer (Note [slices read through their base], pipelines.py), so the loss
+    kernel's max, exp sum and gradient loops are vector code, and the results (loss, the
+    padded logits' gradient: zeros in the padding) are eager's bit for bit. Both a ragged
+    (1001) and a whole number of lanes (1000)."""
+    monkeypatch.setenv("BLUTRAIN_COMPILE_CACHE", "0")
+    monkeypatch.setenv("BLUTRAIN_COMPILE_DUMP", str(tmp_path))
+    rows = 67  # rows * C >= PARALLEL_MIN: the parallel kernels
+    x = bt.tensor(RNG.normal(0.0, 3.0, (rows, C + pad)).astype(np.float32), requires_grad=True)
+    t = bt.tensor(RNG.integers(0, C, rows).astype(np.int64))
+
+    def step(x: bt.Tensor, t: bt.Tensor) -> bt.Tensor:
+        loss = bt.cross_entropy(x[:, :C] * 1.5, t)
+        loss.backward()
+        return loss
+
+    outs = []
+    for f in (step, btc.compile(step)):
+        x.grad = None
+        loss = f(x, t)
+        outs.append((loss.detach().numpy(), x.grad.numpy()))
+    for e, c in zip(*outs):
+        np.testing.assert_array_equal(c, e)
+    assert not outs[1][1][:, C:].any()
+    (mlir,) = tmp_path.glob("*/03-loops.mlir")
+    loops = mlir.read_text()
+    assert "omp.parallel" in loops
+    # no scalar access through the strided slice is left, and the exp sum is vector code
+    assert not re.search(r"memref\.load %subview\S*\[", loops), "a load through the slice"
+    assert "vector<8xf64>" in loops and "vector.transfer_read %arg0" in loops
+
+
+def test_fold_unit_subviews_only_moves_identity_slices() -> None:
+    """A slice at offset 0 with unit strides is read through its base at the same indices;
+    one at another offset, or with a stride, keeps its own accesses."""
+    from mlir import ir
+
+    from blutrain.compiler.program import _fold_unit_subviews
+
+    src = """
+    func.func @f(%a: memref<4x10xf32>, %o: memref<4x7xf32>) {
+      %s = memref.subview %a[0, 0] [4, 7] [1, 1]
+          : memref<4x10xf32> to memref<4x7xf32, strided<[10, 1]>>
+      %t = memref.subview %a[0, 3] [4, 7] [1, 1]
+          : memref<4x10xf32> to memref<4x7xf32, strided<[10, 1], offset: 3>>
+      %u = memref.subview %a[0, 0] [4, 5] [1, 2]
+          : memref<4x10xf32> to memref<4x5xf32, strided<[10, 2]>>
+      affine.for %i = 0 to 4 {
+        affine.for %j = 0 to 5 {
+          %v = affine.load %s[%i, %j] : memref<4x7xf32, strided<[10, 1]>>
+          %w = affine.load %t[%i, %j] : memref<4x7xf32, strided<[10, 1], offset: 3>>
+          %x = affine.load %u[%i, %j] : memref<4x5xf32, strided<[10, 2]>>
+          %y = arith.addf %v, %w : f32
+          %z = arith.addf %y, %x : f32
+          affine.store %z, %o[%i, %j] : memref<4x7xf32>
+        }
+      }
+      return
+    }"""
+    with ir.Context(), ir.Location.unknown():
+        m = ir.Module.parse(src)
+        assert _fold_unit_subviews(m) == 1
+        assert m.operation.verify()
+        text = str(m)
+    assert "affine.load %arg0[%arg2, %arg3] : memref<4x10xf32>" in text
+    assert "affine.load %subview_0[" in text and "affine.load %subview_1[" in text

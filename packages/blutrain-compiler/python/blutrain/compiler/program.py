@@ -631,6 +631,8 @@ def _cpu_loops(module: Any, parallel: set[str]) -> None:
     from mlir.passmanager import PassManager
 
     PassManager.parse(pipelines.CPU_PREP).run(module.operation)
+    PassManager.parse(pipelines.CPU_TO_LOOPS).run(module.operation)
+    _fold_unit_subviews(module)
     serial = PassManager.parse(pipelines.CPU_SERIAL)
     par = PassManager.parse(pipelines.CPU_PARALLEL)
     for op in module.body.operations:
@@ -639,6 +641,45 @@ def _cpu_loops(module: Any, parallel: set[str]) -> None:
         name = op.operation.attributes["sym_name"].value
         _run_reporting(par if name in parallel else serial, op.operation)
     PassManager.parse(pipelines.CPU_OMP).run(module.operation)
+
+
+_SCALAR_ACCESS = {"affine.load", "affine.store", "memref.load", "memref.store"}
+
+
+def _fold_unit_subviews(module: Any) -> int:
+    """Loads and stores through a slice at offset 0 with unit strides (no rank change) read
+    its base instead, at the same indices (Note [slices read through their base] in
+    pipelines.py); returns how many accesses moved. Other users keep the slice."""
+    subviews: list[Any] = []
+
+    def find(op: Any) -> Any:
+        from mlir import ir
+
+        if op.name == "memref.subview":
+            subviews.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(find)
+    moved = 0
+    for sv in subviews:
+        a = sv.attributes
+        if len(sv.operands) != 1:  # dynamic offsets, sizes or strides
+            continue
+        offs, strides = list(a["static_offsets"]), list(a["static_strides"])
+        src, res = sv.operands[0], sv.results[0]
+        if any(o != 0 for o in offs) or any(s != 1 for s in strides):
+            continue
+        if len(offs) != len(src.type.shape) or len(res.type.shape) != len(offs):
+            continue
+        for use in list(res.uses):
+            owner = use.owner
+            # the memref operand of a load is #0, of a store #1 (#0 is the value stored)
+            if owner.name in _SCALAR_ACCESS and use.operand_number == (
+                1 if owner.name.endswith("store") else 0
+            ):
+                owner.operands[use.operand_number] = src
+                moved += 1
+    return moved
 
 
 def _run_reporting(pm: Any, op: Any) -> None:
