@@ -245,3 +245,69 @@ def test_fold_unit_subviews_only_moves_identity_slices() -> None:
         text = str(m)
     assert "affine.load %arg0[%arg2, %arg3] : memref<4x10xf32>" in text
     assert "affine.load %subview_0[" in text and "affine.load %subview_1[" in text
+
+
+@pytest.mark.parametrize("start,stop,step", [(0, 1001, 1), (3, 900, 1), (2, 1000, 3)])
+def test_slice_scatter_fuses_on_the_cpu(start: int, stop: int, step: int, tmp_path, monkeypatch):
+    """Note [slice_scatter in the kernel] (lower.py): a slice's backward (slice_scatter into
+    zeros) joins the kernel computing the gradient, which writes straight into the result's
+    slice: one kernel, no eager step, no copy left after bufferization, eager's bits (the
+    gradient, and zeros outside the slice). Offsets, and a stride; a GPU partition keeps
+    slice_scatter an eager step."""
+    from blutrain.compiler import fusion
+
+    monkeypatch.setenv("BLUTRAIN_COMPILE_CACHE", "0")
+    monkeypatch.setenv("BLUTRAIN_COMPILE_DUMP", str(tmp_path))
+    rows = 67
+    x = bt.tensor(RNG.normal(0.0, 3.0, (rows, 1024)).astype(np.float32), requires_grad=True)
+    n = len(range(start, stop, step))
+    t = bt.tensor(RNG.integers(0, n, rows).astype(np.int64))
+
+    def step_fn(x: bt.Tensor, t: bt.Tensor) -> bt.Tensor:
+        loss = bt.cross_entropy(x[:, start:stop:step] * 1.5, t)
+        loss.backward()
+        return loss
+
+    outs = []
+    for f in (step_fn, c := btc.compile(step_fn)):
+        x.grad = None
+        loss = f(x, t)
+        outs.append((loss.detach().numpy(), x.grad.numpy()))
+    for e, got in zip(*outs):
+        np.testing.assert_array_equal(got, e)
+    (prog,) = [p.prog for p in c.programs.values()]
+    assert prog.stats.eager_steps == 0 and prog.stats.groups == 1, prog.stats
+    assert any(n.op == "slice_scatter" for n in prog.part.groups[0].compute_nodes())
+    (buf,) = tmp_path.glob("*/02-bufferized.mlir")
+    assert "memref.copy" not in buf.read_text()
+    gpu = fusion.partition(prog.graph)  # cpu=False: what ptx_for and the GPU build use
+    assert any(
+        getattr(s, "node", None) is not None and s.node.op == "slice_scatter" for s in gpu.steps
+    )
+
+
+def test_strided_copies_become_loops() -> None:
+    """A memref.copy with a strided side (what bufferization leaves where a fused slice_scatter
+    inserts a slice of another value) becomes linalg.copy: LLVM would lower it to a call of
+    the runtime's memrefCopy, which the JIT lacks. A contiguous copy stays (memcpy)."""
+    from mlir import ir
+
+    from blutrain.compiler.program import _strided_copies_as_loops
+
+    src = """
+    func.func @f(%a: memref<4x10xf32>, %o: memref<4x10xf32>, %p: memref<4x10xf32>) {
+      %s = memref.subview %a[0, 3] [4, 7] [1, 1]
+          : memref<4x10xf32> to memref<4x7xf32, strided<[10, 1], offset: 3>>
+      %t = memref.subview %o[0, 0] [4, 7] [1, 1]
+          : memref<4x10xf32> to memref<4x7xf32, strided<[10, 1]>>
+      memref.copy %s, %t
+          : memref<4x7xf32, strided<[10, 1], offset: 3>> to memref<4x7xf32, strided<[10, 1]>>
+      memref.copy %a, %p : memref<4x10xf32> to memref<4x10xf32>
+      return
+    }"""
+    with ir.Context(), ir.Location.unknown():
+        m = ir.Module.parse(src)
+        assert _strided_copies_as_loops(m) == 1
+        assert m.operation.verify()
+        text = str(m)
+    assert "linalg.copy" in text and text.count("memref.copy") == 1

@@ -111,6 +111,8 @@ OTHER = {
     "scale_",
 }
 LOWERABLE = UNARY | BINARY | VIEWS | REDUCTIONS | COMPOSITES | OTHER
+# lowered for CPU targets only (fusion.partition(cpu=True)); eager steps on the GPU
+CPU_LOWERABLE = {"slice_scatter"}
 
 
 class LoweringError(Exception):
@@ -1271,6 +1273,40 @@ class Emitter:
             rt, t, [], [], [], dense(offs), dense(list(shape)), dense(strides)
         ).result
         return Ref(x.dtype, tuple(shape), sl)
+
+    def op_slice_scatter(self, n: Node) -> Ref:
+        """base with src written over base[..., start:stop:step, ...] (a slice's backward:
+        GPT-2's logits gradient into its vocabulary padding's zeros), as tensor.insert_slice.
+
+        Note [slice_scatter in the kernel]: eager fills a padded buffer, then copies the
+        gradient into its slice. Fused, the kernel that computes src writes it straight into the
+        result's slice (BUFFERIZE_CPU's eliminate-empty-tensors turns src's empty init into that
+        slice) after the base's values: no copy, no separate buffer for src, the same values. CPU
+        only: the GPU's row kernels do not take insert_slice."""
+        if not self.cpu:
+            raise LoweringError("slice_scatter is lowered for the CPU only")
+        shape, dt = self.out(n)
+        base, src = self.val(n.inputs[0]), self.val(n.inputs[1])
+        a = n.attrs
+        rank = len(shape)
+        d = norm_dim(a["dim"], rank)
+        step = int(a.get("step", 1) or 1)
+        start = int(a["start"])
+        start = start + shape[d] if start < 0 else start
+        if step <= 0 or tuple(base.shape) != tuple(shape) or len(src.shape) != rank:
+            raise LoweringError(f"slice_scatter of {src.shape} into {base.shape} step {step}")
+        # both through a generic of their own (fused into src's producer by FUSE): an input or
+        # a view inserted as it is would bufferize to memref.copy, which lowers to a runtime call
+        # (memrefCopy) the JIT does not have
+        b = self.ew(shape, dt, [self.cast_ref(base, dt)], lambda v: v).tensor
+        t = self.ew(tuple(src.shape), dt, [self.cast_ref(src, dt)], lambda v: v).tensor
+        dense = ir.DenseI64ArrayAttr.get
+        offs = [start if i == d else 0 for i in range(rank)]
+        strides = [step if i == d else 1 for i in range(rank)]
+        r = tensor.InsertSliceOp(
+            t, b, [], [], [], dense(offs), dense(list(src.shape)), dense(strides)
+        ).result
+        return Ref(dt, tuple(shape), r)
 
     def op_select(self, n: Node) -> Ref:
         shape, _ = self.out(n)

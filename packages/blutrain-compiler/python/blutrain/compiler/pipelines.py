@@ -13,6 +13,17 @@ BUFFERIZE = (
     "canonicalize, cse)"
 )
 
+# The CPU's: first empty-tensor elimination, so a value inserted into a larger one (slice_scatter,
+# Note [slice_scatter in the kernel] in lower.py) is computed in place in its slice; the second
+# canonicalize drops the self-copy of that slice bufferization leaves once cse merged the two
+# subviews. The GPU keeps BUFFERIZE (its row kernels take no insert_slice).
+BUFFERIZE_CPU = (
+    "builtin.module(eliminate-empty-tensors, one-shot-bufferize{bufferize-function-boundaries "
+    "function-boundary-type-conversion=identity-layout-map}, "
+    "buffer-results-to-out-params{hoist-static-allocs=true modify-public-functions=true}, "
+    "canonicalize, cse, canonicalize)"
+)
+
 # Small temporaries (a row's statistics) on the stack: no malloc in a kernel call.
 # Larger temporaries (a full-size value read by a gather) are freed by the deallocation pipeline.
 CPU_PREP = (
@@ -61,7 +72,7 @@ CPU_PARALLEL = (
 CPU_OMP = "builtin.module(convert-scf-to-openmp, canonicalize)"
 # for the cache key (the subview fold between CPU_TO_LOOPS and the rest is named in it)
 CPU_LOOPS = " ; ".join(
-    (CPU_PREP, CPU_TO_LOOPS, "fold-unit-subviews", CPU_SERIAL, CPU_PARALLEL, CPU_OMP)
+    (BUFFERIZE_CPU, CPU_PREP, CPU_TO_LOOPS, "fold-unit-subviews", CPU_SERIAL, CPU_PARALLEL, CPU_OMP)
 )
 
 CPU_LLVM = (

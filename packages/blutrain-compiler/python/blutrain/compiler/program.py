@@ -443,7 +443,7 @@ def _load_cached(graph: Graph, target: str, centry: Any, t0: float, dump: Any) -
         return None
     path, meta = hit
     bad = set(meta.get("unlowerable", []))
-    part = fusion.partition(graph, bad)
+    part = fusion.partition(graph, bad, cpu=not gpu)
     prog = Program(graph, part, target, graph.hash())
     try:
         if gpu:
@@ -502,7 +502,7 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
     bad: set[int] = set()
     # lower the groups; a node that fails runs eagerly and the partition is redone
     for _attempt in range(16):
-        part = fusion.partition(graph, bad)
+        part = fusion.partition(graph, bad, cpu=not gpu_t)
         prog = Program(graph, part, target, ghash)
         ctx = ir.Context()
         with ctx, ir.Location.unknown():
@@ -542,8 +542,9 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
             raise CompileError(
                 f"[compile] graph {ghash}: stage lowered: the module does not verify"
             )
-        stages = [("fused", pipelines.FUSE), ("bufferized", pipelines.BUFFERIZE)]
         gpu = target.startswith("cuda")
+        buf = pipelines.BUFFERIZE if gpu else pipelines.BUFFERIZE_CPU
+        stages = [("fused", pipelines.FUSE), ("bufferized", buf)]
         if not gpu:
             par = _parallel_groups(graph, part) if backend_cpu.omp_threads() else set()
             stages += [("loops", lambda m: _cpu_loops(m, par)), ("llvm", pipelines.CPU_LLVM)]
@@ -630,6 +631,7 @@ def _cpu_loops(module: Any, parallel: set[str]) -> None:
     or, for the groups in `parallel`, OpenMP worksharing loops (Note [parallel CPU loops])."""
     from mlir.passmanager import PassManager
 
+    _strided_copies_as_loops(module)
     PassManager.parse(pipelines.CPU_PREP).run(module.operation)
     PassManager.parse(pipelines.CPU_TO_LOOPS).run(module.operation)
     _fold_unit_subviews(module)
@@ -641,6 +643,37 @@ def _cpu_loops(module: Any, parallel: set[str]) -> None:
         name = op.operation.attributes["sym_name"].value
         _run_reporting(par if name in parallel else serial, op.operation)
     PassManager.parse(pipelines.CPU_OMP).run(module.operation)
+
+
+def _strided_copies_as_loops(module: Any) -> int:
+    """memref.copy ops with a strided side become linalg.copy (loops, like every other op of
+    the kernel); returns how many. LLVM lowering turns such a copy into a call of the runtime's
+    memrefCopy, which neither the JIT nor a cached kernel library has. Bufferization leaves one
+    where a fused slice_scatter inserts a value it could not compute in place (a slice of
+    another value: LLaMA's rotary backward); contiguous copies stay memcpy."""
+    from mlir import ir
+    from mlir.dialects import linalg
+
+    copies: list[Any] = []
+
+    def find(op: Any) -> Any:
+        if op.name == "memref.copy":
+            copies.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(find)
+    moved = 0
+    for op in copies:
+        src, dst = op.operands[0], op.operands[1]
+        if not any(
+            isinstance(ir.MemRefType(v.type).layout, ir.StridedLayoutAttr) for v in (src, dst)
+        ):
+            continue
+        with ir.InsertionPoint(op), op.location:
+            linalg.copy(src, outs=[dst])
+        op.erase()
+        moved += 1
+    return moved
 
 
 _SCALAR_ACCESS = {"affine.load", "affine.store", "memref.load", "memref.store"}
