@@ -311,3 +311,49 @@ def test_strided_copies_become_loops() -> None:
         assert m.operation.verify()
         text = str(m)
     assert "linalg.copy" in text and text.count("memref.copy") == 1
+
+
+def test_small_nests_of_a_parallel_kernel_stay_serial() -> None:
+    """Note [small nests stay serial] (program.py): in a parallel kernel, a parallel loop whose
+    nest does fewer than PARALLEL_MIN iterations (a row statistic, a lane fill) becomes a serial
+    loop, with the same body; a nest at or above it, and one with a bound only known at run
+    time, keep their fork."""
+    from mlir import ir
+
+    from blutrain.compiler.program import _serialize_small_nests
+
+    src = """
+    func.func @f(%a: memref<64xf32>, %b: memref<512x100xf32>, %n: index) {
+      %c0 = arith.constant 0 : index
+      %c1 = arith.constant 1 : index
+      %c8 = arith.constant 8 : index
+      %c64 = arith.constant 64 : index
+      %c100 = arith.constant 100 : index
+      %c512 = arith.constant 512 : index
+      scf.parallel (%i) = (%c0) to (%c64) step (%c1) {
+        %v = memref.load %a[%i] : memref<64xf32>
+        %w = arith.addf %v, %v : f32
+        memref.store %w, %a[%i] : memref<64xf32>
+        scf.reduce
+      }
+      scf.parallel (%i) = (%c0) to (%c512) step (%c1) {
+        scf.for %j = %c0 to %c100 step %c8 {
+          %v = memref.load %b[%i, %j] : memref<512x100xf32>
+          memref.store %v, %b[%i, %j] : memref<512x100xf32>
+        }
+        scf.reduce
+      }
+      scf.parallel (%i) = (%c0) to (%n) step (%c1) {
+        %v = memref.load %a[%i] : memref<64xf32>
+        memref.store %v, %a[%i] : memref<64xf32>
+        scf.reduce
+      }
+      return
+    }"""
+    with ir.Context(), ir.Location.unknown():
+        m = ir.Module.parse(src)
+        assert _serialize_small_nests(m, pipelines.PARALLEL_MIN) == 1  # 64 < 32768 <= 51200
+        assert m.operation.verify()
+        text = str(m)
+    assert text.count("scf.parallel") == 2 and text.count("scf.for") == 2
+    assert "arith.addf %0, %0" in text  # the serialized body, unchanged

@@ -72,7 +72,16 @@ CPU_PARALLEL = (
 CPU_OMP = "builtin.module(convert-scf-to-openmp, canonicalize)"
 # for the cache key (the subview fold between CPU_TO_LOOPS and the rest is named in it)
 CPU_LOOPS = " ; ".join(
-    (BUFFERIZE_CPU, CPU_PREP, CPU_TO_LOOPS, "fold-unit-subviews", CPU_SERIAL, CPU_PARALLEL, CPU_OMP)
+    (
+        BUFFERIZE_CPU,
+        CPU_PREP,
+        CPU_TO_LOOPS,
+        "fold-unit-subviews",
+        CPU_SERIAL,
+        CPU_PARALLEL,
+        "serialize-small-nests",
+        CPU_OMP,
+    )
 )
 
 CPU_LLVM = (

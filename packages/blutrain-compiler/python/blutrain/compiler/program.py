@@ -642,7 +642,88 @@ def _cpu_loops(module: Any, parallel: set[str]) -> None:
             continue
         name = op.operation.attributes["sym_name"].value
         _run_reporting(par if name in parallel else serial, op.operation)
+    _serialize_small_nests(module, pipelines.PARALLEL_MIN)
     PassManager.parse(pipelines.CPU_OMP).run(module.operation)
+
+
+def _const_index(v: Any) -> int | None:
+    op = v.owner
+    op = getattr(op, "operation", op)
+    if getattr(op, "name", "") != "arith.constant":
+        return None
+    from mlir import ir
+
+    return int(ir.IntegerAttr(op.attributes["value"]).value)
+
+
+def _nest_work(region: Any) -> int | None:
+    """Iterations of the innermost bodies of the loops in `region` (elements: a loop's trip is
+    ub - lb, its step ignored, so an 8-wide vector loop counts its elements); None where a bound
+    is not a constant."""
+    tot = 0
+    for blk in region.blocks:
+        for op in blk.operations:
+            o = op.operation
+            if o.name in ("scf.for", "scf.parallel"):
+                n = len(o.regions[0].blocks[0].arguments) if o.name == "scf.parallel" else 1
+                trip = 1
+                for d in range(n):
+                    lb, ub = _const_index(o.operands[d]), _const_index(o.operands[n + d])
+                    if lb is None or ub is None:
+                        return None
+                    trip *= max(ub - lb, 0)
+                inner = _nest_work(o.regions[0])
+                if inner is None:
+                    return None
+                tot += trip * max(inner, 1)
+                continue
+            for r in o.regions:
+                w = _nest_work(r)
+                if w is None:
+                    return None
+                tot += w
+    return tot
+
+
+def _serialize_small_nests(module: Any, min_work: int) -> int:
+    """Note [small nests stay serial]: a parallel kernel's every loop nest became a parallel
+    loop, and each is a fork and join of the thread team: the big nest that made the kernel
+    parallel, but also its row statistics (128 rows of a loss), lane fills and scalars. A
+    GPT-2 tiny step had 205 forks; on a shared machine each fork waits for every thread of
+    the team to be scheduled, so they cost far more than the work they split. A 1-D
+    scf.parallel whose nest does fewer than min_work iterations (PARALLEL_MIN, eager's own
+    size for going parallel) becomes the serial scf.for it was; its body is unchanged, so are
+    the numbers. Returns how many."""
+    from mlir import ir
+    from mlir.dialects import scf
+
+    pars: list[Any] = []
+
+    def find(op: Any) -> Any:
+        if op.name == "scf.parallel":
+            pars.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(find)
+    done = 0
+    for p in pars:
+        body = p.regions[0].blocks[0]
+        if len(body.arguments) != 1 or len(p.results) or len(p.operands) != 3:
+            continue  # multi-dimensional, or with reductions: left alone
+        w = _nest_work(p.regions[0])
+        lb, ub = _const_index(p.operands[0]), _const_index(p.operands[1])
+        if w is None or lb is None or ub is None or (ub - lb) * max(w, 1) >= min_work:
+            continue
+        with ir.InsertionPoint(p), p.location:
+            loop = scf.ForOp(p.operands[0], p.operands[1], p.operands[2])
+        with ir.InsertionPoint(loop.body), p.location:
+            end = scf.YieldOp([])
+        for op in list(body.operations)[:-1]:  # all but the scf.reduce terminator
+            op.operation.move_before(end)
+        body.arguments[0].replace_all_uses_with(loop.induction_variable)
+        p.erase()
+        done += 1
+    return done
 
 
 def _strided_copies_as_loops(module: Any) -> int:
