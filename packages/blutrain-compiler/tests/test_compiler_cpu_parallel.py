@@ -357,3 +357,20 @@ def test_small_nests_of_a_parallel_kernel_stay_serial() -> None:
         text = str(m)
     assert text.count("scf.parallel") == 2 and text.count("scf.for") == 2
     assert "arith.addf %0, %0" in text  # the serialized body, unchanged
+
+
+def test_sole_worksharing_loops_skip_the_barrier_before_the_join(tmp_path, monkeypatch) -> None:
+    """Note [no barrier before the join] (program.py): every omp.wsloop alone in its
+    omp.parallel region is `nowait` (the region's join waits for the team anyway), and the
+    kernels still equal eager (the parallel-equals-serial tests above run the same code)."""
+    monkeypatch.setenv("BLUTRAIN_COMPILE_CACHE", "0")
+    monkeypatch.setenv("BLUTRAIN_COMPILE_DUMP", str(tmp_path))
+    x, w = rand(263, 129), rand(129)
+    f = btc.compile(lambda a, b: bt.softmax(a * 2.0 + b, -1))
+    np.testing.assert_allclose(
+        f(x, w).numpy(), bt.softmax(x * 2.0 + w, -1).numpy(), rtol=0, atol=1e-6
+    )
+    (mlir,) = tmp_path.glob("*/03-loops.mlir")
+    text = mlir.read_text()
+    assert text.count("omp.wsloop") >= 1
+    assert text.count("omp.wsloop nowait") == text.count("omp.wsloop")

@@ -81,6 +81,7 @@ CPU_LOOPS = " ; ".join(
         CPU_PARALLEL,
         "serialize-small-nests",
         CPU_OMP,
+        "nowait-sole-loops",
     )
 )
 
