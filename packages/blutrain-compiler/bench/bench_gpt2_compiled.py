@@ -15,8 +15,9 @@ also prints its planned arena (program.stats.planned_bytes), its program's shape
 allocator calls a timed step makes: none from the program on the CPU (the embedding gathers
 write planned buffers, the returned loss and norm take turns in two buffers: Note [returned
 buffers] in program.py; on CUDA the gathers still allocate until the [gpu-pending] commit that
-enables index_select's out= there is verified) plus the 2 of AdamW.write_device_scalars
-outside the program (each fill_ with a Python float makes a 0-d tensor).
+enables index_select's out= there is verified), and none from AdamW.write_device_scalars on the
+CPU (Note [scalars written in place] in blutrain-models' optim.py; on CUDA its two fill_ calls
+still make a 0-d tensor each).
 Not a test: prints a table and writes JSON; a row that fails shows its error.
 """
 
