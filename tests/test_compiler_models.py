@@ -70,12 +70,10 @@ def _run_both(make, vocab: int, B: int, T: int) -> tuple:
     eager, compiled = _step(fe, oe), btc.compile(_step(fc, oc))
     mem = {"eager": 0, "compiled": 0, "allocs": []}
     for i, (x, y) in enumerate(data):
-        oe.write_device_scalars(lrs[i], i + 1)
-        le, ne, peak, _ = _measured(eager, x, y)
+        le, ne, peak, _ = _measured(eager, x, y, oe, lrs[i], i + 1)
         if i >= 1:
             mem["eager"] = max(mem["eager"], peak)
-        oc.write_device_scalars(lrs[i], i + 1)
-        lc, nc, peak, allocs = _measured(compiled, x, y)
+        lc, nc, peak, allocs = _measured(compiled, x, y, oc, lrs[i], i + 1)
         if i >= 1:  # the steady state: the first call captured and compiled
             (prog,) = [c.prog for c in compiled.programs.values()]
             mem["compiled"] = max(mem["compiled"], peak + prog.plan.size)  # + the held arena
@@ -95,11 +93,13 @@ def _run_both(make, vocab: int, B: int, T: int) -> tuple:
     return prog, mem
 
 
-def _measured(step, x, y) -> tuple:
+def _measured(step, x, y, opt: AdamW, lr: float, k: int) -> tuple:
     """(loss, norm, the step's peak bytes above what was allocated before it, allocator calls),
-    from blutrain.alloc's own statistics."""
+    from blutrain.alloc's own statistics; the window holds what a training loop does for a
+    step: AdamW's lr and step count written (write_device_scalars), then the call."""
     alloc.reset_peak_stats("cpu")
     s0 = alloc.stats("cpu")
+    opt.write_device_scalars(lr, k)
     loss, norm = step(x, y)
     s1 = alloc.stats("cpu")
     peak = s1["requested_bytes_peak"] - s0["requested_bytes"]
@@ -111,9 +111,10 @@ def _check_memory(prog, mem: dict) -> None:
     included) at most eager's, the arena itself no larger, and no allocator call at all in the
     steady state: GEMM outputs, fused kernels, the embedding gathers (index_select's out=), the
     embedding gradient's index_add, slice_scatter and the AdamW updates write planned or shared
-    memory, and the returned loss and norm take turns in two buffers each (Note [returned
+    memory, the returned loss and norm take turns in two buffers each (Note [returned
     buffers]: the second call, made while the caller still holds the first call's loss and
-    norm, allocates their second buffers; from the third call on, nothing)."""
+    norm, allocates their second buffers; from the third call on, nothing), and AdamW's lr
+    and step count are written in place (Note [scalars written in place], optim.py)."""
     assert 0 < prog.plan.size <= mem["compiled"] <= mem["eager"], mem | {"arena": prog.plan.size}
     assert prog.fresh_values() == []
     returned = len(prog.returned)

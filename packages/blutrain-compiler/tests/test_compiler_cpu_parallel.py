@@ -9,6 +9,8 @@ blocks split unevenly across threads.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -172,3 +174,203 @@ def test_layer_norm_keeps_eager_bits(C: int, rows: int, monkeypatch) -> None:
         outs.append([loss.detach().numpy(), h.detach().numpy()] + [t.grad.numpy() for t in leaves])
     for k, (e, c) in enumerate(zip(*outs)):
         np.testing.assert_array_equal(c, e, err_msg=f"output {k}")
+
+
+@pytest.mark.parametrize("C,pad", [(1001, 23), (1000, 24)])
+def test_sliced_logits_vectorize_and_keep_eager_bits(C: int, pad: int, tmp_path, monkeypatch):
+    """GPT-2's logits are the first 50257 of 50304 padded columns: a slice at offset 0 with
+    unit strides, whose strided layout affine-super-vectorize refuses. The loops read it
+    through its base buffer (Note [slices read through their base], pipelines.py), so the loss
+    kernel's max, exp sum and gradient loops are vector code, and the results (loss, the
+    padded logits' gradient: zeros in the padding) are eager's bit for bit. Both a ragged
+    (1001) and a whole number of lanes (1000)."""
+    monkeypatch.setenv("BLUTRAIN_COMPILE_CACHE", "0")
+    monkeypatch.setenv("BLUTRAIN_COMPILE_DUMP", str(tmp_path))
+    rows = 67  # rows * C >= PARALLEL_MIN: the parallel kernels
+    x = bt.tensor(RNG.normal(0.0, 3.0, (rows, C + pad)).astype(np.float32), requires_grad=True)
+    t = bt.tensor(RNG.integers(0, C, rows).astype(np.int64))
+
+    def step(x: bt.Tensor, t: bt.Tensor) -> bt.Tensor:
+        loss = bt.cross_entropy(x[:, :C] * 1.5, t)
+        loss.backward()
+        return loss
+
+    outs = []
+    for f in (step, btc.compile(step)):
+        x.grad = None
+        loss = f(x, t)
+        outs.append((loss.detach().numpy(), x.grad.numpy()))
+    for e, c in zip(*outs):
+        np.testing.assert_array_equal(c, e)
+    assert not outs[1][1][:, C:].any()
+    (mlir,) = tmp_path.glob("*/03-loops.mlir")
+    loops = mlir.read_text()
+    assert "omp.parallel" in loops
+    # no scalar access through the strided slice is left, and the exp sum is vector code
+    assert not re.search(r"memref\.load %subview\S*\[", loops), "a load through the slice"
+    assert "vector<8xf64>" in loops and "vector.transfer_read %arg0" in loops
+
+
+def test_fold_unit_subviews_only_moves_identity_slices() -> None:
+    """A slice at offset 0 with unit strides is read through its base at the same indices;
+    one at another offset, or with a stride, keeps its own accesses."""
+    from mlir import ir
+
+    from blutrain.compiler.program import _fold_unit_subviews
+
+    src = """
+    func.func @f(%a: memref<4x10xf32>, %o: memref<4x7xf32>) {
+      %s = memref.subview %a[0, 0] [4, 7] [1, 1]
+          : memref<4x10xf32> to memref<4x7xf32, strided<[10, 1]>>
+      %t = memref.subview %a[0, 3] [4, 7] [1, 1]
+          : memref<4x10xf32> to memref<4x7xf32, strided<[10, 1], offset: 3>>
+      %u = memref.subview %a[0, 0] [4, 5] [1, 2]
+          : memref<4x10xf32> to memref<4x5xf32, strided<[10, 2]>>
+      affine.for %i = 0 to 4 {
+        affine.for %j = 0 to 5 {
+          %v = affine.load %s[%i, %j] : memref<4x7xf32, strided<[10, 1]>>
+          %w = affine.load %t[%i, %j] : memref<4x7xf32, strided<[10, 1], offset: 3>>
+          %x = affine.load %u[%i, %j] : memref<4x5xf32, strided<[10, 2]>>
+          %y = arith.addf %v, %w : f32
+          %z = arith.addf %y, %x : f32
+          affine.store %z, %o[%i, %j] : memref<4x7xf32>
+        }
+      }
+      return
+    }"""
+    with ir.Context(), ir.Location.unknown():
+        m = ir.Module.parse(src)
+        assert _fold_unit_subviews(m) == 1
+        assert m.operation.verify()
+        text = str(m)
+    assert "affine.load %arg0[%arg2, %arg3] : memref<4x10xf32>" in text
+    assert "affine.load %subview_0[" in text and "affine.load %subview_1[" in text
+
+
+@pytest.mark.parametrize("start,stop,step", [(0, 1001, 1), (3, 900, 1), (2, 1000, 3)])
+def test_slice_scatter_fuses_on_the_cpu(start: int, stop: int, step: int, tmp_path, monkeypatch):
+    """Note [slice_scatter in the kernel] (lower.py): a slice's backward (slice_scatter into
+    zeros) joins the kernel computing the gradient, which writes straight into the result's
+    slice: one kernel, no eager step, no copy left after bufferization, eager's bits (the
+    gradient, and zeros outside the slice). Offsets, and a stride; a GPU partition keeps
+    slice_scatter an eager step."""
+    from blutrain.compiler import fusion
+
+    monkeypatch.setenv("BLUTRAIN_COMPILE_CACHE", "0")
+    monkeypatch.setenv("BLUTRAIN_COMPILE_DUMP", str(tmp_path))
+    rows = 67
+    x = bt.tensor(RNG.normal(0.0, 3.0, (rows, 1024)).astype(np.float32), requires_grad=True)
+    n = len(range(start, stop, step))
+    t = bt.tensor(RNG.integers(0, n, rows).astype(np.int64))
+
+    def step_fn(x: bt.Tensor, t: bt.Tensor) -> bt.Tensor:
+        loss = bt.cross_entropy(x[:, start:stop:step] * 1.5, t)
+        loss.backward()
+        return loss
+
+    outs = []
+    for f in (step_fn, c := btc.compile(step_fn)):
+        x.grad = None
+        loss = f(x, t)
+        outs.append((loss.detach().numpy(), x.grad.numpy()))
+    for e, got in zip(*outs):
+        np.testing.assert_array_equal(got, e)
+    (prog,) = [p.prog for p in c.programs.values()]
+    assert prog.stats.eager_steps == 0 and prog.stats.groups == 1, prog.stats
+    assert any(n.op == "slice_scatter" for n in prog.part.groups[0].compute_nodes())
+    (buf,) = tmp_path.glob("*/02-bufferized.mlir")
+    assert "memref.copy" not in buf.read_text()
+    gpu = fusion.partition(prog.graph)  # cpu=False: what ptx_for and the GPU build use
+    assert any(
+        getattr(s, "node", None) is not None and s.node.op == "slice_scatter" for s in gpu.steps
+    )
+
+
+def test_strided_copies_become_loops() -> None:
+    """A memref.copy with a strided side (what bufferization leaves where a fused slice_scatter
+    inserts a slice of another value) becomes linalg.copy: LLVM would lower it to a call of
+    the runtime's memrefCopy, which the JIT lacks. A contiguous copy stays (memcpy)."""
+    from mlir import ir
+
+    from blutrain.compiler.program import _strided_copies_as_loops
+
+    src = """
+    func.func @f(%a: memref<4x10xf32>, %o: memref<4x10xf32>, %p: memref<4x10xf32>) {
+      %s = memref.subview %a[0, 3] [4, 7] [1, 1]
+          : memref<4x10xf32> to memref<4x7xf32, strided<[10, 1], offset: 3>>
+      %t = memref.subview %o[0, 0] [4, 7] [1, 1]
+          : memref<4x10xf32> to memref<4x7xf32, strided<[10, 1]>>
+      memref.copy %s, %t
+          : memref<4x7xf32, strided<[10, 1], offset: 3>> to memref<4x7xf32, strided<[10, 1]>>
+      memref.copy %a, %p : memref<4x10xf32> to memref<4x10xf32>
+      return
+    }"""
+    with ir.Context(), ir.Location.unknown():
+        m = ir.Module.parse(src)
+        assert _strided_copies_as_loops(m) == 1
+        assert m.operation.verify()
+        text = str(m)
+    assert "linalg.copy" in text and text.count("memref.copy") == 1
+
+
+def test_small_nests_of_a_parallel_kernel_stay_serial() -> None:
+    """Note [small nests stay serial] (program.py): in a parallel kernel, a parallel loop whose
+    nest does fewer than PARALLEL_MIN iterations (a row statistic, a lane fill) becomes a serial
+    loop, with the same body; a nest at or above it, and one with a bound only known at run
+    time, keep their fork."""
+    from mlir import ir
+
+    from blutrain.compiler.program import _serialize_small_nests
+
+    src = """
+    func.func @f(%a: memref<64xf32>, %b: memref<512x100xf32>, %n: index) {
+      %c0 = arith.constant 0 : index
+      %c1 = arith.constant 1 : index
+      %c8 = arith.constant 8 : index
+      %c64 = arith.constant 64 : index
+      %c100 = arith.constant 100 : index
+      %c512 = arith.constant 512 : index
+      scf.parallel (%i) = (%c0) to (%c64) step (%c1) {
+        %v = memref.load %a[%i] : memref<64xf32>
+        %w = arith.addf %v, %v : f32
+        memref.store %w, %a[%i] : memref<64xf32>
+        scf.reduce
+      }
+      scf.parallel (%i) = (%c0) to (%c512) step (%c1) {
+        scf.for %j = %c0 to %c100 step %c8 {
+          %v = memref.load %b[%i, %j] : memref<512x100xf32>
+          memref.store %v, %b[%i, %j] : memref<512x100xf32>
+        }
+        scf.reduce
+      }
+      scf.parallel (%i) = (%c0) to (%n) step (%c1) {
+        %v = memref.load %a[%i] : memref<64xf32>
+        memref.store %v, %a[%i] : memref<64xf32>
+        scf.reduce
+      }
+      return
+    }"""
+    with ir.Context(), ir.Location.unknown():
+        m = ir.Module.parse(src)
+        assert _serialize_small_nests(m, pipelines.PARALLEL_MIN) == 1  # 64 < 32768 <= 51200
+        assert m.operation.verify()
+        text = str(m)
+    assert text.count("scf.parallel") == 2 and text.count("scf.for") == 2
+    assert "arith.addf %0, %0" in text  # the serialized body, unchanged
+
+
+def test_sole_worksharing_loops_skip_the_barrier_before_the_join(tmp_path, monkeypatch) -> None:
+    """Note [no barrier before the join] (program.py): every omp.wsloop alone in its
+    omp.parallel region is `nowait` (the region's join waits for the team anyway), and the
+    kernels still equal eager (the parallel-equals-serial tests above run the same code)."""
+    monkeypatch.setenv("BLUTRAIN_COMPILE_CACHE", "0")
+    monkeypatch.setenv("BLUTRAIN_COMPILE_DUMP", str(tmp_path))
+    x, w = rand(263, 129), rand(129)
+    f = btc.compile(lambda a, b: bt.softmax(a * 2.0 + b, -1))
+    np.testing.assert_allclose(
+        f(x, w).numpy(), bt.softmax(x * 2.0 + w, -1).numpy(), rtol=0, atol=1e-6
+    )
+    (mlir,) = tmp_path.glob("*/03-loops.mlir")
+    text = mlir.read_text()
+    assert text.count("omp.wsloop") >= 1
+    assert text.count("omp.wsloop nowait") == text.count("omp.wsloop")

@@ -6,6 +6,7 @@ docs/graph_format.md in blutrain-tensor)."""
 from __future__ import annotations
 
 import numpy as np
+from mlir import ir
 
 import blutrain.tensor as bt
 from blutrain.compiler import program
@@ -122,3 +123,33 @@ def test_accumulate_grad_with_and_without_prev() -> None:
     env = prog.run([bt.zeros((4, 3)), bt.tensor(a), bt.tensor(b)])
     np.testing.assert_array_equal(prog.value(env, 3).numpy(), a)
     np.testing.assert_array_equal(prog.value(env, 4).numpy(), b + a)
+
+
+def test_grad_norm_chunks_side_by_side_keep_eager_bits() -> None:
+    """Note [chunk sums side by side] (lower.py): the chunks of 4096 elements summed 8 at a time
+    side by side, the rest one after another, the tail last: for one tensor the compiled norm is
+    eager's GradNorm bit for bit (the same float partials added in float64 in the same order).
+    Chunk counts: fewer than a group (7), one whole group (8), groups with 3 chunks left over
+    and a ragged tail (19 + 123 elements), a float64 tensor (double partials)."""
+    K = 4096
+    for numel, dt in (
+        (7 * K + 5, "float32"),
+        (8 * K, "float32"),
+        (19 * K + 123, "float32"),
+        (17 * K + 1, "float64"),
+    ):
+        x = (RNG.standard_normal(numel) * RNG.uniform(0.1, 10.0)).astype(dt)
+        shape = (numel // 2, 2) if numel % 2 == 0 else (numel,)
+        g = _graph([shape], [dt], [("grad_norm", {}, [0], [((), dt)])], lambda g: [1])
+        prog = program.build(g, "cpu")
+        env = prog.run([bt.tensor(x.reshape(shape))])
+        got = prog.value(env, 1).numpy()
+        ref = bt.optim.grad_norm([bt.tensor(x.reshape(shape))]).numpy()
+        assert got.tobytes() == ref.tobytes(), (numel, dt, got, ref)
+        np.testing.assert_allclose(got, np.sqrt((x.astype(np.float64) ** 2).sum()), rtol=1e-6)
+        groups = numel // K // 8
+        if groups:  # the partials of whole groups: one (groups, 8) accumulator
+            with ir.Context(), ir.Location.unknown():
+                text = str(prog.lower_all())
+            acc = "f32" if dt == "float32" else "f64"
+            assert f"tensor<{groups}x8x4096x{acc}>" in text and f"tensor<{groups}x8x{acc}>" in text

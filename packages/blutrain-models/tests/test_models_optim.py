@@ -233,6 +233,29 @@ def test_adamw_device_scalars_give_the_same_bits(rng):
         AdamW({"w": bt.tensor(w0, requires_grad=True)}, fused=False).use_device_scalars(True)
 
 
+def test_device_scalars_written_in_place_without_allocator_calls(rng):
+    """Note [scalars written in place]: on the CPU write_device_scalars writes the lr and step
+    tensors through numpy views of their memory: no allocator call (blutrain.alloc's count),
+    the same tensors (a compiled program holds them), and fill_'s float32 rounding of the same
+    double, for lrs that are not float32 values."""
+    import blutrain.alloc as alloc
+
+    opt = AdamW({"w": bt.tensor(rng.standard_normal((3, 4)).astype(np.float32))})
+    opt.use_device_scalars(True)
+    lr_t, step_t = opt._dev_scalars["cpu"]
+    ptrs = (lr_t.data_ptr(), step_t.data_ptr())
+    ref = bt.zeros((), dtype=bt.float32)
+    for k in range(20):
+        lr = float(rng.uniform(1e-6, 1e-2))
+        before = alloc.stats("cpu")["alloc_count"]
+        opt.write_device_scalars(lr, k + 1)
+        assert alloc.stats("cpu")["alloc_count"] == before
+        ref.fill_(lr)
+        assert lr_t.numpy().tobytes() == ref.numpy().tobytes()
+        assert float(step_t.item()) == k + 1 and opt.lr == lr
+    assert (lr_t.data_ptr(), step_t.data_ptr()) == ptrs
+
+
 def test_cuda_graph_needs_a_gpu(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     from blutrain.models.train_config import TrainConfig

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from . import eager
 from .graph import Graph, Node
-from .lower import LOWERABLE
+from .lower import CPU_LOWERABLE, LOWERABLE
 
 MAX_GROUP_NODES = 256  # nodes (views included) per group: bounds MLIR compile time per kernel
 # Old captures (before the graph contract) record accumulate_grad without an output: a side
@@ -65,12 +65,13 @@ def _scalar_group(G: Group, g: Graph) -> bool:
     return bool(outs) and all(g.values[o].numel <= 1 for o in outs)
 
 
-def lowerable(n: Node) -> bool:
-    return n.op in LOWERABLE and n.op not in eager.LIBRARY_OPS
+def lowerable(n: Node, cpu: bool = False) -> bool:
+    return (n.op in LOWERABLE or (cpu and n.op in CPU_LOWERABLE)) and n.op not in eager.LIBRARY_OPS
 
 
-def partition(g: Graph, unlowerable: set[int] | None = None) -> Partition:
-    """unlowerable: node indices whose lowering failed (they become eager fallbacks)."""
+def partition(g: Graph, unlowerable: set[int] | None = None, cpu: bool = False) -> Partition:
+    """unlowerable: node indices whose lowering failed (they become eager fallbacks). cpu: the
+    target is the CPU (CPU_LOWERABLE ops fuse too)."""
     bad = unlowerable or set()
     prod = g.producer()
     steps: list[Group | EagerStep] = []
@@ -105,7 +106,7 @@ def partition(g: Graph, unlowerable: set[int] | None = None) -> Partition:
             side.append(n)
             continue
         dev = g.values[n.outputs[0]].device if n.outputs else "cpu"
-        if lowerable(n) and n.index not in bad:
+        if lowerable(n, cpu) and n.index not in bad:
             deps: list[Group] = []
             views: list[Node] = []
             for i in n.inputs:

@@ -111,6 +111,8 @@ OTHER = {
     "scale_",
 }
 LOWERABLE = UNARY | BINARY | VIEWS | REDUCTIONS | COMPOSITES | OTHER
+# lowered for CPU targets only (fusion.partition(cpu=True)); eager steps on the GPU
+CPU_LOWERABLE = {"slice_scatter"}
 
 
 class LoweringError(Exception):
@@ -1042,16 +1044,21 @@ class Emitter:
                     dense([1]),
                 ).result
             )
-            ps = part(self._reshape_tensor(body, (nfull * K,), (nfull, K), x.dtype), (nfull, K))
-            tot = self.reduce(
-                (nfull,),
-                [0],
-                D,
-                0.0,
-                [ps],
-                lambda v: S.cast(v, cd, D),
-                lambda p_, q: arith.addf(q, p_),
-            )
+            W = self.SUMSQ_GROUP
+            groups = nfull // W if self.cpu and not self.flat else 0
+            if groups:
+                tot = self._sumsq_side_by_side(body, nfull, groups, x.dtype, cd, sq)
+            else:
+                ps = part(self._reshape_tensor(body, (nfull * K,), (nfull, K), x.dtype), (nfull, K))
+                tot = self.reduce(
+                    (nfull,),
+                    [0],
+                    D,
+                    0.0,
+                    [ps],
+                    lambda v: S.cast(v, cd, D),
+                    lambda p_, q: arith.addf(q, p_),
+                )
         if rem:
             tail = tensor.ExtractSliceOp(
                 ir.RankedTensorType.get([rem], et),
@@ -1065,6 +1072,88 @@ class Emitter:
             ).result
             pt = self.ew((), D, [part(tail, (rem,))], lambda v: S.cast(v, cd, D))
             tot = pt if tot is None else self.ew((), D, [tot, pt], lambda p_, q: arith.addf(p_, q))
+        return tot
+
+    # Note [chunk sums side by side]: each OPTIM_CHUNK chunk's sum of squares is one chain of
+    # dependent float adds (eager's order, kept). Looped chunk after chunk, the CPU waits out
+    # every add's latency (a 6.4M-element embedding gradient: ~9 ms at one thread, eager 2-3);
+    # eager's GradNorm runs SUMSQ_GROUP chunks side by side (sum_squares<8>), so the chains
+    # overlap. Here likewise: a (groups, OPTIM_CHUNK, SUMSQ_GROUP) generic whose innermost loop
+    # steps across the chunks of a group, each with its own accumulator; every chunk's sum keeps
+    # its order, so the partials, and their float64 sum in chunk order, are the same numbers.
+    # Chunks that do not fill a group are summed one after another, continuing that sum. CPU
+    # only (the GPU's row kernels map reductions themselves).
+    SUMSQ_GROUP = 8  # chunks summed side by side (blutrain-tensor's GradNorm kGroup)
+
+    def _sumsq_side_by_side(
+        self,
+        body: ir.Value,
+        nfull: int,
+        groups: int,
+        dtype: str,
+        cd: str,
+        sq: Callable[[ir.Value], ir.Value],
+    ) -> Ref:
+        """The float64 sum, in chunk order, of the partial sums of squares of the nfull whole
+        chunks of `body` (1-D, nfull * OPTIM_CHUNK elements), groups of SUMSQ_GROUP chunks side
+        by side (Note [chunk sums side by side])."""
+        D, K, W = "float64", self.OPTIM_CHUNK, self.SUMSQ_GROUP
+        et = S.storage_type(dtype)
+        dense = ir.DenseI64ArrayAttr.get
+
+        def piece(start: int, count: int) -> ir.Value:
+            """Chunks [start, start + count) of body, as a (count * K,) tensor."""
+            if start == 0 and count == nfull:
+                return body
+            return tensor.ExtractSliceOp(
+                ir.RankedTensorType.get([count * K], et),
+                body,
+                [],
+                [],
+                [],
+                dense([start * K]),
+                dense([count * K]),
+                dense([1]),
+            ).result
+
+        g3 = self._reshape_tensor(piece(0, groups * W), (groups * W * K,), (groups, W, K), dtype)
+        src = Ref(dtype, (groups, W, K), g3).view((groups, K, W), lambda e: [e[0], e[2], e[1]])
+        (pt,) = self.generic(
+            (groups, K, W),
+            [1],
+            [src],
+            [(cd, self.filled((groups, W), cd, 0.0))],
+            lambda v, acc: [arith.addf(acc, sq(v))],
+        )
+        tot = self.reduce(
+            (groups, W),
+            [0, 1],
+            D,
+            0.0,
+            [Ref(cd, (groups, W), pt)],
+            lambda v: S.cast(v, cd, D),
+            lambda p_, q: arith.addf(q, p_),
+        )
+        rest = nfull - groups * W
+        if rest:
+            r2 = self._reshape_tensor(piece(groups * W, rest), (rest * K,), (rest, K), dtype)
+            pr = self.reduce(
+                (rest, K),
+                [1],
+                cd,
+                0.0,
+                [Ref(dtype, (rest, K), r2)],
+                sq,
+                lambda p_, q: arith.addf(q, p_),
+            )
+            (tt,) = self.generic(
+                (rest,),
+                [0],
+                [pr],
+                [(D, self.materialize(tot))],
+                lambda v, acc: [arith.addf(acc, S.cast(v, cd, D))],
+            )
+            tot = Ref(D, (), tt)
         return tot
 
     def op_clip_coef(self, n: Node) -> Ref:
@@ -1184,6 +1273,40 @@ class Emitter:
             rt, t, [], [], [], dense(offs), dense(list(shape)), dense(strides)
         ).result
         return Ref(x.dtype, tuple(shape), sl)
+
+    def op_slice_scatter(self, n: Node) -> Ref:
+        """base with src written over base[..., start:stop:step, ...] (a slice's backward:
+        GPT-2's logits gradient into its vocabulary padding's zeros), as tensor.insert_slice.
+
+        Note [slice_scatter in the kernel]: eager fills a padded buffer, then copies the
+        gradient into its slice. Fused, the kernel that computes src writes it straight into the
+        result's slice (BUFFERIZE_CPU's eliminate-empty-tensors turns src's empty init into that
+        slice) after the base's values: no copy, no separate buffer for src, the same values. CPU
+        only: the GPU's row kernels do not take insert_slice."""
+        if not self.cpu:
+            raise LoweringError("slice_scatter is lowered for the CPU only")
+        shape, dt = self.out(n)
+        base, src = self.val(n.inputs[0]), self.val(n.inputs[1])
+        a = n.attrs
+        rank = len(shape)
+        d = norm_dim(a["dim"], rank)
+        step = int(a.get("step", 1) or 1)
+        start = int(a["start"])
+        start = start + shape[d] if start < 0 else start
+        if step <= 0 or tuple(base.shape) != tuple(shape) or len(src.shape) != rank:
+            raise LoweringError(f"slice_scatter of {src.shape} into {base.shape} step {step}")
+        # both through a generic of their own (fused into src's producer by FUSE): an input or
+        # a view inserted as it is would bufferize to memref.copy, which lowers to a runtime call
+        # (memrefCopy) the JIT does not have
+        b = self.ew(shape, dt, [self.cast_ref(base, dt)], lambda v: v).tensor
+        t = self.ew(tuple(src.shape), dt, [self.cast_ref(src, dt)], lambda v: v).tensor
+        dense = ir.DenseI64ArrayAttr.get
+        offs = [start if i == d else 0 for i in range(rank)]
+        strides = [step if i == d else 1 for i in range(rank)]
+        r = tensor.InsertSliceOp(
+            t, b, [], [], [], dense(offs), dense(list(src.shape)), dense(strides)
+        ).result
+        return Ref(dt, tuple(shape), r)
 
     def op_select(self, n: Node) -> Ref:
         shape, _ = self.out(n)

@@ -13,6 +13,17 @@ BUFFERIZE = (
     "canonicalize, cse)"
 )
 
+# The CPU's: first empty-tensor elimination, so a value inserted into a larger one (slice_scatter,
+# Note [slice_scatter in the kernel] in lower.py) is computed in place in its slice; the second
+# canonicalize drops the self-copy of that slice bufferization leaves once cse merged the two
+# subviews. The GPU keeps BUFFERIZE (its row kernels take no insert_slice).
+BUFFERIZE_CPU = (
+    "builtin.module(eliminate-empty-tensors, one-shot-bufferize{bufferize-function-boundaries "
+    "function-boundary-type-conversion=identity-layout-map}, "
+    "buffer-results-to-out-params{hoist-static-allocs=true modify-public-functions=true}, "
+    "canonicalize, cse, canonicalize)"
+)
+
 # Small temporaries (a row's statistics) on the stack: no malloc in a kernel call.
 # Larger temporaries (a full-size value read by a gather) are freed by the deallocation pipeline.
 CPU_PREP = (
@@ -38,19 +49,41 @@ CPU_PREP = (
 # loop over its columns: the vectorised loops would otherwise redo them every 8 elements.
 # Moving code changes no arithmetic.
 PARALLEL_MIN = 32768  # elements; blutrain.tensor's eager kernels go parallel at the same size
+#
+# Note [slices read through their base]: between the two, program._fold_unit_subviews makes
+# the loops read a slice that starts at 0 with unit strides (GPT-2's logits: the first 50257 of
+# 50304 padded columns) from its base buffer at the same indices. The slice's strided layout
+# is what affine-super-vectorize refuses ('NYI: non-trivial layout map'): the loss kernels over
+# those logits (max, exp sum, gradient) ran scalar, 4x slower than eager's. Same addresses,
+# same arithmetic; a vector read past the slice's last column stays inside the base's row or
+# is masked by the base's bounds, and its lanes are never stored.
+CPU_TO_LOOPS = "builtin.module(func.func(convert-linalg-to-affine-loops))"
 CPU_SERIAL = (
-    "func.func(convert-linalg-to-affine-loops, affine-loop-normalize{promote-single-iter=true}, "
+    "func.func(affine-loop-normalize{promote-single-iter=true}, "
     "affine-loop-invariant-code-motion, "
     "affine-super-vectorize{virtual-vector-size=8 test-fastest-varying=0}, lower-affine)"
 )
 CPU_PARALLEL = (
-    "func.func(convert-linalg-to-affine-loops, affine-parallelize{max-nested=1}, "
+    "func.func(affine-parallelize{max-nested=1}, "
     "affine-loop-normalize{promote-single-iter=true}, "
     "affine-loop-invariant-code-motion, "
     "affine-super-vectorize{virtual-vector-size=8 test-fastest-varying=0}, lower-affine)"
 )
 CPU_OMP = "builtin.module(convert-scf-to-openmp, canonicalize)"
-CPU_LOOPS = " ; ".join((CPU_PREP, CPU_SERIAL, CPU_PARALLEL, CPU_OMP))  # for the cache key
+# for the cache key (the subview fold between CPU_TO_LOOPS and the rest is named in it)
+CPU_LOOPS = " ; ".join(
+    (
+        BUFFERIZE_CPU,
+        CPU_PREP,
+        CPU_TO_LOOPS,
+        "fold-unit-subviews",
+        CPU_SERIAL,
+        CPU_PARALLEL,
+        "serialize-small-nests",
+        CPU_OMP,
+        "nowait-sole-loops",
+    )
+)
 
 CPU_LLVM = (
     "builtin.module(func.func(convert-vector-to-scf, lower-vector-mask), expand-strided-metadata, "

@@ -443,7 +443,7 @@ def _load_cached(graph: Graph, target: str, centry: Any, t0: float, dump: Any) -
         return None
     path, meta = hit
     bad = set(meta.get("unlowerable", []))
-    part = fusion.partition(graph, bad)
+    part = fusion.partition(graph, bad, cpu=not gpu)
     prog = Program(graph, part, target, graph.hash())
     try:
         if gpu:
@@ -502,7 +502,7 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
     bad: set[int] = set()
     # lower the groups; a node that fails runs eagerly and the partition is redone
     for _attempt in range(16):
-        part = fusion.partition(graph, bad)
+        part = fusion.partition(graph, bad, cpu=not gpu_t)
         prog = Program(graph, part, target, ghash)
         ctx = ir.Context()
         with ctx, ir.Location.unknown():
@@ -542,8 +542,9 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
             raise CompileError(
                 f"[compile] graph {ghash}: stage lowered: the module does not verify"
             )
-        stages = [("fused", pipelines.FUSE), ("bufferized", pipelines.BUFFERIZE)]
         gpu = target.startswith("cuda")
+        buf = pipelines.BUFFERIZE if gpu else pipelines.BUFFERIZE_CPU
+        stages = [("fused", pipelines.FUSE), ("bufferized", buf)]
         if not gpu:
             par = _parallel_groups(graph, part) if backend_cpu.omp_threads() else set()
             stages += [("loops", lambda m: _cpu_loops(m, par)), ("llvm", pipelines.CPU_LLVM)]
@@ -630,7 +631,10 @@ def _cpu_loops(module: Any, parallel: set[str]) -> None:
     or, for the groups in `parallel`, OpenMP worksharing loops (Note [parallel CPU loops])."""
     from mlir.passmanager import PassManager
 
+    _strided_copies_as_loops(module)
     PassManager.parse(pipelines.CPU_PREP).run(module.operation)
+    PassManager.parse(pipelines.CPU_TO_LOOPS).run(module.operation)
+    _fold_unit_subviews(module)
     serial = PassManager.parse(pipelines.CPU_SERIAL)
     par = PassManager.parse(pipelines.CPU_PARALLEL)
     for op in module.body.operations:
@@ -638,7 +642,190 @@ def _cpu_loops(module: Any, parallel: set[str]) -> None:
             continue
         name = op.operation.attributes["sym_name"].value
         _run_reporting(par if name in parallel else serial, op.operation)
+    _serialize_small_nests(module, pipelines.PARALLEL_MIN)
     PassManager.parse(pipelines.CPU_OMP).run(module.operation)
+    _nowait_sole_loops(module)
+
+
+def _const_index(v: Any) -> int | None:
+    op = v.owner
+    op = getattr(op, "operation", op)
+    if getattr(op, "name", "") != "arith.constant":
+        return None
+    from mlir import ir
+
+    return int(ir.IntegerAttr(op.attributes["value"]).value)
+
+
+def _nest_work(region: Any) -> int | None:
+    """Iterations of the innermost bodies of the loops in `region` (elements: a loop's trip is
+    ub - lb, its step ignored, so an 8-wide vector loop counts its elements); None where a bound
+    is not a constant."""
+    tot = 0
+    for blk in region.blocks:
+        for op in blk.operations:
+            o = op.operation
+            if o.name in ("scf.for", "scf.parallel"):
+                n = len(o.regions[0].blocks[0].arguments) if o.name == "scf.parallel" else 1
+                trip = 1
+                for d in range(n):
+                    lb, ub = _const_index(o.operands[d]), _const_index(o.operands[n + d])
+                    if lb is None or ub is None:
+                        return None
+                    trip *= max(ub - lb, 0)
+                inner = _nest_work(o.regions[0])
+                if inner is None:
+                    return None
+                tot += trip * max(inner, 1)
+                continue
+            for r in o.regions:
+                w = _nest_work(r)
+                if w is None:
+                    return None
+                tot += w
+    return tot
+
+
+def _serialize_small_nests(module: Any, min_work: int) -> int:
+    """Note [small nests stay serial]: a parallel kernel's every loop nest became a parallel
+    loop, and each is a fork and join of the thread team: the big nest that made the kernel
+    parallel, but also its row statistics (128 rows of a loss), lane fills and scalars. A
+    GPT-2 tiny step had 205 forks; on a shared machine each fork waits for every thread of
+    the team to be scheduled, so they cost far more than the work they split. A 1-D
+    scf.parallel whose nest does fewer than min_work iterations (PARALLEL_MIN, eager's own
+    size for going parallel) becomes the serial scf.for it was; its body is unchanged, so are
+    the numbers. Returns how many."""
+    from mlir import ir
+    from mlir.dialects import scf
+
+    pars: list[Any] = []
+
+    def find(op: Any) -> Any:
+        if op.name == "scf.parallel":
+            pars.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(find)
+    done = 0
+    for p in pars:
+        body = p.regions[0].blocks[0]
+        if len(body.arguments) != 1 or len(p.results) or len(p.operands) != 3:
+            continue  # multi-dimensional, or with reductions: left alone
+        w = _nest_work(p.regions[0])
+        lb, ub = _const_index(p.operands[0]), _const_index(p.operands[1])
+        if w is None or lb is None or ub is None or (ub - lb) * max(w, 1) >= min_work:
+            continue
+        with ir.InsertionPoint(p), p.location:
+            loop = scf.ForOp(p.operands[0], p.operands[1], p.operands[2])
+        with ir.InsertionPoint(loop.body), p.location:
+            end = scf.YieldOp([])
+        for op in list(body.operations)[:-1]:  # all but the scf.reduce terminator
+            op.operation.move_before(end)
+        body.arguments[0].replace_all_uses_with(loop.induction_variable)
+        p.erase()
+        done += 1
+    return done
+
+
+def _nowait_sole_loops(module: Any) -> int:
+    """Note [no barrier before the join]: convert-scf-to-openmp gives each parallel loop its own
+    omp.parallel holding one omp.wsloop, whose implicit end barrier (__kmpc_barrier) comes right
+    before the region's join, which waits for every member anyway. The barrier adds nothing but
+    its wait: src/kmp_pool.c spins, then yields the core in a loop, which on a loaded machine
+    keeps taking the core from the very member it waits for (a GPT-2 tiny step at 2 threads:
+    ~13800 sched_yield calls in 10 steps, eager's steps ~250). Such loops get `nowait`; a
+    region with more in it keeps its barriers. Returns how many."""
+    from mlir import ir
+
+    loops: list[Any] = []
+
+    def find(op: Any) -> Any:
+        if op.name == "omp.wsloop":
+            loops.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(find)
+    done = 0
+    for w in loops:
+        par = w.parent
+        if par is None or par.name != "omp.parallel" or len(par.regions[0].blocks) != 1:
+            continue
+        names = [o.operation.name for o in par.regions[0].blocks[0].operations]
+        if names != ["omp.wsloop", "omp.terminator"] or "nowait" in w.attributes:
+            continue
+        w.attributes["nowait"] = ir.UnitAttr.get()
+        done += 1
+    return done
+
+
+def _strided_copies_as_loops(module: Any) -> int:
+    """memref.copy ops with a strided side become linalg.copy (loops, like every other op of
+    the kernel); returns how many. LLVM lowering turns such a copy into a call of the runtime's
+    memrefCopy, which neither the JIT nor a cached kernel library has. Bufferization leaves one
+    where a fused slice_scatter inserts a value it could not compute in place (a slice of
+    another value: LLaMA's rotary backward); contiguous copies stay memcpy."""
+    from mlir import ir
+    from mlir.dialects import linalg
+
+    copies: list[Any] = []
+
+    def find(op: Any) -> Any:
+        if op.name == "memref.copy":
+            copies.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(find)
+    moved = 0
+    for op in copies:
+        src, dst = op.operands[0], op.operands[1]
+        if not any(
+            isinstance(ir.MemRefType(v.type).layout, ir.StridedLayoutAttr) for v in (src, dst)
+        ):
+            continue
+        with ir.InsertionPoint(op), op.location:
+            linalg.copy(src, outs=[dst])
+        op.erase()
+        moved += 1
+    return moved
+
+
+_SCALAR_ACCESS = {"affine.load", "affine.store", "memref.load", "memref.store"}
+
+
+def _fold_unit_subviews(module: Any) -> int:
+    """Loads and stores through a slice at offset 0 with unit strides (no rank change) read
+    its base instead, at the same indices (Note [slices read through their base] in
+    pipelines.py); returns how many accesses moved. Other users keep the slice."""
+    subviews: list[Any] = []
+
+    def find(op: Any) -> Any:
+        from mlir import ir
+
+        if op.name == "memref.subview":
+            subviews.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(find)
+    moved = 0
+    for sv in subviews:
+        a = sv.attributes
+        if len(sv.operands) != 1:  # dynamic offsets, sizes or strides
+            continue
+        offs, strides = list(a["static_offsets"]), list(a["static_strides"])
+        src, res = sv.operands[0], sv.results[0]
+        if any(o != 0 for o in offs) or any(s != 1 for s in strides):
+            continue
+        if len(offs) != len(src.type.shape) or len(res.type.shape) != len(offs):
+            continue
+        for use in list(res.uses):
+            owner = use.owner
+            # the memref operand of a load is #0, of a store #1 (#0 is the value stored)
+            if owner.name in _SCALAR_ACCESS and use.operand_number == (
+                1 if owner.name.endswith("store") else 0
+            ):
+                owner.operands[use.operand_number] = src
+                moved += 1
+    return moved
 
 
 def _run_reporting(pm: Any, op: Any) -> None:

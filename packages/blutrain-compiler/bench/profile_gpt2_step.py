@@ -1,0 +1,295 @@
+"""Where a compiled GPT-2 step's time goes on the CPU, next to the same nodes run eagerly.
+
+    python profile_gpt2_step.py [--model tiny] [-B 2] [-T 64] [--steps 5] [--threads N]
+                                [--top N] [--no-eager-nodes]
+
+The step of bench_gpt2_compiled.py (forward, loss, backward, clipping, AdamW) compiled with
+blutrain.compiler; each program step is timed (wall clock, perf_counter) by wrapping the
+program's kernels and the library / eager calls from outside (nothing in program.py changes):
+  fused      the compiled kernels (one per fusion group), by the kind of nodes they hold
+  gemm       blutrain.linalg GEMMs (linear / matmul written into planned buffers)
+  attention  blutrain.tensor's attention kernels (library steps through replay)
+  eager      gathers, scatters, other eager steps
+  glue       Program.run around them (argument lists, views, freeing) and the call's guards,
+             binding and gradient hand-off: the whole call minus the parts above
+The second table times the same captured graph (before decompose.py) with every node run by
+blutrain.tensor's eager kernels one at a time (the compiler's all-fallback partition, on copies
+of the inputs), so each category compares the same work (it adds a replay's Python per node);
+`--top N` lists the N slowest fused kernels and GEMMs (compiled next to eager). The `step` line
+times the real eager step (autograd) and the compiled call end to end, interleaved step by step
+so that the machine's load hits both alike. At one thread (`--threads 1`) the figures hold
+steady on a shared machine; a pool of several threads stalls whenever one is descheduled.
+Not a test: prints medians in ms per step. Dev tool for issue 34's CPU gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import numpy as np
+
+MODELS = {"tiny": (4, 4, 128), "gpt2": (12, 12, 768)}
+V = 50257
+
+
+def build(a):
+    import blutrain.tensor as bt
+    from blutrain.models.config import GPT2Config
+    from blutrain.models.gpt2 import GPT2, set_matmul_precision
+    from blutrain.models.optim import AdamW, grad_norm_and_clip_coef
+
+    L, H, C = MODELS[a.model]
+    cfg = GPT2Config(block_size=max(1024, a.T), n_layer=L, n_head=H, n_embd=C, vocab_multiple=128)
+    bt.manual_seed(0)
+    model = GPT2(cfg, device="cpu")
+    model.numpy_loss = False
+    set_matmul_precision("tf32")
+    opt = AdamW(model.named_parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    opt.use_device_scalars(True)
+    params = list(model.parameters())
+
+    def step(x, y):
+        loss = model(x, y, return_logits=False)[1]
+        loss.backward()
+        norm, coef = grad_norm_and_clip_coef(params, 1.0)
+        opt.step(grad_scale=coef)
+        opt.zero_grad(set_to_none=True)
+        return loss, norm
+
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, V, (a.B, a.T + 1))
+    x, y = bt.tensor(data[:, :-1]), bt.tensor(data[:, 1:])
+    return step, opt, x, y
+
+
+def kind_of_group(G) -> str:
+    ops = {n.op for n in G.compute_nodes()}
+    for key, names in (
+        ("adamw", {"adamw_update", "adamw_scalars"}),
+        ("loss", {"cross_entropy", "cross_entropy_backward"}),
+        ("layer_norm", {"layer_norm", "add_layer_norm", "layer_norm_backward"}),
+        ("softmax", {"softmax", "softmax_backward", "log_softmax"}),
+        ("grad_norm", {"grad_norm", "sumsq", "clip_coef"}),
+    ):
+        if ops & names:
+            return "fused:" + key
+    return "fused:other"
+
+
+def kind_of_step(st) -> str:
+    n = st.node
+    if n.op in ("linear", "matmul", "bmm"):
+        return "gemm"
+    if "attention" in n.op:
+        return "attention"
+    if st.kind == "library":
+        return "library:" + n.op
+    return "eager:" + n.op
+
+
+PER_KERNEL: dict[int, float] = defaultdict(float)
+PER_NODE: dict[int, float] = defaultdict(float)  # GEMM node -> seconds (compiled)
+PER_NODE_EAGER: dict[int, float] = defaultdict(float)
+
+
+def instrument(prog, times):
+    """Wraps the kernels and the eager / library entry points program.py calls."""
+    from blutrain.compiler import eager
+    from blutrain.compiler import program as P
+
+    by_id = {G.id: G for G in prog.part.groups}
+    for gid, k in list(prog.kernels.items()):
+        cat = kind_of_group(by_id[gid])
+
+        def timed(ptrs, _k=k, _cat=cat, _g=gid):
+            t0 = time.perf_counter()
+            _k(ptrs)
+            dt = time.perf_counter() - t0
+            times[_cat] += dt
+            PER_KERNEL[_g] += dt
+
+        prog.kernels[gid] = timed
+    step_of = {
+        st.node.index: kind_of_step(st) for st in prog.part.steps if not hasattr(st, "outputs")
+    }
+
+    def wrap(mod, name, node_arg=0):
+        f = getattr(mod, name)
+
+        def timed(*args, **kw):
+            n = args[node_arg]
+            t0 = time.perf_counter()
+            r = f(*args, **kw)
+            dt = time.perf_counter() - t0
+            cat = step_of.get(n.index, "view" if n.op in eager.VIEW_OPS else "eager:" + n.op)
+            times[cat] += dt
+            if cat == "gemm":
+                PER_NODE[n.index] += dt
+            return r
+
+        setattr(mod, name, timed)
+
+    wrap(P, "_gemm_into")
+    wrap(P, "_gather_into")
+    wrap(eager, "run")
+    wrap(eager, "run_over_base")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tiny", choices=sorted(MODELS))
+    ap.add_argument("-B", type=int, default=2)
+    ap.add_argument("-T", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--top", type=int, default=8, help="the N slowest fused kernels")
+    ap.add_argument("--no-eager-nodes", action="store_true")
+    a = ap.parse_args()
+    import blutrain.compiler as btc
+    import blutrain.tensor as bt
+    from blutrain.compiler import fusion
+    from blutrain.compiler import program as P
+
+    if a.threads:
+        bt.set_num_threads(a.threads)
+    step, opt, x, y = build(a)
+    k = 0
+
+    def call(fn):
+        nonlocal k
+        k += 1
+        opt.write_device_scalars(3e-4, k)
+        return fn(x, y)
+
+    call(step)  # eager: moments exist
+    cstep = btc.compile(step)
+    call(cstep)
+    call(cstep)
+    (c,) = cstep.programs.values()
+    prog = c.prog
+    eager_ms, comp_ms = [], []
+    for _ in range(a.steps):  # interleaved: the machine's load hits both alike
+        for fn, acc in ((step, eager_ms), (cstep, comp_ms)):
+            t0 = time.perf_counter()
+            call(fn)
+            acc.append(1e3 * (time.perf_counter() - t0))
+    # per category
+    per: list[dict] = []
+    times: dict[str, float] = defaultdict(float)
+    instrument(prog, times)
+    for _ in range(a.steps):
+        times.clear()
+        t0 = time.perf_counter()
+        call(cstep)
+        tot = time.perf_counter() - t0
+        times["glue"] = tot - sum(times.values())
+        per.append({kk: 1e3 * v for kk, v in times.items()})
+    rows = {kk: statistics.median(p.get(kk, 0.0) for p in per) for kk in set().union(*per)}
+    ecat: dict[str, float] = {}
+    if not a.no_eager_nodes:  # the same graph, every node through eager kernels
+        # the capture again, before decompose.py: eager's own multi-tensor ops
+        import types
+
+        from blutrain.compiler.graph import from_capture
+
+        raw = prog.graph.raw
+        vals = [dict(v, is_input=v["input"]) for v in raw["values"]]
+        g = from_capture(
+            types.SimpleNamespace(
+                values=vals,
+                nodes=raw["nodes"],
+                inputs=raw["inputs"],
+                outputs=raw["outputs"],
+                mutations=raw["mutations"],
+                grads=raw["grads"],
+                to_dict=lambda: raw,
+            )
+        )
+        allbad = {n.index for n in g.nodes}
+        part = fusion.partition(g, allbad)
+        eprog = P.Program(g, part, "cpu", g.hash())
+        eprog.prepare(set(g.live_out()) | {v for _, v in g.grads} | {v for _, v in g.mutations})
+        eprog.plan.buffers.clear()  # eager allocates
+        ins0 = c.inputs((x, y))
+        # copies: the interpreter must not update the live parameters
+        ins = [t.clone() if isinstance(t, bt.Tensor) else t for t in ins0]
+        et: dict[str, float] = defaultdict(float)
+        from blutrain.compiler import eager
+
+        cat_of = {}
+        for n in g.nodes:
+            if n.op in ("linear", "matmul", "bmm"):
+                cat_of[n.index] = "gemm"
+            elif "attention" in n.op:
+                cat_of[n.index] = "attention"
+            elif n.op in eager.VIEW_OPS:
+                cat_of[n.index] = "view"
+            elif n.op in eager.EAGER_BY_DESIGN:
+                cat_of[n.index] = "eager:" + n.op
+            else:
+                cat_of[n.index] = "fusable:" + n.op
+        f = eager.run
+
+        def timed(n, xs, raw=None):
+            t0 = time.perf_counter()
+            r = f(n, xs, raw)
+            dt = time.perf_counter() - t0
+            et[cat_of.get(n.index, "?")] += dt
+            if cat_of.get(n.index) == "gemm":
+                PER_NODE_EAGER[n.index] += dt
+            return r
+
+        eager.run = timed
+        eper = []
+        for _ in range(max(2, a.steps // 2)):
+            et.clear()
+            eprog.run(ins)
+            eper.append({kk: 1e3 * v for kk, v in et.items()})
+        eager.run = f
+        ecat = {kk: statistics.median(p.get(kk, 0.0) for p in eper) for kk in set().union(*eper)}
+    print(
+        f"GPT-2 {a.model} B={a.B} T={a.T} CPU threads {bt.get_num_threads()}: program "
+        f"{prog.stats.groups} kernels, {prog.stats.library_calls} library calls, "
+        f"{prog.stats.eager_steps} eager steps"
+    )
+    print(
+        f"step (median ms): eager {statistics.median(eager_ms):.1f}  compiled "
+        f"{statistics.median(comp_ms):.1f}  (instrumented {sum(rows.values()):.1f})"
+    )
+    print(f"{'compiled category':28s} {'ms':>8s}")
+    for kk, v in sorted(rows.items(), key=lambda kv: -kv[1]):
+        print(f"  {kk:26s} {v:8.2f}")
+    if a.top:
+        by_id = {G.id: G for G in prog.part.groups}
+        print("top kernels (ms a step over the profiled steps)")
+        for gid, v in sorted(PER_KERNEL.items(), key=lambda kv: -kv[1])[: a.top]:
+            G = by_id[gid]
+            ops = [n.op for n in G.compute_nodes()]
+            shapes = sorted({prog.graph.values[o].shape for o in G.outputs})
+            print(f"  {G.name:6s} {1e3 * v / a.steps:8.2f}  {ops[:12]} outs {shapes[:3]}")
+    if ecat:
+        print(f"{'eager, node by node':28s} {'ms':>8s}")
+        agg: dict[str, float] = defaultdict(float)
+        for kk, v in ecat.items():
+            agg[kk] += v
+        for kk, v in sorted(agg.items(), key=lambda kv: -kv[1])[:30]:
+            print(f"  {kk:26s} {v:8.2f}")
+        print(f"  {'(sum)':26s} {sum(agg.values()):8.2f}")
+        if a.top:
+            print("slowest GEMMs: compiled ms, eager ms (a step), shapes")
+            ne = max(2, a.steps // 2)
+            nodes = {n.index: n for n in prog.graph.nodes}
+            for i, v in sorted(PER_NODE.items(), key=lambda kv: -kv[1])[: a.top]:
+                n = nodes[i]
+                shp = [prog.graph.values[j].shape for j in n.inputs if j >= 0]
+                print(
+                    f"  node {i:4d} {n.op:7s} {1e3 * v / a.steps:8.2f} "
+                    f"{1e3 * PER_NODE_EAGER.get(i, 0.0) / ne:8.2f}  {shp} {n.attrs}"
+                )
+
+
+if __name__ == "__main__":
+    main()
