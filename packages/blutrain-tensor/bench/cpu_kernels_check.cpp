@@ -300,6 +300,9 @@ void check_layer_norm(const char* dt, int64_t R, int64_t C, int reps, std::mt199
   for (int variant = 0; variant < 3; ++variant) {  // with w, without w, with an extra gradient
     const T* wp = variant != 1 ? w.data() : nullptr;
     const T* ep = variant == 2 ? ex.data() : nullptr;
+    std::vector<double> wide(w.size());  // the kernels take the weight widened to double
+    for (size_t i = 0; i < w.size(); ++i) wide[i] = static_cast<double>(w[i]);
+    const double* wdp = wp ? wide.data() : nullptr;
     const double ta = best_ms(reps, [&] {
       v1::layer_norm_backward<T, S>(dy.data(), x.data(), wp, m1.data(), r1.data(), ep, dx1.data(),
                                     a1.data(), a1.data() + C, a1.data() + 2 * C, R, C);
@@ -309,7 +312,7 @@ void check_layer_norm(const char* dt, int64_t R, int64_t C, int reps, std::mt199
       std::vector<double> part(static_cast<size_t>(nblk * 3 * C));
       for (int64_t b = 0; b < nblk; ++b) {
         double* p = part.data() + b * 3 * C;
-        nk::layer_norm_backward_block<T, S>(dy.data(), x.data(), wp, m1.data(), r1.data(), ep,
+        nk::layer_norm_backward_block<T, S>(dy.data(), x.data(), wdp, m1.data(), r1.data(), ep,
                                             dx2.data(), b * br, std::min(R, (b + 1) * br), C,
                                             true, true, p, p + C, p + 2 * C);
       }
@@ -318,7 +321,7 @@ void check_layer_norm(const char* dt, int64_t R, int64_t C, int reps, std::mt199
     });
     // dx alone (no column sums asked for): the row kernel, the same dx
     std::vector<T> dx3(x.size());
-    nk::layer_norm_backward_rows<T, S>(dy.data(), x.data(), wp, m1.data(), r1.data(), ep,
+    nk::layer_norm_backward_rows<T, S>(dy.data(), x.data(), wdp, m1.data(), r1.data(), ep,
                                        dx3.data(), 0, R, C);
     const bool ok = same_bits(dx1, dx2) && same_bits(a1, a2) && same_bits(dx1, dx3);
     if (variant == 0 || !ok) report("layer_norm backward", dt, R, C, ok, ta, tb);

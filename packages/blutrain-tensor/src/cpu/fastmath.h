@@ -23,15 +23,25 @@
 
 namespace bt::cpu {
 
+// Note [exp without a clamp]: the reduction runs on x itself and the three specials (x > hi,
+// x < lo, NaN) are selected at the end, where an earlier version clamped x into [lo, hi] first;
+// the clamp's result was always selected away, and compilers emitted it as compares and blends
+// on top of the final selects (2048 x 1024 float32 exps on one core with AVX-512: 0.97 -> 0.77
+// ms). round(t)'s integer is read from the bits of t + 1.5 * 2^23 (the float whose ulp is 1)
+// rather than converted, so an out-of-range x (whose result is selected away) is no undefined
+// float-to-int conversion. Every one of the 2^32 inputs gives the bits of the clamped version,
+// with and without FMA contraction, on x86-64-v4, -v3 and the baseline (checked exhaustively).
 inline float fast_exp(float x) {
   const float hi = 88.72283905206835f, lo = -87.3365447504f;  // ln(FLT_MAX), ln(FLT_MIN)
-  const float xc = x > hi ? hi : (x < lo ? lo : x);
-  const float t = xc * 1.44269504088896341f;  // x / ln 2
+  const float t = x * 1.44269504088896341f;  // x / ln 2
   // Round to nearest by adding and removing 1.5 * 2^23 (|t| < 2^22 here): no branch, so the
   // loop vectorises (with -fno-trapping-math, see CMakeLists.txt).
-  const float fn = (t + 12582912.0f) - 12582912.0f;
-  const int32_t n = static_cast<int32_t>(fn);
-  float r = xc - fn * 0.693359375f;  // ln 2 split in two for an exact reduction
+  const float big = t + 12582912.0f;
+  const float fn = big - 12582912.0f;
+  uint32_t big_bits;
+  std::memcpy(&big_bits, &big, 4);
+  const uint32_t n = big_bits - 0x4B400000u;  // round(t), two's complement: 1.5 * 2^23 + n
+  float r = x - fn * 0.693359375f;  // ln 2 split in two for an exact reduction
   r = r - fn * -2.12194440e-4f;
   const float z = r * r;
   float y = 1.9875691500e-4f;
@@ -42,7 +52,7 @@ inline float fast_exp(float x) {
   y = y * r + 5.0000001201e-1f;
   y = y * z + r + 1.0f;
   // 2^n built as 2^(n-1) * 2, so n = 128 (x near ln(FLT_MAX)) does not overflow the exponent.
-  const int32_t bits = (n + 126) << 23;
+  const uint32_t bits = (n + 126u) << 23;
   float p2;
   std::memcpy(&p2, &bits, 4);
   float res = y * p2 * 2.0f;

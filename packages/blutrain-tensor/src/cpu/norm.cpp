@@ -103,7 +103,14 @@ void LayerNormBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<Tens
           using S = typename decltype(stag)::type;
           const D* dyp = static_cast<const D*>(dy.data_ptr(name()));
           const T* xp = static_cast<const T*>(x.data_ptr(name()));
-          const T* wp = has_weight ? static_cast<const T*>(w.data_ptr(name())) : nullptr;
+          // the weight widened to double once (norm_kernels.h: layer_norm backward)
+          std::vector<double> wide;
+          if (has_weight) {
+            const T* w0 = static_cast<const T*>(w.data_ptr(name()));
+            wide.resize(static_cast<size_t>(C));
+            for (int64_t c = 0; c < C; ++c) wide[c] = static_cast<double>(w0[c]);
+          }
+          const double* wp = has_weight ? wide.data() : nullptr;
           const O* ep = has_extra ? static_cast<const O*>(ex.data_ptr(name())) : nullptr;
           const S* mp = static_cast<const S*>(mean.data_ptr(name()));
           const S* rp = static_cast<const S*>(rstd.data_ptr(name()));
