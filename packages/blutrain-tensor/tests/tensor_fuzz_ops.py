@@ -35,6 +35,7 @@ from tensor_fuzz import (
     need,
     promote,
     round_to,
+    summed_in_dtype,
     to_floating,
     weak,
 )
@@ -1585,11 +1586,15 @@ def _scatter_add(g: Gen, name: str = "") -> Call:
         if s.dt in FLOATS and t.dt not in FLOATS and t.dt != "bool":
             _check_int_cast(s.a, t.dt)
         sv = as_dtype(s, t.dt)
+        mag, terms = np.abs(out.astype(np.float64)), np.zeros(out.shape)
         for pos in np.ndindex(*index.shape):
             tgt = list(pos)
             tgt[dd] = int(index.a[pos]) % m
             out[tuple(tgt)] += sv[pos]
-        return A(out, t.dt)
+            mag[tuple(tgt)] += abs(float(sv[pos]))
+            terms[tuple(tgt)] += 1
+        # (added in the dtype one index at a time, as PyTorch: fuzz seed 1042310026 case 5882)
+        return summed_in_dtype(out, mag, terms, t.dt)
 
     return Call(
         how_for(name), [x, g.value("dim", d, "dim"), idx, src], ref=ref, strict=True, tol=8.0
@@ -1620,13 +1625,16 @@ def _index_add(g: Gen, name: str = "") -> Call:
         if s.dt in FLOATS and t.dt not in FLOATS and t.dt != "bool":
             _check_int_cast(s.a, t.dt)
         sv = as_dtype(s, t.dt)
+        mag, terms = np.abs(out.astype(np.float64)), np.zeros(out.shape)
         for j, i in enumerate(index.a.reshape(-1)):
             sl = [slice(None)] * t.ndim
             sl[dd] = int(i) % m
             src_sl = [slice(None)] * t.ndim
             src_sl[dd] = j
             out[tuple(sl)] += sv[tuple(src_sl)]
-        return A(out, t.dt)
+            mag[tuple(sl)] += np.abs(sv[tuple(src_sl)].astype(np.float64))
+            terms[tuple(sl)] += 1
+        return summed_in_dtype(out, mag, terms, t.dt)
 
     return Call(
         how,
