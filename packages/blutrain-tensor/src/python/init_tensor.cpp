@@ -1809,7 +1809,20 @@ NB_MODULE(_tensor, m) {
       },
       "query"_a, "key"_a, "value"_a, "attn_mask"_a = nb::none(), "dropout_p"_a = 0.0,
       "is_causal"_a = false, "scale"_a = nb::none(),
-      "softmax(q k^T * scale + mask) v, composed from ops (a fused kernel is a backend's job).");
+      "scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, "
+      "is_causal=False, scale=None) -> Tensor\n\n"
+      "softmax(q k^T * scale + mask) v over (..., L, D) q and (..., S, D) k, v; attn_mask is a "
+      "bool mask (True: attend) or an additive float one; scale defaults to 1 / sqrt(D). Fused "
+      "kernels where they apply (no mask, no dropout), else composed from ops.\n\n"
+      "Non-finite values (where PyTorch differs, on purpose, the same on every backend):\n"
+      "- is_causal: row i reads q_i, k_0..i and v_0..i only, forward and backward, so an inf "
+      "or NaN at a masked (later) position changes no earlier row. PyTorch's math path "
+      "multiplies the masked weight 0 by it (0 * inf = NaN), so earlier rows turn NaN there, "
+      "and its flash kernels do that within a tile. (On CUDA, where float64 or a float32 head "
+      "dim other than 64 / 128 composes ops, the composition's IEEE arithmetic applies, as "
+      "PyTorch's math path.)\n"
+      "- a row whose scores are all -inf (every key masked by attn_mask, or -inf from q k^T) "
+      "is 0 and passes no gradient, as PyTorch; a NaN score makes its row NaN.");
   m.def(
       "clip_grad_norm_",
       [](nb::handle params, double max_norm) {
