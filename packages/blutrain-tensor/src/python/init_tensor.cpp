@@ -1754,10 +1754,16 @@ NB_MODULE(_tensor, m) {
       "weight"_a, "Rows of weight picked by integer indices (PyTorch's argument order).");
   m.def(
       "softmax", [](const Tensor& x, int64_t d) { return softmax(x, d, false); }, "input"_a,
-      "dim"_a);
+      "dim"_a,
+      "softmax(input, dim) -> Tensor\n\nexp(x - max) / sum(exp(x - max)) along dim, for a "
+      "floating input (an integer one is a TypeError: cast it first). As PyTorch, a row holding "
+      "NaN or +inf, or made of -inf only, gives NaN, on every backend.");
   m.def(
       "log_softmax", [](const Tensor& x, int64_t d) { return softmax(x, d, true); }, "input"_a,
-      "dim"_a);
+      "dim"_a,
+      "log_softmax(input, dim) -> Tensor\n\n(x - max) - log(sum(exp(x - max))) along dim, for "
+      "a floating input. As PyTorch, a row holding NaN or +inf, or made of -inf only, gives NaN "
+      "(its log-sum-exp is -inf there), on every backend.");
   m.def(
       "layer_norm",
       [](const Tensor& x, nb::handle ns, std::optional<Tensor> w, std::optional<Tensor> b,
@@ -1788,7 +1794,11 @@ NB_MODULE(_tensor, m) {
       "log_softmax + nll in one kernel. Logits (N, C) or (N, C, d1, ...) with target (N,) or "
       "(N, d1, ...) (class dim 1, as PyTorch); targets equal to ignore_index count for nothing. "
       "loss_dtype (default: the logits' dtype) sets the loss's dtype, e.g. float32 for bf16 "
-      "logits: no float32 copy of the logits is made either way.");
+      "logits: no float32 copy of the logits is made either way. As PyTorch: -inf logits "
+      "(masked classes) are fine while the target's logit is finite; a row of -inf only, or "
+      "with NaN or +inf, gives a NaN loss and gradient, on every backend. A row whose target "
+      "is ignore_index passes a zero gradient whatever its logits (PyTorch's is NaN for a "
+      "row of -inf or NaN logits).");
   m.def("dropout", &dropout, "input"_a, "p"_a = 0.5, "training"_a = true,
         "Zeroes elements with probability p and scales the rest by 1/(1-p).");
   m.def("matmul", &matmul, "input"_a, "other"_a,
