@@ -1739,14 +1739,14 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   // per layer (40.8 GiB peak at B=16, T=1024) and spent ~60 ms a step in softmax/masking; the
   // TF32 kernels need none of that (H200, B16 H12 T1024 D64 causal: 3xTF32 fwd 0.56 ms, bwd 2.49;
   // 1xTF32 0.24 / 0.99; GPT-2 124M fp32 peak 41.4 -> 16.9 GiB).
-  // Note [causal masks skip] (attention.h): the CPU composition would multiply a masked key's
-  // weight 0 by its value row (0 * inf = NaN), so CPU inputs holding inf / NaN take the fused
-  // kernel, which never reads masked keys (a scan of q, k, v: O(T D) next to the O(T^2 D) GEMMs;
-  // not while capturing, where no values exist yet).
-  const bool skip_masked = is_causal && !q.device().is_cuda() && active_graph() == nullptr &&
-                           !(all_finite_cpu(q) && all_finite_cpu(k) && all_finite_cpu(v));
-  if (!attn_mask.defined() && dropout_p == 0 &&
-      (skip_masked || fused_attention_applies(q.dtype(), q.shape().back(), q.device(), sc)) &&
+  // Note [causal masks skip], Note [empty rows] (attention.h): the CPU composition would multiply
+  // a masked key's weight 0 by its value row (0 * inf = NaN) and make a row of -inf scores NaN,
+  // so CPU inputs holding inf / NaN take the fused kernel (a scan of q, k, v: O(T D) next to the
+  // O(T^2 D) GEMMs; not while capturing, where no values exist yet).
+  const bool plain = !attn_mask.defined() && dropout_p == 0;
+  const bool nonfinite = plain && !q.device().is_cuda() && active_graph() == nullptr &&
+                         !(all_finite_cpu(q) && all_finite_cpu(k) && all_finite_cpu(v));
+  if (plain && (nonfinite || fused_attention_applies(q.dtype(), q.shape().back(), q.device(), sc)) &&
       flash_attention_supported(q, k, v, is_causal)) {
     // q, k, v sliced from one (B, T, 3C) tensor (GPT-2's qkv): one op on it, whose backward
     // writes the single (B, T, 3C) gradient directly (no scatter into zero-filled buffers).
@@ -1762,8 +1762,9 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
     s = masked_fill(s, binary(BinaryOp::Gt, j, i), Scalar::floating(-INFINITY));
   }
   Tensor empty;  // Note [empty rows]: rows whose scores are all -inf (every key masked)
-  if (attn_mask.defined()) {
-    if (attn_mask.dtype() == DType::Bool) {
+  if (!plain) {
+    if (!attn_mask.defined()) {
+    } else if (attn_mask.dtype() == DType::Bool) {
       s = masked_fill(s, unary(UnaryOp::LogicalNot, attn_mask),
                       Scalar::floating(-INFINITY));
     } else {

@@ -215,6 +215,11 @@ def _values(shape: tuple[int, ...], dt: str, fill: str, rng: np.random.Generator
             [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-30, -1e-30, 1.0, -1.0, 60000.0, 1e30, 0.5]
         )
         return rng.choice(pool, n).reshape(shape)
+    if fill == "sprinkle":  # normal values, about one in five NaN / inf / -inf
+        v = rng.standard_normal(n) * 2
+        bad = rng.random(n) < 0.2
+        v[bad] = rng.choice(np.array([np.nan, np.inf, -np.inf]), int(bad.sum()))
+        return v.reshape(shape)
     if fill == "pos":
         return (rng.random(n) * 3 + 0.1).reshape(shape)
     if fill == "unit":

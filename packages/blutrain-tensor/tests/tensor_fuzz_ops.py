@@ -2826,7 +2826,7 @@ def _sdpa(g: Gen, name: str = "") -> Call:
     if causal:
         s = lq
     q, k, v = (
-        g.tensor(nm, shp, dt, fill="normal")
+        g.tensor(nm, shp, dt, fill="sprinkle" if g.chance(0.15) else "normal")
         for nm, shp in (("query", (b, h, lq, d)), ("key", (b, h, s, d)), ("value", (b, h, s, d)))
     )
     c = Call(how_for(name), [q, k, v])
@@ -2852,20 +2852,11 @@ def _sdpa(g: Gen, name: str = "") -> Call:
         # (scores as the kernels hold them: in q's dtype, or float32 for 16-bit q)
         acc = "float32" if q.dt in ("float16", "bfloat16") else q.dt
         sco = round_to(round_to(q.a @ np.swapaxes(k.a, -1, -2), acc) * sc, acc)
+        mask = None
         if attn_mask is not None:
             need(is_a(attn_mask), "attn_mask must be a tensor")
-            if attn_mask.dt == "bool":
-                sco = np.where(attn_mask.a, sco, -np.inf)
-            else:
-                sco = sco + attn_mask.a
-        if is_causal:
-            L, S = sco.shape[-2], sco.shape[-1]
-            sco = np.where(np.arange(S)[None, :] > np.arange(L)[:, None], -np.inf, sco)
-        sco = sco - sco.max(axis=-1, keepdims=True)
-        with np.errstate(all="ignore"):
-            p = np.exp(sco)
-            p = p / p.sum(axis=-1, keepdims=True)
-        return A(p @ v.a, q.dt)
+            mask = attn_mask
+        return A(attention_ref(sco, v.a, mask, bool(is_causal), q.dt, q.shape[-1]), q.dt)
 
     c.ref, c.tol = ref, 200.0
     return c
@@ -2911,13 +2902,44 @@ def _qkv(g: Gen, name: str = "") -> Call:
 
 def SPECS_SDPA(q: A, k: A, v: A, causal: bool, scale: Any) -> np.ndarray:  # noqa: N802
     sc = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
-    s = (q.a @ np.swapaxes(k.a, -1, -2)) * sc
-    if causal:
-        L, S = s.shape[-2], s.shape[-1]
-        s = np.where(np.arange(S)[None, :] > np.arange(L)[:, None], -np.inf, s)
-    s = s - s.max(axis=-1, keepdims=True)
-    p = np.exp(s)
-    return (p / p.sum(axis=-1, keepdims=True)) @ v.a
+    with np.errstate(all="ignore"):
+        s = (q.a @ np.swapaxes(k.a, -1, -2)) * sc
+    return attention_ref(s, v.a, None, causal, q.dt, q.shape[-1])
+
+
+def attention_ref(s: np.ndarray, v: np.ndarray, mask: A | None, causal: bool, dt: str, hd: int):
+    """softmax(s + mask) v from the scores s (..., L, S), as scaled_dot_product_attention's
+    docstring defines it for inf / NaN (src/attention.h, Notes [causal masks skip] and [empty
+    rows]): without a mask the fused kernels' rule (a causal row reads keys j <= i only; a row of
+    -inf scores is 0); with one the composition's (masked weights 0 times v, 0 * inf = NaN; rows
+    of -inf scores 0); on CUDA, float64 and float32 with head dims other than 64 / 128 compose
+    ops, masks or not (a row of -inf scores NaN there without a mask)."""
+    import tensor_fuzz
+
+    L, S = s.shape[-2], s.shape[-1]
+    cuda_composes = dt == "float64" or (dt == "float32" and hd not in (64, 128))
+    composed = mask is not None or (tensor_fuzz.DEVICE != "cpu" and cuda_composes)
+    with np.errstate(all="ignore"):
+        if composed:
+            if mask is not None:
+                s = np.where(mask.a, s, -np.inf) if mask.dt == "bool" else s + mask.a
+            if causal:
+                s = np.where(np.arange(S)[None, :] > np.arange(L)[:, None], -np.inf, s)
+            m = s.max(axis=-1, keepdims=True)  # (NaN where a NaN is: not an empty row)
+            empty = (m == -np.inf) & (mask is not None)
+            p = np.exp(np.where(empty, 0, s) - np.where(empty, 0, m))
+            p = np.where(empty, 0, p / p.sum(axis=-1, keepdims=True))
+            return p @ v
+        out = np.zeros(s.shape[:-1] + v.shape[-1:])
+        for i in range(L):
+            n = min(i + 1, S) if causal else S
+            si, vi = s[..., i, :n], v[..., :n, :]
+            m = si.max(axis=-1, keepdims=True)
+            empty = m == -np.inf
+            p = np.exp(si - np.where(empty, 0, m))
+            oi = (p / p.sum(axis=-1, keepdims=True))[..., None, :] @ vi
+            out[..., i, :] = np.where(empty, 0, oi[..., 0, :])
+        return out
 
 
 @spec("clip_grad_norm_")

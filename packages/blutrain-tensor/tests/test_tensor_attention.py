@@ -686,3 +686,21 @@ def test_a_nan_score_still_makes_its_row_nan(rng):
     mask = np.array([[True, False, False], [False, False, False], [True, True, True]])
     out = _sdpa_run(q, k, v, np.ones_like(q), bt.float64, False, attn_mask=bt.tensor(mask))[0]
     assert np.all(np.isnan(out[0, 0, 2])) and np.all(out[0, 0, 1] == 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_default_and_fused_cpu_paths_agree_on_non_finite_inputs(rng, causal):
+    """Non-causal too: a row of -inf scores is 0 on the default CPU path as in the fused kernels
+    (the composition gave NaN); every other row equal (NaN where NaN), out and gradients."""
+    B, H, T, D = 1, 2, 6, 3
+    q, k, v = (rng.standard_normal((B, H, T, D)) for _ in range(3))
+    k = -(np.abs(k) + 0.1)
+    k[..., 0] = -np.inf
+    q[:, :, 0] = np.inf  # row 0: every score -inf
+    v[0, 1, 4, 2] = np.nan
+    g = rng.standard_normal((B, H, T, D))
+    a = _sdpa_run(q, k, v, g, bt.float64, False, is_causal=causal)
+    b = _sdpa_run(q, k, v, g, bt.float64, True, is_causal=causal)
+    np.testing.assert_array_equal(a[0][:, :, 0], 0.0)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12)

@@ -1825,14 +1825,17 @@ NB_MODULE(_tensor, m) {
       "bool mask (True: attend) or an additive float one; scale defaults to 1 / sqrt(D). Fused "
       "kernels where they apply (no mask, no dropout), else composed from ops.\n\n"
       "Non-finite values (where PyTorch differs, on purpose, the same on every backend):\n"
-      "- is_causal: row i reads q_i, k_0..i and v_0..i only, forward and backward, so an inf "
-      "or NaN at a masked (later) position changes no earlier row. PyTorch's math path "
-      "multiplies the masked weight 0 by it (0 * inf = NaN), so earlier rows turn NaN there, "
-      "and its flash kernels do that within a tile. (On CUDA, where float64 or a float32 head "
-      "dim other than 64 / 128 composes ops, the composition's IEEE arithmetic applies, as "
-      "PyTorch's math path.)\n"
+      "- is_causal without attn_mask: row i reads q_i, k_0..i and v_0..i only, forward and "
+      "backward, so an inf or NaN at a masked (later) position changes no earlier row. "
+      "PyTorch's math path multiplies the masked weight 0 by it (0 * inf = NaN), so earlier "
+      "rows turn NaN there, and its flash kernels do that within a tile.\n"
       "- a row whose scores are all -inf (every key masked by attn_mask, or -inf from q k^T) "
-      "is 0 and passes no gradient, as PyTorch; a NaN score makes its row NaN.");
+      "is 0 and passes no gradient, as PyTorch; a NaN score makes its row NaN.\n"
+      "- with attn_mask or dropout (composed from ops), a masked position's inf / NaN in v "
+      "makes its row NaN (0 * inf), as PyTorch.\n"
+      "On CUDA, where float64 or a float32 head dim other than 64 / 128 composes ops, an inf or "
+      "NaN follows the composition's IEEE arithmetic as in PyTorch's math path (a causally "
+      "masked one included; a row of -inf scores is NaN there).");
   m.def(
       "clip_grad_norm_",
       [](nb::handle params, double max_norm) {
