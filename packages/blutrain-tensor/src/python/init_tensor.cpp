@@ -1071,8 +1071,16 @@ NB_MODULE(_tensor, m) {
   T.def(
       "record_stream",
       [](const Tensor& t, nb::handle stream) {
-        nb::handle h = nb::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream") : stream;
-        record_stream(t, reinterpret_cast<void*>(nb::cast<uintptr_t>(h)));
+        nb::object h = nb::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream")
+                                                            : nb::borrow(stream);
+        uintptr_t handle = 0;
+        if (PyBool_Check(h.ptr()) || !nb::try_cast<uintptr_t>(h, handle)) {
+          throw TypeError("[record_stream] argument 'stream' must be a bt.cuda.Stream, a torch "
+                          "stream or a cudaStream_t int, got " +
+                          nb::cast<std::string>(nb::repr(stream)) + " (" +
+                          nb::type_name(stream.type()).c_str() + ")");
+        }
+        record_stream(t, reinterpret_cast<void*>(handle));
       },
       "stream"_a,
       "Marks this CUDA tensor's memory as used by `stream` (a bt.cuda.Stream, a torch stream or "
