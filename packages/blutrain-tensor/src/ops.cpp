@@ -1729,6 +1729,10 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
                      shape_str(q.shape()) + " and " + shape_str(k.shape()));
   }
   const int64_t L = q.shape()[q.ndim() - 2], S = k.shape()[k.ndim() - 2];
+  if (scale && !std::isfinite(*scale)) {  // (PyTorch returns NaN there)
+    throw ValueError("[scaled_dot_product_attention] scale must be finite, got " +
+                     std::to_string(*scale));
+  }
   const double sc = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.shape().back()));
   // The fused kernel (src/attention.h) when there is no mask and no dropout: on CUDA for 16-bit
   // inputs and for float32 with head dim 64 or 128 (tensor cores: TF32 when
@@ -1745,7 +1749,11 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   // O(T^2 D) GEMMs; not while capturing, where no values exist yet).
   const bool plain = !attn_mask.defined() && dropout_p == 0;
   const bool nonfinite = plain && !q.device().is_cuda() && active_graph() == nullptr &&
+                         std::isfinite(sc) && flash_attention_supported(q, k, v, is_causal) &&
                          !(all_finite_cpu(q) && all_finite_cpu(k) && all_finite_cpu(v));
+  if (nonfinite && sc <= 0) {  // the kernel wants a positive scale: (q sc) k^T with scale 1
+    return flash_attention(mul(q, sc), k, v, is_causal, 1.0).first;
+  }
   if (plain && (nonfinite || fused_attention_applies(q.dtype(), q.shape().back(), q.device(), sc)) &&
       flash_attention_supported(q, k, v, is_causal)) {
     // q, k, v sliced from one (B, T, 3C) tensor (GPT-2's qkv): one op on it, whose backward
@@ -1799,6 +1807,9 @@ Tensor qkv_attention(const Tensor& x, const Tensor& weight, const Tensor& bias, 
                      shape_str(weight.shape()) + " for " + std::to_string(heads) + " heads");
   }
   const int64_t B = x.size(0), T = x.size(1), N = weight.shape()[0], HD = N / 3, D = HD / heads;
+  if (scale && !std::isfinite(*scale)) {
+    throw ValueError("[qkv_attention] scale must be finite, got " + std::to_string(*scale));
+  }
   const double sc = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D));
   const DType dt = matmul_dtype(x, weight, op);
   if (!fused_attention_applies(dt, D, x.device(), sc) || B == 0 || T == 0 ||

@@ -2848,6 +2848,7 @@ def _sdpa(g: Gen, name: str = "") -> Call:
         need(q.dt == k.dt == v.dt and q.dt in FLOATS, "one floating dtype")
         need(q.ndim >= 2 and k.ndim >= 2 and v.ndim >= 2, "dims")
         need(q.shape[-1] == k.shape[-1], "head dims")
+        need(scale is None or math.isfinite(scale), "scale must be finite")
         sc = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
         # (scores as the kernels hold them: in q's dtype, or float32 for 16-bit q)
         acc = "float32" if q.dt in ("float16", "bfloat16") else q.dt
@@ -2877,6 +2878,7 @@ def _qkv(g: Gen, name: str = "") -> Call:
 
     def ref(x: A, w: A, bias: Any, heads: Any, is_causal: Any = False, scale: Any = None) -> A:
         need(is_int(heads) and heads >= 1, "heads")
+        need(scale is None or math.isfinite(scale), "scale must be finite")
         qkv = _linear_ref(x, w, bias)
         B, T, N = qkv.shape
         need(N % (3 * heads) == 0, "weight rows")

@@ -704,3 +704,29 @@ def test_default_and_fused_cpu_paths_agree_on_non_finite_inputs(rng, causal):
     np.testing.assert_array_equal(a[0][:, :, 0], 0.0)
     for x, y in zip(a, b, strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_scale_raises(scale):
+    """(PyTorch returns NaN; the fuzz's scale=-inf case made a row of -inf scores from finite
+    inputs: seed 90905218 case 7592.)"""
+    q = bt.zeros((1, 2, 3, 4))
+    with pytest.raises(ValueError, match=r"^\[scaled_dot_product_attention\] scale must be fin"):
+        bt.scaled_dot_product_attention(q, q, q, is_causal=True, scale=scale)
+    with pytest.raises(ValueError, match=r"^\[qkv_attention\] scale must be finite"):
+        bt.qkv_attention(bt.zeros((1, 3, 4)), bt.zeros((12, 4)), None, 2, scale=scale)
+
+
+@pytest.mark.parametrize("scale", [-0.7, 0.0])
+def test_causal_skip_holds_for_any_finite_scale(rng, scale):
+    """A non-positive scale, which the fused kernels refuse, with an inf in v: rows before it
+    still equal the clean inputs' (q scale into the kernel with scale 1)."""
+    q, k, v = (rng.standard_normal((1, 2, 6, 4)) for _ in range(3))
+    g = rng.standard_normal(q.shape)
+    clean = v.copy()
+    v[0, 0, 3, 1] = np.inf
+    got = _sdpa_run(q, k, v, g, bt.float64, False, is_causal=True, scale=scale)
+    want = _sdpa_run(q, k, clean, g, bt.float64, False, is_causal=True, scale=scale)
+    for x, w in zip(got[:2], want[:2], strict=True):
+        np.testing.assert_allclose(x[0, 0, :3], w[0, 0, :3], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(x[0, 1], w[0, 1], rtol=1e-12, atol=1e-12)
