@@ -162,9 +162,9 @@ std::vector<Tensor> packed_grad_views(const Tensor& dx, int64_t heads);
 // path multiplies a masked key's weight 0 by its value row, and its flash kernels do so within a
 // tile, so an inf / NaN in a later v makes earlier rows NaN there; we document the difference,
 // scaled_dot_product_attention's docstring.)  The CPU kernel loops j <= i; the composed CPU path
-// hands inputs holding inf / NaN to that kernel (all_finite_cpu); the CUDA SIMT kernel loops
+// hands inputs holding inf / NaN to that kernel (abs_max_cpu); the CUDA SIMT kernel loops
 // j <= i too, while the tensor-core kernels' diagonal tile multiplies masked weights by v (their
-// fix, Note [non-finite rows] in cuda/attention.cu, is a [gpu-pending] commit).
+// fix, Note [non-finite rows] in cuda/attention_rows.cuh, is a [gpu-pending] commit).
 //
 // Note [empty rows]
 // A row whose scores are all -inf (every key masked by attn_mask, or -inf from q k^T) weighs no
@@ -173,8 +173,9 @@ std::vector<Tensor> packed_grad_views(const Tensor& dx, int64_t heads);
 // makes the row NaN.  (softmax / log_softmax / cross_entropy of such a row stay NaN, as PyTorch;
 // their lse statistic is -inf on both backends.)
 
-// Whether every element of a CPU float tensor is finite (any strides; threads).
-bool all_finite_cpu(const Tensor& t);
+// The largest magnitude in a CPU float tensor, +inf where an element is inf or NaN (any strides;
+// threads): scaled_dot_product_attention's scan (Note [causal masks skip]).
+double abs_max_cpu(const Tensor& t);
 
 // When q, k, v (B, H, T, D) are exactly the three split(H D, -1) slices of one (B, T, 3 H D)
 // tensor viewed (B, T, H, D) and transposed (checked on strides and storage offsets), made from

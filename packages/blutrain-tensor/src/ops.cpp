@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <unordered_map>
@@ -1711,6 +1712,52 @@ static bool fused_attention_applies(DType dt, int64_t hd, Device dev, double sc)
   return std::isfinite(sc) && sc > 0 && (dev.is_cuda() ? cuda_ok : flash_attention_cpu());
 }
 
+// The fused CPU kernel on any q (..., L, D), k, v (..., S, D) of broadcastable batch dims, any
+// finite scale (Note [causal masks skip]): the batch flattened to (N, 1, ., D) views, a
+// non-positive scale folded into q (the kernel takes positive ones), and top-left causal rows
+// with L != S split into a square causal part and full rows.  Undefined where it cannot run.
+static Tensor fused_cpu_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                                  double sc) {
+  if (sc > 0 && flash_attention_supported(q, k, v, causal)) {  // (GPT-2's layout as is)
+    if (Tensor x = packed_qkv_source(q, k, v); x.defined()) {
+      return flash_attention_packed(x, q.size(1), causal, sc).first;
+    }
+    return flash_attention(q, k, v, causal, sc).first;
+  }
+  const int64_t L = q.shape()[q.ndim() - 2], S = k.shape()[k.ndim() - 2], D = q.shape().back();
+  if (v.shape()[v.ndim() - 2] != S || L < 1 || S < 1 || D < 1) return Tensor();
+  Shape batch = broadcast_shapes(Shape(q.shape().begin(), q.shape().end() - 2),
+                                 Shape(k.shape().begin(), k.shape().end() - 2),
+                                 "scaled_dot_product_attention");
+  batch = broadcast_shapes(batch, Shape(v.shape().begin(), v.shape().end() - 2),
+                           "scaled_dot_product_attention");
+  int64_t N = 1;
+  for (int64_t d : batch) N *= d;
+  if (N < 1) return Tensor();
+  auto as4 = [&](const Tensor& t, int64_t rows) {
+    Shape full = batch;
+    full.push_back(rows);
+    full.push_back(D);
+    return reshape(expand(t, full), {N, 1, rows, D});
+  };
+  Tensor q4 = sc > 0 ? as4(q, L) : mul(as4(q, L), sc), k4 = as4(k, S), v4 = as4(v, S);
+  const double s4 = sc > 0 ? sc : 1.0;
+  Tensor o;
+  if (!causal || L == S) {
+    o = flash_attention(q4, k4, v4, causal, s4).first;
+  } else if (L < S) {  // keys past L are seen by no row
+    o = flash_attention(q4, slice(k4, 2, 0, L, 1), slice(v4, 2, 0, L, 1), true, s4).first;
+  } else {  // rows S.. see every key
+    o = cat({flash_attention(slice(q4, 2, 0, S, 1), k4, v4, true, s4).first,
+             flash_attention(slice(q4, 2, S, L, 1), k4, v4, false, s4).first},
+            2);
+  }
+  Shape out = batch;
+  out.push_back(L);
+  out.push_back(D);
+  return reshape(o, out);
+}
+
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& attn_mask, double dropout_p, bool is_causal,
                                     std::optional<double> scale) {
@@ -1745,16 +1792,26 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   // 1xTF32 0.24 / 0.99; GPT-2 124M fp32 peak 41.4 -> 16.9 GiB).
   // Note [causal masks skip], Note [empty rows] (attention.h): the CPU composition would multiply
   // a masked key's weight 0 by its value row (0 * inf = NaN) and make a row of -inf scores NaN,
-  // so CPU inputs holding inf / NaN take the fused kernel (a scan of q, k, v: O(T D) next to the
-  // O(T^2 D) GEMMs; not while capturing, where no values exist yet).
+  // so CPU inputs holding inf / NaN take the fused kernel, and scores that may overflow to -inf
+  // from finite inputs (a huge scale) the composition that zeroes empty rows.  A scan of q, k, v
+  // (O(T D) next to the O(T^2 D) GEMMs); not while capturing, where no values exist yet.
   const bool plain = !attn_mask.defined() && dropout_p == 0;
-  const bool nonfinite = plain && !q.device().is_cuda() && active_graph() == nullptr &&
-                         std::isfinite(sc) && flash_attention_supported(q, k, v, is_causal) &&
-                         !(all_finite_cpu(q) && all_finite_cpu(k) && all_finite_cpu(v));
-  if (nonfinite && sc <= 0) {  // the kernel wants a positive scale: (q sc) k^T with scale 1
-    return flash_attention(mul(q, sc), k, v, is_causal, 1.0).first;
+  const bool f64 = q.dtype() == DType::Float64;
+  const double top = f64 ? std::numeric_limits<double>::max() : std::numeric_limits<float>::max();
+  if (std::abs(sc) > top) {  // (applied in the scores' dtype, it would be inf)
+    throw ValueError("[scaled_dot_product_attention] scale " + std::to_string(sc) +
+                     " overflows " + (f64 ? "float64" : "float32") + ", the scores' dtype");
   }
-  if (plain && (nonfinite || fused_attention_applies(q.dtype(), q.shape().back(), q.device(), sc)) &&
+  const bool scan = !q.device().is_cuda() && active_graph() == nullptr;
+  const double qm = scan ? abs_max_cpu(q) : 0, km = scan ? abs_max_cpu(k) : 0;
+  const double vm = scan ? abs_max_cpu(v) : 0;
+  const bool nonfinite = !(std::isfinite(qm) && std::isfinite(km) && std::isfinite(vm));
+  const bool overflow =
+      scan && !(std::abs(sc) * qm * km * static_cast<double>(q.shape().back()) < 0.5 * top);
+  if (plain && nonfinite && q.shape().back() == v.shape().back()) {
+    if (Tensor y = fused_cpu_attention(q, k, v, is_causal, sc); y.defined()) return y;
+  }
+  if (plain && fused_attention_applies(q.dtype(), q.shape().back(), q.device(), sc) &&
       flash_attention_supported(q, k, v, is_causal)) {
     // q, k, v sliced from one (B, T, 3C) tensor (GPT-2's qkv): one op on it, whose backward
     // writes the single (B, T, 3C) gradient directly (no scatter into zero-filled buffers).
@@ -1770,7 +1827,7 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
     s = masked_fill(s, binary(BinaryOp::Gt, j, i), Scalar::floating(-INFINITY));
   }
   Tensor empty;  // Note [empty rows]: rows whose scores are all -inf (every key masked)
-  if (!plain) {
+  if (!plain || nonfinite || overflow) {
     if (!attn_mask.defined()) {
     } else if (attn_mask.dtype() == DType::Bool) {
       s = masked_fill(s, unary(UnaryOp::LogicalNot, attn_mask),
@@ -1809,6 +1866,10 @@ Tensor qkv_attention(const Tensor& x, const Tensor& weight, const Tensor& bias, 
   const int64_t B = x.size(0), T = x.size(1), N = weight.shape()[0], HD = N / 3, D = HD / heads;
   if (scale && !std::isfinite(*scale)) {
     throw ValueError("[qkv_attention] scale must be finite, got " + std::to_string(*scale));
+  }
+  if (scale && x.dtype() != DType::Float64 && std::abs(*scale) > std::numeric_limits<float>::max()) {
+    throw ValueError("[qkv_attention] scale " + std::to_string(*scale) +
+                     " overflows float32, the scores' dtype");
   }
   const double sc = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D));
   const DType dt = matmul_dtype(x, weight, op);

@@ -967,7 +967,13 @@ def reduce_ref(name: str) -> Callable:
         elif name in ("mean", "var"):
             dt = to_floating(x.dt)
             v = as_dtype(x, dt)
-            if name == "mean":
+            if name == "mean" and x.dt not in FLOATS and a.size:
+                # integers are summed exactly (int64 terms near 2**63 included) and divided once:
+                # numpy's float64 terms round them first (fuzz seed 1013179725 case 4024)
+                n = int(np.prod([x.shape[d] for d in axes])) if axes else 1
+                tot = np.sum(a.astype(np.int64).astype(object), axis=axes, keepdims=keepdim)
+                out = np.vectorize(lambda s: int(s) / n, otypes=[np.float64])(tot)
+            elif name == "mean":
                 out = (
                     np.mean(v, axis=axes, keepdims=keepdim)
                     if v.size or axes
@@ -1750,6 +1756,9 @@ def _setitem(g: Gen, name: str = "") -> Call:
             vv = as_dtype(value, weak(t.dt, value))
         else:
             vv = value.a
+            if value.dt in FLOATS and t.dt not in FLOATS and t.dt != "bool":
+                _check_int_cast(vv, t.dt)  # (NaN into an int32: fuzz seed 522826966 case 9313)
+                vv = np.trunc(vv)
         items = idx if isinstance(idx, tuple) else (idx,)
         conv = tuple(
             i.a if is_a(i) else (np.asarray(i, dtype=np.int64) if isinstance(i, list) else i)
@@ -2849,6 +2858,8 @@ def _sdpa(g: Gen, name: str = "") -> Call:
         need(q.ndim >= 2 and k.ndim >= 2 and v.ndim >= 2, "dims")
         need(q.shape[-1] == k.shape[-1], "head dims")
         need(scale is None or math.isfinite(scale), "scale must be finite")
+        top = float(np.finfo(np.float64 if q.dt == "float64" else np.float32).max)
+        need(scale is None or abs(scale) <= top, "scale overflows the scores' dtype")
         sc = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
         # (scores as the kernels hold them: in q's dtype, or float32 for 16-bit q)
         acc = "float32" if q.dt in ("float16", "bfloat16") else q.dt
@@ -2879,6 +2890,8 @@ def _qkv(g: Gen, name: str = "") -> Call:
     def ref(x: A, w: A, bias: Any, heads: Any, is_causal: Any = False, scale: Any = None) -> A:
         need(is_int(heads) and heads >= 1, "heads")
         need(scale is None or math.isfinite(scale), "scale must be finite")
+        top = float(np.finfo(np.float64 if x.dt == "float64" else np.float32).max)
+        need(scale is None or abs(scale) <= top, "scale overflows the scores' dtype")
         qkv = _linear_ref(x, w, bias)
         B, T, N = qkv.shape
         need(N % (3 * heads) == 0, "weight rows")

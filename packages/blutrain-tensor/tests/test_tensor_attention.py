@@ -730,3 +730,46 @@ def test_causal_skip_holds_for_any_finite_scale(rng, scale):
     for x, w in zip(got[:2], want[:2], strict=True):
         np.testing.assert_allclose(x[0, 0, :3], w[0, 0, :3], rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(x[0, 1], w[0, 1], rtol=1e-12, atol=1e-12)
+
+
+def test_a_scale_past_the_scores_dtype_raises():
+    """(fuzz seeds 1417888661 case 8849 and others: scale=1e308 became inf in float32)"""
+    q = bt.zeros((1, 1, 2, 4))
+    with pytest.raises(ValueError, match=r"^\[scaled_dot_product_attention\] scale .* overflows"):
+        bt.scaled_dot_product_attention(q, q, q, scale=1e308)
+    with pytest.raises(ValueError, match=r"^\[qkv_attention\] scale .* overflows float32"):
+        bt.qkv_attention(bt.zeros((1, 3, 4)), bt.zeros((12, 4)), None, 2, scale=1e300)
+    y = bt.scaled_dot_product_attention(q.double(), q.double(), q.double(), scale=1e308)
+    assert y.shape == (1, 1, 2, 4)  # (float64 scores take it)
+
+
+def test_scores_overflowing_to_minus_inf_give_empty_rows_not_nan():
+    """Finite float64 inputs and a huge scale: a row whose scores all overflow to -inf weighs
+    nothing (0), as Note [empty rows] (fuzz seed 76989447 case 7870 gave NaN)."""
+    q = bt.tensor([[[[1.0], [1.0]]]], dtype=bt.float64)
+    k = bt.tensor([[[[-2.0], [-3.0]]]], dtype=bt.float64)
+    v = bt.tensor([[[[5.0], [7.0]]]], dtype=bt.float64)
+    y = bt.scaled_dot_product_attention(q, k, v, scale=1e308)
+    np.testing.assert_array_equal(f64(y), 0.0)
+
+
+@pytest.mark.parametrize("shape", ["3d", "broadcast", "l_lt_s", "l_gt_s"])
+def test_causal_skip_beyond_the_fused_kernels_shapes(rng, shape):
+    """Non-finite inputs of shapes the fused kernel does not take as they are (3-D q, k, v;
+    broadcast batch dims; causal L != S, top-left): rows before a bad value still equal the clean
+    inputs' (fuzz seeds 2116197933 case 1311, 978248026 case 3958 gave NaN for empty rows)."""
+    L, S, D = {"l_lt_s": (4, 7, 3), "l_gt_s": (7, 4, 3)}.get(shape, (6, 6, 3))
+    qs, ks = {"3d": ((2, L, D), (2, S, D)), "broadcast": ((2, 3, L, D), (1, 3, S, D))}.get(
+        shape, ((1, 2, L, D), (1, 2, S, D))
+    )
+    q, k, v = rng.standard_normal(qs), rng.standard_normal(ks), rng.standard_normal(ks)
+    g = rng.standard_normal(qs)
+    clean = v.copy()
+    p = min(L, S) - 2
+    v[..., p, 1] = np.inf
+    got = _sdpa_run(q, k, v, g, bt.float64, False, is_causal=True)
+    want = _sdpa_run(q, k, clean, g, bt.float64, False, is_causal=True)
+    for x, w in zip(got[:2], want[:2], strict=True):
+        assert np.isfinite(x[..., :p, :]).all()
+        np.testing.assert_allclose(x[..., :p, :], w[..., :p, :], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got[0][..., p:, 0], want[0][..., p:, 0], rtol=1e-12)  # (column 0)

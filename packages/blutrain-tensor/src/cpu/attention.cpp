@@ -3,7 +3,7 @@
 // reproduce (softmax(q k^T * scale) v with a top-left causal mask, lse = the rows' logsumexp).
 #include "../attention.h"
 
-#include <atomic>
+#include <mutex>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -156,19 +156,24 @@ void FlashAttentionBackward::eval_cpu(const std::vector<Tensor>& in, std::vector
   });
 }
 
-bool all_finite_cpu(const Tensor& t) {
-  if (!is_floating(t.dtype())) return true;
-  std::atomic<bool> bad{false};
+double abs_max_cpu(const Tensor& t) {
+  if (!is_floating(t.dtype())) return 0;
+  std::mutex mu;
+  double best = 0;
   dispatch_float(t.dtype(), "scaled_dot_product_attention", [&](auto tag) {
     using T = typename decltype(tag)::type;
     const T* p = t.data<T>("scaled_dot_product_attention");
     cpu::for_each_strided<1>(t.shape(), {t.strides()}, [&](auto off, int64_t n, auto st) {
-      bool b = false;
-      for (int64_t e = 0; e < n; ++e) b |= !std::isfinite(static_cast<double>(p[off[0] + e * st[0]]));
-      if (b) bad.store(true, std::memory_order_relaxed);
+      double m = 0;
+      for (int64_t e = 0; e < n; ++e) {
+        const double x = std::abs(static_cast<double>(p[off[0] + e * st[0]]));
+        m = x > m || x != x ? (x != x ? std::numeric_limits<double>::infinity() : x) : m;
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      best = std::max(best, m);
     });
   });
-  return !bad.load();
+  return best;
 }
 
 // Packed: q, k, v are views of X; dq, dk, dv are the three (B, T, H, D) slices of dX.
