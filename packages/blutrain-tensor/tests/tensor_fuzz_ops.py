@@ -26,6 +26,7 @@ import numpy as np
 from tensor_fuzz import (
     FLOATS,
     INTS,
+    UNIT_ROUNDOFF,
     A,
     Arg,
     Call,
@@ -967,13 +968,7 @@ def reduce_ref(name: str) -> Callable:
         elif name in ("mean", "var"):
             dt = to_floating(x.dt)
             v = as_dtype(x, dt)
-            if name == "mean" and x.dt not in FLOATS and a.size:
-                # integers are summed exactly (int64 terms near 2**63 included) and divided once:
-                # numpy's float64 terms round them first (fuzz seed 1013179725 case 4024)
-                n = int(np.prod([x.shape[d] for d in axes])) if axes else 1
-                tot = np.sum(a.astype(np.int64).astype(object), axis=axes, keepdims=keepdim)
-                out = np.vectorize(lambda s: int(s) / n, otypes=[np.float64])(tot)
-            elif name == "mean":
+            if name == "mean":
                 out = (
                     np.mean(v, axis=axes, keepdims=keepdim)
                     if v.size or axes
@@ -1005,6 +1000,15 @@ def reduce_ref(name: str) -> Callable:
             if dt in FLOATS and axes:  # NaN propagates
                 nanin = np.any(np.isnan(a), axis=axes, keepdims=keepdim)
                 out = np.where(nanin, np.nan, out)
+        if name in ("sum", "mean") and dt in FLOATS and a.size:
+            # a sum in floating point rounds each add, in an order bt chooses: the error is at
+            # most n u sum|x| (a mean's, u sum|x|); huge terms that cancel (int64 near 2**63 as
+            # float32) leave a result far below them (fuzz seeds 1013179725, 1269557148)
+            n = int(np.prod([x.shape[d] for d in axes])) if axes else 1
+            with np.errstate(all="ignore"):
+                mag = np.sum(np.abs(as_dtype(x, dt)), axis=axes, keepdims=keepdim)
+                err = (n if name == "sum" else 1) * UNIT_ROUNDOFF[dt] * np.asarray(mag)
+            return A(np.asarray(out), dt, err=np.where(np.isfinite(err), err, 0.0))
         return A(np.asarray(out), dt)
 
     return ref

@@ -204,3 +204,19 @@ def test_sums_in_the_dtype_are_compared_within_their_rounding_bound():
     wrong = tensor_fuzz.A(np.array([[0.0, 0.0], [0.0, 2.0**28]]), "bfloat16")
     assert tensor_fuzz.compare(wrong, want, 1.0, bt) is not None
     assert tensor_fuzz.compare(g, tensor_fuzz.A(want.a, "bfloat16"), 1.0, bt) is not None
+
+
+def test_sums_and_means_are_compared_within_their_rounding_bound():
+    """A float sum's error is at most n u sum|x|: int64 near 2**63 cast to float32 and cancelled
+    (fuzz seeds 1013179725 case 4024, 1269557148 case 6753, ...) leave 0.25 or 0.5 as the mean
+    depending on the order of the adds; both within the bound, which still catches a wrong value."""
+    for seed, index in ((1013179725, 4024), (1269557148, 6753), (1519236596, 5033)):
+        assert tensor_fuzz.run_case(seed, index, "cpu")["status"] == "ok", (seed, index)
+    ref = tensor_fuzz_ops.reduce_ref("mean")
+    x = tensor_fuzz.A(np.array([-(2.0**63), 2.0**63, 1.0, 1.0]), "float32")
+    want = ref(x)
+    assert tensor_fuzz.compare(tensor_fuzz.A(np.array(0.0), "float32"), want, 1.0, bt) is None
+    wrong = tensor_fuzz.A(np.array(2.0**50), "float32")
+    assert tensor_fuzz.compare(wrong, want, 1.0, bt) is not None
+    small = ref(tensor_fuzz.A(np.array([1.0, 2.0, 4.0]), "float32"))  # (no huge terms: tight)
+    assert tensor_fuzz.compare(tensor_fuzz.A(np.array(2.34), "float32"), small, 1.0, bt)
