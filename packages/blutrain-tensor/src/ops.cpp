@@ -1806,8 +1806,9 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   const double qm = scan ? abs_max_cpu(q) : 0, km = scan ? abs_max_cpu(k) : 0;
   const double vm = scan ? abs_max_cpu(v) : 0;
   const bool nonfinite = !(std::isfinite(qm) && std::isfinite(km) && std::isfinite(vm));
+  const double stop = q.dtype() == DType::Float16 ? 65504.0 : top;  // (float16 scores)
   const bool overflow =
-      scan && !(std::abs(sc) * qm * km * static_cast<double>(q.shape().back()) < 0.5 * top);
+      scan && !(std::abs(sc) * qm * km * static_cast<double>(q.shape().back()) < 0.5 * stop);
   if (plain && nonfinite && q.shape().back() == v.shape().back()) {
     if (Tensor y = fused_cpu_attention(q, k, v, is_causal, sc); y.defined()) return y;
   }

@@ -773,3 +773,13 @@ def test_causal_skip_beyond_the_fused_kernels_shapes(rng, shape):
         assert np.isfinite(x[..., :p, :]).all()
         np.testing.assert_allclose(x[..., :p, :], w[..., :p, :], rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(got[0][..., p:, 0], want[0][..., p:, 0], rtol=1e-12)  # (column 0)
+
+
+def test_float16_scores_overflowing_from_finite_inputs_give_empty_rows():
+    """float16 scores overflow at 65504: q = 300, k = -300 (D 1) make -90000 -> -inf in the
+    composed CPU path; that row weighs nothing (0) rather than NaN."""
+    q = bt.tensor([[[[300.0], [1.0]]]], dtype=bt.float16)
+    k = bt.tensor([[[[-300.0], [-300.0]]]], dtype=bt.float16)
+    v = bt.tensor([[[[5.0], [7.0]]]], dtype=bt.float16)
+    y = f64(bt.scaled_dot_product_attention(q, k, v, scale=1.0))
+    assert y[0, 0, 0, 0] == 0.0 and np.isfinite(y).all()
