@@ -1778,7 +1778,7 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   const int64_t L = q.shape()[q.ndim() - 2], S = k.shape()[k.ndim() - 2];
   if (scale && !std::isfinite(*scale)) {  // (PyTorch returns NaN there)
     throw ValueError("[scaled_dot_product_attention] scale must be finite, got " +
-                     std::to_string(*scale));
+                     scalar_str(Scalar::floating(*scale)));
   }
   const double sc = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.shape().back()));
   // The fused kernel (src/attention.h) when there is no mask and no dropout: on CUDA for 16-bit
@@ -1799,7 +1799,7 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   const bool f64 = q.dtype() == DType::Float64;
   const double top = f64 ? std::numeric_limits<double>::max() : std::numeric_limits<float>::max();
   if (std::abs(sc) > top) {  // (applied in the scores' dtype, it would be inf)
-    throw ValueError("[scaled_dot_product_attention] scale " + std::to_string(sc) +
+    throw ValueError("[scaled_dot_product_attention] scale " + scalar_str(Scalar::floating(sc)) +
                      " overflows " + (f64 ? "float64" : "float32") + ", the scores' dtype");
   }
   const bool scan = !q.device().is_cuda() && active_graph() == nullptr;
@@ -1866,10 +1866,11 @@ Tensor qkv_attention(const Tensor& x, const Tensor& weight, const Tensor& bias, 
   }
   const int64_t B = x.size(0), T = x.size(1), N = weight.shape()[0], HD = N / 3, D = HD / heads;
   if (scale && !std::isfinite(*scale)) {
-    throw ValueError("[qkv_attention] scale must be finite, got " + std::to_string(*scale));
+    throw ValueError("[qkv_attention] scale must be finite, got " +
+                     scalar_str(Scalar::floating(*scale)));
   }
   if (scale && x.dtype() != DType::Float64 && std::abs(*scale) > std::numeric_limits<float>::max()) {
-    throw ValueError("[qkv_attention] scale " + std::to_string(*scale) +
+    throw ValueError("[qkv_attention] scale " + scalar_str(Scalar::floating(*scale)) +
                      " overflows float32, the scores' dtype");
   }
   const double sc = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D));
