@@ -156,6 +156,27 @@ std::vector<Tensor> packed_qkv_views(const Tensor& x, int64_t heads);
 // The (B, T, H, D) dq, dk, dv views of a packed gradient dX (B, T, 3 H D).
 std::vector<Tensor> packed_grad_views(const Tensor& dx, int64_t heads);
 
+// Note [causal masks skip]
+// A causal row i is a function of q_i, k_0..i and v_0..i alone, in its forward and its gradients:
+// masked keys (j > i) are never read, so an inf or NaN there changes nothing.  (PyTorch's math
+// path multiplies a masked key's weight 0 by its value row, and its flash kernels do so within a
+// tile, so an inf / NaN in a later v makes earlier rows NaN there; we document the difference,
+// scaled_dot_product_attention's docstring.)  The CPU kernel loops j <= i; the composed CPU path
+// hands inputs holding inf / NaN to that kernel (abs_max_cpu); the CUDA SIMT kernel loops
+// j <= i too, while the tensor-core kernels' diagonal tile multiplies masked weights by v (their
+// fix, Note [non-finite rows] in cuda/attention_rows.cuh, is a [gpu-pending] commit).
+//
+// Note [empty rows]
+// A row whose scores are all -inf (every key masked by attn_mask, or -inf from q k^T) weighs no
+// key: its output is 0, its lse -inf (the log of an empty sum) and it passes no gradient, as
+// PyTorch's scaled_dot_product_attention (math and flash) gives 0 there.  A NaN score still
+// makes the row NaN.  (softmax / log_softmax / cross_entropy of such a row stay NaN, as PyTorch;
+// their lse statistic is -inf on both backends.)
+
+// The largest magnitude in a CPU float tensor, +inf where an element is inf or NaN (any strides;
+// threads): scaled_dot_product_attention's scan (Note [causal masks skip]).
+double abs_max_cpu(const Tensor& t);
+
 // When q, k, v (B, H, T, D) are exactly the three split(H D, -1) slices of one (B, T, 3 H D)
 // tensor viewed (B, T, H, D) and transposed (checked on strides and storage offsets), made from
 // their storage's base tensor by views only (no hooks, retain_grad or in-place rebase on the way,

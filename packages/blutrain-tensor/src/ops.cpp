@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <unordered_map>
@@ -1771,6 +1772,52 @@ static bool fused_attention_applies(DType dt, int64_t hd, Device dev, double sc)
   return std::isfinite(sc) && sc > 0 && (dev.is_cuda() ? cuda_ok : flash_attention_cpu());
 }
 
+// The fused CPU kernel on any q (..., L, D), k, v (..., S, D) of broadcastable batch dims, any
+// finite scale (Note [causal masks skip]): the batch flattened to (N, 1, ., D) views, a
+// non-positive scale folded into q (the kernel takes positive ones), and top-left causal rows
+// with L != S split into a square causal part and full rows.  Undefined where it cannot run.
+static Tensor fused_cpu_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                                  double sc) {
+  if (sc > 0 && flash_attention_supported(q, k, v, causal)) {  // (GPT-2's layout as is)
+    if (Tensor x = packed_qkv_source(q, k, v); x.defined()) {
+      return flash_attention_packed(x, q.size(1), causal, sc).first;
+    }
+    return flash_attention(q, k, v, causal, sc).first;
+  }
+  const int64_t L = q.shape()[q.ndim() - 2], S = k.shape()[k.ndim() - 2], D = q.shape().back();
+  if (v.shape()[v.ndim() - 2] != S || L < 1 || S < 1 || D < 1) return Tensor();
+  Shape batch = broadcast_shapes(Shape(q.shape().begin(), q.shape().end() - 2),
+                                 Shape(k.shape().begin(), k.shape().end() - 2),
+                                 "scaled_dot_product_attention");
+  batch = broadcast_shapes(batch, Shape(v.shape().begin(), v.shape().end() - 2),
+                           "scaled_dot_product_attention");
+  int64_t N = 1;
+  for (int64_t d : batch) N *= d;
+  if (N < 1) return Tensor();
+  auto as4 = [&](const Tensor& t, int64_t rows) {
+    Shape full = batch;
+    full.push_back(rows);
+    full.push_back(D);
+    return reshape(expand(t, full), {N, 1, rows, D});
+  };
+  Tensor q4 = sc > 0 ? as4(q, L) : mul(as4(q, L), sc), k4 = as4(k, S), v4 = as4(v, S);
+  const double s4 = sc > 0 ? sc : 1.0;
+  Tensor o;
+  if (!causal || L == S) {
+    o = flash_attention(q4, k4, v4, causal, s4).first;
+  } else if (L < S) {  // keys past L are seen by no row
+    o = flash_attention(q4, slice(k4, 2, 0, L, 1), slice(v4, 2, 0, L, 1), true, s4).first;
+  } else {  // rows S.. see every key
+    o = cat({flash_attention(slice(q4, 2, 0, S, 1), k4, v4, true, s4).first,
+             flash_attention(slice(q4, 2, S, L, 1), k4, v4, false, s4).first},
+            2);
+  }
+  Shape out = batch;
+  out.push_back(L);
+  out.push_back(D);
+  return reshape(o, out);
+}
+
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& attn_mask, double dropout_p, bool is_causal,
                                     std::optional<double> scale) {
@@ -1789,6 +1836,10 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
                      shape_str(q.shape()) + " and " + shape_str(k.shape()));
   }
   const int64_t L = q.shape()[q.ndim() - 2], S = k.shape()[k.ndim() - 2];
+  if (scale && !std::isfinite(*scale)) {  // (PyTorch returns NaN there)
+    throw ValueError("[scaled_dot_product_attention] scale must be finite, got " +
+                     scalar_str(Scalar::floating(*scale)));
+  }
   const double sc = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.shape().back()));
   // The fused kernel (src/attention.h) when there is no mask and no dropout: on CUDA for 16-bit
   // inputs and for float32 with head dim 64 or 128 (tensor cores: TF32 when
@@ -1799,8 +1850,29 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   // per layer (40.8 GiB peak at B=16, T=1024) and spent ~60 ms a step in softmax/masking; the
   // TF32 kernels need none of that (H200, B16 H12 T1024 D64 causal: 3xTF32 fwd 0.56 ms, bwd 2.49;
   // 1xTF32 0.24 / 0.99; GPT-2 124M fp32 peak 41.4 -> 16.9 GiB).
-  if (!attn_mask.defined() && dropout_p == 0 &&
-      fused_attention_applies(q.dtype(), q.shape().back(), q.device(), sc) &&
+  // Note [causal masks skip], Note [empty rows] (attention.h): the CPU composition would multiply
+  // a masked key's weight 0 by its value row (0 * inf = NaN) and make a row of -inf scores NaN,
+  // so CPU inputs holding inf / NaN take the fused kernel, and scores that may overflow to -inf
+  // from finite inputs (a huge scale) the composition that zeroes empty rows.  A scan of q, k, v
+  // (O(T D) next to the O(T^2 D) GEMMs); not while capturing, where no values exist yet.
+  const bool plain = !attn_mask.defined() && dropout_p == 0;
+  const bool f64 = q.dtype() == DType::Float64;
+  const double top = f64 ? std::numeric_limits<double>::max() : std::numeric_limits<float>::max();
+  if (std::abs(sc) > top) {  // (applied in the scores' dtype, it would be inf)
+    throw ValueError("[scaled_dot_product_attention] scale " + scalar_str(Scalar::floating(sc)) +
+                     " overflows " + (f64 ? "float64" : "float32") + ", the scores' dtype");
+  }
+  const bool scan = !q.device().is_cuda() && active_graph() == nullptr;
+  const double qm = scan ? abs_max_cpu(q) : 0, km = scan ? abs_max_cpu(k) : 0;
+  const double vm = scan ? abs_max_cpu(v) : 0;
+  const bool nonfinite = !(std::isfinite(qm) && std::isfinite(km) && std::isfinite(vm));
+  const double stop = q.dtype() == DType::Float16 ? 65504.0 : top;  // (float16 scores)
+  const bool overflow =
+      scan && !(std::abs(sc) * qm * km * static_cast<double>(q.shape().back()) < 0.5 * stop);
+  if (plain && nonfinite && q.shape().back() == v.shape().back()) {
+    if (Tensor y = fused_cpu_attention(q, k, v, is_causal, sc); y.defined()) return y;
+  }
+  if (plain && fused_attention_applies(q.dtype(), q.shape().back(), q.device(), sc) &&
       flash_attention_supported(q, k, v, is_causal)) {
     // q, k, v sliced from one (B, T, 3C) tensor (GPT-2's qkv): one op on it, whose backward
     // writes the single (B, T, 3C) gradient directly (no scatter into zero-filled buffers).
@@ -1815,15 +1887,25 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
     Tensor j = unsqueeze(arange(0, static_cast<double>(S), 1, DType::Int64, q.device()), 0);
     s = masked_fill(s, binary(BinaryOp::Gt, j, i), Scalar::floating(-INFINITY));
   }
-  if (attn_mask.defined()) {
-    if (attn_mask.dtype() == DType::Bool) {
+  Tensor empty;  // Note [empty rows]: rows whose scores are all -inf (every key masked)
+  if (!plain || nonfinite || overflow) {
+    if (!attn_mask.defined()) {
+    } else if (attn_mask.dtype() == DType::Bool) {
       s = masked_fill(s, unary(UnaryOp::LogicalNot, attn_mask),
                       Scalar::floating(-INFINITY));
     } else {
       s = add(s, astype(attn_mask, s.dtype()));  // (the output keeps q's dtype)
     }
+    // weigh nothing (as PyTorch): their softmax runs on zeros (a finite gradient, then cut)
+    {
+      GradModeGuard no_grad(false);
+      empty = binary(BinaryOp::Eq, reduce(ReduceOp::Max, s, {-1}, true),
+                     Scalar::floating(-INFINITY));
+    }
+    s = masked_fill(s, empty, Scalar::floating(0));
   }
   Tensor p = softmax(s, -1, false);
+  if (empty.defined()) p = masked_fill(p, empty, Scalar::floating(0));
   if (dropout_p > 0) p = dropout(p, dropout_p, true);
   return matmul(p, v);
 }
@@ -1843,6 +1925,14 @@ Tensor qkv_attention(const Tensor& x, const Tensor& weight, const Tensor& bias, 
                      shape_str(weight.shape()) + " for " + std::to_string(heads) + " heads");
   }
   const int64_t B = x.size(0), T = x.size(1), N = weight.shape()[0], HD = N / 3, D = HD / heads;
+  if (scale && !std::isfinite(*scale)) {
+    throw ValueError("[qkv_attention] scale must be finite, got " +
+                     scalar_str(Scalar::floating(*scale)));
+  }
+  if (scale && x.dtype() != DType::Float64 && std::abs(*scale) > std::numeric_limits<float>::max()) {
+    throw ValueError("[qkv_attention] scale " + scalar_str(Scalar::floating(*scale)) +
+                     " overflows float32, the scores' dtype");
+  }
   const double sc = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D));
   const DType dt = matmul_dtype(x, weight, op);
   if (!fused_attention_applies(dt, D, x.device(), sc) || B == 0 || T == 0 ||

@@ -117,6 +117,10 @@ class A:
 
     a: np.ndarray
     dt: str
+    # Optional per-element absolute error bound on top of the dtype's tolerance: for ops that add
+    # in the result's dtype one term at a time, as PyTorch does (scatter_add, index_add: each add
+    # rounds, so a large term cancelled by a later one can take a small one with it).
+    err: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -211,6 +215,11 @@ def _values(shape: tuple[int, ...], dt: str, fill: str, rng: np.random.Generator
             [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-30, -1e-30, 1.0, -1.0, 60000.0, 1e30, 0.5]
         )
         return rng.choice(pool, n).reshape(shape)
+    if fill == "sprinkle":  # normal values, about one in five NaN / inf / -inf
+        v = rng.standard_normal(n) * 2
+        bad = rng.random(n) < 0.2
+        v[bad] = rng.choice(np.array([np.nan, np.inf, -np.inf]), int(bad.sum()))
+        return v.reshape(shape)
     if fill == "pos":
         return (rng.random(n) * 3 + 0.1).reshape(shape)
     if fill == "unit":
@@ -952,7 +961,7 @@ def compare(got: Any, want: Any, tol: float, bt: Any) -> str | None:
             return f"dtype {got.dt}, expected {want.dt}"
         if got.shape != tuple(want.shape):
             return f"shape {got.shape}, expected {tuple(want.shape)}"
-        return compare_values(got.a, round_to(want.a, want.dt), want.dt, tol)
+        return compare_values(got.a, round_to(want.a, want.dt), want.dt, tol, want.err)
     if isinstance(want, float):
         if not isinstance(got, float | int):
             return f"expected {want!r}, got {got!r:.80}"
@@ -965,16 +974,31 @@ def compare(got: Any, want: Any, tol: float, bt: Any) -> str | None:
 
 
 TOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-5, "float64": 1e-10}
+# Unit roundoff of each float dtype (half an ulp of 1).
+UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
 
 
-def compare_values(got: np.ndarray, want: np.ndarray, dt: str, tol: float) -> str | None:
+def summed_in_dtype(out: np.ndarray, mag: np.ndarray, terms: np.ndarray, dt: str) -> A:
+    """The reference of a sum taken in dtype dt one term at a time (any order): out holds the exact
+    (float64) sums, mag the sums of the terms' magnitudes, terms how many terms each element got.
+    Each add rounds once, so the error is at most terms * u * mag (Higham's bound for recursive
+    summation, u the unit roundoff); integers are exact (wrapping as C does)."""
+    if dt not in FLOATS:
+        return A(out, dt)
+    with np.errstate(all="ignore"):
+        return A(out, dt, err=terms * UNIT_ROUNDOFF[dt] * mag)
+
+
+def compare_values(
+    got: np.ndarray, want: np.ndarray, dt: str, tol: float, err: np.ndarray | None = None
+) -> str | None:
     if dt not in FLOATS:
         bad = got != want
     else:
         g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
         rt = TOL[dt] * tol
         with np.errstate(all="ignore"):
-            close = np.abs(g - w) <= rt * np.abs(w) + rt * tol
+            close = np.abs(g - w) <= rt * np.abs(w) + rt * tol + (0 if err is None else err)
             same_special = (np.isnan(g) & np.isnan(w)) | ((g == w) & np.isinf(w))
             # a value at the edge of the dtype's range may round to inf on one side only
             edge = (

@@ -26,6 +26,7 @@ import numpy as np
 from tensor_fuzz import (
     FLOATS,
     INTS,
+    UNIT_ROUNDOFF,
     A,
     Arg,
     Call,
@@ -35,6 +36,7 @@ from tensor_fuzz import (
     need,
     promote,
     round_to,
+    summed_in_dtype,
     to_floating,
     weak,
 )
@@ -1022,6 +1024,15 @@ def reduce_ref(name: str) -> Callable:
             if dt in FLOATS and axes:  # NaN propagates
                 nanin = np.any(np.isnan(a), axis=axes, keepdims=keepdim)
                 out = np.where(nanin, np.nan, out)
+        if name in ("sum", "mean") and dt in FLOATS and a.size:
+            # a sum in floating point rounds each add, in an order bt chooses: the error is at
+            # most n u sum|x| (a mean's, u sum|x|); huge terms that cancel (int64 near 2**63 as
+            # float32) leave a result far below them (fuzz seeds 1013179725, 1269557148)
+            n = int(np.prod([x.shape[d] for d in axes])) if axes else 1
+            with np.errstate(all="ignore"):
+                mag = np.sum(np.abs(as_dtype(x, dt)), axis=axes, keepdims=keepdim)
+                err = (n if name == "sum" else 1) * UNIT_ROUNDOFF[dt] * np.asarray(mag)
+            return A(np.asarray(out), dt, err=np.where(np.isfinite(err), err, 0.0))
         return A(np.asarray(out), dt)
 
     return ref
@@ -1609,11 +1620,15 @@ def _scatter_add(g: Gen, name: str = "") -> Call:
         if s.dt in FLOATS and t.dt not in FLOATS and t.dt != "bool":
             _check_int_cast(s.a, t.dt)
         sv = as_dtype(s, t.dt)
+        mag, terms = np.abs(out.astype(np.float64)), np.zeros(out.shape)
         for pos in np.ndindex(*index.shape):
             tgt = list(pos)
             tgt[dd] = int(index.a[pos]) % m
             out[tuple(tgt)] += sv[pos]
-        return A(out, t.dt)
+            mag[tuple(tgt)] += abs(float(sv[pos]))
+            terms[tuple(tgt)] += 1
+        # (added in the dtype one index at a time, as PyTorch: fuzz seed 1042310026 case 5882)
+        return summed_in_dtype(out, mag, terms, t.dt)
 
     return Call(
         how_for(name), [x, g.value("dim", d, "dim"), idx, src], ref=ref, strict=True, tol=8.0
@@ -1644,13 +1659,16 @@ def _index_add(g: Gen, name: str = "") -> Call:
         if s.dt in FLOATS and t.dt not in FLOATS and t.dt != "bool":
             _check_int_cast(s.a, t.dt)
         sv = as_dtype(s, t.dt)
+        mag, terms = np.abs(out.astype(np.float64)), np.zeros(out.shape)
         for j, i in enumerate(index.a.reshape(-1)):
             sl = [slice(None)] * t.ndim
             sl[dd] = int(i) % m
             src_sl = [slice(None)] * t.ndim
             src_sl[dd] = j
             out[tuple(sl)] += sv[tuple(src_sl)]
-        return A(out, t.dt)
+            mag[tuple(sl)] += np.abs(sv[tuple(src_sl)].astype(np.float64))
+            terms[tuple(sl)] += 1
+        return summed_in_dtype(out, mag, terms, t.dt)
 
     return Call(
         how,
@@ -1766,6 +1784,9 @@ def _setitem(g: Gen, name: str = "") -> Call:
             vv = as_dtype(value, weak(t.dt, value))
         else:
             vv = value.a
+            if value.dt in FLOATS and t.dt not in FLOATS and t.dt != "bool":
+                _check_int_cast(vv, t.dt)  # (NaN into an int32: fuzz seed 522826966 case 9313)
+                vv = np.trunc(vv)
         items = idx if isinstance(idx, tuple) else (idx,)
         conv = tuple(
             i.a if is_a(i) else (np.asarray(i, dtype=np.int64) if isinstance(i, list) else i)
@@ -2842,7 +2863,7 @@ def _sdpa(g: Gen, name: str = "") -> Call:
     if causal:
         s = lq
     q, k, v = (
-        g.tensor(nm, shp, dt, fill="normal")
+        g.tensor(nm, shp, dt, fill="sprinkle" if g.chance(0.15) else "normal")
         for nm, shp in (("query", (b, h, lq, d)), ("key", (b, h, s, d)), ("value", (b, h, s, d)))
     )
     c = Call(how_for(name), [q, k, v])
@@ -2864,24 +2885,18 @@ def _sdpa(g: Gen, name: str = "") -> Call:
         need(q.dt == k.dt == v.dt and q.dt in FLOATS, "one floating dtype")
         need(q.ndim >= 2 and k.ndim >= 2 and v.ndim >= 2, "dims")
         need(q.shape[-1] == k.shape[-1], "head dims")
+        need(scale is None or math.isfinite(scale), "scale must be finite")
+        top = float(np.finfo(np.float64 if q.dt == "float64" else np.float32).max)
+        need(scale is None or abs(scale) <= top, "scale overflows the scores' dtype")
         sc = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
         # (scores as the kernels hold them: in q's dtype, or float32 for 16-bit q)
         acc = "float32" if q.dt in ("float16", "bfloat16") else q.dt
         sco = round_to(round_to(q.a @ np.swapaxes(k.a, -1, -2), acc) * sc, acc)
+        mask = None
         if attn_mask is not None:
             need(is_a(attn_mask), "attn_mask must be a tensor")
-            if attn_mask.dt == "bool":
-                sco = np.where(attn_mask.a, sco, -np.inf)
-            else:
-                sco = sco + attn_mask.a
-        if is_causal:
-            L, S = sco.shape[-2], sco.shape[-1]
-            sco = np.where(np.arange(S)[None, :] > np.arange(L)[:, None], -np.inf, sco)
-        sco = sco - sco.max(axis=-1, keepdims=True)
-        with np.errstate(all="ignore"):
-            p = np.exp(sco)
-            p = p / p.sum(axis=-1, keepdims=True)
-        return A(p @ v.a, q.dt)
+            mask = attn_mask
+        return A(attention_ref(sco, v.a, mask, bool(is_causal), q.dt, q.shape[-1]), q.dt)
 
     c.ref, c.tol = ref, 200.0
     return c
@@ -2902,6 +2917,9 @@ def _qkv(g: Gen, name: str = "") -> Call:
 
     def ref(x: A, w: A, bias: Any, heads: Any, is_causal: Any = False, scale: Any = None) -> A:
         need(is_int(heads) and heads >= 1, "heads")
+        need(scale is None or math.isfinite(scale), "scale must be finite")
+        top = float(np.finfo(np.float64 if x.dt == "float64" else np.float32).max)
+        need(scale is None or abs(scale) <= top, "scale overflows the scores' dtype")
         qkv = _linear_ref(x, w, bias)
         B, T, N = qkv.shape
         need(N % (3 * heads) == 0, "weight rows")
@@ -2927,13 +2945,44 @@ def _qkv(g: Gen, name: str = "") -> Call:
 
 def SPECS_SDPA(q: A, k: A, v: A, causal: bool, scale: Any) -> np.ndarray:  # noqa: N802
     sc = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
-    s = (q.a @ np.swapaxes(k.a, -1, -2)) * sc
-    if causal:
-        L, S = s.shape[-2], s.shape[-1]
-        s = np.where(np.arange(S)[None, :] > np.arange(L)[:, None], -np.inf, s)
-    s = s - s.max(axis=-1, keepdims=True)
-    p = np.exp(s)
-    return (p / p.sum(axis=-1, keepdims=True)) @ v.a
+    with np.errstate(all="ignore"):
+        s = (q.a @ np.swapaxes(k.a, -1, -2)) * sc
+    return attention_ref(s, v.a, None, causal, q.dt, q.shape[-1])
+
+
+def attention_ref(s: np.ndarray, v: np.ndarray, mask: A | None, causal: bool, dt: str, hd: int):
+    """softmax(s + mask) v from the scores s (..., L, S), as scaled_dot_product_attention's
+    docstring defines it for inf / NaN (src/attention.h, Notes [causal masks skip] and [empty
+    rows]): without a mask the fused kernels' rule (a causal row reads keys j <= i only; a row of
+    -inf scores is 0); with one the composition's (masked weights 0 times v, 0 * inf = NaN; rows
+    of -inf scores 0); on CUDA, float64 and float32 with head dims other than 64 / 128 compose
+    ops, masks or not (a row of -inf scores NaN there without a mask)."""
+    import tensor_fuzz
+
+    L, S = s.shape[-2], s.shape[-1]
+    cuda_composes = dt == "float64" or (dt == "float32" and hd not in (64, 128))
+    composed = mask is not None or (tensor_fuzz.DEVICE != "cpu" and cuda_composes)
+    with np.errstate(all="ignore"):
+        if composed:
+            if mask is not None:
+                s = np.where(mask.a, s, -np.inf) if mask.dt == "bool" else s + mask.a
+            if causal:
+                s = np.where(np.arange(S)[None, :] > np.arange(L)[:, None], -np.inf, s)
+            m = s.max(axis=-1, keepdims=True)  # (NaN where a NaN is: not an empty row)
+            empty = (m == -np.inf) & (mask is not None)
+            p = np.exp(np.where(empty, 0, s) - np.where(empty, 0, m))
+            p = np.where(empty, 0, p / p.sum(axis=-1, keepdims=True))
+            return p @ v
+        out = np.zeros(s.shape[:-1] + v.shape[-1:])
+        for i in range(L):
+            n = min(i + 1, S) if causal else S
+            si, vi = s[..., i, :n], v[..., :n, :]
+            m = si.max(axis=-1, keepdims=True)
+            empty = m == -np.inf
+            p = np.exp(si - np.where(empty, 0, m))
+            oi = (p / p.sum(axis=-1, keepdims=True))[..., None, :] @ vi
+            out[..., i, :] = np.where(empty, 0, oi[..., 0, :])
+        return out
 
 
 @spec("clip_grad_norm_")

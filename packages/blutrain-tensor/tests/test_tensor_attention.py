@@ -565,3 +565,221 @@ def test_qkv_attention_composes_where_the_kernels_do_not_run(rng):
         bt.qkv_attention(bt.zeros((2, 5, 7)), w, None, 2)
     with pytest.raises(ValueError, match=r"\[qkv_attention\] bias has shape"):
         bt.qkv_attention(x, w, bt.zeros((5,)), 2)
+
+
+# ---- non-finite values: Note [causal masks skip] and Note [empty rows] (src/attention.h) -------
+
+
+def _sdpa_run(q, k, v, g, dtype, fused, **kw):
+    """out, dq, dk, dv (float64 numpy) of bt.scaled_dot_product_attention with output gradient g,
+    on the fused CPU kernel (fused) or the default composed path."""
+    prev = _tensor._flash_attention_cpu()
+    _tensor._set_flash_attention_cpu(fused)
+    try:
+        ts = [bt.tensor(a, dtype=dtype).requires_grad_(True) for a in (q, k, v)]
+        out = bt.scaled_dot_product_attention(*ts, **kw)
+        out.backward(bt.tensor(g, dtype=dtype))
+    finally:
+        _tensor._set_flash_attention_cpu(prev)
+    return [f64(out.detach())] + [f64(t.grad) for t in ts]
+
+
+@pytest.mark.parametrize("dtype", [bt.float64, bt.float32, bt.bfloat16])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_causal_rows_never_read_later_positions(rng, dtype, fused, where, bad):
+    """An inf / NaN at position p of q, k or v changes no causal row i < p, forward or dq, on the
+    composed path (it hands such inputs to the fused kernel) and the fused one alike, as the CUDA
+    kernels.  (PyTorch's math path makes those rows NaN: 0 * inf; documented.)"""
+    B, H, T, D = 2, 2, 9, 4
+    q, k, v = (rng.standard_normal((B, H, T, D)) for _ in range(3))
+    g = rng.standard_normal((B, H, T, D))
+    p, b, h, d = int(rng.integers(1, T)), int(rng.integers(B)), int(rng.integers(H)), 0
+    arrays = {"q": q, "k": k, "v": v}
+    clean = [a.copy() for a in (q, k, v)]
+    arrays[where][b, h, p, d] = bad
+    got = _sdpa_run(q, k, v, g, dtype, fused, is_causal=True)
+    want = _sdpa_run(*clean, g, bt.float64, True, is_causal=True)
+    tol = TOL[dtype]
+    for x, w in ((got[0], want[0]), (got[1], want[1])):  # out and dq: rows i < p of (b, h)
+        assert np.all(np.isfinite(x[b, h, :p]))
+        np.testing.assert_allclose(x[b, h, :p], w[b, h, :p], **tol)
+    other = np.ones((B, H), bool)
+    other[b, h] = False
+    for x, w in zip(got, want, strict=True):  # the other (batch, head) pairs: untouched
+        np.testing.assert_allclose(x[other], w[other], **tol)
+
+
+def test_only_non_finite_inputs_leave_the_composed_cpu_path(rng):
+    """Finite inputs keep the composed CPU path (GEMMs); inputs holding inf / NaN take the fused
+    kernel, whose causal loop never reads masked keys."""
+    assert not _tensor._flash_attention_cpu()
+    q, k, v = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
+
+    def names():
+        ts = [bt.tensor(a).requires_grad_(True) for a in (q, k, v)]
+        return _node_names(bt.scaled_dot_product_attention(*ts, is_causal=True))
+
+    assert "FlashAttention" not in names()
+    v[0, 1, 3, 2] = np.inf
+    assert "FlashAttention" in names()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_scores_all_minus_inf_give_zero_and_no_gradient(rng, fused):
+    """Note [empty rows]: q_0 = +inf, k_0 = -inf make row 0's only score -inf: out 0, lse -inf,
+    no gradient from that row (PyTorch's flash path gives 0 too); other rows as usual."""
+    B, H, T, D = 1, 1, 4, 3
+    q, k, v = (rng.standard_normal((B, H, T, D)) for _ in range(3))
+    k = np.abs(k) + 0.1  # row 0's score: +inf * -k0 ... all -inf
+    q[0, 0, 0] = np.inf
+    k[0, 0, 0] = -np.abs(k[0, 0, 0])
+    k[0, 0, 0, 0] = -np.inf
+    g = rng.standard_normal((B, H, T, D))
+    out, dq, dk, dv = _sdpa_run(q, k, v, g, bt.float64, fused, is_causal=True)
+    np.testing.assert_array_equal(out[0, 0, 0], 0.0)
+    np.testing.assert_array_equal(dq[0, 0, 0], 0.0)
+    o2, lse = flash(*(bt.tensor(a) for a in (q, k, v)), is_causal=True)
+    assert f64(lse)[0, 0, 0] == -np.inf
+    np.testing.assert_array_equal(f64(o2)[0, 0, 0], 0.0)
+    # rows 1..3 see k_0 = -inf too: +inf * ... NaN or -inf scores; whichever, never silent 0
+    # for a NaN score: a row with a NaN score is NaN
+    s = np.einsum("d,d->", q[0, 0, 0], k[0, 0, 0])
+    assert s == -np.inf
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("dtype", [bt.float64, bt.float32])
+def test_fully_masked_rows_match_pytorch(rng, torch_ref, dtype):
+    """A row that attn_mask masks entirely (a padding query) is 0 with no gradient, as PyTorch's
+    scaled_dot_product_attention (its math path's safe softmax): it was NaN, and its NaN
+    gradient reached every key."""
+    torch = torch_ref
+    B, H, L, S, D = 2, 2, 5, 6, 4
+    q = rng.standard_normal((B, H, L, D))
+    k, v = rng.standard_normal((B, H, S, D)), rng.standard_normal((B, H, S, D))
+    g = rng.standard_normal((B, H, L, D))
+    mask = rng.random((B, 1, L, S)) < 0.6
+    mask[0, 0, 1] = False  # fully masked rows
+    mask[1, 0, 4] = False
+    fmask = np.where(mask, 0.0, -np.inf)
+    for m in (mask, fmask):
+        got = _sdpa_run(q, k, v, g, dtype, False, attn_mask=bt.tensor(m))
+        ts = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+        out = torch.nn.functional.scaled_dot_product_attention(*ts, attn_mask=torch.tensor(m))
+        out.backward(torch.tensor(g))
+        want = [out.detach().numpy()] + [t.grad.numpy() for t in ts]
+        for x, w in zip(got, want, strict=True):
+            assert np.all(np.isfinite(x))
+            np.testing.assert_allclose(x, w, **TOL[dtype])
+        np.testing.assert_array_equal(got[0][0, :, 1], 0.0)
+        np.testing.assert_array_equal(got[1][1, :, 4], 0.0)
+
+
+def test_a_nan_score_still_makes_its_row_nan(rng):
+    q, k, v = (rng.standard_normal((1, 1, 3, 2)) for _ in range(3))
+    q[0, 0, 2, 0] = np.nan
+    for fused in (False, True):
+        out = _sdpa_run(q, k, v, np.ones_like(q), bt.float64, fused, is_causal=True)[0]
+        assert np.all(np.isnan(out[0, 0, 2])) and np.all(np.isfinite(out[0, 0, :2]))
+    mask = np.array([[True, False, False], [False, False, False], [True, True, True]])
+    out = _sdpa_run(q, k, v, np.ones_like(q), bt.float64, False, attn_mask=bt.tensor(mask))[0]
+    assert np.all(np.isnan(out[0, 0, 2])) and np.all(out[0, 0, 1] == 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_default_and_fused_cpu_paths_agree_on_non_finite_inputs(rng, causal):
+    """Non-causal too: a row of -inf scores is 0 on the default CPU path as in the fused kernels
+    (the composition gave NaN); every other row equal (NaN where NaN), out and gradients."""
+    B, H, T, D = 1, 2, 6, 3
+    q, k, v = (rng.standard_normal((B, H, T, D)) for _ in range(3))
+    k = -(np.abs(k) + 0.1)
+    k[..., 0] = -np.inf
+    q[:, :, 0] = np.inf  # row 0: every score -inf
+    v[0, 1, 4, 2] = np.nan
+    g = rng.standard_normal((B, H, T, D))
+    a = _sdpa_run(q, k, v, g, bt.float64, False, is_causal=causal)
+    b = _sdpa_run(q, k, v, g, bt.float64, True, is_causal=causal)
+    np.testing.assert_array_equal(a[0][:, :, 0], 0.0)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_scale_raises(scale):
+    """(PyTorch returns NaN; the fuzz's scale=-inf case made a row of -inf scores from finite
+    inputs: seed 90905218 case 7592.)"""
+    q = bt.zeros((1, 2, 3, 4))
+    with pytest.raises(ValueError, match=r"^\[scaled_dot_product_attention\] scale must be fin"):
+        bt.scaled_dot_product_attention(q, q, q, is_causal=True, scale=scale)
+    with pytest.raises(ValueError, match=r"^\[qkv_attention\] scale must be finite"):
+        bt.qkv_attention(bt.zeros((1, 3, 4)), bt.zeros((12, 4)), None, 2, scale=scale)
+
+
+@pytest.mark.parametrize("scale", [-0.7, 0.0])
+def test_causal_skip_holds_for_any_finite_scale(rng, scale):
+    """A non-positive scale, which the fused kernels refuse, with an inf in v: rows before it
+    still equal the clean inputs' (q scale into the kernel with scale 1)."""
+    q, k, v = (rng.standard_normal((1, 2, 6, 4)) for _ in range(3))
+    g = rng.standard_normal(q.shape)
+    clean = v.copy()
+    v[0, 0, 3, 1] = np.inf
+    got = _sdpa_run(q, k, v, g, bt.float64, False, is_causal=True, scale=scale)
+    want = _sdpa_run(q, k, clean, g, bt.float64, False, is_causal=True, scale=scale)
+    for x, w in zip(got[:2], want[:2], strict=True):
+        np.testing.assert_allclose(x[0, 0, :3], w[0, 0, :3], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(x[0, 1], w[0, 1], rtol=1e-12, atol=1e-12)
+
+
+def test_a_scale_past_the_scores_dtype_raises():
+    """(fuzz seeds 1417888661 case 8849 and others: scale=1e308 became inf in float32)"""
+    q = bt.zeros((1, 1, 2, 4))
+    with pytest.raises(ValueError, match=r"^\[scaled_dot_product_attention\] scale .* overflows"):
+        bt.scaled_dot_product_attention(q, q, q, scale=1e308)
+    with pytest.raises(ValueError, match=r"^\[qkv_attention\] scale .* overflows float32"):
+        bt.qkv_attention(bt.zeros((1, 3, 4)), bt.zeros((12, 4)), None, 2, scale=1e300)
+    y = bt.scaled_dot_product_attention(q.double(), q.double(), q.double(), scale=1e308)
+    assert y.shape == (1, 1, 2, 4)  # (float64 scores take it)
+
+
+def test_scores_overflowing_to_minus_inf_give_empty_rows_not_nan():
+    """Finite float64 inputs and a huge scale: a row whose scores all overflow to -inf weighs
+    nothing (0), as Note [empty rows] (fuzz seed 76989447 case 7870 gave NaN)."""
+    q = bt.tensor([[[[1.0], [1.0]]]], dtype=bt.float64)
+    k = bt.tensor([[[[-2.0], [-3.0]]]], dtype=bt.float64)
+    v = bt.tensor([[[[5.0], [7.0]]]], dtype=bt.float64)
+    y = bt.scaled_dot_product_attention(q, k, v, scale=1e308)
+    np.testing.assert_array_equal(f64(y), 0.0)
+
+
+@pytest.mark.parametrize("shape", ["3d", "broadcast", "l_lt_s", "l_gt_s"])
+def test_causal_skip_beyond_the_fused_kernels_shapes(rng, shape):
+    """Non-finite inputs of shapes the fused kernel does not take as they are (3-D q, k, v;
+    broadcast batch dims; causal L != S, top-left): rows before a bad value still equal the clean
+    inputs' (fuzz seeds 2116197933 case 1311, 978248026 case 3958 gave NaN for empty rows)."""
+    L, S, D = {"l_lt_s": (4, 7, 3), "l_gt_s": (7, 4, 3)}.get(shape, (6, 6, 3))
+    qs, ks = {"3d": ((2, L, D), (2, S, D)), "broadcast": ((2, 3, L, D), (1, 3, S, D))}.get(
+        shape, ((1, 2, L, D), (1, 2, S, D))
+    )
+    q, k, v = rng.standard_normal(qs), rng.standard_normal(ks), rng.standard_normal(ks)
+    g = rng.standard_normal(qs)
+    clean = v.copy()
+    p = min(L, S) - 2
+    v[..., p, 1] = np.inf
+    got = _sdpa_run(q, k, v, g, bt.float64, False, is_causal=True)
+    want = _sdpa_run(q, k, clean, g, bt.float64, False, is_causal=True)
+    for x, w in zip(got[:2], want[:2], strict=True):
+        assert np.isfinite(x[..., :p, :]).all()
+        np.testing.assert_allclose(x[..., :p, :], w[..., :p, :], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got[0][..., p:, 0], want[0][..., p:, 0], rtol=1e-12)  # (column 0)
+
+
+def test_float16_scores_overflowing_from_finite_inputs_give_empty_rows():
+    """float16 scores overflow at 65504: q = 300, k = -300 (D 1) make -90000 -> -inf in the
+    composed CPU path; that row weighs nothing (0) rather than NaN."""
+    q = bt.tensor([[[[300.0], [1.0]]]], dtype=bt.float16)
+    k = bt.tensor([[[[-300.0], [-300.0]]]], dtype=bt.float16)
+    v = bt.tensor([[[[5.0], [7.0]]]], dtype=bt.float16)
+    y = f64(bt.scaled_dot_product_attention(q, k, v, scale=1.0))
+    assert y[0, 0, 0, 0] == 0.0 and np.isfinite(y).all()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from tensor_testutil import needs_linalg
 
@@ -495,3 +497,103 @@ def test_slices_with_bounds_and_steps_past_int64():
     assert x[-(2**70) : 2].tolist() == [0.0, 1.0]
     assert x[1 :: 2**70].tolist() == [1.0]  # one element, and no overflow in its stride
     assert x[:: 2**62].tolist() == [0.0]
+
+
+# ---- every public op, wrong-typed arguments: no generic message (issue 37) ---------------------
+class _Junk:
+    pass
+
+
+# Public names no user constructs or calls with arguments: typing re-exports, the max() result
+# tuple, autograd.Function (subclassed; its apply is checked by the fuzz), Graph nodes, the dtype
+# enum (as torch.dtype: its members are the dtypes).
+_NOT_CALLED = {"Callable", "Iterator", "Sequence", "MaxResult", "Function", "Node", "dtype"}
+# Dunders Python itself calls with fixed arguments (protocol, not ops).
+_PROTOCOL = {
+    "__init__", "__new__", "__init_subclass__", "__subclasshook__", "__getattribute__",
+    "__setattr__", "__delattr__", "__dir__", "__reduce__", "__reduce_ex__", "__sizeof__",
+    "__getstate__", "__hash__", "__str__", "__format__", "__class__", "__del__",
+    "__array_ufunc__", "__deepcopy__", "__copy__", "__dlpack__", "__dlpack_device__",
+}  # fmt: skip
+
+
+def _public_calls():
+    for n in bt.__all__:
+        obj = getattr(bt, n)
+        if n in _NOT_CALLED | {"nn", "Tensor"} or isinstance(obj, bt.dtype) or not callable(obj):
+            continue
+        yield f"bt.{n}", obj
+    for n in dir(bt.Tensor):
+        if (n.startswith("_") and not n.endswith("__")) or n in _PROTOCOL:
+            continue
+        if callable(getattr(bt.Tensor, n)):
+            yield f"Tensor.{n}", functools.partial(_call_method, n)
+
+
+def _call_method(name, *args, **kwargs):
+    return getattr(bt.ones(2, 3), name)(*args, **kwargs)
+
+
+def test_no_public_op_answers_bad_arguments_with_a_generic_message():
+    """Every public function, Tensor method (operator dunders called by hand included) and
+    constructor, called with wrong types, counts or keywords: each error starts with "[op]"; none
+    is nanobind's "incompatible function arguments" or a bare std::bad_cast.  Found at first: 217
+    dunder calls (t.__add__(), t.__radd__(1, 2)), Tensor.record_stream(object()) (bad_cast),
+    bt.autocast / bt.capture / bt.load_graph / bt.use_deterministic_algorithms / Graph /
+    no_grad / np.asarray(t, dtype=junk) with Python's or numpy's unprefixed messages."""
+    t = bt.ones(2, 3)
+    junk = [
+        ((), {}),
+        ((_Junk(),), {}),
+        (("str",), {}),
+        ((None,), {}),
+        ((1.5,), {}),
+        ((t, _Junk()), {}),
+        ((t, "s"), {}),
+        ((t, t, _Junk()), {}),
+        ((t, 1, "x"), {}),
+        ((t, None, None, None), {}),
+        ((t,), {"bogus": 1}),
+    ]
+    bad, calls = [], 0
+    for name, fn in _public_calls():
+        for args, kwargs in junk:
+            try:
+                fn(*args, **kwargs)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 (what is checked is the message)
+                calls += 1
+                msg = str(e)
+                if (
+                    not msg.startswith("[")
+                    or "incompatible function arguments" in msg
+                    or "bad_cast" in msg
+                ):
+                    bad.append(f"{name}{args!r:.60} {kwargs}: {type(e).__name__}: {msg[:120]}")
+    assert calls > 2000
+    assert not bad, "\n".join(bad[:30])
+
+
+@pytest.mark.parametrize(
+    "fn,exc,pattern",
+    [
+        (lambda: bt.ones(2).__add__(), TypeError, r"^\[add\] missing required argument 'other'"),
+        (lambda: bt.ones(2).__rsub__(1, 2), TypeError, r"^\[sub\] takes at most 1 positional"),
+        (lambda: bt.ones(2).__iadd__(x=1), TypeError, r"^\[add\] got an unexpected keyword .*'x'"),
+        (lambda: bt.ones(2).add_(bt.ones(2), junk=3), TypeError, r"^\[add_\] .*'junk'"),
+        (lambda: bt.ones(2).record_stream(object()), TypeError, r"^\[record_stream\] argument "),
+        (lambda: bt.ones(2).record_stream(True), TypeError, r"^\[record_stream\] .*True \(bool\)"),
+        (lambda: bt.load_graph(3), TypeError, r"^\[load_graph\] argument 'src' .*3 \(int\)"),
+        (lambda: bt.use_deterministic_algorithms(1), TypeError, r"^\[use_deterministic_alg.*1"),
+        (lambda: bt.autocast(bt.bfloat16, True, 3), TypeError, r"^\[autocast\] too many"),
+        (lambda: bt.capture(1), TypeError, r"^\[capture\] too many positional"),
+        (lambda: bt.Graph(1), TypeError, r"^\[Graph\] too many positional"),
+        (lambda: bt.no_grad(1), TypeError, r"^\[no_grad\]"),
+        (lambda: bt.ones(2).__array__(_Junk()), TypeError, r"^\[array\] argument 'dtype'"),
+        (lambda: bt.ones(2).__array__("f8", copy=False), ValueError, r"^\[array\] copy=False"),
+    ],
+)
+def test_python_level_and_dunder_argument_errors(fn, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        fn()

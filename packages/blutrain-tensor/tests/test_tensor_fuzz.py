@@ -17,6 +17,7 @@ import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import blutrain.tensor as bt
@@ -179,3 +180,43 @@ def test_fuzz_cuda():
     if not bt.cuda_built() or bt.cuda_device_count() == 0:
         pytest.skip("no CUDA device")
     _run("cuda", 4000)
+
+
+def test_sums_in_the_dtype_are_compared_within_their_rounding_bound():
+    """scatter_add / index_add add one term at a time in the result's dtype, as PyTorch does
+    (bf16: 2.03125 + 2**31 - 2**31 is 0 there and here); the exact float64 reference failed them
+    (fuzz seed 1042310026 case 5882).  Their reference now carries Higham's bound n u sum|x|, which
+    still catches a wrong value."""
+    assert tensor_fuzz.run_case(1042310026, 5882, "cpu")["status"] == "ok"
+    x = bt.zeros(2, 2, dtype=bt.bfloat16)
+    x[1, 1] = 2.03125
+    src = bt.tensor([[0.0, 2.0**31], [0.0, -(2.0**31)]], dtype=bt.bfloat16)
+    got = bt.scatter_add(x, 0, bt.tensor([[0, 1], [0, 1]]), src)
+    assert got.float().numpy()[1, 1] == 0.0  # as torch.scatter_add
+    want = tensor_fuzz.summed_in_dtype(
+        np.array([[0.0, 0.0], [0.0, 2.03125]]),
+        np.array([[0.0, 0.0], [0.0, 2.03125 + 2.0**32]]),
+        np.array([[2, 0], [0, 2]]),
+        "bfloat16",
+    )
+    g = tensor_fuzz.A(got.float().numpy().astype(np.float64), "bfloat16")
+    assert tensor_fuzz.compare(g, want, 1.0, bt) is None
+    wrong = tensor_fuzz.A(np.array([[0.0, 0.0], [0.0, 2.0**28]]), "bfloat16")
+    assert tensor_fuzz.compare(wrong, want, 1.0, bt) is not None
+    assert tensor_fuzz.compare(g, tensor_fuzz.A(want.a, "bfloat16"), 1.0, bt) is not None
+
+
+def test_sums_and_means_are_compared_within_their_rounding_bound():
+    """A float sum's error is at most n u sum|x|: int64 near 2**63 cast to float32 and cancelled
+    (fuzz seeds 1013179725 case 4024, 1269557148 case 6753, ...) leave 0.25 or 0.5 as the mean
+    depending on the order of the adds; both within the bound, which still catches a wrong value."""
+    for seed, index in ((1013179725, 4024), (1269557148, 6753), (1519236596, 5033)):
+        assert tensor_fuzz.run_case(seed, index, "cpu")["status"] == "ok", (seed, index)
+    ref = tensor_fuzz_ops.reduce_ref("mean")
+    x = tensor_fuzz.A(np.array([-(2.0**63), 2.0**63, 1.0, 1.0]), "float32")
+    want = ref(x)
+    assert tensor_fuzz.compare(tensor_fuzz.A(np.array(0.0), "float32"), want, 1.0, bt) is None
+    wrong = tensor_fuzz.A(np.array(2.0**50), "float32")
+    assert tensor_fuzz.compare(wrong, want, 1.0, bt) is not None
+    small = ref(tensor_fuzz.A(np.array([1.0, 2.0, 4.0]), "float32"))  # (no huge terms: tight)
+    assert tensor_fuzz.compare(tensor_fuzz.A(np.array(2.34), "float32"), small, 1.0, bt)

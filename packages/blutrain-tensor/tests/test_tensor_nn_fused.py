@@ -790,3 +790,57 @@ def test_mixed_norm_dtype_pairs_and_errors(rng):
         bt.layer_norm(x32, 8, out_dtype=bt.int64)
     with pytest.raises(TypeError, match=r"\[add_layer_norm\] out_dtype"):
         bt.add_layer_norm(x32, x32, out_dtype=bt.int32)
+
+
+SPECIAL_ROWS = [
+    [-np.inf, -np.inf, -np.inf, -np.inf],  # every class masked
+    [-np.inf, 1.0, -np.inf, 2.0],  # some masked
+    [np.nan, 1.0, 2.0, 3.0],
+    [np.inf, 1.0, 2.0, 3.0],
+    [np.inf, -np.inf, 0.0, 1.0],
+    [1e30, -1e30, 0.0, 1.0],
+    [0.5, -0.25, 1.0, 2.0],
+]
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+@pytest.mark.parametrize("dtype", [bt.float64, bt.float32, bt.bfloat16])
+def test_special_rows_match_torch(dtype):
+    """softmax / log_softmax / cross_entropy of rows with -inf, +inf, NaN (and of a row of -inf
+    only: NaN, as PyTorch; its lse statistic is -inf on both backends, src/cpu/nn.cpp), forward
+    and gradients.  The CUDA side: test_tensor_cuda_hostile.py's special-value tests."""
+    x = np.array(SPECIAL_ROWS)
+    tgt = np.array([0, 1, 1, 2, 3, 2, 0])
+    g = np.linspace(-1.0, 1.0, x.size).reshape(x.shape)
+    tdt = {bt.float64: torch.float64, bt.float32: torch.float32, bt.bfloat16: torch.bfloat16}[dtype]
+
+    def same(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        np.testing.assert_array_equal(np.isinf(a) & (a > 0), np.isinf(b) & (b > 0))
+        np.testing.assert_array_equal(np.isinf(a) & (a < 0), np.isinf(b) & (b < 0))
+        fin = np.isfinite(b)
+        np.testing.assert_allclose(a[fin], b[fin], rtol=2e-2 if dtype == bt.bfloat16 else 1e-5)
+
+    for name in ("softmax", "log_softmax"):
+        xb = bt.tensor(x, dtype=dtype).requires_grad_(True)
+        yb = getattr(bt, name)(xb, -1)
+        yb.backward(bt.tensor(g, dtype=dtype))
+        xt = torch.tensor(x, dtype=tdt, requires_grad=True)
+        yt = getattr(torch.nn.functional, name)(xt, -1)
+        yt.backward(torch.tensor(g, dtype=tdt))
+        same(yb.detach().float().numpy(), yt.detach().float().numpy())
+        same(xb.grad.float().numpy(), xt.grad.float().numpy())
+    for ii in (-100, 0):  # ignore_index 0 ignores rows 0 and 6
+        xb = bt.tensor(x, dtype=dtype).requires_grad_(True)
+        lb = bt.cross_entropy(xb, bt.tensor(tgt), ignore_index=ii, reduction="none")
+        lb.backward(bt.ones(len(tgt), dtype=dtype))
+        xt = torch.tensor(x, dtype=tdt, requires_grad=True)
+        lt = torch.nn.functional.cross_entropy(
+            xt, torch.tensor(tgt), ignore_index=ii, reduction="none"
+        )
+        lt.backward(torch.ones(len(tgt), dtype=tdt))
+        same(lb.detach().float().numpy(), lt.detach().float().numpy())
+        want = xt.grad.float().numpy()
+        want[tgt == ii] = 0  # an ignored row passes no gradient (PyTorch: NaN there; docstring)
+        same(xb.grad.float().numpy(), want)

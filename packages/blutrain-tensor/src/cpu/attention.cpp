@@ -3,6 +3,7 @@
 // reproduce (softmax(q k^T * scale) v with a top-left causal mask, lse = the rows' logsumexp).
 #include "../attention.h"
 
+#include <mutex>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -45,6 +46,7 @@ void FlashAttention::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>
           const T* qi = qp + vq(b, h, i);
           const int64_t n = causal_ ? std::min(i + 1, S) : S;
           double m = -std::numeric_limits<double>::infinity();
+          bool nan = false;
           for (int64_t j = 0; j < n; ++j) {
             const T* kj = kp + vk(b, h, j);
             double dot = 0;
@@ -53,6 +55,14 @@ void FlashAttention::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>
             }
             s[j] = dot * sc;
             m = std::max(m, s[j]);
+            nan = nan || std::isnan(s[j]);
+          }
+          T* o = op + ((b * L + i) * H + h) * D;
+          if (m == -std::numeric_limits<double>::infinity() && !nan) {
+            // Note [empty rows] (attention.h): no key has weight: o = 0, lse = -inf
+            for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(0.0);
+            lp[(b * H + h) * L + i] = static_cast<LS>(m);
+            continue;
           }
           double l = 0;
           std::fill(acc.begin(), acc.end(), 0.0);
@@ -62,7 +72,6 @@ void FlashAttention::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>
             const T* vj = vp + vv(b, h, j);
             for (int64_t d = 0; d < D; ++d) acc[d] += p * static_cast<double>(vj[d * dv]);
           }
-          T* o = op + ((b * L + i) * H + h) * D;
           for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[d] / l);
           lp[(b * H + h) * L + i] = static_cast<LS>(m + std::log(l));
         }
@@ -112,7 +121,9 @@ void FlashAttentionBackward::eval_cpu(const std::vector<Tensor>& in, std::vector
           for (int64_t d = 0; d < D; ++d) Di += gi[d] * static_cast<double>(oi[d * vo.s3]);
           const double lse_i = static_cast<double>(lp[(b * H + h) * L + i]);
           std::fill(dq.begin(), dq.end(), 0.0);
-          const int64_t n = causal_ ? std::min(i + 1, S) : S;
+          // Note [empty rows]: a row of -inf scores (lse -inf) weighs no key: no gradient
+          const bool empty = lse_i == -std::numeric_limits<double>::infinity();
+          const int64_t n = empty ? 0 : causal_ ? std::min(i + 1, S) : S;
           for (int64_t j = 0; j < n; ++j) {
             get(kp + vk(b, h, j), vk.s3, kj);
             get(vp + vv(b, h, j), vv.s3, vj);
@@ -143,6 +154,26 @@ void FlashAttentionBackward::eval_cpu(const std::vector<Tensor>& in, std::vector
       });
     });
   });
+}
+
+double abs_max_cpu(const Tensor& t) {
+  if (!is_floating(t.dtype())) return 0;
+  std::mutex mu;
+  double best = 0;
+  dispatch_float(t.dtype(), "scaled_dot_product_attention", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* p = t.data<T>("scaled_dot_product_attention");
+    cpu::for_each_strided<1>(t.shape(), {t.strides()}, [&](auto off, int64_t n, auto st) {
+      double m = 0;
+      for (int64_t e = 0; e < n; ++e) {
+        const double x = std::abs(static_cast<double>(p[off[0] + e * st[0]]));
+        m = x > m || x != x ? (x != x ? std::numeric_limits<double>::infinity() : x) : m;
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      best = std::max(best, m);
+    });
+  });
+  return best;
 }
 
 // Packed: q, k, v are views of X; dq, dk, dv are the three (B, T, H, D) slices of dX.

@@ -27,7 +27,7 @@ void Softmax::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) 
       const T* p = xp + r * C;
       T* q = o + r * C;
       A m = row_max<A>(p, C);
-      if (std::isinf(m) && m < 0) m = 0;  // an all -inf row gives nan (softmax), -inf (log)
+      if (std::isinf(m) && m < 0) m = 0;  // an all -inf row: s = 0, so NaN (as PyTorch)
       if constexpr (std::is_same_v<T, float>) {
         if (!lg) {  // float32: each exp once, kept in the output (softmax_row_store)
           const double s = row_exp_sum_store(p, q, C, m);
@@ -65,7 +65,10 @@ void CrossEntropy::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& 
       cpu::parallel_for(N, C, [&](int64_t r) {
         const T* p = xp + r * ld;
         using A = compute_t<T>;  // exp in float for 16/32-bit logits, sums in double
-        const A mx = row_max<A>(p, C);
+        A mx = row_max<A>(p, C);
+        // an all -inf row: s = 0, so lse = log(0) = -inf (as torch.logsumexp and the CUDA
+        // kernels), its loss and gradient NaN (as PyTorch); a NaN in the row keeps lse NaN
+        if (std::isinf(mx) && mx < 0) mx = 0;
         const double m = static_cast<double>(mx);
         double sum_x = 0;
         const double s = row_exp_sum<A>(p, C, mx, ls == 0 ? nullptr : &sum_x);

@@ -28,7 +28,9 @@ void init_attention(nanobind::module_& m) {
       "the sequence dim). out (B, H, L, D) is a view of a (B, L, H, D) contiguous tensor, so\n"
       "out.transpose(1, 2).view(B, L, H * D) is free; lse (B, H, L) is the rows' logsumexp\n"
       "(float32; float64 for float64 inputs). Causal needs L == S. Differentiable in q, k, v (and\n"
-      "through lse).");
+      "through lse). A causal row never reads masked (later) keys; a row whose scores are all\n"
+      "-inf has out 0 and lse -inf and passes no gradient (scaled_dot_product_attention's\n"
+      "docstring: where this differs from PyTorch).");
   m.def(
       "flash_attention_packed",
       [](const Tensor& x, int64_t heads, bool causal, std::optional<double> scale) {
@@ -56,7 +58,8 @@ void init_attention(nanobind::module_& m) {
       "scaled_dot_product_attention and transposed back.  Where the fused kernels run (as\n"
       "scaled_dot_product_attention decides) it is one autograd node whose backward gets the\n"
       "bias gradient from the attention backward's kernels instead of a separate pass over the\n"
-      "(B * T, 3 C) gradient; elsewhere it is that composition.");
+      "(B * T, 3 C) gradient; elsewhere it is that composition.  Non-finite values as\n"
+      "scaled_dot_product_attention's docstring says (a causal row never reads later positions).");
   m.def(
       "_packed_qkv_source",
       [](const Tensor& q, const Tensor& k, const Tensor& v) -> std::optional<Tensor> {

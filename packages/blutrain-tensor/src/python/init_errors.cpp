@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <iterator>
 #include <string>
+#include <utility>
 
 #include "init.h"
 
@@ -75,15 +76,35 @@ void init_errors(nb::module_& m) {
         for (nb::handle n : names) {
           const std::string name = nb::cast<std::string>(n);
           // private helpers and Python's protocols are skipped, but for the dunders a user may
-          // call by hand (binary operators stay as they are: NotImplemented lets Python go on)
+          // call by hand.  The binary operators' own overloads take any one operand (they raise
+          // "[add] unsupported operand ..." themselves, never NotImplemented), so theirs only
+          // ever sees a wrong count of arguments or a keyword: t.__add__(), t.__add__(a, b).
           static const char* const kDunders[] = {"__dlpack__", "__dlpack_device__", "__len__",
                                                  "__bool__", "__getitem__", "__setitem__",
                                                  "__neg__", "__invert__", "__repr__"};
+          static const std::pair<const char*, const char*> kBinary[] = {
+              {"add", "add"},         {"sub", "sub"},         {"mul", "mul"},
+              {"truediv", "div"},     {"floordiv", "floor_divide"},
+              {"mod", "remainder"},   {"pow", "pow"},         {"matmul", "matmul"},
+              {"and", "logical_and"}, {"or", "logical_or"},   {"eq", "eq"},
+              {"ne", "ne"},           {"lt", "lt"},           {"le", "le"},
+              {"gt", "gt"},           {"ge", "ge"}};
           const bool dunder = std::find(std::begin(kDunders), std::end(kDunders), name) !=
                               std::end(kDunders);
-          if (name.empty() || (name[0] == '_' && !dunder)) continue;
+          std::string binary;  // the op of a binary operator dunder (__radd__, __iadd__: add)
+          if (name.size() > 4 && name.rfind("__", 0) == 0 &&
+              name.compare(name.size() - 2, 2, "__") == 0) {
+            std::string core = name.substr(2, name.size() - 4);
+            for (const auto& [py, nm] : kBinary) {
+              if (core == py || ((core[0] == 'r' || core[0] == 'i') && core.substr(1) == py)) {
+                binary = nm;
+              }
+            }
+          }
+          if (name.empty() || (name[0] == '_' && !dunder && binary.empty())) continue;
           // "[getitem] ...": the op a dunder implements
-          const std::string op = dunder ? name.substr(2, name.size() - 4) : name;
+          const std::string op =
+              !binary.empty() ? binary : dunder ? name.substr(2, name.size() - 4) : name;
           // (only this scope's own functions: a method inherited from a base is not re-chained)
           nb::object own = nb::steal(PyObject_GetAttr(scope.ptr(), n.ptr()));
           bool method = false;

@@ -1093,8 +1093,16 @@ NB_MODULE(_tensor, m) {
   T.def(
       "record_stream",
       [](const Tensor& t, nb::handle stream) {
-        nb::handle h = nb::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream") : stream;
-        record_stream(t, reinterpret_cast<void*>(nb::cast<uintptr_t>(h)));
+        nb::object h = nb::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream")
+                                                            : nb::borrow(stream);
+        uintptr_t handle = 0;
+        if (PyBool_Check(h.ptr()) || !nb::try_cast<uintptr_t>(h, handle)) {
+          throw TypeError("[record_stream] argument 'stream' must be a bt.cuda.Stream, a torch "
+                          "stream or a cudaStream_t int, got " +
+                          nb::cast<std::string>(nb::repr(stream)) + " (" +
+                          nb::type_name(stream.type()).c_str() + ")");
+        }
+        record_stream(t, reinterpret_cast<void*>(handle));
       },
       "stream"_a,
       "Marks this CUDA tensor's memory as used by `stream` (a bt.cuda.Stream, a torch stream or "
@@ -1778,10 +1786,16 @@ NB_MODULE(_tensor, m) {
       "weight"_a, "Rows of weight picked by integer indices (PyTorch's argument order).");
   m.def(
       "softmax", [](const Tensor& x, int64_t d) { return softmax(x, d, false); }, "input"_a,
-      "dim"_a);
+      "dim"_a,
+      "softmax(input, dim) -> Tensor\n\nexp(x - max) / sum(exp(x - max)) along dim, for a "
+      "floating input (an integer one is a TypeError: cast it first). As PyTorch, a row holding "
+      "NaN or +inf, or made of -inf only, gives NaN, on every backend.");
   m.def(
       "log_softmax", [](const Tensor& x, int64_t d) { return softmax(x, d, true); }, "input"_a,
-      "dim"_a);
+      "dim"_a,
+      "log_softmax(input, dim) -> Tensor\n\n(x - max) - log(sum(exp(x - max))) along dim, for "
+      "a floating input. As PyTorch, a row holding NaN or +inf, or made of -inf only, gives NaN "
+      "(its log-sum-exp is -inf there), on every backend.");
   m.def(
       "layer_norm",
       [](const Tensor& x, nb::handle ns, std::optional<Tensor> w, std::optional<Tensor> b,
@@ -1812,7 +1826,11 @@ NB_MODULE(_tensor, m) {
       "log_softmax + nll in one kernel. Logits (N, C) or (N, C, d1, ...) with target (N,) or "
       "(N, d1, ...) (class dim 1, as PyTorch); targets equal to ignore_index count for nothing. "
       "loss_dtype (default: the logits' dtype) sets the loss's dtype, e.g. float32 for bf16 "
-      "logits: no float32 copy of the logits is made either way.");
+      "logits: no float32 copy of the logits is made either way. As PyTorch: -inf logits "
+      "(masked classes) are fine while the target's logit is finite; a row of -inf only, or "
+      "with NaN or +inf, gives a NaN loss and gradient, on every backend. A row whose target "
+      "is ignore_index passes a zero gradient whatever its logits (PyTorch's is NaN for a "
+      "row of -inf or NaN logits).");
   m.def("dropout", &dropout, "input"_a, "p"_a = 0.5, "training"_a = true,
         "Zeroes elements with probability p and scales the rest by 1/(1-p).");
   m.def("matmul", &matmul, "input"_a, "other"_a,
@@ -1833,7 +1851,26 @@ NB_MODULE(_tensor, m) {
       },
       "query"_a, "key"_a, "value"_a, "attn_mask"_a = nb::none(), "dropout_p"_a = 0.0,
       "is_causal"_a = false, "scale"_a = nb::none(),
-      "softmax(q k^T * scale + mask) v, composed from ops (a fused kernel is a backend's job).");
+      "scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, "
+      "is_causal=False, scale=None) -> Tensor\n\n"
+      "softmax(q k^T * scale + mask) v over (..., L, D) q and (..., S, D) k, v; attn_mask is a "
+      "bool mask (True: attend) or an additive float one; scale defaults to 1 / sqrt(D) and must "
+      "be finite and fit the scores' dtype (float32; float64 for float64 inputs): a ValueError "
+      "otherwise (PyTorch returns NaN or inf there). Fused "
+      "kernels where they apply (no mask, no dropout), else composed from ops.\n\n"
+      "Non-finite values (where PyTorch differs, on purpose, the same on every backend):\n"
+      "- is_causal without attn_mask (top-left: key j visible to row i iff j <= i): row i reads "
+      "q_i, k_0..i and v_0..i only, forward and "
+      "backward, so an inf or NaN at a masked (later) position changes no earlier row. "
+      "PyTorch's math path multiplies the masked weight 0 by it (0 * inf = NaN), so earlier "
+      "rows turn NaN there, and its flash kernels do that within a tile.\n"
+      "- a row whose scores are all -inf (every key masked by attn_mask, or -inf from q k^T) "
+      "is 0 and passes no gradient, as PyTorch; a NaN score makes its row NaN.\n"
+      "- with attn_mask or dropout (composed from ops), a masked position's inf / NaN in v "
+      "makes its row NaN (0 * inf), as PyTorch.\n"
+      "On CUDA, where float64 or a float32 head dim other than 64 / 128 composes ops, an inf or "
+      "NaN follows the composition's IEEE arithmetic as in PyTorch's math path (a causally "
+      "masked one included; a row of -inf scores is NaN there).");
   m.def(
       "clip_grad_norm_",
       [](nb::handle params, double max_norm) {

@@ -516,8 +516,21 @@ def _tolist(self: Tensor) -> Any:
 
 
 def _array(self: Tensor, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    """numpy's __array__ protocol: dtype converts (a copy), copy=True always copies."""
+    dt = None
+    if dtype is not None:
+        try:
+            dt = np.dtype(dtype)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"[array] argument 'dtype' must be a numpy dtype, got {_argerrors.describe(dtype)}"
+            ) from None
     a = self.numpy()
-    return a.astype(dtype) if dtype is not None else a
+    if dt is not None and a.dtype != dt:
+        if copy is False:
+            raise ValueError(f"[array] copy=False, but {a.dtype} -> {dt} needs a copy")
+        return a.astype(dt)
+    return a.copy() if copy else a
 
 
 def _iter(self: Tensor) -> Iterator[Tensor]:
@@ -1015,8 +1028,13 @@ def _public_op(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except _ERRORS as e:
             tb = e.__traceback__
-            if isinstance(e, TypeError) and tb is not None and tb.tb_next is None:
-                raise TypeError(_argerrors.bind_problem(op, fn, args, kwargs, e)) from None
+            if isinstance(e, TypeError):
+                # arguments that do not bind (raised here, or a frame down: contextmanager)
+                unbound = _argerrors.bind_failure(op, fn, args, kwargs)
+                if unbound is not None:
+                    raise TypeError(unbound) from None
+                if tb is not None and tb.tb_next is None:
+                    raise TypeError(f"[{op}] {e}") from None
             if not rename or type(e) not in _ERRORS:
                 raise
             msg = str(e)
@@ -1223,7 +1241,10 @@ for _name, _op_name in {
     "register_post_accumulate_grad_hook": "register_post_accumulate_grad_hook",
 }.items():
     setattr(Tensor, _name, _public_op(getattr(Tensor, _name), _op_name))
-set_grad_enabled.__init__ = _public_op(set_grad_enabled.__init__, "set_grad_enabled")  # type: ignore[method-assign]
+# constructors of the public classes: "[no_grad] ..." rather than Python's "no_grad() takes no
+# arguments" (the fuzz's EXEMPT classes are not constructed by users, so they are left alone)
+for _cls in (set_grad_enabled, no_grad, enable_grad, Graph, FunctionCtx, RemovableHandle):
+    _cls.__init__ = _public_op(_cls.__init__, _cls.__name__)  # type: ignore[method-assign]
 for _name in [n for n in vars(nn.functional) if not n.startswith("_")]:
     if isinstance(globals().get(_name), types.FunctionType):  # the wrapped op, not the original
         setattr(nn.functional, _name, staticmethod(globals()[_name]))

@@ -68,15 +68,20 @@ def _describe(v: Any) -> str:
 describe = _describe
 
 
-def bind_problem(op: str, fn: Any, args: tuple, kwargs: dict, err: BaseException) -> str:
-    """The message for a call of the Python function fn whose arguments do not bind."""
+def bind_failure(op: str, fn: Any, args: tuple, kwargs: dict) -> str | None:
+    """The message for a call of the Python function fn whose arguments do not bind to its
+    signature, or None when they do."""
     import inspect
 
     try:
-        inspect.signature(fn).bind(*args, **kwargs)
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind(*args, **kwargs)
     except TypeError as e:
-        return f"[{op}] {e} (arguments: {', '.join(inspect.signature(fn).parameters)})"
-    return f"[{op}] {err}"
+        return f"[{op}] {e} (arguments: {', '.join(sig.parameters)})"
+    return None
 
 
 def _is_int(v: Any) -> bool:
@@ -180,6 +185,8 @@ def raise_for(op: str, fn: Any, self: Any, args: tuple, kwargs: dict) -> NoRetur
 
     if self is not None and not isinstance(self, Tensor):
         raise TypeError(f"[{op}] self must be a Tensor, got {_describe(self)}")
+    while not hasattr(fn, "__nb_signature__") and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__  # (in-place methods: a Python wrapper returning self)
     sigs = [s[0] for s in getattr(fn, "__nb_signature__", ()) if "typing.NoReturn" not in s[0]]
     for sig in sigs:
         params = _params(sig)

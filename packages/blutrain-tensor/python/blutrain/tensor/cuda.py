@@ -409,6 +409,11 @@ def use_deterministic_algorithms(mode: bool) -> None:
     blutrain-linalg's GEMM algorithm pinned to the cuBLASLt heuristic's first choice (measured
     autotuning off; restored when the mode is turned off). Algorithms already cached by an earlier
     autotuned run stay in use (still one fixed choice per shape)."""
+    if not (isinstance(mode, bool) or type(mode).__name__ == "bool_"):  # (as PyTorch)
+        raise TypeError(
+            f"[use_deterministic_algorithms] argument 'mode' must be bool, got {mode!r:.60} "
+            f"({type(mode).__name__})"
+        )
     mode = bool(mode)
     _C.use_deterministic_algorithms(mode)
     la = _linalg()

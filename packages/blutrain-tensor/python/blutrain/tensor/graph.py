@@ -91,6 +91,9 @@ def _dec_attrs(op: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
 class Graph(_C.Graph):
     """A captured program (see the module docstring and docs/graph_format.md)."""
 
+    def __init__(self) -> None:  # (a Python signature: a bad call's error names Graph)
+        super().__init__()
+
     # -- the serialized form ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The graph as JSON-ready Python data (the format of docs/graph_format.md)."""
@@ -280,6 +283,11 @@ class Graph(_C.Graph):
 
 def load_graph(src: str | os.PathLike | Mapping[str, Any]) -> Graph:
     """A Graph from JSON text, a path to a .json file, or to_dict()'s form."""
+    if not isinstance(src, str | bytes | bytearray | os.PathLike | Mapping):
+        raise TypeError(
+            "[load_graph] argument 'src' must be JSON text, a path or a mapping, got "
+            f"{src!r:.60} ({type(src).__name__})"
+        )
     if isinstance(src, Mapping):
         return Graph.from_dict(src)
     if isinstance(src, os.PathLike) or (isinstance(src, str) and not src.lstrip().startswith("{")):
