@@ -863,3 +863,39 @@ def test_nn_self_attention_bf16_policy_on_gpu(rng):
     for name, a, r in zip(("y", "dx", "dW", "db"), *got, strict=True):
         assert np.isfinite(a).all(), name
         assert _relerr(a, r) <= RTOL[bt.bfloat16], f"{name}: rel err {_relerr(a, r):.3g}"
+
+
+@pytest.mark.parametrize(
+    "dtype, D",
+    [(bt.bfloat16, 64), (bt.float16, 128), (bt.float32, 64), (bt.bfloat16, 40), (bt.float64, 16)],
+    ids=["bf16-tc", "fp16-tc", "fp32-tf32", "bf16-simt", "fp64-simt"],
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_nonfinite_scores_match_the_cpu(rng, dtype, D, causal):
+    """Note [non-finite scores] (attention.cu): key 0 is (inf, 0, ..., 0), so a query's score
+    against it is -inf (q[0] < 0: weight 0, the rest of the row finite), +inf (q[0] > 0) or NaN
+    (q[0] = 0): both a NaN row, as the CPU reference gives.  Key 0 comes first, so the SIMT kernel
+    met -inf before any finite score (exp(-inf - -inf) made such rows NaN before).  Every kernel
+    (wgmma / mma.sync / TF32 / SIMT) against the CPU's on the same inputs."""
+    B, H, T = 1, 2, 70
+    q = rng.standard_normal((B, H, T, D))
+    k = rng.standard_normal((B, H, T, D))
+    v = rng.standard_normal((B, H, T, D))
+    finite_rows = np.arange(T) % 3 == 1  # (row 0, alone with key 0 when causal, is a NaN one)
+    q[..., 0] = np.where(finite_rows, -1.0, np.where(np.arange(T) % 3 == 2, 1.0, 0.0))
+    k[:, :, 0, :] = 0.0
+    k[:, :, 0, 0] = np.inf
+    cpu = [bt.tensor(a, dtype=dtype) for a in (q, k, v)]
+    out_c, lse_c = _tensor.flash_attention(*cpu, is_causal=causal)
+    out_g, lse_g = _tensor.flash_attention(*(t.cuda() for t in cpu), is_causal=causal)
+    oc, og = _np(out_c), _np(out_g)
+    nan_rows = ~finite_rows
+    # (the CPU's semantics)
+    assert np.isnan(oc[..., nan_rows, :]).all() and np.isfinite(oc[..., ~nan_rows, :]).all()
+    assert np.isnan(og[..., nan_rows, :]).all(), "rows with a +inf or NaN score must be NaN"
+    assert np.isfinite(og[..., ~nan_rows, :]).all(), "a -inf score must weigh 0, not poison the row"
+    err = _relerr(og[..., ~nan_rows, :], oc[..., ~nan_rows, :])
+    assert err <= RTOL[dtype], f"finite rows: relative error {err:.3g}"
+    lc, lg = _np(lse_c), _np(lse_g)
+    assert np.isnan(lg[..., nan_rows]).all() and np.isfinite(lg[..., ~nan_rows]).all()
+    assert _relerr(lg[..., ~nan_rows], lc[..., ~nan_rows]) <= RTOL[dtype]

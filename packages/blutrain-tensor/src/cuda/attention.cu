@@ -104,8 +104,13 @@ __global__ void __launch_bounds__(kV1Warps * 32)
     v1_load(kv, k + b * p.k_b + h * p.k_h + j * p.k_l, p.D);
     v1_load(vv, v + b * p.v_b + h * p.v_h + j * p.v_l, p.D);
     const A s = v1_dot(qv, kv) * sc;
-    const A mn = max(m, s);
-    const A alpha = v1_exp(m - mn), e = v1_exp(s - mn);
+    const A mn = max(m, s);  // (fmax: a NaN score leaves m, and its e below makes the row NaN)
+    // Note [non-finite scores]: as the CPU reference (cpu/attention.cpp) and the tensor-core
+    // kernels: a -inf score weighs 0, so while every score so far is -inf the base is 0, not
+    // -inf (exp(-inf - -inf) = NaN would poison a row whose later scores are finite); +inf or
+    // NaN in a row makes it NaN (exp(inf - inf)); a row of only -inf is 0 / 0 = NaN.
+    const A base = mn == -INFINITY ? A(0) : mn;
+    const A alpha = v1_exp(m - base), e = v1_exp(s - base);
     l = l * alpha + e;
 #pragma unroll
     for (int t = 0; t < 8; ++t) acc[t] = acc[t] * alpha + e * vv[t];
