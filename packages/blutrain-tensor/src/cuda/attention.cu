@@ -108,7 +108,10 @@ __global__ void __launch_bounds__(kV1Warps * 32)
     // Note [non-finite scores]: as the CPU reference (cpu/attention.cpp) and the tensor-core
     // kernels: a -inf score weighs 0, so while every score so far is -inf the base is 0, not
     // -inf (exp(-inf - -inf) = NaN would poison a row whose later scores are finite); +inf or
-    // NaN in a row makes it NaN (exp(inf - inf)); a row of only -inf is 0 / 0 = NaN.
+    // NaN in a row makes it NaN (exp(inf - inf)); a row of only -inf is 0 / 0 = NaN.  Open: the
+    // tensor-core kernels multiply a causally masked key's weight 0 by its value row in the
+    // diagonal tile, so an inf / NaN in v at key j > i makes row i NaN there (as PyTorch's
+    // matrix formulation does); this kernel and the CPU skip masked keys.
     const A base = mn == -INFINITY ? A(0) : mn;
     const A alpha = v1_exp(m - base), e = v1_exp(s - base);
     l = l * alpha + e;
