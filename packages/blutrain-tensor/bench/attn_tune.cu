@@ -187,7 +187,9 @@ static bool launch(Fu<W, Br, Frag, MT, MB, G>, const Problem& pr, float* acc, T1
   kern<<<grid, W * 32, smem>>>(p, pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref, dk, dv,
                                acc);
   if (cudaGetLastError() != cudaSuccess) return false;
-  attn_bwd_dq_convert<T16, D><<<unsigned(ceil_div(int64_t(pr.no() / 8), 256)), 256>>>(p, acc, dq);
+  const DqFixInputs<T16> fix{pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref};
+  attn_bwd_dq_convert<T16, D><<<unsigned(ceil_div(int64_t(pr.no() / 8), 256)), 256>>>(p, acc, dq,
+                                                                                     fix);
   return cudaGetLastError() == cudaSuccess;
 }
 // Preprocess: v = 1 reference (one warp per row), 2 vectorised.

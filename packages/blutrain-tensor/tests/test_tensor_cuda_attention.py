@@ -899,3 +899,84 @@ def test_nonfinite_scores_match_the_cpu(rng, dtype, D, causal):
     lc, lg = _np(lse_c), _np(lse_g)
     assert np.isnan(lg[..., nan_rows]).all() and np.isfinite(lg[..., ~nan_rows]).all()
     assert _relerr(lg[..., ~nan_rows], lc[..., ~nan_rows]) <= RTOL[dtype]
+
+
+PATHS = pytest.mark.parametrize(
+    "dtype, D",
+    [(bt.bfloat16, 64), (bt.float16, 128), (bt.float32, 64), (bt.bfloat16, 40), (bt.float64, 16)],
+    ids=["bf16-tc", "fp16-tc", "fp32-tf32", "bf16-simt", "fp64-simt"],
+)
+
+
+def _same_pattern(got: np.ndarray, want: np.ndarray, rtol: float, what: str) -> None:
+    """NaN / +inf / -inf where the CPU has them, the finite values within rtol (relative norm)."""
+    for f in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(f(got), f(want), err_msg=f"{what}: {f.__name__}")
+    fin = np.isfinite(want)
+    if fin.any():
+        assert _relerr(got[fin], want[fin]) <= rtol, f"{what}: relative error"
+
+
+def _flash_fwd_bwd(q, k, v, g, dtype, device, causal):
+    ts = [bt.tensor(a, dtype=dtype).to(device).requires_grad_(True) for a in (q, k, v)]
+    out, lse = _tensor.flash_attention(*ts, is_causal=causal)
+    out.backward(bt.tensor(g, dtype=dtype).to(device))
+    return [_np(out), _np(lse)] + [_np(t.grad) for t in ts]
+
+
+@PATHS
+@pytest.mark.parametrize("where", ["q", "k", "v", "do"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_causal_masked_non_finite_values_match_the_cpu(rng, dtype, D, where, deterministic):
+    """Note [causal masks skip] / [non-finite rows]: inf, -inf and NaN at random positions of q,
+    k, v or do (T 150: several 64 / 128-row tiles, so some fall in a diagonal tile): out, lse, dq,
+    dk, dv equal the CPU kernel's (which never reads masked pairs) in their NaN / inf pattern and
+    within tolerance elsewhere.  The tensor-core kernels made earlier rows of a diagonal tile
+    NaN (0 * inf) before their rows were recomputed."""
+    B, H, T = 1, 2, 150
+    q, k, v, g = (rng.standard_normal((B, H, T, D)) for _ in range(4))
+    arr = {"q": q, "k": k, "v": v, "do": g}[where]
+    for bad in (np.inf, -np.inf, np.nan):
+        arr[0, int(rng.integers(H)), int(rng.integers(T)), int(rng.integers(D))] = bad
+    with _deterministic(deterministic):
+        want = _flash_fwd_bwd(q, k, v, g, dtype, "cpu", True)
+        got = _flash_fwd_bwd(q, k, v, g, dtype, "cuda", True)
+    for name, x, w in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+        _same_pattern(x, w, 4 * RTOL[dtype], f"{name} ({where})")
+
+
+@PATHS
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_rows_of_minus_inf_scores_are_zero_on_every_kernel(rng, dtype, D, causal):
+    """Note [empty rows]: q_0 = +inf and every key's first element -inf (the rest finite,
+    negative): row 0's scores are all -inf, so out 0, lse -inf and no gradient from it, as the
+    CPU (and PyTorch's sdpa) give; the kernels gave out NaN (0 / 0) and lse -inf (CPU: NaN)."""
+    B, H, T = 1, 2, 70
+    q = rng.standard_normal((B, H, T, D))
+    k = -np.abs(rng.standard_normal((B, H, T, D))) - 0.1
+    v, g = rng.standard_normal((B, H, T, D)), rng.standard_normal((B, H, T, D))
+    q[:, :, 0] = np.inf
+    k[..., 0] = -np.inf
+    want = _flash_fwd_bwd(q, k, v, g, dtype, "cpu", causal)
+    got = _flash_fwd_bwd(q, k, v, g, dtype, "cuda", causal)
+    assert (got[0][:, :, 0] == 0).all() and (got[1][:, :, 0] == -np.inf).all()
+    assert (got[2][:, :, 0] == 0).all()
+    for name, x, w in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+        _same_pattern(x, w, 4 * RTOL[dtype], name)
+
+
+@pytest.mark.parametrize("dtype", [bt.bfloat16, bt.float32])
+def test_sdpa_non_finite_rules_match_the_cpu(rng, dtype):
+    """scaled_dot_product_attention end to end, GPT-2's shapes (D 64, causal): the fused CUDA
+    kernels against the CPU path (which hands non-finite inputs to its fused kernel).  (float64
+    composes ops on CUDA, with IEEE arithmetic there: the docstring says so.)"""
+    B, H, T, D = 2, 3, 129, 64
+    q, k, v = (rng.standard_normal((B, H, T, D)) for _ in range(3))
+    v[1, 2, 100, 5] = np.inf
+    k[0, 1, 77, 3] = np.nan
+    outs = []
+    for dev in ("cpu", "cuda"):
+        ts = [bt.tensor(a, dtype=dtype).to(dev) for a in (q, k, v)]
+        outs.append(_np(bt.scaled_dot_product_attention(*ts, is_causal=True)))
+    _same_pattern(outs[1], outs[0], 4 * RTOL[dtype], "sdpa")
+    assert np.isfinite(outs[1][1, 2, :100]).all() and np.isfinite(outs[1][0, 1, :77]).all()

@@ -39,6 +39,7 @@
 #include "../attention.h"
 #include "../autocast.h"  // float32_matmul_precision: TF32 vs 3xTF32
 #include "attention_mma.cuh"
+#include "attention_rows.cuh"
 #include "attention_tf32.cuh"
 #include "common.cuh"
 
@@ -108,10 +109,11 @@ __global__ void __launch_bounds__(kV1Warps * 32)
     // Note [non-finite scores]: as the CPU reference (cpu/attention.cpp) and the tensor-core
     // kernels: a -inf score weighs 0, so while every score so far is -inf the base is 0, not
     // -inf (exp(-inf - -inf) = NaN would poison a row whose later scores are finite); +inf or
-    // NaN in a row makes it NaN (exp(inf - inf)); a row of only -inf is 0 / 0 = NaN.  Open: the
-    // tensor-core kernels multiply a causally masked key's weight 0 by its value row in the
-    // diagonal tile, so an inf / NaN in v at key j > i makes row i NaN there (as PyTorch's
-    // matrix formulation does); this kernel and the CPU skip masked keys.
+    // NaN in a row makes it NaN (exp(inf - inf)); a row of only -inf weighs nothing: o = 0,
+    // lse -inf (Note [empty rows], attention.h).  This kernel and the CPU skip masked keys; the
+    // tensor-core kernels multiply a masked key's weight 0 by its value row in the diagonal
+    // tile and so recompute rows that came out non-finite (Note [non-finite rows],
+    // attention_rows.cuh).
     const A base = mn == -INFINITY ? A(0) : mn;
     const A alpha = v1_exp(m - base), e = v1_exp(s - base);
     l = l * alpha + e;
@@ -124,9 +126,10 @@ __global__ void __launch_bounds__(kV1Warps * 32)
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
     const int d = lane + 32 * t;
-    if (d < p.D) orow[d] = convert<T>(acc[t] * inv);
+    // Note [empty rows] (attention.h): no key weighs anything (l = 0): o = 0, not 0 * v / 0
+    if (d < p.D) orow[d] = convert<T>(l == A(0) ? A(0) : acc[t] * inv);
   }
-  if (lane == 0) lse[row_id] = m + v1_log(l);
+  if (lane == 0) lse[row_id] = m + v1_log(l);  // (-inf for an empty row)
 }
 
 // Dvec[b, h, i] = sum_d do[b, i, h, d] * o[b, i, h, d] - dlse[b, h, i] (both backward paths; no
@@ -268,7 +271,8 @@ __global__ void __launch_bounds__(kV1Warps * 32)
 #pragma unroll
   for (int t = 0; t < 8; ++t) acc[t] = 0;
   const A sc = static_cast<A>(p.scale), li = lse[row_id], di = dvec[row_id];
-  const int n = p.causal ? min(i + 1, p.S) : p.S;
+  // an empty row (lse -inf, Note [empty rows]) passes no gradient
+  const int n = li == -INFINITY ? 0 : p.causal ? min(i + 1, p.S) : p.S;
   for (int j = 0; j < n; ++j) {
     v1_load(kv, k + b * p.k_b + h * p.k_h + j * p.k_l, p.D);
     v1_load(vv, v + b * p.v_b + h * p.v_h + j * p.v_l, p.D);
@@ -304,6 +308,7 @@ __global__ void __launch_bounds__(kV1Warps * 32)
   const A* lrow = lse + static_cast<int64_t>(bh) * p.L;
   const A* drow = dvec + static_cast<int64_t>(bh) * p.L;
   for (int i = p.causal ? j : 0; i < p.L; ++i) {
+    if (lrow[i] == -INFINITY) continue;  // an empty row (Note [empty rows]): no gradient
     v1_load(qv, q + b * p.q_b + h * p.q_h + i * p.q_l, p.D);
     v1_load(gv, g + b * p.g_b + i * p.g_l + h * p.g_h, p.D);
     const A pr = v1_exp(v1_dot(qv, kv) * sc - lrow[i]);
@@ -492,16 +497,24 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
       lr += __shfl_xor_sync(0xffffffffu, lr, 1);
       lr += __shfl_xor_sync(0xffffffffu, lr, 2);
       const int row = row_lo + 16 * mt + 8 * r;
+      bool bad = false;
       if (row < p.L) {
-        const float inv = 1.f / lr;
+        const float inv = lr == 0.f ? 0.f : 1.f / lr;  // an empty row: o = 0, lse -inf
         T* orow = o + ((static_cast<int64_t>(b) * p.L + row) * p.H + h) * D;
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
-          *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) =
-              pack2<T>(oacc[mt][dt][2 * r] * inv, oacc[mt][dt][2 * r + 1] * inv);
+          const uint32_t w = pack2<T>(oacc[mt][dt][2 * r] * inv, oacc[mt][dt][2 * r + 1] * inv);
+          bad |= pair_nonfinite<T>(w);
+          *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) = w;
         }
         if (t == 0) lse[static_cast<int64_t>(bh) * p.L + row] = (m[mt][r] + log2f(lr)) * kLn2;
       }
+      for_bad_rows(bad, [&](int gb) {  // Note [non-finite rows] (attention_rows.cuh)
+        const int rb = row - g + gb;
+        const RowsArgs ra{p.L, p.S, p.D, p.q_l, p.k_l, p.v_l, p.g_l, p.scale, p.causal};
+        fix_o_row<T>(ra, qb, kb, vb, rb, o + ((static_cast<int64_t>(b) * p.L + rb) * p.H + h) * D,
+                     lse + static_cast<int64_t>(bh) * p.L + rb);
+      });
     }
   }
 }
@@ -783,16 +796,25 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int key = key_lo + 16 * mt + 8 * r;
+      bool bad = false;
       if (key < p.S) {
         const int64_t base = p.dg.kv(b, h, key);
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
-          *reinterpret_cast<uint32_t*>(dk + base + dt * 8 + 2 * t) =
-              pack2<T>(dka[mt][dt][2 * r] * sc, dka[mt][dt][2 * r + 1] * sc);
-          *reinterpret_cast<uint32_t*>(dv + base + dt * 8 + 2 * t) =
-              pack2<T>(dva[mt][dt][2 * r], dva[mt][dt][2 * r + 1]);
+          const uint32_t wk = pack2<T>(dka[mt][dt][2 * r] * sc, dka[mt][dt][2 * r + 1] * sc);
+          const uint32_t wv = pack2<T>(dva[mt][dt][2 * r], dva[mt][dt][2 * r + 1]);
+          bad |= pair_nonfinite<T>(wk) || pair_nonfinite<T>(wv);
+          *reinterpret_cast<uint32_t*>(dk + base + dt * 8 + 2 * t) = wk;
+          *reinterpret_cast<uint32_t*>(dv + base + dt * 8 + 2 * t) = wv;
         }
       }
+      for_bad_rows(bad, [&](int gi) {  // Note [non-finite rows] (attention_rows.cuh)
+        const int kj = key - g + gi;
+        const RowsArgs ra{p.L, p.S, p.D, p.q_l, p.k_l, p.v_l, p.g_l, p.scale, p.causal};
+        fix_dkdv_row<T>(ra, qb, kb, vb, gb, lse + static_cast<int64_t>(bh) * p.L,
+                        dvec + static_cast<int64_t>(bh) * p.L, kj, dk + p.dg.kv(b, h, kj),
+                        dv + p.dg.kv(b, h, kj));
+      });
     }
   }
 }
@@ -954,45 +976,126 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = row_lo + 16 * mt + 8 * r;
+      bool bad = false;
       if (row < p.L) {
         T* out = dq + p.dg.dq(b, h, row);
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
-          *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * t) =
-              pack2<T>(dqa[mt][dt][2 * r] * sc, dqa[mt][dt][2 * r + 1] * sc);
+          const uint32_t w = pack2<T>(dqa[mt][dt][2 * r] * sc, dqa[mt][dt][2 * r + 1] * sc);
+          bad |= pair_nonfinite<T>(w);
+          *reinterpret_cast<uint32_t*>(out + dt * 8 + 2 * t) = w;
         }
       }
+      for_bad_rows(bad, [&](int gi) {  // Note [non-finite rows] (attention_rows.cuh)
+        const int ri = row - g + gi;
+        const RowsArgs ra{p.L, p.S, p.D, p.q_l, p.k_l, p.v_l, p.g_l, p.scale, p.causal};
+        fix_dq_row<T>(ra, qb, kb, vb, gb, lse + static_cast<int64_t>(bh) * p.L,
+                      dvec + static_cast<int64_t>(bh) * p.L, ri, dq + p.dg.dq(b, h, ri));
+      });
     }
   }
 }
 
-// dq[b, h, l, :] (where p.dg says) = dq_acc[b, h, l, :] * scale as T; 8 elements a thread.
-template <typename T, int D>
-__global__ void __launch_bounds__(256)
-    attn_bwd_dq_convert(AttnParams p, const float* __restrict__ acc, T* __restrict__ dq) {
-  grid_dependency_wait();  // acc comes from the backward kernel before
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
-  if (idx >= static_cast<int64_t>(p.B) * p.H * p.L * (D / 8)) return;
-  const int d = static_cast<int>(idx % (D / 8)) * 8;
-  const int64_t row = idx / (D / 8);  // (b, h, l)
+// The inputs a convert kernel needs to recompute a bad dq row (Note [non-finite rows]).
+template <typename T>
+struct DqFixInputs {
+  const T *q, *k, *v, *g;
+  const float *lse, *dvec;
+};
+template <typename T>
+__device__ __forceinline__ void fix_dq_of(const AttnParams& p, const DqFixInputs<T>& in,
+                                          T* __restrict__ dq, int64_t row) {  // (b, h, l)
   const int l = static_cast<int>(row % p.L), bh = static_cast<int>(row / p.L);
   const int b = bh / p.H, h = bh % p.H;
-  const float4 x0 = __ldg(reinterpret_cast<const float4*>(acc + row * D + d));
-  const float4 x1 = __ldg(reinterpret_cast<const float4*>(acc + row * D + d) + 1);
-  const float sc = static_cast<float>(p.scale);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dq + p.dg.dq(b, h, l) + d);
-  out[0] = pack2<T>(x0.x * sc, x0.y * sc);
-  out[1] = pack2<T>(x0.z * sc, x0.w * sc);
-  out[2] = pack2<T>(x1.x * sc, x1.y * sc);
-  out[3] = pack2<T>(x1.z * sc, x1.w * sc);
+  const RowsArgs ra{p.L, p.S, p.D, p.q_l, p.k_l, p.v_l, p.g_l, p.scale, p.causal};
+  fix_dq_row<T>(ra, in.q + b * p.q_b + h * p.q_h, in.k + b * p.k_b + h * p.k_h,
+                in.v + b * p.v_b + h * p.v_h, in.g + b * p.g_b + h * p.g_h,
+                in.lse + static_cast<int64_t>(bh) * p.L, in.dvec + static_cast<int64_t>(bh) * p.L,
+                l, dq + p.dg.dq(b, h, l));
+}
+
+// The bad rows of a convert warp (D / 8 lanes a row), out of line: the kernel stays light.
+template <typename T, int D>
+__device__ __noinline__ void fix_convert_rows(const AttnParams& p, const DqFixInputs<T>& fix,
+                                              T* dq, int64_t idx, bool bad) {
+  for_bad_rows<D / 8>(bad, [&](int gi) {
+    fix_dq_of<T>(p, fix, dq, (idx - threadIdx.x % 32) / (D / 8) + gi);
+  });
+}
+// The bad rows of a convert_cs warp: rows grp 16 + 4 j + rq, bit j of `bad`.
+template <typename T>
+__device__ __noinline__ void fix_convert_cs_rows(const AttnParams& p, const DqFixInputs<T>& fix,
+                                                 T* dq, int bh, int grp, unsigned bad) {
+  constexpr int D = 64;
+  const int lane = threadIdx.x % 32, d = (lane % 8) * 8, rq = lane / 8;
+  const int b = bh / p.H, h = bh % p.H;
+  for (int j = 0; j < 4; ++j) {
+    for_bad_rows<8>((bad >> j) & 1u, [&](int gi) {
+      fix_dq_of<T>(p, fix, dq, static_cast<int64_t>(bh) * p.L + grp * 16 + 4 * j + gi);
+    });
+  }
+  // the group's column sums as attn_bwd_dq_convert_cs takes them, over the stored rows
+  float s[8] = {};
+  for (int j = 0; j < 4; ++j) {
+    const int l = grp * 16 + 4 * j + rq;
+    if (l < p.L) {
+      const uint4 u = *reinterpret_cast<const uint4*>(dq + p.dg.dq(b, h, l) + d);
+      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = unpack2<T>(w[i]);
+        s[2 * i] += f.x, s[2 * i + 1] += f.y;
+      }
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    s[i] += __shfl_xor_sync(0xffffffffu, s[i], 8);
+    s[i] += __shfl_xor_sync(0xffffffffu, s[i], 16);
+  }
+  if (rq == 0) {
+    float* out = p.cs + (static_cast<int64_t>(b) * p.cs_groups + grp) * 3 * p.H * D + h * D + d;
+    reinterpret_cast<float4*>(out)[0] = make_float4(s[0], s[1], s[2], s[3]);
+    reinterpret_cast<float4*>(out)[1] = make_float4(s[4], s[5], s[6], s[7]);
+  }
+}
+
+// dq[b, h, l, :] (where p.dg says) = dq_acc[b, h, l, :] * scale as T; 8 elements a thread, D / 8
+// lanes a row; a row with a non-finite value is recomputed (Note [non-finite rows]).
+template <typename T, int D>
+__global__ void __launch_bounds__(256, 8)  // (its registers as before the fix path)
+    attn_bwd_dq_convert(AttnParams p, const float* __restrict__ acc, T* __restrict__ dq,
+                        DqFixInputs<T> fix) {
+  grid_dependency_wait();  // acc comes from the backward kernel before
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
+  const int64_t total = static_cast<int64_t>(p.B) * p.H * p.L * (D / 8);
+  if (idx - threadIdx.x % 32 >= total) return;  // whole warps (for_bad_rows below)
+  bool bad = false;
+  if (idx < total) {
+    const int d = static_cast<int>(idx % (D / 8)) * 8;
+    const int64_t row = idx / (D / 8);  // (b, h, l)
+    const int l = static_cast<int>(row % p.L), bh = static_cast<int>(row / p.L);
+    const int b = bh / p.H, h = bh % p.H;
+    const float4 x0 = __ldg(reinterpret_cast<const float4*>(acc + row * D + d));
+    const float4 x1 = __ldg(reinterpret_cast<const float4*>(acc + row * D + d) + 1);
+    const float sc = static_cast<float>(p.scale);
+    uint32_t* out = reinterpret_cast<uint32_t*>(dq + p.dg.dq(b, h, l) + d);
+    const uint32_t w[4] = {pack2<T>(x0.x * sc, x0.y * sc), pack2<T>(x0.z * sc, x0.w * sc),
+                           pack2<T>(x1.x * sc, x1.y * sc), pack2<T>(x1.z * sc, x1.w * sc)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      bad |= pair_nonfinite<T>(w[i]);
+      out[i] = w[i];
+    }
+  }
+  if (__any_sync(0xffffffffu, bad)) fix_convert_rows<T, D>(p, fix, dq, idx, bad);
 }
 
 // attn_bwd_dq_convert with column sums (Note [packed column sums]), D 64: a warp converts one
 // (b, h) 16-row group, lane = (row quad rq, 8-column chunk), rows 4 j + rq; the group's sums of
 // the rounded values (lanes of one chunk added by xor 8, 16) go to partial row b cs_groups + group.
 template <typename T>
-__global__ void __launch_bounds__(256)
-    attn_bwd_dq_convert_cs(AttnParams p, const float* __restrict__ acc, T* __restrict__ dq) {
+__global__ void __launch_bounds__(256, 6)  // (its registers as before the fix path)
+    attn_bwd_dq_convert_cs(AttnParams p, const float* __restrict__ acc, T* __restrict__ dq,
+                           DqFixInputs<T> fix) {
   constexpr int D = 64;
   grid_dependency_wait();  // acc comes from the backward kernel before
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) / 32;
@@ -1002,6 +1105,7 @@ __global__ void __launch_bounds__(256)
   const int b = bh / p.H, h = bh % p.H;
   const float sc = static_cast<float>(p.scale);
   float s[8] = {};
+  unsigned bad = 0;  // bit j: row grp 16 + 4 j + rq has a non-finite value
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int l = grp * 16 + 4 * j + rq;
@@ -1016,8 +1120,14 @@ __global__ void __launch_bounds__(256)
       for (int i = 0; i < 4; ++i) {
         const float2 f = unpack2<T>(w[i]);
         s[2 * i] += f.x, s[2 * i + 1] += f.y;
+        if (pair_nonfinite<T>(w[i])) bad |= 1u << j;
       }
     }
+  }
+  // Note [non-finite rows]: (warp-uniform) recompute bad rows, then the sums over stored rows
+  if (__any_sync(0xffffffffu, bad != 0)) {
+    fix_convert_cs_rows<T>(p, fix, dq, bh, grp, bad);  // (and the group's sums)
+    return;
   }
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -1188,18 +1298,19 @@ void launch_bwd_fused(const AttnParams& p, const T* q, const T* k, const T* v, c
     BT_CUDA_LAUNCH_CHECK(op);
   }
   // on Hopper, overlapping the backward's tail (Note [programmatic dependent launch])
+  const DqFixInputs<T> fix{q, k, v, g, lse, dvec};
   if constexpr (D == 64) {
     if (p.cs) {
       const int64_t threads = static_cast<int64_t>(p.B) * p.H * p.cs_groups * 32;
       launch_dependent(sm90, attn_bwd_dq_convert_cs<T>,
                        static_cast<unsigned>(ceil_div(threads, int64_t{256})), 256, 0, st, op, p,
-                       static_cast<const float*>(dq_acc), dq);
+                       static_cast<const float*>(dq_acc), dq, fix);
       return;
     }
   }
   launch_dependent(sm90, attn_bwd_dq_convert<T, D>,
                    static_cast<unsigned>(ceil_div(nacc / 8, int64_t{256})), 256, 0, st, op, p,
-                   static_cast<const float*>(dq_acc), dq);
+                   static_cast<const float*>(dq_acc), dq, fix);
 }
 
 unsigned v1_blocks(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, kV1Warps)); }

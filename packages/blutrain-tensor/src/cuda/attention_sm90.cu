@@ -45,11 +45,18 @@
 #include <string>
 
 #include "attention_mma.cuh"
+#include "attention_rows.cuh"
 #include "common.cuh"
 
 namespace bt::cuda {
 
 namespace {
+
+// The backward's raw input pointers, for Note [non-finite rows] (its loads go through TMA maps).
+template <typename T>
+struct SmRaw {
+  const T *q, *k, *v, *g;
+};
 
 // Which of a tensor map's middle coordinates is the head: maps list dims by increasing stride
 // (d, then head and row in stride order, then batch).
@@ -497,11 +504,14 @@ __device__ __forceinline__ void issue_pv_tile(float (&oacc)[D / 2],
   issue_pv_desc<T, D, kBc>(oacc, pa, sw128_desc(v_addr, kBc * 128, 1024));
 }
 // o rows row_lo, row_lo + 8 (B, L, H, D) = oacc / l and their lse (natural log).
+// A row with a non-finite value is then recomputed from q, k, v by its warp (Note [non-finite
+// rows], attention_rows.cuh).
 template <typename T, int D>
 __device__ __forceinline__ void store_o_lse(const float (&oacc)[D / 2], const float (&m)[2],
                                             const float (&l)[2], const AttnParams& p, int b, int h,
                                             int row_lo, int t, T* __restrict__ o,
-                                            float* __restrict__ lse) {
+                                            float* __restrict__ lse, const T* q, const T* k,
+                                            const T* v) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float lr = l[r];
@@ -510,23 +520,33 @@ __device__ __forceinline__ void store_o_lse(const float (&oacc)[D / 2], const fl
     const int row = row_lo + 8 * r;
     // Packed before the row test: wgmma accumulators read on a divergent path make ptxas
     // serialise the next tile's wgmmas (the persistent kernel's loop).
-    const float inv = 1.f / lr;
+    const float inv = lr == 0.f ? 0.f : 1.f / lr;  // an empty row: o = 0, lse -inf
     uint32_t packed[D / 8];
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
       packed[dt] = pack2<T>(oacc[4 * dt + 2 * r] * inv, oacc[4 * dt + 2 * r + 1] * inv);
     }
     reg_fence(packed);
+    bool bad = false;
     if (row < p.L) {
       T* orow = o + ((static_cast<int64_t>(b) * p.L + row) * p.H + h) * D;
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) {
+        bad |= pair_nonfinite<T>(packed[dt]);
         *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) = packed[dt];
       }
       if (t == 0) {
         lse[(static_cast<int64_t>(b) * p.H + h) * p.L + row] = (m[r] + log2f(lr)) * kLn2;
       }
     }
+    for_bad_rows(bad, [&](int gb) {
+      const int rb = row - (threadIdx.x % 32) / 4 + gb;
+      const RowsArgs ra{p.L, p.S, p.D, p.q_l, p.k_l, p.v_l, p.g_l, p.scale, p.causal};
+      attn_row_fwd<T, float, float>(ra, q + b * p.q_b + h * p.q_h, k + b * p.k_b + h * p.k_h,
+                                    v + b * p.v_b + h * p.v_h, rb,
+                                    o + ((static_cast<int64_t>(b) * p.L + rb) * p.H + h) * D,
+                                    lse + (static_cast<int64_t>(b) * p.H + h) * p.L + rb);
+    });
   }
 }
 
@@ -639,7 +659,7 @@ __global__ void __launch_bounds__(kWG * 128)
   wg_wait<0>();
   reg_fence(oacc);
 
-  store_o_lse<T, D>(oacc, m, l, p, b, h, row_lo, t, o, lse);
+  store_o_lse<T, D>(oacc, m, l, p, b, h, row_lo, t, o, lse, q, k, v);
 }
 
 // Warp-specialised forward (the default where TMA applies).  Block: kWG consumer warpgroups
@@ -662,7 +682,8 @@ template <typename T, int D, int kWG, int kBc, int kStages, int kMinBlocks, bool
 __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, kMinBlocks))
     attn_fwd_sm90_ws(const AttnParams p, const __grid_constant__ CUtensorMap tq,
                      const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
-                     const TmaOrder ord, T* __restrict__ o, float* __restrict__ lse) {
+                     const TmaOrder ord, T* __restrict__ o, float* __restrict__ lse,
+                     const T* q, const T* k, const T* v) {  // (q, k, v: Note [non-finite rows])
   constexpr int kBr = 64 * kWG, KS = D / 16, kTile = kBc * D, kPanels = D / 64;
   constexpr int kQBufs = kPersistent ? 2 : 1;
   constexpr uint32_t kTileBytes = kTile * sizeof(T);
@@ -822,7 +843,7 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, k
       release(nkb - 1);
       if (wl == 0) mbar_arrive(qempty + qs);
     }
-    store_o_lse<T, D>(oacc, m, l, p, b, h, row_lo, t, o, lse);
+    store_o_lse<T, D>(oacc, m, l, p, b, h, row_lo, t, o, lse, q, k, v);
     it += nkb;
   }
   if constexpr (kPersistent) {
@@ -908,7 +929,8 @@ __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_r
                      const __grid_constant__ CUtensorMap tg,
                      const __grid_constant__ CUtensorMap tacc, const TmaOrder ord,
                      const float* __restrict__ lse, const float* __restrict__ dvec,
-                     T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_acc) {
+                     T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_acc,
+                     const SmRaw<T> raw) {  // (raw q, k, v, do: Note [non-finite rows])
   static_assert(D == 64, "attn_bwd_sm90: D 64 (D 128 would not fit the registers)");
   constexpr int kBr = 64, kBc = 64 * kWG, KS = D / 16, kQTile = kBr * D;
   constexpr int kKvBufs = kPersist ? 2 : 1;  // K, V buffers (Note [persistent backward])
@@ -1262,16 +1284,27 @@ __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_r
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int key = key_lo + 8 * r;
+      bool bad = false;
       if (key < p.S) {
         const int64_t base = p.dg.kv(b, h, key);
 #pragma unroll
         for (int c = 0; c < D / 8; ++c) {
-          *reinterpret_cast<uint32_t*>(dk + base + 8 * c + 2 * t) =
-              pack2<T>(dka[4 * c + 2 * r] * sc, dka[4 * c + 2 * r + 1] * sc);
-          *reinterpret_cast<uint32_t*>(dv + base + 8 * c + 2 * t) =
-              pack2<T>(dva[4 * c + 2 * r], dva[4 * c + 2 * r + 1]);
+          const uint32_t wk = pack2<T>(dka[4 * c + 2 * r] * sc, dka[4 * c + 2 * r + 1] * sc);
+          const uint32_t wv = pack2<T>(dva[4 * c + 2 * r], dva[4 * c + 2 * r + 1]);
+          bad |= pair_nonfinite<T>(wk) || pair_nonfinite<T>(wv);
+          *reinterpret_cast<uint32_t*>(dk + base + 8 * c + 2 * t) = wk;
+          *reinterpret_cast<uint32_t*>(dv + base + 8 * c + 2 * t) = wv;
         }
       }
+      for_bad_rows(bad, [&](int gi) {  // Note [non-finite rows] (attention_rows.cuh)
+        const int kj = key - (threadIdx.x % 32) / 4 + gi;
+        const RowsArgs ra{p.L, p.S, p.D, p.q_l, p.k_l, p.v_l, p.g_l, p.scale, p.causal};
+        fix_dkdv_row<T>(ra, raw.q + b * p.q_b + h * p.q_h, raw.k + b * p.k_b + h * p.k_h,
+                        raw.v + b * p.v_b + h * p.v_h, raw.g + b * p.g_b + h * p.g_h,
+                        lse + static_cast<int64_t>(b * p.H + h) * p.L,
+                        dvec + static_cast<int64_t>(b * p.H + h) * p.L, kj, dk + p.dg.kv(b, h, kj),
+                        dv + p.dg.kv(b, h, kj));
+      });
     }
   }
 
@@ -1399,7 +1432,8 @@ bool launch_fwd_sm90_ws_cfg(const AttnParams& p, const T* q, const T* k, const T
                                               : ntiles));
   }
   // overlaps the previous kernel's tail (Note [programmatic dependent launch])
-  launch_dependent(true, kern, grid, kWG * 128 + 32, smem, st, op, p, tq, tk, tv, ord, o, lse);
+  launch_dependent(true, kern, grid, kWG * 128 + 32, smem, st, op, p, tq, tk, tv, ord, o, lse, q, k,
+                   v);
   BT_CUDA_LAUNCH_CHECK(op);
   return true;
 }
@@ -1492,7 +1526,7 @@ bool launch_bwd_sm90_cfg(const AttnParams& p, const T* q, const T* k, const T* v
   }
   // overlaps the Dvec kernel's tail (Note [programmatic dependent launch])
   launch_dependent(true, kern, grid, bwd_threads(kWG, kDefer), smem, st, op, p, tq, tk, tv, tg,
-                   tacc, ord, lse, dvec, dk, dv, dq_acc);
+                   tacc, ord, lse, dvec, dk, dv, dq_acc, SmRaw<T>{q, k, v, g});
   return true;
 }
 

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <string>
 
+#include "attention_rows.cuh"
 #include "attention_tf32.cuh"
 
 #ifdef BT_ATTN_TF32_STANDALONE  // bench/attn_tf32_check.cu compiles this file alone
@@ -375,16 +376,25 @@ __global__ void __launch_bounds__(kWarps * 32)
       lr += __shfl_xor_sync(0xffffffffu, lr, 1);
       lr += __shfl_xor_sync(0xffffffffu, lr, 2);
       const int row = row_lo + 16 * mt + 8 * r;
+      bool bad = false;
       if (row < p.L) {
-        const float inv = 1.f / lr;
+        const float inv = lr == 0.f ? 0.f : 1.f / lr;  // an empty row: o = 0, lse -inf
         float* orow = o + ((static_cast<int64_t>(b) * p.L + row) * p.H + h) * D;
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
-          *reinterpret_cast<float2*>(orow + dt * 8 + 2 * t) =
-              make_float2(oacc[mt][dt][2 * r] * inv, oacc[mt][dt][2 * r + 1] * inv);
+          const float2 w = make_float2(oacc[mt][dt][2 * r] * inv, oacc[mt][dt][2 * r + 1] * inv);
+          bad |= !isfinite(w.x) || !isfinite(w.y);
+          *reinterpret_cast<float2*>(orow + dt * 8 + 2 * t) = w;
         }
         if (t == 0) lse[static_cast<int64_t>(bh) * p.L + row] = (m[mt][r] + log2f(lr)) * kLn2F;
       }
+      for_bad_rows(bad, [&](int gb) {  // Note [non-finite rows] (attention_rows.cuh)
+        const int rb = row - g + gb;
+        const RowsArgs ra{p.L, p.S, p.D, p.q_l, p.k_l, p.v_l, p.g_l, p.scale, p.causal};
+        attn_row_fwd<float, float, float>(
+            ra, qb, kb, vb, rb, o + ((static_cast<int64_t>(b) * p.L + rb) * p.H + h) * D,
+            lse + static_cast<int64_t>(bh) * p.L + rb);
+      });
     }
   }
 }
@@ -553,16 +563,25 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = key_lo + 8 * r;
+    bool bad = false;
     if (key < p.S) {
       const int64_t base = p.dg.kv(b, h, key);
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) {
-        *reinterpret_cast<float2*>(dk + base + dt * 8 + 2 * t) =
-            make_float2(dka[dt][2 * r] * sc, dka[dt][2 * r + 1] * sc);
-        *reinterpret_cast<float2*>(dv + base + dt * 8 + 2 * t) =
-            make_float2(dva[dt][2 * r], dva[dt][2 * r + 1]);
+        const float2 wk = make_float2(dka[dt][2 * r] * sc, dka[dt][2 * r + 1] * sc);
+        const float2 wv = make_float2(dva[dt][2 * r], dva[dt][2 * r + 1]);
+        bad |= !isfinite(wk.x) || !isfinite(wk.y) || !isfinite(wv.x) || !isfinite(wv.y);
+        *reinterpret_cast<float2*>(dk + base + dt * 8 + 2 * t) = wk;
+        *reinterpret_cast<float2*>(dv + base + dt * 8 + 2 * t) = wv;
       }
     }
+    for_bad_rows(bad, [&](int gi) {  // Note [non-finite rows] (attention_rows.cuh)
+      const int kj = key - g + gi;
+      const RowsArgs ra{p.L, p.S, p.D, p.q_l, p.k_l, p.v_l, p.g_l, p.scale, p.causal};
+      fix_dkdv_row<float>(ra, qb, kb, vb, gb, lse + static_cast<int64_t>(bh) * p.L,
+                          dvec + static_cast<int64_t>(bh) * p.L, kj, dk + p.dg.kv(b, h, kj),
+                          dv + p.dg.kv(b, h, kj));
+    });
   }
 }
 
@@ -670,15 +689,46 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row_lo + 8 * r;
+    bool bad = false;
     if (row < p.L) {
       float* out = dq + p.dg.dq(b, h, row);
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) {
-        *reinterpret_cast<float2*>(out + dt * 8 + 2 * t) =
-            make_float2(dqa[dt][2 * r] * sc, dqa[dt][2 * r + 1] * sc);
+        const float2 w = make_float2(dqa[dt][2 * r] * sc, dqa[dt][2 * r + 1] * sc);
+        bad |= !isfinite(w.x) || !isfinite(w.y);
+        *reinterpret_cast<float2*>(out + dt * 8 + 2 * t) = w;
       }
     }
+    for_bad_rows(bad, [&](int gi) {  // Note [non-finite rows] (attention_rows.cuh)
+      const int ri = row - g + gi;
+      const RowsArgs ra{p.L, p.S, p.D, p.q_l, p.k_l, p.v_l, p.g_l, p.scale, p.causal};
+      fix_dq_row<float>(ra, qb, kb, vb, gb, lse + static_cast<int64_t>(bh) * p.L,
+                        dvec + static_cast<int64_t>(bh) * p.L, ri, dq + p.dg.dq(b, h, ri));
+    });
   }
+}
+
+// Note [non-finite rows] for the fused backward, whose dq rows are sums of atomics from many
+// blocks: checked once they are complete, a warp a row (a read of dq), bad rows recomputed.
+__global__ void __launch_bounds__(256, 8)
+    attn_fix_dq_tf32_k(AttnTf32Args p, const float* __restrict__ q, const float* __restrict__ k,
+                       const float* __restrict__ v, const float* __restrict__ gr,
+                       const float* __restrict__ lse, const float* __restrict__ dvec,
+                       float* __restrict__ dq) {
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) / 32;  // (b, h, l)
+  if (row >= static_cast<int64_t>(p.B) * p.H * p.L) return;  // whole warps
+  const int l = static_cast<int>(row % p.L), bh = static_cast<int>(row / p.L);
+  const int b = bh / p.H, h = bh % p.H;
+  float* out = dq + p.dg.dq(b, h, l);
+  bool bad = false;
+  for (int d = threadIdx.x % 32; d < p.D; d += 32) bad |= !isfinite(out[d]);
+  if (!__any_sync(0xffffffffu, bad)) return;
+  __syncwarp();
+  const RowsArgs ra{p.L, p.S, p.D, p.q_l, p.k_l, p.v_l, p.g_l, p.scale, p.causal};
+  fix_dq_row<float>(ra, q + b * p.q_b + h * p.q_h, k + b * p.k_b + h * p.k_h,
+                    v + b * p.v_b + h * p.v_h, gr + b * p.g_b + h * p.g_h,
+                    lse + static_cast<int64_t>(bh) * p.L, dvec + static_cast<int64_t>(bh) * p.L, l,
+                    out);
 }
 
 // dq = 0 where GradLayout puts it (before the fused backward adds into it): one float2 per
@@ -762,6 +812,10 @@ void launch_bwd(const AttnTf32Args& a, const float* q, const float* k, const flo
       auto kern = attn_bwd_dkdv_tf32_k<D, kExact, W, Br, true>;
       set_smem_tf32(kern, smem, op);
       kern<<<grid, W * 32, smem, st>>>(a, q, k, v, g, lse, dvec, dk, dv, dq);
+      BT_CUDA_LAUNCH_CHECK(op);
+      const int64_t rows = static_cast<int64_t>(a.B) * a.H * a.L;
+      attn_fix_dq_tf32_k<<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, st>>>(
+          a, q, k, v, g, lse, dvec, dq);
       BT_CUDA_LAUNCH_CHECK(op);
       return;
     }
