@@ -7,7 +7,8 @@ OMP_NUM_THREADS=N; blutrain's budget and torch.set_num_threads are N as well), s
 library's thread pool disturbs the other's: in one process, torch's OpenMP team and ours fought
 over the cores and the 2-thread column meant nothing. Both workers build the same inputs from the
 same seed. Each op's forward, and its backward where it has one (the gradient into a leaf whose
-.grad is None, so no accumulation kernel runs), is timed in rounds: --reps calls in our worker, a
+.grad is None, so no accumulation kernel runs), is timed in rounds: --reps calls in our worker
+(after 50 ms of untimed warm-up calls: a worker idle through the other's turn wakes slowly), a
 pause, --reps calls in torch's, a pause (an idle OpenMP team spins for a while after its last
 op, and our pool for 50 us), the order alternating between rounds. A row shows each library's
 median call over all rounds and torch's / ours (> 1: ours is faster), the median of the
@@ -160,20 +161,25 @@ def cases(R: int, C: int, bt, torch) -> list[tuple[str, object, object, object]]
     return out
 
 
+WARM_S = 0.05  # seconds of untimed calls before each library's timed calls in a round
+
+
 def time_calls(fn, reps: int) -> list[float]:
-    if isinstance(fn, tuple):  # (prepare, call): backward
-        prepare, call = fn
-        ts = []
-        for _ in range(reps):
+    """reps timed calls, after WARM_S of untimed ones: a worker idle during the other library's
+    turn wakes slowly (on our 2-vCPU VMs the first 2-thread calls after a 20-300 ms pause took
+    2-4x the steady time, ours and torch's alike), so each round times both at steady state."""
+    prepare, call = fn if isinstance(fn, tuple) else (None, fn)  # (prepare, call): backward
+    end = time.perf_counter() + WARM_S
+    while time.perf_counter() < end:
+        if prepare is not None:
             prepare()
-            t0 = time.perf_counter()
-            call()
-            ts.append(time.perf_counter() - t0)
-        return ts
+        call()
     ts = []
     for _ in range(reps):
+        if prepare is not None:
+            prepare()
         t0 = time.perf_counter()
-        fn()
+        call()
         ts.append(time.perf_counter() - t0)
     return ts
 
