@@ -504,10 +504,12 @@ class _Junk:
     pass
 
 
-# Public names no user constructs or calls with arguments: typing re-exports, the max() result
-# tuple, autograd.Function (subclassed; its apply is checked by the fuzz), Graph nodes, the dtype
+# Public names no user constructs or calls with arguments: typing re-exports, the max() and
+# op_log() result tuples, autograd.Function (subclassed; its apply is checked by the fuzz), Graph nodes, the dtype
 # enum (as torch.dtype: its members are the dtypes).
-_NOT_CALLED = {"Callable", "Iterator", "Sequence", "MaxResult", "Function", "Node", "dtype"}
+_NOT_CALLED = {
+    "Callable", "Iterator", "Sequence", "MaxResult", "OpLogEntry", "Function", "Node", "dtype",
+}  # fmt: skip
 # Dunders Python itself calls with fixed arguments (protocol, not ops).
 _PROTOCOL = {
     "__init__", "__new__", "__init_subclass__", "__subclasshook__", "__getattribute__",
