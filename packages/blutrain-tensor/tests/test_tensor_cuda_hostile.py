@@ -285,6 +285,99 @@ def test_cross_entropy_special_values_match_the_cpu(rng, monkeypatch, version, d
         _same_special(_np(got), _np(want), tol)
 
 
+def _huge_rows(C: int, rng) -> np.ndarray:
+    """Rows whose max is past the log2-unit kernels' range (Note [huge logits]), and ones near
+    its 2**20 threshold: +-1e30 pairs in a normal row, offsets of +-1e7 and +-1e6 (a softmax
+    that is not one-hot), a row scaled by 1e8, one of -1e30 throughout with a normal column."""
+    rows = []
+    for _ in range(2):
+        r = rng.standard_normal(C)
+        r[rng.choice(C, size=min(2, C), replace=False)] = [1e30, -1e30][: min(2, C)]
+        rows.append(r)
+        rows += [1e7 + 3 * rng.standard_normal(C), -1e7 + 3 * rng.standard_normal(C)]
+        rows += [2.0**20 + rng.standard_normal(C), 2.0**20 - 2 + rng.standard_normal(C)]
+        rows += [1e8 * rng.standard_normal(C)]
+        r = np.full(C, -1e30)
+        r[rng.integers(C)] = rng.standard_normal()
+        rows.append(r)
+    return np.array(rows)
+
+
+@pytest.mark.parametrize("version", ["", "2"])
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16])
+@pytest.mark.parametrize("C", [2, 3, 64, 4099])
+def test_cross_entropy_of_huge_logits_matches_the_cpu(rng, monkeypatch, version, dtype, C):
+    """A row [1e30, -1e30] gave a NaN or -inf loss on CUDA (the log2-unit sum's FFMA residual
+    overflowed ex2) and its gradient was inf / 0; Note [huge logits].  Loss and gradient against
+    the CPU, label smoothing off and on, default kernels (v3) and v2."""
+    if version:
+        monkeypatch.setenv("BT_CUDA_NN_VERSION", version)
+    xd = _huge_rows(C, rng)
+    tgt = rng.integers(0, C, xd.shape[0])
+    tol = TOL[dtype] * 4
+    for ls in (0.0, 0.1):
+        out = []
+        for dev in ("cpu", "cuda"):
+            x = bt.tensor(xd, dtype=dtype, device=dev, requires_grad=True)
+            loss = bt.cross_entropy(
+                x, bt.tensor(tgt, device=dev), reduction="none", label_smoothing=ls
+            )
+            loss.sum().backward()
+            out.append((_np(loss), _np(x.grad)))
+        (want, want_g), (got, got_g) = out
+        assert np.isfinite(want).all() and np.isfinite(want_g).all()
+        assert np.isfinite(got).all() and np.isfinite(got_g).all()
+        # label smoothing's mean logit is summed in float on the device (double on the CPU):
+        # at |x| ~ 1e7 its rounding is ~1e-6 of the row's magnitude
+        atol = tol + (1e-6 * np.abs(_np(bt.tensor(xd, dtype=dtype))).max(1) if ls else 0)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=atol)
+        np.testing.assert_allclose(got_g, want_g, rtol=0, atol=tol)
+
+
+def _huge_classifier(rng, dtype, fused, monkeypatch):
+    monkeypatch.setenv("BT_CUDA_CE_FUSED", fused)
+    N, K, V = 96, 8, 1000
+    xd = rng.standard_normal((N, K))
+    wd = rng.standard_normal((V, K))
+    wd[: V // 2] *= 1e28
+    wd[V // 2 :] *= 3e5
+    xd[N // 2 :, :] = np.abs(xd[N // 2 :, :])
+    wd[: V // 2, :] = -np.abs(wd[: V // 2, :])  # rows N/2.. see only the ~3e6 classes win
+    t = rng.integers(0, V, N)
+    x = bt.tensor(xd, dtype=dtype, device="cuda", requires_grad=True)
+    w = bt.tensor(wd, dtype=dtype, device="cuda", requires_grad=True)
+    loss = bt.linear_cross_entropy(x, w, bt.tensor(t).cuda(), reduction="sum", chunk_size=32)
+    loss.backward()
+    return (_np(x), _np(w), t), [_np(a) for a in (loss, x.grad, w.grad)]
+
+
+def test_linear_cross_entropy_of_huge_logits(rng, monkeypatch):
+    """The chunked classifier's one-kernel forward + backward (v4, BT_CUDA_CE_FUSED=1) and its
+    two kernels on logits up to ~1e29 and ~3e6 (Note [huge logits]): float32 loss, dx and dw
+    against float64 (the spread between classes makes each softmax one-hot, so a wrong row
+    cannot hide in rounding); bfloat16: the one kernel against the two."""
+    seed = int(rng.integers(2**31))
+    for fused in ("1", "0"):
+        (xd, wd, t), got = _huge_classifier(
+            np.random.default_rng(seed), bt.float32, fused, monkeypatch
+        )
+        N = len(t)
+        z = xd @ wd.T
+        lse = z.max(1) + np.log(np.exp(z - z.max(1, keepdims=True)).sum(1))
+        d = np.exp(z - lse[:, None])
+        d[np.arange(N), t] -= 1
+        want = [(lse - z[np.arange(N), t]).sum(), d @ wd, d.T @ xd]
+        for g, w_, what in zip(got, want, ("loss", "dx", "dw")):
+            assert np.isfinite(g).all(), (fused, what)
+            err = np.abs(g - w_).max() / np.abs(w_).max()
+            assert err <= 1e-4, (fused, what, err)
+    one = _huge_classifier(np.random.default_rng(seed), bt.bfloat16, "1", monkeypatch)[1]
+    two = _huge_classifier(np.random.default_rng(seed), bt.bfloat16, "0", monkeypatch)[1]
+    for a, b, what in zip(one, two, ("loss", "dx", "dw")):
+        assert np.isfinite(a).all(), what
+        assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max(), what
+
+
 def test_a_huge_request_fails_without_asking_cuda():
     """The memcheck run's findings on 2**40-element views: materialising one asked cudaMalloc
     for 4-8 TiB twice (and flushed the cache in between); compute-sanitizer reports each failed

@@ -444,6 +444,16 @@ constexpr int kCeUnroll = 4;
 constexpr int64_t kCeMaxC = int64_t(1) << 30;  // column indices fit in int
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
+// Note [huge logits]: the log2-unit sums take 2^(x log2e - ml) with one FFMA, and x log2e - ml is
+// then off by up to half an ulp of ml.  That is nothing for ordinary logits, but past |x| ~ 2^31
+// it overflows ex2 (a row [1e30, -1e30] gave a NaN or -inf loss; the backward's exp(x - lse) the
+// same).  A row whose max (forward) or lse (backward) reaches kCeHuge in magnitude takes natural
+// units instead: exp(x - m) in full precision, lse = m + log s (exact where m dominates, as on
+// the CPU and in PyTorch).  Such rows pay a second pass over the row (forward) or take a second
+// copy of the loop (backward); every other row runs the same instructions as before.
+constexpr float kCeHuge = 1048576.f;  // 2^20, in logit units
+__device__ __forceinline__ bool ce_huge(float m) { return isfinite(m) && fabsf(m) >= kCeHuge; }
+
 // Threads per row block of the v3 kernels: kCeThreads, or BT_CUDA_CE_THREADS (a multiple of 32
 // in [64, kCeMaxThreads]; for tuning sweeps), then no more than the row needs (>= 32).
 inline int ce_threads(int64_t C, int V) {

@@ -1058,21 +1058,22 @@ __global__ void __launch_bounds__(kCeMaxThreads)
   constexpr int V = 16 / sizeof(T), U = kCeUnroll;
   const int64_t row = blockIdx.x, tg = t[row];
   const int tid = threadIdx.x, nt = blockDim.x;
-  const float ll = static_cast<float>(lse[row]) * kLog2e, sc = scale[row];
+  const float lf = static_cast<float>(lse[row]), ll = lf * kLog2e, sc = scale[row];
   const float offv = static_cast<float>(ls / double(C)), on = static_cast<float>(1 - ls);
   const bool ign = tg == ii, bad = !ign && (tg < 0 || tg >= C);
+  const bool huge = ce_huge(lf);  // Note [huge logits]: natural units for this row
   const int tgc = ign || bad ? -1 : static_cast<int>(tg);
   const T* p = x + row * ldx;
   T* q = dx + row * Cx;
-  auto grad = [&](float v, int c) {
-    float d = ex2_approx(fmaf(v, kLog2e, -ll)) - offv;
+  auto grad = [&](float v, int c, auto hg) {
+    float d = (decltype(hg)::value ? expf(v - lf) : ex2_approx(fmaf(v, kLog2e, -ll))) - offv;
     d = c == tgc ? d - on : d;
     d = bad ? NAN : d * sc;
     return ign || c >= C ? 0.f : d;  // a select: padding / ignored logits may be inf or NaN
   };
   auto scalar = [&](int c) {
     const float v = c >= C ? 0.f : load_math(p + c);
-    q[c] = convert<T>(grad(v, c));
+    q[c] = convert<T>(huge ? grad(v, c, ic<1>{}) : grad(v, c, ic<0>{}));
   };
   const int head = ce_head(q, Cx);
   const int nv = (Cx - head) / V, tail0 = head + nv * V;
@@ -1083,8 +1084,13 @@ __global__ void __launch_bounds__(kCeMaxThreads)
     const int c0 = head + w * V;
     float v[V];
     unpack16<T>(r, v);
+    if (huge) {  // once per word, after its load: the loads never wait for lse
 #pragma unroll
-    for (int k = 0; k < V; ++k) v[k] = grad(v[k], c0 + k);
+      for (int k = 0; k < V; ++k) v[k] = grad(v[k], c0 + k, ic<1>{});
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[k] = grad(v[k], c0 + k, ic<0>{});
+    }
     __stcs(qv + w, pack16<T>(v));
   };
   int j = tid;

@@ -639,8 +639,9 @@ __device__ __forceinline__ void ce_online_add(const float* v, float& m, float& m
 // branch (rescale only on a new running max), then per element one FFMA + MUFU ex2 in log2 units:
 // s = sum 2^(x log2e - ml), ml = fl(m log2e), so lse = (ML + log2 s) ln2 is exact in ML's rounding.
 // Fixed-order block reductions (deterministic).  NaN logits give a NaN lse; +inf ones NaN (as the
-// CPU); an all -inf row lse = -inf (as v2).  Rows start ld elements apart, any alignment (scalar
-// head / tail around the 16-byte words).
+// CPU); an all -inf row lse = -inf (as v2); a row of huge logits takes a second pass in natural
+// units (Note [huge logits]).  Rows start ld elements apart, any alignment (scalar head / tail
+// around the 16-byte words).
 template <typename T, typename S, typename O, bool kSx>
 __global__ void __launch_bounds__(kCeMaxThreads)
     crossentropy_forward_v3(const T* __restrict__ x, int64_t ld, const int64_t* __restrict__ t,
@@ -664,37 +665,48 @@ __global__ void __launch_bounds__(kCeMaxThreads)
   };
   const int head = ce_head(p, C);
   const int nv = (C - head) / V, tail0 = head + nv * V;
-  if (tid < head) {
-    const float v = load_math(p + tid);
-    add(&v, ic<1>{});
-  }
   const uint4* pv = reinterpret_cast<const uint4*>(p + head);
-  int j = tid;
-  for (; j + (U - 1) * nt < nv; j += U * nt) {
-    uint4 r[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) r[u] = __ldcs(pv + j + u * nt);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float v[V];
-      unpack16<T>(r[u], v);
-      add(v, ic<V>{});
+  auto walk = [&](auto&& f) {  // this thread's values of the row, in groups
+    if (tid < head) {
+      const float v = load_math(p + tid);
+      f(&v, ic<1>{});
     }
-  }
-  for (; j < nv; j += nt) {
-    float v[V];
-    unpack16<T>(__ldcs(pv + j), v);
-    add(v, ic<V>{});
-  }
-  if (tail0 + tid < C) {
-    const float v = load_math(p + tail0 + tid);
-    add(&v, ic<1>{});
-  }
+    int j = tid;
+    for (; j + (U - 1) * nt < nv; j += U * nt) {
+      uint4 r[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) r[u] = __ldcs(pv + j + u * nt);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        float v[V];
+        unpack16<T>(r[u], v);
+        f(v, ic<V>{});
+      }
+    }
+    for (; j < nv; j += nt) {
+      float v[V];
+      unpack16<T>(__ldcs(pv + j), v);
+      f(v, ic<V>{});
+    }
+    if (tail0 + tid < C) {
+      const float v = load_math(p + tail0 + tid);
+      f(&v, ic<1>{});
+    }
+  };
+  walk(add);
   // the target's logit, in flight during the reductions
   const float xt = tid == 0 && tg >= 0 && tg < C ? load_math(p + tg) : 0.f;
   const float M = block_max(m, scratch, -INFINITY);
   const float ML = M * kLog2e;
+  const bool huge = ce_huge(M);  // the same for the whole block
   float st = s == 0.f ? 0.f : s * ex2_approx(ml - ML);  // s == 0: ml may be -inf like ML
+  if (huge) {  // Note [huge logits]: a second pass, natural units
+    st = 0;
+    walk([&](const float* v, auto n) {
+#pragma unroll
+      for (int k = 0; k < decltype(n)::value; ++k) st += expf(v[k] - M);
+    });
+  }
   st = warp_sum(st);
   if constexpr (kSx) sx = warp_sum(sx);
   const int lane = tid % 32, warp = tid / 32;
@@ -703,7 +715,7 @@ __global__ void __launch_bounds__(kCeMaxThreads)
   if (tid == 0) {
     float ss = 0, sxx = 0;
     for (int w = 0; w < nt / 32; ++w) ss += scratch[w], sxx += scratch[32 + w];  // fixed order
-    const float lse = (ML + log2f(ss)) * kLn2;
+    const float lse = huge ? M + logf(ss) : (ML + log2f(ss)) * kLn2;
     ce_finish_lse<T, S, O>(row, lse, sxx, xt, tg, C, ii, ls, lse_o, loss_o, row_loss, err);
   }
 }
@@ -758,40 +770,57 @@ __global__ void __launch_bounds__(kCeMaxThreads)
   }
   const float M = block_max(m, scratch, -INFINITY);  // its barriers also publish srow
   const float ML = M * kLog2e;
+  const bool huge = ce_huge(M);  // the same for the whole block
   float st = s == 0.f ? 0.f : s * ex2_approx(ml - ML);
+  if (huge) {  // Note [huge logits]: a second pass over the row in shared memory, natural units
+    st = 0;
+    for (int w = tid; w < nload; w += nt) {
+      float v[V];
+      unpack16<T>(srow[w], v);
+#pragma unroll
+      for (int k = 0; k < V; ++k) st += w * V + k < C ? expf(v[k] - M) : 0.f;
+    }
+  }
   st = warp_sum(st);
   if (tid % 32 == 0) scratch[tid / 32] = st;
   __syncthreads();
   if (tid == 0) {
     float ss = 0;
     for (int w = 0; w < nt / 32; ++w) ss += scratch[w];  // fixed order
-    const float lse = (ML + log2f(ss)) * kLn2;
+    const float lse = huge ? M + logf(ss) : (ML + log2f(ss)) * kLn2;
     const float xt = tg >= 0 && tg < C ? load_math(reinterpret_cast<const T*>(srow) + tg) : 0.f;
     ce_finish_lse<T, float, float>(row, lse, 0.f, xt, tg, C, ii, 0.0, lse_o, nullptr, row_loss,
                                    err);
     lse_s = lse;
   }
   __syncthreads();
-  const float ll = lse_s * kLog2e, sc = scale ? *scale : 1.f;
+  const float lse = lse_s, ll = lse * kLog2e, sc = scale ? *scale : 1.f;
   const bool ign = tg == ii, bad = !ign && (tg < 0 || tg >= C);
   const int tgc = ign || bad ? -1 : static_cast<int>(tg);
-  for (int w = tid; w < nv; w += nt) {
-    float v[V];
-    if (w < nload) {
-      unpack16<T>(srow[w], v);
-    } else {
+  auto pass2 = [&](auto hg) {  // hg: Note [huge logits], natural units
+    for (int w = tid; w < nv; w += nt) {
+      float v[V];
+      if (w < nload) {
+        unpack16<T>(srow[w], v);
+      } else {
 #pragma unroll
-      for (int k = 0; k < V; ++k) v[k] = 0.f;
-    }
+        for (int k = 0; k < V; ++k) v[k] = 0.f;
+      }
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const int c = w * V + k;
-      float d = ex2_approx(fmaf(v[k], kLog2e, -ll));
-      d = (c == tgc ? d - 1.f : d) * sc;
-      d = bad ? NAN : d;
-      v[k] = ign || c >= C ? 0.f : d;  // a select: padding / ignored logits may be inf or NaN
+      for (int k = 0; k < V; ++k) {
+        const int c = w * V + k;
+        float d = decltype(hg)::value ? expf(v[k] - lse) : ex2_approx(fmaf(v[k], kLog2e, -ll));
+        d = (c == tgc ? d - 1.f : d) * sc;
+        d = bad ? NAN : d;
+        v[k] = ign || c >= C ? 0.f : d;  // a select: padding / ignored logits may be inf or NaN
+      }
+      __stcs(pv + w, pack16<T>(v));
     }
-    __stcs(pv + w, pack16<T>(v));
+  };
+  if (ce_huge(lse)) {
+    pass2(ic<1>{});
+  } else {
+    pass2(ic<0>{});
   }
 }
 
