@@ -35,39 +35,49 @@ MODELS = {"gpt2": (12, 12, 768), "tiny": (4, 4, 128)}  # name -> (n_layer, n_hea
 V = 50257
 
 
-def run_ours(a: argparse.Namespace, compiled: bool) -> dict:
+def build_step(model: str, B: int, T: int, dev: str, mode: str):
+    """GPT-2 `model` on `dev` (its numpy loss off: bt.cross_entropy is the op a capture records),
+    AdamW with device scalars, one fixed batch: (step, opt, x, y); step(x, y) runs forward,
+    loss, backward, clipping at 1.0 and AdamW, and returns (loss, norm). Also
+    profile_gpt2_step.py's step."""
     import numpy as np
 
-    import blutrain.alloc as A
     import blutrain.tensor as bt
     from blutrain.models.config import GPT2Config
     from blutrain.models.gpt2 import GPT2, set_matmul_precision
     from blutrain.models.optim import AdamW, grad_norm_and_clip_coef
 
-    dev = a.device
-    gpu = dev.startswith("cuda")
-    L, H, C = MODELS[a.model]
-    cfg = GPT2Config(block_size=max(1024, a.T), n_layer=L, n_head=H, n_embd=C, vocab_multiple=128)
+    L, H, C = MODELS[model]
+    cfg = GPT2Config(block_size=max(1024, T), n_layer=L, n_head=H, n_embd=C, vocab_multiple=128)
     bt.manual_seed(0)
-    model = GPT2(cfg, device=dev)
-    model.numpy_loss = False  # bt.cross_entropy: the op a capture records (both rows)
-    set_matmul_precision(a.mode)
-    opt = AdamW(model.named_parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    net = GPT2(cfg, device=dev)
+    net.numpy_loss = False
+    set_matmul_precision(mode)
+    opt = AdamW(net.named_parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     opt.use_device_scalars(True)
-    params = list(model.parameters())
+    params = list(net.parameters())
 
     def step(x, y):
-        loss = model(x, y, return_logits=False)[1]
+        loss = net(x, y, return_logits=False)[1]
         loss.backward()
         norm, coef = grad_norm_and_clip_coef(params, 1.0)
         opt.step(grad_scale=coef)
         opt.zero_grad(set_to_none=True)
         return loss, norm
 
-    rng = np.random.default_rng(0)
-    data = rng.integers(0, V, (a.B, a.T + 1))
+    data = np.random.default_rng(0).integers(0, V, (B, T + 1))
     x = bt.tensor(data[:, :-1], device=dev)
     y = bt.tensor(data[:, 1:], device=dev)
+    return step, opt, x, y
+
+
+def run_ours(a: argparse.Namespace, compiled: bool) -> dict:
+    import blutrain.alloc as A
+    import blutrain.tensor as bt
+
+    dev = a.device
+    gpu = dev.startswith("cuda")
+    step, opt, x, y = build_step(a.model, a.B, a.T, dev, a.mode)
 
     def sync() -> None:
         if gpu:

@@ -29,40 +29,12 @@ import statistics
 import time
 from collections import defaultdict
 
-import numpy as np
-
-MODELS = {"tiny": (4, 4, 128), "gpt2": (12, 12, 768)}
-V = 50257
+from bench_gpt2_compiled import MODELS, build_step  # this folder: the script's sys.path[0]
 
 
 def build(a):
-    import blutrain.tensor as bt
-    from blutrain.models.config import GPT2Config
-    from blutrain.models.gpt2 import GPT2, set_matmul_precision
-    from blutrain.models.optim import AdamW, grad_norm_and_clip_coef
-
-    L, H, C = MODELS[a.model]
-    cfg = GPT2Config(block_size=max(1024, a.T), n_layer=L, n_head=H, n_embd=C, vocab_multiple=128)
-    bt.manual_seed(0)
-    model = GPT2(cfg, device="cpu")
-    model.numpy_loss = False
-    set_matmul_precision("tf32")
-    opt = AdamW(model.named_parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    opt.use_device_scalars(True)
-    params = list(model.parameters())
-
-    def step(x, y):
-        loss = model(x, y, return_logits=False)[1]
-        loss.backward()
-        norm, coef = grad_norm_and_clip_coef(params, 1.0)
-        opt.step(grad_scale=coef)
-        opt.zero_grad(set_to_none=True)
-        return loss, norm
-
-    rng = np.random.default_rng(0)
-    data = rng.integers(0, V, (a.B, a.T + 1))
-    x, y = bt.tensor(data[:, :-1]), bt.tensor(data[:, 1:])
-    return step, opt, x, y
+    """bench_gpt2_compiled.py's step on the CPU in its default precision (tf32)."""
+    return build_step(a.model, a.B, a.T, "cpu", "tf32")
 
 
 def kind_of_group(G) -> str:
