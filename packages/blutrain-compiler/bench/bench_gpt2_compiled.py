@@ -14,9 +14,9 @@ row's capture and compilation excluded), and torch.cuda.max_memory_allocated. Th
 also prints its planned arena (program.stats.planned_bytes), its program's shape, and the
 allocator calls a timed step makes: none from the program (the embedding gathers write planned
 buffers, also on CUDA through index_select's out=; the returned loss and norm take turns in two
-buffers: Note [returned buffers] in program.py), and none from AdamW.write_device_scalars on the
-CPU (Note [scalars written in place] in blutrain-models' optim.py; on CUDA its two fill_ calls
-still make a 0-d tensor each).
+buffers: Note [returned buffers] in program.py), and none from AdamW.write_device_scalars
+(Note [scalars written in place] in blutrain-models' optim.py: fill_ with a number writes in
+place on every device).
 Not a test: prints a table and writes JSON; a row that fails shows its error.
 """
 

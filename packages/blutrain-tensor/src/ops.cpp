@@ -1061,6 +1061,34 @@ static Tensor& inplace_view(Tensor& x, const Tensor& result, const char* op) {
   return x;
 }
 
+// Note [fill_ without an allocation]: a compiled or CUDA-graph-replayed training step writes its
+// scalars (learning rate, step count) with fill_ before each step and must make no allocator call
+// in its steady state.  inplace() needs the value as a tensor (a 0-d full: one allocation each);
+// for the common case (contiguous, no history to record, not captured) the Full kernel writes x
+// directly: the same value.as<T>() rounding, so the same bits.  Anything else takes inplace().
+Tensor& fill_(Tensor& x, Scalar v, const char* op) {
+  OpScope scope(op);
+  check_defined(x, op);
+  const bool direct = !active_graph() && !x.is_symbolic() && x.numel() > 0 &&
+                      x.is_contiguous() && !(grad_enabled() && x.requires_grad());
+  if (!direct) return inplace(x, full({}, v, x.dtype(), x.device(), op), op);
+  check_writable(x, op);
+  check_scalar_fits(v, x.dtype(), op, "value");
+  std::vector<Tensor> out{x};
+  Full f(v);
+  if (x.device().is_cuda()) {
+#ifdef BT_WITH_CUDA
+    f.eval_gpu({}, out);
+#else
+    backend::no_cuda_kernel(op);
+#endif
+  } else {
+    f.eval_cpu({}, out);
+  }
+  x.bump_version();
+  return x;
+}
+
 Tensor& inplace(Tensor& x, const Tensor& result, const char* op) {
   OpScope scope(op);
   check_defined(x, op);

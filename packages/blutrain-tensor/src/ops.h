@@ -99,6 +99,9 @@ void check_mask_device(const Tensor& x, const Tensor& mask, const char* op);
 // moves x's autograd history onto the result.  Returns x.
 Tensor& inplace(Tensor& x, const Tensor& result, const char* op);
 Tensor& copy_(Tensor& dst, const Tensor& src);
+// x.fill_(number): as inplace(x, full({}, v)), but a contiguous tensor outside autograd and
+// capture is written by the Full kernel in place (no 0-d staging tensor: no allocator call).
+Tensor& fill_(Tensor& x, Scalar v, const char* op);
 
 // ---- reductions ----------------------------------------------------------------------------
 // dims empty: all dims.

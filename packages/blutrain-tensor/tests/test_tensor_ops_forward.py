@@ -534,3 +534,51 @@ def test_float32_transcendentals_full_range(name):
         assert rel.max() < 4e-7, rel.max()
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)])
+
+
+_DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(bt.cuda_device_count() == 0, reason="no CUDA device"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_fill_with_a_number_writes_in_place_without_allocating(rng, device):
+    """Note [fill_ without an allocation]: a compiled / replayed step's scalars are written with
+    fill_ before each step, and its steady state makes no allocator call.  The direct path
+    (contiguous, no history) and the general one (strided views, autograd) give the same values
+    as numpy, bump the version, and keep their errors."""
+    import blutrain.alloc as ba
+
+    dev = "cuda:0" if device == "cuda" else "cpu"
+    for dt, v in ((bt.float32, 0.1), (bt.bfloat16, -3.3), (bt.float64, math.pi),
+                  (bt.int64, 2**62 + 1), (bt.bool, True), (bt.uint8, 255)):
+        x = bt.zeros(5, dtype=dt, device=device)
+        ver = x._version
+        before = ba.stats(dev)["alloc_count"]
+        for _ in range(3):
+            x.fill_(v)
+        assert ba.stats(dev)["alloc_count"] == before, dt
+        assert x._version == ver + 3
+        assert x.tolist() == bt.full((5,), v, dtype=dt).tolist(), dt
+    base = bt.tensor(rng.standard_normal(12), device=device)
+    ref = f64(base)
+    base[3:7].fill_(2.0)  # a contiguous view at an offset: direct
+    base[::4].fill_(-1.0)  # strided: the general path
+    ref[3:7], ref[::4] = 2.0, -1.0
+    np.testing.assert_array_equal(f64(base), ref)
+    # under autograd: a tensor with history loses it (its new value depends on nothing)
+    w = bt.ones(3, device=device, requires_grad=True)
+    y = w * 2
+    y.fill_(5.0)
+    assert y.tolist() == [5.0] * 3 and not y.requires_grad
+    with pytest.raises(RuntimeError, match=r"^\[fill_\] a leaf tensor that requires grad"):
+        w.fill_(1.0)
+    with pytest.raises(ValueError, match=r"^\[fill_\] value 256 does not fit uint8"):
+        bt.zeros(2, dtype=bt.uint8, device=device).fill_(256)

@@ -1354,7 +1354,11 @@ NB_MODULE(_tensor, m) {
       "fill_",
       [](Tensor& a, nb::handle v) -> Tensor {
         OpScope scope("fill_");
-        inplace(a, fill_value(v, a, "fill_"), "fill_");
+        if (is_tensor(v)) {
+          inplace(a, fill_value(v, a, "fill_"), "fill_");
+        } else {
+          fill_(a, number_arg(v, "fill_", "value"), "fill_");  // Note [fill_ without an allocation]
+        }
         return a;
       },
       "value"_a, nb::sig("def fill_(self, value: Tensor | float | int | bool) -> Tensor"));

@@ -117,7 +117,6 @@ class AdamW:
         # device -> (lr, step) 0-d float32 tensors the fused kernel reads (use_device_scalars)
         self._dev_scalars: dict[str, tuple[bt.Tensor, bt.Tensor]] | None = None
         # device -> numpy views of those tensors, on the CPU (Note [scalars written in place])
-        self._dev_views: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._dev_step = 0
 
     # -- the step --------------------------------------------------------------------------------
@@ -140,15 +139,12 @@ class AdamW:
         if not self.fused:
             raise ValueError("[AdamW] device scalars need the fused kernel (fused=None or True)")
         self._dev_scalars = {}
-        self._dev_views = {}
         for _, p in self.params:
             dev = str(p.device)
             if dev not in self._dev_scalars:
                 lr_t = bt.zeros((), dtype=bt.float32, device=dev)
                 step_t = bt.zeros((), dtype=bt.float32, device=dev)
                 self._dev_scalars[dev] = (lr_t, step_t)
-                if dev == "cpu":
-                    self._dev_views[dev] = (lr_t.numpy(), step_t.numpy())
         self.write_device_scalars(self.lr, self.common_step() + 1)
 
     def common_step(self) -> int:
@@ -164,25 +160,18 @@ class AdamW:
         return steps.pop() if steps else 0
 
     # Note [scalars written in place]: a compiled or replayed step makes no allocator call in
-    # its steady state, so writing its scalars must make none either. fill_ with a Python
-    # float builds a 0-d tensor of the value first (an allocator call per scalar); on the CPU
-    # the scalars are written through numpy views of their memory instead (numpy() shares it),
-    # the same float32 rounding of the same double. Other devices keep fill_ (a host value
-    # reaches device memory through a staging tensor).
+    # its steady state, so writing its scalars must make none either: fill_ with a Python number
+    # writes a contiguous tensor outside autograd in place on every device (blutrain.tensor's
+    # Note [fill_ without an allocation]), the float32 rounding of the same double as before.
     def write_device_scalars(self, lr: float, step: int) -> None:
         """Set the device lr and step count the next step() (or graph replay) reads."""
         if self._dev_scalars is None:
             raise RuntimeError("[AdamW] write_device_scalars: call use_device_scalars() first")
         self.lr = float(lr)
         self._dev_step = int(step)
-        for dev, (lr_t, step_t) in self._dev_scalars.items():
-            views = self._dev_views.get(dev)
-            if views is not None:
-                views[0][()] = self.lr
-                views[1][()] = float(step)
-            else:
-                lr_t.fill_(self.lr)
-                step_t.fill_(float(step))
+        for lr_t, step_t in self._dev_scalars.values():
+            lr_t.fill_(self.lr)
+            step_t.fill_(float(step))
 
     def advance_steps(self) -> None:
         """Count one step on the host for every parameter with state (what a graph replay of
