@@ -7,7 +7,8 @@ unpadded), the same tokens (some targets ignored):
 - bf16 (our precision policy: bfloat16 compute, float32 master weights) against torch autocast
   bf16: loss within 2e-2, bf16 logits, float32 loss; at trained-like weights the gradients are
   as close to float64's as autocast's (issue 38: the float32 residual stream);
-- recomputation (gelu, attn, block) and the fused ops change no number beyond rounding.
+- recomputation (gelu, attn, block) and the fused ops change no number beyond rounding, in bf16
+  with the default float32 residual stream and with the opt-in bf16 one ("bf16/compute").
 Skipped where there is no CUDA device (for blutrain.tensor or for torch).
 """
 
@@ -360,14 +361,32 @@ def grad_error(grads: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> floa
     return math.sqrt(num / sum(float((v**2).sum()) for v in ref.values()))
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def precision_and_stream(spec: str) -> tuple[str, str]:
+    """bf16/compute -> ("bf16", "compute"); a plain precision takes the default stream."""
+    precision, _, residual = spec.partition("/")
+    return precision, residual or "float32"
+
+
+# bf16 with the default float32 residual stream, and with the opt-in bf16 stream
+PRECISION_STREAMS = ["fp32", "bf16", "bf16/compute"]
+
+
+@pytest.mark.parametrize("spec", PRECISION_STREAMS)
 @pytest.mark.parametrize("recompute", ["gelu", "ln", "ln+gelu", "attn", "block"])
-def test_recompute_changes_nothing(precision, recompute):
+def test_recompute_changes_nothing(spec, recompute):
+    precision, residual = precision_and_stream(spec)
     w = random_weights(SMALL, 7)
     x, y = batch(SMALL, 4, 3, SMALL.block_size)
     res = {}
     for mode in ("none", recompute):
-        m = GPT2(SMALL, device="cuda", init=False, precision=precision, recompute=mode)
+        m = GPT2(
+            SMALL,
+            device="cuda",
+            init=False,
+            precision=precision,
+            recompute=mode,
+            residual_dtype=residual,
+        )
         m.load_state_dict(w)
         _, loss = m(x, y)
         loss.backward()
@@ -378,13 +397,21 @@ def test_recompute_changes_nothing(precision, recompute):
         assert rel_err(res[recompute][1][n], g) < 10 * tol, n
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_fused_ops_change_nothing(precision):
+@pytest.mark.parametrize("spec", PRECISION_STREAMS)
+def test_fused_ops_change_nothing(spec):
+    precision, residual = precision_and_stream(spec)
     w = random_weights(SMALL, 8)
     x, y = batch(SMALL, 5, 3, SMALL.block_size)
     res = {}
     for fused in (False, True):
-        m = GPT2(SMALL, device="cuda", init=False, precision=precision, fused=fused)
+        m = GPT2(
+            SMALL,
+            device="cuda",
+            init=False,
+            precision=precision,
+            fused=fused,
+            residual_dtype=residual,
+        )
         m.load_state_dict(w)
         logits, loss = m(x, y)
         loss.backward()

@@ -381,10 +381,11 @@ def main() -> int:
     )
     p.add_argument(
         "--residual-dtype",
-        default="compute",
+        default="float32",
         choices=["float32", "compute"],
-        help="ours: the residual stream's dtype under bf16 (GPT2.residual_dtype): float32 (as "
-        "autocast) or compute (bf16, the faster stream that trains off the fp32 trajectory)",
+        help="ours: the residual stream's dtype under bf16 (GPT2.residual_dtype): float32 (the "
+        "model's default, as autocast) or compute (bf16, the opt-in faster stream that trains "
+        "off the fp32 trajectory)",
     )
     p.add_argument(
         "--gemm-autotune",

@@ -11,7 +11,8 @@ scripts/gpu.sh runs).
 
 Runs are framework:precision (ours|torch, fp32|tf32|bf16), optionally ours:PREC/VARIANT[+...]
 with the model's options: bf16res = GPT2.residual_dtype "compute" (the residual stream in bf16,
-rounded at every add: the policy before issue 38; by default it is float32, as autocast's),
+rounded at every add: the policy before issue 38, now opt-in; the model's default and ours:PREC's
+is float32, as autocast's),
 unfused = fused=False (no add_layer_norm, linear_gelu_linear, qkv_attention, linear_cross_entropy:
 plain ops, whose float32 stream also carries a float32 gradient), flash = on the CPU, the fused
 attention (bt.backends.use_flash_attention_cpu: float32 scores and softmax, as the CUDA kernels

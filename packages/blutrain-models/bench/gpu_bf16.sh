@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 38 on one GPU, in one call (about 3-4 min): does the bf16 policy's float32 residual
-# stream (GPT2.residual_dtype "float32", convergence.py's ours:bf16; the model's default is "compute") train like fp32?
+# stream (GPT2.residual_dtype "float32", the model's default; convergence.py's ours:bf16) train
+# like fp32?
 #   1. the GPU tests of the mixed kernels (layer_norm / add_layer_norm with a float32 stream in
 #      and a bf16 / fp16 output) and of the bf16 policy against autocast and float64;
 #   2. bench/convergence.py, ours:bf16 (in A with an unfused control), in issue 38's two

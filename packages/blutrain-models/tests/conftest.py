@@ -42,3 +42,23 @@ def random_weights(cfg: GPT2Config, rng: np.random.Generator, padded: bool = Tru
 @pytest.fixture
 def make_weights(rng):
     return lambda cfg, padded=True: random_weights(cfg, rng, padded)
+
+
+@pytest.fixture
+def rewrite_trainer_json():
+    """edit(ck, fn): fn edits a checkpoint's trainer.json (as an older version would have
+    written it); the manifest records its new size and hash, so the checkpoint stays intact."""
+    import hashlib
+    import json
+
+    def edit(ck, fn) -> None:
+        t = json.loads((ck / "trainer.json").read_text())
+        fn(t)
+        data = json.dumps(t).encode()
+        (ck / "trainer.json").write_bytes(data)
+        m = json.loads((ck / "manifest.json").read_text())
+        digest = hashlib.sha256(data).hexdigest()
+        m["files"]["trainer.json"] = {"bytes": len(data), "sha256": digest}
+        (ck / "manifest.json").write_text(json.dumps(m))
+
+    return edit

@@ -428,6 +428,12 @@ CASES = [
     Case("bench-steps-0", ["bench", "--steps", "0"], ["--steps", ">= 1"]),
     Case("bench-precision", ["bench", "--device", "cpu", "--precision", "fp8"], ["'fp8'"]),
     Case("bench-seq-len-over-block", ["bench", "--seq-len", "999"], ["block size 256"]),
+    Case("bench-residual-dtype", ["bench", "--residual-dtype", "bf16"], ["'bf16'", "compute"]),
+    Case(
+        "bench-llama-residual-dtype",
+        ["bench", "--model", "llama-tiny", "--device", "cpu", "--residual-dtype", "compute"],
+        ["[bench] residual_dtype 'compute'", "GPT-2 models only", "drop it"],
+    ),
 ]
 
 

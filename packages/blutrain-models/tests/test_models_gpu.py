@@ -40,13 +40,15 @@ def test_auto_device_is_cuda():
     assert resolve_device("auto") == "cuda"
 
 
-@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "bf16/compute"])
 def test_gpu_forward_backward_matches_cpu(rng, precision):
+    # bf16: the default float32 residual stream; bf16/compute: the opt-in bf16 stream
+    precision, _, residual = precision.partition("/")
     sd = weights(CFG, rng)
     x = rng.integers(0, CFG.vocab_size, (3, CFG.block_size))
     cpu = GPT2(CFG)
     cpu.load_state_dict(sd)
-    gpu = GPT2(CFG, device="cuda", precision=precision)
+    gpu = GPT2(CFG, device="cuda", precision=precision, residual_dtype=residual or "float32")
     gpu.load_state_dict(sd)
     lc, sc = cpu(x, x)
     sc.backward()

@@ -289,6 +289,31 @@ def test_train_resume_sample_and_eval_a_llama(tmp_path, data_dir, capsys):
     assert cli.main(argv) == 0
 
 
+def test_llama_run_with_the_old_residual_default_resumes(
+    tmp_path, data_dir, capsys, rewrite_trainer_json
+):
+    """A LLaMA run takes the default residual_dtype (float32, unused: its stream is in the
+    compute dtype). One saved when the default was "compute" stored that value; the CLI resume
+    keeps a run's settings, yet must not refuse it as a non-default (Note [settings of older
+    runs]): it resumes, and the run's record then holds today's default."""
+    from blutrain.models import cli, load_checkpoint
+
+    model = tmp_path / "llama.json"
+    SMALL.to_json(model)
+    out = tmp_path / "run"
+    assert cli.main(_train_flags(str(model), data_dir, out, 3)) == 0
+    ck = out / "checkpoint"
+    assert load_checkpoint(ck).trainer["train_config"]["residual_dtype"] == "float32"
+    rewrite_trainer_json(ck, lambda t: t["train_config"].update(residual_dtype="compute"))
+    capsys.readouterr()
+    # (resumed and extended to 4 steps: the flags given again are the run's own)
+    assert cli.main(_train_flags(str(model), data_dir, out, 4) + ["--resume"]) == 0, (
+        capsys.readouterr().err
+    )
+    tr = load_checkpoint(ck).trainer
+    assert tr["step"] == 4 and tr["train_config"]["residual_dtype"] == "float32"
+
+
 def test_llama_run_errors(tmp_path, data_dir, capsys):
     from blutrain.models import cli
 
@@ -297,6 +322,10 @@ def test_llama_run_errors(tmp_path, data_dir, capsys):
     assert "a LLaMA model takes auto, none, attn, block" in capsys.readouterr().err
     assert cli.main(flags + ["--init-from", str(tmp_path)]) == 2
     assert "starts from scratch" in capsys.readouterr().err
+    # residual_dtype is GPT-2's: a LLaMA run takes its default (float32) and refuses another
+    assert cli.main(flags + ["--residual-dtype", "compute"]) == 2
+    err = capsys.readouterr().err
+    assert "residual_dtype (--residual-dtype) 'compute': GPT-2 models only" in err, err
     # a GPT-2 run cannot resume from a LLaMA checkpoint
     model = tmp_path / "llama.json"
     SMALL.to_json(model)

@@ -5,6 +5,7 @@ them on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -165,34 +166,137 @@ def test_precision_names_and_policies():
     assert all(getattr(x, "_compute", None) is None for x in m.modules())
 
 
-def test_residual_dtype_option(rng, tmp_path, shards):
-    """GPT2.residual_dtype: "compute" by default (the bf16 stream, the fast step), "float32"
-    autocast's stream; anything else is refused naming the option.  It changes nothing in fp32
-    (the stream is float32 either way), and the trainer sets it from --residual-dtype."""
-    assert GPT2(CFG).residual_dtype == "compute"
+def _stream_dtypes(model, x) -> dict[str, int]:
+    """The dtypes the residual stream is written in by one forward: every add (the embeddings'
+    sum, unfused x + branch) and every fused add + LayerNorm's sum of (B, T, C)."""
+    B, T = x.shape
+    with bt.op_log() as log:
+        model(x, x)
+    out: dict[str, int] = {}
+    for e in log:
+        if e.op in ("add", "add_layer_norm") and e.outputs[0][1] == (B, T, CFG.n_embd):
+            out[e.outputs[0][0]] = out.get(e.outputs[0][0], 0) + 1
+    return out
+
+
+def test_residual_dtype_defaults_to_float32(tmp_path, shards):
+    """Issue 38: the float32 residual stream (autocast's) is the default of the model, of
+    TrainConfig and so of `blutrain train` and `blutrain bench`; "compute" (the bf16 stream) is
+    the opt-in; anything else is refused naming the option."""
+    from blutrain.models.cli import build_parser, config_from_args
+
+    assert GPT2(CFG).residual_dtype == "float32"
+    assert GPT2(CFG, precision="bf16").residual_dtype == "float32"
+    assert TrainConfig().residual_dtype == "float32"
     with pytest.raises(ValueError, match=r"\[GPT2\] residual_dtype .* float32, compute"):
         GPT2(CFG, residual_dtype="bf16")
-    a, b = twin(rng, precision="fp32", residual_dtype="compute")
-    x = rng.integers(0, CFG.vocab_size, (2, 9))
-    la, sa, ga = run(a, x, x)
-    lb, sb, gb = run(b, x, x)
-    assert np.array_equal(la, lb) and sa == sb
-    assert all(np.array_equal(ga[n], gb[n]) for n in ga)
+    p = build_parser()
+    assert config_from_args(p.parse_args(["train"])).residual_dtype == "float32"
+    args = p.parse_args(["train", "--residual-dtype", "compute"])
+    assert config_from_args(args).residual_dtype == "compute"
+    # a --config FILE is settings, not a run's record: a field it omits takes the default
+    (tmp_path / "c.json").write_text(json.dumps({"batch_size": 2}))
+    args = p.parse_args(["train", "--config", str(tmp_path / "c.json")])
+    assert config_from_args(args).residual_dtype == "float32"
+    assert p.parse_args(["bench"]).residual_dtype == "float32"
+    assert p.parse_args(["bench", "--residual-dtype", "compute"]).residual_dtype == "compute"
     cfg_json = tmp_path / "m.json"
     GPT2Config(block_size=32, n_layer=1, n_head=2, n_embd=16).to_json(cfg_json)
-    t = Trainer(
-        TrainConfig(
-            model=str(cfg_json),
-            data=str(shards),
-            seq_len=32,
-            max_steps=1,
-            warmup_steps=0,
-            out_dir=str(tmp_path / "run"),
-            device="cpu",
-            residual_dtype="compute",
-        )
-    )
+    kw = dict(model=str(cfg_json), data=str(shards), seq_len=32, max_steps=1, warmup_steps=0,
+              device="cpu", progress=False, plot=False)  # fmt: skip
+    t = Trainer(TrainConfig(out_dir=str(tmp_path / "a"), **kw))
+    assert t.model.residual_dtype == "float32"
+    t = Trainer(TrainConfig(out_dir=str(tmp_path / "b"), residual_dtype="compute", **kw))
     assert t.model.residual_dtype == "compute"
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_bf16_stream_is_float32_by_default_and_compute_keeps_the_bf16_stream(rng, fused):
+    """Under bf16 the default writes the residual stream in float32 at every add (the
+    embeddings' sum and each block's two); residual_dtype="compute" still runs the old path,
+    the stream in bf16 at every add, and its numbers differ (the option is not a no-op)."""
+    x = rng.integers(0, CFG.vocab_size, (2, 9))
+    adds = 1 + 2 * CFG.n_layer
+    a, b = twin(rng, precision="bf16", fused=fused)
+    b.residual_dtype = "compute"
+    a.set_precision("bf16")
+    assert a.residual_dtype == "float32"
+    assert _stream_dtypes(a, x) == {"float32": adds}
+    assert _stream_dtypes(b, x) == {"bfloat16": adds}
+    la, lb = (m(x, x)[1].item() for m in (a, b))
+    assert la != lb, "the two streams gave the same loss"
+
+
+@pytest.mark.parametrize("fused", [None, True])
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_residual_dtype_changes_nothing_in_fp32_and_tf32(rng, precision, fused):
+    """The new default leaves fp32 and tf32 runs as they were: the stream is float32 either
+    way, so the default and the old "compute" give the same bits (logits, loss, gradients)."""
+    prev = bt.get_float32_matmul_precision()
+    try:
+        a, b = twin(rng, precision=precision, fused=fused)
+        a.set_precision(precision)
+        a.fused = fused
+        b.residual_dtype = "compute"
+        assert a.residual_dtype == "float32"
+        x = rng.integers(0, CFG.vocab_size, (2, 9))
+        assert _stream_dtypes(a, x) == _stream_dtypes(b, x) == {"float32": 1 + 2 * CFG.n_layer}
+        la, sa, ga = run(a, x, x)
+        lb, sb, gb = run(b, x, x)
+        assert np.array_equal(la, lb) and sa == sb
+        assert all(np.array_equal(ga[n], gb[n]) for n in ga)
+    finally:
+        bt.set_float32_matmul_precision(prev)
+
+
+def test_a_run_from_before_the_option_resumes_with_the_bf16_stream(
+    tmp_path, shards, monkeypatch, capsys, rewrite_trainer_json
+):
+    """Note [settings of older runs]: a GPT-2 checkpoint whose trainer.json has no
+    residual_dtype (written before the option, when the stream was bf16) resumes through the
+    CLI with "compute", what it trained with, not today's default; --residual-dtype given
+    again overrides it, and a stored value is kept. The Python API resumes with the config it
+    is given and says so when that changes the run's stream."""
+    from blutrain.models import cli
+    from blutrain.models import trainer as trainer_mod
+    from blutrain.models.cli import build_parser, config_from_args
+    from blutrain.models.run_state import saved_train_config
+
+    cfg_json = tmp_path / "m.json"
+    GPT2Config(block_size=32, n_layer=1, n_head=2, n_embd=16).to_json(cfg_json)
+    run_dir = tmp_path / "run"
+    cfg = TrainConfig(model=str(cfg_json), data=str(shards), batch_size=2, seq_len=16,
+                      max_steps=4, warmup_steps=1, eval_interval=0, sample_interval=0,
+                      log_interval=0, out_dir=str(run_dir), progress=False, plot=False)  # fmt: skip
+    t = Trainer(cfg)
+    t.fit(until=2)
+    t.close()
+    ck = run_dir / "checkpoint"
+    assert saved_train_config(ck)["residual_dtype"] == "float32"  # stored, kept
+    rewrite_trainer_json(ck, lambda t: t["train_config"].pop("residual_dtype"))
+    assert saved_train_config(ck)["residual_dtype"] == "compute"
+    p = build_parser()
+    resume = ["train", "--out-dir", str(run_dir), "--resume"]
+    assert config_from_args(p.parse_args(resume)).residual_dtype == "compute"
+    given = p.parse_args([*resume, "--residual-dtype", "float32"])
+    assert config_from_args(given).residual_dtype == "float32"
+    # the Python API (bf16 stood in for on the CPU: the note is about bf16 runs only)
+    monkeypatch.setattr(trainer_mod, "resolve_precision", lambda p, d: "bf16")
+    capsys.readouterr()
+    t = Trainer(dataclasses.replace(cfg, resume=True))
+    assert t.model.residual_dtype == "float32" and not t._bf16_stream()
+    t.close()
+    note = "[resume] the run trained with residual_dtype 'compute'; it continues with 'float32'"
+    assert note in capsys.readouterr().out
+    t = Trainer(dataclasses.replace(cfg, resume=True, residual_dtype="compute"))
+    assert t._bf16_stream()
+    t.close()
+    assert "[resume]" not in capsys.readouterr().out
+    monkeypatch.undo()
+    # the whole CLI resume ends the run with the stream it started with, and records it
+    assert cli.main([*resume, "--no-progress"]) == 0
+    tr = load_checkpoint(ck).trainer
+    assert tr["step"] == 4 and tr["train_config"]["residual_dtype"] == "compute"
 
 
 def test_fp32_mode_is_the_plain_model(rng):

@@ -79,13 +79,16 @@ def bench(
     recompute: str = "auto",
     gemm_autotune: bool = True,
     cuda_graph: bool = False,
+    residual_dtype: str = "float32",
 ) -> dict:
     """tokens/s and peak memory of `steps` training steps (forward, backward, clipping, AdamW)
     on one fixed batch of random tokens, after `warmup` untimed steps. On a GPU the timed steps
     run without host syncs (one at the end), as the trainer's; the peak memory is
     blutrain.tensor's allocator's (bt.cuda.max_memory_allocated) over warm-up and timed steps.
     cuda_graph (CUDA only): the whole step is captured once after the warm-up and the timed
-    steps replay it, as the trainer's cuda-graph step does."""
+    steps replay it, as the trainer's cuda-graph step does. residual_dtype: GPT-2's residual
+    stream under bf16 (GPT2.residual_dtype: "float32", or the faster "compute"); a LLaMA model
+    takes the default only."""
     for name, v, lo in (("batch_size", batch_size, 1), ("seq_len", seq_len, 1), ("steps", steps, 1),
                         ("warmup", warmup, 0)):  # fmt: skip
         if not isinstance(v, int) or v < lo:
@@ -109,11 +112,18 @@ def bench(
     if is_cuda(dev):
         bt.cuda.reset_peak_memory_stats(dev)
     if isinstance(cfg, LlamaConfig):
+        if residual_dtype != "float32":
+            raise ValueError(
+                f"[bench] residual_dtype {residual_dtype!r}: GPT-2 models only (a LLaMA model "
+                "keeps its residual stream in the compute dtype); drop it for a LLaMA model"
+            )
         recompute = "none" if recompute == "auto" else recompute
         m = Llama(cfg, device=dev, precision=prec, recompute=recompute)
     else:
         recompute = resolve_recompute(recompute, dev, prec)
-        m = GPT2(cfg, device=dev, precision=prec, recompute=recompute)
+        m = GPT2(
+            cfg, device=dev, precision=prec, recompute=recompute, residual_dtype=residual_dtype
+        )
     set_matmul_precision(prec)
     opt = AdamW(m.named_parameters(), lr=1e-4)
     rng = np.random.default_rng(seed)
@@ -160,6 +170,7 @@ def bench(
         "device": dev,
         "precision": prec,
         "recompute": recompute,
+        "residual_dtype": getattr(m, "residual_dtype", None),
         "cuda_graph": cuda_graph,
         "batch_size": batch_size,
         "seq_len": seq_len,

@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 from .train_config import (
     DEFAULT_DATA,
     DEFAULT_OUT,
+    RESIDUAL_DTYPES,
     TrainConfig,
     field_types,
     flag_name,
@@ -104,7 +105,7 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type = TrainConfig) -> Non
         types = field_types(hints[f.name])
         meta = f.metadata
         default = getattr(defaults, f.name)
-        help_ = meta.get("help", "")
+        help_ = meta.get("help", "").replace("%", "%%")  # argparse formats help with %
         if default is not None:
             help_ += f" (default: {_shown(default)})"
         kw: dict[str, Any] = {"dest": f.name, "default": None, "help": help_}
@@ -370,6 +371,13 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
         help="auto (ln for fp32 on a GPU, else none), none, gelu, ln, attn, block, or ln+gelu",
     )
     p.add_argument(
+        "--residual-dtype",
+        default="float32",
+        choices=RESIDUAL_DTYPES,
+        help="GPT-2's residual stream under bf16: float32 (autocast's) or compute (bf16: faster "
+        "and lighter, trains off the fp32 trajectory) (default: float32)",
+    )
+    p.add_argument(
         "--threads",
         type=bounded(int, lo=0),
         default=0,
@@ -417,6 +425,7 @@ def _bench_run(args: argparse.Namespace) -> int:
             recompute=args.recompute,
             gemm_autotune=args.gemm_autotune,
             cuda_graph=args.cuda_graph,
+            residual_dtype=args.residual_dtype,
         )
         for mode in modes
     ]
@@ -430,8 +439,11 @@ def _bench_run(args: argparse.Namespace) -> int:
     for col in ("precision", "tokens/s", "step (mean)", "peak memory", "MFU"):
         table.add_column(col, justify="right")
     for r in rows:
+        bf16_stream = (r["precision"], r["residual_dtype"]) == ("bf16", "compute")
         table.add_row(
-            r["precision"] + ("" if r["recompute"] == "none" else f" +{r['recompute']}"),
+            r["precision"]
+            + ("" if r["recompute"] == "none" else f" +{r['recompute']}")
+            + (" (bf16 stream)" if bf16_stream else ""),
             f"{r['tokens_per_s']:,.0f}",
             f"{r['step_ms_median']:.1f} ms",
             fmt_bytes(r["peak_mem_bytes"]),

@@ -53,8 +53,28 @@ class SavedRun:
     history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
+# Note [settings of older runs]: a resumed run keeps its settings (cli.config_from_args reads
+# them back from trainer.json), so a setting an older trainer.json lacks, or one whose default
+# has changed since, is read as what that run trained with, not as today's default:
+# - residual_dtype (issue 38): the field came with the float32 residual stream (2026-12-04); a
+#   GPT-2 run written before it trained with the stream in bf16, so a missing value reads
+#   "compute"; a run that stored it (the default was "compute" until 2026-12-05) keeps what it
+#   stored. A LLaMA run has no such choice (its stream is always in the compute dtype and the
+#   trainer refuses a value other than the default), so what it stored is dropped and today's
+#   default applies.
+# A --config FILE is not a run's record: a field it omits takes today's default, as any field.
+def _as_trained(tc: dict[str, Any], model_config: Any) -> dict[str, Any]:
+    tc = dict(tc)
+    if isinstance(model_config, dict) and model_config.get("model_type") == "llama":
+        tc.pop("residual_dtype", None)
+    else:
+        tc.setdefault("residual_dtype", "compute")
+    return tc
+
+
 def saved_train_config(path: str | Path) -> dict[str, Any]:
-    """The train_config a checkpoint was written with (its trainer.json alone, not verified)."""
+    """The train_config a checkpoint was written with (its trainer.json alone, not verified),
+    with what an older run left out read as it trained (Note [settings of older runs])."""
     import json
 
     p = Path(path) / "trainer.json"
@@ -68,7 +88,7 @@ def saved_train_config(path: str | Path) -> dict[str, Any]:
     tc = d.get("train_config") if isinstance(d, dict) else None
     if not isinstance(tc, dict):
         raise CheckpointError(f"[resume] {p}: holds no train_config object; {RESUME_HINT}")
-    return tc
+    return _as_trained(tc, d.get("model_config"))
 
 
 def _history(h: Any, where: str) -> dict[str, list[tuple[int, float]]]:
@@ -166,7 +186,7 @@ def _read(path: Path, model_config: ModelConfig) -> SavedRun:
         path=path,
         step=step,
         model_config=saved_model,
-        train_config=tr["train_config"],
+        train_config=_as_trained(tr["train_config"], tr["model_config"]),
         schedule=schedule,
         loader=tr["loader"],
         optimizer={"meta": tr["optimizer"], "tensors": ck.optimizer or {}},

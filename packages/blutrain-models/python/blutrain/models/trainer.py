@@ -94,10 +94,13 @@ def run_model_config(cfg: TrainConfig) -> ModelConfig:
             f"[TrainConfig] recompute (--recompute) {cfg.recompute!r}: a LLaMA model takes "
             f"{', '.join(('auto', *LLAMA_RECOMPUTE))}"
         )
+    # GPT-2's option: a LLaMA model's stream is always in the compute dtype, so the default
+    # (float32) passes through unused and any other value is refused rather than ignored
     if isinstance(mc, LlamaConfig) and cfg.residual_dtype != TrainConfig.residual_dtype:
         raise ConfigError(
             f"[TrainConfig] residual_dtype (--residual-dtype) {cfg.residual_dtype!r}: GPT-2 "
-            "models only (drop it for a LLaMA model)"
+            "models only (a LLaMA model keeps its residual stream in the compute dtype); drop "
+            "it for a LLaMA model"
         )
     return mc
 
@@ -196,6 +199,13 @@ class Trainer:
             self.model.recompute = resolve_recompute(cfg.recompute, self.device, self.precision)
         if isinstance(self.model, GPT2):
             self.model.residual_dtype = cfg.residual_dtype
+            was = saved.train_config.get("residual_dtype") if saved is not None else None
+            if was not in (None, cfg.residual_dtype) and self.precision == "bf16":
+                # the Python API resumes with the config it is given (the CLI keeps the run's)
+                self.run_dir.print(
+                    f"[resume] the run trained with residual_dtype {was!r}; it continues with "
+                    f"{cfg.residual_dtype!r} (pass residual_dtype={was!r} to keep it)"
+                )
         self.model.set_precision(self.precision)
         set_matmul_precision(self.precision)
         self.stepper = step_cls(self.model, cfg, self.device, self.group)
@@ -455,6 +465,11 @@ class Trainer:
         self._apply(saved)
         self.schedule = schedule
 
+    def _bf16_stream(self) -> bool:
+        """Whether GPT-2's residual stream runs in bf16 (the opt-in --residual-dtype compute)."""
+        stream = getattr(self.model, "residual_dtype", None)
+        return self.precision == "bf16" and stream == "compute"
+
     def plot(self) -> Path | None:
         from .plot import plot_losses
 
@@ -478,6 +493,7 @@ class Trainer:
             f"({c.n_params() / 1e6:.2f}M params) on {self.device} ({self.precision}"
             + threads_note(self.device)
             + (f", recompute {self.model.recompute}" if self.model.recompute != "none" else "")
+            + (", bf16 residual stream" if self._bf16_stream() else "")
             + f", {cfg.step_name} step"
             + (f", {self.group.world_size} processes" if self.group.world_size > 1 else "")
             + f"); {cfg.batch_size} x {cfg.seq_len} x {cfg.grad_accum}"
