@@ -2,7 +2,7 @@
 run eagerly.
 
     python profile_gpt2_step.py [--model tiny|gpt2|llama-tiny] [-B 2] [-T 64] [--steps 5]
-                                [--threads N] [--top N] [--no-eager-nodes]
+                                [--mode tf32|fp32] [--threads N] [--top N] [--no-eager-nodes]
 
 The step of bench_gpt2_compiled.py (forward, loss, backward, clipping, AdamW), or with
 `--model llama-tiny` bench_compiler.py's LLaMA-style step (llama_ref.py, B=4 T=64 by default:
@@ -38,14 +38,14 @@ from bench_gpt2_compiled import MODELS, build_step  # this folder: the script's 
 def build(a):
     """(eager step, compiled step, call, args): call(fn) runs one step of fn (either) on the
     fixed batch, args() the compiled step's arguments for its last call. GPT-2: the step of
-    bench_gpt2_compiled.py on the CPU in its default precision (tf32); llama-tiny: the step of
-    bench_compiler.py's worker (lr and the step count t runtime scalars)."""
+    bench_gpt2_compiled.py on the CPU in its precision (--mode, default tf32); llama-tiny:
+    the step of bench_compiler.py's worker (lr and the step count t runtime scalars)."""
     import blutrain.compiler as btc
     import blutrain.tensor as bt
 
     k = 0
     if a.model != "llama-tiny":
-        step, opt, x, y = build_step(a.model, a.B, a.T, "cpu", "tf32")
+        step, opt, x, y = build_step(a.model, a.B, a.T, "cpu", a.mode)
 
         def call(fn):
             nonlocal k
@@ -170,6 +170,7 @@ def main() -> None:
     ap.add_argument("--model", default="tiny", choices=sorted(MODELS) + ["llama-tiny"])
     ap.add_argument("-B", type=int, default=0, help="2 (GPT-2), 4 (llama-tiny)")
     ap.add_argument("-T", type=int, default=64)
+    ap.add_argument("--mode", default="tf32", choices=("fp32", "tf32"), help="GPT-2's precision")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--top", type=int, default=8, help="the N slowest fused kernels")
