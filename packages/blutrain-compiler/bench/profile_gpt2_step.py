@@ -1,10 +1,13 @@
-"""Where a compiled GPT-2 step's time goes on the CPU, next to the same nodes run eagerly.
+"""Where a compiled GPT-2 (or LLaMA-style) step's time goes on the CPU, next to the same nodes
+run eagerly.
 
-    python profile_gpt2_step.py [--model tiny] [-B 2] [-T 64] [--steps 5] [--threads N]
-                                [--top N] [--no-eager-nodes]
+    python profile_gpt2_step.py [--model tiny|gpt2|llama-tiny] [-B 2] [-T 64] [--steps 5]
+                                [--mode tf32|fp32] [--threads N] [--top N] [--no-eager-nodes]
 
-The step of bench_gpt2_compiled.py (forward, loss, backward, clipping, AdamW) compiled with
-blutrain.compiler; each program step is timed (wall clock, perf_counter) by wrapping the
+The step of bench_gpt2_compiled.py (forward, loss, backward, clipping, AdamW), or with
+`--model llama-tiny` bench_compiler.py's LLaMA-style step (llama_ref.py, B=4 T=64 by default:
+forward, backward, AdamW written in ops), compiled with blutrain.compiler; each program step
+is timed (wall clock, perf_counter) by wrapping the
 program's kernels and the library / eager calls from outside (nothing in program.py changes):
   fused      the compiled kernels (one per fusion group), by the kind of nodes they hold
   gemm       blutrain.linalg GEMMs (linear / matmul written into planned buffers)
@@ -33,8 +36,53 @@ from bench_gpt2_compiled import MODELS, build_step  # this folder: the script's 
 
 
 def build(a):
-    """bench_gpt2_compiled.py's step on the CPU in its default precision (tf32)."""
-    return build_step(a.model, a.B, a.T, "cpu", "tf32")
+    """(eager step, compiled step, call, args): call(fn) runs one step of fn (either) on the
+    fixed batch, args() the compiled step's arguments for its last call. GPT-2: the step of
+    bench_gpt2_compiled.py on the CPU in its precision (--mode, default tf32); llama-tiny:
+    the step of bench_compiler.py's worker (lr and the step count t runtime scalars)."""
+    import blutrain.compiler as btc
+    import blutrain.tensor as bt
+
+    k = 0
+    if a.model != "llama-tiny":
+        step, opt, x, y = build_step(a.model, a.B, a.T, "cpu", a.mode)
+
+        def call(fn):
+            nonlocal k
+            k += 1
+            opt.write_device_scalars(3e-4, k)
+            return fn(x, y)
+
+        return step, btc.compile(step), call, lambda: (x, y)
+    import llama_ref as L
+    import numpy as np
+
+    cfg = L.Config.preset("tiny")
+    cfg.seq = a.T
+    params = {n: bt.tensor(v).requires_grad_(True) for n, v in L.init_weights(cfg).items()}
+    state = {n: (bt.zeros(p.shape), bt.zeros(p.shape)) for n, p in params.items()}
+    cos, sin = (bt.tensor(t) for t in L.rope_tables(cfg))
+    rng = np.random.default_rng(1)
+    x, y = (bt.tensor(rng.integers(0, cfg.vocab, (a.B, cfg.seq))) for _ in range(2))
+
+    def step(idx, tgt, lr, t):
+        loss = L.bt_forward(bt, cfg, params, cos, sin, idx, tgt)
+        loss.backward()
+        L.bt_adamw(bt, params, state, lr, t)
+        for p in params.values():
+            p.grad = None
+        return loss
+
+    cstep = btc.compile(step, scalars=("t",))
+
+    def call(fn):
+        nonlocal k
+        k += 1
+        if fn is cstep:
+            return fn(x, y, 1e-3, k)
+        return fn(x, y, bt.full((), 1e-3), bt.full((), float(k)))
+
+    return step, cstep, call, lambda: (x, y, 1e-3, k)
 
 
 def kind_of_group(G) -> str:
@@ -68,7 +116,8 @@ PER_NODE_EAGER: dict[int, float] = defaultdict(float)
 
 
 def instrument(prog, times):
-    """Wraps the kernels and the eager / library entry points program.py calls."""
+    """Wraps the kernels and the eager / library entry points program.py calls; returns a
+    function that puts the entry points back (the eager replay then times only itself)."""
     from blutrain.compiler import eager
     from blutrain.compiler import program as P
 
@@ -104,40 +153,38 @@ def instrument(prog, times):
 
         setattr(mod, name, timed)
 
-    wrap(P, "_gemm_into")
-    wrap(P, "_gather_into")
-    wrap(eager, "run")
-    wrap(eager, "run_over_base")
+    saved = [(m, n, getattr(m, n)) for m, n in ((P, "_gemm_into"), (P, "_gather_into"))]
+    saved += [(eager, n, getattr(eager, n)) for n in ("run", "run_over_base")]
+    for m, n, _ in saved:
+        wrap(m, n)
+
+    def undo() -> None:
+        for m, n, f in saved:
+            setattr(m, n, f)
+
+    return undo
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="tiny", choices=sorted(MODELS))
-    ap.add_argument("-B", type=int, default=2)
+    ap.add_argument("--model", default="tiny", choices=sorted(MODELS) + ["llama-tiny"])
+    ap.add_argument("-B", type=int, default=0, help="2 (GPT-2), 4 (llama-tiny)")
     ap.add_argument("-T", type=int, default=64)
+    ap.add_argument("--mode", default="tf32", choices=("fp32", "tf32"), help="GPT-2's precision")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--top", type=int, default=8, help="the N slowest fused kernels")
     ap.add_argument("--no-eager-nodes", action="store_true")
     a = ap.parse_args()
-    import blutrain.compiler as btc
+    a.B = a.B or (4 if a.model == "llama-tiny" else 2)
     import blutrain.tensor as bt
     from blutrain.compiler import fusion
     from blutrain.compiler import program as P
 
     if a.threads:
         bt.set_num_threads(a.threads)
-    step, opt, x, y = build(a)
-    k = 0
-
-    def call(fn):
-        nonlocal k
-        k += 1
-        opt.write_device_scalars(3e-4, k)
-        return fn(x, y)
-
+    step, cstep, call, cargs = build(a)
     call(step)  # eager: moments exist
-    cstep = btc.compile(step)
     call(cstep)
     call(cstep)
     (c,) = cstep.programs.values()
@@ -151,7 +198,7 @@ def main() -> None:
     # per category
     per: list[dict] = []
     times: dict[str, float] = defaultdict(float)
-    instrument(prog, times)
+    uninstrument = instrument(prog, times)
     for _ in range(a.steps):
         times.clear()
         t0 = time.perf_counter()
@@ -160,6 +207,7 @@ def main() -> None:
         times["glue"] = tot - sum(times.values())
         per.append({kk: 1e3 * v for kk, v in times.items()})
     rows = {kk: statistics.median(p.get(kk, 0.0) for p in per) for kk in set().union(*per)}
+    uninstrument()
     ecat: dict[str, float] = {}
     if not a.no_eager_nodes:  # the same graph, every node through eager kernels
         # the capture again, before decompose.py: eager's own multi-tensor ops
@@ -185,7 +233,7 @@ def main() -> None:
         eprog = P.Program(g, part, "cpu", g.hash())
         eprog.prepare(set(g.live_out()) | {v for _, v in g.grads} | {v for _, v in g.mutations})
         eprog.plan.buffers.clear()  # eager allocates
-        ins0 = c.inputs((x, y))
+        ins0 = c.inputs(cargs())
         # copies: the interpreter must not update the live parameters
         ins = [t.clone() if isinstance(t, bt.Tensor) else t for t in ins0]
         et: dict[str, float] = defaultdict(float)
@@ -223,7 +271,7 @@ def main() -> None:
         eager.run = f
         ecat = {kk: statistics.median(p.get(kk, 0.0) for p in eper) for kk in set().union(*eper)}
     print(
-        f"GPT-2 {a.model} B={a.B} T={a.T} CPU threads {bt.get_num_threads()}: program "
+        f"{a.model} B={a.B} T={a.T} CPU threads {bt.get_num_threads()}: program "
         f"{prog.stats.groups} kernels, {prog.stats.library_calls} library calls, "
         f"{prog.stats.eager_steps} eager steps"
     )

@@ -80,6 +80,35 @@ def test_library_calls_and_fusion_around_gemm() -> None:
     assert p.stats.library_calls == 1 and p.stats.groups == 1
 
 
+def test_gemms_rerun_their_plans_on_new_operands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [GEMM plans] (program.py): after its first call a program's GEMMs (a linear with
+    bias over a reshaped 3-D input, a matmul of a transposed view, whose strides the plan
+    keeps) rerun their blutrain.linalg plans: later calls never take linalg's general path,
+    and with new inputs (new pointers, new values) every output equals eager bit for bit."""
+    import blutrain.linalg as L
+
+    def f(x, w, b, y):
+        h = bt.linear(x, w, b).tanh()
+        return bt.matmul(h.reshape(-1, 32), y.permute(1, 0)) * 0.5
+
+    def args():
+        return bt.randn(3, 8, 16), bt.randn(32, 16), bt.randn(32), bt.randn(24, 32)
+
+    c = btc.compile(f)
+    a0 = args()
+    np.testing.assert_array_equal(c(*a0).numpy(), f(*a0).numpy())
+    (p,) = [v.prog for v in c.programs.values()]
+    assert p.stats.library_calls == 2 and len(p.gemm_plans) == 2
+    monkeypatch.setattr(L, "_matmul_slow", None)  # a rerun must not reach the general path
+    for _ in range(2):
+        a = args()
+        got = c(*a).numpy()
+        monkeypatch.undo()
+        np.testing.assert_array_equal(got, f(*a).numpy())
+        monkeypatch.setattr(L, "_matmul_slow", None)
+    assert len(c.programs) == 1
+
+
 def test_unlowerable_op_falls_back_with_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
     x = bt.randn(6, 5)
     idx = bt.tensor(np.array([0, 2, 4], dtype=np.int64))

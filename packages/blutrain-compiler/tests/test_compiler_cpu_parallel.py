@@ -374,3 +374,38 @@ def test_sole_worksharing_loops_skip_the_barrier_before_the_join(tmp_path, monke
     text = mlir.read_text()
     assert text.count("omp.wsloop") >= 1
     assert text.count("omp.wsloop nowait") == text.count("omp.wsloop")
+
+
+@pytest.mark.parametrize("T", [64, 67])
+def test_causal_softmax_reads_positions_and_vectorizes(T: int, tmp_path, monkeypatch) -> None:
+    """Note [positions as operands] (lower.py): the causal mask's integer aranges are constant
+    operands on the CPU, not the loop's index, so affine-super-vectorize takes the attention
+    softmax's loops (the exp polynomial included: no scalar float32 fma is left; with the
+    index it stayed scalar, 4x slower). Forward and backward equal eager bit for bit, the
+    returned mask and position values too (a ragged T as well)."""
+    monkeypatch.setenv("BLUTRAIN_COMPILE_CACHE", "0")
+    monkeypatch.setenv("BLUTRAIN_COMPILE_DUMP", str(tmp_path))
+    x = bt.tensor(RNG.normal(0.0, 3.0, (2, 4, T, T)).astype(np.float32), requires_grad=True)
+    g = rand(2, 4, T, T)
+
+    def step(x: bt.Tensor, g: bt.Tensor):
+        i = bt.arange(T)
+        pos = bt.arange(5, 5 + 3 * T, 3)
+        mask = i.reshape(1, T).gt(i.reshape(T, 1))
+        y = bt.softmax((x * 0.25).masked_fill(mask, float("-inf")), -1)
+        (y * g).sum().backward()
+        return y, mask, pos * 2
+
+    outs = []
+    for f in (step, btc.compile(step)):
+        x.grad = None
+        y, mask, pos = f(x, g)
+        outs.append([y.detach().numpy(), mask.numpy(), pos.numpy(), x.grad.numpy()])
+    for k, (e, c) in enumerate(zip(*outs)):
+        np.testing.assert_array_equal(c, e, err_msg=f"output {k}")
+    np.testing.assert_array_equal(outs[1][2], 2 * np.arange(5, 5 + 3 * T, 3))
+    loops = "".join(p.read_text() for p in tmp_path.glob("*/03-loops.mlir"))
+    assert "memref.get_global" in loops
+    assert re.search(r"math\.fma [^\n]*: vector<8xf32>\n", loops), "the exp is scalar code"
+    if T % 8 == 0:  # else a row's tail (T % 8 elements, in the sum's order) stays scalar
+        assert not re.search(r"math\.fma [^\n]*: f32\n", loops), "a scalar exp is left"

@@ -164,6 +164,35 @@ def test_torch_cpu_tensors_round_trip(dt):
 
 
 @needs_torch
+def test_matmul_plan_reruns_a_signature_on_new_operands(monkeypatch):
+    # matmul_plan: the general path's plan handed to the caller (blutrain-compiler's GEMMs on
+    # blutrain tensors), rerun on new operands of the same signature without the general path;
+    # same bits as matmul. Strided operands (a transposed view, an offset slice) and a bias.
+    def np64(t):
+        return t.double().numpy()
+
+    def operands():
+        a = torch.randn(40, 29).t()
+        b = torch.randn(17, 48)[:, 3:43]
+        return a, b, torch.randn(17), torch.empty(29, 17)
+
+    a, b, bias, out = operands()
+    plan = bl.matmul_plan(a, b, transb=True, bias=bias, out=out)
+    ref = bl.matmul(a, b, transb=True, bias=bias)
+    assert torch.equal(out, ref)
+    monkeypatch.setattr(bl, "_matmul_slow", None)
+    for _ in range(2):
+        a, b, bias, out = operands()
+        plan.run(a, b, out, None, bias, None, None, None)
+        z = np64(a) @ np64(b).T + np64(bias)
+        assert rel_err(np64(out), z) < TOL["fp32"]
+    monkeypatch.undo()
+    assert torch.equal(out, bl.matmul(a, b, transb=True, bias=bias))
+    with pytest.raises(ValueError, match=r"matmul_plan needs out="):
+        bl.matmul_plan(a, b, transb=True)
+
+
+@needs_torch
 def test_torch_repeat_calls_reuse_a_plan_and_stay_correct(monkeypatch):
     # A repeated signature of torch operands runs from a cached plan (the hot path of training
     # loops); it must see new data, new pointers and allocate new outputs each call.

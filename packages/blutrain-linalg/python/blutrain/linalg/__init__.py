@@ -496,6 +496,21 @@ def matmul(
     )
 
 
+def matmul_plan(a: Any, b: Any, **options: Any) -> _Plan:
+    """Runs ``matmul(a, b, **options)`` through the checked general path and returns its plan,
+    for a caller that repeats one signature with operands other than torch tensors (which
+    :func:`matmul` plans by itself): ``plan.run(a, b, out, c, bias, aux, bgrad, stream)``
+    repeats the product on operands of the same shapes, strides, dtypes and device, which it
+    does not check again (the caller's guarantee: blutrain-compiler keys each plan on them).
+    ``out`` must be given to the first call and to every run. A run skips the general path's
+    views and checks: about 10 us less a call on the CPU."""
+    if options.get("out") is None:
+        raise ValueError("[gemm] matmul_plan needs out=")
+    key = ("matmul_plan", object())
+    _matmul_slow(a, b, _key=key, **options)
+    return _PLANS.pop(key)
+
+
 class _NoPlan(Exception):
     pass
 
