@@ -119,6 +119,50 @@ def llama_steps(dtype, device: str, ref64: bool = False) -> dict[str, Any]:
     return out
 
 
+def gpt2_bf16_steps(residual: str, device: str) -> dict[str, Any]:
+    """3 AdamW steps of a small GPT-2 under its bf16 policy with the residual stream `residual`
+    ("float32", the default: its layer norms are the mixed ones; "compute": the bf16 stream),
+    fused ops on, eager and compiled, from the same weights and batches; {"eager": run,
+    "compiled": run}, a run as in llama_steps."""
+    import math
+
+    from blutrain.models import GPT2, GPT2Config
+    from blutrain.models.optim import AdamW, grad_norm_and_clip_coef
+
+    cfg = GPT2Config(
+        block_size=16, vocab_size=96, n_layer=2, n_head=2, n_embd=64, vocab_multiple=128
+    )
+    rng = np.random.default_rng(11)
+    data = [(rng.integers(0, 96, (2, 16)), rng.integers(0, 96, (2, 16))) for _ in range(3)]
+
+    def run(compiled: bool) -> tuple[list[float], list[np.ndarray]]:
+        bt.manual_seed(1234)
+        m = GPT2(cfg, device=device, precision="bf16", residual_dtype=residual, fused=True)
+        m.numpy_loss = False  # bt.cross_entropy: the op a capture records
+        opt = AdamW(list(m.named_parameters()), lr=1e-3, weight_decay=0.1)
+        opt.use_device_scalars()
+        for n, p in opt.params:
+            opt._state_for(n, p)
+        plist = [p for _, p in opt.params]
+
+        def step(x, y):
+            loss = m(x, y, return_logits=False)[1]
+            loss.backward()
+            _, coef = grad_norm_and_clip_coef(plist, 1.0)
+            opt.step(grad_scale=coef)
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        f = btc.compile(step) if compiled else step
+        losses = []
+        for i, (x, y) in enumerate(data):
+            opt.write_device_scalars(1e-3 * 0.5 * (1 + math.cos(math.pi * i / 3)), i + 1)
+            losses.append(float(f(bt.tensor(x).to(device), bt.tensor(y).to(device)).item()))
+        return losses, [np.asarray(p.detach().double().cpu().numpy()) for p in plist]
+
+    return {"eager": run(False), "compiled": run(True)}
+
+
 def normwise(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     """||a - b|| / ||b|| over all parameters together."""
     num = sum(float(((x - y) ** 2).sum()) for x, y in zip(a, b))

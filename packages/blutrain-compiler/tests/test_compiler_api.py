@@ -312,6 +312,21 @@ def test_eager_step_given_another_layout_than_captured() -> None:
         assert alloc.stats("cpu")["alloc_count"] - before == len(p.fresh_values())
 
 
+@pytest.mark.parametrize("residual", ["float32", "compute"])
+def test_gpt2_bf16_steps_on_cpu(residual: str) -> None:
+    """GPT-2's bf16 training step compiled, with its default float32 residual stream (the
+    mixed layer norms: float32 rows into bf16 outputs, the stream's gradient in bf16) and with
+    the bf16 stream: losses within one bf16 ulp (2^-7 relative) of eager's, parameters 1e-2
+    normwise, as the LLaMA bf16 step (the float32 stream did not compile before)."""
+    from compiler_cases import gpt2_bf16_steps, normwise
+
+    runs = gpt2_bf16_steps(residual, "cpu")
+    (le, pe), (lc, pc) = runs["eager"], runs["compiled"]
+    for a, b in zip(lc, le):
+        assert abs(a - b) <= 2.0**-7 * abs(b), (le, lc)
+    assert normwise(pc, pe) <= 1e-2
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_llama_steps_through_flash_attention_on_cpu(dtype: str) -> None:
     """The GPU's failing case on the CPU: the LLaMA-style tiny training step with attention as

@@ -22,6 +22,7 @@ from compiler_cases import (  # noqa: E402
     RNG,
     check_against_float64,
     err,
+    gpt2_bf16_steps,
     llama_steps,
     normwise,
     u,
@@ -82,6 +83,17 @@ def test_llama_step_fp32_matches_eager() -> None:
     # step 0's loss is a forward on the same weights: no AdamW amplification yet
     assert abs(lc[0] - le[0]) <= 1e-5 * abs(le[0]), (le, lc)
     check_against_float64(runs, floor=4 * 2.0**-24)
+
+
+@pytest.mark.parametrize("residual", ["float32", "compute"])
+def test_gpt2_step_bf16_matches_eager(residual: str) -> None:
+    """GPT-2's bf16 step compiled to PTX, with the default float32 residual stream (the mixed
+    layer norms' GPU lowering) and with the bf16 stream, against eager's CUDA kernels."""
+    runs = gpt2_bf16_steps(residual, "cuda")
+    (le, pe), (lc, pc) = runs["eager"], runs["compiled"]
+    for a, b in zip(lc, le):
+        assert abs(a - b) <= 2e-2 * abs(b), (le, lc)
+    assert normwise(pc, pe) <= 2e-2
 
 
 def test_llama_step_bf16_matches_eager() -> None:

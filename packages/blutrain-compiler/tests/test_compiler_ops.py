@@ -115,6 +115,43 @@ def test_layer_norm() -> None:
     check(lambda t, ww, bb: bt.layer_norm(t, (48,), ww, bb), x, w, b)
 
 
+@pytest.mark.parametrize("half", ["bfloat16", "float16"])
+def test_mixed_layer_norms_match_eager_bitwise(half: str) -> None:
+    """The float32 residual stream's norms (blutrain.tensor's Note [float32 residual stream],
+    GPT-2's default under bf16): layer_norm and add_layer_norm of a float32 row into a 16-bit
+    y (out_dtype), the residual 16-bit, float32 weights, and their backward (the sum's gradient
+    carried in y's dtype, layer_norm's input gradient float32): compiled, every output has
+    eager's dtype and bits (the lowering wrote y and dx in x's dtype: an MLIR type error)."""
+    hdt = getattr(bt, half)
+    R, C = 70, 96  # 70 rows: a full and a ragged block of the column sums
+
+    def inputs() -> list[bt.Tensor]:
+        x = rand(R, C)
+        r = rand(R, C).to(hdt)
+        w, b, rb = rand(C, lo=0.5, hi=1.5), rand(C, lo=-0.2, hi=0.2), rand(C, lo=-0.2, hi=0.2)
+        return [t.requires_grad_(True) for t in (x, r, w, b, rb)] + [rand(R, C).to(hdt)]
+
+    def f(x, r, w, b, rb, g):
+        s, y = bt.add_layer_norm(x, r, w, b, 1e-5, residual_bias=rb, out_dtype=hdt)
+        y2 = bt.layer_norm(s, (C,), w, b, 1e-5, out_dtype=hdt)
+        ((y.float() * g.float()).sum() + (y2.float() * y.float()).sum()).backward()
+        return y, y2, s, x.grad, r.grad, w.grad, b.grad, rb.grad
+
+    args = inputs()
+
+    def fresh() -> list[bt.Tensor]:
+        return [t.detach().clone().requires_grad_(True) for t in args[:5]] + args[5:]
+
+    ref = f(*fresh())
+    c = btc.compile(f)
+    c(*fresh())  # the capture
+    got = c(*fresh())  # the compiled program
+    names = ["y", "y2", "sum", "dx", "dresidual", "dweight", "dbias", "dresidual_bias"]
+    for name, a, e in zip(names, got, ref, strict=True):
+        assert a.dtype == e.dtype, (name, a.dtype, e.dtype)
+        assert np.array_equal(a.detach().float().numpy(), e.detach().float().numpy()), name
+
+
 def test_cross_entropy() -> None:
     logits = rand(12, 30, lo=-4, hi=4)
     tgt = bt.tensor(RNG.integers(0, 30, 12).astype(np.int64))

@@ -59,3 +59,34 @@ def test_row_group_is_one_kernel() -> None:
         ((1, 1, 1), (32, 1, 1)),
     ]
     assert code.row_kernels
+
+
+def test_ptx_mixed_layer_norms() -> None:
+    """The float32 residual stream's norms (a float32 row into a bf16 y, the residual bf16:
+    GPT-2's default bf16 step) and their backward lower to sm_90 kernels
+    (test_compiler_gpu.py::test_gpt2_step_bf16_matches_eager runs them)."""
+    C = 256
+    x = bt.randn(64, C).requires_grad_(True)
+    r = bt.randn(64, C).to(bt.bfloat16).requires_grad_(True)
+    w, b = bt.randn(C).requires_grad_(True), bt.randn(C).requires_grad_(True)
+    with bt.capture() as cg:
+        s, y = bt.add_layer_norm(x, r, w, b, 1e-5, residual_bias=b, out_dtype=bt.bfloat16)
+        y2 = bt.layer_norm(s, (C,), w, b, 1e-5, out_dtype=bt.bfloat16)
+        (y.float() * y2.float()).sum().backward()
+        for o in (y, y2, x.grad, r.grad, w.grad, b.grad):
+            cg.mark_output(o)
+    g = btc.from_capture(cg)
+    fwd = {
+        n.op: [g.values[v].dtype for v in n.outputs]
+        for n in g.nodes
+        if n.op in ("layer_norm", "add_layer_norm")
+    }
+    assert fwd == {
+        "add_layer_norm": ["float32", "bfloat16", "float32", "float32"],  # sum, y, mean, rstd
+        "layer_norm": ["bfloat16", "float32", "float32"],
+    }, fwd
+    assert sum(n.op == "layer_norm_backward" for n in g.nodes) == 2
+    part, code = program.ptx_for(g)
+    assert not code.unsupported
+    assert set(code.functions) == {G.name for G in part.groups}
+    assert all(f.launches for f in code.functions.values())

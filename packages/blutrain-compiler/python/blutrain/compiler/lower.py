@@ -1539,8 +1539,14 @@ class Emitter:
         b: Ref | None,
         eps: float,
         sdt: str,
+        ydt: str | None = None,
     ) -> tuple[Ref, Ref, Ref]:
+        """y, mean, rstd of x's rows. ydt: y's dtype (x's by default; 16-bit over a float32 x
+        is the mixed norm of the float32 residual stream, eager's Note [float32 residual
+        stream]: y from the double value, as eager's normalize_row for every pair but float32
+        into float32)."""
         dt, D = x.dtype, "float64"
+        ydt = ydt or dt
         rank = len(x.shape)
         last = [rank - 1]
         C = float(x.shape[-1])
@@ -1597,7 +1603,7 @@ class Emitter:
             return v
 
         def f(a: ir.Value, mm: ir.Value, rs: ir.Value, *wb: ir.Value) -> ir.Value:
-            if self.cpu and dt == F:
+            if self.cpu and dt == F and ydt == F:
                 return f32(a, mm, rs, *wb)
             v = arith.mulf(arith.subf(S.cast(a, dt, D), mm), rs)
             k = 0
@@ -1606,9 +1612,9 @@ class Emitter:
                 k += 1
             if b:
                 v = arith.addf(v, S.cast(wb[k], b.dtype, D))
-            return S.cast(v, D, dt)
+            return S.cast(v, D, ydt)
 
-        y = self.ew(x.shape, dt, refs, f)
+        y = self.ew(x.shape, ydt, refs, f)
         return y, self.cast_ref(mean, sdt), self.cast_ref(rstd, sdt)
 
     def _opt(self, i: int) -> Ref | None:
@@ -1618,8 +1624,9 @@ class Emitter:
         x = self.val(n.inputs[0])
         w = self._opt(n.inputs[1]) if len(n.inputs) > 1 else None
         b = self._opt(n.inputs[2]) if len(n.inputs) > 2 else None
+        _, ydt = self.out(n, 0)
         _, sdt = self.out(n, 1)
-        y, mean, rstd = self._ln(x, w, b, float(n.attrs["eps"]), sdt)
+        y, mean, rstd = self._ln(x, w, b, float(n.attrs["eps"]), sdt, ydt)
         return [y, self._keep_as(mean, n, 1), self._keep_as(rstd, n, 2)]
 
     def _keep_as(self, r: Ref, n: Node, k: int) -> Ref:
@@ -1640,14 +1647,16 @@ class Emitter:
         refs = [x, res] + ([rb] if rb else [])
 
         def f(a: ir.Value, r: ir.Value, *q: ir.Value) -> ir.Value:
-            v = arith.addf(S.cast(a, dt, cd), S.cast(r, dt, cd))
+            # the residual: x's dtype, or y's 16-bit one over a float32 x (mixed)
+            v = arith.addf(S.cast(a, dt, cd), S.cast(r, res.dtype, cd))
             if rb:
                 v = arith.addf(v, S.cast(q[0], rb.dtype, cd))
             return S.cast(v, cd, dt)
 
         s = self.ew(x.shape, dt, refs, f)
+        _, ydt = self.out(n, 1)
         _, sdt = self.out(n, 2)
-        y, mean, rstd = self._ln(s, w, b, float(n.attrs["eps"]), sdt)
+        y, mean, rstd = self._ln(s, w, b, float(n.attrs["eps"]), sdt, ydt)
         return [s, y, self._keep_as(mean, n, 2), self._keep_as(rstd, n, 3)]
 
     def op_layer_norm_backward(self, n: Node) -> list[Ref]:
@@ -1661,6 +1670,9 @@ class Emitter:
         C = x.shape[-1]
         R = math.prod(x.shape) // C
         dt, D = x.dtype, "float64"
+        # dx: x's dtype, or dy's 16-bit one over a float32 x (eager's Note [float32 residual
+        # stream]: the stream's gradient carried in bf16), from the double value as eager's
+        _, dxt = self.out(n, 0)
         # rows (R, C) and per-row stats (R,)
         x2 = self._as2d(x, R, C)
         dy2 = self._as2d(dy, R, C)
@@ -1711,10 +1723,10 @@ class Emitter:
             v = arith.mulf(rsd, arith.subf(arith.subf(gx(g, *wv), m1), arith.mulf(xh, m2)))
             if e:
                 v = arith.addf(v, S.cast(e[0], ex.dtype, D))
-            return S.cast(v, D, dt)
+            return S.cast(v, D, dxt)
 
         kd = lambda r: self.kd(r, (R, C))  # noqa: E731
-        dx = self.ew((R, C), dt, [dy2, x2, kd(mean1), kd(rstd1), kd(s1), kd(s2)] + wr + ex2, fdx)
+        dx = self.ew((R, C), dxt, [dy2, x2, kd(mean1), kd(rstd1), kd(s1), kd(s2)] + wr + ex2, fdx)
         outs = [self._keep_as(dx, n, 0)]
         k = 1
         gdt = lambda j: self.g.values[n.outputs[j]].dtype  # noqa: E731
@@ -1738,7 +1750,7 @@ class Emitter:
             outs.append(self.cast_ref(db, gdt(k)))
             k += 1
         if a.get("need_dsum", False):
-            dsr = self._col_sum(R, C, [self._t(dx)], lambda g: S.cast(g, dt, D))
+            dsr = self._col_sum(R, C, [self._t(dx)], lambda g: S.cast(g, dxt, D))
             outs.append(self.cast_ref(dsr, gdt(k)))
         return outs
 
