@@ -938,7 +938,8 @@ def _gather_into(n: Node, x: list[Any], out: Any) -> None:
 # guards fix shapes, dtypes and contiguity), so each node keeps the plan of its first call
 # (linalg.matmul_plan) and reruns it on the new pointers while the operands' shapes and strides
 # (checked each call, ~0.6 us) are unchanged; anything else makes a new plan. Same GEMM, same
-# bits.
+# bits. CPU only for now: a CUDA GEMM keeps linalg's general path until the plan reuse has run
+# on a GPU (it was written in a session without one).
 def _gemm_into(n: Node, x: list[Any], out: Any, plans: dict | None = None) -> None:
     """A captured GEMM through blutrain.linalg, writing `out` (same precision as eager's)."""
     import blutrain.linalg as L
@@ -956,7 +957,7 @@ def _gemm_into(n: Node, x: list[Any], out: Any, plans: dict | None = None) -> No
         a = a.reshape(-1, a.shape[-1])
         out = out.reshape(-1, out.shape[-1])
         trans = True
-    if plans is None:
+    if plans is None or stream is not None:  # (CUDA: Note [GEMM plans])
         L.matmul(a, b, transb=trans, bias=bias, out=out, mode=mode, stream=stream)
         return
     sig = (
