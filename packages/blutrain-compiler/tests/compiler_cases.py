@@ -68,7 +68,6 @@ def llama_steps(dtype, device: str, ref64: bool = False) -> dict[str, Any]:
     step: runtime inputs), from the same weights and batches. Returns {"eager": run,
     "compiled": run} and, with ref64, "float64": the eager step in float64 on the CPU (the
     reference both are measured against); a run is (losses, parameters as float64 arrays)."""
-    import math
     import os
     import sys
 
@@ -106,12 +105,7 @@ def llama_steps(dtype, device: str, ref64: bool = False) -> dict[str, Any]:
             opt.zero_grad()
             return loss
 
-        f = btc.compile(step) if compiled else step
-        losses = []
-        for i, (x, y) in enumerate(data):
-            opt.write_device_scalars(1e-3 * 0.5 * (1 + math.cos(math.pi * i / 3)), i + 1)
-            losses.append(float(f(bt.tensor(x).to(device), bt.tensor(y).to(device)).item()))
-        return losses, [np.asarray(p.detach().double().cpu().numpy()) for p in plist]
+        return _run_steps(btc.compile(step) if compiled else step, opt, plist, data, device)
 
     out = {"eager": run(dtype, device, False), "compiled": run(dtype, device, True)}
     if ref64:
@@ -124,8 +118,6 @@ def gpt2_bf16_steps(residual: str, device: str) -> dict[str, Any]:
     ("float32", the default: its layer norms are the mixed ones; "compute": the bf16 stream),
     fused ops on, eager and compiled, from the same weights and batches; {"eager": run,
     "compiled": run}, a run as in llama_steps."""
-    import math
-
     from blutrain.models import GPT2, GPT2Config
     from blutrain.models.optim import AdamW, grad_norm_and_clip_coef
 
@@ -153,14 +145,21 @@ def gpt2_bf16_steps(residual: str, device: str) -> dict[str, Any]:
             opt.zero_grad(set_to_none=True)
             return loss
 
-        f = btc.compile(step) if compiled else step
-        losses = []
-        for i, (x, y) in enumerate(data):
-            opt.write_device_scalars(1e-3 * 0.5 * (1 + math.cos(math.pi * i / 3)), i + 1)
-            losses.append(float(f(bt.tensor(x).to(device), bt.tensor(y).to(device)).item()))
-        return losses, [np.asarray(p.detach().double().cpu().numpy()) for p in plist]
+        return _run_steps(btc.compile(step) if compiled else step, opt, plist, data, device)
 
     return {"eager": run(False), "compiled": run(True)}
+
+
+def _run_steps(f, opt, plist, data, device: str) -> tuple[list[float], list[np.ndarray]]:
+    """Calls the step f(x, y) on each batch of data after writing AdamW's device scalars (a cosine
+    learning rate: runtime arguments of a compiled step); (losses, parameters in float64)."""
+    import math
+
+    losses = []
+    for i, (x, y) in enumerate(data):
+        opt.write_device_scalars(1e-3 * 0.5 * (1 + math.cos(math.pi * i / 3)), i + 1)
+        losses.append(float(f(bt.tensor(x).to(device), bt.tensor(y).to(device)).item()))
+    return losses, [np.asarray(p.detach().double().cpu().numpy()) for p in plist]
 
 
 def normwise(a: list[np.ndarray], b: list[np.ndarray]) -> float:
