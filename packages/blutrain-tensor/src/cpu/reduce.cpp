@@ -193,12 +193,20 @@ void Reduce::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
         constexpr int kSums = 8;
         const int64_t R = g.R, st = g.rstride[0];
         const int64_t grain = std::max<int64_t>(1, cpu::kChunk / std::max<int64_t>(R, 1));
+        // A NaN sum is the default quiet NaN (as Max / Min give): which NaN an add returns when
+        // both operands are NaNs is the compiler's operand order (Note [row sums in lanes]).
+        auto store_row = [&](int64_t i, A acc) {
+          if constexpr (std::is_floating_point_v<A>) {
+            if (acc != acc) acc = std::numeric_limits<A>::quiet_NaN();
+          }
+          store_sum(i, acc);
+        };
         auto rows = [&](int64_t i0, int64_t i1) {
           int64_t i = i0;
 #ifdef BT_REDUCE_LANES
           if constexpr (std::is_floating_point_v<C>) {
             if (cpu::reduce::lanes_enabled()) {
-              i = lane_sums(g, xb, i0, i1, [&](int64_t k, double v) { store_sum(k, v); });
+              i = lane_sums(g, xb, i0, i1, [&](int64_t k, double v) { store_row(k, v); });
             }
           }
 #endif
@@ -213,13 +221,13 @@ void Reduce::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
               for (int k = 0; k < kSums; ++k)
                 acc[k] += static_cast<A>(static_cast<C>(p[k][j * st]));
             }
-            for (int k = 0; k < kSums; ++k) store_sum(i + k, acc[k]);
+            for (int k = 0; k < kSums; ++k) store_row(i + k, acc[k]);
           }
           for (; i < i1; ++i) {  // the last < kSums outputs of the range
             const T* q = xb + kept_offset(g, i);
             A acc = 0;
             for (int64_t j = 0; j < R; ++j) acc += static_cast<A>(static_cast<C>(q[j * st]));
-            store_sum(i, acc);
+            store_row(i, acc);
           }
         };
         cpu::parallel_ranges(g.nout, g.nout * R >= cpu::kParallelMin ? grain : g.nout, rows);

@@ -18,9 +18,10 @@
 // 2048 x 1024 float32 on one core (Zen 4, bench/reduce_rows_check.cpp): the scalar loop one row at
 // a time 1.63 ms, 8 rows side by side (reduce.cpp until now) ~0.5 ms, the lanes 0.30 ms; float64
 // 0.38 ms. One thing is not kept: which operand's NaN an add returns when both are NaNs (an input
-// NaN and inf - inf's) is the compiler's choice of operand order, so a NaN sum may carry the other
-// sign bit than before; the scalar loops' choice already differed between 1 and 2 threads (8-row
-// chains and single rows), where the lanes' does not.
+// NaN and inf - inf's) is the compiler's choice of operand order, in the lanes as in the scalar
+// loops (whose choice differed between 1 and 2 threads: 8-row chains and single rows), so
+// reduce.cpp now stores a NaN sum as the default quiet NaN, as Max / Min do: a NaN sum's sign bit
+// may differ from before, every other bit is the same.
 //
 // Note [exact row sums]
 // The lanes still do one double add per element after a transpose; a float32 row is usually summed
@@ -161,7 +162,11 @@ inline auto lo4(V v) {
 }
 template <typename V>
 inline auto hi4(V v) {
-  return __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  auto h = __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  // one vextract: without the (empty) asm GCC 12 merged the shuffle into the widening that
+  // follows and built the 4 lanes one by one (bfloat16 exact sums 1.5x slower)
+  if constexpr (sizeof(h) == 16) asm("" : "+x"(h));
+  return h;
 }
 
 // a_i = [row i, cols c..c+3 | row i + 4, cols c..c+3] (i < 4) -> c_k = column c + k of rows 0..7
