@@ -2,11 +2,11 @@
 any order, max / min in lanes) against their definition, bit for bit: each output's elements
 added in index order into a double from 0 (np.cumsum's last element), rounded once to float32 /
 float64 (16-bit outputs: the double rounded to float32, then to the 16-bit type, as reduce.cpp
-stores them; a NaN sum is the default quiet NaN); max / min the first extreme in index order (a
-zero's sign included), NaN if any element is one. Fresh random rows of every length the kernels
-split differently (1..70, 1023, 1025), magnitudes over many binades (where the exact-sum proof
-fails and the lanes run), NaN and infinities, transposed and middle-dim rows, at 1 and 2
-threads."""
+stores them; a NaN sum of rows of 64 or more is the default quiet NaN); max / min the first
+extreme in index order (a zero's sign included), NaN if any element is one. Fresh random rows of
+every length the kernels split differently (1..70, 1023, 1025), magnitudes over many binades
+(where the exact-sum proof fails and the lanes run), NaN and infinities, transposed and
+middle-dim rows, at 1 and 2 threads."""
 
 from __future__ import annotations
 
@@ -94,8 +94,8 @@ def test_row_sums_are_the_in_order_double_sums(rng, threads, dt, kind):
         s, m = f64(t.sum(-1)), f64(t.mean(-1))
         assert same_bits(s, as_stored(seq, dt)), (n, kind)
         assert same_bits(m, as_stored(seq / n, dt)), (n, kind)
-        # a NaN sum is the default quiet NaN, whatever NaN the adds met (reduce.cpp)
-        assert not np.signbit(s[np.isnan(s)]).any() and not np.signbit(m[np.isnan(m)]).any()
+        if n >= 64:  # the lane paths: a NaN sum is the default quiet NaN (reduce.cpp)
+            assert not np.signbit(s[np.isnan(s)]).any() and not np.signbit(m[np.isnan(m)]).any()
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=str)

@@ -20,8 +20,9 @@
 // 0.38 ms. One thing is not kept: which operand's NaN an add returns when both are NaNs (an input
 // NaN and inf - inf's) is the compiler's choice of operand order, in the lanes as in the scalar
 // loops (whose choice differed between 1 and 2 threads: 8-row chains and single rows), so
-// reduce.cpp now stores a NaN sum as the default quiet NaN, as Max / Min do: a NaN sum's sign bit
-// may differ from before, every other bit is the same.
+// reduce.cpp stores a NaN sum from these kernels as the default quiet NaN, as Max / Min do: a
+// NaN sum's sign bit may differ from before, every other bit is the same. (Rows shorter than 64
+// keep reduce.cpp's 8 chains, faster there, and their NaNs.)
 //
 // Note [exact row sums]
 // The lanes still do one double add per element after a transpose; a float32 row is usually summed
