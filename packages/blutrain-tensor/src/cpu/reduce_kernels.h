@@ -320,7 +320,19 @@ BT_CPU_CLONES bool sum_row_exact(const T* p, int64_t n, double* out) {
   const uint32_t abs_mask = 0x7fffffffu;
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
-    const v8sf x0 = load8(p + j), x1 = load8(p + j + 8);
+    v8sf x0, x1;
+    if constexpr (std::is_same_v<T, bfloat16>) {
+      // 16 bfloat16 as 8 pairs: the even elements' floats are the low halves shifted up, the
+      // odd ones' the high halves (any order will do here), no zero-extending shuffles
+      v8su w;
+      std::memcpy(&w, p + j, sizeof w);
+      const v8su even = w << 16, odd = w & 0xffff0000u;
+      std::memcpy(&x0, &even, sizeof x0);
+      std::memcpy(&x1, &odd, sizeof x1);
+    } else {
+      x0 = load8(p + j);
+      x1 = load8(p + j + 8);
+    }
     const v8su u0 = bits_of(x0) & abs_mask, u1 = bits_of(x1) & abs_mask;
     const v8su m0 = u0 - 1u, m1 = u1 - 1u;
     mn = m0 < mn ? m0 : mn;
