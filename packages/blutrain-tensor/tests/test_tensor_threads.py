@@ -301,3 +301,36 @@ def test_a_forked_child_rebuilds_the_pool(restore_threads):
     got = os.read(r, 1)
     os.close(r)
     assert got == b"1"
+
+
+# ---- a worker the scheduler has not run delays nothing (Note [claiming, not assigning]) --------
+def test_a_region_finishes_on_its_caller_while_the_workers_cannot_run(restore_threads, rng):
+    # The workers are held before they can claim a chunk, as a descheduled worker on a loaded
+    # machine: every region must still finish, its caller running every chunk, and give the bits
+    # of the same ops with the workers free and at one thread. (Before, the caller waited at the
+    # join for every worker to check in: this would hang until the release below.)
+    seed = int(rng.integers(1 << 30))
+    bt.set_num_threads(2)
+    free = _workload(seed)
+    stats0 = bt._C._cpu_pool_stats()
+    released = threading.Event()
+    bt._C._cpu_pool_hold_workers(True)
+    # a safety net, not a timing bound: a pool that waits for its workers fails, never hangs
+    timer = threading.Timer(60.0, lambda: (released.set(), bt._C._cpu_pool_hold_workers(False)))
+    timer.start()
+    try:
+        held = _workload(seed)
+    finally:
+        bt._C._cpu_pool_hold_workers(False)
+        timer.cancel()
+    stats1 = bt._C._cpu_pool_stats()
+    assert not released.is_set(), "a region waited for a worker that could not run"
+    regions, by_caller, by_workers, waits = (b - a for a, b in zip(stats0, stats1))
+    assert regions > 10  # the workload's kernels did run on the pool
+    assert by_workers == 0 and waits == 0 and by_caller >= regions
+    bt.set_num_threads(1)
+    one = _workload(seed)
+    for i, (a, b, c) in enumerate(zip(free, held, one)):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), i
+        assert np.array_equal(a.view(np.uint32), c.view(np.uint32)), i
+

@@ -6,11 +6,28 @@
 // runnable threads than its budget, and a GEMM gets the whole budget while the op loops are idle
 // (and the reverse). The budget defaults to OMP_NUM_THREADS when set, else available_cpus(): the
 // CPUs of the process's affinity mask, capped by its cgroup CPU quota (not the host's count).
-// A worker spins about kSpinUs after its last job (the next op usually follows within a few
-// microseconds) and then sleeps on a condition variable, so an idle pool costs no core.
+// A worker spins about kSpinUs after its last item (the next op usually follows within a few
+// microseconds) and then sleeps on a condition variable, so an idle pool costs no core; a
+// caller waiting at the join for a worker's item spins as long, then sleeps.
 //
 // Results never depend on the thread count: every caller computes each output element (row,
 // chunk) the same way whichever thread runs it (a contract of the kernels, not of the pool).
+//
+// Note [claiming, not assigning]
+// A region is a list of items (parallel_ranges: `count` contiguous chunks whose boundaries
+// depend only on n, grain and the budget; OpenBLAS: its jobs). No item belongs to a thread: the
+// caller and every worker that wakes claim the next one from one atomic word (region number,
+// next item, items) until none is left, and the caller's join waits only for items that were
+// claimed, never for a worker that has not woken. On a loaded machine (more runnable threads
+// than cores) a worker the scheduler has not run yet takes nothing, and the caller runs every
+// chunk itself: a region is never slower than on one thread by more than the posting (a few
+// microseconds), where waiting for every worker to check in cost a scheduler timeslice (ms)
+// per region. Results stay bitwise the same whoever runs a chunk: chunk boundaries never depend
+// on which thread ran what, kernels write per-chunk (never per-thread) partials and combine them
+// in chunk order, and no kernel is told its thread's number. Limits: a worker descheduled in
+// the middle of an item still delays the join by that item; OpenBLAS's jobs (and the compiled
+// kernels' OpenMP teams, blutrain-compiler's kmp_pool.c) wait on each other and so need all
+// their threads running at once: one item per thread, and a descheduled one still stalls them.
 //
 // Note [nested and concurrent regions]
 // One region runs at a time. A parallel_for started inside a region (a kernel calling a helper
@@ -27,6 +44,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace bt::cpu {
 
@@ -43,6 +61,13 @@ int num_threads();
 void set_num_threads(int n);
 // Whether the calling thread is inside a parallel region (a nested one would run serially).
 bool in_parallel_region();
+
+// Test hooks. pool_hold_workers(true): workers woken for a region of ranges wait before claiming
+// (as if the scheduler had not run them); regions still finish, on their callers. pool_stats():
+// {regions run on the pool, items run by their callers, items run by workers, joins where the
+// caller slept waiting for an item a worker had claimed}, counted since the process started.
+void pool_hold_workers(bool hold);
+std::vector<uint64_t> pool_stats();
 
 // Calls fn(ctx, begin, end) over contiguous ranges covering [0, n) exactly once, on up to
 // num_threads() threads; ranges are at least `grain` long. Exceptions thrown by fn reach the

@@ -846,6 +846,12 @@ NB_MODULE(_tensor, m) {
       },
       "Addresses of (bt_cpu_run_blas_jobs, num_threads, in_parallel_region): the pool's C "
       "entry points.");
+  m.def("_cpu_pool_hold_workers", &cpu::pool_hold_workers, "hold"_a,
+        "Test hook: while held, the pool's workers wait before claiming a region's chunks (as if\n"
+        "never scheduled); regions still finish, on their callers.");
+  m.def("_cpu_pool_stats", &cpu::pool_stats,
+        "[regions, items run by callers, items run by workers, joins that slept on a worker's\n"
+        "item]: the CPU pool's counters since the process started (tests, benchmarks).");
   m.def("available_cpus", &cpu::available_cpus,
         "CPUs this process may use: its affinity mask (os.sched_getaffinity), capped by its\n"
         "cgroup CPU quota rounded up (a container's --cpus); not the host's count.");
