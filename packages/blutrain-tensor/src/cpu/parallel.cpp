@@ -407,17 +407,36 @@ void rethrow(Region& r) {
   if (r.err) std::rethrow_exception(r.err);
 }
 
-// The BLAS's threading: our pool through its callback, unless BLUTRAIN_BLAS_THREADS=openblas.
+// How GEMMs spend the budget, from BLUTRAIN_BLAS_THREADS (read once; parallel.h).
+enum class BlasThreads { Blocks, Jobs, OpenBlas };
+BlasThreads blas_threads_mode() {
+  static const BlasThreads mode = [] {
+    const char* e = std::getenv("BLUTRAIN_BLAS_THREADS");
+    const std::string v = e ? e : "";
+    if (v.empty() || v == "blocks") return BlasThreads::Blocks;
+    if (v == "jobs") return BlasThreads::Jobs;
+    if (v == "openblas") return BlasThreads::OpenBlas;
+    throw ValueError("[blutrain.tensor] BLUTRAIN_BLAS_THREADS is '" + v +
+                     "'; expected blocks (the default), jobs or openblas");
+  }();
+  return mode;
+}
+
+// The BLAS's threading (Note [GEMM blocks] in blutrain-linalg's src/cpu/gemm_cpu.cpp): blocks of
+// each GEMM on our pool (OpenBLAS single-threaded), OpenBLAS's jobs on our pool through its
+// threads callback, or OpenBLAS's own threads.
 void configure_blas(int n) {
   const auto* api = static_cast<const bt_linalg_api*>(linalg_hooks().api);
   if (!api) return;
+  const BlasThreads mode = blas_threads_mode();
+  auto has = [&](size_t end) { return api->struct_size >= end; };
+  if (has(offsetof(bt_linalg_api, set_cpu_parallel_for) + sizeof(api->set_cpu_parallel_for))) {
+    api->set_cpu_parallel_for(mode == BlasThreads::Blocks ? &bt_cpu_parallel_items : nullptr);
+  }
   api->set_option("num_threads", n);
-  static const bool own_pool = [] {
-    const char* e = std::getenv("BLUTRAIN_BLAS_THREADS");
-    return e && std::strcmp(e, "openblas") == 0;
-  }();
-  if (!own_pool && api->struct_size >= offsetof(bt_linalg_api, set_cpu_threads_callback) +
-                                            sizeof(api->set_cpu_threads_callback)) {
+  if (mode != BlasThreads::OpenBlas &&
+      has(offsetof(bt_linalg_api, set_cpu_threads_callback) +
+          sizeof(api->set_cpu_threads_callback))) {
     api->set_cpu_threads_callback(&bt_cpu_run_blas_jobs);
   }
 }
@@ -465,6 +484,11 @@ void parallel_ranges(int64_t n, int64_t grain, void (*fn)(void*, int64_t, int64_
     }
   }
   fn(ctx, 0, n);
+}
+
+extern "C" void bt_cpu_parallel_items(int64_t n, void (*fn)(void*, int64_t, int64_t),
+                                      void* ctx) noexcept {
+  parallel_ranges(n, 1, fn, ctx);  // fn never throws (the linalg ABI's contract)
 }
 
 extern "C" void bt_cpu_run_blas_jobs(int, void (*dojob)(int, void*, int), int n, size_t job_size,

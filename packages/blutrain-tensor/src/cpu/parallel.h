@@ -1,17 +1,19 @@
 // cpu/parallel.h: the process's CPU thread budget and the one pool that spends it.
 //
-// Policy. Every parallel CPU loop of blutrain (the op kernels here, and OpenBLAS's GEMM jobs
-// under blutrain-linalg, handed to run_blas_jobs through OpenBLAS's threads callback) runs on one
-// pool of num_threads() - 1 workers plus the calling thread, so the process never has more
-// runnable threads than its budget, and a GEMM gets the whole budget while the op loops are idle
-// (and the reverse). The budget defaults to OMP_NUM_THREADS when set, else available_cpus(): the
-// CPUs of the process's affinity mask, capped by its cgroup CPU quota (not the host's count).
-// A worker spins about kSpinUs after its last item (the next op usually follows within a few
-// microseconds) and then sleeps on a condition variable, so an idle pool costs no core; a
-// caller waiting at the join for a worker's item spins as long, then sleeps.
+// Policy. Every parallel CPU loop of blutrain (the op kernels here, and blutrain-linalg's GEMMs:
+// blocks of their output through bt_cpu_parallel_items, or with BLUTRAIN_BLAS_THREADS=jobs
+// OpenBLAS's jobs through bt_cpu_run_blas_jobs) runs on one pool of num_threads() - 1 workers
+// plus the calling thread, so the process never has more runnable threads than its budget, and
+// a GEMM gets the whole budget while the op loops are idle (and the reverse). The budget defaults
+// to OMP_NUM_THREADS when set, else available_cpus(): the CPUs of the process's affinity mask,
+// capped by its cgroup CPU quota (not the host's count). A worker spins about kSpinUs after its
+// last item (the next op usually follows within a few microseconds) and then sleeps on a
+// condition variable, so an idle pool costs no core; a caller waiting at the join for a worker's
+// item spins as long, then sleeps.
 //
 // Results never depend on the thread count: every caller computes each output element (row,
-// chunk) the same way whichever thread runs it (a contract of the kernels, not of the pool).
+// chunk, GEMM block) the same way whichever thread runs it (a contract of the kernels, not of
+// the pool; OpenBLAS's own threaded GEMM under BLUTRAIN_BLAS_THREADS=jobs is the exception).
 //
 // Note [claiming, not assigning]
 // A region is a list of items (parallel_ranges: `count` contiguous chunks whose boundaries
@@ -78,8 +80,15 @@ void parallel_ranges(int64_t n, int64_t grain, void (*fn)(void*, int64_t, int64_
 // arg) for i in [0, n) on n threads at once and returns when all are done.
 extern "C" void bt_cpu_run_blas_jobs(int sync, void (*dojob)(int, void*, int), int n,
                                      size_t job_size, void* jobs, int arg) noexcept;
-// Hands OpenBLAS's threading to bt_cpu_run_blas_jobs through blutrain-linalg (unless
-// BLUTRAIN_BLAS_THREADS=openblas) and sets its thread count to the budget; at module init.
+// blutrain-linalg's parallel loop (bt_linalg_parallel_fn): parallel_ranges with grain 1. Its
+// GEMMs run blocks of their output on it, each block by single-threaded OpenBLAS.
+extern "C" void bt_cpu_parallel_items(int64_t n, void (*fn)(void*, int64_t, int64_t),
+                                      void* ctx) noexcept;
+// Gives blutrain-linalg's GEMMs the budget, as BLUTRAIN_BLAS_THREADS says: "blocks" (the
+// default: blocks of each GEMM's output claimed by the pool's threads, OpenBLAS on one thread;
+// results independent of the budget), "jobs" (OpenBLAS's threaded GEMM, its jobs run by
+// bt_cpu_run_blas_jobs; the bits of OpenBLAS's own threads) or "openblas" (OpenBLAS's own
+// threads). At module init; ValueError for another value.
 void attach_blas();
 
 template <typename F>
