@@ -187,10 +187,13 @@ GEMM_PROBE = """
 @pytest.mark.skipif(la is None, reason="blutrain-linalg is not installed")
 @pytest.mark.parametrize("n", [2, 3])
 def test_gemm_blocks_give_the_one_thread_bits_through_autograd(n, rng):
-    # The default (BLUTRAIN_BLAS_THREADS=blocks, Note [GEMM blocks] in blutrain-linalg): the
-    # products and both gradients of every probe shape are those of one thread.
+    # BLUTRAIN_BLAS_THREADS=blocks (Note [GEMM blocks] in blutrain-linalg): the products and both
+    # gradients of every probe shape are those of one thread (and of one thread in jobs mode).
     seed = int(rng.integers(1 << 30))
-    assert _run(GEMM_PROBE.format(n=n, seed=seed)) == _run(GEMM_PROBE.format(n=1, seed=seed))
+    blocks = {"BLUTRAIN_BLAS_THREADS": "blocks"}
+    one = _run(GEMM_PROBE.format(n=1, seed=seed), {"BLUTRAIN_BLAS_THREADS": "jobs"})
+    assert _run(GEMM_PROBE.format(n=1, seed=seed), blocks) == one
+    assert _run(GEMM_PROBE.format(n=n, seed=seed), blocks) == one
 
 
 @pytest.mark.skipif(la is None, reason="blutrain-linalg is not installed")
@@ -211,12 +214,43 @@ def test_a_bad_blas_threads_setting_is_refused_at_import():
     )
     assert r.returncode != 0
     assert (
-        "[blutrain.tensor] BLUTRAIN_BLAS_THREADS is 'openmp'; expected blocks (the default), "
-        "jobs or openblas" in r.stderr
+        "[blutrain.tensor] BLUTRAIN_BLAS_THREADS is 'openmp'; expected blocks, jobs (the "
+        "default) or openblas" in r.stderr
     )
 
 
 # ---- GEMM blocks: one thread's bits at every count (Note [GEMM blocks], blutrain-linalg) --------
+@pytest.fixture
+def blocks(restore_threads):
+    """GEMMs in blocks mode for the test (BLUTRAIN_BLAS_THREADS=blocks), then the mode before."""
+    if la is None:
+        pytest.skip("blutrain-linalg is not installed")
+    before = bt._C._blas_threads()
+    bt._C._set_blas_threads("blocks")
+    yield
+    bt._C._set_blas_threads(before)
+
+
+def test_blas_threads_mode_switches_and_checks_its_value(restore_threads):
+    before = bt._C._blas_threads()
+    assert before in ("jobs", "blocks", "openblas")
+    with pytest.raises(ValueError, match=r"BLUTRAIN_BLAS_THREADS is 'x'; expected blocks"):
+        bt._C._set_blas_threads("x")
+    assert bt._C._blas_threads() == before
+    a = np.random.default_rng(0).standard_normal((1000, 300)).astype(np.float32)
+    try:
+        for mode, cut in (("jobs", 0), ("blocks", 1), ("openblas", 0)):
+            bt._C._set_blas_threads(mode)
+            bt.set_num_threads(2)
+            n0 = la.get_option("cpu_block_gemms") if la is not None else 0
+            y = bt.tensor(a) @ bt.tensor(a.T.copy())  # 27M multiply-adds: cut in blocks mode
+            assert y.shape == (1000, 1000)
+            if la is not None:
+                assert la.get_option("cpu_block_gemms") - n0 == cut, mode
+    finally:
+        bt._C._set_blas_threads(before)
+
+
 def _openblas():
     """OpenBLAS's own cblas_?gemm (the library blutrain-linalg loaded: the same handle)."""
     import ctypes
@@ -246,11 +280,11 @@ def _openblas():
 BLOCK_SHAPES = [
     (1000, 999, 777),
     (2048, 513, 1024),
-    (300, 500, 700),
-    (193, 1025, 2049),
+    (600, 500, 700),
+    (400, 1025, 2049),
     (4099, 33, 300),
     (1024, 2047, 128),
-    (500, 5, 4100),
+    (1000, 7, 4100),
     (1024, 50304 // 8, 128),
 ]
 
@@ -266,13 +300,10 @@ def _bits_equal(a, b):
 
 @pytest.mark.skipif(la is None, reason="blutrain-linalg is not installed")
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_gemm_blocks_give_openblas_one_thread_bits(restore_threads, rng, dtype):
+def test_gemm_blocks_give_openblas_one_thread_bits(blocks, rng, dtype):
     # Each product at 1, 2 and 3 threads is bitwise OpenBLAS's own single-threaded call (the
-    # call blutrain made at one thread before blocks), for every transpose.
-    if os.environ.get("BLUTRAIN_BLAS_THREADS", "blocks") != "blocks":
-        pytest.skip("BLUTRAIN_BLAS_THREADS is not blocks in this process")
+    # call blutrain makes at one thread in every mode), for every transpose.
     ref_gemm = _openblas()
-    blocked0 = la.get_option("cpu_block_gemms")
     for m, n, k in BLOCK_SHAPES:
         for ta in (False, True):
             for tb in (False, True):
@@ -282,14 +313,15 @@ def test_gemm_blocks_give_openblas_one_thread_bits(restore_threads, rng, dtype):
                 ref = ref_gemm(a, b, ta, tb)
                 for t in (1, 2, 3):
                     bt.set_num_threads(t)
+                    blocked = la.get_option("cpu_block_gemms")
                     got = la.matmul(a, b, transa=ta, transb=tb)
                     assert _bits_equal(got, ref), (m, n, k, ta, tb, t)
-    # every shape was cut into blocks at 2 and 3 threads (else this test proves nothing)
-    assert la.get_option("cpu_block_gemms") - blocked0 >= 2 * 4 * len(BLOCK_SHAPES)
+                    # cut into blocks at 2 and 3 threads (else this test proves nothing)
+                    assert la.get_option("cpu_block_gemms") - blocked == (t > 1), (m, n, k, t)
 
 
 @pytest.mark.skipif(la is None, reason="blutrain-linalg is not installed")
-def test_gemm_blocks_with_epilogues_batches_and_16_bit_types(restore_threads, rng):
+def test_gemm_blocks_with_epilogues_batches_and_16_bit_types(blocks, rng):
     # Everything around the product (operand conversion, C and beta, the epilogues, bias
     # gradients, batches run item by item in parallel) gives the one-thread bits too.
     torch = pytest.importorskip("torch")
@@ -328,7 +360,7 @@ def test_gemm_blocks_with_epilogues_batches_and_16_bit_types(restore_threads, rn
 
 
 @pytest.mark.skipif(la is None, reason="blutrain-linalg is not installed")
-def test_gemm_blocks_finish_on_their_caller_while_the_workers_cannot_run(restore_threads, rng):
+def test_gemm_blocks_finish_on_their_caller_while_the_workers_cannot_run(blocks, rng):
     # A loaded machine: the pool's workers cannot run. A GEMM's blocks must all run on its
     # caller (never wait for a worker), with the bits of free workers.
     bt.set_num_threads(2)

@@ -44,9 +44,9 @@
 //    blutrain-tensor's tests/test_tensor_threads.py compares bits with OpenBLAS's own call.
 //  - Cost. Each block packs op(B) again, where the threaded GEMM shares the packed panels:
 //    cheap while op(B) stays in cache, a stream from memory when it does not (GPT-2's head,
-//    128 x 50304: 10 blocks of 96 rows cost 80% more CPU than one call). So kBlocksPerThread a
-//    thread while op(B) fits kCachedBytes, enough for a running thread to take over a
-//    stalled one's share, and kBlocksPerThreadUncached beyond.
+//    128 x 50304: 10 blocks of 96 rows cost 80% more CPU than one call). plan_blocks weighs
+//    that against balance: the block height whose blocks finish first on an idle machine,
+//    counting half a block more for a thread the OS holds up in the middle of one.
 //    The rows of a GEMM too short to cut (m < 192) run on one thread: a cut of the columns
 //    would change the bits.
 // A batch of GEMMs too small to cut runs whole items in parallel instead (each one call).
@@ -75,9 +75,11 @@ enum { kRowMajor = 101, kColMajor = 102, kNoTrans = 111, kTrans = 112 };
 constexpr int64_t kRowAlign = 96;          // rows: block edges are multiples of it (a)
 constexpr double kMinBlockMacs = 1 << 22;  // multiply-adds of a block (4.2M, ~0.1 ms on 1 core)
 constexpr double kMinSplitMacs = 2 * kMinBlockMacs;  // a GEMM cut at all (above 7.3M: (b))
-constexpr int64_t kBlocksPerThread = 4;              // blocks a thread while op(B) stays cached
-constexpr int64_t kBlocksPerThreadUncached = 2;      // ... and once it does not
-constexpr double kCachedBytes = 1 << 20;             // op(B) bytes that stay in cache (an L2)
+constexpr double kCachedBytes = 8 << 20;  // op(B) bytes that stay in cache (an L3's share)
+// What one more repacking of op(B) costs, in rows of the product's own compute: measured for
+// GPT-2's head (op(B) 25 MiB, from memory) ~20 (NN) to ~90 (NT) rows; a few rows from cache.
+constexpr double kPackRowsCached = 8, kPackRowsUncached = 64;
+constexpr int64_t kMaxBlocks = 64;  // blocks of one GEMM at most
 using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
                           float, float*, int);
 using dgemm_fn = void (*)(int, int, int, int, int, int, double, const double*, int, const double*,
@@ -250,20 +252,39 @@ struct Blocks {
   int64_t count = 1;  // blocks
 };
 
-// The row blocks of an m x n x k GEMM on `threads` threads, of kRowAlign-multiple rows and
-// about kMinBlockMacs or more each; one block when the GEMM is small. Each block repacks op(B)
-// (k x n): about kBlocksPerThread a thread while it stays in cache, kBlocksPerThreadUncached once
-// it is too large to (then each repacking streams it from memory again).
+// The row blocks of an m x n x k GEMM on `threads` threads: one block when the GEMM is small,
+// else the kRowAlign-multiple block height whose blocks, handed out in order to the least-loaded
+// thread (what claiming does on an idle machine), finish first, counting each block's
+// repacking of op(B) (kPackRows*) and half its own length (what a thread the OS deschedules in
+// the middle of one holds up on a loaded machine).
 Blocks plan_blocks(int64_t m, int64_t n, int64_t k, int threads, size_t elem) {
   const double macs = double(m) * double(n) * double(k);
   if (threads <= 1 || macs < kMinSplitMacs || m < 2 * kRowAlign) return {m};
   const bool cached = double(k) * double(n) * double(elem) <= kCachedBytes;
-  const double per_thread = double(cached ? kBlocksPerThread : kBlocksPerThreadUncached);
-  const double target = std::min(threads * per_thread, std::floor(macs / kMinBlockMacs));
-  const int64_t rows =
-      std::max<int64_t>(kRowAlign, int64_t(double(m) / target / kRowAlign) * kRowAlign);
-  const int64_t count = m / rows;  // the last block takes the remainder (< rows)
-  return count < 2 ? Blocks{m} : Blocks{rows, count};
+  const double pack = cached ? kPackRowsCached : kPackRowsUncached;  // in rows of compute
+  const int64_t min_rows = std::max<int64_t>(
+      kRowAlign,
+      int64_t(std::ceil(kMinBlockMacs / (double(n) * double(k)) / kRowAlign)) * kRowAlign);
+  Blocks best{m};
+  double best_time = double(m);  // one block
+  std::vector<double> busy(static_cast<size_t>(threads));
+  for (int64_t rows = min_rows; rows <= m / 2; rows += kRowAlign) {
+    const int64_t count = m / rows;  // the last block takes the remainder (< rows)
+    if (count > kMaxBlocks) continue;
+    std::fill(busy.begin(), busy.end(), 0.0);
+    for (int64_t i = 0; i < count; ++i) {
+      const double len = double(i + 1 == count ? m - i * rows : rows);
+      *std::min_element(busy.begin(), busy.end()) += len + pack;
+    }
+    const double last = double(m - (count - 1) * rows);
+    const double time =
+        *std::max_element(busy.begin(), busy.end()) + 0.5 * std::max(last, double(rows));
+    if (time < best_time) {
+      best_time = time;
+      best = {rows, count};
+    }
+  }
+  return best;
 }
 
 // C = alpha op(A) op(B) + beta C by row blocks of `plan`, each in the column-major form of the

@@ -2,8 +2,9 @@
 //
 // Locking rule: `busy_` (an atomic flag, taken with compare-exchange) is held by the one thread
 // that owns the current region, from posting it to seeing every item done; workers never take
-// it. Items are claimed with a compare-exchange on `claim_` (Note [claiming, not assigning]). `mu_` guards only the sleep / wake-up handshakes (the condition variables) and the
-// worker list; nothing runs user code while holding it.
+// it. Items are claimed with a compare-exchange on `claim_` (Note [claiming, not assigning]).
+// `mu_` guards only the sleep / wake-up handshakes (the condition variables) and the worker
+// list; nothing runs user code while holding it.
 #include "parallel.h"
 
 #include <pthread.h>
@@ -260,7 +261,7 @@ class Pool {
       wake_cv_.notify_all();
     }
     stats_regions_.fetch_add(1, std::memory_order_relaxed);
-    stats_caller_.fetch_add(claim_and_run(), std::memory_order_relaxed);
+    claim_and_run(false);
     // The join: every item is claimed by now (or is being run by a worker that claimed it);
     // wait for those only, never for a worker that has not woken.
     const int count = r.count;
@@ -312,15 +313,19 @@ class Pool {
   }
 
   // Claims items of the current region and runs them until none is left (one at most for BLAS
-  // jobs, which wait on each other); returns how many it ran. Item i of region s can only be claimed while s is the
-  // posted region, and s cannot end before its claimed items are done, so the region (its
-  // fields, on its owner's stack) outlives every item run here.
-  uint64_t claim_and_run() {
+  // jobs, which wait on each other); returns how many it ran (counted in the stats as it goes).
+  // Item i of region s can only be claimed while s is the posted region, and s cannot end
+  // before its claimed items are done, so the region (its fields, on its owner's stack)
+  // outlives every item run here.
+  uint64_t claim_and_run(bool worker) {
     uint64_t ran = 0;
     uint64_t w = claim_.load(std::memory_order_acquire);
     for (;;) {
       const int i = word_next(w);
       if (i >= word_count(w)) return ran;
+      // the test hook: a worker still looping here may see the next region's word; held, it
+      // goes back to wait (worker_main) instead of claiming from it
+      if (worker && !word_one(w) && hold_.load(std::memory_order_relaxed)) return ran;
       if (!claim_.compare_exchange_weak(w, w + (uint64_t{1} << 16), std::memory_order_acquire,
                                         std::memory_order_acquire)) {
         continue;  // w reloaded: another thread took item i, or a new region was posted
@@ -328,6 +333,8 @@ class Pool {
       Region* r = region_.load(std::memory_order_relaxed);
       r->run_item(i);
       ++ran;
+      // counted before the item is marked done, so a caller past the join sees every count
+      (worker ? stats_worker_ : stats_caller_).fetch_add(1, std::memory_order_relaxed);
       // the last item done ends the region: r is not touched after this
       if (done_.fetch_add(1, std::memory_order_seq_cst) + 1 == word_count(w) &&
           owner_sleeping_.load(std::memory_order_seq_cst)) {
@@ -382,7 +389,7 @@ class Pool {
       }
       // Whatever is left of the newest region (nothing when its items ran out before this
       // worker woke: it then just waits for the next one).
-      stats_worker_.fetch_add(claim_and_run(), std::memory_order_relaxed);
+      claim_and_run(true);
     }
   }
 
@@ -407,38 +414,43 @@ void rethrow(Region& r) {
   if (r.err) std::rethrow_exception(r.err);
 }
 
-// How GEMMs spend the budget, from BLUTRAIN_BLAS_THREADS (read once; parallel.h).
-enum class BlasThreads { Blocks, Jobs, OpenBlas };
-BlasThreads blas_threads_mode() {
-  static const BlasThreads mode = [] {
-    const char* e = std::getenv("BLUTRAIN_BLAS_THREADS");
-    const std::string v = e ? e : "";
-    if (v.empty() || v == "blocks") return BlasThreads::Blocks;
-    if (v == "jobs") return BlasThreads::Jobs;
-    if (v == "openblas") return BlasThreads::OpenBlas;
-    throw ValueError("[blutrain.tensor] BLUTRAIN_BLAS_THREADS is '" + v +
-                     "'; expected blocks (the default), jobs or openblas");
-  }();
-  return mode;
+// How GEMMs spend the budget (parallel.h): BLUTRAIN_BLAS_THREADS, or set_blas_threads.
+// kDefaultBlasThreads stays "jobs" until blocks are measured on a quiet machine (Note [GEMM
+// blocks] in blutrain-linalg: they change the 2-thread bits of some GEMMs, to the 1-thread ones).
+constexpr const char* kDefaultBlasThreads = "jobs";
+std::mutex g_blas_mu;  // guards g_blas_mode and the reconfiguration
+std::string g_blas_mode;
+
+std::string checked_blas_mode(const std::string& v) {
+  if (v == "blocks" || v == "jobs" || v == "openblas") return v;
+  throw ValueError("[blutrain.tensor] BLUTRAIN_BLAS_THREADS is '" + v +
+                   "'; expected blocks, jobs (the default) or openblas");
 }
 
 // The BLAS's threading (Note [GEMM blocks] in blutrain-linalg's src/cpu/gemm_cpu.cpp): blocks of
 // each GEMM on our pool (OpenBLAS single-threaded), OpenBLAS's jobs on our pool through its
-// threads callback, or OpenBLAS's own threads.
-void configure_blas(int n) {
+// threads callback, or OpenBLAS's own threads. With g_blas_mu held.
+void configure_blas_locked(int n) {
   const auto* api = static_cast<const bt_linalg_api*>(linalg_hooks().api);
   if (!api) return;
-  const BlasThreads mode = blas_threads_mode();
+  if (g_blas_mode.empty()) {
+    const char* e = std::getenv("BLUTRAIN_BLAS_THREADS");
+    g_blas_mode = checked_blas_mode(e && *e ? e : kDefaultBlasThreads);
+  }
   auto has = [&](size_t end) { return api->struct_size >= end; };
   if (has(offsetof(bt_linalg_api, set_cpu_parallel_for) + sizeof(api->set_cpu_parallel_for))) {
-    api->set_cpu_parallel_for(mode == BlasThreads::Blocks ? &bt_cpu_parallel_items : nullptr);
+    api->set_cpu_parallel_for(g_blas_mode == "blocks" ? &bt_cpu_parallel_items : nullptr);
   }
   api->set_option("num_threads", n);
-  if (mode != BlasThreads::OpenBlas &&
-      has(offsetof(bt_linalg_api, set_cpu_threads_callback) +
+  if (has(offsetof(bt_linalg_api, set_cpu_threads_callback) +
           sizeof(api->set_cpu_threads_callback))) {
-    api->set_cpu_threads_callback(&bt_cpu_run_blas_jobs);
+    api->set_cpu_threads_callback(g_blas_mode == "openblas" ? nullptr : &bt_cpu_run_blas_jobs);
   }
+}
+
+void configure_blas(int n) {
+  std::lock_guard<std::mutex> lk(g_blas_mu);
+  configure_blas_locked(n);
 }
 
 }  // namespace
@@ -459,6 +471,17 @@ void set_num_threads(int n) {
 }
 
 void attach_blas() { configure_blas(num_threads()); }
+
+void set_blas_threads(const std::string& mode) {
+  std::lock_guard<std::mutex> lk(g_blas_mu);
+  g_blas_mode = checked_blas_mode(mode);
+  configure_blas_locked(num_threads());
+}
+
+std::string blas_threads() {
+  std::lock_guard<std::mutex> lk(g_blas_mu);
+  return g_blas_mode;
+}
 
 bool in_parallel_region() { return t_in_region; }
 

@@ -84,12 +84,16 @@ extern "C" void bt_cpu_run_blas_jobs(int sync, void (*dojob)(int, void*, int), i
 // GEMMs run blocks of their output on it, each block by single-threaded OpenBLAS.
 extern "C" void bt_cpu_parallel_items(int64_t n, void (*fn)(void*, int64_t, int64_t),
                                       void* ctx) noexcept;
-// Gives blutrain-linalg's GEMMs the budget, as BLUTRAIN_BLAS_THREADS says: "blocks" (the
-// default: blocks of each GEMM's output claimed by the pool's threads, OpenBLAS on one thread;
-// results independent of the budget), "jobs" (OpenBLAS's threaded GEMM, its jobs run by
-// bt_cpu_run_blas_jobs; the bits of OpenBLAS's own threads) or "openblas" (OpenBLAS's own
-// threads). At module init; ValueError for another value.
+// Gives blutrain-linalg's GEMMs the budget, as BLUTRAIN_BLAS_THREADS says: "jobs" (the
+// default: OpenBLAS's threaded GEMM, its jobs run by bt_cpu_run_blas_jobs; the bits of
+// OpenBLAS's own threads at the same count), "blocks" (blocks of each GEMM's output claimed by
+// the pool's threads, OpenBLAS on one thread; results independent of the budget) or "openblas"
+// (OpenBLAS's own threads). At module init; ValueError for another value.
 void attach_blas();
+// Switches the GEMMs' threading at run time (a mode above; no GEMM may be running): benchmarks
+// and tests. blas_threads() is the current one ("" before attach_blas).
+void set_blas_threads(const std::string& mode);
+std::string blas_threads();
 
 template <typename F>
 void parallel_ranges(int64_t n, int64_t grain, F&& f) {
