@@ -36,6 +36,7 @@ inline bool use_avx2() {
   return yes;
 }
 
+
 BT_AVX2 inline void sub_scaled_avx2(const float* g, const float* e, float* q, int64_t n,
                                     double s) {
   const __m256d sv = _mm256_set1_pd(s);
@@ -67,6 +68,39 @@ BT_AVX2 inline void offset_scale_avx2(const float* e, float* q, int64_t n, doubl
     _mm_storeu_ps(q + j, _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_sub_pd(ev, ov), sv)));
   }
   for (; j < n; ++j) q[j] = static_cast<float>((static_cast<double>(e[j]) - off) * scale);
+}
+
+// ---- layer-norm backward (norm_kernels.h), float32 dy, x, dx: the same lanes and order ----------
+// backward_sums: s1 = sum(gx) / C, s2 = sum((gx * (x - m)) * rs) / C over 16 double lanes
+// (Note [lane sums]: four 4-double vectors are lanes 0-15), gx = dy * w (W) or dy.
+template <bool W>
+BT_AVX2 inline void ln_sums_avx2(const float* g, const float* p, const double* w, double m,
+                                 double rs, int64_t C, double* s1, double* s2) {
+  constexpr int L = 16;
+  const int64_t full = C / L * L;
+  const __m256d mv = _mm256_set1_pd(m), rv = _mm256_set1_pd(rs);
+  __m256d a[4], c[4];
+  for (int k = 0; k < 4; ++k) a[k] = _mm256_setzero_pd(), c[k] = _mm256_setzero_pd();
+  for (int64_t i = 0; i < full; i += L) {
+    for (int k = 0; k < 4; ++k) {
+      __m256d gx = _mm256_cvtps_pd(_mm_loadu_ps(g + i + 4 * k));
+      if constexpr (W) gx = _mm256_mul_pd(gx, _mm256_loadu_pd(w + i + 4 * k));
+      a[k] = _mm256_add_pd(a[k], gx);
+      const __m256d d = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(p + i + 4 * k)), mv);
+      c[k] = _mm256_add_pd(c[k], _mm256_mul_pd(_mm256_mul_pd(gx, d), rv));
+    }
+  }
+  double al[L], cl[L];
+  for (int k = 0; k < 4; ++k) _mm256_storeu_pd(al + 4 * k, a[k]), _mm256_storeu_pd(cl + 4 * k, c[k]);
+  for (int64_t i = full; i < C; ++i) {
+    const double gx = static_cast<double>(g[i]) * (W ? w[i] : 1.0);
+    al[0] += gx;
+    cl[0] += gx * (static_cast<double>(p[i]) - m) * rs;
+  }
+  double ra = 0, rc = 0;
+  for (int k = 0; k < L; ++k) ra += al[k], rc += cl[k];
+  *s1 = ra / static_cast<double>(C);
+  *s2 = rc / static_cast<double>(C);
 }
 #endif
 
