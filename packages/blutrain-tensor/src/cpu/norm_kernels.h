@@ -42,6 +42,16 @@ inline double add_lanes(const double* a) {
 // mean = sum(x) / C; rstd = 1 / sqrt(sum((x - mean)^2) / C + eps); lane sums in double.
 template <typename T>
 BT_CPU_CLONES void row_stats(const T* p, int64_t C, double eps, double* mean, double* rstd) {
+#if BT_CPU_WIDEN
+  if constexpr (std::is_same_v<T, float>) {  // Note [widening loops]
+    if (widen::use_avx2()) {
+      double ss;
+      widen::ln_stats_avx2(p, C, mean, &ss);
+      *rstd = 1.0 / std::sqrt(ss / static_cast<double>(C) + eps);
+      return;
+    }
+  }
+#endif
   const int64_t full = C / kSumLanes * kSumLanes;
   double s[kSumLanes] = {};
   for (int64_t i = 0; i < full; i += kSumLanes) {

@@ -152,6 +152,11 @@ constexpr int kSumLanes = 16;
 
 template <bool LOG, typename T>
 BT_CPU_CLONES double backward_sum(const T* y, const T* g, int64_t C) {
+#if BT_CPU_WIDEN
+  if constexpr (LOG && std::is_same_v<T, float>) {  // Note [widening loops]
+    if (widen::use_avx2()) return widen::lane_sum_avx2(g, C);
+  }
+#endif
   const int64_t full = C / kSumLanes * kSumLanes;
   double a[kSumLanes] = {};
   auto term = [&](int64_t i) {

@@ -70,6 +70,51 @@ BT_AVX2 inline void offset_scale_avx2(const float* e, float* q, int64_t n, doubl
   for (; j < n; ++j) q[j] = static_cast<float>((static_cast<double>(e[j]) - off) * scale);
 }
 
+// sum(double(g[i])) over 16 double lanes (Note [lane sums] in norm_kernels.h: lane k adds
+// elements k, k + 16, ... in order, the tail goes to lane 0, the lanes are added 0, 1, ...).
+BT_AVX2 inline double lane_sum_avx2(const float* g, int64_t C) {
+  constexpr int L = 16;
+  const int64_t full = C / L * L;
+  __m256d a[4];
+  for (int k = 0; k < 4; ++k) a[k] = _mm256_setzero_pd();
+  for (int64_t i = 0; i < full; i += L) {
+    for (int k = 0; k < 4; ++k) a[k] = _mm256_add_pd(a[k], _mm256_cvtps_pd(_mm_loadu_ps(g + i + 4 * k)));
+  }
+  double al[L];
+  for (int k = 0; k < 4; ++k) _mm256_storeu_pd(al + 4 * k, a[k]);
+  for (int64_t i = full; i < C; ++i) al[0] += static_cast<double>(g[i]);
+  double r = 0;
+  for (int k = 0; k < L; ++k) r += al[k];
+  return r;
+}
+
+// layer_norm's row statistics: s = sum(double(p[i])), then m = s / C and
+// ss = sum((double(p[i]) - m)^2), each over 16 lanes as lane_sum_avx2.
+BT_AVX2 inline void ln_stats_avx2(const float* p, int64_t C, double* mean, double* sumsq) {
+  constexpr int L = 16;
+  const int64_t full = C / L * L;
+  const double m = lane_sum_avx2(p, C) / static_cast<double>(C);
+  const __m256d mv = _mm256_set1_pd(m);
+  __m256d a[4];
+  for (int k = 0; k < 4; ++k) a[k] = _mm256_setzero_pd();
+  for (int64_t i = 0; i < full; i += L) {
+    for (int k = 0; k < 4; ++k) {
+      const __m256d d = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(p + i + 4 * k)), mv);
+      a[k] = _mm256_add_pd(a[k], _mm256_mul_pd(d, d));
+    }
+  }
+  double al[L];
+  for (int k = 0; k < 4; ++k) _mm256_storeu_pd(al + 4 * k, a[k]);
+  for (int64_t i = full; i < C; ++i) {
+    const double d = static_cast<double>(p[i]) - m;
+    al[0] += d * d;
+  }
+  double r = 0;
+  for (int k = 0; k < L; ++k) r += al[k];
+  *mean = m;
+  *sumsq = r;
+}
+
 // ---- layer-norm backward (norm_kernels.h), float32 dy, x, dx: the same lanes and order ----------
 // backward_sums: s1 = sum(gx) / C, s2 = sum((gx * (x - m)) * rs) / C over 16 double lanes
 // (Note [lane sums]: four 4-double vectors are lanes 0-15), gx = dy * w (W) or dy.
