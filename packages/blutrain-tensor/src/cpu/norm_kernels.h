@@ -170,7 +170,7 @@ template <bool W, typename D, typename T>
 BT_CPU_CLONES void backward_sums(const D* g, const T* p, const double* w, double m, double rs, int64_t C,
                                  double* s1, double* s2) {
 #if BT_CPU_WIDEN
-  if constexpr (std::is_same_v<D, float> && std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<D, float> && std::is_same_v<T, float>) {  // Note [widening loops]
     if (widen::use_avx2()) return widen::ln_sums_avx2<W>(g, p, w, m, rs, C, s1, s2);
   }
 #endif
@@ -244,30 +244,10 @@ inline int64_t block_rows(int64_t R) {
   return std::max<int64_t>(kBlockRows, (R + kMaxBlocks - 1) / kMaxBlocks);
 }
 
-// Note [row prefetch]
-// A row pass first reads its dy and x rows in the sums loop, which does little arithmetic a
-// byte, and then works on them from cache in the dx loop, which reads nothing new: at 2048 x
-// 1024 float32 (one 4 KB page a row, where the hardware's stream prefetchers stop) the sums
-// waited on memory while the dx loop left it idle. The dx loop now asks for the next pass's
-// rows, a few lines every kPrefetchCols columns (a hint: it never faults, and an address past
-// the tensor is never read). One Zen 4 core, production flags, 2 rows a pass: 2048 x 1024
-// 2.2-2.5 -> 1.9-2.2 ms; 512 x 1024 (in cache) 0.37 -> 0.40 ms.
-constexpr int64_t kPrefetchCols = 64;
-
-template <typename V>
-inline void prefetch_lines(const V* row, int64_t c0, int64_t c1) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(row);
-  for (uintptr_t b = a + c0 * sizeof(V); b < a + c1 * sizeof(V); b += 64) {
-    __builtin_prefetch(reinterpret_cast<const void*>(b), 0, 3);
-  }
-}
-
 // N rows from r (of one block): dx, and added to the block's partial column sums pw (dweight),
 // pb (dbias) when WB, pd (dsum) when DS. The N rows pass over the partials once (each column
 // still adds its rows in order, so the bits of one row a pass): their loads and stores, not the
-// arithmetic, bounded one row a pass (2048 x 1024 float32 on one core: 3.0 -> 2.0 ms at N = 4;
-// N = 2 since the row sums' widening loops, widen.h: 512 x 1024 in cache, 0.43 -> 0.37 ms on a
-// Zen 4 core, where 4 rows' constants and accumulators no longer fit the registers).
+// arithmetic, bounded one row a pass (2048 x 1024 float32 on one core: 3.0 -> 2.0 ms at N = 4).
 // Every pointer restrict: dx is a fresh output, the partials the caller's scratch.
 template <int N, bool W, bool E, bool WB, bool DS, typename D, typename T, typename S, typename O>
 BT_CPU_CLONES void backward_rows_n(const D* __restrict dy, const T* __restrict x,
@@ -286,36 +266,29 @@ BT_CPU_CLONES void backward_rows_n(const D* __restrict dy, const T* __restrict x
     rs[k] = static_cast<double>(rp[r + k]);
     backward_sums<W>(g + k * C, p + k * C, w, m[k], rs[k], C, &s1[k], &s2[k]);
   }
-  for (int64_t c0 = 0; c0 < C; c0 += kPrefetchCols) {
-    const int64_t c1 = std::min(C, c0 + kPrefetchCols);
-    for (int k = N; k < 2 * N; ++k) {  // Note [row prefetch]: the next pass's rows
-      prefetch_lines(g + k * C, c0, c1);
-      prefetch_lines(p + k * C, c0, c1);
-    }
-    for (int64_t i = c0; i < c1; ++i) {
-      double aw = WB ? pw[i] : 0, ab = WB ? pb[i] : 0, ad = DS ? pd[i] : 0;
-      const double wi = W ? w[i] : 1.0;
-      for (int k = 0; k < N; ++k) {
-        const double gv = static_cast<double>(g[k * C + i]);
-        const double gx = gv * wi;
-        const double xh = (static_cast<double>(p[k * C + i]) - m[k]) * rs[k];
-        double v = rs[k] * (gx - s1[k] - xh * s2[k]);
-        if constexpr (E) v += static_cast<double>(e[k * C + i]);
-        const O out = static_cast<O>(v);
-        q[k * C + i] = out;
-        if constexpr (WB) {
-          aw += gv * xh;
-          ab += gv;
-        }
-        if constexpr (DS) ad += static_cast<double>(out);
+  for (int64_t i = 0; i < C; ++i) {
+    double aw = WB ? pw[i] : 0, ab = WB ? pb[i] : 0, ad = DS ? pd[i] : 0;
+    const double wi = W ? w[i] : 1.0;
+    for (int k = 0; k < N; ++k) {
+      const double gv = static_cast<double>(g[k * C + i]);
+      const double gx = gv * wi;
+      const double xh = (static_cast<double>(p[k * C + i]) - m[k]) * rs[k];
+      double v = rs[k] * (gx - s1[k] - xh * s2[k]);
+      if constexpr (E) v += static_cast<double>(e[k * C + i]);
+      const O out = static_cast<O>(v);
+      q[k * C + i] = out;
+      if constexpr (WB) {
+        aw += gv * xh;
+        ab += gv;
       }
-      if constexpr (WB) pw[i] = aw, pb[i] = ab;
-      if constexpr (DS) pd[i] = ad;
+      if constexpr (DS) ad += static_cast<double>(out);
     }
+    if constexpr (WB) pw[i] = aw, pb[i] = ab;
+    if constexpr (DS) pd[i] = ad;
   }
 }
 
-constexpr int kPassRows = 2;  // rows a pass over the partial column sums
+constexpr int kPassRows = 4;  // rows a pass over the partial column sums
 
 // Rows [r0, r1) (one block): dx, and the block's partial column sums (C doubles each,
 // overwritten).
