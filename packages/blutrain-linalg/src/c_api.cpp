@@ -221,6 +221,8 @@ int api_get_option(const char* name, int64_t* v) {
     *v = o.fp32_3xtf32;
   else if (n == "cuda")
     *v = cuda_available();
+  else if (n == "cpu_block_gemms")
+    *v = cpu_block_gemms();
   else if (cuda_get_stat(name, v) == BT_LINALG_OK)
     return BT_LINALG_OK;
   else
@@ -253,15 +255,23 @@ int api_clear_cache(int also_file) { return cuda_clear_cache(also_file); }
 int api_set_alloc_api(const void* t) { return cuda_set_alloc_api(t); }
 int api_load_blas(const char* path) { return cpu_load_blas(path); }
 int api_set_cpu_threads_callback(bt_linalg_threads_fn run) { return cpu_set_threads_callback(run); }
+int api_set_cpu_parallel_for(bt_linalg_parallel_fn run) { return cpu_set_parallel_for(run); }
 
 const bt_linalg_api g_api = {
-    BT_LINALG_ABI_VERSION, (uint32_t)sizeof(bt_linalg_api),
-    api_last_error,        api_gemm,
-    api_set_option,        api_get_option,
-    api_set_cache_path,    api_get_cache_path,
-    api_save_cache,        api_clear_cache,
-    api_set_alloc_api,     api_load_blas,
+    BT_LINALG_ABI_VERSION,
+    (uint32_t)sizeof(bt_linalg_api),
+    api_last_error,
+    api_gemm,
+    api_set_option,
+    api_get_option,
+    api_set_cache_path,
+    api_get_cache_path,
+    api_save_cache,
+    api_clear_cache,
+    api_set_alloc_api,
+    api_load_blas,
     api_set_cpu_threads_callback,
+    api_set_cpu_parallel_for,
 };
 
 }  // namespace

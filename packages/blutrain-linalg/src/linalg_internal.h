@@ -90,6 +90,8 @@ int cpu_gemm(const bt_linalg_gemm_desc& d);
 int cpu_load_blas(const char* path);
 int cpu_set_num_threads(int n);
 int cpu_set_threads_callback(bt_linalg_threads_fn run);
+int cpu_set_parallel_for(bt_linalg_parallel_fn run);
+int64_t cpu_block_gemms();  // GEMMs split into blocks so far (a test's witness)
 
 int cuda_gemm(const bt_linalg_gemm_desc& d);
 int cuda_available();  // 1 if built with CUDA

@@ -355,8 +355,9 @@ def test_resume_continues_bit_exactly(rng, tmp_path):
         xb, yb = b.next_batch()
         assert np.array_equal(xa, xb) and np.array_equal(ya, yb)
     # Resuming with twice the ranks continues the same row stream (away from an epoch's end,
-    # where the incomplete group that is dropped depends on the group size).
-    while a.rows_per_epoch - a.rows_consumed < 10:
+    # where the incomplete group that is dropped depends on the group size: the 2-rank loaders
+    # wrap once a group of 10 rows passes the epoch's rows rounded down to 10).
+    while a.rows_consumed + 10 > a.rows_per_epoch // 10 * 10:
         a.next_batch()
     c = [DataLoader(tmp_path, 5, 16, seed=3, rank=r, world_size=2) for r in range(2)]
     for ld in c:

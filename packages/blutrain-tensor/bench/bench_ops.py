@@ -118,6 +118,12 @@ def cases(R: int, C: int, bt, torch) -> list[tuple[str, object, object, object]]
         "sum(-1)", B and (lambda: ba.sum(-1)), T and (lambda: ta.sum(-1)), N and (lambda: a.sum(-1))
     )
     fwd("sum(0)", B and (lambda: ba.sum(0)), T and (lambda: ta.sum(0)), N and (lambda: a.sum(0)))
+    fwd(
+        "amax(-1)",
+        B and (lambda: ba.amax(-1)),
+        T and (lambda: ta.amax(-1)),
+        N and (lambda: a.max(-1)),
+    )
     fwd("softmax(-1)", B and (lambda: bt.softmax(ba, -1)), T and (lambda: ta.softmax(-1)))
     bwd("softmax(-1)", *both(lambda x: bt.softmax(x, -1), lambda x: x.softmax(-1), a))
     fwd(

@@ -185,14 +185,204 @@ GEMM_PROBE = """
 
 
 @pytest.mark.skipif(la is None, reason="blutrain-linalg is not installed")
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_gemms_on_the_pool_give_openblas_own_bits(n, rng):
-    # OpenBLAS splits a GEMM into jobs the same way whichever threads run them: on our pool the
-    # results are those of its own threads at the same count (the CPU results of before).
+@pytest.mark.parametrize("n", [2, 3])
+def test_gemm_blocks_give_the_one_thread_bits_through_autograd(n, rng):
+    # BLUTRAIN_BLAS_THREADS=blocks (Note [GEMM blocks] in blutrain-linalg): the products and both
+    # gradients of every probe shape are those of one thread (and of one thread in jobs mode).
     seed = int(rng.integers(1 << 30))
-    ours = _run(GEMM_PROBE.format(n=n, seed=seed))
+    blocks = {"BLUTRAIN_BLAS_THREADS": "blocks"}
+    one = _run(GEMM_PROBE.format(n=1, seed=seed), {"BLUTRAIN_BLAS_THREADS": "jobs"})
+    assert _run(GEMM_PROBE.format(n=1, seed=seed), blocks) == one
+    assert _run(GEMM_PROBE.format(n=n, seed=seed), blocks) == one
+
+
+@pytest.mark.skipif(la is None, reason="blutrain-linalg is not installed")
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_gemm_jobs_on_the_pool_give_openblas_own_bits(n, rng):
+    # BLUTRAIN_BLAS_THREADS=jobs: OpenBLAS splits a GEMM into jobs the same way whichever threads
+    # run them, so on our pool the results are those of its own threads at the same count.
+    seed = int(rng.integers(1 << 30))
+    ours = _run(GEMM_PROBE.format(n=n, seed=seed), {"BLUTRAIN_BLAS_THREADS": "jobs"})
     own = _run(GEMM_PROBE.format(n=n, seed=seed), {"BLUTRAIN_BLAS_THREADS": "openblas"})
     assert ours == own
+
+
+def test_a_bad_blas_threads_setting_is_refused_at_import():
+    e = dict(os.environ, BLUTRAIN_BLAS_THREADS="openmp")
+    r = subprocess.run(
+        [sys.executable, "-c", "import blutrain.tensor"], capture_output=True, text=True, env=e
+    )
+    assert r.returncode != 0
+    assert (
+        "[blutrain.tensor] BLUTRAIN_BLAS_THREADS is 'openmp'; expected blocks, jobs (the "
+        "default) or openblas" in r.stderr
+    )
+
+
+# ---- GEMM blocks: one thread's bits at every count (Note [GEMM blocks], blutrain-linalg) --------
+@pytest.fixture
+def blocks(restore_threads):
+    """GEMMs in blocks mode for the test (BLUTRAIN_BLAS_THREADS=blocks), then the mode before."""
+    if la is None:
+        pytest.skip("blutrain-linalg is not installed")
+    before = bt._C._blas_threads()
+    bt._C._set_blas_threads("blocks")
+    yield
+    bt._C._set_blas_threads(before)
+
+
+def test_blas_threads_mode_switches_and_checks_its_value(restore_threads):
+    before = bt._C._blas_threads()
+    assert before in ("jobs", "blocks", "openblas")
+    with pytest.raises(ValueError, match=r"BLUTRAIN_BLAS_THREADS is 'x'; expected blocks"):
+        bt._C._set_blas_threads("x")
+    assert bt._C._blas_threads() == before
+    a = np.random.default_rng(0).standard_normal((1000, 300)).astype(np.float32)
+    try:
+        for mode, cut in (("jobs", 0), ("blocks", 1), ("openblas", 0)):
+            bt._C._set_blas_threads(mode)
+            bt.set_num_threads(2)
+            n0 = la.get_option("cpu_block_gemms") if la is not None else 0
+            y = bt.tensor(a) @ bt.tensor(a.T.copy())  # 27M multiply-adds: cut in blocks mode
+            assert y.shape == (1000, 1000)
+            if la is not None:
+                assert la.get_option("cpu_block_gemms") - n0 == cut, mode
+    finally:
+        bt._C._set_blas_threads(before)
+
+
+def _openblas():
+    """OpenBLAS's own cblas_?gemm (the library blutrain-linalg loaded: the same handle)."""
+    import ctypes
+
+    import scipy_openblas32 as so
+
+    lib = ctypes.CDLL(os.path.join(so.get_lib_dir(), f"lib{so.get_library()}.so"))
+
+    def gemm(a, b, transa, transb):
+        m, k = (a.shape[1], a.shape[0]) if transa else a.shape
+        n = b.shape[0] if transb else b.shape[1]
+        c = np.zeros((m, n), a.dtype)
+        f64 = a.dtype == np.float64
+        f = lib.scipy_cblas_dgemm if f64 else lib.scipy_cblas_sgemm
+        s, p = ctypes.c_double if f64 else ctypes.c_float, ctypes.c_void_p
+        row_major, no_trans, trans = 101, 111, 112
+        f(row_major, trans if transa else no_trans, trans if transb else no_trans, m, n, k,
+          s(1.0), p(a.ctypes.data), a.shape[1], p(b.ctypes.data), b.shape[1], s(0.0),
+          p(c.ctypes.data), n)  # fmt: skip
+        return c
+
+    return gemm
+
+
+# (m, n, k): row tails (m not a multiple of the 96-row block edge), column tails (n not a
+# multiple of any micro-kernel unroll), odd and long k, a tall-skinny, a short-wide, GPT-2's head.
+BLOCK_SHAPES = [
+    (1000, 999, 777),
+    (2048, 513, 1024),
+    (600, 500, 700),
+    (400, 1025, 2049),
+    (4099, 33, 300),
+    (1024, 2047, 128),
+    (1000, 7, 4100),
+    (1024, 50304 // 8, 128),
+]
+
+
+def _bits_equal(a, b):
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    )
+
+
+@pytest.mark.skipif(la is None, reason="blutrain-linalg is not installed")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gemm_blocks_give_openblas_one_thread_bits(blocks, rng, dtype):
+    # Each product at 1, 2 and 3 threads is bitwise OpenBLAS's own single-threaded call (the
+    # call blutrain makes at one thread in every mode), for every transpose.
+    ref_gemm = _openblas()
+    for m, n, k in BLOCK_SHAPES:
+        for ta in (False, True):
+            for tb in (False, True):
+                a = rng.standard_normal((k, m) if ta else (m, k)).astype(dtype)
+                b = rng.standard_normal((n, k) if tb else (k, n)).astype(dtype)
+                bt.set_num_threads(1)  # OpenBLAS at one thread for the reference
+                ref = ref_gemm(a, b, ta, tb)
+                for t in (1, 2, 3):
+                    bt.set_num_threads(t)
+                    blocked = la.get_option("cpu_block_gemms")
+                    got = la.matmul(a, b, transa=ta, transb=tb)
+                    assert _bits_equal(got, ref), (m, n, k, ta, tb, t)
+                    # cut into blocks at 2 and 3 threads (else this test proves nothing)
+                    assert la.get_option("cpu_block_gemms") - blocked == (t > 1), (m, n, k, t)
+
+
+@pytest.mark.skipif(la is None, reason="blutrain-linalg is not installed")
+def test_gemm_blocks_with_epilogues_batches_and_16_bit_types(blocks, rng):
+    # Everything around the product (operand conversion, C and beta, the epilogues, bias
+    # gradients, batches run item by item in parallel) gives the one-thread bits too.
+    torch = pytest.importorskip("torch")
+    m, n, k = 1100, 515, 300
+
+    def rnd(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    a, b, c, bias, pre = rnd(m, k), rnd(n, k), rnd(m, n), rnd(n), rnd(m, n)
+    g, x = rnd(m, n), rnd(m, 300)
+    small_a, small_b = rnd(6, 97, 64), rnd(6, 64, 131)  # items too small to cut: whole items
+    big_a, big_b = rnd(2, 700, 300), rnd(2, 333, 300)  # items cut into blocks, one after another
+    cases = {
+        "bias_gelu_aux": lambda: la.matmul(a, b, transb=True, bias=bias, epilogue="bias_gelu_aux"),
+        "dgelu_bgrad": lambda: la.matmul(a, b, transb=True, aux=pre, epilogue="dgelu_bgrad"),
+        "bgrad_a": lambda: la.matmul(g, x, transa=True, epilogue="bgrad_a"),
+        "alpha_beta_c": lambda: la.matmul(a, b, transb=True, c=c, alpha=2.0, beta=0.5),
+        "tf32": lambda: la.matmul(a, b, transb=True, mode="tf32"),
+        "batched_small": lambda: la.matmul(small_a, small_b),
+        "batched_large": lambda: la.matmul(big_a, big_b, transb=True),
+    }
+    for dt in ("bfloat16", "float16"):
+        ta = torch.from_numpy(a).to(getattr(torch, dt))
+        tb = torch.from_numpy(b).to(getattr(torch, dt))
+        cases[dt] = lambda ta=ta, tb=tb: la.matmul(ta, tb, transb=True).float().numpy()
+    for name, f in cases.items():
+        bt.set_num_threads(1)
+        one = f()
+        for t in (2, 3):
+            bt.set_num_threads(t)
+            got = f()
+            if isinstance(one, tuple):
+                assert all(_bits_equal(x, y) for x, y in zip(one, got)), (name, t)
+            else:
+                assert _bits_equal(one, got), (name, t)
+
+
+@pytest.mark.skipif(la is None, reason="blutrain-linalg is not installed")
+def test_gemm_blocks_finish_on_their_caller_while_the_workers_cannot_run(blocks, rng):
+    # A loaded machine: the pool's workers cannot run. A GEMM's blocks must all run on its
+    # caller (never wait for a worker), with the bits of free workers.
+    bt.set_num_threads(2)
+    a = rng.standard_normal((2000, 300)).astype(np.float32)
+    b = rng.standard_normal((300, 700)).astype(np.float32)
+    free = la.matmul(a, b)
+    blocked0, stats0 = la.get_option("cpu_block_gemms"), bt._C._cpu_pool_stats()
+    released = threading.Event()
+    bt._C._cpu_pool_hold_workers(True)
+    timer = threading.Timer(60.0, lambda: (released.set(), bt._C._cpu_pool_hold_workers(False)))
+    timer.start()
+    try:
+        held = la.matmul(a, b)
+    finally:
+        bt._C._cpu_pool_hold_workers(False)
+        timer.cancel()
+    stats1 = bt._C._cpu_pool_stats()
+    assert not released.is_set(), "a GEMM waited for a worker that could not run"
+    assert la.get_option("cpu_block_gemms") == blocked0 + 1
+    regions, by_caller, by_workers, waits = (y - x for x, y in zip(stats0, stats1))
+    assert regions == 1 and by_workers == 0 and waits == 0 and by_caller >= 2
+    assert _bits_equal(free, held)
 
 
 @pytest.mark.skipif(la is None, reason="blutrain-linalg is not installed")
@@ -301,3 +491,35 @@ def test_a_forked_child_rebuilds_the_pool(restore_threads):
     got = os.read(r, 1)
     os.close(r)
     assert got == b"1"
+
+
+# ---- a worker the scheduler has not run delays nothing (Note [claiming, not assigning]) --------
+def test_a_region_finishes_on_its_caller_while_the_workers_cannot_run(restore_threads, rng):
+    # The workers are held before they can claim a chunk, as a descheduled worker on a loaded
+    # machine: every region must still finish, its caller running every chunk, and give the bits
+    # of the same ops with the workers free and at one thread. (Before, the caller waited at the
+    # join for every worker to check in: this would hang until the release below.)
+    seed = int(rng.integers(1 << 30))
+    bt.set_num_threads(2)
+    free = _workload(seed)
+    stats0 = bt._C._cpu_pool_stats()
+    released = threading.Event()
+    bt._C._cpu_pool_hold_workers(True)
+    # a safety net, not a timing bound: a pool that waits for its workers fails, never hangs
+    timer = threading.Timer(60.0, lambda: (released.set(), bt._C._cpu_pool_hold_workers(False)))
+    timer.start()
+    try:
+        held = _workload(seed)
+    finally:
+        bt._C._cpu_pool_hold_workers(False)
+        timer.cancel()
+    stats1 = bt._C._cpu_pool_stats()
+    assert not released.is_set(), "a region waited for a worker that could not run"
+    regions, by_caller, by_workers, waits = (b - a for a, b in zip(stats0, stats1))
+    assert regions > 10  # the workload's kernels did run on the pool
+    assert by_workers == 0 and waits == 0 and by_caller >= regions
+    bt.set_num_threads(1)
+    one = _workload(seed)
+    for i, (a, b, c) in enumerate(zip(free, held, one)):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), i
+        assert np.array_equal(a.view(np.uint32), c.view(np.uint32)), i

@@ -45,7 +45,7 @@ extern "C" {
 #endif
 
 /* major << 16 | minor. A dependent built for major M accepts M.x with x >= its minor. */
-#define BT_LINALG_ABI_VERSION ((1u << 16) | 1u)
+#define BT_LINALG_ABI_VERSION ((1u << 16) | 2u)
 #define BT_LINALG_CAPSULE_NAME "blutrain.linalg._C_API"
 
 enum bt_linalg_status {
@@ -168,6 +168,15 @@ typedef void (*bt_linalg_dojob_fn)(int thread_index, void* job, int arg);
 typedef void (*bt_linalg_threads_fn)(int sync, bt_linalg_dojob_fn dojob, int n, size_t job_size,
                                      void* jobs, int arg);
 
+/* A caller's parallel loop for independent CPU work (ABI 1.2): run(n, fn, ctx) must call
+ * fn(ctx, begin, end) over ranges that cover [0, n) exactly once, on any of its threads, in any
+ * order (no item waits for another; a thread the OS delays may take none), and return when all
+ * are done. fn never throws. With one installed, a CPU GEMM runs OpenBLAS single-threaded on
+ * blocks of the output claimed through it ("num_threads" of them in flight at most): every
+ * element is computed as at one thread (Note [GEMM blocks], src/cpu/gemm_cpu.cpp). */
+typedef void (*bt_linalg_range_fn)(void* ctx, int64_t begin, int64_t end);
+typedef void (*bt_linalg_parallel_fn)(int64_t n, bt_linalg_range_fn fn, void* ctx);
+
 /* Settings for set_option / get_option (int64 values):
  *   "autotune"           0/1: time the top heuristic candidates once per new key (default 0)
  *   "autotune_candidates" how many cuBLASLt candidates to consider (default 32)
@@ -177,7 +186,9 @@ typedef void (*bt_linalg_threads_fn)(int sync, bt_linalg_dojob_fn dojob, int n, 
  *   "autotune_log"       0/1: print every candidate's configuration and time to stderr
  *   "workspace_bytes"    cuBLASLt workspace cap per call (default 32 MiB)
  *   "persist"            0/1: write new algorithm choices to the cache file (default 1)
- *   "num_threads"        CPU BLAS threads (0 = OpenBLAS's default)
+ *   "num_threads"        CPU threads of a GEMM (0 = OpenBLAS's default): OpenBLAS's own, or
+ *                        with set_cpu_parallel_for the blocks in flight (OpenBLAS then runs on
+ *                        one thread)
  *   "fused_epilogues"    0/1: 0 runs every CUDA epilogue as separate kernels (default 1)
  *   "use_alloc"          0/1: 0 takes CUDA scratch from cudaMallocAsync, not blutrain-alloc
  *   "fp32_3xtf32"        0/1: float32 GEMMs (DEFAULT / FP32) on CUDA by the 3xTF32 kernel
@@ -185,7 +196,7 @@ typedef void (*bt_linalg_threads_fn)(int sync, bt_linalg_dojob_fn dojob, int n, 
  * Read-only (get_option): "cuda" (1 if built with CUDA), "cache_entries",
  *   "cache_hits", "cache_misses", "fallback_epilogues" (calls whose epilogue ran as a
  *   separate kernel because cuBLASLt lacked it for that combination), "tf32x3_calls" (GEMMs
- *   run by the 3xTF32 kernel). */
+ *   run by the 3xTF32 kernel), "cpu_block_gemms" (CPU GEMMs split into blocks, ABI 1.2). */
 typedef struct bt_linalg_api {
   uint32_t abi_version;
   uint32_t struct_size; /* sizeof(bt_linalg_api) of the library that filled it */
@@ -223,6 +234,11 @@ typedef struct bt_linalg_api {
    * loaded, else when it is. BT_LINALG_ENOTSUP: the loaded BLAS has no such hook (OpenBLAS
    * before 0.3.27), and it keeps its own threads. */
   int (*set_cpu_threads_callback)(bt_linalg_threads_fn run);
+
+  /* ABI 1.2. The caller's parallel loop (bt_linalg_parallel_fn) for CPU GEMMs, which then run
+   * on blocks of the output, each by single-threaded OpenBLAS; NULL returns the threading to
+   * OpenBLAS (its own threads or the threads callback above). Set it while no GEMM runs. */
+  int (*set_cpu_parallel_for)(bt_linalg_parallel_fn run);
 } bt_linalg_api;
 
 /* Direct entry points (for C/C++ users who link libblutrain_linalg). */

@@ -61,6 +61,61 @@ inline float fast_exp(float x) {
   return x != x ? x : res;
 }
 
+// Note [exp in range]
+// For |x| <= 85, fast_exp's result is y * 2^(n-1) * 2 with y in [0.7, 1.42] and
+// n = round(x / ln 2) in [-123, 123]: both products are exact (normal, no overflow), so it is y
+// with n added to its exponent field, and none of the three specials can be selected.
+// fast_exp_in_range computes that: the same operations up to y, then one integer add instead of
+// two multiplies and the selects. fast_exp_block uses it for a block whose inputs all have
+// |x| <= 85 (the largest |x| taken on the bits, two integer operations a vector, NaN
+// included: its bits are above any finite float's) and recomputes the block with fast_exp
+// otherwise, so its bits are fast_exp's for every input (bench/fast_exp_check.cpp: all 2^32
+// inputs, in blocks as the kernels call it).
+constexpr uint32_t kExpFastMaxBits = 0x42AA0000u;  // the bits of 85.0f
+
+inline float fast_exp_in_range(float x) {
+  const float t = x * 1.44269504088896341f;
+  const float big = t + 12582912.0f;
+  const float fn = big - 12582912.0f;
+  uint32_t big_bits;
+  std::memcpy(&big_bits, &big, 4);
+  const uint32_t n = big_bits - 0x4B400000u;
+  float r = x - fn * 0.693359375f;
+  r = r - fn * -2.12194440e-4f;
+  const float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  uint32_t yb;
+  std::memcpy(&yb, &y, 4);
+  yb += n << 23;
+  float res;
+  std::memcpy(&res, &yb, 4);
+  return res;
+}
+
+// e[j] = fast_exp(arg(j)) for j in [0, n), bit for bit (Note [exp in range]); arg: a cheap
+// function of j, evaluated again for a block with an input out of the range.
+template <typename Arg>
+inline void fast_exp_block(float* __restrict e, int64_t n, Arg arg) {
+  uint32_t worst = 0;  // the largest |x|'s bits
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = arg(j);
+    uint32_t xb;
+    std::memcpy(&xb, &x, 4);
+    xb &= 0x7FFFFFFFu;
+    worst = xb > worst ? xb : worst;
+    e[j] = fast_exp_in_range(x);
+  }
+  if (worst > kExpFastMaxBits) {
+    for (int64_t j = 0; j < n; ++j) e[j] = fast_exp(arg(j));
+  }
+}
+
 inline float fast_tanh(float x) {
   const float ax = x < 0 ? -x : x;
   // small |x|: odd polynomial; large: 1 - 2 / (exp(2|x|) + 1)

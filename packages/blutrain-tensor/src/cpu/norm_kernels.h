@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "fastmath.h"  // BT_CPU_CLONES
+#include "widen.h"     // Note [widening loops]
 
 namespace bt::cpu::norm {
 
@@ -41,6 +42,16 @@ inline double add_lanes(const double* a) {
 // mean = sum(x) / C; rstd = 1 / sqrt(sum((x - mean)^2) / C + eps); lane sums in double.
 template <typename T>
 BT_CPU_CLONES void row_stats(const T* p, int64_t C, double eps, double* mean, double* rstd) {
+#if BT_CPU_WIDEN
+  if constexpr (std::is_same_v<T, float>) {  // Note [widening loops]
+    if (widen::use_avx2()) {
+      double ss;
+      widen::ln_stats_avx2(p, C, mean, &ss);
+      *rstd = 1.0 / std::sqrt(ss / static_cast<double>(C) + eps);
+      return;
+    }
+  }
+#endif
   const int64_t full = C / kSumLanes * kSumLanes;
   double s[kSumLanes] = {};
   for (int64_t i = 0; i < full; i += kSumLanes) {
@@ -158,6 +169,11 @@ void add_layer_norm_rows(const T* x, const O* res, const T* rb, const T* w, cons
 template <bool W, typename D, typename T>
 BT_CPU_CLONES void backward_sums(const D* g, const T* p, const double* w, double m, double rs, int64_t C,
                                  double* s1, double* s2) {
+#if BT_CPU_WIDEN
+  if constexpr (std::is_same_v<D, float> && std::is_same_v<T, float>) {  // Note [widening loops]
+    if (widen::use_avx2()) return widen::ln_sums_avx2<W>(g, p, w, m, rs, C, s1, s2);
+  }
+#endif
   const int64_t full = C / kSumLanes * kSumLanes;
   double a[kSumLanes] = {}, c[kSumLanes] = {};
   auto term = [&](int64_t i, double& ak, double& ck) {

@@ -1,16 +1,35 @@
 // cpu/parallel.h: the process's CPU thread budget and the one pool that spends it.
 //
-// Policy. Every parallel CPU loop of blutrain (the op kernels here, and OpenBLAS's GEMM jobs
-// under blutrain-linalg, handed to run_blas_jobs through OpenBLAS's threads callback) runs on one
-// pool of num_threads() - 1 workers plus the calling thread, so the process never has more
-// runnable threads than its budget, and a GEMM gets the whole budget while the op loops are idle
-// (and the reverse). The budget defaults to OMP_NUM_THREADS when set, else available_cpus(): the
-// CPUs of the process's affinity mask, capped by its cgroup CPU quota (not the host's count).
-// A worker spins about kSpinUs after its last job (the next op usually follows within a few
-// microseconds) and then sleeps on a condition variable, so an idle pool costs no core.
+// Policy. Every parallel CPU loop of blutrain (the op kernels here, and blutrain-linalg's GEMMs:
+// blocks of their output through bt_cpu_parallel_items, or with BLUTRAIN_BLAS_THREADS=jobs
+// OpenBLAS's jobs through bt_cpu_run_blas_jobs) runs on one pool of num_threads() - 1 workers
+// plus the calling thread, so the process never has more runnable threads than its budget, and
+// a GEMM gets the whole budget while the op loops are idle (and the reverse). The budget defaults
+// to OMP_NUM_THREADS when set, else available_cpus(): the CPUs of the process's affinity mask,
+// capped by its cgroup CPU quota (not the host's count). A worker spins about kSpinUs after its
+// last item (the next op usually follows within a few microseconds) and then sleeps on a
+// condition variable, so an idle pool costs no core; a caller waiting at the join for a worker's
+// item spins as long, then sleeps.
 //
 // Results never depend on the thread count: every caller computes each output element (row,
-// chunk) the same way whichever thread runs it (a contract of the kernels, not of the pool).
+// chunk, GEMM block) the same way whichever thread runs it (a contract of the kernels, not of
+// the pool; OpenBLAS's own threaded GEMM under BLUTRAIN_BLAS_THREADS=jobs is the exception).
+//
+// Note [claiming, not assigning]
+// A region is a list of items (parallel_ranges: `count` contiguous chunks whose boundaries
+// depend only on n, grain and the budget; OpenBLAS: its jobs). No item belongs to a thread: the
+// caller and every worker that wakes claim the next one from one atomic word (region number,
+// next item, items) until none is left, and the caller's join waits only for items that were
+// claimed, never for a worker that has not woken. On a loaded machine (more runnable threads
+// than cores) a worker the scheduler has not run yet takes nothing, and the caller runs every
+// chunk itself: a region is never slower than on one thread by more than the posting (a few
+// microseconds), where waiting for every worker to check in cost a scheduler timeslice (ms)
+// per region. Results stay bitwise the same whoever runs a chunk: chunk boundaries never depend
+// on which thread ran what, kernels write per-chunk (never per-thread) partials and combine them
+// in chunk order, and no kernel is told its thread's number. Limits: a worker descheduled in
+// the middle of an item still delays the join by that item; OpenBLAS's jobs (and the compiled
+// kernels' OpenMP teams, blutrain-compiler's kmp_pool.c) wait on each other and so need all
+// their threads running at once: one item per thread, and a descheduled one still stalls them.
 //
 // Note [nested and concurrent regions]
 // One region runs at a time. A parallel_for started inside a region (a kernel calling a helper
@@ -27,6 +46,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace bt::cpu {
 
@@ -44,6 +64,13 @@ void set_num_threads(int n);
 // Whether the calling thread is inside a parallel region (a nested one would run serially).
 bool in_parallel_region();
 
+// Test hooks. pool_hold_workers(true): workers woken for a region of ranges wait before claiming
+// (as if the scheduler had not run them); regions still finish, on their callers. pool_stats():
+// {regions run on the pool, items run by their callers, items run by workers, joins where the
+// caller slept waiting for an item a worker had claimed}, counted since the process started.
+void pool_hold_workers(bool hold);
+std::vector<uint64_t> pool_stats();
+
 // Calls fn(ctx, begin, end) over contiguous ranges covering [0, n) exactly once, on up to
 // num_threads() threads; ranges are at least `grain` long. Exceptions thrown by fn reach the
 // caller (the first one; the other ranges still run).
@@ -53,9 +80,20 @@ void parallel_ranges(int64_t n, int64_t grain, void (*fn)(void*, int64_t, int64_
 // arg) for i in [0, n) on n threads at once and returns when all are done.
 extern "C" void bt_cpu_run_blas_jobs(int sync, void (*dojob)(int, void*, int), int n,
                                      size_t job_size, void* jobs, int arg) noexcept;
-// Hands OpenBLAS's threading to bt_cpu_run_blas_jobs through blutrain-linalg (unless
-// BLUTRAIN_BLAS_THREADS=openblas) and sets its thread count to the budget; at module init.
+// blutrain-linalg's parallel loop (bt_linalg_parallel_fn): parallel_ranges with grain 1. Its
+// GEMMs run blocks of their output on it, each block by single-threaded OpenBLAS.
+extern "C" void bt_cpu_parallel_items(int64_t n, void (*fn)(void*, int64_t, int64_t),
+                                      void* ctx) noexcept;
+// Gives blutrain-linalg's GEMMs the budget, as BLUTRAIN_BLAS_THREADS says: "jobs" (the
+// default: OpenBLAS's threaded GEMM, its jobs run by bt_cpu_run_blas_jobs; the bits of
+// OpenBLAS's own threads at the same count), "blocks" (blocks of each GEMM's output claimed by
+// the pool's threads, OpenBLAS on one thread; results independent of the budget) or "openblas"
+// (OpenBLAS's own threads). At module init; ValueError for another value.
 void attach_blas();
+// Switches the GEMMs' threading at run time (a mode above; no GEMM may be running): benchmarks
+// and tests. blas_threads() is the current one ("" before attach_blas).
+void set_blas_threads(const std::string& mode);
+std::string blas_threads();
 
 template <typename F>
 void parallel_ranges(int64_t n, int64_t grain, F&& f) {

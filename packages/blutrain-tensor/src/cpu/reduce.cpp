@@ -1,11 +1,18 @@
 // cpu/reduce.cpp: reductions (sum, mean, max, min, var, argmax, argmin) on the CPU.
 // One output element per work item (ranges of outputs on the thread pool); the reduced dims are
-// walked with their own strides, so no copy is made.  Floats accumulate in double, ints in int64.
+// walked with their own strides, so no copy is made.  Floats accumulate in double, ints in int64,
+// each output's elements added in index order. Over one reduced dim, float sums and max / min run
+// the lane kernels of reduce_kernels.h (Note [row sums in lanes], Note [exact row sums]), which
+// give the scalar loops' bits.
+// Compiled with -ffp-contract=off (CMakeLists.txt): Var's (x - mean)^2 sums stay unfused in the
+// AVX2 / AVX-512 clones of the kernels.
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "../primitives.h"
 #include "loops.h"
+#include "reduce_kernels.h"
 
 namespace bt {
 
@@ -71,6 +78,61 @@ inline void visit(const Geometry& g, const T* base, F&& f) {
   }
 }
 }  // namespace
+
+#ifdef BT_REDUCE_LANES
+// Sums of outputs [i0, i1) of a one-dim reduction of float elements by the lane kernels, store(i,
+// sum) each; returns the first output left to the caller's scalar loop. Contiguous rows of 64
+// elements or more: blocks of 8 rows, each row's sum proven exact in any order or else the block
+// in lanes; the range's last rows one by one. Adjacent outputs (the reduced dim strided, the
+// innermost kept one contiguous): 16 or 8 outputs' elements j at once.
+template <typename T, typename Store>
+int64_t lane_sums(const Geometry& g, const T* xb, int64_t i0, int64_t i1, Store&& store) {
+  namespace rk = cpu::reduce;
+  constexpr int kBlock = rk::kRowLanes * rk::kRowGroups;
+  // The row length (elements) from which the lanes and the exact sums beat the caller's 8 chains
+  // (2M float32 elements in short rows, one core: n = 4 1.07 ms there, 4.9 in the exact sums;
+  // n = 32 0.60 vs 0.82; n = 64 0.55 vs 0.44).
+  constexpr int64_t kMinRow = 64;
+  const int64_t R = g.R, st = g.rstride[0];
+  double s[16];
+  int64_t i = i0;
+  if (st == 1) {
+    if (R < kMinRow) return i;  // short rows: the caller's 8 chains (per-row costs here)
+    const T* p[kBlock];
+    for (; i + kBlock <= i1; i += kBlock) {
+      for (int k = 0; k < kBlock; ++k) p[k] = xb + kept_offset(g, i + k);
+      bool exact = !std::is_same_v<T, double>;
+      if constexpr (!std::is_same_v<T, double>) {
+        for (int k = 0; k < kBlock && exact; ++k) exact = rk::sum_row_exact(p[k], R, s + k);
+      }
+      if (!exact) rk::sum_rows_block(p, R, s);
+      for (int k = 0; k < kBlock; ++k) store(i + k, s[k]);
+    }
+    for (; i < i1; ++i) {  // the range's last rows: exact sums, else one chain each
+      const T* q = xb + kept_offset(g, i);
+      bool exact = false;
+      if constexpr (!std::is_same_v<T, double>) exact = rk::sum_row_exact(q, R, s);
+      store(i, exact ? s[0] : rk::sum_row(q, R, 1));
+    }
+    return i;
+  }
+  if (g.kshape.empty() || g.kstride.back() != 1) return i;
+  const int64_t inner = g.kshape.back();
+  while (i < i1) {
+    const int64_t end = std::min(i1, i - i % inner + inner);  // this run of adjacent outputs
+    for (; i + 16 <= end; i += 16) {
+      rk::sum_cols_block(xb + kept_offset(g, i), R, st, s);
+      for (int k = 0; k < 16; ++k) store(i + k, s[k]);
+    }
+    for (; i + 8 <= end; i += 8) {
+      rk::sum_cols_group(xb + kept_offset(g, i), R, st, s);
+      for (int k = 0; k < 8; ++k) store(i + k, s[k]);
+    }
+    for (; i < end; ++i) store(i, rk::sum_row(xb + kept_offset(g, i), R, st));
+  }
+  return i;
+}
+#endif
 
 // Sum/mean over the leading dims of a contiguous tensor (a bias gradient: (N, C) -> (C)): walk
 // rows in memory order, accumulating into a row of accumulators (vectorisable), columns split
@@ -141,6 +203,18 @@ void Reduce::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
         const int64_t grain = std::max<int64_t>(1, cpu::kChunk / std::max<int64_t>(R, 1));
         auto rows = [&](int64_t i0, int64_t i1) {
           int64_t i = i0;
+#ifdef BT_REDUCE_LANES
+          if constexpr (std::is_floating_point_v<C>) {
+            if (cpu::reduce::lanes_enabled()) {
+              // a NaN sum as the default quiet NaN, as Max / Min give: which NaN an add returns
+              // when both operands are NaNs is the compiler's operand order (Note [row sums in
+              // lanes]); the chains below keep theirs (a select there: short rows 1.4x slower)
+              i = lane_sums(g, xb, i0, i1, [&](int64_t k, double v) {
+                store_sum(k, v != v ? std::numeric_limits<double>::quiet_NaN() : v);
+              });
+            }
+          }
+#endif
           for (; i + kSums <= i1; i += kSums) {
             const T* p[kSums];
             A acc[kSums];
@@ -164,6 +238,28 @@ void Reduce::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>& out) {
         cpu::parallel_ranges(g.nout, g.nout * R >= cpu::kParallelMin ? grain : g.nout, rows);
         return;
       }
+#ifdef BT_REDUCE_LANES
+      if constexpr (std::is_floating_point_v<C>) {
+        // max / min of contiguous rows in lanes (reduce_kernels.h: extreme_row), the scalar
+        // loop's bits
+        if ((rop == ReduceOp::Max || rop == ReduceOp::Min) && g.rshape.size() == 1 &&
+            g.rstride[0] == 1 && cpu::reduce::lanes_enabled()) {
+          const bool is_max = rop == ReduceOp::Max;
+          cpu::parallel_for(g.nout, g.R, [&](int64_t i) {
+            const T* base = xb + kept_offset(g, i);
+            C best;
+            const bool done = is_max ? cpu::reduce::extreme_row<true>(base, g.R, &best)
+                                     : cpu::reduce::extreme_row<false>(base, g.R, &best);
+            if (!done) {
+              best = is_max ? cpu::reduce::extreme_row_scalar<true>(base, g.R, 1)
+                            : cpu::reduce::extreme_row_scalar<false>(base, g.R, 1);
+            }
+            o[i] = static_cast<O>(best);
+          });
+          return;
+        }
+      }
+#endif
       cpu::parallel_for(g.nout, g.R, [&](int64_t i) {
         const T* base = xb + kept_offset(g, i);
         if (rop == ReduceOp::Sum || rop == ReduceOp::Mean) {

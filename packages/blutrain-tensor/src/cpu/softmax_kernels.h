@@ -13,12 +13,24 @@
 
 #include "../dtype.h"  // compute_t
 #include "fastmath.h"
+#include "widen.h"
 
 namespace bt::cpu::softmax {
 
 // exp in the compute type: the vectorisable float32 version for 16/32-bit inputs.
 inline float exp_c(float x) { return cpu::fast_exp(x); }
 inline double exp_c(double x) { return std::exp(x); }
+
+// e[j] = exp_c(arg(j)), j in [0, n): for float, fast_exp_block (Note [exp in range] in
+// fastmath.h: the same bits, fewer operations where the block's inputs are in range).
+template <typename A, typename Arg>
+inline void exp_block(A* e, int64_t n, Arg arg) {
+  if constexpr (std::is_same_v<A, float>) {
+    cpu::fast_exp_block(e, n, arg);
+  } else {
+    for (int64_t j = 0; j < n; ++j) e[j] = exp_c(arg(j));
+  }
+}
 
 // Row statistics with kLanes independent accumulators (a fixed order: deterministic) so the
 // compiler vectorises them; a single running max or sum is a dependency chain it must keep
@@ -140,6 +152,11 @@ constexpr int kSumLanes = 16;
 
 template <bool LOG, typename T>
 BT_CPU_CLONES double backward_sum(const T* y, const T* g, int64_t C) {
+#if BT_CPU_WIDEN
+  if constexpr (LOG && std::is_same_v<T, float>) {  // Note [widening loops]
+    if (widen::use_avx2()) return widen::lane_sum_avx2(g, C);
+  }
+#endif
   const int64_t full = C / kSumLanes * kSumLanes;
   double a[kSumLanes] = {};
   auto term = [&](int64_t i) {
@@ -166,16 +183,21 @@ BT_CPU_CLONES void softmax_dx_row(const T* y, const T* g, T* q, int64_t C, doubl
 // exp(y) for 16/32-bit rows is the forward's float exp (fast_exp, vectorised: libm's double exp
 // per element was 90% of this kernel's time); the rest in double as before. A block's float
 // exps go to a scratch first (Note [exp, then sum]: a loop mixing them with double math runs
-// the exp at half width).
+// the exp at half width); float32 rows take the double step in widen.h's loop (Note [widening
+// loops]).
 template <typename T>
 BT_CPU_CLONES void log_softmax_dx_row(const T* y, const T* g, T* q, int64_t C, double s) {
   using A = compute_t<T>;
   A e[kExpBlock];
   for (int64_t b = 0; b < C; b += kExpBlock) {
     const int64_t n = std::min(kExpBlock, C - b);
-    for (int64_t j = 0; j < n; ++j) e[j] = exp_c(static_cast<A>(y[b + j]));
-    for (int64_t j = 0; j < n; ++j) {
-      q[b + j] = static_cast<T>(static_cast<double>(g[b + j]) - static_cast<double>(e[j]) * s);
+    exp_block(e, n, [&](int64_t j) { return static_cast<A>(y[b + j]); });
+    if constexpr (std::is_same_v<T, float>) {
+      widen::sub_scaled(g + b, e, q + b, n, s);
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        q[b + j] = static_cast<T>(static_cast<double>(g[b + j]) - static_cast<double>(e[j]) * s);
+      }
     }
   }
 }
@@ -221,7 +243,14 @@ BT_CPU_CLONES void ce_grad_row(const T* p, T* q, int64_t C, int64_t Cx, double l
   A e[kExpBlock];  // Note [exp, then sum]: the float exps first, at full width
   for (int64_t b = 0; b < C; b += kExpBlock) {
     const int64_t n = std::min(kExpBlock, C - b);
-    for (int64_t j = 0; j < n; ++j) e[j] = exp_c(arg(b + j));
+    if constexpr (std::is_same_v<T, float>) {  // Note [widening loops]
+      float a[kExpBlock];  // the block's exponents, read before q (which may be p) is written
+      widen::shift_round(p + b, a, n, lse);
+      exp_block(e, n, [&](int64_t j) { return a[j]; });
+      widen::offset_scale(e, q + b, n, off, scale);
+      continue;
+    }
+    exp_block(e, n, [&](int64_t j) { return arg(b + j); });
     for (int64_t j = 0; j < n; ++j) {
       q[b + j] = static_cast<T>((static_cast<double>(e[j]) - off) * scale);
     }

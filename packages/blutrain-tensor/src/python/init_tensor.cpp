@@ -859,6 +859,16 @@ NB_MODULE(_tensor, m) {
       },
       "Addresses of (bt_cpu_run_blas_jobs, num_threads, in_parallel_region): the pool's C "
       "entry points.");
+  m.def("_cpu_pool_hold_workers", &cpu::pool_hold_workers, "hold"_a,
+        "Test hook: while held, the pool's workers wait before claiming a region's chunks (as if\n"
+        "never scheduled); regions still finish, on their callers.");
+  m.def("_set_blas_threads", &cpu::set_blas_threads, "mode"_a,
+        "How GEMMs use the thread budget: 'jobs', 'blocks' or 'openblas' (BLUTRAIN_BLAS_THREADS;\n"
+        "tests and benchmarks; never while a GEMM runs).");
+  m.def("_blas_threads", &cpu::blas_threads, "The GEMMs' threading mode (_set_blas_threads).");
+  m.def("_cpu_pool_stats", &cpu::pool_stats,
+        "[regions, items run by callers, items run by workers, joins that slept on a worker's\n"
+        "item]: the CPU pool's counters since the process started (tests, benchmarks).");
   m.def("available_cpus", &cpu::available_cpus,
         "CPUs this process may use: its affinity mask (os.sched_getaffinity), capped by its\n"
         "cgroup CPU quota rounded up (a container's --cpus); not the host's count.");
