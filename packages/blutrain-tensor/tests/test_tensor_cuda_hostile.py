@@ -470,3 +470,22 @@ def test_masked_fill_wants_the_mask_on_the_inputs_device_a_0d_one_too():
     assert x.masked_fill(m, bt.tensor(5.0)).tolist() == [[5.0, 1.0, 5.0]] * 2
     assert x.masked_fill(bt.tensor(True).cuda(), 7).tolist() == [[7.0] * 3] * 2
     assert x.tolist() == [[1.0] * 3] * 2  # (nothing changed by the refusals)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v", "mask"])
+def test_attention_with_a_tensor_on_another_device_raises(rng, where):
+    """The memcheck fuzz (seed 42, case 321): q on the CPU with k, v on CUDA crashed the process
+    (SIGSEGV): the CPU path's scan for non-finite inputs read k and v through host pointers
+    before anything checked their devices.  Every mix of devices now raises, naming the op and
+    both devices, before a value is read."""
+    t = {n: bt.tensor(rng.standard_normal((2, 2, 3, 4))) for n in "qkv"}
+    mask = bt.ones(3, 3, dtype=bt.bool)
+    for n in "qkv":
+        t[n] = t[n] if where == n else t[n].cuda()
+    mask = mask if where == "mask" else mask.cuda()
+    with pytest.raises(ValueError, match=r"^\[scaled_dot_product_attention\] expected all tensors "
+                       r"on the same device, got (cpu and cuda:0|cuda:0 and cpu)"):
+        bt.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=mask, is_causal=False)
+    if where != "mask":
+        with pytest.raises(ValueError, match=r"^\[scaled_dot_product_attention\] expected all"):
+            bt.scaled_dot_product_attention(t["q"], t["k"], t["v"], is_causal=True)

@@ -454,6 +454,19 @@ constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 constexpr float kCeHuge = 1048576.f;  // 2^20, in logit units
 __device__ __forceinline__ bool ce_huge(float m) { return isfinite(m) && fabsf(m) >= kCeHuge; }
 
+// Note [lse to m's last bit]: ordinary rows keep log2 units, but rows whose max is large next to
+// the loss (the H100 run of test_cross_entropy_of_huge_logits_matches_the_cpu: M ~ 2^20, 1e7)
+// lost the loss to rounding twice: lse = (ML + log2 s) ln2 rounds to ML's ulp (0.125 at 2^20,
+// then 1.0 at 1e7), and lse - xt kept that error (a loss of ln 2 came out 1.0).  So the kernels
+// carry m and log s apart: nll = (m - xt) + log s, lse = m + log s rounded once (the CPU's value),
+// where log s = (log2 s - e) ln2 and e = m log2e - fl(m log2e), exact by FMA.  The backward's
+// exponent takes the same residual of fl(lse log2e).  A thread whose running max was huge
+// before the row's max (a -1e30 logit first) holds an overflowed sum (inf * 0 = NaN after the
+// rescale): it sums its values again against the row's max.
+__device__ __forceinline__ float log2e_residual(float a, float al) {
+  return isfinite(a) ? fmaf(a, kLog2e, -al) : 0.f;
+}
+
 // Threads per row block of the v3 kernels: kCeThreads, or BT_CUDA_CE_THREADS (a multiple of 32
 // in [64, kCeMaxThreads]; for tuning sweeps), then no more than the row needs (>= 32).
 inline int ce_threads(int64_t C, int V) {

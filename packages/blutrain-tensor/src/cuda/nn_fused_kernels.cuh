@@ -1059,6 +1059,7 @@ __global__ void __launch_bounds__(kCeMaxThreads)
   const int64_t row = blockIdx.x, tg = t[row];
   const int tid = threadIdx.x, nt = blockDim.x;
   const float lf = static_cast<float>(lse[row]), ll = lf * kLog2e, sc = scale[row];
+  const float el = log2e_residual(lf, ll);  // Note [lse to m's last bit]
   const float offv = static_cast<float>(ls / double(C)), on = static_cast<float>(1 - ls);
   const bool ign = tg == ii, bad = !ign && (tg < 0 || tg >= C);
   const bool huge = ce_huge(lf);  // Note [huge logits]: natural units for this row
@@ -1066,7 +1067,7 @@ __global__ void __launch_bounds__(kCeMaxThreads)
   const T* p = x + row * ldx;
   T* q = dx + row * Cx;
   auto grad = [&](float v, int c, auto hg) {
-    float d = (decltype(hg)::value ? expf(v - lf) : ex2_approx(fmaf(v, kLog2e, -ll))) - offv;
+    float d = (decltype(hg)::value ? expf(v - lf) : ex2_approx(fmaf(v, kLog2e, -ll) - el)) - offv;
     d = c == tgc ? d - on : d;
     d = bad ? NAN : d * sc;
     return ign || c >= C ? 0.f : d;  // a select: padding / ignored logits may be inf or NaN

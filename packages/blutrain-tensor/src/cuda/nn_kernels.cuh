@@ -553,23 +553,25 @@ inline bool ln_fwd_v6_default(int64_t C) {
 // `loss_o` (reduction none, in O) or as float/double into `row_loss` for the reduction pass.
 // Ignored rows give 0.  An out-of-range target gives NaN and is recorded in index.cu's error
 // record (`err`), so the host raises IndexError at its next synchronisation.
-// xt: the target's logit (read by the caller when 0 <= tgt < C).
+// xt: the target's logit (read by the caller when 0 <= tgt < C); lse = m + logs, and the loss
+// takes (m - xt) + logs (Note [lse to m's last bit]).
 template <typename T, typename S, typename O>
-__device__ __forceinline__ void ce_finish_lse(int64_t row, math_t<T> lse, math_t<T> sum_x,
-                                              math_t<T> xt, int64_t tgt, int64_t C, int64_t ii,
-                                              double ls, S* lse_o, O* loss_o, math_t<T>* row_loss,
+__device__ __forceinline__ void ce_finish_lse(int64_t row, math_t<T> m, math_t<T> logs,
+                                              math_t<T> sum_x, math_t<T> xt, int64_t tgt,
+                                              int64_t C, int64_t ii, double ls, S* lse_o,
+                                              O* loss_o, math_t<T>* row_loss,
                                               DeviceErrorSink err) {
   using A = math_t<T>;
-  lse_o[row] = lse;
+  lse_o[row] = m + logs;
   A loss = 0;
   if (tgt != ii) {
     if (tgt < 0 || tgt >= C) {
       loss = NAN;
       record_device_error(err, tgt, C);
     } else {
-      const A nll = lse - xt;
+      const A nll = (m - xt) + logs;
       // ls == 0: nll alone (as PyTorch), so masked (-inf) logits give a finite loss, not 0 * inf
-      loss = ls == 0 ? nll : A(1 - ls) * nll + A(ls) * (lse - sum_x / A(C));
+      loss = ls == 0 ? nll : A(1 - ls) * nll + A(ls) * ((m - sum_x / A(C)) + logs);
     }
   }
   if (loss_o) loss_o[row] = convert<O>(loss);
@@ -581,7 +583,7 @@ __device__ __forceinline__ void ce_finish_row(int64_t row, math_t<T> m, math_t<T
                                               int64_t ii, double ls, S* lse_o, O* loss_o,
                                               math_t<T>* row_loss, DeviceErrorSink err) {
   const math_t<T> xt = tgt >= 0 && tgt < C ? load_math(p + tgt) : math_t<T>(0);
-  ce_finish_lse<T, S, O>(row, m + log(s), sum_x, xt, tgt, C, ii, ls, lse_o, loss_o, row_loss, err);
+  ce_finish_lse<T, S, O>(row, m, log(s), sum_x, xt, tgt, C, ii, ls, lse_o, loss_o, row_loss, err);
 }
 
 // v2: one pass, 16-byte loads.  row_chunks aligns each row on its own (head / tail elements), so
@@ -697,7 +699,7 @@ __global__ void __launch_bounds__(kCeMaxThreads)
   // the target's logit, in flight during the reductions
   const float xt = tid == 0 && tg >= 0 && tg < C ? load_math(p + tg) : 0.f;
   const float M = block_max(m, scratch, -INFINITY);
-  const float ML = M * kLog2e;
+  const float ML = M * kLog2e, eM = log2e_residual(M, ML);
   const bool huge = ce_huge(M);  // the same for the whole block
   float st = s == 0.f ? 0.f : s * ex2_approx(ml - ML);  // s == 0: ml may be -inf like ML
   if (huge) {  // Note [huge logits]: a second pass, natural units
@@ -705,6 +707,12 @@ __global__ void __launch_bounds__(kCeMaxThreads)
     walk([&](const float* v, auto n) {
 #pragma unroll
       for (int k = 0; k < decltype(n)::value; ++k) st += expf(v[k] - M);
+    });
+  } else if (!isfinite(st) && isfinite(M)) {  // Note [lse to m's last bit]: this thread, again
+    st = 0;
+    walk([&](const float* v, auto n) {
+#pragma unroll
+      for (int k = 0; k < decltype(n)::value; ++k) st += ex2_approx(fmaf(v[k], kLog2e, -ML));
     });
   }
   st = warp_sum(st);
@@ -715,8 +723,8 @@ __global__ void __launch_bounds__(kCeMaxThreads)
   if (tid == 0) {
     float ss = 0, sxx = 0;
     for (int w = 0; w < nt / 32; ++w) ss += scratch[w], sxx += scratch[32 + w];  // fixed order
-    const float lse = huge ? M + logf(ss) : (ML + log2f(ss)) * kLn2;
-    ce_finish_lse<T, S, O>(row, lse, sxx, xt, tg, C, ii, ls, lse_o, loss_o, row_loss, err);
+    const float logs = huge ? logf(ss) : (log2f(ss) - eM) * kLn2;
+    ce_finish_lse<T, S, O>(row, M, logs, sxx, xt, tg, C, ii, ls, lse_o, loss_o, row_loss, err);
   }
 }
 
@@ -769,7 +777,7 @@ __global__ void __launch_bounds__(kCeMaxThreads)
     add(r, j);
   }
   const float M = block_max(m, scratch, -INFINITY);  // its barriers also publish srow
-  const float ML = M * kLog2e;
+  const float ML = M * kLog2e, eM = log2e_residual(M, ML);
   const bool huge = ce_huge(M);  // the same for the whole block
   float st = s == 0.f ? 0.f : s * ex2_approx(ml - ML);
   if (huge) {  // Note [huge logits]: a second pass over the row in shared memory, natural units
@@ -780,6 +788,14 @@ __global__ void __launch_bounds__(kCeMaxThreads)
 #pragma unroll
       for (int k = 0; k < V; ++k) st += w * V + k < C ? expf(v[k] - M) : 0.f;
     }
+  } else if (!isfinite(st) && isfinite(M)) {  // Note [lse to m's last bit]: this thread's words
+    st = 0;
+    for (int w = tid; w < nload; w += nt) {
+      float v[V];
+      unpack16<T>(srow[w], v);
+#pragma unroll
+      for (int k = 0; k < V; ++k) st += w * V + k < C ? ex2_approx(fmaf(v[k], kLog2e, -ML)) : 0.f;
+    }
   }
   st = warp_sum(st);
   if (tid % 32 == 0) scratch[tid / 32] = st;
@@ -787,14 +803,15 @@ __global__ void __launch_bounds__(kCeMaxThreads)
   if (tid == 0) {
     float ss = 0;
     for (int w = 0; w < nt / 32; ++w) ss += scratch[w];  // fixed order
-    const float lse = huge ? M + logf(ss) : (ML + log2f(ss)) * kLn2;
+    const float logs = huge ? logf(ss) : (log2f(ss) - eM) * kLn2;
     const float xt = tg >= 0 && tg < C ? load_math(reinterpret_cast<const T*>(srow) + tg) : 0.f;
-    ce_finish_lse<T, float, float>(row, lse, 0.f, xt, tg, C, ii, 0.0, lse_o, nullptr, row_loss,
-                                   err);
-    lse_s = lse;
+    ce_finish_lse<T, float, float>(row, M, logs, 0.f, xt, tg, C, ii, 0.0, lse_o, nullptr,
+                                   row_loss, err);
+    lse_s = M + logs;
   }
   __syncthreads();
-  const float lse = lse_s, ll = lse * kLog2e, sc = scale ? *scale : 1.f;
+  const float lse = lse_s, ll = lse * kLog2e, el = log2e_residual(lse, ll);
+  const float sc = scale ? *scale : 1.f;
   const bool ign = tg == ii, bad = !ign && (tg < 0 || tg >= C);
   const int tgc = ign || bad ? -1 : static_cast<int>(tg);
   auto pass2 = [&](auto hg) {  // hg: Note [huge logits], natural units
@@ -809,7 +826,8 @@ __global__ void __launch_bounds__(kCeMaxThreads)
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         const int c = w * V + k;
-        float d = decltype(hg)::value ? expf(v[k] - lse) : ex2_approx(fmaf(v[k], kLog2e, -ll));
+        float d = decltype(hg)::value ? expf(v[k] - lse)
+                                      : ex2_approx(fmaf(v[k], kLog2e, -ll) - el);
         d = (c == tgc ? d - 1.f : d) * sc;
         d = bad ? NAN : d;
         v[k] = ign || c >= C ? 0.f : d;  // a select: padding / ignored logits may be inf or NaN
