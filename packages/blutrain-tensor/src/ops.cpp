@@ -1771,6 +1771,10 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
                     dtype_name(q.dtype()) + ", " + dtype_name(k.dtype()) + " and " +
                     dtype_name(v.dtype()));
   }
+  // before anything reads values: the CPU scan below would dereference a CUDA k or v
+  check_same_device(q, k, "scaled_dot_product_attention");
+  check_same_device(q, v, "scaled_dot_product_attention");
+  if (attn_mask.defined()) check_same_device(q, attn_mask, "scaled_dot_product_attention");
   if (q.shape().back() != k.shape().back()) {
     throw ValueError("[scaled_dot_product_attention] q and k head dims differ: " +
                      shape_str(q.shape()) + " and " + shape_str(k.shape()));

@@ -390,6 +390,18 @@ def test_custom_function_backward_must_return_tensors():
         (lambda: bt.ones(3, dtype=bt.int32).div_(2), TypeError, r"^\[div_\] the result is float"),
         (lambda: bt.ones(3, dtype=bt.int64).exp_(), TypeError, r"^\[exp_\] the result is float"),
         (lambda: bt.ones(3, dtype=bt.bool).mul_(2), TypeError, r"^\[mul_\] .* in a bool tensor"),
+        # refused before computing: a division by zero in the refused result is not what is
+        # reported (on CUDA that error surfaced at the next synchronisation, after the refusal)
+        (
+            lambda: bt.ones(1, dtype=bt.bool).__imod__(bt.zeros(5, 1, 1, dtype=bt.int32)),
+            TypeError,
+            r"^\[remainder_\] the result is int32, which cannot be stored in place in a bool",
+        ),
+        (
+            lambda: bt.ones(2, dtype=bt.int32).floor_divide_(bt.zeros(3, 2, dtype=bt.int32)),
+            ValueError,
+            r"^\[floor_divide_\] the result of shape \(3, 2\) does not fit the tensor of shape \(2,\)",
+        ),
         # a value an integer dtype cannot hold (its cast is undefined behaviour in C++)
         (
             lambda: bt.full((2,), float("nan"), dtype=bt.int64),

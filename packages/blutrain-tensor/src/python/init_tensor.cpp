@@ -683,14 +683,47 @@ Tensor inplace_self(const Tensor& a, nb::handle other) {
 // In-place arithmetic stores its result in a's dtype: as PyTorch, a float result may not go
 // into an integer tensor, nor a non-bool one into a bool tensor (that would truncate silently).
 // Copies (copy_, fill_, setitem) do cast.
-Tensor& arith_inplace(Tensor& a, const Tensor& r, const char* op) {
-  const bool lower = (is_floating(r.dtype()) && !is_floating(a.dtype())) ||
-                     (a.dtype() == DType::Bool && r.dtype() != DType::Bool);
+static void check_storable(const Tensor& a, DType r, const char* op) {
+  const bool lower = (is_floating(r) && !is_floating(a.dtype())) ||
+                     (a.dtype() == DType::Bool && r != DType::Bool);
   if (lower) {
-    throw TypeError(std::string("[") + op + "] the result is " + dtype_name(r.dtype()) +
+    throw TypeError(std::string("[") + op + "] the result is " + dtype_name(r) +
                     ", which cannot be stored in place in a " + dtype_name(a.dtype()) +
                     " tensor; use the out-of-place op");
   }
+}
+
+// The refusals arith_inplace / inplace() would make after computing, made before it where the
+// operand is a tensor or a Python number: on CUDA an integer division by zero is found by the
+// kernel and raised at the next synchronisation, so computing first let that error surface
+// after (and apart from) the refusal (GPU fuzz seed 2123842650 case 3750: a bool tensor
+// %= an int32 one holding zeros).
+static void check_inplace_binary(const Tensor& a, BinaryOp op, nb::handle other, const char* nm) {
+  DType dt;
+  if (is_tensor(other)) {
+    const Tensor& b = nb::cast<const Tensor&>(other);
+    if (!a.defined() || !b.defined()) return;  // (binary() names an undefined operand)
+    dt = promote_types(a.dtype(), b.dtype());
+    if (broadcast_shapes(a.shape(), b.shape(), nm) != a.shape()) {
+      throw ValueError(std::string("[") + nm + "] the result of shape " +
+                       shape_str(broadcast_shapes(a.shape(), b.shape(), nm)) +
+                       " does not fit the tensor of shape " + shape_str(a.shape()) +
+                       " being modified in place");
+    }
+  } else if (PyBool_Check(other.ptr()) || PyLong_Check(other.ptr()) ||
+             PyFloat_Check(other.ptr())) {
+    if (!a.defined()) return;
+    const int cat = PyFloat_Check(other.ptr()) ? 2 : PyBool_Check(other.ptr()) ? 0 : 1;
+    dt = promote_with_scalar(a.dtype(), cat);
+  } else {
+    return;  // (numpy operands: checked after, as before)
+  }
+  if (op == BinaryOp::Div) dt = to_floating(dt);
+  check_storable(a, dt, nm);
+}
+
+Tensor& arith_inplace(Tensor& a, const Tensor& r, const char* op) {
+  check_storable(a, r.dtype(), op);
   return inplace(a, r, op);
 }
 
@@ -1294,6 +1327,7 @@ NB_MODULE(_tensor, m) {
       py,                                                             \
       [](Tensor& a, nb::handle b) -> Tensor {                         \
         OpScope scope(nm);                                            \
+        check_inplace_binary(a, BinaryOp::op, b, nm);                 \
         Tensor r = binop(BinaryOp::op, inplace_self(a, b), b, false); \
         arith_inplace(a, r, nm);                                      \
         return a;                                                     \
