@@ -393,7 +393,7 @@ def test_custom_function_backward_must_return_tensors():
         # refused before computing: a division by zero in the refused result is not what is
         # reported (on CUDA that error surfaced at the next synchronisation, after the refusal)
         (
-            lambda: bt.ones(1, dtype=bt.bool).__imod__(bt.zeros(5, 1, 1, dtype=bt.int32)),
+            lambda: bt.ones(1, dtype=bt.bool).__imod__(bt.zeros(1, dtype=bt.int32)),
             TypeError,
             r"^\[remainder_\] the result is int32, which cannot be stored in place in a bool",
         ),
