@@ -31,8 +31,10 @@ namespace bt::cpu {
 // rather than converted, so an out-of-range x (whose result is selected away) is no undefined
 // float-to-int conversion. Every one of the 2^32 inputs gives the bits of the clamped version,
 // with and without FMA contraction, on x86-64-v4, -v3 and the baseline (checked exhaustively).
-inline float fast_exp(float x) {
-  const float hi = 88.72283905206835f, lo = -87.3365447504f;  // ln(FLT_MAX), ln(FLT_MIN)
+//
+// exp_reduced: exp(x) = y * 2^n: n = round(x / ln 2) (as two's complement bits) and y = exp(x - n ln 2) in
+// [0.7, 1.42] by the polynomial; fast_exp and fast_exp_in_range differ only in how they scale y.
+inline float exp_reduced(float x, uint32_t& n) {
   const float t = x * 1.44269504088896341f;  // x / ln 2
   // Round to nearest by adding and removing 1.5 * 2^23 (|t| < 2^22 here): no branch, so the
   // loop vectorises (with -fno-trapping-math, see CMakeLists.txt).
@@ -40,7 +42,7 @@ inline float fast_exp(float x) {
   const float fn = big - 12582912.0f;
   uint32_t big_bits;
   std::memcpy(&big_bits, &big, 4);
-  const uint32_t n = big_bits - 0x4B400000u;  // round(t), two's complement: 1.5 * 2^23 + n
+  n = big_bits - 0x4B400000u;  // round(t), two's complement: 1.5 * 2^23 + n
   float r = x - fn * 0.693359375f;  // ln 2 split in two for an exact reduction
   r = r - fn * -2.12194440e-4f;
   const float z = r * r;
@@ -51,6 +53,13 @@ inline float fast_exp(float x) {
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * z + r + 1.0f;
+  return y;
+}
+
+inline float fast_exp(float x) {
+  const float hi = 88.72283905206835f, lo = -87.3365447504f;  // ln(FLT_MAX), ln(FLT_MIN)
+  uint32_t n;
+  const float y = exp_reduced(x, n);
   // 2^n built as 2^(n-1) * 2, so n = 128 (x near ln(FLT_MAX)) does not overflow the exponent.
   const uint32_t bits = (n + 126u) << 23;
   float p2;
@@ -74,22 +83,8 @@ inline float fast_exp(float x) {
 constexpr uint32_t kExpFastMaxBits = 0x42AA0000u;  // the bits of 85.0f
 
 inline float fast_exp_in_range(float x) {
-  const float t = x * 1.44269504088896341f;
-  const float big = t + 12582912.0f;
-  const float fn = big - 12582912.0f;
-  uint32_t big_bits;
-  std::memcpy(&big_bits, &big, 4);
-  const uint32_t n = big_bits - 0x4B400000u;
-  float r = x - fn * 0.693359375f;
-  r = r - fn * -2.12194440e-4f;
-  const float z = r * r;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
+  uint32_t n;
+  const float y = exp_reduced(x, n);
   uint32_t yb;
   std::memcpy(&yb, &y, 4);
   yb += n << 23;

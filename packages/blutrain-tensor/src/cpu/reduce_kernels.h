@@ -104,47 +104,48 @@ inline VF half_bits_to_float(VU h) {
   return f;
 }
 
-// n consecutive elements as floats (T 32 bits or less) or doubles (T = double): the exact values.
-inline v4sf load4(const float* p) {
-  v4sf v;
+// N consecutive elements (N = 4 or 8) as floats (T 32 bits or less) or doubles (4, T = double):
+// the exact values.  (GCC vector types are structural: Lanes<4>::f is v4sf.)
+template <int N>
+struct Lanes {
+  typedef float f __attribute__((vector_size(4 * N)));
+  typedef uint16_t h __attribute__((vector_size(2 * N)));
+  typedef uint32_t u __attribute__((vector_size(4 * N)));
+};
+template <int N>
+inline typename Lanes<N>::f load_lanes(const float* p) {
+  typename Lanes<N>::f v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline v4sf load4(const bfloat16* p) {
-  v4hu h;
+template <int N>
+inline typename Lanes<N>::f load_lanes(const bfloat16* p) {
+  typename Lanes<N>::h h;
   std::memcpy(&h, p, sizeof h);
-  const v4su u = __builtin_convertvector(h, v4su) << 16;
-  v4sf v;
+  const typename Lanes<N>::u u = __builtin_convertvector(h, typename Lanes<N>::u) << 16;
+  typename Lanes<N>::f v;
   std::memcpy(&v, &u, sizeof v);
   return v;
 }
-inline v4sf load4(const float16* p) {
-  v4hu h;
+template <int N>
+inline typename Lanes<N>::f load_lanes(const float16* p) {
+  typename Lanes<N>::h h;
   std::memcpy(&h, p, sizeof h);
-  return half_bits_to_float<v4su, v4sf>(__builtin_convertvector(h, v4su));
+  return half_bits_to_float<typename Lanes<N>::u, typename Lanes<N>::f>(
+      __builtin_convertvector(h, typename Lanes<N>::u));
+}
+template <typename T>
+inline v4sf load4(const T* p) {
+  return load_lanes<4>(p);
 }
 inline v4df load4(const double* p) {
   v4df v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline v8sf load8(const float* p) {
-  v8sf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline v8sf load8(const bfloat16* p) {
-  v8hu h;
-  std::memcpy(&h, p, sizeof h);
-  const v8su u = __builtin_convertvector(h, v8su) << 16;
-  v8sf v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
-inline v8sf load8(const float16* p) {
-  v8hu h;
-  std::memcpy(&h, p, sizeof h);
-  return half_bits_to_float<v8su, v8sf>(__builtin_convertvector(h, v8su));
+template <typename T>
+inline v8sf load8(const T* p) {
+  return load_lanes<8>(p);
 }
 
 // One element as the scalar loop read it: T -> compute_t<T> -> double.
