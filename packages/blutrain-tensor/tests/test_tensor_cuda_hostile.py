@@ -329,8 +329,12 @@ def test_cross_entropy_of_huge_logits_matches_the_cpu(rng, monkeypatch, version,
         assert np.isfinite(got).all() and np.isfinite(got_g).all()
         # label smoothing's mean logit is summed in float on the device (double on the CPU):
         # at |x| ~ 1e7 its rounding is ~1e-6 of the row's magnitude
+        # (per row: np.testing.assert_allclose formats atol with ':g' before comparing, so an
+        # array atol raised TypeError on every call, equal arrays included)
         atol = tol + (1e-6 * np.abs(_np(bt.tensor(xd, dtype=dtype))).max(1) if ls else 0)
-        np.testing.assert_allclose(got, want, rtol=tol, atol=atol)
+        err = np.abs(got - want)
+        bad = ~(err <= atol + tol * np.abs(want))
+        assert not bad.any(), (ls, np.flatnonzero(bad), got[bad], want[bad])
         np.testing.assert_allclose(got_g, want_g, rtol=0, atol=tol)
 
 
@@ -483,8 +487,11 @@ def test_attention_with_a_tensor_on_another_device_raises(rng, where):
     for n in "qkv":
         t[n] = t[n] if where == n else t[n].cuda()
     mask = mask if where == "mask" else mask.cuda()
-    with pytest.raises(ValueError, match=r"^\[scaled_dot_product_attention\] expected all tensors "
-                       r"on the same device, got (cpu and cuda:0|cuda:0 and cpu)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^\[scaled_dot_product_attention\] expected all tensors "
+        r"on the same device, got (cpu and cuda:0|cuda:0 and cpu)",
+    ):
         bt.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=mask, is_causal=False)
     if where != "mask":
         with pytest.raises(ValueError, match=r"^\[scaled_dot_product_attention\] expected all"):
