@@ -400,7 +400,7 @@ def test_custom_function_backward_must_return_tensors():
         (
             lambda: bt.ones(2, dtype=bt.int32).floor_divide_(bt.zeros(3, 2, dtype=bt.int32)),
             ValueError,
-            r"^\[floor_divide_\] the result of shape \(3, 2\) does not fit the tensor of shape \(2,\)",
+            r"^\[floor_divide_\] the result of shape \(3, 2\) does not fit the tensor of shape",
         ),
         # a value an integer dtype cannot hold (its cast is undefined behaviour in C++)
         (
