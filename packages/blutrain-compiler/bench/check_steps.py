@@ -10,14 +10,15 @@ Written for the H100 run of session 45, where every fused kernel matched eager a
 compiled LLaMA step gave a NaN loss from step 0 and GPT-2's from step 1 (CPU: same bits).
 
     python bench/check_steps.py --device cuda llama32:check gpt2bf16:check
-    python bench/check_steps.py --device cuda --quick llama32 llama32:nogather llama32:ff
+    python bench/check_steps.py --device cuda --quick llama32 llama32:gather llama32:ff
 
 A spec is MODEL[:VARIANT]; MODEL: llama32, llama16, gpt2bf16; VARIANT: check (the per-step
-comparison), nogather (embedding gathers run eagerly instead of into the arena), zero / ff (the
+comparison), nogather (embedding gathers run eagerly, on the CPU too), zero / ff (the
 arena filled with 0x00 / 0xFF bytes before the first call: a step that reads memory no step
-wrote changes with it), or none (the plain compiled step).  --quick first checks the pieces a
-compiled CUDA step leans on: blutrain.linalg GEMMs into given memory on the current stream, and
-AdamW's device scalars written by fill_.
+wrote changes with it), gather (CUDA gathers into the arena through index_select's out=, which
+the compiler gates to the CPU since that run), or none (the plain compiled step).  --quick
+first checks the pieces a compiled CUDA step leans on: blutrain.linalg GEMMs into given
+memory on the current stream, and AdamW's device scalars written by fill_.
 """
 
 from __future__ import annotations
@@ -176,12 +177,18 @@ def _filled_arena(byte: int) -> Any:
     return views
 
 
+def _any_device_gather(g: Any, n: Any) -> bool:
+    return n.op == "index_select" and len(n.inputs) == 2 and len(g.values[n.inputs[1]].shape) == 1
+
+
 def run_spec(spec: str, device: str) -> dict[str, Any]:
     """One model's eager and compiled steps under one variant; returns the runs and the report."""
     import compiler_cases as CC
 
     model, _, variant = spec.partition(":")
-    P._gather_out_ok = (lambda g, n: False) if variant == "nogather" else _orig["gather_ok"]
+    P._gather_out_ok = {"nogather": lambda g, n: False, "gather": _any_device_gather}.get(
+        variant, _orig["gather_ok"]
+    )
     P.Program._arena_views = (
         _filled_arena(0 if variant == "zero" else 255)
         if variant in ("zero", "ff")
