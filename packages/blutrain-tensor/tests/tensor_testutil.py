@@ -45,3 +45,16 @@ def gradient_probe():
             return g
 
     return Probe.apply, seen
+
+
+# "cpu", and "cuda" as a GPU test (marked gpu, skipped where no device is)
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(bt.cuda_device_count() == 0, reason="no CUDA device"),
+        ],
+    ),
+]

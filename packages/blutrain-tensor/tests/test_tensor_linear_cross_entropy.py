@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tensor_testutil import f64, needs_linalg
+from tensor_testutil import DEVICES, f64, needs_linalg
 
 import blutrain.tensor as bt
 
@@ -168,19 +168,7 @@ def test_retain_graph_backward_twice(rng):
     np.testing.assert_allclose(f64(w.grad), 2 * g1[1], rtol=1e-14)
 
 
-_DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(bt.cuda_device_count() == 0, reason="no CUDA device"),
-        ],
-    ),
-]
-
-
-@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("device", DEVICES)
 def test_last_backward_scales_in_place_to_the_same_bits(rng, device):
     """The last backward scales the saved gradients in place (one multi-tensor kernel); a
     retained graph multiplies instead: the same bits.  With a float32 master behind a bf16 cast,

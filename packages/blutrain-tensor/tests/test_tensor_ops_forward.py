@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from tensor_testutil import FLOAT_DTYPES, TOL, f64, needs_linalg
+from tensor_testutil import DEVICES, FLOAT_DTYPES, TOL, f64, needs_linalg
 
 import blutrain.tensor as bt
 
@@ -536,19 +536,7 @@ def test_float32_transcendentals_full_range(name):
     np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)])
 
 
-_DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(bt.cuda_device_count() == 0, reason="no CUDA device"),
-        ],
-    ),
-]
-
-
-@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("device", DEVICES)
 def test_fill_with_a_number_writes_in_place_without_allocating(rng, device):
     """Note [fill_ without an allocation]: a compiled / replayed step's scalars are written with
     fill_ before each step, and its steady state makes no allocator call.  The direct path

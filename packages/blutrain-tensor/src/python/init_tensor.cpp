@@ -711,9 +711,9 @@ static void check_inplace_binary(const Tensor& a, BinaryOp op, nb::handle other,
     const Tensor& b = nb::cast<const Tensor&>(other);
     if (!a.defined() || !b.defined()) return;  // (binary() names an undefined operand)
     dt = promote_types(a.dtype(), b.dtype());
-    if (broadcast_shapes(a.shape(), b.shape(), nm) != a.shape()) {
-      throw ValueError(std::string("[") + nm + "] the result of shape " +
-                       shape_str(broadcast_shapes(a.shape(), b.shape(), nm)) +
+    const Shape s = broadcast_shapes(a.shape(), b.shape(), nm);
+    if (s != a.shape()) {
+      throw ValueError(std::string("[") + nm + "] the result of shape " + shape_str(s) +
                        " does not fit the tensor of shape " + shape_str(a.shape()) +
                        " being modified in place");
     }
