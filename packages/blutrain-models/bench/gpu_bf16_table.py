@@ -4,12 +4,18 @@ ours bf16's |train loss - fp32's| over the last tenth and final |val loss - fp32
 than torch bf16's, and ours' final val loss at or below torch bf16's.
 
     python bench/gpu_bf16_table.py out/conv_a.json out/conv_b.json
+    python bench/gpu_bf16_table.py --across out/conv_b_seed*.json   # one setting, several seeds
+
+--across: one seed ranks nothing (ours fp32 sits as far from torch fp32 as any bf16 run, from
+summation order alone), so the aim is judged on the mean over seeds of each paired difference,
+ours minus torch, printed with its standard error.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -77,8 +83,67 @@ def table(path: str) -> bool:
     return ok_all
 
 
+def _mean_se(xs: list[float]) -> tuple[float, float]:
+    n = len(xs)
+    m = sum(xs) / n
+    if n < 2:
+        return m, math.nan
+    var = sum((x - m) ** 2 for x in xs) / (n - 1)
+    return m, math.sqrt(var / n)
+
+
+def across(paths: list[str]) -> bool:
+    """One setting over several seeds: each run's mean distances from its seed's reference, and
+    the aim's paired differences (ours:bf16 - torch:bf16; ours:P - torch:P final val for every
+    precision P) as mean +- standard error. True when every mean difference is <= 0."""
+    from convergence import reference, summarize
+
+    sums: dict[str, list[dict]] = {}
+    seeds, setting = [], None
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        a = d["args"]
+        key = (a["B"], a["T"], a["steps"])
+        if setting is not None and key != setting:
+            raise SystemExit(f"gpu_bf16_table.py --across: {p} is B{key[0]} T{key[1]} "
+                             f"{key[2]} steps, the others B{setting[0]} T{setting[1]} {setting[2]}")
+        setting = key
+        if "torch:fp32" not in d["runs"]:
+            raise SystemExit(f"gpu_bf16_table.py --across: {p} has no torch:fp32 run (the reference)")
+        s = summarize(d["runs"], argparse.Namespace(**a))
+        assert reference(list(d["runs"])) == "torch:fp32"
+        seeds.append(f"{a['seed']}/{a.get('init_seed', 0)}")
+        for run, r in s.items():
+            sums.setdefault(run, []).append(r)
+    print(f"\nsetting {SETTINGS.get(setting, setting)}, {len(paths)} seeds (batch/init): "
+          f"{', '.join(seeds)}; reference torch:fp32 of each seed; mean +- standard error")
+    print(f"{'run':<20} {'n':>2} {'|dtrain| tail':>17} {'|dval| final':>17} {'val final':>17}")
+    for run, rs in sums.items():
+        cols = [_mean_se([r[k] for r in rs]) for k in ("d_train_tail", "d_val_final", "val_final")]
+        print(f"{run:<20} {len(rs):>2} " + " ".join(f"{m:9.4f} +-{e:6.4f}" for m, e in cols))
+    ok = True
+    print("paired over seeds (ours - torch; the aim: <= 0):")
+    pairs = [("ours:bf16", "torch:bf16", k) for k in ("d_train_tail", "d_val_final")]
+    pairs += [(f"ours:{p}", f"torch:{p}", "val_final") for p in ("fp32", "tf32", "bf16")]
+    for o, t, k in pairs:
+        if o not in sums or t not in sums or len(sums[o]) != len(sums[t]):
+            continue
+        diffs = [x[k] - y[k] for x, y in zip(sums[o], sums[t])]
+        m, e = _mean_se(diffs)
+        met = m <= 0
+        ok &= met
+        print(f"  {k:<13} {o} - {t}: {m:+.4f} +- {e:.4f} "
+              f"({sum(d <= 0 for d in diffs)} of {len(diffs)} seeds <= 0) {'ok' if met else 'NOT MET'}")
+    return ok
+
+
 def main() -> int:
     paths = sys.argv[1:]
+    if paths and paths[0] == "--across":
+        ok = across(paths[1:])
+        print(f"\naim (issue 38) on the means over seeds: {'met' if ok else 'NOT met'}")
+        return 0
     if not paths:
         print(__doc__)
         return 2
