@@ -10,15 +10,19 @@ Written for the H100 run of session 45, where every fused kernel matched eager a
 compiled LLaMA step gave a NaN loss from step 0 and GPT-2's from step 1 (CPU: same bits).
 
     python bench/check_steps.py --device cuda llama32:check gpt2bf16:check
-    python bench/check_steps.py --device cuda --quick llama32 llama32:gather llama32:ff
+    python bench/check_steps.py --device cuda --quick llama32 llama32:nogather llama32:noplans
 
 A spec is MODEL[:VARIANT]; MODEL: llama32, llama16, gpt2bf16; VARIANT: check (the per-step
-comparison), nogather (embedding gathers run eagerly, on the CPU too), zero / ff (the
-arena filled with 0x00 / 0xFF bytes before the first call: a step that reads memory no step
-wrote changes with it), gather (CUDA gathers into the arena through index_select's out=, which
-the compiler gates to the CPU since that run), or none (the plain compiled step).  --quick
-first checks the pieces a compiled CUDA step leans on: blutrain.linalg GEMMs into given
-memory on the current stream, and AdamW's device scalars written by fill_.
+comparison), nogather (embedding gathers run eagerly), noplans (every GEMM through
+blutrain.linalg's general path, no reused plan), zero / ff (the arena filled with 0x00 / 0xFF
+bytes before the first call: a step that reads memory no step wrote changes with it), or none
+(the plain compiled step).  --quick first checks the pieces a compiled CUDA step leans on:
+blutrain.linalg GEMMs into given memory on the current stream, and AdamW's device scalars
+written by fill_.
+
+Session 46 found with it that rowgen dropped the stores of a rotary group's permuted copy
+(its halves are read through subviews: Note [views of register values] in rowgen.py) and
+that bf16 constants reached kernels as -1 (Note [16-bit kernel scalars] in backend_gpu.py).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ _orig = {
     "run": P.Program.run,
     "gather_ok": P._gather_out_ok,
     "arena_views": P.Program._arena_views,
+    "gemm_into": P._gemm_into,
 }
 
 
@@ -177,24 +182,20 @@ def _filled_arena(byte: int) -> Any:
     return views
 
 
-def _any_device_gather(g: Any, n: Any) -> bool:
-    return n.op == "index_select" and len(n.inputs) == 2 and len(g.values[n.inputs[1]].shape) == 1
-
-
 def run_spec(spec: str, device: str) -> dict[str, Any]:
     """One model's eager and compiled steps under one variant; returns the runs and the report."""
     import compiler_cases as CC
 
     model, _, variant = spec.partition(":")
-    P._gather_out_ok = {"nogather": lambda g, n: False, "gather": _any_device_gather}.get(
-        variant, _orig["gather_ok"]
-    )
+    P._gather_out_ok = (lambda g, n: False) if variant == "nogather" else _orig["gather_ok"]
     P.Program._arena_views = (
         _filled_arena(0 if variant == "zero" else 255)
         if variant in ("zero", "ff")
         else _orig["arena_views"]
     )
     P.Program.run = checking_run if variant == "check" else _orig["run"]
+    if variant == "noplans":  # every GEMM through linalg's general path (Note [GEMM plans])
+        P._gemm_into = lambda n, x, out, plans=None: _orig["gemm_into"](n, x, out, None)
     REPORT.__init__(REPORT.limit)
     try:
         if model == "llama32":
@@ -209,6 +210,7 @@ def run_spec(spec: str, device: str) -> dict[str, Any]:
         P._gather_out_ok = _orig["gather_ok"]
         P.Program._arena_views = _orig["arena_views"]
         P.Program.run = _orig["run"]
+        P._gemm_into = _orig["gemm_into"]
     return {"runs": runs, "bad": list(REPORT.bad), "groups": REPORT.groups}
 
 

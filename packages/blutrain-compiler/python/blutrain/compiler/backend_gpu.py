@@ -48,7 +48,7 @@ class Launch:
     module: str  # gpu.module symbol
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
-    operands: list[tuple[str, int]]  # ("arg", i) | ("tmp", j) | ("int", value)
+    operands: list[tuple[str, int]]  # ("arg", i) | ("tmp", j) | ("int" | "b16" | "f32" | "f64", value)
 
 
 @dataclass
@@ -94,13 +94,34 @@ def _const_float(v: Any) -> float:
 
 
 def _const_int(v: Any) -> int:
+    """An index / integer arith.constant's value; -1 for anything else (a dynamic size)."""
+    from mlir import ir
+
     owner = v.owner
+    if getattr(owner, "name", None) != "arith.constant":
+        return -1
     try:
-        if owner.name == "arith.constant":
-            return int(str(owner.attributes["value"]).split(":")[0])
-    except Exception:  # noqa: BLE001
-        pass
-    return -1
+        return int(ir.IntegerAttr(owner.attributes["value"]).value)
+    except (TypeError, ValueError):
+        return -1
+
+
+def _half_bits(v: Any, ty: str) -> int:
+    """The 16-bit pattern of a bf16 / f16 arith.constant (Note [16-bit kernel scalars])."""
+    import numpy as np
+
+    x = _const_float(v)
+    if ty == "f16":
+        return int(np.array(x, dtype=np.float16).view(np.uint16))
+    bits = int(np.array(x, dtype=np.float32).view(np.uint32))  # exact: the constant is a bf16
+    return bits >> 16
+
+
+# Note [16-bit kernel scalars]: a bf16 / f16 constant the host passes to a kernel (a fill's
+# value: zeros for a bf16 gradient) is a 2-byte parameter. The launcher gives every parameter
+# an 8-byte slot and the driver copies the parameter's own size from it, so the slot holds
+# the 16-bit pattern in its low bytes. (It once held -1, the integer parse of '0.0 : bf16'
+# failing: every bf16 zero-fill wrote NaN; session 46, H100, GPT-2's compiled bf16 step.)
 
 
 def map_to_gpu(module: Any) -> None:
@@ -249,6 +270,88 @@ def _walk(op: Any) -> list[Any]:
     return out
 
 
+def _kernel_access(kfn: Any) -> list[tuple[bool, bool]]:
+    """(reads, writes) of each memref parameter of an outlined gpu.func, through the views
+    the kernel takes of it."""
+    from mlir import ir
+
+    params = list(kfn.regions[0].blocks[0].arguments)
+    root: dict[Any, int] = {a: i for i, a in enumerate(params)}
+    acc = [[False, False] for _ in params]
+
+    def walk(op: Any) -> None:
+        for r in op.regions:
+            for b in r.blocks:
+                for inner in b.operations:
+                    o = inner.operation
+                    nm = o.name
+                    if nm in VIEW_OPS and o.operands[0] in root:
+                        root[o.results[0]] = root[o.operands[0]]
+                    elif nm in ("memref.load", "vector.load", "vector.transfer_read"):
+                        if o.operands[0] in root:
+                            acc[root[o.operands[0]]][0] = True
+                    elif nm in ("memref.store", "vector.store", "vector.transfer_write"):
+                        if o.operands[1] in root:
+                            acc[root[o.operands[1]]][1] = True
+                    elif nm in ("memref.atomic_rmw", "memref.generic_atomic_rmw"):
+                        for v in o.operands:
+                            if v in root:
+                                acc[root[v]] = [True, True]
+                    else:
+                        for v in o.operands:  # anything else: counted as both (conservative)
+                            if v in root and isinstance(v.type, ir.MemRefType):
+                                acc[root[v]] = [True, True]
+                    walk(o)
+
+    walk(kfn.operation)
+    return [(r, w) for r, w in acc]
+
+
+def unwritten_reads(module: Any) -> list[str]:
+    """Note [no read of an unwritten temporary]: after outlining, each host function's kernels
+    in launch order; a kernel that reads a temporary (a memref.alloc of the host function)
+    which no earlier kernel and not the kernel itself writes reads memory nothing wrote: a
+    codegen bug, reported here (compile_module raises) instead of as a wrong or NaN result
+    at run time. (rowgen dropped such a store once: Note [views of register values].)"""
+    from mlir.dialects import func
+
+    kernels: dict[tuple[str, str], list[tuple[bool, bool]]] = {}
+    for op in module.body.operations:
+        if op.operation.name != "gpu.module":
+            continue
+        mname = op.operation.attributes["sym_name"].value
+        for k in op.regions[0].blocks[0].operations:
+            if k.operation.name == "gpu.func":
+                kernels[(mname, k.operation.attributes["sym_name"].value)] = _kernel_access(k)
+    bad: list[str] = []
+    for op in module.body.operations:
+        if not isinstance(op.opview, func.FuncOp):
+            continue
+        fname = op.opview.name.value
+        temp_of: dict[Any, Any] = {}
+        written: set[Any] = set()
+        for o in op.regions[0].blocks[0].operations:
+            nm = o.operation.name
+            if nm == "memref.alloc":
+                temp_of[o.operation.results[0]] = o.operation.results[0]
+            elif nm in VIEW_OPS and o.operation.operands[0] in temp_of:
+                temp_of[o.operation.results[0]] = temp_of[o.operation.operands[0]]
+            elif nm == "gpu.launch_func":
+                mod, ker = [x.strip("@") for x in str(o.operation.attributes["kernel"]).split("::")]
+                access = kernels.get((mod, ker))
+                if access is None:
+                    continue
+                for v, (r, w) in zip(list(o.opview.kernelOperands), access):
+                    t = temp_of.get(v)
+                    if t is not None and r and not w and t not in written:
+                        bad.append(f"{fname}: kernel {mod} reads temporary {t.get_name()} "
+                                   "that no kernel before it wrote")
+                for v, (_, w) in zip(list(o.opview.kernelOperands), access):
+                    if w and v in temp_of:
+                        written.add(temp_of[v])
+    return bad
+
+
 def read_host(module: Any) -> dict[str, GpuFunction]:
     """The launches and temporaries of every host function, in order."""
     from mlir.dialects import func
@@ -307,15 +410,18 @@ def read_host(module: Any) -> dict[str, GpuFunction]:
                         operands.append(("tmp", temps[n]))
                     else:
                         ty = str(v.type)
+                        if getattr(v.owner, "name", None) != "arith.constant":
+                            raise RuntimeError(f"[compile] kernel operand {n} of unknown origin")
                         if ty in ("f32", "f64"):
                             operands.append((ty, _const_float(v)))  # type: ignore[arg-type]
+                        elif ty in ("bf16", "f16"):
+                            operands.append(("b16", _half_bits(v, ty)))
+                        elif ty == "index" or ty.startswith("i"):
+                            operands.append(("int", _const_int(v)))
                         else:
-                            c = _const_int(v)
-                            if v.owner.name != "arith.constant":
-                                raise RuntimeError(
-                                    f"[compile] kernel operand {n} of unknown origin"
-                                )
-                            operands.append(("int", c))
+                            raise RuntimeError(
+                                f"[compile] kernel operand {n} of type {ty}: no launch rule"
+                            )
                 gf.launches.append(Launch(ker, mod, grid, block, operands))  # type: ignore[arg-type]
             elif nm in VIEW_OPS and not list(o.operation.results[0].uses):
                 continue  # sunk into the kernels that read it
@@ -429,6 +535,9 @@ def compile_module(module: Any, dump: Any = None, stage_s: dict | None = None) -
     PassManager.parse(OUTLINE_ONLY).run(module.operation)
     if dump:
         dump.write("04-gpu-mapped.mlir", str(module))
+    bad = unwritten_reads(module)
+    if bad:
+        raise RuntimeError("[compile] GPU codegen: " + "; ".join(bad[:8]))
     fns: dict[str, GpuFunction] = {}
     unsupported: dict[str, str] = {}
     from mlir.dialects import func

@@ -917,14 +917,9 @@ def _gemm_out_ok(graph: Graph, n: Node) -> bool:
 
 def _gather_out_ok(graph: Graph, n: Node) -> bool:
     """Gathers blutrain.tensor writes into a planned buffer (index_select's out= form): a
-    1-D index, on the CPU only for now. On CUDA the out= launch itself matches index_select
-    (tensor's GPU tests), but the compiled steps that used it gave NaN losses on an H100
-    (session 45: LLaMA tiny from step 0, GPT-2 bf16 from step 1; cause not yet located:
-    bench/check_steps.py, variant nogather, tells whether it is this path), so a CUDA gather
-    stays an eager step, as before it existed, until that run passes."""
+    1-D index. (Gated to the CPU in session 45 while the compiled CUDA steps gave NaN; the
+    cause was rowgen's, Note [views of register values], not this path.)"""
     if n.op != "index_select" or len(n.inputs) != 2:
-        return False
-    if not graph.values[n.outputs[0]].device.startswith("cpu"):
         return False
     return len(graph.values[n.inputs[1]].shape) == 1
 
@@ -944,8 +939,7 @@ def _gather_into(n: Node, x: list[Any], out: Any) -> None:
 # guards fix shapes, dtypes and contiguity), so each node keeps the plan of its first call
 # (linalg.matmul_plan) and reruns it on the new pointers while the operands' shapes and strides
 # (checked each call, ~0.6 us) are unchanged; anything else makes a new plan. Same GEMM, same
-# bits. CPU only for now: a CUDA GEMM keeps linalg's general path until the plan reuse has run
-# on a GPU (it was written in a session without one).
+# bits. On CUDA the plan runs on the stream current at each call.
 def _gemm_into(n: Node, x: list[Any], out: Any, plans: dict | None = None) -> None:
     """A captured GEMM through blutrain.linalg, writing `out` (same precision as eager's)."""
     import blutrain.linalg as L
@@ -963,7 +957,7 @@ def _gemm_into(n: Node, x: list[Any], out: Any, plans: dict | None = None) -> No
         a = a.reshape(-1, a.shape[-1])
         out = out.reshape(-1, out.shape[-1])
         trans = True
-    if plans is None or stream is not None:  # (CUDA: Note [GEMM plans])
+    if plans is None:
         L.matmul(a, b, transb=trans, bias=bias, out=out, mode=mode, stream=stream)
         return
     sig = (

@@ -134,7 +134,7 @@ def segments(f: Any) -> list[tuple[str, list[int], list[Any]]]:
             gathered: set[Any] = set()
             _body_reads(o, gathered)
             written = {list(p.outputs)[0] for p in cur[2] if p.operation.name == "linalg.generic"}
-            if gathered & written:
+            if _with_bases(gathered) & written:
                 cur = None
         if kind == "other":
             if cur is None or cur[0] != "loops":
@@ -183,6 +183,7 @@ def apply(f: Any) -> int | None:
             for v in o.operation.operands:
                 later.add(v)
             _body_reads(o, later)
+        later = _with_bases(later)
     reads_after.reverse()
     best = 0
     for (kind, S, ops), needed in zip(segs, reads_after):
@@ -324,6 +325,27 @@ def _clone_body(o: Any, args: list[Any], idx: list[Any]) -> list[Any]:
     return []
 
 
+def _bases(v: Any) -> list[Any]:
+    """v and the memrefs it views, outermost last (Note [views of register values])."""
+    out = [v]
+    while True:
+        owner = v.owner
+        op = getattr(owner, "operation", owner)
+        if getattr(op, "name", None) not in VIEWS:
+            return out
+        v = op.operands[0]
+        out.append(v)
+
+
+# Note [views of register values]: an elementwise value this launch writes stays in registers
+# when no later op reads it. A later op may read it through a view, though: rotary's
+# rotate-half reads its input's halves as subviews of the permuted copy (and a gather's body
+# loads through one), so "read" means read through any view of it; else its store is dropped
+# and the reader sees memory nothing wrote (session 46, H100: LLaMA's compiled step gave NaN).
+def _with_bases(vals: Any) -> set[Any]:
+    return {b for v in vals for b in _bases(v)}
+
+
 def _body_reads(o: Any, acc: set[Any]) -> None:
     """Memrefs read inside a body (tensor.extract became memref.load)."""
     if o.operation.name != "linalg.generic":
@@ -441,10 +463,7 @@ def _emit(f: Any, S: tuple, ops: list[Any], needed: set[Any]) -> int:
                 store_row(out, total)
             elif len(it) == len(rows_shape) + len(red_shape) and S != ((), (1,)):
                 # elementwise over the row, written out
-                read_here = any(
-                    out in list(p.operation.operands) or _reads_in_body(p, out)
-                    for p in ops[j + 1 :]
-                )
+                read_here = any(_reads(p, out) for p in ops[j + 1 :])
                 if out not in keep and not read_here:
                     continue  # nothing reads it: dead (erased with the other linalg ops)
                 loop = scf.ForOp(tx, _c(C), _c(T))
@@ -458,10 +477,7 @@ def _emit(f: Any, S: tuple, ops: list[Any], needed: set[Any]) -> int:
                     ]
                     memref.store(res, out, oi)
                     scf.YieldOp([])
-                if any(
-                    out in list(p.operation.operands) or _reads_in_body(p, out)
-                    for p in ops[j + 1 :]
-                ):
+                if read_here:
                     gpu.barrier()  # later ops of this row read other threads' elements
             else:  # per-row (or a 0-d op)
                 args = [load(v, m, ridx[: m.n_dims]) for v, m in zip(ins, maps[:n_in])]
@@ -477,10 +493,11 @@ def _emit(f: Any, S: tuple, ops: list[Any], needed: set[Any]) -> int:
     return T
 
 
-def _reads_in_body(o: Any, v: Any) -> bool:
-    s: set[Any] = set()
+def _reads(o: Any, v: Any) -> bool:
+    """Whether op o reads memref v: as an operand or in its body, directly or through a view."""
+    s: set[Any] = set(o.operation.operands)
     _body_reads(o, s)
-    return v in s
+    return v in _with_bases(s)
 
 
 def _combiner(o: Any) -> str:
