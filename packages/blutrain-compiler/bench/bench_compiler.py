@@ -193,7 +193,19 @@ def worker(a: argparse.Namespace) -> dict:
                 return bt.cuda.max_memory_allocated() / 2**30
             import blutrain.alloc as A
 
-            return A.stats("cpu")["requested_bytes_peak"] / 2**30
+            return A.stats("cpu")["allocated_bytes_peak"] / 2**30  # (as max_memory_allocated)
+
+        def reset_peak() -> None:
+            if dev.startswith("cuda"):
+                bt.cuda.reset_peak_memory_stats()
+            else:
+                import blutrain.alloc as A
+
+                A.reset_peak_stats("cpu")
+
+        def planned() -> float | None:
+            progs = [v.prog for v in run.programs.values()] if a.compiled else []
+            return sum(p.stats.planned_bytes for p in progs) / 2**30 if progs else None
     else:
         import torch
 
@@ -228,11 +240,23 @@ def worker(a: argparse.Namespace) -> dict:
         def peak() -> float:
             return torch.cuda.max_memory_allocated() / 2**30 if dev.startswith("cuda") else 0.0
 
+        def reset_peak() -> None:
+            if dev.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+
+        def planned() -> float | None:
+            return None
+
     t0 = time.perf_counter()
     for i in range(a.warmup):
         loss = one(i)
     sync()
     warm = time.perf_counter() - t0
+    # Note [steady-state peak]: the warmup's peak holds what the first calls do once (capture
+    # runs the step eagerly; compilation's own buffers); the step's peak is that of the timed
+    # steps, every long-lived buffer (parameters, moments, a compiled program's arena) included.
+    first_peak = peak()
+    reset_peak()
     t0 = time.perf_counter()
     for i in range(a.warmup, a.warmup + a.steps):
         loss = one(i)
@@ -244,6 +268,8 @@ def worker(a: argparse.Namespace) -> dict:
         "step_ms": 1e3 * dt / a.steps,
         "warmup_s": warm,
         "peak_GiB": peak(),
+        "first_calls_peak_GiB": first_peak,
+        "planned_GiB": planned(),
         "loss": lv,
     }
 
@@ -290,8 +316,8 @@ def steps(a: argparse.Namespace) -> list[dict]:
     base = next((r for r in rows if r["row"] == "ours eager" and "tok_s" in r), None)
     print(f"\nLLaMA-style step, model {a.model}, B={a.B}, {a.device}, {a.precision}")
     print(
-        f"{'row':18s} {'tok/s':>10s} {'ms/step':>8s} {'peak GiB':>9s} {'vs ours eager':>13s} "
-        f"{'warmup s':>8s} {'loss':>8s}"
+        f"{'row':18s} {'tok/s':>10s} {'ms/step':>8s} {'peak MiB':>9s} {'vs ours eager':>13s} "
+        f"{'warmup s':>8s} {'loss':>8s} {'warmup peak':>11s} {'arena MiB':>9s}"
     )
     for r in rows:
         if "tok_s" not in r:
@@ -299,9 +325,15 @@ def steps(a: argparse.Namespace) -> list[dict]:
             continue
         ratio = r["tok_s"] / base["tok_s"] if base else float("nan")
         print(
-            f"{r['row']:18s} {r['tok_s']:10.0f} {r['step_ms']:8.1f} {r['peak_GiB']:9.3f} "
-            f"{ratio:13.2f} {r['warmup_s']:8.1f} {r['loss']:8.4f}"
+            f"{r['row']:18s} {r['tok_s']:10.0f} {r['step_ms']:8.1f} {1024 * r['peak_GiB']:9.1f} "
+            f"{ratio:13.2f} {r['warmup_s']:8.1f} {r['loss']:8.4f} "
+            f"{1024 * r.get('first_calls_peak_GiB', float('nan')):11.1f} "
+            f"{'' if r.get('planned_GiB') is None else format(1024 * r['planned_GiB'], '.1f'):>9s}"
         )
+    print(
+        "peak MiB: the timed steps' peak (parameters, moments and the compiled arena included); "
+        "warmup peak: the first calls' (capture, compilation)"
+    )
     return rows
 
 

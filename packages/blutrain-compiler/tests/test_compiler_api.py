@@ -189,18 +189,32 @@ SCRIPT = textwrap.dedent("""
     t0 = time.perf_counter(); y = f(x); dt = time.perf_counter() - t0
     (p,) = [c.prog for c in f.programs.values()]
     ref = bt.softmax(bt.tanh(x) * 3.0, -1)
-    print(json.dumps({"cache": p.stats.cache, "s": dt,
+    print(json.dumps({"cache": p.stats.cache, "s": dt, "mlir": "mlir" in sys.modules,
                       "err": float(np.abs(y.numpy() - ref.numpy()).max())}))
+""")
+# Prepended to SCRIPT: the process cannot import the MLIR bindings (a GPU machine with cached
+# code and no bindings).
+NO_MLIR = textwrap.dedent("""
+    import sys
+    class _NoMLIR:
+        def find_spec(self, name, path=None, target=None):
+            if name == "mlir" or name.startswith("mlir."):
+                raise ImportError("the MLIR bindings are blocked in this process")
+    sys.meta_path.insert(0, _NoMLIR())
 """)
 
 
-def _run(cache: str) -> dict:
+def _run(cache: str, no_mlir: bool = False) -> dict:
     import json
 
     env = dict(os.environ, BLUTRAIN_COMPILE_CACHE=cache)
     env.pop("BLUTRAIN_COMPILE_DUMP", None)
     r = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", (NO_MLIR if no_mlir else "") + SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -212,6 +226,9 @@ def test_cache_hits_across_processes_and_corrupt_entries_rebuild(tmp_path) -> No
     second = _run(cache)
     assert first["cache"] == "miss" and second["cache"] == "hit"
     assert first["err"] < 1e-6 and second["err"] < 1e-6
+    # a hit needs no MLIR at all (Note [cache hits without MLIR] in cache.py)
+    blind = _run(cache, no_mlir=True)
+    assert blind["cache"] == "hit" and not blind["mlir"] and blind["err"] < 1e-6
     (entry,) = [p for p in (tmp_path / "cache").iterdir()]
     so = entry / "kernels.so"
     data = bytearray(so.read_bytes())

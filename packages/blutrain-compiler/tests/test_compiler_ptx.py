@@ -126,8 +126,13 @@ def test_ptx_whole_steps_read_no_unwritten_temporary(monkeypatch, model: str) ->
     part, code = program.ptx_for(_step_graph(monkeypatch, model))
     assert not code.unsupported
     assert set(code.functions) == {G.name for G in part.groups}
-    b16 = {v for f in code.functions.values() for ln in f.launches for k, v in ln.operands
-           if k == "b16"}
+    b16 = {
+        v
+        for f in code.functions.values()
+        for ln in f.launches
+        for k, v in ln.operands
+        if k == "b16"
+    }
     if model == "gpt2bf16":
         # bf16 zero fills (gradients) and the attention mask's -inf pass their bf16 bits
         assert {0x0000, 0xFF80} <= b16, sorted(b16)
@@ -155,3 +160,29 @@ def test_16bit_kernel_scalars_pass_their_bits() -> None:
         assert got == [0x0000, 0xFF80, 0xC020, 0x3E00], [hex(g) for g in got]
         assert [backend_gpu._const_int(v) for v in vals[4:]] == [7, -100]
         assert backend_gpu._const_int(vals[0]) == -1  # a float is no integer
+
+
+def test_gpu_cache_entry_written_without_a_gpu(monkeypatch, tmp_path) -> None:
+    """program.compile_gpu_cache fills the disk cache with the entry a GPU machine's build()
+    looks up for the same graph (Note [cache hits without MLIR] in cache.py): under build()'s
+    key, with a kernel for every group of the partition its load makes; a second call finds
+    the entry and compiles nothing."""
+    import os
+
+    from blutrain.compiler import backend_gpu, cache, fusion
+    from blutrain.compiler.decompose import decompose
+
+    g = _step_graph(monkeypatch, "llama")  # AdamW's multi-tensor ops: decompose rewrites them
+    text = g.to_json()
+    monkeypatch.setenv("BLUTRAIN_COMPILE_CACHE", str(tmp_path))
+    want = cache.key(btc.Graph.from_json(text).hash_full(), "cuda:0", "")
+    path = program.compile_gpu_cache(g)
+    assert os.path.basename(path) == want
+    hit = cache.Entry(want).load("gpu.json")
+    assert hit is not None and hit[1]["graph"] == btc.Graph.from_json(text).hash()
+    with open(hit[0]) as f:
+        code = backend_gpu.GpuCode.from_json(f.read())
+    part = fusion.partition(decompose(btc.Graph.from_json(text)), set(), cpu=False)
+    assert {G.name for G in part.groups} == set(code.functions)
+    monkeypatch.setattr(program, "ptx_for", None)  # a second call must not compile
+    assert program.compile_gpu_cache(btc.Graph.from_json(text)) == path

@@ -48,7 +48,8 @@ class Launch:
     module: str  # gpu.module symbol
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
-    operands: list[tuple[str, int]]  # ("arg", i) | ("tmp", j) | ("int" | "b16" | "f32" | "f64", value)
+    # ("arg", i) | ("tmp", j) | ("int" | "b16" | "f32" | "f64", value)
+    operands: list[tuple[str, int]]
 
 
 @dataclass
@@ -344,8 +345,10 @@ def unwritten_reads(module: Any) -> list[str]:
                 for v, (r, w) in zip(list(o.opview.kernelOperands), access):
                     t = temp_of.get(v)
                     if t is not None and r and not w and t not in written:
-                        bad.append(f"{fname}: kernel {mod} reads temporary {t.get_name()} "
-                                   "that no kernel before it wrote")
+                        bad.append(
+                            f"{fname}: kernel {mod} reads temporary {t.get_name()} "
+                            "that no kernel before it wrote"
+                        )
                 for v, (_, w) in zip(list(o.opview.kernelOperands), access):
                     if w and v in temp_of:
                         written.add(temp_of[v])

@@ -7,6 +7,13 @@ plan) and `meta.json`, written last, with the artifact's SHA-256: an entry witho
 meta is incomplete or corrupt and is rebuilt (and overwritten), never trusted. Every file is
 written to a temporary name, fsync'ed and renamed, so concurrent processes see whole files only.
 BLUTRAIN_COMPILE_CACHE sets the folder (default ~/.cache/blutrain/compiler); "0" turns it off.
+
+Note [cache hits without MLIR]: a hit loads the artifact and partitions the graph again (the
+groups' names find their kernels), which takes no MLIR: `import blutrain.compiler`, capture,
+the key, fusion.partition (its op sets live in opsets.py, not in lower.py) and both runtimes
+import the bindings only inside the functions that build code. So a GPU machine without the
+bindings runs PTX compiled elsewhere (program.compile_gpu_cache, or a copied cache folder);
+`test_cache_hits_across_processes_and_corrupt_entries_rebuild` runs a hit with them blocked.
 """
 
 from __future__ import annotations

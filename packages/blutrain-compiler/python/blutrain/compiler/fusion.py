@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from . import eager
 from .graph import Graph, Node
-from .lower import CPU_LOWERABLE, LOWERABLE
+from .opsets import CPU_LOWERABLE, LOWERABLE
 
 MAX_GROUP_NODES = 256  # nodes (views included) per group: bounds MLIR compile time per kernel
 # Old captures (before the graph contract) record accumulate_grad without an output: a side

@@ -26,6 +26,16 @@ from mlir.dialects import affine, arith, func, linalg, tensor
 
 from . import scalar as S
 from .graph import Graph, Node
+from .opsets import (  # noqa: F401  (the ops each emitter method takes)
+    BINARY,
+    COMPOSITES,
+    CPU_LOWERABLE,
+    LOWERABLE,
+    OTHER,
+    REDUCTIONS,
+    UNARY,
+    VIEWS,
+)
 
 Expr = Any  # ir.AffineExpr
 IndexFn = Callable[[list[Expr]], list[Expr]]
@@ -44,80 +54,6 @@ RED = "#linalg.iterator_type<reduction>"
 IOTA_MAX = 1 << 17  # positions a constant operand holds (Note [positions as operands])
 _INT_NP = {"int64": np.int64, "int32": np.int32}
 _NP_INT = {np.dtype(v).str: k for k, v in _INT_NP.items()}
-
-UNARY = {
-    "neg",
-    "exp",
-    "log",
-    "sqrt",
-    "rsqrt",
-    "tanh",
-    "abs",
-    "sigmoid",
-    "relu",
-    "sin",
-    "cos",
-    "gelu_tanh",
-    "gelu",
-    "erf",
-    "logical_not",
-    "sign",
-}
-BINARY = {
-    "add",
-    "sub",
-    "mul",
-    "div",
-    "pow",
-    "maximum",
-    "minimum",
-    "eq",
-    "ne",
-    "lt",
-    "le",
-    "gt",
-    "ge",
-    "logical_and",
-    "logical_or",
-    "and",
-    "or",
-}
-VIEWS = {"reshape", "permute", "expand", "slice", "select", "squeeze", "unsqueeze"}
-REDUCTIONS = {"sum", "mean", "max", "min", "amax", "amin", "var"}
-COMPOSITES = {
-    "softmax",
-    "log_softmax",
-    "softmax_backward",
-    "log_softmax_backward",
-    "layer_norm",
-    "layer_norm_backward",
-    "cross_entropy",
-    "cross_entropy_backward",
-    "add_layer_norm",
-}
-OTHER = {
-    "adamw_scalars",
-    "adamw_update",
-    "sumsq",
-    "sqrt_sum",
-    "full",
-    "arange",
-    "astype",
-    "where",
-    "masked_fill",
-    "copy_",
-    "contiguous",
-    "clone",
-    "cat",
-    "accumulate_grad",
-    "adamw_",
-    "grad_norm",
-    "clip_coef",
-    "scale_",
-}
-LOWERABLE = UNARY | BINARY | VIEWS | REDUCTIONS | COMPOSITES | OTHER
-# lowered for CPU targets only (fusion.partition(cpu=True)); eager steps on the GPU
-CPU_LOWERABLE = {"slice_scatter"}
 
 
 class LoweringError(Exception):

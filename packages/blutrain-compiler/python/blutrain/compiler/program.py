@@ -71,6 +71,9 @@ class Program:
         self.views_of: dict[int, list[int]] = {}
         self.alias: dict[int, int] = {}  # value -> the value whose buffer it shares
         self.over: set[int] = set()  # eager nodes run over their first input's memory
+        # step -> (graph input, its new value) copied in after it (Note [mutations written back
+        # early])
+        self.writeback: dict[int, list[tuple[int, int]]] = {}
         # values returned to the caller -> their buffers (Note [returned buffers])
         self.returned: dict[int, list[Any]] = {}
         self._sink_constants()
@@ -84,12 +87,23 @@ class Program:
                         self.last_use[self.base(i)] = k
 
     def _sink_constants(self) -> None:
-        """Groups that read nothing (zeros for a gradient's padding, iotas) run just before
-        their first reader rather than where the partition put them: a vocabulary-sized zeros
-        made early stays live beside the logits and their gradient, a third buffer of that
-        size eager never holds. Only the order of steps changes, never what they compute."""
+        """Groups that read nothing, or only inputs the call never writes (zeros for a
+        gradient's padding, iotas, an optimizer's `1 - lr * wd` or bias corrections from the
+        learning rate and step count), run just before their first reader rather than where
+        the partition put them: a vocabulary-sized zeros made early stays live beside the
+        logits and their gradient, a third buffer of that size eager never holds, and a
+        scalar made at the start holds its arena bytes through every step before its reader.
+        Only the order of steps changes, never what they compute: what they read has the same
+        value at every step of the call."""
+        g = self.graph
+        fixed = set(g.inputs) - {i for i, _ in g.mutations}
         steps = list(self.part.steps)
-        for G in [s for s in steps if isinstance(s, fusion.Group) and not s.inputs]:
+        movable = [
+            s
+            for s in steps
+            if isinstance(s, fusion.Group) and all(self.base(i) in fixed for i in s.inputs)
+        ]
+        for G in movable:
             outs = set(G.outputs)
             steps.remove(G)
             first = len(steps)
@@ -137,7 +151,10 @@ class Program:
                 plannable[st.node.outputs[0]] = k
             elif _gather_out_ok(self.graph, st.node):
                 plannable[st.node.outputs[0]] = k
+        early = self._early_writebacks(plannable)
         ends = self._shared_buffers(plannable)
+        for v, end in early.items():
+            ends[v] = max(ends.get(v, -1), end)
         for v in self.alias:
             plannable.pop(v, None)
         self.plan = memplan.make(self, plannable, self.escaping, ends)
@@ -192,6 +209,40 @@ class Program:
             res[v] = i
             taken.add(i)
         return res
+
+    def _early_writebacks(self, plannable: dict[int, int]) -> dict[int, int]:
+        """Fills self.writeback; returns, per value written back, the step its buffer must
+        last to (the copy's).
+
+        Note [mutations written back early]: a function that updates its inputs in place with
+        ops (an optimizer written as `p.sub_(...)`, `m.mul_(b1).add_(...)`) leaves each new
+        value in a kernel's output, and the caller copies it into the input after the call.
+        Kept in a fresh buffer until then, every new p, m and v of every parameter is live at
+        once at the end: three optimizer states eager never holds, and an allocation each per
+        call. Instead, right after the step that computes a new value, or after the last step
+        that reads the old input if that comes later, the program copies it into the input and
+        the name refers to the input from then on: the value's buffer is planned in the arena
+        and is dead after the copy, so one parameter's update at a time occupies it, with no
+        allocation. Writing the kernel's output over the input directly (Note [in-place
+        updates]) saves the copy but is safe only where every read of the input is at the
+        element being written, which a fused kernel does not promise in general. Values the
+        caller also sees (an output, a .grad) keep the copy at the end."""
+        g = self.graph
+        ins = set(g.inputs)
+        seen = {self.base(v) for v in g.outputs} | {self.base(v) for _, v in g.grads if v >= 0}
+        ends: dict[int, int] = {}
+        for i, v in g.mutations:
+            if v in self.inplace or i not in ins or v not in plannable or v in seen:
+                continue
+            vi, vv = g.values[i], g.values[v]
+            if (vi.shape, vi.dtype) != (vv.shape, vv.dtype) or self.base(v) != v or v in ends:
+                continue
+            k = plannable[v]
+            c = max(k, self.last_use.get(i, -1))
+            self.writeback.setdefault(c, []).append((i, v))
+            self.escaping.discard(v)
+            ends[v] = max(c, self.last_use.get(v, k))
+        return ends
 
     def _shared_buffers(self, plannable: dict[int, int]) -> dict[int, int]:
         """Values that take over the memory of another (self.alias: value -> the value whose
@@ -267,6 +318,7 @@ class Program:
         stay."""
         g = self.graph
         keep = set(self.escaping) | set(g.inputs)
+        keep |= {v for wb in self.writeback.values() for _, v in wb}  # (they name the inputs)
         written: dict[int, int] = {}
         for k, st in enumerate(self.part.steps):
             outs = st.outputs if isinstance(st, fusion.Group) else st.node.outputs
@@ -405,6 +457,13 @@ class Program:
                         env[o] = t
                     del res
                 del args
+            for i, v in self.writeback.get(k, ()):  # Note [mutations written back early]
+                dst = env[i]
+                with bt.no_grad():
+                    dst.copy_(env[v])
+                env[v] = dst
+                for w in self.views_of.get(v, ()):
+                    env.pop(w, None)
             for v in self.free_after.get(k, ()):
                 env.pop(v, None)
                 for w in self.views_of.get(v, ()):
@@ -859,34 +918,29 @@ def _where(dump: Any) -> str:
 
 
 def compile_gpu_cache(graph: Graph, target: str = "cuda:0") -> str:
-    """Compiles a graph's PTX into the disk cache without a GPU (for a GPU machine without the
-    MLIR bindings); returns the entry's folder."""
-    from mlir import ir
-    from mlir.passmanager import PassManager
+    """Compiles a graph's PTX into the disk cache without a GPU, under the key build() looks up
+    for `target` (a GPU machine without the MLIR bindings then loads it: Note [cache hits
+    without MLIR] in cache.py); returns the entry's folder. A group that cannot be lowered
+    raises (build() would run its node eagerly, a partition this entry would not match)."""
+    from . import cache
+    from .lower import LoweringError
 
-    from . import backend_gpu, cache
-    from .lower import Emitter
-
+    ghash = graph.hash()  # (before ptx_for: decompose rewrites the graph in place)
     centry = cache.Entry(cache.key(graph.hash_full(), target, ""))
+    if centry.path is None:
+        raise CompileError("[compile_gpu_cache] the disk cache is off (BLUTRAIN_COMPILE_CACHE=0)")
     if centry.load("gpu.json") is not None:
         return str(centry.path)
-    from .decompose import decompose
-
-    part = fusion.partition(decompose(graph))
-    with ir.Context(), ir.Location.unknown():
-        module = ir.Module.create()
-        for G in part.groups:
-            Emitter(graph, G.nodes, G.inputs, G.outputs, G.name).build(module)
-        recompute.duplicate(module)
-        PassManager.parse(pipelines.FUSE).run(module.operation)
-        PassManager.parse(pipelines.BUFFERIZE).run(module.operation)
-        code = backend_gpu.compile_module(module)
+    try:
+        _, code = ptx_for(graph)
+    except LoweringError as e:
+        raise CompileError(f"[compile_gpu_cache] graph {ghash}: {e}") from e
     if code.unsupported:
-        raise CompileError(f"[compile] graph {graph.hash()}: stage gpu-host: {code.unsupported}")
+        raise CompileError(f"[compile] graph {ghash}: stage gpu-host: {code.unsupported}")
     centry.store(
         "gpu.json",
         code.to_json().encode(),
-        {"graph": graph.hash(), "target": target, "unlowerable": []},
+        {"graph": ghash, "target": target, "unlowerable": []},
     )
     return str(centry.path)
 
