@@ -110,7 +110,9 @@ def across(paths: list[str]) -> bool:
                              f"{key[2]} steps, the others B{setting[0]} T{setting[1]} {setting[2]}")
         setting = key
         if "torch:fp32" not in d["runs"]:
-            raise SystemExit(f"gpu_bf16_table.py --across: {p} has no torch:fp32 run (the reference)")
+            raise SystemExit(
+                f"gpu_bf16_table.py --across: {p} has no torch:fp32 run (the reference)"
+            )
         s = summarize(d["runs"], argparse.Namespace(**a))
         assert reference(list(d["runs"])) == "torch:fp32"
         seeds.append(f"{a['seed']}/{a.get('init_seed', 0)}")
@@ -133,8 +135,9 @@ def across(paths: list[str]) -> bool:
         m, e = _mean_se(diffs)
         met = m <= 0
         ok &= met
+        below = sum(d <= 0 for d in diffs)
         print(f"  {k:<13} {o} - {t}: {m:+.4f} +- {e:.4f} "
-              f"({sum(d <= 0 for d in diffs)} of {len(diffs)} seeds <= 0) {'ok' if met else 'NOT MET'}")
+              f"({below} of {len(diffs)} seeds <= 0) {'ok' if met else 'NOT MET'}")
     return ok
 
 

@@ -1,7 +1,7 @@
 """Bit-for-bit comparison of two builds' CPU results. Not a test.
 
-    python cpu_bits.py dump OUT.npz [--step N]   # in each build's environment (same OMP_NUM_THREADS)
-    python cpu_bits.py compare A.npz B.npz       # which arrays differ, in how many elements, how much
+    python cpu_bits.py dump OUT.npz [--step N]  # in each build's env (same OMP_NUM_THREADS)
+    python cpu_bits.py compare A.npz B.npz  # which arrays differ, in how many elements, by how much
 
 `dump` runs the main CPU ops (layer norm, softmax, log_softmax, cross-entropy, GELU, reductions,
 elementwise, linear in float32 and float64, causal attention) forward and backward on inputs from
@@ -48,11 +48,17 @@ def dump_ops(res: dict) -> None:
         lb = rng.standard_normal(C // 2 + 1).astype(np.float32)
         s = f"{R}x{C}"
         ops = {
-            "layer_norm": (lambda x, w_, b_: bt.layer_norm(x, (C,), w_, b_, 1e-5), [a, w, bias]),
-            "add_layer_norm": (lambda x, r, w_, b_: bt.add_layer_norm(x, r, w_, b_, 1e-5), [a, b, w, bias]),
+            "layer_norm": (
+                lambda x, w_, b_, C=C: bt.layer_norm(x, (C,), w_, b_, 1e-5),
+                [a, w, bias],
+            ),
+            "add_layer_norm": (
+                lambda x, r, w_, b_: bt.add_layer_norm(x, r, w_, b_, 1e-5),
+                [a, b, w, bias],
+            ),
             "softmax": (lambda x: bt.softmax(x, -1), [a]),
             "log_softmax": (lambda x: bt.log_softmax(x, -1), [a]),
-            "cross_entropy": (lambda x: bt.cross_entropy(x, tgt), [a]),
+            "cross_entropy": (lambda x, tgt=tgt: bt.cross_entropy(x, tgt), [a]),
             "gelu": (lambda x: bt.gelu(x, "tanh"), [a]),
             "sum-1": (lambda x: bt.sum(x, -1), [a]),
             "sum0": (lambda x: bt.sum(x, 0), [a]),
@@ -63,7 +69,10 @@ def dump_ops(res: dict) -> None:
             "tanh": (lambda x: bt.tanh(x), [a]),
             "mul": (lambda x, y: x * y, [a, b]),
             "linear": (lambda x, w_, b_: bt.linear(x, w_, b_), [a, lw, lb]),
-            "linear64": (lambda x, w_: bt.linear(x, w_), [a.astype(np.float64), lw.astype(np.float64)]),
+            "linear64": (
+                lambda x, w_: bt.linear(x, w_),
+                [a.astype(np.float64), lw.astype(np.float64)],
+            ),
         }
         for name, (fn, arrays) in ops.items():
             _run(res, bt, f"{name}.{s}", fn, arrays)
@@ -113,7 +122,9 @@ def compare(pa: str, pb: str) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("dump", help="save the ops' outputs and gradients (and a short training run)")
+    d = sub.add_parser(
+        "dump", help="save the ops' outputs and gradients (and a short training run)"
+    )
     d.add_argument("out")
     d.add_argument("--step", type=int, default=0, help="also N tiny GPT-2 training steps")
     c = sub.add_parser("compare", help="compare two dumps bit for bit (exit 1 if any differs)")

@@ -517,8 +517,8 @@ class _Junk:
 
 
 # Public names no user constructs or calls with arguments: typing re-exports, the max() and
-# op_log() result tuples, autograd.Function (subclassed; its apply is checked by the fuzz), Graph nodes, the dtype
-# enum (as torch.dtype: its members are the dtypes).
+# op_log() result tuples, autograd.Function (subclassed; its apply is checked by the fuzz), Graph
+# nodes, the dtype enum (as torch.dtype: its members are the dtypes).
 _NOT_CALLED = {
     "Callable", "Iterator", "Sequence", "MaxResult", "OpLogEntry", "Function", "Node", "dtype",
 }  # fmt: skip
