@@ -364,3 +364,32 @@ def test_llama_steps_through_flash_attention_on_cpu(dtype: str) -> None:
     assert normwise(pc, pe) <= ptol
     if f32:
         check_against_float64(runs, floor=4 * 2.0**-24)
+
+
+def _repeated_layers(x, w):
+    for _ in range(3):  # three layers: the same fused body between GEMMs
+        x = bt.linear(bt.tanh(x * 2.0) + x, w)
+    return bt.softmax(x, -1).sum(-1)
+
+
+def test_identical_groups_compile_once_and_reload_from_the_cache(tmp_path, monkeypatch) -> None:
+    """Note [identical groups]: groups whose lowered functions are the same but for their names
+    share one compiled kernel, each run on its own buffers: same values as eager, fewer
+    functions compiled than groups, and a cache hit (a fresh compile of the same function)
+    finds each group's kernel through the stored aliases."""
+    import ctypes
+
+    monkeypatch.setenv("BLUTRAIN_COMPILE_CACHE", str(tmp_path))
+    rng = np.random.default_rng()
+    x = bt.tensor(rng.standard_normal((16, 32)).astype(np.float32))
+    w = bt.tensor((rng.standard_normal((32, 32)) * 0.2).astype(np.float32))
+    ref = _repeated_layers(x, w).numpy()
+    for cache in ("miss", "hit"):
+        c = btc.compile(_repeated_layers)
+        np.testing.assert_allclose(c(x, w).numpy(), ref, rtol=1e-6, atol=1e-6)
+        (p,) = [v.prog for v in c.programs.values()]
+        assert p.stats.cache == cache
+        if cache == "miss":
+            assert p.stats.groups == 4 and p.stats.compiled_functions == 2, p.stats
+        addresses = {ctypes.cast(k.fn, ctypes.c_void_p).value for k in p.kernels.values()}
+        assert len(p.kernels) == 4 and len(addresses) == 2  # 4 groups, 2 compiled functions
