@@ -20,6 +20,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 
 import blutrain.alloc as alloc
 import blutrain.compiler as btc
@@ -156,13 +157,17 @@ def test_llama_tiny_training_step_matches_eager() -> None:
     _check_memory(prog, mem)
 
 
-def test_trainer_compiled_step_matches_eager(tmp_path) -> None:
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_trainer_compiled_step_matches_eager(tmp_path, model: str) -> None:
     """`blutrain train --step compiled` (and --compile) through the trainer's step seam: one
     eager warm-up step, then the compiled program; the same losses, evaluations and parameters
-    as the eager step reading the same device scalars."""
+    as the eager step reading the same device scalars. Both models' vocabularies are padded
+    (50257 -> 50304 columns); LLaMA's loss reads its logits through a view chain (reshape,
+    slice, reshape) that the CPU loops read from the buffer itself
+    (program._fold_view_chain_loads)."""
     import json
 
-    from blutrain.models import GPT2Config, prepare
+    from blutrain.models import GPT2Config, LlamaConfig, prepare
     from blutrain.models.tokenizer import SHAKESPEARE_FILE
     from blutrain.models.train_config import TrainConfig
     from blutrain.models.trainer import Trainer
@@ -171,7 +176,18 @@ def test_trainer_compiled_step_matches_eager(tmp_path) -> None:
     text.write_text(SHAKESPEARE_FILE.read_text()[:40_000])
     prepare([text], tmp_path / "shards", val_fraction=0.1, doc_split="paragraph")
     cfg_json = tmp_path / "m.json"
-    GPT2Config(block_size=32, n_layer=2, n_head=2, n_embd=32).to_json(cfg_json)
+    if model == "gpt2":
+        GPT2Config(block_size=32, n_layer=2, n_head=2, n_embd=32).to_json(cfg_json)
+    else:
+        LlamaConfig(
+            block_size=32,
+            n_layer=2,
+            n_head=2,
+            n_kv_head=2,
+            n_embd=32,
+            intermediate_size=64,
+            vocab_multiple=64,
+        ).to_json(cfg_json)
     runs = {}
     for compiled in (False, True):
         out = tmp_path / f"run{int(compiled)}"

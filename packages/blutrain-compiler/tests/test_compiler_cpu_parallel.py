@@ -409,3 +409,47 @@ def test_causal_softmax_reads_positions_and_vectorizes(T: int, tmp_path, monkeyp
     assert re.search(r"math\.fma [^\n]*: vector<8xf32>\n", loops), "the exp is scalar code"
     if T % 8 == 0:  # else a row's tail (T % 8 elements, in the sum's order) stays scalar
         assert not re.search(r"math\.fma [^\n]*: f32\n", loops), "a scalar exp is left"
+
+
+_CHAIN = """
+func.func @f(%a: memref<1024x50304xf32>, %o: memref<1024x50257xf32>) -> f32 {
+  %c0 = arith.constant 0 : index
+  %e = memref.expand_shape %a [[0, 1], [2]] output_shape [8, 128, 50304]
+      : memref<1024x50304xf32> into memref<8x128x50304xf32>
+  %s = memref.subview %e[0, 0, OFF] [8, 128, 50257] [1, 1, 1]
+      : memref<8x128x50304xf32> to memref<8x128x50257xf32, strided<[6438912, 50304, 1]SOFF>>
+  %c = memref.collapse_shape %s [[0, 1], [2]]
+      : memref<8x128x50257xf32, strided<[6438912, 50304, 1]SOFF>>
+      into memref<1024x50257xf32, strided<[50304, 1]SOFF>>
+  %v = memref.load %c[%c0, %c0] : memref<1024x50257xf32, strided<[50304, 1]SOFF>>
+  %t = memref.transpose %o (i, j) -> (j, i)
+      : memref<1024x50257xf32> to memref<50257x1024xf32, strided<[1, 50257]>>
+  %w = memref.load %t[%c0, %c0] : memref<50257x1024xf32, strided<[1, 50257]>>
+  memref.store %v, %c[%c0, %c0] : memref<1024x50257xf32, strided<[50304, 1]SOFF>>
+  %r = arith.addf %v, %w : f32
+  return %r : f32
+}
+"""
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_loads_through_a_view_chain_read_its_buffer(offset: int) -> None:
+    """program._fold_view_chain_loads: a load through expand_shape -> subview -> collapse_shape
+    that starts where the buffer does, with its rank and strides (LLaMA's loss reading (B*T, V)
+    of its (B*T, Vp) logits), reads the buffer at the same indices; a chain that starts one
+    element in, a store, and a view with other strides keep their view."""
+    from mlir import ir
+
+    from blutrain.compiler import program
+
+    text = _CHAIN.replace("SOFF", f", offset: {offset}" if offset else "")
+    text = text.replace("OFF", str(offset))
+    with ir.Context():
+        m = ir.Module.parse(text)
+        moved = program._fold_view_chain_loads(m)
+        out = str(m)
+    assert moved == (1 if offset == 0 else 0), out
+    if offset == 0:
+        assert "memref.load %arg0[%c0, %c0] : memref<1024x50304xf32>" in out, out
+    assert "memref.store %0, %collapse_shape" in out, out  # stores keep the view
+    assert "memref.load %transpose" in out, out

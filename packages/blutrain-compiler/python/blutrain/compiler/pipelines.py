@@ -77,6 +77,7 @@ CPU_LOOPS = " ; ".join(
         CPU_PREP,
         CPU_TO_LOOPS,
         "fold-unit-subviews",
+        "fold-view-chain-loads",
         CPU_SERIAL,
         CPU_PARALLEL,
         "serialize-small-nests",

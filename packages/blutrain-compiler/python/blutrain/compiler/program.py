@@ -733,6 +733,7 @@ def _cpu_loops(module: Any, parallel: set[str]) -> None:
     PassManager.parse(pipelines.CPU_PREP).run(module.operation)
     PassManager.parse(pipelines.CPU_TO_LOOPS).run(module.operation)
     _fold_unit_subviews(module)
+    _fold_view_chain_loads(module)
     serial = PassManager.parse(pipelines.CPU_SERIAL)
     par = PassManager.parse(pipelines.CPU_PARALLEL)
     for op in module.body.operations:
@@ -922,6 +923,55 @@ def _fold_unit_subviews(module: Any) -> int:
                 1 if owner.name.endswith("store") else 0
             ):
                 owner.operands[use.operand_number] = src
+                moved += 1
+    return moved
+
+
+_VIEW_OPS = {"memref.subview", "memref.expand_shape", "memref.collapse_shape"}
+
+
+def _fold_view_chain_loads(module: Any) -> int:
+    """Loads through a chain of views (expand_shape, subview, collapse_shape) that ends where
+    it began: offset 0, the rank and the strides of the contiguous buffer at the chain's root,
+    no dimension larger than the root's. Such a load reads the root at the same indices (the
+    same address); returns how many moved. LLaMA's loss reads its logits so: (B*T, Vp) viewed
+    (B, T, Vp), sliced to the vocabulary's V columns, collapsed to (B*T, V) with row stride Vp;
+    its max and exp-sum passes ran scalar (Note [slices read through their base] in
+    pipelines.py, which _fold_unit_subviews handles for one subview). Loads only: a vector
+    read past the view's last column stays inside the root's row, and nothing is written
+    through the root."""
+    from mlir import ir
+
+    views: list[Any] = []
+
+    def find(op: Any) -> Any:
+        if op.name in _VIEW_OPS:
+            views.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(find)
+    moved = 0
+    for op in views:
+        res = op.results[0]
+        root = op.operands[0]
+        while getattr(root.owner, "name", None) in _VIEW_OPS:  # (a block argument: no name)
+            root = root.owner.operands[0]
+        try:
+            vt, rt = ir.MemRefType(res.type), ir.MemRefType(root.type)
+            (vs, vo), (rs, ro) = vt.get_strides_and_offset(), rt.get_strides_and_offset()
+        except (ValueError, TypeError):
+            continue
+        if root == res or vo != 0 or ro != 0 or list(vs) != list(rs):
+            continue
+        vsh, rsh = list(vt.shape), list(rt.shape)
+        if len(vsh) != len(rsh) or any(v < 0 or v > r for v, r in zip(vsh, rsh)):
+            continue
+        if list(rs) != list(_contig_strides(tuple(rsh))) or vt.element_type != rt.element_type:
+            continue
+        for use in list(res.uses):
+            owner = use.owner
+            if owner.name in ("affine.load", "memref.load") and use.operand_number == 0:
+                owner.operands[0] = root
                 moved += 1
     return moved
 
