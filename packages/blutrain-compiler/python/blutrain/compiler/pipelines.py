@@ -78,6 +78,7 @@ CPU_LOOPS = " ; ".join(
         CPU_TO_LOOPS,
         "fold-unit-subviews",
         "fold-view-chain-loads",
+        "fuse-row-loops",
         CPU_SERIAL,
         CPU_PARALLEL,
         "serialize-small-nests",

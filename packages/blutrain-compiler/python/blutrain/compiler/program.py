@@ -734,6 +734,7 @@ def _cpu_loops(module: Any, parallel: set[str]) -> None:
     PassManager.parse(pipelines.CPU_TO_LOOPS).run(module.operation)
     _fold_unit_subviews(module)
     _fold_view_chain_loads(module)
+    _fuse_row_loops(module)
     serial = PassManager.parse(pipelines.CPU_SERIAL)
     par = PassManager.parse(pipelines.CPU_PARALLEL)
     for op in module.body.operations:
@@ -928,6 +929,142 @@ def _fold_unit_subviews(module: Any) -> int:
 
 
 _VIEW_OPS = {"memref.subview", "memref.expand_shape", "memref.collapse_shape"}
+# ops a row nest may hold (anything else, a call or a copy, keeps the nest apart)
+_NEST_OK = ("arith.", "math.")
+_NEST_OPS = {"affine.for", "affine.yield", "affine.apply", "affine.load", "affine.store"}
+_NEST_OPS |= {"memref.load", "memref.store"}
+_HOISTABLE = {"memref.alloc", "memref.alloca", "arith.constant"}
+
+
+def _mem_access(op: Any) -> tuple[Any, Any, bool] | None:
+    """(memref, the value of its first index or None, is a write) of a load / store."""
+    from mlir import ir
+
+    name = op.name
+    if name not in ("affine.load", "affine.store", "memref.load", "memref.store"):
+        return None
+    write = name.endswith("store")
+    mem = op.operands[1 if write else 0]
+    rest = list(op.operands)[2 if write else 1 :]
+    if not ir.MemRefType(mem.type).shape:
+        return mem, None, write
+    if name.startswith("memref."):
+        return mem, rest[0], write
+    amap = ir.AffineMapAttr(op.attributes["map"]).value
+    e = amap.results[0]
+    if not isinstance(e, ir.AffineDimExpr):
+        return mem, None, write
+    return mem, rest[e.position], write
+
+
+def _root(v: Any) -> Any:
+    while getattr(v.owner, "name", None) in _VIEW_OPS:
+        v = v.owner.operands[0]
+    return v
+
+
+def _row_nest_ok(loops: list[Any]) -> bool:
+    """Whether the nests `loops` (top-level affine.for over the same rows) may run row by row:
+    every buffer one of them writes (any function argument, where one writes an argument:
+    outputs may share an input's memory) is read and written only at the loop's own row,
+    through one view of it, whose first dimension is the rows."""
+    from mlir import ir
+
+    accesses: list[tuple[Any, Any, Any, bool]] = []  # (memref, first index, the nest's row)
+    for lp in loops:
+        iv = lp.regions[0].blocks[0].arguments[0]
+        bad: list[str] = []
+
+        def visit(op: Any, iv: Any = iv, bad: list = bad) -> Any:
+            nm = op.name
+            if nm not in _NEST_OPS and not nm.startswith(_NEST_OK):
+                bad.append(nm)
+                return ir.WalkResult.INTERRUPT
+            acc = _mem_access(op)
+            if acc is not None:
+                accesses.append((acc[0], acc[1], iv, acc[2]))
+            return ir.WalkResult.ADVANCE
+
+        for body_op in lp.regions[0].blocks[0].operations:
+            body_op.operation.walk(visit)
+        if bad:
+            return False
+    written = [_root(m) for m, _, _, w in accesses if w]
+    args_written = any(isinstance(r.owner, ir.Block) for r in written)
+    seen_view: dict[str, Any] = {}
+    for m, first, iv, _ in accesses:
+        r = _root(m)
+        if not (any(r == w for w in written) or (args_written and isinstance(r.owner, ir.Block))):
+            continue
+        if first is None or first != iv:
+            return False
+        key = r.get_name()
+        if key in seen_view and seen_view[key] != m:
+            return False
+        seen_view[key] = m
+    return True
+
+
+def _loop_key(op: Any) -> str | None:
+    """The bounds of a top-level affine.for with constant bounds, else None."""
+    if op.name != "affine.for" or len(op.operands) != 0:
+        return None
+    a = op.attributes
+    return f"{a['lowerBoundMap']} {a['upperBoundMap']} {a['step']}"
+
+
+def _fuse_row_loops(module: Any) -> int:
+    """Note [one row at a time]: a row group's linalg ops become one loop nest each over all
+    rows (a max, then an exp sum, then the statistics), so every pass streams the whole input
+    from memory; eager finishes a row (in cache) before the next. Consecutive top-level nests
+    over the same rows whose every shared buffer is touched only at the loop's own row
+    (_row_nest_ok) become one loop over the rows holding their bodies in order: each row's
+    values are computed by the same operations in the same order as before, only rows
+    interleave. The buffers they allocate between them move above the loop. Returns how many
+    loops were merged away."""
+    merged = 0
+    for fn in module.body.operations:
+        if fn.operation.name != "func.func":
+            continue
+        block = fn.regions[0].blocks[0]
+        runs: list[tuple[list[Any], list[Any]]] = []
+        run: list[Any] = []
+        hoist: list[Any] = []
+        pending: list[Any] = []
+        key = None
+        for op in list(block.operations):
+            op = op.operation
+            k = _loop_key(op)
+            if k is not None and run and k == key and _row_nest_ok(run + [op]):
+                run.append(op)
+                hoist += pending
+                pending = []
+                continue
+            if op.name in _HOISTABLE and run:
+                pending.append(op)
+                continue
+            if len(run) > 1:
+                runs.append((run, hoist))
+            run, hoist, pending, key = [], [], [], None
+            if k is not None and _row_nest_ok([op]):
+                run, key = [op], k
+        if len(run) > 1:
+            runs.append((run, hoist))
+        for loops, moved in runs:
+            first = loops[0]
+            for op in moved:
+                op.move_before(first)
+            body = first.regions[0].blocks[0]
+            iv = body.arguments[0]
+            term = list(body.operations)[-1]
+            for lp in loops[1:]:
+                lb = lp.regions[0].blocks[0]
+                lb.arguments[0].replace_all_uses_with(iv)
+                for op in list(lb.operations)[:-1]:
+                    op.move_before(term)
+                lp.erase()
+                merged += 1
+    return merged
 
 
 def _fold_view_chain_loads(module: Any) -> int:
