@@ -41,6 +41,9 @@ from blutrain.compiler import eager, fusion
 from blutrain.compiler import program as P
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from check_steps import replay_group  # noqa: E402
+
 _partition = fusion.partition
 
 
@@ -97,15 +100,9 @@ def counting_run(C: Counter):
                 a2 = _count(dev)
                 if C.replay:
                     r0 = _count(dev)
-                    ref: dict[int, Any] = {}
                     with bt.no_grad():
                         try:
-                            for n in st.nodes:
-                                args = [
-                                    ref[i] if i in ref else (self.value(env, i) if i >= 0 else None)
-                                    for i in n.inputs
-                                ]
-                                ref.update(zip(n.outputs, eager.run(n, args, g.raw)))
+                            ref = replay_group(self, st, env)
                         except NotImplementedError:
                             ref = {}
                         for o, t in zip(st.outputs, outs):

@@ -95,6 +95,16 @@ def compare(tag: str, got: Any, want: Any) -> str | None:
     return None
 
 
+def replay_group(prog: P.Program, st: fusion.Group, env: dict[int, Any]) -> dict[int, Any]:
+    """The values of a fused group's nodes through blutrain.tensor's eager kernels, on the
+    inputs in env; raises NotImplementedError for an op with no eager replay."""
+    ref: dict[int, Any] = {}
+    for n in st.nodes:
+        args = [ref[i] if i in ref else (prog.value(env, i) if i >= 0 else None) for i in n.inputs]
+        ref.update(zip(n.outputs, eager.run(n, args, prog.graph.raw)))
+    return ref
+
+
 def checking_run(self: P.Program, inputs: list[Any]) -> dict[int, Any]:
     """Program.run, step for step, with each step checked against an eager replay."""
     g = self.graph
@@ -108,15 +118,9 @@ def checking_run(self: P.Program, inputs: list[Any]) -> dict[int, Any]:
         if isinstance(st, fusion.Group):
             ins = [self.value(env, i) for i in st.inputs]
             ins = [t if t.is_contiguous() else t.contiguous() for t in ins]
-            ref: dict[int, Any] | None = {}
+            ref: dict[int, Any] | None
             try:  # before the kernel, which may write its inputs' memory (in-place updates)
-                for n in st.nodes:
-                    args = [
-                        ref[i] if i in ref else (self.value(env, i) if i >= 0 else None)
-                        for i in n.inputs
-                    ]
-                    for o, t in zip(n.outputs, eager.run(n, args, g.raw)):
-                        ref[o] = t
+                ref = replay_group(self, st, env)
             except NotImplementedError as e:  # (no eager replay: NaN check only)
                 ref = None
                 REPORT.unchecked.add(str(e).rsplit(" ", 1)[-1])

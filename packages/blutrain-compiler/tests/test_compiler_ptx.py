@@ -186,3 +186,13 @@ def test_gpu_cache_entry_written_without_a_gpu(monkeypatch, tmp_path) -> None:
     assert {G.name for G in part.groups} == set(code.functions)
     monkeypatch.setattr(program, "ptx_for", None)  # a second call must not compile
     assert program.compile_gpu_cache(btc.Graph.from_json(text)) == path
+
+
+def test_gpu_cache_refuses_when_the_cache_is_off(monkeypatch) -> None:
+    """compile_gpu_cache with BLUTRAIN_COMPILE_CACHE=0 has nowhere to write: a CompileError
+    naming the setting, not PTX compiled for nothing."""
+    monkeypatch.setenv("BLUTRAIN_COMPILE_CACHE", "0")
+    monkeypatch.setattr(program, "ptx_for", None)  # must not be reached
+    g = _graph(lambda x: (x * 2.0).exp(), [bt.randn(4, 8)])
+    with pytest.raises(program.CompileError, match="BLUTRAIN_COMPILE_CACHE=0"):
+        program.compile_gpu_cache(g)

@@ -45,6 +45,17 @@ class Stats:
 
 RETURN_SLOTS = 2  # buffers per returned value (Note [returned buffers])
 
+# Note [CPU until a GPU run]: Note [identical groups], Note [mutations written back early] and
+# the sinking of groups that read unwritten inputs (Program._sink_constants) change what a CUDA
+# program runs, and were written in a session with no GPU time. CUDA programs keep the
+# behaviour last verified on a GPU (session 46, one H100) until a GPU run of bench/gpu_call.sh
+# has checked them; then this turns on.
+NEW_PLANS_ON_CUDA = False
+
+
+def _new_plans(target: str) -> bool:
+    return NEW_PLANS_ON_CUDA or not target.startswith("cuda")
+
 
 def _contig_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     st, acc = [], 1
@@ -97,7 +108,9 @@ class Program:
         Only the order of steps changes, never what they compute: what they read has the same
         value at every step of the call."""
         g = self.graph
-        fixed = set(g.inputs) - {i for i, _ in g.mutations}
+        # groups that read nothing; on the CPU also those reading only unwritten inputs (Note
+        # [CPU until a GPU run])
+        fixed = set(g.inputs) - {i for i, _ in g.mutations} if _new_plans(self.target) else set()
         steps = list(self.part.steps)
         movable = [
             s
@@ -227,7 +240,10 @@ class Program:
         allocation. Writing the kernel's output over the input directly (Note [in-place
         updates]) saves the copy but is safe only where every read of the input is at the
         element being written, which a fused kernel does not promise in general. Values the
-        caller also sees (an output, a .grad) keep the copy at the end."""
+        caller also sees (an output, a .grad) keep the copy at the end. CPU targets only for now
+        (Note [CPU until a GPU run])."""
+        if not _new_plans(self.target):
+            return {}
         g = self.graph
         ins = set(g.inputs)
         seen = {self.base(v) for v in g.outputs} | {self.base(v) for _, v in g.grads if v >= 0}
@@ -633,7 +649,8 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
             raise CompileError(
                 f"[compile] graph {ghash}: stage lowered: the module does not verify"
             )
-        aliases = dedup_groups(module)  # Note [identical groups]
+        # Note [identical groups] (Note [CPU until a GPU run])
+        aliases = dedup_groups(module) if _new_plans(target) else {}
         meta["aliases"] = aliases
         st.compiled_functions = len(part.groups) - len(aliases)
         if dump and aliases:
@@ -963,32 +980,38 @@ def _root(v: Any) -> Any:
     return v
 
 
-def _row_nest_ok(loops: list[Any]) -> bool:
-    """Whether the nests `loops` (top-level affine.for over the same rows) may run row by row:
-    every buffer one of them writes (any function argument, where one writes an argument:
+def _nest_accesses(lp: Any) -> list[tuple[Any, Any, Any, bool]] | None:
+    """(memref, its first index, the nest's row, is a write) of every load and store in the
+    top-level affine.for `lp`, or None when the nest holds anything but loops, loads, stores
+    and arithmetic."""
+    from mlir import ir
+
+    iv = lp.regions[0].blocks[0].arguments[0]
+    out: list[tuple[Any, Any, Any, bool]] = []
+    bad: list[str] = []
+
+    def visit(op: Any) -> Any:
+        nm = op.name
+        if nm not in _NEST_OPS and not nm.startswith(_NEST_OK):
+            bad.append(nm)
+            return ir.WalkResult.INTERRUPT
+        acc = _mem_access(op)
+        if acc is not None:
+            out.append((acc[0], acc[1], iv, acc[2]))
+        return ir.WalkResult.ADVANCE
+
+    for body_op in lp.regions[0].blocks[0].operations:
+        body_op.operation.walk(visit)
+    return None if bad else out
+
+
+def _row_nest_ok(accesses: list[tuple[Any, Any, Any, bool]]) -> bool:
+    """Whether nests with these accesses (_nest_accesses, over the same rows) may run row by
+    row: every buffer one of them writes (any function argument, where one writes an argument:
     outputs may share an input's memory) is read and written only at the loop's own row,
     through one view of it, whose first dimension is the rows."""
     from mlir import ir
 
-    accesses: list[tuple[Any, Any, Any, bool]] = []  # (memref, first index, the nest's row)
-    for lp in loops:
-        iv = lp.regions[0].blocks[0].arguments[0]
-        bad: list[str] = []
-
-        def visit(op: Any, iv: Any = iv, bad: list = bad) -> Any:
-            nm = op.name
-            if nm not in _NEST_OPS and not nm.startswith(_NEST_OK):
-                bad.append(nm)
-                return ir.WalkResult.INTERRUPT
-            acc = _mem_access(op)
-            if acc is not None:
-                accesses.append((acc[0], acc[1], iv, acc[2]))
-            return ir.WalkResult.ADVANCE
-
-        for body_op in lp.regions[0].blocks[0].operations:
-            body_op.operation.walk(visit)
-        if bad:
-            return False
     written = [_root(m) for m, _, _, w in accesses if w]
     args_written = any(isinstance(r.owner, ir.Block) for r in written)
     seen_view: dict[str, Any] = {}
@@ -1029,14 +1052,17 @@ def _fuse_row_loops(module: Any) -> int:
         block = fn.regions[0].blocks[0]
         runs: list[tuple[list[Any], list[Any]]] = []
         run: list[Any] = []
+        run_acc: list[tuple[Any, Any, Any, bool]] = []  # the accesses of the nests in run
         hoist: list[Any] = []
         pending: list[Any] = []
         key = None
         for op in list(block.operations):
             op = op.operation
             k = _loop_key(op)
-            if k is not None and run and k == key and _row_nest_ok(run + [op]):
+            acc = _nest_accesses(op) if k is not None else None
+            if acc is not None and run and k == key and _row_nest_ok(run_acc + acc):
                 run.append(op)
+                run_acc += acc
                 hoist += pending
                 pending = []
                 continue
@@ -1045,9 +1071,9 @@ def _fuse_row_loops(module: Any) -> int:
                 continue
             if len(run) > 1:
                 runs.append((run, hoist))
-            run, hoist, pending, key = [], [], [], None
-            if k is not None and _row_nest_ok([op]):
-                run, key = [op], k
+            run, run_acc, hoist, pending, key = [], [], [], [], None
+            if acc is not None and _row_nest_ok(acc):
+                run, run_acc, key = [op], acc, k
         if len(run) > 1:
             runs.append((run, hoist))
         for loops, moved in runs:
@@ -1280,7 +1306,8 @@ def ptx_for(graph: Graph, dump: Any = None) -> Any:
         module = ir.Module.create()
         for G in part.groups:
             Emitter(graph, G.nodes, G.inputs, G.outputs, G.name).build(module)
-        aliases = dedup_groups(module)  # Note [identical groups]
+        # Note [identical groups] (Note [CPU until a GPU run])
+        aliases = dedup_groups(module) if _new_plans("cuda") else {}
         recompute.duplicate(module)
         PassManager.parse(pipelines.FUSE).run(module.operation)
         PassManager.parse(pipelines.BUFFERIZE).run(module.operation)
