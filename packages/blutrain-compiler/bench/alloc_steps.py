@@ -149,10 +149,7 @@ def counting_run(C: Counter):
                 C.add(f"step {k} {n.op} (node {n.index}): views of its inputs", a1 - a0)
                 C.add(f"step {k} {n.op} (node {n.index}) {how} -> {shapes}", a2 - a1)
                 del args
-            for v in self.free_after.get(k, ()):
-                env.pop(v, None)
-                for w in self.views_of.get(v, ()):
-                    env.pop(w, None)
+            self.end_step(k, env)
         return env
 
     return run

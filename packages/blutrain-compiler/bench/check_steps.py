@@ -171,10 +171,7 @@ def checking_run(self: P.Program, inputs: list[Any]) -> dict[int, Any]:
                     t = env.get(oo)
                     if t is not None and hasattr(t, "dtype") and _has_nan(t):
                         REPORT.add(f"step {k} eager {n.op}: %{oo} NaN out of NaN-free inputs")
-        for v in self.free_after.get(k, ()):
-            env.pop(v, None)
-            for w in self.views_of.get(v, ()):
-                env.pop(w, None)
+        self.end_step(k, env)
     return env
 
 

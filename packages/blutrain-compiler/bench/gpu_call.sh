@@ -9,9 +9,14 @@
 #   3. bench/bench_gpt2_compiled.py: GPT-2 124M step, ours eager / ours compiled / torch eager /
 #      torch.compile, tokens/s and peak memory (allocator statistics), same run
 #   4. a summary, last
+# PARTS (comma-separated, default tests,gpt2) picks among: tests (2), check (bench/check_steps.py
+# --device cuda llama32:check gpt2bf16:check: each program step against eager's replay), alloc
+# (bench/alloc_steps.py --device cuda: the steps that still call the allocator in the steady
+# state), llama (bench/bench_compiler.py: the fused kernels' share of copy bandwidth, LLaMA small
+# ours eager / compiled / torch eager / torch.compile), gpt2 (3), in that order.
 # usage: bash packages/blutrain-compiler/bench/gpu_call.sh [BUDGET_S]
-#   env: B, T (default 8, 1024), MODE (tf32 | fp32), OUT, SKIP_TESTS=1 (the whole budget to the
-#   benchmark: compiling GPT-2 124M's step is the longest row, run last)
+#   env: PARTS, B, T (default 8, 1024), MODE (tf32 | fp32), OUT, SKIP_TESTS=1 (the whole budget
+#   to the benchmark: compiling GPT-2 124M's step is the longest row, run last)
 # --cpu-check runs steps 1-4 on a CPU machine (no GPU tests, GPT-2 tiny): the script's own test.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
@@ -25,6 +30,9 @@ BUDGET=${1:-300}
 START=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 declare -A S
+PARTS=${PARTS:-tests,gpt2}
+[ "${SKIP_TESTS:-0}" = 1 ] && PARTS=${PARTS//tests/}
+part() { [[ ",$PARTS," == *",$1,"* ]]; }
 
 # ---- 1. environment ---------------------------------------------------------------------
 # (the bundle is for CPython 3.12; --cpu-check uses the bindings installed here)
@@ -52,7 +60,7 @@ EOF
 [ "${PIPESTATUS[0]}" = 0 ] && S[env]="ok" || S[env]="FAILED (see above)"
 
 # ---- 2. GPU tests -----------------------------------------------------------------------
-if [ "$CPU" = 0 ] && [ "${SKIP_TESTS:-0}" = 0 ]; then
+if [ "$CPU" = 0 ] && part tests; then
   t0=$(date +%s)
   timeout 110 $PY -m pytest -q -m gpu packages/blutrain-compiler/tests -o addopts="" \
     -p no:cacheprovider >"$OUT/compiler-gpu-tests.log" 2>&1
@@ -61,9 +69,33 @@ if [ "$CPU" = 0 ] && [ "${SKIP_TESTS:-0}" = 0 ]; then
   grep -E "^(FAILED|ERROR)" "$OUT/compiler-gpu-tests.log" | cut -c1-200 | head -20
 fi
 
+# ---- check_steps, alloc_steps, bench_compiler (PARTS) -----------------------------------
+dev=cuda
+[ "$CPU" = 1 ] && dev=cpu
+run_part() {  # name, minimum seconds, log, command...
+  local name=$1 min=$2 log=$3 lim t0; shift 3
+  lim=$(( $(left) - 10 ))
+  if [ "$lim" -lt "$min" ]; then S[$name]="skipped (time budget: $lim s left)"; return; fi
+  t0=$(date +%s)
+  timeout "$lim" "$@" >"$OUT/$log" 2>&1
+  S[$name]="rc=$? [$(( $(date +%s) - t0 )) s]"
+  echo "---- $name"; tail -"${TAIL:-12}" "$OUT/$log"
+}
+B_DIR=packages/blutrain-compiler/bench
+part check && run_part check 30 check_steps.txt \
+  $PY $B_DIR/check_steps.py --device $dev llama32:check gpt2bf16:check
+part alloc && run_part alloc 30 alloc_steps.txt \
+  $PY $B_DIR/alloc_steps.py --device $dev --json "$OUT/alloc_steps.json"
+if part llama; then
+  largs=(--device $dev --json "$OUT/bench_compiler.json")
+  [ "$CPU" = 1 ] && largs+=(--steps 2 --warmup 1 --no-torch-compile)
+  TAIL=30 run_part llama 120 bench_compiler.txt $PY $B_DIR/bench_compiler.py "${largs[@]}"
+fi
+
 # ---- 3. GPT-2 benchmark -----------------------------------------------------------------
 lim=$(( $(left) - 10 ))
-if [ "$lim" -lt 60 ]; then
+if ! part gpt2; then :
+elif [ "$lim" -lt 60 ]; then
   S[bench]="skipped (time budget: $lim s left)"
 else
   t0=$(date +%s)
@@ -77,9 +109,11 @@ else
 fi
 
 # ---- 4. summary -------------------------------------------------------------------------
-echo
-echo "---- bench_gpt2_compiled"
-tail -14 "$OUT/bench_gpt2_compiled.txt" 2>/dev/null
+if part gpt2; then
+  echo
+  echo "---- bench_gpt2_compiled"
+  tail -14 "$OUT/bench_gpt2_compiled.txt" 2>/dev/null
+fi
 echo
 echo "==================== blutrain-compiler summary ($(( $(date +%s) - START )) s) ===================="
 for k in $(printf '%s\n' "${!S[@]}" | sort); do printf '%-12s %s\n' "$k" "${S[$k]}"; done

@@ -182,3 +182,58 @@ def test_mutations_written_back_early_into_the_arena() -> None:
     # max_memory_allocated counts them); the arena, allocated at the first call, is one block
     arena = (p.plan.size + 511) // 512 * 512
     assert peaks["compiled"] + arena <= peaks["eager"], (peaks, p.plan.size)
+
+
+def test_kernel_temporaries_live_in_the_arena_during_their_step_only() -> None:
+    """Note [kernel temporaries in the arena]: a kernel's temporaries (a GPU group's values
+    between its launches) are planned as buffers live at their step alone. Each wrapped kernel
+    below declares temporaries and fills them with garbage before running: were one placed over
+    a buffer live at its step, the results would differ from eager's."""
+    import ctypes
+    from dataclasses import dataclass, field
+
+    from blutrain.compiler import program
+
+    x = bt.randn(64, 96)
+    w1, w2, w3 = bt.randn(256, 96) * 0.1, bt.randn(256, 256) * 0.1, bt.randn(32, 256) * 0.1
+    g = bt.randn(96)
+    args = [x, w1, w2, w3, g]
+    with bt.capture() as cg:
+        cg.mark_output(mlp(*args))
+    graph = btc.from_capture(cg)
+    prog = program.build(graph, "cpu")
+    rng = np.random.default_rng()
+
+    @dataclass
+    class Fn:
+        temps: list = field(default_factory=list)
+
+    class WithTemps:
+        def __init__(self, inner) -> None:
+            self.inner, self.temp_ptrs, self.calls = inner, None, 0
+            self.fn = Fn([((n,), "i8", n) for n in rng.integers(1, 40_000, 2).tolist()])
+
+        def __call__(self, ptrs) -> None:
+            assert self.temp_ptrs is not None  # set from the arena before the first run
+            for p, (_, _, n) in zip(self.temp_ptrs, self.fn.temps):
+                ctypes.memset(p, 0xFF, n)  # NaN bits in every float the temporary overlaps
+            self.calls += 1
+            self.inner(ptrs)
+
+    wrapped = {gid: WithTemps(k) for gid, k in prog.kernels.items()}
+    prog.kernels.update(wrapped)
+    by_shape = {tuple(a.shape): a for a in args}  # (the five shapes differ)
+    env = prog.run([by_shape[tuple(prog.graph.values[v].shape)] for v in prog.graph.inputs])
+    out = prog.value(env, prog.graph.outputs[0])
+    np.testing.assert_allclose(out.numpy(), mlp(*args).numpy(), rtol=1e-5, atol=1e-5)
+    scratch = [b for b in prog.plan.buffers.values() if b.value < 0]
+    assert len(scratch) == 2 * len(wrapped) >= 4
+    assert all(b.start == b.end for b in scratch)
+    lo = prog.arena.data_ptr()
+    for k in wrapped.values():
+        assert k.calls == 1
+        for p, (_, _, n) in zip(k.temp_ptrs, k.fn.temps):
+            assert lo <= p and p + n <= lo + prog.plan.size
+    # temporaries of different steps share bytes: the arena is below their sum plus the rest
+    rest = sum(b.nbytes for b in prog.plan.buffers.values() if b.value >= 0)
+    assert prog.plan.size < rest + sum(b.nbytes for b in scratch)

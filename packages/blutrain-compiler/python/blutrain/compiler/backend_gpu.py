@@ -581,6 +581,9 @@ class GpuKernel:
         self.device = device
         self.handles = [modules[ln.module].function(ln.kernel) for ln in fn.launches]
         self.temps: list[Any] = []
+        # addresses of the temporaries in the program's arena, set by Program._arena_views
+        # (Note [kernel temporaries in the arena]); None: the kernel allocates its own once
+        self.temp_ptrs: list[int] | None = None
 
     def __call__(self, ptrs: list[int]) -> None:
         import struct
@@ -589,12 +592,14 @@ class GpuKernel:
 
         from . import _runtime
 
-        if not self.temps:
-            self.temps = [
-                bt.empty((max(1, nbytes),), dtype=bt.uint8, device=self.device)
-                for _, _, nbytes in self.fn.temps
-            ]
-        tptr = [t.data_ptr() for t in self.temps]
+        tptr = self.temp_ptrs
+        if tptr is None:
+            if not self.temps:
+                self.temps = [
+                    bt.empty((max(1, nbytes),), dtype=bt.uint8, device=self.device)
+                    for _, _, nbytes in self.fn.temps
+                ]
+            tptr = [t.data_ptr() for t in self.temps]
         stream = int(bt._tensor._cuda_current_stream(_dev_index(self.device)))
         for h, ln in zip(self.handles, self.fn.launches):
             kinds, vals = [], []

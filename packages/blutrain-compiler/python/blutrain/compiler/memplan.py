@@ -39,9 +39,8 @@ class Plan:
     def describe(self) -> str:
         lines = [f"arena {self.size} bytes, {len(self.buffers)} buffers"]
         for b in sorted(self.buffers.values(), key=lambda b: b.offset):
-            lines.append(
-                f"  %{b.value}: [{b.offset}, {b.offset + b.nbytes}) steps {b.start}-{b.end}"
-            )
+            name = f"%{b.value}" if b.value >= 0 else f"tmp{-1 - b.value}"
+            lines.append(f"  {name}: [{b.offset}, {b.offset + b.nbytes}) steps {b.start}-{b.end}")
         return "\n".join(lines) + "\n"
 
 
@@ -72,12 +71,18 @@ def assign(bufs: list[Buffer]) -> int:
 
 
 def make(
-    prog: Any, plannable: dict[int, int], escaping: set[int], ends: dict[int, int] | None = None
+    prog: Any,
+    plannable: dict[int, int],
+    escaping: set[int],
+    ends: dict[int, int] | None = None,
+    scratch: list[tuple[int, int, int]] | None = None,
 ) -> Plan:
     """plannable: value -> step index writing it (values whose memory the program chooses);
-    ends: a later last step for buffers other values share (written in place over them)."""
+    ends: a later last step for buffers other values share (written in place over them);
+    scratch: (key < 0, bytes, step) for a kernel's temporaries, live during their step only
+    (Note [kernel temporaries in the arena] in program.py)."""
     g = prog.graph
-    bufs = []
+    bufs = [Buffer(key, nbytes, k, k) for key, nbytes, k in scratch or ()]
     for v, k in plannable.items():
         if v in escaping:
             continue

@@ -45,17 +45,6 @@ class Stats:
 
 RETURN_SLOTS = 2  # buffers per returned value (Note [returned buffers])
 
-# Note [CPU until a GPU run]: Note [identical groups], Note [mutations written back early] and
-# the sinking of groups that read unwritten inputs (Program._sink_constants) change what a CUDA
-# program runs, and were written in a session with no GPU time. CUDA programs keep the
-# behaviour last verified on a GPU (session 46, one H100) until a GPU run of bench/gpu_call.sh
-# has checked them; then this turns on.
-NEW_PLANS_ON_CUDA = False
-
-
-def _new_plans(target: str) -> bool:
-    return NEW_PLANS_ON_CUDA or not target.startswith("cuda")
-
 
 def _contig_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     st, acc = [], 1
@@ -108,9 +97,7 @@ class Program:
         Only the order of steps changes, never what they compute: what they read has the same
         value at every step of the call."""
         g = self.graph
-        # groups that read nothing; on the CPU also those reading only unwritten inputs (Note
-        # [CPU until a GPU run])
-        fixed = set(g.inputs) - {i for i, _ in g.mutations} if _new_plans(self.target) else set()
+        fixed = set(g.inputs) - {i for i, _ in g.mutations}
         steps = list(self.part.steps)
         movable = [
             s
@@ -171,12 +158,36 @@ class Program:
             ends[v] = max(ends.get(v, -1), end)
         for v in self.alias:
             plannable.pop(v, None)
-        self.plan = memplan.make(self, plannable, self.escaping, ends)
+        self.plan = memplan.make(self, plannable, self.escaping, ends, self._scratch())
         g = self.graph
         grads_muts = {v for _, v in g.grads} | {v for _, v in g.mutations}
         self.returned = {v: [] for v in g.outputs if v not in grads_muts and self.base(v) == v}
         self.stats.planned_bytes = self.plan.size
         self._free_schedule()
+
+    def _scratch(self) -> list[tuple[int, int, int]]:
+        """(key, bytes, step) for every temporary of every fused kernel; fills
+        self.scratch_keys (group id -> its temporaries' keys, in the kernel's order).
+
+        Note [kernel temporaries in the arena]: a GPU kernel group may keep values between its
+        launches (a column reduction's partial sums, a row kernel's intermediate written by one
+        launch and read by the next); the outlined host function allocates them
+        (backend_gpu.GpuFunction.temps). A kernel that allocates its own once keeps them for the
+        program's life: 449 MiB for LLaMA small's step (B8 x T512), none of which eager holds.
+        They live only while their step runs, so the plan places them in the arena like any
+        buffer written and last read at that step: one step's temporaries at a time, sharing
+        bytes with buffers dead by then. Keys are negative (graph values are not)."""
+        out: list[tuple[int, int, int]] = []
+        self.scratch_keys: dict[int, list[int]] = {}
+        for k, st in enumerate(self.part.steps):
+            if not isinstance(st, fusion.Group):
+                continue
+            fn = getattr(self.kernels.get(st.id), "fn", None)
+            for _, _, nbytes in getattr(fn, "temps", None) or ():
+                key = -1 - len(out)
+                out.append((key, max(1, nbytes), k))
+                self.scratch_keys.setdefault(st.id, []).append(key)
+        return out
 
     def _inplace_updates(self) -> dict[int, int]:
         """value -> graph input it may be written into: the new parameter / moments of an
@@ -240,10 +251,7 @@ class Program:
         allocation. Writing the kernel's output over the input directly (Note [in-place
         updates]) saves the copy but is safe only where every read of the input is at the
         element being written, which a fused kernel does not promise in general. Values the
-        caller also sees (an output, a .grad) keep the copy at the end. CPU targets only for now
-        (Note [CPU until a GPU run])."""
-        if not _new_plans(self.target):
-            return {}
+        caller also sees (an output, a .grad) keep the copy at the end."""
         g = self.graph
         ins = set(g.inputs)
         seen = {self.base(v) for v in g.outputs} | {self.base(v) for _, v in g.grads if v >= 0}
@@ -355,13 +363,17 @@ class Program:
         from . import _runtime
 
         g = self.graph
-        dev = next((g.values[v].device for v in self.plan.buffers), "cpu")
+        dev = next((g.values[v].device for v in self.plan.buffers if v >= 0), self.target)
         self.arena = bt.empty((max(self.plan.size, 1),), dtype=bt.uint8, device=dev)
         base = self.arena.data_ptr()
+        for gid, keys in self.scratch_keys.items():  # Note [kernel temporaries in the arena]
+            self.kernels[gid].temp_ptrs = [base + self.plan.buffers[key].offset for key in keys]
         dl_dev = (
             (2, int(dev.split(":")[1]) if ":" in dev else 0) if dev.startswith("cuda") else (1, 0)
         )
         for v, b in self.plan.buffers.items():
+            if v < 0:  # a kernel's temporary
+                continue
             val = g.values[v]
             code, bits = _DLPACK[val.dtype]
             arr = _runtime.view(
@@ -474,18 +486,24 @@ class Program:
                         env[o] = t
                     del res
                 del args
-            for i, v in self.writeback.get(k, ()):  # Note [mutations written back early]
-                dst = env[i]
-                with bt.no_grad():
-                    dst.copy_(env[v])
-                env[v] = dst
-                for w in self.views_of.get(v, ()):
-                    env.pop(w, None)
-            for v in self.free_after.get(k, ()):
-                env.pop(v, None)
-                for w in self.views_of.get(v, ()):
-                    env.pop(w, None)
+            self.end_step(k, env)
         return env
+
+    def end_step(self, k: int, env: dict[int, Any]) -> None:
+        """After step k: mutations copied into their inputs (Note [mutations written back
+        early]) and values dropped at their last use (Note [freeing at last use]). The
+        benchmarks' step-by-step copies of run() (check_steps, alloc_steps) call it too."""
+        for i, v in self.writeback.get(k, ()):
+            dst = env[i]
+            with bt.no_grad():
+                dst.copy_(env[v])
+            env[v] = dst
+            for w in self.views_of.get(v, ()):
+                env.pop(w, None)
+        for v in self.free_after.get(k, ()):
+            env.pop(v, None)
+            for w in self.views_of.get(v, ()):
+                env.pop(w, None)
 
     # ---- building ---------------------------------------------------------------------------
     def lower_all(self) -> Any:
@@ -649,8 +667,7 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
             raise CompileError(
                 f"[compile] graph {ghash}: stage lowered: the module does not verify"
             )
-        # Note [identical groups] (Note [CPU until a GPU run])
-        aliases = dedup_groups(module) if _new_plans(target) else {}
+        aliases = dedup_groups(module)  # Note [identical groups]
         meta["aliases"] = aliases
         st.compiled_functions = len(part.groups) - len(aliases)
         if dump and aliases:
@@ -1306,8 +1323,7 @@ def ptx_for(graph: Graph, dump: Any = None) -> Any:
         module = ir.Module.create()
         for G in part.groups:
             Emitter(graph, G.nodes, G.inputs, G.outputs, G.name).build(module)
-        # Note [identical groups] (Note [CPU until a GPU run])
-        aliases = dedup_groups(module) if _new_plans("cuda") else {}
+        aliases = dedup_groups(module)  # Note [identical groups]
         recompute.duplicate(module)
         PassManager.parse(pipelines.FUSE).run(module.operation)
         PassManager.parse(pipelines.BUFFERIZE).run(module.operation)
