@@ -37,7 +37,7 @@ import numpy as np
 
 import blutrain.alloc as alloc
 import blutrain.tensor as bt
-from blutrain.compiler import eager, fusion
+from blutrain.compiler import fusion
 from blutrain.compiler import program as P
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,7 +57,7 @@ def replay_build(gpu_partition: bool):
     def build(graph: Any, target: str = "cpu", dump: Any = None) -> P.Program:
         from blutrain.compiler.decompose import decompose
 
-        g = decompose(graph)
+        g = decompose(graph, gpu=target.startswith("cuda") or gpu_partition)
         cpu = not (target.startswith("cuda") or gpu_partition)
         prog = P.Program(g, _partition(g, set(), cpu=cpu), target, graph.hash())
         P._fill_stats(prog)
@@ -131,20 +131,21 @@ def counting_run(C: Counter):
                 a0 = _count(dev)
                 args = [self.value(env, i) if i >= 0 else None for i in n.inputs]
                 a1 = _count(dev)
-                o = n.outputs[0] if n.outputs else -1
-                if o in self.views and st.kind == "library":
-                    P._gemm_into(n, args, self.views[o], self.gemm_plans)
-                    env[o], how = self.views[o], "GEMM into the arena"
-                elif o in self.views and n.op == "index_select":
-                    P._gather_into(n, args, self.views[o])
-                    env[o], how = self.views[o], "gather into the arena"
-                elif n.index in self.over and args[0].is_contiguous():
-                    env.update(zip(n.outputs, eager.run_over_base(n, args, g.raw)))
-                    how = "eager over its base"
-                else:
-                    env.update(zip(n.outputs, eager.run(n, args, g.raw)))
-                    how = f"eager ({st.kind})"
+                how = {
+                    "gemm": "GEMM into the arena",
+                    "gather": "gather into the arena",
+                    "over": "eager over its base",
+                    "eager": f"eager ({st.kind})",
+                }[self.eager_step(k, n, args, env)]
+                if k in self.scratch_views:
+                    how += " in its arena scratch"
                 a2 = _count(dev)
+                if a2 > a1:  # what the step read: where a library call's own copies come from
+                    how += " reading " + ", ".join(
+                        f"{tuple(a.shape)}/{tuple(a.stride())}/{a.dtype}"
+                        for a in args
+                        if hasattr(a, "stride")
+                    )
                 shapes = [g.values[v].shape for v in n.outputs]
                 C.add(f"step {k} {n.op} (node {n.index}): views of its inputs", a1 - a0)
                 C.add(f"step {k} {n.op} (node {n.index}) {how} -> {shapes}", a2 - a1)

@@ -9,8 +9,9 @@
    kernels for the same computation.
 2. The LLaMA-style training step (bench/llama_ref.py: RMSNorm, RoPE, causal attention, SwiGLU,
    untied head; forward + backward + AdamW): tokens/s and peak memory for ours eager, ours
-   compiled, torch eager and torch.compile, same model, config and initial weights, each in its
-   own subprocess. On the CPU (--device cpu) the same rows run without torch.compile: the
+   compiled, ours compiled as a CUDA graph (GPU: compile(..., cuda_graph=True)), torch eager and
+   torch.compile (its default mode), same model, config and initial weights, each in its own
+   subprocess. On the CPU (--device cpu) the same rows run without torch.compile: the
    compiled / eager ratio is the CPU benchmark.
 Not a test: prints a table and writes JSON; a row that fails prints its error.
 """
@@ -170,7 +171,7 @@ def worker(a: argparse.Namespace) -> dict:
         if a.compiled:
             import blutrain.compiler as btc
 
-            run = btc.compile(step, scalars=("t",))
+            run = btc.compile(step, scalars=("t",), cuda_graph=a.cuda_graph)
 
         def one(i: int):
             x, y = batches[i]
@@ -276,7 +277,9 @@ def worker(a: argparse.Namespace) -> dict:
 
 def steps(a: argparse.Namespace) -> list[dict]:
     rows = []
-    plan = [("ours", False), ("ours", True)]
+    plan: list[tuple[str, bool | str]] = [("ours", False), ("ours", True)]
+    if a.device.startswith("cuda"):  # Note [compiled programs as CUDA graphs]
+        plan.append(("ours", "graph"))
     if not a.no_torch:
         plan.append(("torch", False))
         if not a.no_torch_compile and a.device.startswith("cuda"):
@@ -303,9 +306,10 @@ def steps(a: argparse.Namespace) -> list[dict]:
                 a.precision,
             ]
             + (["--compiled"] if comp else [])
+            + (["--cuda-graph"] if comp == "graph" else [])
             + (["--seq", str(a.seq)] if a.seq else [])
         )
-        name = f"{fw} {'compiled' if comp else 'eager'}"
+        name = f"{fw} {'compiled' if comp else 'eager'}" + (" +graph" if comp == "graph" else "")
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
         try:
             row = json.loads(r.stdout.strip().splitlines()[-1])
@@ -354,6 +358,7 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--framework", default="ours")
     ap.add_argument("--compiled", action="store_true")
+    ap.add_argument("--cuda-graph", action="store_true", help="(worker) compile with cuda_graph")
     a = ap.parse_args()
     if a.device is None:
         import blutrain.tensor as bt

@@ -147,22 +147,9 @@ def checking_run(self: P.Program, inputs: list[Any]) -> dict[int, Any]:
             n = st.node
             args = [self.value(env, i) if i >= 0 else None for i in n.inputs]
             o = n.outputs[0] if n.outputs else -1
-            into = None
-            if o in self.views and st.kind == "library":
-                P._gemm_into(n, args, self.views[o], self.gemm_plans)
-                into = "gemm"
-            elif o in self.views and n.op == "index_select":
-                P._gather_into(n, args, self.views[o])
-                into = "gather"
-            elif n.index in self.over and args[0].is_contiguous():
-                for oo, t in zip(n.outputs, eager.run_over_base(n, args, g.raw)):
-                    env[oo] = t
-            else:
-                for oo, t in zip(n.outputs, eager.run(n, args, g.raw)):
-                    env[oo] = t
+            into = self.eager_step(k, n, args, env)
             sync()
-            if into:
-                env[o] = self.views[o]
+            if into in ("gemm", "gather"):
                 msg = compare(f"%{o}", env[o], eager.run(n, args, g.raw)[0])
                 if msg:
                     REPORT.add(f"step {k} {into} {n.op}: {msg}")

@@ -1,8 +1,14 @@
-"""Where a compiled GPT-2 (or LLaMA-style) step's time goes on the CPU, next to the same nodes
-run eagerly.
+"""Where a compiled GPT-2 (or LLaMA-style) step's time goes on the CPU or a GPU, next to the same
+nodes run eagerly.
 
-    python profile_gpt2_step.py [--model tiny|gpt2|llama-tiny] [-B 2] [-T 64] [--steps 5]
-                                [--mode tf32|fp32] [--threads N] [--top N] [--no-eager-nodes]
+    python profile_gpt2_step.py [--model tiny|gpt2|llama-tiny|llama-small] [-B 2] [-T 64]
+                                [--steps 5] [--mode tf32|fp32] [--threads N] [--top N]
+                                [--no-eager-nodes] [--device cpu|cuda]
+
+On CUDA (`--device cuda`) every timed piece is bracketed by device synchronisations, so a
+category's figure is its kernels' time plus one launch each, and `glue` is the host time
+between them; the `step` line (no synchronisation inside a call) shows how much of the
+synchronised sum the GPU overlaps with the host.
 
 The step of bench_gpt2_compiled.py (forward, loss, backward, clipping, AdamW), or with
 `--model llama-tiny` bench_compiler.py's LLaMA-style step (llama_ref.py, B=4 T=64 by default:
@@ -44,8 +50,9 @@ def build(a):
     import blutrain.tensor as bt
 
     k = 0
-    if a.model != "llama-tiny":
-        step, opt, x, y = build_step(a.model, a.B, a.T, "cpu", a.mode)
+    dev = a.device
+    if not a.model.startswith("llama"):
+        step, opt, x, y = build_step(a.model, a.B, a.T, dev, a.mode)
 
         def call(fn):
             nonlocal k
@@ -57,13 +64,15 @@ def build(a):
     import llama_ref as L
     import numpy as np
 
-    cfg = L.Config.preset("tiny")
+    cfg = L.Config.preset(a.model.split("-")[1])
     cfg.seq = a.T
-    params = {n: bt.tensor(v).requires_grad_(True) for n, v in L.init_weights(cfg).items()}
-    state = {n: (bt.zeros(p.shape), bt.zeros(p.shape)) for n, p in params.items()}
-    cos, sin = (bt.tensor(t) for t in L.rope_tables(cfg))
+    params = {n: bt.tensor(v).to(dev).requires_grad_(True) for n, v in L.init_weights(cfg).items()}
+    state = {
+        n: (bt.zeros(p.shape, device=dev), bt.zeros(p.shape, device=dev)) for n, p in params.items()
+    }
+    cos, sin = (bt.tensor(t).to(dev) for t in L.rope_tables(cfg))
     rng = np.random.default_rng(1)
-    x, y = (bt.tensor(rng.integers(0, cfg.vocab, (a.B, cfg.seq))) for _ in range(2))
+    x, y = (bt.tensor(rng.integers(0, cfg.vocab, (a.B, cfg.seq))).to(dev) for _ in range(2))
 
     def step(idx, tgt, lr, t):
         loss = L.bt_forward(bt, cfg, params, cos, sin, idx, tgt)
@@ -80,7 +89,7 @@ def build(a):
         k += 1
         if fn is cstep:
             return fn(x, y, 1e-3, k)
-        return fn(x, y, bt.full((), 1e-3), bt.full((), float(k)))
+        return fn(x, y, bt.full((), 1e-3, device=dev), bt.full((), float(k), device=dev))
 
     return step, cstep, call, lambda: (x, y, 1e-3, k)
 
@@ -115,23 +124,31 @@ PER_NODE: dict[int, float] = defaultdict(float)  # GEMM node -> seconds (compile
 PER_NODE_EAGER: dict[int, float] = defaultdict(float)
 
 
+SYNC = [lambda: None]  # the device synchronisation around timed pieces (CUDA)
+
+
 def instrument(prog, times):
     """Wraps the kernels and the eager / library entry points program.py calls; returns a
     function that puts the entry points back (the eager replay then times only itself)."""
     from blutrain.compiler import eager
     from blutrain.compiler import program as P
 
+    sync = SYNC[0]
+
     by_id = {G.id: G for G in prog.part.groups}
     for gid, k in list(prog.kernels.items()):
         cat = kind_of_group(by_id[gid])
 
         def timed(ptrs, _k=k, _cat=cat, _g=gid):
+            sync()
             t0 = time.perf_counter()
             _k(ptrs)
+            sync()
             dt = time.perf_counter() - t0
             times[_cat] += dt
             PER_KERNEL[_g] += dt
 
+        timed.fn = getattr(k, "fn", None)  # (the plan reads a GPU kernel's temporaries)
         prog.kernels[gid] = timed
     step_of = {
         st.node.index: kind_of_step(st) for st in prog.part.steps if not hasattr(st, "outputs")
@@ -142,8 +159,10 @@ def instrument(prog, times):
 
         def timed(*args, **kw):
             n = args[node_arg]
+            sync()
             t0 = time.perf_counter()
             r = f(*args, **kw)
+            sync()
             dt = time.perf_counter() - t0
             cat = step_of.get(n.index, "view" if n.op in eager.VIEW_OPS else "eager:" + n.op)
             times[cat] += dt
@@ -167,7 +186,10 @@ def instrument(prog, times):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="tiny", choices=sorted(MODELS) + ["llama-tiny"])
+    ap.add_argument(
+        "--model", default="tiny", choices=sorted(MODELS) + ["llama-tiny", "llama-small"]
+    )
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("-B", type=int, default=0, help="2 (GPT-2), 4 (llama-tiny)")
     ap.add_argument("-T", type=int, default=64)
     ap.add_argument("--mode", default="tf32", choices=("fp32", "tf32"), help="GPT-2's precision")
@@ -176,8 +198,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=8, help="the N slowest fused kernels")
     ap.add_argument("--no-eager-nodes", action="store_true")
     a = ap.parse_args()
-    a.B = a.B or (4 if a.model == "llama-tiny" else 2)
+    a.B = a.B or {"llama-tiny": 4, "llama-small": 8}.get(a.model, 2)
     import blutrain.tensor as bt
+
+    if a.device.startswith("cuda"):
+        SYNC[0] = bt.cuda.synchronize
+        a.no_eager_nodes = True  # (the node-by-node replay below is the CPU's)
     from blutrain.compiler import fusion
     from blutrain.compiler import program as P
 
@@ -192,8 +218,10 @@ def main() -> None:
     eager_ms, comp_ms = [], []
     for _ in range(a.steps):  # interleaved: the machine's load hits both alike
         for fn, acc in ((step, eager_ms), (cstep, comp_ms)):
+            SYNC[0]()
             t0 = time.perf_counter()
             call(fn)
+            SYNC[0]()
             acc.append(1e3 * (time.perf_counter() - t0))
     # per category
     per: list[dict] = []
@@ -201,8 +229,10 @@ def main() -> None:
     uninstrument = instrument(prog, times)
     for _ in range(a.steps):
         times.clear()
+        SYNC[0]()
         t0 = time.perf_counter()
         call(cstep)
+        SYNC[0]()
         tot = time.perf_counter() - t0
         times["glue"] = tot - sum(times.values())
         per.append({kk: 1e3 * v for kk, v in times.items()})
@@ -271,7 +301,7 @@ def main() -> None:
         eager.run = f
         ecat = {kk: statistics.median(p.get(kk, 0.0) for p in eper) for kk in set().union(*eper)}
     print(
-        f"{a.model} B={a.B} T={a.T} CPU threads {bt.get_num_threads()}: program "
+        f"{a.model} B={a.B} T={a.T} {a.device} (CPU threads {bt.get_num_threads()}): program "
         f"{prog.stats.groups} kernels, {prog.stats.library_calls} library calls, "
         f"{prog.stats.eager_steps} eager steps"
     )

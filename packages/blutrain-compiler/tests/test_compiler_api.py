@@ -393,3 +393,19 @@ def test_identical_groups_compile_once_and_reload_from_the_cache(tmp_path, monke
             assert p.stats.groups == 4 and p.stats.compiled_functions == 2, p.stats
         addresses = {ctypes.cast(k.fn, ctypes.c_void_p).value for k in p.kernels.values()}
         assert len(p.kernels) == 4 and len(addresses) == 2  # 4 groups, 2 compiled functions
+
+
+def test_cuda_graph_flag_on_the_cpu_runs_the_program_as_before() -> None:
+    """compile(fn, cuda_graph=True) on a CPU target: no graph (CUDA only), same results, and the
+    results are fresh each call (no graph buffers to overwrite)."""
+    x = bt.randn(8, 16)
+
+    def f(x):
+        return (x * 2).softmax(-1).sum(-1)
+
+    c = btc.compile(f, cuda_graph=True)
+    outs = [c(x) for _ in range(4)]
+    (prog,) = c.programs.values()
+    assert not prog.use_graph and prog.cuda_graph is None
+    for o in outs:
+        np.testing.assert_allclose(o.numpy(), f(x).numpy(), rtol=1e-6)

@@ -149,3 +149,54 @@ def test_llama_step_on_gpu_steady_state_makes_no_allocator_call() -> None:
         counts.append(alloc.stats("cuda:0")["alloc_count"] - before)
     assert math.isfinite(float(loss.item()))
     assert counts[2:] == [0, 0, 0], counts
+
+
+def test_llama_step_as_a_cuda_graph_matches_the_program() -> None:
+    """Note [compiled programs as CUDA graphs]: the same LLaMA-style step compiled with and
+    without cuda_graph=True, from the same weights, over five different batches (lr and step as
+    runtime scalars): equal losses and parameters bit for bit (the graph replays the same
+    kernels), and the replays make no allocator call."""
+    import os
+    import sys
+
+    import blutrain.alloc as alloc
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import llama_ref as L
+
+    cfg = L.Config.preset("tiny")
+    w0 = L.init_weights(cfg, seed=3)
+    batches = [
+        tuple(dev(RNG.integers(0, cfg.vocab, (4, cfg.seq))) for _ in range(2)) for _ in range(5)
+    ]
+
+    def run(graph: bool):
+        cos, sin = (dev(t) for t in L.rope_tables(cfg))
+        params = {k: dev(v.copy()).requires_grad_(True) for k, v in w0.items()}
+        state = {k: (bt.zeros_like(p), bt.zeros_like(p)) for k, p in params.items()}
+
+        def step(x, y, lr, t):
+            loss = L.bt_forward(bt, cfg, params, cos, sin, x, y)
+            loss.backward()
+            L.bt_adamw(bt, params, state, lr, t)
+            for p in params.values():
+                p.grad = None
+            return loss
+
+        c = btc.compile(step, scalars=("t",), cuda_graph=graph)
+        losses, counts = [], []
+        for i, (x, y) in enumerate(batches):
+            before = alloc.stats("cuda:0")["alloc_count"]
+            loss = c(x.clone(), y.clone(), 1e-3 * (1 + i), i + 1)  # fresh batch tensors
+            counts.append(alloc.stats("cuda:0")["alloc_count"] - before)
+            losses.append(float(loss.item()))
+        (prog,) = c.programs.values()
+        return losses, [p.detach().cpu().numpy() for p in params.values()], counts, prog
+
+    lp, pp, _, _ = run(False)
+    lg, pg, counts, prog = run(True)
+    assert prog.cuda_graph is not None and prog.use_graph
+    assert lg == lp, (lg, lp)
+    for a, b in zip(pg, pp):
+        assert np.array_equal(a, b)
+    assert counts[3:] == [2, 2], counts  # the two x.clone() / y.clone() above, nothing else

@@ -237,3 +237,45 @@ def test_kernel_temporaries_live_in_the_arena_during_their_step_only() -> None:
     # temporaries of different steps share bytes: the arena is below their sum plus the rest
     rest = sum(b.nbytes for b in prog.plan.buffers.values() if b.value >= 0)
     assert prog.plan.size < rest + sum(b.nbytes for b in scratch)
+
+
+def test_group_output_over_a_dead_input_where_its_kernels_allow_it() -> None:
+    """Note [outputs over dead inputs]: given the kernel's (output, input) pair, the plan puts a
+    group's output in the buffer of an input that dies at that group (a GEMM's output here), and
+    not when a later step reads the input, nor over a graph input."""
+    from types import SimpleNamespace
+
+    from blutrain.compiler import fusion, program
+
+    a, b, c = bt.randn(16, 24), bt.randn(24, 32), bt.randn(32, 8)
+
+    def dies(a, b, c):
+        return bt.matmul(bt.softmax(bt.matmul(a, b) * 2.0, -1), c)
+
+    def read_later(a, b, c):
+        m = bt.matmul(a, b)
+        return bt.matmul(bt.softmax(m * 2.0, -1), c) + m.sum()
+
+    def over_input(a, b, c):
+        return bt.softmax(a * 2.0, -1)
+
+    def plan(f):
+        with bt.capture() as cg:
+            cg.mark_output(f(a, b, c))
+        prog = program.build(btc.from_capture(cg), "cpu")
+        (G,) = [
+            s
+            for s in prog.part.steps
+            if isinstance(s, fusion.Group) and any(n.op == "softmax" for n in s.nodes)
+        ]
+        assert len(G.inputs) == 1, G.inputs  # (the pair below names argument 0)
+        prog.kernels[G.id] = SimpleNamespace(fn=SimpleNamespace(inplace=[(1, 0)], temps=[]))
+        prog.prepare(set(prog.graph.live_out()))
+        return prog, G
+
+    prog, G = plan(dies)
+    assert prog.alias == {G.outputs[0]: G.inputs[0]}
+    assert G.outputs[0] not in prog.plan.buffers
+    for f in (read_later, over_input):
+        prog, G = plan(f)
+        assert G.outputs[0] not in prog.alias, f.__name__

@@ -22,6 +22,11 @@ void synchronize(Device d);
 // Copy nbytes between (host or device) pointers; one side may be host.
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t nbytes,
                 const char* op);
+// Bytes of scratch (Note [caller-given scratch], tensor.h) that index_add on d, with `index_numel`
+// indices into a dim of `dim_size` and `cols` elements per index (the product of the other
+// dims), takes from a ScratchScope so that it makes no allocator call; 0 on the CPU.
+int64_t index_add_scratch_bytes(Device d, int64_t index_numel, int64_t dim_size, int64_t cols,
+                                DType dtype);
 // The message every CUDA stub raises: "[op] has no CUDA implementation in this build".
 [[noreturn]] void no_cuda_kernel(const std::string& op);
 

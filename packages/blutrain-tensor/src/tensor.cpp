@@ -254,6 +254,46 @@ Tensor empty_tensor(const Shape& shape, DType dtype, Device device, const char* 
   return Tensor(std::move(impl));
 }
 
+// Note [caller-given scratch] (tensor.h).
+static thread_local Tensor g_scratch;          // the region: contiguous uint8, or undefined
+static thread_local int64_t g_scratch_used = 0;  // bytes of it handed out in this scope
+constexpr int64_t kScratchAlign = 256;           // bytes, as the compiler's arena buffers
+
+ScratchScope::ScratchScope(const Tensor& region) : prev_(g_scratch), prev_used_(g_scratch_used) {
+  if (region.defined() && (region.dtype() != DType::UInt8 || !region.is_contiguous())) {
+    throw ValueError("[scratch] the region must be a contiguous uint8 tensor, got " +
+                     std::string(dtype_name(region.dtype())));
+  }
+  g_scratch = region;
+  g_scratch_used = 0;
+}
+
+ScratchScope::~ScratchScope() {
+  g_scratch = prev_;
+  g_scratch_used = prev_used_;
+}
+
+Tensor scratch_tensor(const Shape& shape, DType dtype, Device device, const char* op) {
+  const Tensor& r = g_scratch;
+  if (!r.defined() || !r.storage() || r.device() != device) return empty_tensor(shape, dtype, device, op);
+  const int64_t item = itemsize(dtype);
+  const int64_t bytes = checked_numel(shape, op, item) * item;
+  const int64_t base = r.offset();  // bytes (uint8)
+  int64_t start = (base + g_scratch_used + kScratchAlign - 1) / kScratchAlign * kScratchAlign;
+  if ((start % item) != 0 || start + bytes > base + r.numel()) {
+    return empty_tensor(shape, dtype, device, op);
+  }
+  g_scratch_used = start + bytes - base;
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = r.storage();
+  impl->shape = shape;
+  impl->strides = contiguous_strides(shape);
+  impl->offset = start / item;
+  impl->dtype = dtype;
+  impl->device = device;
+  return Tensor(std::move(impl));
+}
+
 Tensor empty_strided(const Shape& shape, const Strides& strides, DType dtype, Device device,
                      const char* op) {
   Tensor t = empty_tensor(shape, dtype, device, op);

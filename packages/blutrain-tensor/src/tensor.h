@@ -303,6 +303,26 @@ int64_t wrap_shape_dim(int64_t dim, int64_t ndim, const char* op);
 
 // A fresh contiguous tensor (memory uninitialised).
 Tensor empty_tensor(const Shape& shape, DType dtype, Device device, const char* op);
+// Note [caller-given scratch]: an op's internal temporaries (index_add's sort keys and partial
+// sums on CUDA) come from scratch_tensor. Outside a ScratchScope that is empty_tensor; inside
+// one, the temporaries are carved, 256-byte aligned and one after another, from the caller's
+// contiguous uint8 tensor on this thread (a compiled program's arena: no allocator call), and
+// from the allocator only for what does not fit or is on another device. The region is the
+// caller's for the scope's duration; work queued on the region's stream reads it in order, so
+// the caller may reuse it for later work on that stream. Not nested: a scope replaces the one
+// before it until it ends.
+Tensor scratch_tensor(const Shape& shape, DType dtype, Device device, const char* op);
+class ScratchScope {
+ public:
+  explicit ScratchScope(const Tensor& region);
+  ~ScratchScope();
+  ScratchScope(const ScratchScope&) = delete;
+  ScratchScope& operator=(const ScratchScope&) = delete;
+
+ private:
+  Tensor prev_;
+  int64_t prev_used_;
+};
 // A fresh tensor with given strides (they must describe a dense, non-overlapping layout).
 Tensor empty_strided(const Shape& shape, const Strides& strides, DType dtype, Device device,
                      const char* op);

@@ -469,6 +469,38 @@ def test_index_add_embedding_backward(rng, dtype):
     assert _raw(r1) == _raw(r2), "embedding backward: two runs differ"
 
 
+@pytest.mark.parametrize("dtype", [bt.float32, bt.bfloat16, bt.float64, bt.int64])
+def test_index_add_in_caller_given_scratch_makes_no_allocator_call(rng, dtype):
+    """Note [caller-given scratch]: with a region of _index_add_scratch_bytes, index_add's
+    temporaries (keys, positions, their sorted copies, cub's storage, partial sums) come from it:
+    the same bytes as without it, no allocator call. Bytes around the region stay untouched, and
+    a region one byte short falls back to the allocator, not to a wrong result."""
+    import blutrain.alloc as alloc
+
+    V, C, N = 1000, 96, 4096
+    ids = np.minimum(rng.zipf(1.3, size=N) - 1, V - 1)
+    src = rng.standard_normal((N, C)).astype(np.float32)
+    _, base = _pair(rng.standard_normal((V, C)).astype(np.float32), dtype)
+    _, ig = _pair(ids, bt.int64)
+    _, sg = _pair(src, dtype)
+    ref = bt.index_add(base, 0, ig, sg)
+    need = bt._tensor._index_add_scratch_bytes("cuda:0", N, V, C, str(dtype).split(".")[-1])
+    assert need >= N * C * 4
+    guard = 4096
+    region = bt.full((need + 2 * guard,), 7, dtype=bt.uint8, device="cuda")
+    bt.cuda.synchronize()
+    before = alloc.stats("cuda:0")["alloc_count"]
+    got = bt._tensor._with_scratch(region[guard : guard + need], lambda: bt.index_add(base, 0, ig, sg))
+    bt.cuda.synchronize()
+    calls = alloc.stats("cuda:0")["alloc_count"] - before
+    assert _raw(got) == _raw(ref)
+    assert calls == 1, calls  # index_add's own result only
+    edges = region.cpu().numpy()
+    assert (edges[:guard] == 7).all() and (edges[guard + need :] == 7).all()
+    short = bt._tensor._with_scratch(region[: need - 1], lambda: bt.index_add(base, 0, ig, sg))
+    assert _raw(short) == _raw(ref)
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize(
     "dtype", [bt.float32, bt.bfloat16, bt.float64, bt.int64, bt.int32, bt.uint8], ids=str

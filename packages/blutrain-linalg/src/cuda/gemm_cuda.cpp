@@ -1093,9 +1093,17 @@ int run_unfused(DeviceState& ds, int dev, const bt_linalg_gemm_desc& d, cudaStre
     if (d.beta != 0.0) g.c = g.d;
     const kern::Tf32x3Problem xp = tf32x3_problem(g);
     if (tf32x3 && kern::gemm_tf32x3_supported(xp)) {
+      // Split-K partials: in the stream's workspace when they fit (stream-ordered like every
+      // cuBLASLt call's use of it, and no allocator call a GEMM), else scratch for this call.
+      const size_t need = kern::gemm_tf32x3_workspace_bytes(xp, dev);
+      const size_t cap = size_t(options().workspace_bytes);
+      void* wp = need && need <= cap ? stream_workspace(dev, s, cap) : nullptr;
       Scratch ws;
-      if (int rc = ws.get(dev, kern::gemm_tf32x3_workspace_bytes(xp, dev), s)) return rc;
-      BT_CUDA_CHECK(cudaError_t(kern::gemm_tf32x3(xp, dev, ws.p, s)));
+      if (need && !wp) {
+        if (int rc = ws.get(dev, need, s)) return rc;
+        wp = ws.p;
+      }
+      BT_CUDA_CHECK(cudaError_t(kern::gemm_tf32x3(xp, dev, wp, s)));
       g_tf32x3++;
     } else {
       LtProblem p = to_lt(g);

@@ -24,6 +24,7 @@ void copy_bytes(void*, Device dst, const void*, Device src, size_t, const char* 
   throw RuntimeError(std::string("[") + op + "] cannot copy from " + src.str() + " to " +
                      dst.str() + ": blutrain-tensor was built without CUDA");
 }
+int64_t index_add_scratch_bytes(Device, int64_t, int64_t, int64_t, DType) { return 0; }
 [[noreturn]] void no_cuda_kernel(const std::string& op) {
   throw NotImplementedError("[" + op + "] has no CUDA implementation in this build");
 }

@@ -452,8 +452,8 @@ struct Sorted {
 };
 void sort_pairs(Tensor& keys_in, Tensor& vals_in, int64_t n, int64_t maxkey, Sorted& s,
                 cudaStream_t st, const Tensor& like, const char* op) {
-  s.keys = empty_tensor({n}, DType::Int64, like.device(), op);
-  s.vals = empty_tensor({n}, DType::Int32, like.device(), op);
+  s.keys = scratch_tensor({n}, DType::Int64, like.device(), op);
+  s.vals = scratch_tensor({n}, DType::Int32, like.device(), op);
   auto* ki = static_cast<unsigned long long*>(keys_in.data_ptr(op));
   auto* ko = static_cast<unsigned long long*>(s.keys.data_ptr(op));
   auto* vi = static_cast<int*>(vals_in.data_ptr(op));
@@ -462,7 +462,7 @@ void sort_pairs(Tensor& keys_in, Tensor& vals_in, int64_t n, int64_t maxkey, Sor
   const int eb = end_bit_for(maxkey);
   BT_CUDA_CHECK(op, cub::DeviceRadixSort::SortPairs(nullptr, bytes, ki, ko, vi, vo,
                                                     static_cast<int>(n), 0, eb, st));
-  Tensor tmp = empty_tensor({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, DType::UInt8,
+  Tensor tmp = scratch_tensor({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, DType::UInt8,
                             like.device(), op);
   BT_CUDA_CHECK(op, cub::DeviceRadixSort::SortPairs(tmp.data_ptr(op), bytes, ki, ko, vi, vo,
                                                     static_cast<int>(n), 0, eb, st));
@@ -487,7 +487,7 @@ void sorted_add(const Tensor& src, const Sorted& s, AddGeom g, Tensor& out, cuda
     AddGeom gv = g;
     gv.ncol = g.outer * g.inner / V;
     const StridedOffset soff = cuda::make_offset(src, op);
-    Tensor part = empty_tensor({static_cast<int64_t>(g.J * gv.ncol * V * sizeof(A))}, DType::UInt8,
+    Tensor part = scratch_tensor({static_cast<int64_t>(g.J * gv.ncol * V * sizeof(A))}, DType::UInt8,
                                out.device(), op);
     A* pp = static_cast<A*>(part.data_ptr(op));
     const int threads =
@@ -506,6 +506,24 @@ void sorted_add(const Tensor& src, const Sorted& s, AddGeom g, Tensor& out, cuda
 }
 
 }  // namespace
+
+namespace backend {
+// What IndexAdd::eval_gpu takes from scratch_tensor, in its order (each rounded up to 256
+// bytes, as the scope hands them out): keys, positions, sorted keys and positions, cub's
+// temporary storage, the partial sums.
+int64_t index_add_scratch_bytes(Device d, int64_t J, int64_t D, int64_t cols, DType dtype) {
+  if (d.type != Device::CUDA || J <= 0 || cols <= 0) return 0;
+  auto up = [](int64_t n) { return (n + 255) / 256 * 256; };
+  size_t cub_bytes = 0;
+  BT_CUDA_CHECK("index_add", cub::DeviceRadixSort::SortPairs(
+                                 nullptr, cub_bytes, static_cast<unsigned long long*>(nullptr),
+                                 static_cast<unsigned long long*>(nullptr),
+                                 static_cast<int*>(nullptr), static_cast<int*>(nullptr),
+                                 static_cast<int>(J), 0, end_bit_for(D), cudaStream_t{}));
+  const int64_t acc = dtype == DType::Float64 ? 8 : is_floating(dtype) ? 4 : 8;
+  return 2 * up(J * 8) + 2 * up(J * 4) + up(std::max<int64_t>(cub_bytes, 1)) + up(J * cols * acc);
+}
+}  // namespace backend
 
 namespace cuda {
 IndexErrorRecord* index_error_record(int device) {
@@ -662,8 +680,8 @@ void IndexAdd::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out)
   if (J >= 2147483647) throw NotImplementedError("[index_add] more than 2^31 indices");
   const int64_t istride = idx.ndim() == 0 ? 0 : idx.strides()[0];
   arm(o);
-  Tensor keys = empty_tensor({J}, DType::Int64, o.device(), nm);
-  Tensor vals = empty_tensor({J}, DType::Int32, o.device(), nm);
+  Tensor keys = scratch_tensor({J}, DType::Int64, o.device(), nm);
+  Tensor vals = scratch_tensor({J}, DType::Int32, o.device(), nm);
   dispatch_index(idx, nm, [&](auto itag) {
     using I = typename decltype(itag)::type;
     index_keys_kernel<I><<<static_cast<unsigned>(cuda::ceil_div(J, kThreads)), kThreads, 0, st>>>(
@@ -759,8 +777,8 @@ void ScatterAdd::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& ou
     });
     return;
   }
-  Tensor keys = empty_tensor({n}, DType::Int64, o.device(), nm);
-  Tensor vals = empty_tensor({n}, DType::Int32, o.device(), nm);
+  Tensor keys = scratch_tensor({n}, DType::Int64, o.device(), nm);
+  Tensor vals = scratch_tensor({n}, DType::Int32, o.device(), nm);
   dispatch_index(idx, nm, [&](auto itag) {
     using I = typename decltype(itag)::type;
     scatter_keys_kernel<I><<<static_cast<unsigned>(cuda::ceil_div(n, kThreads)), kThreads, 0, st>>>(

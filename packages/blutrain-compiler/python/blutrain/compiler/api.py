@@ -10,6 +10,9 @@ matmul precision and grad mode. Python floats are *runtime scalars*: they enter 
 0-d float32 tensors (fn sees a bt.Tensor), so a learning-rate schedule never recompiles; ints
 named in `scalars=` (a step count) are runtime scalars too. A guard miss recompiles and logs which
 guard changed; more than `max_recompiles` programs raise RecompileLimitError naming the changes.
+
+`compile(fn, cuda_graph=True)` (CUDA only) replays a program from its third call on as one CUDA
+graph (Note [compiled programs as CUDA graphs]).
 """
 
 from __future__ import annotations
@@ -60,6 +63,23 @@ def _guard_diff(old: tuple, new: tuple, names: Sequence[str]) -> str:
     return f"argument count {len(old) - 2} -> {len(new) - 2}"
 
 
+# Note [compiled programs as CUDA graphs]: a compiled step runs hundreds of program steps, each
+# a few host-side lines and a launch (LLaMA small's training step: about 600); a CUDA graph
+# replays them all with one launch. The program suits one: its buffers sit at fixed arena
+# offsets, its scalars are device tensors filled before each call, and nothing in it
+# synchronises the host. With cuda_graph=True the first GRAPH_WARMUP calls run as usual (the
+# arena, GEMM plans and workspaces come into being), the next is captured into
+# blutrain.tensor's CUDA graph (its fresh tensors from the graph's private pool) and replayed,
+# and later calls replay it. Arguments the program writes or gives a .grad must be the same
+# tensors at every call (a different one raises); others (a batch) are copied into the graph's
+# own buffers first. As torch.compile's "reduce-overhead" mode: the returned tensors and the
+# .grads are the graph's and the next call overwrites them. A program with random ops stays
+# ungraphed (a replay would draw the same numbers), and a capture that fails (an op that
+# synchronises the host) is logged and the program runs as before.
+GRAPH_WARMUP = 2  # calls run before the capture
+RANDOM_OPS = ("random", "dropout")
+
+
 class Compiled:
     """One compiled program plus how to bind a call's arguments to its inputs."""
 
@@ -77,6 +97,14 @@ class Compiled:
         self.outputs, self.out_struct = outputs, out_struct
         self.grads, self.mutations = grads, mutations
         self.grad_state: tuple[bool, ...] = ()  # set by the caller: leaves with a .grad
+        # Note [compiled programs as CUDA graphs]
+        self.use_graph = False
+        self.calls = 0
+        self.cuda_graph: Any = None
+        self.graph_out: Any = None
+        self.graph_grads: list[tuple[int, Any]] = []
+        self.graph_copies: list[tuple[int, Any]] = []  # (input position, the graph's buffer)
+        self.graph_fixed: list[tuple[int, int]] = []  # (input position, data_ptr at capture)
         # values the caller keeps are not planned into the arena (it is reused every call)
         prog.prepare(set(outputs) | {v for _, v in grads} | {v for _, v in mutations})
 
@@ -98,7 +126,76 @@ class Compiled:
         return ins
 
     def __call__(self, args: Sequence[Any]) -> Any:
+        if not self.use_graph:
+            return self._run(self.inputs(args))
+        self.calls += 1
+        if self.cuda_graph is not None:
+            return self._replay(args)
+        if self.calls <= GRAPH_WARMUP:
+            return self._run(self.inputs(args))
+        return self._capture(args)
+
+    def enable_cuda_graph(self, name: str) -> None:
+        random = sorted({n.op for n in self.graph.nodes if n.op in RANDOM_OPS})
+        if random:
+            log.warning(
+                "[compile] %s: no CUDA graph: the program draws random numbers (%s), which a "
+                "replay would repeat",
+                name,
+                ", ".join(random),
+            )
+            return
+        self.use_graph, self.name = True, name
+
+    def _capture(self, args: Sequence[Any]) -> Any:
         ins = self.inputs(args)
+        kept = {k for k, _ in self.grads} | {k for k, _ in self.mutations}
+        copies, fixed = [], []
+        for pos, (kind, _) in enumerate(self.bind):
+            if kind != "arg" or not isinstance(ins[pos], bt.Tensor):
+                continue
+            if pos in kept:
+                fixed.append((pos, ins[pos].data_ptr()))
+            else:
+                buf = ins[pos].clone()  # (eagerly, before the capture)
+                copies.append((pos, buf))
+                ins[pos] = buf
+        graph = bt.cuda.CUDAGraph()
+        try:
+            with bt.cuda.graph(graph):
+                out = self._run(ins)
+        except Exception as e:  # noqa: BLE001 (any failure: run without a graph)
+            log.warning(
+                "[compile] %s: CUDA graph capture failed (%s): runs without one", self.name, e
+            )
+            self.use_graph = False
+            for slots in self.prog.returned.values():  # (any taken from the discarded pool)
+                slots.clear()
+            return self._run(self.inputs(args))
+        self.cuda_graph, self.graph_out = graph, out
+        self.graph_copies, self.graph_fixed = copies, fixed
+        self.graph_grads = [(k, ins[k].grad) for k, _ in self.grads]
+        graph.replay()  # the capture recorded the call; this runs it
+        return out
+
+    def _replay(self, args: Sequence[Any]) -> Any:
+        ins = self.inputs(args)  # (fills the runtime scalars)
+        for pos, ptr in self.graph_fixed:
+            if ins[pos].data_ptr() != ptr:
+                raise RuntimeError(
+                    f"[compile] {self.name}: argument {pos} is not the tensor the CUDA graph was "
+                    "captured with; the program writes it or sets its .grad, so pass the same "
+                    "tensor every call (or compile without cuda_graph)"
+                )
+        with bt.no_grad():
+            for pos, buf in self.graph_copies:
+                buf.copy_(ins[pos])
+        self.cuda_graph.replay()
+        for k, t in self.graph_grads:
+            ins[k].grad = t
+        return self.graph_out
+
+    def _run(self, ins: list[Any]) -> Any:
         env = self.prog.run(ins)
         with bt.no_grad():
             for k, v in self.grads:  # each leaf's .grad as the program leaves it
@@ -122,9 +219,11 @@ class CompiledFunction:
         target: str | None,
         max_recompiles: int,
         scalars: Sequence[str | int],
+        cuda_graph: bool = False,
     ) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
+        self.cuda_graph = cuda_graph
         self.target = target
         self.max_recompiles = max_recompiles
         self.scalars = set(scalars)
@@ -248,7 +347,10 @@ class CompiledFunction:
             prog.stats.eager_steps,
             prog.stats.compile_s,
         )
-        return Compiled(prog, g, bind, list(g.outputs), struct, grads, muts)
+        c = Compiled(prog, g, bind, list(g.outputs), struct, grads, muts)
+        if self.cuda_graph and target.startswith("cuda"):
+            c.enable_cuda_graph(self.__name__)
+        return c
 
     def _bind(
         self, cg: Any, g: Graph, args: Sequence[Any], call_args: list[Any], scalar_t: dict[int, Any]
@@ -329,10 +431,19 @@ def compile(
     target: str | None = None,
     max_recompiles: int = 8,
     scalars: Sequence[str | int] = (),
+    cuda_graph: bool = False,
 ) -> Any:
-    """Compile `fn` (or a Module's forward) with guards; usable as a decorator."""
+    """Compile `fn` (or a Module's forward) with guards; usable as a decorator. cuda_graph: on
+    CUDA, replay the program as one CUDA graph from its third call on (Note [compiled programs
+    as CUDA graphs]: returned tensors are overwritten by the next call)."""
     if fn is None:
-        return lambda f: compile(f, target=target, max_recompiles=max_recompiles, scalars=scalars)
+        return lambda f: compile(
+            f,
+            target=target,
+            max_recompiles=max_recompiles,
+            scalars=scalars,
+            cuda_graph=cuda_graph,
+        )
     if isinstance(fn, bt.nn.Module):
         mod = fn
 
@@ -340,5 +451,5 @@ def compile(
             return mod(*a)
 
         forward.__name__ = type(mod).__name__
-        return CompiledFunction(forward, target, max_recompiles, scalars)
-    return CompiledFunction(fn, target, max_recompiles, scalars)
+        return CompiledFunction(forward, target, max_recompiles, scalars, cuda_graph)
+    return CompiledFunction(fn, target, max_recompiles, scalars, cuda_graph)

@@ -59,6 +59,9 @@ class GpuFunction:
     temps: list[tuple[tuple[int, ...], str, int]] = field(
         default_factory=list
     )  # shape, type, bytes
+    # (output argument, input argument) pairs the output may be written over (Note [outputs
+    # over dead inputs])
+    inplace: list[tuple[int, int]] = field(default_factory=list)
 
 
 def tile_sizes(shape: list[int]) -> list[int]:
@@ -355,6 +358,149 @@ def unwritten_reads(module: Any) -> list[str]:
     return bad
 
 
+# Note [outputs over dead inputs]: eager writes a loss's dlogits over the logits when nothing
+# else holds them (blutrain.tensor's Note [donating a saved input]); a compiled step that keeps
+# both holds a second vocabulary-sized buffer at its peak (500 MiB for LLaMA small's B8 x T512
+# step). The plan (program.py, Note [shared buffers]) may give a group's output the buffer of an
+# input that dies at that group, when the kernels allow it: `inplace_pairs` says when.
+# Conservative, for row groups (rowgen) only, where element (row, j) of a row is handled by one
+# thread in every pass (block = row, j from thread_id with the block size as step), so a load
+# and a store at the same (row, j) happen in one thread in program order. Output o may take
+# input x's memory when, in the host function:
+#   - o and x are arguments of the same memref type, x only read, o written by one launch w;
+#   - no launch after w reads x (launches run in order on one stream);
+#   - in w's kernel, o has exactly one store, x and o are used without views, and every load
+#     of x has the store's row indices and, last, the induction variable of a loop with the
+#     store loop's bounds and step, placed before the store: each thread reads its elements of
+#     x before it overwrites them, and no thread reads another's.
+# A gather of x at other positions (cross-entropy's pick of the target logit) is fine in an
+# earlier launch, never in w.
+
+
+def _loads_before_store(kfn: Any, xi: int, oi: int) -> bool:
+    from mlir import ir
+
+    params = list(kfn.regions[0].blocks[0].arguments)
+    xp, op_ = params[xi], params[oi]
+    seq: list[Any] = []  # pre-order walk: program order of the kernel's ops
+
+    def walk(o: Any) -> None:
+        for r in o.regions:
+            for b in r.blocks:
+                for inner in b.operations:
+                    seq.append(inner.operation)
+                    walk(inner.operation)
+
+    walk(kfn.operation)
+    stores, loads = [], []
+    for pos, o in enumerate(seq):
+        uses_x = any(v == xp for v in o.operands)
+        uses_o = any(v == op_ for v in o.operands)
+        if not (uses_x or uses_o):
+            continue
+        if o.name == "memref.store" and o.operands[1] == op_ and not uses_x:
+            stores.append((pos, o))
+        elif o.name == "memref.load" and o.operands[0] == xp and not uses_o:
+            loads.append((pos, o))
+        else:
+            return False  # a view, a vector access, an atomic: not this simple pattern
+    if len(stores) != 1 or not loads:
+        return False
+    spos, st = stores[0]
+    sidx = list(st.operands)[2:]
+    if not sidx:
+        return False
+
+    def loop_of(v: Any) -> Any:  # the scf.for whose induction variable v is, or None
+        v = v.maybe_downcast()
+        if not isinstance(v, ir.BlockArgument):
+            return None
+        owner = v.owner.owner  # the block's parent op
+        return owner if owner is not None and owner.name == "scf.for" else None
+
+    sloop = loop_of(sidx[-1])
+    if sloop is None:
+        return False
+    for lpos, ld in loads:
+        lidx = list(ld.operands)[1:]
+        if lpos > spos or len(lidx) != len(sidx):
+            return False
+        if any(a != b for a, b in zip(lidx[:-1], sidx[:-1])):
+            return False
+        if lidx[-1] != sidx[-1]:
+            lloop = loop_of(lidx[-1])
+            if lloop is None or list(lloop.operands)[:3] != list(sloop.operands)[:3]:
+                return False
+    return True
+
+
+def inplace_pairs(module: Any, row_functions: set[str]) -> dict[str, list[tuple[int, int]]]:
+    """Per host function of a row group: the (output argument, input argument) pairs whose
+    output may be written over the input (Note [outputs over dead inputs])."""
+    from mlir.dialects import func
+
+    kernels: dict[tuple[str, str], Any] = {}
+    for op in module.body.operations:
+        if op.operation.name != "gpu.module":
+            continue
+        mname = op.operation.attributes["sym_name"].value
+        for k in op.regions[0].blocks[0].operations:
+            if k.operation.name == "gpu.func":
+                kernels[(mname, k.operation.attributes["sym_name"].value)] = k
+    out: dict[str, list[tuple[int, int]]] = {}
+    for op in module.body.operations:
+        if not isinstance(op.opview, func.FuncOp) or op.opview.name.value not in row_functions:
+            continue
+        f = op.opview
+        fargs = list(f.arguments)
+        launches = []  # (kernel op, operand -> function argument index, access)
+        for o in f.regions[0].blocks[0].operations:
+            if o.operation.name != "gpu.launch_func":
+                continue
+            mod, ker = [x.strip("@") for x in str(o.operation.attributes["kernel"]).split("::")]
+            k = kernels.get((mod, ker))
+            if k is None:
+                break
+            which = [
+                next((i for i, a in enumerate(fargs) if a == v), -1)
+                for v in o.opview.kernelOperands
+            ]
+            launches.append((k, which, _kernel_access(k)))
+        else:
+            pairs = []
+            for oi, oa in enumerate(fargs):
+                for xi, xa in enumerate(fargs):
+                    if oi == xi or str(oa.type) != str(xa.type) or "memref" not in str(oa.type):
+                        continue
+                    pairs += _pair_ok(launches, oi, xi)
+            if pairs:
+                out[f.name.value] = pairs
+    return out
+
+
+def _pair_ok(launches: list, oi: int, xi: int) -> list[tuple[int, int]]:
+    writers = [
+        n
+        for n, (_, w, acc) in enumerate(launches)
+        if any(a == oi and acc[p][1] for p, a in enumerate(w))
+    ]
+    if len(writers) != 1:
+        return []
+    wn = writers[0]
+    for n, (_, w, acc) in enumerate(launches):
+        for p, a in enumerate(w):
+            if a == xi and acc[p][1]:
+                return []  # x is written: not an input only read
+            if a == xi and acc[p][0] and n > wn:
+                return []
+    k, w, _ = launches[wn]
+    if w.count(oi) != 1 or w.count(xi) > 1:
+        return []
+    if xi not in w:
+        return [(oi, xi)]  # w does not read x at all
+    return [(oi, xi)] if _loads_before_store(k, w.index(xi), w.index(oi)) else []
+
+
 def read_host(module: Any) -> dict[str, GpuFunction]:
     """The launches and temporaries of every host function, in order."""
     from mlir.dialects import func
@@ -489,6 +635,7 @@ class GpuCode:
                             for ln in f.launches
                         ],
                         "temps": [[list(sh), el, nb] for sh, el, nb in f.temps],
+                        "inplace": [list(p) for p in f.inplace],
                     }
                     for k, f in self.functions.items()
                 },
@@ -510,6 +657,7 @@ class GpuCode:
                 for a, b, c, e, ops in f["launches"]
             ]
             gf.temps = [(tuple(sh), el, nb) for sh, el, nb in f["temps"]]
+            gf.inplace = [(int(a), int(b)) for a, b in f.get("inplace", [])]
             fns[k] = gf
         return GpuCode(fns, d["ptx"], {}, d.get("row_kernels", {}))
 
@@ -541,6 +689,7 @@ def compile_module(module: Any, dump: Any = None, stage_s: dict | None = None) -
     bad = unwritten_reads(module)
     if bad:
         raise RuntimeError("[compile] GPU codegen: " + "; ".join(bad[:8]))
+    pairs = inplace_pairs(module, set(row_threads))
     fns: dict[str, GpuFunction] = {}
     unsupported: dict[str, str] = {}
     from mlir.dialects import func
@@ -550,6 +699,7 @@ def compile_module(module: Any, dump: Any = None, stage_s: dict | None = None) -
             name = op.opview.name.value
             try:
                 fns.update(read_host_one(op.opview))
+                fns[name].inplace = pairs.get(name, [])
             except RuntimeError as e:
                 unsupported[name] = str(e)
     PassManager.parse(device_pipeline()).run(module.operation)

@@ -64,6 +64,9 @@ class Program:
         self.plan: Any = None  # memplan.Plan, made by prepare()
         self.arena: Any = None
         self.views: dict[int, Any] = {}
+        self.scratch_views: dict[int, Any] = {}  # step -> its eager op's scratch region
+        self.step_scratch: dict[int, int] = {}  # step -> the region's plan key
+        self.scratch_keys: dict[int, list[int]] = {}  # group id -> its temporaries' plan keys
         # GEMM node -> (operands' signature, blutrain.linalg plan): Note [GEMM plans]
         self.gemm_plans: dict[int, tuple[tuple, Any]] = {}
         self.escaping: set[int] = set()
@@ -179,8 +182,13 @@ class Program:
         bytes with buffers dead by then. Keys are negative (graph values are not)."""
         out: list[tuple[int, int, int]] = []
         self.scratch_keys: dict[int, list[int]] = {}
+        self.step_scratch: dict[int, int] = {}
         for k, st in enumerate(self.part.steps):
             if not isinstance(st, fusion.Group):
+                nbytes = self._eager_scratch_bytes(st.node)
+                if nbytes:
+                    self.step_scratch[k] = -1 - len(out)
+                    out.append((self.step_scratch[k], nbytes, k))
                 continue
             fn = getattr(self.kernels.get(st.id), "fn", None)
             for _, _, nbytes in getattr(fn, "temps", None) or ():
@@ -188,6 +196,25 @@ class Program:
                 out.append((key, max(1, nbytes), k))
                 self.scratch_keys.setdefault(st.id, []).append(key)
         return out
+
+    def _eager_scratch_bytes(self, n: Node) -> int:
+        """Scratch an eager step takes from a region the program gives it (blutrain.tensor's Note
+        [caller-given scratch]) rather than from the allocator: index_add on CUDA (an
+        embedding's gradient: its sort keys and partial sums, six allocations a call)."""
+        if n.op != "index_add" or not self.target.startswith("cuda"):
+            return 0
+        g = self.graph
+        base, idx = g.values[n.inputs[0]], g.values[n.inputs[1]]
+        d = int(n.attrs.get("dim", 0)) % max(1, len(base.shape))
+        D = base.shape[d] if base.shape else 1
+        J = 1
+        for s_ in idx.shape:
+            J *= s_
+        cols = 1
+        for s_ in base.shape:
+            cols *= s_
+        cols //= max(1, D)
+        return int(bt._tensor._index_add_scratch_bytes(base.device, J, D, cols, base.dtype))
 
     def _inplace_updates(self) -> dict[int, int]:
         """value -> graph input it may be written into: the new parameter / moments of an
@@ -276,13 +303,17 @@ class Program:
         Note [shared buffers]: eager frees nothing it can reuse: autograd hands an unused
         gradient to `.grad` as is, and accumulates an embedding's gradient into the buffer of
         the other contribution (index_add over its base). Without the same reuse, a compiled
-        step holds two or three vocabulary-sized gradients at once. Two kinds:
+        step holds two or three vocabulary-sized gradients at once. Three kinds:
           - identity: accumulate_grad with no previous .grad writes exactly its input's values;
             written over the input's own buffer, every element keeps its value whatever order
             the kernel reads and writes in;
           - over base: index_add and slice_scatter (eager steps) written over their first
             input, when nothing reads that buffer afterwards (every sharer's last use at this
-            step at the latest) and the caller never sees it (no sharer escapes).
+            step at the latest) and the caller never sees it (no sharer escapes);
+          - over a dead input: a fused group's output over an input that dies there, under
+            the same conditions, where the group's kernels read each element of the input
+            before they write the output's (a loss's dlogits over the logits, as eager's Note
+            [donating a saved input]; Note [outputs over dead inputs] in backend_gpu.py).
         A result the caller keeps (it escapes) shares only memory outside the arena."""
         g = self.graph
         ins = set(g.inputs)
@@ -308,6 +339,13 @@ class Program:
             root[o] = r
             members.setdefault(r, [r]).append(o)
 
+        def dead_after(src: int, k: int) -> list[int] | None:
+            """The values sharing src's buffer, if none escapes or is read after step k."""
+            group = members.get(rt(src), [rt(src)])
+            if any(m in self.escaping or self.last_use.get(m, -1) > k for m in group):
+                return None
+            return group
+
         for k, st in enumerate(self.part.steps):
             if isinstance(st, fusion.Group):
                 for n in st.compute_nodes():
@@ -316,6 +354,21 @@ class Program:
                     o, src = n.outputs[0], n.inputs[1]
                     if o in st.outputs and src in st.inputs and ok(o, src):
                         share(o, src)
+                # Note [outputs over dead inputs] (backend_gpu.py): the kernel allows it
+                fn = getattr(self.kernels.get(st.id), "fn", None)
+                args = list(st.inputs) + list(st.outputs)
+                for oa, ia in getattr(fn, "inplace", None) or ():
+                    if ia >= len(st.inputs) or oa < len(st.inputs) or oa >= len(args):
+                        continue
+                    o, src = args[oa], args[ia]
+                    if o in self.alias or src in self.alias.values() or not ok(o, src):
+                        continue
+                    group = dead_after(src, k)
+                    if group is None or args.count(src) != 1:
+                        continue
+                    if any(self.base(i) in group for i in st.inputs if i != src):
+                        continue  # another argument reads the buffer o would overwrite
+                    share(o, src)
                 continue
             n = st.node
             if n.op not in eager.OVER_BASE or g.raw is None or not n.outputs:
@@ -323,8 +376,8 @@ class Program:
             o, src = n.outputs[0], n.inputs[0]
             if not ok(o, src):
                 continue
-            group = members.get(rt(src), [rt(src)])
-            if any(m in self.escaping or self.last_use.get(m, -1) > k for m in group):
+            group = dead_after(src, k)
+            if group is None:
                 continue
             if any(self.base(i) in group for i in n.inputs[1:] if i >= 0):
                 continue  # reads the buffer it would overwrite
@@ -371,6 +424,10 @@ class Program:
         dl_dev = (
             (2, int(dev.split(":")[1]) if ":" in dev else 0) if dev.startswith("cuda") else (1, 0)
         )
+        for k, key in self.step_scratch.items():  # (eager steps' scratch regions)
+            b = self.plan.buffers[key]
+            arr = _runtime.view(base + b.offset, [b.nbytes], [1], 1, 8, *dl_dev, self.arena)
+            self.scratch_views[k] = bt.from_dlpack(arr)
         for v, b in self.plan.buffers.items():
             if v < 0:  # a kernel's temporary
                 continue
@@ -468,26 +525,34 @@ class Program:
             else:
                 n = st.node
                 args = [self.value(env, i) if i >= 0 else None for i in n.inputs]
-                o = n.outputs[0] if n.outputs else -1
-                if o in self.views and st.kind == "library":
-                    _gemm_into(n, args, self.views[o], self.gemm_plans)
-                    env[o] = self.views[o]
-                elif o in self.views and n.op == "index_select":
-                    _gather_into(n, args, self.views[o])
-                    env[o] = self.views[o]
-                elif n.index in self.over and args[0].is_contiguous():
-                    res = eager.run_over_base(n, args, g.raw)
-                    for o, t in zip(n.outputs, res):
-                        env[o] = t
-                    del res
-                else:
-                    res = eager.run(n, args, g.raw)
-                    for o, t in zip(n.outputs, res):
-                        env[o] = t
-                    del res
+                self.eager_step(k, n, args, env)
                 del args
             self.end_step(k, env)
         return env
+
+    def eager_step(self, k: int, n: Node, args: list[Any], env: dict[int, Any]) -> str:
+        """Runs step k, node n outside the fused kernels, its outputs into env; returns how:
+        "gemm" / "gather" (into the arena), "over" (over its base: Note [shared buffers]) or
+        "eager". The benchmarks' step-by-step copies of run() call it too."""
+        o = n.outputs[0] if n.outputs else -1
+        if o in self.views and self.part.steps[k].kind == "library":
+            _gemm_into(n, args, self.views[o], self.gemm_plans)
+            env[o] = self.views[o]
+            return "gemm"
+        if o in self.views and n.op == "index_select":
+            _gather_into(n, args, self.views[o])
+            env[o] = self.views[o]
+            return "gather"
+        raw = self.graph.raw
+        if n.index in self.over and args[0].is_contiguous():
+            how, fn = "over", lambda: eager.run_over_base(n, args, raw)
+        else:
+            how, fn = "eager", lambda: eager.run(n, args, raw)
+        region = self.scratch_views.get(k)  # Note [kernel temporaries in the arena]
+        res = fn() if region is None else bt._tensor._with_scratch(region, fn)
+        for v, t in zip(n.outputs, res):
+            env[v] = t
+        return how
 
     def end_step(self, k: int, env: dict[int, Any]) -> None:
         """After step k: mutations copied into their inputs (Note [mutations written back
@@ -613,7 +678,7 @@ def build(graph: Graph, target: str = "cpu", dump: Any = None) -> Program:
     centry = cache.Entry(cache.key(graph.hash_full(), target, ""))
     from .decompose import decompose
 
-    graph = decompose(graph)
+    graph = decompose(graph, gpu=target.startswith("cuda"))
     prog0 = _load_cached(graph, target, centry, t0, dump)
     if prog0 is not None:
         return prog0
@@ -1317,7 +1382,7 @@ def ptx_for(graph: Graph, dump: Any = None) -> Any:
     from .decompose import decompose
     from .lower import Emitter
 
-    graph = decompose(graph)
+    graph = decompose(graph, gpu=True)
     part = fusion.partition(graph)
     with ir.Context(), ir.Location.unknown():
         module = ir.Module.create()
