@@ -70,6 +70,7 @@ class Program:
         # GEMM node -> (operands' signature, blutrain.linalg plan): Note [GEMM plans]
         self.gemm_plans: dict[int, tuple[tuple, Any]] = {}
         self.escaping: set[int] = set()
+        self.copied_until: dict[int, int] = {}  # value -> the step whose write-back reads it
         self.inplace: dict[int, int] = {}  # value -> the graph input it is written into
         self.free_after: dict[int, list[int]] = {}  # step -> values dropped after it
         self.views_of: dict[int, list[int]] = {}
@@ -156,6 +157,7 @@ class Program:
             elif _gather_out_ok(self.graph, st.node):
                 plannable[st.node.outputs[0]] = k
         early = self._early_writebacks(plannable)
+        self.copied_until = early  # a value written back is read by its copy until then
         ends = self._shared_buffers(plannable)
         for v, end in early.items():
             ends[v] = max(ends.get(v, -1), end)
@@ -342,8 +344,11 @@ class Program:
         def dead_after(src: int, k: int) -> list[int] | None:
             """The values sharing src's buffer, if none escapes or is read after step k."""
             group = members.get(rt(src), [rt(src)])
-            if any(m in self.escaping or self.last_use.get(m, -1) > k for m in group):
-                return None
+            for m in group:
+                if m in self.escaping or self.last_use.get(m, -1) > k:
+                    return None
+                if self.copied_until.get(m, -1) > k:  # Note [mutations written back early]
+                    return None
             return group
 
         for k, st in enumerate(self.part.steps):
