@@ -233,3 +233,36 @@ def test_outputs_over_dead_inputs_only_where_each_element_is_read_first() -> Non
     assert [(1, 0)] in pairs(softmax, x)
     assert pairs(first_column, x) == [[]]
     assert [(3, 0)] in pairs(ce, xr, t)  # (x, t, loss, x.grad): the gradient over x
+
+
+def test_column_sums_in_two_stages_on_gpu_targets_only() -> None:
+    """Note [column sums in two stages]: on a GPU target a sum over the leading dims of many
+    rows becomes a sum over 32-row chunks then over the chunks, so its first kernel runs a
+    thread per (chunk, column) rather than per column; a CPU target's graph is unchanged (its
+    bits stay eager's)."""
+    from blutrain.compiler.decompose import COLUMN_SPLIT_ROWS, decompose
+
+    x, w = bt.randn(8, 512, 64), bt.randn(64)
+
+    def f(x, w):
+        return (x * w).sum((0, 1)), (x * x).sum((0, 1), keepdim=True), x.sum(-1)
+
+    def graph():
+        with bt.capture() as cg:
+            for o in f(x, w):
+                cg.mark_output(o)
+        return btc.from_capture(cg)
+
+    ops = lambda g: [n.op for n in g.nodes]  # noqa: E731
+    assert ops(decompose(graph())).count("sum") == 3
+    g = decompose(graph(), gpu=True)
+    assert ops(g).count("sum") == 5 and ops(g).count("reshape") == 3  # (keepdim: a reshape back)
+    outs = [g.values[o].shape for o in g.outputs]
+    assert outs == [(64,), (1, 1, 64), (8, 512)]
+    part, code = program.ptx_for(graph())
+    threads = [
+        ln.grid[0] * ln.grid[1] * ln.grid[2] * ln.block[0] * ln.block[1] * ln.block[2]
+        for f_ in code.functions.values()
+        for ln in f_.launches
+    ]
+    assert 8 * 512 // COLUMN_SPLIT_ROWS * 64 in threads  # the first stage: (chunk, column)

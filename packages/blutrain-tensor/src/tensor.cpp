@@ -255,7 +255,7 @@ Tensor empty_tensor(const Shape& shape, DType dtype, Device device, const char* 
 }
 
 // Note [caller-given scratch] (tensor.h).
-static thread_local Tensor g_scratch;          // the region: contiguous uint8, or undefined
+static thread_local Tensor g_scratch;            // the region: contiguous uint8, or undefined
 static thread_local int64_t g_scratch_used = 0;  // bytes of it handed out in this scope
 constexpr int64_t kScratchAlign = 256;           // bytes, as the compiler's arena buffers
 
@@ -275,7 +275,8 @@ ScratchScope::~ScratchScope() {
 
 Tensor scratch_tensor(const Shape& shape, DType dtype, Device device, const char* op) {
   const Tensor& r = g_scratch;
-  if (!r.defined() || !r.storage() || r.device() != device) return empty_tensor(shape, dtype, device, op);
+  if (!r.defined() || !r.storage() || r.device() != device)
+    return empty_tensor(shape, dtype, device, op);
   const int64_t item = itemsize(dtype);
   const int64_t bytes = checked_numel(shape, op, item) * item;
   const int64_t base = r.offset();  // bytes (uint8)

@@ -490,7 +490,9 @@ def test_index_add_in_caller_given_scratch_makes_no_allocator_call(rng, dtype):
     region = bt.full((need + 2 * guard,), 7, dtype=bt.uint8, device="cuda")
     bt.cuda.synchronize()
     before = alloc.stats("cuda:0")["alloc_count"]
-    got = bt._tensor._with_scratch(region[guard : guard + need], lambda: bt.index_add(base, 0, ig, sg))
+    got = bt._tensor._with_scratch(
+        region[guard : guard + need], lambda: bt.index_add(base, 0, ig, sg)
+    )
     bt.cuda.synchronize()
     calls = alloc.stats("cuda:0")["alloc_count"] - before
     assert _raw(got) == _raw(ref)

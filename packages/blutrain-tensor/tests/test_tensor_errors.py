@@ -611,3 +611,26 @@ def test_no_public_op_answers_bad_arguments_with_a_generic_message():
 def test_python_level_and_dunder_argument_errors(fn, exc, pattern):
     with pytest.raises(exc, match=pattern):
         fn()
+
+
+def test_caller_given_scratch_scope():
+    """Note [caller-given scratch]: _with_scratch runs fn inside the scope and returns its
+    result; a region that is not a contiguous uint8 tensor is refused with the op named; an
+    exception in fn propagates and ends the scope; on the CPU no op takes scratch (0 bytes)."""
+    region = bt.zeros(4096, dtype=bt.uint8)
+    x = bt.arange(6, dtype=bt.float32)
+    got = bt._tensor._with_scratch(region, lambda: (x * 2).sum())
+    assert float(got.item()) == 30.0
+    with pytest.raises(ValueError, match=r"\[scratch\].*uint8"):
+        bt._tensor._with_scratch(bt.zeros(16), lambda: None)
+    with pytest.raises(ValueError, match=r"\[scratch\]"):
+        bt._tensor._with_scratch(bt.zeros((64, 64), dtype=bt.uint8)[:, ::2], lambda: None)
+
+    def boom():
+        raise KeyError("inside")
+
+    with pytest.raises(KeyError):
+        bt._tensor._with_scratch(region, boom)
+    assert bt._tensor._with_scratch(region, lambda: 7) == 7
+    assert bt._tensor._index_add_scratch_bytes("cpu", 4096, 1000, 64, "float32") == 0
+    assert bytes(region.numpy()) == bytes(4096)  # nothing on the CPU wrote into it

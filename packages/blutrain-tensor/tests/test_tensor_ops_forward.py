@@ -157,6 +157,11 @@ def test_scalar_operators(rng):
     r = a + x
     assert isinstance(r, bt.Tensor)
     np.testing.assert_allclose(f64(r), 2 * a)
+    # Python's abs() as PyTorch's: the abs op, gradient included
+    y = x.detach().requires_grad_(True)
+    np.testing.assert_array_equal(f64(abs(y)), np.abs(a))
+    abs(y).sum().backward()
+    np.testing.assert_array_equal(f64(y.grad), np.sign(a))
 
 
 def test_inplace_ops(rng):
@@ -545,8 +550,14 @@ def test_fill_with_a_number_writes_in_place_without_allocating(rng, device):
     import blutrain.alloc as ba
 
     dev = "cuda:0" if device == "cuda" else "cpu"
-    for dt, v in ((bt.float32, 0.1), (bt.bfloat16, -3.3), (bt.float64, math.pi),
-                  (bt.int64, 2**62 + 1), (bt.bool, True), (bt.uint8, 255)):
+    for dt, v in (
+        (bt.float32, 0.1),
+        (bt.bfloat16, -3.3),
+        (bt.float64, math.pi),
+        (bt.int64, 2**62 + 1),
+        (bt.bool, True),
+        (bt.uint8, 255),
+    ):
         x = bt.zeros(5, dtype=dt, device=device)
         ver = x._version
         before = ba.stats(dev)["alloc_count"]

@@ -463,7 +463,7 @@ void sort_pairs(Tensor& keys_in, Tensor& vals_in, int64_t n, int64_t maxkey, Sor
   BT_CUDA_CHECK(op, cub::DeviceRadixSort::SortPairs(nullptr, bytes, ki, ko, vi, vo,
                                                     static_cast<int>(n), 0, eb, st));
   Tensor tmp = scratch_tensor({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, DType::UInt8,
-                            like.device(), op);
+                              like.device(), op);
   BT_CUDA_CHECK(op, cub::DeviceRadixSort::SortPairs(tmp.data_ptr(op), bytes, ki, ko, vi, vo,
                                                     static_cast<int>(n), 0, eb, st));
 }
@@ -487,8 +487,8 @@ void sorted_add(const Tensor& src, const Sorted& s, AddGeom g, Tensor& out, cuda
     AddGeom gv = g;
     gv.ncol = g.outer * g.inner / V;
     const StridedOffset soff = cuda::make_offset(src, op);
-    Tensor part = scratch_tensor({static_cast<int64_t>(g.J * gv.ncol * V * sizeof(A))}, DType::UInt8,
-                               out.device(), op);
+    Tensor part = scratch_tensor({static_cast<int64_t>(g.J * gv.ncol * V * sizeof(A))},
+                                 DType::UInt8, out.device(), op);
     A* pp = static_cast<A*>(part.data_ptr(op));
     const int threads =
         static_cast<int>(std::clamp<int64_t>(cuda::ceil_div(gv.ncol, 32) * 32, 32, 256));

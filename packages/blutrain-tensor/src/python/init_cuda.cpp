@@ -25,8 +25,9 @@ void init_cuda(nb::module_& m) {
       "_index_add_scratch_bytes",
       [](const std::string& device, int64_t index_numel, int64_t dim_size, int64_t cols,
          const std::string& dtype) {
-        return backend::index_add_scratch_bytes(Device::parse(device, "_index_add_scratch_bytes"), index_numel, dim_size,
-                                                cols, dtype_from_name(dtype));
+        return backend::index_add_scratch_bytes(Device::parse(device, "_index_add_scratch_bytes"),
+                                                index_numel, dim_size, cols,
+                                                dtype_from_name(dtype));
       },
       "device"_a, "index_numel"_a, "dim_size"_a, "cols"_a, "dtype"_a,
       "Bytes of scratch index_add takes on device (0 on the CPU): Note [caller-given scratch].");

@@ -79,9 +79,9 @@ void init_errors(nb::module_& m) {
           // call by hand.  The binary operators' own overloads take any one operand (they raise
           // "[add] unsupported operand ..." themselves, never NotImplemented), so theirs only
           // ever sees a wrong count of arguments or a keyword: t.__add__(), t.__add__(a, b).
-          static const char* const kDunders[] = {"__dlpack__", "__dlpack_device__", "__len__",
-                                                 "__bool__", "__getitem__", "__setitem__",
-                                                 "__neg__", "__invert__", "__repr__"};
+          static const char* const kDunders[] = {
+              "__dlpack__",  "__dlpack_device__", "__len__", "__bool__",   "__getitem__",
+              "__setitem__", "__neg__",           "__abs__", "__invert__", "__repr__"};
           static const std::pair<const char*, const char*> kBinary[] = {
               {"add", "add"},         {"sub", "sub"},         {"mul", "mul"},
               {"truediv", "div"},     {"floordiv", "floor_divide"},

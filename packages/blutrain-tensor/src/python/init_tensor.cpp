@@ -1323,6 +1323,10 @@ NB_MODULE(_tensor, m) {
       },
       nb::arg("other").none(), nb::sig("def __matmul__(self, other: Tensor) -> Tensor"));
   T.def("__neg__", [](const Tensor& a) { return neg(a); });
+  T.def("__abs__", [](const Tensor& a) {  // abs(t), as PyTorch's
+    OpScope scope("abs");
+    return unary(UnaryOp::Abs, a);
+  });
   T.def("__invert__", [](const Tensor& a) {
     if (a.dtype() != DType::Bool) throw TypeError("[invert] ~ is only supported for bool tensors");
     return unary(UnaryOp::LogicalNot, a);
