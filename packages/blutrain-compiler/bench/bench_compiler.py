@@ -320,16 +320,16 @@ def steps(a: argparse.Namespace) -> list[dict]:
     base = next((r for r in rows if r["row"] == "ours eager" and "tok_s" in r), None)
     print(f"\nLLaMA-style step, model {a.model}, B={a.B}, {a.device}, {a.precision}")
     print(
-        f"{'row':18s} {'tok/s':>10s} {'ms/step':>8s} {'peak MiB':>9s} {'vs ours eager':>13s} "
+        f"{'row':22s} {'tok/s':>10s} {'ms/step':>8s} {'peak MiB':>9s} {'vs ours eager':>13s} "
         f"{'warmup s':>8s} {'loss':>8s} {'warmup peak':>11s} {'arena MiB':>9s}"
     )
     for r in rows:
         if "tok_s" not in r:
-            print(f"{r['row']:18s} ERROR {r.get('error', '')[-300:]}")
+            print(f"{r['row']:22s} ERROR {r.get('error', '')[-300:]}")
             continue
         ratio = r["tok_s"] / base["tok_s"] if base else float("nan")
         print(
-            f"{r['row']:18s} {r['tok_s']:10.0f} {r['step_ms']:8.1f} {1024 * r['peak_GiB']:9.1f} "
+            f"{r['row']:22s} {r['tok_s']:10.0f} {r['step_ms']:8.1f} {1024 * r['peak_GiB']:9.1f} "
             f"{ratio:13.2f} {r['warmup_s']:8.1f} {r['loss']:8.4f} "
             f"{1024 * r.get('first_calls_peak_GiB', float('nan')):11.1f} "
             f"{'' if r.get('planned_GiB') is None else format(1024 * r['planned_GiB'], '.1f'):>9s}"
