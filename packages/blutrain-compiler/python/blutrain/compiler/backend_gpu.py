@@ -311,6 +311,19 @@ def _kernel_access(kfn: Any) -> list[tuple[bool, bool]]:
     return [(r, w) for r, w in acc]
 
 
+def _gpu_funcs(module: Any) -> dict[tuple[str, str], Any]:
+    """(gpu.module symbol, kernel symbol) -> the outlined gpu.func."""
+    out: dict[tuple[str, str], Any] = {}
+    for op in module.body.operations:
+        if op.operation.name != "gpu.module":
+            continue
+        mname = op.operation.attributes["sym_name"].value
+        for k in op.regions[0].blocks[0].operations:
+            if k.operation.name == "gpu.func":
+                out[(mname, k.operation.attributes["sym_name"].value)] = k
+    return out
+
+
 def unwritten_reads(module: Any) -> list[str]:
     """Note [no read of an unwritten temporary]: after outlining, each host function's kernels
     in launch order; a kernel that reads a temporary (a memref.alloc of the host function)
@@ -319,14 +332,7 @@ def unwritten_reads(module: Any) -> list[str]:
     at run time. (rowgen dropped such a store once: Note [views of register values].)"""
     from mlir.dialects import func
 
-    kernels: dict[tuple[str, str], list[tuple[bool, bool]]] = {}
-    for op in module.body.operations:
-        if op.operation.name != "gpu.module":
-            continue
-        mname = op.operation.attributes["sym_name"].value
-        for k in op.regions[0].blocks[0].operations:
-            if k.operation.name == "gpu.func":
-                kernels[(mname, k.operation.attributes["sym_name"].value)] = _kernel_access(k)
+    kernels = {name: _kernel_access(k) for name, k in _gpu_funcs(module).items()}
     bad: list[str] = []
     for op in module.body.operations:
         if not isinstance(op.opview, func.FuncOp):
@@ -439,14 +445,7 @@ def inplace_pairs(module: Any, row_functions: set[str]) -> dict[str, list[tuple[
     output may be written over the input (Note [outputs over dead inputs])."""
     from mlir.dialects import func
 
-    kernels: dict[tuple[str, str], Any] = {}
-    for op in module.body.operations:
-        if op.operation.name != "gpu.module":
-            continue
-        mname = op.operation.attributes["sym_name"].value
-        for k in op.regions[0].blocks[0].operations:
-            if k.operation.name == "gpu.func":
-                kernels[(mname, k.operation.attributes["sym_name"].value)] = k
+    kernels = _gpu_funcs(module)
     out: dict[str, list[tuple[int, int]]] = {}
     for op in module.body.operations:
         if not isinstance(op.opview, func.FuncOp) or op.opview.name.value not in row_functions:
