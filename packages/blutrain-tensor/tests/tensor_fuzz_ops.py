@@ -121,6 +121,7 @@ DUNDER_NAMES = {
     "__getitem__": {"getitem"},
     "__setitem__": {"setitem"},
     "__neg__": {"neg"},
+    "__abs__": {"abs"},
     "__invert__": {"invert"},
     "__len__": {"len"},
     "__bool__": {"bool"},
@@ -838,6 +839,13 @@ def takes_cpu_scalar(spec_name: str, replaced_self_of_inplace: bool) -> bool:
 def _neg_op(g: Gen, name: str = "") -> Call:
     c = SPECS["neg"].gen(g, "neg")
     c.how = "op:-{0}"
+    return c
+
+
+@spec("Tensor.__abs__")
+def _abs_op(g: Gen, name: str = "") -> Call:
+    c = SPECS["abs"].gen(g, "abs")
+    c.how = "op:abs({0})"
     return c
 
 
