@@ -83,10 +83,7 @@ def counting_run(C: Counter):
     def run(self: P.Program, inputs: list[Any]) -> dict[int, Any]:
         """Program.run, step for step, counting the allocator calls of each."""
         g, dev = self.graph, C.dev
-        if self.plan is None:
-            self.prepare(set(g.live_out()))
-        if self.arena is None and self.plan.buffers:
-            self._arena_views()
+        self.ready()
         env: dict[int, Any] = dict(zip(g.inputs, inputs))
         for k, st in enumerate(self.part.steps):
             if isinstance(st, fusion.Group):
@@ -160,7 +157,6 @@ def llama_step(device: str) -> tuple[Any, Any]:
     """The compiled LLaMA tiny step of test_llama_step_on_gpu_steady_state_makes_no_allocator_call
     and its batch."""
     import blutrain.compiler as btc
-    from blutrain.models.optim import AdamW, grad_norm_and_clip_coef
 
     sys.path.insert(0, HERE)
     import llama_ref as L
@@ -170,20 +166,7 @@ def llama_step(device: str) -> tuple[Any, Any]:
     params = {
         k: bt.tensor(v).to(device).requires_grad_(True) for k, v in L.init_weights(cfg).items()
     }
-    opt = AdamW(list(params.items()), lr=1e-3, weight_decay=0.1)
-    opt.use_device_scalars()
-    for n, p in opt.params:
-        opt._state_for(n, p)
-    plist = list(params.values())
-
-    def step(x, y):
-        loss = L.bt_forward(bt, cfg, params, cos, sin, x, y)
-        loss.backward()
-        _, coef = grad_norm_and_clip_coef(plist, 1.0)
-        opt.step(grad_scale=coef)
-        opt.zero_grad(set_to_none=True)
-        return loss
-
+    step, opt = L.bt_models_step(bt, cfg, params, cos, sin)
     x = bt.tensor(np.random.default_rng(0).integers(0, cfg.vocab, (4, cfg.seq))).to(device)
     return (btc.compile(step), opt), x
 

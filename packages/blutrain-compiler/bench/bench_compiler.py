@@ -159,14 +159,7 @@ def worker(a: argparse.Namespace) -> dict:
         }
         cos, sin = (bt.tensor(x).to(dev) for x in L.rope_tables(cfg))
 
-        def step(idx, tgt, lr, t):
-            loss = L.bt_forward(bt, cfg, params, cos, sin, idx, tgt)
-            loss.backward()
-            L.bt_adamw(bt, params, state, lr, t)
-            for p in params.values():
-                p.grad = None
-            return loss
-
+        step = L.bt_step(bt, cfg, params, state, cos, sin)
         run = step
         if a.compiled:
             import blutrain.compiler as btc

@@ -109,10 +109,7 @@ def checking_run(self: P.Program, inputs: list[Any]) -> dict[int, Any]:
     """Program.run, step for step, with each step checked against an eager replay."""
     g = self.graph
     sync = bt.cuda.synchronize if self.target.startswith("cuda") else (lambda: None)
-    if self.plan is None:
-        self.prepare(set(g.live_out()))
-    if self.arena is None and self.plan.buffers:
-        self._arena_views()
+    self.ready()
     env: dict[int, Any] = dict(zip(g.inputs, inputs))
     for k, st in enumerate(self.part.steps):
         if isinstance(st, fusion.Group):

@@ -104,6 +104,43 @@ def bt_adamw(bt, params: dict, state: dict, lr, t, b1=0.9, b2=0.95, eps=1e-8, wd
             p.sub_(lr * (m / bc1) / (bt.sqrt(v / bc2) + eps))
 
 
+def bt_step(bt, cfg: Config, params: dict, state: dict, cos, sin):
+    """The training step the benchmarks and tests compile: forward, backward, bt_adamw (lr and
+    t runtime arguments), the gradients dropped; step(idx, tgt, lr, t) -> loss."""
+
+    def step(idx, tgt, lr, t):
+        loss = bt_forward(bt, cfg, params, cos, sin, idx, tgt)
+        loss.backward()
+        bt_adamw(bt, params, state, lr, t)
+        for p in params.values():
+            p.grad = None
+        return loss
+
+    return step
+
+
+def bt_models_step(bt, cfg: Config, params: dict, cos, sin):
+    """The step with blutrain.models' AdamW (device lr and step count, clipping at 1.0):
+    (step(idx, tgt) -> loss, the optimizer, whose moments exist already)."""
+    from blutrain.models.optim import AdamW, grad_norm_and_clip_coef
+
+    opt = AdamW(list(params.items()), lr=1e-3, weight_decay=0.1)
+    opt.use_device_scalars()
+    for n, p in opt.params:
+        opt._state_for(n, p)
+    plist = list(params.values())
+
+    def step(idx, tgt):
+        loss = bt_forward(bt, cfg, params, cos, sin, idx, tgt)
+        loss.backward()
+        _, coef = grad_norm_and_clip_coef(plist, 1.0)
+        opt.step(grad_scale=coef)
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, opt
+
+
 # ---- PyTorch ------------------------------------------------------------------------------
 def torch_model(torch, cfg: Config, w: dict, device: str):
     nn = torch.nn

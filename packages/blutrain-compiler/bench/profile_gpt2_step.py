@@ -74,14 +74,7 @@ def build(a):
     rng = np.random.default_rng(1)
     x, y = (bt.tensor(rng.integers(0, cfg.vocab, (a.B, cfg.seq))).to(dev) for _ in range(2))
 
-    def step(idx, tgt, lr, t):
-        loss = L.bt_forward(bt, cfg, params, cos, sin, idx, tgt)
-        loss.backward()
-        L.bt_adamw(bt, params, state, lr, t)
-        for p in params.values():
-            p.grad = None
-        return loss
-
+    step = L.bt_step(bt, cfg, params, state, cos, sin)
     cstep = btc.compile(step, scalars=("t",))
 
     def call(fn):

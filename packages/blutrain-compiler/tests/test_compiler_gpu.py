@@ -118,26 +118,12 @@ def test_llama_step_on_gpu_steady_state_makes_no_allocator_call() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
     import llama_ref as L
 
-    from blutrain.models.optim import AdamW, grad_norm_and_clip_coef
-
     cfg = L.Config.preset("tiny")
     cos, sin = (bt.tensor(t).to("cuda") for t in L.rope_tables(cfg))
     params = {
         k: bt.tensor(v).to("cuda").requires_grad_(True) for k, v in L.init_weights(cfg).items()
     }
-    opt = AdamW(list(params.items()), lr=1e-3, weight_decay=0.1)
-    opt.use_device_scalars()
-    for n, p in opt.params:
-        opt._state_for(n, p)
-    plist = list(params.values())
-
-    def step(x, y):
-        loss = L.bt_forward(bt, cfg, params, cos, sin, x, y)
-        loss.backward()
-        _, coef = grad_norm_and_clip_coef(plist, 1.0)
-        opt.step(grad_scale=coef)
-        opt.zero_grad(set_to_none=True)
-        return loss
+    step, opt = L.bt_models_step(bt, cfg, params, cos, sin)
 
     c = btc.compile(step)
     x = bt.tensor(RNG.integers(0, cfg.vocab, (4, cfg.seq))).to("cuda")
@@ -174,15 +160,7 @@ def test_llama_step_as_a_cuda_graph_matches_the_program() -> None:
         cos, sin = (dev(t) for t in L.rope_tables(cfg))
         params = {k: dev(v.copy()).requires_grad_(True) for k, v in w0.items()}
         state = {k: (bt.zeros_like(p), bt.zeros_like(p)) for k, p in params.items()}
-
-        def step(x, y, lr, t):
-            loss = L.bt_forward(bt, cfg, params, cos, sin, x, y)
-            loss.backward()
-            L.bt_adamw(bt, params, state, lr, t)
-            for p in params.values():
-                p.grad = None
-            return loss
-
+        step = L.bt_step(bt, cfg, params, state, cos, sin)
         c = btc.compile(step, scalars=("t",), cuda_graph=graph)
         losses, counts = [], []
         for i, (x, y) in enumerate(batches):

@@ -9,6 +9,7 @@ hash and the stage.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -183,8 +184,7 @@ class Program:
         buffer written and last read at that step: one step's temporaries at a time, sharing
         bytes with buffers dead by then. Keys are negative (graph values are not)."""
         out: list[tuple[int, int, int]] = []
-        self.scratch_keys: dict[int, list[int]] = {}
-        self.step_scratch: dict[int, int] = {}
+        self.scratch_keys, self.step_scratch = {}, {}
         for k, st in enumerate(self.part.steps):
             if not isinstance(st, fusion.Group):
                 nbytes = self._eager_scratch_bytes(st.node)
@@ -209,13 +209,8 @@ class Program:
         base, idx = g.values[n.inputs[0]], g.values[n.inputs[1]]
         d = int(n.attrs.get("dim", 0)) % max(1, len(base.shape))
         D = base.shape[d] if base.shape else 1
-        J = 1
-        for s_ in idx.shape:
-            J *= s_
-        cols = 1
-        for s_ in base.shape:
-            cols *= s_
-        cols //= max(1, D)
+        cols = math.prod(base.shape) // max(1, D)
+        J = math.prod(idx.shape)
         return int(bt._tensor._index_add_scratch_bytes(base.device, J, D, cols, base.dtype))
 
     def _inplace_updates(self) -> dict[int, int]:
@@ -505,12 +500,17 @@ class Program:
             slots.append(t)
         return t
 
-    def run(self, inputs: list[Any]) -> dict[int, Any]:
-        g = self.graph
+    def ready(self) -> None:
+        """The plan and the arena, made at the first call (run() and the benchmarks'
+        step-by-step copies of it)."""
         if self.plan is None:
-            self.prepare(set(g.live_out()))
+            self.prepare(set(self.graph.live_out()))
         if self.arena is None and self.plan.buffers:
             self._arena_views()
+
+    def run(self, inputs: list[Any]) -> dict[int, Any]:
+        g = self.graph
+        self.ready()
         env: dict[int, Any] = {}
         for vid, t in zip(g.inputs, inputs):
             env[vid] = t
