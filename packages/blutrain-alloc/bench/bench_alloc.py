@@ -58,12 +58,8 @@ def run_gpu(args) -> dict:
         trace = traces.record_torch_gpt2(dtype, args.batch, args.seq)
         torch.cuda.empty_cache()  # the recorded model's memory goes back before we replay
         if args.json:  # keep the trace: it replays on host memory too (see traces.py)
-            np.save(
-                os.path.join(
-                    os.path.dirname(os.path.abspath(args.json)), f"trace_gpt2_{dtype}.npy"
-                ),
-                trace,
-            )
+            np.save(os.path.join(os.path.dirname(os.path.abspath(args.json)),
+                                 f"trace_gpt2_{dtype}.npy"), trace)
         entry: dict = {"ops": int(len(trace))}
         stream = torch.cuda.current_stream().cuda_stream
         # Our memory figures: one replay from an empty cache.
@@ -96,22 +92,17 @@ def run_gpu(args) -> dict:
         ba.empty_cache(0)
         # Python-level: ours vs PyTorch's caching allocator, same loop.
         entry["py_ns_blutrain"] = python_replay(
-            trace, lambda n, s=stream: _alloc.malloc(n, 0, s), _alloc.free, args.repeats
-        )
+            trace, lambda n, s=stream: _alloc.malloc(n, 0, s), _alloc.free, args.repeats)
         ba.empty_cache(0)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         entry["py_ns_torch"] = python_replay(
-            trace,
-            lambda n, s=stream: torch.cuda.caching_allocator_alloc(n, 0, s),
-            torch.cuda.caching_allocator_delete,
-            args.repeats,
-        )
+            trace, lambda n, s=stream: torch.cuda.caching_allocator_alloc(n, 0, s),
+            torch.cuda.caching_allocator_delete, args.repeats)
         entry["torch_peak_reserved"] = torch.cuda.max_memory_reserved()
         entry["torch_peak_allocated"] = torch.cuda.max_memory_allocated()
         entry["torch_reserved_over_allocated"] = (
-            entry["torch_peak_reserved"] / entry["torch_peak_allocated"]
-        )
+            entry["torch_peak_reserved"] / entry["torch_peak_allocated"])
         torch.cuda.empty_cache()
         results["traces"][f"gpt2-124m-{dtype}"] = entry
     return results
@@ -139,38 +130,26 @@ def run_cpu(args) -> dict:
 def table(results: dict) -> str:
     lines = [f"blutrain.alloc benchmark on {results['device']}"]
     for name, e in results["traces"].items():
-        lines.append(
-            f"\ntrace {name}: {e['ops']} operations, peak live "
-            f"{e['peak_requested_bytes'] / 2**30:.2f} GiB"
-        )
+        lines.append(f"\ntrace {name}: {e['ops']} operations, peak live "
+                     f"{e['peak_requested_bytes'] / 2**30:.2f} GiB")
         lines.append(f"  {'allocator':<34}{'ns/op':>10}")
-        for key, label in [
-            ("cpp_ns_blutrain", "blutrain.alloc (C++ loop)"),
-            ("cpp_ns_blutrain_expandable", "  ... expandable segments"),
-            ("cpp_ns_cudaMalloc", "cudaMalloc/cudaFree (C++ loop)"),
-            ("cpp_ns_cudaMallocAsync", "cudaMallocAsync (C++ loop)"),
-            ("cpp_ns_malloc", "malloc/free (C++ loop)"),
-            ("py_ns_blutrain", "blutrain.alloc (Python loop)"),
-            ("py_ns_torch", "PyTorch caching (Python loop)"),
-        ]:
+        for key, label in [("cpp_ns_blutrain", "blutrain.alloc (C++ loop)"),
+                           ("cpp_ns_blutrain_expandable", "  ... expandable segments"),
+                           ("cpp_ns_cudaMalloc", "cudaMalloc/cudaFree (C++ loop)"),
+                           ("cpp_ns_cudaMallocAsync", "cudaMallocAsync (C++ loop)"),
+                           ("cpp_ns_malloc", "malloc/free (C++ loop)"),
+                           ("py_ns_blutrain", "blutrain.alloc (Python loop)"),
+                           ("py_ns_torch", "PyTorch caching (Python loop)")]:
             if key in e:
                 lines.append(f"  {label:<34}{e[key]:>10.0f}")
-        lines.append(
-            f"  peak reserved / peak allocated: blutrain "
-            f"{e['blutrain_reserved_over_allocated']:.3f}"
-            + (
-                f" (expandable segments {e['expandable_reserved_over_allocated']:.3f})"
-                if "expandable_reserved_over_allocated" in e
-                else ""
-            )
-            + (
-                f", PyTorch {e['torch_reserved_over_allocated']:.3f}"
-                if "torch_reserved_over_allocated" in e
-                else ""
-            )
-            + "; blutrain reserved / requested "
-            + f"{e['blutrain_reserved_over_requested']:.3f}"
-        )
+        lines.append(f"  peak reserved / peak allocated: blutrain "
+                     f"{e['blutrain_reserved_over_allocated']:.3f}"
+                     + (f" (expandable segments {e['expandable_reserved_over_allocated']:.3f})"
+                        if "expandable_reserved_over_allocated" in e else "")
+                     + (f", PyTorch {e['torch_reserved_over_allocated']:.3f}"
+                        if "torch_reserved_over_allocated" in e else "")
+                     + "; blutrain reserved / requested "
+                     + f"{e['blutrain_reserved_over_requested']:.3f}")
     return "\n".join(lines)
 
 

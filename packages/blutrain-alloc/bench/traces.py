@@ -29,9 +29,8 @@ class TraceBuilder:
         return np.asarray(self.rows, dtype=np.int64).reshape(-1, 3)
 
 
-def synthetic_gpt2(
-    n_layer=12, n_embd=768, n_head=12, vocab=50257, batch=16, seq=1024, act_bytes=2, steps=2
-) -> np.ndarray:
+def synthetic_gpt2(n_layer=12, n_embd=768, n_head=12, vocab=50257, batch=16, seq=1024,
+                   act_bytes=2, steps=2) -> np.ndarray:
     """A GPT-2 training step's allocations from its shapes (bf16 activations, fp32
     master weights, AdamW state): parameters, grads and optimizer state live
     throughout; activations are saved in forward and freed in backward; each op
@@ -40,20 +39,8 @@ def synthetic_gpt2(
     C, BT = n_embd, batch * seq
     shapes = [(vocab, C), (seq, C)]
     for _ in range(n_layer):
-        shapes += [
-            (C,),
-            (C,),
-            (C, 3 * C),
-            (3 * C,),
-            (C, C),
-            (C,),
-            (C,),
-            (C,),
-            (C, 4 * C),
-            (4 * C,),
-            (4 * C, C),
-            (C,),
-        ]
+        shapes += [(C,), (C,), (C, 3 * C), (3 * C,), (C, C), (C,), (C,), (C,), (C, 4 * C),
+                   (4 * C,), (4 * C, C), (C,)]
     shapes += [(C,), (C,)]
     params = [int(np.prod(s)) * 4 for s in shapes]
     persistent = [t.alloc(n) for n in params]  # weights

@@ -23,10 +23,8 @@ def main(out_dir: str = "out") -> None:
         for g in grads:
             ba.free(g)
         s = ba.stats(device)
-        print(
-            f"step {step}: {s['alloc_count']} mallocs, {s['system_alloc_count']} from the "
-            f"system, reserved {s['reserved_bytes'] / MIB:.0f} MiB"
-        )
+        print(f"step {step}: {s['alloc_count']} mallocs, {s['system_alloc_count']} from the "
+              f"system, reserved {s['reserved_bytes'] / MIB:.0f} MiB")
     print()
     print(ba.memory_summary(device))
     os.makedirs(out_dir, exist_ok=True)

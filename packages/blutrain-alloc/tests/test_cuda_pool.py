@@ -54,9 +54,8 @@ def test_random_sequences_keep_structure_and_contents():
             assert probe(p, n) == {tag & 0xFF}, "device block contents were overwritten"
             ba.free(p)
         else:
-            n = rng.choice(
-                [rng.randint(1, 8192), rng.randint(8192, 4 * MIB), rng.randint(4 * MIB, 64 * MIB)]
-            )
+            n = rng.choice([rng.randint(1, 8192), rng.randint(8192, 4 * MIB),
+                            rng.randint(4 * MIB, 64 * MIB)])
             p = ba.malloc(n, DEV)
             fill(p, n, i)
             live[p] = (n, i)
@@ -225,9 +224,8 @@ def test_expandable_segments_grow_and_shrink():
 
 def test_pinned_host_memory():
     p = ba.malloc(10 * MIB, "pinned")
-    host = np.frombuffer(
-        (np.ctypeslib.as_ctypes_type(np.uint8) * (10 * MIB)).from_address(p), np.uint8
-    )
+    host = np.frombuffer((np.ctypeslib.as_ctypes_type(np.uint8) * (10 * MIB)).from_address(p),
+                         np.uint8)
     host[:] = 7
     dev = cp.empty(10 * MIB, cp.uint8)
     cp.cuda.runtime.memcpy(dev.data.ptr, p, 10 * MIB, 1)

@@ -23,7 +23,9 @@ def fill(ptr: int, size: int, tag: int) -> None:
 def holds(ptr: int, size: int, tag: int) -> bool:
     """Probe the start, middle and end for the tag written by fill()."""
     want = bytes([tag & 0xFF])
-    return all(ctypes.string_at(ptr + off, 1) == want for off in {0, size // 2, size - 1})
+    return all(
+        ctypes.string_at(ptr + off, 1) == want for off in {0, size // 2, size - 1}
+    )
 
 
 def test_rounding_and_exact_stats(host_clean):
@@ -112,11 +114,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.live: dict[int, tuple[int, int]] = {}
         self.tag = 0
 
-    @rule(
-        size=st.one_of(
-            st.integers(1, 8192), st.integers(8192, 3 * MIB), st.integers(3 * MIB, 24 * MIB)
-        )
-    )
+    @rule(size=st.one_of(st.integers(1, 8192), st.integers(8192, 3 * MIB),
+                         st.integers(3 * MIB, 24 * MIB)))
     def malloc(self, size):
         p = ba.malloc(size)
         assert p not in self.live
@@ -168,9 +167,8 @@ class ExpandablePoolMachine(PoolMachine):
 
 
 TestExpandablePoolMachine = ExpandablePoolMachine.TestCase
-TestExpandablePoolMachine.settings = settings(
-    max_examples=40, stateful_step_count=40, deadline=None
-)
+TestExpandablePoolMachine.settings = settings(max_examples=40, stateful_step_count=40,
+                                              deadline=None)
 
 
 def test_expandable_segment_grows_in_place_and_shrinks(host_clean):

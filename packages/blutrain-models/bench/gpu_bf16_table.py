@@ -106,10 +106,8 @@ def across(paths: list[str]) -> bool:
         a = d["args"]
         key = (a["B"], a["T"], a["steps"])
         if setting is not None and key != setting:
-            raise SystemExit(
-                f"gpu_bf16_table.py --across: {p} is B{key[0]} T{key[1]} "
-                f"{key[2]} steps, the others B{setting[0]} T{setting[1]} {setting[2]}"
-            )
+            raise SystemExit(f"gpu_bf16_table.py --across: {p} is B{key[0]} T{key[1]} "
+                             f"{key[2]} steps, the others B{setting[0]} T{setting[1]} {setting[2]}")
         setting = key
         if "torch:fp32" not in d["runs"]:
             raise SystemExit(
@@ -120,10 +118,8 @@ def across(paths: list[str]) -> bool:
         seeds.append(f"{a['seed']}/{a.get('init_seed', 0)}")
         for run, r in s.items():
             sums.setdefault(run, []).append(r)
-    print(
-        f"\nsetting {SETTINGS.get(setting, setting)}, {len(paths)} seeds (batch/init): "
-        f"{', '.join(seeds)}; reference torch:fp32 of each seed; mean +- standard error"
-    )
+    print(f"\nsetting {SETTINGS.get(setting, setting)}, {len(paths)} seeds (batch/init): "
+          f"{', '.join(seeds)}; reference torch:fp32 of each seed; mean +- standard error")
     print(f"{'run':<20} {'n':>2} {'|dtrain| tail':>17} {'|dval| final':>17} {'val final':>17}")
     for run, rs in sums.items():
         cols = [_mean_se([r[k] for r in rs]) for k in ("d_train_tail", "d_val_final", "val_final")]
@@ -140,10 +136,8 @@ def across(paths: list[str]) -> bool:
         met = m <= 0
         ok &= met
         below = sum(d <= 0 for d in diffs)
-        print(
-            f"  {k:<13} {o} - {t}: {m:+.4f} +- {e:.4f} "
-            f"({below} of {len(diffs)} seeds <= 0) {'ok' if met else 'NOT MET'}"
-        )
+        print(f"  {k:<13} {o} - {t}: {m:+.4f} +- {e:.4f} "
+              f"({below} of {len(diffs)} seeds <= 0) {'ok' if met else 'NOT MET'}")
     return ok
 
 

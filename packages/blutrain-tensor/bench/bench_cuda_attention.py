@@ -160,17 +160,8 @@ def main() -> None:
         from cuda_timing import kernel_profile, print_profile
 
         v = cases("bf16", 12, 64, True)
-        for name, fn in zip(
-            (
-                "ours fwd",
-                "ours fwd+bwd",
-                "torch fwd",
-                "torch fwd+bwd",
-                "ours fb-leaf",
-                "torch fb-leaf",
-            ),
-            v,
-        ):
+        for name, fn in zip(("ours fwd", "ours fwd+bwd", "torch fwd", "torch fwd+bwd",
+                             "ours fb-leaf", "torch fb-leaf"), v):
             print_profile(f"bf16 B{B} H12 T{T} D64 causal, {name}", kernel_profile(fn))
     if args.out:
         with open(args.out, "w") as f:

@@ -79,27 +79,15 @@ def dump_ops(res: dict) -> None:
     for B, H, T, D in [(8, 4, 128, 32), (2, 3, 67, 16)]:
         rng = np.random.default_rng(B * H * T * D)
         qkv = [rng.standard_normal((B, H, T, D)).astype(np.float32) for _ in range(3)]
-        _run(
-            res,
-            bt,
-            f"sdpa.{B}x{H}x{T}x{D}",
-            lambda q, k, v: bt.scaled_dot_product_attention(q, k, v, is_causal=True),
-            qkv,
-        )
+        _run(res, bt, f"sdpa.{B}x{H}x{T}x{D}",
+             lambda q, k, v: bt.scaled_dot_product_attention(q, k, v, is_causal=True), qkv)
 
 
 def dump_step(res: dict, steps: int) -> None:
     from blutrain.models.trainer import TrainConfig, Trainer
 
-    cfg = TrainConfig(
-        device="cpu",
-        out_dir=tempfile.mkdtemp(),
-        progress=False,
-        plot=False,
-        eval_interval=10**9,
-        sample_interval=10**9,
-        log_interval=10**9,
-    )
+    cfg = TrainConfig(device="cpu", out_dir=tempfile.mkdtemp(), progress=False, plot=False,
+                      eval_interval=10**9, sample_interval=10**9, log_interval=10**9)
     t = Trainer(cfg)
     rec = [t.train_step() for _ in range(steps)]
     res["step.loss"] = np.array([r["loss"] for r in rec], np.float64)
@@ -125,10 +113,8 @@ def compare(pa: str, pb: str) -> int:
         x64, y64 = x.astype(np.float64), y.astype(np.float64)
         d = np.abs(x64 - y64)
         scale = np.max(np.abs(x64)) if x.size else 1.0
-        print(
-            f"{k:42s} {np.count_nonzero(x != y):>9,}/{x.size:<9,} elements differ; "
-            f"max |diff| {np.nanmax(d):.3g} ({np.nanmax(d) / scale:.3g} of max |x|)"
-        )
+        print(f"{k:42s} {np.count_nonzero(x != y):>9,}/{x.size:<9,} elements differ; "
+              f"max |diff| {np.nanmax(d):.3g} ({np.nanmax(d) / scale:.3g} of max |x|)")
     print(f"{same}/{len(names)} arrays bit-identical")
     return 0 if same == len(names) else 1
 

@@ -73,22 +73,13 @@ def plot_snapshot(path: str, device: int | str = "cpu", blocks: list[dict] | Non
     for row, (seg, blks) in enumerate(sorted(segments.items())):
         for b in blks:
             colour = colours.get(b["pool"], "#55a868") if b["allocated"] else "#d0d0d0"
-            ax.barh(
-                row,
-                b["size"] / 2**20,
-                left=(b["address"] - seg) / 2**20,
-                color=colour,
-                edgecolor="white",
-                linewidth=0.3,
-            )
+            ax.barh(row, b["size"] / 2**20, left=(b["address"] - seg) / 2**20, color=colour,
+                    edgecolor="white", linewidth=0.3)
     ax.set_yticks(range(len(segments)))
     ax.set_yticklabels([f"{seg:#x}" for seg in sorted(segments)], fontsize=6)
     ax.set_xlabel("offset in segment (MiB)")
-    ax.set_title(
-        f"blutrain.alloc segments on {device}: live small (blue), large (orange), "
-        "graph (green), free (grey)",
-        fontsize=9,
-    )
+    ax.set_title(f"blutrain.alloc segments on {device}: live small (blue), large (orange), "
+                 "graph (green), free (grey)", fontsize=9)
     fig.tight_layout()
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(suffix=".png", dir=directory)
