@@ -8,7 +8,13 @@ than torch bf16's, and ours' final val loss at or below torch bf16's.
 
 --across: one seed ranks nothing (ours fp32 sits as far from torch fp32 as any bf16 run, from
 summation order alone), so the aim is judged on the mean over seeds of each paired difference,
-ours minus torch, printed with its standard error.
+ours minus torch, printed with its standard error. Then the distances by window of steps: before
+about step 60 the runs of a seed still share one trajectory and |d train| measures the precision;
+after it every pair decorrelates to one floor (chaos), fp32 against fp32 included. Each bf16 run
+is also set against its own framework's fp32 (ours:bf16 - ours:fp32 beside torch:bf16 -
+torch:fp32, when ours:fp32 ran), and the signed loss difference of the first steps, a bias, is
+printed with its standard error. A seed's runs may come from several JSONs (conv_seeds.sh
+--baseline-dir merges them into one).
 """
 
 from __future__ import annotations
@@ -99,15 +105,17 @@ def across(paths: list[str]) -> bool:
     from convergence import reference, summarize
 
     sums: dict[str, list[dict]] = {}
-    seeds, setting = [], None
+    seeds, setting, runs_of, per_seed = [], None, [], []
     for p in paths:
         with open(p) as f:
             d = json.load(f)
         a = d["args"]
         key = (a["B"], a["T"], a["steps"])
         if setting is not None and key != setting:
-            raise SystemExit(f"gpu_bf16_table.py --across: {p} is B{key[0]} T{key[1]} "
-                             f"{key[2]} steps, the others B{setting[0]} T{setting[1]} {setting[2]}")
+            raise SystemExit(
+                f"gpu_bf16_table.py --across: {p} is B{key[0]} T{key[1]} "
+                f"{key[2]} steps, the others B{setting[0]} T{setting[1]} {setting[2]}"
+            )
         setting = key
         if "torch:fp32" not in d["runs"]:
             raise SystemExit(
@@ -116,10 +124,14 @@ def across(paths: list[str]) -> bool:
         s = summarize(d["runs"], argparse.Namespace(**a))
         assert reference(list(d["runs"])) == "torch:fp32"
         seeds.append(f"{a['seed']}/{a.get('init_seed', 0)}")
+        runs_of.append(d["runs"])
+        per_seed.append(s)
         for run, r in s.items():
             sums.setdefault(run, []).append(r)
-    print(f"\nsetting {SETTINGS.get(setting, setting)}, {len(paths)} seeds (batch/init): "
-          f"{', '.join(seeds)}; reference torch:fp32 of each seed; mean +- standard error")
+    print(
+        f"\nsetting {SETTINGS.get(setting, setting)}, {len(paths)} seeds (batch/init): "
+        f"{', '.join(seeds)}; reference torch:fp32 of each seed; mean +- standard error"
+    )
     print(f"{'run':<20} {'n':>2} {'|dtrain| tail':>17} {'|dval| final':>17} {'val final':>17}")
     for run, rs in sums.items():
         cols = [_mean_se([r[k] for r in rs]) for k in ("d_train_tail", "d_val_final", "val_final")]
@@ -128,17 +140,92 @@ def across(paths: list[str]) -> bool:
     print("paired over seeds (ours - torch; the aim: <= 0):")
     pairs = [("ours:bf16", "torch:bf16", k) for k in ("d_train_tail", "d_val_final")]
     pairs += [(f"ours:{p}", f"torch:{p}", "val_final") for p in ("fp32", "tf32", "bf16")]
+    judged = False
     for o, t, k in pairs:
-        if o not in sums or t not in sums or len(sums[o]) != len(sums[t]):
+        # seed by seed, over the seeds that ran both (a stopped seed may lack a run)
+        diffs = [x[o][k] - x[t][k] for x in per_seed if o in x and t in x]
+        if len(diffs) < 1:
             continue
-        diffs = [x[k] - y[k] for x, y in zip(sums[o], sums[t])]
+        judged |= o == "ours:bf16"
         m, e = _mean_se(diffs)
         met = m <= 0
         ok &= met
         below = sum(d <= 0 for d in diffs)
-        print(f"  {k:<13} {o} - {t}: {m:+.4f} +- {e:.4f} "
-              f"({below} of {len(diffs)} seeds <= 0) {'ok' if met else 'NOT MET'}")
-    return ok
+        print(
+            f"  {k:<13} {o} - {t}: {m:+.4f} +- {e:.4f} "
+            f"({below} of {len(diffs)} seeds <= 0) {'ok' if met else 'NOT MET'}"
+        )
+    windows(runs_of)
+    return ok and judged
+
+
+# steps [a, b): before ~60 the runs of a seed share a trajectory; later windows show the floor
+WINDOWS = ((0, 10), (10, 30), (30, 60), (60, 100), (100, 200), (200, 400), (400, 700), (700, 1000))
+EARLY = 5  # steps whose signed loss difference is read as a bias (still one trajectory)
+
+
+def windows(runs_of: list[dict]) -> None:
+    """|train loss difference| by window of steps, mean +- standard error over seeds: each run
+    against torch:fp32, each bf16 run against its own framework's fp32, and ours - torch paired."""
+    import numpy as np
+
+    steps = min(len(r["torch:fp32"]["loss"]) for r in runs_of)
+    wins = [(a, min(b, steps)) for a, b in WINDOWS if a < steps]
+    pairs = [
+        ("torch:bf16", "torch:fp32"),
+        ("ours:bf16", "torch:fp32"),
+        ("ours:fp32", "torch:fp32"),
+        ("ours:bf16", "ours:fp32"),
+        ("torch:tf32", "torch:fp32"),
+        ("ours:tf32", "torch:fp32"),
+    ]
+    per: dict[tuple[str, str], list] = {}
+    bias: dict[tuple[str, str], list] = {}
+    for runs in runs_of:
+        loss = {k: np.asarray(v["loss"][:steps], dtype=np.float64) for k, v in runs.items()}
+        for a, b in pairs:
+            if a in loss and b in loss:
+                d = loss[a] - loss[b]
+                per.setdefault((a, b), []).append([np.abs(d[x:y]).mean() for x, y in wins])
+                bias.setdefault((a, b), []).append(d[:EARLY].mean())
+    head = " ".join(f"{f'{x + 1}-{y}':>15}" for x, y in wins)
+    print(
+        f"\n|d train| by window of steps (mean +- standard error over seeds); bias = the signed "
+        f"difference over steps 1-{EARLY}"
+    )
+    print(f"{'run - reference':<24} {'n':>2} {head} {'bias 1-' + str(EARLY):>19}")
+
+    def row(name: str, xs: list, bs: list | None) -> None:
+        a = np.asarray(xs)
+        se = a.std(0, ddof=1) / np.sqrt(len(a)) if len(a) > 1 else np.full(a.shape[1], np.nan)
+        sign = "+" if bs is None else ""  # paired differences carry their sign
+        cells = " ".join(f"{m:{sign}7.4f}+-{e:6.4f}" for m, e in zip(a.mean(0), se))
+        if bs is None:
+            print(f"{name:<24} {len(a):>2} {cells}")
+            return
+        bm, be = _mean_se(list(bs))
+        print(f"{name:<24} {len(a):>2} {cells} {bm:+9.1e}+-{be:7.1e}")
+
+    for (a, b), xs in per.items():
+        row(f"{a} - {b}", xs, bias[(a, b)])
+    # paired over the seeds that ran both: ours:bf16 against torch:bf16, each from one reference
+    for (oa, ob), (ta, tb) in (
+        (("ours:bf16", "torch:fp32"), ("torch:bf16", "torch:fp32")),
+        (("ours:bf16", "ours:fp32"), ("torch:bf16", "torch:fp32")),
+    ):
+        both = [
+            (
+                np.abs(np.asarray(r[oa]["loss"][:steps]) - np.asarray(r[ob]["loss"][:steps])),
+                np.abs(np.asarray(r[ta]["loss"][:steps]) - np.asarray(r[tb]["loss"][:steps])),
+            )
+            for r in runs_of
+            if all(k in r for k in (oa, ob, ta, tb))
+        ]
+        if len(both) < 2:
+            continue
+        diffs = [[o[x:y].mean() - t[x:y].mean() for x, y in wins] for o, t in both]
+        name = "ours - torch" + (" (own fp32)" if ob == "ours:fp32" else "")
+        row(name, diffs, None)
 
 
 def main() -> int:

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Issue 38's aim over many seeds, in one GPU call: setting B of bench/convergence.py (GPT-2 124M,
+# B2 x T256, 1000 steps, 50 warmup steps) for each seed, every run of a seed from one initial state
+# and one batch stream (--seed S --init-seed S), then bench/gpu_bf16_table.py --across over the
+# seeds that finished. One seed ranks nothing (ours:fp32 sits as far from torch:fp32 as either bf16
+# run, from summation order alone), so many are needed.
+#
+# Setting B's steps are small (512 tokens): one process leaves the GPU idle most of the time, so
+# JOBS processes run seeds side by side. Each run's numbers do not depend on that (no autotuning,
+# no timing-dependent choices); only tok/s does, and this script's tok/s are not a speed figure.
+#
+#   bash packages/blutrain-models/bench/conv_seeds.sh [--seeds "5 6 7"] [--jobs 8]
+#        [--runs LIST] [--budget SECONDS] [--steps N]
+#   --seeds   seeds to run, in order (default 1..16)
+#   --jobs    processes at once (default 8)
+#   --runs    convergence.py runs of each seed (default: torch and ours in fp32, tf32 and bf16)
+#   --budget  seconds for the whole script (default 540): seeds not started by then are skipped,
+#             a seed still running then is stopped and left out of the table
+#   --steps   steps per run (default 1000; fewer for a smoke run)
+#   --baseline-dir DIR  an earlier call's conv_b_seedS.json files (this script's, finished or
+#             stopped): a seed reruns only the runs its file lacks, and its JSON holds them all
+#   --extra   more convergence.py arguments (they win over the above), e.g. "--device cpu --model tiny --compact-vocab"
+# PyTorch's runs of seeds 1-16 are kept in bench/baselines/conv_b_seeds (session 49; seeds 1-13 on
+# an H100, 15-16 on an H200, 14 both), so a change to ours needs only its own runs (ours:bf16 is
+# about 4 s of GPU a seed):
+#   bash packages/blutrain-models/bench/conv_seeds.sh --runs torch:fp32,torch:bf16,ours:bf16 \
+#     --baseline-dir packages/blutrain-models/bench/baselines/conv_b_seeds
+# Needs the packages importable (PYTHONPATH, as gpu_bf16.sh sets it). JSON and logs go to
+# $OUT/seeds (default ./out/seeds).
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/out}
+DIR=$OUT/seeds
+mkdir -p "$DIR"
+PY=${PYTHON:-python3}
+SEEDS=$(seq -s ' ' 1 16) JOBS=8 BUDGET=540 STEPS=1000 EXTRA="--device cuda" BASE=""
+RUNS=torch:fp32,torch:bf16,ours:bf16,ours:fp32,torch:tf32,ours:tf32
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --seeds) SEEDS=$2; shift ;;
+    --jobs) JOBS=$2; shift ;;
+    --runs) RUNS=$2; shift ;;
+    --budget) BUDGET=$2; shift ;;
+    --steps) STEPS=$2; shift ;;
+    --extra) EXTRA=$2; shift ;;
+    --baseline-dir) BASE=$2; shift ;;
+    *) echo "conv_seeds.sh: unknown argument $1 (--seeds LIST, --jobs N, --runs LIST, --budget SECONDS, --steps N, --baseline-dir DIR, --extra ARGS)"; exit 2 ;;
+  esac
+  shift
+done
+START=$(date +%s)
+DEADLINE=$(( START + BUDGET - 15 ))  # 15 s for the table
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PYTHONUNBUFFERED=1
+
+one_seed() {  # seed: runs it unless the deadline has passed; the run stops at the deadline
+  local s=$1 left=$(( DEADLINE - $(date +%s) ))
+  if [ "$left" -lt 60 ]; then echo "seed $s: not started ($left s left)"; return; fi
+  local t0 runs=$RUNS base=() old=${BASE:+$BASE/conv_b_seed$s.json}
+  t0=$(date +%s)
+  if [ -n "$old" ] && [ -f "$old" ]; then  # only the runs the earlier call did not finish
+    runs=$($PY -c "import json, sys; have = json.load(open(sys.argv[1]))['runs']
+print(','.join(r for r in sys.argv[2].split(',') if r not in have))" "$old" "$RUNS")
+    if [ -z "$runs" ]; then cp "$old" "$DIR/"; echo "seed $s: every run in $old"; return; fi
+    base=(--baseline "$old")
+  fi
+  # shellcheck disable=SC2086  # EXTRA: several arguments
+  timeout "$left" $PY packages/blutrain-models/bench/convergence.py \
+    --runs "$runs" -B 2 -T 256 --steps "$STEPS" --warmup 50 --eval-batches 16 \
+    --seed "$s" --init-seed "$s" --checkpoints "" --json "$DIR/conv_b_seed$s.json" "${base[@]}" $EXTRA \
+    >"$DIR/conv_b_seed$s.log" 2>&1
+  local rc=$?
+  echo "seed $s: rc $rc, $(( $(date +%s) - t0 )) s$( [ $rc = 124 ] && echo ' (stopped at the deadline)')"
+  [ $rc = 0 ] || [ $rc = 124 ] || tail -5 "$DIR/conv_b_seed$s.log"
+}
+export -f one_seed
+export DIR PY RUNS STEPS DEADLINE EXTRA BASE
+# shellcheck disable=SC2086  # SEEDS: a list
+printf '%s\n' $SEEDS | xargs -P "$JOBS" -I{} bash -c 'one_seed {}'
+
+done_json=()
+for s in $SEEDS; do
+  f=$DIR/conv_b_seed$s.json
+  # a finished seed's JSON has its summary; a stopped one's holds only the runs that ended
+  if [ -f "$f" ] && $PY -c "import json,sys; sys.exit('summary' not in json.load(open('$f')))"; then
+    done_json+=("$f")
+  fi
+done
+echo "conv_seeds.sh: ${#done_json[@]} seeds finished in $(( $(date +%s) - START )) s"
+[ ${#done_json[@]} -gt 0 ] && $PY packages/blutrain-models/bench/gpu_bf16_table.py --across "${done_json[@]}"

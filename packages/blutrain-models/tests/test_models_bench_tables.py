@@ -1,0 +1,72 @@
+"""bench/gpu_bf16_table.py --across, issue 38's verdict over seeds: on runs with known losses,
+the paired differences, the windowed distances and the verdict come out as they must."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+STEPS = 100
+
+
+@pytest.fixture(scope="module")
+def table():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_bf16_table
+
+        yield gpu_bf16_table
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def seed_json(tmp_path: Path, seed: int, offsets: dict[str, float], rng) -> str:
+    """A convergence.py JSON of one seed: torch:fp32 a noisy descending curve, each other run
+    that curve plus a constant (train and val alike)."""
+    ref = np.linspace(10, 5, STEPS) + 0.05 * rng.standard_normal(STEPS)
+    val = [[s, float(6 - s / 50)] for s in (0, 50, 99)]
+    runs = {}
+    for name, off in {"torch:fp32": 0.0, **offsets}.items():
+        runs[name] = {
+            "run": name,
+            "loss": (ref + off).tolist(),
+            "grad_norm": [1.0] * STEPS,
+            "val": [[s, v + off] for s, v in val],
+            "tokens_per_s": 1.0,
+            "train_s": 1.0,
+            "checkpoints": {},
+        }
+    args = {"B": 2, "T": 256, "steps": STEPS, "seed": seed, "init_seed": seed, "eval_every": 50}
+    path = tmp_path / f"conv_b_seed{seed}.json"
+    path.write_text(json.dumps({"args": args, "reference": "torch:fp32", "runs": runs}))
+    return str(path)
+
+
+def test_across_pairs_each_seed_and_reads_the_windows(table, tmp_path, rng, capsys):
+    offs = [
+        {"torch:bf16": 0.010, "ours:bf16": -0.002 - 0.001 * i, "ours:fp32": -0.0005 * i}
+        for i in range(3)
+    ]
+    paths = [seed_json(tmp_path, i + 1, o, rng) for i, o in enumerate(offs)]
+    assert table.across(paths)  # ours:bf16 nearer torch:fp32 and lower than torch:bf16
+    out = capsys.readouterr().out
+    # ours:bf16's |d| is 0.002, 0.003, 0.004: mean 0.003, standard error 0.001/sqrt(3)
+    assert "d_train_tail  ours:bf16 - torch:bf16: -0.0070 +- 0.0006 (3 of 3 seeds <= 0) ok" in out
+    rows = {ln[:24].strip(): ln for ln in out.splitlines() if " - " in ln[:24]}
+    assert rows["ours:bf16 - torch:fp32"].split()[4] == "0.0030+-0.0006"  # window 1-10
+    assert rows["ours:bf16 - torch:fp32"].split()[-1] == "-3.0e-03+-5.8e-04"  # the early bias
+    # against its own fp32: |(-0.002 - 0.001 i) + 0.0005 i| = 0.002, 0.0025, 0.003
+    assert rows["ours:bf16 - ours:fp32"].split()[4] == "0.0025+-0.0003"
+    assert rows["ours - torch"].split()[4] == "-0.0070+-0.0006"  # paired, seed by seed
+
+
+def test_across_is_not_met_when_ours_is_farther_or_nothing_is_judged(table, tmp_path, rng):
+    far = [seed_json(tmp_path, s, {"torch:bf16": 0.01, "ours:bf16": 0.02}, rng) for s in (1, 2)]
+    assert not table.across(far)
+    nothing = [seed_json(tmp_path, s, {"ours:fp32": -0.01}, rng) for s in (3, 4)]
+    assert not table.across(nothing)  # no bf16 pair: the aim is not shown
