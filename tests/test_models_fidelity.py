@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+import blutrain.tensor as bt
 from blutrain.models import GPT2, GPT2Config, save_hf  # noqa: E402
 from blutrain.models.checkpoint import load_safetensors  # noqa: E402
 from blutrain.models.optim import AdamW, CosineSchedule, clip_grad_norm_  # noqa: E402
@@ -402,3 +403,61 @@ def test_bf16_gradients_as_close_to_float64_as_autocast(tmp_path, rng, fused, on
     assert e_ours <= 1.1 * e_torch
     # the setting tells the two streams apart (else this test could not catch the regression)
     assert e_stream16 > 1.15 * e_torch
+
+
+DEEP = GPT2Config(block_size=64, vocab_size=512, n_layer=12, n_head=4, n_embd=192)
+
+
+def layer_errors(grads: dict, ref: dict, n_layer: int) -> list[float]:
+    """grad_error per block (0 .. n_layer - 1), then of the rest (embeddings, ln_f)."""
+    groups = [[k for k in ref if f".h.{i}." in k] for i in range(n_layer)]
+    groups.append([k for k in ref if ".h." not in k])
+    return [grad_error({k: grads[k] for k in g}, {k: ref[k] for k in g}) for g in groups]
+
+
+def test_bf16_gradients_per_layer_as_close_as_autocast(tmp_path, rng, one_torch_thread):
+    """Issue 38, per layer and 12 deep (the model-wide error hides it): on the fused path the
+    float32 stream's gradient carried in bf16 (residual_grad_dtype "compute", rounded at every
+    add on its way down) grows the error with depth: measured 1.28x autocast's at layer 0, at or
+    under it at the top; carried float32 ("float32", autocast's) it stays at or under autocast's
+    in every layer (0.86-0.90x). Attention as CUDA computes it (float32 scores: the CPU's flash
+    path)."""
+    cfg = DEEP
+    weights = trained_like(cfg, rng)
+    path = tmp_path / "hf"
+    save_hf(path, weights, cfg)
+    B, T = 4, cfg.block_size
+    x = rng.integers(0, cfg.vocab_size, (B, T))
+    y = rng.integers(0, cfg.vocab_size, (B, T))
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+
+    def torch_grads(dtype, autocast):
+        ref = TorchGPT2(cfg).to(dtype)
+        ref.load_hf(load_safetensors(path / "model.safetensors"))
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            ref(xt, yt)[1].backward()
+        return {n: p.grad.double().numpy() for n, p in ref.named_canonical()}
+
+    def our_grads(grad_dtype):
+        m = GPT2.from_pretrained(path)
+        m.fused = True
+        m.residual_grad_dtype = grad_dtype
+        m.set_precision("bf16")
+        with bt.backends.use_flash_attention_cpu(True):
+            _, loss = m(x, y)
+            loss.backward()
+        return {n: p.grad.numpy().astype(np.float64) for n, p in m.named_parameters()}
+
+    ref64 = torch_grads(torch.float64, False)
+    e_torch = layer_errors(torch_grads(torch.float32, True), ref64, cfg.n_layer)
+    wide = [e / t for e, t in zip(layer_errors(our_grads("float32"), ref64, 12), e_torch)]
+    narrow = [e / t for e, t in zip(layer_errors(our_grads("compute"), ref64, 12), e_torch)]
+    print(
+        "per layer (0 .. 11, rest), over autocast's: float32 gradient "
+        + " ".join(f"{r:.2f}" for r in wide)
+        + "; bf16 gradient "
+        + " ".join(f"{r:.2f}" for r in narrow)
+    )
+    assert max(wide) <= 1.05, wide
+    # the setting tells the two apart (else the test could not catch a gradient rounded again)
+    assert narrow[0] > 1.15 and narrow[-1] > 1.1, narrow

@@ -289,11 +289,9 @@ def trained_like(cfg: GPT2Config, seed: int) -> dict[str, np.ndarray]:
     return w
 
 
-@pytest.mark.parametrize("residual", ["float32", "compute"])
-def test_bf16_gradients_as_close_to_float64_as_autocast(residual):
-    """Issue 38 on the GPU path (fused kernels: bt.add_layer_norm on a float32 stream, its bf16
-    output into the GEMMs): GPT-2 124M's gradient error against PyTorch float64 is autocast's
-    (within 1.1x); the bf16 stream ("compute", kept as an option) is measurably worse."""
+def bf16_gradients(residual: str = "float32", grad: str = "compute") -> tuple[dict, dict, dict]:
+    """GPT-2 124M's gradients at trained-like weights on one batch: PyTorch float64, autocast
+    bf16 and ours bf16 (residual_dtype residual, residual_grad_dtype grad)."""
     w = trained_like(CFG, 77)
     x, y = batch(CFG, 11)
     xt, yt = torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()
@@ -310,14 +308,24 @@ def test_bf16_gradients_as_close_to_float64_as_autocast(residual):
         return {n: p.grad.double().cpu().numpy() for n, p in ref.canonical()}
 
     ref64 = torch_grads(torch.float64, False)
-    e_torch = grad_error(torch_grads(torch.float32, True), ref64)
+    auto = torch_grads(torch.float32, True)
     ours = GPT2(CFG, device="cuda", init=False, precision="bf16", residual_dtype=residual)
+    ours.residual_grad_dtype = grad
     ours.load_state_dict(w)
     _, loss = ours(x, y, return_logits=False)
     loss.backward()
     grads = {n: to_np(p.grad).astype(np.float64) for n, p in ours.named_parameters()}
     grads["transformer.wte.weight"] = grads["transformer.wte.weight"][: CFG.vocab_size]
-    e_ours = grad_error(grads, ref64)
+    return ref64, auto, grads
+
+
+@pytest.mark.parametrize("residual", ["float32", "compute"])
+def test_bf16_gradients_as_close_to_float64_as_autocast(residual):
+    """Issue 38 on the GPU path (fused kernels: bt.add_layer_norm on a float32 stream, its bf16
+    output into the GEMMs): GPT-2 124M's gradient error against PyTorch float64 is autocast's
+    (within 1.1x); the bf16 stream ("compute", kept as an option) is measurably worse."""
+    ref64, auto, grads = bf16_gradients(residual)
+    e_torch, e_ours = grad_error(auto, ref64), grad_error(grads, ref64)
     print(
         f"124M bf16 ({residual} stream): gradient error vs float64 {e_ours:.3e}, autocast "
         f"{e_torch:.3e} ({e_ours / e_torch:.2f}x)"
@@ -326,6 +334,29 @@ def test_bf16_gradients_as_close_to_float64_as_autocast(residual):
         assert e_ours <= 1.1 * e_torch
     else:  # the setting tells the two streams apart (else it could not catch the regression)
         assert e_ours > 1.15 * e_torch
+
+
+@pytest.mark.parametrize("grad", ["compute", "float32"])
+def test_bf16_gradients_per_layer_as_close_as_autocast(grad):
+    """Issue 38 per layer (a model-wide error can hide a layer): every block's gradient error
+    against float64, and the embeddings' and ln_f's, at or under autocast's, with the float32
+    stream's gradient carried in bf16 (the default) or float32. At 124M the bf16 gradient's
+    roundings are small next to the rest (CPU, trained-like weights, B2 x T64: 0.93x autocast's
+    at layer 0, 0.88x at the top; float32 0.89x / 0.88x); on a narrow deep model they are not
+    (tests/test_models_fidelity.py: 12 layers of C=192, 1.23-1.34x at layer 0)."""
+    ref64, auto, grads = bf16_gradients("float32", grad)
+    groups = [[k for k in ref64 if f".h.{i}." in k] for i in range(CFG.n_layer)]
+    groups.append([k for k in ref64 if ".h." not in k])  # embeddings and ln_f
+    ratio = [
+        grad_error({k: grads[k] for k in g}, {k: ref64[k] for k in g})
+        / grad_error({k: auto[k] for k in g}, {k: ref64[k] for k in g})
+        for g in groups
+    ]
+    print(
+        f"124M bf16, {grad} stream gradient, per layer over autocast's: "
+        + " ".join(f"{r:.2f}" for r in ratio)
+    )
+    assert max(ratio) <= 1.05, ratio
 
 
 def test_float32_stream_tied_table_gradient_on_cuda():

@@ -142,6 +142,7 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
         recompute=resolve_recompute(a.recompute, "cuda", a.mode),
         residual_dtype=a.residual_dtype,
     )
+    model.residual_grad_dtype = a.residual_grad_dtype
     model.classifier_chunk_size = a.classifier_chunk or None
     set_matmul_precision(a.mode)
     opt = AdamW(model.named_parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -388,6 +389,13 @@ def main() -> int:
         "off the fp32 trajectory)",
     )
     p.add_argument(
+        "--residual-grad-dtype",
+        default="compute",
+        choices=["compute", "float32"],
+        help="ours: the float32 stream's gradient dtype on the fused path (GPT2."
+        "residual_grad_dtype): compute (bf16, the default) or float32 (autocast's; more bytes)",
+    )
+    p.add_argument(
         "--gemm-autotune",
         default="on",
         choices=["on", "off"],
@@ -450,6 +458,8 @@ def main() -> int:
                 a.gemm_autotune,
                 "--residual-dtype",
                 a.residual_dtype,
+                "--residual-grad-dtype",
+                a.residual_grad_dtype,
             ]
             t0 = time.perf_counter()
             try:

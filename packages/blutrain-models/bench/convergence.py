@@ -12,7 +12,8 @@ scripts/gpu.sh runs).
 Runs are framework:precision (ours|torch, fp32|tf32|bf16), optionally ours:PREC/VARIANT[+...]
 with the model's options: bf16res = GPT2.residual_dtype "compute" (the residual stream in bf16,
 rounded at every add: the policy before issue 38, now opt-in; the model's default and ours:PREC's
-is float32, as autocast's),
+is float32, as autocast's), f32grad = GPT2.residual_grad_dtype "float32" (the float32 stream's
+gradient float32 on the fused path too, as autocast's; by default it travels in bf16 there),
 unfused = fused=False (no add_layer_norm, linear_gelu_linear, qkv_attention, linear_cross_entropy:
 plain ops, whose float32 stream also carries a float32 gradient), flash = on the CPU, the fused
 attention (bt.backends.use_flash_attention_cpu: float32 scores and softmax, as the CUDA kernels
@@ -176,6 +177,7 @@ class Ours:
         if "unfused" in flags:
             fused = False
         residual = "compute" if "bf16res" in flags else "float32"
+        grad = "float32" if "f32grad" in flags else "compute"
         self.flash = "flash" in flags
         self.model = GPT2(
             cfg,
@@ -185,6 +187,7 @@ class Ours:
             fused=fused,
             residual_dtype=residual,
         )
+        self.model.residual_grad_dtype = grad
         self.model.load_state_dict(state)
         set_matmul_precision(precision)
         self.named = list(self.model.named_parameters())
@@ -335,7 +338,7 @@ class Torch:
 
 
 FRAMEWORKS = {"ours": Ours, "torch": Torch}
-VARIANTS = {"ours": ("bf16res", "unfused", "flash"), "torch": ()}
+VARIANTS = {"ours": ("bf16res", "unfused", "flash", "f32grad"), "torch": ()}
 
 
 def split_name(name: str) -> tuple[str, str, str]:

@@ -54,11 +54,14 @@ _SIZE = {
 _TARGET_ROWS = 16 * 1024  # GPT-2 124M's bench: B16 x T1024
 
 
-def step_ops(residual: str, layers: int, B: int, T: int, C: int, V: int) -> list[bt.OpLogEntry]:
+def step_ops(
+    residual: str, layers: int, B: int, T: int, C: int, V: int, grad: str = "compute"
+) -> list[bt.OpLogEntry]:
     """The eager op log of one forward + backward (the loss through the fused head)."""
     bt.manual_seed(0)
     cfg = GPT2Config(block_size=T, vocab_size=V, n_layer=layers, n_head=C // 64, n_embd=C)
     model = GPT2(cfg, fused=True, residual_dtype=residual, precision="bf16")
+    model.residual_grad_dtype = grad
     x = bt.tensor([[(7 * i + j) % V for j in range(T)] for i in range(B)], dtype=bt.int64)
     y = bt.tensor([[(5 * i + 3 * j) % V for j in range(T)] for i in range(B)], dtype=bt.int64)
     model(x, y, return_logits=False)[1].backward()  # warm the weights' cached casts
@@ -104,13 +107,20 @@ def main() -> int:
     p.add_argument("-C", type=int, default=768)
     p.add_argument("-V", type=int, default=50304)
     p.add_argument("--all", action="store_true", help="also the ops both streams run alike")
+    p.add_argument(
+        "--grad",
+        default="compute",
+        choices=("compute", "float32"),
+        help="the float32 stream's gradient dtype (GPT2.residual_grad_dtype) in its column",
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args()
     L = a.layers
     runs = {}
     for res in ("compute", "float32"):
         for n in (L, L + 1):
-            runs[res, n] = table(step_ops(res, n, a.B, a.T, a.C, a.V), a.B, a.T)
+            grad = a.grad if res == "float32" else "compute"
+            runs[res, n] = table(step_ops(res, n, a.B, a.T, a.C, a.V, grad), a.B, a.T)
 
     def at12(res: str, what: int, sig: str) -> float:  # the run with L layers + (12 - L) more
         lo, hi = runs[res, L][what][sig], runs[res, L + 1][what][sig]
@@ -129,7 +139,8 @@ def main() -> int:
     }
     print(
         f"one bf16 GPT-2 step (forward + backward), fused ops, extrapolated to 12 layers, "
-        f"B16 x T1024 (C={a.C}, V={a.V}; runs at B{a.B} x T{a.T}, {L} and {L + 1} layers)"
+        f"B16 x T1024 (C={a.C}, V={a.V}; runs at B{a.B} x T{a.T}, {L} and {L + 1} layers); the "
+        f"float32 stream's gradient: {a.grad}"
     )
     print(f"{'compute: n':>11} {'MB':>8} | {'float32: n':>10} {'MB':>8} | op(inputs)->outputs")
     for r in rows:

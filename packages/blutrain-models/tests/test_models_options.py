@@ -5,6 +5,7 @@ them on a GPU.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 
@@ -210,6 +211,27 @@ def test_residual_dtype_defaults_to_float32(tmp_path, shards):
     assert t.model.residual_dtype == "compute"
 
 
+def test_residual_grad_dtype_reaches_the_model_from_train(tmp_path, shards):
+    """--residual-grad-dtype: "compute" by default, "float32" reaches the trainer's GPT-2 and a
+    resumed run's model, a LLaMA model refuses it naming the option."""
+    from blutrain.models.cli import build_parser, config_from_args
+    from blutrain.models.train_config import ConfigError
+
+    p = build_parser()
+    assert config_from_args(p.parse_args(["train"])).residual_grad_dtype == "compute"
+    args = p.parse_args(["train", "--residual-grad-dtype", "float32"])
+    assert config_from_args(args).residual_grad_dtype == "float32"
+    cfg_json = tmp_path / "m.json"
+    GPT2Config(block_size=32, n_layer=1, n_head=2, n_embd=16).to_json(cfg_json)
+    kw = dict(model=str(cfg_json), data=str(shards), seq_len=32, max_steps=1, warmup_steps=0,
+              device="cpu", progress=False, plot=False, out_dir=str(tmp_path / "a"))  # fmt: skip
+    assert Trainer(TrainConfig(**kw)).model.residual_grad_dtype == "compute"
+    t = Trainer(TrainConfig(residual_grad_dtype="float32", **kw))
+    assert t.model.residual_grad_dtype == "float32"
+    with pytest.raises(ConfigError, match=r"residual_grad_dtype \(--residual-grad-dtype\)"):
+        Trainer(TrainConfig(**{**kw, "model": "llama-tiny"}, residual_grad_dtype="float32"))
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_bf16_stream_is_float32_by_default_and_compute_keeps_the_bf16_stream(rng, fused):
     """Under bf16 the default writes the residual stream in float32 at every add (the
@@ -247,6 +269,47 @@ def test_residual_dtype_changes_nothing_in_fp32_and_tf32(rng, precision, fused):
         assert all(np.array_equal(ga[n], gb[n]) for n in ga)
     finally:
         bt.set_float32_matmul_precision(prev)
+
+
+def test_residual_grad_dtype_float32_widens_only_the_fused_bf16_stream_gradient(rng):
+    """residual_grad_dtype "float32" (the float32 stream's gradient kept float32 on the fused
+    path, as autocast's): every layer norm's backward writes a float32 dx where the default
+    writes bf16 below the top, the forward is unchanged (same logits and loss bits) and the
+    gradients differ; in fp32 the same bits as the default; a bad value names the option."""
+    x = rng.integers(0, CFG.vocab_size, (2, 9))
+    a, b = twin(rng, precision="bf16", fused=True)
+    a.set_precision("bf16")
+    a.fused = True
+    assert a.residual_grad_dtype == "compute"
+    b.residual_grad_dtype = "float32"
+
+    def run16(m):  # (logits, loss, gradients, the dtypes of the layer norms' backward dx)
+        m.zero_grad()
+        logits, loss = m(x, x)
+        with bt.op_log() as log:
+            loss.backward()
+        grads = {n: p.grad.detach().numpy().copy() for n, p in m.named_parameters()}
+        dx = collections.Counter(e.outputs[0][0] for e in log if e.op == "layer_norm_backward")
+        return logits.detach().float().numpy(), float(loss.item()), grads, dx
+
+    la, sa, ga, dxa = run16(a)
+    lb, sb, gb, dxb = run16(b)
+    norms = 2 * CFG.n_layer + 1  # ln_1, ln_2 of each block and ln_f
+    # the default: only ln_1 of block 0 (a plain layer norm over the float32 embeddings) writes
+    # a float32 dx; every add_layer_norm's is bf16
+    assert dxa == {"float32": 1, "bfloat16": norms - 1}, dxa
+    assert dxb == {"float32": norms}, dxb
+    assert np.array_equal(la, lb) and sa == sb
+    assert not all(np.array_equal(ga[n], gb[n]) for n in ga), "the option changed nothing"
+    f, g = twin(rng, precision="fp32", fused=True)
+    f.set_precision("fp32")
+    f.fused = True
+    g.residual_grad_dtype = "float32"
+    lf, sf, gf = run(f, x, x)
+    lg, sg, gg = run(g, x, x)
+    assert np.array_equal(lf, lg) and sf == sg and all(np.array_equal(gf[n], gg[n]) for n in gf)
+    with pytest.raises(ValueError, match=r"\[GPT2\] residual_grad_dtype must be one of"):
+        GPT2(CFG, residual_grad_dtype="bf16")
 
 
 def test_a_run_from_before_the_option_resumes_with_the_bf16_stream(

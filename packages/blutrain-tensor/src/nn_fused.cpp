@@ -22,7 +22,8 @@ void check_device_match(const Tensor& a, const Tensor& b, const char* op) {
 std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual,
                                          const Tensor& weight, const Tensor& bias, double eps,
                                          bool recompute, const Tensor& residual_bias,
-                                         std::optional<DType> out_dtype) {
+                                         std::optional<DType> out_dtype,
+                                         std::optional<DType> stream_grad_dtype) {
   OpScope scope("add_layer_norm");  // Note [the op the user called]
   const char* op = "add_layer_norm";
   if (!x.defined() || !residual.defined()) throw ValueError("[add_layer_norm] undefined input");
@@ -50,6 +51,11 @@ std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual
   }
   const DType dt = x.dtype();
   const DType odt = out_dtype.value_or(dt);
+  if (stream_grad_dtype && *stream_grad_dtype != dt && *stream_grad_dtype != odt) {
+    throw ValueError(std::string("[add_layer_norm] stream_grad_dtype must be x's dtype (") +
+                     dtype_name(dt) + ") or out_dtype's (" + dtype_name(odt) + "), got " +
+                     dtype_name(*stream_grad_dtype));
+  }
   // Note [float32 residual stream]: a float32 x with a 16-bit y is one kernel that reads the
   // residual in y's dtype; other pairs add and normalise in x's dtype, then cast y.
   const bool mixed = odt != dt && is_mixed_norm(dt, odt) && residual.dtype() == odt;
@@ -57,13 +63,14 @@ std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual
     auto r = add_layer_norm(x, residual, weight, bias, eps, recompute, residual_bias);
     return {r.first, astype(r.second, odt)};
   }
+  const bool wide_grad = mixed && stream_grad_dtype == dt;
   Shape rows(x.shape().begin(), x.shape().end() - 1);
   auto cast = [dt](const Tensor& t) { return t.defined() ? astype(t, dt) : Tensor(); };
   std::vector<Tensor> in{x, mixed ? residual : astype(residual, dt), cast(weight), cast(bias),
                          cast(residual_bias)};
   auto outs =
       apply(std::make_shared<AddLayerNorm>(eps, weight.defined(), bias.defined(),
-                                           residual_bias.defined(), mixed, odt),
+                                           residual_bias.defined(), mixed, odt, wide_grad),
             in, {{x.shape(), dt}, {x.shape(), odt}, {rows, stat_dtype(dt)}, {rows, stat_dtype(dt)}},
             x.device());
   if (recompute && grad_enabled() && outs[1].requires_grad()) {
@@ -184,8 +191,9 @@ std::vector<Tensor> AddLayerNorm::vjp(const VjpArgs& a) {
                     (!(ndw || ndb) || layer_norm_wide_grads(a, dt, ndw, 2, ndb, 3)) &&
                     (!nds || weight_grad_dtype(a, 4, dt) == DType::Float32);
   // mixed: one dx in y's dtype serves the residual and (as the cotangent this node's sum takes)
-  // the stream, unless the sum's gradient came float32 (it has another reader): then float32
-  auto dxt = mixed && !(gsum.defined() && gsum.dtype() != y_dtype)
+  // the stream, unless the stream's gradient is float32 (wide_stream_grad) or the sum's came
+  // float32 (it has another reader): then float32
+  auto dxt = mixed && !wide_stream_grad && !(gsum.defined() && gsum.dtype() != y_dtype)
                  ? std::optional<DType>(y_dtype)
                  : std::nullopt;
   auto r = layer_norm_backward(gy, a.outputs[0], has_weight ? a.inputs[2] : Tensor(), a.outputs[2],

@@ -23,14 +23,22 @@
 //     row with float32 weight and bias, y rounded once to bf16 (the next GEMM's input);
 //   - add_layer_norm(x float32, residual bf16, weight, bias, residual_bias float32,
 //     out_dtype=bf16): sum = x + residual + residual_bias in float32, y as above; one kernel.
-// Backward: LayerNormBackward reads dy (bf16) and x (float32) as they are.  The stream's gradient
-// is carried in bf16: add_layer_norm's node takes the sum's cotangent in y's dtype
-// (Primitive::cotangent_dtype) and writes one bf16 dx that is both the branch's gradient (a
-// GEMM's input) and the stream's, as the bf16 stream did.  Measured (CPU, GPT-2 4 and 6 layers,
-// gradient error against float64): rounding the stream's gradient left the error where autocast's
-// float32 gradient stream has it, rounding the forward stream did not.  Bytes per (R, C) element
-// and call: forward 12 (x 4, residual 2, sum 4, y 2) against the bf16 stream's 8, backward 10
-// (dy 2, sum 4, dsum 2, dx 2) against 8; activation memory: the saved sums are float32.
+// Backward: LayerNormBackward reads dy (bf16) and x (float32) as they are.  By default the
+// stream's gradient is carried in bf16: add_layer_norm's node takes the sum's cotangent in y's
+// dtype (Primitive::cotangent_dtype) and writes one bf16 dx that is both the branch's gradient (a
+// GEMM's input) and the stream's, as the bf16 stream did.  Bytes per (R, C) element and call:
+// forward 12 (x 4, residual 2, sum 4, y 2) against the bf16 stream's 8, backward 10 (dy 2, sum 4,
+// dsum 2, dx 2) against 8; activation memory: the saved sums are float32.
+// stream_grad_dtype=float32 carries the stream's gradient in float32 as autocast does: the sum's
+// cotangent comes float32, dx is float32 (the stream's) and the engine casts it to bf16 for the
+// branch: backward 20 bytes (dy 2, sum 4, dsum 4, dx 4, the cast's 6).  Why it is offered: the
+// bf16 gradient is rounded at every add on its way down, so its error grows with depth.  Gradient
+// error against float64 per layer (CPU, trained-like weights, session 49), over autocast's:
+//   - 12 layers of C=192: bf16 gradient 0.86x at the top, 1.23-1.34x at layer 0; float32
+//     0.83-0.93x in every layer (test_bf16_gradients_per_layer_as_close_as_autocast);
+//   - GPT-2 124M (C=768, B2 x T64): the other roundings dominate; bf16 gradient 0.88x at the
+//     top, 0.93x at layer 0; float32 0.88x / 0.89x.
+// So the default stays bf16; float32 is for narrow deep models.
 #pragma once
 
 #include <optional>
@@ -131,15 +139,23 @@ class CrossEntropyBackward : public Primitive {
 // y normalises the stored (rounded) sum, so the backward is exactly LayerNorm's on `sum`.
 class AddLayerNorm : public Primitive {
   BT_PRIM_BODY(AddLayerNorm, "add_layer_norm")
-  AddLayerNorm(double e, bool w, bool b, bool rb = false, bool mx = false, DType yd = DType::Float32)
-      : eps(e), has_weight(w), has_bias(b), has_residual_bias(rb), mixed(mx), y_dtype(yd) {}
+  AddLayerNorm(double e, bool w, bool b, bool rb = false, bool mx = false,
+               DType yd = DType::Float32, bool wsg = false)
+      : eps(e),
+        has_weight(w),
+        has_bias(b),
+        has_residual_bias(rb),
+        mixed(mx),
+        y_dtype(yd),
+        wide_stream_grad(wsg) {}
   bool saves_outputs() const override { return true; }
   bool saves_output(size_t i) const override { return i != 1; }  // sum, mean, rstd (not y)
   // sum: a sum nothing reads (the last layer's) costs no zero fill; mean, rstd
   bool takes_no_cotangent(size_t i) const override { return i != 1; }
-  // mixed: the float32 sum's gradient is carried in y's dtype (Note [float32 residual stream])
+  // mixed: the float32 sum's gradient is carried in y's dtype unless wide_stream_grad (Note
+  // [float32 residual stream])
   DType cotangent_dtype(size_t i, DType own) const override {
-    return mixed && i == 0 ? y_dtype : own;
+    return mixed && i == 0 && !wide_stream_grad ? y_dtype : own;
   }
   // Only weight is needed by the backward (x and residual are not kept alive).
   bool saves_input(size_t i, const std::vector<bool>&) const override { return i == 2; }
@@ -153,6 +169,7 @@ class AddLayerNorm : public Primitive {
   bool has_weight, has_bias, has_residual_bias;
   bool mixed;  // x float32, y 16-bit (Note [float32 residual stream])
   DType y_dtype;
+  bool wide_stream_grad;  // mixed: the sum's gradient in float32 (stream_grad_dtype=float32)
 };
 
 // Fronts.
@@ -162,11 +179,14 @@ class AddLayerNorm : public Primitive {
 // residual_bias (C): added to the sum (Note [residual bias]).
 // out_dtype: y's dtype (default x's); a 16-bit y over a float32 x is one kernel (Note [float32
 // residual stream]), other pairs normalise in x's dtype and cast.  sum always has x's dtype.
+// stream_grad_dtype: the dtype the sum's gradient travels in, x's or y's (default y's; only a
+// 16-bit y over a float32 x has two to choose from).
 std::pair<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual,
                                          const Tensor& weight, const Tensor& bias, double eps,
                                          bool recompute = false,
                                          const Tensor& residual_bias = Tensor(),
-                                         std::optional<DType> out_dtype = std::nullopt);
+                                         std::optional<DType> out_dtype = std::nullopt,
+                                         std::optional<DType> stream_grad_dtype = std::nullopt);
 // The backward ops as functions (used by the vjps in primitives.cpp).  wide_grads: dweight and
 // dbias (and dsum) in float32 for 16-bit x (see LayerNormBackward; ignored otherwise).
 // dx_dtype: dx's dtype (default x's; over a float32 x with a 16-bit dy it may be dy's dtype, read

@@ -805,15 +805,17 @@ def _mixed_leaves(arrays, dtypes, device):
     return out
 
 
-def _mixed_chain(arrays, half, device, sum_grad):
+def _mixed_chain(arrays, half, device, sum_grad, stream_grad=None):
     """x (float32) -> add_layer_norm(x, r1, w1, b1, rb) -> add_layer_norm(s1, r2, w2) with
-    16-bit outputs; loss = <y1, g1> + <y2, g2> (+ <s2, gs>: the float32-gradient path)."""
+    16-bit outputs; loss = <y1, g1> + <y2, g2> (+ <s2, gs>: the float32-gradient path);
+    stream_grad: the add_layer_norms' stream_grad_dtype."""
     x, r1, r2, w1, b1, rb, w2, g1, g2, gs = arrays
     dts = [bt.float32, half, half, bt.float32, bt.float32, bt.float32, bt.float32]
     leaves = _mixed_leaves([x, r1, r2, w1, b1, rb, w2], dts, device)
     xt, r1t, r2t, w1t, b1t, rbt, w2t = leaves
-    s1, y1 = bt.add_layer_norm(xt, r1t, w1t, b1t, residual_bias=rbt, out_dtype=half)
-    s2, y2 = bt.add_layer_norm(s1, r2t, w2t, None, out_dtype=half)
+    kw = {"out_dtype": half, "stream_grad_dtype": stream_grad}
+    s1, y1 = bt.add_layer_norm(xt, r1t, w1t, b1t, residual_bias=rbt, **kw)
+    s2, y2 = bt.add_layer_norm(s1, r2t, w2t, None, **kw)
     loss = (y1 * bt.tensor(g1, dtype=half).to(device)).float().sum()
     loss = loss + (y2 * bt.tensor(g2, dtype=half).to(device)).float().sum()
     if sum_grad:
@@ -898,13 +900,18 @@ def test_mixed_layer_norm(rng, monkeypatch, half, RC, version):
 
 @pytest.mark.parametrize("half", [bt.bfloat16, bt.float16])
 @pytest.mark.parametrize("RC", MIXED_SHAPES, ids=lambda rc: f"{rc[0]}x{rc[1]}")
-@pytest.mark.parametrize("sum_grad", [False, True], ids=["16-bit-stream-grad", "float32-grad"])
+@pytest.mark.parametrize(
+    "grad", ["16-bit-stream-grad", "float32-grad", "stream-grad-dtype-float32"]
+)
 @pytest.mark.parametrize("version", ["default", "2"])
-def test_mixed_add_layer_norm(rng, monkeypatch, half, RC, sum_grad, version):
+def test_mixed_add_layer_norm(rng, monkeypatch, half, RC, grad, version):
     """Two chained mixed add_layer_norms (residual bias on the first): the float32 sums bitwise
     the CPU's (the same float32 additions in the same order), y within a 16-bit rounding, and
     every gradient (the stream's in 16 bits between the two, or float32 when the last sum has a
-    float32 cotangent) within the 16-bit tolerance, the float32 parameters' too."""
+    float32 cotangent or with stream_grad_dtype=float32) within the 16-bit tolerance, the float32
+    parameters' too."""
+    sum_grad = grad == "float32-grad"
+    stream_grad = bt.float32 if grad == "stream-grad-dtype-float32" else None
     if version != "default":
         monkeypatch.setenv("BT_CUDA_NN_VERSION", version)
     R, C = RC
@@ -912,8 +919,8 @@ def test_mixed_add_layer_norm(rng, monkeypatch, half, RC, sum_grad, version):
     arrays += [rng.standard_normal((R, C)) for _ in range(2)]
     arrays += [rng.standard_normal(C) for _ in range(4)]
     arrays += [rng.standard_normal((R, C)) for _ in range(3)]
-    go, gg = _mixed_chain(arrays, half, "cuda", sum_grad)
-    co, cg = _mixed_chain(arrays, half, "cpu", sum_grad)
+    go, gg = _mixed_chain(arrays, half, "cuda", sum_grad, stream_grad)
+    co, cg = _mixed_chain(arrays, half, "cpu", sum_grad, stream_grad)
     assert go[0].dtype == bt.float32 and go[1].dtype == half
     for i in (0, 2):
         assert np.array_equal(_np(go[i]), _np(co[i])), f"mixed add_layer_norm {RC} sum {i}"
@@ -922,7 +929,7 @@ def test_mixed_add_layer_norm(rng, monkeypatch, half, RC, sum_grad, version):
     names = ["x", "r1", "r2", "w1", "b1", "rb", "w2"]
     for name, a, b in zip(names, gg, cg):
         # 16-bit dx (rounded once per chain link); float32 x with a float32 stream gradient
-        tol_dtype = bt.float32 if (sum_grad and name == "x") else half
+        tol_dtype = bt.float32 if (grad != "16-bit-stream-grad" and name == "x") else half
         _close(a, b, tol_dtype, f"mixed add_layer_norm {RC} grad {name}", 8)
 
 

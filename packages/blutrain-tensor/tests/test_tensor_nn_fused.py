@@ -719,10 +719,10 @@ def test_mixed_add_layer_norm_vs_numpy(rng, dtype, C, rbias):
     np.testing.assert_array_equal(f64(y), rounded(ref_y, dtype))
 
 
-def _mixed_chain(rng, dtype, C, sum_cotangent):
+def _mixed_chain(rng, dtype, C, sum_cotangent, stream_grad=None):
     """x (float32 leaf) -> (s1, y1) = add_layer_norm(x, r1) -> (s2, y2) = add_layer_norm(s1, r2),
-    loss = <y1, g1> + <y2, g2> (+ <s2, gs> with sum_cotangent), all mixed; returns the leaves'
-    gradients and the float64 reference of x's."""
+    loss = <y1, g1> + <y2, g2> (+ <s2, gs> with sum_cotangent), all mixed (stream_grad_dtype
+    stream_grad); returns the leaves' gradients and the float64 reference of x's."""
     R = 6
     x = rng.standard_normal((R, C)).astype(np.float32) * 4
     r1, r2, g1, g2 = (rounded(rng.standard_normal((R, C)), dtype) for _ in range(4))
@@ -731,8 +731,9 @@ def _mixed_chain(rng, dtype, C, sum_cotangent):
     leaves = [bt.tensor(x, requires_grad=True), bt.tensor(r1, dtype=dtype, requires_grad=True)]
     leaves += [bt.tensor(r2, dtype=dtype, requires_grad=True), bt.tensor(rb1, requires_grad=True)]
     xt, r1t, r2t, rb1t = leaves
-    s1, y1 = bt.add_layer_norm(xt, r1t, bt.tensor(w1), None, residual_bias=rb1t, out_dtype=dtype)
-    s2, y2 = bt.add_layer_norm(s1, r2t, bt.tensor(w2), None, out_dtype=dtype)
+    kw = {"out_dtype": dtype, "stream_grad_dtype": stream_grad}
+    s1, y1 = bt.add_layer_norm(xt, r1t, bt.tensor(w1), None, residual_bias=rb1t, **kw)
+    s2, y2 = bt.add_layer_norm(s1, r2t, bt.tensor(w2), None, **kw)
     loss = (y1 * bt.tensor(g1, dtype=dtype)).float().sum()
     loss = loss + (y2 * bt.tensor(g2, dtype=dtype)).float().sum()
     if sum_cotangent:
@@ -774,6 +775,26 @@ def test_mixed_add_layer_norm_float32_sum_gradient_stays_float32(rng, dtype):
     np.testing.assert_array_equal(f64(gr1), rounded(f64(gx), dtype))
 
 
+@pytest.mark.parametrize("dtype", HALF)
+def test_mixed_add_layer_norm_float32_stream_gradient(rng, dtype):
+    """stream_grad_dtype=float32 (autocast's): the sum's gradient travels float32 between two
+    add_layer_norms, so x's gradient matches float64 to float32 accuracy where the default's is
+    a 16-bit value; each residual gets its add's float32 gradient rounded once."""
+    C = 56
+    gx, gr1, gr2, grb, d1, d2 = _mixed_chain(rng, dtype, C, False, stream_grad=bt.float32)
+    assert gx.dtype == bt.float32 and gr1.dtype == dtype and gr2.dtype == dtype
+    np.testing.assert_allclose(f64(gx), d1, rtol=1e-5, atol=1e-5 * np.abs(d1).max())
+    np.testing.assert_array_equal(f64(gr1), rounded(f64(gx), dtype))
+    tol = ULP[dtype]  # one rounding of a float32 value
+    np.testing.assert_allclose(f64(gr2), d2, rtol=tol, atol=tol * np.abs(d2).max())
+    err = np.abs(f64(grb) - f64(gx).sum(0)) / np.abs(f64(gx)).sum(0)  # the float32 dx's sums
+    assert err.max() < 1e-6, err.max()
+    # the default's x gradient is a 16-bit value (one dx for the stream and the residual)
+    gx16 = _mixed_chain(rng, dtype, C, False)[0]
+    np.testing.assert_array_equal(f64(gx16), rounded(f64(gx16), dtype))
+    assert not np.array_equal(f64(gx), rounded(f64(gx), dtype))
+
+
 def test_mixed_norm_dtype_pairs_and_errors(rng):
     """Pairs other than float32 -> 16-bit normalise in x's dtype and cast; bad out_dtype names
     the op."""
@@ -790,6 +811,13 @@ def test_mixed_norm_dtype_pairs_and_errors(rng):
         bt.layer_norm(x32, 8, out_dtype=bt.int64)
     with pytest.raises(TypeError, match=r"\[add_layer_norm\] out_dtype"):
         bt.add_layer_norm(x32, x32, out_dtype=bt.int32)
+    msg = r"\[add_layer_norm\] stream_grad_dtype must be .*float32.*bfloat16.*got float16"
+    with pytest.raises(ValueError, match=msg):
+        bt.add_layer_norm(x32, xb, out_dtype=bt.bfloat16, stream_grad_dtype=bt.float16)
+    # x's dtype or y's: accepted wherever they are (one dtype to choose from when they agree)
+    for gd in (bt.float32, bt.bfloat16):
+        bt.add_layer_norm(x32, xb, out_dtype=bt.bfloat16, stream_grad_dtype=gd)
+    bt.add_layer_norm(x32, x32, stream_grad_dtype=bt.float32)
 
 
 SPECIAL_ROWS = [

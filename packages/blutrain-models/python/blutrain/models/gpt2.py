@@ -66,6 +66,10 @@ _PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "tensorfloat32": "t
 # default, as autocast) or the compute dtype (the bf16 stream: a little faster and lighter,
 # trains off the float32 trajectory).
 RESIDUAL_DTYPES = ("float32", "compute")
+# The dtype the float32 stream's gradient travels in on the fused path (GPT2.residual_grad_dtype):
+# the compute dtype (the default: one bf16 gradient for the stream and the branch) or float32
+# (autocast's; twice add_layer_norm's backward bytes).
+RESIDUAL_GRAD_DTYPES = ("compute", "float32")
 
 
 def precision_name(mode: str) -> str:
@@ -159,17 +163,29 @@ def _add_ln(
     fused: bool,
     recompute: bool = False,
     residual_bias: Any = None,
+    wide_grad: bool = False,
 ) -> tuple[bt.Tensor, bt.Tensor]:
     """(x + r (+ residual_bias), LayerNorm of that): the sum in x's dtype (the residual stream's),
     the norm's output in `dtype` (None: x's); one fused kernel when `fused`.  residual_bias: the
     bias of the linear layer that made r, left out of it (Note [residual bias] in
-    blutrain.tensor: its gradient comes from the layer norm's backward)."""
+    blutrain.tensor: its gradient comes from the layer norm's backward).  wide_grad: a float32
+    x's gradient stays float32 on the fused path (GPT2.residual_grad_dtype "float32"); else it
+    travels in `dtype` there."""
     rb = _cast(residual_bias, x.dtype) if residual_bias is not None else None
     if fused:
         od = dtype if dtype is not None and dtype != x.dtype else None
         w, b = _cast(ln.weight, x.dtype), _cast(ln.bias, x.dtype)
+        gd = x.dtype if wide_grad and od is not None else None
         return bt.add_layer_norm(
-            x, r, w, b, ln.eps, recompute=recompute, residual_bias=rb, out_dtype=od
+            x,
+            r,
+            w,
+            b,
+            ln.eps,
+            recompute=recompute,
+            residual_bias=rb,
+            out_dtype=od,
+            stream_grad_dtype=gd,
         )
     s = x + r if rb is None else x + r + rb
     return s, _ln(s, ln, dtype, recompute)
@@ -275,6 +291,7 @@ class Block(_Precision, bt.nn.Module):
         self.ln_2 = bt.nn.LayerNorm(C, eps=eps)
         self.mlp = MLP(config)
         self.fused_add_ln = False  # GPT2 sets it
+        self.wide_grad = False  # GPT2 sets it (residual_grad_dtype "float32")
         self.recompute: frozenset[str] = frozenset()
 
     def set_recompute(self, spec: Any) -> Block:
@@ -295,7 +312,7 @@ class Block(_Precision, bt.nn.Module):
         GPT2.residual_dtype); the sublayers compute in the block's dtype."""
         dt, rln = self._compute, "ln" in self.recompute
         a = self.attend(_ln(x, self.ln_1, dt, rln))
-        x, h = _add_ln(x, a, self.ln_2, dt, self.fused_add_ln, rln)
+        x, h = _add_ln(x, a, self.ln_2, dt, self.fused_add_ln, rln, None, self.wide_grad)
         return x + self.mlp(h)
 
 
@@ -473,9 +490,17 @@ class GPT2(_Precision, bt.nn.Module):
       or "compute" (the opt-in fast stream: bf16, rounded at every add; it trains measurably
       off the float32 trajectory over hundreds of steps).  What the float32 stream costs,
       measured on one H200, GPT-2 124M bf16 as a CUDA graph, B16 x T1024 (session 42): 1.7%
-      tokens/s (559K vs 569K) and 0.59 GiB of peak memory (7.37 vs 6.78 GiB).  Either way the
-      fused path carries the stream's gradient in bf16, and in fp32 / tf32 the option changes
-      nothing (the stream is float32 either way).
+      tokens/s (559K vs 569K) and 0.59 GiB of peak memory (7.37 vs 6.78 GiB).  In fp32 / tf32
+      the option changes nothing (the stream is float32 either way).
+    - `residual_grad_dtype`: the float32 stream's gradient on the fused path under a 16-bit
+      compute dtype: "compute" (the default: bf16, one gradient for the stream and the branch,
+      rounded at every add on its way down) or "float32" (autocast's: the stream's gradient
+      float32, cast to bf16 for each branch; twice add_layer_norm's backward bytes).  The
+      unfused path's gradient is float32 either way.  Gradient error against float64 per
+      layer over autocast's (CPU, trained-like weights, session 49): 12 layers of C=192,
+      "compute" 0.86x at the top and 1.23-1.34x at layer 0, "float32" at most 0.93x in every
+      layer; GPT-2 124M, where the other roundings dominate: "compute" 0.88-0.93x, "float32"
+      0.88-0.89x.
     """
 
     def __init__(
@@ -488,6 +513,7 @@ class GPT2(_Precision, bt.nn.Module):
         recompute: str = "none",
         fused: bool | None = None,
         residual_dtype: str = "float32",
+        residual_grad_dtype: str = "compute",
     ) -> None:
         super().__init__()
         if not isinstance(config, GPT2Config):
@@ -497,6 +523,7 @@ class GPT2(_Precision, bt.nn.Module):
         self.device = device or "cpu"
         self.fused = fused
         self.residual_dtype = residual_dtype
+        self.residual_grad_dtype = residual_grad_dtype
         # rows per chunk of the fused classifier (None: bt.linear_cross_entropy's default)
         self.classifier_chunk_size: int | None = None
         # float32 CPU loss in numpy (_HeadCrossEntropyCPU, faster there); False: bt.cross_entropy,
@@ -653,6 +680,21 @@ class GPT2(_Precision, bt.nn.Module):
             )
         object.__setattr__(self, "_residual_dtype", value)
 
+    @property
+    def residual_grad_dtype(self) -> str:
+        """The float32 residual stream's gradient dtype on the fused path: "compute" or "float32"
+        (see the class docstring)."""
+        return self._residual_grad_dtype
+
+    @residual_grad_dtype.setter
+    def residual_grad_dtype(self, value: str) -> None:
+        if value not in RESIDUAL_GRAD_DTYPES:
+            raise ValueError(
+                f"[GPT2] residual_grad_dtype must be one of {', '.join(RESIDUAL_GRAD_DTYPES)}, "
+                f"got {value!r}"
+            )
+        object.__setattr__(self, "_residual_grad_dtype", value)
+
     def _wants_fused(self, x: bt.Tensor) -> bool:
         """Whether fused ops run for activations like x (`fused`, else on CUDA; never symbolic)."""
         want = self.fused if self.fused is not None else str(x.device).startswith("cuda")
@@ -679,8 +721,10 @@ class GPT2(_Precision, bt.nn.Module):
         x = bt.embedding(idx, emb) + bt.embedding(self._positions(T), _cast(tr.wpe.weight, rdt))
         fused = self._wants_fused(x)  # add_layer_norm, linear_gelu_linear, qkv_attention
         blocks = list(tr.h)
+        wide = self._residual_grad_dtype == "float32" and not compute_stream
         for b in blocks:
             b.fused_add_ln = b.mlp.fused = b.attn.fused = fused
+            b.wide_grad = wide
         # The residual stream x and the next LayerNorm's output h travel together, so every
         # "x = x + branch; h = LayerNorm(x)" pair (ln_2, the next block's ln_1, ln_f) can be
         # one fused add + LayerNorm; the math is that of Block.forward.  A block that
@@ -697,7 +741,7 @@ class GPT2(_Precision, bt.nn.Module):
             h = _ln(x, b.ln_1, bdt, rln) if h is None else _cast(h, bdt)
             # the residual branches' last biases go to the fused add + LayerNorm after them
             pb = b.attn.c_proj.bias if fused else None
-            x, h = _add_ln(x, b.attend(h, fused), b.ln_2, bdt, fused, rln, pb)
+            x, h = _add_ln(x, b.attend(h, fused), b.ln_2, bdt, fused, rln, pb, wide)
             plain_next = i + 1 < len(blocks) and "block" in blocks[i + 1].recompute
             defer = fused and not plain_next
             m = b.mlp(h, defer)
@@ -707,7 +751,7 @@ class GPT2(_Precision, bt.nn.Module):
             nxt = blocks[i + 1] if i + 1 < len(blocks) else b
             nln = blocks[i + 1].ln_1 if i + 1 < len(blocks) else tr.ln_f
             mb = b.mlp.c_proj.bias if defer else None
-            x, h = _add_ln(x, m, nln, bdt, fused, "ln" in nxt.recompute, mb)
+            x, h = _add_ln(x, m, nln, bdt, fused, "ln" in nxt.recompute, mb, wide)
         if h is None:
             last = blocks[-1] if blocks else None
             rln = last is not None and "ln" in last.recompute

@@ -102,6 +102,11 @@ def run_model_config(cfg: TrainConfig) -> ModelConfig:
             "models only (a LLaMA model keeps its residual stream in the compute dtype); drop "
             "it for a LLaMA model"
         )
+    if isinstance(mc, LlamaConfig) and cfg.residual_grad_dtype != TrainConfig.residual_grad_dtype:
+        raise ConfigError(
+            f"[TrainConfig] residual_grad_dtype (--residual-grad-dtype) "
+            f"{cfg.residual_grad_dtype!r}: GPT-2 models only; drop it for a LLaMA model"
+        )
     return mc
 
 
@@ -199,6 +204,7 @@ class Trainer:
             self.model.recompute = resolve_recompute(cfg.recompute, self.device, self.precision)
         if isinstance(self.model, GPT2):
             self.model.residual_dtype = cfg.residual_dtype
+            self.model.residual_grad_dtype = cfg.residual_grad_dtype
             was = saved.train_config.get("residual_dtype") if saved is not None else None
             if was not in (None, cfg.residual_dtype) and self.precision == "bf16":
                 # the Python API resumes with the config it is given (the CLI keeps the run's)
