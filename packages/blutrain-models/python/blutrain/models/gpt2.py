@@ -72,6 +72,13 @@ RESIDUAL_DTYPES = ("float32", "compute")
 RESIDUAL_GRAD_DTYPES = ("compute", "float32")
 
 
+def _choice(option: str, value: str, allowed: tuple[str, ...]) -> str:
+    """value when it is one of allowed; else a ValueError naming the option."""
+    if value not in allowed:
+        raise ValueError(f"[GPT2] {option} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
 def precision_name(mode: str) -> str:
     """The canonical name (fp32, tf32, bf16) of a precision mode; raises on others."""
     key = _PRECISION_ALIASES.get(str(mode).lower(), str(mode).lower())
@@ -674,11 +681,9 @@ class GPT2(_Precision, bt.nn.Module):
 
     @residual_dtype.setter
     def residual_dtype(self, value: str) -> None:
-        if value not in RESIDUAL_DTYPES:
-            raise ValueError(
-                f"[GPT2] residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)}, got {value!r}"
-            )
-        object.__setattr__(self, "_residual_dtype", value)
+        object.__setattr__(
+            self, "_residual_dtype", _choice("residual_dtype", value, RESIDUAL_DTYPES)
+        )
 
     @property
     def residual_grad_dtype(self) -> str:
@@ -688,12 +693,8 @@ class GPT2(_Precision, bt.nn.Module):
 
     @residual_grad_dtype.setter
     def residual_grad_dtype(self, value: str) -> None:
-        if value not in RESIDUAL_GRAD_DTYPES:
-            raise ValueError(
-                f"[GPT2] residual_grad_dtype must be one of {', '.join(RESIDUAL_GRAD_DTYPES)}, "
-                f"got {value!r}"
-            )
-        object.__setattr__(self, "_residual_grad_dtype", value)
+        v = _choice("residual_grad_dtype", value, RESIDUAL_GRAD_DTYPES)
+        object.__setattr__(self, "_residual_grad_dtype", v)
 
     def _wants_fused(self, x: bt.Tensor) -> bool:
         """Whether fused ops run for activations like x (`fused`, else on CUDA; never symbolic)."""
