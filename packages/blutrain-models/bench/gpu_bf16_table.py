@@ -5,6 +5,7 @@ than torch bf16's, and ours' final val loss at or below torch bf16's.
 
     python bench/gpu_bf16_table.py out/conv_a.json out/conv_b.json
     python bench/gpu_bf16_table.py --across out/conv_b_seed*.json   # one setting, several seeds
+    python bench/gpu_bf16_table.py --across --ours ours:bf16/f32grad out/conv_b_seed*.json
 
 --across: one seed ranks nothing (ours fp32 sits as far from torch fp32 as any bf16 run, from
 summation order alone), so the aim is judged on the mean over seeds of each paired difference,
@@ -98,10 +99,11 @@ def _mean_se(xs: list[float]) -> tuple[float, float]:
     return m, math.sqrt(var / n)
 
 
-def across(paths: list[str]) -> bool:
+def across(paths: list[str], ours: str = "ours:bf16") -> bool:
     """One setting over several seeds: each run's mean distances from its seed's reference, and
-    the aim's paired differences (ours:bf16 - torch:bf16; ours:P - torch:P final val for every
-    precision P) as mean +- standard error. True when every mean difference is <= 0."""
+    the aim's paired differences (ours - torch:bf16, `ours` the run judged as our bf16, e.g. a
+    variant ours:bf16/f32grad; ours:P - torch:P final val for fp32 and tf32) as mean +- standard
+    error. True when every mean difference is <= 0."""
     from convergence import reference, summarize
 
     sums: dict[str, list[dict]] = {}
@@ -138,15 +140,16 @@ def across(paths: list[str]) -> bool:
         print(f"{run:<20} {len(rs):>2} " + " ".join(f"{m:9.4f} +-{e:6.4f}" for m, e in cols))
     ok = True
     print("paired over seeds (ours - torch; the aim: <= 0):")
-    pairs = [("ours:bf16", "torch:bf16", k) for k in ("d_train_tail", "d_val_final")]
-    pairs += [(f"ours:{p}", f"torch:{p}", "val_final") for p in ("fp32", "tf32", "bf16")]
+    pairs = [(ours, "torch:bf16", k) for k in ("d_train_tail", "d_val_final")]
+    pairs += [(f"ours:{p}", f"torch:{p}", "val_final") for p in ("fp32", "tf32")]
+    pairs += [(ours, "torch:bf16", "val_final")]
     judged = False
     for o, t, k in pairs:
         # seed by seed, over the seeds that ran both (a stopped seed may lack a run)
         diffs = [x[o][k] - x[t][k] for x in per_seed if o in x and t in x]
         if len(diffs) < 1:
             continue
-        judged |= o == "ours:bf16"
+        judged |= o == ours
         m, e = _mean_se(diffs)
         met = m <= 0
         ok &= met
@@ -155,7 +158,7 @@ def across(paths: list[str]) -> bool:
             f"  {k:<13} {o} - {t}: {m:+.4f} +- {e:.4f} "
             f"({below} of {len(diffs)} seeds <= 0) {'ok' if met else 'NOT MET'}"
         )
-    windows(runs_of)
+    windows(runs_of, ours)
     return ok and judged
 
 
@@ -164,7 +167,7 @@ WINDOWS = ((0, 10), (10, 30), (30, 60), (60, 100), (100, 200), (200, 400), (400,
 EARLY = 5  # steps whose signed loss difference is read as a bias (still one trajectory)
 
 
-def windows(runs_of: list[dict]) -> None:
+def windows(runs_of: list[dict], ours: str = "ours:bf16") -> None:
     """|train loss difference| by window of steps, mean +- standard error over seeds: each run
     against torch:fp32, each bf16 run against its own framework's fp32, and ours - torch paired."""
     import numpy as np
@@ -173,9 +176,9 @@ def windows(runs_of: list[dict]) -> None:
     wins = [(a, min(b, steps)) for a, b in WINDOWS if a < steps]
     pairs = [
         ("torch:bf16", "torch:fp32"),
-        ("ours:bf16", "torch:fp32"),
+        (ours, "torch:fp32"),
         ("ours:fp32", "torch:fp32"),
-        ("ours:bf16", "ours:fp32"),
+        (ours, "ours:fp32"),
         ("torch:tf32", "torch:fp32"),
         ("ours:tf32", "torch:fp32"),
     ]
@@ -210,8 +213,8 @@ def windows(runs_of: list[dict]) -> None:
         row(f"{a} - {b}", xs, bias[(a, b)])
     # paired over the seeds that ran both: ours:bf16 against torch:bf16, each from one reference
     for (oa, ob), (ta, tb) in (
-        (("ours:bf16", "torch:fp32"), ("torch:bf16", "torch:fp32")),
-        (("ours:bf16", "ours:fp32"), ("torch:bf16", "torch:fp32")),
+        ((ours, "torch:fp32"), ("torch:bf16", "torch:fp32")),
+        ((ours, "ours:fp32"), ("torch:bf16", "torch:fp32")),
     ):
         both = [
             (
@@ -231,7 +234,12 @@ def windows(runs_of: list[dict]) -> None:
 def main() -> int:
     paths = sys.argv[1:]
     if paths and paths[0] == "--across":
-        ok = across(paths[1:])
+        paths, ours = paths[1:], "ours:bf16"
+        if paths[:1] == ["--ours"]:
+            if len(paths) < 2:
+                raise SystemExit("gpu_bf16_table.py --across --ours RUN JSON...: RUN is missing")
+            ours, paths = paths[1], paths[2:]
+        ok = across(paths, ours)
         print(f"\naim (issue 38) on the means over seeds: {'met' if ok else 'NOT met'}")
         return 0
     if not paths:

@@ -70,3 +70,13 @@ def test_across_is_not_met_when_ours_is_farther_or_nothing_is_judged(table, tmp_
     assert not table.across(far)
     nothing = [seed_json(tmp_path, s, {"ours:fp32": -0.01}, rng) for s in (3, 4)]
     assert not table.across(nothing)  # no bf16 pair: the aim is not shown
+
+
+def test_across_judges_a_variant_as_ours(table, tmp_path, rng, capsys):
+    """--ours RUN: a variant of ours stands for our bf16 (ours:bf16 itself absent or farther)."""
+    offs = {"torch:bf16": 0.01, "ours:bf16": 0.03, "ours:bf16/f32grad": -0.004}
+    paths = [seed_json(tmp_path, s, offs, rng) for s in (1, 2)]
+    assert not table.across(paths)
+    assert table.across(paths, "ours:bf16/f32grad")
+    out = capsys.readouterr().out
+    assert "d_train_tail  ours:bf16/f32grad - torch:bf16: -0.0060 +- 0.0000 (2 of 2" in out
