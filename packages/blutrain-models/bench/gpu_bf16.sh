@@ -10,7 +10,8 @@
 #        B: B2 x T256, 1000 steps (does not overfit)
 #   3. one table: ours bf16 next to torch bf16, both against torch fp32;
 #   4. with --speed N: the float32 stream's cost, bench/ab_step.sh bf16 ours+graph, N rounds of
-#      --residual-dtype float32 / compute interleaved (about 25 s a worker: N=2 takes ~100 s)
+#      --residual-dtype float32 / compute / float32 with --residual-grad-dtype float32
+#      interleaved (about 25 s a worker: N=2 takes ~150 s)
 #
 #   bash packages/blutrain-models/bench/gpu_bf16.sh [--budget SECONDS] [--runs LIST] [--runs-a LIST]
 #        [--limit-a SECONDS] [--extra-a "ARGS"] [--seeds-a "S1 S2"] [--runs-seeds LIST] [--speed N]
@@ -123,12 +124,13 @@ done
 
 # ---- 4. (--speed N) the float32 stream's cost in the CUDA-graph bf16 step -----------------------
 if [ "$SPEED" -gt 0 ]; then
-  need=$(( SPEED * 2 * 25 ))
+  need=$(( SPEED * 3 * 25 ))
   if [ "$(left)" -lt "$need" ]; then
     STATUS[speed]="skipped (time budget: $(left) s left, ~$need s needed)"
   else
     timeout "$(left)" bash $BENCH/ab_step.sh bf16 ours+graph 10 "$SPEED" \
       "f32-stream||--residual-dtype float32" "bf16-stream||--residual-dtype compute" \
+      "f32-grad||--residual-dtype float32 --residual-grad-dtype float32" \
       >"$OUT/speed.log" 2>&1
     STATUS[speed]="rc $? (rows in $OUT/ab_bf16.txt, printed below)"
   fi
