@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -119,16 +120,25 @@ def bt_step(bt, cfg: Config, params: dict, state: dict, cos, sin):
     return step
 
 
-def bt_models_step(bt, cfg: Config, params: dict, cos, sin):
-    """The step with blutrain.models' AdamW (device lr and step count, clipping at 1.0):
-    (step(idx, tgt) -> loss, the optimizer, whose moments exist already)."""
-    from blutrain.models.optim import AdamW, grad_norm_and_clip_coef
+def models_adamw(named: list) -> tuple[Any, list]:
+    """blutrain.models' AdamW (lr 1e-3, weight decay 0.1) over named (name, parameter) pairs,
+    reading its lr and step count from device scalars, its moments made now (a compiled or
+    captured step then only updates them): (the optimizer, the parameters)."""
+    from blutrain.models.optim import AdamW
 
-    opt = AdamW(list(params.items()), lr=1e-3, weight_decay=0.1)
+    opt = AdamW(named, lr=1e-3, weight_decay=0.1)
     opt.use_device_scalars()
     for n, p in opt.params:
         opt._state_for(n, p)
-    plist = list(params.values())
+    return opt, [p for _, p in opt.params]
+
+
+def bt_models_step(bt, cfg: Config, params: dict, cos, sin):
+    """The step with blutrain.models' AdamW (device lr and step count, clipping at 1.0):
+    (step(idx, tgt) -> loss, the optimizer, whose moments exist already)."""
+    from blutrain.models.optim import grad_norm_and_clip_coef
+
+    opt, plist = models_adamw(list(params.items()))
 
     def step(idx, tgt):
         loss = bt_forward(bt, cfg, params, cos, sin, idx, tgt)

@@ -63,18 +63,24 @@ CASES = {
 }
 
 
+def _llama_ref() -> Any:
+    """bench/llama_ref.py (the LLaMA-style model and the steps the benchmarks compile)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import llama_ref
+
+    return llama_ref
+
+
 def llama_steps(dtype, device: str, ref64: bool = False) -> dict[str, Any]:
     """3 AdamW steps of the LLaMA-style tiny model on `device`, eager and compiled (device lr and
     step: runtime inputs), from the same weights and batches. Returns {"eager": run,
     "compiled": run} and, with ref64, "float64": the eager step in float64 on the CPU (the
     reference both are measured against); a run is (losses, parameters as float64 arrays)."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-    import llama_ref as L
-
-    from blutrain.models.optim import AdamW, grad_norm_and_clip_coef
+    L = _llama_ref()
+    from blutrain.models.optim import grad_norm_and_clip_coef
 
     cfg = L.Config.preset("tiny")
     w0 = L.init_weights(cfg, seed=5)
@@ -90,11 +96,7 @@ def llama_steps(dtype, device: str, ref64: bool = False) -> dict[str, Any]:
             k: bt.tensor(v.copy()).to(device).to(dtype=dtype).requires_grad_(True)
             for k, v in w0.items()
         }
-        opt = AdamW(list(params.items()), lr=1e-3, weight_decay=0.1)
-        opt.use_device_scalars()
-        for n, p in opt.params:
-            opt._state_for(n, p)
-        plist = list(params.values())
+        opt, plist = L.models_adamw(list(params.items()))
 
         def step(x, y):
             loss = L.bt_forward(bt, cfg, params, cos, sin, x, y)
@@ -119,7 +121,9 @@ def gpt2_bf16_steps(residual: str, device: str) -> dict[str, Any]:
     fused ops on, eager and compiled, from the same weights and batches; {"eager": run,
     "compiled": run}, a run as in llama_steps."""
     from blutrain.models import GPT2, GPT2Config
-    from blutrain.models.optim import AdamW, grad_norm_and_clip_coef
+    from blutrain.models.optim import grad_norm_and_clip_coef
+
+    L = _llama_ref()
 
     cfg = GPT2Config(
         block_size=16, vocab_size=96, n_layer=2, n_head=2, n_embd=64, vocab_multiple=128
@@ -131,11 +135,7 @@ def gpt2_bf16_steps(residual: str, device: str) -> dict[str, Any]:
         bt.manual_seed(1234)
         m = GPT2(cfg, device=device, precision="bf16", residual_dtype=residual, fused=True)
         m.numpy_loss = False  # bt.cross_entropy: the op a capture records
-        opt = AdamW(list(m.named_parameters()), lr=1e-3, weight_decay=0.1)
-        opt.use_device_scalars()
-        for n, p in opt.params:
-            opt._state_for(n, p)
-        plist = [p for _, p in opt.params]
+        opt, plist = L.models_adamw(list(m.named_parameters()))
 
         def step(x, y):
             loss = m(x, y, return_logits=False)[1]
