@@ -54,6 +54,7 @@ import argparse
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -582,6 +583,11 @@ def run_watched(
     pids: dict[int, int] = {}
     first: list[int] = []  # the rank(s) found ended at the first poll that found any
     others_ran = False  # ... while other ranks still ran
+    # A pidfd (Linux 5.3+) turns readable the moment its process ends: the watcher wakes before
+    # the launcher's cleanup kills the other ranks, where a 0.25 s poll often found them all
+    # dead (and MPICH's report names whichever PID it reaped first). Without pidfds: the poll.
+    fds: dict[int, int] = {}  # fd -> rank
+    waiter = select.poll() if hasattr(os, "pidfd_open") else None
     with open(log, "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
@@ -596,11 +602,26 @@ def run_watched(
                 f.write(f"\n[multi_gpu] killed after {timeout:.0f} s\n")
                 break
             for r, pid in _rank_pids(p.pid).items():
+                if r not in pids and waiter is not None:
+                    try:
+                        fd = os.pidfd_open(pid)
+                    except OSError:  # already gone: the poll below sees it
+                        fd = -1
+                    if fd >= 0:
+                        fds[fd] = r
+                        waiter.register(fd, select.POLLIN)
                 pids.setdefault(r, pid)
             if not first:
                 first = [r for r, pid in sorted(pids.items()) if not _alive(pid)]
                 others_ran = bool(first) and len(first) < len(pids)
-            time.sleep(0.25)
+            if waiter is None or first:
+                time.sleep(0.25)
+                continue
+            ended = sorted(fds[fd] for fd, _ in waiter.poll(250))  # ms
+            if ended:
+                first, others_ran = ended, len(ended) < len(pids)
+    for fd in fds:
+        os.close(fd)
     return rc, time.time() - t0, {"pids": pids, "ended_first": first, "others_ran": others_ran}
 
 
