@@ -175,6 +175,8 @@ def cuda_build(session: nox.Session) -> None:
     cuda_tested = ("blutrain-alloc", "blutrain-linalg", "blutrain-tensor")
     dirs = [f"packages/{p}/tests" for p in present() if p in cuda_tested]
     session.run("pytest", "-q", "-p", "no:cacheprovider", *dirs)
+    if "blutrain-tensor" in present():  # ptxas must not serialise the Hopper attention's wgmmas
+        session.run("python", "packages/blutrain-tensor/tools/ptxas_check.py")
     if "blutrain-dist" in present():  # the CUDA build imports and runs its CPU path without a GPU
         session.run(
             "python",

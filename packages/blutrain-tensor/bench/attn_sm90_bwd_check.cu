@@ -44,11 +44,17 @@ static bool run_bwd(int kind, const Problem& pr, float* acc, T16* dq, T16* dk, T
   AttnParams p = pr.params();
   p.dg = GradLayout::from_rows(p.L, p.S, p.D, d_row);
   CK(cudaMemsetAsync(acc, 0, pr.no() * sizeof(float)));
+  static int* bad_keys = [] {  // the kernel's flag (Note [no calls in wgmma kernels])
+    int* b = nullptr;
+    CK(cudaMalloc(&b, sizeof(int)));
+    return b;
+  }();
+  CK(cudaMemsetAsync(bad_keys, 0, sizeof(int)));
   auto ws = [&](auto cfg) {
     using C = decltype(cfg);
     return launch_bwd_sm90_cfg<T16, C::kWG, C::kStages, C::kDq, C::kPP, C::kDefer, C::kPersist>(
-        p, pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref, acc, dk, dv, 0, "bwd_sm90",
-        g_blocks);
+        p, pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref, acc, dk, dv, bad_keys, 0,
+        "bwd_sm90", g_blocks);
   };
   if (kind == 0) {
     if (!ws(Ws<2, 3, 2, true>{})) return false;  // the library's configuration until session 14

@@ -187,6 +187,10 @@ __global__ void __launch_bounds__(256)
     if (acc_zero) {
       float4* arow = reinterpret_cast<float4*>(acc_zero + row_id * p.D);
       for (int c = sub; c < p.D / 4; c += kLpr) arow[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (row_id == 0 && sub == 0) {  // the 4 floats after the rows (launch_bwd_fused's flag)
+        *reinterpret_cast<float4*>(acc_zero + static_cast<int64_t>(p.B) * p.H * p.L * p.D) =
+            make_float4(0.f, 0.f, 0.f, 0.f);
+      }
     }
   }
 #pragma unroll
@@ -233,6 +237,10 @@ __global__ void __launch_bounds__(256)
         float4* arow =
             reinterpret_cast<float4*>(acc_zero + (static_cast<int64_t>(bh) * p.L + l) * D);
         arow[c] = arow[c + 8] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (warp == 0 && lane == 0 && j == 0) {  // the 4 floats after the rows (the flag)
+          *reinterpret_cast<float4*>(acc_zero + static_cast<int64_t>(p.B) * p.H * p.L * D) =
+              make_float4(0.f, 0.f, 0.f, 0.f);
+        }
       }
     }
 #pragma unroll
@@ -997,10 +1005,14 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 }
 
 // The inputs a convert kernel needs to recompute a bad dq row (Note [non-finite rows]).
+// What the conversions need to recompute rows (Note [non-finite rows]): dq's, and the key rows of
+// dk / dv when the Hopper backward set *bad_keys (Note [no calls in wgmma kernels]).
 template <typename T>
 struct DqFixInputs {
   const T *q, *k, *v, *g;
   const float *lse, *dvec;
+  T *dk, *dv;
+  const int* bad_keys;  // null: no flag (the caller's backward recomputed its own rows)
 };
 template <typename T>
 __device__ __forceinline__ void fix_dq_of(const AttnParams& p, const DqFixInputs<T>& in,
@@ -1058,12 +1070,42 @@ __device__ __noinline__ void fix_convert_cs_rows(const AttnParams& p, const DqFi
   }
 }
 
+// The Hopper backward flagged a key row that is not finite: warp w of nwarps checks key rows w,
+// w + nwarps, ... of dk and dv and recomputes the bad ones (rare: a cost only then).
+template <typename T>
+__device__ __noinline__ void fix_flagged_keys(const AttnParams& p, const DqFixInputs<T>& in,
+                                              int64_t warp, int64_t nwarps) {
+  const int lane = threadIdx.x % 32;
+  const int64_t keys = static_cast<int64_t>(p.B) * p.H * p.S;
+  const RowsArgs ra{p.L, p.S, p.D, p.q_l, p.k_l, p.v_l, p.g_l, p.scale, p.causal};
+  for (int64_t r = warp; r < keys; r += nwarps) {
+    const int j = static_cast<int>(r % p.S), bh = static_cast<int>(r / p.S);
+    const int b = bh / p.H, h = bh % p.H;
+    T* dkr = in.dk + p.dg.kv(b, h, j);
+    T* dvr = in.dv + p.dg.kv(b, h, j);
+    bool bad = false;
+    for (int d = lane; d < p.D; d += 32) {
+      bad |= !isfinite(static_cast<float>(dkr[d])) || !isfinite(static_cast<float>(dvr[d]));
+    }
+    if (__any_sync(0xffffffffu, bad)) {
+      __syncwarp();
+      fix_dkdv_row<T>(ra, in.q + b * p.q_b + h * p.q_h, in.k + b * p.k_b + h * p.k_h,
+                      in.v + b * p.v_b + h * p.v_h, in.g + b * p.g_b + h * p.g_h,
+                      in.lse + static_cast<int64_t>(bh) * p.L,
+                      in.dvec + static_cast<int64_t>(bh) * p.L, j, dkr, dvr);
+      __syncwarp();
+    }
+  }
+}
+
 // dq[b, h, l, :] (where p.dg says) = dq_acc[b, h, l, :] * scale as T; 8 elements a thread, D / 8
-// lanes a row; a row with a non-finite value is recomputed (Note [non-finite rows]).
+// lanes a row; a row with a non-finite value is recomputed (Note [non-finite rows]).  p and fix
+// are __grid_constant__: the fix paths take them by reference, which otherwise copies both to
+// every thread's stack (568 bytes a thread: 3x the kernel's time, session 50).
 template <typename T, int D>
 __global__ void __launch_bounds__(256, 8)  // (its registers as before the fix path)
-    attn_bwd_dq_convert(AttnParams p, const float* __restrict__ acc, T* __restrict__ dq,
-                        DqFixInputs<T> fix) {
+    attn_bwd_dq_convert(const __grid_constant__ AttnParams p, const float* __restrict__ acc,
+                        T* __restrict__ dq, const __grid_constant__ DqFixInputs<T> fix) {
   grid_dependency_wait();  // acc comes from the backward kernel before
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
   const int64_t total = static_cast<int64_t>(p.B) * p.H * p.L * (D / 8);
@@ -1087,6 +1129,9 @@ __global__ void __launch_bounds__(256, 8)  // (its registers as before the fix p
     }
   }
   if (__any_sync(0xffffffffu, bad)) fix_convert_rows<T, D>(p, fix, dq, idx, bad);
+  if (fix.bad_keys && *fix.bad_keys) {
+    fix_flagged_keys<T>(p, fix, idx / 32, (total + 31) / 32);
+  }
 }
 
 // attn_bwd_dq_convert with column sums (Note [packed column sums]), D 64: a warp converts one
@@ -1094,8 +1139,8 @@ __global__ void __launch_bounds__(256, 8)  // (its registers as before the fix p
 // the rounded values (lanes of one chunk added by xor 8, 16) go to partial row b cs_groups + group.
 template <typename T>
 __global__ void __launch_bounds__(256, 6)  // (its registers as before the fix path)
-    attn_bwd_dq_convert_cs(AttnParams p, const float* __restrict__ acc, T* __restrict__ dq,
-                           DqFixInputs<T> fix) {
+    attn_bwd_dq_convert_cs(const __grid_constant__ AttnParams p, const float* __restrict__ acc,
+                           T* __restrict__ dq, const __grid_constant__ DqFixInputs<T> fix) {
   constexpr int D = 64;
   grid_dependency_wait();  // acc comes from the backward kernel before
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) / 32;
@@ -1127,17 +1172,20 @@ __global__ void __launch_bounds__(256, 6)  // (its registers as before the fix p
   // Note [non-finite rows]: (warp-uniform) recompute bad rows, then the sums over stored rows
   if (__any_sync(0xffffffffu, bad != 0)) {
     fix_convert_cs_rows<T>(p, fix, dq, bh, grp, bad);  // (and the group's sums)
-    return;
-  }
+  } else {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    s[i] += __shfl_xor_sync(0xffffffffu, s[i], 8);
-    s[i] += __shfl_xor_sync(0xffffffffu, s[i], 16);
+    for (int i = 0; i < 8; ++i) {
+      s[i] += __shfl_xor_sync(0xffffffffu, s[i], 8);
+      s[i] += __shfl_xor_sync(0xffffffffu, s[i], 16);
+    }
+    if (rq == 0) {
+      float* out = p.cs + (static_cast<int64_t>(b) * p.cs_groups + grp) * 3 * p.H * D + h * D + d;
+      reinterpret_cast<float4*>(out)[0] = make_float4(s[0], s[1], s[2], s[3]);
+      reinterpret_cast<float4*>(out)[1] = make_float4(s[4], s[5], s[6], s[7]);
+    }
   }
-  if (rq == 0) {
-    float* out = p.cs + (static_cast<int64_t>(b) * p.cs_groups + grp) * 3 * p.H * D + h * D + d;
-    reinterpret_cast<float4*>(out)[0] = make_float4(s[0], s[1], s[2], s[3]);
-    reinterpret_cast<float4*>(out)[1] = make_float4(s[4], s[5], s[6], s[7]);
+  if (fix.bad_keys && *fix.bad_keys) {
+    fix_flagged_keys<T>(p, fix, warp, static_cast<int64_t>(p.B) * p.H * p.cs_groups);
   }
 }
 
@@ -1277,17 +1325,18 @@ void launch_bwd_v2(const AttnParams& p, const T* q, const T* k, const T* v, cons
   }
 }
 
-// The one-kernel backward: dq_acc (B, H, L, D) float32, zeroed by the caller (launch_preprocess)
-// on the stream.  On Hopper (sm_90a builds, D 64) attention_sm90.cu's wgmma kernel runs in place
-// of attn_bwd_dkdv_v2<kDq>.  With p.cs (Note [packed column sums]) the conversion writes dq's
-// column sums too.
+// The one-kernel backward: dq_acc (B, H, L, D) float32 and one int after it (the Hopper kernel's
+// bad-key flag), zeroed by the caller (launch_preprocess) on the stream.  On Hopper (sm_90a builds,
+// D 64) attention_sm90.cu's wgmma kernel runs in place of attn_bwd_dkdv_v2<kDq>.  With p.cs (Note
+// [packed column sums]) the conversion writes dq's column sums too.
 template <typename T, int D>
 void launch_bwd_fused(const AttnParams& p, const T* q, const T* k, const T* v, const T* g,
                       const float* lse, const float* dvec, float* dq_acc, T* dq, T* dk, T* dv,
                       cudaStream_t st, const char* op) {
   using C = V2Config<D>;
   const int64_t nacc = static_cast<int64_t>(p.B) * p.H * p.L * D;
-  const bool sm90 = attn_bwd_sm90<T>(p, q, k, v, g, lse, dvec, dq_acc, dk, dv, st, op);
+  int* bad_keys = reinterpret_cast<int*>(dq_acc + nacc);  // (zeroed with dq_acc)
+  const bool sm90 = attn_bwd_sm90<T>(p, q, k, v, g, lse, dvec, dq_acc, dk, dv, bad_keys, st, op);
   if (!sm90) {  // not Hopper: the mma.sync fused kernel
     constexpr int W = C::kFuWarps, Br = C::kFuBr, MT = C::kFuMT, Bc = 16 * MT * W;
     constexpr size_t smem = fused_smem<T, D, W, Br, MT>();
@@ -1298,7 +1347,7 @@ void launch_bwd_fused(const AttnParams& p, const T* q, const T* k, const T* v, c
     BT_CUDA_LAUNCH_CHECK(op);
   }
   // on Hopper, overlapping the backward's tail (Note [programmatic dependent launch])
-  const DqFixInputs<T> fix{q, k, v, g, lse, dvec};
+  const DqFixInputs<T> fix{q, k, v, g, lse, dvec, dk, dv, sm90 ? bad_keys : nullptr};
   if constexpr (D == 64) {
     if (p.cs) {
       const int64_t threads = static_cast<int64_t>(p.B) * p.H * p.cs_groups * 32;
@@ -1341,7 +1390,7 @@ bool launch_preprocess(const AttnParams& p, const T* o, const T* g, const A* dls
     attn_bwd_preprocess<T, A><<<v1_blocks(rows), kV1Warps * 32, 0, st>>>(p, o, g, dlse, dvec);
     BT_CUDA_LAUNCH_CHECK(op);
     if (acc_zero) {
-      BT_CUDA_CHECK(op, cudaMemsetAsync(acc_zero, 0, rows * p.D * sizeof(float), st));
+      BT_CUDA_CHECK(op, cudaMemsetAsync(acc_zero, 0, (rows * p.D + 4) * sizeof(float), st));
     }
     return false;
   }
@@ -1517,8 +1566,9 @@ bool attention_backward_gpu(const FlashAttentionBackward& prim, const std::vecto
     // fused, dQ by float atomics into dq_acc (D 64 only: for D 128 the split measured faster);
     // the preprocess zeroes dq_acc
     const bool fused = tc && !deterministic_algorithms() && p.D == 64;
+    // (and 4 floats after it: the bad-key flag of launch_bwd_fused, zeroed with it)
     Tensor acc =
-        fused ? empty_tensor({p.B, p.H, p.L, p.D}, DType::Float32, out[0].device(), op) : Tensor();
+        fused ? empty_tensor({rows * p.D + 4}, DType::Float32, out[0].device(), op) : Tensor();
     // column sums (Note [packed column sums]) on the fused path: k and v's by the preprocess
     // (where it can), then q's by the dq conversion
     if (fused && cs) p.cs = cs, p.cs_groups = cs_groups;

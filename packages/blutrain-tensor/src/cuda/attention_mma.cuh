@@ -67,10 +67,12 @@ template <typename T>
 void attn_fwd_sm90(const AttnParams& p, const T* q, const T* k, const T* v, T* o, float* lse,
                    cudaStream_t st, const char* op);
 // Hopper backward (D 64): dK, dV into dk / dv, dQ added into the zeroed float32 dq_acc (B, H, L,
-// D) for attn_bwd_dq_convert.  False (nothing launched) where it does not apply.
+// D) for attn_bwd_dq_convert; *bad_keys (zeroed before) set to 1 when a key row it stored is not
+// finite, for the conversion to recompute (Note [no calls in wgmma kernels]).  False (nothing
+// launched) where it does not apply.
 template <typename T>
 bool attn_bwd_sm90(const AttnParams& p, const T* q, const T* k, const T* v, const T* g,
-                   const float* lse, const float* dvec, float* dq_acc, T* dk, T* dv,
+                   const float* lse, const float* dvec, float* dq_acc, T* dk, T* dv, int* bad_keys,
                    cudaStream_t st, const char* op);
 
 namespace {

@@ -13,6 +13,15 @@
 // was poisoned or is truly inf / NaN.  Zero cost while results are finite (a compare per stored
 // value and one ballot per row slot); a row that is truly NaN (a diverged run) costs one SIMT row
 // of work.  Lanes hold d = lane + 32 u (u < 8): D <= 256.
+//
+// Note [no calls in wgmma kernels]
+// The Hopper wgmma kernels (attention_sm90.cu) must not recompute in place: a call, or the row's
+// code inlined, in their persistent loop makes ptxas serialise the wgmmas ("C7520: wgmma.mma_async
+// instructions are serialized due to ... WG.AR in divergent path"), which cost GPT-2's bf16 step
+// 1.5 ms (forward +20%, backward +28%, session 50's profile).  They only mark: the forward writes
+// a bad row's lse as kBadRowLse and attn_fix_marked_rows recomputes those rows after it; the
+// backward sets a flag word that the dq conversion reads, which then checks and recomputes the
+// key rows.  ptxas must print no C7520 for attn_fwd_sm90_ws / attn_bwd_sm90_ws.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -73,6 +82,10 @@ __device__ __forceinline__ A rows_dot(const A (&x)[8], const A (&y)[8]) {
   for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
   return s;
 }
+
+// A forward row to recompute: its lse as stored by a wgmma kernel (a quiet NaN whose payload no
+// arithmetic makes: the GPU's NaNs are 0x7fffffff).
+constexpr uint32_t kBadRowLse = 0x7fcbad00u;
 
 // Where the rows live: element strides of q (B, H, L, D), k and v (B, H, S, D) rows, do
 // (B, L, H, D) rows; the (b, h) pair's bases are passed in.

@@ -52,12 +52,6 @@ namespace bt::cuda {
 
 namespace {
 
-// The backward's raw input pointers, for Note [non-finite rows] (its loads go through TMA maps).
-template <typename T>
-struct SmRaw {
-  const T *q, *k, *v, *g;
-};
-
 // Which of a tensor map's middle coordinates is the head: maps list dims by increasing stride
 // (d, then head and row in stride order, then batch).
 struct TmaOrder {
@@ -503,15 +497,14 @@ __device__ __forceinline__ void issue_pv_tile(float (&oacc)[D / 2],
                                               const uint32_t (&pa)[kBc / 16][4], uint32_t v_addr) {
   issue_pv_desc<T, D, kBc>(oacc, pa, sw128_desc(v_addr, kBc * 128, 1024));
 }
-// o rows row_lo, row_lo + 8 (B, L, H, D) = oacc / l and their lse (natural log).
-// A row with a non-finite value is then recomputed from q, k, v by its warp (Note [non-finite
-// rows], attention_rows.cuh).
+// o rows row_lo, row_lo + 8 (B, L, H, D) = oacc / l and their lse (natural log).  A row with a
+// non-finite value gets lse kBadRowLse instead, for attn_fix_marked_rows (Note [no calls in
+// wgmma kernels], attention_rows.cuh).
 template <typename T, int D>
 __device__ __forceinline__ void store_o_lse(const float (&oacc)[D / 2], const float (&m)[2],
                                             const float (&l)[2], const AttnParams& p, int b, int h,
                                             int row_lo, int t, T* __restrict__ o,
-                                            float* __restrict__ lse, const T* q, const T* k,
-                                            const T* v) {
+                                            float* __restrict__ lse) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float lr = l[r];
@@ -535,19 +528,38 @@ __device__ __forceinline__ void store_o_lse(const float (&oacc)[D / 2], const fl
         bad |= pair_nonfinite<T>(packed[dt]);
         *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) = packed[dt];
       }
-      if (t == 0) {
-        lse[(static_cast<int64_t>(b) * p.H + h) * p.L + row] = (m[r] + log2f(lr)) * kLn2;
-      }
     }
-    for_bad_rows(bad, [&](int gb) {
-      const int rb = row - (threadIdx.x % 32) / 4 + gb;
-      const RowsArgs ra{p.L, p.S, p.D, p.q_l, p.k_l, p.v_l, p.g_l, p.scale, p.causal};
-      attn_row_fwd<T, float, float>(ra, q + b * p.q_b + h * p.q_h, k + b * p.k_b + h * p.k_h,
-                                    v + b * p.v_b + h * p.v_h, rb,
-                                    o + ((static_cast<int64_t>(b) * p.L + rb) * p.H + h) * D,
-                                    lse + (static_cast<int64_t>(b) * p.H + h) * p.L + rb);
-    });
+    // the row's quad (lanes 4 g .. 4 g + 3 hold row g) flagged it: all lanes take the ballot
+    const unsigned quads = __ballot_sync(0xffffffffu, bad);
+    if (row < p.L && t == 0) {
+      const bool row_bad = (quads >> (threadIdx.x % 32)) & 0xfu;
+      lse[(static_cast<int64_t>(b) * p.H + h) * p.L + row] =
+          row_bad ? __uint_as_float(kBadRowLse) : (m[r] + log2f(lr)) * kLn2;
+    }
   }
+}
+
+// Note [non-finite rows] for the Hopper forwards: recomputes each row they marked (lse bits
+// kBadRowLse) by one warp, the CPU's arithmetic; every other row costs a read of its lse.  o is
+// (B, L, H, D) contiguous, lse (B, H, L).
+template <typename T>
+__global__ void __launch_bounds__(256)
+    attn_fix_marked_rows(const __grid_constant__ AttnParams p, const T* q, const T* k, const T* v,
+                         T* o, float* lse) {
+  grid_dependency_wait();  // o and lse come from the forward kernel before
+  const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.L;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
+  if (i - threadIdx.x % 32 >= rows) return;  // whole warps
+  const bool bad = i < rows && __float_as_uint(lse[i]) == kBadRowLse;
+  for_bad_rows<1>(bad, [&](int lane) {
+    const int64_t row = i - threadIdx.x % 32 + lane;
+    const int l = static_cast<int>(row % p.L), bh = static_cast<int>(row / p.L);
+    const int b = bh / p.H, h = bh % p.H;
+    const RowsArgs ra{p.L, p.S, p.D, p.q_l, p.k_l, p.v_l, p.g_l, p.scale, p.causal};
+    fix_o_row<T>(ra, q + b * p.q_b + h * p.q_h, k + b * p.k_b + h * p.k_h,
+                 v + b * p.v_b + h * p.v_h, l,
+                 o + ((static_cast<int64_t>(b) * p.L + l) * p.H + h) * p.D, lse + row);
+  });
 }
 
 // Forward.  Per warpgroup, iteration j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back,
@@ -659,7 +671,7 @@ __global__ void __launch_bounds__(kWG * 128)
   wg_wait<0>();
   reg_fence(oacc);
 
-  store_o_lse<T, D>(oacc, m, l, p, b, h, row_lo, t, o, lse, q, k, v);
+  store_o_lse<T, D>(oacc, m, l, p, b, h, row_lo, t, o, lse);
 }
 
 // Warp-specialised forward (the default where TMA applies).  Block: kWG consumer warpgroups
@@ -682,8 +694,7 @@ template <typename T, int D, int kWG, int kBc, int kStages, int kMinBlocks, bool
 __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, kMinBlocks))
     attn_fwd_sm90_ws(const AttnParams p, const __grid_constant__ CUtensorMap tq,
                      const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
-                     const TmaOrder ord, T* __restrict__ o, float* __restrict__ lse,
-                     const T* q, const T* k, const T* v) {  // (q, k, v: Note [non-finite rows])
+                     const TmaOrder ord, T* __restrict__ o, float* __restrict__ lse) {
   constexpr int kBr = 64 * kWG, KS = D / 16, kTile = kBc * D, kPanels = D / 64;
   constexpr int kQBufs = kPersistent ? 2 : 1;
   constexpr uint32_t kTileBytes = kTile * sizeof(T);
@@ -843,7 +854,7 @@ __global__ void __launch_bounds__(kWG * 128 + 32) __maxnreg__(ws_max_regs(kWG, k
       release(nkb - 1);
       if (wl == 0) mbar_arrive(qempty + qs);
     }
-    store_o_lse<T, D>(oacc, m, l, p, b, h, row_lo, t, o, lse, q, k, v);
+    store_o_lse<T, D>(oacc, m, l, p, b, h, row_lo, t, o, lse);
     it += nkb;
   }
   if constexpr (kPersistent) {
@@ -930,7 +941,7 @@ __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_r
                      const __grid_constant__ CUtensorMap tacc, const TmaOrder ord,
                      const float* __restrict__ lse, const float* __restrict__ dvec,
                      T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_acc,
-                     const SmRaw<T> raw) {  // (raw q, k, v, do: Note [non-finite rows])
+                     int* __restrict__ bad_keys) {  // Note [no calls in wgmma kernels]
   static_assert(D == 64, "attn_bwd_sm90: D 64 (D 128 would not fit the registers)");
   constexpr int kBr = 64, kBc = 64 * kWG, KS = D / 16, kQTile = kBr * D;
   constexpr int kKvBufs = kPersist ? 2 : 1;  // K, V buffers (Note [persistent backward])
@@ -1296,15 +1307,7 @@ __global__ void __launch_bounds__(bwd_threads(kWG, kDefer)) __maxnreg__(ws_max_r
           *reinterpret_cast<uint32_t*>(dv + base + 8 * c + 2 * t) = wv;
         }
       }
-      for_bad_rows(bad, [&](int gi) {  // Note [non-finite rows] (attention_rows.cuh)
-        const int kj = key - (threadIdx.x % 32) / 4 + gi;
-        const RowsArgs ra{p.L, p.S, p.D, p.q_l, p.k_l, p.v_l, p.g_l, p.scale, p.causal};
-        fix_dkdv_row<T>(ra, raw.q + b * p.q_b + h * p.q_h, raw.k + b * p.k_b + h * p.k_h,
-                        raw.v + b * p.v_b + h * p.v_h, raw.g + b * p.g_b + h * p.g_h,
-                        lse + static_cast<int64_t>(b * p.H + h) * p.L,
-                        dvec + static_cast<int64_t>(b * p.H + h) * p.L, kj, dk + p.dg.kv(b, h, kj),
-                        dv + p.dg.kv(b, h, kj));
-      });
+      if (bad) *bad_keys = 1;  // the dq conversion recomputes the bad key rows
     }
   }
 
@@ -1432,8 +1435,7 @@ bool launch_fwd_sm90_ws_cfg(const AttnParams& p, const T* q, const T* k, const T
                                               : ntiles));
   }
   // overlaps the previous kernel's tail (Note [programmatic dependent launch])
-  launch_dependent(true, kern, grid, kWG * 128 + 32, smem, st, op, p, tq, tk, tv, ord, o, lse, q, k,
-                   v);
+  launch_dependent(true, kern, grid, kWG * 128 + 32, smem, st, op, p, tq, tk, tv, ord, o, lse);
   BT_CUDA_LAUNCH_CHECK(op);
   return true;
 }
@@ -1476,6 +1478,11 @@ void attn_fwd_sm90(const AttnParams& p, const T* q, const T* k, const T* v, T* o
   } else if (!launch_fwd_sm90_ws_cfg<T, 128, 2, 64, 4, 1, true, true>(p, q, k, v, o, lse, st, op)) {
     launch_fwd_sm90_cfg<T, 128, 2, 64, 4>(p, q, k, v, o, lse, st, op);
   }
+  // the rows the kernel marked (Note [no calls in wgmma kernels])
+  const int64_t rows = static_cast<int64_t>(p.B) * p.H * p.L;
+  launch_dependent(true, attn_fix_marked_rows<T>, static_cast<unsigned>((rows + 255) / 256), 256, 0,
+                   st, op, p, q, k, v, o, lse);
+  BT_CUDA_LAUNCH_CHECK(op);
 }
 // ---- backward ----------------------------------------------------------------------------------
 // dq_acc (B H, L, 64) float32 for the TMA reduce: box 32 x 64 rows (128-byte rows, swizzled).
@@ -1502,7 +1509,7 @@ template <typename T, int kWG, int kStages, int kDq = 1, bool kPingPong = false,
           bool kDefer = false, bool kPersist = false>
 bool launch_bwd_sm90_cfg(const AttnParams& p, const T* q, const T* k, const T* v, const T* g,
                          const float* lse, const float* dvec, float* dq_acc, T* dk, T* dv,
-                         cudaStream_t st, const char* op, int max_blocks = 0) {
+                         int* bad_keys, cudaStream_t st, const char* op, int max_blocks = 0) {
   constexpr int D = 64, kBc = 64 * kWG;
   CUtensorMap tq, tk, tv, tg, tacc;
   TmaOrder ord{};
@@ -1526,28 +1533,28 @@ bool launch_bwd_sm90_cfg(const AttnParams& p, const T* q, const T* k, const T* v
   }
   // overlaps the Dvec kernel's tail (Note [programmatic dependent launch])
   launch_dependent(true, kern, grid, bwd_threads(kWG, kDefer), smem, st, op, p, tq, tk, tv, tg,
-                   tacc, ord, lse, dvec, dk, dv, dq_acc, SmRaw<T>{q, k, v, g});
+                   tacc, ord, lse, dvec, dk, dv, dq_acc, bad_keys);
   return true;
 }
 
 template <typename T>
 bool attn_bwd_sm90(const AttnParams& p, const T* q, const T* k, const T* v, const T* g,
-                   const float* lse, const float* dvec, float* dq_acc, T* dk, T* dv,
+                   const float* lse, const float* dvec, float* dq_acc, T* dk, T* dv, int* bad_keys,
                    cudaStream_t st, const char* op) {
   if (p.D != 64 || !attn_fwd_sm90_supported(p)) return false;
   // kDq 3, 3 stages, ping-pong, persistent (Note [persistent backward]; B16 H12 T1024 causal,
   // memset + kernel + convert: 0.284 ms against 0.300 one item per block, session 16)
   return launch_bwd_sm90_cfg<T, 2, 3, 3, true, true, true>(p, q, k, v, g, lse, dvec, dq_acc, dk, dv,
-                                                           st, op);
+                                                           bad_keys, st, op);
 }
 template bool attn_bwd_sm90<__nv_bfloat16>(const AttnParams&, const __nv_bfloat16*,
                                            const __nv_bfloat16*, const __nv_bfloat16*,
                                            const __nv_bfloat16*, const float*, const float*, float*,
-                                           __nv_bfloat16*, __nv_bfloat16*, cudaStream_t,
+                                           __nv_bfloat16*, __nv_bfloat16*, int*, cudaStream_t,
                                            const char*);
 template bool attn_bwd_sm90<__half>(const AttnParams&, const __half*, const __half*, const __half*,
                                     const __half*, const float*, const float*, float*, __half*,
-                                    __half*, cudaStream_t, const char*);
+                                    __half*, int*, cudaStream_t, const char*);
 
 template void attn_fwd_sm90<__nv_bfloat16>(const AttnParams&, const __nv_bfloat16*,
                                            const __nv_bfloat16*, const __nv_bfloat16*,
