@@ -1034,11 +1034,28 @@ __device__ __noinline__ void fix_convert_rows(const AttnParams& p, const DqFixIn
     fix_dq_of<T>(p, fix, dq, (idx - threadIdx.x % 32) / (D / 8) + gi);
   });
 }
+// A convert_cs warp's column sums s (its lanes' 8 columns; rows 4 j + rq, added over rq by xor 8,
+// 16) into partial row b cs_groups + grp of p.cs (Note [packed column sums]).
+__device__ __forceinline__ void store_group_sums(const AttnParams& p, float (&s)[8], int b, int h,
+                                                 int grp) {
+  constexpr int D = 64;
+  const int lane = threadIdx.x % 32, d = (lane % 8) * 8;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    s[i] += __shfl_xor_sync(0xffffffffu, s[i], 8);
+    s[i] += __shfl_xor_sync(0xffffffffu, s[i], 16);
+  }
+  if (lane / 8 == 0) {
+    float* out = p.cs + (static_cast<int64_t>(b) * p.cs_groups + grp) * 3 * p.H * D + h * D + d;
+    reinterpret_cast<float4*>(out)[0] = make_float4(s[0], s[1], s[2], s[3]);
+    reinterpret_cast<float4*>(out)[1] = make_float4(s[4], s[5], s[6], s[7]);
+  }
+}
+
 // The bad rows of a convert_cs warp: rows grp 16 + 4 j + rq, bit j of `bad`.
 template <typename T>
 __device__ __noinline__ void fix_convert_cs_rows(const AttnParams& p, const DqFixInputs<T>& fix,
                                                  T* dq, int bh, int grp, unsigned bad) {
-  constexpr int D = 64;
   const int lane = threadIdx.x % 32, d = (lane % 8) * 8, rq = lane / 8;
   const int b = bh / p.H, h = bh % p.H;
   for (int j = 0; j < 4; ++j) {
@@ -1059,15 +1076,7 @@ __device__ __noinline__ void fix_convert_cs_rows(const AttnParams& p, const DqFi
       }
     }
   }
-  for (int i = 0; i < 8; ++i) {
-    s[i] += __shfl_xor_sync(0xffffffffu, s[i], 8);
-    s[i] += __shfl_xor_sync(0xffffffffu, s[i], 16);
-  }
-  if (rq == 0) {
-    float* out = p.cs + (static_cast<int64_t>(b) * p.cs_groups + grp) * 3 * p.H * D + h * D + d;
-    reinterpret_cast<float4*>(out)[0] = make_float4(s[0], s[1], s[2], s[3]);
-    reinterpret_cast<float4*>(out)[1] = make_float4(s[4], s[5], s[6], s[7]);
-  }
+  store_group_sums(p, s, b, h, grp);
 }
 
 // The Hopper backward flagged a key row that is not finite: warp w of nwarps checks key rows w,
@@ -1173,16 +1182,7 @@ __global__ void __launch_bounds__(256, 6)  // (its registers as before the fix p
   if (__any_sync(0xffffffffu, bad != 0)) {
     fix_convert_cs_rows<T>(p, fix, dq, bh, grp, bad);  // (and the group's sums)
   } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      s[i] += __shfl_xor_sync(0xffffffffu, s[i], 8);
-      s[i] += __shfl_xor_sync(0xffffffffu, s[i], 16);
-    }
-    if (rq == 0) {
-      float* out = p.cs + (static_cast<int64_t>(b) * p.cs_groups + grp) * 3 * p.H * D + h * D + d;
-      reinterpret_cast<float4*>(out)[0] = make_float4(s[0], s[1], s[2], s[3]);
-      reinterpret_cast<float4*>(out)[1] = make_float4(s[4], s[5], s[6], s[7]);
-    }
+    store_group_sums(p, s, b, h, grp);
   }
   if (fix.bad_keys && *fix.bad_keys) {
     fix_flagged_keys<T>(p, fix, warp, static_cast<int64_t>(p.B) * p.H * p.cs_groups);
