@@ -58,6 +58,16 @@ print("blutrain.compiler", btc.__file__, "cpu omp threads", backend_cpu.omp_thre
 print("blutrain.tensor cuda", bt.cuda_built(), "devices", bt.cuda_device_count())
 EOF
 [ "${PIPESTATUS[0]}" = 0 ] && S[env]="ok" || S[env]="FAILED (see above)"
+# the tests and benchmarks come from the working tree, the package from a wheel: a stale wheel
+# fails them for no fault of the code (session 51) (rebuild: scripts/build_wheels.sh compiler)
+inst=$($PY -c "import blutrain.compiler as c, os; print(os.path.dirname(c.__file__))" 2>/dev/null)
+if [ -n "$inst" ] && [ "$inst" != "$ROOT/packages/blutrain-compiler/python/blutrain/compiler" ] &&
+  ! diff -rq -x '__pycache__' -x '*.so' -x '*.pyi' -x 'py.typed' -x '_native*' \
+    "$ROOT/packages/blutrain-compiler/python/blutrain/compiler" "$inst" >/dev/null 2>&1; then
+  S[env]="${S[env]}; STALE: $inst differs from the working tree's Python (rebuild the wheel)"
+  echo "gpu_call.sh: the installed blutrain.compiler ($inst) differs from the working tree's" \
+    "Python: rebuild its wheel (scripts/build_wheels.sh compiler)" >&2
+fi
 
 # ---- 2. GPU tests -----------------------------------------------------------------------
 if [ "$CPU" = 0 ] && part tests; then

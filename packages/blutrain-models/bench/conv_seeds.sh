@@ -20,9 +20,10 @@
 #   --baseline-dir DIR  an earlier call's conv_b_seedS.json files (this script's, finished or
 #             stopped): a seed reruns only the runs its file lacks, and its JSON holds them all
 #   --extra   more convergence.py arguments (they win over the above), e.g. "--device cpu --model tiny --compact-vocab"
-# PyTorch's runs of seeds 1-16 are kept in bench/baselines/conv_b_seeds (session 49; seeds 1-13 on
-# an H100, 15-16 on an H200, 14 both), so a change to ours needs only its own runs (ours:bf16 is
-# about 4 s of GPU a seed):
+# PyTorch's runs of seeds 1-24 are kept in bench/baselines/conv_b_seeds (session 49: seeds 1-13 on
+# an H100, 15-16 on an H200, 14 both; session 51: seeds 17-24 on an H100), so a change to ours
+# needs only its own runs (ours:bf16 is about 4 s of GPU a seed; torch:fp32 takes 195 s with 8
+# processes sharing an H100, so new seeds need a call of their own):
 #   bash packages/blutrain-models/bench/conv_seeds.sh --runs torch:fp32,torch:bf16,ours:bf16 \
 #     --baseline-dir packages/blutrain-models/bench/baselines/conv_b_seeds
 # Needs the packages importable (PYTHONPATH, as gpu_bf16.sh sets it). JSON and logs go to
