@@ -176,6 +176,8 @@ def cuda_build(session: nox.Session) -> None:
     dirs = [f"packages/{p}/tests" for p in present() if p in cuda_tested]
     session.run("pytest", "-q", "-p", "no:cacheprovider", *dirs)
     if "blutrain-tensor" in present():  # ptxas must not serialise the Hopper attention's wgmmas
+        # cuobjdump (it runs nvdisasm) lets the check read the machine code too
+        session.install("nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm")
         session.run("python", "packages/blutrain-tensor/tools/ptxas_check.py")
     if "blutrain-dist" in present():  # the CUDA build imports and runs its CPU path without a GPU
         session.run(

@@ -48,3 +48,75 @@ def test_clean_kernels_pass_and_other_kernels_are_not_judged(tmp_path):
     r = run(tmp_path, entry(FWD, 154) + entry(BWD, 168) + serialised(CONVERT))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "no serialised wgmma" in r.stdout and "154 registers" in r.stdout
+
+
+def sass(name: str, body: list[str]) -> str:
+    """A `cuobjdump -sass` listing of one function (addresses and encodings as cuobjdump's)."""
+    lines = [
+        f"\t\tFunction : {name}",
+        '\t.headerflags\t@"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"',
+    ]
+    for k, ins in enumerate(body):
+        lines.append(
+            f"        /*{16 * k:04x}*/                   {ins} ;    /* 0x000000000000794d */"
+        )
+        lines.append(
+            "                                                      /* 0x000fea0003800000 */"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run_sass(tmp_path, listing: str) -> subprocess.CompletedProcess:
+    (tmp_path / "ptxas.log").write_text(entry(FWD, 154) + entry(BWD, 168))
+    (tmp_path / "a.sass").write_text(listing)
+    cmd = [
+        sys.executable,
+        TOOL,
+        "--log",
+        str(tmp_path / "ptxas.log"),
+        "--sass",
+        str(tmp_path / "a.sass"),
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def wgmma_body(n_mma: int, arrive_each: bool) -> list[str]:
+    body = ["LDC R1, c[0x0][0x28]", "WARPGROUP.ARRIVE"]
+    for _ in range(n_mma):
+        if arrive_each:
+            body += ["WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+        body.append("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24, gsb0")
+    return body + ["WARPGROUP.DEPBAR.LE gsb0, 0x0", "EXIT"]
+
+
+def convert_body(entry_stores: int) -> list[str]:
+    body = ["LDC R1, c[0x0][0x28]", "S2R R3, SR_CTAID.X"]
+    body += [f"STL.64 [R1+{hex(8 * i)}], R4" for i in range(entry_stores)]
+    # stores after the first exit are the fix path's: not counted
+    return body + ["@P0 EXIT", "LDG.E.128 R4, desc[UR4][R2.64]", "STL [R1+0x100], R4", "EXIT"]
+
+
+def test_sass_clean_kernels_pass(tmp_path):
+    listing = sass(BWD, wgmma_body(48, False)) + sass(FWD, wgmma_body(24, False))
+    listing += sass(CONVERT, convert_body(3))
+    r = run_sass(tmp_path, listing)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "48 HGMMA, 1 WARPGROUP.ARRIVE" in r.stdout
+    assert "3 stack stores before its first exit" in r.stdout
+    assert "and the SASS" in r.stdout
+
+
+def test_sass_serialised_wgmma_fails_without_a_c7520(tmp_path):
+    # ptxas's log is clean; the machine code has an arrive before every HGMMA
+    listing = sass(BWD, wgmma_body(48, True)) + sass(FWD, wgmma_body(24, False))
+    r = run_sass(tmp_path, listing)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "attn_bwd_sm90_ws" in r.stderr and "49 WARPGROUP.ARRIVE for 48 HGMMA" in r.stderr
+    assert "attn_fwd_sm90_ws" not in r.stderr
+
+
+def test_sass_conversion_copying_its_parameters_fails(tmp_path):
+    r = run_sass(tmp_path, sass(CONVERT, convert_body(37)))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "attn_bwd_dq_convert" in r.stderr and "37 stack stores" in r.stderr
+    assert "parameters" in r.stderr
