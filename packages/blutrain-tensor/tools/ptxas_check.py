@@ -71,56 +71,55 @@ def compile_log(nvcc: str, cuobjdump: str | None = None) -> tuple[str, str]:
     """ptxas -v's report for attention_sm90.cu (sm_90a), as the package's build compiles it, and
     the SASS of it and attention.cu ("" without cuobjdump)."""
     log, sass = "", ""
-    for name in ("attention_sm90.cu", "attention.cu") if cuobjdump else ("attention_sm90.cu",):
-        one, obj = compile_one(nvcc, os.path.join(os.path.dirname(SOURCE), name), bool(cuobjdump))
-        log += one if name == "attention_sm90.cu" else ""
-        if cuobjdump:
-            # (cuobjdump runs nvdisasm: pip's nvidia-cuda-nvdisasm puts it beside cuobjdump)
-            env = dict(
-                os.environ, PATH=os.path.dirname(cuobjdump) + os.pathsep + os.environ["PATH"]
-            )
-            r = subprocess.run([cuobjdump, "-sass", obj], capture_output=True, text=True, env=env)
-            os.unlink(obj)
-            if r.returncode != 0:
-                raise SystemExit(f"ptxas_check: cuobjdump failed on {name}:\n{r.stderr[-2000:]}")
-            sass += r.stdout
+    names = ("attention_sm90.cu", "attention.cu") if cuobjdump else ("attention_sm90.cu",)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            obj = os.path.join(tmp, name + ".o")
+            one = compile_one(nvcc, os.path.join(os.path.dirname(SOURCE), name), obj)
+            log += one if name == "attention_sm90.cu" else ""
+            if cuobjdump:
+                # (cuobjdump runs nvdisasm: pip's nvidia-cuda-nvdisasm puts it beside cuobjdump)
+                path = os.path.dirname(cuobjdump) + os.pathsep + os.environ["PATH"]
+                r = subprocess.run(
+                    [cuobjdump, "-sass", obj],
+                    capture_output=True,
+                    text=True,
+                    env=dict(os.environ, PATH=path),
+                )
+                if r.returncode != 0:
+                    raise SystemExit(
+                        f"ptxas_check: cuobjdump failed on {name}:\n{r.stderr[-2000:]}"
+                    )
+                sass += r.stdout
     return log, sass
 
 
-def compile_one(nvcc: str, source: str, keep: bool) -> tuple[str, str]:
-    """(ptxas -v's report, the object's path when keep: the caller deletes it)."""
+def compile_one(nvcc: str, source: str, obj: str) -> str:
+    """Compiles source to obj as the package's build does; ptxas -v's report."""
     root = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
     sys_inc = [d for d in (os.path.join(root, "include", "cccl"),) if os.path.isdir(d)]
-    fd, obj = tempfile.mkstemp(suffix=".o")
-    os.close(fd)
-    try:
-        cmd = [
-            nvcc,
-            "-DBT_CUDA_SM90A=1",
-            "-DBT_WITH_CUDA=1",
-            "-O3",
-            "-DNDEBUG",
-            "-std=c++17",
-            "--generate-code=arch=compute_90a,code=[sm_90a]",
-            "--expt-relaxed-constexpr",
-            "-Xptxas=-v",
-            "-x",
-            "cu",
-            "-c",
-            source,
-            "-o",
-            obj,
-        ]
-        cmd[1:1] = [f"-I{d}" for d in include_dirs()] + [f"-isystem{d}" for d in sys_inc]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise SystemExit(f"ptxas_check: nvcc failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
-    except BaseException:
-        os.unlink(obj)
-        raise
-    if not keep:
-        os.unlink(obj)
-    return r.stdout + r.stderr, obj
+    cmd = [
+        nvcc,
+        "-DBT_CUDA_SM90A=1",
+        "-DBT_WITH_CUDA=1",
+        "-O3",
+        "-DNDEBUG",
+        "-std=c++17",
+        "--generate-code=arch=compute_90a,code=[sm_90a]",
+        "--expt-relaxed-constexpr",
+        "-Xptxas=-v",
+        "-x",
+        "cu",
+        "-c",
+        source,
+        "-o",
+        obj,
+    ]
+    cmd[1:1] = [f"-I{d}" for d in include_dirs()] + [f"-isystem{d}" for d in sys_inc]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"ptxas_check: nvcc failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
+    return r.stdout + r.stderr
 
 
 def judge(log: str) -> tuple[list[str], list[str]]:

@@ -1004,7 +1004,6 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   }
 }
 
-// The inputs a convert kernel needs to recompute a bad dq row (Note [non-finite rows]).
 // What the conversions need to recompute rows (Note [non-finite rows]): dq's, and the key rows of
 // dk / dv when the Hopper backward set *bad_keys (Note [no calls in wgmma kernels]).
 template <typename T>
