@@ -220,3 +220,17 @@ def test_sums_and_means_are_compared_within_their_rounding_bound():
     assert tensor_fuzz.compare(wrong, want, 1.0, bt) is not None
     small = ref(tensor_fuzz.A(np.array([1.0, 2.0, 4.0]), "float32"))  # (no huge terms: tight)
     assert tensor_fuzz.compare(tensor_fuzz.A(np.array(2.34), "float32"), small, 1.0, bt)
+
+
+def test_the_gradient_check_passes_over_ties_and_kinks_only():
+    """A max over two values 1e-7 apart has no derivative there: the check skips it; a smooth
+    function, or a max with no tie, still compares."""
+    A = tensor_fuzz.A
+    kink = tensor_fuzz_ops._kink
+    tie = [A(np.array([1.0, 1.0 + 1e-7, 0.3]), "float64")]
+    assert kink(lambda v: float(np.max(v[0].a) * 3.0), tie, 0, 0, 1e-6)
+    assert not kink(lambda v: float(np.max(v[0].a) * 3.0), tie, 0, 2, 1e-6)
+    apart = [A(np.array([1.0, 1.2, 0.3]), "float64")]
+    assert not kink(lambda v: float(np.max(v[0].a) * 3.0), apart, 0, 1, 1e-6)
+    assert not kink(lambda v: float(np.sin(v[0].a).sum()), apart, 0, 1, 1e-6)
+    assert kink(lambda v: float(np.abs(v[0].a - 0.3).sum()), apart, 0, 2, 1e-6)
