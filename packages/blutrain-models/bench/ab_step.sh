@@ -5,7 +5,9 @@
 # e.g. ab_step.sh tf32 ours+graph 10 2 "split|BT_ATTN_TF32_FUSED=0" "dq-atomic|"
 #      ab_step.sh bf16 ours+graph 10 2 "heuristic||--gemm-autotune off" "tuned||"
 # Needs the packages importable (scripts/gpu.sh --prebuilt, or PYTHONPATH). Rows go to stdout
-# and $OUT/ab_MODE.txt; the workers' stderr to $OUT/ab_stderr.log.
+# and $OUT/ab_MODE.txt, each arm's worker result to $OUT/ab_MODE_LABEL_rROUND.json (with
+# "--profile N" among an arm's args, its kernels: bench/profile_diff.py compares two arms);
+# the workers' stderr to $OUT/ab_stderr.log.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -16,6 +18,7 @@ for r in $(seq "$ROUNDS"); do
     IFS='|' read -r label vars args <<<"$arm"
     res=$(env $vars python3 $B --worker "$FW" --mode "$MODE" --steps "$STEPS" --warmup 3 $args \
       2>>"$OUT/ab_stderr.log" | grep '^RESULT ' | cut -c8-)
+    [ -n "$res" ] && printf '%s\n' "$res" >"$OUT/ab_${MODE}_${label}_r${r}.json"
     python3 -c "
 import json, sys
 r = json.loads(sys.argv[1] or '{}')
