@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -62,3 +65,17 @@ def rewrite_trainer_json():
         (ck / "manifest.json").write_text(json.dumps(m))
 
     return edit
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench_module(request: pytest.FixtureRequest):
+    """A bench/ script imported as a module (the test module names it in BENCH_MODULE); bench/
+    is on sys.path only while the test module runs."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module(request.module.BENCH_MODULE)
+    finally:
+        sys.path.remove(str(BENCH))

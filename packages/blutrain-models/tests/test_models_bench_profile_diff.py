@@ -19,15 +19,12 @@ LN_BF16 = "void bt::cuda::add_layer_norm_fwd<__nv_bfloat16, __nv_bfloat16, 4>(bt
 GEMM = "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNN"
 
 
-@pytest.fixture(scope="module")
-def pd():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import profile_diff
+BENCH_MODULE = "profile_diff"
 
-        yield profile_diff
-    finally:
-        sys.path.remove(str(BENCH))
+
+@pytest.fixture(scope="module")
+def pd(bench_module):
+    return bench_module
 
 
 def result(tmp_path: Path, name: str, kernels: list, step_ms: float) -> str:

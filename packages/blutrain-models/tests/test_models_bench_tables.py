@@ -4,25 +4,20 @@ the paired differences, the windowed distances and the verdict come out as they 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 STEPS = 100
 
 
-@pytest.fixture(scope="module")
-def table():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import gpu_bf16_table
+BENCH_MODULE = "gpu_bf16_table"
 
-        yield gpu_bf16_table
-    finally:
-        sys.path.remove(str(BENCH))
+
+@pytest.fixture(scope="module")
+def table(bench_module):
+    return bench_module
 
 
 def seed_json(tmp_path: Path, seed: int, offsets: dict[str, float], rng) -> str:
