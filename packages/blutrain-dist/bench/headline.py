@@ -73,10 +73,15 @@ def _mpi() -> tuple[Any, int, int, int]:
 def cmd_torch(a: argparse.Namespace) -> int:
     """One rank of the PyTorch DDP run. An error on any rank prints "rank N: ..." and ends the
     whole job at once (MPI_Abort): the other ranks never wait out a collective's timeout."""
+    import faulthandler
+
+    from mpi4py import MPI
+
+    faulthandler.enable()  # a rank that aborts (SIGABRT) prints its Python stack
     comm, rank, _, _ = _mpi()
     print(f"[headline] torch rank {rank}: pid {os.getpid()}", flush=True)
     try:
-        return _torch_ddp(a)
+        rc = _torch_ddp(a)
     except BaseException as e:
         import traceback
 
@@ -84,6 +89,13 @@ def cmd_torch(a: argparse.Namespace) -> int:
         print(f"[headline] torch rank {rank}: error: {type(e).__name__}: {e}", flush=True)
         comm.Abort(1)
         return 1
+    # A finished rank leaves without exit-time destructors: once in CI a rank aborted after the
+    # run ("terminate called without an active exception", a C++ thread object torch or gloo
+    # still held when static destructors ran). MPI is finalised first, so mpiexec sees a clean end.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.Finalize()
+    os._exit(rc)
 
 
 def _torch_ddp(a: argparse.Namespace) -> int:
