@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -89,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     a_ms, a_cnt, a_step = load_arm(opts.a, opts.full)
     b_ms, b_cnt, b_step = load_arm(b_paths, opts.full)
     rows = diff(a_ms, b_ms, a_cnt, b_cnt)
+    if opts.json:  # before the table: a reader that stops early (| head) keeps the file
+        out = {"a": opts.a, "b": b_paths, "a_step": a_step, "b_step": b_step, "rows": rows}
+        tmp = Path(f"{opts.json}.tmp")
+        tmp.write_text(json.dumps(out, indent=2))
+        tmp.replace(opts.json)
     print(
         f"A ({len(opts.a)} file(s)): {a_step['tokens_per_s']:,.0f} tok/s, step "
         f"{a_step['step_ms']:.2f} ms, GPU busy {a_step['busy_ms']:.3f} ms a step"
@@ -108,13 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     rest = sum(r["delta_ms"] for r in rows[opts.top :])
     if len(rows) > opts.top:
         print(f"{rest:+9.3f} in the other {len(rows) - opts.top} kernel groups")
-    if opts.json:
-        out = {"a": opts.a, "b": b_paths, "a_step": a_step, "b_step": b_step, "rows": rows}
-        tmp = Path(f"{opts.json}.tmp")
-        tmp.write_text(json.dumps(out, indent=2))
-        tmp.replace(opts.json)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader (| head) closed the pipe: the table was cut, no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    raise SystemExit(code)

@@ -71,6 +71,31 @@ def test_a_result_without_a_profile_is_refused_by_name(pd, tmp_path):
     assert pd.main(a) == 2  # no "--": usage
 
 
+def test_a_reader_that_stops_early_is_no_error(tmp_path):
+    """`profile_diff.py ... | head`: the pipe's reader is gone before the table is written; the
+    script still writes --json and exits 0 without a traceback (it printed one on the GPU
+    machine in session 53)."""
+    a = [result(tmp_path, "a.json", [[GEMM, 20.0, 100], [LN_BF16, 1.0, 24]], 30.0)]
+    b = [result(tmp_path, "b.json", [[GEMM, 21.0, 100], [LN_F32, 1.5, 24]], 31.0)]
+    out = tmp_path / "rows.json"
+    r_end, w_end = os.pipe()
+    os.close(r_end)  # the reader left: every write to the pipe fails (EPIPE)
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(BENCH / "profile_diff.py"), *a, "--json", str(out), "--", *b],
+            stdout=w_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(w_end)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr == "", proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["kernel"] for r in rows} == {GEMM, "add_layer_norm_fwd"}
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_ab_step_keeps_each_arms_result(tmp_path):
     """ab_step.sh with a stand-in worker: each arm and round leaves its RESULT as JSON."""
