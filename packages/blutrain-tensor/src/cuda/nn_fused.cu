@@ -130,7 +130,8 @@ void layernorm_backward_mixed(const LayerNormBackward& p, const std::vector<Tens
       // scalar v2 and a separate dsum pass (the float32 stream's -10% tok/s).  Then 8 warps a
       // block (half the ring: 123,008 bytes) keep v6.  A 15-warp block (230,640 bytes, also one
       // an SM) measured slower on an H100: 1.372 ms a step of 25 backwards against 1.285, and
-      // its reduce 0.194 against 0.143 (bench/RESULTS.md, session 53).
+      // its reduce 0.194 against 0.143; so did 8 warps with 3 ring slots (172,224 bytes): 1.371
+      // against 1.284 (bench/RESULTS.md, session 53).
       auto v6 = [&](auto nwt) {
         constexpr int NW = decltype(nwt)::value;
         return dispatch_v5<T>(C, {dyp, xp, wp, ep, dxp}, [&](auto nvt, auto wt) {
