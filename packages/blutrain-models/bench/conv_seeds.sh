@@ -26,6 +26,10 @@
 # processes sharing an H100, so new seeds need a call of their own):
 #   bash packages/blutrain-models/bench/conv_seeds.sh --runs torch:fp32,torch:bf16,ours:bf16 \
 #     --baseline-dir packages/blutrain-models/bench/baselines/conv_b_seeds
+# (session 53, one H100, --jobs 16: ours:bf16 of 24 seeds in 166 s; ours:fp32 of 16 seeds beside
+# ours:bf16 in 446 s.)  Ours' runs of seeds 1-24 at 2e21f52 are kept in bench/baselines/
+# conv_b_seeds_ours, to set a later ours beside (gpu_bf16_table.py --across merges a seed's
+# files); they are not a --baseline-dir for a change to ours, whose runs must rerun.
 # Needs the packages importable (PYTHONPATH, as gpu_bf16.sh sets it). JSON and logs go to
 # $OUT/seeds (default ./out/seeds).
 set -uo pipefail

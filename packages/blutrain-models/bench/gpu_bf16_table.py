@@ -6,6 +6,8 @@ than torch bf16's, and ours' final val loss at or below torch bf16's.
     python bench/gpu_bf16_table.py out/conv_a.json out/conv_b.json
     python bench/gpu_bf16_table.py --across out/conv_b_seed*.json   # one setting, several seeds
     python bench/gpu_bf16_table.py --across --ours ours:bf16/f32grad out/conv_b_seed*.json
+    python bench/gpu_bf16_table.py --across bench/baselines/conv_b_seeds/*.json \
+        bench/baselines/conv_b_seeds_ours/*.json   # kept runs: PyTorch's and ours (session 53)
 
 --across: one seed ranks nothing (ours fp32 sits as far from torch fp32 as any bf16 run, from
 summation order alone), so the aim is judged on the mean over seeds of each paired difference,
@@ -14,8 +16,9 @@ about step 60 the runs of a seed still share one trajectory and |d train| measur
 after it every pair decorrelates to one floor (chaos), fp32 against fp32 included. Each bf16 run
 is also set against its own framework's fp32 (ours:bf16 - ours:fp32 beside torch:bf16 -
 torch:fp32, when ours:fp32 ran), and the signed loss difference of the first steps, a bias, is
-printed with its standard error. A seed's runs may come from several JSONs (conv_seeds.sh
---baseline-dir merges them into one).
+printed with its standard error. A seed's runs may come from several JSONs, given together
+(the files of one seed merge: PyTorch's kept runs beside ours from another call), or from one
+that conv_seeds.sh --baseline-dir merged.
 """
 
 from __future__ import annotations
@@ -99,15 +102,13 @@ def _mean_se(xs: list[float]) -> tuple[float, float]:
     return m, math.sqrt(var / n)
 
 
-def across(paths: list[str], ours: str = "ours:bf16") -> bool:
-    """One setting over several seeds: each run's mean distances from its seed's reference, and
-    the aim's paired differences (ours - torch:bf16, `ours` the run judged as our bf16, e.g. a
-    variant ours:bf16/f32grad; ours:P - torch:P final val for fp32 and tf32) as mean +- standard
-    error. True when every mean difference is <= 0."""
-    from convergence import reference, summarize
-
-    sums: dict[str, list[dict]] = {}
-    seeds, setting, runs_of, per_seed = [], None, [], []
+def merge_seeds(paths: list[str]) -> tuple[dict, tuple]:
+    """The runs of each (seed, init seed) over every file that has some (e.g. PyTorch's kept in
+    bench/baselines/conv_b_seeds beside ours from a later call), in the order first seen, with the
+    first file's args; and the setting (B, T, steps).  A run found in two files of one seed, or
+    files of another setting: SystemExit naming them."""
+    merged: dict[tuple, tuple] = {}
+    setting = None
     for p in paths:
         with open(p) as f:
             d = json.load(f)
@@ -119,19 +120,47 @@ def across(paths: list[str], ours: str = "ours:bf16") -> bool:
                 f"{key[2]} steps, the others B{setting[0]} T{setting[1]} {setting[2]}"
             )
         setting = key
-        if "torch:fp32" not in d["runs"]:
+        sid = (a["seed"], a.get("init_seed", 0))
+        args, runs, first = merged.get(sid, (a, {}, p))
+        for name, r in d["runs"].items():
+            if name in runs:
+                raise SystemExit(
+                    f"gpu_bf16_table.py --across: seed {sid[0]}'s {name} is in {first} or an "
+                    f"earlier file and again in {p}: give each run of a seed once"
+                )
+            runs[name] = r
+        merged[sid] = (args, runs, first)
+    return merged, setting
+
+
+def across(paths: list[str], ours: str = "ours:bf16") -> bool:
+    """One setting over several seeds: each run's mean distances from its seed's reference, and
+    the aim's paired differences (ours - torch:bf16, `ours` the run judged as our bf16, e.g. a
+    variant ours:bf16/f32grad; ours:P - torch:P final val for fp32 and tf32) as mean +- standard
+    error. True when every mean difference is <= 0."""
+    from convergence import reference, summarize
+
+    sums: dict[str, list[dict]] = {}
+    seeds, runs_of, per_seed = [], [], []
+    merged, setting = merge_seeds(paths)
+    for (seed, init), (a, runs, first) in merged.items():
+        if "torch:fp32" not in runs:
             raise SystemExit(
-                f"gpu_bf16_table.py --across: {p} has no torch:fp32 run (the reference)"
+                f"gpu_bf16_table.py --across: seed {seed} ({first}) has no torch:fp32 run "
+                "(the reference) in any file"
             )
-        s = summarize(d["runs"], argparse.Namespace(**a))
-        assert reference(list(d["runs"])) == "torch:fp32"
-        seeds.append(f"{a['seed']}/{a.get('init_seed', 0)}")
-        runs_of.append(d["runs"])
+        # the reference first, then PyTorch's runs, then ours, each in the order given
+        order = sorted(runs, key=lambda n: (n != "torch:fp32", not n.startswith("torch:")))
+        runs = {n: runs[n] for n in order}
+        s = summarize(runs, argparse.Namespace(**a))
+        assert reference(list(runs)) == "torch:fp32"
+        seeds.append(f"{seed}/{init}")
+        runs_of.append(runs)
         per_seed.append(s)
         for run, r in s.items():
             sums.setdefault(run, []).append(r)
     print(
-        f"\nsetting {SETTINGS.get(setting, setting)}, {len(paths)} seeds (batch/init): "
+        f"\nsetting {SETTINGS.get(setting, setting)}, {len(merged)} seeds (batch/init): "
         f"{', '.join(seeds)}; reference torch:fp32 of each seed; mean +- standard error"
     )
     print(f"{'run':<20} {'n':>2} {'|dtrain| tail':>17} {'|dval| final':>17} {'val final':>17}")

@@ -75,3 +75,45 @@ def test_across_judges_a_variant_as_ours(table, tmp_path, rng, capsys):
     assert table.across(paths, "ours:bf16/f32grad")
     out = capsys.readouterr().out
     assert "d_train_tail  ours:bf16/f32grad - torch:bf16: -0.0060 +- 0.0000 (2 of 2" in out
+
+
+def _split(path: str, parts: dict[str, list[str]]) -> list[str]:
+    """One seed's JSON written again as several files, each with some of its runs."""
+    d = json.loads(Path(path).read_text())
+    out = []
+    for name, runs in parts.items():
+        p = Path(path).with_name(name)
+        p.write_text(json.dumps({**d, "runs": {r: d["runs"][r] for r in runs}}))
+        out.append(str(p))
+    return out
+
+
+def test_across_merges_a_seeds_runs_from_several_files(table, tmp_path, rng, capsys):
+    """PyTorch's kept runs in one file, ours from a later call in another: the table of the
+    merged seeds is the table of the whole files, and the seeds count once."""
+    offs = [{"torch:bf16": 0.01, "ours:bf16": 0.002 * i, "ours:fp32": -0.001} for i in range(3)]
+    whole = [seed_json(tmp_path, i + 1, o, rng) for i, o in enumerate(offs)]
+    assert table.across(whole)
+    expect = capsys.readouterr().out
+    split = []
+    for i, p in enumerate(whole):
+        split += _split(
+            p,
+            {f"t{i}.json": ["torch:fp32", "torch:bf16"], f"o{i}.json": ["ours:bf16", "ours:fp32"]},
+        )
+    ours_first = sorted(split, key=lambda p: not Path(p).name.startswith("o"))
+    assert table.across(ours_first)
+    assert capsys.readouterr().out == expect  # one row order whichever file came first
+    assert "3 seeds (batch/init): 1/1, 2/2, 3/3;" in expect
+
+
+def test_across_refuses_a_run_given_twice_or_a_seed_without_its_reference(table, tmp_path, rng):
+    p = seed_json(tmp_path, 1, {"torch:bf16": 0.01, "ours:bf16": 0.0}, rng)
+    a, b = _split(p, {"a.json": ["torch:fp32", "ours:bf16"], "b.json": ["torch:bf16", "ours:bf16"]})
+    with pytest.raises(
+        SystemExit, match=r"seed 1's ours:bf16 is in .*a\.json.* again in .*b\.json"
+    ):
+        table.across([a, b])
+    (c,) = _split(p, {"c.json": ["torch:bf16", "ours:bf16"]})
+    with pytest.raises(SystemExit, match=r"seed 1 \(.*c\.json\) has no torch:fp32 run"):
+        table.across([c])
