@@ -4,9 +4,11 @@
 #   bash scripts/build_wheels.sh [alloc,linalg,tensor,dist,compiler]
 # Needs a CPython 3.12 venv (the GPU machine's python; the modules use the stable ABI, so the
 # wheels are cp312-abi3) with the build tools, created once:
-#   uv venv -p 3.12 .venv-whl312 && VIRTUAL_ENV=.venv-whl312 uv pip install scikit-build-core \
+#   python3.12 -m venv .venv-whl312 && .venv-whl312/bin/pip install scikit-build-core \
 #     nanobind==3.1.0 numpy cmake ninja hatchling pip nvidia-cublas nvidia-cuda-runtime \
 #     nvidia-nccl-cu13
+# (pip, which reads the machine's package index settings; uv found no index on the CPU machines
+# of session 53. With pyenv, python3.12 may be /root/.pyenv/versions/3.12.*/bin/python.)
 # Wheels land in .whl/bt/ (git-ignored); build dirs persist in /tmp/bt-whl-NAME (incremental).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,4 +23,9 @@ for name in $(echo "${1:-alloc,linalg,tensor,dist,compiler}" | tr , ' '); do
   # later packages read the earlier ones' headers and import them while generating stubs
   python -m pip install -q --no-build-isolation --no-deps --force-reinstall .whl/bt/blutrain_"$name"-*.whl
 done
-ls -la .whl/bt
+# The GPU machine reaches no registry and lacks blutrain-linalg's CPU BLAS (scipy-openblas32): the
+# CPU references of the tensor GPU tests need it (session 53's call without it: 457 failures,
+# each "scipy-openblas32 could not be loaded"). scripts/gpu.sh installs .whl/*.whl.
+python -m pip download -q --no-deps --only-binary :all: --python-version 3.12 \
+  --platform manylinux2014_x86_64 -d .whl "scipy-openblas32>=0.3.27"
+ls -la .whl/bt .whl/*.whl
