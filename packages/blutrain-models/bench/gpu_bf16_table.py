@@ -105,8 +105,8 @@ def _mean_se(xs: list[float]) -> tuple[float, float]:
 def merge_seeds(paths: list[str]) -> tuple[dict, tuple]:
     """The runs of each (seed, init seed) over every file that has some (e.g. PyTorch's kept in
     bench/baselines/conv_b_seeds beside ours from a later call), in the order first seen, with the
-    first file's args; and the setting (B, T, steps).  A run found in two files of one seed, or
-    files of another setting: SystemExit naming them."""
+    first file's args and each run's file; and the setting (B, T, steps).  A run found in two
+    files of one seed, or files of another setting: SystemExit naming them."""
     merged: dict[tuple, tuple] = {}
     setting = None
     for p in paths:
@@ -121,15 +121,14 @@ def merge_seeds(paths: list[str]) -> tuple[dict, tuple]:
             )
         setting = key
         sid = (a["seed"], a.get("init_seed", 0))
-        args, runs, first = merged.get(sid, (a, {}, p))
+        args, runs, src = merged.setdefault(sid, (a, {}, {}))
         for name, r in d["runs"].items():
             if name in runs:
                 raise SystemExit(
-                    f"gpu_bf16_table.py --across: seed {sid[0]}'s {name} is in {first} or an "
-                    f"earlier file and again in {p}: give each run of a seed once"
+                    f"gpu_bf16_table.py --across: seed {sid[0]}'s {name} is in {src[name]} and "
+                    f"again in {p}: give each run of a seed once"
                 )
-            runs[name] = r
-        merged[sid] = (args, runs, first)
+            runs[name], src[name] = r, p
     return merged, setting
 
 
@@ -143,10 +142,11 @@ def across(paths: list[str], ours: str = "ours:bf16") -> bool:
     sums: dict[str, list[dict]] = {}
     seeds, runs_of, per_seed = [], [], []
     merged, setting = merge_seeds(paths)
-    for (seed, init), (a, runs, first) in merged.items():
+    for (seed, init), (a, runs, src) in merged.items():
         if "torch:fp32" not in runs:
             raise SystemExit(
-                f"gpu_bf16_table.py --across: seed {seed} ({first}) has no torch:fp32 run "
+                f"gpu_bf16_table.py --across: seed {seed} ({', '.join(sorted(set(src.values())))}) "
+                "has no torch:fp32 run "
                 "(the reference) in any file"
             )
         # the reference first, then PyTorch's runs, then ours, each in the order given
