@@ -110,19 +110,26 @@ def merge_seeds(paths: list[str]) -> tuple[dict, tuple]:
     merged: dict[tuple, tuple] = {}
     setting = None
     for p in paths:
-        with open(p) as f:
-            d = json.load(f)
-        a = d["args"]
-        key = (a["B"], a["T"], a["steps"])
+        try:
+            with open(p) as f:
+                d = json.load(f)
+            a = d["args"]
+            key = (a["B"], a["T"], a["steps"])
+            sid = (a["seed"], a.get("init_seed", 0))
+            file_runs = dict(d["runs"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SystemExit(
+                f"gpu_bf16_table.py --across: cannot read {p} as a convergence.py JSON "
+                f"({type(e).__name__}: {e})"
+            ) from None
         if setting is not None and key != setting:
             raise SystemExit(
                 f"gpu_bf16_table.py --across: {p} is B{key[0]} T{key[1]} "
                 f"{key[2]} steps, the others B{setting[0]} T{setting[1]} {setting[2]}"
             )
         setting = key
-        sid = (a["seed"], a.get("init_seed", 0))
-        args, runs, src = merged.setdefault(sid, (a, {}, {}))
-        for name, r in d["runs"].items():
+        _, runs, src = merged.setdefault(sid, (a, {}, {}))
+        for name, r in file_runs.items():
             if name in runs:
                 raise SystemExit(
                     f"gpu_bf16_table.py --across: seed {sid[0]}'s {name} is in {src[name]} and "

@@ -117,3 +117,12 @@ def test_across_refuses_a_run_given_twice_or_a_seed_without_its_reference(table,
     (c,) = _split(p, {"c.json": ["torch:bf16", "ours:bf16"]})
     with pytest.raises(SystemExit, match=r"seed 1 \(.*c\.json\) has no torch:fp32 run"):
         table.across([c])
+
+
+def test_across_names_a_file_it_cannot_read(table, tmp_path, rng):
+    good = seed_json(tmp_path, 1, {"torch:bf16": 0.01, "ours:bf16": 0.0}, rng)
+    bad = tmp_path / "cut.json"
+    bad.write_text('{"args": {"B": 2')  # a file cut short
+    for path in (str(bad), str(tmp_path / "missing.json")):
+        with pytest.raises(SystemExit, match=r"cannot read .*(cut|missing)\.json as a convergence"):
+            table.across([good, path])
