@@ -49,6 +49,11 @@ Diagnostics (--quick turns both on):
   steps in the overfitting setting.
 - --probe-ref RUN: the probes at RUN's weights, against RUN's gradients (e.g. ours:fp32 run here
   beside a --baseline torch:fp32: a baseline keeps no weights).
+- --probe-runs LIST: the run kinds probed (default: --runs); a kind not in --runs is built at
+  the reference's weights for the probe only, never trained, so probing four precisions at
+  steps 60 and 100 trains only the reference:
+      --runs torch:fp32 --probe --probe-runs torch:fp32,torch:bf16,ours:bf16,ours:fp32 \
+      --checkpoints 60,100
 - --train-tokens N: train on the first N tokens only (a CPU-sized overfitting setting).
 
 Defaults: GPT-2 124M on the shipped Tiny Shakespeare (304K train tokens), B=2 x T=256 = 512 tokens
@@ -892,6 +897,11 @@ def main() -> int:
         help="the run whose weights and gradients the probes use (default: the reference); "
         "e.g. ours:fp32 run here beside a --baseline torch:fp32",
     )
+    ap.add_argument(
+        "--probe-runs",
+        help="the run kinds the probes build at the reference's weights (default: --runs); "
+        "those not in --runs are not trained",
+    )
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--baseline", help="an earlier call's JSON: its other runs join the tables")
     a = ap.parse_args()
@@ -903,7 +913,14 @@ def main() -> int:
     a.run_names = names
     if a.probe_ref is not None and a.probe_ref not in names:
         raise SystemExit(f"--probe-ref {a.probe_ref!r} is not one of --runs ({a.runs!r})")
-    for n in names:
+    probed = names
+    if a.probe_runs is not None:
+        probed = [r.strip() for r in a.probe_runs.split(",") if r.strip()]
+        if not a.probe or not probed or len(set(probed)) != len(probed):
+            raise SystemExit(
+                f"--probe-runs {a.probe_runs!r}: needs --probe and a list of distinct runs"
+            )
+    for n in dict.fromkeys(names + probed):
         fw, prec, variant = split_name(n)
         if fw not in FRAMEWORKS or prec not in ("fp32", "tf32", "bf16"):
             raise SystemExit(
@@ -998,7 +1015,7 @@ def main() -> int:
         snaps = results[a.probe_ref]["_snap"]
         for r in results.values():
             r["_snap"] = {}  # the host copies: free before the probes
-        out["probe"] = probe(cfg, snaps, data, names, a)  # (--probe-ref ran here)
+        out["probe"] = probe(cfg, snaps, data, probed, a)  # (--probe-ref ran here)
         print_probe(out["probe"], a.top)
     if a.json:
         write_json(a.json, out)
