@@ -107,16 +107,45 @@ def test_across_merges_a_seeds_runs_from_several_files(table, tmp_path, rng, cap
     assert "3 seeds (batch/init): 1/1, 2/2, 3/3;" in expect
 
 
-def test_across_refuses_a_run_given_twice_or_a_seed_without_its_reference(table, tmp_path, rng):
+def test_across_refuses_a_run_given_twice_or_a_seed_with_nothing_to_pair(table, tmp_path, rng):
     p = seed_json(tmp_path, 1, {"torch:bf16": 0.01, "ours:bf16": 0.0}, rng)
     a, b = _split(p, {"a.json": ["torch:fp32", "ours:bf16"], "b.json": ["torch:bf16", "ours:bf16"]})
     with pytest.raises(
         SystemExit, match=r"seed 1's ours:bf16 is in .*a\.json.* again in .*b\.json"
     ):
         table.across([a, b])
-    (c,) = _split(p, {"c.json": ["torch:bf16", "ours:bf16"]})
-    with pytest.raises(SystemExit, match=r"seed 1 \(.*c\.json\) has no torch:fp32 run"):
-        table.across([c])
+    d = json.loads(Path(p).read_text())
+    for r in d["runs"].values():
+        r["val"] = []  # (a run with --eval-every 0)
+    c = tmp_path / "c.json"
+    c.write_text(json.dumps({**d, "runs": {k: d["runs"][k] for k in ("torch:bf16", "ours:bf16")}}))
+    with pytest.raises(
+        SystemExit, match=r"seed 1 \(.*c\.json\) has no torch:fp32 run .* and no val"
+    ):
+        table.across([str(c)])
+
+
+def test_seeds_without_the_reference_join_the_final_val_pair_only(table, tmp_path, rng, capsys):
+    """Seeds 3-4 ran only the bf16 pair (no torch:fp32): their final val losses join the paired
+    final val (n = 4), the distances stay over seeds 1-2, and alone they judge nothing."""
+    offs = {"torch:bf16": 0.010, "ours:bf16": 0.004}
+    whole = [seed_json(tmp_path, s, offs, rng) for s in (1, 2)]
+    bf16 = [
+        _split(
+            seed_json(tmp_path, s, {"torch:bf16": 0.0, "ours:bf16": -0.002}, rng),
+            {f"bf16_{s}.json": ["torch:bf16", "ours:bf16"]},
+        )[0]
+        for s in (3, 4)
+    ]
+    assert table.across(whole + bf16)
+    out = capsys.readouterr().out
+    assert "2 seeds (batch/init): 1/1, 2/2;" in out
+    assert "and 2 seeds without torch:fp32 (3/3, 4/4): in the paired final val only" in out
+    # final val: -0.006, -0.006, -0.002, -0.002 (mean -0.004); distances over seeds 1-2 only
+    assert "val_final     ours:bf16 - torch:bf16: -0.0040 +- 0.0012 (4 of 4 seeds <= 0) ok" in out
+    assert "d_train_tail  ours:bf16 - torch:bf16: -0.0060 +- 0.0000 (2 of 2 seeds <= 0) ok" in out
+    assert not table.across(bf16)  # the distances not shown: the aim is not judged met
+    assert "val_final     ours:bf16 - torch:bf16: -0.0020" in capsys.readouterr().out
 
 
 def test_across_names_a_file_it_cannot_read(table, tmp_path, rng):
