@@ -20,16 +20,19 @@
 #   --baseline-dir DIR  an earlier call's conv_b_seedS.json files (this script's, finished or
 #             stopped): a seed reruns only the runs its file lacks, and its JSON holds them all
 #   --extra   more convergence.py arguments (they win over the above), e.g. "--device cpu --model tiny --compact-vocab"
-# PyTorch's runs of seeds 1-24 are kept in bench/baselines/conv_b_seeds (session 49: seeds 1-13 on
-# an H100, 15-16 on an H200, 14 both; session 51: seeds 17-24 on an H100), so a change to ours
-# needs only its own runs (ours:bf16 is about 4 s of GPU a seed; torch:fp32 takes 195 s with 8
-# processes sharing an H100, so new seeds need a call of their own):
+# PyTorch's runs of seeds 1-48 are kept in bench/baselines/conv_b_seeds (session 49: seeds 1-13 on
+# an H100, 15-16 on an H200, 14 both; session 51: seeds 17-24 on an H100; session 54: 25-48 on an
+# H100), so a change to ours needs only its own runs (ours:bf16 is about 4 s of GPU a seed;
+# torch:fp32 takes 195 s with 8 processes sharing an H100, 408 s with 16, so new seeds need a
+# call of their own):
 #   bash packages/blutrain-models/bench/conv_seeds.sh --runs torch:fp32,torch:bf16,ours:bf16 \
 #     --baseline-dir packages/blutrain-models/bench/baselines/conv_b_seeds
 # (session 53, one H100, --jobs 16: ours:bf16 of 24 seeds in 166 s; ours:fp32 of 16 seeds beside
-# ours:bf16 in 446 s.)  Ours' runs of seeds 1-24 at 2e21f52 are kept in bench/baselines/
-# conv_b_seeds_ours, to set a later ours beside (gpu_bf16_table.py --across merges a seed's
-# files); they are not a --baseline-dir for a change to ours, whose runs must rerun.
+# ours:bf16 in 446 s; session 54, --jobs 12 beside four probe processes: torch:bf16 and ours:bf16
+# of 24 seeds in 491 s.)  Ours' runs of seeds 1-48 (1-24 at 2e21f52; 25-48, ours:bf16 only, at
+# 54b3ad6, the same compiled code) are kept in bench/baselines/conv_b_seeds_ours, to set a later
+# ours beside (gpu_bf16_table.py --across merges a seed's files); they are not a --baseline-dir
+# for a change to ours, whose runs must rerun.
 # Needs the packages importable (PYTHONPATH, as gpu_bf16.sh sets it). JSON and logs go to
 # $OUT/seeds (default ./out/seeds).
 set -uo pipefail

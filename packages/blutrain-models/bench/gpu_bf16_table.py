@@ -153,7 +153,7 @@ def across(paths: list[str], ours: str = "ours:bf16") -> bool:
     sums: dict[str, list[dict]] = {}
     seeds, runs_of, per_seed, val_only = [], [], [], []
     merged, setting = merge_seeds(paths)
-    for (seed, init), (a, runs, src) in merged.items():
+    for (seed, init), (a, runs, src) in sorted(merged.items()):  # seed 2 before 10
         if "torch:fp32" not in runs:  # no reference: its runs' final val losses alone count
             if not any(r.get("val") for r in runs.values()):
                 raise SystemExit(
