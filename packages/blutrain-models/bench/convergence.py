@@ -921,15 +921,16 @@ def main() -> int:
                 f"--probe-runs {a.probe_runs!r}: needs --probe and a list of distinct runs"
             )
     for n in dict.fromkeys(names + probed):
+        flag = "--runs" if n in names else "--probe-runs"
         fw, prec, variant = split_name(n)
         if fw not in FRAMEWORKS or prec not in ("fp32", "tf32", "bf16"):
             raise SystemExit(
-                f"--runs: framework:precision[/variant] with ours|torch and fp32|tf32|bf16, "
+                f"{flag}: framework:precision[/variant] with ours|torch and fp32|tf32|bf16, "
                 f"got {n!r}"
             )
         bad = set(variant.split("+")) - {""} - set(VARIANTS[fw])
         if bad:
-            raise SystemExit(f"--runs: {n!r}: {fw}'s variants are {VARIANTS[fw]} ('+' joins them)")
+            raise SystemExit(f"{flag}: {n!r}: {fw}'s variants are {VARIANTS[fw]} ('+' joins them)")
     if len(set(names)) != len(names):
         raise SystemExit(f"--runs lists a run twice: {a.runs!r}")
     if a.device == "cpu":  # the one CPU budget (op loops and BLAS), torch given the same

@@ -51,7 +51,8 @@ def test_probe_runs_probe_untrained_kinds_at_the_references_weights(tmp_path):
     [
         (["--runs", "torch:fp32", "--probe-runs", "ours:bf16"], "needs --probe"),
         (["--runs", "torch:fp32", "--probe", "--probe-runs", "ours:bf16,ours:bf16"], "distinct"),
-        (["--runs", "torch:fp32", "--probe", "--probe-runs", "ours:fp16"], "ours:fp16"),
+        (["--runs", "torch:fp32", "--probe", "--probe-runs", "ours:fp16"], "--probe-runs: "),
+        (["--runs", "torch:fp32", "--probe", "--probe-runs", "ours:bf16/x"], "--probe-runs: "),
     ],
 )
 def test_probe_runs_refuses_what_it_cannot_probe(tmp_path, args, message):
