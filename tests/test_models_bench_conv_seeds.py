@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,41 @@ def test_conv_seeds_reruns_only_what_a_seed_lacks(tmp_path):
             assert after[name]["train_s"] == before[name]["train_s"]
         log = (tmp_path / "b" / "seeds" / f"conv_b_seed{seed}.log").read_text()
         assert "baseline runs (not rerun" in log and "torch:fp32, ours:bf16" in log
+
+
+# convergence.py's stand-in: sleeps $FAKE_SLEEP s and writes an unfinished JSON (no summary, so no
+# table follows); every other command runs on the real interpreter
+FAKE_PYTHON = """#!/usr/bin/env bash
+case "$1" in
+  *convergence.py)
+    json=""
+    while [ $# -gt 0 ]; do [ "$1" = --json ] && json=$2; shift; done
+    sleep "$FAKE_SLEEP"
+    echo '{"args": {}, "runs": {}}' >"$json" ;;
+  *) exec "$REAL_PYTHON" "$@" ;;
+esac
+"""
+
+
+def test_a_seed_that_cannot_finish_by_the_deadline_is_not_started(tmp_path):
+    """Budget 25 s (deadline at 10 s), two jobs, seeds of 6 s: seeds 1 and 2 run; at 6 s seed 3
+    has 4 s left, less than the quickest seed took, so it is not started (stopped at the deadline
+    its runs would be lost, holding the GPU until then)."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path / "out"),
+        "PYTHON": str(fake),
+        "REAL_PYTHON": sys.executable,
+        "FAKE_SLEEP": "6",
+        "CONV_SEEDS_MIN_LEFT": "1",  # (the 60 s floor would start nothing in a 25 s budget)
+    }
+    cmd = ["bash", str(SCRIPT), "--seeds", "1 2 3", "--jobs", "2", "--budget", "25"]
+    r = subprocess.run([*cmd, "--runs", "torch:fp32"], env=env, capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    out = r.stdout
+    assert "seed 1: rc 0," in out and "seed 2: rc 0," in out, out + r.stderr
+    m = re.search(r"seed 3: not started \((\d+) s left; the quickest seed took (\d+) s\)", out)
+    assert m and int(m[1]) < int(m[2]) and int(m[2]) >= 6, out

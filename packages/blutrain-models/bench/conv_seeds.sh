@@ -14,8 +14,9 @@
 #   --seeds   seeds to run, in order (default 1..16)
 #   --jobs    processes at once (default 8)
 #   --runs    convergence.py runs of each seed (default: torch and ours in fp32, tf32 and bf16)
-#   --budget  seconds for the whole script (default 540): seeds not started by then are skipped,
-#             a seed still running then is stopped and left out of the table
+#   --budget  seconds for the whole script (default 540): a seed is not started when less time is
+#             left than the quickest finished seed took (or 60 s), a seed still running at the end
+#             is stopped and left out of the table
 #   --steps   steps per run (default 1000; fewer for a smoke run)
 #   --baseline-dir DIR  an earlier call's conv_b_seedS.json files (this script's, finished or
 #             stopped): a seed reruns only the runs its file lacks, and its JSON holds them all
@@ -59,11 +60,21 @@ while [ $# -gt 0 ]; do
 done
 START=$(date +%s)
 DEADLINE=$(( START + BUDGET - 15 ))  # 15 s for the table
+MIN_LEFT=${CONV_SEEDS_MIN_LEFT:-60}  # s: a seed with less time left is not started
+TOOK=$DIR/.seed_seconds  # how long each finished seed took, one line each
+rm -f "$TOOK"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PYTHONUNBUFFERED=1
 
-one_seed() {  # seed: runs it unless the deadline has passed; the run stops at the deadline
-  local s=$1 left=$(( DEADLINE - $(date +%s) ))
-  if [ "$left" -lt 60 ]; then echo "seed $s: not started ($left s left)"; return; fi
+one_seed() {  # seed: runs it if it can finish by the deadline; the run stops at the deadline
+  local s=$1 left=$(( DEADLINE - $(date +%s) )) quickest
+  # A seed that cannot finish in the time left is not started: stopped at the deadline its runs
+  # are lost, and they hold the GPU until then (session 54: 8 seeds stopped after 143 s, when
+  # each of the 16 before them had taken 408 s).  The quickest finished seed is the estimate.
+  quickest=$(sort -n "$TOOK" 2>/dev/null | head -n 1)
+  if [ "$left" -lt "$MIN_LEFT" ] || { [ -n "$quickest" ] && [ "$left" -lt "$quickest" ]; }; then
+    echo "seed $s: not started ($left s left${quickest:+; the quickest seed took $quickest s})"
+    return
+  fi
   local t0 runs=$RUNS base=() old=${BASE:+$BASE/conv_b_seed$s.json}
   t0=$(date +%s)
   if [ -n "$old" ] && [ -f "$old" ]; then  # only the runs the earlier call did not finish
@@ -77,12 +88,13 @@ print(','.join(r for r in sys.argv[2].split(',') if r not in have))" "$old" "$RU
     --runs "$runs" -B 2 -T 256 --steps "$STEPS" --warmup 50 --eval-batches 16 \
     --seed "$s" --init-seed "$s" --checkpoints "" --json "$DIR/conv_b_seed$s.json" "${base[@]}" $EXTRA \
     >"$DIR/conv_b_seed$s.log" 2>&1
-  local rc=$?
-  echo "seed $s: rc $rc, $(( $(date +%s) - t0 )) s$( [ $rc = 124 ] && echo ' (stopped at the deadline)')"
+  local rc=$? took=$(( $(date +%s) - t0 ))
+  [ $rc = 0 ] && echo "$took" >>"$TOOK"
+  echo "seed $s: rc $rc, $took s$( [ $rc = 124 ] && echo ' (stopped at the deadline)')"
   [ $rc = 0 ] || [ $rc = 124 ] || tail -5 "$DIR/conv_b_seed$s.log"
 }
 export -f one_seed
-export DIR PY RUNS STEPS DEADLINE EXTRA BASE
+export DIR PY RUNS STEPS DEADLINE EXTRA BASE MIN_LEFT TOOK
 # shellcheck disable=SC2086  # SEEDS: a list
 printf '%s\n' $SEEDS | xargs -P "$JOBS" -I{} bash -c 'one_seed {}'
 
