@@ -7,7 +7,8 @@ than torch bf16's, and ours' final val loss at or below torch bf16's.
     python bench/gpu_bf16_table.py --across out/conv_b_seed*.json   # one setting, several seeds
     python bench/gpu_bf16_table.py --across --ours ours:bf16/f32grad out/conv_b_seed*.json
     python bench/gpu_bf16_table.py --across bench/baselines/conv_b_seeds/*.json \
-        bench/baselines/conv_b_seeds_ours/*.json   # kept runs: PyTorch's and ours (session 53)
+        bench/baselines/conv_b_seeds_ours/*.json   # kept runs: PyTorch's and ours (sessions 53-54)
+    python bench/gpu_bf16_table.py --probes bench/baselines/probe_b/*.json  # probes over seeds
 
 --across: one seed ranks nothing (ours fp32 sits as far from torch fp32 as any bf16 run, from
 summation order alone), so the aim is judged on the mean over seeds of each paired difference,
@@ -285,8 +286,50 @@ def windows(runs_of: list[dict], ours: str = "ours:bf16") -> None:
         row(name, diffs, None)
 
 
+def probes(paths: list[str]) -> None:
+    """--probes: convergence.py --probe JSONs of several seeds. Per checkpoint and run kind, the
+    mean +- standard error over the seeds of what each probe measured at its reference's weights
+    (the model-wide figures): the loss bias, the val loss difference, the gradient error and the
+    scale bias against the reference kind's. A file without probes: SystemExit naming it."""
+    per: dict[tuple[int, str], list[tuple[float, float, float, float]]] = {}
+    refs = set()
+    for p in paths:
+        try:
+            with open(p) as f:
+                d = json.load(f)
+            pr, ref = d["probe"], d["args"]["probe_ref"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(
+                f"gpu_bf16_table.py --probes: {p} is not a convergence.py --probe JSON "
+                f"({type(e).__name__}: {e})"
+            ) from None
+        refs.add(ref)
+        for step, res in pr.items():
+            rv = res[ref]["val"]
+            for run, r in res.items():
+                row = (r["loss_bias"], r["val"] - rv, r["grad_rel"]["*"], r["grad_scale"]["*"])
+                per.setdefault((int(step), run), []).append(row)
+    print(
+        f"\nprobes of {len(paths)} seeds at {' / '.join(sorted(refs))}'s weights, mean +- "
+        "standard error over the seeds: loss bias, val difference, gradient error "
+        "||g - r|| / ||r|| and scale bias <g - r, r> / ||r||^2 (model-wide)"
+    )
+    print(f"{'step':>5} {'run':<20} {'n':>2} {'loss bias':>19} {'val diff':>19} {'grad err':>9} "
+          f"{'scale bias':>19}")  # fmt: skip
+    for (step, run), rows in sorted(per.items()):
+        cols = [_mean_se([r[i] for r in rows]) for i in range(4)]
+        (lb, lbe), (dv, dve), (ge, _), (sb, sbe) = cols
+        print(
+            f"{step:>5} {run:<20} {len(rows):>2} {lb:+10.2e}+-{lbe:7.1e} {dv:+10.2e}+-{dve:7.1e} "
+            f"{ge:9.2e} {sb:+10.2e}+-{sbe:7.1e}"
+        )
+
+
 def main() -> int:
     paths = sys.argv[1:]
+    if paths and paths[0] == "--probes":
+        probes(paths[1:])
+        return 0
     if paths and paths[0] == "--across":
         paths, ours = paths[1:], "ours:bf16"
         if paths[:1] == ["--ours"]:

@@ -155,3 +155,36 @@ def test_across_names_a_file_it_cannot_read(table, tmp_path, rng):
     for path in (str(bad), str(tmp_path / "missing.json")):
         with pytest.raises(SystemExit, match=r"cannot read .*(cut|missing)\.json as a convergence"):
             table.across([good, path])
+
+
+def probe_json(tmp_path: Path, seed: int, err: dict[str, float]) -> str:
+    """A convergence.py --probe JSON of one seed at step 60: each run's gradient error err[run],
+    its loss bias and scale bias err[run] / 10, its val loss 5 + err[run]."""
+    res = {
+        run: {
+            "loss_bias": e / 10,
+            "val": 5.0 + e,
+            "grad_rel": {"*": e},
+            "grad_scale": {"*": e / 10},
+        }
+        for run, e in {"torch:fp32": 0.0, **err}.items()
+    }
+    path = tmp_path / f"probe_seed{seed}.json"
+    path.write_text(json.dumps({"args": {"probe_ref": "torch:fp32"}, "probe": {"60": res}}))
+    return str(path)
+
+
+def test_probes_average_each_run_over_the_seeds(table, tmp_path, capsys):
+    paths = [
+        probe_json(tmp_path, 1, {"ours:bf16": 0.004, "torch:bf16": 0.005}),
+        probe_json(tmp_path, 2, {"ours:bf16": 0.006, "torch:bf16": 0.005}),
+    ]
+    table.probes(paths)
+    rows = {ln.split()[1]: ln.split() for ln in capsys.readouterr().out.splitlines()[3:]}
+    # ours:bf16: errors 0.004 and 0.006 (mean 0.005, standard error 0.001)
+    assert rows["ours:bf16"][:4] == ["60", "ours:bf16", "2", "+5.00e-04+-1.0e-04"]
+    assert rows["ours:bf16"][4:] == ["+5.00e-03+-1.0e-03", "5.00e-03", "+5.00e-04+-1.0e-04"]
+    assert rows["torch:bf16"][3] == "+5.00e-04+-0.0e+00"
+    assert rows["torch:fp32"][5] == "0.00e+00"  # the reference against itself
+    with pytest.raises(SystemExit, match=r"conv_b_seed1\.json is not a convergence.py --probe"):
+        table.probes([seed_json(tmp_path, 1, {}, np.random.default_rng(0))])
