@@ -543,7 +543,7 @@ def probe(cfg: Any, snaps: dict, data: Data, names: list[str], a: argparse.Names
             }
             del run
             release(a.device)
-        out[str(step)] = {n: res[n] for n in names}
+        out[str(step)] = {n: res[n] for n in dict.fromkeys([ref, *names])}  # the reference too
     return out
 
 

@@ -164,7 +164,7 @@ def across(paths: list[str], ours: str = "ours:bf16") -> bool:
                 )
             val_only.append(f"{seed}/{init}")
             per_seed.append(
-                {n: {"val_final": r["val"][-1][1]} for n, r in runs.items() if r["val"]}
+                {n: {"val_final": r["val"][-1][1]} for n, r in runs.items() if r.get("val")}
             )
             continue
         # the reference first, then PyTorch's runs, then ours, each in the order given
@@ -297,18 +297,25 @@ def probes(paths: list[str]) -> None:
         try:
             with open(p) as f:
                 d = json.load(f)
-            pr, ref = d["probe"], d["args"]["probe_ref"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            ref = d["args"]["probe_ref"]
+            rows = {
+                (int(step), run): (
+                    r["loss_bias"],
+                    r["val"] - res[ref]["val"],
+                    r["grad_rel"]["*"],
+                    r["grad_scale"]["*"],
+                )
+                for step, res in d["probe"].items()
+                for run, r in res.items()
+            }
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise SystemExit(
                 f"gpu_bf16_table.py --probes: {p} is not a convergence.py --probe JSON "
                 f"({type(e).__name__}: {e})"
             ) from None
         refs.add(ref)
-        for step, res in pr.items():
-            rv = res[ref]["val"]
-            for run, r in res.items():
-                row = (r["loss_bias"], r["val"] - rv, r["grad_rel"]["*"], r["grad_scale"]["*"])
-                per.setdefault((int(step), run), []).append(row)
+        for key, row in rows.items():
+            per.setdefault(key, []).append(row)
     print(
         f"\nprobes of {len(paths)} seeds at {' / '.join(sorted(refs))}'s weights, mean +- "
         "standard error over the seeds: loss bias, val difference, gradient error "
@@ -327,15 +334,20 @@ def probes(paths: list[str]) -> None:
 
 def main() -> int:
     paths = sys.argv[1:]
-    if paths and paths[0] == "--probes":
-        probes(paths[1:])
-        return 0
-    if paths and paths[0] == "--across":
-        paths, ours = paths[1:], "ours:bf16"
-        if paths[:1] == ["--ours"]:
+    mode = paths[0] if paths and paths[0] in ("--probes", "--across") else None
+    ours = "ours:bf16"
+    if mode:
+        paths = paths[1:]
+        if mode == "--across" and paths[:1] == ["--ours"]:
             if len(paths) < 2:
                 raise SystemExit("gpu_bf16_table.py --across --ours RUN JSON...: RUN is missing")
             ours, paths = paths[1], paths[2:]
+        if not paths:
+            raise SystemExit(f"gpu_bf16_table.py {mode}: no JSON files given")
+    if mode == "--probes":
+        probes(paths)
+        return 0
+    if mode == "--across":
         ok = across(paths, ours)
         print(f"\naim (issue 38) on the means over seeds: {'met' if ok else 'NOT met'}")
         return 0

@@ -60,3 +60,11 @@ def test_probe_runs_refuses_what_it_cannot_probe(tmp_path, args, message):
     assert r.returncode != 0 and message in r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "p.json").exists()
+
+
+def test_the_reference_is_in_the_probes_even_when_probe_runs_omits_it(tmp_path):
+    args = ["--runs", "torch:fp32", "--probe", "--probe-runs", "ours:fp32", "--checkpoints", "4"]
+    r = run(tmp_path, *args, "--probe-batches", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    pr = json.loads((tmp_path / "p.json").read_text())["probe"]["4"]
+    assert list(pr) == ["torch:fp32", "ours:fp32"]  # what ours:fp32 is measured against

@@ -188,3 +188,19 @@ def test_probes_average_each_run_over_the_seeds(table, tmp_path, capsys):
     assert rows["torch:fp32"][5] == "0.00e+00"  # the reference against itself
     with pytest.raises(SystemExit, match=r"conv_b_seed1\.json is not a convergence.py --probe"):
         table.probes([seed_json(tmp_path, 1, {}, np.random.default_rng(0))])
+
+
+@pytest.mark.parametrize("argv", [["--probes"], ["--across"], ["--across", "--ours", "ours:x"]])
+def test_a_mode_without_files_says_so(table, monkeypatch, argv):
+    monkeypatch.setattr("sys.argv", ["gpu_bf16_table.py", *argv])
+    with pytest.raises(SystemExit, match=rf"{argv[0]}: no JSON files given"):
+        table.main()
+
+
+def test_probes_name_a_file_missing_its_reference(table, tmp_path):
+    p = Path(probe_json(tmp_path, 1, {"ours:bf16": 0.004}))
+    d = json.loads(p.read_text())
+    del d["probe"]["60"]["torch:fp32"]
+    p.write_text(json.dumps(d))
+    with pytest.raises(SystemExit, match=r"probe_seed1\.json is not a convergence.py --probe"):
+        table.probes([str(p)])
