@@ -577,6 +577,45 @@ def test_bad_index_raises_and_never_writes_out_of_bounds(rng, op):
     np.testing.assert_array_equal(_np(bt.index_select(x, 0, ok)), _np(x)[[0, 3, 1]])
 
 
+# (base or table shape, dim, indices whose last alone is out of range, indices in range or None):
+# the output is empty
+EMPTY_OUT = {
+    "index_add": ((0,), 0, [3], None),  # the fuzz's case (session 54): a (0,) base
+    "index_add_cols": ((0, 5), 1, [2, 7], [4, -5]),  # no rows; index 7 against 5 columns
+    "index_select": ((5, 0), 0, [1, 7], [4, -5]),  # a (5, 0) table
+    "embedding": ((5, 0), 0, [1, -1], [4, 0]),  # embedding's ids must be >= 0
+}
+
+
+@pytest.mark.parametrize("case", list(EMPTY_OUT))
+def test_empty_output_still_checks_its_indices_as_the_cpu(case):
+    """Note [empty outputs check indices] (cuda/index.cu): an op whose output is empty raises on
+    an out-of-range index on CUDA as on the CPU (scatter_add's front refuses these itself)."""
+    shape, dim, bad, good = EMPTY_OUT[case]
+    op = case.removesuffix("_cols")
+
+    def call(dev: str, idx: list) -> bt.Tensor:
+        x = bt.zeros(*shape, device=dev)
+        i = bt.tensor(np.array(idx), dtype=bt.int64).to(dev)
+        if op == "index_add":
+            src = list(shape)
+            src[dim] = len(idx)
+            return bt.index_add(x, dim, i, bt.ones(*src, device=dev))
+        if op == "index_select":
+            return bt.index_select(x, dim, i)
+        return bt.embedding(i, x)
+
+    for dev in ("cpu", "cuda"):
+        with pytest.raises(
+            IndexError,
+            match=rf"\[{op}\] index {bad[-1]} is out of range",
+        ):
+            call(dev, bad).cpu()  # CUDA: raised at the synchronisation
+    if good is not None:  # in range: no error, the CPU's (empty) result
+        got, ref = call("cuda", good), call("cpu", good)
+        assert got.shape == ref.shape and got.numel() == 0
+
+
 # ---- cat ----------------------------------------------------------------------------------------
 
 

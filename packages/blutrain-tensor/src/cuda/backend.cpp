@@ -144,7 +144,15 @@ void synchronize(Device d) {
 
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t nbytes,
                 const char* op) {
-  if (nbytes == 0) return;
+  if (nbytes == 0) {
+    // An empty host read is still a host read: the errors the kernels before it recorded raise
+    // here, as at any other (outside a capture, where a host read raises below).
+    if (!dst_dev.is_cuda() && src_dev.is_cuda() && !cuda::capturing(src_dev.index)) {
+      BT_CUDA_CHECK(op, cudaStreamSynchronize(cuda::stream(src_dev, op)));
+      cuda::check_index_errors(src_dev.index);
+    }
+    return;
+  }
   const Device dev = dst_dev.is_cuda() ? dst_dev : src_dev;
   cudaStream_t s = cuda::stream(dev, op);
   // [graph] host transfers and peer copies synchronise, which capture forbids: say so clearly.

@@ -206,6 +206,16 @@ __global__ void index_keys_kernel(const I* __restrict__ idx, int64_t istride, in
   vals[j] = static_cast<int>(j);
 }
 
+// The range check alone, for an op whose output is empty (Note [empty outputs check indices]).
+template <typename I>
+__global__ void check_index_kernel(const I* __restrict__ idx, int64_t n, StridedOffset ioff,
+                                   int64_t size, int code) {
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    (void)load_index(idx + off_of(ioff, e), size, code);
+  }
+}
+
 struct ScatterGeom {
   int nd;
   int dim;
@@ -409,6 +419,32 @@ void check_ndim(const Tensor& t, const char* op) {
     throw NotImplementedError(std::string("[") + op + "] CUDA kernels support at most " +
                               std::to_string(cuda::kMaxDims) + " dims, got " +
                               std::to_string(t.ndim()));
+  }
+}
+
+// Note [empty outputs check indices]: the CPU range-checks every index whatever the output's
+// size (cpu/index.cpp), so an op whose output is empty (index_add into a (0,) base, index_select
+// of a (5, 0) table) still checks its indices on the device, recording the first bad one as the
+// op's own kernels do; without it CUDA accepted what the CPU refused (the fuzz, session 54).
+// Nothing reads an empty result back, so no later host read would raise the error for this
+// op: outside a graph capture it syncs and raises here, at the call, as the CPU does (a rare
+// case, so the sync costs nothing that matters); under capture the next eager check raises it.
+void check_indices_only(const Tensor& idx, int64_t size, int code, const char* op) {
+  const int64_t n = idx.numel();
+  if (n == 0) return;
+  check_ndim(idx, op);
+  cudaStream_t st = cuda::stream(idx.device(), op);
+  const StridedOffset ioff = cuda::make_offset(idx, op);
+  arm(idx);
+  dispatch_index(idx, op, [&](auto itag) {
+    using I = typename decltype(itag)::type;
+    check_index_kernel<I><<<grid_for(n, idx), kThreads, 0, st>>>(
+        static_cast<const I*>(idx.data_ptr(op)), n, ioff, size, code);
+    BT_CUDA_LAUNCH_CHECK(op);
+  });
+  if (!cuda::capturing(idx.device().index)) {
+    BT_CUDA_CHECK(op, cudaStreamSynchronize(st));
+    cuda::check_index_errors(idx.device().index);
   }
 }
 
@@ -617,15 +653,18 @@ void IndexSelect::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& o
   int64_t outer, D, inner;
   split3(x.shape(), dim, outer, D, inner);
   const int64_t J = idx.numel(), n = out[0].numel();
-  if (n == 0) return;
+  const int code =
+      cuda::device_error_code(embedding ? cuda::kIndexErrorEmbedding : kIndexSelect, nm);
+  if (n == 0) {
+    check_indices_only(idx, D, code, nm);
+    return;
+  }
   check_ndim(x, nm);
   cudaStream_t st = cuda::stream(out[0].device(), nm);
   const size_t es = itemsize(x.dtype());
   const void* xp = x.data_ptr(nm);
   void* outp = out[0].data_ptr(nm);
   const int64_t istride = idx.ndim() == 0 ? 0 : idx.strides()[0];
-  const int code =
-      cuda::device_error_code(embedding ? cuda::kIndexErrorEmbedding : kIndexSelect, nm);
   arm(out[0]);
   dispatch_index(idx, nm, [&](auto itag) {
     using I = typename decltype(itag)::type;
@@ -668,15 +707,18 @@ void IndexAdd::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& out)
   Tensor& o = out[0];
   const Tensor& idx = in[1];
   const Tensor& src = in[2];
-  if (o.numel() == 0) return;
+  int64_t outer, D, inner;
+  split3(o.shape(), dim, outer, D, inner);
+  if (o.numel() == 0) {
+    check_indices_only(idx, D, cuda::device_error_code(kIndexAdd, nm), nm);
+    return;
+  }
   check_ndim(in[0], nm);
   check_ndim(src, nm);
   cudaStream_t st = cuda::stream(o.device(), nm);
   copy_rows(in[0], o.data_ptr(nm), o.numel(), o.numel(), st, nm);
-  int64_t outer, D, inner;
-  split3(o.shape(), dim, outer, D, inner);
   const int64_t J = idx.numel();
-  if (J == 0 || outer * inner == 0) return;
+  if (J == 0) return;
   if (J >= 2147483647) throw NotImplementedError("[index_add] more than 2^31 indices");
   const int64_t istride = idx.ndim() == 0 ? 0 : idx.strides()[0];
   arm(o);
@@ -735,7 +777,10 @@ void ScatterAdd::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& ou
   Tensor& o = out[0];
   const Tensor& idx = in[1];
   const Tensor& src = in[2];
-  if (o.numel() == 0) return;
+  if (o.numel() == 0) {
+    check_indices_only(idx, o.shape()[dim], cuda::device_error_code(kScatterAdd, nm), nm);
+    return;
+  }
   check_ndim(idx, nm);
   check_ndim(src, nm);
   cudaStream_t st = cuda::stream(o.device(), nm);
