@@ -6,8 +6,12 @@
 # run, from summation order alone), so many are needed.
 #
 # Setting B's steps are small (512 tokens): one process leaves the GPU idle most of the time, so
-# JOBS processes run seeds side by side. Each run's numbers do not depend on that (no autotuning,
+# JOBS processes run seeds side by side. The runs' numbers do not depend on that (no autotuning,
 # no timing-dependent choices); only tok/s does, and this script's tok/s are not a speed figure.
+# PyTorch's runs repeat bit for bit from call to call; ours' do not (float atomics in CUDA kernels,
+# session 55: a rerun of 13 seeds moved ours:tf32's table slightly): --extra "--device cuda
+# --deterministic" makes them repeat, and a rerun is otherwise another sample of the same noise.
+# JSON and logs land in $OUT/seeds: on the GPU machine, tar them there (only 8 files come back).
 #
 #   bash packages/blutrain-models/bench/conv_seeds.sh [--seeds "5 6 7"] [--jobs 8]
 #        [--runs LIST] [--budget SECONDS] [--steps N]
@@ -23,7 +27,8 @@
 #   --extra   more convergence.py arguments (they win over the above), e.g. "--device cpu --model tiny --compact-vocab"
 # PyTorch's runs of seeds 1-48 are kept in bench/baselines/conv_b_seeds (session 49: seeds 1-13 on
 # an H100, 15-16 on an H200, 14 both; session 51: seeds 17-24 on an H100; session 54: 25-48 on an
-# H100), so a change to ours needs only its own runs (ours:bf16 is about 4 s of GPU a seed;
+# H100; session 55: torch:tf32 of seeds 1-31, with ours:tf32 in conv_b_seeds_ours, 16 seeds in
+# 338-345 s with 16 processes), so a change to ours needs only its own runs (ours:bf16 is about 4 s of GPU a seed;
 # torch:fp32 takes 195 s with 8 processes sharing an H100, 408 s with 16, so new seeds need a
 # call of their own):
 #   bash packages/blutrain-models/bench/conv_seeds.sh --runs torch:fp32,torch:bf16,ours:bf16 \

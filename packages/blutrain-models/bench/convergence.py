@@ -55,6 +55,16 @@ Diagnostics (--quick turns both on):
       --runs torch:fp32 --probe --probe-runs torch:fp32,torch:bf16,ours:bf16,ours:fp32 \
       --checkpoints 60,100
 - --train-tokens N: train on the first N tokens only (a CPU-sized overfitting setting).
+- --stop-at N: run steps 1..N of the --steps schedule and stop (the last val loss at N): a probe
+  at early checkpoints of a 1000-step run needs only those steps, and the schedule (warmup, the
+  cosine's length) stays the 1000-step run's, so the weights are that run's.
+- --deterministic: ours with bt.cuda.use_deterministic_algorithms(True) (the JSON's
+  "deterministic_algorithms" says how ours ran). Without it ours on CUDA is not bitwise
+  reproducible: session 55 measured two ours:fp32 runs of one seed first differing at step 45
+  (ours:tf32 and ours:bf16 matched over those 200 steps), while PyTorch's runs here reproduced bit
+  for bit across calls. The likely source is the float32 attention backward's dQ by float atomics
+  (Note [tf32 dQ by atomics]), which deterministic mode turns off; not yet run on a GPU this way.
+  A rerun without it is another sample of the same chaos, as another seed is.
 
 Defaults: GPT-2 124M on the shipped Tiny Shakespeare (304K train tokens), B=2 x T=256 = 512 tokens
 a step, so 1000 steps see 512K tokens (1.7 epochs): far less memorisation than the issue's B16 x
@@ -416,6 +426,7 @@ def train(name: str, cfg: Any, state: dict, data: Data, a: argparse.Namespace) -
 
     run = make_run(name, cfg, state, a)
     sched = CosineSchedule(a.lr, a.warmup, a.steps, a.min_lr)
+    last = a.last  # the step the run ends at (--stop-at: the schedule stays --steps')
     loader = data.loader("train", a.B, a.T, a.seed)
     val = data.batches(data.loader("val", a.eval_B, a.T, 0), a.eval_batches)
     ckpts = set(a.checkpoints)
@@ -438,7 +449,7 @@ def train(name: str, cfg: Any, state: dict, data: Data, a: argparse.Namespace) -
 
     sync(a.device)
     t0 = time.perf_counter()
-    for step in range(1, a.steps + 1):
+    for step in range(1, last + 1):
         ((x, y),) = data.batches(loader, 1)
         cap = step in ckpts
         if cap:
@@ -472,7 +483,7 @@ def train(name: str, cfg: Any, state: dict, data: Data, a: argparse.Namespace) -
             t0 = time.perf_counter()
         if len(pending) >= 50:
             flush()
-        if a.eval_every and (step % a.eval_every == 0 or step == a.steps):
+        if a.eval_every and (step % a.eval_every == 0 or step == last):
             flush()
             sync(a.device)
             train_s += time.perf_counter() - t0
@@ -486,7 +497,7 @@ def train(name: str, cfg: Any, state: dict, data: Data, a: argparse.Namespace) -
         "loss": losses,
         "grad_norm": gnorms,
         "val": vals,
-        "tokens_per_s": a.B * a.T * a.steps / train_s,
+        "tokens_per_s": a.B * a.T * last / train_s,
         "train_s": train_s,
         "checkpoints": {str(k): v for k, v in stats.items()},
         "_snap": snaps,
@@ -578,6 +589,7 @@ SAME = (
     "B",
     "T",
     "steps",
+    "stop_at",
     "lr",
     "min_lr",
     "warmup",
@@ -594,7 +606,7 @@ SAME = (
 
 
 # what a SAME setting was before this script had it (older JSONs lack the key)
-OLD_DEFAULTS = {"train_tokens": 0}
+OLD_DEFAULTS = {"train_tokens": 0, "stop_at": 0}
 
 
 def load_baseline(path: str, a: argparse.Namespace, names: list[str]) -> dict[str, dict]:
@@ -659,7 +671,7 @@ def summarize(results: dict[str, dict], a: argparse.Namespace) -> dict:
     ref = reference(names)
     rl = np.array(results[ref]["loss"])
     rv = np.array([v for _, v in results[ref]["val"]])
-    tail = max(1, a.steps // 10)
+    tail = max(1, len(rl) // 10)  # the last tenth of the steps run
     out = {}
     for name, r in results.items():
         loss = np.array(r["loss"])
@@ -708,7 +720,7 @@ def spikes(gnorm: list[float], factor: float = 3.0, half: int = 10) -> list[list
 
 
 def print_summary(summary: dict, a: argparse.Namespace, ref: str) -> None:
-    tail = max(1, a.steps // 10)
+    tail = max(1, a.last // 10)
     print(
         f"\nvs the reference {ref} (same batches): |d train| over all steps / the last {tail}, "
         f"its mean there (bias), |d val| final / mean over evals, signed final; split: the first "
@@ -737,15 +749,15 @@ def print_curves(results: dict[str, dict], a: argparse.Namespace) -> None:
     print(f"{'step':>6} " + " ".join(f"{n:>16}" for n in names))
     for i, (step, _) in enumerate(results[names[0]]["val"]):
         print(f"{step:6d} " + " ".join(f"{results[n]['val'][i][1]:16.4f}" for n in names))
-    w = max(1, a.steps // 10)
+    w = max(1, a.last // 10)
     print(f"\ntrain loss, mean over windows of {w} steps (and the mean gradient norm)")
     print(f"{'steps':>11} " + " ".join(f"{n:>17}" for n in names))
-    for lo in range(0, a.steps, w):
+    for lo in range(0, a.last, w):
         row = []
         for n in names:
             lv, gv = results[n]["loss"][lo : lo + w], results[n]["grad_norm"][lo : lo + w]
             row.append(f"{np.mean(lv):9.4f} ({np.mean(gv):5.2f})")
-        print(f"{lo + 1:5d}-{min(lo + w, a.steps):<5d} " + " ".join(f"{r:>17}" for r in row))
+        print(f"{lo + 1:5d}-{min(lo + w, a.last):<5d} " + " ".join(f"{r:>17}" for r in row))
 
 
 def print_checkpoints(results: dict[str, dict]) -> None:
@@ -866,6 +878,15 @@ def main() -> int:
     ap.add_argument("-T", type=int, default=256)
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument(
+        "--stop-at",
+        type=int,
+        default=0,
+        help="stop after this step of --steps' schedule (0: run all)",
+    )
+    ap.add_argument(
+        "--deterministic", action="store_true", help="ours: bitwise-reproducible kernels"
+    )
+    ap.add_argument(
         "--runs",
         default="torch:fp32,ours:fp32,torch:tf32,ours:tf32,torch:bf16,ours:bf16",
         help="framework:precision list, in order (reference: torch:fp32, else ours:fp32)",
@@ -908,7 +929,15 @@ def main() -> int:
     if a.quick:
         a.steps, a.compare, a.probe = min(a.steps, 100), True, True
         a.eval_every = min(a.eval_every, 25) if a.eval_every else 0
-    a.checkpoints = sorted({int(s) for s in a.checkpoints.split(",") if s and int(s) <= a.steps})
+    if not 0 <= a.stop_at <= a.steps:
+        raise SystemExit(f"--stop-at {a.stop_at}: must be in 0..--steps ({a.steps}); 0 runs all")
+    last = a.last = a.stop_at or a.steps
+    asked = sorted({int(s) for s in a.checkpoints.split(",") if s})
+    if a.stop_at and any(c > last for c in asked):
+        raise SystemExit(
+            f"--checkpoints {a.checkpoints!r}: past --stop-at {a.stop_at}, those would never come"
+        )
+    a.checkpoints = [c for c in asked if c <= a.steps]
     names = [r.strip() for r in a.runs.split(",") if r.strip()]
     a.run_names = names
     if a.probe_ref is not None and a.probe_ref not in names:
@@ -933,6 +962,10 @@ def main() -> int:
             raise SystemExit(f"{flag}: {n!r}: {fw}'s variants are {VARIANTS[fw]} ('+' joins them)")
     if len(set(names)) != len(names):
         raise SystemExit(f"--runs lists a run twice: {a.runs!r}")
+    if a.deterministic:
+        import blutrain.tensor as bt
+
+        bt.cuda.use_deterministic_algorithms(True)
     if a.device == "cpu":  # the one CPU budget (op loops and BLAS), torch given the same
         from blutrain.models.device import set_threads
 
@@ -958,7 +991,8 @@ def main() -> int:
     tokens = a.B * a.T * a.steps
     print(
         f"GPT-2 L={L} H={H} C={C} V={cfg.vocab_size} ({cfg.n_params() / 1e6:.1f}M) on {a.device}; "
-        f"B={a.B} T={a.T}, {a.steps} steps = {tokens:,} tokens = "
+        f"B={a.B} T={a.T}, {a.steps} steps{f' (stopping at {a.stop_at})' if a.stop_at else ''} "
+        f"= {tokens:,} tokens = "
         f"{tokens / data.tokens['train']:.2f} epochs of {data.tokens['train']:,}; val "
         f"{a.eval_batches} x {a.eval_B} x {a.T} tokens every {a.eval_every} steps; lr {a.lr} "
         f"warmup {a.warmup} cosine to {a.min_lr}, wd {a.weight_decay}, clip {a.clip}",
@@ -988,7 +1022,7 @@ def main() -> int:
         r = results[name]
         print(
             f"{name:<24} {time.perf_counter() - t:6.1f} s, {r['tokens_per_s']:8.0f} tok/s, "
-            f"train {np.mean(r['loss'][-max(1, a.steps // 10) :]):.4f}, val "
+            f"train {np.mean(r['loss'][-max(1, len(r['loss']) // 10) :]):.4f}, val "
             f"{r['val'][-1][1] if r['val'] else math.nan:.4f}",
             flush=True,
         )
@@ -1003,8 +1037,11 @@ def main() -> int:
     print_curves(results, a)
     print_checkpoints(results)
     print_summary(summary, a, ref)
+    import blutrain.tensor as bt
+
     out: dict[str, Any] = {
         "args": {k: v for k, v in vars(a).items()},
+        "deterministic_algorithms": bt.are_deterministic_algorithms_enabled(),  # as ours ran
         "reference": ref,
         "summary": summary,
         "runs": strip(results),

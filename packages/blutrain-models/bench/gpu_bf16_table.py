@@ -224,7 +224,8 @@ EARLY = 5  # steps whose signed loss difference is read as a bias (still one tra
 
 def windows(runs_of: list[dict], ours: str = "ours:bf16") -> None:
     """|train loss difference| by window of steps, mean +- standard error over seeds: each run
-    against torch:fp32, each bf16 run against its own framework's fp32, and ours - torch paired."""
+    against torch:fp32, each bf16 run against its own framework's fp32, and ours - torch paired
+    (bf16, and ours:tf32 - torch:tf32)."""
     import numpy as np
 
     steps = min(len(r["torch:fp32"]["loss"]) for r in runs_of)
@@ -266,10 +267,12 @@ def windows(runs_of: list[dict], ours: str = "ours:bf16") -> None:
 
     for (a, b), xs in per.items():
         row(f"{a} - {b}", xs, bias[(a, b)])
-    # paired over the seeds that ran both: ours:bf16 against torch:bf16, each from one reference
+    # paired over the seeds that ran both: ours:bf16 against torch:bf16, each from one reference;
+    # ours:tf32 against torch:tf32 the same way (not part of the aim: a fidelity check)
     for (oa, ob), (ta, tb) in (
         ((ours, "torch:fp32"), ("torch:bf16", "torch:fp32")),
         ((ours, "ours:fp32"), ("torch:bf16", "torch:fp32")),
+        (("ours:tf32", "torch:fp32"), ("torch:tf32", "torch:fp32")),
     ):
         both = [
             (
@@ -283,6 +286,7 @@ def windows(runs_of: list[dict], ours: str = "ours:bf16") -> None:
             continue
         diffs = [[o[x:y].mean() - t[x:y].mean() for x, y in wins] for o, t in both]
         name = "ours - torch" + (" (own fp32)" if ob == "ours:fp32" else "")
+        name = "ours:tf32 - torch:tf32" if oa == "ours:tf32" else name
         row(name, diffs, None)
 
 

@@ -68,3 +68,51 @@ def test_the_reference_is_in_the_probes_even_when_probe_runs_omits_it(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     pr = json.loads((tmp_path / "p.json").read_text())["probe"]["4"]
     assert list(pr) == ["torch:fp32", "ours:fp32"]  # what ours:fp32 is measured against
+
+
+def test_stop_at_runs_the_first_steps_of_the_full_schedule(tmp_path):
+    """--stop-at N: the first N steps of the --steps run, the same losses and checkpoint weights
+    (the schedule's length stays --steps), so a probe at early steps need not train the rest."""
+    args = ["--runs", "ours:fp32", "--checkpoints", "2,4"]
+    full = run(tmp_path, *args)
+    assert full.returncode == 0, full.stderr[-2000:]
+    f = json.loads((tmp_path / "p.json").read_text())["runs"]["ours:fp32"]
+    cut = run(tmp_path, *args, "--stop-at", "4")
+    assert cut.returncode == 0, cut.stderr[-2000:]
+    c = json.loads((tmp_path / "p.json").read_text())["runs"]["ours:fp32"]
+    assert len(f["loss"]) == 6 and c["loss"] == f["loss"][:4]
+    assert c["checkpoints"] == f["checkpoints"]  # weights, updates, gradients at steps 2 and 4
+    assert [s for s, _ in c["val"]] == [0, 3, 4]  # the last val loss where the run stops
+    # a baseline is a run of the same length: a full run is not one for --stop-at 4
+    base = tmp_path / "base.json"
+    (tmp_path / "p.json").rename(base)
+    r = run(tmp_path, "--runs", "torch:fp32", "--checkpoints", "", "--baseline", str(base))
+    assert r.returncode != 0 and "stop_at 4" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--stop-at", "7"], "--stop-at 7: must be in 0..--steps (6)"),
+        (["--stop-at", "-1"], "--stop-at -1: must be in 0..--steps"),
+        (["--stop-at", "3", "--checkpoints", "2,4"], "past --stop-at 3"),
+    ],
+)
+def test_stop_at_refuses_what_it_cannot_do(tmp_path, args, message):
+    r = run(tmp_path, "--runs", "ours:fp32", *args)
+    assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_deterministic_reproduces_ours_bit_for_bit(tmp_path):
+    """--deterministic turns on blutrain's deterministic algorithms for ours' runs (the JSON says
+    whether they were on); two such runs give the same losses bit for bit."""
+    losses = []
+    for flag in ([], ["--deterministic"], ["--deterministic"]):
+        r = run(tmp_path, "--runs", "ours:fp32,ours:tf32", "--checkpoints", "", *flag)
+        assert r.returncode == 0, r.stderr[-2000:]
+        d = json.loads((tmp_path / "p.json").read_text())
+        assert d["deterministic_algorithms"] is bool(flag)
+        losses.append({k: v["loss"] for k, v in d["runs"].items()})
+    assert losses[1] == losses[2]

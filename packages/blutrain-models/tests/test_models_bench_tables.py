@@ -60,6 +60,16 @@ def test_across_pairs_each_seed_and_reads_the_windows(table, tmp_path, rng, caps
     assert rows["ours - torch"].split()[4] == "-0.0070+-0.0006"  # paired, seed by seed
 
 
+def test_across_pairs_tf32_distances_seed_by_seed(table, tmp_path, rng, capsys):
+    """ours:tf32's distance from torch:fp32 minus torch:tf32's, paired by seed, by window."""
+    offs = [{"torch:tf32": 0.001 * (i + 1), "ours:tf32": -0.003 * (i + 1)} for i in range(3)]
+    paths = [seed_json(tmp_path, i + 1, o, rng) for i, o in enumerate(offs)]
+    table.across(paths)
+    rows = {ln[:24].strip(): ln for ln in capsys.readouterr().out.splitlines()}
+    # |-0.003 k| - |0.001 k| = 0.002 k for k = 1, 2, 3: mean 0.004, standard error 0.002/sqrt(3)
+    assert rows["ours:tf32 - torch:tf32"].split()[4:6] == ["+0.0040+-0.0012", "+0.0040+-0.0012"]
+
+
 def test_across_is_not_met_when_ours_is_farther_or_nothing_is_judged(table, tmp_path, rng):
     far = [seed_json(tmp_path, s, {"torch:bf16": 0.01, "ours:bf16": 0.02}, rng) for s in (1, 2)]
     assert not table.across(far)
