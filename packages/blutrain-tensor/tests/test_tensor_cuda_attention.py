@@ -980,3 +980,33 @@ def test_sdpa_non_finite_rules_match_the_cpu(rng, dtype):
         outs.append(_np(bt.scaled_dot_product_attention(*ts, is_causal=True)))
     _same_pattern(outs[1], outs[0], 4 * RTOL[dtype], "sdpa")
     assert np.isfinite(outs[1][1, 2, :100]).all() and np.isfinite(outs[1][0, 1, :77]).all()
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_attention_precision_highest_is_3xtf32_under_high(rng, D):
+    """bt.set_float32_attention_precision("highest") under matmul precision "high": the attention
+    (forward and backward) runs 3xTF32, bit for bit what "highest" matmul precision gives, while
+    the default ("matmul") follows "high" to 1xTF32."""
+    B, T, H = 1, 256, 2
+    x, _ = _split_qkv(rng, B, T, H, D, bt.float32)
+    g = bt.tensor(rng.standard_normal((B, H, T, D)), dtype=bt.float32, device="cuda")
+
+    def run(matmul: str, attention: str) -> tuple[np.ndarray, np.ndarray]:
+        old = bt.get_float32_attention_precision()
+        bt.set_float32_attention_precision(attention)
+        try:
+            with _precision(matmul), _deterministic(True):  # bitwise comparable backwards
+                x.grad = None
+                q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in x.split(H * D, dim=2))
+                out, _ = _tensor.flash_attention(q, k, v, is_causal=True)
+                out.backward(g)
+        finally:
+            bt.set_float32_attention_precision(old)
+        return _np(out), _np(x.grad)
+
+    exact = run("highest", "matmul")
+    pinned = run("high", "highest")
+    fast = run("high", "matmul")
+    assert np.array_equal(pinned[0], exact[0]) and np.array_equal(pinned[1], exact[1])
+    assert not np.array_equal(fast[0], exact[0])
+    assert bt.get_float32_attention_precision() == "matmul"
