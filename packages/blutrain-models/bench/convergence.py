@@ -62,11 +62,12 @@ Diagnostics (--quick turns both on):
   cosine's length) stays the 1000-step run's, so the weights are that run's.
 - --deterministic: ours with bt.cuda.use_deterministic_algorithms(True) (the JSON's
   "deterministic_algorithms" says how ours ran). Without it ours on CUDA is not bitwise
-  reproducible: session 55 measured two ours:fp32 runs of one seed first differing at step 45
-  (ours:tf32 and ours:bf16 matched over those 200 steps), while PyTorch's runs here reproduced bit
-  for bit across calls. The likely source is the float32 attention backward's dQ by float atomics
-  (Note [tf32 dQ by atomics]), which deterministic mode turns off; not yet run on a GPU this way.
-  A rerun without it is another sample of the same chaos, as another seed is.
+  reproducible: session 55 measured two ours:fp32 runs of one seed first differing at step 46
+  (the gradient norm; the loss from step 49; ours:tf32 and ours:bf16 matched over those 200
+  steps), while PyTorch's runs here reproduced bit for bit across calls. The likely source is
+  the float32 attention backward's dQ by float atomics (Note [tf32 dQ by atomics]), which
+  deterministic mode turns off; not yet run on a GPU this way. A rerun without it is another
+  sample of the same chaos, as another seed is.
 
 Defaults: GPT-2 124M on the shipped Tiny Shakespeare (304K train tokens), B=2 x T=256 = 512 tokens
 a step, so 1000 steps see 512K tokens (1.7 epochs): far less memorisation than the issue's B16 x
