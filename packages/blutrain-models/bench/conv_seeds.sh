@@ -28,9 +28,9 @@
 # PyTorch's runs of seeds 1-48 are kept in bench/baselines/conv_b_seeds (session 49: seeds 1-13 on
 # an H100, 15-16 on an H200, 14 both; session 51: seeds 17-24 on an H100; session 54: 25-48 on an
 # H100; session 55: torch:tf32 of seeds 1-31, with ours:tf32 in conv_b_seeds_ours, 16 seeds in
-# 338-345 s with 16 processes), so a change to ours needs only its own runs (ours:bf16 is about 4 s of GPU a seed;
-# torch:fp32 takes 195 s with 8 processes sharing an H100, 408 s with 16, so new seeds need a
-# call of their own):
+# 338-345 s with 16 processes), so a change to ours needs only its own runs (ours:bf16 is about
+# 4 s of GPU a seed; torch:fp32 takes 195 s with 8 processes sharing an H100, 408 s with 16, so
+# new seeds need a call of their own):
 #   bash packages/blutrain-models/bench/conv_seeds.sh --runs torch:fp32,torch:bf16,ours:bf16 \
 #     --baseline-dir packages/blutrain-models/bench/baselines/conv_b_seeds
 # (session 53, one H100, --jobs 16: ours:bf16 of 24 seeds in 166 s; ours:fp32 of 16 seeds beside

@@ -994,7 +994,7 @@ def main() -> int:
     )
     n_val = data.loader("val", a.eval_B, a.T, 0).batches_per_epoch
     a.eval_batches = n_val if a.eval_batches <= 0 else min(a.eval_batches, n_val)
-    tokens = a.B * a.T * a.steps
+    tokens = a.B * a.T * a.last  # the tokens this call trains on (--stop-at: its steps)
     print(
         f"GPT-2 L={L} H={H} C={C} V={cfg.vocab_size} ({cfg.n_params() / 1e6:.1f}M) on {a.device}; "
         f"B={a.B} T={a.T}, {a.steps} steps{f' (stopping at {a.stop_at})' if a.stop_at else ''} "

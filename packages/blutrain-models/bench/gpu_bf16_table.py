@@ -269,10 +269,10 @@ def windows(runs_of: list[dict], ours: str = "ours:bf16") -> None:
         row(f"{a} - {b}", xs, bias[(a, b)])
     # paired over the seeds that ran both: ours:bf16 against torch:bf16, each from one reference;
     # ours:tf32 against torch:tf32 the same way (not part of the aim: a fidelity check)
-    for (oa, ob), (ta, tb) in (
-        ((ours, "torch:fp32"), ("torch:bf16", "torch:fp32")),
-        ((ours, "ours:fp32"), ("torch:bf16", "torch:fp32")),
-        (("ours:tf32", "torch:fp32"), ("torch:tf32", "torch:fp32")),
+    for name, (oa, ob), (ta, tb) in (
+        ("ours - torch", (ours, "torch:fp32"), ("torch:bf16", "torch:fp32")),
+        ("ours - torch (own fp32)", (ours, "ours:fp32"), ("torch:bf16", "torch:fp32")),
+        ("ours:tf32 - torch:tf32", ("ours:tf32", "torch:fp32"), ("torch:tf32", "torch:fp32")),
     ):
         both = [
             (
@@ -285,8 +285,6 @@ def windows(runs_of: list[dict], ours: str = "ours:bf16") -> None:
         if len(both) < 2:
             continue
         diffs = [[o[x:y].mean() - t[x:y].mean() for x, y in wins] for o, t in both]
-        name = "ours - torch" + (" (own fp32)" if ob == "ours:fp32" else "")
-        name = "ours:tf32 - torch:tf32" if oa == "ours:tf32" else name
         row(name, diffs, None)
 
 
