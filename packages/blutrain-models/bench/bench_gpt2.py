@@ -399,9 +399,10 @@ def main() -> int:
     p.add_argument(
         "--attention-precision",
         default="matmul",
-        choices=["matmul", "highest"],
+        choices=["matmul", "scores", "highest"],
         help="ours: the float32 attention's precision (bt.set_float32_attention_precision): "
-        "matmul (follow the mode: TF32 under tf32) or highest (3xTF32, as PyTorch's float32 SDPA)",
+        "matmul (follow the mode: TF32 under tf32), scores (its scores Q K^T in 3xTF32) or "
+        "highest (3xTF32, as PyTorch's float32 SDPA)",
     )
     p.add_argument(
         "--gemm-autotune",

@@ -53,18 +53,30 @@ AttentionPrecision float32_attention_precision() {
 }
 AttentionPrecision parse_attention_precision(const std::string& s) {
   if (s == "matmul") return AttentionPrecision::Matmul;
+  if (s == "scores") return AttentionPrecision::Scores;
   if (s == "highest") return AttentionPrecision::Highest;
   throw ValueError(
-      "[set_float32_attention_precision] expected 'matmul' (follow the matmul precision) or "
-      "'highest' (3xTF32), got '" +
+      "[set_float32_attention_precision] expected 'matmul' (follow the matmul precision), "
+      "'scores' (3xTF32 for the scores Q K^T, the rest as the matmul precision) or 'highest' "
+      "(3xTF32), got '" +
       s + "'");
 }
 const char* attention_precision_name(AttentionPrecision p) {
-  return p == AttentionPrecision::Highest ? "highest" : "matmul";
+  switch (p) {
+    case AttentionPrecision::Highest:
+      return "highest";
+    case AttentionPrecision::Scores:
+      return "scores";
+    default:
+      return "matmul";
+  }
 }
 bool float32_attention_exact() {
   return float32_attention_precision() == AttentionPrecision::Highest ||
          float32_matmul_precision() == MatmulPrecision::Highest;
+}
+bool float32_attention_scores_exact() {
+  return float32_attention_exact() || float32_attention_precision() == AttentionPrecision::Scores;
 }
 
 // ---- linear_gelu_linear's implementation choice ------------------------------------------------

@@ -3049,7 +3049,7 @@ def _globals(g: Gen, name: str = "") -> Call:
             Arg(repr(g.pick(["highest", "high", "medium"])), "str", "precision")
         ],
         "set_float32_attention_precision": [
-            Arg(repr(g.pick(["matmul", "highest"])), "str", "precision")
+            Arg(repr(g.pick(["matmul", "scores", "highest"])), "str", "precision")
         ],
         "use_deterministic_algorithms": [Arg(repr(g.chance(0.5)), "bool", "mode")],
         "set_cast_cache_enabled": [Arg(repr(g.chance(0.5)), "bool", "enabled")],

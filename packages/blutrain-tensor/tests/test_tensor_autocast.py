@@ -40,7 +40,7 @@ def test_matmul_precision_roundtrip():
 
 def test_attention_precision_roundtrip():
     assert bt.get_float32_attention_precision() == "matmul"
-    for p in ("highest", "matmul"):
+    for p in ("highest", "scores", "matmul"):
         bt.set_float32_attention_precision(p)
         assert bt.get_float32_attention_precision() == p
     with pytest.raises(ValueError, match=r"set_float32_attention_precision.*got 'high'"):

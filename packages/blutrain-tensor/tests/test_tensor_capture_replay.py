@@ -391,17 +391,18 @@ def test_matmul_precision_is_recorded_and_replayed():
     assert [_bytes(t) for t in g2.replay()][0] != want[0]
 
 
-def test_attention_precision_is_recorded_and_replayed():
+@pytest.mark.parametrize("prec", ["highest", "scores"])
+def test_attention_precision_is_recorded_and_replayed(prec):
     """The attention ops record the float32 attention precision (the CPU's attention is float32
     either way: the bits are checked on CUDA); replay sets each node's and puts the global back."""
-    bt.set_float32_attention_precision("highest")
+    bt.set_float32_attention_precision(prec)
     try:
         g = run(CASES["attention"])
     finally:
         bt.set_float32_attention_precision("matmul")
     att = [n for n in g.nodes if "attention" in n["op"]]
     assert {n["op"] for n in att} >= {"flash_attention", "flash_attention_backward"}
-    assert all(n["numerics"]["attention_precision"] == "highest" for n in att)
+    assert all(n["numerics"]["attention_precision"] == prec for n in att)
     mm = [n for n in g.nodes if n["op"] == "matmul"]
     assert all("attention_precision" not in n["numerics"] for n in mm)
     g.replay()

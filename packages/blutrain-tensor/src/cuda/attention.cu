@@ -1421,8 +1421,8 @@ namespace bt {
 using namespace cuda;
 
 // float32 on tensor cores (attention_tf32.cu): 1xTF32 for "high"/"medium", 3xTF32 (fp32-accurate)
-// for "highest" or when the attention precision is "highest" (autocast.h).  (The forward writes
-// o (B, L, H, D) contiguous; dg is the backward's.)
+// for "highest" or when the attention precision is "highest", 3xTF32 scores only when it is
+// "scores" (autocast.h).  (The forward writes o (B, L, H, D) contiguous; dg is the backward's.)
 static AttnTf32Args tf32_args(const AttnParams& p) {
   AttnTf32Args a{};
   a.B = p.B, a.H = p.H, a.L = p.L, a.S = p.S, a.D = p.D;
@@ -1434,6 +1434,7 @@ static AttnTf32Args tf32_args(const AttnParams& p) {
   a.scale = p.scale;
   a.causal = p.causal;
   a.exact = float32_attention_exact();  // the matmul or the attention precision "highest"
+  a.exact_scores = float32_attention_scores_exact();  // or the attention precision "scores"
   return a;
 }
 // The float32 backward's dQ by atomics (Note [tf32 dQ by atomics]) outside deterministic mode,

@@ -24,7 +24,8 @@ weights): ``set_precision`` converts them, so call it before building the optimi
 (``bt.set_float32_matmul_precision``): 'highest' = fp32-accurate (on CUDA, blutrain-linalg's
 3xTF32 kernel), 'high' = TF32 tensor cores. The fused float32 attention follows it unless
 ``bt.set_float32_attention_precision('highest')`` keeps it 3xTF32 (PyTorch's float32
-scaled_dot_product_attention is float32-accurate under allow_tf32; ours in TF32 is faster).
+scaled_dot_product_attention is float32-accurate under allow_tf32; ours in TF32 is faster) or
+``'scores'`` keeps only its scores Q K^T 3xTF32 (most of the accuracy for less time).
 
 Presets: ``fp32()`` (compute float32, 'highest'), ``tf32()`` (float32 + 'high'), ``bf16()``
 (compute bfloat16, params float32, 'highest' for the float32 parts).
