@@ -145,6 +145,7 @@ def run_ours(a: argparse.Namespace, graph: bool = False) -> dict:
     model.residual_grad_dtype = a.residual_grad_dtype
     model.classifier_chunk_size = a.classifier_chunk or None
     set_matmul_precision(a.mode)
+    bt.set_float32_attention_precision(a.attention_precision)
     opt = AdamW(model.named_parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     params = list(model.parameters())
     rng = np.random.default_rng(0)
@@ -396,6 +397,14 @@ def main() -> int:
         "residual_grad_dtype): compute (bf16, the default) or float32 (autocast's; more bytes)",
     )
     p.add_argument(
+        "--attention-precision",
+        default="matmul",
+        choices=["matmul", "scores", "highest"],
+        help="ours: the float32 attention's precision (bt.set_float32_attention_precision): "
+        "matmul (follow the mode: TF32 under tf32), scores (its scores Q K^T in 3xTF32) or "
+        "highest (3xTF32, as PyTorch's float32 SDPA)",
+    )
+    p.add_argument(
         "--gemm-autotune",
         default="on",
         choices=["on", "off"],
@@ -460,6 +469,8 @@ def main() -> int:
                 a.residual_dtype,
                 "--residual-grad-dtype",
                 a.residual_grad_dtype,
+                "--attention-precision",
+                a.attention_precision,
             ]
             t0 = time.perf_counter()
             try:

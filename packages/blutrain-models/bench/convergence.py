@@ -18,7 +18,11 @@ unfused = fused=False (no add_layer_norm, linear_gelu_linear, qkv_attention, lin
 plain ops, whose float32 stream also carries a float32 gradient), flash = on the CPU, the fused
 attention (bt.backends.use_flash_attention_cpu: float32 scores and softmax, as the CUDA kernels
 compute them; the CPU's default composes matmul + softmax in the compute dtype, so its bf16 runs
-round the scores to bf16, which CUDA's do not; nothing changes on CUDA).
+round the scores to bf16, which CUDA's do not; nothing changes on CUDA), exactattn =
+bt.set_float32_attention_precision("highest") (on CUDA the float32 attention in 3xTF32 under
+tf32, as PyTorch's float32 scaled_dot_product_attention; nothing changes on the CPU or in bf16),
+exactscores = bt.set_float32_attention_precision("scores") (only the attention's scores Q K^T
+in 3xTF32).
 
 Per run: the training loss and the gradient norm of every step, the validation loss (the whole
 val split) every --eval-every steps, tokens/s, and at each --checkpoints step the norms of every
@@ -206,6 +210,10 @@ class Ours:
         self.model.residual_grad_dtype = grad
         self.model.load_state_dict(state)
         set_matmul_precision(precision)
+        # exactattn: float32 attention in 3xTF32 under tf32, as PyTorch's; exactscores: only its
+        # scores (process-wide: each run sets it, so the runs after this one get the default)
+        attn = "highest" if "exactattn" in flags else "scores" if "exactscores" in flags else None
+        bt.set_float32_attention_precision(attn or "matmul")
         self.named = list(self.model.named_parameters())
         self.params = [p for _, p in self.named]
         self.opt = AdamW(
@@ -354,7 +362,10 @@ class Torch:
 
 
 FRAMEWORKS = {"ours": Ours, "torch": Torch}
-VARIANTS = {"ours": ("bf16res", "unfused", "flash", "f32grad"), "torch": ()}
+VARIANTS = {
+    "ours": ("bf16res", "unfused", "flash", "f32grad", "exactattn", "exactscores"),
+    "torch": (),
+}
 
 
 def split_name(name: str) -> tuple[str, str, str]:

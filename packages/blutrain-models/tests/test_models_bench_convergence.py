@@ -116,3 +116,16 @@ def test_deterministic_reproduces_ours_bit_for_bit(tmp_path):
         assert d["deterministic_algorithms"] is bool(flag)
         losses.append({k: v["loss"] for k, v in d["runs"].items()})
     assert losses[1] == losses[2]
+
+
+def test_exactattn_is_accepted_and_changes_nothing_on_the_cpu(tmp_path):
+    """ours:tf32/exactattn and /exactscores set the float32 attention precision "highest" and
+    "scores" for their runs only: on the CPU (float32 attention either way) their losses are
+    ours:tf32's bit for bit."""
+    runs = "ours:fp32,ours:tf32/exactattn,ours:tf32/exactscores,ours:tf32"
+    r = run(tmp_path, "--runs", runs, "--checkpoints", "")
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads((tmp_path / "p.json").read_text())["runs"]
+    assert d["ours:tf32/exactattn"]["loss"] == d["ours:tf32"]["loss"]
+    assert d["ours:tf32/exactscores"]["loss"] == d["ours:tf32"]["loss"]
+    assert d["ours:tf32"]["loss"] != d["ours:fp32"]["loss"]  # tf32's GEMMs do round

@@ -42,6 +42,43 @@ const char* matmul_precision_name(MatmulPrecision p) {
   }
 }
 
+// ---- float32 attention precision ---------------------------------------------------------------
+static std::atomic<int> g_attention_precision{static_cast<int>(AttentionPrecision::Matmul)};
+
+void set_float32_attention_precision(AttentionPrecision p) {
+  g_attention_precision.store(static_cast<int>(p), std::memory_order_relaxed);
+}
+AttentionPrecision float32_attention_precision() {
+  return static_cast<AttentionPrecision>(g_attention_precision.load(std::memory_order_relaxed));
+}
+AttentionPrecision parse_attention_precision(const std::string& s) {
+  if (s == "matmul") return AttentionPrecision::Matmul;
+  if (s == "scores") return AttentionPrecision::Scores;
+  if (s == "highest") return AttentionPrecision::Highest;
+  throw ValueError(
+      "[set_float32_attention_precision] expected 'matmul' (follow the matmul precision), "
+      "'scores' (3xTF32 for the scores Q K^T, the rest as the matmul precision) or 'highest' "
+      "(3xTF32), got '" +
+      s + "'");
+}
+const char* attention_precision_name(AttentionPrecision p) {
+  switch (p) {
+    case AttentionPrecision::Highest:
+      return "highest";
+    case AttentionPrecision::Scores:
+      return "scores";
+    default:
+      return "matmul";
+  }
+}
+bool float32_attention_exact() {
+  return float32_attention_precision() == AttentionPrecision::Highest ||
+         float32_matmul_precision() == MatmulPrecision::Highest;
+}
+bool float32_attention_scores_exact() {
+  return float32_attention_exact() || float32_attention_precision() == AttentionPrecision::Scores;
+}
+
 // ---- linear_gelu_linear's implementation choice ------------------------------------------------
 // -1: not read yet; -2: BLUTRAIN_LGL_EPILOGUE holds an unknown name (every use raises).
 static std::atomic<int> g_lgl_impl{-1};

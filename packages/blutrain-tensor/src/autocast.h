@@ -29,6 +29,25 @@ MatmulPrecision float32_matmul_precision();
 MatmulPrecision parse_matmul_precision(const std::string& s);  // ValueError on unknown names
 const char* matmul_precision_name(MatmulPrecision p);
 
+// ---- float32 attention precision ---------------------------------------------------------------
+// How the fused float32 attention kernels (CUDA, tensor cores) form their products: "matmul" (the
+// default) follows the matmul precision (1xTF32 unless it is "highest"), "highest" is 3xTF32
+// (float32-accurate) whatever the matmul precision says, as PyTorch's float32
+// scaled_dot_product_attention (its memory-efficient kernel) is under allow_tf32, and "scores"
+// is 3xTF32 for the scores Q K^T only, the other products as "matmul" (Note [scores in 3xTF32]
+// in cuda/attention_tf32.cu: the scores carry most of 1xTF32's error). The CPU's attention is
+// float32 either way. Process-wide, atomic; read when each attention kernel runs, so set it
+// before a forward and leave it until its backward ran.
+enum class AttentionPrecision : int { Matmul = 0, Highest = 1, Scores = 2 };
+void set_float32_attention_precision(AttentionPrecision p);
+AttentionPrecision float32_attention_precision();
+AttentionPrecision parse_attention_precision(const std::string& s);  // ValueError on unknown names
+const char* attention_precision_name(AttentionPrecision p);
+// Whether float32 attention runs float32-accurate (3xTF32) now: either setting says "highest".
+bool float32_attention_exact();
+// Whether its scores Q K^T do: float32_attention_exact() or the attention precision "scores".
+bool float32_attention_scores_exact();
+
 // ---- generator state (defined in ops.cpp, next to the generator) ------------------------------
 std::pair<uint64_t, uint64_t> get_rng_state();  // (seed, offset)
 void set_rng_state(uint64_t seed, uint64_t offset);

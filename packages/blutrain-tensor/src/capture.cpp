@@ -203,6 +203,10 @@ void Graph::record(const std::string& op, const Attrs& attrs, const std::vector<
         std::string(matmul_precision_name(float32_matmul_precision()));
   }
   if (s->numerics & kDeterministic) n.numerics["deterministic"] = deterministic_algorithms();
+  if (s->numerics & kAttentionPrecision) {
+    n.numerics["attention_precision"] =
+        std::string(attention_precision_name(float32_attention_precision()));
+  }
   for (auto& t : out) {
     const int64_t root = s->view && !n.inputs.empty() && n.inputs[0] >= 0 ? root_[n.inputs[0]] : -1;
     n.outputs.push_back(new_value(t, root));
@@ -355,6 +359,8 @@ void Graph::check_new_node(const CaptureNode& n, const char* who) const {
   for (const auto& [k, v] : n.numerics) {
     if (k == "matmul_precision") {
       parse_matmul_precision(std::get<std::string>(v));
+    } else if (k == "attention_precision") {
+      parse_attention_precision(std::get<std::string>(v));
     } else if (k != "deterministic") {
       throw ValueError(pre + "unknown numerics setting '" + k + "'");
     }

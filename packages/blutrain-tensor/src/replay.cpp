@@ -20,6 +20,7 @@ namespace {
 struct NumericsGuard {
   std::optional<MatmulPrecision> precision;
   std::optional<bool> deterministic;
+  std::optional<AttentionPrecision> attention;  // absent in graphs saved before it existed
   explicit NumericsGuard(const Attrs& n) {
     if (auto it = n.find("matmul_precision"); it != n.end()) {
       const MatmulPrecision p = parse_matmul_precision(std::get<std::string>(it->second));
@@ -30,10 +31,16 @@ struct NumericsGuard {
       deterministic = deterministic_algorithms();
       set_deterministic_algorithms(std::get<bool>(it->second));
     }
+    if (auto it = n.find("attention_precision"); it != n.end()) {
+      const AttentionPrecision p = parse_attention_precision(std::get<std::string>(it->second));
+      attention = float32_attention_precision();
+      set_float32_attention_precision(p);
+    }
   }
   ~NumericsGuard() {
     if (precision) set_float32_matmul_precision(*precision);
     if (deterministic) set_deterministic_algorithms(*deterministic);
+    if (attention) set_float32_attention_precision(*attention);
   }
 };
 

@@ -69,6 +69,7 @@ std::shared_ptr<Primitive> mk(A&&... args) {
 }
 
 constexpr unsigned kGemm = kMatmulPrecision | kDeterministic;
+constexpr unsigned kAttention = kGemm | kAttentionPrecision;  // float32 attention kernels
 
 std::vector<OpSchema> build() {
   std::vector<OpSchema> v;
@@ -246,26 +247,27 @@ std::vector<OpSchema> build() {
 
   // ---- attention (attention.h)
   add("flash_attention", "FlashAttention", {{"scale", AT::Float}, {"causal", AT::Bool}},
-      [](const Attrs& a) { return mk<FlashAttention>(F(a, "scale"), B(a, "causal")); }, kGemm);
+      [](const Attrs& a) { return mk<FlashAttention>(F(a, "scale"), B(a, "causal")); },
+      kAttention);
   add("flash_attention_backward", "FlashAttentionBackward",
       {{"scale", AT::Float}, {"causal", AT::Bool}, {"heads_major", AT::Bool}},
       [](const Attrs& a) {
         return mk<FlashAttentionBackward>(F(a, "scale"), B(a, "causal"), B(a, "heads_major"));
       },
-      kGemm);
+      kAttention);
   add("flash_attention_packed", "FlashAttentionPacked",
       {{"scale", AT::Float}, {"causal", AT::Bool}, {"heads", AT::Int}},
       [](const Attrs& a) {
         return mk<FlashAttentionPacked>(F(a, "scale"), B(a, "causal"), I(a, "heads"));
       },
-      kGemm);
+      kAttention);
   add("flash_attention_packed_backward", "FlashAttentionPackedBackward",
       {{"scale", AT::Float}, {"causal", AT::Bool}, {"heads", AT::Int}, {"colsum", AT::Bool}},
       [](const Attrs& a) {
         return mk<FlashAttentionPackedBackward>(F(a, "scale"), B(a, "causal"), I(a, "heads"),
                                                 B(a, "colsum"));
       },
-      kGemm);
+      kAttention);
   add("qkv_attention", "QkvAttention",
       {{"scale", AT::Float},
        {"causal", AT::Bool},
@@ -276,7 +278,7 @@ std::vector<OpSchema> build() {
         return mk<QkvAttention>(F(a, "scale"), B(a, "causal"), I(a, "heads"), I(a, "seq"),
                                 B(a, "bias"));
       },
-      kGemm);
+      kAttention);
 
   // ---- fused linear layers (autocast.h)
   add("linear_gelu", "LinearGelu", {{"bias", AT::Bool}},

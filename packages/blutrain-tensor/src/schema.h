@@ -31,6 +31,7 @@ enum NumericsFlags : unsigned {
   kNumericsNone = 0,
   kMatmulPrecision = 1,  // "matmul_precision": float32 GEMMs and float32 attention
   kDeterministic = 2,    // "deterministic": GEMM autotuning, atomics in scatter / attention
+  kAttentionPrecision = 4,  // "attention_precision": float32 attention (autocast.h)
 };
 
 struct OpSchema {

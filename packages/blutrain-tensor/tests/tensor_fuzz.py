@@ -1071,6 +1071,7 @@ def reset_globals() -> None:
 
     bt.set_grad_enabled(True)
     bt.set_float32_matmul_precision("highest")
+    bt.set_float32_attention_precision("matmul")
     bt.use_deterministic_algorithms(False)
     bt.set_cast_cache_enabled(True)
     if bt._C._capturing():

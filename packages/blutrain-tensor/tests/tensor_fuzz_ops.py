@@ -3027,6 +3027,8 @@ def _allclose(g: Gen, name: str = "") -> Call:
     "initial_seed",
     "set_float32_matmul_precision",
     "get_float32_matmul_precision",
+    "set_float32_attention_precision",
+    "get_float32_attention_precision",
     "use_deterministic_algorithms",
     "are_deterministic_algorithms_enabled",
     "set_cast_cache_enabled",
@@ -3045,6 +3047,9 @@ def _globals(g: Gen, name: str = "") -> Call:
         "manual_seed": [Arg(repr(g.pick([0, 1234, 2**63, 2**64 - 1])), "int", "seed")],
         "set_float32_matmul_precision": [
             Arg(repr(g.pick(["highest", "high", "medium"])), "str", "precision")
+        ],
+        "set_float32_attention_precision": [
+            Arg(repr(g.pick(["matmul", "scores", "highest"])), "str", "precision")
         ],
         "use_deterministic_algorithms": [Arg(repr(g.chance(0.5)), "bool", "mode")],
         "set_cast_cache_enabled": [Arg(repr(g.chance(0.5)), "bool", "enabled")],

@@ -21,8 +21,10 @@ def _gelu_tanh(z: np.ndarray) -> np.ndarray:
 @pytest.fixture(autouse=True)
 def _restore_precision():
     prev = bt.get_float32_matmul_precision()
+    prev_attention = bt.get_float32_attention_precision()
     yield
     bt.set_float32_matmul_precision(prev)
+    bt.set_float32_attention_precision(prev_attention)
 
 
 # ---- float32 matmul precision ----------------------------------------------------------------
@@ -34,6 +36,17 @@ def test_matmul_precision_roundtrip():
     with pytest.raises(ValueError, match="set_float32_matmul_precision"):
         bt.set_float32_matmul_precision("fast")
     assert bt.get_float32_matmul_precision() == "highest"
+
+
+def test_attention_precision_roundtrip():
+    assert bt.get_float32_attention_precision() == "matmul"
+    for p in ("highest", "scores", "matmul"):
+        bt.set_float32_attention_precision(p)
+        assert bt.get_float32_attention_precision() == p
+    with pytest.raises(ValueError, match=r"set_float32_attention_precision.*got 'high'"):
+        bt.set_float32_attention_precision("high")  # a matmul precision's name, not this one's
+    assert bt.get_float32_attention_precision() == "matmul"
+    assert bt.amp.set_float32_attention_precision is bt.set_float32_attention_precision
 
 
 @pytest.mark.parametrize("op", ["matmul", "linear", "linear_gelu"])

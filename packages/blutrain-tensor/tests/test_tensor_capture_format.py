@@ -51,7 +51,7 @@ def test_schema_entries_are_well_formed():
     kinds = {"int", "float", "bool", "str", "ints", "floats", "scalar"}
     for op, s in ops.items():
         assert set(s["attrs"].values()) <= kinds, op
-        assert set(s["numerics"]) <= {"matmul_precision", "deterministic"}, op
+        assert set(s["numerics"]) <= {"matmul_precision", "deterministic", "attention_precision"}
         assert s["replayable"], op
     assert ops["cross_entropy"]["attrs"] == {
         "ignore_index": "int",
@@ -61,6 +61,9 @@ def test_schema_entries_are_well_formed():
     }
     assert ops["adamw_"]["attrs"]["weight_decays"] == "floats" and ops["adamw_"]["writes_inputs"]
     assert ops["matmul"]["numerics"] == ["matmul_precision", "deterministic"]
+    for op in ("flash_attention", "flash_attention_backward", "flash_attention_packed"):
+        assert ops[op]["numerics"] == ["matmul_precision", "deterministic", "attention_precision"]
+    assert ops["qkv_attention"]["numerics"][-1] == "attention_precision"
     assert ops["reshape"]["view"] and not ops["add"]["view"]
 
 

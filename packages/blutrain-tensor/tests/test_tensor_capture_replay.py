@@ -10,6 +10,7 @@ in some case's graph, so a new primitive needs a case here.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import numpy as np
@@ -388,6 +389,33 @@ def test_matmul_precision_is_recorded_and_replayed():
     g2 = run(CASES["matmul_linear"])
     bt.manual_seed(1234)
     assert [_bytes(t) for t in g2.replay()][0] != want[0]
+
+
+@pytest.mark.parametrize("prec", ["highest", "scores"])
+def test_attention_precision_is_recorded_and_replayed(prec):
+    """The attention ops record the float32 attention precision (the CPU's attention is float32
+    either way: the bits are checked on CUDA); replay sets each node's and puts the global back."""
+    bt.set_float32_attention_precision(prec)
+    try:
+        g = run(CASES["attention"])
+    finally:
+        bt.set_float32_attention_precision("matmul")
+    att = [n for n in g.nodes if "attention" in n["op"]]
+    assert {n["op"] for n in att} >= {"flash_attention", "flash_attention_backward"}
+    assert all(n["numerics"]["attention_precision"] == prec for n in att)
+    mm = [n for n in g.nodes if n["op"] == "matmul"]
+    assert all("attention_precision" not in n["numerics"] for n in mm)
+    g.replay()
+    assert bt.get_float32_attention_precision() == "matmul"
+    # a saved graph keeps it
+    h = bt.load_graph(g.to_json())
+    assert [n["numerics"] for n in h.nodes] == [n["numerics"] for n in g.nodes]
+    d = json.loads(g.to_json())
+    next(n for n in d["nodes"] if "attention_precision" in n["numerics"])["numerics"][
+        "attention_precision"
+    ] = "fast"
+    with pytest.raises(ValueError, match="load_graph.*'matmul'.*'highest'.*got 'fast'"):
+        bt.load_graph(json.dumps(d))
 
 
 def test_random_ops_replay_at_the_generators_position():

@@ -980,3 +980,76 @@ def test_sdpa_non_finite_rules_match_the_cpu(rng, dtype):
         outs.append(_np(bt.scaled_dot_product_attention(*ts, is_causal=True)))
     _same_pattern(outs[1], outs[0], 4 * RTOL[dtype], "sdpa")
     assert np.isfinite(outs[1][1, 2, :100]).all() and np.isfinite(outs[1][0, 1, :77]).all()
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_attention_precision_highest_is_3xtf32_under_high(rng, D):
+    """bt.set_float32_attention_precision("highest") under matmul precision "high": the attention
+    (forward and backward) runs 3xTF32, bit for bit what "highest" matmul precision gives, while
+    the default ("matmul") follows "high" to 1xTF32."""
+    B, T, H = 1, 256, 2
+    x, _ = _split_qkv(rng, B, T, H, D, bt.float32)
+    g = bt.tensor(rng.standard_normal((B, H, T, D)), dtype=bt.float32, device="cuda")
+
+    def run(matmul: str, attention: str) -> tuple[np.ndarray, np.ndarray]:
+        old = bt.get_float32_attention_precision()
+        bt.set_float32_attention_precision(attention)
+        try:
+            with _precision(matmul), _deterministic(True):  # bitwise comparable backwards
+                x.grad = None
+                q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in x.split(H * D, dim=2))
+                out, _ = _tensor.flash_attention(q, k, v, is_causal=True)
+                out.backward(g)
+        finally:
+            bt.set_float32_attention_precision(old)
+        return _np(out), _np(x.grad)
+
+    exact = run("highest", "matmul")
+    pinned = run("high", "highest")
+    fast = run("high", "matmul")
+    assert np.array_equal(pinned[0], exact[0]) and np.array_equal(pinned[1], exact[1])
+    assert not np.array_equal(fast[0], exact[0])
+    assert bt.get_float32_attention_precision() == "matmul"
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_attention_precision_scores_is_3xtf32_for_the_scores(rng, D, det):
+    """bt.set_float32_attention_precision("scores") under "high": the scores Q K^T in 3xTF32,
+    the other products in 1xTF32 (Note [scores in 3xTF32]). With sharp scores (q, k entries of
+    standard deviation 6: scores of 36) 1xTF32's error on a score, an absolute error of its
+    probability's logarithm, dominates; "scores" removes it, so its error sits between 1xTF32's
+    and 3xTF32's, well below the first (a float64 emulation of the roundings: 0.14x in the output
+    and dv, 0.28x in dq and dk), on both backwards (the fused dQ by atomics and deterministic
+    mode's split)."""
+    B, H, T = 1, 2, 256
+    scale = 1 / np.sqrt(D)
+    qn, kn = (6 * rng.standard_normal((B, H, T, D)) for _ in range(2))
+    vn, gn = (rng.standard_normal((B, H, T, D)) for _ in range(2))
+    q32, k32, v32, g32 = (_np(bt.tensor(a, dtype=bt.float32)) for a in (qn, kn, vn, gn))
+    want = ref(q32, k32, v32, g32, True, scale)
+    want = {"out": want[0], "dq": want[2], "dk": want[3], "dv": want[4]}
+
+    def errs(attention: str) -> dict[str, float]:
+        old = bt.get_float32_attention_precision()
+        bt.set_float32_attention_precision(attention)
+        try:
+            q, k, v = (
+                bt.tensor(a, dtype=bt.float32, device="cuda", requires_grad=True)
+                for a in (q32, k32, v32)
+            )
+            with _precision("high"), _deterministic(det):
+                out, _ = _tensor.flash_attention(q, k, v, is_causal=True)
+                (out * bt.tensor(g32, device="cuda")).sum().backward()
+        finally:
+            bt.set_float32_attention_precision(old)
+        got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+        return {n: _relerr(_np(t), want[n]) for n, t in got.items()}
+
+    fast, scores, exact = errs("matmul"), errs("scores"), errs("highest")
+    for n in want:
+        msg = f"{n}: 1xTF32 {fast[n]:.3g}, scores {scores[n]:.3g}, 3xTF32 {exact[n]:.3g}"
+        assert scores[n] < 0.5 * fast[n], msg
+        assert exact[n] < scores[n], msg
+        assert exact[n] < 2e-5, msg
+    assert bt.get_float32_attention_precision() == "matmul"

@@ -37,7 +37,7 @@
 #include <string>
 
 #include "../attention.h"
-#include "../autocast.h"  // float32_matmul_precision: TF32 vs 3xTF32
+#include "../autocast.h"  // float32_attention_exact: TF32 vs 3xTF32
 #include "attention_mma.cuh"
 #include "attention_rows.cuh"
 #include "attention_tf32.cuh"
@@ -1421,7 +1421,8 @@ namespace bt {
 using namespace cuda;
 
 // float32 on tensor cores (attention_tf32.cu): 1xTF32 for "high"/"medium", 3xTF32 (fp32-accurate)
-// for "highest".  (The forward writes o (B, L, H, D) contiguous; dg is the backward's.)
+// for "highest" or when the attention precision is "highest", 3xTF32 scores only when it is
+// "scores" (autocast.h).  (The forward writes o (B, L, H, D) contiguous; dg is the backward's.)
 static AttnTf32Args tf32_args(const AttnParams& p) {
   AttnTf32Args a{};
   a.B = p.B, a.H = p.H, a.L = p.L, a.S = p.S, a.D = p.D;
@@ -1432,7 +1433,8 @@ static AttnTf32Args tf32_args(const AttnParams& p) {
   a.dg = p.dg;
   a.scale = p.scale;
   a.causal = p.causal;
-  a.exact = float32_matmul_precision() == MatmulPrecision::Highest;
+  a.exact = float32_attention_exact();  // the matmul or the attention precision "highest"
+  a.exact_scores = float32_attention_scores_exact();  // or the attention precision "scores"
   return a;
 }
 // The float32 backward's dQ by atomics (Note [tf32 dQ by atomics]) outside deterministic mode,

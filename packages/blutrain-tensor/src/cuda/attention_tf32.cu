@@ -1,6 +1,6 @@
 // cuda/attention_tf32.cu: flash attention (FA2 style) for float32 inputs on tensor cores.
 //
-// Kernels (templated on kExact: 3xTF32 when true, 1xTF32 when false), D in {64, 128}:
+// Kernels (templated on kPrec, Note [scores in 3xTF32]), D in {64, 128}:
 //   attn_fwd_tf32_k        online softmax (log2 domain), no L x S matrix in memory
 //   attn_bwd_dkdv_tf32_k   dK, dV per key block looping over query blocks (recompute P from lse)
 //   attn_bwd_dq_tf32_k     dQ per query block looping over key blocks
@@ -24,8 +24,19 @@
 // rounding, see split()); 3xTF32 also keeps the residual small = x - big and accumulates
 // big*small + small*big + big*big (small terms first), dropping small*small (~2^-22 relative),
 // as CUTLASS's OpMultiplyAddFastF32 does.
+//
+// Note [scores in 3xTF32]: kPrec 0 runs every product in 1xTF32, 2 every product in 3xTF32, and
+// 1 only the scores S = Q K^T (the forward's, and the backward's recomputed S) in 3xTF32, the
+// other products (P V, dO V^T, P^T dO, dS^T Q, dS K) in 1xTF32.  Why the scores: softmax turns
+// an absolute error in a score into the same relative error in its probability, and TF32's
+// relative 2^-11 on a score of size |q| |k| is an absolute error that grows with the scores as
+// training sharpens them; the other products' errors stay relative, as any TF32 GEMM's.
+// Measured (session 56, GPT-2 124M, 8 seeds, at fp32 weights after 60 steps): 1xTF32 attention
+// puts the model's gradient error against fp32 at 6.29e-4, 3xTF32 at 4.82e-4 (PyTorch's tf32:
+// 4.79e-4, its float32 SDPA being 3xTF32).
 #include <algorithm>
 #include <string>
+#include <type_traits>  // integral_constant: kPrec from the arguments
 
 #include "attention_rows.cuh"
 #include "attention_tf32.cuh"
@@ -218,10 +229,11 @@ __device__ __forceinline__ void load_floats(float* dst, const float* src, int ro
 // block), key tiles of kBc (double-buffered K, V).  kQReg keeps the warp's Q fragments in
 // registers (else they are re-read from shared memory per key tile).  Grid (B * H, L / kBr),
 // the last (heaviest, when causal) query blocks first.
-template <int D, bool kExact, int kWarps, int kBc, int kMT, bool kQReg>
+template <int D, int kPrec, int kWarps, int kBc, int kMT, bool kQReg>
 __global__ void __launch_bounds__(kWarps * 32)
     attn_fwd_tf32_k(AttnTf32Args p, const float* __restrict__ q, const float* __restrict__ k,
                     const float* __restrict__ v, float* __restrict__ o, float* __restrict__ lse) {
+  constexpr bool kS = kPrec >= 1, kR = kPrec == 2;  // Note [scores in 3xTF32]
   constexpr int kWr = 16 * kMT, kBr = kWr * kWarps, NT = kWarps * 32, LD = D + 4, KC = D / 8;
   extern __shared__ float4 smem_f4[];
   float* sQ = reinterpret_cast<float*>(smem_f4);  // kBr x LD
@@ -244,12 +256,12 @@ __global__ void __launch_bounds__(kWarps * 32)
   cpa_wait<1>();  // Q landed
   __syncthreads();
   const int wrow = warp * kWr;
-  FragA<kExact> qf[kQReg ? kMT : 1][kQReg ? KC : 1];
+  FragA<kS> qf[kQReg ? kMT : 1][kQReg ? KC : 1];
   if constexpr (kQReg) {
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-      for (int kc = 0; kc < KC; ++kc) qf[mt][kc] = lda<kExact, LD>(sQ, wrow + 16 * mt, 8 * kc);
+      for (int kc = 0; kc < KC; ++kc) qf[mt][kc] = lda<kS, LD>(sQ, wrow + 16 * mt, 8 * kc);
     }
   }
   float oacc[kMT][D / 8][4];
@@ -286,20 +298,20 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
 #pragma unroll
     for (int kc = 0; kc < KC; ++kc) {
-      FragA<kExact> qa[kQReg ? 1 : kMT];
+      FragA<kS> qa[kQReg ? 1 : kMT];
       if constexpr (!kQReg) {
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) qa[mt] = lda<kExact, LD>(sQ, wrow + 16 * mt, 8 * kc);
+        for (int mt = 0; mt < kMT; ++mt) qa[mt] = lda<kS, LD>(sQ, wrow + 16 * mt, 8 * kc);
       }
 #pragma unroll
       for (int nt = 0; nt < kBc / 8; ++nt) {
-        const FragB<kExact> kf = ldb_n<kExact, LD>(cK, 8 * nt, 8 * kc);
+        const FragB<kS> kf = ldb_n<kS, LD>(cK, 8 * nt, 8 * kc);
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
           if constexpr (kQReg) {
-            mma<kExact>(s[mt][nt], qf[mt][kc], kf);
+            mma<kS>(s[mt][nt], qf[mt][kc], kf);
           } else {
-            mma<kExact>(s[mt][nt], qa[mt], kf);
+            mma<kS>(s[mt][nt], qa[mt], kf);
           }
         }
       }
@@ -355,14 +367,14 @@ __global__ void __launch_bounds__(kWarps * 32)
     // O += P V (the key tile's n-tiles of S are the k-chunks)
 #pragma unroll
     for (int kc = 0; kc < kBc / 8; ++kc) {
-      FragA<kExact> pa[kMT];
+      FragA<kR> pa[kMT];
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) pa[mt] = a_from_c<kExact>(s[mt][kc]);
+      for (int mt = 0; mt < kMT; ++mt) pa[mt] = a_from_c<kR>(s[mt][kc]);
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) {
-        const FragB<kExact> vf = ldb_k<kExact, LD>(cV, 8 * kc, 8 * dt);
+        const FragB<kR> vf = ldb_k<kR, LD>(cV, 8 * kc, 8 * dt);
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) mma<kExact>(oacc[mt][dt], pa[mt], vf);
+        for (int mt = 0; mt < kMT; ++mt) mma<kR>(oacc[mt][dt], pa[mt], vf);
       }
     }
     __syncthreads();  // the next iteration refills this buffer
@@ -412,12 +424,13 @@ __global__ void __launch_bounds__(kWarps * 32)
 // keeps the atomics at one per dq element per (key block, query tile), as FlashAttention-2's.
 // The dQ kernel's second pass over S and dP (a third of the backward's MMAs) is gone; the order
 // of the float additions into dq varies, hence not in deterministic mode.
-template <int D, bool kExact, int kWarps, int kBr, bool kDq = false>
+template <int D, int kPrec, int kWarps, int kBr, bool kDq = false>
 __global__ void __launch_bounds__(kWarps * 32)
     attn_bwd_dkdv_tf32_k(AttnTf32Args p, const float* __restrict__ q, const float* __restrict__ k,
                          const float* __restrict__ v, const float* __restrict__ gr,
                          const float* __restrict__ lse, const float* __restrict__ dvec,
                          float* __restrict__ dk, float* __restrict__ dv, float* __restrict__ dq) {
+  constexpr bool kS = kPrec >= 1, kR = kPrec == 2;  // Note [scores in 3xTF32]
   constexpr int kBc = 16 * kWarps, NT = kWarps * 32, LD = D + 4, KC = D / 8;
   constexpr int LDS = kBr + 4;                           // dS^T rows in the dO buffer (kDq)
   constexpr int kMTiles = kBr / 16;                      // dQ m-tiles of a query tile
@@ -483,12 +496,12 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
 #pragma unroll
     for (int kc = 0; kc < KC; ++kc) {
-      const FragA<kExact> ka = lda<kExact, LD>(sK, warp * 16, 8 * kc);
-      const FragA<kExact> va = lda<kExact, LD>(sV, warp * 16, 8 * kc);
+      const FragA<kS> ka = lda<kS, LD>(sK, warp * 16, 8 * kc);
+      const FragA<kR> va = lda<kR, LD>(sV, warp * 16, 8 * kc);
 #pragma unroll
       for (int nt = 0; nt < kBr / 8; ++nt) {
-        mma<kExact>(st[nt], ka, ldb_n<kExact, LD>(cQ, 8 * nt, 8 * kc));
-        mma<kExact>(dpt[nt], va, ldb_n<kExact, LD>(cG, 8 * nt, 8 * kc));
+        mma<kS>(st[nt], ka, ldb_n<kS, LD>(cQ, 8 * nt, 8 * kc));
+        mma<kR>(dpt[nt], va, ldb_n<kR, LD>(cG, 8 * nt, 8 * kc));
       }
     }
     const int q0 = i * kBr;
@@ -510,12 +523,12 @@ __global__ void __launch_bounds__(kWarps * 32)
     // dV += P^T dO, dK += dS^T Q (queries as k)
 #pragma unroll
     for (int kc = 0; kc < kBr / 8; ++kc) {
-      const FragA<kExact> pa = a_from_c<kExact>(st[kc]);
-      const FragA<kExact> da = a_from_c<kExact>(dpt[kc]);
+      const FragA<kR> pa = a_from_c<kR>(st[kc]);
+      const FragA<kR> da = a_from_c<kR>(dpt[kc]);
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) {
-        mma<kExact>(dva[dt], pa, ldb_k<kExact, LD>(cG, 8 * kc, 8 * dt));
-        mma<kExact>(dka[dt], da, ldb_k<kExact, LD>(cQ, 8 * kc, 8 * dt));
+        mma<kR>(dva[dt], pa, ldb_k<kR, LD>(cG, 8 * kc, 8 * dt));
+        mma<kR>(dka[dt], da, ldb_k<kR, LD>(cQ, 8 * kc, 8 * dt));
       }
     }
     if constexpr (kDq) {                // Note [tf32 dQ by atomics]
@@ -536,10 +549,10 @@ __global__ void __launch_bounds__(kWarps * 32)
       for (int n = 0; n < kNPerWarp; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 #pragma unroll
       for (int kc = 0; kc < kBc / 8; ++kc) {
-        const FragA<kExact> da = lda_k<kExact, LDS>(sS, 8 * kc, m0);
+        const FragA<kR> da = lda_k<kR, LDS>(sS, 8 * kc, m0);
 #pragma unroll
         for (int n = 0; n < kNPerWarp; ++n) {
-          mma<kExact>(acc[n], da, ldb_k<kExact, LD>(sK, 8 * kc, 8 * (n0 + n)));
+          mma<kR>(acc[n], da, ldb_k<kR, LD>(sK, 8 * kc, 8 * (n0 + n)));
         }
       }
       const float sc = static_cast<float>(p.scale);
@@ -588,12 +601,13 @@ __global__ void __launch_bounds__(kWarps * 32)
 // Backward, dQ.  kWarps warps own kBr = 16 kWarps queries and loop over key tiles of kBc
 // (double-buffered K, V).  Per tile, per warp: S = Q K^T, dP = dO V^T, P = exp(S scale - lse),
 // dS = P (dP - Dvec), dQ += dS K (times scale at the end).
-template <int D, bool kExact, int kWarps, int kBc>
+template <int D, int kPrec, int kWarps, int kBc>
 __global__ void __launch_bounds__(kWarps * 32)
     attn_bwd_dq_tf32_k(AttnTf32Args p, const float* __restrict__ q, const float* __restrict__ k,
                        const float* __restrict__ v, const float* __restrict__ gr,
                        const float* __restrict__ lse, const float* __restrict__ dvec,
                        float* __restrict__ dq) {
+  constexpr bool kS = kPrec >= 1, kR = kPrec == 2;  // Note [scores in 3xTF32]
   constexpr int kBr = 16 * kWarps, NT = kWarps * 32, LD = D + 4, KC = D / 8;
   extern __shared__ float4 smem_f4[];
   float* sQ = reinterpret_cast<float*>(smem_f4);  // kBr x LD
@@ -650,12 +664,12 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
 #pragma unroll
     for (int kc = 0; kc < KC; ++kc) {
-      const FragA<kExact> qa = lda<kExact, LD>(sQ, warp * 16, 8 * kc);
-      const FragA<kExact> ga = lda<kExact, LD>(sG, warp * 16, 8 * kc);
+      const FragA<kS> qa = lda<kS, LD>(sQ, warp * 16, 8 * kc);
+      const FragA<kR> ga = lda<kR, LD>(sG, warp * 16, 8 * kc);
 #pragma unroll
       for (int nt = 0; nt < kBc / 8; ++nt) {
-        mma<kExact>(s[nt], qa, ldb_n<kExact, LD>(cK, 8 * nt, 8 * kc));
-        mma<kExact>(dpv[nt], ga, ldb_n<kExact, LD>(cV, 8 * nt, 8 * kc));
+        mma<kS>(s[nt], qa, ldb_n<kS, LD>(cK, 8 * nt, 8 * kc));
+        mma<kR>(dpv[nt], ga, ldb_n<kR, LD>(cV, 8 * nt, 8 * kc));
       }
     }
     const int k0 = j * kBc;
@@ -676,10 +690,10 @@ __global__ void __launch_bounds__(kWarps * 32)
     // dQ += dS K (keys as k)
 #pragma unroll
     for (int kc = 0; kc < kBc / 8; ++kc) {
-      const FragA<kExact> da = a_from_c<kExact>(dpv[kc]);
+      const FragA<kR> da = a_from_c<kR>(dpv[kc]);
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) {
-        mma<kExact>(dqa[dt], da, ldb_k<kExact, LD>(cK, 8 * kc, 8 * dt));
+        mma<kR>(dqa[dt], da, ldb_k<kR, LD>(cK, 8 * kc, 8 * dt));
       }
     }
     __syncthreads();
@@ -748,19 +762,20 @@ __global__ void attn_zero_dq_tf32_k(AttnTf32Args p, float* __restrict__ dq) {
 // ---- configurations ----------------------------------------------------------------------------
 // Forward: kFwdWarps warps x kFwdMT m-tiles of 16 query rows, kFwdBc keys per tile.  dK/dV:
 // 16 kKvWarps keys per block, kKvBr queries per tile.  dQ: 16 kDqWarps queries, kDqBc keys.
-template <int D, bool kExact>
+// kFwdQReg: the warp's Q fragments in registers, unless they are 3xTF32 (twice the registers).
+template <int D, int kPrec>
 struct Tf32Config;
-template <bool kExact>
-struct Tf32Config<64, kExact> {
+template <int kPrec>
+struct Tf32Config<64, kPrec> {
   static constexpr int kFwdWarps = 4, kFwdBc = 64, kFwdMT = 2;
-  static constexpr bool kFwdQReg = !kExact;
+  static constexpr bool kFwdQReg = kPrec == 0;
   static constexpr int kKvWarps = 4, kKvBr = 64;
   static constexpr int kDqWarps = 4, kDqBc = 64;
 };
-template <bool kExact>
-struct Tf32Config<128, kExact> {
+template <int kPrec>
+struct Tf32Config<128, kPrec> {
   static constexpr int kFwdWarps = 4, kFwdBc = 32, kFwdMT = 1;
-  static constexpr bool kFwdQReg = !kExact;
+  static constexpr bool kFwdQReg = kPrec == 0;
   static constexpr int kKvWarps = 4, kKvBr = 32;
   static constexpr int kDqWarps = 4, kDqBc = 32;
 };
@@ -781,24 +796,24 @@ void set_smem_tf32(K kernel, size_t bytes, const char* op) {
 
 unsigned blocks_of(int n, int per) { return static_cast<unsigned>((n + per - 1) / per); }
 
-template <int D, bool kExact>
+template <int D, int kPrec>
 void launch_fwd(const AttnTf32Args& a, const float* q, const float* k, const float* v, float* o,
                 float* lse, cudaStream_t st, const char* op) {
-  using C = Tf32Config<D, kExact>;
+  using C = Tf32Config<D, kPrec>;
   constexpr int W = C::kFwdWarps, Bc = C::kFwdBc, MT = C::kFwdMT, Br = 16 * MT * W;
   const size_t smem = static_cast<size_t>(Br + 4 * Bc) * (D + 4) * sizeof(float);
-  auto kern = attn_fwd_tf32_k<D, kExact, W, Bc, MT, C::kFwdQReg>;
+  auto kern = attn_fwd_tf32_k<D, kPrec, W, Bc, MT, C::kFwdQReg>;
   set_smem_tf32(kern, smem, op);
   dim3 grid(a.B * a.H, blocks_of(a.L, Br));
   kern<<<grid, W * 32, smem, st>>>(a, q, k, v, o, lse);
   BT_CUDA_LAUNCH_CHECK(op);
 }
 
-template <int D, bool kExact>
+template <int D, int kPrec>
 void launch_bwd(const AttnTf32Args& a, const float* q, const float* k, const float* v,
                 const float* g, const float* lse, const float* dvec, float* dq, float* dk,
                 float* dv, cudaStream_t st, const char* op) {
-  using C = Tf32Config<D, kExact>;
+  using C = Tf32Config<D, kPrec>;
   {
     constexpr int W = C::kKvWarps, Br = C::kKvBr, Bc = 16 * W;
     const size_t smem =
@@ -809,7 +824,7 @@ void launch_bwd(const AttnTf32Args& a, const float* q, const float* k, const flo
       const unsigned zb = static_cast<unsigned>(std::min<int64_t>((pairs + 255) / 256, 132 * 16));
       attn_zero_dq_tf32_k<<<zb, 256, 0, st>>>(a, dq);
       BT_CUDA_LAUNCH_CHECK(op);
-      auto kern = attn_bwd_dkdv_tf32_k<D, kExact, W, Br, true>;
+      auto kern = attn_bwd_dkdv_tf32_k<D, kPrec, W, Br, true>;
       set_smem_tf32(kern, smem, op);
       kern<<<grid, W * 32, smem, st>>>(a, q, k, v, g, lse, dvec, dk, dv, dq);
       BT_CUDA_LAUNCH_CHECK(op);
@@ -819,7 +834,7 @@ void launch_bwd(const AttnTf32Args& a, const float* q, const float* k, const flo
       BT_CUDA_LAUNCH_CHECK(op);
       return;
     }
-    auto kern = attn_bwd_dkdv_tf32_k<D, kExact, W, Br>;
+    auto kern = attn_bwd_dkdv_tf32_k<D, kPrec, W, Br>;
     set_smem_tf32(kern, smem, op);
     kern<<<grid, W * 32, smem, st>>>(a, q, k, v, g, lse, dvec, dk, dv, nullptr);
     BT_CUDA_LAUNCH_CHECK(op);
@@ -827,7 +842,7 @@ void launch_bwd(const AttnTf32Args& a, const float* q, const float* k, const flo
   {
     constexpr int W = C::kDqWarps, Bc = C::kDqBc, Br = 16 * W;
     const size_t smem = static_cast<size_t>(2 * Br + 4 * Bc) * (D + 4) * sizeof(float);
-    auto kern = attn_bwd_dq_tf32_k<D, kExact, W, Bc>;
+    auto kern = attn_bwd_dq_tf32_k<D, kPrec, W, Bc>;
     set_smem_tf32(kern, smem, op);
     dim3 grid(a.B * a.H, blocks_of(a.L, Br));
     kern<<<grid, W * 32, smem, st>>>(a, q, k, v, g, lse, dvec, dq);
@@ -852,27 +867,39 @@ bool attn_tf32_supported(const AttnTf32Args& a) {
   return m4(a.g_b) && m4(a.g_l) && m4(a.g_h) && a.dg.even();
 }
 
+namespace {
+
+// kPrec (Note [scores in 3xTF32]) from the arguments: 2 all 3xTF32, 1 the scores, 0 none.
+template <typename F>
+void with_prec(const AttnTf32Args& a, F&& f) {
+  if (a.exact) {
+    f(std::integral_constant<int, 2>{});
+  } else if (a.exact_scores) {
+    f(std::integral_constant<int, 1>{});
+  } else {
+    f(std::integral_constant<int, 0>{});
+  }
+}
+
+}  // namespace
+
 void attn_fwd_tf32(const AttnTf32Args& a, const float* q, const float* k, const float* v, float* o,
                    float* lse, cudaStream_t st, const char* op) {
-  if (a.D == 64) {
-    a.exact ? launch_fwd<64, true>(a, q, k, v, o, lse, st, op)
-            : launch_fwd<64, false>(a, q, k, v, o, lse, st, op);
-  } else {
-    a.exact ? launch_fwd<128, true>(a, q, k, v, o, lse, st, op)
-            : launch_fwd<128, false>(a, q, k, v, o, lse, st, op);
-  }
+  with_prec(a, [&](auto prec) {
+    constexpr int P = decltype(prec)::value;
+    a.D == 64 ? launch_fwd<64, P>(a, q, k, v, o, lse, st, op)
+              : launch_fwd<128, P>(a, q, k, v, o, lse, st, op);
+  });
 }
 
 void attn_bwd_tf32(const AttnTf32Args& a, const float* q, const float* k, const float* v,
                    const float* g, const float* lse, const float* dvec, float* dq, float* dk,
                    float* dv, cudaStream_t st, const char* op) {
-  if (a.D == 64) {
-    a.exact ? launch_bwd<64, true>(a, q, k, v, g, lse, dvec, dq, dk, dv, st, op)
-            : launch_bwd<64, false>(a, q, k, v, g, lse, dvec, dq, dk, dv, st, op);
-  } else {
-    a.exact ? launch_bwd<128, true>(a, q, k, v, g, lse, dvec, dq, dk, dv, st, op)
-            : launch_bwd<128, false>(a, q, k, v, g, lse, dvec, dq, dk, dv, st, op);
-  }
+  with_prec(a, [&](auto prec) {
+    constexpr int P = decltype(prec)::value;
+    a.D == 64 ? launch_bwd<64, P>(a, q, k, v, g, lse, dvec, dq, dk, dv, st, op)
+              : launch_bwd<128, P>(a, q, k, v, g, lse, dvec, dq, dk, dv, st, op);
+  });
 }
 
 }  // namespace bt::cuda

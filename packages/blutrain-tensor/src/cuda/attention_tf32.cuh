@@ -5,7 +5,8 @@
 // contiguous, lse (B, H, L) float32 (natural log).  The backward reads g = dO as a (B, L, H, D)
 // view (g_b, g_l, g_h), lse and dvec = rowsum(dO * O) - dlse (B, H, L) float32, and writes dq
 // and dk, dv where GradLayout says.
-// exact: 3xTF32 (big * big + big * small + small * big, fp32-accurate), else 1xTF32.
+// exact: 3xTF32 (big * big + big * small + small * big, fp32-accurate), else 1xTF32;
+// exact_scores: 3xTF32 for the scores Q K^T only (Note [scores in 3xTF32] in attention_tf32.cu).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -44,6 +45,7 @@ struct AttnTf32Args {
   double scale;
   bool causal;
   bool exact;
+  bool exact_scores = false;  // ignored when exact
   // Backward: dQ by float atomics from the dK / dV kernel (one kernel, not deterministic) instead
   // of its own kernel.  Note [tf32 dQ by atomics] in attention_tf32.cu.
   bool fused_dq = false;

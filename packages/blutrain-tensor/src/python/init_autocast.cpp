@@ -26,6 +26,23 @@ void init_autocast(nanobind::module_& m) {
       []() { return std::string(matmul_precision_name(float32_matmul_precision())); },
       "The current float32 matmul precision: 'highest', 'high' or 'medium'.");
   m.def(
+      "set_float32_attention_precision",
+      [](const std::string& p) { set_float32_attention_precision(parse_attention_precision(p)); },
+      "precision"_a,
+      "How the fused float32 attention kernels (CUDA, tensor cores) form their products: "
+      "'matmul' (the default) follows the float32 matmul precision (TF32 unless it is "
+      "'highest'), 'highest' is 3xTF32 (float32-accurate) whatever the matmul precision, as "
+      "PyTorch's float32 scaled_dot_product_attention is under allow_tf32, and 'scores' is "
+      "3xTF32 for the scores Q K^T only (where TF32's error matters most: softmax turns a "
+      "score's absolute error into its probability's relative error), the other products as "
+      "'matmul'. The CPU's attention is float32 either way. Process-wide; read when each "
+      "attention kernel runs (forward and backward), so keep one setting from a forward to its "
+      "backward.");
+  m.def(
+      "get_float32_attention_precision",
+      []() { return std::string(attention_precision_name(float32_attention_precision())); },
+      "The current float32 attention precision: 'matmul', 'scores' or 'highest'.");
+  m.def(
       "linear_gelu",
       [](const Tensor& x, const Tensor& w, std::optional<Tensor> b) {
         return linear_gelu(x, w, b ? *b : Tensor());

@@ -94,7 +94,8 @@ AttrValue py_to_attr(nb::handle h, AttrType t, const std::string& where) {
 }
 
 const char* numerics_name(unsigned bit) {
-  return bit == kMatmulPrecision ? "matmul_precision" : "deterministic";
+  if (bit == kMatmulPrecision) return "matmul_precision";
+  return bit == kAttentionPrecision ? "attention_precision" : "deterministic";
 }
 
 }  // namespace
@@ -281,7 +282,8 @@ void init_capture(nb::module_& m) {
           for (const auto& [k, t] : s.attrs) a[k.c_str()] = attr_type_name(t);
           d["attrs"] = a;
           nb::list num;
-          for (unsigned bit : {unsigned(kMatmulPrecision), unsigned(kDeterministic)}) {
+          for (unsigned bit : {unsigned(kMatmulPrecision), unsigned(kDeterministic),
+                               unsigned(kAttentionPrecision)}) {
             if (s.numerics & bit) num.append(numerics_name(bit));
           }
           d["numerics"] = num;

@@ -252,6 +252,7 @@ class CompiledFunction:
         for i, x in enumerate(args):
             k.append(("scalar",) if self._is_scalar(i, x) else _describe(x))
         k.append(("matmul_precision", bt.get_float32_matmul_precision()))
+        k.append(("attention_precision", bt.get_float32_attention_precision()))
         k.append(("grad_enabled", bt.is_grad_enabled()))
         return tuple(k)
 

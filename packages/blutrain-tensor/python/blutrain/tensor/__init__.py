@@ -1003,9 +1003,11 @@ from . import backends, nn, optim  # noqa: E402  (nn uses the names above)
 from .amp import (  # noqa: E402  (bt.amp: precision policies, autocast, checkpoint)
     autocast,
     checkpoint,
+    get_float32_attention_precision,
     get_float32_matmul_precision,
     linear_gelu,
     linear_gelu_linear,
+    set_float32_attention_precision,
     set_float32_matmul_precision,
 )
 from .cuda import are_deterministic_algorithms_enabled, use_deterministic_algorithms  # noqa: E402
@@ -1126,6 +1128,7 @@ __all__ = [
     "gather",
     "ge",
     "gelu",
+    "get_float32_attention_precision",
     "get_float32_matmul_precision",
     "get_num_threads",
     "gradcheck",
@@ -1185,6 +1188,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "scatter_add",
     "set_cast_cache_enabled",
+    "set_float32_attention_precision",
     "set_float32_matmul_precision",
     "set_grad_enabled",
     "set_num_threads",

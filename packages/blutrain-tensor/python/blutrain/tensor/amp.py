@@ -22,7 +22,10 @@ A module's policy applies to it and to its children unless a child sets its own
 weights): ``set_precision`` converts them, so call it before building the optimizer.
 ``matmul_precision`` (when given) sets the process-wide float32 matmul precision
 (``bt.set_float32_matmul_precision``): 'highest' = fp32-accurate (on CUDA, blutrain-linalg's
-3xTF32 kernel), 'high' = TF32 tensor cores.
+3xTF32 kernel), 'high' = TF32 tensor cores. The fused float32 attention follows it unless
+``bt.set_float32_attention_precision('highest')`` keeps it 3xTF32 (PyTorch's float32
+scaled_dot_product_attention is float32-accurate under allow_tf32; ours in TF32 is faster) or
+``'scores'`` keeps only its scores Q K^T 3xTF32 (most of the accuracy for less time).
 
 Presets: ``fp32()`` (compute float32, 'highest'), ``tf32()`` (float32 + 'high'), ``bf16()``
 (compute bfloat16, params float32, 'highest' for the float32 parts).
@@ -47,9 +50,11 @@ import blutrain.tensor as bt
 from . import _tensor as _C
 from ._tensor import (
     Tensor,
+    get_float32_attention_precision,
     get_float32_matmul_precision,
     linear_gelu,
     linear_gelu_linear,
+    set_float32_attention_precision,
     set_float32_matmul_precision,
 )
 
@@ -60,9 +65,11 @@ __all__ = [
     "checkpoint",
     "current_autocast_dtype",
     "fp32",
+    "get_float32_attention_precision",
     "get_float32_matmul_precision",
     "linear_gelu",
     "linear_gelu_linear",
+    "set_float32_attention_precision",
     "set_float32_matmul_precision",
     "tf32",
 ]
