@@ -254,7 +254,9 @@ def test_killed_rank_ends_the_job_then_the_run_resumes_on_1_rank(setup, referenc
     # the ranks that did not answer the survivors within the grace: the dead one (and, on a
     # loaded machine, maybe a live one that was slow to answer)
     silent = re.findall(r"rank\(s\) ([\d, ]+) did not answer", text)
-    assert any("2" in m.split(", ") for m in silent), text[-3000:]
+    # the launcher's exit status too: session 56's CI saw the survivors end without a word once
+    # (not reproduced in 7 runs, alone or beside CPU burners)
+    assert any("2" in m.split(", ") for m in silent), f"exit status {p.returncode}\n{text[-3000:]}"
     time.sleep(1)
     assert not [q for q in pids.values() if _alive(q)], "processes left behind"
     saved = json.loads(trainer_json.read_text())["step"]
