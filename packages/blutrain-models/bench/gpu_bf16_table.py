@@ -225,7 +225,7 @@ EARLY = 5  # steps whose signed loss difference is read as a bias (still one tra
 def windows(runs_of: list[dict], ours: str = "ours:bf16") -> None:
     """|train loss difference| by window of steps, mean +- standard error over seeds: each run
     against torch:fp32, each bf16 run against its own framework's fp32, and ours - torch paired
-    (bf16, and ours:tf32 - torch:tf32)."""
+    (bf16, and ours:tf32 - torch:tf32, each ours:tf32 variant such as ours:tf32/exactattn too)."""
     import numpy as np
 
     steps = min(len(r["torch:fp32"]["loss"]) for r in runs_of)
@@ -238,6 +238,8 @@ def windows(runs_of: list[dict], ours: str = "ours:bf16") -> None:
         ("torch:tf32", "torch:fp32"),
         ("ours:tf32", "torch:fp32"),
     ]
+    tf32_variants = sorted({k for r in runs_of for k in r if k.startswith("ours:tf32/")})
+    pairs += [(v, "torch:fp32") for v in tf32_variants]
     per: dict[tuple[str, str], list] = {}
     bias: dict[tuple[str, str], list] = {}
     for runs in runs_of:
@@ -252,7 +254,8 @@ def windows(runs_of: list[dict], ours: str = "ours:bf16") -> None:
         f"\n|d train| by window of steps (mean +- standard error over seeds); bias = the signed "
         f"difference over steps 1-{EARLY}"
     )
-    print(f"{'run - reference':<24} {'n':>2} {head} {'bias 1-' + str(EARLY):>19}")
+    w = max([24, *(len(v) + 14 for v in tf32_variants)])  # the name column: "{v} - torch:fp32"
+    print(f"{'run - reference':<{w}} {'n':>2} {head} {'bias 1-' + str(EARLY):>19}")
 
     def row(name: str, xs: list, bs: list | None) -> None:
         a = np.asarray(xs)
@@ -260,20 +263,24 @@ def windows(runs_of: list[dict], ours: str = "ours:bf16") -> None:
         sign = "+" if bs is None else ""  # paired differences carry their sign
         cells = " ".join(f"{m:{sign}7.4f}+-{e:6.4f}" for m, e in zip(a.mean(0), se))
         if bs is None:
-            print(f"{name:<24} {len(a):>2} {cells}")
+            print(f"{name:<{w}} {len(a):>2} {cells}")
             return
         bm, be = _mean_se(list(bs))
-        print(f"{name:<24} {len(a):>2} {cells} {bm:+9.1e}+-{be:7.1e}")
+        print(f"{name:<{w}} {len(a):>2} {cells} {bm:+9.1e}+-{be:7.1e}")
 
     for (a, b), xs in per.items():
         row(f"{a} - {b}", xs, bias[(a, b)])
     # paired over the seeds that ran both: ours:bf16 against torch:bf16, each from one reference;
     # ours:tf32 against torch:tf32 the same way (not part of the aim: a fidelity check)
-    for name, (oa, ob), (ta, tb) in (
+    paired = [
         ("ours - torch", (ours, "torch:fp32"), ("torch:bf16", "torch:fp32")),
         ("ours - torch (own fp32)", (ours, "ours:fp32"), ("torch:bf16", "torch:fp32")),
-        ("ours:tf32 - torch:tf32", ("ours:tf32", "torch:fp32"), ("torch:tf32", "torch:fp32")),
-    ):
+    ]
+    paired += [
+        (f"{v} - torch:tf32", (v, "torch:fp32"), ("torch:tf32", "torch:fp32"))
+        for v in ["ours:tf32", *tf32_variants]
+    ]
+    for name, (oa, ob), (ta, tb) in paired:
         both = [
             (
                 np.abs(np.asarray(r[oa]["loss"][:steps]) - np.asarray(r[ob]["loss"][:steps])),

@@ -214,3 +214,25 @@ def test_probes_name_a_file_missing_its_reference(table, tmp_path):
     p.write_text(json.dumps(d))
     with pytest.raises(SystemExit, match=r"probe_seed1\.json is not a convergence.py --probe"):
         table.probes([str(p)])
+
+
+def test_across_pairs_each_tf32_variant_with_torch_tf32(table, tmp_path, rng, capsys):
+    """An ours:tf32 variant (ours:tf32/exactattn) gets its own distance row and its own paired row
+    against torch:tf32, beside ours:tf32's."""
+    offs = [
+        {"torch:tf32": 0.001 * k, "ours:tf32": -0.003 * k, "ours:tf32/exactattn": 0.002 * k}
+        for k in (1, 2, 3)
+    ]
+    paths = [seed_json(tmp_path, k, o, rng) for k, o in enumerate(offs, 1)]
+    table.across(paths)
+    out = capsys.readouterr().out.splitlines()
+
+    def cells(name: str) -> list[str]:
+        row = next(ln for ln in out if ln.startswith(name + " "))
+        return row[len(name) :].split()
+
+    # |0.002 k| = 0.002, 0.004, 0.006: mean 0.004, standard error 0.002/sqrt(3)
+    assert cells("ours:tf32/exactattn - torch:fp32")[1] == "0.0040+-0.0012"
+    # |0.002 k| - |0.001 k| = 0.001 k: mean 0.002, standard error 0.001/sqrt(3)
+    assert cells("ours:tf32/exactattn - torch:tf32")[1:3] == ["+0.0020+-0.0006"] * 2
+    assert cells("ours:tf32 - torch:tf32")[1] == "+0.0040+-0.0012"
