@@ -138,7 +138,8 @@ static void run_case(int B, int H, int L, int S, int D, bool causal, bool exact,
   a.v_b = a.k_b, a.v_h = D, a.v_l = 3 * C;
   a.g_b = (int64_t)L * C, a.g_l = C, a.g_h = D;
   a.dg = GradLayout::from_rows(a.L, a.S, a.D, C);
-  a.scale = scale, a.causal = causal, a.exact = exact;
+  a.scale = scale, a.causal = causal;
+  a.prec = exact ? bt::cuda::kTf32All : bt::cuda::kTf32None;
   char what[128];
   std::snprintf(what, sizeof what, "%s B%d H%d L%d S%d D%d %s", exact ? "3xTF32" : "1xTF32", B, H,
                 L, S, D, causal ? "causal" : "full");
@@ -254,7 +255,8 @@ static void bench(bool exact, int D) {
   a.q_l = a.k_l = a.v_l = 3 * C;
   a.g_b = (int64_t)T * C, a.g_l = C, a.g_h = D;
   a.dg = GradLayout::from_rows(a.L, a.S, a.D, C);
-  a.scale = 0.125, a.causal = true, a.exact = exact;
+  a.scale = 0.125, a.causal = true;
+  a.prec = exact ? bt::cuda::kTf32All : bt::cuda::kTf32None;
   float* x = dcopy(qkv, kPad);
   float* g = dcopy(go, kPad);
   float* dv_ = dcopy(dvec, kPad);

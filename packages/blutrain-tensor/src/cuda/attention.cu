@@ -1433,8 +1433,10 @@ static AttnTf32Args tf32_args(const AttnParams& p) {
   a.dg = p.dg;
   a.scale = p.scale;
   a.causal = p.causal;
-  a.exact = float32_attention_exact();  // the matmul or the attention precision "highest"
-  a.exact_scores = float32_attention_scores_exact();  // or the attention precision "scores"
+  // the matmul or the attention precision "highest": all; the attention precision "scores"
+  a.prec = float32_attention_exact()          ? kTf32All
+           : float32_attention_scores_exact() ? kTf32Scores
+                                              : kTf32None;
   return a;
 }
 // The float32 backward's dQ by atomics (Note [tf32 dQ by atomics]) outside deterministic mode,

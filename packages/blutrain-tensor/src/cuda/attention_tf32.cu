@@ -869,15 +869,16 @@ bool attn_tf32_supported(const AttnTf32Args& a) {
 
 namespace {
 
-// kPrec (Note [scores in 3xTF32]) from the arguments: 2 all 3xTF32, 1 the scores, 0 none.
+// kPrec (Note [scores in 3xTF32]) from the arguments, as a compile-time constant.
 template <typename F>
 void with_prec(const AttnTf32Args& a, F&& f) {
-  if (a.exact) {
-    f(std::integral_constant<int, 2>{});
-  } else if (a.exact_scores) {
-    f(std::integral_constant<int, 1>{});
-  } else {
-    f(std::integral_constant<int, 0>{});
+  switch (a.prec) {
+    case kTf32All:
+      return f(std::integral_constant<int, kTf32All>{});
+    case kTf32Scores:
+      return f(std::integral_constant<int, kTf32Scores>{});
+    default:
+      return f(std::integral_constant<int, kTf32None>{});
   }
 }
 

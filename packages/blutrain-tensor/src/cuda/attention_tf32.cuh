@@ -5,8 +5,8 @@
 // contiguous, lse (B, H, L) float32 (natural log).  The backward reads g = dO as a (B, L, H, D)
 // view (g_b, g_l, g_h), lse and dvec = rowsum(dO * O) - dlse (B, H, L) float32, and writes dq
 // and dk, dv where GradLayout says.
-// exact: 3xTF32 (big * big + big * small + small * big, fp32-accurate), else 1xTF32;
-// exact_scores: 3xTF32 for the scores Q K^T only (Note [scores in 3xTF32] in attention_tf32.cu).
+// prec: which products run in 3xTF32 (big * big + big * small + small * big, fp32-accurate)
+// rather than 1xTF32 (Note [scores in 3xTF32] in attention_tf32.cu).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -37,6 +37,10 @@ struct GradLayout {
   }
 };
 
+// The kernels' kPrec: every product 1xTF32, the scores Q K^T (forward and the backward's
+// recomputation) 3xTF32, or every product 3xTF32.
+enum Tf32Prec : int { kTf32None = 0, kTf32Scores = 1, kTf32All = 2 };
+
 struct AttnTf32Args {
   int B, H, L, S, D;
   int64_t q_b, q_h, q_l, k_b, k_h, k_l, v_b, v_h, v_l;
@@ -44,8 +48,7 @@ struct AttnTf32Args {
   GradLayout dg;
   double scale;
   bool causal;
-  bool exact;
-  bool exact_scores = false;  // ignored when exact
+  Tf32Prec prec = kTf32None;
   // Backward: dQ by float atomics from the dK / dV kernel (one kernel, not deterministic) instead
   // of its own kernel.  Note [tf32 dQ by atomics] in attention_tf32.cu.
   bool fused_dq = false;
