@@ -35,8 +35,9 @@
 #     --baseline-dir packages/blutrain-models/bench/baselines/conv_b_seeds
 # (session 53, one H100, --jobs 16: ours:bf16 of 24 seeds in 166 s; ours:fp32 of 16 seeds beside
 # ours:bf16 in 446 s; session 54, --jobs 12 beside four probe processes: torch:bf16 and ours:bf16
-# of 24 seeds in 491 s.)  Ours' runs of seeds 1-48 (1-24 at 2e21f52; 25-48, ours:bf16 only, at
-# 54b3ad6, the same compiled code) are kept in bench/baselines/conv_b_seeds_ours, to set a later
+# of 24 seeds in 491 s; session 57, ours:fp32 alone: 16 seeds in 325 s.)  Ours' runs of seeds
+# 1-48 (1-24 at 2e21f52; 25-48's ours:bf16 at 54b3ad6, the same compiled code, their ours:fp32 in
+# session 57) are kept in bench/baselines/conv_b_seeds_ours, to set a later
 # ours beside (gpu_bf16_table.py --across merges a seed's files); they are not a --baseline-dir
 # for a change to ours, whose runs must rerun.
 # Needs the packages importable (PYTHONPATH, as gpu_bf16.sh sets it). JSON and logs go to

@@ -213,8 +213,45 @@ def across(paths: list[str], ours: str = "ours:bf16") -> bool:
             f"({below} of {len(diffs)} seeds <= 0) {'ok' if met else 'NOT MET'}"
         )
     if runs_of:
+        own_fp32(runs_of, ours)
         windows(runs_of, ours)
     return ok and judged == {"d_train_tail", "d_val_final", "val_final"}  # every part shown
+
+
+def own_fp32(runs_of: list[dict], ours: str = "ours:bf16") -> None:
+    """Each bf16 run against its own framework's fp32 (ours against ours:fp32, torch:bf16 against
+    torch:fp32), paired ours - torch over the seeds that ran all four: |d train| over the last
+    tenth, final |d val| and the signed final val (bf16 minus its fp32). Not the aim, whose
+    reference is torch:fp32 for both: this takes the two fp32 runs' own distance (summation
+    order) out of the comparison, and the signed row says whether bf16 lands above or below its
+    own fp32 in each framework."""
+    import numpy as np
+
+    four = (ours, "ours:fp32", "torch:bf16", "torch:fp32")
+    cols: dict[str, list[float]] = {"d_train_tail": [], "d_val_final": [], "val_final": []}
+    for runs in runs_of:
+        if not all(k in runs and runs[k].get("val") for k in four):
+            continue
+        loss = {k: np.asarray(runs[k]["loss"], dtype=np.float64) for k in four}
+        val = {k: runs[k]["val"][-1][1] for k in four}
+        tail = max(1, min(len(v) for v in loss.values()) // 10)
+        dt = [np.abs(loss[b][-tail:] - loss[f][-tail:]).mean() for b, f in (four[:2], four[2:])]
+        dv = [val[b] - val[f] for b, f in (four[:2], four[2:])]
+        cols["d_train_tail"].append(float(dt[0] - dt[1]))
+        cols["d_val_final"].append(abs(dv[0]) - abs(dv[1]))
+        cols["val_final"].append(dv[0] - dv[1])
+    n = len(cols["val_final"])
+    if n < 2:
+        return
+    print(f"each bf16 run against its own fp32, paired over {n} seeds ({ours} - torch:bf16):")
+    for k, what in (
+        ("d_train_tail", "|d train| tail"),
+        ("d_val_final", "|d val| final"),
+        ("val_final", "val final, signed"),
+    ):
+        m, e = _mean_se(cols[k])
+        below = sum(d <= 0 for d in cols[k])
+        print(f"  {what:<17} {m:+.4f} +- {e:.4f} ({below} of {n} seeds <= 0)")
 
 
 # steps [a, b): before ~60 the runs of a seed share a trajectory; later windows show the floor

@@ -58,6 +58,12 @@ def test_across_pairs_each_seed_and_reads_the_windows(table, tmp_path, rng, caps
     # against its own fp32: |(-0.002 - 0.001 i) + 0.0005 i| = 0.002, 0.0025, 0.003
     assert rows["ours:bf16 - ours:fp32"].split()[4] == "0.0025+-0.0003"
     assert rows["ours - torch"].split()[4] == "-0.0070+-0.0006"  # paired, seed by seed
+    # paired against each framework's own fp32: ours 0.002 + 0.0005 i (signed -(that)), torch
+    # 0.010, so -0.0080, -0.0075, -0.0070 (signed -0.0120, -0.0125, -0.0130)
+    assert "each bf16 run against its own fp32, paired over 3 seeds" in out
+    assert "  |d train| tail    -0.0075 +- 0.0003 (3 of 3 seeds <= 0)" in out
+    assert "  |d val| final     -0.0075 +- 0.0003 (3 of 3 seeds <= 0)" in out
+    assert "  val final, signed -0.0125 +- 0.0003 (3 of 3 seeds <= 0)" in out
 
 
 def test_across_pairs_tf32_distances_seed_by_seed(table, tmp_path, rng, capsys):
