@@ -3,8 +3,10 @@ rank and the collective, and no process left behind (fault_worker.py under mpiex
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -76,13 +78,38 @@ def test_killed_rank_is_named_when_the_launcher_lets_the_others_run(tmp_path: Pa
     def named(out: str) -> bool:
         return any("2" in m.split(", ") for m in silent.findall(out))
 
+    # (no retry: the report once lost here was overtaken by MPI_Abort, Note [report before abort])
     rc, out, dt, pids = _run("kill", tmp_path, ["-disable-auto-cleanup"], shell=True)
-    if not named(out):  # once seen on a heavily oversubscribed machine: try again
-        for f in tmp_path.glob("*.pid"):
-            f.unlink()
-        rc, out, dt, pids = _run("kill", tmp_path, ["-disable-auto-cleanup"], shell=True)
     assert rc != 0, out
     assert dt < 60, f"the job took {dt:.0f} s"
     assert "all_reduce #3" in out, out
     assert named(out), out
     assert not [p for p in pids if _alive(p)], "processes left behind"
+
+
+def test_abort_first_waits_until_the_launcher_has_read_the_report(tmp_path: Path) -> None:
+    # Note [report before abort]: the report must leave the pipe before MPI_Abort is sent
+    group = importlib.import_module("blutrain.dist._group")
+    r, w = os.pipe()
+    try:
+        os.write(w, b"x" * 3000)
+        reader = threading.Timer(0.3, lambda: os.read(r, 1 << 16))
+        t0 = time.monotonic()
+        reader.start()
+        group._wait_until_read((w,), 5.0)
+        dt = time.monotonic() - t0
+        reader.join()
+        assert 0.29 <= dt < 2.0, dt  # it waited for the reader, and no longer
+        os.write(w, b"y")  # a reader that never reads: the limit ends the wait
+        t0 = time.monotonic()
+        group._wait_until_read((w,), 0.2)
+        assert 0.19 <= time.monotonic() - t0 < 1.5
+    finally:
+        os.close(r)
+        os.close(w)
+    with open(tmp_path / "log.txt", "w") as f:  # a file: nothing to wait for
+        f.write("report")
+        f.flush()
+        t0 = time.monotonic()
+        group._wait_until_read((f.fileno(),), 5.0)
+        assert time.monotonic() - t0 < 0.5
