@@ -1,7 +1,8 @@
 """Jobs that go wrong on purpose: ``mpiexec -n 3 python fault_worker.py KIND PIDDIR``.
 
 hang: rank 1 sleeps instead of joining an all_reduce; kill: rank 2 is SIGKILLed while the others
-wait in one.  Every rank first writes its pid to PIDDIR so the test can check none is left."""
+wait in one; raise: rank 1 raises (uncaught) instead of joining it.  Every rank first writes its
+pid to PIDDIR so the test can check none is left."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ dist.all_reduce(x)  # collective #1 completes on every rank
 dist.barrier()
 if kind == "hang" and r == 1:
     time.sleep(3600)  # hung outside blutrain.dist (its watchdog still answers)
+if kind == "raise" and r == 1:
+    raise RuntimeError("rank 1 fails on purpose")
 if kind == "kill" and r == 2:
     time.sleep(0.5)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -32,13 +32,17 @@ def _alive(pid: int) -> bool:
 
 
 def _run(
-    kind: str, tmp_path: Path, launcher_args: list[str] | None = None, shell: bool = False
+    kind: str,
+    tmp_path: Path,
+    launcher_args: list[str] | None = None,
+    shell: bool = False,
+    dist_timeout: str = "4",
 ) -> tuple[int, str, float, list[int]]:
     rc, so, se, dt = launch(
         3,
         [str(HERE / "fault_worker.py"), kind, str(tmp_path)],
-        timeout=120,
-        extra_env={"BLUTRAIN_DIST_TIMEOUT": "4"},
+        timeout=180,
+        extra_env={"BLUTRAIN_DIST_TIMEOUT": dist_timeout},
         launcher_args=launcher_args,
         shell=shell,
     )
@@ -84,6 +88,18 @@ def test_killed_rank_is_named_when_the_launcher_lets_the_others_run(tmp_path: Pa
     assert dt < 60, f"the job took {dt:.0f} s"
     assert "all_reduce #3" in out, out
     assert named(out), out
+    assert not [p for p in pids if _alive(p)], "processes left behind"
+
+
+def test_rank_that_raises_ends_the_job_at_once(tmp_path: Path) -> None:
+    # Note [a rank that leaves]: not after the others' timeout (120 s here)
+    rc, out, dt, pids = _run("raise", tmp_path, dist_timeout="120")
+    assert rc != 0, out
+    assert len(pids) == 3, out
+    assert dt < 60, f"the job took {dt:.0f} s (timeout 120 s)"
+    assert "RuntimeError: rank 1 fails on purpose" in out, out  # the traceback, as usual
+    assert "[blutrain.dist] rank 1/3: uncaught RuntimeError; ending the job" in out, out
+    assert "unexpectedly completed" not in out
     assert not [p for p in pids if _alive(p)], "processes left behind"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,29 @@ def test_errors_are_one_clear_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("blutrain prepare: error: [prepare]") and "missing.txt" in err
     assert "Traceback" not in err
+
+
+def test_an_error_in_a_distributed_run_ends_every_rank(monkeypatch, capsys):
+    # blutrain.dist's Note [a rank that leaves]: the other ranks must not wait for this one
+    ended = []
+    fake = types.SimpleNamespace(
+        is_initialized=lambda: True, world_size=lambda: 4, abort=lambda *a: ended.append(a)
+    )
+
+    def run(args):
+        raise OSError(f"[hello] disk full writing {args.who}")
+
+    extra = cli.Command("hello", "fail", lambda p: p.add_argument("--who", default="x"), run)
+    cli.COMMANDS.append(extra)
+    monkeypatch.setitem(sys.modules, "blutrain.dist", fake)
+    try:
+        assert cli.main(["hello", "--who", "ckpt"]) == 2
+        assert ended == [("blutrain hello stopped on the error above", 2)]
+        fake.world_size = lambda: 1  # one rank: nothing to end
+        assert cli.main(["hello"]) == 2 and len(ended) == 1
+    finally:
+        cli.COMMANDS.remove(extra)
+    assert "blutrain hello: error: [hello] disk full writing ckpt" in capsys.readouterr().err
 
 
 def test_no_command_prints_help(capsys):

@@ -22,8 +22,9 @@ bitwise the same for world sizes 1, 2 and 4 with the same global batch.
 
 A rank that dies or hangs ends the job within ``timeout`` seconds (default 300,
 ``BLUTRAIN_DIST_TIMEOUT``) with a message naming the ranks that did not answer and what the
-others wait in.  ``check_collectives=True`` (``BLUTRAIN_DIST_CHECK=1``) compares every
-collective's kind, dtype and size across ranks before moving data.
+others wait in; a rank that raises (uncaught) or calls :func:`abort` ends it at once.
+``check_collectives=True`` (``BLUTRAIN_DIST_CHECK=1``) compares every collective's kind, dtype
+and size across ranks before moving data.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ __all__ = [
     "ProcessGroup",
     "Work",
     "ZeroOptimizer",
+    "abort",
     "all_gather",
     "all_reduce",
     "allgather_object",
@@ -105,6 +107,14 @@ def init(
     deterministic: fixed-order sums; None follows bt.use_deterministic_algorithms.
     """
     return _init(backend, device, timeout, check_collectives, on_fault, deterministic)
+
+
+def abort(reason: str, code: int = 1) -> None:
+    """End every process of the job now: for a rank that must stop on an error the others did
+    not see (they would wait for it until their timeout).  Prints one line naming this rank and
+    `reason`, then MPI_Abort with exit status `code`; without other ranks, exits with `code`.
+    An uncaught exception does this by itself (``init(on_fault="abort")``, the default)."""
+    _group("abort").leave(reason, code)
 
 
 def is_initialized() -> bool:

@@ -23,6 +23,13 @@ computes.  A peer killed by a signal never answers; under MPICH's default the la
 job at once anyway, and under ``mpiexec -disable-auto-cleanup`` MPICH signals the survivors
 (SIGUSR1), which the wait loop turns into the same report.
 
+Note [a rank that leaves]: a rank that stops on an error only it saw (an exception, the CLI's
+one-line error) would otherwise sit in MPI_Finalize while the others wait in their next
+collective until the timeout (300 s by default).  With ``on_fault="abort"`` an uncaught exception
+ends the job at once: the usual traceback, one line naming the rank, MPI_Abort
+(``sys.excepthook``, installed by init for more than one rank).  Code that catches its own
+errors calls :func:`blutrain.dist.abort` (the ``blutrain`` CLI does).
+
 Locking rule: ``_lock`` guards the health communicator's sends and the status fields the
 watchdog reads; the main thread issues every collective.
 """
@@ -169,8 +176,11 @@ class ProcessGroup:
         self.nccl: Any = None
         if self.device.startswith("cuda"):
             self._init_cuda(backend)
+        self._prev_excepthook: Any = None
         if self.MPI is not None and self.size > 1:
             self._install_failure_signal()
+            if on_fault == "abort":
+                self._install_excepthook()
             if self.MPI.Query_thread() == self.MPI.THREAD_MULTIPLE:
                 self._watchdog = threading.Thread(
                     target=self._watch, name="blutrain.dist watchdog", daemon=True
@@ -282,6 +292,31 @@ class ProcessGroup:
             self._peer_failed = True
 
         signal.signal(signal.SIGUSR1, on_failure)
+
+    def _install_excepthook(self) -> None:
+        # Note [a rank that leaves]
+        prev = sys.excepthook
+
+        def on_uncaught(etype: type[BaseException], value: BaseException, tb: Any) -> None:
+            prev(etype, value, tb)  # the traceback, as without blutrain.dist
+            if not self._closed:
+                self.leave(f"uncaught {etype.__name__}", 1)
+
+        self._prev_excepthook = prev
+        sys.excepthook = on_uncaught
+
+    def leave(self, reason: str, code: int = 1) -> None:
+        """End the whole job now from this rank (Note [a rank that leaves]): one line naming
+        the rank and `reason`, then MPI_Abort with exit status `code`."""
+        print(
+            f"[blutrain.dist] rank {self.rank}/{self.size}: {reason}; ending the job now (ranks "
+            "still running would wait for this one until their timeout)",
+            file=sys.stderr,
+            flush=True,
+        )
+        with self._lock:
+            self._faulted = True
+        self.abort(code)
 
     @property
     def deterministic(self) -> bool:
@@ -506,6 +541,8 @@ class ProcessGroup:
             return
         self._closed = True
         self._stop.set()
+        if self._prev_excepthook is not None:
+            sys.excepthook, self._prev_excepthook = self._prev_excepthook, None
         if self._watchdog is not None and self._watchdog is not threading.current_thread():
             self._watchdog.join(timeout=2.0)
         if self.nccl is not None:

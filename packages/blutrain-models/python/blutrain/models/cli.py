@@ -636,17 +636,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             raise
         print(f"{prog}: error: {why}", file=sys.stderr)
-        return EXIT_USAGE
+        return _end_job(prog, EXIT_USAGE)
     except (OSError, ValueError) as e:
         # Our errors name the file, flag or tensor and what was expected: one line, no traceback.
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
-        return EXIT_USAGE
+        return _end_job(prog, EXIT_USAGE)
     except FloatingPointError as e:
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
-        return EXIT_FAILED
+        return _end_job(prog, EXIT_FAILED)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+        return _end_job(prog, 130)
+
+
+def _end_job(prog: str, code: int) -> int:
+    """`code`; in a distributed run, first end every rank (the others would wait for this one
+    until their timeout: blutrain.dist's Note [a rank that leaves])."""
+    dist = sys.modules.get("blutrain.dist")
+    if dist is not None and dist.is_initialized() and dist.world_size() > 1:
+        dist.abort(f"{prog} stopped on the error above", code)
+    return code
 
 
 def _one_line(e: BaseException) -> str:
