@@ -92,8 +92,8 @@ def _wait_until_read(fds: tuple[int, ...], limit_s: float) -> None:
     Note [report before abort]: under MPICH's hydra a rank's stdout and stderr are pipes that its
     proxy reads and forwards to mpiexec, while MPI_Abort reaches the launcher by the PMI socket;
     an abort that overtakes the report can end the job with the report unread.  Measured with 4
-    ranks on 2 busy cores: at the abort the report was still in the pipe in 14 of 30 runs (it
-    drained in 5-9 ms), and 2 of 120 runs lost every survivor's message.  Files, terminals and
+    ranks on 2 busy cores: at the abort some of the report was still in the pipe in 13 of 30 runs
+    (it drained in 5-9 ms), and 2 of 120 runs lost every survivor's message.  Files, terminals and
     sockets are left alone; a reader that is gone costs the limit."""
     import fcntl
     import stat
