@@ -176,7 +176,6 @@ class ProcessGroup:
         self.nccl: Any = None
         if self.device.startswith("cuda"):
             self._init_cuda(backend)
-        self._prev_excepthook: Any = None
         if self.MPI is not None and self.size > 1:
             self._install_failure_signal()
             if on_fault == "abort":
@@ -294,7 +293,8 @@ class ProcessGroup:
         signal.signal(signal.SIGUSR1, on_failure)
 
     def _install_excepthook(self) -> None:
-        # Note [a rank that leaves]
+        # Note [a rank that leaves]; after shutdown() the hook only calls the one it wraps (a
+        # hook installed later by the user, e.g. rich's, stays in place)
         prev = sys.excepthook
 
         def on_uncaught(etype: type[BaseException], value: BaseException, tb: Any) -> None:
@@ -302,7 +302,6 @@ class ProcessGroup:
             if not self._closed:
                 self.leave(f"uncaught {etype.__name__}", 1)
 
-        self._prev_excepthook = prev
         sys.excepthook = on_uncaught
 
     def leave(self, reason: str, code: int = 1) -> None:
@@ -541,8 +540,6 @@ class ProcessGroup:
             return
         self._closed = True
         self._stop.set()
-        if self._prev_excepthook is not None:
-            sys.excepthook, self._prev_excepthook = self._prev_excepthook, None
         if self._watchdog is not None and self._watchdog is not threading.current_thread():
             self._watchdog.join(timeout=2.0)
         if self.nccl is not None:
