@@ -103,6 +103,29 @@ def test_rank_that_raises_ends_the_job_at_once(tmp_path: Path) -> None:
     assert not [p for p in pids if _alive(p)], "processes left behind"
 
 
+def test_rank_that_exits_ends_the_job_at_once(tmp_path: Path) -> None:
+    # sys.exit(3) on rank 1: no excepthook; shutdown's meeting sees ranks 0 and 2 wait in #3
+    rc, out, dt, pids = _run("exit", tmp_path, dist_timeout="120")
+    assert rc != 0, out
+    assert len(pids) == 3, out
+    assert dt < 60, f"the job took {dt:.0f} s (timeout 120 s)"
+    want = "rank 1/3: exited after 2 collective(s) while rank(s) 0, 2 wait in all_reduce #3, which"
+    assert want in out, out
+    assert "unexpectedly completed" not in out
+    assert not [p for p in pids if _alive(p)], "processes left behind"
+
+
+def test_ranks_that_end_first_wait_for_one_still_computing(tmp_path: Path) -> None:
+    # the other side of the meeting: a rank 3 s behind and one waiting for it in recv are
+    # waited for (that recv's number, #4, is above rank 2's count, but it is not rank 2's)
+    rc, out, dt, pids = _run("late", tmp_path, dist_timeout="120")
+    assert rc == 0, out
+    assert all(f"rank {r}: done" in out for r in range(3)), out
+    assert "[blutrain.dist]" not in out, out
+    assert dt >= 3.0, dt
+    assert not [p for p in pids if _alive(p)], "processes left behind"
+
+
 def test_abort_first_waits_until_the_launcher_has_read_the_report(tmp_path: Path) -> None:
     # Note [report before abort]: the report must leave the pipe before MPI_Abort is sent
     group = importlib.import_module("blutrain.dist._group")

@@ -28,7 +28,15 @@ one-line error) would otherwise sit in MPI_Finalize while the others wait in the
 collective until the timeout (300 s by default).  With ``on_fault="abort"`` an uncaught exception
 ends the job at once: the usual traceback, one line naming the rank, MPI_Abort
 (``sys.excepthook``, installed by init for more than one rank).  Code that catches its own
-errors calls :func:`blutrain.dist.abort` (the ``blutrain`` CLI does).
+errors calls :func:`blutrain.dist.abort` (the ``blutrain`` CLI does).  A rank that just exits
+(``sys.exit(n)``, or the end of the script while the others still run) gives no hook its exit
+status, so ``shutdown`` (which atexit calls) makes the end a meeting: every rank waits there, in
+a non-blocking barrier on the health communicator, for the others.  While it waits it asks them
+every ``_EXIT_LOOK_S`` what they are doing; one that waits while it has issued more collectives
+over every rank than this one (send and recv are not counted: their numbers differ between
+ranks) waits for a collective this rank will never join, so this rank ends the job at once,
+naming the rank and the collective.  Peers that still compute, or wait in a collective
+this rank issued, are waited for without a deadline, as MPI_Finalize would.
 
 Locking rule: ``_lock`` guards the health communicator's sends and the status fields the
 watchdog reads; the main thread issues every collective.
@@ -67,6 +75,7 @@ _HEALTH_QUERY, _HEALTH_REPLY = 7101, 7102  # tags on the health communicator
 _POLL_ANSWER_S = 0.05  # seconds between health polls inside a wait loop
 _WATCHDOG_S = 0.1  # seconds between watchdog passes
 _REPORT_DRAIN_S = 2.0  # seconds, at most, that abort waits for the launcher to read the report
+_EXIT_LOOK_S = 0.5  # seconds between looks at the others while waiting at shutdown
 
 OPS = {"sum": 0, "avg": 1, "max": 2, "min": 3}
 OP_NAMES = {v: k for k, v in OPS.items()}
@@ -155,12 +164,14 @@ class ProcessGroup:
         self.on_fault = on_fault
         self._deterministic = deterministic
         self.seq = 0  # collectives issued by this rank
+        self.group_seq = 0  # of them, those over every rank (all but send and recv)
         self.done_seq = 0  # the last one completed
         self._waiting: tuple[int, str] | None = None  # (seq, what) while in a wait loop
         self._lock = threading.RLock()
         self._peer_failed = False
         self._faulted = False
         self._closed = False
+        self._at_shutdown = False  # in meet_at_shutdown (health state 3)
         self._pending_sends: list[Any] = []
         self._cuda_works: deque[Any] = deque()  # NCCL works the watchdog watches
         self._watchdog: threading.Thread | None = None
@@ -358,9 +369,12 @@ class ProcessGroup:
 
     # -- health (Note [health queries]) ---------------------------------------------------------
     def _status(self) -> np.ndarray:
-        """[rank, state (0 idle, 1 waiting, 2 GPU work pending), seq, last done, what code]."""
+        """[rank, state (0 idle, 1 waiting, 2 GPU work pending, 3 at shutdown), seq, last done,
+        what code, collectives over every rank issued]."""
         with self._lock:
-            if self._waiting is not None:
+            if self._at_shutdown:
+                seq, what, state = self.seq, "", 3
+            elif self._waiting is not None:
                 seq, what = self._waiting
                 state = 1
             elif self._cuda_works:
@@ -369,7 +383,9 @@ class ProcessGroup:
             else:
                 seq, what, state = self.seq, "", 0
         code = next((i for i, n in enumerate(COLLECTIVES) if what.startswith(n)), -1)
-        return np.array([self.rank, state, seq, self.done_seq, code], dtype=np.int64)
+        return np.array(
+            [self.rank, state, seq, self.done_seq, code, self.group_seq], dtype=np.int64
+        )
 
     def answer_queries(self) -> None:
         """Answer every pending health query (non-blocking)."""
@@ -403,7 +419,7 @@ class ProcessGroup:
             self.answer_queries()
             with self._lock:
                 while self.health.Iprobe(source=MPI.ANY_SOURCE, tag=_HEALTH_REPLY, status=st):
-                    buf = np.empty(5, dtype=np.int64)
+                    buf = np.empty(6, dtype=np.int64)
                     self.health.Recv(buf, source=st.Get_source(), tag=_HEALTH_REPLY)
                     replies[int(buf[0])] = buf
             time.sleep(0.005)
@@ -428,12 +444,14 @@ class ProcessGroup:
                     "dead, or hung outside blutrain.dist"
                 )
             for q in sorted(replies):
-                _, state, seq, done, code = (int(v) for v in replies[q])
+                _, state, seq, done, code, _ = (int(v) for v in replies[q])
                 name = COLLECTIVES[code] if 0 <= code < len(COLLECTIVES) else "?"
                 if state == 1:
                     lines.append(f"  rank {q} waits in {name} #{seq}")
                 elif state == 2:
                     lines.append(f"  rank {q} has GPU work pending in {name} #{seq}")
+                elif state == 3:
+                    lines.append(f"  rank {q} has reached shutdown after issuing #{seq}")
                 else:
                     lines.append(
                         f"  rank {q} is not in a collective (it has issued {seq}; this rank "
@@ -498,9 +516,11 @@ class ProcessGroup:
             return
 
     # -- small collectives used by setup checks ----------------------------------------------
-    def next_seq(self) -> int:
-        """Number the next collective (the sequence named in fault reports and fingerprints)."""
+    def next_seq(self, p2p: bool = False) -> int:
+        """Number the next collective (the sequence named in fault reports and fingerprints);
+        p2p: a send or recv, which not every rank issues."""
         self.seq += 1
+        self.group_seq += not p2p
         return self.seq
 
     def allgather_object(self, obj: Any, what: str) -> list[Any]:
@@ -533,6 +553,40 @@ class ProcessGroup:
         self.done_seq = seq
 
     # -- shutdown --------------------------------------------------------------------------------
+    def meet_at_shutdown(self) -> None:
+        """Wait until every rank reaches shutdown; end the job at once when another rank waits
+        in a collective this one never issued (Note [a rank that leaves])."""
+        if self.MPI is None or self.size == 1 or self._faulted or self.on_fault != "abort":
+            return
+        with self._lock:
+            self._at_shutdown = True
+            req = self.health.Ibarrier()
+        t0 = time.monotonic()
+        next_look = t0 + _EXIT_LOOK_S
+        while True:
+            with self._lock:
+                if req.Test():
+                    return
+            self.answer_queries()
+            if self._peer_failed:
+                self.fault("shutdown", "failed: MPI reported a failed process")
+            if time.monotonic() >= next_look:
+                replies = self._diagnose(_EXIT_LOOK_S)
+                left_for = {
+                    q: r for q, r in replies.items() if r[1] in (1, 2) and r[5] > self.group_seq
+                }
+                if left_for:
+                    _, _, seq, _, code, _ = (int(v) for v in left_for[min(left_for)])
+                    name = COLLECTIVES[code] if 0 <= code < len(COLLECTIVES) else "?"
+                    self.leave(
+                        f"exited after {self.group_seq} collective(s) while rank(s) "
+                        f"{', '.join(map(str, sorted(left_for)))} wait in {name} #{seq}, "
+                        "which it never issued",
+                        1,
+                    )
+                next_look = time.monotonic() + _EXIT_LOOK_S
+            time.sleep(2e-3 if time.monotonic() - t0 < 1.0 else 0.02)  # a long wait costs no CPU
+
     def close(self) -> None:
         """Stop the watchdog, destroy (after a fault: abort) the NCCL communicator, cancel pending
         sends and free the MPI communicators; idempotent."""
@@ -610,12 +664,17 @@ def init(
 
 
 def shutdown() -> None:
-    """Finish blutrain.dist: destroy the NCCL communicator and free our MPI communicators
-    (MPI itself is finalized by mpi4py at exit).  init() may be called again afterwards."""
+    """Finish blutrain.dist on this rank: wait for every rank to reach it (Note [a rank that
+    leaves]: a rank that exits while the others still wait in a collective ends the job), then
+    destroy the NCCL communicator and free our MPI communicators (MPI itself is finalized by
+    mpi4py at exit).  Called at exit; init() may be called again afterwards."""
     global _GROUP
     g, _GROUP = _GROUP, None
     if g is not None:
-        g.close()
+        try:
+            g.meet_at_shutdown()
+        finally:
+            g.close()
 
 
 atexit.register(shutdown)

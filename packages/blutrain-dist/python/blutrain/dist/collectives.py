@@ -260,7 +260,7 @@ def send(tensor: bt.Tensor, dst: int, async_op: bool = False) -> Work | None:
     g = group("send")
     _check_tensor(tensor, "send", "tensor", g)
     dst = _peer(dst, "send", g)
-    seq = g.next_seq()
+    seq = g.next_seq(p2p=True)
     what = f"send #{seq} ({tensor.dtype.name}, {tensor.numel()} elements, to rank {dst})"
     return _finish(_backend_for(tensor, g).send(tensor, dst, what, seq), async_op)
 
@@ -270,7 +270,7 @@ def recv(tensor: bt.Tensor, src: int, async_op: bool = False) -> Work | None:
     g = group("recv")
     _check_tensor(tensor, "recv", "tensor", g)
     src = _peer(src, "recv", g)
-    seq = g.next_seq()
+    seq = g.next_seq(p2p=True)
     what = f"recv #{seq} ({tensor.dtype.name}, {tensor.numel()} elements, from rank {src})"
     return _finish(_backend_for(tensor, g).recv(tensor, src, what, seq), async_op)
 
