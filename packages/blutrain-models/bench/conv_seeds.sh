@@ -25,21 +25,29 @@
 #   --baseline-dir DIR  an earlier call's conv_b_seedS.json files (this script's, finished or
 #             stopped): a seed reruns only the runs its file lacks, and its JSON holds them all
 #   --extra   more convergence.py arguments (they win over the above), e.g. "--device cpu --model tiny --compact-vocab"
-# PyTorch's runs of seeds 1-48 are kept in bench/baselines/conv_b_seeds (session 49: seeds 1-13 on
+# PyTorch's runs of seeds 1-64 are kept in bench/baselines/conv_b_seeds (session 49: seeds 1-13 on
 # an H100, 15-16 on an H200, 14 both; session 51: seeds 17-24 on an H100; session 54: 25-48 on an
 # H100; session 55: torch:tf32 of seeds 1-31, with ours:tf32 in conv_b_seeds_ours, 16 seeds in
-# 338-345 s with 16 processes), so a change to ours needs only its own runs (ours:bf16 is about
+# 338-345 s with 16 processes; session 59: 49-64 on an H100, with ours' runs), so a change to ours
+# needs only its own runs (ours:bf16 is about
 # 4 s of GPU a seed; torch:fp32 takes 195 s with 8 processes sharing an H100, 408 s with 16, so
 # new seeds need a call of their own):
 #   bash packages/blutrain-models/bench/conv_seeds.sh --runs torch:fp32,torch:bf16,ours:bf16 \
 #     --baseline-dir packages/blutrain-models/bench/baselines/conv_b_seeds
 # (session 53, one H100, --jobs 16: ours:bf16 of 24 seeds in 166 s; ours:fp32 of 16 seeds beside
 # ours:bf16 in 446 s; session 54, --jobs 12 beside four probe processes: torch:bf16 and ours:bf16
-# of 24 seeds in 491 s; session 57, ours:fp32 alone: 16 seeds in 325 s.)  Ours' runs of seeds
-# 1-48 (1-24 at 2e21f52; 25-48's ours:bf16 at 54b3ad6, the same compiled code, their ours:fp32 in
-# session 57) are kept in bench/baselines/conv_b_seeds_ours, to set a later
-# ours beside (gpu_bf16_table.py --across merges a seed's files); they are not a --baseline-dir
-# for a change to ours, whose runs must rerun.
+# of 24 seeds in 491 s; session 57, ours:fp32 alone: 16 seeds in 325 s.)  New seeds with all
+# four runs: two calls side by side, each with its own OUT, one for PyTorch's runs and one for
+# ours' (a process runs its runs one after the other; gpu_bf16_table.py --across merges the two
+# files of a seed):
+#   OUT=$OUT/t bash .../conv_seeds.sh --seeds "$S" --jobs 8 --runs torch:fp32,torch:bf16 &
+#   OUT=$OUT/o bash .../conv_seeds.sh --seeds "$S" --jobs 8 --runs ours:fp32,ours:bf16 & wait
+# (session 59, one H100: 8 seeds in 481 s, ours' side in 423 s).  Ours' runs of seeds
+# 1-64 (1-24 at 2e21f52; 25-48's ours:bf16 at 54b3ad6, the same compiled code, their ours:fp32 in
+# session 57; 49-64 in session 59, session 57's compiled code) are kept in
+# bench/baselines/conv_b_seeds_ours, to set a later ours beside (gpu_bf16_table.py --across
+# merges a seed's files); they are not a --baseline-dir for a change to ours, whose runs must
+# rerun.
 # Needs the packages importable (PYTHONPATH, as gpu_bf16.sh sets it). JSON and logs go to
 # $OUT/seeds (default ./out/seeds).
 set -uo pipefail

@@ -7,7 +7,7 @@ than torch bf16's, and ours' final val loss at or below torch bf16's.
     python bench/gpu_bf16_table.py --across out/conv_b_seed*.json   # one setting, several seeds
     python bench/gpu_bf16_table.py --across --ours ours:bf16/f32grad out/conv_b_seed*.json
     python bench/gpu_bf16_table.py --across bench/baselines/conv_b_seeds/*.json \
-        bench/baselines/conv_b_seeds_ours/*.json   # kept runs: PyTorch's and ours (sessions 53-54)
+        bench/baselines/conv_b_seeds_ours/*.json   # kept runs: PyTorch's and ours (sessions 49-59)
     python bench/gpu_bf16_table.py --probes bench/baselines/probe_b/*.json  # probes over seeds
 
 --across: one seed ranks nothing (ours fp32 sits as far from torch fp32 as any bf16 run, from
