@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dist_runs import HERE, launch
@@ -152,3 +153,61 @@ def test_abort_first_waits_until_the_launcher_has_read_the_report(tmp_path: Path
         t0 = time.monotonic()
         group._wait_until_read((f.fileno(),), 5.0)
         assert time.monotonic() - t0 < 0.5
+
+
+class _Peers:
+    """Stands in for a ProcessGroup at shutdown: the barrier completes after `rounds` looks; each
+    look returns `replies` ({rank: [rank, state, seq, done, code, group_seq]})."""
+
+    def __init__(self, replies: dict[int, list[int]], rounds: int) -> None:
+        g = importlib.import_module("blutrain.dist._group")
+        self.MPI, self.size, self.rank, self.on_fault = object(), 3, 1, "abort"
+        self._faulted = self._peer_failed = False
+        self._lock = threading.RLock()
+        self.seq, self.group_seq = 7, 5  # two of the seven were send / recv
+        self.replies, self.rounds, self.looks, self.left = replies, rounds, 0, None
+        peers = self
+
+        class _Req:
+            def Test(self) -> bool:
+                return peers.looks >= peers.rounds
+
+        class _Health:
+            def Ibarrier(self) -> _Req:
+                return _Req()
+
+        self.health = _Health()
+        self.meet = lambda: g.ProcessGroup.meet_at_shutdown(self)
+
+    def answer_queries(self) -> None:
+        pass
+
+    def _diagnose(self, grace: float) -> dict:
+        self.looks += 1
+        return {q: np.array(r, dtype=np.int64) for q, r in self.replies.items()}
+
+    def leave(self, reason: str, code: int) -> None:
+        self.left = reason
+        self.rounds = 0  # the real leave() ends the process
+
+
+def test_shutdown_meeting_ends_the_job_only_for_a_collective_this_rank_never_issued() -> None:
+    code = importlib.import_module("blutrain.dist._group").COLLECTIVES.index("all_reduce")
+    # rank 0 still finishing all_reduce #7, rank 2 computing; both counted 5: wait, no alarm
+    p = _Peers({0: [0, 1, 7, 6, code, 5], 2: [2, 0, 9, 9, -1, 5]}, rounds=3)
+    p.meet()
+    assert p.left is None and p.looks == 3
+    # rank 2 waits in a recv numbered #9 (above this rank's 7) but its count is 5: no alarm
+    p = _Peers({2: [2, 1, 9, 8, code + 5, 5]}, rounds=2)
+    p.meet()
+    assert p.left is None
+    # rank 0 waits in all_reduce #8, its sixth collective over every rank: this rank left it
+    p = _Peers({0: [0, 1, 8, 7, code, 6], 2: [2, 3, 7, 7, -1, 5]}, rounds=100)
+    p.meet()
+    assert p.left == (
+        "exited after 5 collective(s) while rank(s) 0 wait in all_reduce #8, which it never issued"
+    )
+    # GPU work pending (state 2) in a later collective counts the same
+    p = _Peers({0: [0, 2, 8, 7, code, 6]}, rounds=100)
+    p.meet()
+    assert p.left is not None and "rank(s) 0" in p.left
