@@ -94,6 +94,11 @@ COLLECTIVES = (
 )
 
 
+def _collective_name(code: int) -> str:
+    """The collective named by a health reply's code ("?" for none or an unknown one)."""
+    return COLLECTIVES[code] if 0 <= code < len(COLLECTIVES) else "?"
+
+
 def _wait_until_read(fds: tuple[int, ...], limit_s: float) -> None:
     """Wait, at most `limit_s` seconds, until the reader of each pipe in `fds` has taken every
     byte written to it (FIONREAD on a pipe's write end counts the unread bytes).
@@ -445,7 +450,7 @@ class ProcessGroup:
                 )
             for q in sorted(replies):
                 _, state, seq, done, code, _ = (int(v) for v in replies[q])
-                name = COLLECTIVES[code] if 0 <= code < len(COLLECTIVES) else "?"
+                name = _collective_name(code)
                 if state == 1:
                     lines.append(f"  rank {q} waits in {name} #{seq}")
                 elif state == 2:
@@ -577,7 +582,7 @@ class ProcessGroup:
                 }
                 if left_for:
                     _, _, seq, _, code, _ = (int(v) for v in left_for[min(left_for)])
-                    name = COLLECTIVES[code] if 0 <= code < len(COLLECTIVES) else "?"
+                    name = _collective_name(code)
                     self.leave(
                         f"exited after {self.group_seq} collective(s) while rank(s) "
                         f"{', '.join(map(str, sorted(left_for)))} wait in {name} #{seq}, "
