@@ -235,6 +235,12 @@ def uneven_chunks_and_async() -> None:
 @case
 def bad_arguments() -> None:
     n = dist.world_size()
+    for code in ("3", 3.0, True, 256, -1):  # refused before anything is printed or ended
+        raises(
+            TypeError,
+            f"[abort] code must be an int exit status in [0, 255], got {code!r}",
+            lambda code=code: dist.abort("bad code", code),
+        )
     raises(
         ValueError, "[all_reduce] op must be one of", lambda: dist.all_reduce(bt.zeros(3), "prod")
     )

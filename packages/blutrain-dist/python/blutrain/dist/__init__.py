@@ -114,7 +114,9 @@ def abort(reason: str, code: int = 1) -> None:
     not see (they would wait for it until their timeout).  Prints one line naming this rank and
     `reason`, then MPI_Abort with exit status `code`; without other ranks, exits with `code`.
     An uncaught exception does this by itself (``init(on_fault="abort")``, the default)."""
-    _group("abort").leave(reason, code)
+    if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code <= 255:
+        raise TypeError(f"[abort] code must be an int exit status in [0, 255], got {code!r}")
+    _group("abort").leave(str(reason), code)
 
 
 def is_initialized() -> bool:
