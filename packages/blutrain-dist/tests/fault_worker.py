@@ -4,7 +4,9 @@ hang: rank 1 sleeps instead of joining an all_reduce; kill: rank 2 is SIGKILLed 
 wait in one; raise: rank 1 raises (uncaught) instead of joining it; exit: rank 1 calls
 sys.exit(3) instead; late: nothing fails, rank 0 computes 3 s longer, then sends to rank 1,
 which waits in recv meanwhile (rank 2, at shutdown, must wait for both).  Every rank first
-writes its pid to PIDDIR so the test can check none is left."""
+writes its pid to PIDDIR so the test can check none is left.  BLUTRAIN_FAULT_DEVICE=cuda sets
+up CUDA as well (the default device on a GPU machine), to see reports number the user's
+collectives from #1 there too (Note [numbering starts after init] in _group.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,12 @@ import blutrain.dist as dist
 import blutrain.tensor as bt
 
 kind, piddir = sys.argv[1], sys.argv[2]
-dist.init(timeout=float(os.environ.get("BLUTRAIN_DIST_TIMEOUT", "4")))
+# CPU tensors, so device="cpu": on a GPU machine the default would set up CUDA too (and, with three
+# ranks on one GPU, print the MPI-staging notice that test "late" must not see)
+dist.init(
+    device=os.environ.get("BLUTRAIN_FAULT_DEVICE", "cpu"),
+    timeout=float(os.environ.get("BLUTRAIN_DIST_TIMEOUT", "4")),
+)
 r = dist.rank()
 with open(os.path.join(piddir, f"{r}.pid"), "w") as f:
     f.write(str(os.getpid()))

@@ -192,6 +192,11 @@ class ProcessGroup:
         self.nccl: Any = None
         if self.device.startswith("cuda"):
             self._init_cuda(backend)
+        # Note [numbering starts after init]: init's own allgathers (the GPU check, the backend
+        # agreement: two on a GPU, none on the CPU) are not the user's; every rank has finished
+        # them here, so all restart at 0 and reports count the user's collectives from #1
+        # (session 61: on a GPU machine the CPU fault jobs' reports said #5 for the third)
+        self.seq = self.group_seq = self.done_seq = 0
         if self.MPI is not None and self.size > 1:
             self._install_failure_signal()
             if on_fault == "abort":
