@@ -28,7 +28,7 @@
 # PyTorch's runs of seeds 1-64 are kept in bench/baselines/conv_b_seeds (session 49: seeds 1-13 on
 # an H100, 15-16 on an H200, 14 both; session 51: seeds 17-24 on an H100; session 54: 25-48 on an
 # H100; session 55: torch:tf32 of seeds 1-31, with ours:tf32 in conv_b_seeds_ours, 16 seeds in
-# 338-345 s with 16 processes; session 59: 49-64 on an H100, with ours' runs), so a change to ours
+# 338-345 s with 16 processes; session 59: 49-64 on an H100, with ours' runs; session 61: torch:bf16 alone of 65-88, H100), so a change to ours
 # needs only its own runs (ours:bf16 is about
 # 4 s of GPU a seed; torch:fp32 takes 195 s with 8 processes sharing an H100, 408 s with 16, so
 # new seeds need a call of their own):
@@ -45,8 +45,11 @@
 # (session 59, one H100: 8 seeds in 481 s, ours' side in 423 s).  The paired final val alone
 # (the figure issue 38's bf16 aim misses) needs only the cheap pair, torch:bf16 on one side and
 # ours:bf16 on the other, the same way: about 22% of a seed's four runs in session 59's
-# process-seconds (an estimate; bf16-only sharing not yet measured); gpu_bf16_table.py --across
-# counts such a seed in the paired final val only.  Ours' runs of seeds
+# process-seconds (an estimate); measured in session 61 (one H100, 8 processes a side, 512 s):
+# PyTorch's side 24 seeds in 450 s, ours' 42 in 473 s, so about 19 s of wall time a paired seed,
+# PyTorch's side the bottleneck (next time about --jobs 11 for it, 5 for ours); gpu_bf16_table.py
+# --across counts such a seed in the paired final val only, and leaves out a seed with ours'
+# runs alone (ours:bf16 of seeds 89-106 wait in conv_b_seeds_ours for their torch:bf16).  Ours' runs of seeds
 # 1-64 (1-24 at 2e21f52; 25-48's ours:bf16 at 54b3ad6, the same compiled code, their ours:fp32 in
 # session 57; 49-64 in session 59, session 57's compiled code) are kept in
 # bench/baselines/conv_b_seeds_ours, to set a later ours beside (gpu_bf16_table.py --across
