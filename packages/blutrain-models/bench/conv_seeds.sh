@@ -28,7 +28,8 @@
 # PyTorch's runs of seeds 1-64 are kept in bench/baselines/conv_b_seeds (session 49: seeds 1-13 on
 # an H100, 15-16 on an H200, 14 both; session 51: seeds 17-24 on an H100; session 54: 25-48 on an
 # H100; session 55: torch:tf32 of seeds 1-31, with ours:tf32 in conv_b_seeds_ours, 16 seeds in
-# 338-345 s with 16 processes; session 59: 49-64 on an H100, with ours' runs; session 61: torch:bf16 alone of 65-88, H100), so a change to ours
+# 338-345 s with 16 processes; session 59: 49-64 on an H100, with ours' runs; session 61:
+# torch:bf16 alone of 65-88, H100), so a change to ours
 # needs only its own runs (ours:bf16 is about
 # 4 s of GPU a seed; torch:fp32 takes 195 s with 8 processes sharing an H100, 408 s with 16, so
 # new seeds need a call of their own):
