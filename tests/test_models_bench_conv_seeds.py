@@ -71,7 +71,7 @@ esac
 
 def test_a_seed_that_cannot_finish_by_the_deadline_is_not_started(tmp_path):
     """Budget 25 s (deadline at 10 s), two jobs, seeds of 6 s: seeds 1 and 2 run; at 6 s seed 3
-    has 4 s left, less than the quickest seed took, so it is not started (stopped at the deadline
+    has 4 s left, less than the median seed took, so it is not started (stopped at the deadline
     its runs would be lost, holding the GPU until then)."""
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)
@@ -89,5 +89,5 @@ def test_a_seed_that_cannot_finish_by_the_deadline_is_not_started(tmp_path):
                        timeout=120)  # fmt: skip
     out = r.stdout
     assert "seed 1: rc 0," in out and "seed 2: rc 0," in out, out + r.stderr
-    m = re.search(r"seed 3: not started \((\d+) s left; the quickest seed took (\d+) s\)", out)
+    m = re.search(r"seed 3: not started \((\d+) s left; the median seed took (\d+) s\)", out)
     assert m and int(m[1]) < int(m[2]) and int(m[2]) >= 6, out

@@ -19,7 +19,7 @@
 #   --jobs    processes at once (default 8)
 #   --runs    convergence.py runs of each seed (default: torch and ours in fp32, tf32 and bf16)
 #   --budget  seconds for the whole script (default 540): a seed is not started when less time is
-#             left than the quickest finished seed took (or 60 s), a seed still running at the end
+#             left than the median finished seed took (or 60 s), a seed still running at the end
 #             is stopped and left out of the table
 #   --steps   steps per run (default 1000; fewer for a smoke run)
 #   --baseline-dir DIR  an earlier call's conv_b_seedS.json files (this script's, finished or
@@ -29,9 +29,9 @@
 # an H100, 15-16 on an H200, 14 both; session 51: seeds 17-24 on an H100; session 54: 25-48 on an
 # H100; session 55: torch:tf32 of seeds 1-31, with ours:tf32 in conv_b_seeds_ours, 16 seeds in
 # 338-345 s with 16 processes; session 59: 49-64 on an H100, with ours' runs; session 61:
-# torch:bf16 alone of 65-88, H100), so a change to ours
-# needs only its own runs (ours:bf16 is about
-# 4 s of GPU a seed; torch:fp32 takes 195 s with 8 processes sharing an H100, 408 s with 16, so
+# torch:bf16 alone of 65-88, H100; session 62: torch:bf16 alone of 89-150, H100, those of
+# 147-150 waiting for their ours:bf16), so a change to ours needs only its own runs (ours:bf16
+# is about 4 s of GPU a seed; torch:fp32 takes 195 s with 8 processes sharing an H100, 408 s with 16, so
 # new seeds need a call of their own):
 #   bash packages/blutrain-models/bench/conv_seeds.sh --runs torch:fp32,torch:bf16,ours:bf16 \
 #     --baseline-dir packages/blutrain-models/bench/baselines/conv_b_seeds
@@ -48,11 +48,14 @@
 # ours:bf16 on the other, the same way: about 22% of a seed's four runs in session 59's
 # process-seconds (an estimate); measured in session 61 (one H100, 8 processes a side, 512 s):
 # PyTorch's side 24 seeds in 450 s, ours' 42 in 473 s, so about 19 s of wall time a paired seed,
-# PyTorch's side the bottleneck (next time about --jobs 11 for it, 5 for ours); gpu_bf16_table.py
-# --across counts such a seed in the paired final val only, and leaves out a seed with ours'
-# runs alone (ours:bf16 of seeds 89-106 wait in conv_b_seeds_ours for their torch:bf16).  Ours' runs of seeds
+# PyTorch's side the bottleneck. Session 62 (one H100, --jobs 12 for PyTorch's side, 4 for
+# ours'): PyTorch's 36 seeds in 469 s, ours' 24 in 488 s, so a process takes about 155 s for a
+# PyTorch seed and 80 s for ours': --jobs 11 and 5 balance the sides, about 15 s a paired seed.
+# gpu_bf16_table.py --across counts such a seed in the paired final val only, and names apart
+# (in no figure) a seed with one side alone.  Ours' runs of seeds
 # 1-64 (1-24 at 2e21f52; 25-48's ours:bf16 at 54b3ad6, the same compiled code, their ours:fp32 in
-# session 57; 49-64 in session 59, session 57's compiled code) are kept in
+# session 57; 49-64 in session 59, session 57's compiled code; 65-146's ours:bf16 in sessions 61
+# and 62, the same C++ as session 57's) are kept in
 # bench/baselines/conv_b_seeds_ours, to set a later ours beside (gpu_bf16_table.py --across
 # merges a seed's files); they are not a --baseline-dir for a change to ours, whose runs must
 # rerun.
@@ -88,13 +91,17 @@ rm -f "$TOOK"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PYTHONUNBUFFERED=1
 
 one_seed() {  # seed: runs it if it can finish by the deadline; the run stops at the deadline
-  local s=$1 left=$(( DEADLINE - $(date +%s) )) quickest
+  local s=$1 left=$(( DEADLINE - $(date +%s) )) median
   # A seed that cannot finish in the time left is not started: stopped at the deadline its runs
   # are lost, and they hold the GPU until then (session 54: 8 seeds stopped after 143 s, when
-  # each of the 16 before them had taken 408 s).  The quickest finished seed is the estimate.
-  quickest=$(sort -n "$TOOK" 2>/dev/null | head -n 1)
-  if [ "$left" -lt "$MIN_LEFT" ] || { [ -n "$quickest" ] && [ "$left" -lt "$quickest" ]; }; then
-    echo "seed $s: not started ($left s left${quickest:+; the quickest seed took $quickest s})"
+  # each of the 16 before them had taken 408 s).  The median finished seed is the estimate: the
+  # quickest was too hopeful where the load changes (session 62, PyTorch's side: 10 seeds started
+  # with 136-145 s left, the quickest finished seed having taken 130 s and the median over 150;
+  # all 10 were stopped at the deadline).
+  median=$(sort -n "$TOOK" 2>/dev/null |
+    awk '{t[NR] = $1} END {if (NR) print t[int((NR + 1) / 2)]}')
+  if [ "$left" -lt "$MIN_LEFT" ] || { [ -n "$median" ] && [ "$left" -lt "$median" ]; }; then
+    echo "seed $s: not started ($left s left${median:+; the median seed took $median s})"
     return
   fi
   local t0 runs=$RUNS base=() old=${BASE:+$BASE/conv_b_seed$s.json}

@@ -152,7 +152,7 @@ def across(paths: list[str], ours: str = "ours:bf16") -> bool:
     from convergence import reference, summarize
 
     sums: dict[str, list[dict]] = {}
-    seeds, runs_of, per_seed, val_only = [], [], [], []
+    seeds, runs_of, per_seed, val_only, unpaired = [], [], [], [], []
     merged, setting = merge_seeds(paths)
     for (seed, init), (a, runs, src) in sorted(merged.items()):  # seed 2 before 10
         if "torch:fp32" not in runs:  # no reference: its runs' final val losses alone count
@@ -162,10 +162,15 @@ def across(paths: list[str], ours: str = "ours:bf16") -> bool:
                     f"({', '.join(sorted(set(src.values())))}) has no torch:fp32 run (the "
                     "reference) and no validation loss in any file"
                 )
-            val_only.append(f"{seed}/{init}")
-            per_seed.append(
-                {n: {"val_final": r["val"][-1][1]} for n, r in runs.items() if r.get("val")}
-            )
+            vals = {n: {"val_final": r["val"][-1][1]} for n, r in runs.items() if r.get("val")}
+            # one side of a pair alone (e.g. torch:bf16 kept for an ours:bf16 still to run) is in
+            # no pair: named apart, not as counted
+            pairs = ((ours, "torch:bf16"), ("ours:tf32", "torch:tf32"))
+            if any(o in vals and t in vals for o, t in pairs):
+                val_only.append(f"{seed}/{init}")
+                per_seed.append(vals)
+            else:
+                unpaired.append(f"{seed}/{init}")
             continue
         # the reference first, then PyTorch's runs, then ours, each in the order given
         order = sorted(runs, key=lambda n: (n != "torch:fp32", not n.startswith("torch:")))
@@ -185,6 +190,12 @@ def across(paths: list[str], ours: str = "ours:bf16") -> bool:
         print(
             f"and {len(val_only)} seeds without torch:fp32 ({', '.join(val_only)}): in the paired "
             "final val only"
+        )
+    if unpaired:
+        print(
+            f"and {len(unpaired)} seed{'s' * (len(unpaired) != 1)} without torch:fp32 and "
+            "without both runs of a pair "
+            f"({', '.join(unpaired)}): in no figure yet"
         )
     print(f"{'run':<20} {'n':>2} {'|dtrain| tail':>17} {'|dval| final':>17} {'val final':>17}")
     for run, rs in sums.items():

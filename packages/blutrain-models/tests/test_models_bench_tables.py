@@ -162,6 +162,17 @@ def test_seeds_without_the_reference_join_the_final_val_pair_only(table, tmp_pat
     assert "d_train_tail  ours:bf16 - torch:bf16: -0.0060 +- 0.0000 (2 of 2 seeds <= 0) ok" in out
     assert not table.across(bf16)  # the distances not shown: the aim is not judged met
     assert "val_final     ours:bf16 - torch:bf16: -0.0020" in capsys.readouterr().out
+    # seed 5 has torch:bf16 alone (its ours:bf16 still to run): named apart, in no pair
+    lone = _split(
+        seed_json(tmp_path, 5, {"torch:bf16": 0.0, "ours:bf16": 0.5}, rng),
+        {"bf16_5.json": ["torch:bf16"]},
+    )[0]
+    assert table.across(whole + bf16 + [lone])
+    out = capsys.readouterr().out
+    assert "and 2 seeds without torch:fp32 (3/3, 4/4): in the paired final val only" in out
+    lone_line = "and 1 seed without torch:fp32 and without both runs of a pair (5/5): in no figure"
+    assert lone_line in out
+    assert "val_final     ours:bf16 - torch:bf16: -0.0040 +- 0.0012 (4 of 4 seeds <= 0) ok" in out
 
 
 def test_across_names_a_file_it_cannot_read(table, tmp_path, rng):
