@@ -112,7 +112,7 @@ class MemorySource {
   // not pageable host memory, which the kernel may overcommit): the pool then refuses such a
   // request at once (Note [Beyond capacity]).
   virtual bool capacity_is_hard() const { return false; }
-  virtual const char* kind() const = 0;      // "CUDA device 0", "pinned host", ...
+  virtual const char* kind() const = 0;  // "CUDA device 0", "pinned host", ...
 
   // Expandable segments (optional). reserve() returns the base of a range of
   // `bytes` address space; grow()/shrink() map or unmap [base+from, base+to).

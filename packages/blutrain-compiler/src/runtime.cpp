@@ -41,8 +41,8 @@ struct Driver {
   CUresult (*cuModuleLoadData)(CUmodule*, const void*);
   CUresult (*cuModuleUnload)(CUmodule);
   CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char*);
-  CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
-                             unsigned, unsigned, CUstream, void**, void**);
+  CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                             unsigned, CUstream, void**, void**);
   CUresult (*cuGetErrorString)(CUresult, const char**);
   CUresult (*cuFuncSetAttribute)(CUfunction, int, int);
   std::string error;  // why the driver could not be loaded
@@ -87,9 +87,9 @@ void check(CUresult r, const char* call, const char* file, int line) {
   if (r == 0) return;
   const char* s = nullptr;
   if (driver().cuGetErrorString) driver().cuGetErrorString(r, &s);
-  throw std::runtime_error(std::string("[compile runtime] ") + call + " failed: " +
-                           (s ? s : "unknown error") + " (" + std::to_string(r) + ") at " +
-                           file + ":" + std::to_string(line));
+  throw std::runtime_error(std::string("[compile runtime] ") + call +
+                           " failed: " + (s ? s : "unknown error") + " (" + std::to_string(r) +
+                           ") at " + file + ":" + std::to_string(line));
 }
 #define CU_CHECK(call) check((call), #call, __FILE__, __LINE__)
 
@@ -183,8 +183,8 @@ NB_MODULE(_runtime, m) {
   // A DLPack-able view of `nbytes` at `ptr` (no ownership): the arena's buffers as tensors.
   m.def(
       "view",
-      [](uintptr_t ptr, std::vector<size_t> shape, std::vector<int64_t> strides, int code,
-         int bits, int device_type, int device_id, nb::handle owner) {
+      [](uintptr_t ptr, std::vector<size_t> shape, std::vector<int64_t> strides, int code, int bits,
+         int device_type, int device_id, nb::handle owner) {
         nb::dlpack::dtype dt{static_cast<uint8_t>(code), static_cast<uint8_t>(bits), 1};
         return nb::ndarray<>(reinterpret_cast<void*>(ptr), shape.size(), shape.data(), owner,
                              strides.data(), dt, device_type, device_id);

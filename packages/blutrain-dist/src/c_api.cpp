@@ -43,8 +43,12 @@ int c_comm_init(const uint8_t* id, int nranks, int rank, int device, bt_dist_com
     *out = reinterpret_cast<bt_dist_comm*>(comm_init(id, nranks, rank, device));
   });
 }
-int c_comm_destroy(bt_dist_comm* c) { return guard([&] { comm_destroy(as_comm(c)); }); }
-int c_comm_abort(bt_dist_comm* c) { return guard([&] { comm_abort(as_comm(c)); }); }
+int c_comm_destroy(bt_dist_comm* c) {
+  return guard([&] { comm_destroy(as_comm(c)); });
+}
+int c_comm_abort(bt_dist_comm* c) {
+  return guard([&] { comm_abort(as_comm(c)); });
+}
 int c_comm_async_error(bt_dist_comm* c, int* err) {
   return guard([&] {
     if (!err) fail(BT_DIST_EINVAL, "[comm_async_error] null argument");
@@ -69,8 +73,12 @@ int c_send(bt_dist_comm* c, const void* b, size_t n, int dt, int peer, void* st)
 int c_recv(bt_dist_comm* c, void* b, size_t n, int dt, int peer, void* st) {
   return guard([&] { recv(as_comm(c), b, n, dt, peer, st); });
 }
-int c_group_start() { return guard([] { group_start(); }); }
-int c_group_end() { return guard([] { group_end(); }); }
+int c_group_start() {
+  return guard([] { group_start(); });
+}
+int c_group_end() {
+  return guard([] { group_end(); });
+}
 
 const bt_dist_api g_api = {BT_DIST_ABI_VERSION,
                            sizeof(bt_dist_api),

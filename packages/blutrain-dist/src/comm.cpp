@@ -113,8 +113,7 @@ Comm* comm_init(const uint8_t* unique_id, int nranks, int rank, int device) {
   const ncclResult_t r = f.ncclCommInitRank(&c->comm, nranks, id, rank);
   if (r != ncclSuccess) {
     delete c;
-    nccl::throw_nccl_error(op, "ncclCommInitRank(&comm, nranks, id, rank)", r, __FILE__,
-                           __LINE__);
+    nccl::throw_nccl_error(op, "ncclCommInitRank(&comm, nranks, id, rank)", r, __FILE__, __LINE__);
   }
   return c;
 }
@@ -143,7 +142,8 @@ void comm_abort(Comm* c) {
 int comm_async_error(Comm* c) {
   check_comm(c, "comm_async_error");
   ncclResult_t err = ncclSuccess;
-  BT_NCCL_CHECK("comm_async_error", nccl::lib("comm_async_error").ncclCommGetAsyncError(c->comm, &err));
+  BT_NCCL_CHECK("comm_async_error",
+                nccl::lib("comm_async_error").ncclCommGetAsyncError(c->comm, &err));
   return err == ncclInProgress ? 0 : int(err);
 }
 

@@ -30,7 +30,9 @@ const char* dtype_name(int dtype) {
   return dtype >= 0 && dtype < kNumDtypes ? kDtypes[dtype].name : "unknown";
 }
 
-bool dtype_is_floating(int dtype) { return dtype >= 0 && dtype < kNumDtypes && kDtypes[dtype].floating; }
+bool dtype_is_floating(int dtype) {
+  return dtype >= 0 && dtype < kNumDtypes && kDtypes[dtype].floating;
+}
 
 const char* op_name(int op) {
   switch (op) {

@@ -88,8 +88,7 @@ void throw_nccl_error(const char* op, const char* expr, ncclResult_t r, const ch
   fail(BT_DIST_ENCCL, msg);
 }
 
-void throw_cuda_error(const char* op, const char* expr, cudaError_t e, const char* file,
-                      int line) {
+void throw_cuda_error(const char* op, const char* expr, cudaError_t e, const char* file, int line) {
   cudaGetLastError();  // clear a sticky-less error so the next call starts clean
   fail(BT_DIST_ECUDA, std::string("[") + op + "] CUDA error " + cudaGetErrorName(e) + " (" +
                           cudaGetErrorString(e) + ") in " + expr + " at " + file + ":" +

@@ -14,21 +14,21 @@
 namespace bt::dist::nccl {
 
 // Functions every NCCL >= 2.18 has (our GPU machine runs 2.28).
-#define BT_NCCL_FUNCS(X) \
-  X(ncclGetVersion)      \
-  X(ncclGetUniqueId)     \
-  X(ncclCommInitRank)    \
-  X(ncclCommDestroy)     \
-  X(ncclCommAbort)       \
+#define BT_NCCL_FUNCS(X)   \
+  X(ncclGetVersion)        \
+  X(ncclGetUniqueId)       \
+  X(ncclCommInitRank)      \
+  X(ncclCommDestroy)       \
+  X(ncclCommAbort)         \
   X(ncclCommGetAsyncError) \
-  X(ncclGetErrorString)  \
-  X(ncclAllReduce)       \
-  X(ncclReduceScatter)   \
-  X(ncclAllGather)       \
-  X(ncclBroadcast)       \
-  X(ncclSend)            \
-  X(ncclRecv)            \
-  X(ncclGroupStart)      \
+  X(ncclGetErrorString)    \
+  X(ncclAllReduce)         \
+  X(ncclReduceScatter)     \
+  X(ncclAllGather)         \
+  X(ncclBroadcast)         \
+  X(ncclSend)              \
+  X(ncclRecv)              \
+  X(ncclGroupStart)        \
   X(ncclGroupEnd)
 
 struct Funcs {

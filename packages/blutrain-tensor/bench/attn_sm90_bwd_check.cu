@@ -96,8 +96,8 @@ static bool run_bwd(int kind, const Problem& pr, float* acc, T16* dq, T16* dk, T
     CK(cudaGetLastError());
   }
   const DqFixInputs<T16> fix{pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref};
-  attn_bwd_dq_convert<T16, 64><<<unsigned(ceil_div(int64_t(pr.no() / 8), 256)), 256>>>(p, acc, dq,
-                                                                                      fix);
+  attn_bwd_dq_convert<T16, 64>
+      <<<unsigned(ceil_div(int64_t(pr.no() / 8), 256)), 256>>>(p, acc, dq, fix);
   CK(cudaGetLastError());
   return true;
 }

@@ -188,8 +188,8 @@ static bool launch(Fu<W, Br, Frag, MT, MB, G>, const Problem& pr, float* acc, T1
                                acc);
   if (cudaGetLastError() != cudaSuccess) return false;
   const DqFixInputs<T16> fix{pr.q(), pr.k(), pr.v(), pr.dg, pr.dlse_ref, pr.ddvec_ref};
-  attn_bwd_dq_convert<T16, D><<<unsigned(ceil_div(int64_t(pr.no() / 8), 256)), 256>>>(p, acc, dq,
-                                                                                     fix);
+  attn_bwd_dq_convert<T16, D>
+      <<<unsigned(ceil_div(int64_t(pr.no() / 8), 256)), 256>>>(p, acc, dq, fix);
   return cudaGetLastError() == cudaSuccess;
 }
 // Preprocess: v = 1 reference (one warp per row), 2 vectorised.

@@ -13,6 +13,8 @@
 // equal values, huge and tiny magnitudes, zeros, and a NaN and an infinity. Times are the
 // calling thread's CPU time (best of --reps), so a busy machine inflates them less than wall
 // time would.
+#include "cpu_kernels_check.h"
+
 #include <time.h>
 
 #include <cmath>
@@ -31,7 +33,6 @@
 #include "../src/cpu/norm_kernels.h"
 #include "../src/cpu/softmax_kernels.h"
 #include "../src/dtype.h"
-#include "cpu_kernels_check.h"
 
 using bt::bfloat16;
 using bt::float16;
@@ -53,7 +54,6 @@ double lane_sum(int64_t C, F f) {
   for (int k = 0; k < L; ++k) r += a[k];
   return r;
 }
-
 
 // y of a row: v1 in double for every dtype; v3 (Note [float normalize] in norm_kernels.h) in
 // float for float32 rows, the mean as hi + lo floats.
@@ -135,9 +135,9 @@ void layer_norm_backward(const T* dyp, const T* xp, const T* wp, const S* mp, co
       return static_cast<double>(g[i]) * (wp ? static_cast<double>(wp[i]) : 1.0);
     };
     const double s1 = lane_sum(C, gx) / static_cast<double>(C);
-    const double s2 = lane_sum(C, [&](int64_t i) {
-      return gx(i) * (static_cast<double>(p[i]) - m) * rs;
-    }) / static_cast<double>(C);
+    const double s2 =
+        lane_sum(C, [&](int64_t i) { return gx(i) * (static_cast<double>(p[i]) - m) * rs; }) /
+        static_cast<double>(C);
     T* q = dx + r * C;
     for (int64_t i = 0; i < C; ++i) {
       const double gx = static_cast<double>(g[i]) * (wp ? static_cast<double>(wp[i]) : 1.0);
@@ -210,7 +210,8 @@ void ce_backward(const T* xp, T* o, int64_t rows, int64_t C, const double* lse, 
 
 // dy * gelu_tanh'(x) as the composed ops computed it: one op a pass, each rounded to T.
 template <typename T>
-void gelu_tanh_backward(const T* x, const T* g, T* out, int64_t n, void (*tanh_fn)(const T*, T*, int64_t)) {
+void gelu_tanh_backward(const T* x, const T* g, T* out, int64_t n,
+                        void (*tanh_fn)(const T*, T*, int64_t)) {
   using C = bt::compute_t<T>;
   auto K = [](double v) { return static_cast<C>(static_cast<T>(static_cast<C>(v))); };
   auto op = [&](std::vector<T>& o, auto f) {
@@ -251,10 +252,9 @@ void report(const char* kernel, const char* dt, int64_t R, int64_t C, bool ok, d
   ++checks;
   if (!ok) ++failures;
   std::printf("%-22s %-9s %5lld x %-5lld %-8s v1 %8.3f ms  now %8.3f ms  %6.2fx\n", kernel, dt,
-              static_cast<long long>(R), static_cast<long long>(C), ok ? "same" : "DIFFERS",
-              t_ref, t_new, t_ref / std::max(t_new, 1e-9));
+              static_cast<long long>(R), static_cast<long long>(C), ok ? "same" : "DIFFERS", t_ref,
+              t_new, t_ref / std::max(t_new, 1e-9));
 }
-
 
 template <typename T, typename S>
 void check_layer_norm(const char* dt, int64_t R, int64_t C, int reps, std::mt19937_64& g) {
@@ -285,12 +285,12 @@ void check_layer_norm(const char* dt, int64_t R, int64_t C, int reps, std::mt199
                                m1.data(), r1.data(), R, C, eps);
     });
     const double tb = best_ms(reps, [&] {
-      nk::add_layer_norm_rows<T, bt::compute_t<T>, S>(x.data(), res.data(), rbp, w.data(),
-                                                       b.data(), s2.data(), y2.data(), m2.data(),
-                                                       r2.data(), 0, R, C, eps);
+      nk::add_layer_norm_rows<T, bt::compute_t<T>, S>(x.data(), res.data(), rbp, w.data(), b.data(),
+                                                      s2.data(), y2.data(), m2.data(), r2.data(), 0,
+                                                      R, C, eps);
     });
-    const bool ok = same_bits(s1, s2) && same_bits(y1, y2) && same_bits(m1, m2) &&
-                    same_bits(r1, r2);
+    const bool ok =
+        same_bits(s1, s2) && same_bits(y1, y2) && same_bits(m1, m2) && same_bits(r1, r2);
     if (variant == 0 || !ok) report("add_layer_norm", dt, R, C, ok, ta, tb);
   }
   // backward, from the forward's statistics
@@ -313,8 +313,8 @@ void check_layer_norm(const char* dt, int64_t R, int64_t C, int reps, std::mt199
       for (int64_t b = 0; b < nblk; ++b) {
         double* p = part.data() + b * 3 * C;
         nk::layer_norm_backward_block<T, S>(dy.data(), x.data(), wdp, m1.data(), r1.data(), ep,
-                                            dx2.data(), b * br, std::min(R, (b + 1) * br), C,
-                                            true, true, p, p + C, p + 2 * C);
+                                            dx2.data(), b * br, std::min(R, (b + 1) * br), C, true,
+                                            true, p, p + C, p + 2 * C);
       }
       for (int s = 0; s < 3; ++s)
         nk::add_partials(part.data() + s * C, nblk, 3 * C, 0, C, a2.data() + s * C);
@@ -335,7 +335,8 @@ void check_softmax_backward(const char* dt, int64_t R, int64_t C, int reps, std:
   const auto dy = random_rows<T>(R, C, g, true);
   std::vector<T> a(y.size()), b(y.size());
   for (bool lg : {false, true}) {
-    const double ta = best_ms(reps, [&] { v1::softmax_backward<T>(y.data(), dy.data(), a.data(), R, C, lg); });
+    const double ta =
+        best_ms(reps, [&] { v1::softmax_backward<T>(y.data(), dy.data(), a.data(), R, C, lg); });
     const double tb = best_ms(reps, [&] {
       bt::cpu::softmax::backward_rows<T>(y.data(), dy.data(), b.data(), 0, R, C, lg);
     });
@@ -389,7 +390,8 @@ void check_gelu_backward(const char* dt, int64_t n, int reps, std::mt19937_64& g
   const auto dy = random_rows<T>(1, n, g, false);
   std::vector<T> a(n), b(n);
   void (*tanh_fn)(const T*, T*, int64_t) = &tanh_loop<T>;
-  const double ta = best_ms(reps, [&] { v1::gelu_tanh_backward<T>(x.data(), dy.data(), a.data(), n, tanh_fn); });
+  const double ta =
+      best_ms(reps, [&] { v1::gelu_tanh_backward<T>(x.data(), dy.data(), a.data(), n, tanh_fn); });
   const double tb = best_ms(reps, [&] {
     const bt::cpu::gelu::Consts<T> q;
     T u[512], t[512];
@@ -409,8 +411,8 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
   }
   std::mt19937_64 g(1234);
-  const int64_t shapes[][2] = {{1, 1}, {3, 5}, {7, 127}, {64, 128}, {1024, 128},
-                               {256, 768}, {2048, 1024}, {64, 3072}};
+  const int64_t shapes[][2] = {{1, 1},      {3, 5},     {7, 127},     {64, 128},
+                               {1024, 128}, {256, 768}, {2048, 1024}, {64, 3072}};
   for (const auto& s : shapes) {
     check_layer_norm<float, float>("float32", s[0], s[1], reps, g);
     check_layer_norm<double, double>("float64", s[0], s[1], reps, g);

@@ -71,4 +71,3 @@ std::vector<T> random_rows(int64_t R, int64_t C, std::mt19937_64& g, bool specia
   }
   return v;
 }
-

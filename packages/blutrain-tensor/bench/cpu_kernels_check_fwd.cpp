@@ -127,8 +127,8 @@ void softmax_now(const T* xp, T* o, double* stats, int64_t rows, int64_t C, bool
 
 template <typename T>
 void check_rows(const char* dt, std::mt19937_64& g, int reps) {
-  const int64_t shapes[][2] = {{1, 1}, {3, 5}, {7, 127}, {9, 600}, {4096, 128}, {2048, 1024},
-                               {16, 50304}};
+  const int64_t shapes[][2] = {{1, 1},      {3, 5},       {7, 127},   {9, 600},
+                               {4096, 128}, {2048, 1024}, {16, 50304}};
   for (const auto& sh : shapes) {
     const int64_t R = sh[0], C = sh[1];
     auto x = random_rows<T>(R, C, g, true);

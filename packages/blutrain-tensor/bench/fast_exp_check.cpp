@@ -1,8 +1,8 @@
 // bench/fast_exp_check.cpp: cpu/fastmath.h's fast_exp against its first (clamped) version on
 // every one of the 2^32 float inputs, bit for bit, vectorised and scalar (Note [exp without a
 // clamp]), and fast_exp_block (Note [exp in range]) on the same inputs in blocks of 512, as the
-// softmax / cross-entropy backward kernels call it. Built by fast_exp_check.sh per instruction set, with FMA contraction on and off (the
-// kernels' two builds).
+// softmax / cross-entropy backward kernels call it. Built by fast_exp_check.sh per instruction set,
+// with FMA contraction on and off (the kernels' two builds).
 #include <chrono>
 #include <cstdint>
 #include <cstdio>

@@ -13,7 +13,8 @@
 // first extreme). Inputs: random rows of many lengths (1..70, 1023, 1025) in float32, float64,
 // bfloat16 and float16, rows spanning huge and tiny magnitudes, NaN and infinities, zeros of both
 // signs; rows on both sides of Note [exact row sums]'s bound (a bound one binade looser fails
-// here); every float16 bit pattern through the branchless widening. Times: the calling thread's CPU time, best of --reps.
+// here); every float16 bit pattern through the branchless widening. Times: the calling thread's CPU
+// time, best of --reps.
 #include <time.h>
 
 #include <cmath>

@@ -227,7 +227,7 @@ void set_requires_grad(const Tensor& t, bool value) {
 void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads_in,
                   bool retain_graph) {
   GradModeGuard no_grad(false);  // gradients are computed without building a graph
-  OpScope scope("backward");      // (a vjp's error names the call: Note [the op the user called])
+  OpScope scope("backward");     // (a vjp's error names the call: Note [the op the user called])
   std::vector<Edge> root_edges;
   std::vector<Tensor> root_grads;
   if (grads_in.size() > roots.size()) {

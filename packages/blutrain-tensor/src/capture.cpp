@@ -4,8 +4,8 @@
 #include <atomic>
 #include <charconv>
 #include <mutex>
-#include <utility>
 #include <sstream>
+#include <utility>
 
 #include "autocast.h"
 #include "schema.h"
@@ -199,8 +199,7 @@ void Graph::record(const std::string& op, const Attrs& attrs, const std::vector<
   CaptureNode n{op, attrs, {}, {}, {}, {}};
   for (auto& t : in) n.inputs.push_back(t.defined() ? read(t, op) : -1);
   if (s->numerics & kMatmulPrecision) {
-    n.numerics["matmul_precision"] =
-        std::string(matmul_precision_name(float32_matmul_precision()));
+    n.numerics["matmul_precision"] = std::string(matmul_precision_name(float32_matmul_precision()));
   }
   if (s->numerics & kDeterministic) n.numerics["deterministic"] = deterministic_algorithms();
   if (s->numerics & kAttentionPrecision) {
@@ -239,7 +238,9 @@ void Graph::accumulate_grad(const Tensor& leaf, const Tensor& grad) {
   }
 }
 
-void Graph::record_copy(const Tensor& dst, const Tensor& src) { record("copy_", {}, {dst, src}, {}); }
+void Graph::record_copy(const Tensor& dst, const Tensor& src) {
+  record("copy_", {}, {dst, src}, {});
+}
 
 std::vector<Tensor> Graph::input_tensors() const {
   std::vector<Tensor> r;
@@ -334,8 +335,8 @@ void Graph::load_value(const CaptureValue& v) {
 
 void Graph::check_new_node(const CaptureNode& n, const char* who) const {
   const OpSchema* s = find_schema(n.op);
-  const std::string pre = std::string("[") + who + "] node " + std::to_string(nodes.size()) +
-                          " (" + n.op + "): ";
+  const std::string pre =
+      std::string("[") + who + "] node " + std::to_string(nodes.size()) + " (" + n.op + "): ";
   if (!s) throw ValueError(pre + "unknown op (no schema entry)");
   check_attrs(*s, n.attrs, who);
   std::vector<int64_t> expect;

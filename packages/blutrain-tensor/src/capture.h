@@ -79,8 +79,8 @@ class Graph {
   ~Graph();
 
   // ---- recording (capture mode)
-  void begin();   // capture starts: numerics and generator state
-  void finish();  // capture ends: .grad put back, generator state after
+  void begin();                       // capture starts: numerics and generator state
+  void finish();                      // capture ends: .grad put back, generator state after
   int64_t value_of(const Tensor& t);  // registers t as an input if unseen
   void record(const std::string& op, const Attrs& attrs, const std::vector<Tensor>& in,
               const std::vector<Tensor>& out);

@@ -9,7 +9,7 @@ namespace bt {
 
 namespace {
 std::mutex g_mu;
-std::unordered_set<std::string>& seen() {  // guarded by g_mu
+std::unordered_set<std::string>& seen() {                  // guarded by g_mu
   static auto* s = new std::unordered_set<std::string>();  // never destroyed: exit-safe
   return *s;
 }

@@ -3,12 +3,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <climits>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <mutex>
 #include <limits>
+#include <mutex>
 #include <numeric>
 #include <optional>
 #include <unordered_map>
@@ -189,7 +189,8 @@ Tensor arange(Scalar start, Scalar stop, Scalar step, DType dtype, Device device
     }
     if (cnt > INT64_MAX) {
       throw ValueError("[arange] the range [" + scalar_str(start) + ", " + scalar_str(stop) +
-                       ") in steps of " + scalar_str(step) + " has more elements than int64 "
+                       ") in steps of " + scalar_str(step) +
+                       " has more elements than int64 "
                        "can count");
     }
     n = static_cast<int64_t>(cnt);
@@ -1069,8 +1070,8 @@ static Tensor& inplace_view(Tensor& x, const Tensor& result, const char* op) {
 Tensor& fill_(Tensor& x, Scalar v, const char* op) {
   OpScope scope(op);
   check_defined(x, op);
-  const bool direct = !active_graph() && !x.is_symbolic() && x.numel() > 0 &&
-                      x.is_contiguous() && !(grad_enabled() && x.requires_grad());
+  const bool direct = !active_graph() && !x.is_symbolic() && x.numel() > 0 && x.is_contiguous() &&
+                      !(grad_enabled() && x.requires_grad());
   if (!direct) return inplace(x, full({}, v, x.dtype(), x.device(), op), op);
   check_writable(x, op);
   check_scalar_fits(v, x.dtype(), op, "value");
@@ -1094,7 +1095,7 @@ Tensor& inplace(Tensor& x, const Tensor& result, const char* op) {
   check_defined(x, op);
   check_writable(x, op);
   for (int64_t d = 0; d < x.ndim() && x.numel() > 0; ++d) {  // an expand()ed view: one element
-    if (x.strides()[d] == 0 && x.shape()[d] > 1) {                // per several places
+    if (x.strides()[d] == 0 && x.shape()[d] > 1) {           // per several places
       throw RuntimeError(std::string("[") + op + "] the tensor of shape " + shape_str(x.shape()) +
                          " has elements that share memory (dim " + std::to_string(d) +
                          " has stride 0, as after expand()); clone() it " +
@@ -1923,16 +1924,15 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   if (!plain || nonfinite || overflow) {
     if (!attn_mask.defined()) {
     } else if (attn_mask.dtype() == DType::Bool) {
-      s = masked_fill(s, unary(UnaryOp::LogicalNot, attn_mask),
-                      Scalar::floating(-INFINITY));
+      s = masked_fill(s, unary(UnaryOp::LogicalNot, attn_mask), Scalar::floating(-INFINITY));
     } else {
       s = add(s, astype(attn_mask, s.dtype()));  // (the output keeps q's dtype)
     }
     // weigh nothing (as PyTorch): their softmax runs on zeros (a finite gradient, then cut)
     {
       GradModeGuard no_grad(false);
-      empty = binary(BinaryOp::Eq, reduce(ReduceOp::Max, s, {-1}, true),
-                     Scalar::floating(-INFINITY));
+      empty =
+          binary(BinaryOp::Eq, reduce(ReduceOp::Max, s, {-1}, true), Scalar::floating(-INFINITY));
     }
     s = masked_fill(s, empty, Scalar::floating(0));
   }
@@ -1961,7 +1961,8 @@ Tensor qkv_attention(const Tensor& x, const Tensor& weight, const Tensor& bias, 
     throw ValueError("[qkv_attention] scale must be finite, got " +
                      scalar_str(Scalar::floating(*scale)));
   }
-  if (scale && x.dtype() != DType::Float64 && std::abs(*scale) > std::numeric_limits<float>::max()) {
+  if (scale && x.dtype() != DType::Float64 &&
+      std::abs(*scale) > std::numeric_limits<float>::max()) {
     throw ValueError("[qkv_attention] scale " + scalar_str(Scalar::floating(*scale)) +
                      " overflows float32, the scores' dtype");
   }

@@ -67,9 +67,7 @@ void check_list_tensor(const Tensor& t, const char* op, const char* list, size_t
   check_writable(t, op);
 }
 
-void bump(const Tensor& t) {
-  t.bump_version();
-}
+void bump(const Tensor& t) { t.bump_version(); }
 
 int g_kernel_version = 2;
 

@@ -71,8 +71,8 @@ std::vector<Tensor> Graph::replay(const std::vector<Tensor>& in_tensors, const R
                                   std::vector<Tensor>* grads_out) const {
   if (active_graph()) throw RuntimeError("[replay] cannot replay a graph inside a capture");
   if (in_tensors.size() != inputs.size()) {
-    throw ValueError("[replay] the graph has " + std::to_string(inputs.size()) +
-                     " inputs, got " + std::to_string(in_tensors.size()));
+    throw ValueError("[replay] the graph has " + std::to_string(inputs.size()) + " inputs, got " +
+                     std::to_string(in_tensors.size()));
   }
   std::vector<Tensor> env(values.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -136,8 +136,8 @@ std::vector<Tensor> Graph::replay(const std::vector<Tensor>& in_tensors, const R
                              ": its seed differs from the generator's at the capture's start "
                              "(manual_seed inside the capture); replay with current_rng=False");
         }
-        a["offset"] = static_cast<int64_t>(static_cast<uint64_t>(std::get<int64_t>(a["offset"])) +
-                                           shift);
+        a["offset"] =
+            static_cast<int64_t>(static_cast<uint64_t>(std::get<int64_t>(a["offset"])) + shift);
       }
       std::shared_ptr<Primitive> prim = s->make(a);
       if (prim->name() != n.op) {

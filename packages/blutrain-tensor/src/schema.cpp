@@ -48,7 +48,8 @@ int64_t I(const Attrs& a, const char* k) { return std::get<int64_t>(a.at(k)); }
 double F(const Attrs& a, const char* k) { return std::get<double>(a.at(k)); }
 Scalar SC(const Attrs& a, const char* k) {  // an AT::Scalar: exact int64, or a double
   const AttrValue& v = a.at(k);
-  return v.index() == 0 ? Scalar::integer(std::get<int64_t>(v)) : Scalar::floating(std::get<double>(v));
+  return v.index() == 0 ? Scalar::integer(std::get<int64_t>(v))
+                        : Scalar::floating(std::get<double>(v));
 }
 bool B(const Attrs& a, const char* k) { return std::get<bool>(a.at(k)); }
 const std::string& S(const Attrs& a, const char* k) { return std::get<std::string>(a.at(k)); }
@@ -88,22 +89,28 @@ std::vector<OpSchema> build() {
   };
 
   // ---- creation
-  add("full", "Full", {{"value", AT::Scalar}}, [](const Attrs& a) { return mk<Full>(SC(a, "value")); });
+  add("full", "Full", {{"value", AT::Scalar}},
+      [](const Attrs& a) { return mk<Full>(SC(a, "value")); });
   add("arange", "Arange", {{"start", AT::Scalar}, {"step", AT::Scalar}},
       [](const Attrs& a) { return mk<Arange>(SC(a, "start"), SC(a, "step")); });
   add("random", "Random",
-      {{"kind", AT::String}, {"seed", AT::Int}, {"offset", AT::Int}, {"a", AT::Float},
-       {"b", AT::Float}, {"low", AT::Int}, {"high", AT::Int}},
+      {{"kind", AT::String},
+       {"seed", AT::Int},
+       {"offset", AT::Int},
+       {"a", AT::Float},
+       {"b", AT::Float},
+       {"low", AT::Int},
+       {"high", AT::Int}},
       [](const Attrs& a) {
         const std::string& k = S(a, "kind");
-        RandKind kind = k == "uniform" ? RandKind::Uniform
+        RandKind kind = k == "uniform"  ? RandKind::Uniform
                         : k == "normal" ? RandKind::Normal
-                        : k == "int"    ? RandKind::Int
-                                        : throw ValueError("[replay] random: unknown kind '" + k +
-                                                           "'");
-        auto p = std::make_shared<Random>(kind, static_cast<uint64_t>(I(a, "seed")),
-                                          static_cast<uint64_t>(I(a, "offset")), F(a, "a"),
-                                          F(a, "b"));
+                        : k == "int"
+                            ? RandKind::Int
+                            : throw ValueError("[replay] random: unknown kind '" + k + "'");
+        auto p =
+            std::make_shared<Random>(kind, static_cast<uint64_t>(I(a, "seed")),
+                                     static_cast<uint64_t>(I(a, "offset")), F(a, "a"), F(a, "b"));
         p->int_low = I(a, "low");
         p->int_range = static_cast<uint64_t>(I(a, "high")) - static_cast<uint64_t>(p->int_low);
         return std::shared_ptr<Primitive>(p);
@@ -115,22 +122,26 @@ std::vector<OpSchema> build() {
   add("to_device", "ToDevice", {{"device", AT::String}}, nullptr);
 
   // ---- views
-  add("reshape", "Reshape", {{"shape", AT::Ints}},
+  add(
+      "reshape", "Reshape", {{"shape", AT::Ints}},
       [](const Attrs& a) { return mk<Reshape>(Is(a, "shape")); }, kNumericsNone, true);
-  add("permute", "Permute", {{"perm", AT::Ints}},
+  add(
+      "permute", "Permute", {{"perm", AT::Ints}},
       [](const Attrs& a) { return mk<Permute>(Is(a, "perm")); }, kNumericsNone, true);
-  add("expand", "Expand", {{"shape", AT::Ints}},
+  add(
+      "expand", "Expand", {{"shape", AT::Ints}},
       [](const Attrs& a) { return mk<Expand>(Is(a, "shape")); }, kNumericsNone, true);
   const std::vector<std::pair<std::string, AttrType>> slice_attrs = {
       {"dim", AT::Int}, {"start", AT::Int}, {"stop", AT::Int}, {"step", AT::Int}};
-  add("slice", "Slice", slice_attrs,
+  add(
+      "slice", "Slice", slice_attrs,
       [](const Attrs& a) {
         return mk<Slice>(I(a, "dim"), I(a, "start"), I(a, "stop"), I(a, "step"));
       },
       kNumericsNone, true);
-  add("select", "Select", {{"dim", AT::Int}, {"index", AT::Int}},
-      [](const Attrs& a) { return mk<Select>(I(a, "dim"), I(a, "index")); }, kNumericsNone,
-      true);
+  add(
+      "select", "Select", {{"dim", AT::Int}, {"index", AT::Int}},
+      [](const Attrs& a) { return mk<Select>(I(a, "dim"), I(a, "index")); }, kNumericsNone, true);
   add("slice_scatter", "SliceScatter", slice_attrs, [](const Attrs& a) {
     return mk<SliceScatter>(I(a, "dim"), I(a, "start"), I(a, "stop"), I(a, "step"));
   });
@@ -169,12 +180,13 @@ std::vector<OpSchema> build() {
   // ---- indexing, joining
   add("index_select", "IndexSelect", {{"dim", AT::Int}, {"embedding", AT::Bool}},
       [](const Attrs& a) { return mk<IndexSelect>(I(a, "dim"), B(a, "embedding")); });
-  add("index_add", "IndexAdd", {{"dim", AT::Int}, {"over_base", AT::Bool}},
-      [](const Attrs& a) { return mk<IndexAdd>(I(a, "dim"), B(a, "over_base")); },
-      kDeterministic);
+  add(
+      "index_add", "IndexAdd", {{"dim", AT::Int}, {"over_base", AT::Bool}},
+      [](const Attrs& a) { return mk<IndexAdd>(I(a, "dim"), B(a, "over_base")); }, kDeterministic);
   add("gather", "Gather", {{"dim", AT::Int}},
       [](const Attrs& a) { return mk<Gather>(I(a, "dim")); });
-  add("scatter_add", "ScatterAdd", {{"dim", AT::Int}},
+  add(
+      "scatter_add", "ScatterAdd", {{"dim", AT::Int}},
       [](const Attrs& a) { return mk<ScatterAdd>(I(a, "dim")); }, kDeterministic);
   add("cat", "Concatenate", {{"dim", AT::Int}},
       [](const Attrs& a) { return mk<Concatenate>(I(a, "dim")); });
@@ -187,8 +199,7 @@ std::vector<OpSchema> build() {
         [](const Attrs& a) { return mk<SoftmaxBackward>(B(a, "log")); });
   }
   add("layer_norm", "LayerNorm",
-      {{"eps", AT::Float}, {"has_weight", AT::Bool}, {"has_bias", AT::Bool}},
-      [](const Attrs& a) {
+      {{"eps", AT::Float}, {"has_weight", AT::Bool}, {"has_bias", AT::Bool}}, [](const Attrs& a) {
         return mk<LayerNorm>(F(a, "eps"), B(a, "has_weight"), B(a, "has_bias"));
       });
   add("cross_entropy", "CrossEntropy",
@@ -206,7 +217,8 @@ std::vector<OpSchema> build() {
                            static_cast<uint64_t>(I(a, "offset")));
       });
   for (bool bias : {false, true}) {
-    add(bias ? "linear" : "matmul", "Matmul", {{"trans_b", AT::Bool}, {"bias", AT::Bool}},
+    add(
+        bias ? "linear" : "matmul", "Matmul", {{"trans_b", AT::Bool}, {"bias", AT::Bool}},
         [](const Attrs& a) { return mk<Matmul>(B(a, "trans_b"), B(a, "bias")); }, kGemm);
   }
 
@@ -246,29 +258,33 @@ std::vector<OpSchema> build() {
       });
 
   // ---- attention (attention.h)
-  add("flash_attention", "FlashAttention", {{"scale", AT::Float}, {"causal", AT::Bool}},
-      [](const Attrs& a) { return mk<FlashAttention>(F(a, "scale"), B(a, "causal")); },
-      kAttention);
-  add("flash_attention_backward", "FlashAttentionBackward",
+  add(
+      "flash_attention", "FlashAttention", {{"scale", AT::Float}, {"causal", AT::Bool}},
+      [](const Attrs& a) { return mk<FlashAttention>(F(a, "scale"), B(a, "causal")); }, kAttention);
+  add(
+      "flash_attention_backward", "FlashAttentionBackward",
       {{"scale", AT::Float}, {"causal", AT::Bool}, {"heads_major", AT::Bool}},
       [](const Attrs& a) {
         return mk<FlashAttentionBackward>(F(a, "scale"), B(a, "causal"), B(a, "heads_major"));
       },
       kAttention);
-  add("flash_attention_packed", "FlashAttentionPacked",
+  add(
+      "flash_attention_packed", "FlashAttentionPacked",
       {{"scale", AT::Float}, {"causal", AT::Bool}, {"heads", AT::Int}},
       [](const Attrs& a) {
         return mk<FlashAttentionPacked>(F(a, "scale"), B(a, "causal"), I(a, "heads"));
       },
       kAttention);
-  add("flash_attention_packed_backward", "FlashAttentionPackedBackward",
+  add(
+      "flash_attention_packed_backward", "FlashAttentionPackedBackward",
       {{"scale", AT::Float}, {"causal", AT::Bool}, {"heads", AT::Int}, {"colsum", AT::Bool}},
       [](const Attrs& a) {
         return mk<FlashAttentionPackedBackward>(F(a, "scale"), B(a, "causal"), I(a, "heads"),
                                                 B(a, "colsum"));
       },
       kAttention);
-  add("qkv_attention", "QkvAttention",
+  add(
+      "qkv_attention", "QkvAttention",
       {{"scale", AT::Float},
        {"causal", AT::Bool},
        {"heads", AT::Int},
@@ -281,19 +297,24 @@ std::vector<OpSchema> build() {
       kAttention);
 
   // ---- fused linear layers (autocast.h)
-  add("linear_gelu", "LinearGelu", {{"bias", AT::Bool}},
+  add(
+      "linear_gelu", "LinearGelu", {{"bias", AT::Bool}},
       [](const Attrs& a) { return mk<LinearGelu>(B(a, "bias")); }, kGemm);
-  add("linear_weight_grad", "LinearWeightGrad", {{"bias", AT::Bool}},
+  add(
+      "linear_weight_grad", "LinearWeightGrad", {{"bias", AT::Bool}},
       [](const Attrs& a) { return mk<LinearWeightGrad>(B(a, "bias")); }, kGemm);
-  add("linear_dgelu", "LinearDgelu", {{"bgrad", AT::Bool}},
+  add(
+      "linear_dgelu", "LinearDgelu", {{"bgrad", AT::Bool}},
       [](const Attrs& a) { return mk<LinearDgelu>(B(a, "bgrad")); }, kGemm);
-  add("linear_gelu_linear", "LinearGeluLinear",
+  add(
+      "linear_gelu_linear", "LinearGeluLinear",
       {{"bias1", AT::Bool}, {"bias2", AT::Bool}, {"recompute", AT::Bool}},
       [](const Attrs& a) {
         return mk<LinearGeluLinear>(B(a, "bias1"), B(a, "bias2"), B(a, "recompute"));
       },
       kGemm);
-  add("linear_cross_entropy", "LinearCrossEntropy",
+  add(
+      "linear_cross_entropy", "LinearCrossEntropy",
       {{"ignore_index", AT::Int},
        {"num_classes", AT::Int},
        {"chunk_rows", AT::Int},
@@ -301,9 +322,8 @@ std::vector<OpSchema> build() {
        {"need_dw", AT::Bool},
        {"mean", AT::Bool}},
       [](const Attrs& a) {
-        return mk<LinearCrossEntropy>(I(a, "ignore_index"), I(a, "num_classes"),
-                                      I(a, "chunk_rows"), B(a, "need_dx"), B(a, "need_dw"),
-                                      B(a, "mean"));
+        return mk<LinearCrossEntropy>(I(a, "ignore_index"), I(a, "num_classes"), I(a, "chunk_rows"),
+                                      B(a, "need_dx"), B(a, "need_dw"), B(a, "mean"));
       },
       kGemm);
 
@@ -349,7 +369,8 @@ std::vector<OpSchema> build() {
   add("grad_norm", "GradNorm", {}, [](const Attrs&) { return mk<GradNorm>(); });
   add("clip_coef", "ClipCoef", {{"max_norm", AT::Float}, {"eps", AT::Float}},
       [](const Attrs& a) { return mk<ClipCoef>(F(a, "max_norm"), F(a, "eps")); });
-  OpSchema* scale = add("scale_", "ScaleInplace", {}, [](const Attrs&) { return mk<ScaleInplace>(); });
+  OpSchema* scale =
+      add("scale_", "ScaleInplace", {}, [](const Attrs&) { return mk<ScaleInplace>(); });
   scale->mutates = [](const Attrs&, size_t n) {  // every input but the last (the coefficient)
     std::vector<int64_t> m;
     for (size_t i = 0; i + 1 < n; ++i) m.push_back(static_cast<int64_t>(i));
@@ -395,7 +416,8 @@ void check_attrs(const OpSchema& s, const Attrs& attrs, const char* who) {
                          ") is missing from the node (schema.cpp lists it)");
     }
     const AttrType got = attr_type_of(it->second);
-    if (got != type && !(type == AttrType::Scalar && (got == AttrType::Int || got == AttrType::Float))) {
+    if (got != type &&
+        !(type == AttrType::Scalar && (got == AttrType::Int || got == AttrType::Float))) {
       throw RuntimeError(pre + "attribute '" + name + "' is " +
                          attr_type_name(attr_type_of(it->second)) + ", the schema says " +
                          attr_type_name(type));
@@ -420,8 +442,9 @@ std::vector<int64_t> mutated_inputs(const OpSchema& s, const Attrs& attrs, size_
 std::vector<std::string> enum_op_names() {
   std::vector<std::string> names;
   for (int i = 0; i < 64; ++i) {
-    for (const char* n : {unary_name(static_cast<UnaryOp>(i)), binary_name(static_cast<BinaryOp>(i)),
-                          reduce_name(static_cast<ReduceOp>(i))}) {
+    for (const char* n :
+         {unary_name(static_cast<UnaryOp>(i)), binary_name(static_cast<BinaryOp>(i)),
+          reduce_name(static_cast<ReduceOp>(i))}) {
       if (std::string(n) != "?") names.push_back(n);
     }
   }

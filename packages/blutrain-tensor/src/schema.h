@@ -29,8 +29,8 @@ AttrType attr_type_of(const AttrValue& v);
 // Global settings a node's results depend on, recorded per node (CaptureNode::numerics).
 enum NumericsFlags : unsigned {
   kNumericsNone = 0,
-  kMatmulPrecision = 1,  // "matmul_precision": float32 GEMMs and float32 attention
-  kDeterministic = 2,    // "deterministic": GEMM autotuning, atomics in scatter / attention
+  kMatmulPrecision = 1,     // "matmul_precision": float32 GEMMs and float32 attention
+  kDeterministic = 2,       // "deterministic": GEMM autotuning, atomics in scatter / attention
   kAttentionPrecision = 4,  // "attention_precision": float32 attention (autocast.h)
 };
 

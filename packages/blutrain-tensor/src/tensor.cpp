@@ -506,10 +506,9 @@ std::string repr_rec(const ReprCtx& c, int64_t dim, int64_t off, int indent) {
     const int64_t o = off + i * t.strides()[dim];
     parts.push_back(dim == t.ndim() - 1 ? fmt_elem(c, o) : repr_rec(c, dim + 1, o, indent + 1));
   }
-  const std::string sep = dim == t.ndim() - 1
-                              ? std::string(", ")
-                              : "," + std::string(t.ndim() - dim - 1, '\n') +
-                                    std::string(indent + 1, ' ');
+  const std::string sep = dim == t.ndim() - 1 ? std::string(", ")
+                                              : "," + std::string(t.ndim() - dim - 1, '\n') +
+                                                    std::string(indent + 1, ' ');
   std::string r = "[";
   for (size_t k = 0; k < parts.size(); ++k) r += (k ? sep : "") + parts[k];
   return r + "]";

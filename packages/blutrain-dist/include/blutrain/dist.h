@@ -41,7 +41,12 @@ enum bt_dist_status {
 
 /* Reductions.  AVG is SUM followed by a division by the communicator's size (x / n, rounded once
  * in the buffer's dtype: exact averaging for any size, unlike a premultiplied 1/n). */
-typedef enum bt_dist_op { BT_DIST_SUM = 0, BT_DIST_AVG = 1, BT_DIST_MAX = 2, BT_DIST_MIN = 3 } bt_dist_op;
+typedef enum bt_dist_op {
+  BT_DIST_SUM = 0,
+  BT_DIST_AVG = 1,
+  BT_DIST_MAX = 2,
+  BT_DIST_MIN = 3
+} bt_dist_op;
 
 typedef struct bt_dist_comm bt_dist_comm; /* an NCCL communicator bound to one device */
 

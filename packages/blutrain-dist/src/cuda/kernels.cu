@@ -25,7 +25,7 @@
 namespace bt::dist {
 namespace {
 
-constexpr int kThreads = 256;    // threads per block
+constexpr int kThreads = 256;     // threads per block
 constexpr int kMaxBlocks = 4096;  // grid-stride beyond this
 constexpr int kMaxChunks = 1024;  // ranks an ordered sum takes (its stack holds 11 subtrees)
 
@@ -75,7 +75,8 @@ __global__ void cast_kernel(const S* src, D* dst, size_t n, double divisor) {
 // while the top two hold subtrees of equal size they are merged; at the end the stack is folded
 // from the top (the smaller, later subtrees first).
 template <typename T>
-__global__ void ordered_sum_kernel(const T* src, int nchunks, size_t chunk, T* dst, double divisor) {
+__global__ void ordered_sum_kernel(const T* src, int nchunks, size_t chunk, T* dst,
+                                   double divisor) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < chunk;
        i += size_t(blockDim.x) * gridDim.x) {
     T val[11];
@@ -121,8 +122,8 @@ void dispatch_float(int dtype, const char* op, F&& f) {
       f(double{});
       break;
     default:
-      fail(BT_DIST_EINVAL, std::string("[") + op + "] needs a floating dtype, got " +
-                               dtype_name(dtype));
+      fail(BT_DIST_EINVAL,
+           std::string("[") + op + "] needs a floating dtype, got " + dtype_name(dtype));
   }
 }
 
@@ -149,9 +150,8 @@ void cast(const void* src, int src_dtype, void* dst, int dst_dtype, size_t n, in
     using S = decltype(stag);
     dispatch_float(dst_dtype, "cast", [&](auto dtag) {
       using D = decltype(dtag);
-      cast_kernel<S, D><<<blocks_for(n), kThreads, 0, s>>>(static_cast<const S*>(src),
-                                                           static_cast<D*>(dst), n,
-                                                           double(divisor));
+      cast_kernel<S, D><<<blocks_for(n), kThreads, 0, s>>>(
+          static_cast<const S*>(src), static_cast<D*>(dst), n, double(divisor));
     });
   });
   BT_DIST_CUDA_CHECK("cast", cudaGetLastError());

@@ -127,20 +127,18 @@ void stream_synchronize(void* stream) {
 
 bool stream_capturing(void* stream) {
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  BT_DIST_CUDA_CHECK("capturing",
-                     cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &st));
+  BT_DIST_CUDA_CHECK("capturing", cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &st));
   return st != cudaStreamCaptureStatusNone;
 }
 
 void memcpy_async(void* dst, const void* src, size_t nbytes, int kind, int device, void* stream) {
   if (nbytes == 0) return;
   BT_DIST_CUDA_CHECK("stage", cudaSetDevice(device));
-  BT_DIST_CUDA_CHECK("stage",
-                     cudaMemcpyAsync(dst, src, nbytes,
-                                     kind == 0   ? cudaMemcpyDeviceToHost
-                                     : kind == 1 ? cudaMemcpyHostToDevice
-                                                 : cudaMemcpyDeviceToDevice,
-                                     static_cast<cudaStream_t>(stream)));
+  BT_DIST_CUDA_CHECK("stage", cudaMemcpyAsync(dst, src, nbytes,
+                                              kind == 0   ? cudaMemcpyDeviceToHost
+                                              : kind == 1 ? cudaMemcpyHostToDevice
+                                                          : cudaMemcpyDeviceToDevice,
+                                              static_cast<cudaStream_t>(stream)));
 }
 
 }  // namespace bt::dist

@@ -36,7 +36,8 @@ struct Buf {
 Buf buffer(nb::handle obj, const char* op, const char* what) {
   void* h = nullptr;
   if (g_tensor->from_pyobject(obj.ptr(), &h) != BT_TENSOR_OK)
-    fail(BT_DIST_EINVAL, std::string("[") + op + "] " + what + " must be a blutrain.tensor Tensor, got " +
+    fail(BT_DIST_EINVAL, std::string("[") + op + "] " + what +
+                             " must be a blutrain.tensor Tensor, got " +
                              nb::cast<std::string>(nb::str(obj.type().attr("__name__"))));
   bt_tensor_info info;
   if (g_tensor->describe(h, &info) != BT_TENSOR_OK)
@@ -64,10 +65,10 @@ void* as_stream(uintptr_t s) { return reinterpret_cast<void*>(s); }
 
 void check_device(const Buf& b, const Comm* c, const char* op, const char* what) {
   if (b.device != comm_device(c))
-    fail(BT_DIST_EINVAL, std::string("[") + op + "] " + what + " is on " +
-                             (b.device < 0 ? std::string("cpu") : "cuda:" + std::to_string(b.device)) +
-                             " but the NCCL communicator uses cuda:" +
-                             std::to_string(comm_device(c)));
+    fail(BT_DIST_EINVAL,
+         std::string("[") + op + "] " + what + " is on " +
+             (b.device < 0 ? std::string("cpu") : "cuda:" + std::to_string(b.device)) +
+             " but the NCCL communicator uses cuda:" + std::to_string(comm_device(c)));
 }
 
 void check_same_dtype(const Buf& a, const Buf& b, const char* op) {
@@ -150,8 +151,9 @@ NB_MODULE(_dist, m) {
                                        std::to_string(BT_DIST_UNIQUE_ID_BYTES) + " bytes, got " +
                                        std::to_string(uid.size()));
             new (self) PyComm();
-            std::vector<uint8_t> id(static_cast<const uint8_t*>(static_cast<const void*>(uid.c_str())),
-                                    static_cast<const uint8_t*>(static_cast<const void*>(uid.c_str())) + uid.size());
+            std::vector<uint8_t> id(
+                static_cast<const uint8_t*>(static_cast<const void*>(uid.c_str())),
+                static_cast<const uint8_t*>(static_cast<const void*>(uid.c_str())) + uid.size());
             nb::gil_scoped_release release;  // blocks until every rank has joined
             self->c = comm_init(id.data(), nranks, rank, device);
           },
@@ -177,13 +179,15 @@ NB_MODULE(_dist, m) {
             comm_abort(c);
           },
           "Frees the communicator without waiting (a peer is gone).")
-      .def("async_error", [](PyComm& p) { return comm_async_error(p.get("async_error")); },
-           "0 while healthy, else the ncclResult_t of an asynchronous failure.")
+      .def(
+          "async_error", [](PyComm& p) { return comm_async_error(p.get("async_error")); },
+          "0 while healthy, else the ncclResult_t of an asynchronous failure.")
       .def(
           "all_reduce",
           [](PyComm& p, nb::handle send_t, nb::handle recv_t, int op, uintptr_t stream) {
             Comm* c = p.get("all_reduce");
-            Buf s = buffer(send_t, "all_reduce", "input"), r = buffer(recv_t, "all_reduce", "output");
+            Buf s = buffer(send_t, "all_reduce", "input"),
+                r = buffer(recv_t, "all_reduce", "output");
             check_device(s, c, "all_reduce", "input");
             check_device(r, c, "all_reduce", "output");
             check_same_dtype(s, r, "all_reduce");
@@ -264,16 +268,18 @@ NB_MODULE(_dist, m) {
             check_same_dtype(s, r, name);
             const size_t n = size_t(comm_size(c));
             if (s.numel != r.numel || s.numel % n)
-              fail(BT_DIST_EINVAL, "[all_to_all] input and output must have the same size, a "
-                                   "multiple of the world size " + std::to_string(n) + "; got " +
-                                       std::to_string(s.numel) + " and " + std::to_string(r.numel));
+              fail(BT_DIST_EINVAL,
+                   "[all_to_all] input and output must have the same size, a "
+                   "multiple of the world size " +
+                       std::to_string(n) + "; got " + std::to_string(s.numel) + " and " +
+                       std::to_string(r.numel));
             const size_t chunk = s.numel / n, es = dtype_size(s.dtype, name);
             auto* sp = static_cast<const char*>(s.data);
             auto* rp = static_cast<char*>(r.data);
             const int me = comm_rank(c);
             // own chunk: a device copy on the same stream
-            memcpy_async(rp + me * chunk * es, sp + me * chunk * es, chunk * es, 2,
-                         comm_device(c), as_stream(stream));
+            memcpy_async(rp + me * chunk * es, sp + me * chunk * es, chunk * es, 2, comm_device(c),
+                         as_stream(stream));
             group_start();
             try {
               for (size_t k = 0; k < n; ++k) {
@@ -320,15 +326,15 @@ NB_MODULE(_dist, m) {
         stream_synchronize(as_stream(s));
       },
       "stream"_a);
-  m.def(
-      "stream_capturing", [](uintptr_t s) { return stream_capturing(as_stream(s)); }, "stream"_a);
+  m.def("stream_capturing", [](uintptr_t s) { return stream_capturing(as_stream(s)); }, "stream"_a);
 
   // ---- host memory -------------------------------------------------------------------------
   m.def(
       "host_view",
       [](nb::handle t) {
         Buf b = buffer(t, "host_view", "tensor");
-        if (b.device >= 0) fail(BT_DIST_EINVAL, "[host_view] tensor is on cuda:" + std::to_string(b.device));
+        if (b.device >= 0)
+          fail(BT_DIST_EINVAL, "[host_view] tensor is on cuda:" + std::to_string(b.device));
         return byte_array(b.data, b.nbytes(), t);  // the tensor object keeps the memory alive
       },
       "tensor"_a, "The bytes of a contiguous CPU tensor as a numpy uint8 array (shared memory).");

@@ -3,9 +3,9 @@
 // reproduce (softmax(q k^T * scale) v with a top-left causal mask, lse = the rows' logsumexp).
 #include "../attention.h"
 
-#include <mutex>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <vector>
 
 #include "../backend.h"

@@ -32,8 +32,9 @@ namespace bt::cpu {
 // float-to-int conversion. Every one of the 2^32 inputs gives the bits of the clamped version,
 // with and without FMA contraction, on x86-64-v4, -v3 and the baseline (checked exhaustively).
 //
-// exp_reduced: exp(x) = y * 2^n: n = round(x / ln 2) (as two's complement bits) and y = exp(x - n ln 2) in
-// [0.7, 1.42] by the polynomial; fast_exp and fast_exp_in_range differ only in how they scale y.
+// exp_reduced: exp(x) = y * 2^n: n = round(x / ln 2) (as two's complement bits) and y = exp(x - n
+// ln 2) in [0.7, 1.42] by the polynomial; fast_exp and fast_exp_in_range differ only in how they
+// scale y.
 inline float exp_reduced(float x, uint32_t& n) {
   const float t = x * 1.44269504088896341f;  // x / ln 2
   // Round to nearest by adding and removing 1.5 * 2^23 (|t| < 2^22 here): no branch, so the
@@ -42,7 +43,7 @@ inline float exp_reduced(float x, uint32_t& n) {
   const float fn = big - 12582912.0f;
   uint32_t big_bits;
   std::memcpy(&big_bits, &big, 4);
-  n = big_bits - 0x4B400000u;  // round(t), two's complement: 1.5 * 2^23 + n
+  n = big_bits - 0x4B400000u;       // round(t), two's complement: 1.5 * 2^23 + n
   float r = x - fn * 0.693359375f;  // ln 2 split in two for an exact reduction
   r = r - fn * -2.12194440e-4f;
   const float z = r * r;

@@ -93,8 +93,8 @@ void for_each_strided(const Shape& shape_in, const std::array<Strides, N>& strid
   };
   const int64_t total = rows * inner;
   // Work items of at least kChunk elements each (whole rows when rows are short).
-  const int64_t grain = total >= kParallelMin ? std::max<int64_t>(1, kChunk / std::min(inner, kChunk))
-                                              : units;
+  const int64_t grain =
+      total >= kParallelMin ? std::max<int64_t>(1, kChunk / std::min(inner, kChunk)) : units;
   parallel_ranges(units, grain, [&](int64_t b, int64_t e) {
     for (int64_t u = b; u < e; ++u) run(u);
   });

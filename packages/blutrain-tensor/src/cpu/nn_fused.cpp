@@ -25,10 +25,9 @@ void SoftmaxBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor
     const T* gp = static_cast<const T*>(dy.data_ptr(name()));
     T* o = static_cast<T*>(out[0].data_ptr(name()));
     const int64_t grain = std::max<int64_t>(1, cpu::kChunk / std::max<int64_t>(C, 1));
-    cpu::parallel_ranges(rows, rows * C >= cpu::kParallelMin ? grain : rows,
-                         [&](int64_t r0, int64_t r1) {
-                           cpu::softmax::backward_rows<T>(yp, gp, o, r0, r1, C, log);
-                         });
+    cpu::parallel_ranges(
+        rows, rows * C >= cpu::kParallelMin ? grain : rows,
+        [&](int64_t r0, int64_t r1) { cpu::softmax::backward_rows<T>(yp, gp, o, r0, r1, C, log); });
   });
 }
 
@@ -71,8 +70,8 @@ void CrossEntropyBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<T
           for (int64_t i = 0; i < Cx; ++i) q[i] = static_cast<T>(0.0);
           return;
         }
-        cpu::softmax::ce_grad_row(xp + r * ld, q, C, Cx, static_cast<double>(lp[r]), scale[r],
-                                  off, ls, tp[r]);
+        cpu::softmax::ce_grad_row(xp + r * ld, q, C, Cx, static_cast<double>(lp[r]), scale[r], off,
+                                  ls, tp[r]);
       });
     });
   });

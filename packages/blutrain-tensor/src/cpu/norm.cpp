@@ -133,15 +133,15 @@ void LayerNormBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<Tens
           const int64_t nblk = (R + br - 1) / br;
           const int64_t stride = 3 * C;  // a block's pw, pb, pd
           std::unique_ptr<double[]> part(new double[static_cast<size_t>(nblk * stride)]);
-          cpu::parallel_ranges(nblk, R * C >= cpu::kParallelMin ? 1 : nblk,
-                               [&](int64_t b0, int64_t b1) {
-            for (int64_t blk = b0; blk < b1; ++blk) {
-              double* pw = part.get() + blk * stride;
-              cpu::norm::layer_norm_backward_block<T, S>(dyp, xp, wp, mp, rp, ep, dx, blk * br,
-                                                         std::min(R, (blk + 1) * br), C, wb,
-                                                         ds != nullptr, pw, pw + C, pw + 2 * C);
-            }
-          });
+          cpu::parallel_ranges(
+              nblk, R * C >= cpu::kParallelMin ? 1 : nblk, [&](int64_t b0, int64_t b1) {
+                for (int64_t blk = b0; blk < b1; ++blk) {
+                  double* pw = part.get() + blk * stride;
+                  cpu::norm::layer_norm_backward_block<T, S>(dyp, xp, wp, mp, rp, ep, dx, blk * br,
+                                                             std::min(R, (blk + 1) * br), C, wb,
+                                                             ds != nullptr, pw, pw + C, pw + 2 * C);
+                }
+              });
           // float32 dweight / dbias / dsum for 16-bit rows where the front asked for them
           // (nn_fused.h); else x's dtype
           const bool f32 = out[1].dtype() == DType::Float32 && x.dtype() != DType::Float32;
@@ -160,15 +160,15 @@ void LayerNormBackward::eval_cpu(const std::vector<Tensor>& in, std::vector<Tens
           const int64_t cb = 256, ncb = (C + cb - 1) / cb;
           cpu::parallel_ranges(ncb, nblk * stride >= cpu::kParallelMin ? 1 : ncb,
                                [&](int64_t q0, int64_t q1) {
-            const int64_t c0 = q0 * cb, c1 = std::min(C, q1 * cb);
-            for (int s = 0; s < 3; ++s) {
-              void* dst = s == 0 ? dw : (s == 1 ? db : ds);
-              if (!dst) continue;
-              cpu::norm::add_partials(part.get() + s * C, nblk, stride, c0, c1,
-                                      tot.data() + s * C);
-              put(dst, tot.data() + s * C, c0, c1);
-            }
-          });
+                                 const int64_t c0 = q0 * cb, c1 = std::min(C, q1 * cb);
+                                 for (int s = 0; s < 3; ++s) {
+                                   void* dst = s == 0 ? dw : (s == 1 ? db : ds);
+                                   if (!dst) continue;
+                                   cpu::norm::add_partials(part.get() + s * C, nblk, stride, c0, c1,
+                                                           tot.data() + s * C);
+                                   put(dst, tot.data() + s * C, c0, c1);
+                                 }
+                               });
         });
       };
       if constexpr (std::is_same_v<D, T>) {

@@ -12,12 +12,13 @@
 // chain of scalar adds: 2048 x 1024 float32 on one core, forward 1.8 -> 1.2 ms, backward rows
 // 2.5 -> 1.5 ms. The sums differ from the index-order ones in the last bits of a double, so a
 // float32 output differs from the earlier kernels' only where it lay within ~1e-16 of a rounding
-// boundary. Column sums (dweight, dbias, dsum): Note [column blocks]. The element-wise passes are vectorised by BT_CPU_CLONES.
-// Mixed dtypes (Note [float32 residual stream], nn_fused.h): x, weight, bias and the residual
-// sum are T; y, the residual, dy, dx and extra may be 16-bit (O, D) over float32 T rows. Every
-// value is widened to double as it is read, so the same code gives the same bits for both.
-// Including files must be compiled with -ffp-contract=off: a fused multiply-add rounds once
-// where the scalar reference (bench/cpu_kernels_check.cpp, and baseline x86-64) rounds twice.
+// boundary. Column sums (dweight, dbias, dsum): Note [column blocks]. The element-wise passes are
+// vectorised by BT_CPU_CLONES. Mixed dtypes (Note [float32 residual stream], nn_fused.h): x,
+// weight, bias and the residual sum are T; y, the residual, dy, dx and extra may be 16-bit (O, D)
+// over float32 T rows. Every value is widened to double as it is read, so the same code gives the
+// same bits for both. Including files must be compiled with -ffp-contract=off: a fused multiply-add
+// rounds once where the scalar reference (bench/cpu_kernels_check.cpp, and baseline x86-64) rounds
+// twice.
 #pragma once
 
 #include <algorithm>
@@ -30,7 +31,7 @@
 
 namespace bt::cpu::norm {
 
-constexpr int kSumLanes = 16;        // Note [lane sums]
+constexpr int kSumLanes = 16;  // Note [lane sums]
 
 inline double add_lanes(const double* a) {
   double r = 0;
@@ -81,8 +82,8 @@ BT_CPU_CLONES void row_stats(const T* p, int64_t C, double eps, double* mean, do
 //
 // Note [float normalize]
 // The statistics stay double sums (Note [lane sums]); only the element-wise y of a float32 row
-// into a float32 output is float arithmetic (each op rounded, no contraction, so the same bits on every
-// instruction set): twice the lanes of the double loop (2048 x 1024 float32 on one core:
+// into a float32 output is float arithmetic (each op rounded, no contraction, so the same bits on
+// every instruction set): twice the lanes of the double loop (2048 x 1024 float32 on one core:
 // normalize 0.67 -> 0.35 ms). y is within a few float32 ulps of the row's scale of the exact
 // value where the double loop rounded once (PyTorch's CPU kernel is float arithmetic too).
 template <bool W, bool B, typename T, typename O>
@@ -148,7 +149,8 @@ BT_CPU_CLONES void add_rows(const T* x, const O* res, const T* rb, T* s, int64_t
       s[i] = static_cast<T>(v);
     }
   } else {
-    for (int64_t i = 0; i < C; ++i) s[i] = static_cast<T>(static_cast<Cm>(x[i]) + static_cast<Cm>(res[i]));
+    for (int64_t i = 0; i < C; ++i)
+      s[i] = static_cast<T>(static_cast<Cm>(x[i]) + static_cast<Cm>(res[i]));
   }
 }
 
@@ -167,8 +169,8 @@ void add_layer_norm_rows(const T* x, const O* res, const T* rb, const T* w, cons
 // not converted again in every row's two passes (the same values: widening is exact; 2048 x 1024
 // float32 on one core: about 7% less time).
 template <bool W, typename D, typename T>
-BT_CPU_CLONES void backward_sums(const D* g, const T* p, const double* w, double m, double rs, int64_t C,
-                                 double* s1, double* s2) {
+BT_CPU_CLONES void backward_sums(const D* g, const T* p, const double* w, double m, double rs,
+                                 int64_t C, double* s1, double* s2) {
 #if BT_CPU_WIDEN
   if constexpr (std::is_same_v<D, float> && std::is_same_v<T, float>) {  // Note [widening loops]
     if (widen::use_avx2()) return widen::ln_sums_avx2<W>(g, p, w, m, rs, C, s1, s2);
@@ -202,8 +204,8 @@ BT_CPU_CLONES void dx_row(const D* g, const T* p, const double* w, const O* e, O
 }
 
 template <bool W, typename D, typename T, typename S, typename O>
-void backward_rows_w(const D* dy, const T* x, const double* w, const S* mp, const S* rp, const O* ex,
-                     O* dx, int64_t r0, int64_t r1, int64_t C) {
+void backward_rows_w(const D* dy, const T* x, const double* w, const S* mp, const S* rp,
+                     const O* ex, O* dx, int64_t r0, int64_t r1, int64_t C) {
   for (int64_t r = r0; r < r1; ++r) {
     const double m = static_cast<double>(mp[r]), rs = static_cast<double>(rp[r]);
     const int64_t o = r * C;
@@ -228,17 +230,17 @@ void layer_norm_backward_rows(const D* dy, const T* x, const double* w, const S*
   }
 }
 
-// ---- layer_norm backward: dx rows and the column sums in one pass --------------------------------
-// Note [column blocks]
-// dweight = sum dy * xhat, dbias = sum dy and dsum = sum dx (as stored) run down the columns.
-// They are summed in the dx pass itself, while dy and x are in cache: the rows are cut into
-// blocks of block_rows(R) rows (a function of R alone, never of the thread count); a block adds
-// its rows, in order, into its own partial column sums (double), and the partials are then
-// added block by block, in order, from 0. The bits depend only on R, C and the data; no second
-// pass reads dy, x and dx again (2048 x 1024 float32, one core, kernel CPU time: 3.2 -> 2.2 ms).
-// xhat is the dx pass's (x - mean) * rstd, so dweight's term is dy * ((x - mean) * rstd).
-constexpr int64_t kBlockRows = 32;    // rows a partial sums, at least
-constexpr int64_t kMaxBlocks = 64;    // partials at most (3 * C doubles each)
+// ---- layer_norm backward: dx rows and the column sums in one pass
+// -------------------------------- Note [column blocks] dweight = sum dy * xhat, dbias = sum dy and
+// dsum = sum dx (as stored) run down the columns. They are summed in the dx pass itself, while dy
+// and x are in cache: the rows are cut into blocks of block_rows(R) rows (a function of R alone,
+// never of the thread count); a block adds its rows, in order, into its own partial column sums
+// (double), and the partials are then added block by block, in order, from 0. The bits depend only
+// on R, C and the data; no second pass reads dy, x and dx again (2048 x 1024 float32, one core,
+// kernel CPU time: 3.2 -> 2.2 ms). xhat is the dx pass's (x - mean) * rstd, so dweight's term is dy
+// * ((x - mean) * rstd).
+constexpr int64_t kBlockRows = 32;  // rows a partial sums, at least
+constexpr int64_t kMaxBlocks = 64;  // partials at most (3 * C doubles each)
 
 inline int64_t block_rows(int64_t R) {
   return std::max<int64_t>(kBlockRows, (R + kMaxBlocks - 1) / kMaxBlocks);
@@ -294,8 +296,7 @@ constexpr int kPassRows = 4;  // rows a pass over the partial column sums
 // overwritten).
 template <bool W, bool E, bool WB, bool DS, typename D, typename T, typename S, typename O>
 void backward_block(const D* dy, const T* x, const double* w, const S* mp, const S* rp, const O* ex,
-                    O* dx, int64_t r0, int64_t r1, int64_t C, double* pw, double* pb,
-                    double* pd) {
+                    O* dx, int64_t r0, int64_t r1, int64_t C, double* pw, double* pb, double* pd) {
   if constexpr (WB) std::fill(pw, pw + C, 0.0), std::fill(pb, pb + C, 0.0);
   if constexpr (DS) std::fill(pd, pd + C, 0.0);
   int64_t r = r0;
@@ -312,16 +313,16 @@ void layer_norm_backward_block(const D* dy, const T* x, const double* w, const S
                                bool ds, double* pw, double* pb, double* pd) {
 #define BT_BLOCK(Wv, Ev, WBv, DSv) \
   backward_block<Wv, Ev, WBv, DSv>(dy, x, w, mp, rp, ex, dx, r0, r1, C, pw, pb, pd)
-#define BT_BLOCK_E(Wv, WBv, DSv) \
-  if (ex) {                      \
-    BT_BLOCK(Wv, true, WBv, DSv); \
-  } else {                       \
+#define BT_BLOCK_E(Wv, WBv, DSv)   \
+  if (ex) {                        \
+    BT_BLOCK(Wv, true, WBv, DSv);  \
+  } else {                         \
     BT_BLOCK(Wv, false, WBv, DSv); \
   }
-#define BT_BLOCK_W(WBv, DSv) \
-  if (w) {                   \
-    BT_BLOCK_E(true, WBv, DSv) \
-  } else {                   \
+#define BT_BLOCK_W(WBv, DSv)    \
+  if (w) {                      \
+    BT_BLOCK_E(true, WBv, DSv)  \
+  } else {                      \
     BT_BLOCK_E(false, WBv, DSv) \
   }
   if (wb && ds) {
@@ -338,8 +339,8 @@ void layer_norm_backward_block(const D* dy, const T* x, const double* w, const S
 
 // Columns [c0, c1) of the totals: out[c] = sum over blocks b = 0, 1, ... of part[b * stride + c]
 // (from 0, in block order).
-BT_CPU_CLONES inline void add_partials(const double* part, int64_t nblk, int64_t stride,
-                                       int64_t c0, int64_t c1, double* out) {
+BT_CPU_CLONES inline void add_partials(const double* part, int64_t nblk, int64_t stride, int64_t c0,
+                                       int64_t c1, double* out) {
   for (int64_t c = c0; c < c1; ++c) out[c] = 0;
   for (int64_t b = 0; b < nblk; ++b) {
     const double* pp = part + b * stride;

@@ -100,7 +100,7 @@ void AdamW::eval_cpu(const std::vector<Tensor>& in, std::vector<Tensor>&) {
       const double wd = weight_decays[it.t];
       const bool decay = wd != 0;
       const M dfac = static_cast<M>(1.0 - lr_v * wd);
-#define BT_ADAMW(SC, DC)                                                                   \
+#define BT_ADAMW(SC, DC)                                                                    \
   adamw_range<SC, DC>(p, g, m, v, it.start, it.end, gscale, dfac, b1c, b2, b2c, b2s, eps_m, \
                       step_size)
       if (use_scale && decay) {

@@ -13,10 +13,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <cstddef>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -45,7 +45,7 @@ namespace {
 
 // How long an idle worker (or a region's owner waiting for its workers) spins before sleeping:
 // long enough to span the host work between two ops, short against any op worth threading.
-constexpr int64_t kSpinUs = 50;         // microseconds
+constexpr int64_t kSpinUs = 50;          // microseconds
 constexpr int64_t kRangesPerThread = 4;  // dynamic chunks: a descheduled thread delays little
 
 // ---- the budget's default ----------------------------------------------------------------------
@@ -297,12 +297,13 @@ class Pool {
   // scheduler has not run); regions must still finish, on their callers.
   void hold_workers(bool h) { hold_.store(h, std::memory_order_seq_cst); }
   std::vector<uint64_t> stats() const {
-    return {stats_regions_.load(), stats_caller_.load(), stats_worker_.load(),
-            stats_waits_.load()};
+    return {stats_regions_.load(), stats_caller_.load(), stats_worker_.load(), stats_waits_.load()};
   }
 
  private:
-  Pool() { pthread_atfork(nullptr, nullptr, [] { Pool::get().after_fork_in_child(); }); }
+  Pool() {
+    pthread_atfork(nullptr, nullptr, [] { Pool::get().after_fork_in_child(); });
+  }
 
   void acquire_exclusive() {
     for (;;) {
@@ -395,11 +396,11 @@ class Pool {
 
   std::atomic<int> budget_{0};  // 0: not decided yet (size() reads the environment)
   std::atomic<bool> busy_{false};
-  std::atomic<uint64_t> epoch_{0};      // bumped per region posted (wakes the workers)
-  std::atomic<uint64_t> claim_{0};      // the claim word (pack())
-  std::atomic<int> done_{0};            // items of the current region finished
+  std::atomic<uint64_t> epoch_{0};  // bumped per region posted (wakes the workers)
+  std::atomic<uint64_t> claim_{0};  // the claim word (pack())
+  std::atomic<int> done_{0};        // items of the current region finished
   std::atomic<Region*> region_{nullptr};
-  uint64_t seq_ = 0;                    // regions posted (owner only, with busy_ held)
+  uint64_t seq_ = 0;  // regions posted (owner only, with busy_ held)
   std::atomic<int> sleeping_{0};
   std::atomic<bool> owner_sleeping_{false};
   std::atomic<bool> stop_{false};

@@ -73,8 +73,8 @@ typedef uint32_t v8su __attribute__((vector_size(32)));
 typedef int32_t v4si __attribute__((vector_size(16)));
 typedef int32_t v8si __attribute__((vector_size(32)));
 
-constexpr int kLanes = 8;    // rows per group of the adjacent-outputs sums
-constexpr int kGroups = 2;   // groups in flight: 16 rows per block
+constexpr int kLanes = 8;      // rows per group of the adjacent-outputs sums
+constexpr int kGroups = 2;     // groups in flight: 16 rows per block
 constexpr int kRowLanes = 4;   // rows per group of the contiguous-row sums (a double vector)
 constexpr int kRowGroups = 2;  // groups in flight: 8 rows per block (4 groups: 16 rows 4 KiB
                                // apart overflow an 8-way L1 set)

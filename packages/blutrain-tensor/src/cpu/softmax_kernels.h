@@ -160,8 +160,7 @@ BT_CPU_CLONES double backward_sum(const T* y, const T* g, int64_t C) {
   const int64_t full = C / kSumLanes * kSumLanes;
   double a[kSumLanes] = {};
   auto term = [&](int64_t i) {
-    return LOG ? static_cast<double>(g[i])
-               : static_cast<double>(g[i]) * static_cast<double>(y[i]);
+    return LOG ? static_cast<double>(g[i]) : static_cast<double>(g[i]) * static_cast<double>(y[i]);
   };
   for (int64_t i = 0; i < full; i += kSumLanes) {
     for (int k = 0; k < kSumLanes; ++k) a[k] += term(i + k);

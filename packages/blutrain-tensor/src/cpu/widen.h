@@ -36,9 +36,7 @@ inline bool use_avx2() {
   return yes;
 }
 
-
-BT_AVX2 inline void sub_scaled_avx2(const float* g, const float* e, float* q, int64_t n,
-                                    double s) {
+BT_AVX2 inline void sub_scaled_avx2(const float* g, const float* e, float* q, int64_t n, double s) {
   const __m256d sv = _mm256_set1_pd(s);
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
@@ -46,7 +44,8 @@ BT_AVX2 inline void sub_scaled_avx2(const float* g, const float* e, float* q, in
     const __m256d ev = _mm256_cvtps_pd(_mm_loadu_ps(e + j));
     _mm_storeu_ps(q + j, _mm256_cvtpd_ps(_mm256_sub_pd(gv, _mm256_mul_pd(ev, sv))));
   }
-  for (; j < n; ++j) q[j] = static_cast<float>(static_cast<double>(g[j]) - static_cast<double>(e[j]) * s);
+  for (; j < n; ++j)
+    q[j] = static_cast<float>(static_cast<double>(g[j]) - static_cast<double>(e[j]) * s);
 }
 
 BT_AVX2 inline void shift_round_avx2(const float* p, float* a, int64_t n, double c) {
@@ -78,7 +77,8 @@ BT_AVX2 inline double lane_sum_avx2(const float* g, int64_t C) {
   __m256d a[4];
   for (int k = 0; k < 4; ++k) a[k] = _mm256_setzero_pd();
   for (int64_t i = 0; i < full; i += L) {
-    for (int k = 0; k < 4; ++k) a[k] = _mm256_add_pd(a[k], _mm256_cvtps_pd(_mm_loadu_ps(g + i + 4 * k)));
+    for (int k = 0; k < 4; ++k)
+      a[k] = _mm256_add_pd(a[k], _mm256_cvtps_pd(_mm_loadu_ps(g + i + 4 * k)));
   }
   double al[L];
   for (int k = 0; k < 4; ++k) _mm256_storeu_pd(al + 4 * k, a[k]);
@@ -136,7 +136,8 @@ BT_AVX2 inline void ln_sums_avx2(const float* g, const float* p, const double* w
     }
   }
   double al[L], cl[L];
-  for (int k = 0; k < 4; ++k) _mm256_storeu_pd(al + 4 * k, a[k]), _mm256_storeu_pd(cl + 4 * k, c[k]);
+  for (int k = 0; k < 4; ++k)
+    _mm256_storeu_pd(al + 4 * k, a[k]), _mm256_storeu_pd(cl + 4 * k, c[k]);
   for (int64_t i = full; i < C; ++i) {
     const double gx = static_cast<double>(g[i]) * (W ? w[i] : 1.0);
     al[0] += gx;
@@ -172,7 +173,8 @@ inline void offset_scale(const float* e, float* q, int64_t n, double off, double
 #if BT_CPU_WIDEN
   if (use_avx2()) return offset_scale_avx2(e, q, n, off, scale);
 #endif
-  for (int64_t j = 0; j < n; ++j) q[j] = static_cast<float>((static_cast<double>(e[j]) - off) * scale);
+  for (int64_t j = 0; j < n; ++j)
+    q[j] = static_cast<float>((static_cast<double>(e[j]) - off) * scale);
 }
 
 }  // namespace bt::cpu::widen

@@ -1027,11 +1027,10 @@ __device__ __forceinline__ void fix_dq_of(const AttnParams& p, const DqFixInputs
 
 // The bad rows of a convert warp (D / 8 lanes a row), out of line: the kernel stays light.
 template <typename T, int D>
-__device__ __noinline__ void fix_convert_rows(const AttnParams& p, const DqFixInputs<T>& fix,
-                                              T* dq, int64_t idx, bool bad) {
-  for_bad_rows<D / 8>(bad, [&](int gi) {
-    fix_dq_of<T>(p, fix, dq, (idx - threadIdx.x % 32) / (D / 8) + gi);
-  });
+__device__ __noinline__ void fix_convert_rows(const AttnParams& p, const DqFixInputs<T>& fix, T* dq,
+                                              int64_t idx, bool bad) {
+  for_bad_rows<D / 8>(
+      bad, [&](int gi) { fix_dq_of<T>(p, fix, dq, (idx - threadIdx.x % 32) / (D / 8) + gi); });
 }
 // A convert_cs warp's column sums s (its lanes' 8 columns; rows 4 j + rq, added over rq by xor 8,
 // 16) into partial row b cs_groups + grp of p.cs (Note [packed column sums]).

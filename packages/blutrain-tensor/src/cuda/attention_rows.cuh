@@ -171,9 +171,8 @@ __device__ void attn_row_dq(const RowsArgs& a, const T* qb, const T* kb, const T
 // dk, dv of key row j: sums over the queries that see it (i >= j when causal), rows whose lse is
 // -inf skipped.  gb: do's (b, h) base with row stride a.g_l; lse_b, dvec_b: the pair's (L) rows.
 template <typename T, typename A, typename LS>
-__device__ void attn_row_dkdv(const RowsArgs& a, const T* qb, const T* kb, const T* vb,
-                              const T* gb, const LS* lse_b, const LS* dvec_b, int j,
-                              A (&dk)[8], A (&dv)[8]) {
+__device__ void attn_row_dkdv(const RowsArgs& a, const T* qb, const T* kb, const T* vb, const T* gb,
+                              const LS* lse_b, const LS* dvec_b, int j, A (&dk)[8], A (&dv)[8]) {
   A qv[8], gv[8], kv[8], vv[8];
 #pragma unroll
   for (int u = 0; u < 8; ++u) dk[u] = dv[u] = 0;
@@ -207,8 +206,8 @@ __device__ __noinline__ void fix_o_row(const RowsArgs& a, const T* qb, const T* 
 }
 template <typename T>
 __device__ __noinline__ void fix_dq_row(const RowsArgs& a, const T* qb, const T* kb, const T* vb,
-                                        const T* gb, const float* lse_b, const float* dvec_b,
-                                        int i, T* dq_row) {
+                                        const T* gb, const float* lse_b, const float* dvec_b, int i,
+                                        T* dq_row) {
   float out[8];
   attn_row_dq<T, float>(a, qb, kb, vb, gb + i * a.g_l, lse_b[i], dvec_b[i], i, out);
   const int lane = threadIdx.x % 32;
@@ -218,9 +217,9 @@ __device__ __noinline__ void fix_dq_row(const RowsArgs& a, const T* qb, const T*
   }
 }
 template <typename T>
-__device__ __noinline__ void fix_dkdv_row(const RowsArgs& a, const T* qb, const T* kb,
-                                          const T* vb, const T* gb, const float* lse_b,
-                                          const float* dvec_b, int j, T* dk_row, T* dv_row) {
+__device__ __noinline__ void fix_dkdv_row(const RowsArgs& a, const T* qb, const T* kb, const T* vb,
+                                          const T* gb, const float* lse_b, const float* dvec_b,
+                                          int j, T* dk_row, T* dv_row) {
   float dk[8], dv[8];
   attn_row_dkdv<T, float, float>(a, qb, kb, vb, gb, lse_b, dvec_b, j, dk, dv);
   const int lane = threadIdx.x % 32;

@@ -403,9 +403,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       for_bad_rows(bad, [&](int gb) {  // Note [non-finite rows] (attention_rows.cuh)
         const int rb = row - g + gb;
         const RowsArgs ra{p.L, p.S, p.D, p.q_l, p.k_l, p.v_l, p.g_l, p.scale, p.causal};
-        attn_row_fwd<float, float, float>(
-            ra, qb, kb, vb, rb, o + ((static_cast<int64_t>(b) * p.L + rb) * p.H + h) * D,
-            lse + static_cast<int64_t>(bh) * p.L + rb);
+        attn_row_fwd<float, float, float>(ra, qb, kb, vb, rb,
+                                          o + ((static_cast<int64_t>(b) * p.L + rb) * p.H + h) * D,
+                                          lse + static_cast<int64_t>(bh) * p.L + rb);
       });
     }
   }
@@ -730,7 +730,7 @@ __global__ void __launch_bounds__(256, 8)
                        const float* __restrict__ lse, const float* __restrict__ dvec,
                        float* __restrict__ dq) {
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) / 32;  // (b, h, l)
-  if (row >= static_cast<int64_t>(p.B) * p.H * p.L) return;  // whole warps
+  if (row >= static_cast<int64_t>(p.B) * p.H * p.L) return;                         // whole warps
   const int l = static_cast<int>(row % p.L), bh = static_cast<int>(row / p.L);
   const int b = bh / p.H, h = bh % p.H;
   float* out = dq + p.dg.dq(b, h, l);

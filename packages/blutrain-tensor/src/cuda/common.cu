@@ -22,8 +22,8 @@ StridedOffset make_offset(const Shape& shape, const Strides& strides, const char
   StridedOffset o;
   if (n == 0 || (n == 1 && st[0] == 1)) return o;  // contiguous
   if (n > kMaxDims) {
-    throw NotImplementedError(std::string("[") + op + "] a strided view with " +
-                              std::to_string(n) + " non-mergeable dims exceeds the CUDA kernels' " +
+    throw NotImplementedError(std::string("[") + op + "] a strided view with " + std::to_string(n) +
+                              " non-mergeable dims exceeds the CUDA kernels' " +
                               std::to_string(kMaxDims) + "; call contiguous() first");
   }
   o.ndim = n;

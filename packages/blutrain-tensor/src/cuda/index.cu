@@ -635,8 +635,9 @@ void check_index_errors(int device) {
                             "] integer division by zero (detected on the GPU; those elements "
                             "are 0)");
   }
-  const char* names[] = {"?",           "index_select", "index_add", "gather",   "scatter_add",
-                         "cross_entropy", "?",           "?",         "embedding"};
+  const char* names[] = {"?",           "index_select",  "index_add", "gather",
+                         "scatter_add", "cross_entropy", "?",         "?",
+                         "embedding"};
   if (nm.empty()) nm = (kind >= 1 && kind <= 8) ? names[kind] : names[0];
   throw IndexError("[" + nm + "] index " + std::to_string(rec.value) +
                    " is out of range for a dim of size " + std::to_string(rec.size) +
@@ -678,8 +679,8 @@ void IndexSelect::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& o
           static_cast<int>(std::min<int64_t>(256, cuda::ceil_div(in_units, 32) * 32));
       index_select_rows_kernel<E, I>
           <<<static_cast<unsigned>(std::min<int64_t>(rows, 1 << 20)), threads, 0, st>>>(
-              static_cast<const E*>(xs), ip, istride, static_cast<E*>(os), rows, J, D, in_units,
-              xo, code);
+              static_cast<const E*>(xs), ip, istride, static_cast<E*>(os), rows, J, D, in_units, xo,
+              code);
       BT_CUDA_LAUNCH_CHECK(nm);
     };
     if (!v1 && x.is_contiguous() && (inner * es) % 16 == 0 && aligned16(xp) && aligned16(outp)) {
@@ -694,9 +695,9 @@ void IndexSelect::eval_gpu(const std::vector<Tensor>& in, std::vector<Tensor>& o
         launch_rows(tag, xp, outp, inner, xoff);
         return;
       }
-      index_select_kernel<E, I><<<grid_for(n, x), kThreads, 0, st>>>(
-          static_cast<const E*>(xp), ip, istride, static_cast<E*>(outp), n, J, D, inner, xoff,
-          code);
+      index_select_kernel<E, I><<<grid_for(n, x), kThreads, 0, st>>>(static_cast<const E*>(xp), ip,
+                                                                     istride, static_cast<E*>(outp),
+                                                                     n, J, D, inner, xoff, code);
       BT_CUDA_LAUNCH_CHECK(nm);
     });
   });

@@ -9,8 +9,8 @@
 // one where it applies, for tests and benches).  The v1 references (scalar loads, one pass per
 // quantity) moved to bench/nn_v1_kernels.cuh, where bench/nn_check.cu and bench/ln_fwd_check.cu
 // check the library's kernels against them and a float64 reference.  Mixed rows (a float32 x with a
-// 16-bit y: Note [float32 residual stream], nn_fused.h) run layernorm_forward_mixed_v3 (v3's layout)
-// or _v2 (every shape).
+// 16-bit y: Note [float32 residual stream], nn_fused.h) run layernorm_forward_mixed_v3 (v3's
+// layout) or _v2 (every shape).
 //
 // Cross-entropy never materialises float32 logits: it reads the logits in their dtype once
 // (online max / sum of exp / sum of x) and writes only float32 lse and the loss.  Rows may be
@@ -201,8 +201,8 @@ bool add_layernorm_forward_bias(const Tensor& x, const Tensor& res, const Tensor
 // layer_norm / add_layer_norm on mixed rows (Note [float32 residual stream]): x float32, y of a
 // 16-bit dtype; with res (y's dtype), sum_o (float32) and optionally rb (float32) the add.
 void layernorm_forward_mixed(const Tensor& x, const Tensor& res, const Tensor& w, const Tensor& b,
-                             const Tensor& rb, Tensor* sum_o, Tensor& y, Tensor& mean,
-                             Tensor& rstd, double eps, const char* op) {
+                             const Tensor& rb, Tensor* sum_o, Tensor& y, Tensor& mean, Tensor& rstd,
+                             double eps, const char* op) {
   const int64_t C = x.shape().back();
   const int64_t R = C ? x.numel() / C : 0;
   if (R == 0) return;
@@ -228,11 +228,11 @@ void layernorm_forward_mixed(const Tensor& x, const Tensor& res, const Tensor& w
           constexpr int NV = decltype(nvt)::value;
           const unsigned grid = static_cast<unsigned>(ceil_div(R, kV3Warps));
           if (add) {
-            layernorm_forward_mixed_v3<T, NV, true><<<grid, kV3Warps * 32, 0, st>>>(
-                xp, rp, wp, bp, rbp, sp, yp, mp, rsp, R, C, eps);
+            layernorm_forward_mixed_v3<T, NV, true>
+                <<<grid, kV3Warps * 32, 0, st>>>(xp, rp, wp, bp, rbp, sp, yp, mp, rsp, R, C, eps);
           } else {
-            layernorm_forward_mixed_v3<T, NV, false><<<grid, kV3Warps * 32, 0, st>>>(
-                xp, rp, wp, bp, rbp, sp, yp, mp, rsp, R, C, eps);
+            layernorm_forward_mixed_v3<T, NV, false>
+                <<<grid, kV3Warps * 32, 0, st>>>(xp, rp, wp, bp, rbp, sp, yp, mp, rsp, R, C, eps);
           }
           BT_CUDA_LAUNCH_CHECK(op);
         })) {
@@ -425,8 +425,7 @@ bool cuda::cross_entropy_fwd_bwd_inplace(const Tensor& logits, const Tensor& tar
   if (smem > di.smem_per_block_optin) return false;
   cudaStream_t st = stream(logits.device(), op);
   Tensor tc = contiguous_on(target, op, st);
-  const DeviceErrorSink err =
-      device_error_sink(logits.device().index, kIndexErrorCrossEntropy, op);
+  const DeviceErrorSink err = device_error_sink(logits.device().index, kIndexErrorCrossEntropy, op);
   const int threads = row_threads(Cx, static_cast<int>(16 / esize), kCeMaxThreads);
   dispatch_cuda_float(dt, op, [&](auto tag) {
     using T = typename decltype(tag)::type;

@@ -30,7 +30,7 @@ namespace bt::cuda::nn {
 // BT_CUDA_NN_V1) are errors, as is any other value, so a typo never runs the default unnoticed.
 constexpr int kDefaultNnVersion = 4;
 constexpr int64_t kV4MinDefaultC = 1024;
-inline int nn_version_env() {  // 0 when unset
+inline int nn_version_env() {          // 0 when unset
   OpScopeReset named_by_the_variable;  // the error names the setting, not the op that read it
   const char* v1 = std::getenv("BT_CUDA_NN_V1");
   if (v1 && v1[0] && std::strcmp(v1, "0") != 0) {

@@ -53,28 +53,26 @@ namespace cuda::nn {
 // the shared memory v6's 8-warp block needs against what the device allows a block.
 static void notice_mixed_v2(const char* op, DType dt, int64_t R, int64_t C, bool extra, bool ds,
                             bool shape_ok, size_t need, size_t optin, int device) {
-  const std::string what = std::string(dtype_name(dt)) + " dy over float32 x, C = " +
-                           std::to_string(C) + (extra ? ", with the stream's gradient" : "") +
-                           (ds ? ", with a residual bias" : "");
+  const std::string what =
+      std::string(dtype_name(dt)) + " dy over float32 x, C = " + std::to_string(C) +
+      (extra ? ", with the stream's gradient" : "") + (ds ? ", with a residual bias" : "");
   std::string why;
   if (!shape_ok) {
     why = "v6 takes rows of whole 16-byte vectors, 16-byte aligned (C a multiple of " +
           std::to_string(16 / itemsize(dt)) + "), up to C = 6144";
   } else if (need > optin) {
-    why = "v6's 8-warp block needs " + std::to_string(need) +
-          " bytes of shared memory, device " + std::to_string(device) + " allows " +
-          std::to_string(optin) + " a block";
+    why = "v6's 8-warp block needs " + std::to_string(need) + " bytes of shared memory, device " +
+          std::to_string(device) + " allows " + std::to_string(optin) + " a block";
   } else {
     why = "v6's 8-warp block (" + std::to_string(need) + " bytes of shared memory of the " +
           std::to_string(optin) + " allowed) fits on no SM";
   }
-  notice_once("ln_bwd_mixed_v2/" + std::string(dtype_name(dt)) + "/" + std::to_string(C) + "/" +
-                  std::to_string(int(extra)) + std::to_string(int(ds)) + "/" +
-                  std::to_string(device),
-              "[" + std::string(op) + "] the float32 residual stream's layer-norm backward (" +
-                  what + "; first seen at " + std::to_string(R) +
-                  " rows) runs the slow scalar v2 kernel: " + why +
-                  " (BT_CUDA_NN_VERSION=2 picks v2 without this notice)");
+  notice_once(
+      "ln_bwd_mixed_v2/" + std::string(dtype_name(dt)) + "/" + std::to_string(C) + "/" +
+          std::to_string(int(extra)) + std::to_string(int(ds)) + "/" + std::to_string(device),
+      "[" + std::string(op) + "] the float32 residual stream's layer-norm backward (" + what +
+          "; first seen at " + std::to_string(R) + " rows) runs the slow scalar v2 kernel: " + why +
+          " (BT_CUDA_NN_VERSION=2 picks v2 without this notice)");
 }
 
 // LayerNormBackward on mixed rows (Note [float32 residual stream]): dy 16-bit T, x and the weight
@@ -135,29 +133,29 @@ void layernorm_backward_mixed(const LayerNormBackward& p, const std::vector<Tens
       auto v6 = [&](auto nwt) {
         constexpr int NW = decltype(nwt)::value;
         return dispatch_v5<T>(C, {dyp, xp, wp, ep, dxp}, [&](auto nvt, auto wt) {
-            constexpr int NV = decltype(nvt)::value, WPR = decltype(wt)::value;
-            using K = LnBwdV6<T, float, NV, WPR, NW, kV6Stages, float, O>;
-            LnGrads<T> g6 = grads;
-            g6.ds = ds_out;
-            const bool acc6 = g6.any();
-            v6_shape = true;
-            v6_smem = K::smem(C, ep != nullptr, g6.ds != nullptr);
-            const int G = K::grid(R, C, ep != nullptr, di.sm_count, di.smem_per_block_optin,
-                                  di.major, op, g6.ds != nullptr);
-            if (G == 0) return false;
-            Tensor partial;
-            float* pp = nullptr;
-            if (acc6) {
-              partial = empty_tensor({int64_t(G) * (g6.ds ? 3 : 2) * C}, DType::Float32, dev, op);
-              pp = static_cast<float*>(partial.data_ptr(op));
-            }
-            K::launch(G, st, dyp, xp, wp, mp, rp, ep, dxp, pp, g6, R, C, acc6, op);
-            if (acc6) {
-              launch_ln_bwd_reduce_v6<T>(pp, G, C, g6, st, kV6ReducePdl && di.major >= 9, op);
-            }
-            ds_done = g6.ds != nullptr;
-            return true;
-          });
+          constexpr int NV = decltype(nvt)::value, WPR = decltype(wt)::value;
+          using K = LnBwdV6<T, float, NV, WPR, NW, kV6Stages, float, O>;
+          LnGrads<T> g6 = grads;
+          g6.ds = ds_out;
+          const bool acc6 = g6.any();
+          v6_shape = true;
+          v6_smem = K::smem(C, ep != nullptr, g6.ds != nullptr);
+          const int G = K::grid(R, C, ep != nullptr, di.sm_count, di.smem_per_block_optin, di.major,
+                                op, g6.ds != nullptr);
+          if (G == 0) return false;
+          Tensor partial;
+          float* pp = nullptr;
+          if (acc6) {
+            partial = empty_tensor({int64_t(G) * (g6.ds ? 3 : 2) * C}, DType::Float32, dev, op);
+            pp = static_cast<float*>(partial.data_ptr(op));
+          }
+          K::launch(G, st, dyp, xp, wp, mp, rp, ep, dxp, pp, g6, R, C, acc6, op);
+          if (acc6) {
+            launch_ln_bwd_reduce_v6<T>(pp, G, C, g6, st, kV6ReducePdl && di.major >= 9, op);
+          }
+          ds_done = g6.ds != nullptr;
+          return true;
+        });
       };
       if ((env == 0 || env == 6) && di.major >= 8) {
         if (v6(ic<kV6Warps>{}) || v6(ic<8>{})) return;

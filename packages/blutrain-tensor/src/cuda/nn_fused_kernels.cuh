@@ -671,7 +671,7 @@ __global__ void __launch_bounds__(NW * 32, (NW >= 16 ? 1 : 16 / NW))  // <= 128 
   const int gl = (warp % WPR) * 32 + lane;
   // Ring of this group: K slots of [dy | x (| extra)] rows (C * sizeof(T) % 16 == 0, C % V);
   // stats: this warp's (mean, rstd) per slot.  Byte offsets in shared memory.
-  const unsigned row_bytes = static_cast<unsigned>(C * sizeof(T));  // dy's; x's and extra's
+  const unsigned row_bytes = static_cast<unsigned>(C * sizeof(T));          // dy's; x's and extra's
   const unsigned xrow_bytes = XW * row_bytes, erow_bytes = OW * row_bytes;  // rows follow it
   const unsigned slot_bytes = row_bytes + xrow_bytes + (extra ? erow_bytes : 0u);
   const unsigned ring = smem_addr(smem_raw) + unsigned(grp) * K * slot_bytes;

@@ -233,8 +233,7 @@ __global__ void layernorm_forward_v3(const T* __restrict__ x, const T* __restric
 // the add (x 4, res 2, sum 4, y 2), 6 without.
 template <typename T, int NV, bool kAdd>
 __global__ void layernorm_forward_mixed_v3(const float* __restrict__ x, const T* __restrict__ res,
-                                           const float* __restrict__ w,
-                                           const float* __restrict__ b,
+                                           const float* __restrict__ w, const float* __restrict__ b,
                                            const float* __restrict__ rb, float* __restrict__ sum_o,
                                            T* __restrict__ y, float* __restrict__ mean_o,
                                            float* __restrict__ rstd_o, int64_t R, int64_t C,
@@ -305,8 +304,7 @@ __global__ void layernorm_forward_mixed_v3(const float* __restrict__ x, const T*
 // one block per row, scalar, three passes (the later ones re-read the thread's own sums).
 template <typename T, bool kAdd>
 __global__ void layernorm_forward_mixed_v2(const float* __restrict__ x, const T* __restrict__ res,
-                                           const float* __restrict__ w,
-                                           const float* __restrict__ b,
+                                           const float* __restrict__ w, const float* __restrict__ b,
                                            const float* __restrict__ rb, float* __restrict__ sum_o,
                                            T* __restrict__ y, float* __restrict__ mean_o,
                                            float* __restrict__ rstd_o, int64_t C, double eps) {
@@ -557,10 +555,9 @@ inline bool ln_fwd_v6_default(int64_t C) {
 // takes (m - xt) + logs (Note [lse to m's last bit]).
 template <typename T, typename S, typename O>
 __device__ __forceinline__ void ce_finish_lse(int64_t row, math_t<T> m, math_t<T> logs,
-                                              math_t<T> sum_x, math_t<T> xt, int64_t tgt,
-                                              int64_t C, int64_t ii, double ls, S* lse_o,
-                                              O* loss_o, math_t<T>* row_loss,
-                                              DeviceErrorSink err) {
+                                              math_t<T> sum_x, math_t<T> xt, int64_t tgt, int64_t C,
+                                              int64_t ii, double ls, S* lse_o, O* loss_o,
+                                              math_t<T>* row_loss, DeviceErrorSink err) {
   using A = math_t<T>;
   lse_o[row] = m + logs;
   A loss = 0;
@@ -700,7 +697,7 @@ __global__ void __launch_bounds__(kCeMaxThreads)
   const float xt = tid == 0 && tg >= 0 && tg < C ? load_math(p + tg) : 0.f;
   const float M = block_max(m, scratch, -INFINITY);
   const float ML = M * kLog2e, eM = log2e_residual(M, ML);
-  const bool huge = ce_huge(M);  // the same for the whole block
+  const bool huge = ce_huge(M);                         // the same for the whole block
   float st = s == 0.f ? 0.f : s * ex2_approx(ml - ML);  // s == 0: ml may be -inf like ML
   if (huge) {  // Note [huge logits]: a second pass, natural units
     st = 0;
@@ -805,8 +802,8 @@ __global__ void __launch_bounds__(kCeMaxThreads)
     for (int w = 0; w < nt / 32; ++w) ss += scratch[w];  // fixed order
     const float logs = huge ? logf(ss) : (log2f(ss) - eM) * kLn2;
     const float xt = tg >= 0 && tg < C ? load_math(reinterpret_cast<const T*>(srow) + tg) : 0.f;
-    ce_finish_lse<T, float, float>(row, M, logs, 0.f, xt, tg, C, ii, 0.0, lse_o, nullptr,
-                                   row_loss, err);
+    ce_finish_lse<T, float, float>(row, M, logs, 0.f, xt, tg, C, ii, 0.0, lse_o, nullptr, row_loss,
+                                   err);
     lse_s = M + logs;
   }
   __syncthreads();
@@ -826,8 +823,7 @@ __global__ void __launch_bounds__(kCeMaxThreads)
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         const int c = w * V + k;
-        float d = decltype(hg)::value ? expf(v[k] - lse)
-                                      : ex2_approx(fmaf(v[k], kLog2e, -ll) - el);
+        float d = decltype(hg)::value ? expf(v[k] - lse) : ex2_approx(fmaf(v[k], kLog2e, -ll) - el);
         d = (c == tgc ? d - 1.f : d) * sc;
         d = bad ? NAN : d;
         v[k] = ign || c >= C ? 0.f : d;  // a select: padding / ignored logits may be inf or NaN

@@ -194,8 +194,8 @@ void init_capture(nb::module_& m) {
             v.storage = storage;
             g.load_value(v);
           },
-          "id"_a, "shape"_a, "strides"_a, "offset"_a, "dtype"_a, "device"_a, "name"_a,
-          "is_input"_a, "requires_grad"_a, "storage"_a)
+          "id"_a, "shape"_a, "strides"_a, "offset"_a, "dtype"_a, "device"_a, "name"_a, "is_input"_a,
+          "requires_grad"_a, "storage"_a)
       .def(
           "_load_node",
           [](Graph& g, const std::string& op, nb::dict attrs, std::vector<int64_t> inputs,
@@ -289,8 +289,7 @@ void init_capture(nb::module_& m) {
           d["numerics"] = num;
           d["view"] = s.view;
           d["writes_inputs"] = static_cast<bool>(s.mutates);
-          d["replayable"] = static_cast<bool>(s.make) || s.primitive.empty() ||
-                            s.op == "to_device";
+          d["replayable"] = static_cast<bool>(s.make) || s.primitive.empty() || s.op == "to_device";
           l.append(d);
         }
         return l;

@@ -59,9 +59,8 @@ namespace {
 }
 
 bool is_nb_function(nb::handle h, bool* method) {
-  const std::string tn =
-      nb::cast<std::string>(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(h.ptr())))
-                                .attr("__name__"));
+  const std::string tn = nb::cast<std::string>(
+      nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(h.ptr()))).attr("__name__"));
   *method = tn == "nb_method";
   return tn == "nb_func" || tn == "nb_method";
 }
@@ -83,14 +82,24 @@ void init_errors(nb::module_& m) {
               "__dlpack__",  "__dlpack_device__", "__len__", "__bool__",   "__getitem__",
               "__setitem__", "__neg__",           "__abs__", "__invert__", "__repr__"};
           static const std::pair<const char*, const char*> kBinary[] = {
-              {"add", "add"},         {"sub", "sub"},         {"mul", "mul"},
-              {"truediv", "div"},     {"floordiv", "floor_divide"},
-              {"mod", "remainder"},   {"pow", "pow"},         {"matmul", "matmul"},
-              {"and", "logical_and"}, {"or", "logical_or"},   {"eq", "eq"},
-              {"ne", "ne"},           {"lt", "lt"},           {"le", "le"},
-              {"gt", "gt"},           {"ge", "ge"}};
-          const bool dunder = std::find(std::begin(kDunders), std::end(kDunders), name) !=
-                              std::end(kDunders);
+              {"add", "add"},
+              {"sub", "sub"},
+              {"mul", "mul"},
+              {"truediv", "div"},
+              {"floordiv", "floor_divide"},
+              {"mod", "remainder"},
+              {"pow", "pow"},
+              {"matmul", "matmul"},
+              {"and", "logical_and"},
+              {"or", "logical_or"},
+              {"eq", "eq"},
+              {"ne", "ne"},
+              {"lt", "lt"},
+              {"le", "le"},
+              {"gt", "gt"},
+              {"ge", "ge"}};
+          const bool dunder =
+              std::find(std::begin(kDunders), std::end(kDunders), name) != std::end(kDunders);
           std::string binary;  // the op of a binary operator dunder (__radd__, __iadd__: add)
           if (name.size() > 4 && name.rfind("__", 0) == 0 &&
               name.compare(name.size() - 2, 2, "__") == 0) {
@@ -103,8 +112,9 @@ void init_errors(nb::module_& m) {
           }
           if (name.empty() || (name[0] == '_' && !dunder && binary.empty())) continue;
           // "[getitem] ...": the op a dunder implements
-          const std::string op =
-              !binary.empty() ? binary : dunder ? name.substr(2, name.size() - 4) : name;
+          const std::string op = !binary.empty() ? binary
+                                 : dunder        ? name.substr(2, name.size() - 4)
+                                                 : name;
           // (only this scope's own functions: a method inherited from a base is not re-chained)
           nb::object own = nb::steal(PyObject_GetAttr(scope.ptr(), n.ptr()));
           bool method = false;
@@ -122,16 +132,14 @@ void init_errors(nb::module_& m) {
                   raise_argument_error(scope, name, op, self, args, kwargs);
                 },
                 nb::scope(scope), nb::name(name.c_str()), nb::is_method(), nb::arg("args"),
-                nb::arg("_second_pass") = nb::none(), nb::arg("kwargs"), nb::sig(sig.c_str()),
-                doc);
+                nb::arg("_second_pass") = nb::none(), nb::arg("kwargs"), nb::sig(sig.c_str()), doc);
           } else {
             nb::cpp_function_def(
                 [scope, name, op](nb::args args, SecondPass, nb::kwargs kwargs) {
                   raise_argument_error(scope, name, op, nb::none(), args, kwargs);
                 },
                 nb::scope(scope), nb::name(name.c_str()), nb::arg("args"),
-                nb::arg("_second_pass") = nb::none(), nb::arg("kwargs"), nb::sig(sig.c_str()),
-                doc);
+                nb::arg("_second_pass") = nb::none(), nb::arg("kwargs"), nb::sig(sig.c_str()), doc);
           }
         }
       },

@@ -16,8 +16,8 @@
 #include "../autograd.h"
 #include "../backend.h"
 #include "../capture.h"
-#include "../notice.h"
 #include "../cpu/parallel.h"
+#include "../notice.h"
 #include "../ops.h"
 #include "blutrain/tensor.h"
 #include "init.h"
@@ -218,8 +218,8 @@ Scalar number_arg(nb::handle h, const char* op, const char* what) {
     o = operand(h, op);
   } catch (const TypeError&) {
     throw TypeError(std::string("[") + op + "] " + what + " must be a number, got " +
-                    nb::cast<std::string>(nb::repr(h)) + " (" +
-                    nb::type_name(h.type()).c_str() + ")");
+                    nb::cast<std::string>(nb::repr(h)) + " (" + nb::type_name(h.type()).c_str() +
+                    ")");
   }
   if (o.is_t) {
     throw TypeError(std::string("[") + op + "] " + what + " must be a number, got an array");
@@ -318,9 +318,9 @@ nb::object export_array(const Tensor& t, const char* op) {
   std::vector<size_t> shape(t.shape().begin(), t.shape().end());
   const int dev_type = t.device().is_cuda() ? nb::device::cuda::value : nb::device::cpu::value;
   if (t.storage()->read_only()) {  // what could not be written here cannot be written there
-    nb::ndarray<Framework, nb::ro> arr(t.data_ptr(op), shape.size(), shape.data(),
-                                       storage_owner(t), t.strides().data(), to_dl(t.dtype()),
-                                       dev_type, t.device().index);
+    nb::ndarray<Framework, nb::ro> arr(t.data_ptr(op), shape.size(), shape.data(), storage_owner(t),
+                                       t.strides().data(), to_dl(t.dtype()), dev_type,
+                                       t.device().index);
     return arr.cast();
   }
   nb::ndarray<Framework> arr(t.data_ptr(op), shape.size(), shape.data(), storage_owner(t),
@@ -592,11 +592,10 @@ Tensor getitem(const Tensor& self, nb::handle idx) {
       if (!is_integral(ix.dtype(), false) || ix.dtype() == DType::UInt8) {
         // (uint8: PyTorch reads it as a deprecated boolean mask, not as indices: refused rather
         // than given another meaning)
-        throw IndexError(std::string("[getitem] tensors used as indices must be integer ") +
-                         "(int32 or int64; or a bool mask), got " + dtype_name(ix.dtype()) +
-                         (ix.dtype() == DType::UInt8
-                              ? "; use .bool() for a mask or .long() for indices"
-                              : ""));
+        throw IndexError(
+            std::string("[getitem] tensors used as indices must be integer ") +
+            "(int32 or int64; or a bool mask), got " + dtype_name(ix.dtype()) +
+            (ix.dtype() == DType::UInt8 ? "; use .bool() for a mask or .long() for indices" : ""));
       }
       if (ix.device() != t.device()) {
         throw ValueError("[getitem] index on " + ix.device().str() + ", tensor on " +
@@ -651,8 +650,8 @@ void setitem(Tensor& self, nb::handle idx, nb::handle value) {
   const Tensor ck = index_select(count, 0, posf);  // each value's position's count
   Tensor placed;
   if (self.dtype() == DType::Bool) {
-    placed = binary(BinaryOp::Gt, index_add(zeros({n}, DType::Int64, dev), 0, posf,
-                                            astype(srcf, DType::Int64)),
+    placed = binary(BinaryOp::Gt,
+                    index_add(zeros({n}, DType::Int64, dev), 0, posf, astype(srcf, DType::Int64)),
                     Scalar{0, 1});
   } else if (is_floating(self.dtype())) {
     const Tensor v64 = astype(srcf, DType::Float64), c64 = astype(ck, DType::Float64);
@@ -691,8 +690,8 @@ Tensor inplace_self(const Tensor& a, nb::handle other) {
 // into an integer tensor, nor a non-bool one into a bool tensor (that would truncate silently).
 // Copies (copy_, fill_, setitem) do cast.
 static void check_storable(const Tensor& a, DType r, const char* op) {
-  const bool lower = (is_floating(r) && !is_floating(a.dtype())) ||
-                     (a.dtype() == DType::Bool && r != DType::Bool);
+  const bool lower =
+      (is_floating(r) && !is_floating(a.dtype())) || (a.dtype() == DType::Bool && r != DType::Bool);
   if (lower) {
     throw TypeError(std::string("[") + op + "] the result is " + dtype_name(r) +
                     ", which cannot be stored in place in a " + dtype_name(a.dtype()) +
@@ -717,8 +716,7 @@ static void check_inplace_binary(const Tensor& a, BinaryOp op, nb::handle other,
                        " does not fit the tensor of shape " + shape_str(a.shape()) +
                        " being modified in place");
     }
-  } else if (PyBool_Check(other.ptr()) || PyLong_Check(other.ptr()) ||
-             PyFloat_Check(other.ptr())) {
+  } else if (PyBool_Check(other.ptr()) || PyLong_Check(other.ptr()) || PyFloat_Check(other.ptr())) {
     if (!a.defined()) return;
     const int cat = PyFloat_Check(other.ptr()) ? 2 : PyBool_Check(other.ptr()) ? 0 : 1;
     dt = promote_with_scalar(a.dtype(), cat);
@@ -994,8 +992,9 @@ NB_MODULE(_tensor, m) {
         } else if (nb::len(args) == 0 && nb::len(kwargs) == 1 && kwargs.contains("other")) {
           other = kwargs["other"];
         } else {
-          throw TypeError("[Tensor] takes one argument, other: a Tensor (use bt.tensor(data) to "
-                          "make a tensor from data)");
+          throw TypeError(
+              "[Tensor] takes one argument, other: a Tensor (use bt.tensor(data) to "
+              "make a tensor from data)");
         }
         if (!is_tensor(other)) {
           throw TypeError("[Tensor] argument 'other' must be a Tensor, got " +
@@ -1136,14 +1135,15 @@ NB_MODULE(_tensor, m) {
   T.def(
       "record_stream",
       [](const Tensor& t, nb::handle stream) {
-        nb::object h = nb::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream")
-                                                            : nb::borrow(stream);
+        nb::object h =
+            nb::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream") : nb::borrow(stream);
         uintptr_t handle = 0;
         if (PyBool_Check(h.ptr()) || !nb::try_cast<uintptr_t>(h, handle)) {
-          throw TypeError("[record_stream] argument 'stream' must be a bt.cuda.Stream, a torch "
-                          "stream or a cudaStream_t int, got " +
-                          nb::cast<std::string>(nb::repr(stream)) + " (" +
-                          nb::type_name(stream.type()).c_str() + ")");
+          throw TypeError(
+              "[record_stream] argument 'stream' must be a bt.cuda.Stream, a torch "
+              "stream or a cudaStream_t int, got " +
+              nb::cast<std::string>(nb::repr(stream)) + " (" +
+              nb::type_name(stream.type()).c_str() + ")");
         }
         record_stream(t, reinterpret_cast<void*>(handle));
       },
@@ -1439,17 +1439,16 @@ NB_MODULE(_tensor, m) {
               "Tensor"));
 
   // reductions
-#define BT_RED(py, op, doc)                                           \
-  T.def(                                                              \
-      py,                                                             \
-      [](const Tensor& a, nb::handle dim, bool keepdim) {             \
-        OpScope scope(py);                                            \
-        return reduce(ReduceOp::op, a, parse_dims(dim, py), keepdim); \
-      },                                                              \
-      "dim"_a = nb::none(), "keepdim"_a = false,                      \
-      nb::sig("def " py                                               \
-              "(self, dim: int | tuple[int, ...] | None = None, "     \
-              "keepdim: bool = False) -> Tensor"),                    \
+#define BT_RED(py, op, doc)                                                 \
+  T.def(                                                                    \
+      py,                                                                   \
+      [](const Tensor& a, nb::handle dim, bool keepdim) {                   \
+        OpScope scope(py);                                                  \
+        return reduce(ReduceOp::op, a, parse_dims(dim, py), keepdim);       \
+      },                                                                    \
+      "dim"_a = nb::none(), "keepdim"_a = false,                            \
+      nb::sig("def " py "(self, dim: int | tuple[int, ...] | None = None, " \
+              "keepdim: bool = False) -> Tensor"),                          \
       doc);
   BT_RED("sum", Sum, "The sum over dim (all dims when None); integers and bools sum in int64.")
   BT_RED("mean", Mean,
@@ -1599,10 +1598,10 @@ NB_MODULE(_tensor, m) {
   T.def(
       "cuda", [](const Tensor& a, int i) { return to_device(a, Device{Device::CUDA, i}); },
       "device"_a = 0);
-#define BT_CAST(py, dt)                  \
-  T.def(py, [](const Tensor& a) {        \
-    OpScope scope(py);                   \
-    return astype(a, DType::dt);         \
+#define BT_CAST(py, dt)           \
+  T.def(py, [](const Tensor& a) { \
+    OpScope scope(py);            \
+    return astype(a, DType::dt);  \
   });
   BT_CAST("float", Float32)
   BT_CAST("double", Float64)
@@ -1656,11 +1655,12 @@ NB_MODULE(_tensor, m) {
                                        : o.s.category == 1 ? DType::Int64
                                                            : DType::Bool);
         if (o.is_t) {
-          throw TypeError("[full] fill_value must be a number, got a Tensor (use .item(), or "
-                          "full_like / expand)");
+          throw TypeError(
+              "[full] fill_value must be a number, got a Tensor (use .item(), or "
+              "full_like / expand)");
         }
-        Tensor t = full(parse_shape(nb::make_tuple(shape), "full"), o.s, dt,
-                        parse_device(device, "full"));
+        Tensor t =
+            full(parse_shape(nb::make_tuple(shape), "full"), o.s, dt, parse_device(device, "full"));
         if (rg) set_requires_grad(t, true);
         return t;
       },
@@ -1673,8 +1673,7 @@ NB_MODULE(_tensor, m) {
         const Scalar a = number_arg(start, "arange", "start"), b = number_arg(end, "arange", "end"),
                      c = number_arg(step, "arange", "step");
         const bool ints = a.integral() && b.integral() && c.integral();
-        const DType dt =
-            opt_dtype(dtype, "arange").value_or(ints ? DType::Int64 : DType::Float32);
+        const DType dt = opt_dtype(dtype, "arange").value_or(ints ? DType::Int64 : DType::Float32);
         return arange(a, b, c, dt, parse_device(device, "arange"));
       },
       nb::arg("start").none(), nb::arg("end").none(), nb::arg("step").none(),
@@ -1731,9 +1730,8 @@ NB_MODULE(_tensor, m) {
       "array"_a, "owner"_a = nb::none(),
       "Zero-copy view of a numpy array (or anything with DLPack).");
   m.def(
-      "from_dlpack",
-      [](nb::handle obj) { return import_array(obj, "from_dlpack", obj); },
-      "obj"_a, "Zero-copy import of an object with __dlpack__ (or the buffer protocol).");
+      "from_dlpack", [](nb::handle obj) { return import_array(obj, "from_dlpack", obj); }, "obj"_a,
+      "Zero-copy import of an object with __dlpack__ (or the buffer protocol).");
 
   m.def(
       "astype",
@@ -1749,12 +1747,12 @@ NB_MODULE(_tensor, m) {
         return cached_astype(x, parse_dtype(dtype, "cached_astype"));
       },
       "x"_a, "dtype"_a, nb::sig("def cached_astype(x: Tensor, dtype: dtype | str) -> Tensor"),
-        "x cast to dtype, kept with x's storage and reused while x is unchanged: the compute\n"
-        "copy of a master weight (bt.amp's policies use it for parameters).  Differentiable;\n"
-        "the gradient reaches x in x's dtype.  AdamW rewrites a float32 parameter's kept 16-bit\n"
-        "copy in its own kernel, so a training loop casts each weight once.  The result shares\n"
-        "the kept copy's memory: change x, not the result.  Plain astype when disabled\n"
-        "(set_cast_cache_enabled) or while capturing.");
+      "x cast to dtype, kept with x's storage and reused while x is unchanged: the compute\n"
+      "copy of a master weight (bt.amp's policies use it for parameters).  Differentiable;\n"
+      "the gradient reaches x in x's dtype.  AdamW rewrites a float32 parameter's kept 16-bit\n"
+      "copy in its own kernel, so a training loop casts each weight once.  The result shares\n"
+      "the kept copy's memory: change x, not the result.  Plain astype when disabled\n"
+      "(set_cast_cache_enabled) or while capturing.");
   m.def("drop_cast_cache", &drop_cast_cache, "x"_a,
         "Frees the casts cached_astype keeps for x's storage.");
   m.def("cast_cache_bytes", &cast_cache_bytes, "x"_a,
@@ -1795,10 +1793,10 @@ NB_MODULE(_tensor, m) {
         if (oa.is_t && ob.is_t) return where(c, oa.t, ob.t);
         if (oa.is_t) return where(c, oa.t, ob.s);
         if (ob.is_t) {
-          return where(c,
-                       full({}, oa.s, promote_with_scalar(ob.t.dtype(), oa.s.category),
-                            c.device(), "where"),
-                       ob.t);
+          return where(
+              c,
+              full({}, oa.s, promote_with_scalar(ob.t.dtype(), oa.s.category), c.device(), "where"),
+              ob.t);
         }
         const int cat = std::max(oa.s.category, ob.s.category);
         const DType dt = cat == 2 ? DType::Float32 : cat == 1 ? DType::Int64 : DType::Bool;
@@ -1947,12 +1945,16 @@ NB_MODULE(_tensor, m) {
       "autograd identity: PyTorch's `p.data = source`.");
   m.def(
       "_share_version_counter",
-      [](nb::handle seq) { share_version_counter(tensor_list(seq, "share_version_counter", "tensors")); },
-      "tensors"_a, "Gives the tensors one version counter of their own (Note [version counter groups]).");
+      [](nb::handle seq) {
+        share_version_counter(tensor_list(seq, "share_version_counter", "tensors"));
+      },
+      "tensors"_a,
+      "Gives the tensors one version counter of their own (Note [version counter groups]).");
   m.def(
       "_set_grad_overwrite",
       [](nb::handle seq, bool on) {
-        for (const Tensor& t : tensor_list(seq, "set_grad_overwrite", "tensors")) t.impl()->grad_overwrite = on;
+        for (const Tensor& t : tensor_list(seq, "set_grad_overwrite", "tensors"))
+          t.impl()->grad_overwrite = on;
       },
       "tensors"_a, "on"_a,
       "The next gradient accumulated into each leaf's existing .grad replaces it (no zero fill).");
