@@ -55,14 +55,20 @@ def test_conv_seeds_reruns_only_what_a_seed_lacks(tmp_path):
         assert "baseline runs (not rerun" in log and "torch:fp32, ours:bf16" in log
 
 
-# convergence.py's stand-in: sleeps $FAKE_SLEEP s and writes an unfinished JSON (no summary, so no
-# table follows); every other command runs on the real interpreter
+# convergence.py's stand-in: sleeps $FAKE_SLEEP s (seed S: word S of $FAKE_SLEEPS, when given) and
+# writes an unfinished JSON (no summary, so no table follows); every other command runs on the
+# real interpreter
 FAKE_PYTHON = """#!/usr/bin/env bash
 case "$1" in
   *convergence.py)
-    json=""
-    while [ $# -gt 0 ]; do [ "$1" = --json ] && json=$2; shift; done
-    sleep "$FAKE_SLEEP"
+    json="" seed=0
+    while [ $# -gt 0 ]; do
+      [ "$1" = --json ] && json=$2
+      [ "$1" = --seed ] && seed=$2
+      shift
+    done
+    read -ra sleeps <<<"${FAKE_SLEEPS:-}"
+    sleep "${sleeps[$((seed - 1))]:-$FAKE_SLEEP}"
     echo '{"args": {}, "runs": {}}' >"$json" ;;
   *) exec "$REAL_PYTHON" "$@" ;;
 esac
@@ -91,3 +97,28 @@ def test_a_seed_that_cannot_finish_by_the_deadline_is_not_started(tmp_path):
     assert "seed 1: rc 0," in out and "seed 2: rc 0," in out, out + r.stderr
     m = re.search(r"seed 3: not started \((\d+) s left; the median seed took (\d+) s\)", out)
     assert m and int(m[1]) < int(m[2]) and int(m[2]) >= 6, out
+
+
+def test_the_estimate_is_the_median_seed_not_the_quickest(tmp_path):
+    """One job, seeds of 2, 8 and 8 s, deadline at 23 s: at about 18 s seed 4 has about 5 s left,
+    more than the quickest seed took (2 s) but less than the median (8 s), so it is not started
+    (session 62: seeds started on the quickest's estimate were stopped at the deadline)."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path / "out"),
+        "PYTHON": str(fake),
+        "REAL_PYTHON": sys.executable,
+        "FAKE_SLEEP": "8",
+        "FAKE_SLEEPS": "2 8 8 8",
+        "CONV_SEEDS_MIN_LEFT": "1",
+    }
+    cmd = ["bash", str(SCRIPT), "--seeds", "1 2 3 4", "--jobs", "1", "--budget", "38"]
+    r = subprocess.run([*cmd, "--runs", "torch:fp32"], env=env, capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    out = r.stdout
+    assert all(f"seed {s}: rc 0," in out for s in (1, 2, 3)), out + r.stderr
+    m = re.search(r"seed 4: not started \((\d+) s left; the median seed took (\d+) s\)", out)
+    assert m and 2 < int(m[1]) < int(m[2]) and int(m[2]) >= 8, out

@@ -31,8 +31,8 @@
 # 338-345 s with 16 processes; session 59: 49-64 on an H100, with ours' runs; session 61:
 # torch:bf16 alone of 65-88, H100; session 62: torch:bf16 alone of 89-150, H100, those of
 # 147-150 waiting for their ours:bf16), so a change to ours needs only its own runs (ours:bf16
-# is about 4 s of GPU a seed; torch:fp32 takes 195 s with 8 processes sharing an H100, 408 s with 16, so
-# new seeds need a call of their own):
+# is about 4 s of GPU a seed; torch:fp32 takes 195 s with 8 processes sharing an H100, 408 s
+# with 16, so new seeds need a call of their own):
 #   bash packages/blutrain-models/bench/conv_seeds.sh --runs torch:fp32,torch:bf16,ours:bf16 \
 #     --baseline-dir packages/blutrain-models/bench/baselines/conv_b_seeds
 # (session 53, one H100, --jobs 16: ours:bf16 of 24 seeds in 166 s; ours:fp32 of 16 seeds beside
