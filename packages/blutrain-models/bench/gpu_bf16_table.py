@@ -1,4 +1,4 @@
-"""The table of bench/gpu_bf16.sh: each convergence JSON's runs against its fp32 reference
+r"""The table of bench/gpu_bf16.sh: each convergence JSON's runs against its fp32 reference
 (torch:fp32 of call 1), ours bf16 beside torch bf16, and issue 38's aim checked on each:
 ours bf16's |train loss - fp32's| over the last tenth and final |val loss - fp32's| no larger
 than torch bf16's, and ours' final val loss at or below torch bf16's.
@@ -7,7 +7,7 @@ than torch bf16's, and ours' final val loss at or below torch bf16's.
     python bench/gpu_bf16_table.py --across out/conv_b_seed*.json   # one setting, several seeds
     python bench/gpu_bf16_table.py --across --ours ours:bf16/f32grad out/conv_b_seed*.json
     python bench/gpu_bf16_table.py --across bench/baselines/conv_b_seeds/*.json \
-        bench/baselines/conv_b_seeds_ours/*.json   # kept runs: PyTorch's and ours (sessions 49-59)
+        bench/baselines/conv_b_seeds_ours/*.json   # kept runs: PyTorch's and ours (sessions 49-63)
     python bench/gpu_bf16_table.py --probes bench/baselines/probe_b/*.json  # probes over seeds
 
 --across: one seed ranks nothing (ours fp32 sits as far from torch fp32 as any bf16 run, from
@@ -219,9 +219,11 @@ def across(paths: list[str], ours: str = "ours:bf16") -> bool:
         met = m <= 0
         ok &= met
         below = sum(d <= 0 for d in diffs)
+        # the interval says whether the mean's sign is told apart from 0 at all
+        band = f"  [2 SE: {m - 2 * e:+.4f} to {m + 2 * e:+.4f}]" if not math.isnan(e) else ""
         print(
             f"  {k:<13} {o} - {t}: {m:+.4f} +- {e:.4f} "
-            f"({below} of {len(diffs)} seeds <= 0) {'ok' if met else 'NOT MET'}"
+            f"({below} of {len(diffs)} seeds <= 0) {'ok' if met else 'NOT MET'}{band}"
         )
     if runs_of:
         own_fp32(runs_of, ours)
@@ -390,17 +392,38 @@ def probes(paths: list[str]) -> None:
 
 
 def main() -> int:
-    paths = sys.argv[1:]
-    mode = paths[0] if paths and paths[0] in ("--probes", "--across") else None
-    ours = "ours:bf16"
-    if mode:
-        paths = paths[1:]
-        if mode == "--across" and paths[:1] == ["--ours"]:
-            if len(paths) < 2:
-                raise SystemExit("gpu_bf16_table.py --across --ours RUN JSON...: RUN is missing")
-            ours, paths = paths[1], paths[2:]
-        if not paths:
-            raise SystemExit(f"gpu_bf16_table.py {mode}: no JSON files given")
+    ap = argparse.ArgumentParser(
+        prog="gpu_bf16_table.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument(
+        "--across",
+        action="store_const",
+        const="--across",
+        dest="mode",
+        help="one setting over several seeds: the aim on the means over seeds",
+    )
+    group.add_argument(
+        "--probes",
+        action="store_const",
+        const="--probes",
+        dest="mode",
+        help="probe JSONs (per-tensor comparisons) over seeds",
+    )
+    ap.add_argument(
+        "--ours",
+        default="ours:bf16",
+        help="with --across: the run that stands for our bf16 (default ours:bf16)",
+    )
+    ap.add_argument("paths", nargs="*", metavar="JSON", help="convergence.py / probe JSON files")
+    args = ap.parse_args()
+    mode, ours, paths = args.mode, args.ours, args.paths
+    if ours != "ours:bf16" and mode != "--across":
+        raise SystemExit("gpu_bf16_table.py --ours: only with --across")
+    if mode and not paths:
+        raise SystemExit(f"gpu_bf16_table.py {mode}: no JSON files given")
     if mode == "--probes":
         probes(paths)
         return 0

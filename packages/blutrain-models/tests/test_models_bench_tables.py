@@ -52,6 +52,7 @@ def test_across_pairs_each_seed_and_reads_the_windows(table, tmp_path, rng, caps
     out = capsys.readouterr().out
     # ours:bf16's |d| is 0.002, 0.003, 0.004: mean 0.003, standard error 0.001/sqrt(3)
     assert "d_train_tail  ours:bf16 - torch:bf16: -0.0070 +- 0.0006 (3 of 3 seeds <= 0) ok" in out
+    assert "(3 of 3 seeds <= 0) ok  [2 SE: -0.0082 to -0.0058]" in out  # -0.007 +- 2 x 0.00058
     rows = {ln[:24].strip(): ln for ln in out.splitlines() if " - " in ln[:24]}
     assert rows["ours:bf16 - torch:fp32"].split()[4] == "0.0030+-0.0006"  # window 1-10
     assert rows["ours:bf16 - torch:fp32"].split()[-1] == "-3.0e-03+-5.8e-04"  # the early bias
@@ -221,6 +222,18 @@ def test_probes_average_each_run_over_the_seeds(table, tmp_path, capsys):
 def test_a_mode_without_files_says_so(table, monkeypatch, argv):
     monkeypatch.setattr("sys.argv", ["gpu_bf16_table.py", *argv])
     with pytest.raises(SystemExit, match=rf"{argv[0]}: no JSON files given"):
+        table.main()
+
+
+def test_help_describes_the_modes_and_ours_needs_across(table, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["gpu_bf16_table.py", "--help"])
+    with pytest.raises(SystemExit) as e:
+        table.main()
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--across" in out and "--probes" in out and "--ours" in out
+    monkeypatch.setattr("sys.argv", ["gpu_bf16_table.py", "--ours", "ours:x", "a.json"])
+    with pytest.raises(SystemExit, match=r"--ours: only with --across"):
         table.main()
 
 
