@@ -75,10 +75,8 @@ esac
 """
 
 
-def test_a_seed_that_cannot_finish_by_the_deadline_is_not_started(tmp_path):
-    """Budget 25 s (deadline at 10 s), two jobs, seeds of 6 s: seeds 1 and 2 run; at 6 s seed 3
-    has 4 s left, less than the median seed took, so it is not started (stopped at the deadline
-    its runs would be lost, holding the GPU until then)."""
+def fake_conv_seeds(tmp_path: Path, seeds: str, jobs: int, budget: int, **env: str) -> str:
+    """conv_seeds.sh over the stand-in above (its sleeps from env); its stdout."""
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
@@ -87,14 +85,21 @@ def test_a_seed_that_cannot_finish_by_the_deadline_is_not_started(tmp_path):
         "OUT": str(tmp_path / "out"),
         "PYTHON": str(fake),
         "REAL_PYTHON": sys.executable,
-        "FAKE_SLEEP": "6",
-        "CONV_SEEDS_MIN_LEFT": "1",  # (the 60 s floor would start nothing in a 25 s budget)
+        "CONV_SEEDS_MIN_LEFT": "1",  # (the 60 s floor would start nothing in these budgets)
+        **env,
     }
-    cmd = ["bash", str(SCRIPT), "--seeds", "1 2 3", "--jobs", "2", "--budget", "25"]
+    cmd = ["bash", str(SCRIPT), "--seeds", seeds, "--jobs", str(jobs), "--budget", str(budget)]
     r = subprocess.run([*cmd, "--runs", "torch:fp32"], env=env, capture_output=True, text=True,
                        timeout=120)  # fmt: skip
-    out = r.stdout
-    assert "seed 1: rc 0," in out and "seed 2: rc 0," in out, out + r.stderr
+    return r.stdout + r.stderr
+
+
+def test_a_seed_that_cannot_finish_by_the_deadline_is_not_started(tmp_path):
+    """Budget 25 s (deadline at 10 s), two jobs, seeds of 6 s: seeds 1 and 2 run; at 6 s seed 3
+    has 4 s left, less than the median seed took, so it is not started (stopped at the deadline
+    its runs would be lost, holding the GPU until then)."""
+    out = fake_conv_seeds(tmp_path, "1 2 3", jobs=2, budget=25, FAKE_SLEEP="6")
+    assert "seed 1: rc 0," in out and "seed 2: rc 0," in out, out
     m = re.search(r"seed 3: not started \((\d+) s left; the median seed took (\d+) s\)", out)
     assert m and int(m[1]) < int(m[2]) and int(m[2]) >= 6, out
 
@@ -103,22 +108,9 @@ def test_the_estimate_is_the_median_seed_not_the_quickest(tmp_path):
     """One job, seeds of 2, 8 and 8 s, deadline at 23 s: at about 18 s seed 4 has about 5 s left,
     more than the quickest seed took (2 s) but less than the median (8 s), so it is not started
     (session 62: seeds started on the quickest's estimate were stopped at the deadline)."""
-    fake = tmp_path / "python"
-    fake.write_text(FAKE_PYTHON)
-    fake.chmod(0o755)
-    env = {
-        **os.environ,
-        "OUT": str(tmp_path / "out"),
-        "PYTHON": str(fake),
-        "REAL_PYTHON": sys.executable,
-        "FAKE_SLEEP": "8",
-        "FAKE_SLEEPS": "2 8 8 8",
-        "CONV_SEEDS_MIN_LEFT": "1",
-    }
-    cmd = ["bash", str(SCRIPT), "--seeds", "1 2 3 4", "--jobs", "1", "--budget", "38"]
-    r = subprocess.run([*cmd, "--runs", "torch:fp32"], env=env, capture_output=True, text=True,
-                       timeout=120)  # fmt: skip
-    out = r.stdout
-    assert all(f"seed {s}: rc 0," in out for s in (1, 2, 3)), out + r.stderr
+    out = fake_conv_seeds(
+        tmp_path, "1 2 3 4", jobs=1, budget=38, FAKE_SLEEP="8", FAKE_SLEEPS="2 8 8 8"
+    )
+    assert all(f"seed {s}: rc 0," in out for s in (1, 2, 3)), out
     m = re.search(r"seed 4: not started \((\d+) s left; the median seed took (\d+) s\)", out)
     assert m and 2 < int(m[1]) < int(m[2]) and int(m[2]) >= 8, out
