@@ -218,6 +218,46 @@ def test_probes_average_each_run_over_the_seeds(table, tmp_path, capsys):
         table.probes([seed_json(tmp_path, 1, {}, np.random.default_rng(0))])
 
 
+def test_across_reads_a_margin_as_non_inferiority_beside_the_strict_aim(
+    table, tmp_path, rng, capsys
+):
+    """--margin: ours a little above torch is NOT MET strictly but within a margin its 2-SE band
+    clears, and not within one it does not; the strict verdict is unchanged either way."""
+    offs = [
+        {"torch:bf16": 0.010, "ours:bf16": 0.011 + 0.0005 * i, "ours:fp32": -0.0005 * i}
+        for i in range(3)
+    ]
+    paths = [seed_json(tmp_path, i + 1, o, rng) for i, o in enumerate(offs)]
+    assert not table.across(paths, margin=0.005)
+    out = capsys.readouterr().out
+    # +0.001, +0.0015, +0.002: mean +0.0015, standard error 0.0005/sqrt(3), upper end +0.0021
+    line = "val_final     ours:bf16 - torch:bf16: +0.0015 +- 0.0003 (0 of 3 seeds <= 0) NOT MET"
+    assert line + "  [2 SE: +0.0009 to +0.0021] < 0.005" in out
+    assert (
+        "non-inferiority at margin 0.005 (every pair's upper 2-SE end below it, 4 of 4): met" in out
+    )
+    assert not table.across(paths, margin=0.002)
+    out = capsys.readouterr().out
+    assert line + "  [2 SE: +0.0009 to +0.0021] not < 0.002" in out
+    assert "(every pair's upper 2-SE end below it, 1 of 4): NOT met" in out  # fp32's alone
+    table.across(paths)
+    assert "non-inferiority" not in capsys.readouterr().out  # only when asked for
+
+
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--margin", "0.005", "a.json"], r"--margin: only with --across"),
+        (["--across", "--margin", "0", "a.json"], r"--margin: 0.0 is not a positive loss"),
+        (["--across", "--margin", "nan", "a.json"], r"--margin: nan is not a positive loss"),
+    ],
+)
+def test_a_margin_must_be_positive_and_with_across(table, monkeypatch, argv, msg):
+    monkeypatch.setattr("sys.argv", ["gpu_bf16_table.py", *argv])
+    with pytest.raises(SystemExit, match=msg):
+        table.main()
+
+
 @pytest.mark.parametrize("argv", [["--probes"], ["--across"], ["--across", "--ours", "ours:x"]])
 def test_a_mode_without_files_says_so(table, monkeypatch, argv):
     monkeypatch.setattr("sys.argv", ["gpu_bf16_table.py", *argv])
