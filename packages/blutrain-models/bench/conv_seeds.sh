@@ -31,7 +31,8 @@
 # 338-345 s with 16 processes; session 59: 49-64 on an H100, with ours' runs; session 61:
 # torch:bf16 alone of 65-88, H100; session 62: torch:bf16 alone of 89-150, H100; session 63:
 # torch:bf16 alone of 151-240, H100; session 64: torch:fp32 of 65-84, H100, 8 seeds with 8
-# processes in about 200 s and 12 with 12 in 304 s), so a change to ours needs only its own runs
+# processes in about 200 s and 12 with 12 in 304 s; session 65: torch:fp32 of 85-92, 8 with 8 in
+# 368 s, beside ours:fp32 of 65-72, 8 with 8 in 330 s), so a change to ours needs only its own runs
 # (ours:bf16 is about 4 s of GPU a seed; torch:fp32 takes 195 s with 8 processes sharing an
 # H100, 408 s with 16, so new seeds need a call of their own):
 #   bash packages/blutrain-models/bench/conv_seeds.sh --runs torch:fp32,torch:bf16,ours:bf16 \
@@ -57,7 +58,8 @@
 # (in no figure) a seed with one side alone.  Ours' runs of seeds
 # 1-64 (1-24 at 2e21f52; 25-48's ours:bf16 at 54b3ad6, the same compiled code, their ours:fp32 in
 # session 57; 49-64 in session 59, session 57's compiled code; 65-240's ours:bf16 in sessions 61
-# to 64, the same C++ as session 57's, clang-formatted in 63 with identical SASS) are kept in
+# to 64, the same C++ as session 57's, clang-formatted in 63 with identical SASS; 65-72's
+# ours:fp32 in session 65, session 63's wheels) are kept in
 # bench/baselines/conv_b_seeds_ours, to set a later ours beside (gpu_bf16_table.py --across
 # merges a seed's files); they are not a --baseline-dir for a change to ours, whose runs must
 # rerun.
