@@ -337,6 +337,99 @@ def test_hook_handle_edge_cases():
         x.register_hook(3)  # type: ignore[arg-type]
 
 
+class _Token:
+    """Something a hook's closure holds: a weak reference to it tells when the closure is freed."""
+
+
+def _leaf_cycle(kind):
+    """A tensor whose hook refers to the tensor, dropped by the caller: a reference cycle through
+    the C++ core (Note [hooks and the cycle collector]). Returns a weak reference to a token the
+    hook holds."""
+    tok = _Token()
+    x = bt.ones(3, requires_grad=True)
+    if kind == "leaf":
+        x.register_hook(lambda g: g * x.detach() if tok else g)
+    elif kind == "post":
+        x.register_post_accumulate_grad_hook(lambda t: (x, tok))
+    elif kind == "nonleaf":
+        y = x * 2.0
+        y.register_hook(lambda g: g + 0.0 * y.detach() if tok else g)
+    elif kind == "parameter":
+        p = bt.nn.Parameter(bt.ones(3))
+        p.register_hook(lambda g: g * p.detach() if tok else g)
+    elif kind == "module":  # module -> parameter -> hook -> module
+        lin = bt.nn.Linear(3, 2)
+        lin.weight.register_hook(lambda g: g if lin.training and tok else g)
+    return weakref.ref(tok)
+
+
+@pytest.mark.parametrize("kind", ["leaf", "post", "nonleaf", "parameter", "module"])
+def test_a_hook_that_refers_to_its_own_tensor_is_collected(kind):
+    """Note [hooks and the cycle collector]: Tensor's tp_traverse reports the Python hooks it owns,
+    so gc.collect() frees tensor -> hook -> tensor (it waited for remove() before)."""
+    gc.collect()
+    gc.disable()  # the cycle must be alive until the explicit collect below
+    try:
+        ref = _leaf_cycle(kind)
+        assert ref() is not None, "not a cycle: freed without the collector"
+    finally:
+        gc.enable()
+    gc.collect()
+    assert ref() is None, f"the {kind} hook's cycle survived gc.collect()"
+
+
+def test_the_collector_sees_a_tensors_hooks():
+    x = bt.ones(2, requires_grad=True)
+
+    def hook(g):
+        return g
+
+    def post(t):
+        pass
+
+    x.register_hook(hook)
+    x.register_post_accumulate_grad_hook(post)
+    assert hook in gc.get_referents(x) and post in gc.get_referents(x)
+    assert gc.is_tracked(x)
+
+
+def test_a_tensor_held_elsewhere_keeps_its_hooks_through_a_collection():
+    """Only a Python object that holds the sole reference to its tensor reports (and on collection
+    drops) the tensor's hooks. Here the autograd graph of a live output holds the leaf: its
+    wrapper is in a garbage cycle with its hook, yet the hook must still run in that backward."""
+    calls = []
+
+    def output_of_a_hooked_leaf():
+        x, tok = bt.ones(3, requires_grad=True), _Token()
+        x.register_hook(lambda g: calls.append((x.shape, tok)) or g * 10.0)
+        return (x * 2.0).sum(), weakref.ref(tok)
+
+    y, ref = output_of_a_hooked_leaf()
+    gc.collect()
+    y.backward()
+    assert len(calls) == 1, "the collector dropped the hook of a tensor the graph still holds"
+    # once the graph is gone the leaf's wrapper owns the leaf, and the cycle is collected
+    calls.clear()
+    del y
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_live_tensor_keeps_its_hooks_through_a_collection():
+    x = bt.ones(3, requires_grad=True)
+    keep = [x]
+    seen = []
+    x.register_hook(lambda g: seen.append(keep[0].shape) or g * 2.0)
+    x.register_post_accumulate_grad_hook(lambda t: seen.append("post"))
+    y = x * 3.0
+    y.register_hook(lambda g: seen.append(y.shape) or g)
+    gc.collect()
+    y.sum().backward()
+    assert seen == [(3,), (3,), "post"]
+    np.testing.assert_array_equal(x.grad.numpy(), [6.0, 6.0, 6.0])
+    assert x._hook_counts() == (1, 1) and y._hook_counts() == (1, 0)
+
+
 def test_a_hook_may_remove_itself_while_backward_runs():
     x = bt.ones(2, requires_grad=True)
     calls = []

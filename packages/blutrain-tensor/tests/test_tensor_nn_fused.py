@@ -581,17 +581,21 @@ def test_cross_entropy_backward_keeps_logits_for_retain_graph(rng):
 
 
 def test_cross_entropy_backward_other_holders_block_the_overwrite(rng):
-    # a second node that saved the logits (full * full), and a numpy export: no overwrite, and
-    # the gradient is the out-of-place one
+    # a second node that saved the logits (an alias times W, whose backward reads it after the
+    # cross-entropy's), and a numpy export: no overwrite, and the gradient is the out-of-place
+    # one.  full's gradient is the cross-entropy's alone, so the hook sees that buffer while the
+    # logits' memory is still held (a summed gradient, allocated after the holders let go, could
+    # reuse that memory and read as an overwrite).
     x = rng.standard_normal((6, 9))
     t = bt.tensor(rng.integers(0, 9, 6), dtype=bt.int64)
     for other in ("mul", "numpy"):
         X = bt.tensor(x, requires_grad=True)
+        W = bt.tensor(rng.standard_normal((6, 9)), requires_grad=True)
         full = X * 1.0
         ptr = full.data_ptr()
         seen = []
         full.register_hook(lambda g, seen=seen: seen.append(g.data_ptr()))  # full is no view
-        extra = (full * full).sum() * 0.0 if other == "mul" else None
+        extra = (full.detach() * W).sum() if other == "mul" else None
         export = full.detach().numpy() if other == "numpy" else None
         before = None if export is None else export.copy()
         loss = bt.cross_entropy(full, t)
@@ -600,6 +604,8 @@ def test_cross_entropy_backward_other_holders_block_the_overwrite(rng):
         assert seen[-1] != ptr, other
         if export is not None:
             assert np.array_equal(export, before), "the exported logits changed"
+        else:  # the product's backward read the logits intact
+            np.testing.assert_array_equal(f64(W.grad), x)
         _, d = np_ce(x, t.numpy(), -100, "mean", 0.0)
         np.testing.assert_allclose(f64(X.grad), d, rtol=1e-10, atol=1e-12)
 

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "../autograd.h"
 #include "../backend.h"
@@ -739,8 +740,11 @@ Tensor& arith_inplace(Tensor& a, const Tensor& r, const char* op) {
 }
 
 // ---- hooks from Python ---------------------------------------------------------------------
-GradHook py_hook(nb::callable fn) {
-  return [fn](const Tensor& g) -> Tensor {
+// The hooks are functors (not lambdas) so that the cycle collector's traversal can find the
+// Python callable inside a std::function (target<PyGradHook>()).
+struct PyGradHook {
+  nb::callable fn;
+  Tensor operator()(const Tensor& g) const {
     nb::gil_scoped_acquire gil;
     OpScopeReset user_code;  // (the ops the hook calls are the user's)
     nb::object r = fn(g);
@@ -757,8 +761,79 @@ GradHook py_hook(nb::callable fn) {
                        " on " + g.device().str());
     }
     return *out;
+  }
+};
+
+struct PyPostAccHook {
+  nb::callable fn;
+  void operator()(const Tensor& leaf) const {
+    nb::gil_scoped_acquire gil;
+    OpScopeReset user_code;
+    fn(leaf);
+  }
+};
+
+// Note [hooks and the cycle collector]
+// A Python hook lives in the C++ core (a leaf's hook lists, or the pre_hooks of a non-leaf's
+// grad_fn), where Python's cycle collector cannot see it, so a hook that refers to its own tensor
+// (`x.register_hook(lambda g: g * x)`, or through a module that holds x) made a cycle that only
+// remove() broke.  Tensor's tp_traverse reports the Python hooks that its object owns and
+// tp_clear drops them, so gc.collect() frees such cycles, as in PyTorch.
+// A Python object owns the hooks only when nothing outside Python can reach them: it holds the
+// only reference to its TensorImpl (no other wrapper of the same tensor, no autograd node, no C++
+// holder), and for a non-leaf's hooks the impl holds the only reference to its grad_fn.  Were
+// anything else to hold the impl, the collector, told of references it cannot account for, could
+// take a live tensor for garbage and clear its hooks; so such a tensor reports nothing, and a
+// cycle through it waits for remove() as before.  The GIL, held by the collector and by every
+// writer of these lists, orders the two.
+template <class Visit>
+int visit_py_hooks(const Tensor& t, Visit&& visit) {
+  if (!t.defined() || t.impl_ptr().use_count() != 1) return 0;
+  TensorImpl* impl = t.impl();
+  int r = 0;
+  auto grad_hook = [&](const GradHook& h) {
+    if (r == 0)
+      if (const auto* p = h.target<PyGradHook>()) r = visit(p->fn.ptr());
   };
+  impl->hooks.for_each(grad_hook);
+  impl->post_acc_hooks.for_each([&](const PostAccHook& h) {
+    if (r == 0)
+      if (const auto* p = h.target<PyPostAccHook>()) r = visit(p->fn.ptr());
+  });
+  const auto& node = impl->grad_fn;
+  const size_t k = static_cast<size_t>(impl->output_nr);
+  if (node && node.use_count() == 1 && k < node->pre_hooks.size())
+    node->pre_hooks[k].for_each(grad_hook);
+  return r;
 }
+
+int tensor_tp_traverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(self));  // a heap type's instances report their type (Python >= 3.9)
+  if (!nb::inst_ready(self)) return 0;
+  return visit_py_hooks(*nb::inst_ptr<Tensor>(self),
+                        [&](PyObject* o) { return o ? visit(o, arg) : 0; });
+}
+
+int tensor_tp_clear(PyObject* self) {
+  if (!nb::inst_ready(self)) return 0;
+  const Tensor& t = *nb::inst_ptr<Tensor>(self);
+  if (!t.defined() || t.impl_ptr().use_count() != 1) return 0;
+  // Each list is emptied before its hooks are destroyed (a hook's destructor may run Python
+  // that reaches this tensor).  Nothing runs them meanwhile: the engine would hold the impl.
+  TensorImpl* impl = t.impl();
+  auto hooks = std::exchange(impl->hooks, {});
+  auto post_acc_hooks = std::exchange(impl->post_acc_hooks, {});
+  const auto& node = impl->grad_fn;
+  const size_t k = static_cast<size_t>(impl->output_nr);
+  HookList<GradHook> pre_hooks;
+  if (node && node.use_count() == 1 && k < node->pre_hooks.size())
+    pre_hooks = std::exchange(node->pre_hooks[k], {});
+  return 0;
+}
+
+PyType_Slot tensor_slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(tensor_tp_traverse)},
+                              {Py_tp_clear, reinterpret_cast<void*>(tensor_tp_clear)},
+                              {0, nullptr}};
 
 std::vector<Tensor> tensor_list(nb::handle seq, const char* op, const char* what) {
   if (nb::steal(PyObject_GetIter(seq.ptr())).ptr() == nullptr) {  // not iterable
@@ -981,7 +1056,8 @@ NB_MODULE(_tensor, m) {
                        "An n-dimensional array with reverse-mode autograd.  The operands of an op "
                        "share one device, except that a 0-d CPU tensor counts as a number next to "
                        "CUDA tensors in elementwise ops (arithmetic, comparisons, where), as in "
-                       "PyTorch.");
+                       "PyTorch.",
+                       nb::type_slots(tensor_slots));  // Note [hooks and the cycle collector]
   T.def(
       "__init__",
       [](Tensor* self, nb::args args, nb::kwargs kwargs) {
@@ -1115,17 +1191,13 @@ NB_MODULE(_tensor, m) {
       "Accumulates d(self)/d(leaf) into every leaf's .grad.");
   T.def(
       "_register_hook",
-      [](const Tensor& t, nb::callable fn) { return register_hook(t, py_hook(fn)); }, "hook"_a,
+      [](const Tensor& t, nb::callable fn) { return register_hook(t, PyGradHook{fn}); }, "hook"_a,
       "hook(grad) -> Tensor | None runs when the gradient of this tensor is computed; returns "
       "the C++ handle whose remove() erases it.");
   T.def(
       "_register_post_accumulate_grad_hook",
       [](const Tensor& t, nb::callable fn) {
-        return register_post_accumulate_hook(t, [fn](const Tensor& leaf) {
-          nb::gil_scoped_acquire gil;
-          OpScopeReset user_code;
-          fn(leaf);
-        });
+        return register_post_accumulate_hook(t, PyPostAccHook{fn});
       },
       "hook"_a,
       "hook(tensor) runs once the leaf's .grad is final for this backward; returns the C++ "
