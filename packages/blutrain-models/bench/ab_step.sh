@@ -4,6 +4,11 @@
 #   bash bench/ab_step.sh MODE FRAMEWORK STEPS ROUNDS "label|VAR=x VAR2=y|--arg v" "label|..." ...
 # e.g. ab_step.sh tf32 ours+graph 10 2 "split|BT_ATTN_TF32_FUSED=0" "dq-atomic|"
 #      ab_step.sh bf16 ours+graph 10 2 "heuristic||--gemm-autotune off" "tuned||"
+# An arm may run another build: BENCH=path in its variables picks that build's bench_gpt2.py, and
+# PYTHONPATH its packages, e.g. the code before a change (a `git worktree` of the old commit, its
+# wheels from its scripts/build_wheels.sh installed with `pip install --target SITE`):
+#      ab_step.sh bf16 ours+graph 10 2 "old|PYTHONPATH=SITE:OLD/packages/blutrain-models/python
+#        BENCH=OLD/packages/blutrain-models/bench/bench_gpt2.py|" "new||"
 # Needs the packages importable (scripts/gpu.sh --prebuilt, or PYTHONPATH). Rows go to stdout
 # and $OUT/ab_MODE.txt, each arm's worker result to $OUT/ab_MODE_LABEL_rROUND.json (with
 # "--profile N" among an arm's args, its kernels: bench/profile_diff.py compares two arms);
@@ -16,7 +21,9 @@ B=packages/blutrain-models/bench/bench_gpt2.py
 for r in $(seq "$ROUNDS"); do
   for arm in "$@"; do
     IFS='|' read -r label vars args <<<"$arm"
-    res=$(env $vars python3 $B --worker "$FW" --mode "$MODE" --steps "$STEPS" --warmup 3 $args \
+    bench=$B
+    for v in $vars; do [[ $v == BENCH=* ]] && bench=${v#BENCH=}; done
+    res=$(env $vars python3 $bench --worker "$FW" --mode "$MODE" --steps "$STEPS" --warmup 3 $args \
       2>>"$OUT/ab_stderr.log" | grep '^RESULT ' | cut -c8-)
     [ -n "$res" ] && printf '%s\n' "$res" >"$OUT/ab_${MODE}_${label}_r${r}.json"
     python3 -c "
