@@ -6,9 +6,9 @@
 #      ab_step.sh bf16 ours+graph 10 2 "heuristic||--gemm-autotune off" "tuned||"
 # An arm may run another build: BENCH=path in its variables picks that build's bench_gpt2.py, and
 # PYTHONPATH its packages, e.g. the code before a change (a `git worktree` of the old commit, its
-# wheels from its scripts/build_wheels.sh installed with `pip install --target SITE`):
-#      ab_step.sh bf16 ours+graph 10 2 "old|PYTHONPATH=SITE:OLD/packages/blutrain-models/python
-#        BENCH=OLD/packages/blutrain-models/bench/bench_gpt2.py|" "new||"
+# wheels from its scripts/build_wheels.sh installed with `pip install --target SITE`), with
+#   M=OLD/packages/blutrain-models
+#   ab_step.sh bf16 ours+graph 10 2 "old|PYTHONPATH=SITE:$M/python BENCH=$M/bench/bench_gpt2.py|" new
 # Needs the packages importable (scripts/gpu.sh --prebuilt, or PYTHONPATH). Rows go to stdout
 # and $OUT/ab_MODE.txt, each arm's worker result to $OUT/ab_MODE_LABEL_rROUND.json (with
 # "--profile N" among an arm's args, its kernels: bench/profile_diff.py compares two arms);

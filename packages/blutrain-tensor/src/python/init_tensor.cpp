@@ -786,24 +786,42 @@ struct PyPostAccHook {
 // take a live tensor for garbage and clear its hooks; so such a tensor reports nothing, and a
 // cycle through it waits for remove() as before.  The GIL, held by the collector and by every
 // writer of these lists, orders the two.
+// The hook lists a tensor's Python object owns, by the rule above; all null where it owns none.
+struct OwnedHookLists {
+  HookList<GradHook>* hooks = nullptr;
+  HookList<PostAccHook>* post_acc_hooks = nullptr;
+  HookList<GradHook>* pre_hooks = nullptr;  // a non-leaf's grad_fn's, for this output
+};
+
+OwnedHookLists owned_hook_lists(const Tensor& t) {
+  OwnedHookLists o;
+  if (!t.defined() || t.impl_ptr().use_count() != 1) return o;
+  TensorImpl* impl = t.impl();
+  o.hooks = &impl->hooks;
+  o.post_acc_hooks = &impl->post_acc_hooks;
+  const auto& node = impl->grad_fn;
+  const size_t k = static_cast<size_t>(impl->output_nr);
+  if (node && node.use_count() == 1 && k < node->pre_hooks.size())
+    o.pre_hooks = &node->pre_hooks[k];
+  return o;
+}
+
 template <class Visit>
 int visit_py_hooks(const Tensor& t, Visit&& visit) {
-  if (!t.defined() || t.impl_ptr().use_count() != 1) return 0;
-  TensorImpl* impl = t.impl();
+  const OwnedHookLists o = owned_hook_lists(t);
   int r = 0;
   auto grad_hook = [&](const GradHook& h) {
     if (r == 0)
       if (const auto* p = h.target<PyGradHook>()) r = visit(p->fn.ptr());
   };
-  impl->hooks.for_each(grad_hook);
-  impl->post_acc_hooks.for_each([&](const PostAccHook& h) {
-    if (r == 0)
-      if (const auto* p = h.target<PyPostAccHook>()) r = visit(p->fn.ptr());
-  });
-  const auto& node = impl->grad_fn;
-  const size_t k = static_cast<size_t>(impl->output_nr);
-  if (node && node.use_count() == 1 && k < node->pre_hooks.size())
-    node->pre_hooks[k].for_each(grad_hook);
+  if (o.hooks) o.hooks->for_each(grad_hook);
+  if (o.post_acc_hooks) {
+    o.post_acc_hooks->for_each([&](const PostAccHook& h) {
+      if (r == 0)
+        if (const auto* p = h.target<PyPostAccHook>()) r = visit(p->fn.ptr());
+    });
+  }
+  if (o.pre_hooks) o.pre_hooks->for_each(grad_hook);
   return r;
 }
 
@@ -816,18 +834,14 @@ int tensor_tp_traverse(PyObject* self, visitproc visit, void* arg) {
 
 int tensor_tp_clear(PyObject* self) {
   if (!nb::inst_ready(self)) return 0;
-  const Tensor& t = *nb::inst_ptr<Tensor>(self);
-  if (!t.defined() || t.impl_ptr().use_count() != 1) return 0;
+  const OwnedHookLists o = owned_hook_lists(*nb::inst_ptr<Tensor>(self));
   // Each list is emptied before its hooks are destroyed (a hook's destructor may run Python
   // that reaches this tensor).  Nothing runs them meanwhile: the engine would hold the impl.
-  TensorImpl* impl = t.impl();
-  auto hooks = std::exchange(impl->hooks, {});
-  auto post_acc_hooks = std::exchange(impl->post_acc_hooks, {});
-  const auto& node = impl->grad_fn;
-  const size_t k = static_cast<size_t>(impl->output_nr);
-  HookList<GradHook> pre_hooks;
-  if (node && node.use_count() == 1 && k < node->pre_hooks.size())
-    pre_hooks = std::exchange(node->pre_hooks[k], {});
+  HookList<GradHook> hooks, pre_hooks;
+  HookList<PostAccHook> post_acc_hooks;
+  if (o.hooks) hooks = std::exchange(*o.hooks, {});
+  if (o.post_acc_hooks) post_acc_hooks = std::exchange(*o.post_acc_hooks, {});
+  if (o.pre_hooks) pre_hooks = std::exchange(*o.pre_hooks, {});
   return 0;
 }
 
