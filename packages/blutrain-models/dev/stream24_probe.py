@@ -22,8 +22,8 @@ s67-stream24 does the latter).  The run kind is ours:bf16/res24, beside converge
 ours:bf16/res24+flash --json p24_seed5.json
     python bench/gpu_bf16_table.py --probes p24_seed*.json   # the seeds' means
 
-(session 67: seeds 1-4 with --stop-at 100 --checkpoints 60,100, seeds 5-8 as above; the table
-is in the README's issue-38 section.)
+(session 67: seeds 1-8 so, their JSONs in bench/baselines/probe_s24; the table is in the
+README's issue-38 section.)
 
 Every argument is convergence.py's.  Not a test and not shipped: an experiment (dev/).
 """
