@@ -111,8 +111,6 @@ def _ours(cfg: Any, state: dict, precision: str, a: Any, variant: str = "") -> A
     return kind(cfg, state, precision, a, variant)
 
 
-_ours.framework = "ours"  # type: ignore[attr-defined]
-
 if __name__ == "__main__":
     cv.FRAMEWORKS["ours"] = _ours  # type: ignore[assignment]
     cv.VARIANTS["ours"] = (*cv.VARIANTS["ours"], "res24")
