@@ -786,6 +786,7 @@ struct PyPostAccHook {
 // take a live tensor for garbage and clear its hooks; so such a tensor reports nothing, and a
 // cycle through it waits for remove() as before.  The GIL, held by the collector and by every
 // writer of these lists, orders the two.
+
 // The hook lists a tensor's Python object owns, by the rule above; all null where it owns none.
 struct OwnedHookLists {
   HookList<GradHook>* hooks = nullptr;
